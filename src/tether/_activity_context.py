@@ -1,0 +1,91 @@
+"""What a running activity can learn about itself: its step, attempt, idempotency
+key, and whether its run was cancelled; and how it renews its lease (heartbeat)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ._errors import TetherError
+from ._serde import encode
+
+if TYPE_CHECKING:
+    from ._history import Task
+    from .store.base import Store
+
+_ctx: contextvars.ContextVar[ActivityContext | None] = contextvars.ContextVar(
+    "tether_activity_context", default=None
+)
+
+
+class NotInActivityError(TetherError, RuntimeError):
+    """``activity_context()`` was called outside an activity run by a worker."""
+
+
+@dataclass(kw_only=True)
+class ActivityContext:
+    """Facts about the current activity attempt."""
+
+    run_id: str
+    step: int
+    name: str
+    attempt: int
+    #: stable across every attempt and redelivery of this step: ``run_id:step``
+    idempotency_key: str
+    task: Task = field(repr=False)
+    _store: Store = field(repr=False)
+    _loop: asyncio.AbstractEventLoop = field(repr=False)
+    _lease: float = field(repr=False, default=30.0)
+    _cancelled: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    @property
+    def is_cancelled(self) -> bool:
+        """Whether the run was cancelled or this worker lost the task: stop and clean up."""
+        return self._cancelled.is_set()
+
+    def heartbeat(self, details: Any = None) -> None:
+        """Renew the lease and record progress ``details`` (JSON-serialisable).
+
+        Call it from long activities; ``is_cancelled`` turns true when the store
+        answers that the run was cancelled or the lease is gone.
+        """
+        text = None if details is None else encode(details, "heartbeat details")
+        coro = self._store.heartbeat(self.task, self._lease, text)
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self._loop:
+            fut: asyncio.Future[bool] = asyncio.ensure_future(coro)
+            fut.add_done_callback(self._on_beat)
+            return
+        cf = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            if cf.result():
+                self._cancelled.set()
+        except TetherError:
+            self._cancelled.set()
+
+    def _on_beat(self, fut: asyncio.Future[bool]) -> None:
+        if fut.cancelled():
+            return
+        if fut.exception() is not None or fut.result():
+            self._cancelled.set()
+
+
+def activity_context() -> ActivityContext:
+    """The context of the activity running now; raises outside an activity."""
+    ctx = _ctx.get()
+    if ctx is None:
+        raise NotInActivityError(
+            "tether.activity_context() is only available while a worker runs an activity"
+        )
+    return ctx
+
+
+def set_context(ctx: ActivityContext | None) -> contextvars.Token[ActivityContext | None]:
+    """Install ``ctx`` as the current activity context (worker use)."""
+    return _ctx.set(ctx)

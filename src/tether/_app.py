@@ -1,0 +1,393 @@
+"""``App``: the registry of workflows and activities, and the client for runs."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+from collections.abc import Awaitable, Callable, Coroutine
+from datetime import timedelta
+from typing import Any, Generic, ParamSpec, TypeVar, overload
+
+from ._definitions import Activity, ActivityOptions, Workflow
+from ._errors import (
+    ConfigurationError,
+    RunCancelledError,
+    RunNotFoundError,
+    RunTerminatedError,
+    UnknownActivityError,
+    UnknownWorkflowError,
+    WorkflowFailedError,
+    ResultTimeoutError,
+)
+from ._history import Event, RunInfo, RunStatus
+from ._policy import DEFAULT_RETRY, Retry, seconds
+from ._serde import encode
+from ._worker import Worker
+from .store.base import Store, open_store
+
+P = ParamSpec("P")
+R = TypeVar("R")
+T = TypeVar("T")
+
+
+class Run(Generic[R]):
+    """A handle on one run: await its result, read its state, signal or cancel it."""
+
+    def __init__(self, app: App, run_id: str, workflow: Workflow[Any, R] | None) -> None:
+        self.app = app
+        self.run_id = run_id
+        self.workflow = workflow
+
+    def __repr__(self) -> str:
+        return f"<Run {self.run_id}>"
+
+    async def info(self) -> RunInfo:
+        """The run's current state."""
+        return await self.app.get(self.run_id)
+
+    async def result(self, timeout: float | timedelta | None = None) -> R:
+        """Wait for the run to finish and return its result (decoded to the return type).
+
+        Follows continue-as-new to the final run. Raises ``WorkflowFailedError``
+        (or its ``RunCancelledError``/``RunTerminatedError`` subclasses) when the
+        run did not complete, and ``ResultTimeoutError`` if ``timeout`` passes first.
+        """
+        limit = seconds(timeout, "timeout")
+        loop = asyncio.get_running_loop()
+        deadline = None if limit is None else loop.time() + limit
+        run_id = self.run_id
+        while True:
+            info = await self.app._wait_finished(run_id, deadline)
+            if info.status is RunStatus.CONTINUED_AS_NEW and info.continued_to:
+                run_id = info.continued_to
+                continue
+            break
+        if info.status is RunStatus.COMPLETED:
+            wf = self.workflow or self.app._workflows.get(info.workflow)
+            if wf is None:
+                from ._serde import decode_raw
+
+                value: R = decode_raw(info.output)
+                return value
+            decoded: R = wf.sig.decode_result(info.output)
+            return decoded
+        err = info.error or {}
+        msg = f"{err.get('type', 'Error')}: {err.get('message', '')}" if err else None
+        if info.status is RunStatus.CANCELLED:
+            raise RunCancelledError(run_id, info.status.value, msg or "cancelled")
+        if info.status is RunStatus.TERMINATED:
+            raise RunTerminatedError(run_id, info.status.value, msg)
+        raise WorkflowFailedError(run_id, info.status.value, msg)
+
+    async def signal(self, name: str, payload: Any = None) -> None:
+        """Send the signal ``name`` to this run."""
+        await self.app.signal(self.run_id, name, payload)
+
+    async def cancel(self, reason: str | None = None) -> None:
+        """Ask this run to cancel."""
+        await self.app.cancel(self.run_id, reason)
+
+
+class App:
+    """Workflows, activities and the store they run on.
+
+    ``App()`` stores runs in ``./tether.db``; ``App(store="sqlite:///path.db")``
+    picks a file, ``App(store=":memory:")`` keeps everything in memory (tests).
+    The store is opened on first use.
+    """
+
+    def __init__(self, store: str | Store | None = None, *, queue: str = "default") -> None:
+        self._store_spec = store
+        self._store: Store | None = None
+        self._store_lock = threading.Lock()
+        self.default_queue = queue
+        self._workflows: dict[str, Workflow[Any, Any]] = {}
+        self._activities: dict[str, Activity[Any, Any]] = {}
+        self._waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
+        self._waiters_lock = threading.Lock()
+
+    # -- store -------------------------------------------------------------
+
+    @property
+    def store(self) -> Store:
+        """The store, opened on first use."""
+        if self._store is None:
+            with self._store_lock:
+                if self._store is None:
+                    store = open_store(self._store_spec)
+                    store.add_listener(self._on_commit)
+                    self._store = store
+        return self._store
+
+    def _on_commit(self, ready: set[str], finished: set[str]) -> None:
+        if not finished:
+            return
+        with self._waiters_lock:
+            hits = [w for rid in finished for w in self._waiters.get(rid, [])]
+        for loop, ev in hits:
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(ev.set)
+
+    async def close(self) -> None:
+        """Close the store (waits for pending writes)."""
+        if self._store is not None:
+            await self._store.close()
+            self._store = None
+
+    # -- registration --------------------------------------------------------
+
+    @overload
+    def workflow(self, fn: Callable[P, Awaitable[R]], /) -> Workflow[P, R]: ...
+
+    @overload
+    def workflow(
+        self, *, name: str | None = None, queue: str | None = None, version: str | None = None
+    ) -> Callable[[Callable[P, Awaitable[R]]], Workflow[P, R]]: ...
+
+    def workflow(
+        self,
+        fn: Callable[P, Awaitable[R]] | None = None,
+        /,
+        *,
+        name: str | None = None,
+        queue: str | None = None,
+        version: str | None = None,
+    ) -> Workflow[P, R] | Callable[[Callable[P, Awaitable[R]]], Workflow[P, R]]:
+        """Register an ``async def`` as a durable workflow (bare or with options)."""
+
+        def wrap(f: Callable[P, Awaitable[R]]) -> Workflow[P, R]:
+            wname = name or f.__name__
+            if wname in self._workflows and self._workflows[wname].fn is not f:
+                raise ConfigurationError(f"a workflow named {wname!r} is already registered")
+            wf = Workflow(f, name=wname, queue=queue or self.default_queue, version=version)
+            self._workflows[wname] = wf
+            return wf
+
+        return wrap(fn) if fn is not None else wrap
+
+    @overload
+    def activity(self, fn: Callable[P, Awaitable[R]], /) -> Activity[P, R]: ...
+
+    @overload
+    def activity(self, fn: Callable[P, R], /) -> Activity[P, R]: ...
+
+    @overload
+    def activity(
+        self,
+        *,
+        name: str | None = None,
+        retry: Retry | None = None,
+        timeout: float | timedelta | None = None,
+        queue: str | None = None,
+    ) -> Callable[[Callable[P, Any]], Activity[P, Any]]: ...
+
+    def activity(
+        self,
+        fn: Callable[P, Any] | None = None,
+        /,
+        *,
+        name: str | None = None,
+        retry: Retry | None = None,
+        timeout: float | timedelta | None = None,
+        queue: str | None = None,
+    ) -> Activity[P, Any] | Callable[[Callable[P, Any]], Activity[P, Any]]:
+        """Register a sync or async function as an activity: a recorded, retried step."""
+        t = seconds(timeout, "activity timeout")
+        if timeout is not None and not t:
+            raise ConfigurationError("activity timeout must be positive")
+        if retry is not None and not isinstance(retry, Retry):
+            raise ConfigurationError(f"retry= takes a tether.Retry, got {type(retry).__name__}")
+
+        def wrap(f: Callable[P, Any]) -> Activity[P, Any]:
+            aname = name or f.__name__
+            if aname in self._activities and self._activities[aname].fn is not f:
+                raise ConfigurationError(f"an activity named {aname!r} is already registered")
+            opts = ActivityOptions(
+                retry=retry or DEFAULT_RETRY, timeout=t, queue=queue or self.default_queue
+            )
+            act: Activity[P, Any] = Activity(f, name=aname, options=opts)
+            self._activities[aname] = act
+            return act
+
+        return wrap(fn) if fn is not None else wrap
+
+    def get_workflow(self, name: str) -> Workflow[Any, Any]:
+        """The workflow registered as ``name``."""
+        try:
+            return self._workflows[name]
+        except KeyError:
+            raise UnknownWorkflowError(name, list(self._workflows)) from None
+
+    def get_activity(self, name: str) -> Activity[Any, Any]:
+        """The activity registered as ``name``."""
+        try:
+            return self._activities[name]
+        except KeyError:
+            raise UnknownActivityError(
+                f"no activity named {name!r} is registered with this App; the worker "
+                "serving this queue must import the module that defines it"
+            ) from None
+
+    def queues(self) -> list[str]:
+        """Every queue a registered workflow or activity uses."""
+        qs = {self.default_queue}
+        qs.update(w.queue for w in self._workflows.values())
+        qs.update(a.opts.queue for a in self._activities.values())
+        return sorted(qs)
+
+    # -- client ----------------------------------------------------------------
+
+    async def start(
+        self,
+        workflow: Workflow[P, R] | str,
+        *args: Any,
+        run_id: str | None = None,
+        kwargs: dict[str, Any] | None = None,
+    ) -> Run[R]:
+        """Start a run and return its handle; durable when this returns.
+
+        Idempotent by ``run_id``: starting again with the same workflow and input
+        returns the existing run; different input raises ``RunIdConflictError``.
+        """
+        wf = self.get_workflow(workflow) if isinstance(workflow, str) else workflow
+        if wf.name not in self._workflows:
+            raise UnknownWorkflowError(wf.name, list(self._workflows))
+        kw = kwargs or {}
+        text = wf.sig.encode_args(args, kw)
+        wf.sig.decode_args(text)  # wrong argument types fail here, not in the worker
+        rid = run_id or uuid.uuid4().hex
+        res = await self.store.create_run(run_id=rid, workflow=wf.name, queue=wf.queue, input=text)
+        return Run(self, res.run.run_id, wf)
+
+    def get_run(self, run_id: str) -> Run[Any]:
+        """A handle on an existing run (not checked until used)."""
+        return Run(self, run_id, None)
+
+    async def get(self, run_id: str) -> RunInfo:
+        """The state of a run: status, custom status, timestamps, error."""
+        info = await self.store.get_run(run_id)
+        if info is None:
+            raise RunNotFoundError(run_id)
+        return info
+
+    async def list(
+        self,
+        *,
+        status: RunStatus | str | None = None,
+        workflow: str | None = None,
+        limit: int = 100,
+        offset: int = 0,
+    ) -> list[RunInfo]:
+        """Runs, newest first, filtered by status and/or workflow name."""
+        st = RunStatus(status) if status is not None else None
+        return await self.store.list_runs(status=st, workflow=workflow, limit=limit, offset=offset)
+
+    async def history(self, run_id: str) -> list[Event]:
+        """The run's full history."""
+        await self.get(run_id)
+        return await self.store.read_history(run_id, 0)
+
+    async def signal(self, run_id: str, name: str, payload: Any = None) -> None:
+        """Deliver the signal ``name``; durable when this returns, buffered until waited for."""
+        await self.store.signal(run_id, name, encode(payload, f"payload of signal {name!r}"))
+
+    async def cancel(self, run_id: str, reason: str | None = None) -> None:
+        """Ask a run to cancel: its code sees CancelledError at the next await and may clean up."""
+        await self.store.cancel(run_id, reason)
+
+    async def terminate(self, run_id: str, reason: str | None = None) -> None:
+        """End a run now, running none of its code (its running children too)."""
+        await self.store.terminate(run_id, reason)
+
+    async def suspend(self, run_id: str) -> None:
+        """Pause a run: no new steps are dispatched until ``resume``."""
+        await self.store.suspend(run_id)
+
+    async def resume(self, run_id: str) -> None:
+        """Continue a suspended run."""
+        await self.store.resume(run_id)
+
+    async def _wait_finished(self, run_id: str, deadline: float | None) -> RunInfo:
+        loop = asyncio.get_running_loop()
+        ev = asyncio.Event()
+        entry = (loop, ev)
+        with self._waiters_lock:
+            self._waiters.setdefault(run_id, []).append(entry)
+        try:
+            poll = 0.05
+            while True:
+                info = await self.get(run_id)
+                if info.is_finished:
+                    return info
+                wait = poll
+                if deadline is not None:
+                    left = deadline - loop.time()
+                    if left <= 0:
+                        raise ResultTimeoutError(
+                            f"run {run_id!r} is still {info.status.value} after the timeout; "
+                            "it goes on running: call result() again to keep waiting"
+                        )
+                    wait = min(wait, left)
+                ev.clear()
+                try:
+                    await asyncio.wait_for(ev.wait(), wait)
+                except TimeoutError:
+                    poll = min(1.0, poll * 2)
+        finally:
+            with self._waiters_lock:
+                lst = self._waiters.get(run_id, [])
+                if entry in lst:
+                    lst.remove(entry)
+                if not lst:
+                    self._waiters.pop(run_id, None)
+
+    # -- workers and the sync facade -------------------------------------------
+
+    def worker(self, **options: Any) -> Worker:
+        """A worker for this app; options as for ``tether.Worker``."""
+        return Worker(self, **options)
+
+    def run(
+        self,
+        workflow: Workflow[P, R] | str,
+        *args: Any,
+        run_id: str | None = None,
+        timeout: float | timedelta | None = None,
+        **worker_options: Any,
+    ) -> R:
+        """Run a workflow to completion from synchronous code (scripts, notebooks).
+
+        Starts an in-process worker, starts (or rejoins, by ``run_id``) the run,
+        waits for its result and stops the worker.
+        """
+
+        async def main() -> R:
+            async with self.worker(**worker_options):
+                run = await self.start(workflow, *args, run_id=run_id)
+                return await run.result(timeout)
+
+        return run_sync(main())
+
+
+def run_sync(coro: Coroutine[Any, Any, T]) -> T:
+    """Run a coroutine to completion from sync code, even under a running loop (Jupyter)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = asyncio.run(coro)
+        except BaseException as exc:
+            box["error"] = exc
+
+    th = threading.Thread(target=target, name="tether-sync")
+    th.start()
+    th.join()
+    if "error" in box:
+        raise box["error"]
+    value: T = box["value"]
+    return value

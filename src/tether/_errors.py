@@ -1,0 +1,173 @@
+"""Every exception tether raises, under one base class.
+
+Users catch these by name; each carries the data an operator needs (run id,
+step, what was expected) and says what to do next.
+
+    TetherError
+    ├── ConfigurationError        bad decorator options, bad store URL
+    ├── PayloadError              a value cannot be encoded or decoded
+    ├── UnknownWorkflowError      no workflow registered under that name
+    ├── RunNotFoundError          no run with that id
+    ├── RunIdConflictError        run id already used with other input
+    ├── RunFinishedError          signal/cancel sent to a finished run
+    ├── StoreError                the store cannot be opened or written
+    │   └── LeaseLostError        a fenced write lost its lease (stale worker)
+    ├── NonDeterminismError       replayed code diverged from history
+    ├── ActivityError             an activity failed for good (inside workflows)
+    ├── ChildWorkflowError        a child run did not complete
+    ├── WorkflowFailedError       awaiting the result of a failed run
+    │   ├── RunCancelledError     ... of a cancelled run
+    │   └── RunTerminatedError    ... of a terminated run
+    └── ResultTimeoutError        run.result(timeout=) gave up waiting
+    NonRetryable                  raise from an activity to fail at once
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class TetherError(Exception):
+    """Base class of every error tether raises."""
+
+
+class ConfigurationError(TetherError, ValueError):
+    """An option, policy or store URL is invalid."""
+
+
+class PayloadError(TetherError, TypeError):
+    """A value could not be serialised to, or decoded from, the store."""
+
+
+class UnknownWorkflowError(TetherError, LookupError):
+    """No workflow is registered under the given name."""
+
+    def __init__(self, name: str, known: list[str]) -> None:
+        self.name = name
+        self.known = known
+        hint = ", ".join(sorted(known)) or "none"
+        super().__init__(
+            f"no workflow named {name!r} is registered with this App "
+            f"(registered: {hint}); decorate it with @app.workflow and import its module "
+            "in the worker"
+        )
+
+
+class UnknownActivityError(TetherError, LookupError):
+    """No activity is registered under the given name."""
+
+
+class RunNotFoundError(TetherError, LookupError):
+    """No run exists with the given id."""
+
+    def __init__(self, run_id: str) -> None:
+        self.run_id = run_id
+        super().__init__(f"no run with id {run_id!r} exists in this store")
+
+
+class RunIdConflictError(TetherError):
+    """A run id is already in use by a run with different input or workflow."""
+
+    def __init__(self, run_id: str, detail: str) -> None:
+        self.run_id = run_id
+        super().__init__(
+            f"run id {run_id!r} is already used by a run with {detail}; starting with the same "
+            "run id is idempotent only for the same workflow and input: pick a new run id, "
+            "or fetch the existing run with app.get_run(run_id)"
+        )
+
+
+class RunFinishedError(TetherError):
+    """The run has already finished, so it can no longer take signals or requests."""
+
+    def __init__(self, run_id: str, status: str, action: str) -> None:
+        self.run_id = run_id
+        self.status = status
+        super().__init__(
+            f"cannot {action} run {run_id!r}: it has already finished with status {status!r}"
+        )
+
+
+class StoreError(TetherError):
+    """The store could not be opened, read or written; stored runs are untouched."""
+
+
+class LeaseLostError(StoreError):
+    """A worker tried to commit work for a task whose lease it no longer holds."""
+
+
+class NonDeterminismError(TetherError):
+    """Replayed workflow code issued a different command than the one recorded."""
+
+    def __init__(self, run_id: str, step: int, expected: str, produced: str) -> None:
+        self.run_id = run_id
+        self.step = step
+        self.expected = expected
+        self.produced = produced
+        super().__init__(
+            f"non-deterministic workflow code in run {run_id!r} at step {step}: history "
+            f"recorded {expected}, but the code now produced {produced}. The run is left as "
+            "it was and will be retried: deploy code that makes the same calls for runs in "
+            "flight (guard new behaviour with tether.patched) and it will continue"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.run_id, self.step, self.expected, self.produced))
+
+
+class ActivityError(TetherError):
+    """An activity failed after its retry policy gave up (raised inside workflows)."""
+
+    def __init__(self, activity: str, error_type: str, message: str, attempts: int) -> None:
+        self.activity = activity
+        self.error_type = error_type
+        self.message = message
+        self.attempts = attempts
+        super().__init__(
+            f"activity {activity!r} failed after {attempts} attempt(s): {error_type}: {message}"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.activity, self.error_type, self.message, self.attempts))
+
+
+class ChildWorkflowError(TetherError):
+    """A child run ended without completing (failed, cancelled or terminated)."""
+
+    def __init__(self, run_id: str, status: str, error: str | None) -> None:
+        self.run_id = run_id
+        self.status = status
+        self.error = error
+        super().__init__(f"child run {run_id!r} ended {status}: {error}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.run_id, self.status, self.error))
+
+
+class WorkflowFailedError(TetherError):
+    """The run ended without a result; ``error`` holds the recorded reason."""
+
+    def __init__(self, run_id: str, status: str, error: str | None) -> None:
+        self.run_id = run_id
+        self.status = status
+        self.error = error
+        super().__init__(f"run {run_id!r} ended {status}: {error}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.run_id, self.status, self.error))
+
+
+class RunCancelledError(WorkflowFailedError):
+    """The run was cancelled."""
+
+
+class RunTerminatedError(WorkflowFailedError):
+    """The run was terminated."""
+
+
+class ResultTimeoutError(TetherError, TimeoutError):
+    """The run did not finish within the time given to ``run.result``; it goes on."""
+
+
+class NonRetryable(Exception):  # noqa: N818 - a control signal, named for what it asks
+    """Raise from an activity to fail the step at once, skipping remaining retries."""

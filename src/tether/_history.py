@@ -1,0 +1,185 @@
+"""History event types and the records the store hands back.
+
+A run's history is an append-only list of events numbered by ``seq``. Three
+families matter to replay:
+
+* *incoming* events are outcomes the workflow reacts to (a step completed, a
+  timer fired, a signal arrived);
+* *command* events record what the workflow code asked for, each numbered by
+  ``step`` in the order the code issued them; replay checks them;
+* a ``WorkflowTaskCompleted`` marker closes each workflow task and says which
+  incoming events (``through``) it had seen and at what time, so replay feeds
+  the code exactly the batches it saw the first time.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass
+from typing import Any
+
+
+class EventType(enum.StrEnum):
+    """Kinds of history events; values are what the store records."""
+
+    # incoming
+    WORKFLOW_STARTED = "WorkflowStarted"
+    ACTIVITY_COMPLETED = "ActivityCompleted"
+    ACTIVITY_FAILED = "ActivityFailed"
+    TIMER_FIRED = "TimerFired"
+    CHILD_COMPLETED = "ChildCompleted"
+    CHILD_FAILED = "ChildFailed"
+    SIGNAL_RECEIVED = "SignalReceived"
+    CANCEL_REQUESTED = "CancelRequested"
+    # commands
+    ACTIVITY_SCHEDULED = "ActivityScheduled"
+    ACTIVITY_CANCEL_REQUESTED = "ActivityCancelRequested"
+    TIMER_STARTED = "TimerStarted"
+    TIMER_CANCELLED = "TimerCancelled"
+    CHILD_STARTED = "ChildStarted"
+    STATUS_SET = "StatusSet"
+    WORKFLOW_COMPLETED = "WorkflowCompleted"
+    WORKFLOW_FAILED = "WorkflowFailed"
+    WORKFLOW_CANCELLED = "WorkflowCancelled"
+    CONTINUED_AS_NEW = "ContinuedAsNew"
+    # marker
+    WORKFLOW_TASK_COMPLETED = "WorkflowTaskCompleted"
+    # operator actions, informational for replay
+    WORKFLOW_TERMINATED = "WorkflowTerminated"
+    SUSPENDED = "Suspended"
+    RESUMED = "Resumed"
+
+
+INCOMING = frozenset(
+    {
+        EventType.WORKFLOW_STARTED,
+        EventType.ACTIVITY_COMPLETED,
+        EventType.ACTIVITY_FAILED,
+        EventType.TIMER_FIRED,
+        EventType.CHILD_COMPLETED,
+        EventType.CHILD_FAILED,
+        EventType.SIGNAL_RECEIVED,
+        EventType.CANCEL_REQUESTED,
+    }
+)
+
+COMMANDS = frozenset(
+    {
+        EventType.ACTIVITY_SCHEDULED,
+        EventType.ACTIVITY_CANCEL_REQUESTED,
+        EventType.TIMER_STARTED,
+        EventType.TIMER_CANCELLED,
+        EventType.CHILD_STARTED,
+        EventType.STATUS_SET,
+        EventType.WORKFLOW_COMPLETED,
+        EventType.WORKFLOW_FAILED,
+        EventType.WORKFLOW_CANCELLED,
+        EventType.CONTINUED_AS_NEW,
+    }
+)
+
+
+class RunStatus(enum.StrEnum):
+    """Lifecycle of a run; values equal the strings stored in ``runs.status``."""
+
+    PENDING = "pending"  #: accepted, no workflow task has completed yet
+    RUNNING = "running"  #: in progress or waiting (timer, event, step)
+    SUSPENDED = "suspended"  #: paused by an operator; resume continues it
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    TERMINATED = "terminated"
+    CONTINUED_AS_NEW = "continued_as_new"  #: ended here, continued in ``continued_to``
+
+    @property
+    def is_terminal(self) -> bool:
+        """Whether the run can change no more."""
+        return self in _TERMINAL
+
+
+_TERMINAL = frozenset(
+    {
+        RunStatus.COMPLETED,
+        RunStatus.FAILED,
+        RunStatus.CANCELLED,
+        RunStatus.TERMINATED,
+        RunStatus.CONTINUED_AS_NEW,
+    }
+)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Event:
+    """One history event."""
+
+    run_id: str
+    seq: int
+    type: EventType
+    step: int | None
+    data: dict[str, Any]
+    created_at: float
+
+    @classmethod
+    def from_row(cls, row: tuple[Any, ...]) -> Event:
+        """Build from ``(run_id, seq, type, step, data, created_at)``."""
+        return cls(
+            run_id=row[0],
+            seq=row[1],
+            type=EventType(row[2]),
+            step=row[3],
+            data=json.loads(row[4]) if row[4] else {},
+            created_at=row[5],
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """A plain dict for export."""
+        return {
+            "seq": self.seq,
+            "type": str(self.type),
+            "step": self.step,
+            "data": self.data,
+            "created_at": self.created_at,
+        }
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunInfo:
+    """What the store knows about one run (``app.get`` returns this)."""
+
+    run_id: str
+    workflow: str
+    status: RunStatus
+    queue: str
+    input: str
+    output: str | None
+    error: dict[str, Any] | None
+    custom_status: Any
+    parent_run_id: str | None
+    continued_to: str | None
+    task_error: str | None
+    created_at: float
+    updated_at: float
+    completed_at: float | None
+
+    @property
+    def is_finished(self) -> bool:
+        """Whether the run has reached a terminal status."""
+        return self.status.is_terminal
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Task:
+    """A leased unit of work: a workflow task, an activity attempt or a due timer."""
+
+    task_id: int
+    run_id: str
+    kind: str
+    step: int | None
+    queue: str
+    name: str | None
+    payload: str | None
+    options: dict[str, Any]
+    fence: int
+    attempt: int
+    lease_expires_at: float

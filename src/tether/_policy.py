@@ -1,0 +1,72 @@
+"""Retry policy for activities: exponential backoff with jitter and capped attempts."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from ._errors import ConfigurationError, NonRetryable
+
+
+def seconds(value: float | timedelta | None, what: str) -> float | None:
+    """Normalise a duration given as seconds or a timedelta; reject negatives."""
+    if value is None:
+        return None
+    s = value.total_seconds() if isinstance(value, timedelta) else float(value)
+    if s < 0:
+        raise ConfigurationError(f"{what} must not be negative (got {value!r})")
+    return s
+
+
+@dataclass(frozen=True, kw_only=True)
+class Retry:
+    """How an activity is retried.
+
+    ``attempts`` counts the first try: ``attempts=1`` means never retry. The delay
+    before retry ``n`` is ``initial * backoff**(n-1)``, capped at ``max_interval``,
+    then spread by +/- ``jitter`` (a fraction). Exceptions whose type is in
+    ``non_retryable`` (or that subclass ``tether.NonRetryable``) fail at once.
+    """
+
+    attempts: int = 5
+    initial: float | timedelta = 1.0
+    backoff: float = 2.0
+    max_interval: float | timedelta = 60.0
+    jitter: float = 0.2
+    non_retryable: tuple[type[BaseException], ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1:
+            raise ConfigurationError(
+                f"Retry.attempts must be at least 1 (got {self.attempts}); 1 means no retries"
+            )
+        init = seconds(self.initial, "Retry.initial")
+        mx = seconds(self.max_interval, "Retry.max_interval")
+        if self.backoff < 1:
+            raise ConfigurationError(f"Retry.backoff must be >= 1 (got {self.backoff})")
+        if init is not None and mx is not None and mx < init:
+            raise ConfigurationError(
+                f"Retry.max_interval ({mx}s) must not be below Retry.initial ({init}s)"
+            )
+        if not 0 <= self.jitter <= 1:
+            raise ConfigurationError(f"Retry.jitter must be within 0..1 (got {self.jitter})")
+
+    def delay(self, failed_attempt: int, rng: random.Random | None = None) -> float:
+        """Seconds to wait after attempt number ``failed_attempt`` (1-based) failed."""
+        init = seconds(self.initial, "initial") or 0.0
+        mx = seconds(self.max_interval, "max_interval") or 0.0
+        base = min(mx, init * self.backoff ** max(0, failed_attempt - 1))
+        if self.jitter:
+            r = (rng or random).uniform(-self.jitter, self.jitter)
+            base = max(0.0, base * (1 + r))
+        return base
+
+    def is_retryable(self, exc: BaseException) -> bool:
+        """Whether ``exc`` may be retried under this policy."""
+        if isinstance(exc, NonRetryable):
+            return False
+        return not (self.non_retryable and isinstance(exc, self.non_retryable))
+
+
+DEFAULT_RETRY = Retry()

@@ -1,0 +1,143 @@
+"""Payload encoding: JSON on the way in, the annotated type on the way out.
+
+Values are encoded with pydantic-core (JSON scalars, lists, dicts, dataclasses,
+pydantic models, datetimes, UUIDs...) and decoded with a cached ``TypeAdapter``
+for the parameter or return annotation. Nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from collections.abc import Callable, Sequence
+from functools import lru_cache
+from typing import Any, get_type_hints
+
+import pydantic
+import pydantic_core
+
+from ._errors import PayloadError
+
+
+def _find_offender(value: Any, path: str) -> tuple[str, Any] | None:
+    """Return the path and value of the first leaf that pydantic cannot serialise."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            found = _find_offender(v, f"{path}[{k!r}]")
+            if found:
+                return found
+        return None
+    if isinstance(value, list | tuple | set | frozenset):
+        for i, v in enumerate(value):
+            found = _find_offender(v, f"{path}[{i}]")
+            if found:
+                return found
+        return None
+    try:
+        pydantic_core.to_json(value)
+    except Exception:
+        return path, value
+    return None
+
+
+def encode(value: Any, what: str = "value") -> str:
+    """Encode ``value`` as JSON text, or raise PayloadError naming the offending part."""
+    try:
+        return pydantic_core.to_json(value).decode()
+    except Exception as exc:
+        found = _find_offender(value, what)
+        where, bad = found if found else (what, value)
+        raise PayloadError(
+            f"cannot serialise {where} = {bad!r} (type {type(bad).__name__}): tether stores "
+            "JSON values, dataclasses and pydantic models; convert it to one of those "
+            "(or store a reference such as a file path or URL instead)"
+        ) from exc
+
+
+def decode_raw(text: str | None) -> Any:
+    """Decode JSON text to plain Python values."""
+    if text is None:
+        return None
+    return json.loads(text)
+
+
+@lru_cache(maxsize=1024)
+def _adapter(tp: Any) -> pydantic.TypeAdapter[Any]:
+    return pydantic.TypeAdapter(tp)
+
+
+def convert(value: Any, tp: Any, what: str = "value") -> Any:
+    """Validate a plain decoded value into type ``tp`` (no-op for ``Any``/missing)."""
+    if tp is inspect.Parameter.empty or tp is Any or tp is None:
+        return value
+    try:
+        return _adapter(tp).validate_python(value)
+    except pydantic.ValidationError as exc:
+        raise PayloadError(f"{what} does not match its annotated type {tp!r}: {exc}") from exc
+    except pydantic.PydanticSchemaGenerationError:
+        return value
+
+
+class Signature:
+    """The annotated parameter and return types of a workflow or activity function."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.name = getattr(fn, "__qualname__", repr(fn))
+        self.sig = inspect.signature(fn)
+        try:
+            hints = get_type_hints(fn)
+        except Exception:
+            hints = {}
+        self.return_type: Any = hints.get("return", inspect.Parameter.empty)
+        self.params = list(self.sig.parameters.values())
+        self.param_types = [hints.get(p.name, inspect.Parameter.empty) for p in self.params]
+
+    def check_args(self, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+        """Raise a TypeError naming the function if the arguments do not bind."""
+        try:
+            self.sig.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise TypeError(f"{self.name}(): {exc}") from None
+
+    def encode_args(self, args: Sequence[Any], kwargs: dict[str, Any]) -> str:
+        """Check that the arguments bind, then encode them as JSON."""
+        self.check_args(args, kwargs)
+        return encode({"args": list(args), "kwargs": kwargs}, f"arguments of {self.name}")
+
+    def decode_args(self, text: str) -> tuple[list[Any], dict[str, Any]]:
+        """Decode stored arguments back into the annotated parameter types."""
+        return self.decode_args_obj(decode_raw(text))
+
+    def decode_args_obj(self, raw: Any) -> tuple[list[Any], dict[str, Any]]:
+        """Convert already-parsed stored arguments into the annotated parameter types."""
+        raw = raw or {}
+        args: list[Any] = list(raw.get("args", []))
+        kwargs: dict[str, Any] = dict(raw.get("kwargs", {}))
+        out_args: list[Any] = []
+        positional = [
+            p
+            for p in self.params
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
+        ]
+        for i, value in enumerate(args):
+            if i < len(positional):
+                p = positional[i]
+                tp = self.param_types[self.params.index(p)]
+                if p.kind is p.VAR_POSITIONAL:
+                    out_args.extend(
+                        convert(v, tp, f"argument *{p.name} of {self.name}") for v in args[i:]
+                    )
+                    break
+                out_args.append(convert(value, tp, f"argument {p.name!r} of {self.name}"))
+            else:
+                out_args.append(value)
+        by_name = {p.name: t for p, t in zip(self.params, self.param_types, strict=True)}
+        out_kwargs = {
+            k: convert(v, by_name.get(k, inspect.Parameter.empty), f"argument {k!r}")
+            for k, v in kwargs.items()
+        }
+        return out_args, out_kwargs
+
+    def decode_result(self, text: str | None) -> Any:
+        """Decode a stored result into the annotated return type."""
+        return convert(decode_raw(text), self.return_type, f"result of {self.name}")

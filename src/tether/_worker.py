@@ -1,0 +1,396 @@
+"""The worker: claims tasks from the store under a lease and runs them.
+
+One asyncio loop per worker. Workflow tasks run on that loop (workflow code is
+deterministic and never blocks); async activities run on it too, sync ones in a
+thread pool. A lease renewer extends the leases of everything in flight; if the
+store says a lease is gone (the run ended or was cancelled, or this worker was
+paused past its lease and another took over), the work is cancelled and its
+result would be refused by the fence anyway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import contextvars
+import functools
+import logging
+import os
+import socket
+import uuid
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from ._activity_context import ActivityContext, set_context
+from ._errors import LeaseLostError, NonRetryable, PayloadError, StoreError, TetherError
+from ._history import INCOMING, Task
+from ._policy import Retry
+from ._serde import encode
+from .workflow._instance import WorkflowInstance
+
+if TYPE_CHECKING:
+    from ._app import App
+
+log = logging.getLogger("tether.worker")
+
+
+class Worker:
+    """Runs workflow tasks, activities and timers for the given queues.
+
+    Use ``async with app.worker():`` in-process, ``await worker.run()`` to serve
+    until ``stop()``, or ``tether worker module:app`` from a shell.
+    """
+
+    def __init__(
+        self,
+        app: App,
+        *,
+        queues: Sequence[str] | None = None,
+        concurrency: int = 100,
+        lease: float = 15.0,
+        poll_interval: float = 0.25,
+        cache_size: int = 10_000,
+        threads: int | None = None,
+        workflow_retry_delay: float = 5.0,
+        worker_id: str | None = None,
+    ) -> None:
+        if concurrency < 1:
+            raise ValueError("concurrency must be at least 1")
+        if lease <= 0:
+            raise ValueError("lease must be positive")
+        self.app = app
+        self.queues = tuple(queues or app.queues())
+        self.concurrency = concurrency
+        self.lease = lease
+        self.poll_interval = poll_interval
+        self.cache_size = cache_size
+        self.workflow_retry_delay = workflow_retry_delay
+        self.id = worker_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._threads = threads or min(32, concurrency)
+        self._cache: collections.OrderedDict[str, WorkflowInstance] = collections.OrderedDict()
+        self._inflight: dict[int, tuple[Task, asyncio.Task[None], ActivityContext | None]] = {}
+        self._stopping = False
+        self._main: asyncio.Task[None] | None = None
+        self._wake: asyncio.Event | None = None
+        self._slot: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        #: counters for tests and benchmarks
+        self.stats: collections.Counter[str] = collections.Counter()
+
+    # -- lifecycle ---------------------------------------------------------
+
+    async def __aenter__(self) -> Worker:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def start(self) -> None:
+        """Start serving in the background of the running loop."""
+        if self._main is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        self._slot = asyncio.Event()
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            self._threads, thread_name_prefix="tether-activity"
+        )
+        self.app.store.add_listener(self._on_commit)
+        self._main = asyncio.create_task(self._serve(), name=f"tether-worker-{self.id}")
+
+    async def run(self) -> None:
+        """Serve until ``stop()`` is called (or the task is cancelled)."""
+        await self.start()
+        assert self._main is not None
+        await asyncio.shield(self._main)
+
+    async def stop(self, grace: float = 10.0) -> None:
+        """Stop claiming, give in-flight work ``grace`` seconds to finish, then cancel it."""
+        if self._main is None:
+            return
+        self._stopping = True
+        assert self._wake is not None
+        self._wake.set()
+        inflight = [t for _, t, _ in self._inflight.values()]
+        if inflight:
+            _, pending = await asyncio.wait(inflight, timeout=grace)
+            for t in pending:
+                t.cancel()
+            if pending:
+                await asyncio.wait(pending, timeout=1.0)
+        self._main.cancel()
+        try:
+            await self._main
+        except asyncio.CancelledError:
+            pass
+        self.app.store.remove_listener(self._on_commit)
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        self._main = None
+
+    def _on_commit(self, ready: set[str], finished: set[str]) -> None:
+        # called on the store's thread after each commit
+        loop, wake = self._loop, self._wake
+        if loop is None or wake is None or loop.is_closed():
+            return
+        if ready.intersection(self.queues):
+            loop.call_soon_threadsafe(wake.set)
+
+    # -- the claim loop ------------------------------------------------------
+
+    async def _serve(self) -> None:
+        assert self._wake is not None and self._slot is not None
+        renewer = asyncio.create_task(self._renew_loop())
+        failures = 0
+        try:
+            while not self._stopping:
+                free = self.concurrency - len(self._inflight)
+                if free <= 0:
+                    self._slot.clear()
+                    await self._slot.wait()
+                    continue
+                self._wake.clear()
+                try:
+                    tasks = await self.app.store.claim(
+                        worker_id=self.id, queues=self.queues, limit=min(free, 64), lease=self.lease
+                    )
+                    failures = 0
+                except StoreError as exc:
+                    failures += 1
+                    log.warning("claim failed (%s); retrying", exc)
+                    await asyncio.sleep(min(5.0, 0.1 * 2**failures))
+                    continue
+                for task in tasks:
+                    self._spawn(task)
+                if tasks:
+                    continue
+                timeout = self.poll_interval
+                try:
+                    due = await self.app.store.next_due(self.queues)
+                except StoreError:
+                    due = None
+                if due is not None:
+                    timeout = max(0.0, min(timeout, due - self.app.store.clock()))
+                if timeout > 0:
+                    try:
+                        await asyncio.wait_for(self._wake.wait(), timeout)
+                    except TimeoutError:
+                        pass
+        finally:
+            renewer.cancel()
+
+    def _spawn(self, task: Task) -> None:
+        if task.kind == "workflow":
+            coro = self._run_workflow_task(task)
+        elif task.kind == "activity":
+            coro = self._run_activity(task)
+        else:
+            coro = self._fire_timer(task)
+        t = asyncio.create_task(coro)
+        self._inflight[task.task_id] = (task, t, None)
+        t.add_done_callback(lambda _t, tid=task.task_id: self._done(tid))
+
+    def _done(self, task_id: int) -> None:
+        self._inflight.pop(task_id, None)
+        if self._slot is not None:
+            self._slot.set()
+
+    async def _renew_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.lease / 3)
+            held = [t for t, _, _ in self._inflight.values()]
+            if not held:
+                continue
+            try:
+                alive = await self.app.store.renew(held, self.lease)
+            except StoreError as exc:
+                log.warning("lease renewal failed: %s", exc)
+                continue
+            for t in held:
+                entry = self._inflight.get(t.task_id)
+                if entry is None:
+                    continue
+                _, atask, ctx = entry
+                cancelled = alive.get(t.task_id)
+                if cancelled is None or cancelled:
+                    if ctx is not None:
+                        ctx._cancelled.set()
+                    if t.kind == "activity":
+                        # lost the lease (nothing this attempt does can be committed) or
+                        # the run was cancelled: async activities see CancelledError at
+                        # their next await; sync ones see ctx.is_cancelled
+                        atask.cancel()
+
+    # -- workflow tasks ----------------------------------------------------
+
+    async def _run_workflow_task(self, task: Task) -> None:
+        store = self.app.store
+        inst = self._cache.pop(task.run_id, None)
+        try:
+            events = await store.read_history(task.run_id, inst.through if inst else 0)
+            if inst is not None and any(
+                e.type not in INCOMING and e.seq > inst.last_seq for e in events
+            ):
+                # another worker advanced this run: our copy is stale
+                self.stats["cache_stale"] += 1
+                inst = None
+                events = await store.read_history(task.run_id, 0)
+            if inst is None:
+                self.stats["replays"] += 1
+                wf = self.app.get_workflow(task.name or "")
+                inst = WorkflowInstance(task.run_id, wf)
+            else:
+                self.stats["cache_hits"] += 1
+            result = inst.advance(events, store.clock())
+        except LeaseLostError:
+            return
+        except Exception as exc:
+            log.error("workflow task for run %r failed: %s", task.run_id, exc)
+            self.stats["workflow_task_failures"] += 1
+            try:
+                await store.fail_workflow_task(
+                    task, f"{type(exc).__name__}: {exc}", store.clock() + self.workflow_retry_delay
+                )
+            except (LeaseLostError, StoreError):
+                pass
+            return
+        try:
+            marker, leased = await store.complete_workflow_task(
+                task, result, lease_to=self.id, lease_queues=self.queues, lease=self.lease
+            )
+        except LeaseLostError:
+            self.stats["lease_lost"] += 1
+            return
+        except StoreError as exc:
+            log.warning("could not commit workflow task of %r: %s", task.run_id, exc)
+            return
+        self.stats["workflow_tasks"] += 1
+        inst.committed(marker)
+        if not inst.finished:
+            self._cache[task.run_id] = inst
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        for t in leased:
+            self._spawn(t)
+
+    # -- activities ----------------------------------------------------------
+
+    async def _run_activity(self, task: Task) -> None:
+        store = self.app.store
+        assert self._loop is not None
+        try:
+            act = self.app.get_activity(task.name or "")
+        except TetherError as exc:
+            await self._record_failure(task, exc, Retry(attempts=1_000_000, initial=5.0), None)
+            return
+        ctx = ActivityContext(
+            run_id=task.run_id,
+            step=task.step or 0,
+            name=act.name,
+            attempt=task.attempt,
+            idempotency_key=f"{task.run_id}:{task.step}",
+            task=task,
+            _store=store,
+            _loop=self._loop,
+            _lease=self.lease,
+        )
+        entry = self._inflight.get(task.task_id)
+        if entry is not None:
+            self._inflight[task.task_id] = (entry[0], entry[1], ctx)
+        opts = task.options or {}
+        r = opts.get("retry") or {}
+        policy = Retry(
+            attempts=int(r.get("attempts", act.opts.retry.attempts)),
+            initial=float(r.get("initial", 1.0)),
+            backoff=float(r.get("backoff", 2.0)),
+            max_interval=float(r.get("max_interval", 60.0)),
+            jitter=float(r.get("jitter", 0.2)),
+            non_retryable=act.opts.retry.non_retryable,
+        )
+        timeout = opts.get("timeout")
+        try:
+            args, kwargs = act.sig.decode_args(task.payload or "{}")
+            cv = contextvars.copy_context()
+            cv.run(set_context, ctx)
+            fut: asyncio.Future[Any]
+            if act.is_async:
+                fut = asyncio.ensure_future(
+                    self._loop.create_task(act.fn(*args, **kwargs), context=cv)
+                )
+            else:
+                fut = self._loop.run_in_executor(
+                    self._pool, functools.partial(cv.run, act.fn, *args, **kwargs)
+                )
+            value = await asyncio.wait_for(fut, timeout) if timeout else await fut
+            result = encode(value, f"result of activity {act.name!r}")
+        except asyncio.CancelledError:
+            if self._stopping:
+                raise
+            ctx._cancelled.set()
+            await self._record_failure(
+                task, asyncio.CancelledError("activity cancelled"), Retry(attempts=1), ctx
+            )
+            return
+        except TimeoutError as exc:
+            err = TimeoutError(str(exc) or f"activity {act.name!r} timed out after {timeout}s")
+            await self._record_failure(task, err, policy, ctx)
+            return
+        except PayloadError as exc:
+            await self._record_failure(task, NonRetryable(str(exc)), policy, ctx)
+            return
+        except Exception as exc:
+            await self._record_failure(task, exc, policy, ctx)
+            return
+        self.stats["activities"] += 1
+        try:
+            wt = await store.complete_activity(
+                task, result, lease_to=self.id, lease_queues=self.queues, lease=self.lease
+            )
+        except LeaseLostError:
+            self.stats["lease_lost"] += 1
+            return
+        if wt is not None:
+            self._spawn(wt)
+
+    async def _record_failure(
+        self, task: Task, exc: BaseException, policy: Retry, ctx: ActivityContext | None
+    ) -> None:
+        store = self.app.store
+        retry = (
+            policy.is_retryable(exc)
+            and task.attempt < policy.attempts
+            and not (ctx is not None and ctx.is_cancelled)
+        )
+        error: dict[str, Any] = {
+            "type": type(exc).__name__,
+            "message": str(exc),
+            "retryable": retry,
+        }
+        retry_at = store.clock() + policy.delay(task.attempt) if retry else None
+        self.stats["activity_failures"] += 1
+        try:
+            wt = await store.fail_activity(
+                task,
+                error,
+                retry_at,
+                lease_to=self.id,
+                lease_queues=self.queues,
+                lease=self.lease,
+            )
+        except LeaseLostError:
+            return
+        if wt is not None:
+            self._spawn(wt)
+
+    # -- timers --------------------------------------------------------------
+
+    async def _fire_timer(self, task: Task) -> None:
+        try:
+            await self.app.store.fire_timer(task)
+        except LeaseLostError:
+            pass
+
+

@@ -1,0 +1,208 @@
+"""The store interface every backend implements.
+
+A store owns all durable state: runs, their append-only histories, and the
+task queue. Every method that changes state is one atomic transaction; methods
+that complete a leased task check its fence first and raise ``LeaseLostError``
+(changing nothing) when the caller no longer holds the lease.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._errors import ConfigurationError
+from .._history import Event, EventType, RunInfo, RunStatus, Task
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Command:
+    """One thing workflow code asked for, recorded as a command event."""
+
+    type: EventType
+    step: int | None
+    data: dict[str, Any] = field(default_factory=dict)
+    #: payload fields already encoded as JSON text, embedded verbatim in the event
+    raw: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WorkflowTaskResult:
+    """What one workflow task produced: its commands and what it had seen."""
+
+    commands: list[Command]
+    through: int  #: last history seq the task had applied
+    time: float  #: the workflow clock during the task (tether.now)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StartResult:
+    """The outcome of ``create_run``."""
+
+    run: RunInfo
+    created: bool
+
+
+class Store(abc.ABC):
+    """Durable state behind an App. Methods are coroutines; each write is one commit."""
+
+    #: seconds since the epoch; replaceable for tests with a virtual clock
+    clock: Callable[[], float]
+
+    @abc.abstractmethod
+    async def create_run(
+        self,
+        *,
+        run_id: str,
+        workflow: str,
+        queue: str,
+        input: str,
+    ) -> StartResult:
+        """Create a run with its first workflow task, or return the existing identical one."""
+
+    @abc.abstractmethod
+    async def claim(
+        self, *, worker_id: str, queues: Sequence[str], limit: int, lease: float
+    ) -> list[Task]:
+        """Lease up to ``limit`` ready tasks on ``queues``, oldest first."""
+
+    @abc.abstractmethod
+    async def read_history(self, run_id: str, after_seq: int = 0) -> list[Event]:
+        """Events of a run with ``seq > after_seq``, in order."""
+
+    @abc.abstractmethod
+    async def complete_workflow_task(
+        self,
+        task: Task,
+        result: WorkflowTaskResult,
+        *,
+        lease_to: str | None = None,
+        lease_queues: Sequence[str] = (),
+        lease: float = 30.0,
+    ) -> tuple[int, list[Task]]:
+        """Record a workflow task's commands; return the marker seq and activity tasks
+        leased at once to ``lease_to`` (those on ``lease_queues``)."""
+
+    @abc.abstractmethod
+    async def fail_workflow_task(self, task: Task, error: str, retry_at: float) -> None:
+        """Release a workflow task that could not run (e.g. non-determinism) for a retry."""
+
+    @abc.abstractmethod
+    async def complete_activity(
+        self,
+        task: Task,
+        result: str,
+        *,
+        lease_to: str | None = None,
+        lease_queues: Sequence[str] = (),
+        lease: float = 30.0,
+    ) -> Task | None:
+        """Record an activity's result; may return the run's workflow task leased to
+        ``lease_to`` when it was created by this call."""
+
+    @abc.abstractmethod
+    async def fail_activity(
+        self,
+        task: Task,
+        error: dict[str, Any],
+        retry_at: float | None,
+        *,
+        lease_to: str | None = None,
+        lease_queues: Sequence[str] = (),
+        lease: float = 30.0,
+    ) -> Task | None:
+        """Schedule a retry at ``retry_at``, or record the final failure when it is None."""
+
+    @abc.abstractmethod
+    async def fire_timer(self, task: Task) -> None:
+        """Record that a due timer fired."""
+
+    @abc.abstractmethod
+    async def renew(self, tasks: Sequence[Task], lease: float) -> dict[int, bool]:
+        """Extend leases; return ``{task_id: cancel_requested}`` for tasks still held."""
+
+    @abc.abstractmethod
+    async def heartbeat(self, task: Task, lease: float, details: str | None) -> bool:
+        """Extend one activity's lease and record progress; return whether it was cancelled."""
+
+    @abc.abstractmethod
+    async def signal(self, run_id: str, name: str, payload: str) -> None:
+        """Append a signal to the run's history; durable when this returns."""
+
+    @abc.abstractmethod
+    async def cancel(self, run_id: str, reason: str | None) -> None:
+        """Ask the run to cancel; its code sees it at the next await."""
+
+    @abc.abstractmethod
+    async def terminate(self, run_id: str, reason: str | None) -> None:
+        """End the run (and its running children) at once, running no more of its code."""
+
+    @abc.abstractmethod
+    async def suspend(self, run_id: str) -> None:
+        """Stop dispatching the run's work until ``resume``."""
+
+    @abc.abstractmethod
+    async def resume(self, run_id: str) -> None:
+        """Dispatch a suspended run's work again."""
+
+    @abc.abstractmethod
+    async def get_run(self, run_id: str) -> RunInfo | None:
+        """One run, or None."""
+
+    @abc.abstractmethod
+    async def list_runs(
+        self,
+        *,
+        status: RunStatus | None = None,
+        workflow: str | None = None,
+        limit: int = 100,
+        offset: int = 0,
+    ) -> list[RunInfo]:
+        """Runs, newest first, optionally filtered."""
+
+    @abc.abstractmethod
+    async def next_due(self, queues: Sequence[str]) -> float | None:
+        """The earliest ``available_at`` among tasks on ``queues``, or None."""
+
+    @abc.abstractmethod
+    def add_listener(self, callback: Callable[[set[str], set[str]], None]) -> None:
+        """Call ``callback(ready_queues, finished_run_ids)`` after commits (any thread)."""
+
+    @abc.abstractmethod
+    def remove_listener(self, callback: Callable[[set[str], set[str]], None]) -> None:
+        """Stop calling ``callback``."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Release connections and threads."""
+
+    @abc.abstractmethod
+    def stats(self) -> dict[str, int]:
+        """Counters: commits, operations (for benchmarks)."""
+
+
+def open_store(url: str | Store | None) -> Store:
+    """Open a store from a URL: a path, ``sqlite:///path``, or ``:memory:``."""
+    if isinstance(url, Store):
+        return url
+    from .sqlite import SqliteStore
+
+    if url is None:
+        return SqliteStore("./tether.db")
+    if url == ":memory:" or url == "sqlite://:memory:":
+        return SqliteStore(":memory:")
+    if url.startswith("sqlite:///"):
+        return SqliteStore(url[len("sqlite:///") :])
+    if url.startswith(("postgresql://", "postgres://")):
+        raise ConfigurationError(
+            "the PostgreSQL store is not available in this release yet; use a SQLite path "
+            "(the default ./tether.db) for now"
+        )
+    if "://" in url:
+        raise ConfigurationError(
+            f"unsupported store URL {url!r}: use a file path, 'sqlite:///path/to/file.db' "
+            "or ':memory:'"
+        )
+    return SqliteStore(url)

@@ -1,0 +1,68 @@
+-- tether schema for SQLite (WAL). Applied idempotently at open; user_version
+-- records the schema version so later releases can migrate forward.
+
+-- One row per run. Status values equal tether.RunStatus. ``next_seq`` is the
+-- next history sequence number: appends read and bump it in the same write
+-- transaction, so one run's history can never get a gap or a duplicate.
+CREATE TABLE IF NOT EXISTS runs (
+    run_id         TEXT PRIMARY KEY,
+    workflow       TEXT NOT NULL,
+    status         TEXT NOT NULL,
+    queue          TEXT NOT NULL,
+    input          TEXT NOT NULL,
+    output         TEXT,
+    error          TEXT,            -- JSON {type, message, traceback}
+    custom_status  TEXT,            -- JSON set by tether.set_status
+    parent_run_id  TEXT,            -- set for child runs
+    parent_step    INTEGER,         -- the parent's command step waiting on this run
+    continued_to   TEXT,            -- run id this run continued as new into
+    task_error     TEXT,            -- last workflow-task failure (e.g. non-determinism)
+    next_seq       INTEGER NOT NULL DEFAULT 1,
+    created_at     REAL NOT NULL,
+    updated_at     REAL NOT NULL,
+    completed_at   REAL
+);
+CREATE INDEX IF NOT EXISTS runs_by_status ON runs (status, created_at);
+CREATE INDEX IF NOT EXISTS runs_by_workflow ON runs (workflow, created_at);
+
+-- The append-only history. ``step`` is the workflow command number an event
+-- belongs to (NULL for signals, markers and operator actions).
+CREATE TABLE IF NOT EXISTS events (
+    run_id      TEXT NOT NULL,
+    seq         INTEGER NOT NULL,
+    type        TEXT NOT NULL,
+    step        INTEGER,
+    data        TEXT,
+    created_at  REAL NOT NULL,
+    PRIMARY KEY (run_id, seq)
+) WITHOUT ROWID;
+
+-- Ready and leased work. A task is claimable when ``available_at`` has passed:
+-- claiming sets it to the lease expiry, so an expired lease makes the task
+-- claimable again with no extra column. Every claim bumps ``fence``; every
+-- write that completes a task presents the fence it claimed with, and a stale
+-- one is rejected.
+CREATE TABLE IF NOT EXISTS tasks (
+    task_id           INTEGER PRIMARY KEY AUTOINCREMENT,
+    run_id            TEXT NOT NULL,
+    kind              TEXT NOT NULL,   -- workflow | activity | timer
+    step              INTEGER,
+    queue             TEXT NOT NULL,
+    name              TEXT,
+    payload           TEXT,
+    options           TEXT,
+    available_at      REAL NOT NULL,
+    lease_owner       TEXT,
+    fence             INTEGER NOT NULL DEFAULT 0,
+    attempt           INTEGER NOT NULL DEFAULT 0,
+    cancel_requested  INTEGER NOT NULL DEFAULT 0,
+    heartbeat         TEXT,
+    last_error        TEXT,
+    created_at        REAL NOT NULL
+);
+-- At most one workflow task per run: new events for a run whose task is
+-- already queued or running fold into that task.
+CREATE UNIQUE INDEX IF NOT EXISTS tasks_one_workflow_task ON tasks (run_id) WHERE kind = 'workflow';
+CREATE UNIQUE INDEX IF NOT EXISTS tasks_by_step ON tasks (run_id, step) WHERE kind != 'workflow';
+CREATE INDEX IF NOT EXISTS tasks_ready ON tasks (queue, available_at);
+CREATE INDEX IF NOT EXISTS tasks_by_run ON tasks (run_id);

@@ -1,0 +1,1 @@
+"""The deterministic side of tether: the workflow event loop, replay and primitives."""

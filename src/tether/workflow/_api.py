@@ -1,0 +1,170 @@
+"""Durable primitives for workflow code: timers, events, races, deterministic values.
+
+Each function documents what it does on replay. Outside a workflow, the
+helpers that have an obvious plain-asyncio meaning (``sleep``, ``gather``,
+``first``, ``now``) fall back to it so workflow functions can be unit-tested
+as ordinary coroutines; the others raise ``NotInWorkflowError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as _dt
+import logging
+import uuid as _uuid
+from collections.abc import Awaitable
+from datetime import timedelta
+from typing import Any, TypeVar
+
+from .._errors import TetherError
+from .._policy import seconds
+from .._serde import convert
+from ._instance import ContinueAsNew, WorkflowInstance, current_instance
+
+T = TypeVar("T")
+
+
+class NotInWorkflowError(TetherError, RuntimeError):
+    """A workflow-only primitive was called outside workflow code."""
+
+
+def _instance(what: str) -> WorkflowInstance:
+    inst = current_instance()
+    if inst is None:
+        raise NotInWorkflowError(
+            f"tether.{what}() can only be called inside a workflow function (one decorated "
+            "with @app.workflow and run by a worker)"
+        )
+    return inst
+
+
+def in_workflow() -> bool:
+    """Whether the caller is workflow code being run by tether."""
+    return current_instance() is not None
+
+
+def is_replaying() -> bool:
+    """Whether the workflow code is re-running recorded history (no new effects)."""
+    inst = current_instance()
+    return inst is not None and inst.replaying
+
+
+def sleep(duration: float | timedelta) -> Awaitable[None]:
+    """Wait durably: a timer recorded in history that survives restarts.
+
+    On replay a fired timer resolves at once. Cancelling the awaiting task (for
+    example as the loser of ``first``) cancels the timer.
+    """
+    delay = seconds(duration, "sleep duration") or 0.0
+    inst = current_instance()
+    if inst is None:
+        return asyncio.sleep(delay)
+    return inst.start_timer(delay)
+
+
+def now() -> _dt.datetime:
+    """The workflow's clock (UTC): the time of the current workflow task, replayed as recorded."""
+    inst = current_instance()
+    if inst is None:
+        return _dt.datetime.now(_dt.UTC)
+    return _dt.datetime.fromtimestamp(inst.now, _dt.UTC)
+
+
+def uuid() -> _uuid.UUID:
+    """A UUID4 that is the same on every replay of this run."""
+    inst = _instance("uuid")
+    return _uuid.UUID(int=inst.rng.getrandbits(128), version=4)
+
+
+def random() -> float:
+    """A float in [0, 1) that is the same on every replay of this run."""
+    return _instance("random").rng.random()
+
+
+def set_status(value: Any) -> None:
+    """Publish a JSON-serialisable progress value that clients read with ``app.get``."""
+    _instance("set_status").set_status(value)
+
+
+async def wait_event(
+    name: str, timeout: float | timedelta | None = None, *, type: Any = None
+) -> Any:
+    """Wait for the signal ``name``; return its payload, or None when ``timeout`` passes.
+
+    Signals sent before the wait are buffered and delivered in order. With a
+    timeout, a durable timer races the signal; the signal wins a tie. Pass
+    ``type=`` to decode the payload into a dataclass or pydantic model.
+    """
+    inst = _instance("wait_event")
+    found, payload = inst.take_signal(name)
+    if found:
+        return convert(payload, type)
+    fut = inst.wait_signal(name)
+    if timeout is None:
+        return convert(await fut, type)
+    timer = inst.start_timer(seconds(timeout, "wait_event timeout") or 0.0)
+    try:
+        await asyncio.wait([fut, timer], return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        fut.cancel()
+        timer.cancel()
+        raise
+    if fut.done() and not fut.cancelled():
+        timer.cancel()
+        return convert(fut.result(), type)
+    fut.cancel()
+    return None
+
+
+async def gather(*aws: Awaitable[Any], return_exceptions: bool = False) -> list[Any]:
+    """Run awaitables concurrently; results in argument order (commands issued in that order)."""
+    return list(await asyncio.gather(*aws, return_exceptions=return_exceptions))
+
+
+async def first(*aws: Awaitable[Any]) -> Any:
+    """Return the result of the first awaitable to finish and cancel the others.
+
+    Typical use is a deadline: ``await tether.first(step(x), tether.sleep(60))``
+    returns None when the timer wins. A loser's later outcome is ignored, so it
+    can never change the result after the fact.
+    """
+    if not aws:
+        raise ValueError("tether.first() needs at least one awaitable")
+    futs = [asyncio.ensure_future(a) for a in aws]
+    try:
+        done, _ = await asyncio.wait(futs, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        for f in futs:
+            f.cancel()
+        raise
+    winner = next(f for f in futs if f in done)
+    for f in futs:
+        if f is not winner:
+            f.cancel()
+    return winner.result()
+
+
+def continue_as_new(*args: Any, **kwargs: Any) -> Any:
+    """End this run and start the same workflow afresh with new arguments and an empty
+    history (for loops that would otherwise grow history without bound)."""
+    inst = _instance("continue_as_new")
+    raise ContinueAsNew(inst.workflow.sig.encode_args(args, kwargs))
+
+
+class _ReplaySafeLogger(logging.LoggerAdapter[logging.Logger]):
+    """Drops records while the workflow replays, so each line is logged once."""
+
+    def isEnabledFor(self, level: int) -> bool:  # noqa: N802 - logging's API
+        return not is_replaying() and self.logger.isEnabledFor(level)
+
+    def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
+        inst = current_instance()
+        if inst is not None:
+            extra = dict(kwargs.get("extra") or {})
+            extra.setdefault("run_id", inst.run_id)
+            kwargs["extra"] = extra
+            msg = f"[{inst.run_id}] {msg}"
+        return msg, kwargs
+
+
+logger = _ReplaySafeLogger(logging.getLogger("tether.workflow"), {})

@@ -1,0 +1,368 @@
+"""One workflow run in memory: applies history, runs the code, collects commands.
+
+An instance is advanced by ``advance(events)``. Events up to the last
+``WorkflowTaskCompleted`` marker are *replay*: they are fed to the code in the
+same batches as the first time and every command the code issues must match the
+recorded one at the same step. Events after the last marker are new: the
+commands they cause are returned to be committed. A cached instance (the sticky
+cache) is advanced with only the events it has not seen, so an n-step run costs
+O(n) in total.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextvars
+import hashlib
+import random
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .._errors import ActivityError, ChildWorkflowError, NonDeterminismError, PayloadError
+from .._history import COMMANDS, INCOMING, Event, EventType
+from .._serde import convert, encode
+from ..store.base import Command, WorkflowTaskResult
+from ._loop import DeterministicLoop
+
+if TYPE_CHECKING:
+    from .._definitions import Activity, Workflow
+
+_current: contextvars.ContextVar[WorkflowInstance | None] = contextvars.ContextVar(
+    "tether_workflow_instance", default=None
+)
+
+
+def current_instance() -> WorkflowInstance | None:
+    """The workflow instance whose code is running now, if any."""
+    return _current.get()
+
+
+class ContinueAsNew(BaseException):  # noqa: N818 - control flow, not an error
+    """Raised by ``tether.continue_as_new``; a BaseException so ``except Exception``
+    in workflow code cannot swallow it."""
+
+    def __init__(self, input_json: str) -> None:
+        super().__init__("continue as new")
+        self.input_json = input_json
+
+
+@dataclass(slots=True)
+class _Pending:
+    future: asyncio.Future[Any]
+    kind: str
+    name: str
+    result_type: Any
+
+
+def _error_dict(exc: BaseException) -> dict[str, Any]:
+    return {
+        "type": type(exc).__name__,
+        "message": str(exc),
+        "traceback": "".join(traceback.format_exception(exc))[-8000:],
+    }
+
+
+def _describe(type_: EventType | str, data: dict[str, Any]) -> str:
+    name = data.get("name") or data.get("workflow")
+    return f"{type_}({name!r})" if name else str(type_)
+
+
+class WorkflowInstance:
+    """The in-memory state of one run of a workflow."""
+
+    def __init__(self, run_id: str, workflow: Workflow[Any, Any]) -> None:
+        self.run_id = run_id
+        self.workflow = workflow
+        self.now = 0.0
+        self.loop = DeterministicLoop(lambda: self.now)
+        self.rng = random.Random(int.from_bytes(hashlib.sha256(run_id.encode()).digest()[:8]))
+        self.step = 0
+        self.replaying = False
+        self.last_seq = 0  #: history seq this instance has consumed up to
+        self.through = 0  #: last incoming event seq applied
+        self.finished = False
+        self.cancel_requested = False
+        self.main: asyncio.Task[Any] | None = None
+        self._new: list[Command] = []
+        self._recorded: dict[int, Event] = {}
+        self._max_recorded = 0
+        self._pending: dict[int, _Pending] = {}
+        self._buffers: dict[str, collections.deque[Any]] = collections.defaultdict(
+            collections.deque
+        )
+        self._waiters: dict[str, collections.deque[asyncio.Future[Any]]] = (
+            collections.defaultdict(collections.deque)
+        )
+        self._nd_error: NonDeterminismError | None = None
+
+    # -- driving -----------------------------------------------------------
+
+    def advance(self, events: Sequence[Event], now: float) -> WorkflowTaskResult:
+        """Apply events not yet seen; return the new commands for the new ones.
+
+        Raises NonDeterminismError if the code diverges from recorded history.
+        """
+        incoming: list[Event] = []
+        for ev in events:
+            if ev.type in INCOMING:
+                if ev.seq > self.through:
+                    incoming.append(ev)
+                continue
+            if ev.seq <= self.last_seq:
+                continue
+            if ev.type in COMMANDS:
+                if ev.step is not None:
+                    self._recorded[ev.step] = ev
+                    self._max_recorded = max(self._max_recorded, ev.step)
+            elif ev.type is EventType.WORKFLOW_TASK_COMPLETED:
+                through = int(ev.data["through"])
+                batch = [e for e in incoming if e.seq <= through]
+                incoming = [e for e in incoming if e.seq > through]
+                self.replaying = True
+                self.now = float(ev.data["time"])
+                try:
+                    self._activate(batch)
+                finally:
+                    self.replaying = False
+                if self.step < self._max_recorded:
+                    missing = self._recorded[self.step + 1]
+                    raise NonDeterminismError(
+                        self.run_id,
+                        self.step + 1,
+                        _describe(missing.type, missing.data),
+                        "no command (the code now waits or ends earlier)",
+                    )
+                self._new.clear()
+                self.through = max(self.through, through)
+            self.last_seq = ev.seq
+        # what remains is new
+        self.now = now
+        self._new = []
+        through = self.through
+        if incoming:
+            through = incoming[-1].seq
+        self._activate(incoming)
+        self.through = through
+        commands, self._new = self._new, []
+        return WorkflowTaskResult(commands=commands, through=through, time=now)
+
+    def committed(self, marker_seq: int) -> None:
+        """Note that the last result was committed with its marker at ``marker_seq``."""
+        self.last_seq = marker_seq
+        self._recorded.clear()
+        self._max_recorded = self.step
+
+    def _activate(self, batch: Sequence[Event]) -> None:
+        token = _current.set(self)
+        try:
+            for ev in batch:
+                self._apply(ev)
+            self.loop.run_until_idle()
+        finally:
+            _current.reset(token)
+        if self._nd_error is not None:
+            raise self._nd_error
+        if self.main is not None and self.main.done() and not self.finished:
+            self._finish(self.main)
+
+    def _finish(self, main: asyncio.Task[Any]) -> None:
+        self.finished = True
+        token = _current.set(self)
+        try:
+            if main.cancelled():
+                self._command(EventType.WORKFLOW_CANCELLED, {"error": None})
+                return
+            exc = main.exception()
+            if exc is None:
+                try:
+                    text = encode(main.result(), f"result of workflow {self.workflow.name!r}")
+                except PayloadError as err:
+                    self._command(EventType.WORKFLOW_FAILED, {"error": _error_dict(err)})
+                    return
+                self._command(EventType.WORKFLOW_COMPLETED, {}, {"result": text})
+            elif isinstance(exc, ContinueAsNew):
+                self._command(
+                    EventType.CONTINUED_AS_NEW,
+                    {"next_run_id": _next_run_id(self.run_id)},
+                    {"input": exc.input_json},
+                )
+            elif isinstance(exc, asyncio.CancelledError) and self.cancel_requested:
+                self._command(EventType.WORKFLOW_CANCELLED, {"error": None})
+            elif isinstance(exc, NonDeterminismError):
+                raise exc
+            else:
+                self._command(EventType.WORKFLOW_FAILED, {"error": _error_dict(exc)})
+        finally:
+            _current.reset(token)
+        if self._nd_error is not None:
+            raise self._nd_error
+
+    def _apply(self, ev: Event) -> None:
+        t = ev.type
+        if t is EventType.WORKFLOW_STARTED:
+            args, kwargs = self.workflow.sig.decode_args_obj(ev.data.get("input"))
+            self.main = self.loop.create_task(self._run_main(args, kwargs), name=self.run_id)
+            return
+        if t is EventType.SIGNAL_RECEIVED:
+            name = ev.data["name"]
+            waiters = self._waiters[name]
+            while waiters:
+                fut = waiters.popleft()
+                if not fut.done():
+                    fut.set_result(ev.data.get("payload"))
+                    return
+            self._buffers[name].append(ev.data.get("payload"))
+            return
+        if t is EventType.CANCEL_REQUESTED:
+            self.cancel_requested = True
+            if self.main is not None and not self.main.done():
+                self.main.cancel(ev.data.get("reason"))
+            return
+        assert ev.step is not None
+        p = self._pending.pop(ev.step, None)
+        if p is None or p.future.done():
+            return  # the code stopped waiting (cancelled, lost a race): the outcome is ignored
+        if t is EventType.ACTIVITY_COMPLETED or t is EventType.CHILD_COMPLETED:
+            try:
+                value = convert(ev.data.get("result"), p.result_type, f"result of {p.name}")
+            except PayloadError as exc:
+                p.future.set_exception(exc)
+                return
+            p.future.set_result(value)
+        elif t is EventType.TIMER_FIRED:
+            p.future.set_result(None)
+        elif t is EventType.ACTIVITY_FAILED:
+            err = ev.data.get("error") or {}
+            p.future.set_exception(
+                ActivityError(
+                    p.name,
+                    err.get("type", "Error"),
+                    err.get("message", ""),
+                    int(ev.data.get("attempt", 1)),
+                )
+            )
+        elif t is EventType.CHILD_FAILED:
+            err = ev.data.get("error") or {}
+            msg = f"{err.get('type')}: {err.get('message')}" if err else None
+            p.future.set_exception(
+                ChildWorkflowError(ev.data.get("child_run_id", ""), ev.data.get("status", ""), msg)
+            )
+
+    async def _run_main(self, args: list[Any], kwargs: dict[str, Any]) -> Any:
+        return await self.workflow.fn(*args, **kwargs)
+
+    # -- commands ----------------------------------------------------------
+
+    def _command(
+        self, type_: EventType, data: dict[str, Any], raw: dict[str, str] | None = None
+    ) -> int:
+        self.step += 1
+        step = self.step
+        if step <= self._max_recorded:
+            rec = self._recorded.get(step)
+            produced = _describe(type_, data)
+            if rec is None or rec.type is not type_ or _key(rec.data) != _key(data):
+                expected = _describe(rec.type, rec.data) if rec else "no command"
+                err = NonDeterminismError(self.run_id, step, expected, produced)
+                if self._nd_error is None:
+                    self._nd_error = err
+                raise err
+        elif self.replaying:
+            err = NonDeterminismError(
+                self.run_id, step, "no command (the task ended here)", _describe(type_, data)
+            )
+            if self._nd_error is None:
+                self._nd_error = err
+            raise err
+        else:
+            self._new.append(Command(type=type_, step=step, data=data, raw=raw or {}))
+        return step
+
+    def _watch_cancel(self, step: int, cancel_type: EventType, field: str) -> None:
+        fut = self._pending[step].future
+
+        def on_done(f: asyncio.Future[Any]) -> None:
+            if f.cancelled() and self._pending.pop(step, None) is not None and not self.finished:
+                self._command(cancel_type, {field: step})
+
+        fut.add_done_callback(on_done)
+
+    def schedule_activity(
+        self, activity: Activity[Any, Any], args: Sequence[Any], kwargs: dict[str, Any]
+    ) -> asyncio.Future[Any]:
+        """Issue an ActivityScheduled command; the future resolves with its outcome."""
+        opts = activity.opts
+        args_json = activity.sig.encode_args(args, kwargs)
+        step = self._command(
+            EventType.ACTIVITY_SCHEDULED,
+            {"name": activity.name, "queue": opts.queue, "options": opts.to_json()},
+            {"args": args_json},
+        )
+        fut = self.loop.create_future()
+        self._pending[step] = _Pending(fut, "activity", activity.name, activity.sig.return_type)
+        self._watch_cancel(step, EventType.ACTIVITY_CANCEL_REQUESTED, "activity_step")
+        return fut
+
+    def start_child(
+        self,
+        workflow: Workflow[Any, Any],
+        args: Sequence[Any],
+        kwargs: dict[str, Any],
+        run_id: str | None,
+    ) -> asyncio.Future[Any]:
+        """Issue a ChildStarted command; the future resolves with the child's result."""
+        input_json = workflow.sig.encode_args(args, kwargs)
+        child_id = run_id or f"{self.run_id}/{self.step + 1}"
+        step = self._command(
+            EventType.CHILD_STARTED,
+            {"workflow": workflow.name, "child_run_id": child_id, "queue": workflow.queue},
+            {"input": input_json},
+        )
+        fut = self.loop.create_future()
+        self._pending[step] = _Pending(fut, "child", workflow.name, workflow.sig.return_type)
+        return fut
+
+    def start_timer(self, delay: float) -> asyncio.Future[Any]:
+        """Issue a TimerStarted command; the future resolves when it fires."""
+        step = self._command(EventType.TIMER_STARTED, {"fire_at": self.now + delay})
+        fut = self.loop.create_future()
+        self._pending[step] = _Pending(fut, "timer", "timer", None)
+        self._watch_cancel(step, EventType.TIMER_CANCELLED, "timer_step")
+        return fut
+
+    def set_status(self, value: Any) -> None:
+        """Issue a StatusSet command."""
+        self._command(EventType.STATUS_SET, {}, {"value": encode(value, "status")})
+
+    def take_signal(self, name: str) -> tuple[bool, Any]:
+        """Pop the oldest buffered signal ``name``, if any."""
+        buf = self._buffers.get(name)
+        if buf:
+            return True, buf.popleft()
+        return False, None
+
+    def wait_signal(self, name: str) -> asyncio.Future[Any]:
+        """A future resolved by the next signal ``name`` to arrive."""
+        fut = self.loop.create_future()
+        self._waiters[name].append(fut)
+        return fut
+
+
+def _key(data: dict[str, Any]) -> tuple[Any, ...]:
+    """The parts of a command that replay must reproduce exactly."""
+    return (
+        data.get("name"),
+        data.get("workflow"),
+        data.get("timer_step"),
+        data.get("activity_step"),
+    )
+
+
+def _next_run_id(run_id: str) -> str:
+    base, sep, n = run_id.rpartition("~")
+    if sep and n.isdigit():
+        return f"{base}~{int(n) + 1}"
+    return f"{run_id}~1"
