@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import builtins
 import threading
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
@@ -12,13 +13,13 @@ from typing import Any, Generic, ParamSpec, TypeVar, overload
 from ._definitions import Activity, ActivityOptions, Workflow
 from ._errors import (
     ConfigurationError,
+    ResultTimeoutError,
     RunCancelledError,
     RunNotFoundError,
     RunTerminatedError,
     UnknownActivityError,
     UnknownWorkflowError,
     WorkflowFailedError,
-    ResultTimeoutError,
 )
 from ._history import Event, RunInfo, RunStatus
 from ._policy import DEFAULT_RETRY, Retry, seconds
@@ -145,7 +146,7 @@ class App:
         self, *, name: str | None = None, queue: str | None = None, version: str | None = None
     ) -> Callable[[Callable[P, Awaitable[R]]], Workflow[P, R]]: ...
 
-    def workflow(
+    def workflow(  # type: ignore[misc]
         self,
         fn: Callable[P, Awaitable[R]] | None = None,
         /,
@@ -182,7 +183,7 @@ class App:
         queue: str | None = None,
     ) -> Callable[[Callable[P, Any]], Activity[P, Any]]: ...
 
-    def activity(
+    def activity(  # type: ignore[misc]
         self,
         fn: Callable[P, Any] | None = None,
         /,
@@ -278,12 +279,12 @@ class App:
         workflow: str | None = None,
         limit: int = 100,
         offset: int = 0,
-    ) -> list[RunInfo]:
+    ) -> builtins.list[RunInfo]:
         """Runs, newest first, filtered by status and/or workflow name."""
         st = RunStatus(status) if status is not None else None
         return await self.store.list_runs(status=st, workflow=workflow, limit=limit, offset=offset)
 
-    async def history(self, run_id: str) -> list[Event]:
+    async def history(self, run_id: str) -> builtins.list[Event]:
         """The run's full history."""
         await self.get(run_id)
         return await self.store.read_history(run_id, 0)

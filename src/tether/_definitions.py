@@ -56,9 +56,7 @@ class Activity(Generic[P, R]):
     Outside a workflow it simply runs the function (handy in unit tests).
     """
 
-    def __init__(
-        self, fn: Callable[P, Any], *, name: str, options: ActivityOptions
-    ) -> None:
+    def __init__(self, fn: Callable[P, Any], *, name: str, options: ActivityOptions) -> None:
         self.fn = fn
         self.name = name
         self.opts = options

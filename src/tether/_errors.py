@@ -169,5 +169,5 @@ class ResultTimeoutError(TetherError, TimeoutError):
     """The run did not finish within the time given to ``run.result``; it goes on."""
 
 
-class NonRetryable(Exception):  # noqa: N818 - a control signal, named for what it asks
+class NonRetryable(Exception):
     """Raise from an activity to fail the step at once, skipping remaining retries."""

@@ -191,9 +191,9 @@ class Worker:
             coro = self._fire_timer(task)
         t = asyncio.create_task(coro)
         self._inflight[task.task_id] = (task, t, None)
-        t.add_done_callback(lambda _t, tid=task.task_id: self._done(tid))
+        t.add_done_callback(functools.partial(self._done, task.task_id))
 
-    def _done(self, task_id: int) -> None:
+    def _done(self, task_id: int, _t: object = None) -> None:
         self._inflight.pop(task_id, None)
         if self._slot is not None:
             self._slot.set()
@@ -392,5 +392,3 @@ class Worker:
             await self.app.store.fire_timer(task)
         except LeaseLostError:
             pass
-
-

@@ -274,7 +274,9 @@ class SqliteStore(Store):
 
     # -- public operations -----------------------------------------------
 
-    async def create_run(self, *, run_id: str, workflow: str, queue: str, input: str) -> StartResult:
+    async def create_run(
+        self, *, run_id: str, workflow: str, queue: str, input: str
+    ) -> StartResult:
         result: StartResult = await self._do(_create_run, run_id, workflow, queue, input)
         return result
 
@@ -500,9 +502,7 @@ def _insert_run(
 
 
 def _create_run(tx: _Tx, run_id: str, workflow: str, queue: str, input: str) -> StartResult:
-    row = tx.conn.execute(
-        f"SELECT {_RUN_COLS} FROM runs WHERE run_id = ?", (run_id,)
-    ).fetchone()
+    row = tx.conn.execute(f"SELECT {_RUN_COLS} FROM runs WHERE run_id = ?", (run_id,)).fetchone()
     if row is not None:
         existing = _run_from_row(row)
         if existing.workflow != workflow:
@@ -549,7 +549,7 @@ def _finish(
     error: dict[str, Any] | None = None,
     continued_to: str | None = None,
 ) -> None:
-    status_, _queue, parent_run_id, parent_step, _wf = _run_row(tx, run_id)
+    _status, _queue, parent_run_id, parent_step, _wf = _run_row(tx, run_id)
     tx.conn.execute(
         "UPDATE runs SET status = ?, output = ?, error = ?, continued_to = ?, completed_at = ?, "
         "updated_at = ? WHERE run_id = ?",
@@ -599,7 +599,7 @@ def _complete_workflow_task(
     lease: float,
 ) -> tuple[int, list[Task]]:
     _check_fence(tx, task)
-    status, run_queue, parent_run_id, parent_step, workflow = _run_row(tx, task.run_id)
+    _status, run_queue, parent_run_id, parent_step, workflow = _run_row(tx, task.run_id)
     leased: list[Task] = []
     ending: Command | None = None
     for cmd in result.commands:

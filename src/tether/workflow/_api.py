@@ -154,7 +154,7 @@ def continue_as_new(*args: Any, **kwargs: Any) -> Any:
 class _ReplaySafeLogger(logging.LoggerAdapter[logging.Logger]):
     """Drops records while the workflow replays, so each line is logged once."""
 
-    def isEnabledFor(self, level: int) -> bool:  # noqa: N802 - logging's API
+    def isEnabledFor(self, level: int) -> bool:
         return not is_replaying() and self.logger.isEnabledFor(level)
 
     def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:

@@ -40,7 +40,7 @@ def current_instance() -> WorkflowInstance | None:
     return _current.get()
 
 
-class ContinueAsNew(BaseException):  # noqa: N818 - control flow, not an error
+class ContinueAsNew(BaseException):
     """Raised by ``tether.continue_as_new``; a BaseException so ``except Exception``
     in workflow code cannot swallow it."""
 
@@ -77,7 +77,7 @@ class WorkflowInstance:
         self.run_id = run_id
         self.workflow = workflow
         self.now = 0.0
-        self.loop = DeterministicLoop(lambda: self.now)
+        self.loop = DeterministicLoop(lambda: self.now)  # type: ignore[abstract]
         self.rng = random.Random(int.from_bytes(hashlib.sha256(run_id.encode()).digest()[:8]))
         self.step = 0
         self.replaying = False
@@ -93,8 +93,8 @@ class WorkflowInstance:
         self._buffers: dict[str, collections.deque[Any]] = collections.defaultdict(
             collections.deque
         )
-        self._waiters: dict[str, collections.deque[asyncio.Future[Any]]] = (
-            collections.defaultdict(collections.deque)
+        self._waiters: dict[str, collections.deque[asyncio.Future[Any]]] = collections.defaultdict(
+            collections.deque
         )
         self._nd_error: NonDeterminismError | None = None
 

@@ -44,7 +44,7 @@ class DeterministicLoop(asyncio.AbstractEventLoop):
 
     # scheduling ----------------------------------------------------------
 
-    def call_soon(
+    def call_soon(  # type: ignore[override]
         self,
         callback: Callable[..., object],
         *args: Any,
@@ -54,7 +54,7 @@ class DeterministicLoop(asyncio.AbstractEventLoop):
         self._ready.append(handle)
         return handle
 
-    def call_soon_threadsafe(
+    def call_soon_threadsafe(  # type: ignore[override]
         self,
         callback: Callable[..., object],
         *args: Any,
@@ -62,14 +62,18 @@ class DeterministicLoop(asyncio.AbstractEventLoop):
     ) -> asyncio.Handle:
         return self.call_soon(callback, *args, context=context)
 
-    def call_later(self, delay: float, callback: Callable[..., object], *args: Any, **_: Any) -> NoReturn:
+    def call_later(  # type: ignore[override]
+        self, delay: float, callback: Callable[..., object], *args: Any, **_: Any
+    ) -> NoReturn:
         raise WorkflowSandboxError(
             "workflow code asked the event loop for a wall-clock timer (asyncio.sleep with a "
             "delay, asyncio.wait_for, asyncio.timeout...); use tether.sleep for a durable timer "
             "and tether.first(step, tether.sleep(...)) for a deadline"
         )
 
-    def call_at(self, when: float, callback: Callable[..., object], *args: Any, **_: Any) -> NoReturn:
+    def call_at(  # type: ignore[override]
+        self, when: float, callback: Callable[..., object], *args: Any, **_: Any
+    ) -> NoReturn:
         self.call_later(0, callback)
 
     def time(self) -> float:

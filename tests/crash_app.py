@@ -1,0 +1,63 @@
+"""A worker process for crash tests: run as ``python tests/crash_app.py DB EFFECTS``.
+
+Its activity records every execution in a separate SQLite file (the "side
+table"), so a test can count how many times each step really ran.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import sys
+import time
+
+import tether
+
+DB = sys.argv[1] if len(sys.argv) > 1 else "tether.db"
+EFFECTS = sys.argv[2] if len(sys.argv) > 2 else "effects.db"
+
+app = tether.App(store=f"sqlite:///{DB}")
+_conn: sqlite3.Connection | None = None
+
+
+def effects() -> sqlite3.Connection:
+    """The side table, created on first use."""
+    global _conn
+    if _conn is None:
+        _conn = sqlite3.connect(EFFECTS, isolation_level=None, check_same_thread=False, timeout=30)
+        _conn.execute("PRAGMA journal_mode=WAL")
+        _conn.execute(
+            "CREATE TABLE IF NOT EXISTS effects (run_id TEXT, step INTEGER, attempt INTEGER, "
+            "at REAL)"
+        )
+    return _conn
+
+
+@app.activity
+def work(run_id: str, i: int) -> int:
+    """A 20 ms step; each execution is recorded in the side table as it starts."""
+    ctx = tether.activity_context()
+    effects().execute(
+        "INSERT INTO effects VALUES (?, ?, ?, ?)", (run_id, ctx.step, ctx.attempt, time.time())
+    )
+    time.sleep(0.02)
+    return i
+
+
+@app.workflow
+async def ten_steps(run_id: str) -> int:
+    """Ten sequential steps."""
+    total = 0
+    for i in range(10):
+        total += await work(run_id, i)
+    return total
+
+
+async def main() -> None:
+    """Serve until killed."""
+    worker = app.worker(concurrency=20, lease=2.0, poll_interval=0.05)
+    await worker.run()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -1,0 +1,66 @@
+"""Lease fencing: a worker that lost its lease cannot commit anything."""
+
+from __future__ import annotations
+
+import pytest
+
+import tether
+from tether.store.base import WorkflowTaskResult
+
+
+async def test_store_stale_fence_rejects_activity_completion(app: tether.App) -> None:
+    @app.activity
+    def step(x: int) -> int:
+        return x
+
+    @app.workflow
+    async def wf() -> int:
+        return await step(1)
+
+    store = app.store
+    await app.start(wf, run_id="r1")
+    # worker A runs the first workflow task, scheduling the activity
+    (wt,) = await store.claim(worker_id="A", queues=["default"], limit=10, lease=30)
+    from tether.workflow._instance import WorkflowInstance
+
+    inst = WorkflowInstance("r1", app.get_workflow("wf"))
+    result = inst.advance(await store.read_history("r1"), store.clock())
+    await store.complete_workflow_task(wt, result)
+    # A claims the activity with a lease that has already run out ...
+    (stale,) = await store.claim(worker_id="A", queues=["default"], limit=10, lease=-1)
+    # ... so B claims it again, bumping the fence
+    (fresh,) = await store.claim(worker_id="B", queues=["default"], limit=10, lease=30)
+    assert fresh.task_id == stale.task_id and fresh.fence == stale.fence + 1
+    before = await store.read_history("r1")
+
+    with pytest.raises(tether.LeaseLostError):
+        await store.complete_activity(stale, "1")
+    with pytest.raises(tether.LeaseLostError):
+        await store.fail_activity(stale, {"type": "X", "message": "late"}, None)
+    with pytest.raises(tether.LeaseLostError):
+        await store.heartbeat(stale, 30, None)
+    assert await store.renew([stale], 30) == {}
+    assert await store.read_history("r1") == before  # nothing was written
+
+    await store.complete_activity(fresh, "1")
+    history = await store.read_history("r1")
+    assert [e.type for e in history][-1] is tether.EventType.ACTIVITY_COMPLETED
+
+
+async def test_store_stale_workflow_task_cannot_commit(app: tether.App) -> None:
+    @app.workflow
+    async def wf() -> int:
+        return 1
+
+    store = app.store
+    await app.start(wf, run_id="r2")
+    (stale,) = await store.claim(worker_id="A", queues=["default"], limit=1, lease=-1)
+    (fresh,) = await store.claim(worker_id="B", queues=["default"], limit=1, lease=30)
+    empty = WorkflowTaskResult(commands=[], through=1, time=store.clock())
+    with pytest.raises(tether.LeaseLostError):
+        await store.complete_workflow_task(stale, empty)
+    with pytest.raises(tether.LeaseLostError):
+        await store.fail_workflow_task(stale, "boom", store.clock())
+    assert len(await store.read_history("r2")) == 1
+    await store.complete_workflow_task(fresh, empty)
+    assert len(await store.read_history("r2")) == 2
