@@ -81,9 +81,10 @@ class Store(abc.ABC):
         lease_to: str | None = None,
         lease_queues: Sequence[str] = (),
         lease: float = 30.0,
+        lease_limit: int = 1_000_000,
     ) -> tuple[int, list[Task]]:
         """Record a workflow task's commands; return the marker seq and activity tasks
-        leased at once to ``lease_to`` (those on ``lease_queues``)."""
+        leased at once to ``lease_to`` (up to ``lease_limit`` on ``lease_queues``)."""
 
     @abc.abstractmethod
     async def fail_workflow_task(self, task: Task, error: str, retry_at: float) -> None:

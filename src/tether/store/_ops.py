@@ -1,0 +1,749 @@
+"""Store operations, written once for every SQL backend.
+
+Each function is one logical operation run inside the caller's transaction
+(``_Tx``); backends differ only in how they run them (SQLite: one writer thread
+with group commit; PostgreSQL: pooled connections) and in a few dialect
+details carried by ``_Tx`` (placeholder style, row locks, SKIP LOCKED).
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._errors import (
+    LeaseLostError,
+    RunFinishedError,
+    RunIdConflictError,
+    RunNotFoundError,
+)
+from .._history import Event, EventType, RunInfo, RunStatus, Task
+from .base import Command, StartResult, Store, WorkflowTaskResult
+
+_TERMINAL = tuple(s.value for s in RunStatus if s.is_terminal)
+_RUN_COLS = (
+    "run_id, workflow, status, queue, input, output, error, custom_status, parent_run_id, "
+    "continued_to, task_error, created_at, updated_at, completed_at"
+)
+_TASK_COLS = (
+    "task_id, run_id, kind, step, queue, name, payload, options, fence, attempt, available_at"
+)
+
+Op = Callable[..., Any]
+
+
+@dataclass
+class _Tx:
+    """One operation's view of the open transaction, plus what to announce after commit."""
+
+    conn: Any
+    now: float
+    paramstyle: str = "qmark"
+    for_update: str = ""  #: " FOR UPDATE" where row locks exist
+    skip_locked: str = ""  #: " FOR UPDATE SKIP LOCKED" where supported
+    ready: set[str] = field(default_factory=set)
+    finished: set[str] = field(default_factory=set)
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> Any:
+        """Run one statement; ``?`` placeholders are translated for the backend."""
+        if self.paramstyle != "qmark":
+            sql = sql.replace("?", "%s")
+        return self.conn.execute(sql, params)
+
+
+def _json(data: dict[str, Any], raw: dict[str, str] | None = None) -> str:
+    """JSON for an event's data, embedding already-encoded payloads verbatim."""
+    text = json.dumps(data, separators=(",", ":"))
+    if not raw:
+        return text
+    inner = ",".join(f"{json.dumps(k)}:{v}" for k, v in raw.items())
+    return text[:-1] + ("," if data else "") + inner + "}"
+
+
+def _run_from_row(row: Sequence[Any]) -> RunInfo:
+    return RunInfo(
+        run_id=row[0],
+        workflow=row[1],
+        status=RunStatus(row[2]),
+        queue=row[3],
+        input=row[4],
+        output=row[5],
+        error=json.loads(row[6]) if row[6] else None,
+        custom_status=json.loads(row[7]) if row[7] else None,
+        parent_run_id=row[8],
+        continued_to=row[9],
+        task_error=row[10],
+        created_at=row[11],
+        updated_at=row[12],
+        completed_at=row[13],
+    )
+
+
+def _task_from_row(row: Sequence[Any]) -> Task:
+    return Task(
+        task_id=row[0],
+        run_id=row[1],
+        kind=row[2],
+        step=row[3],
+        queue=row[4],
+        name=row[5],
+        payload=row[6],
+        options=json.loads(row[7]) if row[7] else {},
+        fence=row[8],
+        attempt=row[9],
+        lease_expires_at=row[10],
+    )
+
+
+@dataclass
+class OpsStore(Store):
+    """A Store whose methods run the shared operations through ``_do``."""
+
+    @abc.abstractmethod
+    async def _do(self, fn: Op, *args: Any, write: bool = True) -> Any:
+        """Run ``fn(tx, *args)`` in a transaction and return its result."""
+
+    async def create_run(
+        self, *, run_id: str, workflow: str, queue: str, input: str
+    ) -> StartResult:
+        result: StartResult = await self._do(_create_run, run_id, workflow, queue, input)
+        return result
+
+    async def claim(
+        self, *, worker_id: str, queues: Sequence[str], limit: int, lease: float
+    ) -> list[Task]:
+        tasks: list[Task] = await self._do(_claim, worker_id, tuple(queues), limit, lease)
+        return tasks
+
+    async def read_history(self, run_id: str, after_seq: int = 0) -> list[Event]:
+        events: list[Event] = await self._do(_read_history, run_id, after_seq, write=False)
+        return events
+
+    async def complete_workflow_task(
+        self,
+        task: Task,
+        result: WorkflowTaskResult,
+        *,
+        lease_to: str | None = None,
+        lease_queues: Sequence[str] = (),
+        lease: float = 30.0,
+        lease_limit: int = 1_000_000,
+    ) -> tuple[int, list[Task]]:
+        out: tuple[int, list[Task]] = await self._do(
+            _complete_workflow_task, task, result, lease_to, tuple(lease_queues), lease, lease_limit
+        )
+        return out
+
+    async def fail_workflow_task(self, task: Task, error: str, retry_at: float) -> None:
+        await self._do(_fail_workflow_task, task, error, retry_at)
+
+    async def complete_activity(
+        self,
+        task: Task,
+        result: str,
+        *,
+        lease_to: str | None = None,
+        lease_queues: Sequence[str] = (),
+        lease: float = 30.0,
+    ) -> Task | None:
+        out: Task | None = await self._do(
+            _complete_activity, task, result, lease_to, tuple(lease_queues), lease
+        )
+        return out
+
+    async def fail_activity(
+        self,
+        task: Task,
+        error: dict[str, Any],
+        retry_at: float | None,
+        *,
+        lease_to: str | None = None,
+        lease_queues: Sequence[str] = (),
+        lease: float = 30.0,
+    ) -> Task | None:
+        out: Task | None = await self._do(
+            _fail_activity, task, error, retry_at, lease_to, tuple(lease_queues), lease
+        )
+        return out
+
+    async def fire_timer(self, task: Task) -> None:
+        await self._do(_fire_timer, task)
+
+    async def renew(self, tasks: Sequence[Task], lease: float) -> dict[int, bool]:
+        out: dict[int, bool] = await self._do(_renew, tuple(tasks), lease)
+        return out
+
+    async def heartbeat(self, task: Task, lease: float, details: str | None) -> bool:
+        out: bool = await self._do(_heartbeat, task, lease, details)
+        return out
+
+    async def signal(self, run_id: str, name: str, payload: str) -> None:
+        await self._do(_signal, run_id, name, payload)
+
+    async def cancel(self, run_id: str, reason: str | None) -> None:
+        await self._do(_cancel, run_id, reason)
+
+    async def terminate(self, run_id: str, reason: str | None) -> None:
+        await self._do(_terminate, run_id, reason)
+
+    async def suspend(self, run_id: str) -> None:
+        await self._do(_suspend, run_id)
+
+    async def resume(self, run_id: str) -> None:
+        await self._do(_resume, run_id)
+
+    async def get_run(self, run_id: str) -> RunInfo | None:
+        out: RunInfo | None = await self._do(_get_run, run_id, write=False)
+        return out
+
+    async def list_runs(
+        self,
+        *,
+        status: RunStatus | None = None,
+        workflow: str | None = None,
+        limit: int = 100,
+        offset: int = 0,
+    ) -> list[RunInfo]:
+        out: list[RunInfo] = await self._do(
+            _list_runs, status, workflow, limit, offset, write=False
+        )
+        return out
+
+    async def next_due(self, queues: Sequence[str]) -> float | None:
+        out: float | None = await self._do(_next_due, tuple(queues), write=False)
+        return out
+
+
+# -- operations (run inside a transaction, each in its own savepoint) --------
+
+
+def _append(
+    tx: _Tx,
+    run_id: str,
+    type_: EventType,
+    step: int | None,
+    data: dict[str, Any],
+    raw: dict[str, str] | None = None,
+) -> int:
+    row = tx.execute(
+        "UPDATE runs SET next_seq = next_seq + 1, updated_at = ? WHERE run_id = ? "
+        "RETURNING next_seq - 1",
+        (tx.now, run_id),
+    ).fetchone()
+    if row is None:
+        raise RunNotFoundError(run_id)
+    seq: int = row[0]
+    tx.execute(
+        "INSERT INTO events (run_id, seq, type, step, data, created_at) VALUES (?,?,?,?,?,?)",
+        (run_id, seq, type_.value, step, _json(data, raw), tx.now),
+    )
+    return seq
+
+
+def _ensure_workflow_task(
+    tx: _Tx,
+    run_id: str,
+    queue: str,
+    workflow: str,
+    lease_to: str | None = None,
+    lease_queues: tuple[str, ...] = (),
+    lease: float = 30.0,
+) -> Task | None:
+    """Make sure the run has a workflow task; return it if created and leased to us.
+
+    The task is leased at once to ``lease_to`` when that worker serves the run's
+    queue: it usually holds the run in its sticky cache, so it can continue it
+    without another claim.
+    """
+    if lease_to is None or queue not in lease_queues:
+        tx.execute(
+            "INSERT INTO tasks (run_id, kind, queue, name, available_at, created_at) "
+            "VALUES (?, 'workflow', ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+            (run_id, queue, workflow, tx.now, tx.now),
+        )
+        tx.ready.add(queue)
+        return None
+    row = tx.execute(
+        "INSERT INTO tasks (run_id, kind, queue, name, available_at, lease_owner, fence, "
+        "created_at) VALUES (?, 'workflow', ?, ?, ?, ?, 1, ?) ON CONFLICT DO NOTHING "
+        f"RETURNING {_TASK_COLS}",
+        (run_id, queue, workflow, tx.now + lease, lease_to, tx.now),
+    ).fetchone()
+    return _task_from_row(row) if row else None
+
+
+def _run_row(tx: _Tx, run_id: str) -> tuple[Any, ...]:
+    row = tx.execute(
+        "SELECT status, queue, parent_run_id, parent_step, workflow FROM runs WHERE run_id = ?",
+        (run_id,),
+    ).fetchone()
+    if row is None:
+        raise RunNotFoundError(run_id)
+    return tuple(row)
+
+
+def _check_fence(tx: _Tx, task: Task) -> None:
+    row = tx.execute(
+        f"SELECT fence FROM tasks WHERE task_id = ?{tx.for_update}", (task.task_id,)
+    ).fetchone()
+    if row is None or row[0] != task.fence:
+        raise LeaseLostError(
+            f"lease lost on {task.kind} task {task.task_id} of run {task.run_id!r}: another "
+            "worker took it over or the run ended; this worker's result was discarded"
+        )
+
+
+def _insert_run(
+    tx: _Tx,
+    run_id: str,
+    workflow: str,
+    queue: str,
+    input: str,
+    parent_run_id: str | None = None,
+    parent_step: int | None = None,
+) -> None:
+    tx.execute(
+        "INSERT INTO runs (run_id, workflow, status, queue, input, parent_run_id, parent_step, "
+        "created_at, updated_at) VALUES (?,?,?,?,?,?,?,?,?)",
+        (run_id, workflow, "pending", queue, input, parent_run_id, parent_step, tx.now, tx.now),
+    )
+    _append(tx, run_id, EventType.WORKFLOW_STARTED, None, {"workflow": workflow}, {"input": input})
+    _ensure_workflow_task(tx, run_id, queue, workflow)
+
+
+def _create_run(tx: _Tx, run_id: str, workflow: str, queue: str, input: str) -> StartResult:
+    row = tx.execute(f"SELECT {_RUN_COLS} FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+    if row is not None:
+        existing = _run_from_row(row)
+        if existing.workflow != workflow:
+            raise RunIdConflictError(run_id, f"workflow {existing.workflow!r}")
+        if existing.input != input:
+            raise RunIdConflictError(run_id, "different input")
+        return StartResult(run=existing, created=False)
+    _insert_run(tx, run_id, workflow, queue, input)
+    row = tx.execute(f"SELECT {_RUN_COLS} FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+    return StartResult(run=_run_from_row(row), created=True)
+
+
+def _claim(
+    tx: _Tx, worker_id: str, queues: tuple[str, ...], limit: int, lease: float
+) -> list[Task]:
+    marks = ",".join("?" * len(queues))
+    rows = tx.execute(
+        "UPDATE tasks SET lease_owner = ?, available_at = ?, fence = fence + 1, "
+        "attempt = attempt + CASE WHEN kind = 'activity' THEN 1 ELSE 0 END WHERE task_id IN ("
+        f"SELECT t.task_id FROM tasks t WHERE t.queue IN ({marks}) AND t.available_at <= ? "
+        "AND (t.kind = 'timer' OR NOT EXISTS (SELECT 1 FROM runs r WHERE r.run_id = t.run_id "
+        f"AND r.status = 'suspended')) ORDER BY t.available_at LIMIT ?{tx.skip_locked}) "
+        f"RETURNING {_TASK_COLS}",
+        (worker_id, tx.now + lease, *queues, tx.now, limit),
+    ).fetchall()
+    return [_task_from_row(r) for r in rows]
+
+
+def _read_history(tx: _Tx, run_id: str, after_seq: int) -> list[Event]:
+    rows = tx.execute(
+        "SELECT run_id, seq, type, step, data, created_at FROM events "
+        "WHERE run_id = ? AND seq > ? ORDER BY seq",
+        (run_id, after_seq),
+    ).fetchall()
+    return [Event.from_row(r) for r in rows]
+
+
+def _finish(
+    tx: _Tx,
+    run_id: str,
+    status: RunStatus,
+    *,
+    output: str | None = None,
+    error: dict[str, Any] | None = None,
+    continued_to: str | None = None,
+) -> None:
+    _status, _queue, parent_run_id, parent_step, _wf = _run_row(tx, run_id)
+    tx.execute(
+        "UPDATE runs SET status = ?, output = ?, error = ?, continued_to = ?, completed_at = ?, "
+        "updated_at = ? WHERE run_id = ?",
+        (
+            status.value,
+            output,
+            json.dumps(error) if error else None,
+            continued_to,
+            tx.now,
+            tx.now,
+            run_id,
+        ),
+    )
+    tx.execute("DELETE FROM tasks WHERE run_id = ?", (run_id,))
+    tx.finished.add(run_id)
+    if parent_run_id is None or status is RunStatus.CONTINUED_AS_NEW:
+        return
+    pstatus, pqueue, _pp, _ps, pworkflow = _run_row(tx, parent_run_id)
+    if RunStatus(pstatus).is_terminal:
+        return
+    if status is RunStatus.COMPLETED:
+        _append(
+            tx,
+            parent_run_id,
+            EventType.CHILD_COMPLETED,
+            parent_step,
+            {"child_run_id": run_id},
+            {"result": output or "null"},
+        )
+    else:
+        _append(
+            tx,
+            parent_run_id,
+            EventType.CHILD_FAILED,
+            parent_step,
+            {"child_run_id": run_id, "status": status.value, "error": error},
+        )
+    _ensure_workflow_task(tx, parent_run_id, pqueue, pworkflow)
+
+
+def _complete_workflow_task(
+    tx: _Tx,
+    task: Task,
+    result: WorkflowTaskResult,
+    lease_to: str | None,
+    lease_queues: tuple[str, ...],
+    lease: float,
+    lease_limit: int,
+) -> tuple[int, list[Task]]:
+    _check_fence(tx, task)
+    _status, run_queue, parent_run_id, parent_step, workflow = _run_row(tx, task.run_id)
+    leased: list[Task] = []
+    ending: Command | None = None
+    for cmd in result.commands:
+        _append(tx, task.run_id, cmd.type, cmd.step, cmd.data, cmd.raw)
+        t = cmd.type
+        if t is EventType.ACTIVITY_SCHEDULED:
+            q = cmd.data["queue"]
+            local = lease_to is not None and q in lease_queues and len(leased) < lease_limit
+            row = tx.execute(
+                "INSERT INTO tasks (run_id, kind, step, queue, name, payload, options, "
+                "available_at, lease_owner, fence, attempt, created_at) "
+                "VALUES (?, 'activity', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
+                f"ON CONFLICT DO NOTHING RETURNING {_TASK_COLS}",
+                (
+                    task.run_id,
+                    cmd.step,
+                    q,
+                    cmd.data["name"],
+                    cmd.raw.get("args", "{}"),
+                    json.dumps(cmd.data.get("options", {})),
+                    tx.now + lease if local else tx.now,
+                    lease_to if local else None,
+                    1 if local else 0,
+                    1 if local else 0,
+                    tx.now,
+                ),
+            ).fetchone()
+            if local and row is not None:
+                leased.append(_task_from_row(row))
+            else:
+                tx.ready.add(q)
+        elif t is EventType.TIMER_STARTED:
+            tx.execute(
+                "INSERT INTO tasks (run_id, kind, step, queue, available_at, created_at) "
+                "VALUES (?, 'timer', ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+                (task.run_id, cmd.step, run_queue, cmd.data["fire_at"], tx.now),
+            )
+            tx.ready.add(run_queue)
+        elif t is EventType.TIMER_CANCELLED:
+            tx.execute(
+                "DELETE FROM tasks WHERE run_id = ? AND step = ? AND kind = 'timer'",
+                (task.run_id, cmd.data["timer_step"]),
+            )
+        elif t is EventType.ACTIVITY_CANCEL_REQUESTED:
+            target = cmd.data["activity_step"]
+            tx.execute(
+                "DELETE FROM tasks WHERE run_id = ? AND step = ? AND kind = 'activity' "
+                "AND lease_owner IS NULL",
+                (task.run_id, target),
+            )
+            tx.execute(
+                "UPDATE tasks SET cancel_requested = 1 WHERE run_id = ? AND step = ? "
+                "AND kind = 'activity'",
+                (task.run_id, target),
+            )
+        elif t is EventType.CHILD_STARTED:
+            child = cmd.data["child_run_id"]
+            exists = tx.execute(
+                "SELECT parent_run_id FROM runs WHERE run_id = ?", (child,)
+            ).fetchone()
+            if exists is None:
+                _insert_run(
+                    tx,
+                    child,
+                    cmd.data["workflow"],
+                    cmd.data["queue"],
+                    cmd.raw["input"],
+                    task.run_id,
+                    cmd.step,
+                )
+            elif exists[0] != task.run_id:
+                _append(
+                    tx,
+                    task.run_id,
+                    EventType.CHILD_FAILED,
+                    cmd.step,
+                    {
+                        "child_run_id": child,
+                        "status": "failed",
+                        "error": {
+                            "type": "RunIdConflictError",
+                            "message": f"run id {child!r} is already used by another run",
+                        },
+                    },
+                )
+        elif t is EventType.CHILD_CANCEL_REQUESTED:
+            child = cmd.data["child_run_id"]
+            row = tx.execute("SELECT status FROM runs WHERE run_id = ?", (child,)).fetchone()
+            if row is not None and not RunStatus(row[0]).is_terminal:
+                _cancel(tx, child, f"parent run {task.run_id!r} stopped waiting for it")
+        elif t is EventType.STATUS_SET:
+            tx.execute(
+                "UPDATE runs SET custom_status = ? WHERE run_id = ?",
+                (cmd.raw.get("value", "null"), task.run_id),
+            )
+        elif t in (
+            EventType.WORKFLOW_COMPLETED,
+            EventType.WORKFLOW_FAILED,
+            EventType.WORKFLOW_CANCELLED,
+            EventType.CONTINUED_AS_NEW,
+        ):
+            ending = cmd
+    marker = _append(
+        tx,
+        task.run_id,
+        EventType.WORKFLOW_TASK_COMPLETED,
+        None,
+        {"through": result.through, "time": result.time},
+    )
+    if ending is not None:
+        if ending.type is EventType.WORKFLOW_COMPLETED:
+            _finish(tx, task.run_id, RunStatus.COMPLETED, output=ending.raw.get("result", "null"))
+        elif ending.type is EventType.WORKFLOW_FAILED:
+            _finish(tx, task.run_id, RunStatus.FAILED, error=ending.data["error"])
+        elif ending.type is EventType.WORKFLOW_CANCELLED:
+            _finish(tx, task.run_id, RunStatus.CANCELLED, error=ending.data.get("error"))
+        else:
+            nxt = ending.data["next_run_id"]
+            _finish(tx, task.run_id, RunStatus.CONTINUED_AS_NEW, continued_to=nxt)
+            _insert_run(
+                tx, nxt, workflow, run_queue, ending.raw["input"], parent_run_id, parent_step
+            )
+        return marker, []
+    tx.execute(
+        "UPDATE runs SET status = CASE status WHEN 'pending' THEN 'running' ELSE status END, "
+        "task_error = NULL WHERE run_id = ?",
+        (task.run_id,),
+    )
+    newer = tx.execute(
+        "SELECT 1 FROM events WHERE run_id = ? AND seq > ? AND type IN "
+        "('ActivityCompleted','ActivityFailed','TimerFired','ChildCompleted','ChildFailed',"
+        "'SignalReceived','CancelRequested') LIMIT 1",
+        (task.run_id, result.through),
+    ).fetchone()
+    if newer:
+        tx.execute(
+            "UPDATE tasks SET lease_owner = NULL, available_at = ? WHERE task_id = ?",
+            (tx.now, task.task_id),
+        )
+        tx.ready.add(run_queue)
+    else:
+        tx.execute("DELETE FROM tasks WHERE task_id = ?", (task.task_id,))
+    return marker, leased
+
+
+def _fail_workflow_task(tx: _Tx, task: Task, error: str, retry_at: float) -> None:
+    _check_fence(tx, task)
+    tx.execute("UPDATE runs SET task_error = ? WHERE run_id = ?", (error, task.run_id))
+    tx.execute(
+        "UPDATE tasks SET lease_owner = NULL, available_at = ? WHERE task_id = ?",
+        (retry_at, task.task_id),
+    )
+
+
+def _complete_activity(
+    tx: _Tx,
+    task: Task,
+    result: str,
+    lease_to: str | None,
+    lease_queues: tuple[str, ...],
+    lease: float,
+) -> Task | None:
+    _check_fence(tx, task)
+    _append(
+        tx,
+        task.run_id,
+        EventType.ACTIVITY_COMPLETED,
+        task.step,
+        {"attempt": task.attempt},
+        {"result": result},
+    )
+    tx.execute("DELETE FROM tasks WHERE task_id = ?", (task.task_id,))
+    _, run_queue, _p, _s, workflow = _run_row(tx, task.run_id)
+    return _ensure_workflow_task(
+        tx, task.run_id, run_queue, workflow, lease_to, lease_queues, lease
+    )
+
+
+def _fail_activity(
+    tx: _Tx,
+    task: Task,
+    error: dict[str, Any],
+    retry_at: float | None,
+    lease_to: str | None,
+    lease_queues: tuple[str, ...],
+    lease: float,
+) -> Task | None:
+    _check_fence(tx, task)
+    if retry_at is not None:
+        tx.execute(
+            "UPDATE tasks SET lease_owner = NULL, available_at = ?, last_error = ? "
+            "WHERE task_id = ?",
+            (retry_at, json.dumps(error), task.task_id),
+        )
+        tx.ready.add(task.queue)
+        return None
+    _append(
+        tx,
+        task.run_id,
+        EventType.ACTIVITY_FAILED,
+        task.step,
+        {"attempt": task.attempt, "error": error},
+    )
+    tx.execute("DELETE FROM tasks WHERE task_id = ?", (task.task_id,))
+    _, run_queue, _p, _s, workflow = _run_row(tx, task.run_id)
+    return _ensure_workflow_task(
+        tx, task.run_id, run_queue, workflow, lease_to, lease_queues, lease
+    )
+
+
+def _fire_timer(tx: _Tx, task: Task) -> None:
+    _check_fence(tx, task)
+    _append(tx, task.run_id, EventType.TIMER_FIRED, task.step, {})
+    tx.execute("DELETE FROM tasks WHERE task_id = ?", (task.task_id,))
+    _, run_queue, _p, _s, workflow = _run_row(tx, task.run_id)
+    _ensure_workflow_task(tx, task.run_id, run_queue, workflow)
+
+
+def _renew(tx: _Tx, tasks: tuple[Task, ...], lease: float) -> dict[int, bool]:
+    out: dict[int, bool] = {}
+    for t in tasks:
+        row = tx.execute(
+            "UPDATE tasks SET available_at = ? WHERE task_id = ? AND fence = ? "
+            "RETURNING cancel_requested",
+            (tx.now + lease, t.task_id, t.fence),
+        ).fetchone()
+        if row is not None:
+            out[t.task_id] = bool(row[0])
+    return out
+
+
+def _heartbeat(tx: _Tx, task: Task, lease: float, details: str | None) -> bool:
+    row = tx.execute(
+        "UPDATE tasks SET available_at = ?, heartbeat = coalesce(?, heartbeat) "
+        "WHERE task_id = ? AND fence = ? RETURNING cancel_requested",
+        (tx.now + lease, details, task.task_id, task.fence),
+    ).fetchone()
+    if row is None:
+        raise LeaseLostError(
+            f"activity task {task.task_id} of run {task.run_id!r} is no longer held by this "
+            "worker (lease expired, run ended or cancelled); stop work and clean up"
+        )
+    return bool(row[0])
+
+
+def _live_run(tx: _Tx, run_id: str, action: str) -> tuple[Any, ...]:
+    row = _run_row(tx, run_id)
+    if RunStatus(row[0]).is_terminal:
+        raise RunFinishedError(run_id, row[0], action)
+    return row
+
+
+def _signal(tx: _Tx, run_id: str, name: str, payload: str) -> None:
+    _, run_queue, _p, _s, workflow = _live_run(tx, run_id, f"signal {name!r} to")
+    _append(tx, run_id, EventType.SIGNAL_RECEIVED, None, {"name": name}, {"payload": payload})
+    _ensure_workflow_task(tx, run_id, run_queue, workflow)
+
+
+def _cancel(tx: _Tx, run_id: str, reason: str | None) -> None:
+    _, run_queue, _p, _s, workflow = _live_run(tx, run_id, "cancel")
+    _append(tx, run_id, EventType.CANCEL_REQUESTED, None, {"reason": reason})
+    _ensure_workflow_task(tx, run_id, run_queue, workflow)
+    tx.execute(
+        "UPDATE tasks SET cancel_requested = 1 WHERE run_id = ? AND kind = 'activity'", (run_id,)
+    )
+
+
+def _terminate(tx: _Tx, run_id: str, reason: str | None) -> None:
+    _live_run(tx, run_id, "terminate")
+    _append(tx, run_id, EventType.WORKFLOW_TERMINATED, None, {"reason": reason})
+    _finish(
+        tx,
+        run_id,
+        RunStatus.TERMINATED,
+        error={"type": "Terminated", "message": reason or "terminated by an operator"},
+    )
+    children = tx.execute(
+        "SELECT run_id FROM runs WHERE parent_run_id = ? AND status NOT IN "
+        f"({','.join('?' * len(_TERMINAL))})",
+        (run_id, *_TERMINAL),
+    ).fetchall()
+    for (child,) in children:
+        _terminate(tx, child, f"parent run {run_id!r} was terminated")
+
+
+def _suspend(tx: _Tx, run_id: str) -> None:
+    status, *_ = _live_run(tx, run_id, "suspend")
+    if status == RunStatus.SUSPENDED.value:
+        return
+    _append(tx, run_id, EventType.SUSPENDED, None, {})
+    tx.execute("UPDATE runs SET status = 'suspended' WHERE run_id = ?", (run_id,))
+
+
+def _resume(tx: _Tx, run_id: str) -> None:
+    status, run_queue, *_ = _live_run(tx, run_id, "resume")
+    if status != RunStatus.SUSPENDED.value:
+        return
+    _append(tx, run_id, EventType.RESUMED, None, {})
+    tx.execute("UPDATE runs SET status = 'running' WHERE run_id = ?", (run_id,))
+    tx.ready.add(run_queue)
+    for (q,) in tx.execute("SELECT DISTINCT queue FROM tasks WHERE run_id = ?", (run_id,)):
+        tx.ready.add(q)
+
+
+def _get_run(tx: _Tx, run_id: str) -> RunInfo | None:
+    row = tx.execute(f"SELECT {_RUN_COLS} FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+    return _run_from_row(row) if row else None
+
+
+def _list_runs(
+    tx: _Tx, status: RunStatus | None, workflow: str | None, limit: int, offset: int
+) -> list[RunInfo]:
+    where, args = [], []
+    if status is not None:
+        where.append("status = ?")
+        args.append(status.value)
+    if workflow is not None:
+        where.append("workflow = ?")
+        args.append(workflow)
+    clause = f"WHERE {' AND '.join(where)}" if where else ""
+    rows = tx.execute(
+        f"SELECT {_RUN_COLS} FROM runs {clause} ORDER BY created_at DESC, run_id LIMIT ? OFFSET ?",
+        (*args, limit, offset),
+    ).fetchall()
+    return [_run_from_row(r) for r in rows]
+
+
+def _next_due(tx: _Tx, queues: tuple[str, ...]) -> float | None:
+    marks = ",".join("?" * len(queues))
+    row = tx.execute(
+        f"SELECT min(available_at) FROM tasks WHERE queue IN ({marks})", queues
+    ).fetchone()
+    return row[0] if row else None
