@@ -38,6 +38,7 @@ class EventType(enum.StrEnum):
     TIMER_STARTED = "TimerStarted"
     TIMER_CANCELLED = "TimerCancelled"
     CHILD_STARTED = "ChildStarted"
+    CHILD_CANCEL_REQUESTED = "ChildCancelRequested"
     STATUS_SET = "StatusSet"
     WORKFLOW_COMPLETED = "WorkflowCompleted"
     WORKFLOW_FAILED = "WorkflowFailed"
@@ -71,6 +72,7 @@ COMMANDS = frozenset(
         EventType.TIMER_STARTED,
         EventType.TIMER_CANCELLED,
         EventType.CHILD_STARTED,
+        EventType.CHILD_CANCEL_REQUESTED,
         EventType.STATUS_SET,
         EventType.WORKFLOW_COMPLETED,
         EventType.WORKFLOW_FAILED,

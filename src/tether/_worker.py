@@ -259,7 +259,12 @@ class Worker:
             return
         try:
             marker, leased = await store.complete_workflow_task(
-                task, result, lease_to=self.id, lease_queues=self.queues, lease=self.lease
+                task,
+                result,
+                lease_to=self.id,
+                lease_queues=self.queues,
+                lease=self.lease,
+                lease_limit=max(0, self.concurrency - len(self._inflight)),
             )
         except LeaseLostError:
             self.stats["lease_lost"] += 1

@@ -281,12 +281,12 @@ class WorkflowInstance:
             self._new.append(Command(type=type_, step=step, data=data, raw=raw or {}))
         return step
 
-    def _watch_cancel(self, step: int, cancel_type: EventType, field: str) -> None:
+    def _watch_cancel(self, step: int, cancel_type: EventType, field: str, **extra: Any) -> None:
         fut = self._pending[step].future
 
         def on_done(f: asyncio.Future[Any]) -> None:
             if f.cancelled() and self._pending.pop(step, None) is not None and not self.finished:
-                self._command(cancel_type, {field: step})
+                self._command(cancel_type, {field: step, **extra})
 
         fut.add_done_callback(on_done)
 
@@ -323,6 +323,9 @@ class WorkflowInstance:
         )
         fut = self.loop.create_future()
         self._pending[step] = _Pending(fut, "child", workflow.name, workflow.sig.return_type)
+        self._watch_cancel(
+            step, EventType.CHILD_CANCEL_REQUESTED, "child_step", child_run_id=child_id
+        )
         return fut
 
     def start_timer(self, delay: float) -> asyncio.Future[Any]:
@@ -358,6 +361,7 @@ def _key(data: dict[str, Any]) -> tuple[Any, ...]:
         data.get("workflow"),
         data.get("timer_step"),
         data.get("activity_step"),
+        data.get("child_step"),
     )
 
 
