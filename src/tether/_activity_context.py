@@ -35,6 +35,8 @@ class ActivityContext:
     attempt: int
     #: stable across every attempt and redelivery of this step: ``run_id:step``
     idempotency_key: str
+    #: the details of the last heartbeat of an earlier attempt, to resume long work
+    heartbeat_details: Any = None
     task: Task = field(repr=False)
     _store: Store = field(repr=False)
     _loop: asyncio.AbstractEventLoop = field(repr=False)

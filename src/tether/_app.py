@@ -180,6 +180,8 @@ class App:
         name: str | None = None,
         retry: Retry | None = None,
         timeout: float | timedelta | None = None,
+        schedule_timeout: float | timedelta | None = None,
+        heartbeat_timeout: float | timedelta | None = None,
         queue: str | None = None,
     ) -> Callable[[Callable[P, Any]], Activity[P, Any]]: ...
 
@@ -191,21 +193,27 @@ class App:
         name: str | None = None,
         retry: Retry | None = None,
         timeout: float | timedelta | None = None,
+        schedule_timeout: float | timedelta | None = None,
+        heartbeat_timeout: float | timedelta | None = None,
         queue: str | None = None,
     ) -> Activity[P, Any] | Callable[[Callable[P, Any]], Activity[P, Any]]:
-        """Register a sync or async function as an activity: a recorded, retried step."""
-        t = seconds(timeout, "activity timeout")
-        if timeout is not None and not t:
-            raise ConfigurationError("activity timeout must be positive")
-        if retry is not None and not isinstance(retry, Retry):
-            raise ConfigurationError(f"retry= takes a tether.Retry, got {type(retry).__name__}")
+        """Register a sync or async function as an activity: a recorded, retried step.
+
+        Options are checked here, so a nonsensical policy fails at import time.
+        """
+        base = ActivityOptions(retry=DEFAULT_RETRY, queue=self.default_queue)
 
         def wrap(f: Callable[P, Any]) -> Activity[P, Any]:
             aname = name or f.__name__
             if aname in self._activities and self._activities[aname].fn is not f:
                 raise ConfigurationError(f"an activity named {aname!r} is already registered")
-            opts = ActivityOptions(
-                retry=retry or DEFAULT_RETRY, timeout=t, queue=queue or self.default_queue
+            opts = base.replace(
+                what=f"activity {aname!r}",
+                retry=retry,
+                timeout=timeout,
+                schedule_timeout=schedule_timeout,
+                heartbeat_timeout=heartbeat_timeout,
+                queue=queue,
             )
             act: Activity[P, Any] = Activity(f, name=aname, options=opts)
             self._activities[aname] = act

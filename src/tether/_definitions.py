@@ -21,25 +21,64 @@ R = TypeVar("R")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ActivityOptions:
-    """Per-activity settings; ``Activity.options`` overrides them per call."""
+    """Per-activity settings; ``Activity.options`` overrides them per call.
+
+    Timeouts are layered: ``timeout`` bounds one attempt (start to close),
+    ``schedule_timeout`` bounds the whole step including retries and time spent
+    queued (schedule to close), and a run deadline (``app.start(deadline=)``)
+    bounds the run. ``heartbeat_timeout`` declares that the activity heartbeats:
+    if no heartbeat arrives within it, the attempt is presumed dead and retried
+    elsewhere, long before a lease would expire.
+    """
 
     retry: Retry = DEFAULT_RETRY
-    timeout: float | None = None  #: seconds per attempt (start to close)
+    timeout: float | None = None
+    schedule_timeout: float | None = None
+    heartbeat_timeout: float | None = None
     queue: str = "default"
 
     def to_json(self) -> dict[str, Any]:
         """The options as stored with an activity task."""
-        r = self.retry
         return {
             "timeout": self.timeout,
-            "retry": {
-                "attempts": r.attempts,
-                "initial": seconds(r.initial, "initial"),
-                "backoff": r.backoff,
-                "max_interval": seconds(r.max_interval, "max_interval"),
-                "jitter": r.jitter,
-            },
+            "schedule_timeout": self.schedule_timeout,
+            "heartbeat_timeout": self.heartbeat_timeout,
+            "retry": self.retry.to_json(),
         }
+
+    def replace(
+        self,
+        *,
+        what: str,
+        retry: Retry | None = None,
+        timeout: float | timedelta | None = None,
+        schedule_timeout: float | timedelta | None = None,
+        heartbeat_timeout: float | timedelta | None = None,
+        queue: str | None = None,
+    ) -> ActivityOptions:
+        """A copy with the given options changed, each validated."""
+        changes: dict[str, Any] = {}
+        if retry is not None:
+            if not isinstance(retry, Retry):
+                raise ConfigurationError(
+                    f"retry= of {what} takes a tether.Retry, got {type(retry).__name__}"
+                )
+            changes["retry"] = retry
+        for field, value in (
+            ("timeout", timeout),
+            ("schedule_timeout", schedule_timeout),
+            ("heartbeat_timeout", heartbeat_timeout),
+        ):
+            if value is not None:
+                s = seconds(value, f"{field} of {what}")
+                if not s:
+                    raise ConfigurationError(f"{field} of {what} must be positive")
+                changes[field] = s
+        if queue is not None:
+            if not queue:
+                raise ConfigurationError(f"queue of {what} must be a non-empty name")
+            changes["queue"] = queue
+        return dataclasses.replace(self, **changes)
 
 
 def _current() -> WorkflowInstance | None:
@@ -70,19 +109,19 @@ class Activity(Generic[P, R]):
         *,
         retry: Retry | None = None,
         timeout: float | timedelta | None = None,
+        schedule_timeout: float | timedelta | None = None,
+        heartbeat_timeout: float | timedelta | None = None,
         queue: str | None = None,
     ) -> Activity[P, R]:
         """A copy of this activity with some options changed, for one call site."""
-        opts = self.opts
-        if retry is not None:
-            opts = dataclasses.replace(opts, retry=retry)
-        if timeout is not None:
-            t = seconds(timeout, f"timeout of activity {self.name!r}")
-            if not t:
-                raise ConfigurationError(f"timeout of activity {self.name!r} must be positive")
-            opts = dataclasses.replace(opts, timeout=t)
-        if queue is not None:
-            opts = dataclasses.replace(opts, queue=queue)
+        opts = self.opts.replace(
+            what=f"activity {self.name!r}",
+            retry=retry,
+            timeout=timeout,
+            schedule_timeout=schedule_timeout,
+            heartbeat_timeout=heartbeat_timeout,
+            queue=queue,
+        )
         copy: Activity[P, R] = Activity(self.fn, name=self.name, options=opts)
         return copy
 

@@ -32,6 +32,7 @@ class EventType(enum.StrEnum):
     CHILD_FAILED = "ChildFailed"
     SIGNAL_RECEIVED = "SignalReceived"
     CANCEL_REQUESTED = "CancelRequested"
+    DEADLINE_EXCEEDED = "DeadlineExceeded"
     # commands
     ACTIVITY_SCHEDULED = "ActivityScheduled"
     ACTIVITY_CANCEL_REQUESTED = "ActivityCancelRequested"
@@ -43,9 +44,13 @@ class EventType(enum.StrEnum):
     WORKFLOW_COMPLETED = "WorkflowCompleted"
     WORKFLOW_FAILED = "WorkflowFailed"
     WORKFLOW_CANCELLED = "WorkflowCancelled"
+    WORKFLOW_TIMED_OUT = "WorkflowTimedOut"
+    WORKFLOW_NEEDS_INTERVENTION = "WorkflowNeedsIntervention"
     CONTINUED_AS_NEW = "ContinuedAsNew"
     # marker
     WORKFLOW_TASK_COMPLETED = "WorkflowTaskCompleted"
+    # informational: neither outcomes nor commands, ignored by replay
+    ACTIVITY_ATTEMPT_FAILED = "ActivityAttemptFailed"
     # operator actions, informational for replay
     WORKFLOW_TERMINATED = "WorkflowTerminated"
     SUSPENDED = "Suspended"
@@ -62,6 +67,7 @@ INCOMING = frozenset(
         EventType.CHILD_FAILED,
         EventType.SIGNAL_RECEIVED,
         EventType.CANCEL_REQUESTED,
+        EventType.DEADLINE_EXCEEDED,
     }
 )
 
@@ -77,9 +83,15 @@ COMMANDS = frozenset(
         EventType.WORKFLOW_COMPLETED,
         EventType.WORKFLOW_FAILED,
         EventType.WORKFLOW_CANCELLED,
+        EventType.WORKFLOW_TIMED_OUT,
+        EventType.WORKFLOW_NEEDS_INTERVENTION,
         EventType.CONTINUED_AS_NEW,
     }
 )
+
+
+#: events that, written by someone else, make a cached instance stale
+REPLAY_CHANGING = COMMANDS | {EventType.WORKFLOW_TASK_COMPLETED}
 
 
 class RunStatus(enum.StrEnum):
@@ -92,6 +104,8 @@ class RunStatus(enum.StrEnum):
     FAILED = "failed"
     CANCELLED = "cancelled"
     TERMINATED = "terminated"
+    TIMED_OUT = "timed_out"  #: the run's deadline passed (its compensations ran)
+    NEEDS_INTERVENTION = "needs_intervention"  #: a compensation failed: an operator must act
     CONTINUED_AS_NEW = "continued_as_new"  #: ended here, continued in ``continued_to``
 
     @property
@@ -106,6 +120,8 @@ _TERMINAL = frozenset(
         RunStatus.FAILED,
         RunStatus.CANCELLED,
         RunStatus.TERMINATED,
+        RunStatus.TIMED_OUT,
+        RunStatus.NEEDS_INTERVENTION,
         RunStatus.CONTINUED_AS_NEW,
     }
 )
@@ -185,3 +201,4 @@ class Task:
     fence: int
     attempt: int
     lease_expires_at: float
+    heartbeat: str | None = None  #: last heartbeat details (JSON), for resuming work

@@ -5,8 +5,9 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
-from ._errors import ConfigurationError, NonRetryable
+from ._errors import ConfigurationError
 
 
 def seconds(value: float | timedelta | None, what: str) -> float | None:
@@ -33,6 +34,8 @@ class Retry:
     initial: float | timedelta = 1.0
     backoff: float = 2.0
     max_interval: float | timedelta = 60.0
+    #: give up once this long has passed since the step was scheduled (None: no limit)
+    max_elapsed: float | timedelta | None = None
     jitter: float = 0.2
     non_retryable: tuple[type[BaseException], ...] = field(default=())
 
@@ -49,6 +52,9 @@ class Retry:
             raise ConfigurationError(
                 f"Retry.max_interval ({mx}s) must not be below Retry.initial ({init}s)"
             )
+        elapsed = seconds(self.max_elapsed, "Retry.max_elapsed")
+        if elapsed is not None and elapsed <= 0:
+            raise ConfigurationError(f"Retry.max_elapsed must be positive (got {elapsed})")
         if not 0 <= self.jitter <= 1:
             raise ConfigurationError(f"Retry.jitter must be within 0..1 (got {self.jitter})")
 
@@ -62,11 +68,31 @@ class Retry:
             base = max(0.0, base * (1 + r))
         return base
 
-    def is_retryable(self, exc: BaseException) -> bool:
-        """Whether ``exc`` may be retried under this policy."""
-        if isinstance(exc, NonRetryable):
-            return False
-        return not (self.non_retryable and isinstance(exc, self.non_retryable))
+    def to_json(self) -> dict[str, Any]:
+        """The numeric part of the policy, as stored with each activity task."""
+        return {
+            "attempts": self.attempts,
+            "initial": seconds(self.initial, "initial"),
+            "backoff": self.backoff,
+            "max_interval": seconds(self.max_interval, "max_interval"),
+            "max_elapsed": seconds(self.max_elapsed, "max_elapsed"),
+            "jitter": self.jitter,
+        }
+
+    @classmethod
+    def from_json(
+        cls, data: dict[str, Any], non_retryable: tuple[type[BaseException], ...] = ()
+    ) -> Retry:
+        """Rebuild a policy stored with a task (exception types come from the registry)."""
+        return cls(
+            attempts=int(data.get("attempts", 5)),
+            initial=float(data.get("initial", 1.0)),
+            backoff=float(data.get("backoff", 2.0)),
+            max_interval=float(data.get("max_interval", 60.0)),
+            max_elapsed=data.get("max_elapsed"),
+            jitter=float(data.get("jitter", 0.2)),
+            non_retryable=non_retryable,
+        )
 
 
 DEFAULT_RETRY = Retry()

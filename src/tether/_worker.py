@@ -15,6 +15,7 @@ import collections
 import concurrent.futures
 import contextvars
 import functools
+import json
 import logging
 import os
 import socket
@@ -23,8 +24,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ._activity_context import ActivityContext, set_context
+from ._classify import classify
 from ._errors import LeaseLostError, NonRetryable, PayloadError, StoreError, TetherError
-from ._history import INCOMING, Task
+from ._history import REPLAY_CHANGING, Task
 from ._policy import Retry
 from ._serde import encode
 from .workflow._instance import WorkflowInstance
@@ -232,7 +234,7 @@ class Worker:
         try:
             events = await store.read_history(task.run_id, inst.through if inst else 0)
             if inst is not None and any(
-                e.type not in INCOMING and e.seq > inst.last_seq for e in events
+                e.type in REPLAY_CHANGING and e.seq > inst.last_seq for e in events
             ):
                 # another worker advanced this run: our copy is stale
                 self.stats["cache_stale"] += 1
@@ -286,17 +288,24 @@ class Worker:
     async def _run_activity(self, task: Task) -> None:
         store = self.app.store
         assert self._loop is not None
+        opts = task.options or {}
         try:
             act = self.app.get_activity(task.name or "")
         except TetherError as exc:
-            await self._record_failure(task, exc, Retry(attempts=1_000_000, initial=5.0), None)
+            # another deploy may know it: keep retrying slowly, never lose the step
+            await self._record_failure(task, exc, _Plan(Retry(attempts=1_000_000), opts), None)
             return
+        plan = _Plan(Retry.from_json(opts.get("retry") or {}, act.opts.retry.non_retryable), opts)
+        details = None
+        if task.heartbeat is not None:
+            details = json.loads(task.heartbeat)
         ctx = ActivityContext(
             run_id=task.run_id,
             step=task.step or 0,
             name=act.name,
             attempt=task.attempt,
             idempotency_key=f"{task.run_id}:{task.step}",
+            heartbeat_details=details,
             task=task,
             _store=store,
             _loop=self._loop,
@@ -305,17 +314,18 @@ class Worker:
         entry = self._inflight.get(task.task_id)
         if entry is not None:
             self._inflight[task.task_id] = (entry[0], entry[1], ctx)
-        opts = task.options or {}
-        r = opts.get("retry") or {}
-        policy = Retry(
-            attempts=int(r.get("attempts", act.opts.retry.attempts)),
-            initial=float(r.get("initial", 1.0)),
-            backoff=float(r.get("backoff", 2.0)),
-            max_interval=float(r.get("max_interval", 60.0)),
-            jitter=float(r.get("jitter", 0.2)),
-            non_retryable=act.opts.retry.non_retryable,
-        )
-        timeout = opts.get("timeout")
+        now = store.clock()
+        if plan.deadline is not None and now >= plan.deadline:
+            await self._record_failure(task, _StepTimeout(plan.deadline_reason), plan, ctx)
+            return
+        if task.attempt > plan.retry.attempts:
+            err = TimeoutError(
+                f"attempt {task.attempt} exceeds the {plan.retry.attempts} allowed: earlier "
+                "attempts were lost (worker crash or heartbeat timeout)"
+            )
+            await self._record_failure(task, err, plan, ctx)
+            return
+        timeout = plan.attempt_timeout(now)
         try:
             args, kwargs = act.sig.decode_args(task.payload or "{}")
             cv = contextvars.copy_context()
@@ -336,18 +346,18 @@ class Worker:
                 raise
             ctx._cancelled.set()
             await self._record_failure(
-                task, asyncio.CancelledError("activity cancelled"), Retry(attempts=1), ctx
+                task, asyncio.CancelledError("activity cancelled"), plan, ctx
             )
             return
         except TimeoutError as exc:
             err = TimeoutError(str(exc) or f"activity {act.name!r} timed out after {timeout}s")
-            await self._record_failure(task, err, policy, ctx)
+            await self._record_failure(task, err, plan, ctx)
             return
         except PayloadError as exc:
-            await self._record_failure(task, NonRetryable(str(exc)), policy, ctx)
+            await self._record_failure(task, NonRetryable(str(exc)), plan, ctx)
             return
         except Exception as exc:
-            await self._record_failure(task, exc, policy, ctx)
+            await self._record_failure(task, exc, plan, ctx)
             return
         self.stats["activities"] += 1
         try:
@@ -361,20 +371,11 @@ class Worker:
             self._spawn(wt)
 
     async def _record_failure(
-        self, task: Task, exc: BaseException, policy: Retry, ctx: ActivityContext | None
+        self, task: Task, exc: BaseException, plan: _Plan, ctx: ActivityContext | None
     ) -> None:
         store = self.app.store
-        retry = (
-            policy.is_retryable(exc)
-            and task.attempt < policy.attempts
-            and not (ctx is not None and ctx.is_cancelled)
-        )
-        error: dict[str, Any] = {
-            "type": type(exc).__name__,
-            "message": str(exc),
-            "retryable": retry,
-        }
-        retry_at = store.clock() + policy.delay(task.attempt) if retry else None
+        now = store.clock()
+        error, retry_at = plan.decide(task.attempt, exc, now, ctx is not None and ctx.is_cancelled)
         self.stats["activity_failures"] += 1
         try:
             wt = await store.fail_activity(
@@ -397,3 +398,69 @@ class Worker:
             await self.app.store.fire_timer(task)
         except LeaseLostError:
             pass
+
+
+class _StepTimeout(TimeoutError):
+    """The step ran out of its schedule-to-close time or its retry policy's max_elapsed."""
+
+
+class _Plan:
+    """The failure policy of one activity task: retries, layered timeouts, deadline."""
+
+    def __init__(self, retry: Retry, opts: dict[str, Any]) -> None:
+        self.retry = retry
+        self.timeout: float | None = opts.get("timeout")
+        scheduled = opts.get("scheduled_at")
+        limits: list[tuple[float, str]] = []
+        if scheduled is not None:
+            if opts.get("schedule_timeout"):
+                limits.append(
+                    (
+                        scheduled + float(opts["schedule_timeout"]),
+                        f"schedule-to-close timeout of {opts['schedule_timeout']}s",
+                    )
+                )
+            max_elapsed = (opts.get("retry") or {}).get("max_elapsed")
+            if max_elapsed:
+                limits.append((scheduled + float(max_elapsed), f"max_elapsed of {max_elapsed}s"))
+        first = min(limits) if limits else None
+        self.deadline: float | None = first[0] if first else None
+        self.deadline_reason = (
+            f"step exceeded its {first[1]}" if first else "step exceeded its deadline"
+        )
+
+    def attempt_timeout(self, now: float) -> float | None:
+        """Seconds this attempt may take: its own timeout, capped by the step deadline."""
+        limits = [t for t in (self.timeout,) if t]
+        if self.deadline is not None:
+            limits.append(max(0.001, self.deadline - now))
+        return min(limits) if limits else None
+
+    def decide(
+        self, attempt: int, exc: BaseException, now: float, cancelled: bool
+    ) -> tuple[dict[str, Any], float | None]:
+        """The error to record and when to retry (None: the step has failed for good)."""
+        verdict = classify(exc, self.retry.non_retryable, now)
+        delay = (
+            verdict.retry_after if verdict.retry_after is not None else self.retry.delay(attempt)
+        )
+        reason = verdict.reason
+        retry = verdict.retryable
+        if isinstance(exc, _StepTimeout):
+            retry, reason = False, str(exc)
+        elif cancelled or isinstance(exc, asyncio.CancelledError):
+            retry, reason = False, "cancelled"
+        elif retry and attempt >= self.retry.attempts:
+            retry, reason = False, f"gave up after {attempt} attempt(s): {verdict.reason}"
+        elif retry and self.deadline is not None and now + delay >= self.deadline:
+            retry, reason = False, f"{self.deadline_reason} before the next attempt"
+        error: dict[str, Any] = {
+            "type": type(exc).__name__,
+            "message": str(exc),
+            "retryable": retry,
+            "reason": reason,
+            "attempts": attempt,
+        }
+        if verdict.retry_after is not None:
+            error["retry_after"] = verdict.retry_after
+        return error, (now + delay if retry else None)

@@ -29,7 +29,8 @@ _RUN_COLS = (
     "continued_to, task_error, created_at, updated_at, completed_at"
 )
 _TASK_COLS = (
-    "task_id, run_id, kind, step, queue, name, payload, options, fence, attempt, available_at"
+    "task_id, run_id, kind, step, queue, name, payload, options, fence, attempt, available_at, "
+    "heartbeat"
 )
 
 Op = Callable[..., Any]
@@ -95,6 +96,7 @@ def _task_from_row(row: Sequence[Any]) -> Task:
         fence=row[8],
         attempt=row[9],
         lease_expires_at=row[10],
+        heartbeat=row[11],
     )
 
 
@@ -107,9 +109,17 @@ class OpsStore(Store):
         """Run ``fn(tx, *args)`` in a transaction and return its result."""
 
     async def create_run(
-        self, *, run_id: str, workflow: str, queue: str, input: str
+        self,
+        *,
+        run_id: str,
+        workflow: str,
+        queue: str,
+        input: str,
+        deadline_at: float | None = None,
     ) -> StartResult:
-        result: StartResult = await self._do(_create_run, run_id, workflow, queue, input)
+        result: StartResult = await self._do(
+            _create_run, run_id, workflow, queue, input, deadline_at
+        )
         return result
 
     async def claim(
@@ -258,6 +268,10 @@ def _ensure_workflow_task(
     queue: it usually holds the run in its sticky cache, so it can continue it
     without another claim.
     """
+    if lease_to is not None and queue in lease_queues:
+        row = tx.execute("SELECT status FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+        if row is not None and row[0] == RunStatus.SUSPENDED.value:
+            lease_to = None  # a suspended run's work waits for resume, not for this worker
     if lease_to is None or queue not in lease_queues:
         tx.execute(
             "INSERT INTO tasks (run_id, kind, queue, name, available_at, created_at) "
@@ -304,17 +318,29 @@ def _insert_run(
     input: str,
     parent_run_id: str | None = None,
     parent_step: int | None = None,
+    deadline_at: float | None = None,
 ) -> None:
     tx.execute(
         "INSERT INTO runs (run_id, workflow, status, queue, input, parent_run_id, parent_step, "
         "created_at, updated_at) VALUES (?,?,?,?,?,?,?,?,?)",
         (run_id, workflow, "pending", queue, input, parent_run_id, parent_step, tx.now, tx.now),
     )
-    _append(tx, run_id, EventType.WORKFLOW_STARTED, None, {"workflow": workflow}, {"input": input})
+    data: dict[str, Any] = {"workflow": workflow}
+    if deadline_at is not None:
+        data["deadline_at"] = deadline_at
+        # the deadline is a task like a timer: due at the deadline, deleted when the run ends
+        tx.execute(
+            "INSERT INTO tasks (run_id, kind, queue, available_at, created_at) "
+            "VALUES (?, 'deadline', ?, ?, ?)",
+            (run_id, queue, deadline_at, tx.now),
+        )
+    _append(tx, run_id, EventType.WORKFLOW_STARTED, None, data, {"input": input})
     _ensure_workflow_task(tx, run_id, queue, workflow)
 
 
-def _create_run(tx: _Tx, run_id: str, workflow: str, queue: str, input: str) -> StartResult:
+def _create_run(
+    tx: _Tx, run_id: str, workflow: str, queue: str, input: str, deadline_at: float | None
+) -> StartResult:
     row = tx.execute(f"SELECT {_RUN_COLS} FROM runs WHERE run_id = ?", (run_id,)).fetchone()
     if row is not None:
         existing = _run_from_row(row)
@@ -323,7 +349,7 @@ def _create_run(tx: _Tx, run_id: str, workflow: str, queue: str, input: str) -> 
         if existing.input != input:
             raise RunIdConflictError(run_id, "different input")
         return StartResult(run=existing, created=False)
-    _insert_run(tx, run_id, workflow, queue, input)
+    _insert_run(tx, run_id, workflow, queue, input, deadline_at=deadline_at)
     row = tx.execute(f"SELECT {_RUN_COLS} FROM runs WHERE run_id = ?", (run_id,)).fetchone()
     return StartResult(run=_run_from_row(row), created=True)
 
@@ -333,13 +359,15 @@ def _claim(
 ) -> list[Task]:
     marks = ",".join("?" * len(queues))
     rows = tx.execute(
-        "UPDATE tasks SET lease_owner = ?, available_at = ?, fence = fence + 1, "
+        "UPDATE tasks SET lease_owner = ?, available_at = ? + COALESCE(heartbeat_timeout, ?), "
+        "fence = fence + 1, "
         "attempt = attempt + CASE WHEN kind = 'activity' THEN 1 ELSE 0 END WHERE task_id IN ("
         f"SELECT t.task_id FROM tasks t WHERE t.queue IN ({marks}) AND t.available_at <= ? "
-        "AND (t.kind = 'timer' OR NOT EXISTS (SELECT 1 FROM runs r WHERE r.run_id = t.run_id "
+        "AND (t.kind IN ('timer', 'deadline') OR NOT EXISTS (SELECT 1 FROM runs r "
+        "WHERE r.run_id = t.run_id "
         f"AND r.status = 'suspended')) ORDER BY t.available_at LIMIT ?{tx.skip_locked}) "
         f"RETURNING {_TASK_COLS}",
-        (worker_id, tx.now + lease, *queues, tx.now, limit),
+        (worker_id, tx.now, lease, *queues, tx.now, limit),
     ).fetchall()
     return [_task_from_row(r) for r in rows]
 
@@ -378,6 +406,12 @@ def _finish(
     )
     tx.execute("DELETE FROM tasks WHERE run_id = ?", (run_id,))
     tx.finished.add(run_id)
+    if status in (RunStatus.FAILED, RunStatus.NEEDS_INTERVENTION, RunStatus.TIMED_OUT):
+        tx.execute(
+            "INSERT INTO dead_letters (run_id, kind, name, input, error, reason, created_at) "
+            "SELECT run_id, 'run', workflow, input, ?, ?, ? FROM runs WHERE run_id = ?",
+            (json.dumps(error) if error else None, status.value, tx.now, run_id),
+        )
     if parent_run_id is None or status is RunStatus.CONTINUED_AS_NEW:
         return
     pstatus, pqueue, _pp, _ps, pworkflow = _run_row(tx, parent_run_id)
@@ -413,7 +447,9 @@ def _complete_workflow_task(
     lease_limit: int,
 ) -> tuple[int, list[Task]]:
     _check_fence(tx, task)
-    _status, run_queue, parent_run_id, parent_step, workflow = _run_row(tx, task.run_id)
+    status, run_queue, parent_run_id, parent_step, workflow = _run_row(tx, task.run_id)
+    if status == RunStatus.SUSPENDED.value:
+        lease_to = None  # suspended while this task ran: dispatch nothing locally
     leased: list[Task] = []
     ending: Command | None = None
     for cmd in result.commands:
@@ -421,11 +457,12 @@ def _complete_workflow_task(
         t = cmd.type
         if t is EventType.ACTIVITY_SCHEDULED:
             q = cmd.data["queue"]
+            hb_timeout = (cmd.data.get("options") or {}).get("heartbeat_timeout")
             local = lease_to is not None and q in lease_queues and len(leased) < lease_limit
             row = tx.execute(
                 "INSERT INTO tasks (run_id, kind, step, queue, name, payload, options, "
-                "available_at, lease_owner, fence, attempt, created_at) "
-                "VALUES (?, 'activity', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
+                "available_at, lease_owner, fence, attempt, heartbeat_timeout, created_at) "
+                "VALUES (?, 'activity', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
                 f"ON CONFLICT DO NOTHING RETURNING {_TASK_COLS}",
                 (
                     task.run_id,
@@ -434,10 +471,11 @@ def _complete_workflow_task(
                     cmd.data["name"],
                     cmd.raw.get("args", "{}"),
                     json.dumps(cmd.data.get("options", {})),
-                    tx.now + lease if local else tx.now,
+                    tx.now + (hb_timeout or lease) if local else tx.now,
                     lease_to if local else None,
                     1 if local else 0,
                     1 if local else 0,
+                    hb_timeout,
                     tx.now,
                 ),
             ).fetchone()
@@ -513,6 +551,8 @@ def _complete_workflow_task(
             EventType.WORKFLOW_COMPLETED,
             EventType.WORKFLOW_FAILED,
             EventType.WORKFLOW_CANCELLED,
+            EventType.WORKFLOW_TIMED_OUT,
+            EventType.WORKFLOW_NEEDS_INTERVENTION,
             EventType.CONTINUED_AS_NEW,
         ):
             ending = cmd
@@ -528,6 +568,10 @@ def _complete_workflow_task(
             _finish(tx, task.run_id, RunStatus.COMPLETED, output=ending.raw.get("result", "null"))
         elif ending.type is EventType.WORKFLOW_FAILED:
             _finish(tx, task.run_id, RunStatus.FAILED, error=ending.data["error"])
+        elif ending.type is EventType.WORKFLOW_TIMED_OUT:
+            _finish(tx, task.run_id, RunStatus.TIMED_OUT, error=ending.data.get("error"))
+        elif ending.type is EventType.WORKFLOW_NEEDS_INTERVENTION:
+            _finish(tx, task.run_id, RunStatus.NEEDS_INTERVENTION, error=ending.data["error"])
         elif ending.type is EventType.WORKFLOW_CANCELLED:
             _finish(tx, task.run_id, RunStatus.CANCELLED, error=ending.data.get("error"))
         else:
@@ -545,7 +589,7 @@ def _complete_workflow_task(
     newer = tx.execute(
         "SELECT 1 FROM events WHERE run_id = ? AND seq > ? AND type IN "
         "('ActivityCompleted','ActivityFailed','TimerFired','ChildCompleted','ChildFailed',"
-        "'SignalReceived','CancelRequested') LIMIT 1",
+        "'SignalReceived','CancelRequested','DeadlineExceeded') LIMIT 1",
         (task.run_id, result.through),
     ).fetchone()
     if newer:
@@ -608,8 +652,29 @@ def _fail_activity(
             "WHERE task_id = ?",
             (retry_at, json.dumps(error), task.task_id),
         )
+        _append(
+            tx,
+            task.run_id,
+            EventType.ACTIVITY_ATTEMPT_FAILED,
+            task.step,
+            {"attempt": task.attempt, "error": error, "retry_at": retry_at},
+        )
         tx.ready.add(task.queue)
         return None
+    tx.execute(
+        "INSERT INTO dead_letters (run_id, step, kind, name, input, error, attempts, reason, "
+        "created_at) VALUES (?, ?, 'activity', ?, ?, ?, ?, ?, ?)",
+        (
+            task.run_id,
+            task.step,
+            task.name,
+            task.payload,
+            json.dumps(error),
+            task.attempt,
+            error.get("reason"),
+            tx.now,
+        ),
+    )
     _append(
         tx,
         task.run_id,
@@ -626,7 +691,10 @@ def _fail_activity(
 
 def _fire_timer(tx: _Tx, task: Task) -> None:
     _check_fence(tx, task)
-    _append(tx, task.run_id, EventType.TIMER_FIRED, task.step, {})
+    if task.kind == "deadline":
+        _append(tx, task.run_id, EventType.DEADLINE_EXCEEDED, None, {})
+    else:
+        _append(tx, task.run_id, EventType.TIMER_FIRED, task.step, {})
     tx.execute("DELETE FROM tasks WHERE task_id = ?", (task.task_id,))
     _, run_queue, _p, _s, workflow = _run_row(tx, task.run_id)
     _ensure_workflow_task(tx, task.run_id, run_queue, workflow)
@@ -636,8 +704,8 @@ def _renew(tx: _Tx, tasks: tuple[Task, ...], lease: float) -> dict[int, bool]:
     out: dict[int, bool] = {}
     for t in tasks:
         row = tx.execute(
-            "UPDATE tasks SET available_at = ? WHERE task_id = ? AND fence = ? "
-            "RETURNING cancel_requested",
+            "UPDATE tasks SET available_at = CASE WHEN heartbeat_timeout IS NULL THEN ? "
+            "ELSE available_at END WHERE task_id = ? AND fence = ? RETURNING cancel_requested",
             (tx.now + lease, t.task_id, t.fence),
         ).fetchone()
         if row is not None:
@@ -647,9 +715,10 @@ def _renew(tx: _Tx, tasks: tuple[Task, ...], lease: float) -> dict[int, bool]:
 
 def _heartbeat(tx: _Tx, task: Task, lease: float, details: str | None) -> bool:
     row = tx.execute(
-        "UPDATE tasks SET available_at = ?, heartbeat = coalesce(?, heartbeat) "
-        "WHERE task_id = ? AND fence = ? RETURNING cancel_requested",
-        (tx.now + lease, details, task.task_id, task.fence),
+        "UPDATE tasks SET available_at = ? + COALESCE(heartbeat_timeout, ?), "
+        "heartbeat = coalesce(?, heartbeat) WHERE task_id = ? AND fence = ? "
+        "RETURNING cancel_requested",
+        (tx.now, lease, details, task.task_id, task.fence),
     ).fetchone()
     if row is None:
         raise LeaseLostError(

@@ -59,8 +59,12 @@ class Store(abc.ABC):
         workflow: str,
         queue: str,
         input: str,
+        deadline_at: float | None = None,
     ) -> StartResult:
-        """Create a run with its first workflow task, or return the existing identical one."""
+        """Create a run with its first workflow task, or return the existing identical one.
+
+        With ``deadline_at``, a deadline task fires ``DeadlineExceeded`` into the run then.
+        """
 
     @abc.abstractmethod
     async def claim(
@@ -184,10 +188,24 @@ class Store(abc.ABC):
         """Counters: commits, operations (for benchmarks)."""
 
 
-def open_store(url: str | Store | None) -> Store:
-    """Open a store from a URL: a path, ``sqlite:///path``, or ``:memory:``."""
+def open_store(url: str | Store | None, *, schema: str | None = None) -> Store:
+    """Open a store from a URL: a path, ``sqlite:///path``, ``:memory:``, or
+    ``postgresql://user@host/db`` (``?schema=NAME`` or ``schema=`` picks a schema)."""
     if isinstance(url, Store):
         return url
+    if url is not None and url.startswith(("postgresql://", "postgres://")):
+        try:
+            from .postgres import PostgresStore
+        except ImportError as exc:
+            raise ConfigurationError(
+                f"the PostgreSQL store needs psycopg, which is not installed ({exc}); "
+                "install it with: pip install 'tether[postgres]'"
+            ) from exc
+        return PostgresStore(url, schema=schema)
+    if schema is not None:
+        raise ConfigurationError(
+            f"schema={schema!r} applies only to PostgreSQL store URLs (postgresql://...)"
+        )
     from .sqlite import SqliteStore
 
     if url is None:
@@ -196,14 +214,9 @@ def open_store(url: str | Store | None) -> Store:
         return SqliteStore(":memory:")
     if url.startswith("sqlite:///"):
         return SqliteStore(url[len("sqlite:///") :])
-    if url.startswith(("postgresql://", "postgres://")):
-        raise ConfigurationError(
-            "the PostgreSQL store is not available in this release yet; use a SQLite path "
-            "(the default ./tether.db) for now"
-        )
     if "://" in url:
         raise ConfigurationError(
-            f"unsupported store URL {url!r}: use a file path, 'sqlite:///path/to/file.db' "
-            "or ':memory:'"
+            f"unsupported store URL {url!r}: use a file path, 'sqlite:///path/to/file.db', "
+            "':memory:' or 'postgresql://user@host/dbname'"
         )
     return SqliteStore(url)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import os
 import queue
 import sqlite3
@@ -24,6 +25,8 @@ from typing import Any
 from .._errors import StoreError
 from .._history import Task
 from ._ops import Op, OpsStore, _heartbeat, _Tx
+
+log = logging.getLogger("tether.store")
 
 Listener = Callable[[set[str], set[str]], None]
 
@@ -108,7 +111,13 @@ class SqliteStore(OpsStore):
                     self._queue.put(None)
                     break
                 batch.append(nxt)
-            self._run_batch(conn, batch)
+            try:
+                self._run_batch(conn, batch)
+            except BaseException as exc:  # the writer thread must never die
+                log.exception("store batch failed")
+                for _, _, _, fut in batch:
+                    if not fut.done():
+                        fut.set_exception(StoreError(f"store operation failed: {exc!r}"))
         conn.close()
 
     def _run_batch(self, conn: sqlite3.Connection, batch: list[Any]) -> None:
@@ -121,6 +130,8 @@ class SqliteStore(OpsStore):
                 conn.execute("BEGIN IMMEDIATE")
             now = self.clock()
             for fn, args, write, fut in batch:
+                if not fut.set_running_or_notify_cancel():
+                    continue  # the caller gave up before it ran: apply nothing
                 tx = _Tx(conn, now)
                 if write:
                     conn.execute("SAVEPOINT op")

@@ -9,12 +9,13 @@ as ordinary coroutines; the others raise ``NotInWorkflowError``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime as _dt
 import logging
 import uuid as _uuid
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable, Iterable
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from .._errors import TetherError
 from .._policy import seconds
@@ -168,3 +169,73 @@ class _ReplaySafeLogger(logging.LoggerAdapter[logging.Logger]):
 
 
 logger = _ReplaySafeLogger(logging.getLogger("tether.workflow"), {})
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ItemOutcome(Generic[T]):
+    """What happened to one item of ``tether.map``."""
+
+    index: int
+    ok: bool
+    value: T | None = None
+    error: str | None = None  #: "Type: message" when the item failed
+    error_type: str | None = None
+
+
+async def map(
+    fn: Callable[[Any], Awaitable[T]], items: Iterable[Any], *, concurrency: int = 10
+) -> list[ItemOutcome[T]]:
+    """Apply ``fn`` (an activity, a child workflow, any async callable) to each item,
+    at most ``concurrency`` at a time; return one outcome per item, in input order.
+
+    A failing item (a poison input) never stops its siblings: it comes back as
+    ``ok=False`` with its reason, and (for activities) sits in the dead-letter
+    list. Items start in input order as slots free up, so replay is deterministic
+    and no more than ``concurrency`` calls are in flight or buffered at once.
+    """
+    if concurrency < 1:
+        raise ValueError("tether.map concurrency must be at least 1")
+    pending = list(items)
+    out: list[ItemOutcome[T] | None] = [None] * len(pending)
+    running: dict[asyncio.Future[Any], int] = {}
+    next_index = 0
+
+    async def call(item: Any) -> T:
+        return await fn(item)
+
+    def launch() -> None:
+        nonlocal next_index
+        while next_index < len(pending) and len(running) < concurrency:
+            fut = asyncio.ensure_future(call(pending[next_index]))
+            running[fut] = next_index
+            next_index += 1
+
+    launch()
+    try:
+        while running:
+            done, _ = await asyncio.wait(list(running), return_when=asyncio.FIRST_COMPLETED)
+            for fut in sorted(done, key=running.__getitem__):  # set order is not replay-safe
+                i = running.pop(fut)
+                exc = fut.exception()
+                if exc is None:
+                    out[i] = ItemOutcome(index=i, ok=True, value=fut.result())
+                else:
+                    out[i] = ItemOutcome(
+                        index=i,
+                        ok=False,
+                        error=f"{type(exc).__name__}: {exc}",
+                        error_type=type(exc).__name__,
+                    )
+            launch()
+    except asyncio.CancelledError:
+        for fut in running:
+            fut.cancel()
+        raise
+    return [o for o in out if o is not None]
+
+
+def idempotency_key(label: str) -> str:
+    """A key for ``label`` that is the same on every replay of this run: pass it to a
+    downstream system so a retried or replayed step is applied once."""
+    inst = _instance("idempotency_key")
+    return f"{inst.run_id}:{label}"

@@ -26,6 +26,7 @@ from .._history import COMMANDS, INCOMING, Event, EventType
 from .._serde import convert, encode
 from ..store.base import Command, WorkflowTaskResult
 from ._loop import DeterministicLoop
+from ._saga import CompensationFailed
 
 if TYPE_CHECKING:
     from .._definitions import Activity, Workflow
@@ -85,6 +86,7 @@ class WorkflowInstance:
         self.through = 0  #: last incoming event seq applied
         self.finished = False
         self.cancel_requested = False
+        self.deadline_exceeded = False
         self.main: asyncio.Task[Any] | None = None
         self._new: list[Command] = []
         self._recorded: dict[int, Event] = {}
@@ -172,10 +174,19 @@ class WorkflowInstance:
         self.finished = True
         token = _current.set(self)
         try:
+            exc = None if main.cancelled() else main.exception()
+            if isinstance(exc, CompensationFailed):
+                self._command(EventType.WORKFLOW_NEEDS_INTERVENTION, {"error": _error_dict(exc)})
+                return
+            if self.deadline_exceeded and (main.cancelled() or exc is not None):
+                error = {"type": "DeadlineExceeded", "message": "the run's deadline passed"}
+                if exc is not None and not isinstance(exc, asyncio.CancelledError):
+                    error = _error_dict(exc)
+                self._command(EventType.WORKFLOW_TIMED_OUT, {"error": error})
+                return
             if main.cancelled():
                 self._command(EventType.WORKFLOW_CANCELLED, {"error": None})
                 return
-            exc = main.exception()
             if exc is None:
                 try:
                     text = encode(main.result(), f"result of workflow {self.workflow.name!r}")
@@ -220,6 +231,11 @@ class WorkflowInstance:
             self.cancel_requested = True
             if self.main is not None and not self.main.done():
                 self.main.cancel(ev.data.get("reason"))
+            return
+        if t is EventType.DEADLINE_EXCEEDED:
+            self.deadline_exceeded = True
+            if self.main is not None and not self.main.done():
+                self.main.cancel("the run's deadline passed")
             return
         assert ev.step is not None
         p = self._pending.pop(ev.step, None)
@@ -298,7 +314,11 @@ class WorkflowInstance:
         args_json = activity.sig.encode_args(args, kwargs)
         step = self._command(
             EventType.ACTIVITY_SCHEDULED,
-            {"name": activity.name, "queue": opts.queue, "options": opts.to_json()},
+            {
+                "name": activity.name,
+                "queue": opts.queue,
+                "options": {**opts.to_json(), "scheduled_at": self.now},
+            },
             {"args": args_json},
         )
         fut = self.loop.create_future()

@@ -56,7 +56,8 @@ CREATE TABLE IF NOT EXISTS tasks (
     fence             INTEGER NOT NULL DEFAULT 0,
     attempt           INTEGER NOT NULL DEFAULT 0,
     cancel_requested  INTEGER NOT NULL DEFAULT 0,
-    heartbeat         TEXT,
+    heartbeat         TEXT,            -- last heartbeat details (JSON)
+    heartbeat_timeout REAL,            -- set: only heartbeats extend the lease
     last_error        TEXT,
     created_at        REAL NOT NULL
 );
@@ -66,3 +67,21 @@ CREATE UNIQUE INDEX IF NOT EXISTS tasks_one_workflow_task ON tasks (run_id) WHER
 CREATE UNIQUE INDEX IF NOT EXISTS tasks_by_step ON tasks (run_id, step) WHERE kind != 'workflow';
 CREATE INDEX IF NOT EXISTS tasks_ready ON tasks (queue, available_at);
 CREATE INDEX IF NOT EXISTS tasks_by_run ON tasks (run_id);
+
+-- Steps and runs that exhausted their failure policy, kept with their input and
+-- last error until an operator replays or dismisses them.
+CREATE TABLE IF NOT EXISTS dead_letters (
+    id           INTEGER PRIMARY KEY AUTOINCREMENT,
+    run_id       TEXT NOT NULL,
+    step         INTEGER,
+    kind         TEXT NOT NULL,   -- activity | run
+    name         TEXT NOT NULL,   -- activity or workflow name
+    input        TEXT,
+    error        TEXT,
+    attempts     INTEGER,
+    reason       TEXT,
+    created_at   REAL NOT NULL,
+    resolved_at  REAL,
+    resolution   TEXT             -- JSON: how it was resolved (replayed result, retried run)
+);
+CREATE INDEX IF NOT EXISTS dead_letters_open ON dead_letters (resolved_at, created_at);
