@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from ._activity_context import ActivityContext, NotInActivityError, activity_context
 from ._app import App, Run
+from ._classify import RetryAfter, Verdict, classify
 from ._definitions import Activity, ActivityOptions, Workflow
 from ._errors import (
     ActivityError,
@@ -22,25 +23,31 @@ from ._errors import (
     RunCancelledError,
     RunFinishedError,
     RunIdConflictError,
+    RunNeedsInterventionError,
     RunNotFoundError,
     RunTerminatedError,
+    RunTimedOutError,
     StoreError,
     TetherError,
     UnknownActivityError,
     UnknownWorkflowError,
     WorkflowFailedError,
 )
-from ._history import Event, EventType, RunInfo, RunStatus
+from ._history import DeadLetter, Event, EventType, RunInfo, RunStatus
 from ._policy import Retry
 from ._worker import Worker
+from .store._ops import RecoveryError
 from .workflow._api import (
+    ItemOutcome,
     NotInWorkflowError,
     continue_as_new,
     first,
     gather,
+    idempotency_key,
     in_workflow,
     is_replaying,
     logger,
+    map,
     now,
     random,
     set_status,
@@ -49,6 +56,7 @@ from .workflow._api import (
     wait_event,
 )
 from .workflow._loop import WorkflowSandboxError
+from .workflow._saga import CompensationFailed, Saga, saga
 
 __version__ = "0.1.0"
 
@@ -59,43 +67,56 @@ __all__ = [
     "ActivityOptions",
     "App",
     "ChildWorkflowError",
+    "CompensationFailed",
     "ConfigurationError",
+    "DeadLetter",
     "Event",
     "EventType",
+    "ItemOutcome",
     "LeaseLostError",
     "NonDeterminismError",
     "NonRetryable",
     "NotInActivityError",
     "NotInWorkflowError",
     "PayloadError",
+    "RecoveryError",
     "ResultTimeoutError",
     "Retry",
+    "RetryAfter",
     "Run",
     "RunCancelledError",
     "RunFinishedError",
     "RunIdConflictError",
     "RunInfo",
+    "RunNeedsInterventionError",
     "RunNotFoundError",
     "RunStatus",
     "RunTerminatedError",
+    "RunTimedOutError",
+    "Saga",
     "StoreError",
     "TetherError",
     "UnknownActivityError",
     "UnknownWorkflowError",
+    "Verdict",
     "Worker",
     "Workflow",
     "WorkflowFailedError",
     "WorkflowSandboxError",
     "__version__",
     "activity_context",
+    "classify",
     "continue_as_new",
     "first",
     "gather",
+    "idempotency_key",
     "in_workflow",
     "is_replaying",
     "logger",
+    "map",
     "now",
     "random",
+    "saga",
     "set_status",
     "sleep",
     "uuid",

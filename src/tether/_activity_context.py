@@ -37,9 +37,9 @@ class ActivityContext:
     idempotency_key: str
     #: the details of the last heartbeat of an earlier attempt, to resume long work
     heartbeat_details: Any = None
-    task: Task = field(repr=False)
-    _store: Store = field(repr=False)
-    _loop: asyncio.AbstractEventLoop = field(repr=False)
+    task: Task | None = field(repr=False)
+    _store: Store | None = field(repr=False)
+    _loop: asyncio.AbstractEventLoop | None = field(repr=False)
     _lease: float = field(repr=False, default=30.0)
     _cancelled: threading.Event = field(default_factory=threading.Event, repr=False)
 
@@ -55,6 +55,8 @@ class ActivityContext:
         answers that the run was cancelled or the lease is gone.
         """
         text = None if details is None else encode(details, "heartbeat details")
+        if self._store is None or self.task is None or self._loop is None:
+            return  # replayed by an operator outside a worker: nothing to renew
         coro = self._store.heartbeat(self.task, self._lease, text)
         try:
             running = asyncio.get_running_loop()

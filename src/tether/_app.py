@@ -4,28 +4,35 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import contextvars
+import logging
 import threading
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
 from datetime import timedelta
 from typing import Any, Generic, ParamSpec, TypeVar, overload
 
+from ._activity_context import ActivityContext, set_context
 from ._definitions import Activity, ActivityOptions, Workflow
 from ._errors import (
     ConfigurationError,
     ResultTimeoutError,
     RunCancelledError,
+    RunNeedsInterventionError,
     RunNotFoundError,
     RunTerminatedError,
+    RunTimedOutError,
     UnknownActivityError,
     UnknownWorkflowError,
     WorkflowFailedError,
 )
-from ._history import Event, RunInfo, RunStatus
+from ._history import DeadLetter, Event, RunInfo, RunStatus
 from ._policy import DEFAULT_RETRY, Retry, seconds
-from ._serde import encode
+from ._serde import decode_raw, encode
 from ._worker import Worker
 from .store.base import Store, open_store
+
+log = logging.getLogger("tether")
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -79,6 +86,10 @@ class Run(Generic[R]):
             raise RunCancelledError(run_id, info.status.value, msg or "cancelled")
         if info.status is RunStatus.TERMINATED:
             raise RunTerminatedError(run_id, info.status.value, msg)
+        if info.status is RunStatus.TIMED_OUT:
+            raise RunTimedOutError(run_id, info.status.value, msg)
+        if info.status is RunStatus.NEEDS_INTERVENTION:
+            raise RunNeedsInterventionError(run_id, info.status.value, msg)
         raise WorkflowFailedError(run_id, info.status.value, msg)
 
     async def signal(self, name: str, payload: Any = None) -> None:
@@ -98,7 +109,15 @@ class App:
     The store is opened on first use.
     """
 
-    def __init__(self, store: str | Store | None = None, *, queue: str = "default") -> None:
+    def __init__(
+        self,
+        store: str | Store | None = None,
+        *,
+        queue: str = "default",
+        on_alert: Callable[[str, dict[str, Any]], Any] | None = None,
+    ) -> None:
+        #: called as ``on_alert(run_id, error)`` (sync or async) when a run needs an operator
+        self.on_alert = on_alert
         self._store_spec = store
         self._store: Store | None = None
         self._store_lock = threading.Lock()
@@ -107,6 +126,7 @@ class App:
         self._activities: dict[str, Activity[Any, Any]] = {}
         self._waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
         self._waiters_lock = threading.Lock()
+        self._alerts: set[asyncio.Future[Any]] = set()
 
     # -- store -------------------------------------------------------------
 
@@ -253,12 +273,19 @@ class App:
         *args: Any,
         run_id: str | None = None,
         kwargs: dict[str, Any] | None = None,
+        deadline: float | timedelta | None = None,
     ) -> Run[R]:
         """Start a run and return its handle; durable when this returns.
 
         Idempotent by ``run_id``: starting again with the same workflow and input
         returns the existing run; different input raises ``RunIdConflictError``.
+        ``deadline`` (seconds or a timedelta from now) bounds the whole run: when it
+        passes, the code sees CancelledError (so saga compensations run) and the run
+        ends ``timed_out``.
         """
+        limit = seconds(deadline, "deadline")
+        if deadline is not None and not limit:
+            raise ConfigurationError("deadline must be positive")
         wf = self.get_workflow(workflow) if isinstance(workflow, str) else workflow
         if wf.name not in self._workflows:
             raise UnknownWorkflowError(wf.name, list(self._workflows))
@@ -266,7 +293,13 @@ class App:
         text = wf.sig.encode_args(args, kw)
         wf.sig.decode_args(text)  # wrong argument types fail here, not in the worker
         rid = run_id or uuid.uuid4().hex
-        res = await self.store.create_run(run_id=rid, workflow=wf.name, queue=wf.queue, input=text)
+        res = await self.store.create_run(
+            run_id=rid,
+            workflow=wf.name,
+            queue=wf.queue,
+            input=text,
+            deadline_at=None if limit is None else self.store.clock() + limit,
+        )
         return Run(self, res.run.run_id, wf)
 
     def get_run(self, run_id: str) -> Run[Any]:
@@ -316,6 +349,100 @@ class App:
     async def resume(self, run_id: str) -> None:
         """Continue a suspended run."""
         await self.store.resume(run_id)
+
+    # -- recovery ---------------------------------------------------------------
+
+    async def dead_letters(
+        self, *, include_resolved: bool = False, run_id: str | None = None, limit: int = 100
+    ) -> builtins.list[DeadLetter]:
+        """Steps and runs that exhausted their failure policy, oldest first."""
+        return await self.store.dead_letters(
+            include_resolved=include_resolved, run_id=run_id, limit=limit
+        )
+
+    async def retry(self, run_id: str) -> Run[Any]:
+        """Resume a failed (or needs_intervention) run from its failed step.
+
+        Every recorded outcome is kept, so no successful step runs again; the failed
+        step runs anew (same idempotency key) and the code continues with today's
+        deploy. Open dead letters of the run are marked retried.
+        """
+        await self.store.retry_run(run_id)
+        return self.get_run(run_id)
+
+    async def fork(self, run_id: str, *, at_step: int, new_run_id: str | None = None) -> Run[Any]:
+        """Start a new run that reuses the first ``at_step`` recorded outcomes of ``run_id``
+        and runs the rest with today's code (try a fix or a new prompt on a real run)."""
+        if at_step < 0:
+            raise ConfigurationError("at_step must be 0 or more")
+        rid = new_run_id or f"{run_id}@fork-{uuid.uuid4().hex[:8]}"
+        await self.store.fork_run(run_id, rid, at_step)
+        return self.get_run(rid)
+
+    async def replay_dead_letter(self, letter_id: int) -> Any:
+        """Replay one dead letter once, after a fix.
+
+        A failed run's letter retries the run (``app.retry``). A step whose run went
+        on (a poison item in ``tether.map``) is run again here with its recorded
+        input and original idempotency key; its result is stored on the letter and
+        returned. A replay that fails again reopens the letter and raises.
+        """
+        letter = await self.store.claim_dead_letter(letter_id)
+        info = await self.get(letter.run_id)
+        if letter.kind == "run" or info.status in (
+            RunStatus.FAILED,
+            RunStatus.NEEDS_INTERVENTION,
+        ):
+            try:
+                await self.store.retry_run(letter.run_id)
+            except Exception:
+                await self.store.resolve_dead_letter(letter_id, None)
+                raise
+            await self.store.resolve_dead_letter(letter_id, {"state": "retried"})
+            return None
+        act = self.get_activity(letter.name)
+        ctx = ActivityContext(
+            run_id=letter.run_id,
+            step=letter.step or 0,
+            name=act.name,
+            attempt=(letter.attempts or 0) + 1,
+            idempotency_key=f"{letter.run_id}:{letter.step}",
+            task=None,
+            _store=None,
+            _loop=None,
+        )
+        try:
+            args, kwargs = act.sig.decode_args(letter.input or "{}")
+            cv = contextvars.copy_context()
+            cv.run(set_context, ctx)
+            if act.is_async:
+                value = await asyncio.get_running_loop().create_task(
+                    act.fn(*args, **kwargs), context=cv
+                )
+            else:
+                value = await asyncio.to_thread(cv.run, act.fn, *args, **kwargs)
+            encoded = encode(value, f"result of activity {act.name!r}")
+        except Exception:
+            await self.store.resolve_dead_letter(letter_id, None)
+            raise
+        await self.store.resolve_dead_letter(
+            letter_id, {"state": "replayed", "result": decode_raw(encoded)}
+        )
+        return value
+
+    def _alert(self, run_id: str, error: dict[str, Any]) -> None:
+        hook = self.on_alert
+        if hook is None:
+            log.error("run %r needs intervention: %s", run_id, error.get("message"))
+            return
+        try:
+            out = hook(run_id, error)
+            if asyncio.iscoroutine(out):
+                task = asyncio.ensure_future(out)
+                self._alerts.add(task)
+                task.add_done_callback(self._alerts.discard)
+        except Exception:
+            log.exception("the on_alert hook failed for run %r", run_id)
 
     async def _wait_finished(self, run_id: str, deadline: float | None) -> RunInfo:
         loop = asyncio.get_running_loop()

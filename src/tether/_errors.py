@@ -17,9 +17,14 @@ step, what was expected) and says what to do next.
     ├── ChildWorkflowError        a child run did not complete
     ├── WorkflowFailedError       awaiting the result of a failed run
     │   ├── RunCancelledError     ... of a cancelled run
-    │   └── RunTerminatedError    ... of a terminated run
+    │   ├── RunTerminatedError    ... of a terminated run
+    │   ├── RunTimedOutError      ... of a run whose deadline passed
+    │   └── RunNeedsInterventionError ... of a run whose compensation failed
+    ├── CompensationFailed        a saga undo failed (workflow code sees it)
+    ├── RecoveryError             retry/fork/replay not possible in this state
     └── ResultTimeoutError        run.result(timeout=) gave up waiting
     NonRetryable                  raise from an activity to fail at once
+    RetryAfter                    raise from an activity to retry after N seconds
 """
 
 from __future__ import annotations
@@ -163,6 +168,14 @@ class RunCancelledError(WorkflowFailedError):
 
 class RunTerminatedError(WorkflowFailedError):
     """The run was terminated."""
+
+
+class RunTimedOutError(WorkflowFailedError):
+    """The run's deadline passed; its compensations ran."""
+
+
+class RunNeedsInterventionError(WorkflowFailedError):
+    """A compensation failed; an operator must finish the rollback (then ``app.retry``)."""
 
 
 class ResultTimeoutError(TetherError, TimeoutError):

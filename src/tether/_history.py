@@ -53,6 +53,7 @@ class EventType(enum.StrEnum):
     ACTIVITY_ATTEMPT_FAILED = "ActivityAttemptFailed"
     # operator actions, informational for replay
     WORKFLOW_TERMINATED = "WorkflowTerminated"
+    RUN_RETRIED = "RunRetried"  #: ``data["voided"]`` lists seqs replay must skip
     SUSPENDED = "Suspended"
     RESUMED = "Resumed"
 
@@ -91,7 +92,18 @@ COMMANDS = frozenset(
 
 
 #: events that, written by someone else, make a cached instance stale
-REPLAY_CHANGING = COMMANDS | {EventType.WORKFLOW_TASK_COMPLETED}
+REPLAY_CHANGING = COMMANDS | {EventType.WORKFLOW_TASK_COMPLETED, EventType.RUN_RETRIED}
+
+#: outcome events that resolve one command step
+OUTCOMES = frozenset(
+    {
+        EventType.ACTIVITY_COMPLETED,
+        EventType.ACTIVITY_FAILED,
+        EventType.TIMER_FIRED,
+        EventType.CHILD_COMPLETED,
+        EventType.CHILD_FAILED,
+    }
+)
 
 
 class RunStatus(enum.StrEnum):
@@ -202,3 +214,39 @@ class Task:
     attempt: int
     lease_expires_at: float
     heartbeat: str | None = None  #: last heartbeat details (JSON), for resuming work
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DeadLetter:
+    """A step or run that exhausted its failure policy, kept for an operator."""
+
+    id: int
+    run_id: str
+    step: int | None
+    kind: str  #: "activity" or "run"
+    name: str  #: activity or workflow name
+    input: str | None
+    error: dict[str, Any] | None
+    attempts: int | None
+    reason: str | None
+    created_at: float
+    resolved_at: float | None
+    resolution: Any
+
+    @classmethod
+    def from_row(cls, row: tuple[Any, ...]) -> DeadLetter:
+        """Build from a ``dead_letters`` row in column order."""
+        return cls(
+            id=row[0],
+            run_id=row[1],
+            step=row[2],
+            kind=row[3],
+            name=row[4],
+            input=row[5],
+            error=json.loads(row[6]) if row[6] else None,
+            attempts=row[7],
+            reason=row[8],
+            created_at=row[9],
+            resolved_at=row[10],
+            resolution=json.loads(row[11]) if row[11] else None,
+        )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -11,10 +12,16 @@ from ._errors import ConfigurationError
 
 
 def seconds(value: float | timedelta | None, what: str) -> float | None:
-    """Normalise a duration given as seconds or a timedelta; reject negatives."""
+    """Normalise a duration given as seconds or a timedelta; reject negatives and NaN."""
     if value is None:
         return None
+    if isinstance(value, bool) or not isinstance(value, int | float | timedelta):
+        raise ConfigurationError(
+            f"{what} must be a number of seconds or a timedelta (got {value!r})"
+        )
     s = value.total_seconds() if isinstance(value, timedelta) else float(value)
+    if not math.isfinite(s):
+        raise ConfigurationError(f"{what} must be a finite duration (got {value!r})")
     if s < 0:
         raise ConfigurationError(f"{what} must not be negative (got {value!r})")
     return s
@@ -40,12 +47,24 @@ class Retry:
     non_retryable: tuple[type[BaseException], ...] = field(default=())
 
     def __post_init__(self) -> None:
+        if isinstance(self.attempts, bool) or not isinstance(self.attempts, int):
+            raise ConfigurationError(
+                f"Retry.attempts must be a whole number (got {self.attempts!r})"
+            )
         if self.attempts < 1:
             raise ConfigurationError(
                 f"Retry.attempts must be at least 1 (got {self.attempts}); 1 means no retries"
             )
         init = seconds(self.initial, "Retry.initial")
         mx = seconds(self.max_interval, "Retry.max_interval")
+        if (
+            isinstance(self.backoff, bool)
+            or not isinstance(self.backoff, int | float)
+            or not math.isfinite(self.backoff)
+        ):
+            raise ConfigurationError(
+                f"Retry.backoff must be a finite number (got {self.backoff!r})"
+            )
         if self.backoff < 1:
             raise ConfigurationError(f"Retry.backoff must be >= 1 (got {self.backoff})")
         if init is not None and mx is not None and mx < init:
@@ -55,7 +74,7 @@ class Retry:
         elapsed = seconds(self.max_elapsed, "Retry.max_elapsed")
         if elapsed is not None and elapsed <= 0:
             raise ConfigurationError(f"Retry.max_elapsed must be positive (got {elapsed})")
-        if not 0 <= self.jitter <= 1:
+        if not isinstance(self.jitter, int | float) or not 0 <= self.jitter <= 1:
             raise ConfigurationError(f"Retry.jitter must be within 0..1 (got {self.jitter})")
 
     def delay(self, failed_attempt: int, rng: random.Random | None = None) -> float:

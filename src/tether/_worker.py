@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from ._activity_context import ActivityContext, set_context
 from ._classify import classify
 from ._errors import LeaseLostError, NonRetryable, PayloadError, StoreError, TetherError
-from ._history import REPLAY_CHANGING, Task
+from ._history import REPLAY_CHANGING, EventType, Task
 from ._policy import Retry
 from ._serde import encode
 from .workflow._instance import WorkflowInstance
@@ -276,6 +276,9 @@ class Worker:
             return
         self.stats["workflow_tasks"] += 1
         inst.committed(marker)
+        for cmd in result.commands:
+            if cmd.type is EventType.WORKFLOW_NEEDS_INTERVENTION:
+                self.app._alert(task.run_id, cmd.data.get("error") or {})
         if not inst.finished:
             self._cache[task.run_id] = inst
             while len(self._cache) > self.cache_size:

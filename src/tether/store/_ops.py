@@ -19,8 +19,9 @@ from .._errors import (
     RunFinishedError,
     RunIdConflictError,
     RunNotFoundError,
+    TetherError,
 )
-from .._history import Event, EventType, RunInfo, RunStatus, Task
+from .._history import COMMANDS, OUTCOMES, DeadLetter, Event, EventType, RunInfo, RunStatus, Task
 from .base import Command, StartResult, Store, WorkflowTaskResult
 
 _TERMINAL = tuple(s.value for s in RunStatus if s.is_terminal)
@@ -221,6 +222,27 @@ class OpsStore(Store):
             _list_runs, status, workflow, limit, offset, write=False
         )
         return out
+
+    async def dead_letters(
+        self, *, include_resolved: bool = False, run_id: str | None = None, limit: int = 100
+    ) -> list[DeadLetter]:
+        out: list[DeadLetter] = await self._do(
+            _dead_letters, include_resolved, run_id, limit, write=False
+        )
+        return out
+
+    async def claim_dead_letter(self, letter_id: int) -> DeadLetter:
+        out: DeadLetter = await self._do(_claim_dead_letter, letter_id)
+        return out
+
+    async def resolve_dead_letter(self, letter_id: int, resolution: Any) -> None:
+        await self._do(_resolve_dead_letter, letter_id, resolution)
+
+    async def retry_run(self, run_id: str) -> None:
+        await self._do(_retry_run, run_id)
+
+    async def fork_run(self, run_id: str, new_run_id: str, at_step: int) -> None:
+        await self._do(_fork_run, run_id, new_run_id, at_step)
 
     async def next_due(self, queues: Sequence[str]) -> float | None:
         out: float | None = await self._do(_next_due, tuple(queues), write=False)
@@ -816,3 +838,262 @@ def _next_due(tx: _Tx, queues: tuple[str, ...]) -> float | None:
         f"SELECT min(available_at) FROM tasks WHERE queue IN ({marks})", queues
     ).fetchone()
     return row[0] if row else None
+
+
+# -- dead letters, retry and fork -------------------------------------------
+
+_DL_COLS = (
+    "id, run_id, step, kind, name, input, error, attempts, reason, created_at, resolved_at, "
+    "resolution"
+)
+
+
+class RecoveryError(TetherError):
+    """A retry, fork or dead-letter replay cannot be done in the run's current state."""
+
+
+def _dead_letters(
+    tx: _Tx, include_resolved: bool, run_id: str | None, limit: int
+) -> list[DeadLetter]:
+    where, args = [], []
+    if not include_resolved:
+        where.append("resolved_at IS NULL")
+    if run_id is not None:
+        where.append("run_id = ?")
+        args.append(run_id)
+    clause = f"WHERE {' AND '.join(where)}" if where else ""
+    rows = tx.execute(
+        f"SELECT {_DL_COLS} FROM dead_letters {clause} ORDER BY id LIMIT ?", (*args, limit)
+    ).fetchall()
+    return [DeadLetter.from_row(tuple(r)) for r in rows]
+
+
+def _claim_dead_letter(tx: _Tx, letter_id: int) -> DeadLetter:
+    row = tx.execute(
+        f"UPDATE dead_letters SET resolved_at = ?, resolution = ? WHERE id = ? "
+        f"AND resolved_at IS NULL RETURNING {_DL_COLS}",
+        (tx.now, json.dumps({"state": "replaying"}), letter_id),
+    ).fetchone()
+    if row is None:
+        raise RecoveryError(
+            f"dead letter {letter_id} does not exist or was already replayed or resolved; "
+            "list open ones with app.dead_letters()"
+        )
+    return DeadLetter.from_row(tuple(row))
+
+
+def _resolve_dead_letter(tx: _Tx, letter_id: int, resolution: Any) -> None:
+    if resolution is None:  # the replay failed: reopen it
+        tx.execute(
+            "UPDATE dead_letters SET resolved_at = NULL, resolution = NULL WHERE id = ?",
+            (letter_id,),
+        )
+    else:
+        tx.execute(
+            "UPDATE dead_letters SET resolved_at = ?, resolution = ? WHERE id = ?",
+            (tx.now, json.dumps(resolution), letter_id),
+        )
+
+
+def _live_history(tx: _Tx, run_id: str) -> list[Event]:
+    """The run's history without events voided by earlier retries."""
+    events = _read_history(tx, run_id, 0)
+    voided: set[int] = set()
+    for ev in events:
+        if ev.type is EventType.RUN_RETRIED:
+            voided.update(ev.data.get("voided", []))
+    return [e for e in events if e.seq not in voided and e.type is not EventType.RUN_RETRIED]
+
+
+def _pending_work(tx: _Tx, run_id: str, kept: list[Event], run_queue: str, fork: bool) -> None:
+    """Re-create tasks for commands in ``kept`` that have no outcome and were not cancelled."""
+    done = {e.step for e in kept if e.type in OUTCOMES}
+    cancelled = {
+        e.data.get("timer_step") or e.data.get("activity_step") or e.data.get("child_step")
+        for e in kept
+        if e.type
+        in (
+            EventType.TIMER_CANCELLED,
+            EventType.ACTIVITY_CANCEL_REQUESTED,
+            EventType.CHILD_CANCEL_REQUESTED,
+        )
+    }
+    for e in kept:
+        if e.step is None or e.step in done or e.step in cancelled:
+            continue
+        if e.type is EventType.ACTIVITY_SCHEDULED:
+            hb = (e.data.get("options") or {}).get("heartbeat_timeout")
+            tx.execute(
+                "INSERT INTO tasks (run_id, kind, step, queue, name, payload, options, "
+                "available_at, heartbeat_timeout, created_at) "
+                "VALUES (?, 'activity', ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    run_id,
+                    e.step,
+                    e.data["queue"],
+                    e.data["name"],
+                    json.dumps(e.data.get("args", {})),
+                    json.dumps(e.data.get("options", {})),
+                    tx.now,
+                    hb,
+                    tx.now,
+                ),
+            )
+            tx.ready.add(e.data["queue"])
+        elif e.type is EventType.TIMER_STARTED:
+            tx.execute(
+                "INSERT INTO tasks (run_id, kind, step, queue, available_at, created_at) "
+                "VALUES (?, 'timer', ?, ?, ?, ?)",
+                (run_id, e.step, run_queue, e.data["fire_at"], tx.now),
+            )
+            tx.ready.add(run_queue)
+        elif e.type is EventType.CHILD_STARTED:
+            child = e.data["child_run_id"]
+            if fork:
+                _insert_run(
+                    tx,
+                    f"{run_id}/{e.step}",
+                    e.data["workflow"],
+                    e.data["queue"],
+                    json.dumps(e.data.get("input")),
+                    run_id,
+                    e.step,
+                )
+                continue
+            row = tx.execute(
+                "SELECT status, output, error FROM runs WHERE run_id = ?", (child,)
+            ).fetchone()
+            if row is None or not RunStatus(row[0]).is_terminal:
+                continue  # still running: its completion will reach this run
+            if row[0] == RunStatus.COMPLETED.value:
+                _append(
+                    tx,
+                    run_id,
+                    EventType.CHILD_COMPLETED,
+                    e.step,
+                    {"child_run_id": child},
+                    {"result": row[1] or "null"},
+                )
+            else:
+                _append(
+                    tx,
+                    run_id,
+                    EventType.CHILD_FAILED,
+                    e.step,
+                    {
+                        "child_run_id": child,
+                        "status": row[0],
+                        "error": json.loads(row[2]) if row[2] else None,
+                    },
+                )
+
+
+def _retry_run(tx: _Tx, run_id: str) -> None:
+    status, run_queue, _p, _s, workflow = _run_row(tx, run_id)
+    if status not in (RunStatus.FAILED.value, RunStatus.NEEDS_INTERVENTION.value):
+        raise RecoveryError(
+            f"run {run_id!r} is {status}: only failed or needs_intervention runs can be "
+            "retried (use app.fork to re-run a finished run from a chosen step)"
+        )
+    events = _live_history(tx, run_id)
+    terminal = max(
+        (e.seq for e in events if e.type in COMMANDS and e.step is not None and e.type in _ENDINGS),
+        default=None,
+    )
+    failures = [
+        e
+        for e in events
+        if e.type in (EventType.ACTIVITY_FAILED, EventType.CHILD_FAILED)
+        and (terminal is None or e.seq < terminal)
+    ]
+    cut = failures[-1].seq if failures else (terminal or events[-1].seq)
+    voided_cmd_steps = {
+        e.step for e in events if e.seq > cut and e.type in COMMANDS and e.step is not None
+    }
+    voided = sorted(
+        e.seq
+        for e in events
+        if e.seq == cut
+        or (
+            e.seq > cut
+            and (
+                e.type in COMMANDS
+                or e.type is EventType.WORKFLOW_TASK_COMPLETED
+                or (e.type in OUTCOMES and e.step in voided_cmd_steps)
+            )
+        )
+    )
+    kept = [e for e in events if e.seq not in set(voided)]
+    tx.execute(
+        "UPDATE runs SET status = 'running', output = NULL, error = NULL, completed_at = NULL "
+        "WHERE run_id = ?",
+        (run_id,),
+    )
+    _append(tx, run_id, EventType.RUN_RETRIED, None, {"voided": voided, "cut": cut})
+    tx.execute("DELETE FROM tasks WHERE run_id = ?", (run_id,))
+    _pending_work(tx, run_id, kept, run_queue, fork=False)
+    tx.execute(
+        "UPDATE dead_letters SET resolved_at = ?, resolution = ? WHERE run_id = ? "
+        "AND resolved_at IS NULL",
+        (tx.now, json.dumps({"state": "retried"}), run_id),
+    )
+    _ensure_workflow_task(tx, run_id, run_queue, workflow)
+
+
+def _fork_run(tx: _Tx, run_id: str, new_run_id: str, at_step: int) -> None:
+    _status, run_queue, _p, _s, workflow = _run_row(tx, run_id)
+    if tx.execute("SELECT 1 FROM runs WHERE run_id = ?", (new_run_id,)).fetchone():
+        raise RunIdConflictError(new_run_id, "an existing run")
+    events = _live_history(tx, run_id)
+    cut = next(
+        (
+            e.seq
+            for e in events
+            if (e.type in OUTCOMES and e.step is not None and e.step > at_step)
+            or e.type in _ENDINGS
+        ),
+        None,
+    )
+    informational = (
+        EventType.WORKFLOW_TERMINATED,
+        EventType.SUSPENDED,
+        EventType.RESUMED,
+        EventType.ACTIVITY_ATTEMPT_FAILED,
+    )
+    # keep everything before the cut, plus later outcomes of steps up to ``at_step``:
+    # with no marker after the cut, they are applied in the fork's first new task
+    kept = [
+        e
+        for e in events
+        if e.type not in informational
+        and (
+            cut is None
+            or e.seq < cut
+            or (e.type in OUTCOMES and e.step is not None and e.step <= at_step)
+        )
+    ]
+    row = tx.execute("SELECT input FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+    tx.execute(
+        "INSERT INTO runs (run_id, workflow, status, queue, input, created_at, updated_at) "
+        "VALUES (?, ?, 'running', ?, ?, ?, ?)",
+        (new_run_id, workflow, run_queue, row[0], tx.now, tx.now),
+    )
+    for e in kept:
+        data = dict(e.data)
+        if e.type is EventType.WORKFLOW_STARTED:
+            data["forked_from"] = {"run_id": run_id, "at_step": at_step}
+        _append(tx, new_run_id, e.type, e.step, data)
+    _pending_work(tx, new_run_id, kept, run_queue, fork=True)
+    _ensure_workflow_task(tx, new_run_id, run_queue, workflow)
+
+
+_ENDINGS = frozenset(
+    {
+        EventType.WORKFLOW_COMPLETED,
+        EventType.WORKFLOW_FAILED,
+        EventType.WORKFLOW_CANCELLED,
+        EventType.WORKFLOW_TIMED_OUT,
+        EventType.WORKFLOW_NEEDS_INTERVENTION,
+        EventType.CONTINUED_AS_NEW,
+    }
+)

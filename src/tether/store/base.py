@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._errors import ConfigurationError
-from .._history import Event, EventType, RunInfo, RunStatus, Task
+from .._history import DeadLetter, Event, EventType, RunInfo, RunStatus, Task
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -170,6 +170,28 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def next_due(self, queues: Sequence[str]) -> float | None:
         """The earliest ``available_at`` among tasks on ``queues``, or None."""
+
+    @abc.abstractmethod
+    async def dead_letters(
+        self, *, include_resolved: bool = False, run_id: str | None = None, limit: int = 100
+    ) -> list[DeadLetter]:
+        """Dead letters, oldest first (open ones only unless ``include_resolved``)."""
+
+    @abc.abstractmethod
+    async def claim_dead_letter(self, letter_id: int) -> DeadLetter:
+        """Mark an open dead letter as being replayed (exactly one caller wins)."""
+
+    @abc.abstractmethod
+    async def resolve_dead_letter(self, letter_id: int, resolution: Any) -> None:
+        """Record how a claimed letter was resolved; ``None`` reopens it."""
+
+    @abc.abstractmethod
+    async def retry_run(self, run_id: str) -> None:
+        """Void a failed run's failure and what followed it, and continue it."""
+
+    @abc.abstractmethod
+    async def fork_run(self, run_id: str, new_run_id: str, at_step: int) -> None:
+        """Copy a run's history up to its outcome of step ``at_step`` into a new run."""
 
     @abc.abstractmethod
     def add_listener(self, callback: Callable[[set[str], set[str]], None]) -> None:

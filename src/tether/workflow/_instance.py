@@ -99,6 +99,7 @@ class WorkflowInstance:
             collections.deque
         )
         self._nd_error: NonDeterminismError | None = None
+        self._voided: set[int] = set()  #: seqs an operator's retry took out of the history
 
     # -- driving -----------------------------------------------------------
 
@@ -109,6 +110,11 @@ class WorkflowInstance:
         """
         incoming: list[Event] = []
         for ev in events:
+            if ev.type is EventType.RUN_RETRIED:
+                self._voided.update(ev.data.get("voided", []))
+        for ev in events:
+            if ev.seq in self._voided:
+                continue
             if ev.type in INCOMING:
                 if ev.seq > self.through:
                     incoming.append(ev)
