@@ -93,11 +93,11 @@ class Signature:
         self.param_types = [hints.get(p.name, inspect.Parameter.empty) for p in self.params]
 
     def check_args(self, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
-        """Raise a TypeError naming the function if the arguments do not bind."""
+        """Raise PayloadError (a TypeError) naming the function if the arguments do not bind."""
         try:
             self.sig.bind(*args, **kwargs)
         except TypeError as exc:
-            raise TypeError(f"{self.name}(): {exc}") from None
+            raise PayloadError(f"{self.name}(): {exc}") from None
 
     def encode_args(self, args: Sequence[Any], kwargs: dict[str, Any]) -> str:
         """Check that the arguments bind, then encode them as JSON."""

@@ -73,6 +73,7 @@ class Worker:
         self._cache: collections.OrderedDict[str, WorkflowInstance] = collections.OrderedDict()
         self._inflight: dict[int, tuple[Task, asyncio.Task[None], ActivityContext | None]] = {}
         self._stopping = False
+        self._unstarted: list[Task] = []
         self._main: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
         self._slot: asyncio.Event | None = None
@@ -116,13 +117,24 @@ class Worker:
         self._stopping = True
         assert self._wake is not None
         self._wake.set()
-        inflight = [t for _, t, _ in self._inflight.values()]
-        if inflight:
-            _, pending = await asyncio.wait(inflight, timeout=grace)
-            for t in pending:
-                t.cancel()
-            if pending:
-                await asyncio.wait(pending, timeout=1.0)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        while self._inflight and loop.time() < deadline:
+            inflight = [t for _, t, _ in self._inflight.values()]
+            await asyncio.wait(inflight, timeout=deadline - loop.time())
+        leftover = list(self._inflight.values())
+        for _, t, _ in leftover:
+            t.cancel()
+        if leftover:
+            await asyncio.wait([t for _, t, _ in leftover], timeout=1.0)
+        # hand back what this worker still holds so others need not wait for leases
+        release = self._unstarted + [task for task, _, _ in leftover]
+        self._unstarted = []
+        if release:
+            try:
+                await self.app.store.release(release)
+            except StoreError as exc:
+                log.warning("could not release %d task(s) on stop: %s", len(release), exc)
         self._main.cancel()
         try:
             await self._main
@@ -185,6 +197,9 @@ class Worker:
             renewer.cancel()
 
     def _spawn(self, task: Task) -> None:
+        if self._stopping:
+            self._unstarted.append(task)  # leased to us while stopping: released in stop()
+            return
         if task.kind == "workflow":
             coro = self._run_workflow_task(task)
         elif task.kind == "activity":
@@ -263,7 +278,7 @@ class Worker:
             marker, leased = await store.complete_workflow_task(
                 task,
                 result,
-                lease_to=self.id,
+                lease_to=None if self._stopping else self.id,
                 lease_queues=self.queues,
                 lease=self.lease,
                 lease_limit=max(0, self.concurrency - len(self._inflight)),
@@ -365,7 +380,11 @@ class Worker:
         self.stats["activities"] += 1
         try:
             wt = await store.complete_activity(
-                task, result, lease_to=self.id, lease_queues=self.queues, lease=self.lease
+                task,
+                result,
+                lease_to=None if self._stopping else self.id,
+                lease_queues=self.queues,
+                lease=self.lease,
             )
         except LeaseLostError:
             self.stats["lease_lost"] += 1
@@ -385,7 +404,7 @@ class Worker:
                 task,
                 error,
                 retry_at,
-                lease_to=self.id,
+                lease_to=None if self._stopping else self.id,
                 lease_queues=self.queues,
                 lease=self.lease,
             )

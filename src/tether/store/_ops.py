@@ -223,6 +223,9 @@ class OpsStore(Store):
         )
         return out
 
+    async def release(self, tasks: Sequence[Task]) -> None:
+        await self._do(_release, tuple(tasks))
+
     async def dead_letters(
         self, *, include_resolved: bool = False, run_id: str | None = None, limit: int = 100
     ) -> list[DeadLetter]:
@@ -733,6 +736,15 @@ def _renew(tx: _Tx, tasks: tuple[Task, ...], lease: float) -> dict[int, bool]:
         if row is not None:
             out[t.task_id] = bool(row[0])
     return out
+
+
+def _release(tx: _Tx, tasks: tuple[Task, ...]) -> None:
+    for t in tasks:
+        tx.execute(
+            "UPDATE tasks SET lease_owner = NULL, available_at = ? WHERE task_id = ? AND fence = ?",
+            (tx.now, t.task_id, t.fence),
+        )
+        tx.ready.add(t.queue)
 
 
 def _heartbeat(tx: _Tx, task: Task, lease: float, details: str | None) -> bool:

@@ -129,6 +129,10 @@ class Store(abc.ABC):
         """Extend leases; return ``{task_id: cancel_requested}`` for tasks still held."""
 
     @abc.abstractmethod
+    async def release(self, tasks: Sequence[Task]) -> None:
+        """Give back leased tasks (a worker stopping) so any worker can claim them now."""
+
+    @abc.abstractmethod
     async def heartbeat(self, task: Task, lease: float, details: str | None) -> bool:
         """Extend one activity's lease and record progress; return whether it was cancelled."""
 

@@ -28,6 +28,8 @@ from ._ops import Op, OpsStore, _heartbeat, _Tx
 
 log = logging.getLogger("tether.store")
 
+_OWN_TABLES = {"runs", "events", "tasks", "dead_letters", "breakers"}
+
 Listener = Callable[[set[str], set[str]], None]
 
 _SCHEMA_VERSION = 1
@@ -64,6 +66,7 @@ class SqliteStore(OpsStore):
                 path, isolation_level=None, check_same_thread=False, timeout=busy_timeout
             )
             self._conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
+            self._refuse_foreign()
             if path != ":memory:":
                 self._conn.execute("PRAGMA journal_mode = WAL")
             if synchronous.upper() not in ("FULL", "NORMAL", "OFF", "EXTRA"):
@@ -71,11 +74,33 @@ class SqliteStore(OpsStore):
             self._conn.execute(f"PRAGMA synchronous = {synchronous.upper()}")
             self._migrate()
         except sqlite3.DatabaseError as exc:
+            self._conn.close()
             raise StoreError(_explain(path, exc)) from exc
+        except StoreError:
+            self._conn.close()
+            raise
         self._thread = threading.Thread(target=self._loop, name="tether-sqlite", daemon=True)
         self._thread.start()
 
     # -- plumbing --------------------------------------------------------
+
+    def _refuse_foreign(self) -> None:
+        """Never write tether's schema into another program's database."""
+        (version,) = self._conn.execute("PRAGMA user_version").fetchone()
+        if version != 0:
+            return
+        tables = {
+            r[0]
+            for r in self._conn.execute(
+                "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'"
+            )
+        }
+        if tables - _OWN_TABLES:
+            raise StoreError(
+                f"store {self.path!r} is a SQLite database of another program (it has tables "
+                f"{', '.join(sorted(tables - _OWN_TABLES))}); tether left it untouched: point "
+                "tether at a new file"
+            )
 
     def _migrate(self) -> None:
         (version,) = self._conn.execute("PRAGMA user_version").fetchone()
@@ -88,6 +113,10 @@ class SqliteStore(OpsStore):
             return
         schema = resources.files("tether.store").joinpath("sql/sqlite/schema.sql").read_text()
         self._conn.execute("BEGIN IMMEDIATE")
+        (version,) = self._conn.execute("PRAGMA user_version").fetchone()
+        if version == _SCHEMA_VERSION:  # another process migrated it while we waited
+            self._conn.execute("COMMIT")
+            return
         code = "\n".join(line.split("--", 1)[0] for line in schema.splitlines())
         for statement in code.split(";"):
             if statement.strip():

@@ -1,0 +1,455 @@
+"""The ``tether`` command line, driven as real subprocesses against a temp SQLite file."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+CMD_TIMEOUT = 60.0  # generous bound for one CLI invocation (each imports pydantic etc.)
+
+FLOWS = """
+import os
+import time
+
+import tether
+
+app = tether.App(store={store!r})
+
+
+@app.activity
+def greet(name: str) -> str:
+    return f"hello {{name}}"
+
+
+@app.activity
+def slow_step(marker: str, seconds: float) -> str:
+    open(marker, "w").close()  # tells the test the activity is in flight
+    time.sleep(seconds)
+    return "slow done"
+
+
+@app.workflow
+async def hello(name: str) -> str:
+    return await greet(name)
+
+
+@app.workflow
+async def waiter(label: str) -> str:
+    tether.set_status({{"stage": "waiting"}})
+    payload = await tether.wait_event("go")
+    return f"{{label}}: {{payload['x']}}"
+
+
+@app.workflow
+async def slow(marker: str, seconds: float) -> str:
+    return await slow_step(marker, seconds)
+
+
+not_an_app = 42
+"""
+
+
+@dataclass
+class Project:
+    """A temp directory holding ``flows.py`` and the SQLite store it uses."""
+
+    root: Path
+    db: Path
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.pop("COLUMNS", None)
+        env["PYTHONUNBUFFERED"] = "1"
+        return env
+
+    def cli(self, *args: str, timeout: float = CMD_TIMEOUT) -> subprocess.CompletedProcess[str]:
+        """Run ``tether ARGS`` to completion in the project directory."""
+        return subprocess.run(
+            [sys.executable, "-m", "tether.cli", *args],
+            cwd=self.root,
+            env=self.env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+
+    def ok(self, *args: str, timeout: float = CMD_TIMEOUT) -> str:
+        """Run ``tether ARGS``, assert it succeeded, return its stdout."""
+        res = self.cli(*args, timeout=timeout)
+        assert res.returncode == 0, (args, res.returncode, res.stdout, res.stderr)
+        return res.stdout
+
+    def run_info(self, run_id: str) -> dict[str, Any]:
+        info: dict[str, Any] = json.loads(self.ok("get", run_id, "--store", str(self.db), "--json"))
+        return info
+
+
+@dataclass
+class WorkerProc:
+    """A ``tether worker`` subprocess whose stderr is collected by a reader thread."""
+
+    proc: subprocess.Popen[str]
+    lines: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.lines.append(line.rstrip("\n"))
+
+    @property
+    def stderr(self) -> str:
+        return "\n".join(self.lines)
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    """Poll ``predicate`` until true; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    delay = 0.05
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(delay)
+        delay = min(0.5, delay * 1.5)
+
+
+def assert_one_line_error(res: subprocess.CompletedProcess[str], code: int, *needles: str) -> None:
+    """A clean failure: the exit code, one ``error:`` line on stderr, no traceback."""
+    assert res.returncode == code, (res.returncode, res.stdout, res.stderr)
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, res.stderr
+    assert lines[0].startswith("error: "), res.stderr
+    assert "Traceback" not in res.stderr
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Project:
+    db = tmp_path / "tether.db"
+    (tmp_path / "flows.py").write_text(FLOWS.format(store=f"sqlite:///{db}"))
+    return Project(root=tmp_path, db=db)
+
+
+@pytest.fixture
+def start_worker(project: Project) -> Iterator[Callable[..., WorkerProc]]:
+    """Start ``tether worker flows:app`` and wait for its start line; stopped at teardown."""
+    procs: list[WorkerProc] = []
+
+    def start(*extra: str) -> WorkerProc:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tether.cli", "worker", "flows:app", *extra],
+            cwd=project.root,
+            env=project.env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        w = WorkerProc(proc)
+        procs.append(w)
+        wait_until(
+            lambda: "serving queues" in w.stderr or proc.poll() is not None,
+            CMD_TIMEOUT,
+            "the worker's start line",
+        )
+        assert proc.poll() is None, w.stderr
+        return w
+
+    yield start
+    for w in procs:
+        if w.proc.poll() is None:
+            w.proc.send_signal(signal.SIGTERM)
+            try:
+                w.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                w.proc.kill()
+                w.proc.wait(timeout=5)
+
+
+# -- happy paths --------------------------------------------------------------------
+
+
+def test_start_wait_runs_get_and_history_export(
+    project: Project, start_worker: Callable[..., WorkerProc]
+) -> None:
+    w = start_worker()
+    line = next(x for x in w.lines if "serving queues" in x)
+    assert "default" in line and str(project.db) in line and "tether worker" in line
+
+    out = project.ok("start", "flows:app", "hello", '"ada"', "--wait", "--timeout", "30")
+    run_id, result = out.strip().splitlines()
+    assert json.loads(result) == "hello ada"
+
+    table = project.ok("runs", "--store", str(project.db))
+    row = next(x for x in table.splitlines() if run_id in x)
+    assert "hello" in row and "completed" in row
+    # --app reads the same store
+    assert run_id in project.ok("runs", "--app", "flows:app")
+    assert run_id not in project.ok("runs", "--store", str(project.db), "--status", "running")
+
+    listed = json.loads(project.ok("runs", "--store", str(project.db), "--json"))
+    assert [r["run_id"] for r in listed] == [run_id]
+
+    human = project.ok("get", run_id, "--store", str(project.db))
+    assert "completed" in human and '"hello ada"' in human
+    info = project.run_info(run_id)
+    assert info["status"] == "completed"
+    assert info["output"] == "hello ada"
+    assert info["input"] == {"args": ["ada"], "kwargs": {}}
+
+    exported = json.loads(project.ok("history", "export", run_id, "--store", str(project.db)))
+    assert exported["run"]["run_id"] == run_id
+    assert exported["run"]["status"] == "completed"
+    types = [e["type"] for e in exported["events"]]
+    assert types[0] == "WorkflowStarted"
+    assert "ActivityScheduled" in types and "ActivityCompleted" in types
+    assert "WorkflowCompleted" in types
+    assert [e["seq"] for e in exported["events"]] == sorted(e["seq"] for e in exported["events"])
+
+
+def test_start_without_worker_prints_id_and_is_idempotent(project: Project) -> None:
+    out = project.ok("start", "flows:app", "hello", '"bob"', "--run-id", "r-1")
+    assert out.strip() == "r-1"
+    assert project.ok("start", "flows:app", "hello", '"bob"', "--run-id", "r-1").strip() == "r-1"
+    assert project.run_info("r-1")["status"] == "pending"
+    # same id, different input
+    res = project.cli("start", "flows:app", "hello", '"eve"', "--run-id", "r-1")
+    assert_one_line_error(res, 1, "r-1")
+
+
+def test_signal_a_waiting_run(project: Project, start_worker: Callable[..., WorkerProc]) -> None:
+    start_worker()
+    store = ("--store", str(project.db))
+    assert project.ok("start", "flows:app", "waiter", '"w"', "--run-id", "w1").strip() == "w1"
+    wait_until(
+        lambda: project.run_info("w1")["custom_status"] == {"stage": "waiting"},
+        CMD_TIMEOUT,
+        "the run to wait for its signal",
+    )
+    assert project.run_info("w1")["status"] == "running"
+    row = next(x for x in project.ok("runs", *store).splitlines() if "w1" in x)
+    assert "running" in row and '{"stage":"waiting"}' in row
+
+    out = project.ok("signal", "w1", "go", '{"x": 42}', *store)
+    assert "w1" in out
+    wait_until(lambda: project.run_info("w1")["status"] == "completed", CMD_TIMEOUT, "completion")
+    assert project.run_info("w1")["output"] == "w: 42"
+    events = json.loads(project.ok("history", "export", "w1", *store))["events"]
+    signal_event = next(e for e in events if e["type"] == "SignalReceived")
+    assert signal_event["data"] == {"name": "go", "payload": {"x": 42}}
+
+    # a finished run takes no more signals
+    res = project.cli("signal", "w1", "go", "1", *store)
+    assert_one_line_error(res, 1, "w1", "already finished")
+
+
+def test_suspend_resume_cancel_terminate(
+    project: Project, start_worker: Callable[..., WorkerProc]
+) -> None:
+    start_worker()
+    store = ("--store", str(project.db))
+    project.ok("start", "flows:app", "waiter", '"a"', "--run-id", "a")
+    project.ok("start", "flows:app", "waiter", '"b"', "--run-id", "b")
+    for rid in ("a", "b"):
+        wait_until(
+            lambda rid=rid: project.run_info(rid)["status"] == "running",
+            CMD_TIMEOUT,
+            f"run {rid} to start",
+        )
+
+    project.ok("suspend", "a", *store)
+    assert project.run_info("a")["status"] == "suspended"
+    assert "a" in project.ok("runs", *store, "--status", "suspended")
+    project.ok("resume", "a", *store)
+    assert project.run_info("a")["status"] == "running"
+
+    project.ok("cancel", "a", "--reason", "no longer needed", *store)
+    wait_until(lambda: project.run_info("a")["status"] == "cancelled", CMD_TIMEOUT, "cancellation")
+
+    project.ok("terminate", "b", "--reason", "stuck", *store)
+    info = project.run_info("b")
+    assert info["status"] == "terminated"
+    assert "stuck" in json.dumps(info["error"])
+    res = project.cli("terminate", "b", *store)
+    assert_one_line_error(res, 1, "'b'", "already finished")
+
+
+def test_sigterm_lets_in_flight_work_finish_and_exits_zero(
+    project: Project, start_worker: Callable[..., WorkerProc]
+) -> None:
+    # short lease: see test_graceful_stop_does_not_strand_the_next_workflow_task
+    w = start_worker("--grace", "20", "--lease", "2")
+    marker = project.root / "in-flight"
+    project.ok("start", "flows:app", "slow", json.dumps(str(marker)), "1.5", "--run-id", "s")
+    wait_until(marker.exists, CMD_TIMEOUT, "the activity to start")
+
+    w.proc.send_signal(signal.SIGTERM)
+    assert w.proc.wait(timeout=20) == 0, w.stderr
+    assert "SIGTERM" in w.stderr and "stopped" in w.stderr
+    assert "Traceback" not in w.stderr
+
+    # the in-flight activity was allowed to finish and its result was recorded
+    events = json.loads(project.ok("history", "export", "s", "--store", str(project.db)))["events"]
+    done = [e for e in events if e["type"] == "ActivityCompleted"]
+    assert len(done) == 1 and done[0]["data"].get("result") == "slow done", events
+
+    # a new worker picks the run up where it stopped
+    start_worker()
+    wait_until(lambda: project.run_info("s")["status"] == "completed", CMD_TIMEOUT, "completion")
+    assert project.run_info("s")["output"] == "slow done"
+
+
+def test_graceful_stop_does_not_strand_the_next_workflow_task(
+    project: Project, start_worker: Callable[..., WorkerProc]
+) -> None:
+    w = start_worker("--grace", "20", "--lease", "15")
+    marker = project.root / "in-flight"
+    project.ok("start", "flows:app", "slow", json.dumps(str(marker)), "1", "--run-id", "s")
+    wait_until(marker.exists, CMD_TIMEOUT, "the activity to start")
+    w.proc.send_signal(signal.SIGTERM)
+    assert w.proc.wait(timeout=20) == 0, w.stderr
+    start_worker("--lease", "15")
+    # far less than the 15 s lease: the new worker should continue the run at once
+    wait_until(lambda: project.run_info("s")["status"] == "completed", 6.0, "completion")
+
+
+def test_sigint_stops_an_idle_worker_quickly(
+    project: Project, start_worker: Callable[..., WorkerProc]
+) -> None:
+    w = start_worker("-q", "default", "-q", "extra")
+    assert "serving queues default, extra" in w.stderr
+    t0 = time.monotonic()
+    w.proc.send_signal(signal.SIGINT)
+    assert w.proc.wait(timeout=10) == 0, w.stderr
+    assert time.monotonic() - t0 < 5
+    assert "Traceback" not in w.stderr and "KeyboardInterrupt" not in w.stderr
+
+
+# -- errors -----------------------------------------------------------------------------
+
+
+def test_unknown_run_id(project: Project) -> None:
+    project.ok("start", "flows:app", "hello", '"x"')  # creates the store
+    store = ("--store", str(project.db))
+    for args in (
+        ("get", "nope"),
+        ("history", "export", "nope"),
+        ("signal", "nope", "go"),
+        ("cancel", "nope"),
+        ("terminate", "nope"),
+        ("suspend", "nope"),
+        ("resume", "nope"),
+    ):
+        res = project.cli(*args, *store)
+        assert_one_line_error(res, 1, "'nope'")
+        assert res.stdout == ""
+
+
+def test_file_that_is_not_a_database(project: Project) -> None:
+    bad = project.root / "garbage.db"
+    content = bytes(range(256)) * 64
+    bad.write_bytes(content)
+    for args in (("runs",), ("get", "x"), ("history", "export", "x"), ("signal", "x", "go")):
+        res = project.cli(*args, "--store", str(bad))
+        assert_one_line_error(res, 1, "garbage.db", "not a readable tether database")
+    assert bad.read_bytes() == content
+    assert sorted(p.name for p in project.root.iterdir() if p.name.startswith("garbage")) == [
+        "garbage.db"
+    ]
+
+
+def test_sqlite_file_of_another_application_is_left_alone(project: Project) -> None:
+    import sqlite3
+
+    other = project.root / "other.db"
+    conn = sqlite3.connect(other)
+    conn.execute("CREATE TABLE notes (body TEXT)")
+    conn.commit()
+    conn.close()
+    content = other.read_bytes()
+    res = project.cli("runs", "--store", str(other))
+    assert_one_line_error(res, 1, "other.db", "not a tether store")
+    assert other.read_bytes() == content
+
+
+def test_missing_store_file_is_not_created(project: Project) -> None:
+    missing = project.root / "typo.db"
+    res = project.cli("runs", "--store", str(missing))
+    assert_one_line_error(res, 1, "typo.db", "does not exist")
+    assert not missing.exists()
+    # the default store is ./tether.db in the current directory
+    res = project.cli("get", "x")
+    assert_one_line_error(res, 1, "tether.db")
+
+
+def test_bad_app_specs_and_workflows(project: Project) -> None:
+    cases: list[tuple[tuple[str, ...], int, tuple[str, ...]]] = [
+        (("start", "nosuchmodule:app", "hello"), 1, ("nosuchmodule",)),
+        (("start", "flows:nope", "hello"), 1, ("has no attribute 'nope'",)),
+        (("start", "flows:not_an_app", "hello"), 1, ("not a tether.App",)),
+        (("start", "flows", "hello"), 2, ("MODULE:ATTR",)),
+        (("start", "flows:app", "nope"), 1, ("no workflow named 'nope'",)),
+        (("start", "flows:app", "hello", "unquoted"), 2, ("not valid JSON",)),
+        (("start", "flows:app", "hello", '"a"', '"b"'), 2, ("too many",)),
+        (("start", "flows:app", "hello", "5"), 2, ("'name'",)),
+        (("worker", "nosuchmodule:app"), 1, ("nosuchmodule",)),
+        (("runs", "--app", "flows:nope"), 1, ("has no attribute",)),
+        (("runs", "--app", "flows:app", "--store", "x.db"), 2, ("--store or --app",)),
+        (("signal", "r", "go", "{bad", "--store", "x.db"), 2, ("not valid JSON",)),
+    ]
+    for args, code, needles in cases:
+        assert_one_line_error(project.cli(*args), code, *needles)
+
+
+def test_app_whose_store_path_is_bad(project: Project) -> None:
+    (project.root / "badstore.py").write_text(
+        "import tether\napp = tether.App(store='/nonexistent-dir/x/tether.db')\n"
+    )
+    for args in (("worker", "badstore:app"), ("runs", "--app", "badstore:app")):
+        assert_one_line_error(project.cli(*args), 1, "/nonexistent-dir/x", "does not exist")
+
+
+def test_broken_user_module_is_reported_in_one_line(project: Project) -> None:
+    (project.root / "broken.py").write_text("import tether\nraise RuntimeError('boom')\n")
+    res = project.cli("worker", "broken:app")
+    assert_one_line_error(res, 1, "RuntimeError: boom", "broken.py")
+    (project.root / "syntax.py").write_text("def f(:\n")
+    res = project.cli("start", "syntax:app", "wf")
+    assert_one_line_error(res, 1, "SyntaxError", "syntax.py")
+
+
+def test_usage_errors_exit_2(project: Project) -> None:
+    res = project.cli("runs", "--status", "bogus")
+    assert res.returncode == 2
+    assert "Traceback" not in res.stderr
+    res = project.cli("worker", "flows:app", "--lease", "0")
+    assert_one_line_error(res, 2, "--lease")
+
+
+def test_missing_cli_extra(project: Project) -> None:
+    code = "import sys; sys.modules['typer'] = None; from tether.cli import main; main()"
+    res = subprocess.run(
+        [sys.executable, "-c", code, "runs"],
+        cwd=project.root,
+        capture_output=True,
+        text=True,
+        timeout=CMD_TIMEOUT,
+        check=False,
+    )
+    assert res.returncode == 2
+    assert "tether[cli]" in res.stderr
+    assert "Traceback" not in res.stderr
