@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from ._activity_context import ActivityContext, NotInActivityError, activity_context
 from ._app import App, Run
+from ._breaker import CircuitBreaker, CircuitOpenError
 from ._classify import RetryAfter, Verdict, classify
 from ._definitions import Activity, ActivityOptions, Workflow
 from ._errors import (
@@ -67,6 +68,8 @@ __all__ = [
     "ActivityOptions",
     "App",
     "ChildWorkflowError",
+    "CircuitBreaker",
+    "CircuitOpenError",
     "CompensationFailed",
     "ConfigurationError",
     "DeadLetter",

@@ -13,6 +13,7 @@ from datetime import timedelta
 from typing import Any, Generic, ParamSpec, TypeVar, overload
 
 from ._activity_context import ActivityContext, set_context
+from ._breaker import CircuitBreaker
 from ._definitions import Activity, ActivityOptions, Workflow
 from ._errors import (
     ConfigurationError,
@@ -203,6 +204,7 @@ class App:
         schedule_timeout: float | timedelta | None = None,
         heartbeat_timeout: float | timedelta | None = None,
         queue: str | None = None,
+        breaker: CircuitBreaker | None = None,
     ) -> Callable[[Callable[P, Any]], Activity[P, Any]]: ...
 
     def activity(  # type: ignore[misc]
@@ -216,6 +218,7 @@ class App:
         schedule_timeout: float | timedelta | None = None,
         heartbeat_timeout: float | timedelta | None = None,
         queue: str | None = None,
+        breaker: CircuitBreaker | None = None,
     ) -> Activity[P, Any] | Callable[[Callable[P, Any]], Activity[P, Any]]:
         """Register a sync or async function as an activity: a recorded, retried step.
 
@@ -234,6 +237,7 @@ class App:
                 schedule_timeout=schedule_timeout,
                 heartbeat_timeout=heartbeat_timeout,
                 queue=queue,
+                breaker=breaker,
             )
             act: Activity[P, Any] = Activity(f, name=aname, options=opts)
             self._activities[aname] = act

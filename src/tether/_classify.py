@@ -112,7 +112,7 @@ def classify(
     if non_retryable and isinstance(exc, non_retryable):
         return Verdict(False, f"{type(exc).__name__} is listed as non-retryable")
     if isinstance(exc, RetryAfter):
-        return Verdict(True, "retry-after requested", exc.retry_after)
+        return Verdict(True, str(exc), exc.retry_after)
     status = _status(exc)
     if status is not None:
         after = _retry_after(exc, now)

@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar
 
+from ._breaker import CircuitBreaker
 from ._errors import ConfigurationError
 from ._policy import DEFAULT_RETRY, Retry, seconds
 from ._serde import Signature
@@ -36,10 +37,12 @@ class ActivityOptions:
     schedule_timeout: float | None = None
     heartbeat_timeout: float | None = None
     queue: str = "default"
+    breaker: CircuitBreaker | None = None
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, name: str = "") -> dict[str, Any]:
         """The options as stored with an activity task."""
         return {
+            "breaker": self.breaker.to_json(name) if self.breaker else None,
             "timeout": self.timeout,
             "schedule_timeout": self.schedule_timeout,
             "heartbeat_timeout": self.heartbeat_timeout,
@@ -55,9 +58,17 @@ class ActivityOptions:
         schedule_timeout: float | timedelta | None = None,
         heartbeat_timeout: float | timedelta | None = None,
         queue: str | None = None,
+        breaker: CircuitBreaker | None = None,
     ) -> ActivityOptions:
         """A copy with the given options changed, each validated."""
         changes: dict[str, Any] = {}
+        if breaker is not None:
+            if not isinstance(breaker, CircuitBreaker):
+                raise ConfigurationError(
+                    f"breaker= of {what} takes a tether.CircuitBreaker, "
+                    f"got {type(breaker).__name__}"
+                )
+            changes["breaker"] = breaker
         if retry is not None:
             if not isinstance(retry, Retry):
                 raise ConfigurationError(

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ._activity_context import ActivityContext, set_context
+from ._breaker import CircuitOpenError
 from ._classify import classify
 from ._errors import LeaseLostError, NonRetryable, PayloadError, StoreError, TetherError
 from ._history import REPLAY_CHANGING, EventType, Task
@@ -141,6 +142,9 @@ class Worker:
         except asyncio.CancelledError:
             pass
         self.app.store.remove_listener(self._on_commit)
+        while self._cache:
+            _, inst = self._cache.popitem()
+            inst.close()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
         self._main = None
@@ -244,8 +248,30 @@ class Worker:
     # -- workflow tasks ----------------------------------------------------
 
     async def _run_workflow_task(self, task: Task) -> None:
-        store = self.app.store
         inst = self._cache.pop(task.run_id, None)
+        keep: list[WorkflowInstance] = []
+        try:
+            await self._advance_and_commit(task, inst, keep)
+        finally:
+            # an instance not kept is closed here, so its pending coroutines are unwound
+            # inside the instance (issuing nothing), never by the garbage collector
+            for candidate in (inst, *keep):
+                if candidate is not None and candidate not in keep:
+                    candidate.close()
+            for kept in keep:
+                if kept.finished:
+                    kept.close()
+                    continue
+                self._cache[task.run_id] = kept
+                while len(self._cache) > self.cache_size:
+                    _, evicted = self._cache.popitem(last=False)
+                    evicted.close()
+
+    async def _advance_and_commit(
+        self, task: Task, inst: WorkflowInstance | None, keep: list[WorkflowInstance]
+    ) -> None:
+        store = self.app.store
+        fresh: WorkflowInstance | None = None
         try:
             events = await store.read_history(task.run_id, inst.through if inst else 0)
             if inst is not None and any(
@@ -258,13 +284,17 @@ class Worker:
             if inst is None:
                 self.stats["replays"] += 1
                 wf = self.app.get_workflow(task.name or "")
-                inst = WorkflowInstance(task.run_id, wf)
+                inst = fresh = WorkflowInstance(task.run_id, wf)
             else:
                 self.stats["cache_hits"] += 1
             result = inst.advance(events, store.clock())
         except LeaseLostError:
+            if fresh is not None:
+                fresh.close()
             return
         except Exception as exc:
+            if fresh is not None:
+                fresh.close()
             log.error("workflow task for run %r failed: %s", task.run_id, exc)
             self.stats["workflow_task_failures"] += 1
             try:
@@ -283,21 +313,20 @@ class Worker:
                 lease=self.lease,
                 lease_limit=max(0, self.concurrency - len(self._inflight)),
             )
-        except LeaseLostError:
-            self.stats["lease_lost"] += 1
-            return
-        except StoreError as exc:
-            log.warning("could not commit workflow task of %r: %s", task.run_id, exc)
+        except (LeaseLostError, StoreError) as exc:
+            if fresh is not None:
+                fresh.close()
+            if isinstance(exc, LeaseLostError):
+                self.stats["lease_lost"] += 1
+            else:
+                log.warning("could not commit workflow task of %r: %s", task.run_id, exc)
             return
         self.stats["workflow_tasks"] += 1
         inst.committed(marker)
+        keep.append(inst)
         for cmd in result.commands:
             if cmd.type is EventType.WORKFLOW_NEEDS_INTERVENTION:
                 self.app._alert(task.run_id, cmd.data.get("error") or {})
-        if not inst.finished:
-            self._cache[task.run_id] = inst
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
         for t in leased:
             self._spawn(t)
 
@@ -344,6 +373,13 @@ class Worker:
             await self._record_failure(task, err, plan, ctx)
             return
         timeout = plan.attempt_timeout(now)
+        breaker = opts.get("breaker")
+        if breaker:
+            wait = await store.breaker_admit(breaker)
+            if wait is not None:  # open: fail fast, never touching the dependency
+                self.stats["breaker_rejections"] += 1
+                await self._record_failure(task, CircuitOpenError(breaker["name"], wait), plan, ctx)
+                return
         try:
             args, kwargs = act.sig.decode_args(task.payload or "{}")
             cv = contextvars.copy_context()
@@ -378,6 +414,8 @@ class Worker:
             await self._record_failure(task, exc, plan, ctx)
             return
         self.stats["activities"] += 1
+        if breaker:
+            await self._breaker_record(breaker, True)
         try:
             wt = await store.complete_activity(
                 task,
@@ -399,6 +437,14 @@ class Worker:
         now = store.clock()
         error, retry_at = plan.decide(task.attempt, exc, now, ctx is not None and ctx.is_cancelled)
         self.stats["activity_failures"] += 1
+        breaker = (task.options or {}).get("breaker")
+        # only transient failures say the dependency is unhealthy; a 400 does not
+        if (
+            breaker
+            and not isinstance(exc, CircuitOpenError | asyncio.CancelledError)
+            and classify(exc, plan.retry.non_retryable, now).retryable
+        ):
+            await self._breaker_record(breaker, False)
         try:
             wt = await store.fail_activity(
                 task,
@@ -412,6 +458,12 @@ class Worker:
             return
         if wt is not None:
             self._spawn(wt)
+
+    async def _breaker_record(self, cfg: dict[str, Any], ok: bool) -> None:
+        try:
+            await self.app.store.breaker_record(cfg, ok)
+        except StoreError as exc:
+            log.warning("could not update circuit breaker %r: %s", cfg.get("name"), exc)
 
     # -- timers --------------------------------------------------------------
 

@@ -176,6 +176,14 @@ class Store(abc.ABC):
         """The earliest ``available_at`` among tasks on ``queues``, or None."""
 
     @abc.abstractmethod
+    async def breaker_admit(self, cfg: dict[str, Any]) -> float | None:
+        """Ask the named breaker for a call: None to go ahead, or seconds to wait."""
+
+    @abc.abstractmethod
+    async def breaker_record(self, cfg: dict[str, Any], ok: bool) -> None:
+        """Report a call's outcome to the named breaker (may open or close it)."""
+
+    @abc.abstractmethod
     async def dead_letters(
         self, *, include_resolved: bool = False, run_id: str | None = None, limit: int = 100
     ) -> list[DeadLetter]:

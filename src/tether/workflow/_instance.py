@@ -17,6 +17,7 @@ import contextvars
 import hashlib
 import random
 import traceback
+from asyncio import events as asyncio_events
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -48,6 +49,10 @@ class ContinueAsNew(BaseException):
     def __init__(self, input_json: str) -> None:
         super().__init__("continue as new")
         self.input_json = input_json
+
+
+class InstanceClosed(BaseException):
+    """Raised at durable calls of an instance being unwound; never recorded."""
 
 
 @dataclass(slots=True)
@@ -99,6 +104,7 @@ class WorkflowInstance:
             collections.deque
         )
         self._nd_error: NonDeterminismError | None = None
+        self._closed = False
         self._voided: set[int] = set()  #: seqs an operator's retry took out of the history
 
     # -- driving -----------------------------------------------------------
@@ -156,6 +162,33 @@ class WorkflowInstance:
         self.through = through
         commands, self._new = self._new, []
         return WorkflowTaskResult(commands=commands, through=through, time=now)
+
+    def close(self) -> None:
+        """Unwind every coroutine of this instance without effects (eviction, shutdown).
+
+        Their ``finally`` blocks run here, inside the instance, where any durable call
+        raises ``InstanceClosed`` instead of doing anything; left to the garbage
+        collector they would run outside a workflow, where activities run for real.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self.finished = True
+        token = _current.set(self)
+        previous = asyncio_events._get_running_loop()
+        asyncio_events._set_running_loop(self.loop)
+        try:
+            for task in list(asyncio.all_tasks(self.loop)):
+                try:
+                    task.get_coro().close()
+                except BaseException:
+                    pass
+        finally:
+            asyncio_events._set_running_loop(previous)
+            _current.reset(token)
+        self._pending.clear()
+        self._waiters.clear()
+        self.loop.close()
 
     def committed(self, marker_seq: int) -> None:
         """Note that the last result was committed with its marker at ``marker_seq``."""
@@ -281,6 +314,8 @@ class WorkflowInstance:
     def _command(
         self, type_: EventType, data: dict[str, Any], raw: dict[str, str] | None = None
     ) -> int:
+        if self._closed:
+            raise InstanceClosed(self.run_id)
         self.step += 1
         step = self.step
         if step <= self._max_recorded:
@@ -323,7 +358,7 @@ class WorkflowInstance:
             {
                 "name": activity.name,
                 "queue": opts.queue,
-                "options": {**opts.to_json(), "scheduled_at": self.now},
+                "options": {**opts.to_json(activity.name), "scheduled_at": self.now},
             },
             {"args": args_json},
         )

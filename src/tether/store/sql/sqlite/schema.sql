@@ -85,3 +85,14 @@ CREATE TABLE IF NOT EXISTS dead_letters (
     resolution   TEXT             -- JSON: how it was resolved (replayed result, retried run)
 );
 CREATE INDEX IF NOT EXISTS dead_letters_open ON dead_letters (resolved_at, created_at);
+
+-- Circuit breakers, shared by every worker: state is closed | open | half_open.
+CREATE TABLE IF NOT EXISTS breakers (
+    name          TEXT PRIMARY KEY,
+    state         TEXT NOT NULL,
+    opened_at     REAL,
+    window_start  REAL NOT NULL,
+    calls         INTEGER NOT NULL,
+    failures      INTEGER NOT NULL,
+    trial_at      REAL              -- when the half-open trial call was let through
+);

@@ -1,0 +1,575 @@
+"""Operating on runs: cancel, terminate, suspend/resume, idempotent start, errors, listing."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
+
+import pytest
+
+import tether
+from tether import EventType, RunStatus
+
+FAST = tether.Retry(attempts=1, initial=0.01, max_interval=0.05)
+
+
+@pytest.fixture(autouse=True)
+def _collect_garbage() -> Iterator[None]:
+    """Collect each test's abandoned workflow coroutines in its own teardown."""
+    yield
+    gc.collect()
+
+
+async def eventually(
+    check: Callable[[], Awaitable[Any]], timeout: float = 10.0, what: str = "condition"
+) -> Any:
+    """Poll ``check`` until it returns something truthy; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+async def event_types(app: tether.App, run_id: str) -> list[EventType]:
+    return [e.type for e in await app.history(run_id)]
+
+
+async def has_event(app: tether.App, run_id: str, type_: EventType) -> bool:
+    return type_ in await event_types(app, run_id)
+
+
+async def status_is(app: tether.App, run_id: str, status: RunStatus) -> bool:
+    try:
+        return (await app.get(run_id)).status is status
+    except tether.RunNotFoundError:
+        return False
+
+
+# -- cancel ------------------------------------------------------------------------------------
+
+
+async def test_cancel_runs_cleanup_in_finally_and_ends_cancelled(
+    app: tether.App, worker: tether.Worker
+) -> None:
+    cleaned: list[str] = []
+    after: list[str] = []
+
+    @app.activity
+    def cleanup(what: str) -> None:
+        cleaned.append(what)
+
+    @app.activity
+    def never() -> None:
+        after.append("ran")
+
+    @app.workflow
+    async def job() -> str:
+        try:
+            await tether.wait_event("never-sent")
+            await never()
+            return "finished"
+        finally:
+            await cleanup("temp files")
+
+    run = await app.start(job)
+    await eventually(
+        lambda: has_event(app, run.run_id, EventType.WORKFLOW_TASK_COMPLETED), what="waiting"
+    )
+    await run.cancel("user asked")
+    with pytest.raises(tether.RunCancelledError) as ei:
+        await run.result(timeout=10)
+    assert ei.value.status == "cancelled"
+    assert cleaned == ["temp files"]
+    assert after == []
+    info = await app.get(run.run_id)
+    assert info.status is RunStatus.CANCELLED
+    types = await event_types(app, run.run_id)
+    assert EventType.CANCEL_REQUESTED in types
+    assert types[-2:] == [EventType.WORKFLOW_CANCELLED, EventType.WORKFLOW_TASK_COMPLETED]
+
+
+async def test_cancel_interrupts_running_async_activity(app: tether.App) -> None:
+    started = asyncio.Event()
+    saw_cancel: list[str] = []
+    cleaned: list[int] = []
+
+    @app.activity(retry=FAST)
+    async def long_step() -> str:
+        started.set()
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            saw_cancel.append("cancelled")
+            raise
+        return "finished"
+
+    @app.activity
+    def cleanup() -> None:
+        cleaned.append(1)
+
+    @app.workflow
+    async def job() -> str:
+        try:
+            return await long_step()
+        finally:
+            await cleanup()
+
+    async with app.worker(lease=0.6, poll_interval=0.05):
+        run = await app.start(job)
+        await asyncio.wait_for(started.wait(), 10)
+        t0 = time.monotonic()
+        await app.cancel(run.run_id)
+        with pytest.raises(tether.RunCancelledError):
+            await run.result(timeout=10)
+        assert time.monotonic() - t0 < 10
+        assert cleaned == [1]
+        await eventually(lambda: asyncio.sleep(0, result=bool(saw_cancel)), what="activity saw it")
+    assert saw_cancel == ["cancelled"]
+
+
+async def test_cancel_workflow_may_handle_cancellation_and_complete(
+    app: tether.App, worker: tether.Worker
+) -> None:
+    @app.workflow
+    async def resilient() -> str:
+        try:
+            await tether.sleep(60)
+        except asyncio.CancelledError:
+            return "handled"
+        return "slept"
+
+    run = await app.start(resilient)
+    await eventually(
+        lambda: has_event(app, run.run_id, EventType.TIMER_STARTED), what="timer started"
+    )
+    await app.cancel(run.run_id)
+    assert await run.result(timeout=10) == "handled"
+    assert (await app.get(run.run_id)).status is RunStatus.COMPLETED
+
+
+async def test_cancel_finished_run_raises_run_finished(
+    app: tether.App, worker: tether.Worker
+) -> None:
+    @app.workflow
+    async def quick() -> int:
+        return 1
+
+    run = await app.start(quick)
+    assert await run.result(timeout=10) == 1
+    with pytest.raises(tether.RunFinishedError) as ei:
+        await app.cancel(run.run_id)
+    assert ei.value.status == "completed"
+
+
+# -- terminate ---------------------------------------------------------------------------------
+
+
+async def test_terminate_ends_run_and_its_children_at_once(
+    app: tether.App, worker: tether.Worker
+) -> None:
+    ran: list[str] = []
+
+    @app.activity
+    def after_child() -> None:
+        ran.append("after")
+
+    @app.workflow
+    async def grandchild() -> str:
+        await tether.wait_event("never")
+        return "gc"
+
+    @app.workflow
+    async def child() -> str:
+        return await grandchild()
+
+    @app.workflow
+    async def parent() -> str:
+        try:
+            r = await child()
+        finally:
+            await after_child()  # terminate must not run this
+        return r
+
+    run = await app.start(parent, run_id="top")
+    await eventually(lambda: status_is(app, "top/1/1", RunStatus.RUNNING), what="grandchild")
+    await app.terminate("top", "operator stop")
+    with pytest.raises(tether.RunTerminatedError) as ei:
+        await run.result(timeout=5)
+    assert "operator stop" in (ei.value.error or "")
+    for rid in ("top", "top/1", "top/1/1"):
+        info = await app.get(rid)
+        assert info.status is RunStatus.TERMINATED, rid
+        with pytest.raises(tether.RunTerminatedError):
+            await app.get_run(rid).result(timeout=5)
+    await asyncio.sleep(0.3)
+    assert ran == []
+    assert EventType.WORKFLOW_TERMINATED in await event_types(app, "top")
+    with pytest.raises(tether.RunFinishedError):
+        await app.signal("top/1/1", "never")
+    with pytest.raises(tether.RunFinishedError):
+        await app.terminate("top")
+
+
+async def test_terminate_does_not_touch_finished_child(
+    app: tether.App, worker: tether.Worker
+) -> None:
+    @app.workflow
+    async def kid() -> int:
+        return 7
+
+    @app.workflow
+    async def parent() -> int:
+        v = await kid()
+        await tether.wait_event("never")
+        return v
+
+    run = await app.start(parent, run_id="p")
+    await eventually(lambda: status_is(app, "p/1", RunStatus.COMPLETED), what="child done")
+    await eventually(
+        lambda: has_event(app, "p", EventType.CHILD_COMPLETED), what="parent saw child"
+    )
+    await app.terminate("p")
+    with pytest.raises(tether.RunTerminatedError):
+        await run.result(timeout=5)
+    assert (await app.get("p/1")).status is RunStatus.COMPLETED
+    assert await app.get_run("p/1").result(timeout=5) == 7
+
+
+# -- suspend / resume --------------------------------------------------------------------------
+
+
+async def test_suspend_holds_signalled_run_until_resume(
+    app: tether.App, worker: tether.Worker
+) -> None:
+    steps: list[int] = []
+
+    @app.activity
+    def step(i: int) -> int:
+        steps.append(i)
+        return i
+
+    @app.workflow
+    async def staged() -> list[int]:
+        a = await step(1)
+        await tether.wait_event("go")
+        b = await step(2)
+        c = await step(3)
+        return [a, b, c]
+
+    run = await app.start(staged)
+    await eventually(lambda: asyncio.sleep(0, result=steps == [1]), what="step 1")
+    await eventually(
+        lambda: has_event(app, run.run_id, EventType.ACTIVITY_COMPLETED), what="step 1 recorded"
+    )
+    await app.suspend(run.run_id)
+    assert (await app.get(run.run_id)).status is RunStatus.SUSPENDED
+    await app.suspend(run.run_id)  # idempotent
+    await app.signal(run.run_id, "go")  # signals are accepted while suspended
+    await asyncio.sleep(0.5)
+    assert steps == [1]
+    assert (await app.get(run.run_id)).status is RunStatus.SUSPENDED
+    with pytest.raises(tether.ResultTimeoutError):
+        await run.result(timeout=0.1)
+    await app.resume(run.run_id)
+    assert await run.result(timeout=10) == [1, 2, 3]
+    assert steps == [1, 2, 3]
+    types = await event_types(app, run.run_id)
+    assert EventType.SUSPENDED in types and EventType.RESUMED in types
+
+
+async def test_suspend_stops_dispatch_after_in_flight_activity_finishes(
+    app: tether.App, worker: tether.Worker
+) -> None:
+    """Suspending while a step runs: that step may finish, but no *new* step is dispatched."""
+    release = threading.Event()
+    started: list[int] = []
+
+    @app.activity(retry=FAST)
+    def step(i: int) -> int:
+        started.append(i)
+        if i == 1:
+            release.wait(10)
+        return i
+
+    @app.workflow
+    async def chain() -> list[int]:
+        return [await step(1), await step(2), await step(3)]
+
+    run = await app.start(chain)
+    await eventually(lambda: asyncio.sleep(0, result=started == [1]), what="step 1 running")
+    await app.suspend(run.run_id)
+    release.set()
+    await eventually(
+        lambda: has_event(app, run.run_id, EventType.ACTIVITY_COMPLETED), what="step 1 recorded"
+    )
+    await asyncio.sleep(0.5)
+    assert started == [1], "a new step was dispatched while the run was suspended"
+    assert (await app.get(run.run_id)).status is RunStatus.SUSPENDED
+    await app.resume(run.run_id)
+    assert await run.result(timeout=10) == [1, 2, 3]
+    assert started == [1, 2, 3]
+
+
+async def test_suspend_timer_due_while_suspended_continues_after_resume(
+    app: tether.App, worker: tether.Worker
+) -> None:
+    after: list[str] = []
+
+    @app.activity
+    def mark() -> None:
+        after.append("x")
+
+    @app.workflow
+    async def napper() -> str:
+        await tether.sleep(0.2)
+        await mark()
+        return "awake"
+
+    run = await app.start(napper)
+    await eventually(lambda: has_event(app, run.run_id, EventType.TIMER_STARTED), what="timer")
+    await app.suspend(run.run_id)
+    await asyncio.sleep(0.5)
+    assert after == []
+    assert (await app.get(run.run_id)).status is RunStatus.SUSPENDED
+    await app.resume(run.run_id)
+    assert await run.result(timeout=10) == "awake"
+    assert after == ["x"]
+
+
+async def test_resume_running_run_is_noop_and_suspend_finished_rejected(
+    app: tether.App, worker: tether.Worker
+) -> None:
+    @app.workflow
+    async def gate() -> str:
+        await tether.wait_event("go")
+        return "ok"
+
+    run = await app.start(gate)
+    await eventually(lambda: status_is(app, run.run_id, RunStatus.RUNNING), what="running")
+    await app.resume(run.run_id)
+    assert (await app.get(run.run_id)).status is RunStatus.RUNNING
+    assert EventType.RESUMED not in await event_types(app, run.run_id)
+    await app.signal(run.run_id, "go")
+    assert await run.result(timeout=10) == "ok"
+    with pytest.raises(tether.RunFinishedError):
+        await app.suspend(run.run_id)
+    with pytest.raises(tether.RunFinishedError):
+        await app.resume(run.run_id)
+
+
+# -- idempotent start --------------------------------------------------------------------------
+
+
+async def test_start_same_run_id_same_input_returns_same_run(
+    app: tether.App, worker: tether.Worker
+) -> None:
+    executions: list[int] = []
+
+    @app.activity
+    def work(x: int) -> int:
+        executions.append(x)
+        return x + 1
+
+    @app.workflow
+    async def once(x: int) -> int:
+        return await work(x)
+
+    first = await app.start(once, 5, run_id="order-5")
+    second = await app.start(once, 5, run_id="order-5")
+    assert first.run_id == second.run_id == "order-5"
+    assert await first.result(timeout=10) == 6
+    third = await app.start(once, 5, run_id="order-5")  # also after it finished
+    assert await third.result(timeout=10) == 6
+    assert executions == [5]
+    assert [r.run_id for r in await app.list()] == ["order-5"]
+    starts = [e for e in await app.history("order-5") if e.type is EventType.WORKFLOW_STARTED]
+    assert len(starts) == 1
+
+
+async def test_start_same_run_id_different_input_conflicts(
+    app: tether.App, worker: tether.Worker
+) -> None:
+    @app.workflow
+    async def greet(name: str) -> str:
+        return f"hi {name}"
+
+    @app.workflow
+    async def other(name: str) -> str:
+        return name
+
+    run = await app.start(greet, "ann", run_id="r1")
+    with pytest.raises(tether.RunIdConflictError) as ei:
+        await app.start(greet, "bob", run_id="r1")
+    assert ei.value.run_id == "r1"
+    with pytest.raises(tether.RunIdConflictError):
+        await app.start(other, "ann", run_id="r1")  # same input, other workflow
+    assert await run.result(timeout=10) == "hi ann"
+    info = await app.get("r1")
+    assert info.workflow == "greet"
+    assert len(await app.list()) == 1
+
+
+# -- errors for unknown / finished runs ---------------------------------------------------------
+
+
+async def test_signal_finished_run_raises_run_finished(
+    app: tether.App, worker: tether.Worker
+) -> None:
+    @app.workflow
+    async def done() -> int:
+        return 0
+
+    run = await app.start(done)
+    await run.result(timeout=10)
+    before = await app.history(run.run_id)
+    with pytest.raises(tether.RunFinishedError) as ei:
+        await app.signal(run.run_id, "late", {"x": 1})
+    assert ei.value.run_id == run.run_id
+    assert ei.value.status == "completed"
+    assert len(await app.history(run.run_id)) == len(before)  # nothing appended
+
+
+@pytest.mark.parametrize(
+    "action",
+    ["get", "signal", "cancel", "terminate", "suspend", "resume", "history", "result"],
+)
+async def test_unknown_run_raises_run_not_found(app: tether.App, action: str) -> None:
+    calls: dict[str, Callable[[], Awaitable[Any]]] = {
+        "get": lambda: app.get("ghost"),
+        "signal": lambda: app.signal("ghost", "x"),
+        "cancel": lambda: app.cancel("ghost"),
+        "terminate": lambda: app.terminate("ghost"),
+        "suspend": lambda: app.suspend("ghost"),
+        "resume": lambda: app.resume("ghost"),
+        "history": lambda: app.history("ghost"),
+        "result": lambda: app.get_run("ghost").result(timeout=2),
+    }
+    with pytest.raises(tether.RunNotFoundError) as ei:
+        await calls[action]()
+    assert ei.value.run_id == "ghost"
+    assert await app.list() == []
+
+
+async def test_start_unregistered_workflow_name_raises(app: tether.App) -> None:
+    with pytest.raises(tether.UnknownWorkflowError):
+        await app.start("nope")
+    assert await app.list() == []
+
+
+# -- list -----------------------------------------------------------------------------------------
+
+
+async def test_list_filters_by_status_and_workflow(app: tether.App, worker: tether.Worker) -> None:
+    @app.workflow
+    async def ok(i: int) -> int:
+        return i
+
+    @app.workflow
+    async def bad(i: int) -> int:
+        raise ValueError(i)
+
+    @app.workflow
+    async def waits(i: int) -> int:
+        await tether.wait_event("never")
+        return i
+
+    for i in range(3):
+        await (await app.start(ok, i, run_id=f"ok-{i}")).result(timeout=10)
+    with pytest.raises(tether.WorkflowFailedError):
+        await (await app.start(bad, 0, run_id="bad-0")).result(timeout=10)
+    await app.start(waits, 0, run_id="wait-0")
+    await eventually(lambda: status_is(app, "wait-0", RunStatus.RUNNING), what="running")
+
+    def ids(infos: list[tether.RunInfo]) -> set[str]:
+        return {i.run_id for i in infos}
+
+    assert ids(await app.list()) == {"ok-0", "ok-1", "ok-2", "bad-0", "wait-0"}
+    assert ids(await app.list(status=RunStatus.COMPLETED)) == {"ok-0", "ok-1", "ok-2"}
+    assert ids(await app.list(status="failed")) == {"bad-0"}
+    assert ids(await app.list(status=RunStatus.RUNNING)) == {"wait-0"}
+    assert ids(await app.list(workflow="ok")) == {"ok-0", "ok-1", "ok-2"}
+    assert ids(await app.list(workflow="waits", status="running")) == {"wait-0"}
+    assert await app.list(workflow="ok", status="failed") == []
+    assert await app.list(workflow="nobody") == []
+    with pytest.raises(ValueError):
+        await app.list(status="bogus")
+
+    # newest first, paged by limit/offset without overlap
+    everything = await app.list()
+    assert [i.created_at for i in everything] == sorted(
+        (i.created_at for i in everything), reverse=True
+    )
+    assert everything[0].run_id == "wait-0"
+    page1 = await app.list(limit=2)
+    page2 = await app.list(limit=2, offset=2)
+    page3 = await app.list(limit=2, offset=4)
+    assert len(page1) == 2 and len(page2) == 2 and len(page3) == 1
+    assert [i.run_id for i in page1 + page2 + page3] == [i.run_id for i in everything]
+
+
+async def test_terminate_runs_no_workflow_code_even_when_worker_discards_it(
+    app: tether.App,
+) -> None:
+    """Terminate runs none of the run's code: not even its ``finally`` when the worker
+    that cached the run is stopped and its in-memory copy is garbage collected."""
+    ran: list[str] = []
+
+    @app.activity
+    def cleanup() -> None:
+        ran.append("cleanup")
+
+    @app.workflow
+    async def guarded() -> str:
+        try:
+            await tether.wait_event("never")
+        finally:
+            await cleanup()
+        return "done"
+
+    w = app.worker(lease=2.0, poll_interval=0.05)
+    await w.start()
+    run = await app.start(guarded)
+    await eventually(lambda: status_is(app, run.run_id, RunStatus.RUNNING), what="running")
+    await app.terminate(run.run_id)
+    with pytest.raises(tether.RunTerminatedError):
+        await run.result(timeout=5)
+    await w.stop(grace=2.0)
+    del w
+    gc.collect()
+    assert ran == []
+
+
+async def test_cancel_parent_cancels_waiting_child(app: tether.App, worker: tether.Worker) -> None:
+    child_cleanup: list[str] = []
+
+    @app.activity
+    def note(what: str) -> None:
+        child_cleanup.append(what)
+
+    @app.workflow
+    async def kid() -> str:
+        try:
+            await tether.wait_event("never")
+        finally:
+            await note("kid cleaned up")
+        return "kid"
+
+    @app.workflow
+    async def parent() -> str:
+        return await kid()
+
+    run = await app.start(parent, run_id="cp")
+    await eventually(lambda: status_is(app, "cp/1", RunStatus.RUNNING), what="child running")
+    await app.cancel("cp")
+    with pytest.raises(tether.RunCancelledError):
+        await run.result(timeout=10)
+    await eventually(lambda: status_is(app, "cp/1", RunStatus.CANCELLED), what="child cancelled")
+    assert child_cleanup == ["kid cleaned up"]
