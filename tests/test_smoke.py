@@ -3,7 +3,9 @@ from __future__ import annotations
 import tether
 
 
-async def test_sequential_and_parallel_steps_complete(app: tether.App, worker: tether.Worker) -> None:
+async def test_sequential_and_parallel_steps_complete(
+    app: tether.App, worker: tether.Worker
+) -> None:
     calls: list[int] = []
 
     @app.activity
