@@ -41,6 +41,7 @@ class EventType(enum.StrEnum):
     CHILD_STARTED = "ChildStarted"
     CHILD_CANCEL_REQUESTED = "ChildCancelRequested"
     STATUS_SET = "StatusSet"
+    PATCH_MARKER = "PatchMarker"
     WORKFLOW_COMPLETED = "WorkflowCompleted"
     WORKFLOW_FAILED = "WorkflowFailed"
     WORKFLOW_CANCELLED = "WorkflowCancelled"
@@ -81,6 +82,7 @@ COMMANDS = frozenset(
         EventType.CHILD_STARTED,
         EventType.CHILD_CANCEL_REQUESTED,
         EventType.STATUS_SET,
+        EventType.PATCH_MARKER,
         EventType.WORKFLOW_COMPLETED,
         EventType.WORKFLOW_FAILED,
         EventType.WORKFLOW_CANCELLED,

@@ -239,3 +239,20 @@ def idempotency_key(label: str) -> str:
     downstream system so a retried or replayed step is applied once."""
     inst = _instance("idempotency_key")
     return f"{inst.run_id}:{label}"
+
+
+def patched(patch_id: str) -> bool:
+    """True if this run takes the new code path of change ``patch_id``.
+
+    Deploy changed workflow code as ``if tether.patched("x"): new() else: old()``:
+    runs in flight that already passed this point without the change replay the
+    old branch; new runs record a marker and take the new one. Once no run that
+    may take the old branch is left, switch to ``tether.deprecate_patch("x")``
+    and delete the old branch.
+    """
+    return _instance("patched").patched(patch_id)
+
+
+def deprecate_patch(patch_id: str) -> None:
+    """Keep replaying runs that recorded ``patch_id`` after the old branch is removed."""
+    _instance("deprecate_patch").patched(patch_id, deprecated=True)

@@ -105,6 +105,9 @@ class WorkflowInstance:
         )
         self._nd_error: NonDeterminismError | None = None
         self._closed = False
+        self._patches: dict[str, bool] = {}
+        #: when a list, every command the code issues is described here (replay checks)
+        self.trace: list[str] | None = None
         self._voided: set[int] = set()  #: seqs an operator's retry took out of the history
 
     # -- driving -----------------------------------------------------------
@@ -318,6 +321,8 @@ class WorkflowInstance:
             raise InstanceClosed(self.run_id)
         self.step += 1
         step = self.step
+        if self.trace is not None:
+            self.trace.append(f"{step}: {_describe(type_, data)}")
         if step <= self._max_recorded:
             rec = self._recorded.get(step)
             produced = _describe(type_, data)
@@ -401,6 +406,34 @@ class WorkflowInstance:
         """Issue a StatusSet command."""
         self._command(EventType.STATUS_SET, {}, {"value": encode(value, "status")})
 
+    def patched(self, patch_id: str, *, deprecated: bool = False) -> bool:
+        """Whether this run takes the new branch of change ``patch_id``.
+
+        New runs (and runs reaching this point for the first time) record a
+        PatchMarker and take the new branch; runs whose history reached this point
+        without the marker replay the old branch. ``deprecated`` consumes an old
+        marker if present and never records a new one.
+        """
+        if patch_id in self._patches:
+            return self._patches[patch_id]
+        nxt = self.step + 1
+        if self.replaying or nxt <= self._max_recorded:
+            rec = self._recorded.get(nxt)
+            taken = (
+                rec is not None
+                and rec.type is EventType.PATCH_MARKER
+                and rec.data.get("patch_id") == patch_id
+            )
+            if taken:
+                self._command(EventType.PATCH_MARKER, {"patch_id": patch_id})
+        elif deprecated:
+            taken = True
+        else:
+            self._command(EventType.PATCH_MARKER, {"patch_id": patch_id})
+            taken = True
+        self._patches[patch_id] = taken
+        return taken
+
     def take_signal(self, name: str) -> tuple[bool, Any]:
         """Pop the oldest buffered signal ``name``, if any."""
         buf = self._buffers.get(name)
@@ -423,6 +456,7 @@ def _key(data: dict[str, Any]) -> tuple[Any, ...]:
         data.get("timer_step"),
         data.get("activity_step"),
         data.get("child_step"),
+        data.get("patch_id"),
     )
 
 

@@ -1,0 +1,186 @@
+"""Versioning: tether.patched lets new code take a new branch while runs in flight
+replay the old one, and the replay checker catches unpatched changes before deploy."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import tether
+from tether._replay_check import check_history
+
+
+def _v1(app: tether.App, calls: list[str]) -> None:
+    @app.activity
+    def a() -> str:
+        calls.append("a")
+        return "a"
+
+    @app.activity
+    def b() -> str:
+        calls.append("b")
+        return "b"
+
+    @app.workflow
+    async def flow() -> list[str]:
+        out = [await a()]
+        await tether.wait_event("go")
+        out.append(await a())
+        return out
+
+
+def _v2(app: tether.App, calls: list[str], *, patch: bool) -> None:
+    @app.activity
+    def a() -> str:
+        calls.append("a")
+        return "a"
+
+    @app.activity
+    def b() -> str:
+        calls.append("b")
+        return "b"
+
+    @app.workflow
+    async def flow() -> list[str]:
+        out = [await a()]
+        if not patch or tether.patched("add-b"):
+            out.append(await b())  # the change: a new step before the wait
+        await tether.wait_event("go")
+        out.append(await a())
+        return out
+
+
+async def _waiting_run(app: tether.App, run_id: str) -> None:
+    """Start ``flow`` and return once it waits for its event (two workflow tasks done)."""
+    async with app.worker(poll_interval=0.05):
+        await app.start(app.get_workflow("flow"), run_id=run_id)
+        for _ in range(250):
+            types = [e.type for e in await app.history(run_id)]
+            if types.count(tether.EventType.WORKFLOW_TASK_COMPLETED) >= 2:
+                return
+            await asyncio.sleep(0.02)
+    raise AssertionError("the run never reached its wait")
+
+
+async def test_replay_check_unpatched_change_reports_diff(db_path: Path) -> None:
+    calls: list[str] = []
+    old = tether.App(store=f"sqlite:///{db_path}")
+    _v1(old, calls)
+    await _waiting_run(old, "r1")
+    history = await old.history("r1")
+    await old.close()
+
+    unpatched = tether.App(store=f"sqlite:///{db_path}")
+    _v2(unpatched, [], patch=False)
+    report = check_history(unpatched, history)
+    assert not report.ok
+    assert "ActivityScheduled('b')" in report.diff()
+    assert "step 2" in (report.error or "")
+
+    patched = tether.App(store=f"sqlite:///{db_path}")
+    _v2(patched, [], patch=True)
+    assert check_history(patched, history).ok
+    await unpatched.close()
+    await patched.close()
+
+
+async def test_patched_old_run_keeps_old_branch_new_run_takes_new(db_path: Path) -> None:
+    calls: list[str] = []
+    old = tether.App(store=f"sqlite:///{db_path}")
+    _v1(old, calls)
+    await _waiting_run(old, "old-run")
+    await old.close()
+    assert calls == ["a"]
+
+    calls.clear()
+    new = tether.App(store=f"sqlite:///{db_path}")
+    _v2(new, calls, patch=True)
+    async with new.worker(poll_interval=0.05):
+        await new.signal("old-run", "go")
+        assert await new.get_run("old-run").result(timeout=10) == ["a", "a"]
+        assert calls == ["a"]  # the old run did not take the new branch
+        calls.clear()
+        run = await new.start(new.get_workflow("flow"), run_id="new-run")
+        await new.signal("new-run", "go")
+        assert await run.result(timeout=10) == ["a", "b", "a"]
+        assert calls == ["a", "b", "a"]
+        markers = [
+            e for e in await new.history("new-run") if e.type is tether.EventType.PATCH_MARKER
+        ]
+        assert [m.data["patch_id"] for m in markers] == ["add-b"]
+    await new.close()
+
+
+def test_cli_replay_fails_on_unpatched_change_and_passes_patched(tmp_path: Path) -> None:
+    db = tmp_path / "t.db"
+    code = textwrap.dedent(
+        f"""
+        import tether
+        app = tether.App(store={f"sqlite:///{db}"!r})
+
+        @app.activity
+        def a() -> str:
+            return "a"
+
+        @app.activity
+        def b() -> str:
+            return "b"
+
+        @app.workflow
+        async def flow() -> str:
+            await a()
+            if {{PATCH}}:
+                await b()
+            await tether.wait_event("go")
+            return "done"
+        """
+    )
+    (tmp_path / "v1.py").write_text(code.replace("{PATCH}", "False"))
+    (tmp_path / "v2.py").write_text(code.replace("{PATCH}", "True"))
+    (tmp_path / "v3.py").write_text(code.replace("{PATCH}", 'tether.patched("b")'))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent / "src")}
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "tether.cli", *args],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import v1  # type: ignore[import-not-found]
+    finally:
+        sys.path.remove(str(tmp_path))
+
+    async def make_run() -> None:
+        async with v1.app.worker(poll_interval=0.05):
+            await v1.app.start(v1.flow, run_id="r")
+            for _ in range(200):
+                hist = await v1.app.history("r")
+                if [e.type for e in hist].count(tether.EventType.WORKFLOW_TASK_COMPLETED) >= 2:
+                    break
+                await asyncio.sleep(0.02)
+        await v1.app.close()
+
+    asyncio.run(make_run())
+    exported = cli("history", "export", "r", "--store", str(db))
+    assert exported.returncode == 0, exported.stderr
+    (tmp_path / "h.json").write_text(exported.stdout)
+    assert json.loads(exported.stdout)["events"]
+
+    bad = cli("replay", "h.json", "--app", "v2:app")
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    assert "FAIL  r" in bad.stdout and "ActivityScheduled('b')" in bad.stdout
+    good = cli("replay", "h.json", "--app", "v3:app")
+    assert good.returncode == 0, good.stdout + good.stderr
+    from_store = cli("replay", "--app", "v3:app", "--store", str(db), "--since", "1h")
+    assert from_store.returncode == 0 and "ok    r" in from_store.stdout, from_store.stdout
