@@ -12,7 +12,7 @@ import textwrap
 from pathlib import Path
 
 import tether
-from tether._replay_check import check_history
+from tether.testing import check_history
 
 
 def _v1(app: tether.App, calls: list[str]) -> None:

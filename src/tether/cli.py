@@ -709,7 +709,7 @@ def replay_command(
     limit: Annotated[int, typer.Option("--limit", help="With --store: at most N runs.")] = 1000,
 ) -> None:
     """Replay recorded histories against today's code; exit 1 on any non-determinism."""
-    from ._replay_check import check_history, load_files
+    from .testing import check_history, load_files
 
     if not app:
         raise UsageError("--app MODULE:ATTR is required: it names the code to check")

@@ -14,12 +14,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ._errors import NonDeterminismError, TetherError
-from ._history import COMMANDS, Event, EventType
-from .workflow._instance import WorkflowInstance, _describe
+from .._errors import NonDeterminismError, TetherError
+from .._history import COMMANDS, Event, EventType
+from ..workflow._instance import WorkflowInstance, _describe
 
 if TYPE_CHECKING:
-    from ._app import App
+    from .._app import App
 
 
 @dataclass

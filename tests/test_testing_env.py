@@ -1,0 +1,97 @@
+"""tether.testing.Env: virtual time that skips while every run waits."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+import tether
+from tether.testing import Env
+
+DAY = 86_400.0
+
+
+@pytest.fixture
+def mem_app() -> tether.App:
+    return tether.App(store=":memory:")
+
+
+async def test_env_sleep_of_30_days_finishes_in_under_a_second(mem_app: tether.App) -> None:
+    @mem_app.workflow
+    async def month() -> float:
+        start = tether.now()
+        await tether.sleep(30 * DAY)
+        return (tether.now() - start).total_seconds()
+
+    t0 = time.monotonic()
+    async with Env(mem_app) as env:
+        run = await mem_app.start(month)
+        elapsed = await run.result(timeout=5)
+    assert time.monotonic() - t0 < 1.0
+    assert elapsed >= 30 * DAY
+    assert env.skipped >= 30 * DAY
+
+
+async def test_env_retry_delays_follow_the_policy_exactly(mem_app: tether.App) -> None:
+    failures = {"left": 3}
+
+    @mem_app.activity(
+        retry=tether.Retry(attempts=5, initial=10.0, backoff=3.0, max_interval=60.0, jitter=0)
+    )
+    def flaky() -> str:
+        if failures["left"]:
+            failures["left"] -= 1
+            raise ConnectionError("blip")
+        return "ok"
+
+    @mem_app.workflow
+    async def wf() -> str:
+        return await flaky()
+
+    async with Env(mem_app):
+        run = await mem_app.start(wf)
+        assert await run.result(timeout=5) == "ok"
+    attempts = [
+        e for e in await mem_app.history(run.run_id) if e.type.value == "ActivityAttemptFailed"
+    ]
+    delays = [round(e.data["retry_at"] - e.created_at, 6) for e in attempts]
+    assert delays == [10.0, 30.0, 60.0]  # 10, 10*3, min(60, 10*9)
+
+
+async def test_env_wait_event_timeout_and_deadline_fire_without_waiting(
+    mem_app: tether.App,
+) -> None:
+    @mem_app.workflow
+    async def approval() -> str:
+        answer = await tether.wait_event("approve", timeout=7 * DAY)
+        return "rejected (no answer)" if answer is None else "approved"
+
+    @mem_app.workflow
+    async def forever() -> None:
+        await tether.sleep(365 * DAY)
+
+    async with Env(mem_app):
+        run = await mem_app.start(approval)
+        assert await run.result(timeout=5) == "rejected (no answer)"
+        late = await mem_app.start(forever, deadline=DAY)
+        with pytest.raises(tether.RunTimedOutError):
+            await late.result(timeout=5)
+
+
+async def test_env_advance_moves_time_explicitly(tmp_path: Path) -> None:
+    app = tether.App(store=f"sqlite:///{tmp_path / 'x.db'}")
+
+    @app.workflow
+    async def nap() -> str:
+        await tether.sleep(3600)
+        return "woke"
+
+    async with Env(app, skip_time=False) as env:
+        run = await app.start(nap)
+        with pytest.raises(tether.ResultTimeoutError):
+            await run.result(timeout=0.3)
+        await env.advance(3600)
+        assert await run.result(timeout=5) == "woke"
+    await app.close()
