@@ -88,6 +88,12 @@ QUICK = Sizes(
 # -- helpers --------------------------------------------------------------------
 
 
+def check(ok: bool, message: str) -> None:
+    """Fail the benchmark if a result is wrong (unlike ``assert``, kept under ``-O``)."""
+    if not ok:
+        raise RuntimeError(message)
+
+
 def _percentile(values: Sequence[float], pct: float) -> float:
     """The ``pct`` percentile (0-100) by linear interpolation between closest ranks."""
     ordered = sorted(values)
@@ -152,7 +158,7 @@ def bench_limit(workdir: Path, sizes: Sizes) -> Result:
                 break
         elapsed = time.perf_counter() - t0
         (count,) = conn.execute("SELECT count(*) FROM t").fetchone()
-        assert count == n, (count, n)
+        check(count == n, f"LIMIT: table has {count} rows, expected {n}")
     finally:
         conn.close()
     return {
@@ -185,7 +191,7 @@ async def bench_w1(workdir: Path, sizes: Sizes, limit_cps: float) -> Result:
     finally:
         await app.close()
     bad = [i for i, v in enumerate(results) if v != _expected(steps_n, i)]
-    assert not bad, f"W1: wrong results for runs {bad[:5]}"
+    check(not bad, f"W1: wrong results for runs {bad[:5]}")
     steps = runs_n * steps_n
     return {
         "runs": runs_n,
@@ -219,7 +225,7 @@ async def bench_w3(workdir: Path, sizes: Sizes) -> Result:
                 run = await app.start(wf, 1, i, run_id=f"w3-{i}")
                 value = await run.result(timeout=60)
                 elapsed = time.perf_counter() - t0
-                assert value == _expected(1, i), (i, value)
+                check(value == _expected(1, i), f"W3: run {i} returned {value}")
                 if i >= sizes.w3_warmup:
                     latencies.append(elapsed * 1000)
             commits = _commits(app) - c0
@@ -240,7 +246,9 @@ async def bench_w3(workdir: Path, sizes: Sizes) -> Result:
 # -- W6 -------------------------------------------------------------------------
 
 
-async def _build_history(workdir: Path, steps: int) -> tuple[tether.Workflow[[int, int], int], Any]:
+async def _build_history(
+    workdir: Path, steps: int
+) -> tuple[tether.Workflow[[int, int], int], Result]:
     """Run one ``steps``-step workflow to completion; return it and facts about the run."""
     app, wf = _make_app(workdir / "w6.db")
     run_id = "w6-long"
@@ -251,13 +259,13 @@ async def _build_history(workdir: Path, steps: int) -> tuple[tether.Workflow[[in
             value = await run.result(timeout=3600)
             wall = time.perf_counter() - t0
             wstats = dict(worker.stats)
-        assert value == _expected(steps, 0), value
+        check(value == _expected(steps, 0), f"W6: the run returned {value}")
         t0 = time.perf_counter()
         events = await app.store.read_history(run_id, 0)
         read_s = time.perf_counter() - t0
     finally:
         await app.close()
-    facts = {
+    facts: Result = {
         "run_id": run_id,
         "events": events,
         "build_wall_s": wall,
@@ -277,7 +285,7 @@ def _timed_cold_replay(
     inst = WorkflowInstance(run_id, wf)
     result = inst.advance(events, now)
     elapsed = time.perf_counter() - t0
-    assert not result.commands, f"replay produced new commands: {result.commands[:3]}"
+    check(not result.commands, f"W6: replay produced new commands {result.commands[:3]}")
     return elapsed, inst
 
 
@@ -306,7 +314,7 @@ def bench_w6_replay(
     would show an O(history) term in the warm path).
     """
     seqs = [e.seq for e in events]
-    assert seqs == list(range(1, len(events) + 1)), "history seqs are not 1..n"
+    check(seqs == list(range(1, len(events) + 1)), "W6: history seqs are not 1..n")
     markers = [e for e in events if e.type is EventType.WORKFLOW_TASK_COMPLETED]
     steps = len(markers) - 1  # task 0 handles WorkflowStarted; task k, step k's completion
 
@@ -326,7 +334,7 @@ def bench_w6_replay(
         marker = markers[k]
         through = int(marker.data["through"])
         delta = events[inst.through : through]  # seqs inst.through+1 .. through
-        assert delta and delta[-1].type in INCOMING, (k, delta[-1:])
+        check(bool(delta) and delta[-1].type in INCOMING, f"W6: task {k}: bad delta")
         now = time.time()
         t0 = time.perf_counter()
         result = inst.advance(delta, now)
@@ -334,9 +342,9 @@ def bench_w6_replay(
         recorded = events[through : marker.seq - 1]  # the commands task k committed
         got = [(c.type, c.step) for c in result.commands]
         want = [(e.type, e.step) for e in recorded]
-        assert got == want, f"task {k}: produced {got}, history has {want}"
+        check(got == want, f"W6: task {k} produced {got}, history has {want}")
         inst.committed(marker.seq)
-    assert inst.finished
+    check(inst.finished, "W6: warm replay did not finish the run")
     tenth = max(1, len(samples) // 10)
     warm_us = [s * 1e6 for s in samples]
     return {
@@ -364,7 +372,7 @@ async def bench_w6(workdir: Path, sizes: Sizes) -> Result:
     wf, facts = await _build_history(workdir, sizes.w6_steps)
     events: list[tether.Event] = facts.pop("events")
     expected_events = 3 * sizes.w6_steps + 3
-    assert len(events) == expected_events, (len(events), expected_events)
+    check(len(events) == expected_events, f"W6: {len(events)} events, expected {expected_events}")
     out: Result = {"steps": sizes.w6_steps, **facts}
     out.update(bench_w6_replay(facts["run_id"], wf, events, sizes))
     return out
@@ -391,7 +399,10 @@ async def run_suite(workdir: Path, sizes: Sizes, log: Callable[[str], None]) -> 
 
 
 def _median_of(results: list[Result]) -> Result:
-    """Field-wise median of several suite results (non-numeric fields from the first)."""
+    """Field-wise median of several suite results (non-numeric fields from the first).
+
+    Each figure is its own median, so a ratio is the median of the per-run ratios.
+    """
     out: Result = {}
     for key, first in results[0].items():
         values = [r[key] for r in results]
@@ -439,6 +450,7 @@ def _table(res: Result) -> str:
 
 
 def _environment(workdir: Path) -> Result:
+    """Where the figures come from; load averages show whether the machine was busy."""
     return {
         "python": platform.python_version(),
         "sqlite": sqlite3.sqlite_version,
@@ -446,6 +458,7 @@ def _environment(workdir: Path) -> Result:
         "cpus": os.cpu_count(),
         "tether": tether.__version__,
         "workdir_parent": str(workdir.parent),
+        "loadavg_after": [round(x, 2) for x in os.getloadavg()],
     }
 
 
@@ -467,6 +480,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     results: list[Result] = []
+    load_before = [round(x, 2) for x in os.getloadavg()]
     with tempfile.TemporaryDirectory(prefix="tether-bench-", dir=args.dir) as tmp:
         for i in range(args.repeat):
             workdir = Path(tmp) / f"rep{i}"
@@ -482,7 +496,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "aggregation": "single run" if args.repeat == 1 else f"median of {args.repeat} runs",
         "sizes": asdict(sizes),
         "worker_options": WORKER_OPTIONS,
-        "environment": env,
+        "environment": {**env, "loadavg_before": load_before},
         "results": summary,
     }
     if args.repeat > 1:

@@ -149,6 +149,31 @@ class Worker:
             self._pool.shutdown(wait=False, cancel_futures=True)
         self._main = None
 
+    async def kill(self) -> None:
+        """Die like a SIGKILLed process (for tests): drop everything, tell the store nothing.
+
+        In-flight work is cancelled, leases are left to expire, the sticky cache is
+        discarded. Sync activities already running in threads cannot be stopped and
+        finish on their own; whatever they try to record is refused by the fence
+        once another worker has taken their task over.
+        """
+        if self._main is None:
+            return
+        self._stopping = True
+        tasks = [t for _, t, _ in self._inflight.values()]
+        for t in (*tasks, self._main):
+            t.cancel()
+        await asyncio.gather(*tasks, self._main, return_exceptions=True)
+        self._inflight.clear()
+        self._unstarted = []
+        self.app.store.remove_listener(self._on_commit)
+        while self._cache:
+            _, inst = self._cache.popitem()
+            inst.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        self._main = None
+
     def _on_commit(self, ready: set[str], finished: set[str]) -> None:
         # called on the store's thread after each commit
         loop, wake = self._loop, self._wake
@@ -214,8 +239,12 @@ class Worker:
         self._inflight[task.task_id] = (task, t, None)
         t.add_done_callback(functools.partial(self._done, task.task_id))
 
-    def _done(self, task_id: int, _t: object = None) -> None:
+    def _done(self, task_id: int, t: asyncio.Task[None] | None = None) -> None:
         self._inflight.pop(task_id, None)
+        if t is not None and not t.cancelled():
+            exc = t.exception()  # retrieved, so it is never lost in a warning
+            if isinstance(exc, Exception):
+                log.error("task %d failed unexpectedly", task_id, exc_info=exc)
         if self._slot is not None:
             self._slot.set()
 

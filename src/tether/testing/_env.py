@@ -11,6 +11,10 @@ from .._policy import seconds
 from .._worker import Worker
 
 
+class SimulatedCrash(BaseException):
+    """Raised by the store of a worker that has 'died'; nothing it asks for is written."""
+
+
 class VirtualClock:
     """A clock that only moves when told to (or when the Env skips ahead)."""
 
@@ -90,7 +94,10 @@ class Env:
             if self.worker._inflight:
                 idle_rounds = 0
                 continue
-            due = await store.next_due(self.worker.queues)
+            try:
+                due = await store.next_due(self.worker.queues)
+            except (Exception, SimulatedCrash):
+                continue  # the store is briefly unavailable (or a test crashed it)
             if due is None or due <= self.clock.now:
                 idle_rounds = 0
                 continue

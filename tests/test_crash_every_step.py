@@ -1,0 +1,65 @@
+"""crash_at_every_step catches a non-idempotent step, names the crash point, and
+passes its idempotent fix."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+
+import tether
+from tether.testing import CrashInvariantError, crash_at_every_step
+
+LEDGER: collections.Counter[str] = collections.Counter()
+
+
+def _app(idempotent: bool) -> tether.App:
+    app = tether.App(store=":memory:")
+
+    @app.activity
+    def extract(doc: str) -> str:
+        return doc.upper()
+
+    @app.activity
+    def charge(doc: str, cents: int) -> str:
+        if idempotent:
+            key = tether.activity_context().idempotency_key
+            LEDGER[key] = 1  # applied by key: a repeat changes nothing
+            return key
+        LEDGER[f"charge:{doc}"] += 1  # applied blindly: a repeat charges twice
+        return f"charge:{doc}"
+
+    @app.workflow
+    async def bill(doc: str) -> str:
+        text = await extract(doc)
+        receipt = await charge(text, 500)
+        await tether.sleep(3600)
+        return f"{text} billed as {receipt}"
+
+    return app
+
+
+async def test_crash_at_every_step_names_the_point_that_double_charges() -> None:
+    app = _app(idempotent=False)
+    report = await crash_at_every_step(
+        app, app.get_workflow("bill"), "inv-1", effects=lambda: LEDGER, reset=LEDGER.clear
+    )
+    assert report.crash_points >= 5
+    assert not report.ok
+    first = report.failures[0]
+    assert "more than once" in first.problem and "charge:INV-1" in first.problem
+    # the failing crash point is the commit of charge's result: the charge had happened
+    assert any(e.type is tether.EventType.ACTIVITY_SCHEDULED for e in first.history)
+    assert "crash before store write #" in first.describe()
+    with pytest.raises(CrashInvariantError):
+        report.raise_for_failures()
+
+
+async def test_crash_at_every_step_passes_the_idempotent_fix() -> None:
+    app = _app(idempotent=True)
+    report = await crash_at_every_step(
+        app, app.get_workflow("bill"), "inv-1", effects=lambda: LEDGER, reset=LEDGER.clear
+    )
+    report.raise_for_failures()
+    assert report.ok and report.crash_points >= 5
+    assert report.result == "INV-1 billed as crash-test:2"
