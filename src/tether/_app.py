@@ -455,7 +455,8 @@ class App:
         with self._waiters_lock:
             self._waiters.setdefault(run_id, []).append(entry)
         try:
-            poll = 0.05
+            # in-process commits wake us at once; polling covers other processes
+            poll = 0.25
             while True:
                 info = await self.get(run_id)
                 if info.is_finished:

@@ -150,47 +150,27 @@ class SqliteStore(OpsStore):
         conn.close()
 
     def _run_batch(self, conn: sqlite3.Connection, batch: list[Any]) -> None:
-        writes = any(w for _, _, w, _ in batch)
-        results: list[tuple[concurrent.futures.Future[Any], Any, BaseException | None]] = []
-        ready: set[str] = set()
-        finished: set[str] = set()
+        # a caller that gave up before its operation ran gets nothing applied
+        live = [item for item in batch if item[3].set_running_or_notify_cancel()]
+        if not live:
+            return
         try:
-            if writes:
-                conn.execute("BEGIN IMMEDIATE")
-            now = self.clock()
-            for fn, args, write, fut in batch:
-                if not fut.set_running_or_notify_cancel():
-                    continue  # the caller gave up before it ran: apply nothing
-                tx = _Tx(conn, now)
-                if write:
-                    conn.execute("SAVEPOINT op")
-                try:
-                    value = fn(tx, *args)
-                except BaseException as exc:
-                    if write:
-                        conn.execute("ROLLBACK TO op")
-                        conn.execute("RELEASE op")
-                    if isinstance(exc, sqlite3.DatabaseError):
-                        exc = StoreError(_explain(self.path, exc))
-                    results.append((fut, None, exc))
-                    continue
-                if write:
-                    conn.execute("RELEASE op")
-                ready |= tx.ready
-                finished |= tx.finished
-                results.append((fut, value, None))
-            if writes:
-                conn.execute("COMMIT")
-                self._commits += 1
-            self._ops += len(batch)
+            # fast path: no savepoints; operations almost never fail
+            outcome = self._attempt(conn, live, savepoints=False)
+            if outcome is None:
+                # one failed: redo the batch with a savepoint each, so it fails alone
+                outcome = self._attempt(conn, live, savepoints=True)
+            assert outcome is not None
         except sqlite3.DatabaseError as exc:
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
             err = StoreError(_explain(self.path, exc))
-            for _, _, _, fut in batch:
+            for _, _, _, fut in live:
                 if not fut.done():
                     fut.set_exception(err)
             return
+        results, ready, finished = outcome
+        self._ops += len(live)
         for fut, value, error in results:
             if error is not None:
                 fut.set_exception(error)
@@ -199,6 +179,46 @@ class SqliteStore(OpsStore):
         if ready or finished:
             for cb in list(self._listeners):
                 cb(ready, finished)
+
+    def _attempt(
+        self, conn: sqlite3.Connection, live: list[Any], *, savepoints: bool
+    ) -> tuple[list[tuple[Any, Any, BaseException | None]], set[str], set[str]] | None:
+        """Run the batch in one transaction; None if an operation failed without savepoints."""
+        writes = any(w for _, _, w, _ in live)
+        results: list[tuple[Any, Any, BaseException | None]] = []
+        ready: set[str] = set()
+        finished: set[str] = set()
+        before = conn.total_changes
+        if writes:
+            conn.execute("BEGIN IMMEDIATE")
+        now = self.clock()
+        for fn, args, write, fut in live:
+            tx = _Tx(conn, now)
+            if savepoints and write:
+                conn.execute("SAVEPOINT op")
+            try:
+                value = fn(tx, *args)
+            except BaseException as exc:
+                if write and not savepoints:
+                    conn.execute("ROLLBACK")
+                    return None
+                if savepoints and write:
+                    conn.execute("ROLLBACK TO op")
+                    conn.execute("RELEASE op")
+                if isinstance(exc, sqlite3.DatabaseError):
+                    exc = StoreError(_explain(self.path, exc))
+                results.append((fut, None, exc))
+                continue
+            if savepoints and write:
+                conn.execute("RELEASE op")
+            ready |= tx.ready
+            finished |= tx.finished
+            results.append((fut, value, None))
+        if writes:
+            conn.execute("COMMIT")
+            if conn.total_changes != before:
+                self._commits += 1  # durable commits only: an empty claim writes nothing
+        return results, ready, finished
 
     def _submit(self, fn: Op, *args: Any, write: bool = True) -> concurrent.futures.Future[Any]:
         if self._closed:
