@@ -216,7 +216,13 @@ class Worker:
                 except StoreError:
                     due = None
                 if due is not None:
-                    timeout = max(0.0, min(timeout, due - self.app.store.clock()))
+                    wait = due - self.app.store.clock()
+                    # due already but not claimable (suspended run, queue limit): poll,
+                    # never spin; a commit that makes work claimable wakes us anyway
+                    if wait > 0:
+                        timeout = min(timeout, wait)
+                    elif wait > -0.02:
+                        timeout = 0.005  # became due just after our claim: look again soon
                 if timeout > 0:
                     try:
                         await asyncio.wait_for(self._wake.wait(), timeout)
