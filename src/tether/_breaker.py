@@ -32,7 +32,8 @@ class CircuitBreaker:
     cooldown: float | timedelta = 30.0
 
     def __post_init__(self) -> None:
-        if not 0 < self.failure_ratio <= 1:
+        ratio = self.failure_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0 < ratio <= 1:
             raise ConfigurationError(
                 f"CircuitBreaker.failure_ratio must be within (0, 1] (got {self.failure_ratio})"
             )

@@ -487,7 +487,17 @@ def _complete_workflow_task(
     for cmd in result.commands:
         _append(tx, task.run_id, cmd.type, cmd.step, cmd.data, cmd.raw)
         t = cmd.type
-        if t is EventType.ACTIVITY_SCHEDULED:
+        if t is EventType.ACTIVITY_SCHEDULED and cmd.data.get("reused"):
+            # a result kept from before an operator's retry: record it, run nothing
+            _append(
+                tx,
+                task.run_id,
+                EventType.ACTIVITY_COMPLETED,
+                cmd.step,
+                {"attempt": 0, "reused": True},
+                {"result": cmd.raw.get("result", "null")},
+            )
+        elif t is EventType.ACTIVITY_SCHEDULED:
             q = cmd.data["queue"]
             hb_timeout = (cmd.data.get("options") or {}).get("heartbeat_timeout")
             local = lease_to is not None and q in lease_queues and len(leased) < lease_limit
@@ -1042,13 +1052,27 @@ def _retry_run(tx: _Tx, run_id: str) -> None:
             )
         )
     )
-    kept = [e for e in events if e.seq not in set(voided)]
+    voided_set = set(voided)
+    kept = [e for e in events if e.seq not in voided_set]
+    # steps that succeeded after the failure are voided with it, but their results are
+    # offered back: if the code schedules the same activity at the same step again,
+    # the recorded result is reused and the step does not run twice
+    scheduled = {
+        e.step: e.data.get("name")
+        for e in events
+        if e.seq in voided_set and e.type is EventType.ACTIVITY_SCHEDULED
+    }
+    reuse = {
+        str(e.step): {"name": scheduled[e.step], "result": e.data.get("result")}
+        for e in events
+        if e.seq in voided_set and e.type is EventType.ACTIVITY_COMPLETED and e.step in scheduled
+    }
     tx.execute(
         "UPDATE runs SET status = 'running', output = NULL, error = NULL, completed_at = NULL "
         "WHERE run_id = ?",
         (run_id,),
     )
-    _append(tx, run_id, EventType.RUN_RETRIED, None, {"voided": voided, "cut": cut})
+    _append(tx, run_id, EventType.RUN_RETRIED, None, {"voided": voided, "cut": cut, "reuse": reuse})
     tx.execute("DELETE FROM tasks WHERE run_id = ?", (run_id,))
     _pending_work(tx, run_id, kept, run_queue, fork=False)
     tx.execute(

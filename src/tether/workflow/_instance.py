@@ -108,7 +108,12 @@ class WorkflowInstance:
         self._patches: dict[str, bool] = {}
         #: when a list, every command the code issues is described here (replay checks)
         self.trace: list[str] | None = None
-        self._voided: set[int] = set()  #: seqs an operator's retry took out of the history
+        self._voided: set[int] = set()
+        self._retries_seen: set[int] = set()
+        #: results of steps voided by an operator's retry, reusable at the same step
+        self._reuse: dict[
+            int, tuple[str, Any]
+        ] = {}  #: seqs an operator's retry took out of the history
 
     # -- driving -----------------------------------------------------------
 
@@ -119,8 +124,11 @@ class WorkflowInstance:
         """
         incoming: list[Event] = []
         for ev in events:
-            if ev.type is EventType.RUN_RETRIED:
+            if ev.type is EventType.RUN_RETRIED and ev.seq not in self._retries_seen:
+                self._retries_seen.add(ev.seq)
                 self._voided.update(ev.data.get("voided", []))
+                for step, kept in (ev.data.get("reuse") or {}).items():
+                    self._reuse[int(step)] = (kept["name"], kept.get("result"))
         for ev in events:
             if ev.seq in self._voided:
                 continue
@@ -358,15 +366,18 @@ class WorkflowInstance:
         """Issue an ActivityScheduled command; the future resolves with its outcome."""
         opts = activity.opts
         args_json = activity.sig.encode_args(args, kwargs)
-        step = self._command(
-            EventType.ACTIVITY_SCHEDULED,
-            {
-                "name": activity.name,
-                "queue": opts.queue,
-                "options": {**opts.to_json(activity.name), "scheduled_at": self.now},
-            },
-            {"args": args_json},
-        )
+        data: dict[str, Any] = {
+            "name": activity.name,
+            "queue": opts.queue,
+            "options": {**opts.to_json(activity.name), "scheduled_at": self.now},
+        }
+        raw = {"args": args_json}
+        kept = self._reuse.get(self.step + 1)
+        if kept is not None and not self.replaying and kept[0] == activity.name:
+            del self._reuse[self.step + 1]
+            data["reused"] = True
+            raw["result"] = encode(kept[1], "reused result")
+        step = self._command(EventType.ACTIVITY_SCHEDULED, data, raw)
         fut = self.loop.create_future()
         self._pending[step] = _Pending(fut, "activity", activity.name, activity.sig.return_type)
         self._watch_cancel(step, EventType.ACTIVITY_CANCEL_REQUESTED, "activity_step")

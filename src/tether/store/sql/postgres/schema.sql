@@ -1,0 +1,108 @@
+-- tether schema for PostgreSQL: the same tables as the SQLite schema, so the
+-- shared operations (tether/store/_ops.py) run unchanged. JSON stays TEXT, times
+-- are seconds since the epoch (DOUBLE PRECISION), flags are INTEGER 0/1.
+-- Applied at open under pg_advisory_xact_lock; tether_meta records the version.
+
+-- One row per run. Status values equal tether.RunStatus. ``next_seq`` is the
+-- next history sequence number: appends bump it with UPDATE ... RETURNING, which
+-- locks the row, so one run's history can never get a gap or a duplicate.
+CREATE TABLE IF NOT EXISTS runs (
+    run_id         TEXT PRIMARY KEY,
+    workflow       TEXT NOT NULL,
+    status         TEXT NOT NULL,
+    queue          TEXT NOT NULL,
+    input          TEXT NOT NULL,
+    output         TEXT,
+    error          TEXT,              -- JSON {type, message, traceback}
+    custom_status  TEXT,              -- JSON set by tether.set_status
+    parent_run_id  TEXT,              -- set for child runs
+    parent_step    BIGINT,            -- the parent's command step waiting on this run
+    continued_to   TEXT,              -- run id this run continued as new into
+    task_error     TEXT,              -- last workflow-task failure (e.g. non-determinism)
+    next_seq       BIGINT NOT NULL DEFAULT 1,
+    created_at     DOUBLE PRECISION NOT NULL,
+    updated_at     DOUBLE PRECISION NOT NULL,
+    completed_at   DOUBLE PRECISION
+);
+CREATE INDEX IF NOT EXISTS runs_by_status ON runs (status, created_at);
+CREATE INDEX IF NOT EXISTS runs_by_workflow ON runs (workflow, created_at);
+CREATE INDEX IF NOT EXISTS runs_by_parent ON runs (parent_run_id) WHERE parent_run_id IS NOT NULL;
+
+-- The append-only history. ``step`` is the workflow command number an event
+-- belongs to (NULL for signals, markers and operator actions).
+CREATE TABLE IF NOT EXISTS events (
+    run_id      TEXT NOT NULL,
+    seq         BIGINT NOT NULL,
+    type        TEXT NOT NULL,
+    step        BIGINT,
+    data        TEXT,
+    created_at  DOUBLE PRECISION NOT NULL,
+    PRIMARY KEY (run_id, seq)
+);
+
+-- Ready and leased work. A task is claimable when ``available_at`` has passed:
+-- claiming sets it to the lease expiry, so an expired lease makes the task
+-- claimable again with no extra column. Every claim bumps ``fence``; every
+-- write that completes a task presents the fence it claimed with (locking the
+-- row FOR UPDATE), and a stale one is rejected. Claims use FOR UPDATE SKIP
+-- LOCKED, so concurrent workers never block on, or double-claim, a task.
+CREATE TABLE IF NOT EXISTS tasks (
+    task_id           BIGSERIAL PRIMARY KEY,
+    run_id            TEXT NOT NULL,
+    kind              TEXT NOT NULL,   -- workflow | activity | timer
+    step              BIGINT,
+    queue             TEXT NOT NULL,
+    name              TEXT,
+    payload           TEXT,
+    options           TEXT,
+    available_at      DOUBLE PRECISION NOT NULL,
+    lease_owner       TEXT,
+    fence             BIGINT NOT NULL DEFAULT 0,
+    attempt           BIGINT NOT NULL DEFAULT 0,
+    cancel_requested  INTEGER NOT NULL DEFAULT 0,
+    heartbeat         TEXT,              -- last heartbeat details (JSON)
+    heartbeat_timeout DOUBLE PRECISION,  -- set: only heartbeats extend the lease
+    last_error        TEXT,
+    created_at        DOUBLE PRECISION NOT NULL
+);
+-- At most one workflow task per run: new events for a run whose task is
+-- already queued or running fold into that task.
+CREATE UNIQUE INDEX IF NOT EXISTS tasks_one_workflow_task ON tasks (run_id) WHERE kind = 'workflow';
+CREATE UNIQUE INDEX IF NOT EXISTS tasks_by_step ON tasks (run_id, step) WHERE kind <> 'workflow';
+CREATE INDEX IF NOT EXISTS tasks_ready ON tasks (queue, available_at);
+CREATE INDEX IF NOT EXISTS tasks_by_run ON tasks (run_id);
+
+-- Steps and runs that exhausted their failure policy, kept with their input and
+-- last error until an operator replays or dismisses them.
+CREATE TABLE IF NOT EXISTS dead_letters (
+    id           BIGSERIAL PRIMARY KEY,
+    run_id       TEXT NOT NULL,
+    step         BIGINT,
+    kind         TEXT NOT NULL,   -- activity | run
+    name         TEXT NOT NULL,   -- activity or workflow name
+    input        TEXT,
+    error        TEXT,
+    attempts     BIGINT,
+    reason       TEXT,
+    created_at   DOUBLE PRECISION NOT NULL,
+    resolved_at  DOUBLE PRECISION,
+    resolution   TEXT             -- JSON: how it was resolved (replayed result, retried run)
+);
+CREATE INDEX IF NOT EXISTS dead_letters_open ON dead_letters (resolved_at, created_at);
+
+-- Circuit breakers, shared by every worker: state is closed | open | half_open.
+CREATE TABLE IF NOT EXISTS breakers (
+    name          TEXT PRIMARY KEY,
+    state         TEXT NOT NULL,
+    opened_at     DOUBLE PRECISION,
+    window_start  DOUBLE PRECISION NOT NULL,
+    calls         INTEGER NOT NULL,
+    failures      INTEGER NOT NULL,
+    trial_at      DOUBLE PRECISION              -- when the half-open trial call was let through
+);
+
+-- Schema versions applied here (SQLite keeps this in PRAGMA user_version).
+CREATE TABLE IF NOT EXISTS tether_meta (
+    version     INTEGER PRIMARY KEY,
+    applied_at  DOUBLE PRECISION NOT NULL
+);

@@ -1,0 +1,357 @@
+"""Recovery: dead letters, ``app.retry``, ``replay_dead_letter``, ``app.fork``, ``tether.map``
+with poison items, and idempotency keys that survive replay."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import gc
+import json
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
+
+import pytest
+
+import tether
+from tether import EventType, RunStatus
+
+
+@pytest.fixture(autouse=True)
+def _collect_garbage() -> Iterator[None]:
+    """Collect each test's abandoned workflow coroutines in its own teardown."""
+    yield
+    gc.collect()
+
+
+async def eventually(
+    check: Callable[[], Awaitable[Any]], timeout: float = 10.0, what: str = "condition"
+) -> Any:
+    """Poll ``check`` until it returns something truthy; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+def fast(attempts: int) -> tether.Retry:
+    return tether.Retry(attempts=attempts, initial=0.01, max_interval=0.02, jitter=0)
+
+
+# -- dead letters and app.retry ------------------------------------------------------------------
+
+
+async def test_dead_letter_records_exhausted_step_and_failed_run_then_retry_reruns_only_it(
+    app: tether.App, worker: tether.Worker
+) -> None:
+    ran: collections.Counter[str] = collections.Counter()
+    broken = {"enrich": True}
+
+    @app.activity(retry=fast(3))
+    def fetch(doc: str) -> str:
+        ran["fetch"] += 1
+        return f"text of {doc}"
+
+    @app.activity(retry=fast(3))
+    def enrich(text: str, model: str) -> str:
+        ran["enrich"] += 1
+        if broken["enrich"]:
+            raise ConnectionError("model endpoint unreachable")
+        return f"{text} +entities({model})"
+
+    @app.activity(retry=fast(3))
+    def store(text: str) -> str:
+        ran["store"] += 1
+        return f"stored: {text}"
+
+    @app.workflow
+    async def pipeline(doc: str) -> str:
+        text = await fetch(doc)
+        rich = await enrich(text, model="small")
+        return await store(rich)
+
+    run = await app.start(pipeline, "d1")
+    with pytest.raises(tether.WorkflowFailedError):
+        await run.result(timeout=10)
+    assert ran == {"fetch": 1, "enrich": 3}
+
+    letters = await app.dead_letters(run_id=run.run_id)
+    assert [d.kind for d in letters] == ["activity", "run"]
+    step, whole = letters
+    assert step.name == "enrich"
+    assert step.step == 2
+    assert step.attempts == 3
+    assert json.loads(step.input or "{}") == {"args": ["text of d1"], "kwargs": {"model": "small"}}
+    assert step.error is not None
+    assert step.error["type"] == "ConnectionError"
+    assert step.error["message"] == "model endpoint unreachable"
+    assert step.reason == "gave up after 3 attempt(s): ConnectionError"
+    assert whole.name == "pipeline"
+    assert whole.reason == "failed"
+    assert whole.error is not None
+    assert "ActivityError" in whole.error["type"] + whole.error["message"]
+
+    broken["enrich"] = False  # the fix is deployed
+    retried = await app.retry(run.run_id)
+    assert await retried.result(timeout=10) == "stored: text of d1 +entities(small)"
+    assert ran == {"fetch": 1, "enrich": 4, "store": 1}  # only the failed step ran again
+    assert await app.dead_letters(run_id=run.run_id) == []
+    resolved = await app.dead_letters(run_id=run.run_id, include_resolved=True)
+    assert len(resolved) == 2
+    assert all(d.resolution == {"state": "retried"} for d in resolved)
+    assert (await app.get(run.run_id)).status is RunStatus.COMPLETED
+    with pytest.raises(tether.RecoveryError):
+        await app.retry(run.run_id)  # completed runs are not retried
+
+
+async def test_retry_rejects_running_run(app: tether.App, worker: tether.Worker) -> None:
+    @app.workflow
+    async def waits() -> None:
+        await tether.wait_event("never")
+
+    run = await app.start(waits)
+    with pytest.raises(tether.RecoveryError):
+        await app.retry(run.run_id)
+    await app.terminate(run.run_id)
+
+
+# -- replaying a poison item ---------------------------------------------------------------------
+
+
+async def test_replay_dead_letter_replays_poison_item_once_with_same_idempotency_key(
+    app: tether.App, worker: tether.Worker
+) -> None:
+    keys: dict[int, list[str]] = collections.defaultdict(list)
+    fixed = {"value": False}
+
+    @app.activity(retry=fast(3))
+    def score(item: int) -> int:
+        keys[item].append(tether.activity_context().idempotency_key)
+        if item == 3 and not fixed["value"]:
+            raise tether.NonRetryable("cannot parse item 3")
+        return item * 10
+
+    @app.workflow
+    async def batch(items: list[int]) -> list[Any]:
+        outs = await tether.map(score, items, concurrency=2)
+        return [(o.index, o.ok, o.value, o.error_type) for o in outs]
+
+    run = await app.start(batch, [1, 2, 3, 4])
+    out = await run.result(timeout=10)
+    assert out == [
+        [0, True, 10, None],
+        [1, True, 20, None],
+        [2, False, None, "ActivityError"],
+        [3, True, 40, None],
+    ]
+    (letter,) = await app.dead_letters(run_id=run.run_id)
+    assert letter.kind == "activity"
+    assert letter.name == "score"
+    assert letter.attempts == 1
+    assert letter.reason == "non-retryable"
+
+    fixed["value"] = True
+    assert await app.replay_dead_letter(letter.id) == 30
+    assert keys[3] == [keys[3][0]] * 2  # replayed with the original idempotency key
+    with pytest.raises(tether.RecoveryError):
+        await app.replay_dead_letter(letter.id)
+    assert len(keys[3]) == 2  # the second replay ran nothing
+    (resolved,) = await app.dead_letters(run_id=run.run_id, include_resolved=True)
+    assert resolved.resolution == {"state": "replayed", "result": 30}
+    assert resolved.resolved_at is not None
+
+
+async def test_replay_dead_letter_failing_again_reopens_letter(
+    app: tether.App, worker: tether.Worker
+) -> None:
+    @app.activity(retry=fast(1))
+    def poison(item: int) -> int:
+        raise tether.NonRetryable(f"bad {item}")
+
+    @app.workflow
+    async def batch() -> int:
+        outs = await tether.map(poison, [7])
+        return sum(1 for o in outs if not o.ok)
+
+    assert await (await app.start(batch)).result(timeout=10) == 1
+    (letter,) = await app.dead_letters()
+    with pytest.raises(tether.NonRetryable):
+        await app.replay_dead_letter(letter.id)
+    (again,) = await app.dead_letters()
+    assert again.id == letter.id
+    assert again.resolved_at is None
+
+
+# -- fork ----------------------------------------------------------------------------------------
+
+
+async def test_fork_reuses_first_k_outcomes_and_runs_the_rest(
+    app: tether.App, worker: tether.Worker
+) -> None:
+    ran: collections.Counter[int] = collections.Counter()
+    deploy = {"version": "v1"}
+
+    @app.activity
+    def step(i: int) -> str:
+        ran[i] += 1
+        return f"{i}@{deploy['version']}"
+
+    @app.workflow
+    async def four() -> list[str]:
+        return [await step(i) for i in range(1, 5)]
+
+    run = await app.start(four)
+    assert await run.result(timeout=10) == ["1@v1", "2@v1", "3@v1", "4@v1"]
+    deploy["version"] = "v2"
+    forked = await app.fork(run.run_id, at_step=2, new_run_id="forked")
+    assert forked.run_id == "forked"
+    assert await forked.result(timeout=10) == ["1@v1", "2@v1", "3@v2", "4@v2"]
+    assert ran == {1: 1, 2: 1, 3: 2, 4: 2}
+    # the original run is untouched
+    assert await app.get_run(run.run_id).result(timeout=5) == ["1@v1", "2@v1", "3@v1", "4@v1"]
+    started = (await app.history("forked"))[0]
+    assert started.data["forked_from"] == {"run_id": run.run_id, "at_step": 2}
+
+
+async def test_fork_at_zero_reruns_everything(app: tether.App, worker: tether.Worker) -> None:
+    ran: collections.Counter[int] = collections.Counter()
+
+    @app.activity
+    def step(i: int) -> int:
+        ran[i] += 1
+        return i
+
+    @app.workflow
+    async def two() -> int:
+        return await step(1) + await step(2)
+
+    run = await app.start(two)
+    assert await run.result(timeout=10) == 3
+    forked = await app.fork(run.run_id, at_step=0)
+    assert await forked.result(timeout=10) == 3
+    assert ran == {1: 2, 2: 2}
+
+
+# -- map -----------------------------------------------------------------------------------------
+
+
+async def test_map_thousand_items_with_poison_items_bounded_concurrency(
+    app: tether.App, worker: tether.Worker
+) -> None:
+    poison = {i * 97 + 5 for i in range(10)}
+    lock = threading.Lock()
+    state = {"now": 0, "peak": 0}
+    seen: collections.Counter[int] = collections.Counter()
+
+    @app.activity(retry=fast(3))
+    async def embed(i: int) -> int:
+        with lock:
+            state["now"] += 1
+            state["peak"] = max(state["peak"], state["now"])
+            seen[i] += 1
+        try:
+            await asyncio.sleep(((i * 7919) % 7) / 1000)  # scramble completion order
+            if i in poison:
+                raise tether.NonRetryable(f"item {i} is malformed")
+            return i * 2
+        finally:
+            with lock:
+                state["now"] -= 1
+
+    @app.workflow
+    async def index(n: int) -> list[tuple[int, bool, int | None, str | None]]:
+        outs = await tether.map(embed, range(n), concurrency=8)
+        return [(o.index, o.ok, o.value, o.error) for o in outs]
+
+    run = await app.start(index, 1000)
+    out = await run.result(timeout=60)
+    assert [o[0] for o in out] == list(range(1000))  # input order
+    ok = [o for o in out if o[1]]
+    bad = [o for o in out if not o[1]]
+    assert len(ok) == 990
+    assert all(value == i * 2 for i, _, value, _ in ok)
+    assert [o[0] for o in bad] == sorted(poison)
+    assert all(f"item {i} is malformed" in (err or "") for i, _, _, err in bad)
+    assert 1 < state["peak"] <= 8
+    assert all(n == 1 for n in seen.values()) and len(seen) == 1000  # poison not retried
+    letters = await app.dead_letters(run_id=run.run_id, limit=1000)
+    assert sorted(json.loads(d.input or "{}")["args"][0] for d in letters) == sorted(poison)
+
+
+async def test_map_concurrency_must_be_positive(app: tether.App, worker: tether.Worker) -> None:
+    @app.activity
+    def f(x: int) -> int:
+        return x
+
+    @app.workflow
+    async def wf() -> str:
+        try:
+            await tether.map(f, [1], concurrency=0)
+        except ValueError as exc:
+            return str(exc)
+        return "accepted"
+
+    assert "concurrency" in await (await app.start(wf)).result(timeout=10)
+
+
+# -- idempotency keys ----------------------------------------------------------------------------
+
+
+async def test_idempotency_key_stable_across_replay_in_fresh_worker(
+    app: tether.App, store_url: str
+) -> None:
+    charged: list[str] = []
+
+    @app.activity
+    def charge(key: str) -> str:
+        charged.append(key)
+        return key
+
+    @app.workflow
+    async def pay() -> dict[str, str]:
+        key = tether.idempotency_key("charge")
+        used = await charge(key)
+        await tether.wait_event("confirm")
+        return {
+            "before": used,
+            "after": tether.idempotency_key("charge"),
+            "other": tether.idempotency_key("refund"),
+        }
+
+    w1 = app.worker(lease=5.0, poll_interval=0.05)
+    await w1.start()
+    try:
+        run = await app.start(pay, run_id="order-17")
+
+        async def waiting() -> bool:
+            return any(
+                e.type is EventType.ACTIVITY_COMPLETED for e in await app.history(run.run_id)
+            )
+
+        await eventually(waiting, what="charge recorded")
+        await asyncio.sleep(0.1)  # let the workflow task after it commit its wait
+    finally:
+        await w1.stop(grace=2.0)
+
+    # a fresh App and worker (another process, after a restart) replays the run
+    fresh = tether.App(store=store_url)
+    fresh._workflows["pay"] = pay
+    fresh._activities["charge"] = charge
+    w2 = fresh.worker(lease=5.0, poll_interval=0.05)
+    await w2.start()
+    try:
+        await fresh.signal(run.run_id, "confirm")
+        out = await fresh.get_run(run.run_id).result(timeout=10)
+        assert w2.stats["replays"] >= 1
+    finally:
+        await w2.stop(grace=2.0)
+        await fresh.close()
+    assert out["before"] == out["after"] == charged[0]
+    assert "order-17" in out["before"]
+    assert out["other"] != out["before"]
+    assert charged == [out["before"]]  # the charge was not repeated by the replay

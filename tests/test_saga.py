@@ -1,0 +1,312 @@
+"""Sagas: undo exactly the completed steps, newest first; failing undos need an operator;
+a crash mid-compensation still finishes the rollback."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import tether
+from tether import EventType, RunStatus
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(autouse=True)
+def _collect_garbage() -> Iterator[None]:
+    """Collect each test's abandoned workflow coroutines in its own teardown."""
+    yield
+    gc.collect()
+
+
+async def eventually(
+    check: Callable[[], Awaitable[Any]], timeout: float = 10.0, what: str = "condition"
+) -> Any:
+    """Poll ``check`` until it returns something truthy; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+ONCE = tether.Retry(attempts=1)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+async def test_saga_failure_at_step_k_undoes_completed_steps_in_reverse(
+    app: tether.App, worker: tether.Worker, k: int
+) -> None:
+    done: list[int] = []
+    undone: list[int] = []
+
+    @app.activity(retry=ONCE)
+    def do(i: int, fail_at: int) -> int:
+        if i == fail_at:
+            raise tether.NonRetryable(f"step {i} failed")
+        done.append(i)
+        return i
+
+    @app.activity
+    def undo(i: int) -> None:
+        undone.append(i)
+
+    @app.workflow
+    async def four(fail_at: int) -> str:
+        async with tether.saga() as saga:
+            for i in range(1, 5):
+                await saga.step(do(i, fail_at), undo=undo)
+        return "all done"
+
+    run = await app.start(four, k)
+    with pytest.raises(tether.WorkflowFailedError) as ei:
+        await run.result(timeout=10)
+    assert ei.value.status == "failed"
+    assert f"step {k} failed" in (ei.value.error or "")
+    assert done == list(range(1, k))
+    assert undone == list(range(k - 1, 0, -1))
+    # the undos are recorded steps too: one ActivityScheduled('undo') per completed step
+    scheduled = [
+        e.data["name"]
+        for e in await app.history(run.run_id)
+        if e.type is EventType.ACTIVITY_SCHEDULED
+    ]
+    assert scheduled == ["do"] * k + ["undo"] * (k - 1)
+
+
+async def test_saga_success_runs_no_undo(app: tether.App, worker: tether.Worker) -> None:
+    undone: list[int] = []
+
+    @app.activity
+    def do(i: int) -> int:
+        return i * 10
+
+    @app.activity
+    def undo(i: int) -> None:
+        undone.append(i)
+
+    @app.workflow
+    async def ok() -> list[int]:
+        async with tether.saga() as saga:
+            return [await saga.step(do(i), undo=undo) for i in range(3)]
+
+    run = await app.start(ok)
+    assert await run.result(timeout=10) == [0, 10, 20]
+    assert undone == []
+
+
+async def test_saga_failing_undo_needs_intervention_other_undos_run_alert_once(
+    app: tether.App, worker: tether.Worker
+) -> None:
+    undone: list[str] = []
+    alerts: list[tuple[str, dict[str, Any]]] = []
+    app.on_alert = lambda run_id, error: alerts.append((run_id, error))
+
+    @app.activity(retry=ONCE)
+    def do(name: str) -> str:
+        if name == "ship":
+            raise tether.NonRetryable("warehouse on fire")
+        return name
+
+    @app.activity(retry=ONCE)
+    def undo(name: str) -> None:
+        if name == "charge":
+            raise tether.NonRetryable("refund API rejected the refund")
+        undone.append(name)
+
+    @app.workflow
+    async def order() -> str:
+        async with tether.saga() as saga:
+            for name in ("reserve", "charge", "invoice", "ship"):
+                await saga.step(do(name), undo=undo)
+        return "shipped"
+
+    run = await app.start(order)
+    with pytest.raises(tether.RunNeedsInterventionError) as ei:
+        await run.result(timeout=10)
+    assert ei.value.status == "needs_intervention"
+    assert undone == ["invoice", "reserve"]  # the failing undo did not stop the others
+    info = await app.get(run.run_id)
+    assert info.status is RunStatus.NEEDS_INTERVENTION
+    assert info.error is not None
+    assert info.error["type"] == "CompensationFailed"
+    assert "warehouse on fire" in info.error["message"]
+    assert "refund API rejected the refund" in info.error["message"]
+    await asyncio.sleep(0.2)  # a second alert would have arrived by now
+    assert len(alerts) == 1
+    assert alerts[0][0] == run.run_id
+    assert "refund API rejected the refund" in alerts[0][1]["message"]
+    letters = await app.dead_letters(run_id=run.run_id)
+    assert {(d.kind, d.reason) for d in letters if d.kind == "run"} == {
+        ("run", "needs_intervention")
+    }
+
+
+async def test_saga_undo_receives_step_result_and_add_undo_runs_without_args(
+    app: tether.App, worker: tether.Worker
+) -> None:
+    calls: list[Any] = []
+
+    @app.activity
+    def reserve(seat: str) -> dict[str, str]:
+        return {"hold": f"H-{seat}"}
+
+    @app.activity
+    def release(hold: dict[str, str]) -> None:
+        calls.append(hold)
+
+    @app.activity
+    def notify() -> None:
+        calls.append("notified")
+
+    @app.activity(retry=ONCE)
+    def pay() -> None:
+        raise tether.NonRetryable("card declined")
+
+    @app.workflow
+    async def trip() -> None:
+        async with tether.saga() as saga:
+            saga.add_undo(notify)
+            await saga.step(reserve("12A"), undo=release)
+            await pay()
+
+    run = await app.start(trip)
+    with pytest.raises(tether.WorkflowFailedError):
+        await run.result(timeout=10)
+    assert calls == [{"hold": "H-12A"}, "notified"]
+
+
+# -- a crash during compensation ---------------------------------------------------------------
+
+
+def spawn_worker(store_url: str, effects: Path, lease: float, log: Path) -> subprocess.Popen[bytes]:
+    """A worker process running ``tests/failure_app.py`` (stderr to ``log``)."""
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent / "src")}
+    with log.open("ab") as err:
+        return subprocess.Popen(
+            [sys.executable, str(HERE / "failure_app.py"), store_url, str(effects), str(lease)],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+        )
+
+
+def query(effects: Path, sql: str) -> list[tuple[Any, ...]]:
+    if not effects.exists():
+        return []
+    conn = sqlite3.connect(effects, timeout=30)
+    try:
+        return conn.execute(sql).fetchall()
+    except sqlite3.OperationalError:
+        return []
+    finally:
+        conn.close()
+
+
+async def test_saga_worker_killed_mid_compensation_finishes_rollback_after_restart(
+    app: tether.App, store_url: str, tmp_path: Path
+) -> None:
+    effects, log = tmp_path / "effects.db", tmp_path / "workers.log"
+
+    @app.workflow(name="saga_flow")
+    async def saga_flow() -> str:
+        raise AssertionError("runs in the worker processes only")
+
+    run = await app.start(saga_flow)
+    first = spawn_worker(store_url, effects, 1.0, log)
+    second: subprocess.Popen[bytes] | None = None
+    try:
+
+        async def undo_c_started() -> bool:
+            return bool(query(effects, "SELECT 1 FROM effects WHERE kind = 'undo' AND name = 'c'"))
+
+        await eventually(undo_c_started, timeout=20, what="undo of c running")
+        first.kill()  # SIGKILL while the undo of c sleeps
+        first.wait(10)
+        assert first.returncode == -signal.SIGKILL
+        assert query(effects, "SELECT name FROM applied") == []  # killed before applying it
+        second = spawn_worker(store_url, effects, 1.0, log)
+        with pytest.raises(tether.WorkflowFailedError) as ei:
+            await run.result(timeout=20)
+        assert ei.value.status == "failed"
+        assert "payment declined" in (ei.value.error or "")
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+    # every undo applied exactly once, newest first, each under its own idempotency key
+    applied = query(effects, "SELECT name, key FROM applied ORDER BY seq")
+    assert [name for name, _ in applied] == ["c", "b", "a"]
+    assert len({key for _, key in applied}) == 3
+    # the undo of c ran twice (killed, then redone with the same key); the others once
+    runs = dict(
+        query(effects, "SELECT name, count(*) FROM effects WHERE kind = 'undo' GROUP BY name")
+    )
+    assert runs == {"a": 1, "b": 1, "c": 2}
+    keys_c = query(effects, "SELECT DISTINCT key FROM effects WHERE kind = 'undo' AND name = 'c'")
+    assert len(keys_c) == 1
+    # the forward steps recorded before the crash never ran again
+    booked = query(effects, "SELECT name, count(*) FROM effects WHERE kind = 'book' GROUP BY name")
+    assert dict(booked) == {"a": 1, "b": 1, "c": 1}
+    completed_undos = [
+        e
+        for e in await app.history(run.run_id)
+        if e.type is EventType.ACTIVITY_COMPLETED and e.step is not None and e.step > 4
+    ]
+    assert len(completed_undos) == 3
+
+
+async def test_saga_retry_after_fixing_undo_finishes_rollback_without_repeating_undos(
+    app: tether.App, worker: tether.Worker
+) -> None:
+    undo_runs: list[str] = []
+    refund_api = {"up": False}
+
+    @app.activity(retry=ONCE)
+    def do(name: str) -> str:
+        if name == "ship":
+            raise tether.NonRetryable("warehouse on fire")
+        return name
+
+    @app.activity(retry=ONCE)
+    def undo(name: str) -> None:
+        undo_runs.append(name)
+        if name == "charge" and not refund_api["up"]:
+            raise tether.NonRetryable("refund API down")
+
+    @app.workflow
+    async def order() -> str:
+        async with tether.saga() as saga:
+            for name in ("reserve", "charge", "invoice", "ship"):
+                await saga.step(do(name), undo=undo)
+        return "shipped"
+
+    run = await app.start(order)
+    with pytest.raises(tether.RunNeedsInterventionError):
+        await run.result(timeout=10)
+    assert undo_runs == ["invoice", "charge", "reserve"]
+
+    refund_api["up"] = True  # the operator fixed the refund API
+    await app.retry(run.run_id)
+    with pytest.raises(tether.WorkflowFailedError) as ei:
+        await run.result(timeout=10)
+    # the rollback is complete, so the run ends with the original failure
+    assert ei.value.status == "failed"
+    assert "warehouse on fire" in (ei.value.error or "")
+    # only the failed undo ran again: the successful ones are recorded outcomes
+    assert undo_runs == ["invoice", "charge", "reserve", "charge"]
