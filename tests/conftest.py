@@ -1,13 +1,70 @@
-"""Shared fixtures: an App on a fresh SQLite file per test, and a running worker."""
+"""Shared fixtures: an App on a fresh store per test (SQLite and PostgreSQL), and a worker.
+
+The ``app`` fixture runs every test that uses it twice: on a fresh SQLite file
+and on a fresh PostgreSQL schema (``TETHER_TEST_PG_URL``, default
+``postgresql://postgres@127.0.0.1:5432/test``), dropped afterwards. Without a
+reachable server the PostgreSQL variants are skipped, or fail when ``CI`` is set.
+"""
 
 from __future__ import annotations
 
+import os
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 
 import tether
+
+PG_URL = os.environ.get("TETHER_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/test")
+PG_START = "pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start"
+_pg_problem: list[str | None] = []  # cached result of the first reachability check
+
+
+def _pg_unreachable() -> str | None:
+    """Why PostgreSQL cannot be used for tests, or None when it can."""
+    if not _pg_problem:
+        try:
+            import psycopg
+        except ImportError as exc:
+            _pg_problem.append(f"psycopg is not installed ({exc}); pip install 'tether[postgres]'")
+        else:
+            try:
+                with psycopg.connect(PG_URL, connect_timeout=3):
+                    pass
+                _pg_problem.append(None)
+            except psycopg.Error as exc:
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+                _pg_problem.append(
+                    f"PostgreSQL at {PG_URL} is not reachable ({first}); start it with "
+                    f"`{PG_START}` or set TETHER_TEST_PG_URL"
+                )
+    return _pg_problem[0]
+
+
+def require_pg() -> str:
+    """The test PostgreSQL URL; skips the test (fails it under CI) when unreachable."""
+    problem = _pg_unreachable()
+    if problem is not None:
+        if os.environ.get("CI"):
+            pytest.fail(problem, pytrace=False)
+        pytest.skip(problem)
+    return PG_URL
+
+
+def drop_schema(schema: str) -> None:
+    """Remove a test schema and everything in it."""
+    import psycopg
+    from psycopg import sql
+
+    with psycopg.connect(PG_URL, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
+
+
+def with_schema(url: str, schema: str) -> str:
+    """``url`` with tether's ``schema`` query parameter added."""
+    return f"{url}{'&' if '?' in url else '?'}schema={schema}"
 
 
 @pytest.fixture
@@ -17,9 +74,30 @@ def db_path(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def app(db_path: Path) -> Iterator[tether.App]:
-    """An App on its own SQLite file; tests register workflows on it."""
-    a = tether.App(store=f"sqlite:///{db_path}")
+def pg_schema() -> Iterator[str]:
+    """A fresh PostgreSQL schema name for this test, dropped afterwards."""
+    require_pg()
+    schema = f"t_{uuid.uuid4().hex}"
+    yield schema
+    drop_schema(schema)
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A store URL for a fresh, empty store: a SQLite file, or a PostgreSQL schema.
+
+    Open more Apps on the same URL to act as other processes (or a restart).
+    """
+    if request.param == "sqlite":
+        yield f"sqlite:///{request.getfixturevalue('db_path')}"
+        return
+    yield with_schema(require_pg(), request.getfixturevalue("pg_schema"))
+
+
+@pytest.fixture
+def app(store_url: str) -> Iterator[tether.App]:
+    """An App on its own fresh store (once per backend); tests register workflows on it."""
+    a = tether.App(store=store_url)
     yield a
     store = a._store
     if store is not None:

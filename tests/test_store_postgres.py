@@ -1,0 +1,410 @@
+"""PostgreSQL-specific store behaviour: concurrent set-up, SKIP LOCKED claims across
+processes, LISTEN/NOTIFY wake-ups, fencing across instances, deadlock retries, errors.
+
+Every test runs on a fresh schema (``pg_schema``) and is skipped (failed under CI)
+when the test server is unreachable; see ``conftest.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import tether
+from conftest import PG_URL, with_schema
+
+psycopg = pytest.importorskip("psycopg")
+
+from tether.store.postgres import PostgresStore  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def open_stores(pg_schema: str) -> Iterator[list[PostgresStore]]:
+    """Stores opened by a test; closed at the end (before the schema is dropped)."""
+    stores: list[PostgresStore] = []
+    yield stores
+    for s in stores:
+        s.close_sync()
+
+
+def _store(stores: list[PostgresStore], schema: str, **options: Any) -> PostgresStore:
+    s = PostgresStore(PG_URL, schema=schema, **options)
+    stores.append(s)
+    return s
+
+
+def _query(schema: str, sql: str, *params: Any) -> list[tuple[Any, ...]]:
+    with psycopg.connect(PG_URL, autocommit=True) as conn:
+        conn.execute(f'SET search_path TO "{schema}"')
+        cur = conn.execute(sql, params)
+        return list(cur.fetchall()) if cur.description is not None else []
+
+
+# -- schema set-up ---------------------------------------------------------------
+
+
+def test_concurrent_migration_from_four_threads_is_safe(
+    pg_schema: str, open_stores: list[PostgresStore]
+) -> None:
+    barrier = threading.Barrier(4)
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def open_one() -> None:
+        barrier.wait()
+        try:
+            s = PostgresStore(PG_URL, schema=pg_schema, writers=1)
+        except BaseException as exc:
+            errors.append(exc)
+            return
+        with lock:
+            open_stores.append(s)
+
+    threads = [threading.Thread(target=open_one) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert len(open_stores) == 4
+    assert _query(pg_schema, "SELECT version FROM tether_meta") == [(1,)]
+    tables = {
+        r[0]
+        for r in _query(
+            pg_schema,
+            "SELECT table_name FROM information_schema.tables WHERE table_schema = %s",
+            pg_schema,
+        )
+    }
+    assert {"runs", "events", "tasks", "tether_meta"} <= tables
+
+
+def test_concurrent_migration_from_four_processes_is_safe(pg_schema: str) -> None:
+    url = with_schema(PG_URL, pg_schema)
+    code = (
+        "import sys, time; from tether.store.base import open_store\n"
+        "time.sleep(max(0.0, float(sys.argv[2]) - time.time()))\n"
+        "s = open_store(sys.argv[1]); s.close_sync(); print('ok')\n"
+    )
+    start_at = time.time() + 1.5  # after every interpreter has imported tether
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, url, str(start_at)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for _ in range(4)
+    ]
+    outs = [p.communicate(timeout=60) for p in procs]
+    assert [p.returncode for p in procs] == [0] * 4, outs
+    assert all(out.strip() == "ok" for out, _ in outs), outs
+    assert _query(pg_schema, "SELECT version FROM tether_meta") == [(1,)]
+
+
+def test_newer_schema_version_is_refused(pg_schema: str, open_stores: list[PostgresStore]) -> None:
+    _store(open_stores, pg_schema)
+    _query(pg_schema, "INSERT INTO tether_meta (version, applied_at) VALUES (99, 0)")
+    with pytest.raises(tether.StoreError, match=r"schema version 99.*upgrade tether"):
+        PostgresStore(PG_URL, schema=pg_schema)
+
+
+def test_postgres_schema_has_the_same_columns_as_sqlite(
+    pg_schema: str, open_stores: list[PostgresStore], db_path: Path
+) -> None:
+    """The shared operations need both schemas to agree; this catches one being forgotten."""
+    tether.App(store=f"sqlite:///{db_path}").store.close_sync()  # type: ignore[attr-defined]
+    lite = sqlite3.connect(db_path)
+    names = [
+        r[0]
+        for r in lite.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'"
+        )
+    ]
+    sqlite_cols = {t: {r[1] for r in lite.execute(f"PRAGMA table_info({t})")} for t in names}
+    lite.close()
+    _store(open_stores, pg_schema)
+    pg_cols: dict[str, set[str]] = {}
+    for table, column in _query(
+        pg_schema,
+        "SELECT table_name, column_name FROM information_schema.columns WHERE table_schema = %s",
+        pg_schema,
+    ):
+        pg_cols.setdefault(table, set()).add(column)
+    pg_cols.pop("tether_meta")  # SQLite keeps the version in PRAGMA user_version
+    assert pg_cols == sqlite_cols
+
+
+# -- two instances ("processes") on one database --------------------------------
+
+
+async def test_two_instances_never_claim_the_same_task(
+    pg_schema: str, open_stores: list[PostgresStore]
+) -> None:
+    a = _store(open_stores, pg_schema)
+    b = _store(open_stores, pg_schema)
+    n = 300
+    await asyncio.gather(
+        *(a.create_run(run_id=f"r{i}", workflow="wf", queue="q", input="[]") for i in range(n))
+    )
+    claimed: dict[str, list[int]] = {"A": [], "B": []}
+
+    async def drain(store: PostgresStore, name: str) -> None:
+        while True:
+            batch = await asyncio.gather(
+                *(store.claim(worker_id=name, queues=["q"], limit=7, lease=60) for _ in range(4))
+            )
+            got = [t.task_id for tasks in batch for t in tasks]
+            if not got:
+                return
+            claimed[name].extend(got)
+
+    await asyncio.gather(drain(a, "A"), drain(b, "B"))
+    both = claimed["A"] + claimed["B"]
+    assert len(both) == n
+    assert len(set(both)) == n  # no task was handed out twice
+    assert claimed["A"] and claimed["B"]  # both instances really competed
+
+
+async def test_notify_wakes_the_other_instance_within_a_second(
+    pg_schema: str, open_stores: list[PostgresStore]
+) -> None:
+    a = _store(open_stores, pg_schema)
+    b = _store(open_stores, pg_schema)
+    seen: list[tuple[set[str], set[str], float]] = []
+    got = threading.Event()
+
+    def on_commit(ready: set[str], finished: set[str]) -> None:
+        seen.append((ready, finished, time.monotonic()))
+        got.set()
+
+    b.add_listener(on_commit)
+    t0 = time.monotonic()
+    await a.create_run(run_id="r1", workflow="wf", queue="wake-q", input="[]")
+    assert await asyncio.to_thread(got.wait, 1.0), "no wake-up reached the other instance"
+    assert seen[0][0] == {"wake-q"} and seen[0][2] - t0 < 1.0
+
+    got.clear()
+    t0 = time.monotonic()
+    await a.terminate("r1", "done")
+    assert await asyncio.to_thread(got.wait, 1.0)
+    assert any("r1" in finished for _, finished, _ in seen)
+    assert b.stats()["commits"] == 0  # b only heard about a's commits
+
+
+async def test_notify_does_not_cross_schemas(
+    pg_schema: str, open_stores: list[PostgresStore]
+) -> None:
+    other = f"{pg_schema}_other"
+    a = _store(open_stores, pg_schema)
+    b = PostgresStore(PG_URL, schema=other)
+    try:
+        seen: list[set[str]] = []
+        b.add_listener(lambda ready, finished: seen.append(ready))
+        await a.create_run(run_id="r1", workflow="wf", queue="q", input="[]")
+        await asyncio.sleep(0.3)
+        assert seen == []
+    finally:
+        b.close_sync()
+        _query(pg_schema, f'DROP SCHEMA "{other}" CASCADE')
+
+
+def _register(app: tether.App) -> tether.Workflow[[int], int]:
+    """The same code registered on any App, as each process imports it."""
+
+    @app.activity
+    def double(x: int) -> int:
+        return 2 * x
+
+    @app.workflow
+    async def wf(x: int) -> int:
+        return await double(x)
+
+    return wf
+
+
+async def test_result_in_another_process_returns_promptly(pg_schema: str) -> None:
+    """A worker polling only every 5 s is woken by NOTIFY; so is the waiting client."""
+    url = with_schema(PG_URL, pg_schema)
+    server = tether.App(store=url)
+    client = tether.App(store=url)
+    _register(server)
+    wf = _register(client)
+    w = server.worker(lease=5.0, poll_interval=5.0)
+    await w.start()
+    try:
+        await asyncio.sleep(0.3)  # the worker is idle, waiting for a wake-up
+        t0 = time.monotonic()
+        run = await client.start(wf, 21)
+        assert await run.result(timeout=5) == 42
+        elapsed = time.monotonic() - t0
+        assert elapsed < 1.0, f"took {elapsed:.2f}s"
+    finally:
+        await w.stop(grace=2.0)
+        await server.close()
+        await client.close()
+
+
+async def test_stale_fence_from_another_instance_is_rejected(
+    pg_schema: str, open_stores: list[PostgresStore]
+) -> None:
+    from tether.store.base import WorkflowTaskResult
+
+    a = _store(open_stores, pg_schema)
+    b = _store(open_stores, pg_schema)
+    await a.create_run(run_id="r1", workflow="wf", queue="q", input="[]")
+    (stale,) = await a.claim(worker_id="A", queues=["q"], limit=1, lease=-1)  # expired at once
+    (fresh,) = await b.claim(worker_id="B", queues=["q"], limit=1, lease=30)
+    assert fresh.task_id == stale.task_id and fresh.fence == stale.fence + 1
+    empty = WorkflowTaskResult(commands=[], through=1, time=a.clock())
+    with pytest.raises(tether.LeaseLostError):
+        await a.complete_workflow_task(stale, empty)
+    with pytest.raises(tether.LeaseLostError):
+        await a.fail_workflow_task(stale, "boom", a.clock())
+    assert await a.renew([stale], 30) == {}
+    assert len(await a.read_history("r1")) == 1  # nothing was written
+    await b.complete_workflow_task(fresh, empty)
+    assert len(await a.read_history("r1")) == 2
+
+
+async def test_concurrent_stale_and_fresh_completions_only_fresh_commit(
+    pg_schema: str, open_stores: list[PostgresStore]
+) -> None:
+    """Two instances complete the same tasks at once: only the current fences commit."""
+    from tether.store.base import WorkflowTaskResult
+
+    a = _store(open_stores, pg_schema)
+    b = _store(open_stores, pg_schema)
+    for i in range(20):
+        await a.create_run(run_id=f"r{i}", workflow="wf", queue="q", input="[]")
+    tasks = await a.claim(worker_id="A", queues=["q"], limit=20, lease=-1)
+    again = await b.claim(worker_id="B", queues=["q"], limit=20, lease=30)
+    assert len(tasks) == len(again) == 20
+    empty = WorkflowTaskResult(commands=[], through=1, time=a.clock())
+    outcomes = await asyncio.gather(
+        *(a.complete_workflow_task(t, empty) for t in tasks),
+        *(b.complete_workflow_task(t, empty) for t in again),
+        return_exceptions=True,
+    )
+    lost = [o for o in outcomes if isinstance(o, BaseException)]
+    assert len(lost) == 20 and all(isinstance(o, tether.LeaseLostError) for o in lost)
+    for i in range(20):
+        assert len(await a.read_history(f"r{i}")) == 2  # exactly one marker each
+
+
+# -- retries and errors ------------------------------------------------------------
+
+
+def test_deadlocked_batch_is_rolled_back_and_retried(
+    pg_schema: str, open_stores: list[PostgresStore]
+) -> None:
+    s = _store(open_stores, pg_schema, writers=1)
+    _query(pg_schema, "CREATE TABLE dl (id INTEGER PRIMARY KEY, n INTEGER NOT NULL)")
+    _query(pg_schema, "INSERT INTO dl VALUES (1, 0), (2, 0)")
+    other_has_1 = threading.Event()
+    op_has_2 = threading.Event()
+    attempts: list[int] = []
+    failures: list[BaseException] = []
+
+    def op(tx: Any) -> int:
+        attempts.append(1)
+        tx.execute("UPDATE dl SET n = n + 1 WHERE id = 2")
+        if len(attempts) == 1:
+            assert other_has_1.wait(5)
+            op_has_2.set()
+        # waits for the other transaction first, so PostgreSQL picks this one as the victim
+        tx.execute("UPDATE dl SET n = n + 1 WHERE id = 1")
+        return len(attempts)
+
+    def other() -> None:
+        try:
+            with psycopg.connect(PG_URL) as conn:
+                conn.execute(f'SET search_path TO "{pg_schema}"')
+                conn.execute("UPDATE dl SET n = n + 10 WHERE id = 1")
+                other_has_1.set()
+                assert op_has_2.wait(5)
+                time.sleep(0.3)
+                conn.execute("UPDATE dl SET n = n + 10 WHERE id = 2")
+                conn.commit()
+        except BaseException as exc:
+            failures.append(exc)
+
+    t = threading.Thread(target=other)
+    t.start()
+    try:
+        result = s.call_sync(op)
+    finally:
+        t.join()
+    assert failures == []
+    assert result == 2  # the whole batch ran again after the deadlock
+    assert s.stats()["retries"] == 1
+    assert sorted(_query(pg_schema, "SELECT id, n FROM dl")) == [(1, 11), (2, 11)]
+
+
+def test_unreachable_server_raises_clear_store_error() -> None:
+    with pytest.raises(tether.StoreError) as info:
+        PostgresStore("postgresql://postgres:s3cret@127.0.0.1:1/test", connect_timeout=2)
+    msg = str(info.value)
+    assert "127.0.0.1:1" in msg and "s3cret" not in msg
+    assert "server is running" in msg
+
+
+def test_open_store_accepts_postgres_urls_and_schema(
+    pg_schema: str, open_stores: list[PostgresStore]
+) -> None:
+    from tether.store.base import open_store
+
+    for url, kwargs in [
+        (with_schema(PG_URL, pg_schema), {}),
+        (PG_URL.replace("postgresql://", "postgres://", 1), {"schema": pg_schema}),
+    ]:
+        s = open_store(url, **kwargs)
+        assert isinstance(s, PostgresStore) and s.schema == pg_schema
+        open_stores.append(s)
+    with pytest.raises(tether.ConfigurationError, match="PostgreSQL"):
+        open_store(":memory:", schema="x")
+
+
+async def test_recovers_after_server_drops_connections(
+    pg_schema: str, open_stores: list[PostgresStore]
+) -> None:
+    """Killed backends fail at most the operations in flight; the store reconnects."""
+    a = _store(open_stores, pg_schema, writers=2)
+    b = _store(open_stores, pg_schema, writers=1)
+    await a.create_run(run_id="r1", workflow="wf", queue="q", input="[]")
+    woke = threading.Event()
+    b.add_listener(lambda ready, finished: woke.set() if "q2" in ready else None)
+    killed = _query(
+        pg_schema,
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = %s",
+        f"tether:{pg_schema}",
+    )
+    assert len(killed) >= 3  # a's writer and both listeners at least
+    errors = 0
+    for _ in range(6):  # each writer may lose one operation to its dead connection
+        try:
+            assert (await a.get_run("r1")) is not None
+        except tether.StoreError as exc:
+            assert "lost the connection" in str(exc) and "reconnects" in str(exc)
+            errors += 1
+    assert errors <= 2
+    assert (await a.get_run("r1")) is not None
+    deadline = time.monotonic() + 5
+    while not woke.is_set() and time.monotonic() < deadline:  # b's listener reconnects
+        await a.create_run(run_id=f"r2-{time.monotonic()}", workflow="wf", queue="q2", input="[]")
+        await asyncio.sleep(0.2)
+    assert woke.is_set()
