@@ -133,8 +133,10 @@ async def main() -> None:
         for run in runs:
             out = await run.result(timeout=60)
             info = await run.info()
-            print(f"{run.run_id:16} {info.status.value:10} {out.category:9} {out.status:10} "
-                  f"{out.summary}")
+            print(
+                f"{run.run_id:16} {info.status.value:10} {out.category:9} {out.status:10} "
+                f"{out.summary}"
+            )
         history = await app.history("doc-memo-003")
         print(f"\nhistory of doc-memo-003: {len(history)} events")
         for ev in history:
