@@ -36,6 +36,7 @@ from ._errors import (
 )
 from ._history import DeadLetter, Event, EventType, RunInfo, RunStatus
 from ._policy import Retry
+from ._queues import QueueStats
 from ._worker import Worker
 from .store._ops import RecoveryError
 from .workflow._api import (
@@ -84,6 +85,7 @@ __all__ = [
     "NotInActivityError",
     "NotInWorkflowError",
     "PayloadError",
+    "QueueStats",
     "RecoveryError",
     "ResultTimeoutError",
     "Retry",

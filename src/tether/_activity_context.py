@@ -42,6 +42,7 @@ class ActivityContext:
     _loop: asyncio.AbstractEventLoop | None = field(repr=False)
     _lease: float = field(repr=False, default=30.0)
     _cancelled: threading.Event = field(default_factory=threading.Event, repr=False)
+    _returned: bool = field(default=False, repr=False)  #: the function has returned
 
     @property
     def is_cancelled(self) -> bool:

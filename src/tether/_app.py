@@ -29,11 +29,13 @@ from ._errors import (
 )
 from ._history import DeadLetter, Event, RunInfo, RunStatus
 from ._policy import DEFAULT_RETRY, Retry, seconds
+from ._queues import QueueLimits, QueueStats
 from ._serde import decode_raw, encode
 from ._worker import Worker
 from .store.base import Store, open_store
 
 log = logging.getLogger("tether")
+_seconds = seconds  # pause_queue has a parameter named ``seconds``
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -128,6 +130,8 @@ class App:
         self._waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
         self._waiters_lock = threading.Lock()
         self._alerts: set[asyncio.Future[Any]] = set()
+        self._queue_limits: dict[str, QueueLimits] = {}
+        self._limits_dirty = False
 
     # -- store -------------------------------------------------------------
 
@@ -140,7 +144,34 @@ class App:
                     store = open_store(self._store_spec)
                     store.add_listener(self._on_commit)
                     self._store = store
+                    self._write_queue_limits_sync(store)
         return self._store
+
+    def _write_queue_limits_sync(self, store: Store) -> None:
+        """Write configured queue limits as the store opens (if it can run ops sync)."""
+        call = getattr(store, "call_sync", None)
+        if not self._queue_limits or call is None:
+            return
+        from .store._ops import _configure_queue
+
+        try:
+            for name, limits in list(self._queue_limits.items()):
+                call(_configure_queue, name, limits.to_json())
+            self._limits_dirty = False
+        except Exception as exc:  # retried by the next start, worker or queue call
+            log.warning("could not write queue limits on opening the store: %s", exc)
+
+    async def _write_queue_limits(self, *, force: bool = False) -> None:
+        """Write configured queue limits to the store (all of them when ``force``)."""
+        if not (force or self._limits_dirty) or not self._queue_limits:
+            return
+        self._limits_dirty = False
+        try:
+            for name, limits in list(self._queue_limits.items()):
+                await self.store.configure_queue(name, limits.to_json())
+        except BaseException:
+            self._limits_dirty = True
+            raise
 
     def _on_commit(self, ready: set[str], finished: set[str]) -> None:
         if not finished:
@@ -205,6 +236,8 @@ class App:
         heartbeat_timeout: float | timedelta | None = None,
         queue: str | None = None,
         breaker: CircuitBreaker | None = None,
+        priority: int | None = None,
+        limit_key: Callable[..., str] | None = None,
     ) -> Callable[[Callable[P, Any]], Activity[P, Any]]: ...
 
     def activity(  # type: ignore[misc]
@@ -219,10 +252,15 @@ class App:
         heartbeat_timeout: float | timedelta | None = None,
         queue: str | None = None,
         breaker: CircuitBreaker | None = None,
+        priority: int | None = None,
+        limit_key: Callable[..., str] | None = None,
     ) -> Activity[P, Any] | Callable[[Callable[P, Any]], Activity[P, Any]]:
         """Register a sync or async function as an activity: a recorded, retried step.
 
         Options are checked here, so a nonsensical policy fails at import time.
+        ``priority`` (higher first) orders work within its queue; ``limit_key``
+        (a function of the call's arguments returning a string, e.g. a tenant) is
+        what the queue's ``key_concurrency`` and ``fair`` apply to.
         """
         base = ActivityOptions(retry=DEFAULT_RETRY, queue=self.default_queue)
 
@@ -238,6 +276,8 @@ class App:
                 heartbeat_timeout=heartbeat_timeout,
                 queue=queue,
                 breaker=breaker,
+                priority=priority,
+                limit_key=limit_key,
             )
             act: Activity[P, Any] = Activity(f, name=aname, options=opts)
             self._activities[aname] = act
@@ -269,6 +309,66 @@ class App:
         qs.update(a.opts.queue for a in self._activities.values())
         return sorted(qs)
 
+    # -- queues ------------------------------------------------------------------
+
+    def configure_queue(
+        self,
+        name: str,
+        *,
+        max_concurrency: int | None = None,
+        rate: float | None = None,
+        per: float | timedelta = 1.0,
+        burst: float | None = None,
+        key_concurrency: int | None = None,
+        fair: bool = False,
+        pause_on_429: bool = True,
+    ) -> None:
+        """Limit how the activities of queue ``name`` are claimed, by every worker.
+
+        ``max_concurrency`` caps activities running at once; ``rate`` per ``per``
+        seconds is a token bucket of ``burst`` tokens (default: one second's worth,
+        at least 1); ``key_concurrency`` caps running activities per ``limit_key``;
+        ``fair`` interleaves limit keys so a small tenant is not stuck behind a large
+        one; ``pause_on_429`` pauses the whole queue for a Retry-After of an HTTP 429.
+        The limits are kept in the store (written when it opens and when a worker
+        starts), so they hold across processes. Validated here.
+        """
+        limits = QueueLimits.build(
+            name,
+            max_concurrency=max_concurrency,
+            rate=rate,
+            per=per,
+            burst=burst,
+            key_concurrency=key_concurrency,
+            fair=fair,
+            pause_on_429=pause_on_429,
+        )
+        self._queue_limits[name] = limits
+        self._limits_dirty = True
+
+    async def pause_queue(self, name: str, seconds: float | timedelta) -> None:
+        """Stop every worker from claiming activities of queue ``name`` for ``seconds``."""
+        if not isinstance(name, str) or not name:
+            raise ConfigurationError(f"queue name must be a non-empty string (got {name!r})")
+        s = _seconds(seconds, f"seconds of pause_queue({name!r})")
+        if not s:
+            raise ConfigurationError(f"seconds of pause_queue({name!r}) must be positive")
+        await self._write_queue_limits()
+        await self.store.pause_queue(name, self.store.clock() + s)
+
+    async def resume_queue(self, name: str) -> None:
+        """End a pause of queue ``name`` (set by ``pause_queue`` or an HTTP 429) now."""
+        if not isinstance(name, str) or not name:
+            raise ConfigurationError(f"queue name must be a non-empty string (got {name!r})")
+        await self._write_queue_limits()
+        await self.store.pause_queue(name, None)
+
+    async def queue_stats(self) -> builtins.list[QueueStats]:
+        """Per queue: ready depth, age of the oldest ready task, running work (per
+        limit key), pause and rate-limit tokens, with the configured limits."""
+        await self._write_queue_limits()
+        return await self.store.queue_stats()
+
     # -- client ----------------------------------------------------------------
 
     async def start(
@@ -297,6 +397,8 @@ class App:
         text = wf.sig.encode_args(args, kw)
         wf.sig.decode_args(text)  # wrong argument types fail here, not in the worker
         rid = run_id or uuid.uuid4().hex
+        if self._limits_dirty:
+            await self._write_queue_limits()
         res = await self.store.create_run(
             run_id=rid,
             workflow=wf.name,

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar
 from ._breaker import CircuitBreaker
 from ._errors import ConfigurationError
 from ._policy import DEFAULT_RETRY, Retry, seconds
+from ._queues import check_priority
 from ._serde import Signature
 
 if TYPE_CHECKING:
@@ -38,6 +39,11 @@ class ActivityOptions:
     heartbeat_timeout: float | None = None
     queue: str = "default"
     breaker: CircuitBreaker | None = None
+    #: higher is claimed first within its queue
+    priority: int = 0
+    #: the key (e.g. a tenant) for the queue's key_concurrency and fairness, computed
+    #: from the call's arguments when the step is scheduled: ``lambda tenant, *a, **k: tenant``
+    limit_key: Callable[..., str] | None = None
 
     def to_json(self, name: str = "") -> dict[str, Any]:
         """The options as stored with an activity task."""
@@ -49,6 +55,27 @@ class ActivityOptions:
             "retry": self.retry.to_json(),
         }
 
+    def scheduling(self, name: str, args: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """``priority`` and ``limit_key`` for one call, as recorded in ActivityScheduled."""
+        out: dict[str, Any] = {}
+        if self.priority:
+            out["priority"] = self.priority
+        if self.limit_key is not None:
+            try:
+                key = self.limit_key(*args, **kwargs)
+            except Exception as exc:
+                raise ConfigurationError(
+                    f"limit_key of activity {name!r} failed on this call's arguments: "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
+            if not isinstance(key, str):
+                raise ConfigurationError(
+                    f"limit_key of activity {name!r} must return a string, "
+                    f"got {type(key).__name__} ({key!r})"
+                )
+            out["limit_key"] = key
+        return out
+
     def replace(
         self,
         *,
@@ -59,9 +86,21 @@ class ActivityOptions:
         heartbeat_timeout: float | timedelta | None = None,
         queue: str | None = None,
         breaker: CircuitBreaker | None = None,
+        priority: int | None = None,
+        limit_key: Callable[..., str] | None = None,
     ) -> ActivityOptions:
         """A copy with the given options changed, each validated."""
         changes: dict[str, Any] = {}
+        if priority is not None:
+            changes["priority"] = check_priority(priority, what)
+        if limit_key is not None:
+            if not callable(limit_key):
+                raise ConfigurationError(
+                    f"limit_key of {what} takes a function of the activity's arguments "
+                    f"returning a string (e.g. lambda tenant, *a, **k: tenant), "
+                    f"got {type(limit_key).__name__}"
+                )
+            changes["limit_key"] = limit_key
         if breaker is not None:
             if not isinstance(breaker, CircuitBreaker):
                 raise ConfigurationError(
@@ -123,6 +162,8 @@ class Activity(Generic[P, R]):
         schedule_timeout: float | timedelta | None = None,
         heartbeat_timeout: float | timedelta | None = None,
         queue: str | None = None,
+        priority: int | None = None,
+        limit_key: Callable[..., str] | None = None,
     ) -> Activity[P, R]:
         """A copy of this activity with some options changed, for one call site."""
         opts = self.opts.replace(
@@ -132,6 +173,8 @@ class Activity(Generic[P, R]):
             schedule_timeout=schedule_timeout,
             heartbeat_timeout=heartbeat_timeout,
             queue=queue,
+            priority=priority,
+            limit_key=limit_key,
         )
         copy: Activity[P, R] = Activity(self.fn, name=self.name, options=opts)
         return copy

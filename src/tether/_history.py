@@ -216,6 +216,9 @@ class Task:
     attempt: int
     lease_expires_at: float
     heartbeat: str | None = None  #: last heartbeat details (JSON), for resuming work
+    #: history after ``prefetched_after``, read in the transaction that leased this task
+    prefetched: tuple[Event, ...] | None = None
+    prefetched_after: int = 0
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

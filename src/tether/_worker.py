@@ -27,7 +27,7 @@ from ._activity_context import ActivityContext, set_context
 from ._breaker import CircuitOpenError
 from ._classify import classify
 from ._errors import LeaseLostError, NonRetryable, PayloadError, StoreError, TetherError
-from ._history import REPLAY_CHANGING, EventType, Task
+from ._history import REPLAY_CHANGING, Event, EventType, Task
 from ._policy import Retry
 from ._serde import encode
 from .workflow._instance import WorkflowInstance
@@ -102,6 +102,9 @@ class Worker:
         self._pool = concurrent.futures.ThreadPoolExecutor(
             self._threads, thread_name_prefix="tether-activity"
         )
+        # every worker process writes the queue limits it was configured with, so all
+        # processes claiming from a queue share them through the store
+        await self.app._write_queue_limits(force=True)
         self.app.store.add_listener(self._on_commit)
         self._main = asyncio.create_task(self._serve(), name=f"tether-worker-{self.id}")
 
@@ -197,7 +200,7 @@ class Worker:
                     continue
                 self._wake.clear()
                 try:
-                    tasks = await self.app.store.claim(
+                    tasks, throttled_until = await self.app.store.claim_with_wake(
                         worker_id=self.id, queues=self.queues, limit=min(free, 64), lease=self.lease
                     )
                     failures = 0
@@ -223,6 +226,10 @@ class Worker:
                         timeout = min(timeout, wait)
                     elif wait > -0.02:
                         timeout = 0.005  # became due just after our claim: look again soon
+                if throttled_until is not None:
+                    # a queue is out of rate-limit tokens or paused: look again when it
+                    # may let work through, not a whole poll interval later
+                    timeout = min(timeout, max(0.001, throttled_until - self.app.store.clock()))
                 if timeout > 0:
                     try:
                         await asyncio.wait_for(self._wake.wait(), timeout)
@@ -274,10 +281,11 @@ class Worker:
                 if cancelled is None or cancelled:
                     if ctx is not None:
                         ctx._cancelled.set()
-                    if t.kind == "activity":
+                    if t.kind == "activity" and not (ctx is not None and ctx._returned):
                         # lost the lease (nothing this attempt does can be committed) or
                         # the run was cancelled: async activities see CancelledError at
-                        # their next await; sync ones see ctx.is_cancelled
+                        # their next await; sync ones see ctx.is_cancelled. One that has
+                        # already returned is left to record its result.
                         atask.cancel()
 
     # -- workflow tasks ----------------------------------------------------
@@ -308,7 +316,14 @@ class Worker:
         store = self.app.store
         fresh: WorkflowInstance | None = None
         try:
-            events = await store.read_history(task.run_id, inst.through if inst else 0)
+            if (
+                inst is not None
+                and task.prefetched is not None
+                and task.prefetched_after == inst.through
+            ):
+                events = list(task.prefetched)  # read with the lease: no round trip
+            else:
+                events = await store.read_history(task.run_id, inst.through if inst else 0)
             if inst is not None and any(
                 e.type in REPLAY_CHANGING and e.seq > inst.last_seq for e in events
             ):
@@ -429,6 +444,7 @@ class Worker:
                     self._pool, functools.partial(cv.run, act.fn, *args, **kwargs)
                 )
             value = await asyncio.wait_for(fut, timeout) if timeout else await fut
+            ctx._returned = True
             result = encode(value, f"result of activity {act.name!r}")
         except asyncio.CancelledError:
             if self._stopping:
@@ -451,6 +467,8 @@ class Worker:
         self.stats["activities"] += 1
         if breaker:
             await self._breaker_record(breaker, True)
+        if await self._complete_fast(task, result):
+            return
         try:
             wt = await store.complete_activity(
                 task,
@@ -458,12 +476,89 @@ class Worker:
                 lease_to=None if self._stopping else self.id,
                 lease_queues=self.queues,
                 lease=self.lease,
+                read_after=self._cached_through(task.run_id),
             )
         except LeaseLostError:
             self.stats["lease_lost"] += 1
             return
         if wt is not None:
             self._spawn(wt)
+
+    async def _complete_fast(self, task: Task, result: str) -> bool:
+        """The one-commit path: record the result and the workflow task it unblocks together.
+
+        Possible when this worker holds the run in its cache and serves its queue:
+        the instance is advanced with the result first, then one transaction records
+        both. Returns False when the fast path does not apply (nothing was written).
+        """
+        store = self.app.store
+        fast_op = getattr(store, "complete_activity_fast", None)
+        inst = self._cache.get(task.run_id)
+        if (
+            fast_op is None
+            or inst is None
+            or inst.finished
+            or self._stopping
+            or task.step is None
+            or inst.workflow.queue not in self.queues
+            or not inst.only_waiting_on(task.step)
+        ):
+            # with other steps in flight, results race each other and a lost race
+            # would cost a full replay: take the ordinary path
+            return False
+        del self._cache[task.run_id]  # ours alone while we speculate
+        expected = inst.last_seq + 1
+        now = store.clock()
+        event = Event(
+            run_id=task.run_id,
+            seq=expected,
+            type=EventType.ACTIVITY_COMPLETED,
+            step=task.step,
+            data={"attempt": task.attempt, "result": json.loads(result)},
+            created_at=now,
+        )
+        try:
+            wf_result = inst.advance([event], now)
+        except Exception:
+            inst.close()
+            return False  # let the ordinary path (and a full replay) deal with it
+        try:
+            fast, marker, leased, slow_task = await fast_op(
+                task,
+                result,
+                wf_result,
+                expected,
+                lease_to=self.id,
+                lease_queues=self.queues,
+                lease=self.lease,
+                lease_limit=max(0, self.concurrency - len(self._inflight)),
+            )
+        except LeaseLostError:
+            inst.close()
+            self.stats["lease_lost"] += 1
+            return True
+        except StoreError as exc:
+            inst.close()
+            log.warning("could not record the result of %r: %s", task.run_id, exc)
+            return True
+        if not fast:
+            inst.close()  # something else happened to the run: replay from the store
+            if slow_task is not None:
+                self._spawn(slow_task)
+            return True
+        self.stats["fast_path"] += 1
+        self.stats["workflow_tasks"] += 1
+        inst.committed(marker)
+        for cmd in wf_result.commands:
+            if cmd.type is EventType.WORKFLOW_NEEDS_INTERVENTION:
+                self.app._alert(task.run_id, cmd.data.get("error") or {})
+        if inst.finished:
+            inst.close()
+        else:
+            self._cache[task.run_id] = inst
+        for t in leased:
+            self._spawn(t)
+        return True
 
     async def _record_failure(
         self, task: Task, exc: BaseException, plan: _Plan, ctx: ActivityContext | None
@@ -488,11 +583,16 @@ class Worker:
                 lease_to=None if self._stopping else self.id,
                 lease_queues=self.queues,
                 lease=self.lease,
+                read_after=self._cached_through(task.run_id),
             )
         except LeaseLostError:
             return
         if wt is not None:
             self._spawn(wt)
+
+    def _cached_through(self, run_id: str) -> int | None:
+        inst = self._cache.get(run_id)
+        return None if inst is None else inst.through
 
     async def _breaker_record(self, cfg: dict[str, Any], ok: bool) -> None:
         try:
@@ -572,4 +672,7 @@ class _Plan:
         }
         if verdict.retry_after is not None:
             error["retry_after"] = verdict.retry_after
+            if verdict.reason.startswith("HTTP 429"):
+                # the store pauses the queue (if it has pause_on_429) until then
+                error["rate_limited"] = True
         return error, (now + delay if retry else None)

@@ -3,6 +3,7 @@
     tether worker myproject.flows:app
     tether start myproject.flows:app summarise '"https://example.com"' --wait
     tether runs --status running
+    tether queues --store postgresql://db/tether
     tether signal RUN_ID approve '{"by": "ada"}'
 
 Needs the ``cli`` extra (typer and rich): ``pip install 'tether[cli]'``.
@@ -31,6 +32,7 @@ from typing import Annotated, Any, NoReturn, TypeVar
 from ._app import App, Run
 from ._errors import ConfigurationError, PayloadError, StoreError, TetherError
 from ._history import RunInfo, RunStatus
+from ._queues import QueueStats
 from ._serde import encode
 from .store.base import Store
 
@@ -475,6 +477,58 @@ def runs_command(
     _console().print(table)
 
 
+def queues_command(
+    store: Annotated[str | None, _store_option()] = None,
+    app: Annotated[str | None, _app_option()] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+) -> None:
+    """Show every queue: ready depth, oldest wait, running work, limits, pause, tokens."""
+
+    async def go() -> list[QueueStats]:
+        async with _opened(_client_app(store, app)) as a:
+            return await a.queue_stats()
+
+    stats = _run(go())
+    if as_json:
+        _dump([dataclasses.asdict(q) for q in stats])
+        return
+    if not stats:
+        _note("no queues found")
+        return
+    table = Table(show_edge=False, header_style="bold")
+    table.add_column("queue", no_wrap=True)
+    table.add_column("ready", justify="right")
+    table.add_column("oldest", justify="right", no_wrap=True)
+    table.add_column("running", justify="right")
+    table.add_column("scheduled", justify="right")
+    table.add_column("limits")
+    table.add_column("tokens", justify="right")
+    table.add_column("paused until", no_wrap=True)
+    table.add_column("running per key")
+    for q in stats:
+        limits = []
+        if q.max_concurrency is not None:
+            limits.append(f"max {q.max_concurrency}")
+        if q.rate is not None:
+            limits.append(f"{q.rate:g}/s burst {q.burst:g}")
+        if q.key_concurrency is not None:
+            limits.append(f"{q.key_concurrency} per key")
+        if q.fair:
+            limits.append("fair")
+        table.add_row(
+            Text(q.queue),
+            str(q.ready),
+            "-" if q.oldest_ready_age is None else f"{q.oldest_ready_age:.1f}s",
+            str(q.running),
+            str(q.scheduled),
+            Text(", ".join(limits) or "-"),
+            "-" if q.tokens is None else f"{q.tokens:.1f}",
+            Text(_ts(q.paused_until), style="yellow" if q.paused_until else ""),
+            Text(_short_json(q.running_by_key) if q.running_by_key else ""),
+        )
+    _console().print(table)
+
+
 def get_command(
     run_id: Annotated[str, _run_id_argument()],
     store: Annotated[str | None, _store_option()] = None,
@@ -742,6 +796,54 @@ def replay_command(
         raise SystemExit(1)
 
 
+# -- store ----------------------------------------------------------------------------
+
+
+def store_migrate_command(
+    source: Annotated[
+        str,
+        typer.Option("--from", metavar="URL", help="The store to copy from.", show_default=False),
+    ],
+    target: Annotated[
+        str,
+        typer.Option(
+            "--to",
+            metavar="URL",
+            help="The store to copy into (e.g. postgresql://host/db?schema=NAME).",
+            show_default=False,
+        ),
+    ],
+    app: Annotated[
+        str | None,
+        typer.Option(
+            "--app",
+            metavar="MODULE:ATTR",
+            help="Also replay every copied history against this App's code.",
+            show_default=False,
+        ),
+    ] = None,
+) -> None:
+    """Copy every run (in flight or finished) to another store and verify the copy.
+
+    Stop the source's workers first. Refuses (copying nothing) when a run already
+    exists in the target; exits 1 if the copy does not match its source.
+    """
+    from .store.migrate import MigrationReport, migrate
+
+    path = _sqlite_path(source)
+    missing = path is not None and not os.path.exists(path)
+
+    async def go() -> MigrationReport:
+        code = load_app(app) if app else None
+        if missing:
+            raise StoreError(f"no tether store at {path!r} to migrate from: check --from")
+        if path is not None:
+            _refuse_foreign_database(path)
+        return await migrate(source, target, app=code, progress=_note)
+
+    print(_run(go()).summary())
+
+
 # -- wiring ---------------------------------------------------------------------------
 
 
@@ -757,6 +859,7 @@ def _build() -> typer.Typer:
     cli.command("worker")(worker_command)
     cli.command("start")(start_command)
     cli.command("runs")(runs_command)
+    cli.command("queues")(queues_command)
     cli.command("get")(get_command)
     cli.command("signal")(signal_command)
     cli.command("cancel")(cancel_command)
@@ -771,6 +874,13 @@ def _build() -> typer.Typer:
     )
     history.command("export")(history_export_command)
     cli.add_typer(history, name="history")
+    store = typer.Typer(
+        help="Manage stores: copy runs between them.",
+        no_args_is_help=True,
+        context_settings={"help_option_names": ["-h", "--help"]},
+    )
+    store.command("migrate")(store_migrate_command)
+    cli.add_typer(store, name="store")
     return cli
 
 

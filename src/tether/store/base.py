@@ -15,6 +15,7 @@ from typing import Any
 
 from .._errors import ConfigurationError
 from .._history import DeadLetter, Event, EventType, RunInfo, RunStatus, Task
+from .._queues import QueueStats
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -103,9 +104,11 @@ class Store(abc.ABC):
         lease_to: str | None = None,
         lease_queues: Sequence[str] = (),
         lease: float = 30.0,
+        read_after: int | None = None,
     ) -> Task | None:
         """Record an activity's result; may return the run's workflow task leased to
-        ``lease_to`` when it was created by this call."""
+        ``lease_to`` when it was created by this call (with the history after
+        ``read_after`` attached, when given)."""
 
     @abc.abstractmethod
     async def fail_activity(
@@ -117,6 +120,7 @@ class Store(abc.ABC):
         lease_to: str | None = None,
         lease_queues: Sequence[str] = (),
         lease: float = 30.0,
+        read_after: int | None = None,
     ) -> Task | None:
         """Schedule a retry at ``retry_at``, or record the final failure when it is None."""
 
@@ -174,6 +178,26 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def next_due(self, queues: Sequence[str]) -> float | None:
         """The earliest ``available_at`` among tasks on ``queues``, or None."""
+
+    @abc.abstractmethod
+    async def claim_with_wake(
+        self, *, worker_id: str, queues: Sequence[str], limit: int, lease: float
+    ) -> tuple[list[Task], float | None]:
+        """``claim``, plus the earliest time a queue held back by its rate limit or a
+        pause can let more work through (None when no queue was held back that way)."""
+
+    @abc.abstractmethod
+    async def configure_queue(self, queue: str, limits: dict[str, Any]) -> None:
+        """Create or update a queue's limits (``QueueLimits.to_json``), keeping its
+        live token bucket and pause."""
+
+    @abc.abstractmethod
+    async def pause_queue(self, queue: str, until: float | None) -> None:
+        """Stop claims from ``queue`` until ``until`` (None: resume now)."""
+
+    @abc.abstractmethod
+    async def queue_stats(self) -> list[QueueStats]:
+        """Depth, age, running work, pause and tokens of every queue in use."""
 
     @abc.abstractmethod
     async def breaker_admit(self, cfg: dict[str, Any]) -> float | None:

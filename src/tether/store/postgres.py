@@ -41,7 +41,7 @@ from psycopg import sql
 
 from .._errors import StoreError
 from .._history import Task
-from ._ops import Op, OpsStore, _heartbeat, _renew, _Tx
+from ._ops import Op, OpsStore, _claim, _claim_with_wake, _heartbeat, _renew, _Tx
 
 log = logging.getLogger("tether.store")
 
@@ -54,6 +54,7 @@ _RETRYABLE = (
     pg_errors.LockNotAvailable,  # only solo operations set a lock_timeout
 )
 _MAX_BATCH_ATTEMPTS = 8
+_CLAIMS: frozenset[Op] = frozenset({_claim, _claim_with_wake})
 _SOLO: frozenset[Op] = frozenset({_renew})  #: run alone, giving up row locks quickly
 _SOLO_LOCK_TIMEOUT_MS = 200
 _MAX_SOLO_ATTEMPTS = 100
@@ -287,7 +288,9 @@ class PostgresStore(OpsStore):
         writes = any(w for _, _, w, _ in batch)
         if writes and len(batch) > 1:
             # one lock order for every batch: fewer deadlocks between writer threads
-            batch.sort(key=_run_key)
+            # claims last: they may wait for a queue_limits row, and the batch that holds
+            # it must not be waiting for rows this batch locked earlier
+            batch.sort(key=lambda item: (item[0] in _CLAIMS, _run_key(item)))
         attempt = 0
         while True:
             attempt += 1

@@ -28,7 +28,7 @@ from ._ops import Op, OpsStore, _heartbeat, _Tx
 
 log = logging.getLogger("tether.store")
 
-_OWN_TABLES = {"runs", "events", "tasks", "dead_letters", "breakers"}
+_OWN_TABLES = {"runs", "events", "tasks", "dead_letters", "breakers", "queue_limits"}
 
 Listener = Callable[[set[str], set[str]], None]
 
@@ -150,7 +150,7 @@ class SqliteStore(OpsStore):
         conn.close()
 
     def _run_batch(self, conn: sqlite3.Connection, batch: list[Any]) -> None:
-        # a caller that gave up before its operation ran gets nothing applied
+        # a sync caller that gave up before its operation ran gets nothing applied
         live = [item for item in batch if item[3].set_running_or_notify_cancel()]
         if not live:
             return
@@ -165,17 +165,11 @@ class SqliteStore(OpsStore):
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
             err = StoreError(_explain(self.path, exc))
-            for _, _, _, fut in live:
-                if not fut.done():
-                    fut.set_exception(err)
+            _deliver([(fut, None, err) for _, _, _, fut in live])
             return
         results, ready, finished = outcome
         self._ops += len(live)
-        for fut, value, error in results:
-            if error is not None:
-                fut.set_exception(error)
-            else:
-                fut.set_result(value)
+        _deliver(results)
         if ready or finished:
             for cb in list(self._listeners):
                 cb(ready, finished)
@@ -228,7 +222,12 @@ class SqliteStore(OpsStore):
         return fut
 
     async def _do(self, fn: Op, *args: Any, write: bool = True) -> Any:
-        return await asyncio.wrap_future(self._submit(fn, *args, write=write))
+        if self._closed:
+            raise StoreError("the store is closed")
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+        self._queue.put((fn, args, write, _LoopFuture(loop, fut)))
+        return await fut
 
     def call_sync(self, fn: Op, *args: Any, write: bool = True) -> Any:
         """Run an operation from a thread that has no event loop (sync activities)."""
@@ -264,6 +263,51 @@ class SqliteStore(OpsStore):
         """``heartbeat`` for sync activities running in a thread."""
         out: bool = self.call_sync(_heartbeat, task, lease, details)
         return out
+
+
+class _LoopFuture:
+    """An asyncio future waiting on the store thread, resolved on its own loop.
+
+    The results of one batch are handed to each loop in ONE thread-safe call, not
+    one wake-up per operation: with group commit that saves a self-pipe write and
+    a loop iteration per operation.
+    """
+
+    __slots__ = ("fut", "loop")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Any]) -> None:
+        self.loop = loop
+        self.fut = fut
+
+    def set_running_or_notify_cancel(self) -> bool:
+        return True  # a cancelled awaiter is skipped when results are delivered
+
+
+def _deliver(results: list[tuple[Any, Any, BaseException | None]]) -> None:
+    """Resolve each caller's future: sync ones directly, async ones per loop in one call."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Any, Any, BaseException | None]]] = {}
+    for fut, value, error in results:
+        if isinstance(fut, _LoopFuture):
+            by_loop.setdefault(fut.loop, []).append((fut.fut, value, error))
+        elif error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(value)
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_resolve, items)
+        except RuntimeError:
+            pass  # that loop is closed: nobody is waiting any more
+
+
+def _resolve(items: list[tuple[asyncio.Future[Any], Any, BaseException | None]]) -> None:
+    for fut, value, error in items:
+        if fut.done():
+            continue
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(value)
 
 
 def _explain(path: str, exc: sqlite3.DatabaseError) -> str:

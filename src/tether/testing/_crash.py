@@ -85,7 +85,8 @@ def _arm(app: App, crash_at: int | None, counter: list[int]) -> Callable[[], Non
     async def do(fn: Any, *args: Any, write: bool = True) -> Any:
         if state["dead"]:
             raise SimulatedCrash()
-        if write and getattr(fn, "__name__", "") not in _HOUSEKEEPING:
+        name = getattr(fn, "__name__", "")
+        if write and name not in _HOUSEKEEPING and not name.startswith("_claim"):
             counter[0] += 1
             if crash_at is not None and counter[0] >= crash_at:
                 state["dead"] = True

@@ -370,6 +370,8 @@ class WorkflowInstance:
             "name": activity.name,
             "queue": opts.queue,
             "options": {**opts.to_json(activity.name), "scheduled_at": self.now},
+            # evaluated now and recorded, so the task row never depends on today's code
+            **opts.scheduling(activity.name, args, kwargs),
         }
         raw = {"args": args_json}
         kept = self._reuse.get(self.step + 1)
@@ -444,6 +446,10 @@ class WorkflowInstance:
             taken = True
         self._patches[patch_id] = taken
         return taken
+
+    def only_waiting_on(self, step: int) -> bool:
+        """Whether ``step`` is the one durable outcome this instance is waiting for."""
+        return len(self._pending) == 1 and step in self._pending
 
     def take_signal(self, name: str) -> tuple[bool, Any]:
         """Pop the oldest buffered signal ``name``, if any."""

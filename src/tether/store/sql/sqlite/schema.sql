@@ -58,6 +58,8 @@ CREATE TABLE IF NOT EXISTS tasks (
     cancel_requested  INTEGER NOT NULL DEFAULT 0,
     heartbeat         TEXT,            -- last heartbeat details (JSON)
     heartbeat_timeout REAL,            -- set: only heartbeats extend the lease
+    priority          INTEGER NOT NULL DEFAULT 0,  -- higher is claimed first
+    limit_key         TEXT,            -- e.g. a tenant: key_concurrency and fairness
     last_error        TEXT,
     created_at        REAL NOT NULL
 );
@@ -66,6 +68,9 @@ CREATE TABLE IF NOT EXISTS tasks (
 CREATE UNIQUE INDEX IF NOT EXISTS tasks_one_workflow_task ON tasks (run_id) WHERE kind = 'workflow';
 CREATE UNIQUE INDEX IF NOT EXISTS tasks_by_step ON tasks (run_id, step) WHERE kind != 'workflow';
 CREATE INDEX IF NOT EXISTS tasks_ready ON tasks (queue, available_at);
+-- The claim order (priority, then age) per queue: a claim reads only the rows it takes,
+-- however large the backlog (no sort of every ready task).
+CREATE INDEX IF NOT EXISTS tasks_ready_order ON tasks (queue, priority DESC, available_at);
 CREATE INDEX IF NOT EXISTS tasks_by_run ON tasks (run_id);
 
 -- Steps and runs that exhausted their failure policy, kept with their input and
@@ -95,4 +100,23 @@ CREATE TABLE IF NOT EXISTS breakers (
     calls         INTEGER NOT NULL,
     failures      INTEGER NOT NULL,
     trial_at      REAL              -- when the half-open trial call was let through
+);
+
+-- Queue limits, shared by every worker (app.configure_queue). ``rate`` is in
+-- tokens per second, spent one per claimed activity from a bucket of ``burst``
+-- tokens; ``tokens`` and ``refilled_at`` are the live bucket. ``paused_until``
+-- stops claims from the queue (app.pause_queue, or a 429 with Retry-After).
+CREATE TABLE IF NOT EXISTS queue_limits (
+    queue            TEXT PRIMARY KEY,
+    max_concurrency  INTEGER,          -- running activity tasks, across all workers
+    rate             REAL,
+    burst            REAL,
+    tokens           REAL,
+    refilled_at      REAL,
+    key_concurrency  INTEGER,          -- running activity tasks per limit_key
+    fair             INTEGER NOT NULL DEFAULT 0,  -- interleave limit keys
+    pause_on_429     INTEGER NOT NULL DEFAULT 1,
+    paused_until     REAL,
+    fair_cursor      TEXT,             -- fair queues: the limit key served last
+    updated_at       REAL NOT NULL
 );

@@ -1,0 +1,141 @@
+"""Queue limits (``app.configure_queue``) and queue statistics (``app.queue_stats``).
+
+Limits live in the store's ``queue_limits`` table, so every worker process that
+claims from a queue obeys the same caps: the claim query itself enforces them
+(see ``_claim`` in ``store/_ops.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._errors import ConfigurationError
+from ._policy import seconds
+
+#: priorities are stored as 32-bit integers (PostgreSQL INTEGER)
+PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1
+
+
+def _positive_int(value: Any, what: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigurationError(f"{what} must be a positive integer (got {value!r})")
+    if value < 1:
+        raise ConfigurationError(f"{what} must be at least 1 (got {value!r})")
+    return value
+
+
+def _positive_number(value: Any, what: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigurationError(f"{what} must be a positive number (got {value!r})")
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigurationError(f"{what} must be a positive, finite number (got {value!r})")
+    return float(value)
+
+
+def check_priority(value: Any, what: str) -> int:
+    """Validate an activity priority (an int; higher is claimed first)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigurationError(f"priority of {what} must be an integer (got {value!r})")
+    if not PRIORITY_MIN <= value <= PRIORITY_MAX:
+        raise ConfigurationError(
+            f"priority of {what} must fit in 32 bits ({PRIORITY_MIN}..{PRIORITY_MAX}), got {value}"
+        )
+    return value
+
+
+@dataclass(frozen=True, kw_only=True)
+class QueueLimits:
+    """The validated limits of one queue, as stored in ``queue_limits``."""
+
+    queue: str
+    max_concurrency: int | None = None
+    rate: float | None = None  #: tokens per second
+    burst: float | None = None
+    key_concurrency: int | None = None
+    fair: bool = False
+    pause_on_429: bool = True
+
+    @classmethod
+    def build(
+        cls,
+        name: Any,
+        *,
+        max_concurrency: Any = None,
+        rate: Any = None,
+        per: Any = 1.0,
+        burst: Any = None,
+        key_concurrency: Any = None,
+        fair: Any = False,
+        pause_on_429: Any = True,
+    ) -> QueueLimits:
+        """Validate ``app.configure_queue`` arguments; errors name the field."""
+        if not isinstance(name, str) or not name:
+            raise ConfigurationError(f"queue name must be a non-empty string (got {name!r})")
+        what = f"queue {name!r}"
+        cap = _positive_int(max_concurrency, f"max_concurrency of {what}")
+        per_s = seconds(per, f"per of {what}")
+        if per_s is None or per_s <= 0:
+            raise ConfigurationError(f"per of {what} must be a positive duration (got {per!r})")
+        r = _positive_number(rate, f"rate of {what}")
+        b = _positive_number(burst, f"burst of {what}")
+        if b is not None and r is None:
+            raise ConfigurationError(f"burst of {what} needs a rate (burst={burst!r}, no rate=)")
+        if b is not None and b < 1:
+            raise ConfigurationError(
+                f"burst of {what} must be at least 1 (a bucket smaller than one token never "
+                f"lets a task through), got {burst!r}"
+            )
+        per_second = None if r is None else r / per_s
+        if per_second is not None and b is None:
+            b = max(1.0, per_second)
+        keys = _positive_int(key_concurrency, f"key_concurrency of {what}")
+        for flag, value in (("fair", fair), ("pause_on_429", pause_on_429)):
+            if not isinstance(value, bool):
+                raise ConfigurationError(f"{flag} of {what} must be True or False (got {value!r})")
+        return cls(
+            queue=name,
+            max_concurrency=cap,
+            rate=per_second,
+            burst=b,
+            key_concurrency=keys,
+            fair=fair,
+            pause_on_429=pause_on_429,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """The settings written by the store's ``configure_queue``."""
+        return {
+            "max_concurrency": self.max_concurrency,
+            "rate": self.rate,
+            "burst": self.burst,
+            "key_concurrency": self.key_concurrency,
+            "fair": self.fair,
+            "pause_on_429": self.pause_on_429,
+        }
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class QueueStats:
+    """What one queue holds now, from ``app.queue_stats()`` or ``tether queues``."""
+
+    queue: str
+    ready: int  #: tasks due now and not leased (all kinds)
+    oldest_ready_age: float | None  #: seconds the oldest ready task has waited
+    running: int  #: tasks leased to a worker, lease not expired
+    running_by_key: dict[str, int] = field(default_factory=dict)  #: running activities
+    scheduled: int = 0  #: tasks due later (timers, retries waiting out a backoff)
+    paused_until: float | None = None
+    tokens: float | None = None  #: rate-limit tokens available now (None: no rate)
+    max_concurrency: int | None = None
+    rate: float | None = None  #: tokens per second
+    burst: float | None = None
+    key_concurrency: int | None = None
+    fair: bool = False
+    pause_on_429: bool = False
+    configured: bool = False  #: the queue has a row in ``queue_limits``

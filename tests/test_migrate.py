@@ -1,0 +1,159 @@
+"""``tether store migrate``: SQLite to PostgreSQL with runs in flight, verified."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import tether
+from conftest import PG_URL, drop_schema, require_pg, with_schema
+from tether import EventType, RunStatus
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+import migrate_app  # noqa: E402
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent / "src"), str(HERE)])}
+    return subprocess.run(
+        [sys.executable, "-m", "tether.cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+async def _until(check: object, what: str, timeout: float = 15.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not await check():  # type: ignore[operator]
+        assert loop.time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)
+
+
+async def test_migrate_sqlite_to_postgres_runs_in_flight_finish_on_postgres(
+    tmp_path: Path, pg_schema: str
+) -> None:
+    require_pg()
+    source_url = f"sqlite:///{tmp_path / 'source.db'}"
+    target_url = with_schema(PG_URL, pg_schema)
+    src = migrate_app.build(source_url)
+    async with src.worker(lease=5.0, poll_interval=0.05):
+        quick = await src.start("quick", 21, run_id="quick")
+        failing = await src.start("failing", 7, run_id="failing")
+        approval = await src.start("approval", 5, run_id="approval")
+        napper = await src.start("napper", 4, run_id="napper")
+        assert await quick.result(timeout=10) == 42
+
+        async def settled() -> bool:
+            ap = await src.history("approval")
+            nap = await src.history("napper")
+            fail = await src.get("failing")
+            return (
+                fail.status is RunStatus.FAILED
+                and any(e.type is EventType.ACTIVITY_COMPLETED for e in ap)
+                and ap[-1].type is EventType.WORKFLOW_TASK_COMPLETED
+                and any(e.type is EventType.TIMER_STARTED for e in nap)
+            )
+
+        await _until(settled, "runs waiting on a signal and a timer")
+    source_histories = {r: await src.history(r) for r in ("quick", "failing", "approval", "napper")}
+    source_letters = await src.dead_letters()
+    assert len(source_letters) == 2  # the step and the run
+    await src.close()
+
+    done = _cli(
+        "store", "migrate", "--from", source_url, "--to", target_url, "--app", "migrate_app:app"
+    )
+    assert done.returncode == 0, done.stderr
+    assert "copied 4 runs (2 finished, 2 in flight)" in done.stdout
+    assert "4 histories replay cleanly" in done.stdout
+
+    dst = migrate_app.build(target_url)
+    try:
+        # finished runs keep their results, histories and dead letters
+        assert await dst.get_run("quick").result(timeout=5) == 42
+        assert (await dst.get("failing")).status is RunStatus.FAILED
+        for rid, history in source_histories.items():
+            assert await dst.history(rid) == history, rid
+        letters = await dst.dead_letters()
+        assert [(d.run_id, d.kind, d.step) for d in letters] == [
+            (d.run_id, d.kind, d.step) for d in source_letters
+        ]
+        # runs in flight complete on a worker against PostgreSQL
+        async with dst.worker(lease=5.0, poll_interval=0.05):
+            await dst.signal("approval", "approve", "ada")
+            assert await dst.get_run("approval").result(timeout=15) == "10 approved by ada"
+            assert await dst.get_run("napper").result(timeout=15) == 9
+        assert approval.run_id == "approval" and napper.run_id == "napper"
+        assert failing.run_id == "failing"
+
+        # a second migration into the same target refuses and copies nothing
+        again = _cli("store", "migrate", "--from", source_url, "--to", target_url)
+        assert again.returncode == 1
+        assert "4 of the 4 runs already exist in the target" in again.stderr
+        assert "nothing was copied" in again.stderr
+        assert (await dst.get("approval")).status is RunStatus.COMPLETED
+        assert len(await dst.list()) == 4
+    finally:
+        await dst.close()
+
+
+async def test_migrate_reports_histories_that_do_not_replay(tmp_path: Path) -> None:
+    require_pg()
+    schema = f"t_{uuid.uuid4().hex}"
+    source_url = f"sqlite:///{tmp_path / 'source.db'}"
+    src = migrate_app.build(source_url)
+    async with src.worker(lease=5.0, poll_interval=0.05):
+        await src.start("approval", 5, run_id="approval")
+
+        async def waiting() -> bool:
+            h = await src.history("approval")
+            return any(e.type is EventType.ACTIVITY_COMPLETED for e in h) and (
+                h[-1].type is EventType.WORKFLOW_TASK_COMPLETED
+            )
+
+        await _until(waiting, "the run to wait for its signal")
+    await src.close()
+    try:
+        out = _cli(
+            "store",
+            "migrate",
+            "--from",
+            source_url,
+            "--to",
+            with_schema(PG_URL, schema),
+            "--app",
+            "migrate_app:changed",
+        )
+        assert out.returncode == 1
+        assert "does not match its source" in out.stderr
+        assert "'approval' does not replay" in out.stderr
+        missing = _cli("store", "migrate", "--from", str(tmp_path / "nope.db"), "--to", ":memory:")
+        assert missing.returncode == 1 and "no tether store at" in missing.stderr
+    finally:
+        drop_schema(schema)
+
+
+def test_migrate_any_to_any_sqlite_to_sqlite(tmp_path: Path) -> None:
+    from tether.store.migrate import migrate
+
+    async def go() -> None:
+        src = migrate_app.build(f"sqlite:///{tmp_path / 'a.db'}")
+        async with src.worker(lease=5.0, poll_interval=0.05):
+            run = await src.start("quick", 2)
+            assert await run.result(timeout=10) == 4
+        await src.close()
+        report = await migrate(f"sqlite:///{tmp_path / 'a.db'}", f"sqlite:///{tmp_path / 'b.db'}")
+        assert (report.runs, report.in_flight) == (1, 0)
+        dst = tether.App(store=f"sqlite:///{tmp_path / 'b.db'}")
+        assert await dst.get_run(run.run_id).result(timeout=5) == 4
+        await dst.close()
+
+    asyncio.run(go())

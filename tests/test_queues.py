@@ -1,0 +1,570 @@
+"""Queue limits shared by every worker: concurrency caps, rate limits, per-key caps,
+fairness between limit keys, priorities, pauses on HTTP 429, and queue statistics.
+
+Cross-process limits are checked with three worker PROCESSES (``queue_app.py``)
+that record every activity execution in a side SQLite file; everything runs on
+both stores (the ``app``/``store_url`` fixtures)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import tether
+from tether._queues import QueueLimits
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+import queue_app  # noqa: E402
+
+sys.path.remove(str(HERE))
+
+
+async def _until(
+    check: Callable[[], Awaitable[bool]] | Callable[[], bool], timeout: float, what: str
+) -> None:
+    """Poll ``check`` until it is true; fail naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = check()
+        if asyncio.iscoroutine(got):
+            got = await got
+        if got:
+            return
+        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+def peak_overlap(intervals: list[tuple[float, float]]) -> int:
+    """The most intervals open at one instant (an end at t comes before a start at t)."""
+    points = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals])
+    peak = now = 0
+    for _, delta in points:
+        now += delta
+        peak = max(peak, now)
+    return peak
+
+
+def test_peak_overlap() -> None:
+    assert peak_overlap([]) == 0
+    assert peak_overlap([(0, 1), (1, 2)]) == 1  # touching, not overlapping
+    assert peak_overlap([(0, 3), (1, 2), (1.5, 4), (3.5, 5)]) == 3
+
+
+# -- worker processes -------------------------------------------------------------
+
+
+@pytest.fixture
+def side(tmp_path: Path) -> Path:
+    path = tmp_path / "side.db"
+    queue_app.init_side(str(path))
+    return path
+
+
+@pytest.fixture
+def spawn(store_url: str, side: Path) -> Iterator[Callable[[int], list[subprocess.Popen[bytes]]]]:
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start(n: int) -> list[subprocess.Popen[bytes]]:
+        env = {**os.environ, "PYTHONPATH": str(HERE.parent / "src")}
+        for _ in range(n):
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(HERE / "queue_app.py"), store_url, str(side)],
+                    env=env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.PIPE,
+                )
+            )
+        return procs
+
+    yield start
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(10)
+
+
+def _execs(side: Path, queue: str) -> list[tuple[int, int, float, float]]:
+    conn = sqlite3.connect(side, timeout=30)
+    try:
+        rows = conn.execute(
+            "SELECT i, pid, started, ended FROM execs WHERE queue = ? ORDER BY started", (queue,)
+        ).fetchall()
+        return [(int(i), int(pid), float(s), float(e)) for i, pid, s, e in rows]
+    finally:
+        conn.close()
+
+
+def _ready(side: Path) -> int:
+    conn = sqlite3.connect(side, timeout=30)
+    try:
+        return int(conn.execute("SELECT count(*) FROM ready").fetchone()[0])
+    finally:
+        conn.close()
+
+
+async def _start_workers(
+    spawn: Callable[[int], list[subprocess.Popen[bytes]]], side: Path, n: int
+) -> list[subprocess.Popen[bytes]]:
+    """Start ``n`` worker processes and wait until each serves (so all compete)."""
+    procs = spawn(n)
+
+    def ready() -> bool:
+        _alive(procs)
+        return _ready(side) >= n
+
+    await _until(ready, 60, f"{n} worker processes to start")
+    return procs
+
+
+def _alive(procs: list[subprocess.Popen[bytes]]) -> None:
+    for p in procs:
+        if p.poll() is not None:
+            err = p.stderr.read().decode() if p.stderr else ""
+            raise AssertionError(f"worker process exited with {p.returncode}:\n{err}")
+
+
+async def test_concurrency_cap_holds_across_three_worker_processes(
+    app: tether.App, side: Path, spawn: Callable[[int], list[subprocess.Popen[bytes]]]
+) -> None:
+    flows = queue_app.register(app, str(side))
+    procs = await _start_workers(spawn, side, 3)
+    await asyncio.gather(*(app.start(flows["capped"], i) for i in range(60)))
+
+    def done() -> bool:
+        _alive(procs)
+        return len(_execs(side, "capped")) >= 60
+
+    await _until(done, 90, "60 capped activities")
+    execs = _execs(side, "capped")
+    assert sorted(i for i, *_ in execs) == list(range(60))  # each ran once
+    peak = peak_overlap([(s, e) for _, _, s, e in execs])
+    pids = {pid for _, pid, _, _ in execs}
+    print(f"peak concurrency {peak} (cap {queue_app.CAP}) across {len(pids)} processes")
+    assert peak <= queue_app.CAP
+    # each process has 2 slots (6 in all): reaching the cap took all three processes
+    assert peak >= queue_app.CAP - 1
+    assert len(pids) == 3
+
+
+async def test_rate_limit_holds_across_three_worker_processes(
+    app: tether.App, side: Path, spawn: Callable[[int], list[subprocess.Popen[bytes]]]
+) -> None:
+    # a 3 s window (60 tokens at 20/s plus a burst of 5) keeps the test short; the
+    # expectation is proportional: 20/s x 10 s would be 200 +- burst
+    window = 3.0
+    flows = queue_app.register(app, str(side))
+    procs = await _start_workers(spawn, side, 3)
+    await asyncio.gather(*(app.start(flows["rated"], i) for i in range(150)))
+
+    async def first() -> bool:
+        _alive(procs)
+        return bool(_execs(side, "rated"))
+
+    await _until(first, 60, "the first rated activity")
+    t0 = _execs(side, "rated")[0][2]
+    while time.time() < t0 + window + 0.3:
+        _alive(procs)
+        await asyncio.sleep(0.1)
+    execs = _execs(side, "rated")
+    starts = [s for _, _, s, _ in execs if s <= t0 + window]
+    expected = queue_app.RATE * window
+    pids = {pid for _, pid, _, _ in execs}
+    # the steady rate, after the initial burst has been spent
+    steady = [s for s in starts if s > t0 + 1.0]
+    print(
+        f"{len(starts)} starts in {window}s (expected {expected:.0f} + burst "
+        f"{queue_app.BURST:.0f}); {len(steady) / (window - 1.0):.1f}/s after the first "
+        f"second; {len(pids)} processes"
+    )
+    assert expected - queue_app.BURST <= len(starts) <= expected + queue_app.BURST + 2
+    assert len(steady) <= queue_app.RATE * (window - 1.0) + 2
+    assert len(execs) < 150  # the backlog was still there: the limit, not the work, bound it
+    assert len(pids) >= 2
+
+
+# -- in-process: fairness, priorities, per-key caps, 429 pauses --------------------
+
+
+async def test_fair_queue_starts_a_small_tenant_within_the_first_rounds(
+    app: tether.App,
+) -> None:
+    starts: list[tuple[str, int]] = []
+    lock = threading.Lock()
+
+    def define(queue: str, fair: bool) -> tether.Workflow[[str, int], int]:
+        app.configure_queue(queue, fair=fair)
+
+        @app.activity(
+            name=f"tenant_step_{queue}", queue=queue, limit_key=lambda tenant, *a, **k: tenant
+        )
+        async def tenant_step(tenant: str, i: int) -> int:
+            with lock:
+                starts.append((tenant, i))
+            await asyncio.sleep(0.01)
+            return i
+
+        @app.workflow(name=f"bulk_{queue}")
+        async def bulk(tenant: str, n: int) -> int:
+            return len(await tether.gather(*(tenant_step(tenant, i) for i in range(n))))
+
+        return bulk
+
+    results = {
+        f"tenants_{'fair' if f else 'fifo'}": define(f"tenants_{'fair' if f else 'fifo'}", f)
+        for f in (True, False)
+    }
+
+    async with app.worker(queues=["default"], poll_interval=0.05):
+        for fair in (True, False):
+            queue = f"tenants_{'fair' if fair else 'fifo'}"
+            await app.start(results[queue], "big", 2000)
+
+            async def depth(n: int, q: str = queue) -> bool:
+                return any(s.queue == q and s.ready == n for s in await app.queue_stats())
+
+            await _until(lambda: depth(2000), 60, f"2000 queued tasks on {queue}")
+            await app.start(results[queue], "small", 5)
+            await _until(lambda: depth(2005), 30, f"2005 queued tasks on {queue}")
+
+            starts.clear()
+            async with app.worker(queues=[queue], concurrency=2, poll_interval=0.05):
+                await _until(lambda: len(starts) >= 12, 30, "12 starts")
+            first = [t for t, _ in starts[:10]]
+            print(f"fair={fair}: first 10 starts by tenant {first}")
+            if fair:
+                # every claim round takes each tenant's next task: small's 5 go in 5 rounds
+                assert first.count("small") == 5
+                assert [i for t, i in starts if t == "small"][:5] == [0, 1, 2, 3, 4]
+            else:
+                assert first.count("small") == 0  # FIFO: stuck behind 2000 older tasks
+
+
+@pytest.mark.parametrize("configured", [False, True], ids=["plain", "limited"])
+async def test_priorities_order_work_on_a_single_slot(app: tether.App, configured: bool) -> None:
+    queue = "prio_limited" if configured else "prio_plain"
+    if configured:
+        app.configure_queue(queue, max_concurrency=10)
+    order: list[tuple[int, int]] = []
+    priorities = [0, 5, 1, 9, 3, 7, 0, 2, -1, 4, 9]
+
+    @app.activity(queue=queue)
+    async def job(p: int, i: int) -> int:
+        order.append((p, i))
+        await asyncio.sleep(0.005)
+        return p
+
+    @app.workflow
+    async def prioritised() -> list[int]:
+        return await tether.gather(
+            *(job.options(priority=p)(p, i) for i, p in enumerate(priorities))
+        )
+
+    async with app.worker(queues=["default"], poll_interval=0.05):
+        run = await app.start(prioritised)
+
+        async def queued() -> bool:
+            return any(s.queue == queue and s.ready == 11 for s in await app.queue_stats())
+
+        await _until(queued, 30, "11 queued jobs")
+        async with app.worker(queues=[queue], concurrency=1, poll_interval=0.05):
+            assert await run.result(timeout=30) == priorities
+    # highest first (equal priorities: oldest first, which is the same instant here)
+    assert [p for p, _ in order] == sorted(priorities, reverse=True)
+
+
+async def test_key_concurrency_caps_each_limit_key(app: tether.App) -> None:
+    app.configure_queue("keyed", key_concurrency=2)
+    lock = threading.Lock()
+    spans: dict[str, list[tuple[float, float]]] = {}
+
+    @app.activity(queue="keyed", limit_key=lambda tenant, *a, **k: tenant)
+    async def step(tenant: str, i: int) -> int:
+        start = time.monotonic()
+        await asyncio.sleep(0.05)
+        with lock:
+            spans.setdefault(tenant, []).append((start, time.monotonic()))
+        return i
+
+    @app.workflow
+    async def fan() -> int:
+        calls = [step(t, i) for t in ("a", "b", "c") for i in range(6)]
+        return len(await tether.gather(*calls))
+
+    async with app.worker(concurrency=20, poll_interval=0.02):
+        run = await app.start(fan)
+        assert await run.result(timeout=30) == 18
+    peaks = {k: peak_overlap(v) for k, v in spans.items()}
+    overall = peak_overlap([s for v in spans.values() for s in v])
+    print(f"peak per key {peaks}, overall {overall}")
+    assert all(p <= 2 for p in peaks.values()), peaks
+    assert max(peaks.values()) == 2
+    assert overall > 2  # other keys ran meanwhile: the cap is per key, not per queue
+
+
+class Http429(Exception):
+    """Looks like an httpx/requests error for status 429 with a Retry-After header."""
+
+    def __init__(self, retry_after: str) -> None:
+        super().__init__("429 Too Many Requests")
+        self.status_code = 429
+        self.headers = {"Retry-After": retry_after}
+
+
+@pytest.mark.parametrize("pause_on_429", [True, False], ids=["pause", "no_pause"])
+async def test_http_429_with_retry_after_pauses_the_whole_queue(
+    app: tether.App, pause_on_429: bool
+) -> None:
+    app.configure_queue("api", max_concurrency=1, pause_on_429=pause_on_429)
+    attempts: list[tuple[int, int, float]] = []
+    failed_at: list[float] = []
+
+    @app.activity(queue="api", retry=tether.Retry(attempts=3))
+    async def call_api(i: int) -> int:
+        attempts.append((i, tether.activity_context().attempt, time.time()))
+        if not failed_at:
+            failed_at.append(time.time())
+            raise Http429("1.5")
+        await asyncio.sleep(0.01)
+        return i
+
+    @app.workflow
+    async def calls(n: int) -> list[int]:
+        return await tether.gather(*(call_api(i) for i in range(n)))
+
+    async with app.worker(poll_interval=0.05):
+        run = await app.start(calls, 8)
+        await _until(lambda: bool(failed_at), 30, "the 429")
+        if pause_on_429:
+
+            async def paused() -> bool:
+                stats = {s.queue: s for s in await app.queue_stats()}
+                return stats["api"].paused_until is not None
+
+            await _until(paused, 5, "the queue to show its pause")
+        assert await run.result(timeout=30) == list(range(8))
+    t429 = failed_at[0]
+    later = [t for _, _, t in attempts if t > t429]
+    assert len(attempts) == 8 + 1  # one retry, no attempt burned during the pause
+    events = await app.history(run.run_id)
+    failure = next(e for e in events if e.type is tether.EventType.ACTIVITY_ATTEMPT_FAILED)
+    gap = min(later) - t429
+    print(f"pause_on_429={pause_on_429}: next start {gap:.2f}s after the 429")
+    if pause_on_429:
+        assert gap >= 1.5 - 0.01  # nothing of the queue started during the pause
+        until = failure.data["error"]["queue_paused_until"]
+        assert t429 + 1.5 <= until <= t429 + 3.0
+    else:
+        assert gap < 1.0  # other tasks went ahead; only the throttled one waited
+        assert "queue_paused_until" not in failure.data["error"]
+    assert failure.data["error"]["retry_after"] == 1.5
+
+
+# -- pause, resume, statistics -----------------------------------------------------
+
+
+async def test_pause_and_resume_queue_and_stats(app: tether.App) -> None:
+    app.configure_queue("jobs", max_concurrency=3, rate=1, per=60, burst=4, key_concurrency=2)
+    ran: list[int] = []
+
+    @app.activity(queue="jobs")
+    async def job(i: int) -> int:
+        ran.append(i)
+        return i
+
+    @app.workflow
+    async def three() -> list[int]:
+        return await tether.gather(job(0), job(1), job(2))
+
+    await app.pause_queue("jobs", 60)
+    stats = {s.queue: s for s in await app.queue_stats()}
+    jobs = stats["jobs"]
+    assert jobs.configured and jobs.max_concurrency == 3 and jobs.key_concurrency == 2
+    assert jobs.rate == pytest.approx(1 / 60) and jobs.burst == 4
+    assert jobs.tokens == pytest.approx(4)
+    assert jobs.paused_until is not None and jobs.paused_until > time.time() + 50
+    async with app.worker(poll_interval=0.05):
+        run = await app.start(three)
+
+        async def queued() -> bool:
+            return any(s.queue == "jobs" and s.ready == 3 for s in await app.queue_stats())
+
+        await _until(queued, 10, "3 queued jobs")
+        await asyncio.sleep(0.3)
+        assert ran == []  # paused: nothing starts
+        stats = {s.queue: s for s in await app.queue_stats()}
+        assert stats["jobs"].oldest_ready_age is not None and stats["jobs"].oldest_ready_age > 0
+        await app.resume_queue("jobs")
+        assert sorted(await run.result(timeout=10)) == [0, 1, 2]
+    jobs = {s.queue: s for s in await app.queue_stats()}["jobs"]
+    assert jobs.paused_until is None and jobs.ready == 0 and jobs.running == 0
+    assert jobs.tokens == pytest.approx(1, abs=0.1)  # 3 of 4 tokens spent (1 a minute back)
+
+
+async def test_reconfiguring_keeps_the_live_token_bucket(store_url: str) -> None:
+    a = tether.App(store=store_url)
+    a.configure_queue("q", rate=1, per=60, burst=10)  # refills 1 a minute: stays put
+    stats = {s.queue: s for s in await a.queue_stats()}
+    assert stats["q"].tokens == pytest.approx(10)
+    b = tether.App(store=store_url)  # another process with the same config
+    b.configure_queue("q", rate=1, per=60, burst=10)
+
+    @b.activity(queue="q")
+    async def noop(i: int) -> int:
+        return i
+
+    @b.workflow
+    async def four() -> list[int]:
+        return await tether.gather(*(noop(i) for i in range(4)))
+
+    async with b.worker(poll_interval=0.05):
+        assert await (await b.start(four)).result(timeout=10) == [0, 1, 2, 3]
+    tokens = {s.queue: s for s in await a.queue_stats()}["q"].tokens
+    assert tokens == pytest.approx(6, abs=0.2)
+    c = tether.App(store=store_url)
+    c.configure_queue("q", rate=1, per=60, burst=10)
+    async with c.worker():  # a worker starting writes its config: the bucket is kept
+        pass
+    assert {s.queue: s for s in await c.queue_stats()}["q"].tokens == pytest.approx(6, abs=0.2)
+    c.configure_queue("q", rate=1, per=60, burst=3)  # a smaller bucket caps what is left
+    assert {s.queue: s for s in await c.queue_stats()}["q"].tokens == pytest.approx(3)
+    for x in (a, b, c):
+        await x.close()
+
+
+# -- configuration errors ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"max_concurrency": 0}, "max_concurrency"),
+        ({"max_concurrency": 2.5}, "max_concurrency"),
+        ({"max_concurrency": True}, "max_concurrency"),
+        ({"rate": 0}, "rate"),
+        ({"rate": -1}, "rate"),
+        ({"rate": float("nan")}, "rate"),
+        ({"rate": "10"}, "rate"),
+        ({"rate": 10, "per": 0}, "per"),
+        ({"rate": 10, "per": -5}, "per"),
+        ({"burst": 5}, "burst"),  # no rate
+        ({"rate": 10, "burst": 0.5}, "burst"),
+        ({"key_concurrency": 0}, "key_concurrency"),
+        ({"fair": "yes"}, "fair"),
+        ({"pause_on_429": 1}, "pause_on_429"),
+    ],
+)
+def test_configure_queue_validates_each_field(kwargs: dict[str, Any], field: str) -> None:
+    app = tether.App(store=":memory:")
+    with pytest.raises(tether.ConfigurationError, match=field):
+        app.configure_queue("q", **kwargs)
+    assert app._queue_limits == {}  # nothing half-configured
+
+
+def test_configure_queue_defaults() -> None:
+    app = tether.App(store=":memory:")
+    with pytest.raises(tether.ConfigurationError, match="queue name"):
+        app.configure_queue("")
+    limits = QueueLimits.build("q", rate=120, per=60)
+    assert limits.rate == 2 and limits.burst == 2  # default burst: one second's worth
+    assert QueueLimits.build("q", rate=0.1).burst == 1  # at least one token
+    assert QueueLimits.build("q", rate=5, burst=50).burst == 50
+    assert QueueLimits.build("q").pause_on_429 is True
+
+
+def test_priority_and_limit_key_options_are_validated() -> None:
+    app = tether.App(store=":memory:")
+    with pytest.raises(tether.ConfigurationError, match="priority"):
+
+        @app.activity(priority=1.5)  # type: ignore[arg-type]
+        def a() -> None: ...
+
+    with pytest.raises(tether.ConfigurationError, match="priority"):
+
+        @app.activity(priority=2**40)
+        def b() -> None: ...
+
+    with pytest.raises(tether.ConfigurationError, match="limit_key"):
+
+        @app.activity(limit_key="tenant")  # type: ignore[arg-type]
+        def c() -> None: ...
+
+    @app.activity(priority=3, limit_key=lambda x: x)
+    def d(x: str) -> str:
+        return x
+
+    assert d.opts.priority == 3
+    assert d.options(priority=-2).opts.priority == -2
+    with pytest.raises(tether.ConfigurationError, match="priority"):
+        d.options(priority="high")  # type: ignore[arg-type]
+
+
+async def test_limit_key_and_priority_are_recorded_in_history(app: tether.App) -> None:
+    @app.activity(priority=4, limit_key=lambda tenant, n: f"tenant-{tenant}")
+    async def work(tenant: str, n: int) -> int:
+        return n
+
+    @app.activity(limit_key=lambda tenant: 42)  # type: ignore[arg-type,return-value]
+    async def broken(tenant: str) -> int:
+        return 0
+
+    @app.workflow
+    async def flow() -> int:
+        return await work("acme", 3)
+
+    @app.workflow
+    async def bad() -> int:
+        return await broken("acme")
+
+    async with app.worker(poll_interval=0.05):
+        assert await (await app.start(flow)).result(timeout=10) == 3
+        failed = await app.start(bad)
+        with pytest.raises(tether.WorkflowFailedError, match="must return a string"):
+            await failed.result(timeout=10)
+    events = await app.history((await app.list(workflow="flow"))[0].run_id)
+    scheduled = next(e for e in events if e.type is tether.EventType.ACTIVITY_SCHEDULED)
+    assert scheduled.data["priority"] == 4 and scheduled.data["limit_key"] == "tenant-acme"
+
+
+# -- CLI -------------------------------------------------------------------------------
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent / "src")}
+    return subprocess.run(
+        [sys.executable, "-m", "tether.cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+async def test_cli_queues(app: tether.App, store_url: str) -> None:
+    app.configure_queue("llm", max_concurrency=4, rate=2, fair=True)
+    await app.pause_queue("llm", 30)
+    await app.close()
+    done = await asyncio.to_thread(_cli, "queues", "--store", store_url, "--json")
+    assert done.returncode == 0, done.stderr
+    llm = next(q for q in json.loads(done.stdout) if q["queue"] == "llm")
+    assert llm["max_concurrency"] == 4 and llm["rate"] == 2 and llm["fair"] is True
+    assert llm["paused_until"] is not None and llm["tokens"] == pytest.approx(2)
+    done = await asyncio.to_thread(_cli, "queues", "--store", store_url)
+    assert done.returncode == 0, done.stderr
+    assert "llm" in done.stdout and "max 4" in done.stdout and "fair" in done.stdout
