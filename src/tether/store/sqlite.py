@@ -110,6 +110,7 @@ class SqliteStore(OpsStore):
                 f"({_SCHEMA_VERSION}); upgrade tether to open it"
             )
         if version == _SCHEMA_VERSION:
+            self._check_columns()
             return
         schema = resources.files("tether.store").joinpath("sql/sqlite/schema.sql").read_text()
         self._conn.execute("BEGIN IMMEDIATE")
@@ -123,6 +124,17 @@ class SqliteStore(OpsStore):
                 self._conn.execute(statement)
         self._conn.execute(f"PRAGMA user_version = {_SCHEMA_VERSION}")
         self._conn.execute("COMMIT")
+
+    def _check_columns(self) -> None:
+        """Refuse a file made by a pre-release build whose schema lacks today's columns."""
+        have = {r[1] for r in self._conn.execute("PRAGMA table_info(tasks)")}
+        missing = {"priority", "limit_key", "heartbeat_timeout"} - have
+        if missing:
+            raise StoreError(
+                f"store {self.path!r} was created by an older development build of tether "
+                f"(its tasks table lacks {', '.join(sorted(missing))}); finish or export its "
+                "runs with that build, then start from a new file"
+            )
 
     def _loop(self) -> None:
         conn = self._conn
