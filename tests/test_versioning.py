@@ -11,6 +11,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 import tether
 from tether.testing import check_history
 
@@ -184,3 +186,48 @@ def test_cli_replay_fails_on_unpatched_change_and_passes_patched(tmp_path: Path)
     assert good.returncode == 0, good.stdout + good.stderr
     from_store = cli("replay", "--app", "v3:app", "--store", str(db), "--since", "1h")
     assert from_store.returncode == 0 and "ok    r" in from_store.stdout, from_store.stdout
+
+
+async def test_worker_versions_serves_only_runs_recorded_by_its_versions(db_path: Path) -> None:
+    def build(version: str, calls: list[str]) -> tether.App:
+        app = tether.App(store=f"sqlite:///{db_path}")
+
+        @app.activity
+        def mark() -> str:
+            calls.append(version)
+            return version
+
+        @app.workflow(name="flow", version=version)
+        async def flow() -> str:
+            await tether.wait_event("go")
+            return await mark()
+
+        return app
+
+    v1_calls: list[str] = []
+    v1 = build("v1", v1_calls)
+    async with v1.worker(poll_interval=0.05):
+        await v1.start(v1.get_workflow("flow"), run_id="old")
+        for _ in range(250):
+            hist = await v1.history("old")
+            if any(e.type is tether.EventType.WORKFLOW_TASK_COMPLETED for e in hist):
+                break
+            await asyncio.sleep(0.02)
+    markers = [e for e in await v1.history("old") if e.type.value == "WorkflowTaskCompleted"]
+    assert markers[0].data["version"] == "v1"
+    await v1.close()
+
+    v2_calls: list[str] = []
+    v2 = build("v2", v2_calls)
+    async with v2.worker(poll_interval=0.05, versions={"v2"}) as w:
+        await v2.signal("old", "go")
+        with pytest.raises(tether.ResultTimeoutError):
+            await v2.get_run("old").result(timeout=1.0)  # a v2-only worker leaves it alone
+        assert w.stats["version_skipped"] >= 1 and v2_calls == []
+    await v2.close()
+
+    v1 = build("v1", v1_calls)
+    async with v1.worker(poll_interval=0.05, versions={"v1"}):
+        assert await v1.get_run("old").result(timeout=10) == "v1"
+    assert v1_calls == ["v1"]
+    await v1.close()

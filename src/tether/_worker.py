@@ -20,7 +20,7 @@ import logging
 import os
 import socket
 import uuid
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ._activity_context import ActivityContext, set_context
@@ -56,6 +56,7 @@ class Worker:
         cache_size: int = 10_000,
         threads: int | None = None,
         workflow_retry_delay: float = 5.0,
+        versions: Collection[str] | None = None,
         worker_id: str | None = None,
     ) -> None:
         if concurrency < 1:
@@ -69,6 +70,9 @@ class Worker:
         self.poll_interval = poll_interval
         self.cache_size = cache_size
         self.workflow_retry_delay = workflow_retry_delay
+        #: workflow code versions whose runs this worker continues (None: any); runs
+        #: recorded by another version are handed back for a worker that serves it
+        self.versions = None if versions is None else frozenset(versions)
         self.id = worker_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._threads = threads or min(32, concurrency)
         self._cache: collections.OrderedDict[str, WorkflowInstance] = collections.OrderedDict()
@@ -337,6 +341,20 @@ class Worker:
                 inst = fresh = WorkflowInstance(task.run_id, wf)
             else:
                 self.stats["cache_hits"] += 1
+            if fresh is not None and self.versions is not None:
+                recorded = next(
+                    (
+                        e.data.get("version")
+                        for e in events
+                        if e.type is EventType.WORKFLOW_TASK_COMPLETED
+                    ),
+                    None,
+                )
+                if recorded is not None and recorded not in self.versions:
+                    fresh.close()
+                    self.stats["version_skipped"] += 1
+                    await store.release([task], delay=1.0)
+                    return
             result = inst.advance(events, store.clock())
         except LeaseLostError:
             if fresh is not None:

@@ -267,8 +267,8 @@ class OpsStore(Store):
         )
         return out
 
-    async def release(self, tasks: Sequence[Task]) -> None:
-        await self._do(_release, tuple(tasks))
+    async def release(self, tasks: Sequence[Task], delay: float = 0.0) -> None:
+        await self._do(_release, tuple(tasks), delay)
 
     async def breaker_admit(self, cfg: dict[str, Any]) -> float | None:
         out: float | None = await self._do(_breaker_admit, cfg)
@@ -853,7 +853,11 @@ def _complete_workflow_task(
         task.run_id,
         EventType.WORKFLOW_TASK_COMPLETED,
         None,
-        {"through": result.through, "time": result.time},
+        (
+            {"through": result.through, "time": result.time, "version": result.version}
+            if result.version is not None
+            else {"through": result.through, "time": result.time}
+        ),
     )
     if ending is not None:
         if ending.type is EventType.WORKFLOW_COMPLETED:
@@ -1014,11 +1018,11 @@ def _renew(tx: _Tx, tasks: tuple[Task, ...], lease: float) -> dict[int, bool]:
     return out
 
 
-def _release(tx: _Tx, tasks: tuple[Task, ...]) -> None:
+def _release(tx: _Tx, tasks: tuple[Task, ...], delay: float = 0.0) -> None:
     for t in tasks:
         tx.execute(
             "UPDATE tasks SET lease_owner = NULL, available_at = ? WHERE task_id = ? AND fence = ?",
-            (tx.now, t.task_id, t.fence),
+            (tx.now + delay, t.task_id, t.fence),
         )
         tx.ready.add(t.queue)
 

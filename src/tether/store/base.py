@@ -36,6 +36,7 @@ class WorkflowTaskResult:
     commands: list[Command]
     through: int  #: last history seq the task had applied
     time: float  #: the workflow clock during the task (tether.now)
+    version: str | None = None  #: the workflow code version that produced it
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -133,8 +134,9 @@ class Store(abc.ABC):
         """Extend leases; return ``{task_id: cancel_requested}`` for tasks still held."""
 
     @abc.abstractmethod
-    async def release(self, tasks: Sequence[Task]) -> None:
-        """Give back leased tasks (a worker stopping) so any worker can claim them now."""
+    async def release(self, tasks: Sequence[Task], delay: float = 0.0) -> None:
+        """Give back leased tasks (a worker stopping, or one that does not serve a run's
+        version) so any worker can claim them after ``delay`` seconds."""
 
     @abc.abstractmethod
     async def heartbeat(self, task: Task, lease: float, details: str | None) -> bool:

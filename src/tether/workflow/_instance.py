@@ -106,6 +106,8 @@ class WorkflowInstance:
         self._nd_error: NonDeterminismError | None = None
         self._closed = False
         self._patches: dict[str, bool] = {}
+        #: the code version that ran this run's first workflow task (None: unversioned)
+        self.recorded_version: str | None = None
         #: when a list, every command the code issues is described here (replay checks)
         self.trace: list[str] | None = None
         self._voided: set[int] = set()
@@ -143,6 +145,8 @@ class WorkflowInstance:
                     self._recorded[ev.step] = ev
                     self._max_recorded = max(self._max_recorded, ev.step)
             elif ev.type is EventType.WORKFLOW_TASK_COMPLETED:
+                if self.recorded_version is None:
+                    self.recorded_version = ev.data.get("version")
                 through = int(ev.data["through"])
                 batch = [e for e in incoming if e.seq <= through]
                 incoming = [e for e in incoming if e.seq > through]
@@ -172,7 +176,9 @@ class WorkflowInstance:
         self._activate(incoming)
         self.through = through
         commands, self._new = self._new, []
-        return WorkflowTaskResult(commands=commands, through=through, time=now)
+        return WorkflowTaskResult(
+            commands=commands, through=through, time=now, version=self.workflow.version
+        )
 
     def close(self) -> None:
         """Unwind every coroutine of this instance without effects (eviction, shutdown).
