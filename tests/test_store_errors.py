@@ -1,0 +1,54 @@
+"""Bad store conditions get a clear error and lose nothing."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+import tether
+from tether.store.sqlite import SqliteStore
+
+
+async def test_sqlite_locked_file_gives_clear_error_and_keeps_runs(tmp_path: Path) -> None:
+    path = tmp_path / "t.db"
+    app = tether.App(store=f"sqlite:///{path}")
+
+    @app.workflow
+    async def wf(x: int) -> int:
+        return x
+
+    await app.start(wf, 1, run_id="kept")
+    await app.close()
+
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")  # another process holds the write lock
+    try:
+        blocked = tether.App(store=SqliteStore(str(path), busy_timeout=0.2))
+        blocked._workflows["wf"] = wf
+        with pytest.raises(tether.StoreError) as err:
+            await blocked.start(wf, 2, run_id="new")
+        message = str(err.value)
+        assert "locked" in message and "Nothing was written" in message
+        await blocked.close()
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+
+    again = tether.App(store=f"sqlite:///{path}")
+    again._workflows["wf"] = wf
+    assert (await again.get("kept")).input == '{"args":[1],"kwargs":{}}'
+    with pytest.raises(tether.RunNotFoundError):
+        await again.get("new")
+    await again.close()
+
+
+def test_sqlite_missing_directory_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(tether.StoreError, match="does not exist"):
+        SqliteStore(str(tmp_path / "nope" / "t.db"))
+
+
+def test_unknown_store_url_is_a_clear_error() -> None:
+    with pytest.raises(tether.ConfigurationError, match="unsupported store URL"):
+        tether.App(store="mysql://localhost/db").store
