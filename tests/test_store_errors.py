@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 import tether
+import tether.store
 from tether.store.sqlite import SqliteStore
 
 
@@ -51,4 +52,4 @@ def test_sqlite_missing_directory_is_a_clear_error(tmp_path: Path) -> None:
 
 def test_unknown_store_url_is_a_clear_error() -> None:
     with pytest.raises(tether.ConfigurationError, match="unsupported store URL"):
-        tether.App(store="mysql://localhost/db").store
+        tether.store.open_store("mysql://localhost/db")
