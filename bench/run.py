@@ -16,6 +16,11 @@ the same disk:
 * W3: one-step runs, one after another: start-to-result latency.
 * W6: replay of a real >=10,000-event history: a cold replay, and the warm
   (sticky-cache) cost of continuing a cached instance by one workflow task.
+* W2, W4, W5 (``bench/workloads.py``): a 10,000-way fan-out in one run; SIGKILL
+  and restart of a worker subprocess; 10,000 runs waiting for a signal.
+
+``--peer`` also runs DBOS Transact on W1, W2, W3 and W5 (``bench/peer.py``, in
+its own virtualenv made by ``bench/setup_peer.sh``) and prints tether ÷ DBOS.
 
 It prints a table, then the JSON document (also written to ``--json``).
 """
@@ -41,6 +46,10 @@ import tether
 from tether import EventType
 from tether._history import INCOMING
 from tether.workflow._instance import WorkflowInstance
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import peer  # bench/peer.py: the DBOS comparison
+import workloads  # bench/workloads.py: W2, W4, W5
 
 #: Options for every in-process worker in this benchmark (the brief's W1 setting;
 #: ``poll_interval`` is the default: workers are woken by commits, not by polling).
@@ -395,7 +404,8 @@ async def run_suite(workdir: Path, sizes: Sizes, log: Callable[[str], None]) -> 
     log("W6: building a long history, then replaying it ...")
     w6 = await bench_w6(workdir, sizes)
     log(f"  {w6['events']} events, cold {w6['cold_replay_s']:.3f} s")
-    return {"limit": limit, "w1": w1, "w3": w3, "w6": w6}
+    more = await workloads.run_more(workdir, sizes is QUICK, log)
+    return {"limit": limit, "w1": w1, "w3": w3, "w6": w6, **more}
 
 
 def _median_of(results: list[Result]) -> Result:
@@ -442,6 +452,7 @@ def _table(res: Result) -> str:
             f"{w6['warm_first_tenth_p50_us']:.1f} / {w6['warm_last_tenth_p50_us']:.1f} us",
         ),
     ]
+    rows.extend(workloads.table_rows(res))
     w_a = max(len(r[0]) for r in rows)
     w_b = max(len(r[1]) for r in rows)
     lines = [f"{a:<{w_a}}  {b:<{w_b}}  {c}" for a, b, c in rows]
@@ -471,6 +482,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--repeat", type=int, default=1, help="run the suite N times and report medians"
     )
     parser.add_argument("--dir", type=Path, default=None, help="where to make the temp dir")
+    parser.add_argument("--peer", action="store_true", help="also run DBOS Transact (W1-W3, W5)")
     args = parser.parse_args(argv)
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
@@ -488,22 +500,38 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.repeat > 1:
                 log(f"== repeat {i + 1}/{args.repeat}")
             results.append(asyncio.run(run_suite(workdir, sizes, log)))
+        peer_note = peer.missing_message() if args.peer else None
+        peer_res = None
+        if args.peer and peer_note is None:
+            peer_runs = [
+                asyncio.run(peer.run_peer(Path(tmp) / f"peer{i}", args.quick, log))
+                for i in range(args.repeat)
+            ]
+            peer_res = peer_runs[0] if len(peer_runs) == 1 else _median_of(peer_runs)
         env = _environment(Path(tmp))
     summary = results[0] if len(results) == 1 else _median_of(results)
     doc: Result = {
         "mode": "quick" if args.quick else "full",
         "repeats": args.repeat,
         "aggregation": "single run" if args.repeat == 1 else f"median of {args.repeat} runs",
-        "sizes": asdict(sizes),
+        "sizes": {**asdict(sizes), **asdict(workloads.QUICK if args.quick else workloads.FULL)},
         "worker_options": WORKER_OPTIONS,
         "environment": {**env, "loadavg_before": load_before},
         "results": summary,
     }
     if args.repeat > 1:
         doc["runs"] = results
+    if peer_res is not None:
+        doc["peer"] = {**peer_res, "comparison": peer.compare(summary, peer_res)}
+        if args.repeat > 1:
+            doc["peer"]["runs"] = peer_runs
     text = json.dumps(doc, indent=2)
     print(f"tether bench ({doc['mode']}, {doc['aggregation']})")
     print(_table(summary))
+    if peer_res is not None:
+        print(peer.table(doc["peer"]["comparison"], peer_res["sizes"]))
+    elif peer_note is not None:
+        print(peer_note)
     print(text)
     if args.json is not None:
         args.json.write_text(text + "\n")

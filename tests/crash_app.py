@@ -55,7 +55,9 @@ async def ten_steps(run_id: str) -> int:
 
 async def main() -> None:
     """Serve until killed."""
-    worker = app.worker(concurrency=20, lease=2.0, poll_interval=0.05)
+    worker_id = sys.argv[3] if len(sys.argv) > 3 else None
+    lease = float(sys.argv[4]) if len(sys.argv) > 4 else 2.0
+    worker = app.worker(concurrency=20, lease=lease, poll_interval=0.05, worker_id=worker_id)
     await worker.run()
 
 

@@ -17,10 +17,10 @@ import tether
 HERE = Path(__file__).parent
 
 
-def _spawn(db: Path, effects: Path) -> subprocess.Popen[bytes]:
+def _spawn(db: Path, effects: Path, *extra: str) -> subprocess.Popen[bytes]:
     env = {**os.environ, "PYTHONPATH": str(HERE.parent / "src")}
     return subprocess.Popen(
-        [sys.executable, str(HERE / "crash_app.py"), str(db), str(effects)],
+        [sys.executable, str(HERE / "crash_app.py"), str(db), str(effects), *extra],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -107,4 +107,41 @@ async def test_sigkill_worker_mid_flight_recovers_without_rerunning_recorded_ste
     rerun = {k for k, n in after.items() if n > 1}
     print(f"recorded={len(recorded)} ran_before={sum(ran_before.values())} rerun={len(rerun)}")
     assert rerun.isdisjoint(recorded)
+    await client.close()
+
+
+async def test_sigkill_worker_with_stable_id_takes_back_its_tasks_without_waiting(
+    tmp_path: Path,
+) -> None:
+    """With a 60 s lease, only the restarted worker's stable id lets it continue at once."""
+    db, effects = tmp_path / "tether.db", tmp_path / "effects.db"
+    sys.path.insert(0, str(HERE))
+    try:
+        import crash_app
+    finally:
+        sys.path.remove(str(HERE))
+    client = tether.App(store=f"sqlite:///{db}")
+    client._workflows["ten_steps"] = crash_app.ten_steps
+    run_ids = [f"stable-{i}" for i in range(10)]
+    for rid in run_ids:
+        await client.start(crash_app.ten_steps, rid, run_id=rid)
+    first = _spawn(db, effects, "worker-1", "60")
+    try:
+        deadline = time.monotonic() + 60
+        while sum(_executions(effects).values()) < 30:
+            assert first.poll() is None, first.stderr.read() if first.stderr else ""
+            assert time.monotonic() < deadline, "worker made no progress"
+            await asyncio.sleep(0.05)
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait(10)
+    restarted = time.monotonic()
+    second = _spawn(db, effects, "worker-1", "60")
+    try:
+        for rid in run_ids:
+            assert await client.get_run(rid).result(timeout=30) == 45
+    finally:
+        second.terminate()
+        second.wait(10)
+    assert time.monotonic() - restarted < 20  # far below the 60 s lease
     await client.close()

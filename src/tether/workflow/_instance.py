@@ -195,7 +195,7 @@ class WorkflowInstance:
         previous = asyncio_events._get_running_loop()
         asyncio_events._set_running_loop(self.loop)
         try:
-            for task in list(asyncio.all_tasks(self.loop)):
+            for task in [t for t in self.loop.tasks if not t.done()]:
                 try:
                     task.get_coro().close()
                 except BaseException:

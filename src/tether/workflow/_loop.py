@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextvars
+import weakref
 from asyncio import events
 from collections.abc import Callable, Coroutine
 from typing import Any, NoReturn, TypeVar
@@ -41,6 +42,8 @@ class DeterministicLoop(asyncio.AbstractEventLoop):
         self._clock = clock
         self._closed = False
         self.errors: list[dict[str, Any]] = []
+        #: this loop's own tasks (asyncio.all_tasks would scan every loop in the process)
+        self.tasks: weakref.WeakSet[asyncio.Task[Any]] = weakref.WeakSet()
 
     # scheduling ----------------------------------------------------------
 
@@ -89,7 +92,9 @@ class DeterministicLoop(asyncio.AbstractEventLoop):
         name: str | None = None,
         context: contextvars.Context | None = None,
     ) -> asyncio.Task[_T]:
-        return asyncio.Task(coro, loop=self, name=name, context=context)
+        task = asyncio.Task(coro, loop=self, name=name, context=context)
+        self.tasks.add(task)
+        return task
 
     def run_in_executor(self, executor: Any, func: Callable[..., _T], *args: Any) -> NoReturn:  # type: ignore[override]
         raise WorkflowSandboxError(
