@@ -53,6 +53,7 @@ EXIT_USAGE = 2
 DEFAULT_STORE = "./tether.db"
 
 _STATUS_STYLE = {
+    RunStatus.QUEUED: "dim yellow",
     RunStatus.PENDING: "yellow",
     RunStatus.RUNNING: "cyan",
     RunStatus.SUSPENDED: "magenta",
@@ -350,6 +351,23 @@ def worker_command(
     log_level: Annotated[
         str, typer.Option("--log-level", help="Logging level: debug, info, warning, error.")
     ] = "info",
+    worker_id: Annotated[
+        str | None,
+        typer.Option(
+            "--id",
+            metavar="NAME",
+            help="A stable, unique name for this worker (e.g. worker-1): after a crash its "
+            "restart takes back the tasks it held at once instead of waiting for leases.",
+        ),
+    ] = None,
+    version: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--version",
+            metavar="V",
+            help="Only continue runs recorded by these workflow versions; repeat for several.",
+        ),
+    ] = None,
 ) -> None:
     """Serve MODULE:ATTR's workflows and activities until SIGTERM or Ctrl+C."""
     if lease <= 0:
@@ -360,7 +378,9 @@ def worker_command(
     logging.basicConfig(
         level=level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    code = _run(_serve(app_spec, queue or None, concurrency, lease, grace))
+    code = _run(
+        _serve(app_spec, queue or None, concurrency, lease, grace, worker_id, version or None)
+    )
     raise SystemExit(code)
 
 
@@ -379,11 +399,23 @@ def _add_signal_handlers(
 
 
 async def _serve(
-    app_spec: str, queues: list[str] | None, concurrency: int, lease: float, grace: float
+    app_spec: str,
+    queues: list[str] | None,
+    concurrency: int,
+    lease: float,
+    grace: float,
+    worker_id: str | None = None,
+    versions: list[str] | None = None,
 ) -> int:
     app = load_app(app_spec)
     async with _opened(app):
-        w = app.worker(queues=queues, concurrency=concurrency, lease=lease)
+        w = app.worker(
+            queues=queues,
+            concurrency=concurrency,
+            lease=lease,
+            worker_id=worker_id,
+            versions=versions,
+        )
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
 
@@ -796,6 +828,131 @@ def replay_command(
         raise SystemExit(1)
 
 
+# -- testing --------------------------------------------------------------------------
+
+
+def cassette_export_command(
+    run_id: Annotated[str, _run_id_argument()],
+    store: Annotated[str | None, _store_option()] = None,
+    app: Annotated[str | None, _app_option()] = None,
+) -> None:
+    """Print a run's activity calls as a cassette (JSON) to replay in a regression test."""
+    from .testing import Cassette
+
+    async def go() -> dict[str, Any]:
+        async with _opened(_client_app(store, app)) as a:
+            events = await a.history(run_id)
+            return Cassette.from_history(events).to_json()
+
+    _dump(_run(go()))
+
+
+def _load_target(spec: str) -> tuple[Any, App | None]:
+    """``MODULE:ATTR`` naming an activity, workflow or function, and the App defining it."""
+    from ._definitions import Workflow
+
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise UsageError(f"{spec!r} is not of the form MODULE:TARGET (e.g. 'evals:classify')")
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:
+        raise ConfigurationError(
+            f"cannot import {module_name!r}: {_describe_exception(exc)}"
+        ) from None
+    target = getattr(module, attr, None)
+    if target is None or not callable(target):
+        raise UsageError(f"{module_name!r} has no activity, workflow or function named {attr!r}")
+    owner = None
+    if isinstance(target, Workflow):
+        for value in vars(module).values():
+            if isinstance(value, App) and value._workflows.get(target.name) is not None:
+                owner = value
+                break
+    return target, owner
+
+
+def eval_command(
+    target: Annotated[
+        str,
+        typer.Argument(
+            metavar="MODULE:TARGET", help="The activity, workflow or function to evaluate."
+        ),
+    ],
+    cases: Annotated[
+        str,
+        typer.Argument(
+            metavar="CASES.jsonl",
+            help='One case per line: {"input": ..., "expected": ...} or {"args": [...], ...}.',
+        ),
+    ],
+    min_accuracy: Annotated[
+        float | None, typer.Option("--min-accuracy", help="Exit 1 if accuracy is lower.")
+    ] = None,
+    max_p95_ms: Annotated[
+        float | None, typer.Option("--max-p95-ms", help="Exit 1 if p95 latency is higher.")
+    ] = None,
+    max_error_rate: Annotated[
+        float | None,
+        typer.Option("--max-error-rate", help="Exit 1 if more cases raise (0..1)."),
+    ] = None,
+    app: Annotated[
+        str | None,
+        typer.Option(
+            "--app",
+            metavar="MODULE:ATTR",
+            help="The App of a workflow target (default: the App in the target's module).",
+        ),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print metrics as JSON.")] = False,
+) -> None:
+    """Evaluate a target over labelled cases; exit 1 below the thresholds."""
+    from .testing import EvaluationFailed, aevaluate, load_cases
+
+    thresholds: dict[str, float] = {}
+    if min_accuracy is not None:
+        thresholds["accuracy"] = min_accuracy
+    if max_p95_ms is not None:
+        thresholds["p95_ms"] = max_p95_ms
+    if max_error_rate is not None:
+        thresholds["error_rate"] = max_error_rate
+    if not os.path.exists(cases):
+        _fail(f"no cases file at {cases!r}", EXIT_USAGE)
+
+    async def go() -> Any:
+        fn, owner = _load_target(target)
+        code = load_app(app) if app else owner
+        try:
+            return await aevaluate(fn, load_cases(cases), app=code, thresholds=thresholds)
+        except EvaluationFailed as exc:
+            return exc.report
+
+    report = _run(go())
+    if as_json:
+        _dump(
+            {
+                "target": report.target,
+                "cases": report.total,
+                "accuracy": report.accuracy,
+                "error_rate": report.error_rate,
+                "errors_by_type": report.errors_by_type,
+                "p50_ms": report.p50_ms,
+                "p95_ms": report.p95_ms,
+                "total_cost": report.total_cost,
+                "confusion": report.confusion,
+                "thresholds": report.thresholds,
+                "shortfalls": report.shortfalls(),
+            }
+        )
+    else:
+        print(report.table())
+    if not report.ok:
+        raise SystemExit(EXIT_ERROR)
+
+
 # -- store ----------------------------------------------------------------------------
 
 
@@ -881,6 +1038,14 @@ def _build() -> typer.Typer:
     )
     store.command("migrate")(store_migrate_command)
     cli.add_typer(store, name="store")
+    cli.command("eval")(eval_command)
+    cassette = typer.Typer(
+        help="Turn recorded runs into regression tests.",
+        no_args_is_help=True,
+        context_settings={"help_option_names": ["-h", "--help"]},
+    )
+    cassette.command("export")(cassette_export_command)
+    cli.add_typer(cassette, name="cassette")
     return cli
 
 

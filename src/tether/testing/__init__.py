@@ -1,7 +1,10 @@
-"""Tools to prove workflows recover: a time-skipping environment and replay checks."""
+"""Tools to test workflows: time skipping, fault injection, crash at every step,
+replay checks, cassettes and evaluations (see docs/testing.md)."""
 
 from __future__ import annotations
 
+from . import _faults as faults
+from ._cassette import Cassette, CassetteCall, CassetteMismatch
 from ._crash import (
     CrashFailure,
     CrashInvariantError,
@@ -9,18 +12,70 @@ from ._crash import (
     crash_at_every_step,
 )
 from ._env import Env, SimulatedCrash, VirtualClock
+from ._evaluate import (
+    Case,
+    CaseResult,
+    EvalReport,
+    EvaluationFailed,
+    aevaluate,
+    evaluate,
+    load_cases,
+)
+from ._faults import (
+    CRASH_ENV,
+    Duplicate,
+    Fail,
+    Fault,
+    Faults,
+    Hang,
+    InjectedHTTPError,
+    Injection,
+    Malformed,
+    RateLimit,
+    StoreCrash,
+    crash_after_writes,
+    exit_after_writes,
+    inject,
+    install_crash_from_env,
+)
 from ._replay import ReplayReport, check_history, events_from_json, load_files
 
 __all__ = [
+    "CRASH_ENV",
+    "Case",
+    "CaseResult",
+    "Cassette",
+    "CassetteCall",
+    "CassetteMismatch",
     "CrashFailure",
     "CrashInvariantError",
     "CrashReport",
+    "Duplicate",
     "Env",
+    "EvalReport",
+    "EvaluationFailed",
+    "Fail",
+    "Fault",
+    "Faults",
+    "Hang",
+    "InjectedHTTPError",
+    "Injection",
+    "Malformed",
+    "RateLimit",
     "ReplayReport",
     "SimulatedCrash",
+    "StoreCrash",
     "VirtualClock",
+    "aevaluate",
     "check_history",
+    "crash_after_writes",
     "crash_at_every_step",
+    "evaluate",
     "events_from_json",
+    "exit_after_writes",
+    "faults",
+    "inject",
+    "install_crash_from_env",
+    "load_cases",
     "load_files",
 ]
