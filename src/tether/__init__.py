@@ -14,6 +14,7 @@ from ._classify import RetryAfter, Verdict, classify
 from ._definitions import Activity, ActivityOptions, Workflow
 from ._errors import (
     ActivityError,
+    AdmissionLimitError,
     ChildWorkflowError,
     ConfigurationError,
     LeaseLostError,
@@ -36,7 +37,7 @@ from ._errors import (
 )
 from ._history import DeadLetter, Event, EventType, RunInfo, RunStatus
 from ._policy import Retry
-from ._queues import QueueStats
+from ._queues import Dependency, QueueStats
 from ._worker import Worker
 from .store._ops import RecoveryError
 from .workflow._api import (
@@ -65,6 +66,8 @@ from .workflow._saga import CompensationFailed, Saga, saga
 __version__ = "0.1.0"
 
 __all__ = [
+    "AdmissionLimitError",
+    "Dependency",
     "Activity",
     "ActivityContext",
     "ActivityError",

@@ -29,7 +29,7 @@ from ._errors import (
 )
 from ._history import DeadLetter, Event, RunInfo, RunStatus
 from ._policy import DEFAULT_RETRY, Retry, seconds
-from ._queues import QueueLimits, QueueStats
+from ._queues import Dependency, QueueLimits, QueueStats
 from ._serde import decode_raw, encode
 from ._worker import Worker
 from .store.base import Store, open_store
@@ -49,6 +49,7 @@ class Run(Generic[R]):
         self.app = app
         self.run_id = run_id
         self.workflow = workflow
+        self._may_not_exist = False  #: a debounced start: the run appears when it is due
 
     def __repr__(self) -> str:
         return f"<Run {self.run_id}>"
@@ -69,7 +70,7 @@ class Run(Generic[R]):
         deadline = None if limit is None else loop.time() + limit
         run_id = self.run_id
         while True:
-            info = await self.app._wait_finished(run_id, deadline)
+            info = await self.app._wait_finished(run_id, deadline, self._may_not_exist)
             if info.status is RunStatus.CONTINUED_AS_NEW and info.continued_to:
                 run_id = info.continued_to
                 continue
@@ -131,6 +132,7 @@ class App:
         self._waiters_lock = threading.Lock()
         self._alerts: set[asyncio.Future[Any]] = set()
         self._queue_limits: dict[str, QueueLimits] = {}
+        self._admission: dict[str, int | None] = {}  #: tenant ('' = default) -> max_running
         self._limits_dirty = False
 
     # -- store -------------------------------------------------------------
@@ -150,25 +152,29 @@ class App:
     def _write_queue_limits_sync(self, store: Store) -> None:
         """Write configured queue limits as the store opens (if it can run ops sync)."""
         call = getattr(store, "call_sync", None)
-        if not self._queue_limits or call is None:
+        if not (self._queue_limits or self._admission) or call is None:
             return
-        from .store._ops import _configure_queue
+        from .store._ops import _configure_admission, _configure_queue
 
         try:
             for name, limits in list(self._queue_limits.items()):
                 call(_configure_queue, name, limits.to_json())
+            for tenant, cap in list(self._admission.items()):
+                call(_configure_admission, tenant, cap)
             self._limits_dirty = False
         except Exception as exc:  # retried by the next start, worker or queue call
             log.warning("could not write queue limits on opening the store: %s", exc)
 
     async def _write_queue_limits(self, *, force: bool = False) -> None:
         """Write configured queue limits to the store (all of them when ``force``)."""
-        if not (force or self._limits_dirty) or not self._queue_limits:
+        if not (force or self._limits_dirty) or not (self._queue_limits or self._admission):
             return
         self._limits_dirty = False
         try:
             for name, limits in list(self._queue_limits.items()):
                 await self.store.configure_queue(name, limits.to_json())
+            for tenant, cap in list(self._admission.items()):
+                await self.store.configure_admission(tenant, cap)
         except BaseException:
             self._limits_dirty = True
             raise
@@ -238,6 +244,7 @@ class App:
         breaker: CircuitBreaker | None = None,
         priority: int | None = None,
         limit_key: Callable[..., str] | None = None,
+        dependency: Dependency | None = None,
     ) -> Callable[[Callable[P, Any]], Activity[P, Any]]: ...
 
     def activity(  # type: ignore[misc]
@@ -254,13 +261,15 @@ class App:
         breaker: CircuitBreaker | None = None,
         priority: int | None = None,
         limit_key: Callable[..., str] | None = None,
+        dependency: Dependency | None = None,
     ) -> Activity[P, Any] | Callable[[Callable[P, Any]], Activity[P, Any]]:
         """Register a sync or async function as an activity: a recorded, retried step.
 
         Options are checked here, so a nonsensical policy fails at import time.
         ``priority`` (higher first) orders work within its queue; ``limit_key``
         (a function of the call's arguments returning a string, e.g. a tenant) is
-        what the queue's ``key_concurrency`` and ``fair`` apply to.
+        what the queue's ``key_concurrency`` and ``fair`` apply to. ``dependency`` (a
+        ``tether.Dependency``) puts the step under that dependency's shared limiter.
         """
         base = ActivityOptions(retry=DEFAULT_RETRY, queue=self.default_queue)
 
@@ -278,6 +287,7 @@ class App:
                 breaker=breaker,
                 priority=priority,
                 limit_key=limit_key,
+                dependency=dependency,
             )
             act: Activity[P, Any] = Activity(f, name=aname, options=opts)
             self._activities[aname] = act
@@ -346,6 +356,25 @@ class App:
         self._queue_limits[name] = limits
         self._limits_dirty = True
 
+    def configure_admission(self, tenant: str | None = None, *, max_running: int) -> None:
+        """Limit runs in flight (not finished) per tenant, across every process.
+
+        ``tenant=None`` sets the default for every tenant without a limit of its own.
+        Applies to ``app.start(..., tenant=...)``: at the limit the start raises
+        ``AdmissionLimitError`` or (``on_limit="queue"``) creates the run ``queued``,
+        admitted first-in first-out when a run of that tenant finishes. Kept in the
+        store, so every process shares it; raising a limit admits queued runs at once.
+        """
+        if tenant is not None and (not isinstance(tenant, str) or not tenant):
+            raise ConfigurationError(f"tenant must be a non-empty string (got {tenant!r})")
+        what = "the default admission limit" if tenant is None else f"tenant {tenant!r}"
+        if isinstance(max_running, bool) or not isinstance(max_running, int) or max_running < 1:
+            raise ConfigurationError(
+                f"max_running of {what} must be a positive integer (got {max_running!r})"
+            )
+        self._admission[tenant or ""] = max_running
+        self._limits_dirty = True
+
     async def pause_queue(self, name: str, seconds: float | timedelta) -> None:
         """Stop every worker from claiming activities of queue ``name`` for ``seconds``."""
         if not isinstance(name, str) or not name:
@@ -378,6 +407,8 @@ class App:
         run_id: str | None = None,
         kwargs: dict[str, Any] | None = None,
         deadline: float | timedelta | None = None,
+        tenant: str | None = None,
+        on_limit: str = "raise",
     ) -> Run[R]:
         """Start a run and return its handle; durable when this returns.
 
@@ -385,8 +416,15 @@ class App:
         returns the existing run; different input raises ``RunIdConflictError``.
         ``deadline`` (seconds or a timedelta from now) bounds the whole run: when it
         passes, the code sees CancelledError (so saga compensations run) and the run
-        ends ``timed_out``.
+        ends ``timed_out``. ``tenant`` puts the run under that tenant's admission
+        limit (``configure_admission``): at the limit, ``on_limit="raise"`` raises
+        ``AdmissionLimitError`` and creates nothing; ``on_limit="queue"`` creates the
+        run ``queued``, started when one of the tenant's runs finishes (oldest first).
         """
+        if tenant is not None and (not isinstance(tenant, str) or not tenant):
+            raise ConfigurationError(f"tenant must be a non-empty string (got {tenant!r})")
+        if on_limit not in ("raise", "queue"):
+            raise ConfigurationError(f'on_limit must be "raise" or "queue" (got {on_limit!r})')
         limit = seconds(deadline, "deadline")
         if deadline is not None and not limit:
             raise ConfigurationError("deadline must be positive")
@@ -405,8 +443,58 @@ class App:
             queue=wf.queue,
             input=text,
             deadline_at=None if limit is None else self.store.clock() + limit,
+            tenant=tenant,
+            on_limit=on_limit,
         )
         return Run(self, res.run.run_id, wf)
+
+    async def start_debounced(
+        self,
+        workflow: Workflow[P, R] | str,
+        *args: Any,
+        key: str,
+        window: float | timedelta,
+        max_wait: float | timedelta | None = None,
+        kwargs: dict[str, Any] | None = None,
+    ) -> Run[R]:
+        """Start ONE run per burst of triggers for ``key``, with the LAST trigger's input.
+
+        Each call records its input as the pending input of ``key`` and moves the
+        start to ``window`` seconds after this call (trailing edge); with
+        ``max_wait``, no later than that long after the burst's first trigger. When
+        the time comes a worker serving the workflow's queue starts the run. Every
+        call of one burst returns the same handle (its run does not exist until
+        then: ``result()`` waits for it). A trigger after the run started opens a new
+        burst and a new run. The pending state is in the store, so triggers from any
+        process collapse together and nothing is lost on a crash.
+        """
+        if not isinstance(key, str) or not key:
+            raise ConfigurationError(f"debounce key must be a non-empty string (got {key!r})")
+        win = seconds(window, "window")
+        if not win:
+            raise ConfigurationError(f"window of debounce {key!r} must be positive")
+        cap = seconds(max_wait, "max_wait")
+        if max_wait is not None and not cap:
+            raise ConfigurationError(f"max_wait of debounce {key!r} must be positive")
+        wf = self.get_workflow(workflow) if isinstance(workflow, str) else workflow
+        if wf.name not in self._workflows:
+            raise UnknownWorkflowError(wf.name, list(self._workflows))
+        text = wf.sig.encode_args(args, kwargs or {})
+        wf.sig.decode_args(text)
+        if self._limits_dirty:
+            await self._write_queue_limits()
+        rid, _triggers, _due = await self.store.debounce(
+            key=key,
+            run_id=uuid.uuid4().hex,
+            workflow=wf.name,
+            queue=wf.queue,
+            input=text,
+            window=win,
+            max_wait=cap,
+        )
+        run: Run[R] = Run(self, rid, wf)
+        run._may_not_exist = True
+        return run
 
     def get_run(self, run_id: str) -> Run[Any]:
         """A handle on an existing run (not checked until used)."""
@@ -550,7 +638,9 @@ class App:
         except Exception:
             log.exception("the on_alert hook failed for run %r", run_id)
 
-    async def _wait_finished(self, run_id: str, deadline: float | None) -> RunInfo:
+    async def _wait_finished(
+        self, run_id: str, deadline: float | None, may_not_exist: bool = False
+    ) -> RunInfo:
         loop = asyncio.get_running_loop()
         ev = asyncio.Event()
         entry = (loop, ev)
@@ -560,15 +650,18 @@ class App:
             # in-process commits wake us at once; polling covers other processes
             poll = 0.25
             while True:
-                info = await self.get(run_id)
-                if info.is_finished:
-                    return info
+                found = await self.store.get_run(run_id)
+                if found is None and not may_not_exist:
+                    raise RunNotFoundError(run_id)
+                if found is not None and found.is_finished:
+                    return found
                 wait = poll
                 if deadline is not None:
                     left = deadline - loop.time()
                     if left <= 0:
+                        state = "not started" if found is None else found.status.value
                         raise ResultTimeoutError(
-                            f"run {run_id!r} is still {info.status.value} after the timeout; "
+                            f"run {run_id!r} is still {state} after the timeout; "
                             "it goes on running: call result() again to keep waiting"
                         )
                     wait = min(wait, left)

@@ -132,3 +132,75 @@ def classify(
     except ImportError:  # pragma: no cover - pydantic is a dependency
         pass
     return Verdict(True, type(exc).__name__, _retry_after(exc, now))
+
+
+_RESET_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_reset(value: Any) -> float | None:
+    """Seconds from an ``x-ratelimit-reset-*`` value: ``"20ms"``, ``"6m0s"``, ``"1.5"``."""
+    if value is None:
+        return None
+    if isinstance(value, int | float):
+        return max(0.0, float(value))
+    text = str(value).strip().lower()
+    try:
+        return max(0.0, float(text))
+    except ValueError:
+        pass
+    total, num, i = 0.0, "", 0
+    while i < len(text):
+        ch = text[i]
+        if ch.isdigit() or ch == ".":
+            num += ch
+            i += 1
+            continue
+        unit = "ms" if text.startswith("ms", i) else ch
+        if unit not in _RESET_UNITS or not num:
+            return None
+        try:
+            total += float(num) * _RESET_UNITS[unit]
+        except ValueError:
+            return None
+        num, i = "", i + len(unit)
+    if num:  # trailing bare number: seconds
+        return None
+    return total
+
+
+def _headers(obj: Any) -> Any:
+    for holder in (getattr(obj, "response", None), obj):
+        headers = getattr(holder, "headers", None)
+        if headers is not None and hasattr(headers, "get"):
+            return headers
+    return None
+
+
+def ratelimit_pause(obj: Any) -> float | None:
+    """Seconds to stop calling a dependency, from the rate-limit headers on ``obj``.
+
+    ``obj`` is an exception (its ``response.headers`` or ``headers``) or a value an
+    activity returned (same attributes). A budget reported exhausted
+    (``x-ratelimit-remaining-requests`` or ``-tokens`` equal to 0) gives the time
+    until its ``x-ratelimit-reset-requests`` / ``-tokens``. None: nothing to wait.
+    """
+    headers = _headers(obj)
+    if headers is None:
+        return None
+    waits: list[float] = []
+    for budget in ("requests", "tokens"):
+        try:
+            remaining = headers.get(f"x-ratelimit-remaining-{budget}")
+            reset = headers.get(f"x-ratelimit-reset-{budget}")
+        except Exception:
+            continue
+        if remaining is None:
+            continue
+        try:
+            left = float(str(remaining).strip())
+        except ValueError:
+            continue
+        seconds = parse_reset(reset)
+        if left <= 0 and seconds:
+            waits.append(seconds)
+    return max(waits) if waits else None

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar
 from ._breaker import CircuitBreaker
 from ._errors import ConfigurationError
 from ._policy import DEFAULT_RETRY, Retry, seconds
-from ._queues import check_priority
+from ._queues import Dependency, check_priority
 from ._serde import Signature
 
 if TYPE_CHECKING:
@@ -44,6 +44,8 @@ class ActivityOptions:
     #: the key (e.g. a tenant) for the queue's key_concurrency and fairness, computed
     #: from the call's arguments when the step is scheduled: ``lambda tenant, *a, **k: tenant``
     limit_key: Callable[..., str] | None = None
+    #: a shared limiter keyed by e.g. (provider, model, api key): ``tether.Dependency``
+    dependency: Dependency | None = None
 
     def to_json(self, name: str = "") -> dict[str, Any]:
         """The options as stored with an activity task."""
@@ -74,6 +76,9 @@ class ActivityOptions:
                     f"got {type(key).__name__} ({key!r})"
                 )
             out["limit_key"] = key
+        if self.dependency is not None:
+            out["dependency"] = self.dependency.limiter(name, args, kwargs)
+            out["dependency_limits"] = self.dependency.limits.to_json()
         return out
 
     def replace(
@@ -88,9 +93,17 @@ class ActivityOptions:
         breaker: CircuitBreaker | None = None,
         priority: int | None = None,
         limit_key: Callable[..., str] | None = None,
+        dependency: Dependency | None = None,
     ) -> ActivityOptions:
         """A copy with the given options changed, each validated."""
         changes: dict[str, Any] = {}
+        if dependency is not None:
+            if not isinstance(dependency, Dependency):
+                raise ConfigurationError(
+                    f"dependency= of {what} takes a tether.Dependency, "
+                    f"got {type(dependency).__name__}"
+                )
+            changes["dependency"] = dependency
         if priority is not None:
             changes["priority"] = check_priority(priority, what)
         if limit_key is not None:
@@ -164,6 +177,7 @@ class Activity(Generic[P, R]):
         queue: str | None = None,
         priority: int | None = None,
         limit_key: Callable[..., str] | None = None,
+        dependency: Dependency | None = None,
     ) -> Activity[P, R]:
         """A copy of this activity with some options changed, for one call site."""
         opts = self.opts.replace(
@@ -175,6 +189,7 @@ class Activity(Generic[P, R]):
             queue=queue,
             priority=priority,
             limit_key=limit_key,
+            dependency=dependency,
         )
         copy: Activity[P, R] = Activity(self.fn, name=self.name, options=opts)
         return copy

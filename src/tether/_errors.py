@@ -82,6 +82,23 @@ class RunIdConflictError(TetherError):
         )
 
 
+class AdmissionLimitError(TetherError):
+    """``app.start(..., tenant=, on_limit="raise")`` found the tenant at its admission limit."""
+
+    def __init__(self, tenant: str, limit: int, running: int) -> None:
+        self.tenant = tenant
+        self.limit = limit
+        self.running = running
+        super().__init__(
+            f"tenant {tenant!r} already has {running} run(s) in flight, at its admission limit "
+            f"of {limit} (app.configure_admission); no run was created: retry later, or start "
+            'with on_limit="queue" to queue the run until one of the tenant\'s runs finishes'
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.tenant, self.limit, self.running))
+
+
 class RunFinishedError(TetherError):
     """The run has already finished, so it can no longer take signals or requests."""
 

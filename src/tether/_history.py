@@ -111,6 +111,7 @@ OUTCOMES = frozenset(
 class RunStatus(enum.StrEnum):
     """Lifecycle of a run; values equal the strings stored in ``runs.status``."""
 
+    QUEUED = "queued"  #: held back by its tenant's admission limit; starts as others finish
     PENDING = "pending"  #: accepted, no workflow task has completed yet
     RUNNING = "running"  #: in progress or waiting (timer, event, step)
     SUSPENDED = "suspended"  #: paused by an operator; resume continues it
@@ -193,6 +194,7 @@ class RunInfo:
     created_at: float
     updated_at: float
     completed_at: float | None
+    tenant: str | None = None  #: ``app.start(tenant=)``: whose admission limit applies
 
     @property
     def is_finished(self) -> bool:
@@ -216,6 +218,7 @@ class Task:
     attempt: int
     lease_expires_at: float
     heartbeat: str | None = None  #: last heartbeat details (JSON), for resuming work
+    dependency: str | None = None  #: the ``tether.Dependency`` limiter it runs under
     #: history after ``prefetched_after``, read in the transaction that leased this task
     prefetched: tuple[Event, ...] | None = None
     prefetched_after: int = 0

@@ -8,6 +8,7 @@ claims from a queue obeys the same caps: the claim query itself enforces them
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -139,3 +140,73 @@ class QueueStats:
     fair: bool = False
     pause_on_429: bool = False
     configured: bool = False  #: the queue has a row in ``queue_limits``
+
+
+#: prefix of the hidden ``queue_limits`` rows that hold dependency limiters
+DEPENDENCY_PREFIX = "dep:"
+
+
+class Dependency:
+    """A shared limit on an external dependency, e.g. one model behind one API key.
+
+    ``tether.Dependency("openai", key=lambda model, *a, **k: model, rate=60, per=60,
+    max_concurrency=8)`` declared on activities (``@app.activity(dependency=...)``)
+    makes every step calling it, in any queue and any worker process, share one
+    limiter per (name, key): at most ``max_concurrency`` running and ``rate`` starts
+    per ``per`` seconds (token bucket of ``burst``). ``key`` is a string or a
+    function of the call's arguments, evaluated when the step is scheduled (e.g. the
+    model and API key). Rate-limit feedback from the dependency (HTTP 429
+    ``Retry-After``; ``x-ratelimit-remaining-*: 0`` with ``x-ratelimit-reset-*``)
+    pauses that limiter, so every waiting step for it waits, not only the refused one.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        key: str | Callable[..., str] | None = None,
+        *,
+        max_concurrency: int | None = None,
+        rate: float | None = None,
+        per: Any = 1.0,
+        burst: float | None = None,
+    ) -> None:
+        if not isinstance(name, str) or not name or ":" in name:
+            raise ConfigurationError(
+                f"dependency name must be a non-empty string without ':' (got {name!r})"
+            )
+        if key is not None and not (isinstance(key, str) or callable(key)):
+            raise ConfigurationError(
+                f"key of dependency {name!r} must be a string or a function of the "
+                f"activity's arguments returning one (got {type(key).__name__})"
+            )
+        self.name = name
+        self.key = key
+        self.limits = QueueLimits.build(
+            f"{DEPENDENCY_PREFIX}{name}",
+            max_concurrency=max_concurrency,
+            rate=rate,
+            per=per,
+            burst=burst,
+        )
+
+    def __repr__(self) -> str:
+        return f"<tether.Dependency {self.name}>"
+
+    def limiter(self, activity: str, args: Any, kwargs: dict[str, Any]) -> str:
+        """The limiter id (the hidden ``queue_limits`` row) for one call."""
+        key = self.key
+        if callable(key):
+            try:
+                key = key(*args, **kwargs)
+            except Exception as exc:
+                raise ConfigurationError(
+                    f"key of dependency {self.name!r} (activity {activity!r}) failed on this "
+                    f"call's arguments: {type(exc).__name__}: {exc}"
+                ) from exc
+            if not isinstance(key, str):
+                raise ConfigurationError(
+                    f"key of dependency {self.name!r} must return a string, "
+                    f"got {type(key).__name__} ({key!r})"
+                )
+        base = f"{DEPENDENCY_PREFIX}{self.name}"
+        return base if key is None else f"{base}:{key}"

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._activity_context import ActivityContext, set_context
 from ._breaker import CircuitOpenError
-from ._classify import classify
+from ._classify import classify, ratelimit_pause
 from ._errors import LeaseLostError, NonRetryable, PayloadError, StoreError, TetherError
 from ._history import REPLAY_CHANGING, Event, EventType, Task
 from ._policy import Retry
@@ -74,6 +74,9 @@ class Worker:
         #: recorded by another version are handed back for a worker that serves it
         self.versions = None if versions is None else frozenset(versions)
         self.id = worker_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        #: a stable id (given by the operator) lets a restarted worker take back at once
+        #: what its crashed predecessor held, instead of waiting for the leases to expire
+        self._stable_id = worker_id is not None
         self._threads = threads or min(32, concurrency)
         self._cache: collections.OrderedDict[str, WorkflowInstance] = collections.OrderedDict()
         self._inflight: dict[int, tuple[Task, asyncio.Task[None], ActivityContext | None]] = {}
@@ -110,6 +113,10 @@ class Worker:
         # processes claiming from a queue share them through the store
         await self.app._write_queue_limits(force=True)
         self.app.store.add_listener(self._on_commit)
+        if self._stable_id:
+            reclaimed = await self.app.store.reclaim(self.id)
+            if reclaimed:
+                log.info("worker %s took back %d task(s) of its predecessor", self.id, reclaimed)
         self._main = asyncio.create_task(self._serve(), name=f"tether-worker-{self.id}")
 
     async def run(self) -> None:
@@ -485,6 +492,13 @@ class Worker:
         self.stats["activities"] += 1
         if breaker:
             await self._breaker_record(breaker, True)
+        if task.dependency is not None:
+            pause = ratelimit_pause(value)
+            if pause is not None:  # it succeeded, but the budget it used is now empty
+                try:
+                    await store.dependency_feedback(task, pause)
+                except StoreError as exc:
+                    log.warning("could not pause dependency %r: %s", task.dependency, exc)
         if await self._complete_fast(task, result):
             return
         try:
@@ -688,6 +702,10 @@ class _Plan:
             "reason": reason,
             "attempts": attempt,
         }
+        pause = ratelimit_pause(exc)
+        if pause is not None:
+            # x-ratelimit-remaining-* is 0: a dependency limiter waits until the reset
+            error["ratelimit_pause"] = pause
         if verdict.retry_after is not None:
             error["retry_after"] = verdict.retry_after
             if verdict.reason.startswith("HTTP 429"):

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._errors import (
+    AdmissionLimitError,
     LeaseLostError,
     RunFinishedError,
     RunIdConflictError,
@@ -23,17 +24,17 @@ from .._errors import (
     TetherError,
 )
 from .._history import COMMANDS, OUTCOMES, DeadLetter, Event, EventType, RunInfo, RunStatus, Task
-from .._queues import QueueStats
+from .._queues import DEPENDENCY_PREFIX, QueueStats
 from .base import Command, StartResult, Store, WorkflowTaskResult
 
 _TERMINAL = tuple(s.value for s in RunStatus if s.is_terminal)
 _RUN_COLS = (
     "run_id, workflow, status, queue, input, output, error, custom_status, parent_run_id, "
-    "continued_to, task_error, created_at, updated_at, completed_at"
+    "continued_to, task_error, created_at, updated_at, completed_at, tenant"
 )
 _TASK_COLS = (
     "task_id, run_id, kind, step, queue, name, payload, options, fence, attempt, available_at, "
-    "heartbeat"
+    "heartbeat, dependency"
 )
 
 Op = Callable[..., Any]
@@ -83,6 +84,7 @@ def _run_from_row(row: Sequence[Any]) -> RunInfo:
         created_at=row[11],
         updated_at=row[12],
         completed_at=row[13],
+        tenant=row[14],
     )
 
 
@@ -100,6 +102,7 @@ def _task_from_row(row: Sequence[Any]) -> Task:
         attempt=row[9],
         lease_expires_at=row[10],
         heartbeat=row[11],
+        dependency=row[12],
     )
 
 
@@ -119,11 +122,36 @@ class OpsStore(Store):
         queue: str,
         input: str,
         deadline_at: float | None = None,
+        tenant: str | None = None,
+        on_limit: str = "raise",
     ) -> StartResult:
         result: StartResult = await self._do(
-            _create_run, run_id, workflow, queue, input, deadline_at
+            _create_run, run_id, workflow, queue, input, deadline_at, tenant, on_limit
         )
         return result
+
+    async def configure_admission(self, tenant: str, max_running: int | None) -> None:
+        await self._do(_configure_admission, tenant, max_running)
+
+    async def debounce(
+        self,
+        *,
+        key: str,
+        run_id: str,
+        workflow: str,
+        queue: str,
+        input: str,
+        window: float,
+        max_wait: float | None,
+    ) -> tuple[str, int, float]:
+        out: tuple[str, int, float] = await self._do(
+            _debounce, key, run_id, workflow, queue, input, window, max_wait
+        )
+        return out
+
+    async def dependency_feedback(self, task: Task, pause: float) -> float | None:
+        out: float | None = await self._do(_dependency_feedback, task.task_id, None, pause)
+        return out
 
     async def claim(
         self, *, worker_id: str, queues: Sequence[str], limit: int, lease: float
@@ -265,6 +293,10 @@ class OpsStore(Store):
         out: list[RunInfo] = await self._do(
             _list_runs, status, workflow, limit, offset, write=False
         )
+        return out
+
+    async def reclaim(self, worker_id: str) -> int:
+        out: int = await self._do(_reclaim, worker_id)
         return out
 
     async def release(self, tasks: Sequence[Task], delay: float = 0.0) -> None:
@@ -413,11 +445,24 @@ def _insert_run(
     parent_run_id: str | None = None,
     parent_step: int | None = None,
     deadline_at: float | None = None,
+    tenant: str | None = None,
+    queued: bool = False,
 ) -> None:
     tx.execute(
         "INSERT INTO runs (run_id, workflow, status, queue, input, parent_run_id, parent_step, "
-        "created_at, updated_at) VALUES (?,?,?,?,?,?,?,?,?)",
-        (run_id, workflow, "pending", queue, input, parent_run_id, parent_step, tx.now, tx.now),
+        "created_at, updated_at, tenant) VALUES (?,?,?,?,?,?,?,?,?,?)",
+        (
+            run_id,
+            workflow,
+            "queued" if queued else "pending",
+            queue,
+            input,
+            parent_run_id,
+            parent_step,
+            tx.now,
+            tx.now,
+            tenant,
+        ),
     )
     data: dict[str, Any] = {"workflow": workflow}
     if deadline_at is not None:
@@ -429,11 +474,19 @@ def _insert_run(
             (run_id, queue, deadline_at, tx.now),
         )
     _append(tx, run_id, EventType.WORKFLOW_STARTED, None, data, {"input": input})
-    _ensure_workflow_task(tx, run_id, queue, workflow)
+    if not queued:  # a queued run gets its workflow task when it is admitted (_promote)
+        _ensure_workflow_task(tx, run_id, queue, workflow)
 
 
 def _create_run(
-    tx: _Tx, run_id: str, workflow: str, queue: str, input: str, deadline_at: float | None
+    tx: _Tx,
+    run_id: str,
+    workflow: str,
+    queue: str,
+    input: str,
+    deadline_at: float | None,
+    tenant: str | None = None,
+    on_limit: str = "raise",
 ) -> StartResult:
     row = tx.execute(f"SELECT {_RUN_COLS} FROM runs WHERE run_id = ?", (run_id,)).fetchone()
     if row is not None:
@@ -442,10 +495,101 @@ def _create_run(
             raise RunIdConflictError(run_id, f"workflow {existing.workflow!r}")
         if existing.input != input:
             raise RunIdConflictError(run_id, "different input")
+        if existing.tenant != tenant:
+            raise RunIdConflictError(run_id, f"tenant {existing.tenant!r}")
         return StartResult(run=existing, created=False)
-    _insert_run(tx, run_id, workflow, queue, input, deadline_at=deadline_at)
+    queued = False
+    if tenant is not None:
+        # the tenant's row is locked (PostgreSQL) before counting, so concurrent starts
+        # and finishes of one tenant take turns and the count cannot be overshot
+        limit, running = _admission(tx, tenant)
+        if limit is not None and running < limit:
+            # FIFO: runs already waiting for admission go first
+            running += _admit_queued(tx, tenant, limit - running)
+        if limit is not None and running >= limit:
+            if on_limit != "queue":
+                raise AdmissionLimitError(tenant, limit, running)
+            queued = True
+    _insert_run(
+        tx, run_id, workflow, queue, input, deadline_at=deadline_at, tenant=tenant, queued=queued
+    )
     row = tx.execute(f"SELECT {_RUN_COLS} FROM runs WHERE run_id = ?", (run_id,)).fetchone()
     return StartResult(run=_run_from_row(row), created=True)
+
+
+_LIVE = "('pending', 'running', 'suspended')"  #: statuses that count against admission
+
+
+def _admission(tx: _Tx, tenant: str) -> tuple[int | None, int]:
+    """Lock the tenant's row; return its admission limit (None: none) and live runs."""
+    tx.execute(
+        "INSERT INTO tenant_limits (tenant, max_running, updated_at) VALUES (?, NULL, ?) "
+        "ON CONFLICT DO NOTHING",
+        (tenant, tx.now),
+    )
+    row = tx.execute(
+        f"SELECT max_running FROM tenant_limits WHERE tenant = ?{tx.for_update}", (tenant,)
+    ).fetchone()
+    limit = row[0] if row is not None else None
+    if limit is None:
+        default = tx.execute("SELECT max_running FROM tenant_limits WHERE tenant = ''").fetchone()
+        limit = default[0] if default is not None else None
+    if limit is None:
+        return None, 0
+    (running,) = tx.execute(
+        f"SELECT count(*) FROM runs WHERE tenant = ? AND status IN {_LIVE}", (tenant,)
+    ).fetchone()
+    return int(limit), int(running)
+
+
+def _admit_queued(tx: _Tx, tenant: str, n: int | None) -> int:
+    """Admit up to ``n`` (None: all) of the tenant's queued runs, oldest first."""
+    rows = tx.execute(
+        "SELECT run_id, queue, workflow FROM runs WHERE tenant = ? AND status = 'queued' "
+        "ORDER BY created_at, run_id LIMIT ?",
+        (tenant, n if n is not None else 2**62),
+    ).fetchall()
+    for run_id, queue, workflow in rows:
+        tx.execute(
+            "UPDATE runs SET status = 'pending', updated_at = ? WHERE run_id = ?", (tx.now, run_id)
+        )
+        _ensure_workflow_task(tx, run_id, queue, workflow)
+    return len(rows)
+
+
+def _promote(tx: _Tx, tenant: str) -> None:
+    """A run of ``tenant`` ended (or its limit changed): admit queued runs into free room."""
+    if not tx.execute(
+        "SELECT 1 FROM runs WHERE tenant = ? AND status = 'queued' LIMIT 1", (tenant,)
+    ).fetchone():
+        return
+    limit, running = _admission(tx, tenant)
+    if limit is None:
+        _admit_queued(tx, tenant, None)
+    elif running < limit:
+        _admit_queued(tx, tenant, limit - running)
+
+
+def _configure_admission(tx: _Tx, tenant: str, max_running: int | None) -> None:
+    """Set a tenant's admission limit ('' is the default); admit what now fits."""
+    tx.execute(
+        "INSERT INTO tenant_limits (tenant, max_running, updated_at) VALUES (?, ?, ?) "
+        "ON CONFLICT (tenant) DO UPDATE SET max_running = excluded.max_running, "
+        "updated_at = excluded.updated_at",
+        (tenant, max_running, tx.now),
+    )
+    tenants = (
+        [tenant]
+        if tenant
+        else [
+            r[0]
+            for r in tx.execute(
+                "SELECT DISTINCT tenant FROM runs WHERE status = 'queued' AND tenant IS NOT NULL"
+            ).fetchall()
+        ]
+    )
+    for t in sorted(tenants):
+        _promote(tx, t)
 
 
 def _claim(
@@ -476,10 +620,44 @@ def _claim_with_wake(
         tasks += got
         if gate is not None:
             wake = gate if wake is None else min(wake, gate)
+    if len(tasks) < limit and queues:
+        got, gate = _claim_dependencies(tx, worker_id, queues, limit - len(tasks), lease)
+        tasks += got
+        if gate is not None:
+            wake = gate if wake is None else min(wake, gate)
     if len(tasks) < limit:
         tasks += _claim_plain(
             tx, worker_id, queues, tuple(r[0] for r in limited), limit - len(tasks), lease
         )
+    return tasks, wake
+
+
+def _claim_dependencies(
+    tx: _Tx, worker_id: str, queues: tuple[str, ...], limit: int, lease: float
+) -> tuple[list[Task], float | None]:
+    """Activity tasks under a ``tether.Dependency``: each limiter row is locked (in
+    name order) and obeyed like a queue's limits, over every served queue."""
+    marks = ",".join("?" * len(queues))
+    deps = [
+        r[0]
+        for r in tx.execute(
+            "SELECT DISTINCT dependency FROM tasks WHERE dependency IS NOT NULL "
+            f"AND available_at <= ? AND queue IN ({marks})",
+            (tx.now, *queues),
+        ).fetchall()
+    ]
+    if not deps:
+        return [], None
+    rows = _lock_queue_limits(tx, tuple(sorted(deps)))
+    tasks: list[Task] = []
+    wake: float | None = None
+    for row in rows:
+        if len(tasks) >= limit:
+            break
+        got, gate = _claim_limited(tx, worker_id, row, limit - len(tasks), lease, queues)
+        tasks += got
+        if gate is not None:
+            wake = gate if wake is None else min(wake, gate)
     return tasks, wake
 
 
@@ -504,9 +682,9 @@ def _claim_plain(
 ) -> list[Task]:
     """Queues without limits (and non-activity tasks of limited ones): by priority, then age."""
     marks = ",".join("?" * len(queues))
-    skip = ""
+    skip = "AND t.dependency IS NULL "  # claimed by _claim_dependencies
     if limited:
-        skip = f"AND NOT (t.kind = 'activity' AND t.queue IN ({','.join('?' * len(limited))})) "
+        skip += f"AND NOT (t.kind = 'activity' AND t.queue IN ({','.join('?' * len(limited))})) "
     if tx.skip_locked:
         # PostgreSQL: one ordered, bounded index scan per queue (tasks_ready_order) and a
         # merge of at most ``limit`` rows each; ``queue IN (...)`` with this ORDER BY
@@ -561,16 +739,26 @@ def _tokens_now(tx: _Tx, rate: float, burst: float, tokens: Any, refilled_at: An
 
 
 def _claim_limited(
-    tx: _Tx, worker_id: str, row: tuple[Any, ...], limit: int, lease: float
+    tx: _Tx,
+    worker_id: str,
+    row: tuple[Any, ...],
+    limit: int,
+    lease: float,
+    served: tuple[str, ...] | None = None,
 ) -> tuple[list[Task], float | None]:
-    """Activity tasks of one limited queue, within its caps; and when a gate lifts."""
+    """Activity tasks of one limited queue, within its caps; and when a gate lifts.
+
+    With ``served``, ``row`` is a dependency limiter: its tasks are those with that
+    ``dependency``, from the ``served`` queues.
+    """
     q, cap, rate, burst, tokens, refilled_at, key_cap, fair, _p429, paused_until, cursor = row
     if paused_until is not None and float(paused_until) > tx.now:
         return [], float(paused_until)
+    col = "queue" if served is None else "dependency"
     budget = limit
     if cap is not None:
         (running,) = tx.execute(
-            f"SELECT count(*) FROM tasks WHERE queue = ? AND kind = 'activity' AND {_RUNNING}",
+            f"SELECT count(*) FROM tasks WHERE {col} = ? AND kind = 'activity' AND {_RUNNING}",
             (q, tx.now),
         ).fetchone()
         budget = min(budget, int(cap) - int(running))
@@ -582,14 +770,18 @@ def _claim_limited(
         if rate is not None and have < 1.0 - 1e-9:
             return [], tx.now + (1.0 - have) / float(rate)  # the next token
         return [], None  # at its concurrency cap: a completion wakes the workers
-    ready = "t.queue = ? AND t.kind = 'activity' AND t.available_at <= ? AND " + _NOT_SUSPENDED
-    if key_cap is None and not fair:
+    ready = f"t.{col} = ? AND t.kind = 'activity' AND t.available_at <= ? AND " + _NOT_SUSPENDED
+    if served is not None:
+        ready += f" AND t.queue IN ({','.join('?' * len(served))})"
+    else:
+        ready += " AND t.dependency IS NULL"  # claimed under their dependency's limiter
+    if (key_cap is None and not fair) or served is not None:
         ids = [
             r[0]
             for r in tx.execute(
                 f"SELECT t.task_id FROM tasks t WHERE {ready} "
                 "ORDER BY t.priority DESC, t.available_at, t.task_id LIMIT ?",
-                (q, tx.now, budget),
+                (q, tx.now, *(served or ()), budget),
             ).fetchall()
         ]
     else:
@@ -680,6 +872,10 @@ def _finish(
     )
     tx.execute("DELETE FROM tasks WHERE run_id = ?", (run_id,))
     tx.finished.add(run_id)
+    if status is not RunStatus.CONTINUED_AS_NEW:  # the continuation keeps the run's place
+        (tenant,) = tx.execute("SELECT tenant FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+        if tenant is not None:
+            _promote(tx, tenant)  # admit the tenant's oldest queued run, in this commit
     if status in (RunStatus.FAILED, RunStatus.NEEDS_INTERVENTION, RunStatus.TIMED_OUT):
         tx.execute(
             "INSERT INTO dead_letters (run_id, kind, name, input, error, reason, created_at) "
@@ -743,7 +939,15 @@ def _complete_workflow_task(
         elif t is EventType.ACTIVITY_SCHEDULED:
             q = cmd.data["queue"]
             hb_timeout = (cmd.data.get("options") or {}).get("heartbeat_timeout")
-            local = lease_to is not None and q in lease_queues and len(leased) < lease_limit
+            dep = cmd.data.get("dependency")
+            if dep is not None:
+                _ensure_dependency(tx, dep, cmd.data.get("dependency_limits") or {})
+            local = (
+                lease_to is not None
+                and q in lease_queues
+                and len(leased) < lease_limit
+                and dep is None  # a dependency's work goes through the claim
+            )
             if local:
                 if q not in limited:
                     limited[q] = _has_limits(tx, q)
@@ -751,8 +955,8 @@ def _complete_workflow_task(
             row = tx.execute(
                 "INSERT INTO tasks (run_id, kind, step, queue, name, payload, options, "
                 "available_at, lease_owner, fence, attempt, heartbeat_timeout, priority, "
-                "limit_key, created_at) "
-                "VALUES (?, 'activity', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
+                "limit_key, dependency, created_at) "
+                "VALUES (?, 'activity', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
                 f"ON CONFLICT DO NOTHING RETURNING {_TASK_COLS}",
                 (
                     task.run_id,
@@ -768,6 +972,7 @@ def _complete_workflow_task(
                     hb_timeout,
                     int(cmd.data.get("priority") or 0),
                     cmd.data.get("limit_key"),
+                    dep,
                     tx.now,
                 ),
             ).fetchone()
@@ -873,8 +1078,18 @@ def _complete_workflow_task(
         else:
             nxt = ending.data["next_run_id"]
             _finish(tx, task.run_id, RunStatus.CONTINUED_AS_NEW, continued_to=nxt)
+            (tenant,) = tx.execute(
+                "SELECT tenant FROM runs WHERE run_id = ?", (task.run_id,)
+            ).fetchone()
             _insert_run(
-                tx, nxt, workflow, run_queue, ending.raw["input"], parent_run_id, parent_step
+                tx,
+                nxt,
+                workflow,
+                run_queue,
+                ending.raw["input"],
+                parent_run_id,
+                parent_step,
+                tenant=tenant,
             )
         return marker, []
     tx.execute(
@@ -926,7 +1141,7 @@ def _complete_activity(
         {"result": result},
     )
     tx.execute("DELETE FROM tasks WHERE task_id = ?", (task.task_id,))
-    if _has_limits(tx, task.queue):
+    if task.dependency is not None or _has_limits(tx, task.queue):
         tx.ready.add(task.queue)  # a slot under its concurrency cap is free: wake claimers
     _, run_queue, _p, _s, workflow = _run_row(tx, task.run_id)
     return _ensure_workflow_task(
@@ -944,7 +1159,15 @@ def _fail_activity(
     lease: float,
 ) -> Task | None:
     _check_fence(tx, task)
-    if error.get("rate_limited") and error.get("retry_after") is not None:
+    if task.dependency is not None:
+        # rate-limit feedback reshapes the dependency's limiter (not the queue): every
+        # step waiting for it waits out the Retry-After or the x-ratelimit reset
+        retry_after = error.get("retry_after") if error.get("rate_limited") else None
+        until = _dependency_feedback(tx, None, task.dependency, retry_after, error)
+        if until is not None:
+            error = {**error, "dependency_paused_until": until}
+        tx.ready.add(task.queue)
+    elif error.get("rate_limited") and error.get("retry_after") is not None:
         # HTTP 429 with Retry-After: the dependency asked everyone to back off
         until = _pause_on_429(tx, task.queue, float(error["retry_after"]))
         if until is not None:
@@ -996,6 +1219,15 @@ def _fail_activity(
 
 def _fire_timer(tx: _Tx, task: Task) -> None:
     _check_fence(tx, task)
+    if task.kind == "debounce":
+        _fire_debounce(tx, task)
+        return
+    if task.kind == "deadline" and _run_row(tx, task.run_id)[0] == RunStatus.QUEUED.value:
+        # the deadline passed while the run waited for admission: it never started
+        error = {"type": "DeadlineExceeded", "message": "deadline passed while queued"}
+        _append(tx, task.run_id, EventType.DEADLINE_EXCEEDED, None, {})
+        _finish(tx, task.run_id, RunStatus.TIMED_OUT, error=error)
+        return
     if task.kind == "deadline":
         _append(tx, task.run_id, EventType.DEADLINE_EXCEEDED, None, {})
     else:
@@ -1016,6 +1248,22 @@ def _renew(tx: _Tx, tasks: tuple[Task, ...], lease: float) -> dict[int, bool]:
         if row is not None:
             out[t.task_id] = bool(row[0])
     return out
+
+
+def _reclaim(tx: _Tx, worker_id: str) -> int:
+    """Make the tasks leased to ``worker_id`` claimable now (its process restarted).
+
+    Safe even if the old process is somehow alive: the next claim bumps each fence,
+    so anything the old one tries to commit is refused.
+    """
+    rows = tx.execute(
+        "UPDATE tasks SET available_at = ? WHERE lease_owner = ? AND available_at > ? "
+        "RETURNING queue",
+        (tx.now, worker_id, tx.now),
+    ).fetchall()
+    for (queue,) in rows:
+        tx.ready.add(queue)
+    return len(rows)
 
 
 def _release(tx: _Tx, tasks: tuple[Task, ...], delay: float = 0.0) -> None:
@@ -1050,14 +1298,19 @@ def _live_run(tx: _Tx, run_id: str, action: str) -> tuple[Any, ...]:
 
 
 def _signal(tx: _Tx, run_id: str, name: str, payload: str) -> None:
-    _, run_queue, _p, _s, workflow = _live_run(tx, run_id, f"signal {name!r} to")
+    status, run_queue, _p, _s, workflow = _live_run(tx, run_id, f"signal {name!r} to")
     _append(tx, run_id, EventType.SIGNAL_RECEIVED, None, {"name": name}, {"payload": payload})
-    _ensure_workflow_task(tx, run_id, run_queue, workflow)
+    if status != RunStatus.QUEUED.value:  # a queued run sees the signal when admitted
+        _ensure_workflow_task(tx, run_id, run_queue, workflow)
 
 
 def _cancel(tx: _Tx, run_id: str, reason: str | None) -> None:
-    _, run_queue, _p, _s, workflow = _live_run(tx, run_id, "cancel")
+    status, run_queue, _p, _s, workflow = _live_run(tx, run_id, "cancel")
     _append(tx, run_id, EventType.CANCEL_REQUESTED, None, {"reason": reason})
+    if status == RunStatus.QUEUED.value:  # never admitted: no code ran, nothing to undo
+        error = {"type": "CancelledError", "message": reason or "cancelled before admission"}
+        _finish(tx, run_id, RunStatus.CANCELLED, error=error)
+        return
     _ensure_workflow_task(tx, run_id, run_queue, workflow)
     tx.execute(
         "UPDATE tasks SET cancel_requested = 1 WHERE run_id = ? AND kind = 'activity'", (run_id,)
@@ -1086,6 +1339,11 @@ def _suspend(tx: _Tx, run_id: str) -> None:
     status, *_ = _live_run(tx, run_id, "suspend")
     if status == RunStatus.SUSPENDED.value:
         return
+    if status == RunStatus.QUEUED.value:
+        raise RecoveryError(
+            f"run {run_id!r} is queued for admission and has not started: cancel it, or let "
+            "it start and suspend it then"
+        )
     _append(tx, run_id, EventType.SUSPENDED, None, {})
     tx.execute("UPDATE runs SET status = 'suspended' WHERE run_id = ?", (run_id,))
 
@@ -1238,7 +1496,11 @@ def _queue_stats(tx: _Tx) -> list[QueueStats]:
         (now,),
     ).fetchall():
         counts[q][4][key] = int(n)
-    limits = {r[0]: tuple(r) for r in tx.execute(f"SELECT {_QL_COLS} FROM queue_limits").fetchall()}
+    limits = {
+        r[0]: tuple(r)
+        for r in tx.execute(f"SELECT {_QL_COLS} FROM queue_limits").fetchall()
+        if not str(r[0]).startswith(DEPENDENCY_PREFIX)  # dependency limiters: not queues
+    }
     out: list[QueueStats] = []
     for q in sorted(set(counts) | set(limits)):
         ready, oldest, running, later, by_key = counts.get(q, [0, None, 0, 0, {}])
@@ -1363,10 +1625,12 @@ def _pending_work(tx: _Tx, run_id: str, kept: list[Event], run_queue: str, fork:
             continue
         if e.type is EventType.ACTIVITY_SCHEDULED:
             hb = (e.data.get("options") or {}).get("heartbeat_timeout")
+            if e.data.get("dependency") is not None:
+                _ensure_dependency(tx, e.data["dependency"], e.data.get("dependency_limits") or {})
             tx.execute(
                 "INSERT INTO tasks (run_id, kind, step, queue, name, payload, options, "
-                "available_at, heartbeat_timeout, priority, limit_key, created_at) "
-                "VALUES (?, 'activity', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "available_at, heartbeat_timeout, priority, limit_key, dependency, created_at) "
+                "VALUES (?, 'activity', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     run_id,
                     e.step,
@@ -1378,6 +1642,7 @@ def _pending_work(tx: _Tx, run_id: str, kept: list[Event], run_queue: str, fork:
                     hb,
                     int(e.data.get("priority") or 0),
                     e.data.get("limit_key"),
+                    e.data.get("dependency"),
                     tx.now,
                 ),
             )
@@ -1685,3 +1950,132 @@ def _complete_activity_fast(
         tx, wt, workflow_result, lease_to, lease_queues, lease, lease_limit
     )
     return True, marker, leased, None
+
+
+# -- dependency limiters --------------------------------------------------------
+
+
+def _ensure_dependency(tx: _Tx, dep: str, cfg: dict[str, Any]) -> None:
+    """Create the dependency limiter row ``dep``; update it if its limits changed.
+
+    The usual case (the row exists, unchanged) reads it without a lock, so
+    scheduling never waits for claims holding the limiter.
+    """
+    row = tx.execute(
+        "SELECT max_concurrency, rate, burst FROM queue_limits WHERE queue = ?", (dep,)
+    ).fetchone()
+    want = (cfg.get("max_concurrency"), cfg.get("rate"), cfg.get("burst"))
+    if row is not None and tuple(row) == want:
+        return
+    _configure_queue(tx, dep, {**cfg, "fair": False, "key_concurrency": None})
+
+
+def _dependency_feedback(
+    tx: _Tx,
+    task_id: int | None,
+    dep: str | None,
+    retry_after: float | None,
+    error: dict[str, Any] | float | None = None,
+) -> float | None:
+    """Pause the dependency limiter ``dep`` (or the task's) by rate-limit feedback.
+
+    ``retry_after`` is a 429's Retry-After; ``error`` is the recorded error (its
+    ``ratelimit_pause``: seconds until the reset of an exhausted x-ratelimit
+    budget) or directly that pause. Returns the pause end, or None.
+    """
+    if dep is None and task_id is not None:
+        row = tx.execute("SELECT dependency FROM tasks WHERE task_id = ?", (task_id,)).fetchone()
+        dep = row[0] if row is not None else None
+    if dep is None:
+        return None
+    pause = error if isinstance(error, float | int) else (error or {}).get("ratelimit_pause")
+    waits = [float(w) for w in (retry_after, pause) if w is not None and float(w) > 0]
+    if not waits:
+        return None
+    until = tx.now + max(waits)
+    row = tx.execute(
+        f"SELECT paused_until FROM queue_limits WHERE queue = ?{tx.for_update}", (dep,)
+    ).fetchone()
+    if row is None:
+        return None
+    if row[0] is not None and float(row[0]) >= until:
+        return float(row[0])
+    tx.execute(
+        "UPDATE queue_limits SET paused_until = ?, tokens = CASE WHEN rate IS NULL THEN tokens "
+        "ELSE 0 END, refilled_at = CASE WHEN rate IS NULL THEN refilled_at ELSE ? END "
+        "WHERE queue = ?",
+        (until, until, dep),
+    )
+    return until
+
+
+# -- debounce ----------------------------------------------------------------------
+
+
+def _debounce(
+    tx: _Tx,
+    key: str,
+    run_id: str,
+    workflow: str,
+    queue: str,
+    input: str,
+    window: float,
+    max_wait: float | None,
+) -> tuple[str, int, float]:
+    """Record one trigger of debounce ``key``: keep the LAST input, push the due time
+    to ``window`` after this trigger (but at most ``max_wait`` after the first).
+
+    Returns (the run id the debounce will start, triggers so far, due time).
+    """
+    row = tx.execute(
+        "INSERT INTO debounces (debounce_key, run_id, workflow, queue, input, triggers, "
+        "first_at, due_at, updated_at) VALUES (?, ?, ?, ?, ?, 1, ?, ?, ?) "
+        "ON CONFLICT (debounce_key) DO UPDATE SET input = excluded.input, "
+        "workflow = excluded.workflow, queue = excluded.queue, "
+        "triggers = debounces.triggers + 1, due_at = excluded.due_at, "
+        "updated_at = excluded.updated_at RETURNING run_id, triggers, first_at, queue",
+        (key, run_id, workflow, queue, input, tx.now, tx.now + window, tx.now),
+    ).fetchone()
+    rid, triggers, first_at, q = row[0], int(row[1]), float(row[2]), row[3]
+    due = tx.now + window
+    if max_wait is not None and first_at + max_wait < due:
+        due = max(tx.now, first_at + max_wait)
+        tx.execute("UPDATE debounces SET due_at = ? WHERE debounce_key = ?", (due, key))
+    if triggers == 1:
+        tx.execute(
+            "INSERT INTO tasks (run_id, kind, queue, name, available_at, created_at) "
+            "VALUES (?, 'debounce', ?, ?, ?, ?)",
+            (rid, q, key, due, tx.now),
+        )
+    else:  # a task being fired right now sees the later due time and waits again
+        tx.execute(
+            "UPDATE tasks SET queue = ?, available_at = ? WHERE run_id = ? AND kind = 'debounce' "
+            "AND lease_owner IS NULL",
+            (q, due, rid),
+        )
+    tx.ready.add(q)
+    return rid, triggers, due
+
+
+def _fire_debounce(tx: _Tx, task: Task) -> None:
+    """A debounce came due: start its run with the last input (or wait, if re-triggered)."""
+    row = tx.execute(
+        "SELECT run_id, workflow, queue, input, due_at FROM debounces "
+        f"WHERE debounce_key = ?{tx.for_update}",
+        (task.name,),
+    ).fetchone()
+    if row is None or row[0] != task.run_id:
+        tx.execute("DELETE FROM tasks WHERE task_id = ?", (task.task_id,))
+        return
+    run_id, workflow, queue, input, due_at = row
+    if float(due_at) > tx.now:  # triggered again after this task was claimed
+        tx.execute(
+            "UPDATE tasks SET lease_owner = NULL, available_at = ? WHERE task_id = ?",
+            (due_at, task.task_id),
+        )
+        tx.ready.add(queue)
+        return
+    tx.execute("DELETE FROM debounces WHERE debounce_key = ?", (task.name,))
+    tx.execute("DELETE FROM tasks WHERE task_id = ?", (task.task_id,))
+    if tx.execute("SELECT 1 FROM runs WHERE run_id = ?", (run_id,)).fetchone() is None:
+        _insert_run(tx, run_id, workflow, queue, input)

@@ -62,10 +62,15 @@ class Store(abc.ABC):
         queue: str,
         input: str,
         deadline_at: float | None = None,
+        tenant: str | None = None,
+        on_limit: str = "raise",
     ) -> StartResult:
         """Create a run with its first workflow task, or return the existing identical one.
 
         With ``deadline_at``, a deadline task fires ``DeadlineExceeded`` into the run then.
+        With ``tenant``, the tenant's admission limit applies: at the limit the start
+        raises ``AdmissionLimitError`` (``on_limit="raise"``) or creates the run
+        ``queued`` (``on_limit="queue"``), admitted when a run of the tenant ends.
         """
 
     @abc.abstractmethod
@@ -134,6 +139,10 @@ class Store(abc.ABC):
         """Extend leases; return ``{task_id: cancel_requested}`` for tasks still held."""
 
     @abc.abstractmethod
+    async def reclaim(self, worker_id: str) -> int:
+        """Make every task leased to ``worker_id`` claimable now; return how many."""
+
+    @abc.abstractmethod
     async def release(self, tasks: Sequence[Task], delay: float = 0.0) -> None:
         """Give back leased tasks (a worker stopping, or one that does not serve a run's
         version) so any worker can claim them after ``delay`` seconds."""
@@ -200,6 +209,28 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def queue_stats(self) -> list[QueueStats]:
         """Depth, age, running work, pause and tokens of every queue in use."""
+
+    async def configure_admission(self, tenant: str, max_running: int | None) -> None:
+        """Set the admission limit of ``tenant`` ('' for every tenant without its own)."""
+        raise NotImplementedError(f"{type(self).__name__} has no admission limits")
+
+    async def debounce(
+        self,
+        *,
+        key: str,
+        run_id: str,
+        workflow: str,
+        queue: str,
+        input: str,
+        window: float,
+        max_wait: float | None,
+    ) -> tuple[str, int, float]:
+        """Record a debounced start; returns (run id, triggers so far, due time)."""
+        raise NotImplementedError(f"{type(self).__name__} has no debounce")
+
+    async def dependency_feedback(self, task: Task, pause: float) -> float | None:
+        """Pause the dependency limiter of ``task`` for ``pause`` seconds (None: none)."""
+        return None
 
     @abc.abstractmethod
     async def breaker_admit(self, cfg: dict[str, Any]) -> float | None:

@@ -31,7 +31,11 @@ if TYPE_CHECKING:
 #: tables copied per run, in order (every one has a ``run_id`` column)
 _RUN_TABLES = ("runs", "events", "tasks", "dead_letters")
 #: shared tables copied by key when the target lacks the key
-_SHARED_TABLES = {"breakers": "name", "queue_limits": "queue"}
+_SHARED_TABLES = {
+    "breakers": "name",
+    "queue_limits": "queue",  # dependency limiters too (rows named "dep:...")
+    "tenant_limits": "tenant",
+}
 #: columns the target assigns itself
 _FRESH_IDS = {"tasks": "task_id", "dead_letters": "id"}
 

@@ -28,7 +28,16 @@ from ._ops import Op, OpsStore, _heartbeat, _Tx
 
 log = logging.getLogger("tether.store")
 
-_OWN_TABLES = {"runs", "events", "tasks", "dead_letters", "breakers", "queue_limits"}
+_OWN_TABLES = {
+    "runs",
+    "events",
+    "tasks",
+    "dead_letters",
+    "breakers",
+    "queue_limits",
+    "tenant_limits",
+    "debounces",
+}
 
 Listener = Callable[[set[str], set[str]], None]
 
@@ -128,7 +137,9 @@ class SqliteStore(OpsStore):
     def _check_columns(self) -> None:
         """Refuse a file made by a pre-release build whose schema lacks today's columns."""
         have = {r[1] for r in self._conn.execute("PRAGMA table_info(tasks)")}
-        missing = {"priority", "limit_key", "heartbeat_timeout"} - have
+        missing = {"priority", "limit_key", "heartbeat_timeout", "dependency"} - have
+        if "tenant" not in {r[1] for r in self._conn.execute("PRAGMA table_info(runs)")}:
+            missing.add("runs.tenant")
         if missing:
             raise StoreError(
                 f"store {self.path!r} was created by an older development build of tether "

@@ -22,10 +22,12 @@ CREATE TABLE IF NOT EXISTS runs (
     next_seq       BIGINT NOT NULL DEFAULT 1,
     created_at     DOUBLE PRECISION NOT NULL,
     updated_at     DOUBLE PRECISION NOT NULL,
-    completed_at   DOUBLE PRECISION
+    completed_at   DOUBLE PRECISION,
+    tenant         TEXT               -- app.start(tenant=): admission limits
 );
 CREATE INDEX IF NOT EXISTS runs_by_status ON runs (status, created_at);
 CREATE INDEX IF NOT EXISTS runs_by_workflow ON runs (workflow, created_at);
+CREATE INDEX IF NOT EXISTS runs_by_tenant ON runs (tenant, status, created_at) WHERE tenant IS NOT NULL;
 CREATE INDEX IF NOT EXISTS runs_by_parent ON runs (parent_run_id) WHERE parent_run_id IS NOT NULL;
 
 -- The append-only history. ``step`` is the workflow command number an event
@@ -64,6 +66,7 @@ CREATE TABLE IF NOT EXISTS tasks (
     heartbeat_timeout DOUBLE PRECISION,  -- set: only heartbeats extend the lease
     priority          INTEGER NOT NULL DEFAULT 0,  -- higher is claimed first
     limit_key         TEXT,            -- e.g. a tenant: key_concurrency and fairness
+    dependency        TEXT,            -- tether.Dependency limiter (a queue_limits row)
     last_error        TEXT,
     created_at        DOUBLE PRECISION NOT NULL
 );
@@ -76,6 +79,7 @@ CREATE INDEX IF NOT EXISTS tasks_ready ON tasks (queue, available_at);
 -- however large the backlog (no sort of every ready task).
 CREATE INDEX IF NOT EXISTS tasks_ready_order ON tasks (queue, priority DESC, available_at);
 CREATE INDEX IF NOT EXISTS tasks_by_run ON tasks (run_id);
+CREATE INDEX IF NOT EXISTS tasks_by_dependency ON tasks (dependency, available_at) WHERE dependency IS NOT NULL;
 
 -- Steps and runs that exhausted their failure policy, kept with their input and
 -- last error until an operator replays or dismisses them.
@@ -123,6 +127,29 @@ CREATE TABLE IF NOT EXISTS queue_limits (
     paused_until     DOUBLE PRECISION,
     fair_cursor      TEXT,             -- fair queues: the limit key served last
     updated_at       DOUBLE PRECISION NOT NULL
+);
+
+-- Admission limits (app.configure_admission): at most ``max_running`` non-terminal
+-- runs per tenant; tenant '' holds the default. A row per tenant that started a run
+-- is also the lock that serialises its starts and finishes (NULL: use the default).
+CREATE TABLE IF NOT EXISTS tenant_limits (
+    tenant       TEXT PRIMARY KEY,
+    max_running  INTEGER,
+    updated_at   DOUBLE PRECISION NOT NULL
+);
+
+-- Debounced starts (app.start_debounced): one row per key holds the last input; a
+-- 'debounce' task due at ``due_at`` turns it into the run ``run_id``.
+CREATE TABLE IF NOT EXISTS debounces (
+    debounce_key  TEXT PRIMARY KEY,
+    run_id        TEXT NOT NULL,
+    workflow      TEXT NOT NULL,
+    queue         TEXT NOT NULL,
+    input         TEXT NOT NULL,
+    triggers      INTEGER NOT NULL,
+    first_at      DOUBLE PRECISION NOT NULL,
+    due_at        DOUBLE PRECISION NOT NULL,
+    updated_at    DOUBLE PRECISION NOT NULL
 );
 
 -- Schema versions applied here (SQLite keeps this in PRAGMA user_version).
