@@ -82,6 +82,7 @@ class Worker:
         self._inflight: dict[int, tuple[Task, asyncio.Task[None], ActivityContext | None]] = {}
         self._stopping = False
         self._unstarted: list[Task] = []
+        self._renewer: asyncio.Task[None] | None = None
         self._main: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
         self._slot: asyncio.Event | None = None
@@ -130,10 +131,16 @@ class Worker:
         if self._main is None:
             return
         self._stopping = True
-        assert self._wake is not None
+        assert self._wake is not None and self._slot is not None
         self._wake.set()
+        self._slot.set()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace
+        # first let the claim loop end, so nothing is claimed after we decide what to
+        # hand back (a claim in progress lands in _unstarted and is released below)
+        done, _ = await asyncio.wait([self._main], timeout=max(1.0, grace))
+        if not done:
+            self._main.cancel()
         while self._inflight and loop.time() < deadline:
             inflight = [t for _, t, _ in self._inflight.values()]
             await asyncio.wait(inflight, timeout=deadline - loop.time())
@@ -155,6 +162,9 @@ class Worker:
             await self._main
         except asyncio.CancelledError:
             pass
+        if self._renewer is not None:
+            self._renewer.cancel()
+            self._renewer = None
         self.app.store.remove_listener(self._on_commit)
         while self._cache:
             _, inst = self._cache.popitem()
@@ -175,6 +185,9 @@ class Worker:
             return
         self._stopping = True
         tasks = [t for _, t, _ in self._inflight.values()]
+        if self._renewer is not None:
+            tasks.append(self._renewer)
+            self._renewer = None
         for t in (*tasks, self._main):
             t.cancel()
         await asyncio.gather(*tasks, self._main, return_exceptions=True)
@@ -200,54 +213,51 @@ class Worker:
 
     async def _serve(self) -> None:
         assert self._wake is not None and self._slot is not None
-        renewer = asyncio.create_task(self._renew_loop())
+        self._renewer = asyncio.create_task(self._renew_loop())
         failures = 0
-        try:
-            while not self._stopping:
-                free = self.concurrency - len(self._inflight)
-                if free <= 0:
-                    self._slot.clear()
-                    await self._slot.wait()
-                    continue
-                self._wake.clear()
+        while not self._stopping:
+            free = self.concurrency - len(self._inflight)
+            if free <= 0:
+                self._slot.clear()
+                await self._slot.wait()
+                continue
+            self._wake.clear()
+            try:
+                tasks, throttled_until = await self.app.store.claim_with_wake(
+                    worker_id=self.id, queues=self.queues, limit=min(free, 64), lease=self.lease
+                )
+                failures = 0
+            except StoreError as exc:
+                failures += 1
+                log.warning("claim failed (%s); retrying", exc)
+                await asyncio.sleep(min(5.0, 0.1 * 2**failures))
+                continue
+            for task in tasks:
+                self._spawn(task)
+            if tasks:
+                continue
+            timeout = self.poll_interval
+            try:
+                due = await self.app.store.next_due(self.queues)
+            except StoreError:
+                due = None
+            if due is not None:
+                wait = due - self.app.store.clock()
+                # due already but not claimable (suspended run, queue limit): poll,
+                # never spin; a commit that makes work claimable wakes us anyway
+                if wait > 0:
+                    timeout = min(timeout, wait)
+                elif wait > -0.02:
+                    timeout = 0.005  # became due just after our claim: look again soon
+            if throttled_until is not None:
+                # a queue is out of rate-limit tokens or paused: look again when it
+                # may let work through, not a whole poll interval later
+                timeout = min(timeout, max(0.001, throttled_until - self.app.store.clock()))
+            if timeout > 0:
                 try:
-                    tasks, throttled_until = await self.app.store.claim_with_wake(
-                        worker_id=self.id, queues=self.queues, limit=min(free, 64), lease=self.lease
-                    )
-                    failures = 0
-                except StoreError as exc:
-                    failures += 1
-                    log.warning("claim failed (%s); retrying", exc)
-                    await asyncio.sleep(min(5.0, 0.1 * 2**failures))
-                    continue
-                for task in tasks:
-                    self._spawn(task)
-                if tasks:
-                    continue
-                timeout = self.poll_interval
-                try:
-                    due = await self.app.store.next_due(self.queues)
-                except StoreError:
-                    due = None
-                if due is not None:
-                    wait = due - self.app.store.clock()
-                    # due already but not claimable (suspended run, queue limit): poll,
-                    # never spin; a commit that makes work claimable wakes us anyway
-                    if wait > 0:
-                        timeout = min(timeout, wait)
-                    elif wait > -0.02:
-                        timeout = 0.005  # became due just after our claim: look again soon
-                if throttled_until is not None:
-                    # a queue is out of rate-limit tokens or paused: look again when it
-                    # may let work through, not a whole poll interval later
-                    timeout = min(timeout, max(0.001, throttled_until - self.app.store.clock()))
-                if timeout > 0:
-                    try:
-                        await asyncio.wait_for(self._wake.wait(), timeout)
-                    except TimeoutError:
-                        pass
-        finally:
-            renewer.cancel()
+                    await asyncio.wait_for(self._wake.wait(), timeout)
+                except TimeoutError:
+                    pass
 
     def _spawn(self, task: Task) -> None:
         if self._stopping:
