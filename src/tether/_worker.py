@@ -54,6 +54,7 @@ class Worker:
         lease: float = 15.0,
         poll_interval: float = 0.25,
         cache_size: int = 10_000,
+        cache_waiting: bool = False,
         threads: int | None = None,
         workflow_retry_delay: float = 5.0,
         versions: Collection[str] | None = None,
@@ -69,6 +70,8 @@ class Worker:
         self.lease = lease
         self.poll_interval = poll_interval
         self.cache_size = cache_size
+        #: keep runs that wait only on timers or signals in the sticky cache too
+        self.cache_waiting = cache_waiting
         self.workflow_retry_delay = workflow_retry_delay
         #: workflow code versions whose runs this worker continues (None: any); runs
         #: recorded by another version are handed back for a worker that serves it
@@ -323,7 +326,11 @@ class Worker:
                 if candidate is not None and candidate not in keep:
                     candidate.close()
             for kept in keep:
-                if kept.finished:
+                if kept.finished or (
+                    not self.cache_waiting and kept.waits_only_on_time_or_events()
+                ):
+                    # a run that waits for a timer or a signal costs no memory: its
+                    # history is its state, replayed (cheaply) when it wakes
                     kept.close()
                     continue
                 self._cache[task.run_id] = kept
@@ -594,7 +601,7 @@ class Worker:
         for cmd in wf_result.commands:
             if cmd.type is EventType.WORKFLOW_NEEDS_INTERVENTION:
                 self.app._alert(task.run_id, cmd.data.get("error") or {})
-        if inst.finished:
+        if inst.finished or (not self.cache_waiting and inst.waits_only_on_time_or_events()):
             inst.close()
         else:
             self._cache[task.run_id] = inst

@@ -457,6 +457,11 @@ class WorkflowInstance:
         """Whether ``step`` is the one durable outcome this instance is waiting for."""
         return len(self._pending) == 1 and step in self._pending
 
+    def waits_only_on_time_or_events(self) -> bool:
+        """Whether nothing but timers and signals can wake this instance (no step in flight):
+        such a run may wait for days, so a worker should not hold it in memory."""
+        return all(p.kind == "timer" for p in self._pending.values())
+
     def take_signal(self, name: str) -> tuple[bool, Any]:
         """Pop the oldest buffered signal ``name``, if any."""
         buf = self._buffers.get(name)
