@@ -1,0 +1,38 @@
+"""The benchmark harness runs in its short mode (figures are not asserted, only that
+every workload works and reports what it should)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parent.parent
+
+
+@pytest.mark.slow
+def test_bench_quick_mode_runs_every_workload(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "run.py"), "--quick", "--json", str(out)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    results = doc["results"]
+    assert set(results) >= {"limit", "w1", "w2", "w3", "w4", "w5", "w6"}
+    assert results["limit"]["commits_per_s"] > 0
+    assert results["w1"]["steps_per_s"] > 0
+    assert results["w3"]["p50_ms"] > 0
+    assert results["w2"]["steps_per_s"] > 0
+    w4 = results["w4"]
+    runs = [v for v in w4.values() if isinstance(v, dict)]
+    assert runs and all(r["recorded_steps_rerun"] == 0 for r in runs), w4
+    assert results["w5"]["runs"] > 0
+    assert "W1" in proc.stdout and "steps/s" in proc.stdout
