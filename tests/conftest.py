@@ -8,6 +8,7 @@ reachable server the PostgreSQL variants are skipped, or fail when ``CI`` is set
 
 from __future__ import annotations
 
+import gc
 import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -116,3 +117,10 @@ async def worker(app: tether.App) -> AsyncIterator[tether.Worker]:
     await w.start()
     yield w
     await w.stop(grace=2.0)
+
+
+@pytest.fixture(autouse=True)
+def _collect_garbage() -> Iterator[None]:
+    """Collect each test's abandoned workflow coroutines in its own teardown."""
+    yield
+    gc.collect()

@@ -4,22 +4,13 @@ failure-policy settings rejected when they are declared."""
 from __future__ import annotations
 
 import asyncio
-import gc
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 import tether
 from tether import EventType
-
-
-@pytest.fixture(autouse=True)
-def _collect_garbage() -> Iterator[None]:
-    """Collect each test's abandoned workflow coroutines in its own teardown."""
-    yield
-    gc.collect()
 
 
 async def events_of(app: tether.App, run_id: str, type_: EventType) -> list[tether.Event]:

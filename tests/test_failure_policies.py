@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import email.utils
-import gc
 import os
 import signal
 import sqlite3
@@ -13,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -22,28 +21,8 @@ import pydantic
 import pytest
 
 import tether
+from helpers import eventually
 from tether import EventType, RunStatus
-
-
-@pytest.fixture(autouse=True)
-def _collect_garbage() -> Iterator[None]:
-    """Collect each test's abandoned workflow coroutines in its own teardown."""
-    yield
-    gc.collect()
-
-
-async def eventually(
-    check: Callable[[], Awaitable[Any]], timeout: float = 10.0, what: str = "condition"
-) -> Any:
-    """Poll ``check`` until it returns something truthy; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = await check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 def holds(predicate: Callable[[], Any]) -> Callable[[], Awaitable[Any]]:

@@ -2,42 +2,19 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import datetime as dt
-import gc
-import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import pydantic
 import pytest
 
 import tether
+from helpers import eventually
 from tether import RunStatus
 
 FAST = tether.Retry(attempts=3, initial=0.01, max_interval=0.05)
-
-
-@pytest.fixture(autouse=True)
-def _collect_garbage() -> Iterator[None]:
-    """Collect each test's abandoned workflow coroutines in its own teardown."""
-    yield
-    gc.collect()
-
-
-async def eventually(
-    check: Callable[[], Awaitable[Any]], timeout: float = 10.0, what: str = "condition"
-) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = await check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 # module level so the annotations resolve (``from __future__ import annotations``)

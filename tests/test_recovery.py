@@ -5,38 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import gc
 import json
 import threading
-import time
-from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import pytest
 
 import tether
+from helpers import eventually
 from tether import EventType, RunStatus
-
-
-@pytest.fixture(autouse=True)
-def _collect_garbage() -> Iterator[None]:
-    """Collect each test's abandoned workflow coroutines in its own teardown."""
-    yield
-    gc.collect()
-
-
-async def eventually(
-    check: Callable[[], Awaitable[Any]], timeout: float = 10.0, what: str = "condition"
-) -> Any:
-    """Poll ``check`` until it returns something truthy; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = await check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 def fast(attempts: int) -> tether.Retry:

@@ -3,24 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import itertools
 import math
 import time
-from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
 import pytest
 
 import tether
-
-
-@pytest.fixture(autouse=True)
-def _collect_garbage() -> Iterator[None]:
-    """Collect each test's abandoned workflow coroutines in its own teardown."""
-    yield
-    gc.collect()
 
 
 def fast(attempts: int) -> tether.Retry:

@@ -6,44 +6,16 @@ import asyncio
 import gc
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
 
 import tether
+from helpers import event_types, eventually, has_event
 from tether import EventType, RunStatus
 
 FAST = tether.Retry(attempts=1, initial=0.01, max_interval=0.05)
-
-
-@pytest.fixture(autouse=True)
-def _collect_garbage() -> Iterator[None]:
-    """Collect each test's abandoned workflow coroutines in its own teardown."""
-    yield
-    gc.collect()
-
-
-async def eventually(
-    check: Callable[[], Awaitable[Any]], timeout: float = 10.0, what: str = "condition"
-) -> Any:
-    """Poll ``check`` until it returns something truthy; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = await check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
-
-
-async def event_types(app: tether.App, run_id: str) -> list[EventType]:
-    return [e.type for e in await app.history(run_id)]
-
-
-async def has_event(app: tether.App, run_id: str, type_: EventType) -> bool:
-    return type_ in await event_types(app, run_id)
 
 
 async def status_is(app: tether.App, run_id: str, status: RunStatus) -> bool:
