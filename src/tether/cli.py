@@ -641,12 +641,25 @@ def signal_command(
         except UsageError as exc:
             _fail(str(exc), EXIT_USAGE)
 
+    _act(
+        store, app, lambda a: a.signal(run_id, name, value), f"signal {name!r} sent to run {run_id}"
+    )
+
+
+def _act(
+    store: str | None,
+    app: str | None,
+    action: Callable[[App], Coroutine[Any, Any, None]],
+    done: str,
+) -> None:
+    """Open the store, do one thing to a run, say what was done."""
+
     async def go() -> None:
         async with _opened(_client_app(store, app)) as a:
-            await a.signal(run_id, name, value)
+            await action(a)
 
     _run(go())
-    print(f"signal {name!r} sent to run {run_id}")
+    print(done)
 
 
 def cancel_command(
@@ -656,13 +669,7 @@ def cancel_command(
     app: Annotated[str | None, _app_option()] = None,
 ) -> None:
     """Ask a run to cancel; its code sees the cancellation at its next await."""
-
-    async def go() -> None:
-        async with _opened(_client_app(store, app)) as a:
-            await a.cancel(run_id, reason)
-
-    _run(go())
-    print(f"cancellation requested for run {run_id}")
+    _act(store, app, lambda a: a.cancel(run_id, reason), f"cancellation requested for run {run_id}")
 
 
 def terminate_command(
@@ -672,13 +679,7 @@ def terminate_command(
     app: Annotated[str | None, _app_option()] = None,
 ) -> None:
     """End a run (and its running children) now, running none of its code."""
-
-    async def go() -> None:
-        async with _opened(_client_app(store, app)) as a:
-            await a.terminate(run_id, reason)
-
-    _run(go())
-    print(f"run {run_id} terminated")
+    _act(store, app, lambda a: a.terminate(run_id, reason), f"run {run_id} terminated")
 
 
 def suspend_command(
@@ -687,13 +688,7 @@ def suspend_command(
     app: Annotated[str | None, _app_option()] = None,
 ) -> None:
     """Pause a run: no new steps are dispatched until resume."""
-
-    async def go() -> None:
-        async with _opened(_client_app(store, app)) as a:
-            await a.suspend(run_id)
-
-    _run(go())
-    print(f"run {run_id} suspended")
+    _act(store, app, lambda a: a.suspend(run_id), f"run {run_id} suspended")
 
 
 def resume_command(
@@ -702,13 +697,7 @@ def resume_command(
     app: Annotated[str | None, _app_option()] = None,
 ) -> None:
     """Continue a suspended run."""
-
-    async def go() -> None:
-        async with _opened(_client_app(store, app)) as a:
-            await a.resume(run_id)
-
-    _run(go())
-    print(f"run {run_id} resumed")
+    _act(store, app, lambda a: a.resume(run_id), f"run {run_id} resumed")
 
 
 def start_command(
