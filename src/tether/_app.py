@@ -131,6 +131,8 @@ class App:
         self._waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
         self._waiters_lock = threading.Lock()
         self._alerts: set[asyncio.Future[Any]] = set()
+        #: workers running in this process, which app.start may hand a new run to
+        self._local_workers: list[Worker] = []
         self._queue_limits: dict[str, QueueLimits] = {}
         self._admission: dict[str, int | None] = {}  #: tenant ('' = default) -> max_running
         self._limits_dirty = False
@@ -437,6 +439,7 @@ class App:
         rid = run_id or uuid.uuid4().hex
         if self._limits_dirty:
             await self._write_queue_limits()
+        local = self._local_worker(wf.queue)
         res = await self.store.create_run(
             run_id=rid,
             workflow=wf.name,
@@ -445,8 +448,24 @@ class App:
             deadline_at=None if limit is None else self.store.clock() + limit,
             tenant=tenant,
             on_limit=on_limit,
+            lease_to=local.id if local is not None else None,
+            lease_queues=local.queues if local is not None else (),
+            lease=local.lease if local is not None else 30.0,
         )
+        if res.leased is not None and local is not None:
+            local._spawn(res.leased)  # no claim round trip for a run started in-process
         return Run(self, res.run.run_id, wf)
+
+    def _local_worker(self, queue: str) -> Worker | None:
+        """A running in-process worker on this loop that serves ``queue`` and has room."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return None
+        for w in self._local_workers:
+            if w.accepts_local_start(queue, loop):
+                return w
+        return None
 
     async def start_debounced(
         self,

@@ -122,6 +122,7 @@ class Worker:
             if reclaimed:
                 log.info("worker %s took back %d task(s) of its predecessor", self.id, reclaimed)
         self._main = asyncio.create_task(self._serve(), name=f"tether-worker-{self.id}")
+        self.app._local_workers.append(self)
 
     async def run(self) -> None:
         """Serve until ``stop()`` is called (or the task is cancelled)."""
@@ -134,6 +135,8 @@ class Worker:
         if self._main is None:
             return
         self._stopping = True
+        if self in self.app._local_workers:
+            self.app._local_workers.remove(self)
         assert self._wake is not None and self._slot is not None
         self._wake.set()
         self._slot.set()
@@ -187,6 +190,8 @@ class Worker:
         if self._main is None:
             return
         self._stopping = True
+        if self in self.app._local_workers:
+            self.app._local_workers.remove(self)
         tasks = [t for _, t, _ in self._inflight.values()]
         if self._renewer is not None:
             tasks.append(self._renewer)
@@ -203,6 +208,16 @@ class Worker:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
         self._main = None
+
+    def accepts_local_start(self, queue: str, loop: asyncio.AbstractEventLoop) -> bool:
+        """Whether a run started in this process on ``loop`` may be handed to us directly."""
+        return (
+            self._main is not None
+            and not self._stopping
+            and self._loop is loop
+            and queue in self.queues
+            and len(self._inflight) < self.concurrency
+        )
 
     def _on_commit(self, ready: set[str], finished: set[str]) -> None:
         # called on the store's thread after each commit
@@ -344,10 +359,8 @@ class Worker:
         store = self.app.store
         fresh: WorkflowInstance | None = None
         try:
-            if (
-                inst is not None
-                and task.prefetched is not None
-                and task.prefetched_after == inst.through
+            if task.prefetched is not None and task.prefetched_after == (
+                inst.through if inst is not None else 0
             ):
                 events = list(task.prefetched)  # read with the lease: no round trip
             else:

@@ -124,9 +124,22 @@ class OpsStore(Store):
         deadline_at: float | None = None,
         tenant: str | None = None,
         on_limit: str = "raise",
+        lease_to: str | None = None,
+        lease_queues: Sequence[str] = (),
+        lease: float = 30.0,
     ) -> StartResult:
         result: StartResult = await self._do(
-            _create_run, run_id, workflow, queue, input, deadline_at, tenant, on_limit
+            _create_run,
+            run_id,
+            workflow,
+            queue,
+            input,
+            deadline_at,
+            tenant,
+            on_limit,
+            lease_to,
+            tuple(lease_queues),
+            lease,
         )
         return result
 
@@ -447,7 +460,10 @@ def _insert_run(
     deadline_at: float | None = None,
     tenant: str | None = None,
     queued: bool = False,
-) -> None:
+    lease_to: str | None = None,
+    lease_queues: tuple[str, ...] = (),
+    lease: float = 30.0,
+) -> Task | None:
     tx.execute(
         "INSERT INTO runs (run_id, workflow, status, queue, input, parent_run_id, parent_step, "
         "created_at, updated_at, tenant) VALUES (?,?,?,?,?,?,?,?,?,?)",
@@ -474,8 +490,9 @@ def _insert_run(
             (run_id, queue, deadline_at, tx.now),
         )
     _append(tx, run_id, EventType.WORKFLOW_STARTED, None, data, {"input": input})
-    if not queued:  # a queued run gets its workflow task when it is admitted (_promote)
-        _ensure_workflow_task(tx, run_id, queue, workflow)
+    if queued:  # a queued run gets its workflow task when it is admitted (_promote)
+        return None
+    return _ensure_workflow_task(tx, run_id, queue, workflow, lease_to, lease_queues, lease)
 
 
 def _create_run(
@@ -487,6 +504,9 @@ def _create_run(
     deadline_at: float | None,
     tenant: str | None = None,
     on_limit: str = "raise",
+    lease_to: str | None = None,
+    lease_queues: tuple[str, ...] = (),
+    lease: float = 30.0,
 ) -> StartResult:
     row = tx.execute(f"SELECT {_RUN_COLS} FROM runs WHERE run_id = ?", (run_id,)).fetchone()
     if row is not None:
@@ -510,11 +530,24 @@ def _create_run(
             if on_limit != "queue":
                 raise AdmissionLimitError(tenant, limit, running)
             queued = True
-    _insert_run(
-        tx, run_id, workflow, queue, input, deadline_at=deadline_at, tenant=tenant, queued=queued
+    leased = _insert_run(
+        tx,
+        run_id,
+        workflow,
+        queue,
+        input,
+        deadline_at=deadline_at,
+        tenant=tenant,
+        queued=queued,
+        lease_to=lease_to,
+        lease_queues=lease_queues,
+        lease=lease,
     )
     row = tx.execute(f"SELECT {_RUN_COLS} FROM runs WHERE run_id = ?", (run_id,)).fetchone()
-    return StartResult(run=_run_from_row(row), created=True)
+    if leased is not None:  # hand the worker the history too: it needs no read to start
+        events = _read_history(tx, run_id, 0)
+        leased = dataclasses.replace(leased, prefetched=tuple(events), prefetched_after=0)
+    return StartResult(run=_run_from_row(row), created=True, leased=leased)
 
 
 _LIVE = "('pending', 'running', 'suspended')"  #: statuses that count against admission

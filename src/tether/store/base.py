@@ -45,6 +45,8 @@ class StartResult:
 
     run: RunInfo
     created: bool
+    #: the run's first workflow task, when it was leased at once to ``lease_to``
+    leased: Task | None = None
 
 
 class Store(abc.ABC):
@@ -64,8 +66,14 @@ class Store(abc.ABC):
         deadline_at: float | None = None,
         tenant: str | None = None,
         on_limit: str = "raise",
+        lease_to: str | None = None,
+        lease_queues: Sequence[str] = (),
+        lease: float = 30.0,
     ) -> StartResult:
         """Create a run with its first workflow task, or return the existing identical one.
+
+        With ``lease_to`` (an in-process worker serving the run's queue), the first
+        workflow task is leased to it in the same commit and returned, saving a claim.
 
         With ``deadline_at``, a deadline task fires ``DeadlineExceeded`` into the run then.
         With ``tenant``, the tenant's admission limit applies: at the limit the start
