@@ -139,9 +139,18 @@ async def test_sigkill_worker_with_stable_id_takes_back_its_tasks_without_waitin
     second = _spawn(db, effects, "worker-1", "60")
     try:
         for rid in run_ids:
-            assert await client.get_run(rid).result(timeout=30) == 45
+            try:
+                assert await client.get_run(rid).result(timeout=30) == 45
+            except tether.ResultTimeoutError:
+                second.terminate()
+                _, err = second.communicate(timeout=10)
+                raise AssertionError(
+                    f"{rid} did not finish; worker exit {second.returncode}; stderr: "
+                    f"{err.decode(errors='replace')[-3000:]}"
+                ) from None
     finally:
-        second.terminate()
-        second.wait(10)
+        if second.poll() is None:
+            second.terminate()
+            second.wait(10)
     assert time.monotonic() - restarted < 20  # far below the 60 s lease
     await client.close()

@@ -20,7 +20,7 @@ import logging
 import os
 import socket
 import uuid
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ._activity_context import ActivityContext, set_context
@@ -86,6 +86,7 @@ class Worker:
         self._stopping = False
         self._unstarted: list[Task] = []
         self._renewer: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Future[None]] = set()
         self._main: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
         self._slot: asyncio.Event | None = None
@@ -292,13 +293,28 @@ class Worker:
         t.add_done_callback(functools.partial(self._done, task.task_id))
 
     def _done(self, task_id: int, t: asyncio.Task[None] | None = None) -> None:
-        self._inflight.pop(task_id, None)
+        entry = self._inflight.pop(task_id, None)
         if t is not None and not t.cancelled():
             exc = t.exception()  # retrieved, so it is never lost in a warning
             if isinstance(exc, Exception):
                 log.error("task %d failed unexpectedly", task_id, exc_info=exc)
+                if entry is not None and not self._stopping:
+                    # give it back soon rather than sit on the lease until it expires
+                    self._fire(self.app.store.release([entry[0]], delay=1.0))
         if self._slot is not None:
             self._slot.set()
+
+    def _fire(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run a best-effort store call in the background, logging its failure."""
+
+        def report(f: asyncio.Future[None]) -> None:
+            if not f.cancelled() and f.exception() is not None:
+                log.warning("background store call failed: %s", f.exception())
+
+        fut = asyncio.ensure_future(coro)
+        self._background.add(fut)
+        fut.add_done_callback(self._background.discard)
+        fut.add_done_callback(report)
 
     async def _renew_loop(self) -> None:
         while True:
