@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import tether
@@ -31,3 +35,37 @@ async def event_types(app: tether.App, run_id: str) -> list[EventType]:
 
 async def has_event(app: tether.App, run_id: str, type_: EventType) -> bool:
     return type_ in await event_types(app, run_id)
+
+
+class WorkerProcesses:
+    """Worker subprocesses started from a test's worker module; stopped with ``stop_all``."""
+
+    def __init__(self, script: Path, *args: str) -> None:
+        self.script = script
+        self.args = args
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, n: int) -> list[subprocess.Popen[bytes]]:
+        """Start ``n`` more workers; return every worker started so far."""
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent / "src")}
+        for _ in range(n):
+            self.procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(self.script), *self.args],
+                    env=env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.PIPE,
+                )
+            )
+        return self.procs
+
+    def stop_all(self) -> None:
+        """SIGTERM every worker, then SIGKILL any that has not exited within 10 s."""
+        for p in self.procs:
+            p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(10)

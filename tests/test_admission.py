@@ -8,7 +8,6 @@ import asyncio
 import dataclasses
 import itertools
 import math
-import os
 import sqlite3
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from tether._classify import parse_reset, ratelimit_pause
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 import limits_app  # noqa: E402
+from helpers import WorkerProcesses  # noqa: E402
 
 sys.path.remove(str(HERE))
 
@@ -222,30 +222,9 @@ def side(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def spawn(store_url: str, side: Path) -> Iterator[Callable[[int], list[subprocess.Popen[bytes]]]]:
-    procs: list[subprocess.Popen[bytes]] = []
-
-    def start(n: int) -> list[subprocess.Popen[bytes]]:
-        env = {**os.environ, "PYTHONPATH": str(HERE.parent / "src")}
-        for _ in range(n):
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, str(HERE / "limits_app.py"), store_url, str(side)],
-                    env=env,
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.PIPE,
-                )
-            )
-        return procs
-
-    yield start
-    for p in procs:
-        p.terminate()
-    for p in procs:
-        try:
-            p.wait(10)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(10)
+    workers = WorkerProcesses(HERE / "limits_app.py", store_url, str(side))
+    yield workers.start
+    workers.stop_all()
 
 
 def _execs(side: Path, kind: str) -> list[tuple[int, str, int, float, float]]:

@@ -27,6 +27,7 @@ from tether._queues import QueueLimits
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 import queue_app  # noqa: E402
+from helpers import WorkerProcesses  # noqa: E402
 
 sys.path.remove(str(HERE))
 
@@ -74,30 +75,9 @@ def side(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def spawn(store_url: str, side: Path) -> Iterator[Callable[[int], list[subprocess.Popen[bytes]]]]:
-    procs: list[subprocess.Popen[bytes]] = []
-
-    def start(n: int) -> list[subprocess.Popen[bytes]]:
-        env = {**os.environ, "PYTHONPATH": str(HERE.parent / "src")}
-        for _ in range(n):
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, str(HERE / "queue_app.py"), store_url, str(side)],
-                    env=env,
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.PIPE,
-                )
-            )
-        return procs
-
-    yield start
-    for p in procs:
-        p.terminate()
-    for p in procs:
-        try:
-            p.wait(10)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(10)
+    workers = WorkerProcesses(HERE / "queue_app.py", store_url, str(side))
+    yield workers.start
+    workers.stop_all()
 
 
 def _execs(side: Path, queue: str) -> list[tuple[int, int, float, float]]:
