@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from ._activity_context import ActivityContext, NotInActivityError, activity_context
 from ._app import App, Run
+from ._batch import Batch, BatchActivity
 from ._breaker import CircuitBreaker, CircuitOpenError
 from ._classify import RetryAfter, Verdict, classify
 from ._definitions import Activity, ActivityOptions, Workflow
@@ -73,6 +74,8 @@ __all__ = [
     "ActivityError",
     "ActivityOptions",
     "App",
+    "Batch",
+    "BatchActivity",
     "ChildWorkflowError",
     "CircuitBreaker",
     "CircuitOpenError",

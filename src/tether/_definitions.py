@@ -15,6 +15,7 @@ from ._queues import Dependency, check_priority
 from ._serde import Signature
 
 if TYPE_CHECKING:
+    from ._batch import Batch
     from .workflow._instance import WorkflowInstance
 
 P = ParamSpec("P")
@@ -46,6 +47,8 @@ class ActivityOptions:
     limit_key: Callable[..., str] | None = None
     #: a shared limiter keyed by e.g. (provider, model, api key): ``tether.Dependency``
     dependency: Dependency | None = None
+    #: calls are collected into batches (``tether.Batch``); set at decoration only
+    batch: Batch | None = None
 
     def to_json(self, name: str = "") -> dict[str, Any]:
         """The options as stored with an activity task."""
@@ -79,6 +82,8 @@ class ActivityOptions:
         if self.dependency is not None:
             out["dependency"] = self.dependency.limiter(name, args, kwargs)
             out["dependency_limits"] = self.dependency.limits.to_json()
+        if self.batch is not None:
+            out["batch"] = self.batch.scheduling(name, args, kwargs)
         return out
 
     def replace(
@@ -165,7 +170,7 @@ class Activity(Generic[P, R]):
         self.sig = Signature(fn)
         self.is_async = inspect.iscoroutinefunction(fn)
         self.__doc__ = fn.__doc__
-        self.__wrapped__ = fn
+        self.__wrapped__: Callable[..., Any] = fn  #: the registered function
 
     def options(
         self,

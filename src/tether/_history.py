@@ -219,6 +219,9 @@ class Task:
     lease_expires_at: float
     heartbeat: str | None = None  #: last heartbeat details (JSON), for resuming work
     dependency: str | None = None  #: the ``tether.Dependency`` limiter it runs under
+    #: set by the claim on the tasks of a batched activity leased together as one
+    #: batch (the first task's id): the worker runs them in one call
+    batch_id: int | None = None
     #: history after ``prefetched_after``, read in the transaction that leased this task
     prefetched: tuple[Event, ...] | None = None
     prefetched_after: int = 0

@@ -63,6 +63,10 @@ CREATE TABLE IF NOT EXISTS tasks (
     priority          INTEGER NOT NULL DEFAULT 0,  -- higher is claimed first
     limit_key         TEXT,            -- e.g. a tenant: key_concurrency and fairness
     dependency        TEXT,            -- tether.Dependency limiter (a queue_limits row)
+    batch_key         TEXT,            -- tether.Batch: tasks with one key run as one call
+    batch_max         INTEGER,         -- its max_items: a batch runs when this many are ready
+    batch_wait        REAL,            -- its max_wait: ... or the oldest ready waited this long
+    batch_id          INTEGER,         -- leased as part of the batch led by this task id
     last_error        TEXT,
     created_at        REAL NOT NULL
 );
@@ -76,6 +80,8 @@ CREATE INDEX IF NOT EXISTS tasks_ready ON tasks (queue, available_at);
 CREATE INDEX IF NOT EXISTS tasks_ready_order ON tasks (queue, priority DESC, available_at);
 CREATE INDEX IF NOT EXISTS tasks_by_run ON tasks (run_id);
 CREATE INDEX IF NOT EXISTS tasks_by_dependency ON tasks (dependency, available_at) WHERE dependency IS NOT NULL;
+-- Batched activity tasks (empty unless tether.Batch is used): grouped by key at each claim.
+CREATE INDEX IF NOT EXISTS tasks_by_batch ON tasks (batch_key, available_at) WHERE batch_key IS NOT NULL;
 
 -- Steps and runs that exhausted their failure policy, kept with their input and
 -- last error until an operator replays or dismisses them.
