@@ -295,7 +295,8 @@ async def test_first_activity_beats_timer_and_timer_never_fires(
 
     @app.workflow
     async def race() -> list[Any]:
-        winner = await tether.first(quick(), tether.sleep(0.4))
+        # the timer is long enough that a loaded machine still finishes quick() first
+        winner = await tether.first(quick(), tether.sleep(1.5))
         # stay alive past the timer's due time: a late TimerFired must change nothing
         after = await tether.wait_event("proceed")
         return [winner, after]
@@ -304,7 +305,7 @@ async def test_first_activity_beats_timer_and_timer_never_fires(
     await eventually(
         lambda: has_event(app, run.run_id, EventType.TIMER_CANCELLED), what="timer cancelled"
     )
-    await asyncio.sleep(0.6)  # past the 0.4 s deadline of the cancelled timer
+    await asyncio.sleep(1.7)  # past the 1.5 s deadline of the cancelled timer
     await app.signal(run.run_id, "proceed", "ok")
     assert await run.result(timeout=10) == ["fast", "ok"]
     types = await event_types(app, run.run_id)

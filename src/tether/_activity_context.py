@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import threading
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -37,12 +38,19 @@ class ActivityContext:
     idempotency_key: str
     #: the details of the last heartbeat of an earlier attempt, to resume long work
     heartbeat_details: Any = None
+    #: one key per item for a batched call (``tether.Batch``), in the order of the
+    #: items list; for any other call, just ``(idempotency_key,)``
+    idempotency_keys: tuple[str, ...] = ()
     task: Task | None = field(repr=False)
     _store: Store | None = field(repr=False)
     _loop: asyncio.AbstractEventLoop | None = field(repr=False)
     _lease: float = field(repr=False, default=30.0)
     _cancelled: threading.Event = field(default_factory=threading.Event, repr=False)
     _returned: bool = field(default=False, repr=False)  #: the function has returned
+
+    def __post_init__(self) -> None:
+        if not self.idempotency_keys:
+            self.idempotency_keys = (self.idempotency_key,)
 
     @property
     def is_cancelled(self) -> bool:
@@ -58,7 +66,7 @@ class ActivityContext:
         text = None if details is None else encode(details, "heartbeat details")
         if self._store is None or self.task is None or self._loop is None:
             return  # replayed by an operator outside a worker: nothing to renew
-        coro = self._store.heartbeat(self.task, self._lease, text)
+        coro = self._beat(text)
         try:
             running = asyncio.get_running_loop()
         except RuntimeError:
@@ -73,6 +81,11 @@ class ActivityContext:
                 self._cancelled.set()
         except TetherError:
             self._cancelled.set()
+
+    def _beat(self, details: str | None) -> Coroutine[Any, Any, bool]:
+        """The store call that renews this attempt's lease (True: cancelled or lost)."""
+        assert self._store is not None and self.task is not None
+        return self._store.heartbeat(self.task, self._lease, details)
 
     def _on_beat(self, fut: asyncio.Future[bool]) -> None:
         if fut.cancelled():
@@ -94,3 +107,8 @@ def activity_context() -> ActivityContext:
 def set_context(ctx: ActivityContext | None) -> contextvars.Token[ActivityContext | None]:
     """Install ``ctx`` as the current activity context (worker use)."""
     return _ctx.set(ctx)
+
+
+def reset_context(token: contextvars.Token[ActivityContext | None]) -> None:
+    """Undo ``set_context`` (worker use, after an activity awaited inline)."""
+    _ctx.reset(token)

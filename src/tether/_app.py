@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextvars
+import dataclasses
 import logging
 import threading
 import uuid
@@ -13,6 +14,7 @@ from datetime import timedelta
 from typing import Any, Generic, ParamSpec, TypeVar, overload
 
 from ._activity_context import ActivityContext, set_context
+from ._batch import Batch, BatchActivity, BatchDecorator
 from ._breaker import CircuitBreaker
 from ._definitions import Activity, ActivityOptions, Workflow
 from ._errors import (
@@ -247,7 +249,22 @@ class App:
         priority: int | None = None,
         limit_key: Callable[..., str] | None = None,
         dependency: Dependency | None = None,
+        batch: None = None,
     ) -> Callable[[Callable[P, Any]], Activity[P, Any]]: ...
+
+    @overload
+    def activity(
+        self,
+        *,
+        batch: Batch,
+        name: str | None = None,
+        retry: Retry | None = None,
+        timeout: float | timedelta | None = None,
+        schedule_timeout: float | timedelta | None = None,
+        heartbeat_timeout: float | timedelta | None = None,
+        queue: str | None = None,
+        breaker: CircuitBreaker | None = None,
+    ) -> BatchDecorator: ...
 
     def activity(  # type: ignore[misc]
         self,
@@ -264,7 +281,8 @@ class App:
         priority: int | None = None,
         limit_key: Callable[..., str] | None = None,
         dependency: Dependency | None = None,
-    ) -> Activity[P, Any] | Callable[[Callable[P, Any]], Activity[P, Any]]:
+        batch: Batch | None = None,
+    ) -> Activity[P, Any] | Callable[[Callable[P, Any]], Activity[P, Any]] | BatchDecorator:
         """Register a sync or async function as an activity: a recorded, retried step.
 
         Options are checked here, so a nonsensical policy fails at import time.
@@ -272,12 +290,19 @@ class App:
         (a function of the call's arguments returning a string, e.g. a tenant) is
         what the queue's ``key_concurrency`` and ``fair`` apply to. ``dependency`` (a
         ``tether.Dependency``) puts the step under that dependency's shared limiter.
+        ``batch`` (a ``tether.Batch``) makes the function take a list of items and
+        return a list of results, while workflows call it with one item each.
         """
+        if batch is not None and not isinstance(batch, Batch):
+            raise ConfigurationError(
+                f"batch= of activity {name or getattr(fn, '__name__', '')!r} takes a "
+                f"tether.Batch, got {type(batch).__name__}"
+            )
         base = ActivityOptions(retry=DEFAULT_RETRY, queue=self.default_queue)
 
         def wrap(f: Callable[P, Any]) -> Activity[P, Any]:
             aname = name or f.__name__
-            if aname in self._activities and self._activities[aname].fn is not f:
+            if aname in self._activities and self._activities[aname].__wrapped__ is not f:
                 raise ConfigurationError(f"an activity named {aname!r} is already registered")
             opts = base.replace(
                 what=f"activity {aname!r}",
@@ -291,7 +316,12 @@ class App:
                 limit_key=limit_key,
                 dependency=dependency,
             )
-            act: Activity[P, Any] = Activity(f, name=aname, options=opts)
+            act: Activity[P, Any]
+            if batch is not None:
+                opts = dataclasses.replace(opts, batch=batch)
+                act = BatchActivity(f, name=aname, options=opts)  # type: ignore[arg-type,assignment]
+            else:
+                act = Activity(f, name=aname, options=opts)
             self._activities[aname] = act
             return act
 
@@ -440,20 +470,40 @@ class App:
         if self._limits_dirty:
             await self._write_queue_limits()
         local = self._local_worker(wf.queue)
-        res = await self.store.create_run(
-            run_id=rid,
-            workflow=wf.name,
-            queue=wf.queue,
-            input=text,
-            deadline_at=None if limit is None else self.store.clock() + limit,
-            tenant=tenant,
-            on_limit=on_limit,
-            lease_to=local.id if local is not None else None,
-            lease_queues=local.queues if local is not None else (),
-            lease=local.lease if local is not None else 30.0,
-        )
-        if res.leased is not None and local is not None:
-            local._spawn(res.leased)  # no claim round trip for a run started in-process
+        now = self.store.clock()
+        deadline_at = None if limit is None else now + limit
+        eager = None
+        if local is not None:
+            # an in-process worker runs the first workflow task now, so the run and
+            # that task's commands are stored in one commit (no claim, no second commit)
+            data: dict[str, Any] = {"workflow": wf.name}
+            if deadline_at is not None:
+                data["deadline_at"] = deadline_at
+            eager = local.eager_start(wf, rid, text, data, now)
+        try:
+            res = await self.store.create_run(
+                run_id=rid,
+                workflow=wf.name,
+                queue=wf.queue,
+                input=text,
+                deadline_at=deadline_at,
+                tenant=tenant,
+                on_limit=on_limit,
+                lease_to=local.id if local is not None else None,
+                lease_queues=local.queues if local is not None else (),
+                lease=local.lease if local is not None else 30.0,
+                first=eager[1] if eager is not None else None,
+                lease_limit=local.free_slots() if local is not None else 0,
+            )
+        except BaseException:
+            if eager is not None:
+                eager[0].close()
+            raise
+        if local is not None:
+            if eager is not None:
+                local.adopt_start(eager[0], res)
+            elif res.leased is not None:
+                local._spawn(res.leased)  # no claim round trip for a run started in-process
         return Run(self, res.run.run_id, wf)
 
     def _local_worker(self, queue: str) -> Worker | None:
@@ -669,6 +719,7 @@ class App:
             # in-process commits wake us at once; polling covers other processes
             poll = 0.25
             while True:
+                ev.clear()  # before the read: a commit during the read must still wake us
                 found = await self.store.get_run(run_id)
                 if found is None and not may_not_exist:
                     raise RunNotFoundError(run_id)
@@ -684,7 +735,6 @@ class App:
                             "it goes on running: call result() again to keep waiting"
                         )
                     wait = min(wait, left)
-                ev.clear()
                 try:
                     await asyncio.wait_for(ev.wait(), wait)
                 except TimeoutError:

@@ -70,12 +70,17 @@ def convert(value: Any, tp: Any, what: str = "value") -> Any:
     """Validate a plain decoded value into type ``tp`` (no-op for ``Any``/missing)."""
     if tp is inspect.Parameter.empty or tp is Any or tp is None:
         return value
+    if tp in _SCALARS and type(value) is tp:
+        return value  # already the exact type: nothing for validation to do
     try:
         return _adapter(tp).validate_python(value)
     except pydantic.ValidationError as exc:
         raise PayloadError(f"{what} does not match its annotated type {tp!r}: {exc}") from exc
     except pydantic.PydanticSchemaGenerationError:
         return value
+
+
+_SCALARS = (str, int, float, bool)
 
 
 class Signature:
@@ -91,9 +96,18 @@ class Signature:
         self.return_type: Any = hints.get("return", inspect.Parameter.empty)
         self.params = list(self.sig.parameters.values())
         self.param_types = [hints.get(p.name, inspect.Parameter.empty) for p in self.params]
+        #: positional call with exactly this many arguments always binds (no kwargs,
+        #: defaults or *args to consider); None when the signature is not that simple
+        self._plain_arity: int | None = (
+            len(self.params)
+            if all(p.kind is p.POSITIONAL_OR_KEYWORD and p.default is p.empty for p in self.params)
+            else None
+        )
 
     def check_args(self, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
         """Raise PayloadError (a TypeError) naming the function if the arguments do not bind."""
+        if not kwargs and len(args) == self._plain_arity:
+            return
         try:
             self.sig.bind(*args, **kwargs)
         except TypeError as exc:

@@ -23,7 +23,8 @@ import uuid
 from collections.abc import Collection, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ._activity_context import ActivityContext, set_context
+from ._activity_context import ActivityContext, reset_context, set_context
+from ._batch import run_batch
 from ._breaker import CircuitOpenError
 from ._classify import classify, ratelimit_pause
 from ._errors import LeaseLostError, NonRetryable, PayloadError, StoreError, TetherError
@@ -34,6 +35,8 @@ from .workflow._instance import WorkflowInstance
 
 if TYPE_CHECKING:
     from ._app import App
+    from ._definitions import Workflow
+    from .store.base import StartResult, WorkflowTaskResult
 
 log = logging.getLogger("tether.worker")
 
@@ -81,6 +84,8 @@ class Worker:
         #: what its crashed predecessor held, instead of waiting for the leases to expire
         self._stable_id = worker_id is not None
         self._threads = threads or min(32, concurrency)
+        #: items of running batches beyond the first of each: a batch takes one slot
+        self._batch_extra = 0
         self._cache: collections.OrderedDict[str, WorkflowInstance] = collections.OrderedDict()
         self._inflight: dict[int, tuple[Task, asyncio.Task[None], ActivityContext | None]] = {}
         self._stopping = False
@@ -217,8 +222,12 @@ class Worker:
             and not self._stopping
             and self._loop is loop
             and queue in self.queues
-            and len(self._inflight) < self.concurrency
+            and self.free_slots() > 0
         )
+
+    def free_slots(self) -> int:
+        """How many more tasks this worker may hold (tasks leased to it on commit)."""
+        return max(0, self.concurrency - len(self._inflight) + self._batch_extra)
 
     def _on_commit(self, ready: set[str], finished: set[str]) -> None:
         # called on the store's thread after each commit
@@ -235,7 +244,7 @@ class Worker:
         self._renewer = asyncio.create_task(self._renew_loop())
         failures = 0
         while not self._stopping:
-            free = self.concurrency - len(self._inflight)
+            free = self.free_slots()
             if free <= 0:
                 self._slot.clear()
                 await self._slot.wait()
@@ -251,8 +260,7 @@ class Worker:
                 log.warning("claim failed (%s); retrying", exc)
                 await asyncio.sleep(min(5.0, 0.1 * 2**failures))
                 continue
-            for task in tasks:
-                self._spawn(task)
+            self._spawn_claimed(tasks)
             if tasks:
                 continue
             timeout = self.poll_interval
@@ -277,6 +285,33 @@ class Worker:
                     await asyncio.wait_for(self._wake.wait(), timeout)
                 except TimeoutError:
                     pass
+
+    def _spawn_claimed(self, tasks: list[Task]) -> None:
+        """Start what a claim returned: tasks of one batch together, the rest one by one."""
+        batches: dict[int, list[Task]] = {}
+        for task in tasks:
+            if task.batch_id is None:
+                self._spawn(task)
+            else:
+                batches.setdefault(task.batch_id, []).append(task)
+        for batch in batches.values():
+            self._spawn_batch(batch)
+
+    def _spawn_batch(self, tasks: list[Task]) -> None:
+        """Run a batched activity once for ``tasks``, in one slot; each task stays in
+        flight (renewed, released on stop) under its own id until it is recorded."""
+        if self._stopping:
+            self._unstarted.extend(tasks)
+            return
+        t = asyncio.create_task(run_batch(self, tasks))
+        self._batch_extra += len(tasks) - 1
+        t.add_done_callback(functools.partial(self._batch_done, len(tasks) - 1))
+        for task in tasks:
+            self._inflight[task.task_id] = (task, t, None)
+            t.add_done_callback(functools.partial(self._done, task.task_id))
+
+    def _batch_done(self, extra: int, t: asyncio.Task[None]) -> None:
+        self._batch_extra -= extra
 
     def _spawn(self, task: Task) -> None:
         if self._stopping:
@@ -336,7 +371,11 @@ class Worker:
                 if cancelled is None or cancelled:
                     if ctx is not None:
                         ctx._cancelled.set()
-                    if t.kind == "activity" and not (ctx is not None and ctx._returned):
+                    if (
+                        t.kind == "activity"
+                        and t.batch_id is None  # a batch runs on for its other items
+                        and not (ctx is not None and ctx._returned)
+                    ):
                         # lost the lease (nothing this attempt does can be committed) or
                         # the run was cancelled: async activities see CancelledError at
                         # their next await; sync ones see ctx.is_cancelled. One that has
@@ -357,17 +396,63 @@ class Worker:
                 if candidate is not None and candidate not in keep:
                     candidate.close()
             for kept in keep:
-                if kept.finished or (
-                    not self.cache_waiting and kept.waits_only_on_time_or_events()
-                ):
-                    # a run that waits for a timer or a signal costs no memory: its
-                    # history is its state, replayed (cheaply) when it wakes
-                    kept.close()
-                    continue
-                self._cache[task.run_id] = kept
-                while len(self._cache) > self.cache_size:
-                    _, evicted = self._cache.popitem(last=False)
-                    evicted.close()
+                self._keep(task.run_id, kept)
+
+    def _keep(self, run_id: str, inst: WorkflowInstance) -> None:
+        """Cache a committed instance so the run's next task costs O(new events)."""
+        if inst.finished or (not self.cache_waiting and inst.waits_only_on_time_or_events()):
+            # a run that waits for a timer or a signal costs no memory: its
+            # history is its state, replayed (cheaply) when it wakes
+            inst.close()
+            return
+        self._cache[run_id] = inst
+        while len(self._cache) > self.cache_size:
+            _, evicted = self._cache.popitem(last=False)
+            evicted.close()
+
+    # -- eager start: the first workflow task of a run started in this process ----
+
+    def eager_start(
+        self, wf: Workflow[Any, Any], run_id: str, input_text: str, data: dict[str, Any], now: float
+    ) -> tuple[WorkflowInstance, WorkflowTaskResult] | None:
+        """Run a new run's first workflow task before the run is stored.
+
+        ``app.start`` then records the run and this task's commands in one commit
+        (the activities it schedules leased to us), instead of one commit to create
+        the run and another to complete its first task. ``data`` is the start
+        event's data as the store will record it. None: take the ordinary path.
+        """
+        if self._stopping:
+            return None
+        start = Event(
+            run_id=run_id,
+            seq=1,
+            type=EventType.WORKFLOW_STARTED,
+            step=None,
+            data={**data, "input": json.loads(input_text)},
+            created_at=now,
+        )
+        inst = WorkflowInstance(run_id, wf)
+        try:
+            result = inst.advance([start], now)
+        except Exception:  # a bug in the code: the ordinary path records the failure
+            inst.close()
+            return None
+        return inst, result
+
+    def adopt_start(self, inst: WorkflowInstance, res: StartResult) -> None:
+        """Take over what ``create_run`` did with an eager first task (or drop it)."""
+        if res.first_marker is None:  # the run existed already or was queued
+            inst.close()
+            if res.leased is not None:
+                self._spawn(res.leased)
+            return
+        self.stats["workflow_tasks"] += 1
+        self.stats["eager_starts"] += 1
+        inst.committed(res.first_marker)
+        self._keep(res.run.run_id, inst)
+        for t in res.first_leased:
+            self._spawn(t)
 
     async def _advance_and_commit(
         self, task: Task, inst: WorkflowInstance | None, keep: list[WorkflowInstance]
@@ -432,7 +517,7 @@ class Worker:
                 lease_to=None if self._stopping else self.id,
                 lease_queues=self.queues,
                 lease=self.lease,
-                lease_limit=max(0, self.concurrency - len(self._inflight)),
+                lease_limit=self.free_slots(),
             )
         except (LeaseLostError, StoreError) as exc:
             if fresh is not None:
@@ -503,18 +588,24 @@ class Worker:
                 return
         try:
             args, kwargs = act.sig.decode_args(task.payload or "{}")
-            cv = contextvars.copy_context()
-            cv.run(set_context, ctx)
-            fut: asyncio.Future[Any]
             if act.is_async:
-                fut = asyncio.ensure_future(
-                    self._loop.create_task(act.fn(*args, **kwargs), context=cv)
-                )
+                # awaited inline, in this task's own context: no second task per step
+                token = set_context(ctx)
+                try:
+                    if timeout:
+                        async with asyncio.timeout(timeout):
+                            value = await act.fn(*args, **kwargs)
+                    else:
+                        value = await act.fn(*args, **kwargs)
+                finally:
+                    reset_context(token)
             else:
+                cv = contextvars.copy_context()
+                cv.run(set_context, ctx)
                 fut = self._loop.run_in_executor(
                     self._pool, functools.partial(cv.run, act.fn, *args, **kwargs)
                 )
-            value = await asyncio.wait_for(fut, timeout) if timeout else await fut
+                value = await asyncio.wait_for(fut, timeout) if timeout else await fut
             ctx._returned = True
             result = encode(value, f"result of activity {act.name!r}")
         except asyncio.CancelledError:
@@ -609,7 +700,7 @@ class Worker:
                 lease_to=self.id,
                 lease_queues=self.queues,
                 lease=self.lease,
-                lease_limit=max(0, self.concurrency - len(self._inflight)),
+                lease_limit=self.free_slots(),
             )
         except LeaseLostError:
             inst.close()

@@ -51,6 +51,9 @@ class _Tx:
     skip_locked: str = ""  #: " FOR UPDATE SKIP LOCKED" where supported
     ready: set[str] = field(default_factory=set)
     finished: set[str] = field(default_factory=set)
+    #: queues known to have limits or not, asked once per operation (the SQLite store
+    #: shares one dict per batch: its write lock keeps other processes out meanwhile)
+    limited: dict[str, bool] = field(default_factory=dict)
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> Any:
         """Run one statement; ``?`` placeholders are translated for the backend."""
@@ -127,6 +130,8 @@ class OpsStore(Store):
         lease_to: str | None = None,
         lease_queues: Sequence[str] = (),
         lease: float = 30.0,
+        first: WorkflowTaskResult | None = None,
+        lease_limit: int = 0,
     ) -> StartResult:
         result: StartResult = await self._do(
             _create_run,
@@ -140,6 +145,8 @@ class OpsStore(Store):
             lease_to,
             tuple(lease_queues),
             lease,
+            first,
+            lease_limit,
         )
         return result
 
@@ -392,6 +399,43 @@ def _append(
     return seq
 
 
+#: an event waiting to be appended: (type, step, data, raw payloads)
+_Pending = tuple[EventType, int | None, dict[str, Any], dict[str, str] | None]
+
+
+def _append_many(tx: _Tx, run_id: str, events: list[_Pending], next_seq: int | None = None) -> int:
+    """Append ``events`` to one run's history with one counter update and one INSERT.
+
+    ``next_seq`` is the run's counter when the caller already read it under the
+    write lock (saving the ``RETURNING`` read). Returns the seq of the last event.
+    """
+    n = len(events)
+    if next_seq is None:
+        row = tx.execute(
+            "UPDATE runs SET next_seq = next_seq + ?, updated_at = ? WHERE run_id = ? "
+            "RETURNING next_seq - ?",
+            (n, tx.now, run_id, n),
+        ).fetchone()
+        if row is None:
+            raise RunNotFoundError(run_id)
+        first: int = row[0]
+    else:
+        first = next_seq
+        tx.execute(
+            "UPDATE runs SET next_seq = ?, updated_at = ? WHERE run_id = ?",
+            (first + n, tx.now, run_id),
+        )
+    params: list[Any] = []
+    for i, (type_, step, data, raw) in enumerate(events):
+        params += (run_id, first + i, type_.value, step, _json(data, raw), tx.now)
+    tx.execute(
+        "INSERT INTO events (run_id, seq, type, step, data, created_at) VALUES "
+        + ",".join(["(?,?,?,?,?,?)"] * n),
+        params,
+    )
+    return first + n - 1
+
+
 def _ensure_workflow_task(
     tx: _Tx,
     run_id: str,
@@ -463,7 +507,9 @@ def _insert_run(
     lease_to: str | None = None,
     lease_queues: tuple[str, ...] = (),
     lease: float = 30.0,
+    task: bool = True,
 ) -> Task | None:
+    """Insert a run and its start event; unless ``queued`` or not ``task``, its workflow task."""
     tx.execute(
         "INSERT INTO runs (run_id, workflow, status, queue, input, parent_run_id, parent_step, "
         "created_at, updated_at, tenant) VALUES (?,?,?,?,?,?,?,?,?,?)",
@@ -490,7 +536,7 @@ def _insert_run(
             (run_id, queue, deadline_at, tx.now),
         )
     _append(tx, run_id, EventType.WORKFLOW_STARTED, None, data, {"input": input})
-    if queued:  # a queued run gets its workflow task when it is admitted (_promote)
+    if queued or not task:  # a queued run gets its workflow task when admitted (_promote)
         return None
     return _ensure_workflow_task(tx, run_id, queue, workflow, lease_to, lease_queues, lease)
 
@@ -507,6 +553,8 @@ def _create_run(
     lease_to: str | None = None,
     lease_queues: tuple[str, ...] = (),
     lease: float = 30.0,
+    first: WorkflowTaskResult | None = None,
+    lease_limit: int = 0,
 ) -> StartResult:
     row = tx.execute(f"SELECT {_RUN_COLS} FROM runs WHERE run_id = ?", (run_id,)).fetchone()
     if row is not None:
@@ -530,6 +578,8 @@ def _create_run(
             if on_limit != "queue":
                 raise AdmissionLimitError(tenant, limit, running)
             queued = True
+    # the caller ran the first workflow task already: record it here, with no task row
+    eager = first is not None and not queued and lease_to is not None and queue in lease_queues
     leased = _insert_run(
         tx,
         run_id,
@@ -542,7 +592,28 @@ def _create_run(
         lease_to=lease_to,
         lease_queues=lease_queues,
         lease=lease,
+        task=not eager,
     )
+    if eager:
+        assert first is not None
+        marker, acts, ended = _apply_workflow_result(
+            tx,
+            run_id,
+            (RunStatus.PENDING.value, queue, None, None, workflow),
+            first,
+            [],
+            2,  # the start event took seq 1
+            lease_to,
+            lease_queues,
+            lease,
+            lease_limit,
+        )
+        if not ended:
+            tx.execute("UPDATE runs SET status = 'running' WHERE run_id = ?", (run_id,))
+        row = tx.execute(f"SELECT {_RUN_COLS} FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+        return StartResult(
+            run=_run_from_row(row), created=True, first_marker=marker, first_leased=tuple(acts)
+        )
     row = tx.execute(f"SELECT {_RUN_COLS} FROM runs WHERE run_id = ?", (run_id,)).fetchone()
     if leased is not None:  # hand the worker the history too: it needs no read to start
         events = _read_history(tx, run_id, 0)
@@ -653,14 +724,26 @@ def _claim_with_wake(
         tasks += got
         if gate is not None:
             wake = gate if wake is None else min(wake, gate)
+    batched = 0  # tasks beyond the first of each batch: a batch takes one slot
     if len(tasks) < limit and queues:
-        got, gate = _claim_dependencies(tx, worker_id, queues, limit - len(tasks), lease)
+        got, gate = _claim_batches(tx, worker_id, queues, limit - len(tasks), lease)
+        batched = len(got) - len({t.batch_id for t in got})
         tasks += got
         if gate is not None:
             wake = gate if wake is None else min(wake, gate)
-    if len(tasks) < limit:
+    if len(tasks) - batched < limit and queues:
+        got, gate = _claim_dependencies(tx, worker_id, queues, limit - len(tasks) + batched, lease)
+        tasks += got
+        if gate is not None:
+            wake = gate if wake is None else min(wake, gate)
+    if len(tasks) - batched < limit:
         tasks += _claim_plain(
-            tx, worker_id, queues, tuple(r[0] for r in limited), limit - len(tasks), lease
+            tx,
+            worker_id,
+            queues,
+            tuple(r[0] for r in limited),
+            limit - len(tasks) + batched,
+            lease,
         )
     return tasks, wake
 
@@ -705,6 +788,140 @@ _LEASE_SET = (
 )
 
 
+# -- batches (tether.Batch) ------------------------------------------------------
+
+
+def _batch_cols(data: dict[str, Any]) -> tuple[str | None, int | None, float | None]:
+    """The ``batch_key, batch_max, batch_wait`` columns of an ActivityScheduled's task."""
+    batch = data.get("batch")
+    if not batch:
+        return None, None, None
+    return str(batch["key"]), int(batch["max_items"]), float(batch["max_wait"])
+
+
+def _claim_batches(
+    tx: _Tx, worker_id: str, queues: tuple[str, ...], limit: int, lease: float
+) -> tuple[list[Task], float | None]:
+    """Lease up to ``limit`` batches of batched activity tasks; say when the next is due.
+
+    Ready tasks are grouped by (batch key, queue). A group yields a batch when
+    ``batch_max`` of them are ready or the oldest became ready ``batch_wait``
+    seconds ago; the batch is its oldest ``batch_max`` tasks. A batch is one call:
+    one of the worker's slots, one running task under the queue's
+    ``max_concurrency``, one rate-limit token. The candidates are locked first
+    (SKIP LOCKED on PostgreSQL) and the rule is checked on what was locked, so
+    concurrent claimers never share a task and never flush a partial batch early.
+    Every task of a batch gets ``batch_id``, its first task's id (also stored, so
+    limits count the batch once). The second value is the earliest time a waiting
+    group becomes due, or a throttled queue may let a batch through.
+    """
+    marks = ",".join("?" * len(queues))
+    groups = tx.execute(
+        "SELECT t.batch_key, t.queue, count(*), min(t.available_at), min(t.batch_max), "
+        "min(t.batch_wait) FROM tasks t WHERE t.batch_key IS NOT NULL AND t.available_at <= ? "
+        f"AND t.queue IN ({marks}) AND {_NOT_SUSPENDED} GROUP BY t.batch_key, t.queue "
+        "ORDER BY min(t.available_at)",
+        (tx.now, *queues),
+    ).fetchall()
+    tasks: list[Task] = []
+    wake: float | None = None
+    batches = 0
+    for key, queue, ready, oldest, size, wait in groups:
+        size, wait = int(size), float(wait)
+        if int(ready) < size and float(oldest) + wait > tx.now:
+            due = float(oldest) + wait  # not full yet: flush it when the oldest has waited
+            wake = due if wake is None else min(wake, due)
+            continue
+        while batches < limit:
+            allowed, gate = _batch_allowed(tx, queue)
+            if gate is not None:
+                wake = gate if wake is None else min(wake, gate)
+            if not allowed:
+                break
+            rows = tx.execute(
+                "SELECT t.task_id, t.available_at FROM tasks t WHERE t.batch_key = ? "
+                f"AND t.queue = ? AND t.available_at <= ? AND {_NOT_SUSPENDED} "
+                f"ORDER BY t.available_at, t.task_id LIMIT ?{tx.skip_locked}",
+                (key, queue, tx.now, size),
+            ).fetchall()
+            if not rows:
+                break
+            due = float(rows[0][1]) + wait
+            if len(rows) < size and due > tx.now:
+                wake = due if wake is None else min(wake, due)
+                break  # what is left (or not locked by others) is not a batch yet
+            ids = [r[0] for r in rows]
+            leased = tx.execute(
+                "UPDATE tasks SET lease_owner = ?, "
+                "available_at = ? + COALESCE(heartbeat_timeout, ?), fence = fence + 1, "
+                "attempt = attempt + 1, batch_id = ? WHERE task_id IN "
+                f"({','.join('?' * len(ids))}) RETURNING {_TASK_COLS}",
+                (worker_id, tx.now, lease, ids[0], *ids),
+            ).fetchall()
+            rank = {tid: i for i, tid in enumerate(ids)}
+            got = sorted((_task_from_row(r) for r in leased), key=lambda t: rank[t.task_id])
+            tasks += [dataclasses.replace(t, batch_id=ids[0]) for t in got]
+            batches += 1
+            _spend_tokens(tx, queue, 1)
+            if len(rows) < size:
+                break  # every ready task of the group was taken
+    return tasks, wake
+
+
+def _batch_allowed(tx: _Tx, queue: str) -> tuple[bool, float | None]:
+    """Whether the limits of ``queue`` let one more batch start now; and when, if not.
+
+    The queue's ``queue_limits`` row (if any) is already locked by this claim.
+    """
+    row = tx.execute(
+        f"SELECT {_QL_COLS} FROM queue_limits WHERE queue = ?{tx.for_update}", (queue,)
+    ).fetchone()
+    if row is None:
+        return True, None
+    _q, cap, rate, burst, tokens, refilled_at, _k, _f, _p, paused_until, _c = row
+    if paused_until is not None and float(paused_until) > tx.now:
+        return False, float(paused_until)
+    if cap is not None:
+        (running,) = tx.execute(
+            f"SELECT {_CALLS} FROM tasks WHERE queue = ? AND kind = 'activity' AND {_RUNNING}",
+            (queue, tx.now),
+        ).fetchone()
+        if int(running) >= int(cap):
+            return False, None  # at its concurrency cap: a completion wakes the workers
+    if rate is not None:
+        have = _tokens_now(tx, rate, burst, tokens, refilled_at)
+        if have < 1.0 - 1e-9:
+            return False, tx.now + (1.0 - have) / float(rate)  # the next token
+    return True, None
+
+
+def _spend_tokens(tx: _Tx, queue: str, n: int) -> None:
+    """Take ``n`` tokens from the bucket of ``queue``, if it has a rate limit."""
+    row = tx.execute(
+        "SELECT rate, burst, tokens, refilled_at FROM queue_limits WHERE queue = ?", (queue,)
+    ).fetchone()
+    if row is None or row[0] is None or n <= 0:
+        return
+    left = _tokens_now(tx, row[0], row[1], row[2], row[3]) - n
+    tx.execute(
+        "UPDATE queue_limits SET tokens = ?, refilled_at = ? WHERE queue = ?",
+        (left, tx.now, queue),
+    )
+
+
+def _batch_due(tx: _Tx, queues: tuple[str, ...]) -> float | None:
+    """When a batched task on ``queues`` is next due: a waiting one when its batch is
+    flushed (ready since ``available_at``, plus ``batch_wait``), others at ``available_at``."""
+    marks = ",".join("?" * len(queues))
+    row = tx.execute(
+        "SELECT min(CASE WHEN available_at > ? THEN available_at "
+        "ELSE available_at + batch_wait END) FROM tasks "
+        f"WHERE batch_key IS NOT NULL AND queue IN ({marks})",
+        (tx.now, *queues),
+    ).fetchone()
+    return None if row is None or row[0] is None else float(row[0])
+
+
 def _claim_plain(
     tx: _Tx,
     worker_id: str,
@@ -715,7 +932,8 @@ def _claim_plain(
 ) -> list[Task]:
     """Queues without limits (and non-activity tasks of limited ones): by priority, then age."""
     marks = ",".join("?" * len(queues))
-    skip = "AND t.dependency IS NULL "  # claimed by _claim_dependencies
+    # claimed by _claim_dependencies and _claim_batches
+    skip = "AND t.dependency IS NULL AND t.batch_key IS NULL "
     if limited:
         skip += f"AND NOT (t.kind = 'activity' AND t.queue IN ({','.join('?' * len(limited))})) "
     if tx.skip_locked:
@@ -750,6 +968,8 @@ _QL_COLS = (
     "pause_on_429, paused_until, fair_cursor"
 )
 _RUNNING = "lease_owner IS NOT NULL AND available_at > ?"  #: a live lease
+#: running activity calls among the selected tasks: a batch (tether.Batch) is one call
+_CALLS = "count(DISTINCT COALESCE(batch_id, task_id))"
 
 
 def _lock_queue_limits(tx: _Tx, queues: tuple[str, ...]) -> list[tuple[Any, ...]]:
@@ -791,7 +1011,7 @@ def _claim_limited(
     budget = limit
     if cap is not None:
         (running,) = tx.execute(
-            f"SELECT count(*) FROM tasks WHERE {col} = ? AND kind = 'activity' AND {_RUNNING}",
+            f"SELECT {_CALLS} FROM tasks WHERE {col} = ? AND kind = 'activity' AND {_RUNNING}",
             (q, tx.now),
         ).fetchone()
         budget = min(budget, int(cap) - int(running))
@@ -807,7 +1027,8 @@ def _claim_limited(
     if served is not None:
         ready += f" AND t.queue IN ({','.join('?' * len(served))})"
     else:
-        ready += " AND t.dependency IS NULL"  # claimed under their dependency's limiter
+        # claimed under their dependency's limiter, or as batches (_claim_batches)
+        ready += " AND t.dependency IS NULL AND t.batch_key IS NULL"
     if (key_cap is None and not fair) or served is not None:
         ids = [
             r[0]
@@ -950,180 +1171,11 @@ def _complete_workflow_task(
     lease_limit: int,
 ) -> tuple[int, list[Task]]:
     _check_fence(tx, task)
-    status, run_queue, parent_run_id, parent_step, workflow = _run_row(tx, task.run_id)
-    if status == RunStatus.SUSPENDED.value:
-        lease_to = None  # suspended while this task ran: dispatch nothing locally
-    leased: list[Task] = []
-    limited: dict[str, bool] = {}
-    ending: Command | None = None
-    for cmd in result.commands:
-        _append(tx, task.run_id, cmd.type, cmd.step, cmd.data, cmd.raw)
-        t = cmd.type
-        if t is EventType.ACTIVITY_SCHEDULED and cmd.data.get("reused"):
-            # a result kept from before an operator's retry: record it, run nothing
-            _append(
-                tx,
-                task.run_id,
-                EventType.ACTIVITY_COMPLETED,
-                cmd.step,
-                {"attempt": 0, "reused": True},
-                {"result": cmd.raw.get("result", "null")},
-            )
-        elif t is EventType.ACTIVITY_SCHEDULED:
-            q = cmd.data["queue"]
-            hb_timeout = (cmd.data.get("options") or {}).get("heartbeat_timeout")
-            dep = cmd.data.get("dependency")
-            if dep is not None:
-                _ensure_dependency(tx, dep, cmd.data.get("dependency_limits") or {})
-            local = (
-                lease_to is not None
-                and q in lease_queues
-                and len(leased) < lease_limit
-                and dep is None  # a dependency's work goes through the claim
-            )
-            if local:
-                if q not in limited:
-                    limited[q] = _has_limits(tx, q)
-                local = not limited[q]  # a limited queue's work goes through the claim
-            row = tx.execute(
-                "INSERT INTO tasks (run_id, kind, step, queue, name, payload, options, "
-                "available_at, lease_owner, fence, attempt, heartbeat_timeout, priority, "
-                "limit_key, dependency, created_at) "
-                "VALUES (?, 'activity', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
-                f"ON CONFLICT DO NOTHING RETURNING {_TASK_COLS}",
-                (
-                    task.run_id,
-                    cmd.step,
-                    q,
-                    cmd.data["name"],
-                    cmd.raw.get("args", "{}"),
-                    json.dumps(cmd.data.get("options", {})),
-                    tx.now + (hb_timeout or lease) if local else tx.now,
-                    lease_to if local else None,
-                    1 if local else 0,
-                    1 if local else 0,
-                    hb_timeout,
-                    int(cmd.data.get("priority") or 0),
-                    cmd.data.get("limit_key"),
-                    dep,
-                    tx.now,
-                ),
-            ).fetchone()
-            if local and row is not None:
-                leased.append(_task_from_row(row))
-            else:
-                tx.ready.add(q)
-        elif t is EventType.TIMER_STARTED:
-            tx.execute(
-                "INSERT INTO tasks (run_id, kind, step, queue, available_at, created_at) "
-                "VALUES (?, 'timer', ?, ?, ?, ?) ON CONFLICT DO NOTHING",
-                (task.run_id, cmd.step, run_queue, cmd.data["fire_at"], tx.now),
-            )
-            tx.ready.add(run_queue)
-        elif t is EventType.TIMER_CANCELLED:
-            tx.execute(
-                "DELETE FROM tasks WHERE run_id = ? AND step = ? AND kind = 'timer'",
-                (task.run_id, cmd.data["timer_step"]),
-            )
-        elif t is EventType.ACTIVITY_CANCEL_REQUESTED:
-            target = cmd.data["activity_step"]
-            tx.execute(
-                "DELETE FROM tasks WHERE run_id = ? AND step = ? AND kind = 'activity' "
-                "AND lease_owner IS NULL",
-                (task.run_id, target),
-            )
-            tx.execute(
-                "UPDATE tasks SET cancel_requested = 1 WHERE run_id = ? AND step = ? "
-                "AND kind = 'activity'",
-                (task.run_id, target),
-            )
-        elif t is EventType.CHILD_STARTED:
-            child = cmd.data["child_run_id"]
-            exists = tx.execute(
-                "SELECT parent_run_id FROM runs WHERE run_id = ?", (child,)
-            ).fetchone()
-            if exists is None:
-                _insert_run(
-                    tx,
-                    child,
-                    cmd.data["workflow"],
-                    cmd.data["queue"],
-                    cmd.raw["input"],
-                    task.run_id,
-                    cmd.step,
-                )
-            elif exists[0] != task.run_id:
-                _append(
-                    tx,
-                    task.run_id,
-                    EventType.CHILD_FAILED,
-                    cmd.step,
-                    {
-                        "child_run_id": child,
-                        "status": "failed",
-                        "error": {
-                            "type": "RunIdConflictError",
-                            "message": f"run id {child!r} is already used by another run",
-                        },
-                    },
-                )
-        elif t is EventType.CHILD_CANCEL_REQUESTED:
-            child = cmd.data["child_run_id"]
-            row = tx.execute("SELECT status FROM runs WHERE run_id = ?", (child,)).fetchone()
-            if row is not None and not RunStatus(row[0]).is_terminal:
-                _cancel(tx, child, f"parent run {task.run_id!r} stopped waiting for it")
-        elif t is EventType.STATUS_SET:
-            tx.execute(
-                "UPDATE runs SET custom_status = ? WHERE run_id = ?",
-                (cmd.raw.get("value", "null"), task.run_id),
-            )
-        elif t in (
-            EventType.WORKFLOW_COMPLETED,
-            EventType.WORKFLOW_FAILED,
-            EventType.WORKFLOW_CANCELLED,
-            EventType.WORKFLOW_TIMED_OUT,
-            EventType.WORKFLOW_NEEDS_INTERVENTION,
-            EventType.CONTINUED_AS_NEW,
-        ):
-            ending = cmd
-    marker = _append(
-        tx,
-        task.run_id,
-        EventType.WORKFLOW_TASK_COMPLETED,
-        None,
-        (
-            {"through": result.through, "time": result.time, "version": result.version}
-            if result.version is not None
-            else {"through": result.through, "time": result.time}
-        ),
+    run = _run_row(tx, task.run_id)
+    marker, leased, ended = _apply_workflow_result(
+        tx, task.run_id, run, result, [], None, lease_to, lease_queues, lease, lease_limit
     )
-    if ending is not None:
-        if ending.type is EventType.WORKFLOW_COMPLETED:
-            _finish(tx, task.run_id, RunStatus.COMPLETED, output=ending.raw.get("result", "null"))
-        elif ending.type is EventType.WORKFLOW_FAILED:
-            _finish(tx, task.run_id, RunStatus.FAILED, error=ending.data["error"])
-        elif ending.type is EventType.WORKFLOW_TIMED_OUT:
-            _finish(tx, task.run_id, RunStatus.TIMED_OUT, error=ending.data.get("error"))
-        elif ending.type is EventType.WORKFLOW_NEEDS_INTERVENTION:
-            _finish(tx, task.run_id, RunStatus.NEEDS_INTERVENTION, error=ending.data["error"])
-        elif ending.type is EventType.WORKFLOW_CANCELLED:
-            _finish(tx, task.run_id, RunStatus.CANCELLED, error=ending.data.get("error"))
-        else:
-            nxt = ending.data["next_run_id"]
-            _finish(tx, task.run_id, RunStatus.CONTINUED_AS_NEW, continued_to=nxt)
-            (tenant,) = tx.execute(
-                "SELECT tenant FROM runs WHERE run_id = ?", (task.run_id,)
-            ).fetchone()
-            _insert_run(
-                tx,
-                nxt,
-                workflow,
-                run_queue,
-                ending.raw["input"],
-                parent_run_id,
-                parent_step,
-                tenant=tenant,
-            )
+    if ended:
         return marker, []
     tx.execute(
         "UPDATE runs SET status = CASE status WHEN 'pending' THEN 'running' ELSE status END, "
@@ -1141,10 +1193,207 @@ def _complete_workflow_task(
             "UPDATE tasks SET lease_owner = NULL, available_at = ? WHERE task_id = ?",
             (tx.now, task.task_id),
         )
-        tx.ready.add(run_queue)
+        tx.ready.add(run[1])
     else:
         tx.execute("DELETE FROM tasks WHERE task_id = ?", (task.task_id,))
     return marker, leased
+
+
+def _apply_workflow_result(
+    tx: _Tx,
+    run_id: str,
+    run: tuple[Any, ...],
+    result: WorkflowTaskResult,
+    events: list[_Pending],
+    next_seq: int | None,
+    lease_to: str | None,
+    lease_queues: tuple[str, ...],
+    lease: float,
+    lease_limit: int,
+) -> tuple[int, list[Task], bool]:
+    """Record a workflow task's commands and act on them (tasks, children, the end).
+
+    ``run`` is the run's ``_run_row``; ``events`` are appended before the
+    commands (the fast path's activity result), all in one history write.
+    Returns (marker seq, activity tasks leased to ``lease_to``, run ended).
+    """
+    status, run_queue, parent_run_id, parent_step, workflow = run
+    if status == RunStatus.SUSPENDED.value:
+        lease_to = None  # suspended while this task ran: dispatch nothing locally
+    leased: list[Task] = []
+    ending: Command | None = None
+    for cmd in result.commands:
+        events.append((cmd.type, cmd.step, cmd.data, cmd.raw))
+        t = cmd.type
+        if t is EventType.ACTIVITY_SCHEDULED and cmd.data.get("reused"):
+            # a result kept from before an operator's retry: record it, run nothing
+            events.append(
+                (
+                    EventType.ACTIVITY_COMPLETED,
+                    cmd.step,
+                    {"attempt": 0, "reused": True},
+                    {"result": cmd.raw.get("result", "null")},
+                )
+            )
+        elif t is EventType.ACTIVITY_SCHEDULED:
+            q = cmd.data["queue"]
+            hb_timeout = (cmd.data.get("options") or {}).get("heartbeat_timeout")
+            dep = cmd.data.get("dependency")
+            if dep is not None:
+                _ensure_dependency(tx, dep, cmd.data.get("dependency_limits") or {})
+            batch = _batch_cols(cmd.data)
+            local = (
+                lease_to is not None
+                and q in lease_queues
+                and len(leased) < lease_limit
+                and dep is None  # a dependency's work goes through the claim
+                and batch[0] is None  # so does a batched call: the claim forms batches
+            )
+            if local:
+                local = not _has_limits(tx, q)  # a limited queue's work goes through the claim
+            row = tx.execute(
+                "INSERT INTO tasks (run_id, kind, step, queue, name, payload, options, "
+                "available_at, lease_owner, fence, attempt, heartbeat_timeout, priority, "
+                "limit_key, dependency, batch_key, batch_max, batch_wait, created_at) "
+                "VALUES (?, 'activity', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
+                f"ON CONFLICT DO NOTHING RETURNING {_TASK_COLS}",
+                (
+                    run_id,
+                    cmd.step,
+                    q,
+                    cmd.data["name"],
+                    cmd.raw.get("args", "{}"),
+                    json.dumps(cmd.data.get("options", {})),
+                    tx.now + (hb_timeout or lease) if local else tx.now,
+                    lease_to if local else None,
+                    1 if local else 0,
+                    1 if local else 0,
+                    hb_timeout,
+                    int(cmd.data.get("priority") or 0),
+                    cmd.data.get("limit_key"),
+                    dep,
+                    *batch,
+                    tx.now,
+                ),
+            ).fetchone()
+            if local and row is not None:
+                leased.append(_task_from_row(row))
+            else:
+                tx.ready.add(q)
+        elif t is EventType.TIMER_STARTED:
+            tx.execute(
+                "INSERT INTO tasks (run_id, kind, step, queue, available_at, created_at) "
+                "VALUES (?, 'timer', ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+                (run_id, cmd.step, run_queue, cmd.data["fire_at"], tx.now),
+            )
+            tx.ready.add(run_queue)
+        elif t is EventType.TIMER_CANCELLED:
+            tx.execute(
+                "DELETE FROM tasks WHERE run_id = ? AND step = ? AND kind = 'timer'",
+                (run_id, cmd.data["timer_step"]),
+            )
+        elif t is EventType.ACTIVITY_CANCEL_REQUESTED:
+            target = cmd.data["activity_step"]
+            tx.execute(
+                "DELETE FROM tasks WHERE run_id = ? AND step = ? AND kind = 'activity' "
+                "AND lease_owner IS NULL",
+                (run_id, target),
+            )
+            tx.execute(
+                "UPDATE tasks SET cancel_requested = 1 WHERE run_id = ? AND step = ? "
+                "AND kind = 'activity'",
+                (run_id, target),
+            )
+        elif t is EventType.CHILD_STARTED:
+            child = cmd.data["child_run_id"]
+            exists = tx.execute(
+                "SELECT parent_run_id FROM runs WHERE run_id = ?", (child,)
+            ).fetchone()
+            if exists is None:
+                _insert_run(
+                    tx,
+                    child,
+                    cmd.data["workflow"],
+                    cmd.data["queue"],
+                    cmd.raw["input"],
+                    run_id,
+                    cmd.step,
+                )
+            elif exists[0] != run_id:
+                events.append(
+                    (
+                        EventType.CHILD_FAILED,
+                        cmd.step,
+                        {
+                            "child_run_id": child,
+                            "status": "failed",
+                            "error": {
+                                "type": "RunIdConflictError",
+                                "message": f"run id {child!r} is already used by another run",
+                            },
+                        },
+                        None,
+                    )
+                )
+        elif t is EventType.CHILD_CANCEL_REQUESTED:
+            child = cmd.data["child_run_id"]
+            row = tx.execute("SELECT status FROM runs WHERE run_id = ?", (child,)).fetchone()
+            if row is not None and not RunStatus(row[0]).is_terminal:
+                _cancel(tx, child, f"parent run {run_id!r} stopped waiting for it")
+        elif t is EventType.STATUS_SET:
+            tx.execute(
+                "UPDATE runs SET custom_status = ? WHERE run_id = ?",
+                (cmd.raw.get("value", "null"), run_id),
+            )
+        elif t in (
+            EventType.WORKFLOW_COMPLETED,
+            EventType.WORKFLOW_FAILED,
+            EventType.WORKFLOW_CANCELLED,
+            EventType.WORKFLOW_TIMED_OUT,
+            EventType.WORKFLOW_NEEDS_INTERVENTION,
+            EventType.CONTINUED_AS_NEW,
+        ):
+            ending = cmd
+    events.append(
+        (
+            EventType.WORKFLOW_TASK_COMPLETED,
+            None,
+            (
+                {"through": result.through, "time": result.time, "version": result.version}
+                if result.version is not None
+                else {"through": result.through, "time": result.time}
+            ),
+            None,
+        )
+    )
+    marker = _append_many(tx, run_id, events, next_seq)
+    if ending is not None:
+        if ending.type is EventType.WORKFLOW_COMPLETED:
+            _finish(tx, run_id, RunStatus.COMPLETED, output=ending.raw.get("result", "null"))
+        elif ending.type is EventType.WORKFLOW_FAILED:
+            _finish(tx, run_id, RunStatus.FAILED, error=ending.data["error"])
+        elif ending.type is EventType.WORKFLOW_TIMED_OUT:
+            _finish(tx, run_id, RunStatus.TIMED_OUT, error=ending.data.get("error"))
+        elif ending.type is EventType.WORKFLOW_NEEDS_INTERVENTION:
+            _finish(tx, run_id, RunStatus.NEEDS_INTERVENTION, error=ending.data["error"])
+        elif ending.type is EventType.WORKFLOW_CANCELLED:
+            _finish(tx, run_id, RunStatus.CANCELLED, error=ending.data.get("error"))
+        else:
+            nxt = ending.data["next_run_id"]
+            _finish(tx, run_id, RunStatus.CONTINUED_AS_NEW, continued_to=nxt)
+            (tenant,) = tx.execute("SELECT tenant FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+            _insert_run(
+                tx,
+                nxt,
+                workflow,
+                run_queue,
+                ending.raw["input"],
+                parent_run_id,
+                parent_step,
+                tenant=tenant,
+            )
+        return marker, [], True
+    return marker, leased, False
 
 
 def _fail_workflow_task(tx: _Tx, task: Task, error: str, retry_at: float) -> None:
@@ -1164,7 +1413,7 @@ def _complete_activity(
     lease_queues: tuple[str, ...],
     lease: float,
 ) -> Task | None:
-    _check_fence(tx, task)
+    _take_task(tx, task)
     _append(
         tx,
         task.run_id,
@@ -1173,7 +1422,26 @@ def _complete_activity(
         {"attempt": task.attempt},
         {"result": result},
     )
-    tx.execute("DELETE FROM tasks WHERE task_id = ?", (task.task_id,))
+    return _after_activity(tx, task, lease_to, lease_queues, lease)
+
+
+def _take_task(tx: _Tx, task: Task) -> None:
+    """Delete a finished task's row, provided our lease on it still holds (its fence)."""
+    row = tx.execute(
+        "DELETE FROM tasks WHERE task_id = ? AND fence = ? RETURNING 1",
+        (task.task_id, task.fence),
+    ).fetchone()
+    if row is None:
+        raise LeaseLostError(
+            f"lease lost on {task.kind} task {task.task_id} of run {task.run_id!r}: another "
+            "worker took it over or the run ended; this worker's result was discarded"
+        )
+
+
+def _after_activity(
+    tx: _Tx, task: Task, lease_to: str | None, lease_queues: tuple[str, ...], lease: float
+) -> Task | None:
+    """Wake claimers of a limited queue and make sure the run gets a workflow task."""
     if task.dependency is not None or _has_limits(tx, task.queue):
         tx.ready.add(task.queue)  # a slot under its concurrency cap is free: wake claimers
     _, run_queue, _p, _s, workflow = _run_row(tx, task.run_id)
@@ -1416,26 +1684,35 @@ def _list_runs(
 
 
 def _next_due(tx: _Tx, queues: tuple[str, ...]) -> float | None:
+    # batched tasks are due when their batch is (_batch_due), not when they became ready
     if tx.skip_locked:
         # PostgreSQL: one index endpoint lookup per queue (tasks_ready); min() over
         # ``queue IN (...)`` read every task of those queues on each idle poll
         row = tx.execute(
             "SELECT min(m.due) FROM unnest(?::text[]) AS q(name) CROSS JOIN LATERAL "
             "(SELECT t.available_at AS due FROM tasks t WHERE t.queue = q.name "
-            "ORDER BY t.available_at LIMIT 1) m",
+            "AND t.batch_key IS NULL ORDER BY t.available_at LIMIT 1) m",
             (list(queues),),
         ).fetchone()
-        return row[0] if row else None
-    marks = ",".join("?" * len(queues))
-    row = tx.execute(
-        f"SELECT min(available_at) FROM tasks WHERE queue IN ({marks})", queues
-    ).fetchone()
-    return row[0] if row else None
+    else:
+        marks = ",".join("?" * len(queues))
+        row = tx.execute(
+            f"SELECT min(available_at) FROM tasks WHERE queue IN ({marks}) AND batch_key IS NULL",
+            queues,
+        ).fetchone()
+    due: float | None = row[0] if row else None
+    batched = _batch_due(tx, queues) if queues else None
+    if batched is not None and (due is None or batched < due):
+        return batched
+    return due
 
 
 def _has_limits(tx: _Tx, queue: str) -> bool:
-    row = tx.execute("SELECT 1 FROM queue_limits WHERE queue = ?", (queue,)).fetchone()
-    return row is not None
+    known = tx.limited.get(queue)
+    if known is None:
+        row = tx.execute("SELECT 1 FROM queue_limits WHERE queue = ?", (queue,)).fetchone()
+        known = tx.limited[queue] = row is not None
+    return known
 
 
 def _pause_on_429(tx: _Tx, queue: str, seconds: float) -> float | None:
@@ -1455,6 +1732,7 @@ def _pause_on_429(tx: _Tx, queue: str, seconds: float) -> float | None:
 
 def _configure_queue(tx: _Tx, queue: str, cfg: dict[str, Any]) -> None:
     """Create or update a queue's limits, keeping its live bucket and pause."""
+    tx.limited.clear()  # queues cached as unlimited in this batch may not be now
     cols = ("max_concurrency", "rate", "burst", "key_concurrency", "fair", "pause_on_429")
     values = (
         cfg.get("max_concurrency"),
@@ -1497,6 +1775,7 @@ def _configure_queue(tx: _Tx, queue: str, cfg: dict[str, Any]) -> None:
 
 def _pause_queue(tx: _Tx, queue: str, until: float | None) -> None:
     """Set (or with None, clear) a queue's pause; an unconfigured queue gets a row."""
+    tx.limited.clear()  # queues cached as unlimited in this batch may not be now
     tx.execute(
         "INSERT INTO queue_limits (queue, fair, pause_on_429, updated_at) VALUES (?, 0, 0, ?) "
         "ON CONFLICT DO NOTHING",
@@ -1662,8 +1941,9 @@ def _pending_work(tx: _Tx, run_id: str, kept: list[Event], run_queue: str, fork:
                 _ensure_dependency(tx, e.data["dependency"], e.data.get("dependency_limits") or {})
             tx.execute(
                 "INSERT INTO tasks (run_id, kind, step, queue, name, payload, options, "
-                "available_at, heartbeat_timeout, priority, limit_key, dependency, created_at) "
-                "VALUES (?, 'activity', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "available_at, heartbeat_timeout, priority, limit_key, dependency, batch_key, "
+                "batch_max, batch_wait, created_at) "
+                "VALUES (?, 'activity', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     run_id,
                     e.step,
@@ -1676,6 +1956,7 @@ def _pending_work(tx: _Tx, run_id: str, kept: list[Event], run_queue: str, fork:
                     int(e.data.get("priority") or 0),
                     e.data.get("limit_key"),
                     e.data.get("dependency"),
+                    *_batch_cols(e.data),
                     tx.now,
                 ),
             )
@@ -1954,34 +2235,58 @@ def _complete_activity_fast(
 
     The worker holding the run in its cache computed the workflow task on the
     assumption that the result lands at ``expected_seq`` with nothing else new. If
-    that holds (and no workflow task is queued), both are committed here; otherwise
-    only the result is recorded, as ``complete_activity`` would, and the caller
-    drops its speculative instance. Returns (fast, marker seq, leased tasks,
-    workflow task leased on the slow path).
+    that holds (and no workflow task is queued), both are committed here, without
+    a workflow task row ever being written; otherwise only the result is recorded,
+    as ``complete_activity`` would, and the caller drops its speculative instance.
+    Returns (fast, marker seq, leased tasks, workflow task leased on the slow path).
     """
-    _check_fence(tx, task)
+    _take_task(tx, task)
     row = tx.execute(
-        f"SELECT next_seq, status, queue FROM runs WHERE run_id = ?{tx.for_update}",
+        "SELECT next_seq, status, queue, parent_run_id, parent_step, workflow, task_error, "
+        "(SELECT 1 FROM tasks WHERE tasks.run_id = runs.run_id AND kind = 'workflow') "
+        f"FROM runs WHERE run_id = ?{tx.for_update}",
         (task.run_id,),
-    ).fetchone()
-    busy = tx.execute(
-        "SELECT 1 FROM tasks WHERE run_id = ? AND kind = 'workflow'", (task.run_id,)
     ).fetchone()
     if (
         row is None
         or row[0] != expected_seq
         or row[1] not in (RunStatus.RUNNING.value, RunStatus.PENDING.value)
-        or busy is not None
+        or row[7] is not None  # a workflow task is queued: something else is new
         or row[2] not in lease_queues
     ):
-        slow = _complete_activity(tx, task, result, lease_to, lease_queues, lease)
+        # record the result alone, as complete_activity does (the row is gone already)
+        _append(
+            tx,
+            task.run_id,
+            EventType.ACTIVITY_COMPLETED,
+            task.step,
+            {"attempt": task.attempt},
+            {"result": result},
+        )
+        slow = _after_activity(tx, task, lease_to, lease_queues, lease)
         return False, 0, [], slow
-    wt = _complete_activity(tx, task, result, lease_to, (row[2],), lease)
-    if wt is None:  # pragma: no cover - checked above: no workflow task existed
-        return False, 0, [], None
-    marker, leased = _complete_workflow_task(
-        tx, wt, workflow_result, lease_to, lease_queues, lease, lease_limit
+    if task.dependency is not None or _has_limits(tx, task.queue):
+        tx.ready.add(task.queue)  # a slot under its concurrency cap is free: wake claimers
+    completed: list[_Pending] = [
+        (EventType.ACTIVITY_COMPLETED, task.step, {"attempt": task.attempt}, {"result": result})
+    ]
+    marker, leased, ended = _apply_workflow_result(
+        tx,
+        task.run_id,
+        (row[1], row[2], row[3], row[4], row[5]),
+        workflow_result,
+        completed,
+        expected_seq,
+        lease_to,
+        lease_queues,
+        lease,
+        lease_limit,
     )
+    if not ended and (row[1] != RunStatus.RUNNING.value or row[6] is not None):
+        tx.execute(
+            "UPDATE runs SET status = 'running', task_error = NULL WHERE run_id = ?",
+            (task.run_id,),
+        )
     return True, marker, leased, None
 
 

@@ -47,6 +47,10 @@ class StartResult:
     created: bool
     #: the run's first workflow task, when it was leased at once to ``lease_to``
     leased: Task | None = None
+    #: with ``first``: the seq of the marker that recorded it (None: it was not applied)
+    first_marker: int | None = None
+    #: with ``first``: the activity tasks it scheduled that were leased to ``lease_to``
+    first_leased: tuple[Task, ...] = ()
 
 
 class Store(abc.ABC):
@@ -69,11 +73,16 @@ class Store(abc.ABC):
         lease_to: str | None = None,
         lease_queues: Sequence[str] = (),
         lease: float = 30.0,
+        first: WorkflowTaskResult | None = None,
+        lease_limit: int = 0,
     ) -> StartResult:
         """Create a run with its first workflow task, or return the existing identical one.
 
         With ``lease_to`` (an in-process worker serving the run's queue), the first
         workflow task is leased to it in the same commit and returned, saving a claim.
+        With ``first`` as well (that worker already ran the first workflow task on
+        the run's start event), its commands are recorded in the same commit instead,
+        and up to ``lease_limit`` activities it schedules are leased to ``lease_to``.
 
         With ``deadline_at``, a deadline task fires ``DeadlineExceeded`` into the run then.
         With ``tenant``, the tenant's admission limit applies: at the limit the start

@@ -23,8 +23,8 @@ from importlib import resources
 from typing import Any
 
 from .._errors import StoreError
-from .._history import Task
-from ._ops import Op, OpsStore, _heartbeat, _Tx
+from .._history import RunInfo, Task
+from ._ops import Op, OpsStore, _get_run, _heartbeat, _Tx
 
 log = logging.getLogger("tether.store")
 
@@ -63,6 +63,13 @@ class SqliteStore(OpsStore):
         self._commits = 0
         self._ops = 0
         self._closed = False
+        self._busy_timeout = busy_timeout
+        self._idle = True  #: the writer thread is waiting for work
+        #: per-thread read-only connections for point reads that need not queue behind
+        #: the writer's commits (WAL readers never block it); none for ":memory:"
+        self._readers = threading.local()
+        self._reader_conns: list[sqlite3.Connection] = []
+        self._readers_lock = threading.Lock()
         if path != ":memory:":
             parent = os.path.dirname(os.path.abspath(path))
             if not os.path.isdir(parent):
@@ -137,7 +144,7 @@ class SqliteStore(OpsStore):
     def _check_columns(self) -> None:
         """Refuse a file made by a pre-release build whose schema lacks today's columns."""
         have = {r[1] for r in self._conn.execute("PRAGMA table_info(tasks)")}
-        missing = {"priority", "limit_key", "heartbeat_timeout", "dependency"} - have
+        missing = {"priority", "limit_key", "heartbeat_timeout", "dependency", "batch_key"} - have
         if "tenant" not in {r[1] for r in self._conn.execute("PRAGMA table_info(runs)")}:
             missing.add("runs.tenant")
         if missing:
@@ -150,7 +157,9 @@ class SqliteStore(OpsStore):
     def _loop(self) -> None:
         conn = self._conn
         while True:
+            self._idle = True
             item = self._queue.get()
+            self._idle = False
             if item is None:
                 break
             batch = [item]
@@ -209,8 +218,9 @@ class SqliteStore(OpsStore):
         if writes:
             conn.execute("BEGIN IMMEDIATE")
         now = self.clock()
+        limited: dict[str, bool] = {}  # one "has limits?" lookup per queue per batch
         for fn, args, write, fut in live:
-            tx = _Tx(conn, now)
+            tx = _Tx(conn, now, limited=limited)
             if savepoints and write:
                 conn.execute("SAVEPOINT op")
             try:
@@ -252,6 +262,44 @@ class SqliteStore(OpsStore):
         self._queue.put((fn, args, write, _LoopFuture(loop, fut)))
         return await fut
 
+    def _reader(self) -> sqlite3.Connection | None:
+        """This thread's read-only connection (opened on first use)."""
+        if self.path == ":memory:" or self._closed:
+            return None
+        conn: sqlite3.Connection | None = getattr(self._readers, "conn", None)
+        if conn is None:
+            conn = sqlite3.connect(
+                self.path,
+                isolation_level=None,
+                check_same_thread=False,
+                timeout=self._busy_timeout,
+            )
+            conn.execute("PRAGMA query_only = ON")
+            with self._readers_lock:
+                self._reader_conns.append(conn)
+            self._readers.conn = conn
+        return conn
+
+    async def get_run(self, run_id: str) -> RunInfo | None:
+        """One run's row; while the writer is idle, read on the calling thread.
+
+        A primary-key lookup costs less than two thread hand-offs (``run.result()``
+        on a quiet store); under load it queues with the writer's batches instead.
+        """
+        conn = self._reader() if self._idle else None
+        if conn is None:  # busy: a read here would contend with it for the GIL
+            return await super().get_run(run_id)
+        try:
+            return _get_run(_Tx(conn, self.clock()), run_id)
+        except sqlite3.DatabaseError as exc:
+            raise StoreError(_explain(self.path, exc)) from exc
+
+    def _close_readers(self) -> None:
+        with self._readers_lock:
+            conns, self._reader_conns = self._reader_conns, []
+        for conn in conns:
+            conn.close()
+
     def call_sync(self, fn: Op, *args: Any, write: bool = True) -> Any:
         """Run an operation from a thread that has no event loop (sync activities)."""
         return self._submit(fn, *args, write=write).result()
@@ -272,6 +320,7 @@ class SqliteStore(OpsStore):
         self._closed = True
         self._queue.put(None)
         await asyncio.to_thread(self._thread.join)
+        self._close_readers()
 
     def close_sync(self) -> None:
         """Close from synchronous code."""
@@ -280,6 +329,7 @@ class SqliteStore(OpsStore):
         self._closed = True
         self._queue.put(None)
         self._thread.join()
+        self._close_readers()
 
     # -- public operations -----------------------------------------------
     def heartbeat_sync(self, task: Task, lease: float, details: str | None) -> bool:
