@@ -23,6 +23,7 @@ import pytest
 
 import tether
 from tether._queues import QueueLimits
+from tether.store._ops import _Tx
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
@@ -426,6 +427,39 @@ async def test_reconfiguring_keeps_the_live_token_bucket(store_url: str) -> None
     assert {s.queue: s for s in await c.queue_stats()}["q"].tokens == pytest.approx(3)
     for x in (a, b, c):
         await x.close()
+
+
+async def test_a_claim_with_an_older_clock_cannot_mint_extra_tokens(store_url: str) -> None:
+    """A claim whose ``now`` is older than the bucket's last refill (its host's clock
+    lags, or it waited for the queue's row lock) must not move the refill time back:
+    the next claim would be credited that interval again."""
+    app = tether.App(store=store_url)
+    store = app.store
+    clock = [1000.0]
+    store.clock = lambda: clock[0]
+
+    def insert_tasks(tx: _Tx, n: int) -> None:
+        for i in range(n):
+            tx.execute(
+                "INSERT INTO tasks (run_id, kind, step, queue, name, available_at, created_at) "
+                "VALUES (?, 'activity', 1, 'rated', 'tick', 0, 0)",
+                (f"r{i}",),
+            )
+
+    await store.configure_queue("rated", {"rate": 1.0, "burst": 10.0})
+    await store._do(insert_tasks, 40)  # type: ignore[attr-defined]
+
+    async def claim(at: float, limit: int) -> int:
+        clock[0] = at
+        got = await store.claim(worker_id="w", queues=["rated"], limit=limit, lease=60)
+        return len(got)
+
+    assert await claim(1000.0, 10) == 10  # the full bucket
+    assert await claim(1005.0, 2) == 2  # 5 s refilled 5 tokens; 3 are left
+    assert await claim(1001.0, 10) == 3  # a lagging host spends what is left
+    # 1 s since the last refill (at 1005) is 1 token, not the 5 s since 1001
+    assert await claim(1006.0, 10) == 1
+    await app.close()
 
 
 # -- configuration errors ------------------------------------------------------------

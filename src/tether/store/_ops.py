@@ -905,7 +905,7 @@ def _spend_tokens(tx: _Tx, queue: str, n: int) -> None:
     left = _tokens_now(tx, row[0], row[1], row[2], row[3]) - n
     tx.execute(
         "UPDATE queue_limits SET tokens = ?, refilled_at = ? WHERE queue = ?",
-        (left, tx.now, queue),
+        (left, _refill_mark(tx, row[3]), queue),
     )
 
 
@@ -989,6 +989,16 @@ def _tokens_now(tx: _Tx, rate: float, burst: float, tokens: Any, refilled_at: An
     if refilled_at is not None:
         have += max(0.0, tx.now - float(refilled_at)) * float(rate)
     return min(float(burst), have)
+
+
+def _refill_mark(tx: _Tx, refilled_at: Any) -> float:
+    """The bucket's new refill time: never earlier than the one stored.
+
+    A claim's ``now`` is read when its batch starts, so one that waited for the
+    queue's row lock (or runs on a host whose clock is behind) can be older than the
+    last refill; moving the mark back would credit that interval twice.
+    """
+    return tx.now if refilled_at is None else max(tx.now, float(refilled_at))
 
 
 def _claim_limited(
@@ -1085,7 +1095,7 @@ def _claim_limited(
         if tasks:
             tx.execute(
                 "UPDATE queue_limits SET tokens = ?, refilled_at = ? WHERE queue = ?",
-                (left, tx.now, q),
+                (left, _refill_mark(tx, refilled_at), q),
             )
         if left < 1.0 - 1e-9:
             return tasks, tx.now + (1.0 - left) / float(rate)
