@@ -88,7 +88,9 @@ async def main(store: str, side: str, mode: str) -> None:
     if mode == "crash":
         worker = app.worker(concurrency=64, lease=30.0, poll_interval=0.1, worker_id="batcher")
     else:
-        worker = app.worker(concurrency=2 * MAX_ITEMS, lease=30.0, poll_interval=0.1)
+        # two slots: one process alone cannot take every batch (each holds a slot for
+        # its 0.2 s), so the other one is sure to claim some even on a loaded machine
+        worker = app.worker(concurrency=2, lease=30.0, poll_interval=0.1)
     await worker.start()
     _conn().execute("INSERT INTO ready VALUES (?)", (os.getpid(),))
     await worker.run()
