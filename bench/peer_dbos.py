@@ -1,12 +1,16 @@
-"""The peer: DBOS Transact on tether's benchmark workloads, on SQLite (WAL, synchronous=FULL).
+"""The peer: DBOS Transact on tether's benchmark workloads, on SQLite or PostgreSQL.
 
 Runs ONLY in the benchmark's own virtualenv (``bench/.peer-venv``, made by
 ``bench/setup_peer.sh``); tether never depends on DBOS. ``bench/run.py --peer``
-runs it once per workload, each in a fresh process on a fresh database file::
+runs it once per workload, each in a fresh process on a fresh database file, and
+``bench/pg_scaling.py --peer`` on a fresh PostgreSQL database::
 
     bench/.peer-venv/bin/python bench/peer_dbos.py WORKLOAD DB_PATH [--n N] [--steps S]
+    bench/.peer-venv/bin/python bench/peer_dbos.py WORKLOAD postgresql://... [--n N]
 
-and reads the one JSON document it prints on stdout. Workloads (the same shapes
+and reads the one JSON document it prints on stdout. A ``postgresql://`` URL is
+DBOS's system database (DBOS creates it if it does not exist; the caller drops
+it); anything else is a SQLite file. Workloads (the same shapes
 as tether's, see ``bench/README.md``):
 
 * ``w1``: N runs of S sequential no-op steps, all started at once.
@@ -21,7 +25,9 @@ Everything except W2's polling intervals is DBOS's default (``--queue-poll``
 sets the queue's ``polling_interval_sec`` and the interval at which the fan-out
 workflow's ``get_result`` polls each child; both default to DBOS's 1 s). The
 journal mode is set to WAL and ``synchronous`` to FULL on every connection,
-tether's own durability setting.
+tether's own durability setting. On PostgreSQL everything is DBOS's default
+(LISTEN/NOTIFY on, a pool of 20 connections) and the server's own durability
+(``synchronous_commit``, recorded in the output).
 """
 
 from __future__ import annotations
@@ -225,17 +231,26 @@ async def w5(n: int) -> Result:
 
 
 async def _main(args: argparse.Namespace) -> Result:
+    postgres = "://" in args.db
     config: DBOSConfig = {
         "name": "tether-bench-peer",
-        "system_database_url": f"sqlite:///{args.db}",
+        "system_database_url": args.db if postgres else f"sqlite:///{args.db}",
         "log_level": "WARNING",
     }
     global _DBOS
     _DBOS = DBOS(config=config)
     DBOS.launch()
     try:
-        journal = _scalar("PRAGMA journal_mode")
-        sync = _scalar("PRAGMA synchronous")
+        if postgres:
+            settings = {
+                "synchronous_commit": _scalar("SHOW synchronous_commit"),
+                "server_version": _scalar("SHOW server_version"),
+            }
+        else:
+            settings = {
+                "journal_mode": _scalar("PRAGMA journal_mode"),
+                "synchronous": _scalar("PRAGMA synchronous"),
+            }
         if args.workload == "w1":
             out = await w1(args.n, args.steps)
         elif args.workload == "w2":
@@ -246,7 +261,7 @@ async def _main(args: argparse.Namespace) -> Result:
             out = await w5(args.n)
     finally:
         DBOS.destroy()
-    out["sqlite"] = {"journal_mode": journal, "synchronous": sync}
+    out["postgresql" if postgres else "sqlite"] = settings
     out["dbos_version"] = importlib.metadata.version("dbos")
     return out
 
@@ -254,7 +269,7 @@ async def _main(args: argparse.Namespace) -> Result:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("workload", choices=["w1", "w2", "w3", "w5"])
-    parser.add_argument("db")
+    parser.add_argument("db", help="a SQLite file, or a postgresql:// URL")
     parser.add_argument("--n", type=int, required=True)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--queue-poll", type=float, default=1.0, help="W2 queue polling (s)")

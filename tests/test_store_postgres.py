@@ -123,6 +123,23 @@ def test_newer_schema_version_is_refused(pg_schema: str, open_stores: list[Postg
         PostgresStore(PG_URL, schema=pg_schema)
 
 
+def test_schema_from_an_older_build_is_refused_untouched(
+    pg_schema: str, open_stores: list[PostgresStore]
+) -> None:
+    _store(open_stores, pg_schema).close_sync()
+    _query(pg_schema, "ALTER TABLE tasks DROP COLUMN batch_key")
+    with pytest.raises(tether.StoreError, match=r"older development build.*tasks\.batch_key"):
+        PostgresStore(PG_URL, schema=pg_schema)
+    # nothing was changed: the column is still missing, the version row is intact
+    cols = _query(
+        pg_schema,
+        "SELECT column_name FROM information_schema.columns "
+        "WHERE table_schema = current_schema() AND table_name = 'tasks'",
+    )
+    assert ("batch_key",) not in cols
+    assert _query(pg_schema, "SELECT version FROM tether_meta") == [(1,)]
+
+
 def test_postgres_schema_has_the_same_columns_as_sqlite(
     pg_schema: str, open_stores: list[PostgresStore], db_path: Path
 ) -> None:
@@ -353,6 +370,61 @@ def test_deadlocked_batch_is_rolled_back_and_retried(
     assert result == 2  # the whole batch ran again after the deadlock
     assert s.stats()["retries"] == 1
     assert sorted(_query(pg_schema, "SELECT id, n FROM dl")) == [(1, 11), (2, 11)]
+
+
+def test_failing_operation_fails_alone_and_the_rest_of_its_batch_commits(
+    pg_schema: str, open_stores: list[PostgresStore]
+) -> None:
+    """The fast path (pipeline, no savepoints) falls back to one savepoint per operation."""
+    s = _store(open_stores, pg_schema, writers=1)
+    _query(pg_schema, "CREATE TABLE fb (id INTEGER PRIMARY KEY)")
+    _query(pg_schema, "INSERT INTO fb VALUES (0)")
+    holding = threading.Event()
+
+    def hold(tx: Any) -> str:
+        holding.set()
+        time.sleep(0.3)  # the next operations queue up meanwhile: one batch
+        return "held"
+
+    def insert(tx: Any, i: int) -> int:
+        tx.execute("INSERT INTO fb VALUES (?)", (i,))
+        return i
+
+    def insert_then_fail(tx: Any, i: int) -> int:
+        tx.execute("INSERT INTO fb VALUES (?)", (i,))
+        raise ValueError("refused")
+
+    first = s._submit(hold)
+    assert holding.wait(5)
+    futs = [
+        s._submit(insert, 1),
+        s._submit(insert_then_fail, 2),
+        s._submit(insert, 0),  # a duplicate key: the server refuses it
+        s._submit(insert, 3),
+    ]
+    assert first.result(5) == "held"
+    assert futs[0].result(5) == 1
+    with pytest.raises(ValueError, match="refused"):
+        futs[1].result(5)
+    with pytest.raises(tether.StoreError, match="duplicate key"):
+        futs[2].result(5)
+    assert futs[3].result(5) == 3
+    assert sorted(_query(pg_schema, "SELECT id FROM fb")) == [(0,), (1,), (3,)]
+    assert s.stats()["fallbacks"] == 1
+
+
+def test_rows_of_a_statement_taken_for_a_plain_write_are_still_read(
+    pg_schema: str, open_stores: list[PostgresStore]
+) -> None:
+    """A statement the pipeline did not wait for is run again on the safe path."""
+    s = _store(open_stores, pg_schema, writers=1)
+
+    def op(tx: Any) -> int:
+        row = tx.execute("/* not recognised as a read */ SELECT 41 + ?", (1,)).fetchone()
+        return int(row[0])
+
+    assert s.call_sync(op) == 42
+    assert s.stats()["fallbacks"] == 1
 
 
 def test_unreachable_server_raises_clear_store_error() -> None:

@@ -3,12 +3,23 @@
 The shared operations (``_ops.py``) run unchanged; only the runner differs from
 SQLite. A small number of writer threads (``writers``), each with its own
 connection, drain one shared queue of operations and commit each drained batch
-in one transaction, every operation inside its own savepoint, so a failing
-operation (a stale lease, a conflict) rolls back alone while the others share
-the commit. Completions take the task row ``FOR UPDATE`` to check the fence and
-claims use ``FOR UPDATE SKIP LOCKED``, so any number of worker processes can
-share one database. A batch that hits a deadlock or serialization failure is
-rolled back and run again from the start (operations are pure database work).
+in one transaction. Completions take the task row ``FOR UPDATE`` to check the
+fence and claims use ``FOR UPDATE SKIP LOCKED``, so any number of worker
+processes can share one database.
+
+A write batch first runs on the **fast path**: in libpq's pipeline mode and
+without savepoints. A statement whose rows nobody reads (an ``INSERT``,
+``UPDATE`` or ``DELETE`` without ``RETURNING``) is only queued, and goes out with
+the next statement whose rows an operation needs, so ``BEGIN``, those
+statements, one ``pg_notify`` statement and ``COMMIT`` cost no round trip of
+their own. Operations almost never fail, but if one does (a stale lease, a
+conflict, a racing insert) the transaction is rolled back and the batch runs
+again on the **safe path**, each operation inside its own savepoint, so the
+failing operation fails alone while the others share the commit. A batch that
+hits a deadlock or serialization failure is rolled back and run again from the
+start (operations are pure database work). Statements go to libpq directly
+(prepared on their second use) rather than through a psycopg cursor, and
+results reach each caller's event loop in one hand-off per batch.
 
 Each committing transaction also sends ``pg_notify`` for the queues that got
 ready work and the runs that finished; a listener thread in every store LISTENs
@@ -25,19 +36,22 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import hashlib
+import itertools
 import logging
 import queue
 import random
+import select
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from importlib import resources
-from typing import Any
+from typing import Any, cast
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import psycopg
 from psycopg import errors as pg_errors
-from psycopg import sql
+from psycopg import pq, sql
+from psycopg.adapt import PyFormat, Transformer
 
 from .._errors import StoreError
 from .._history import Task
@@ -48,6 +62,8 @@ log = logging.getLogger("tether.store")
 Listener = Callable[[set[str], set[str]], None]
 
 _SCHEMA_VERSION = 1
+#: task columns added during development, missing from schemas made by older builds
+_TASK_COLUMNS = ("priority", "limit_key", "heartbeat_timeout", "dependency", "batch_key")
 _RETRYABLE = (
     pg_errors.DeadlockDetected,
     pg_errors.SerializationFailure,
@@ -101,6 +117,7 @@ class PostgresStore(OpsStore):
         self._commits = 0
         self._ops = 0
         self._retries = 0
+        self._fallbacks = 0
         self._notified = 0
         self._own_pids: set[int] = set()
         self._closed = False
@@ -194,6 +211,7 @@ class PostgresStore(OpsStore):
                         f"({_SCHEMA_VERSION}); upgrade tether to open it"
                     )
                 if version == _SCHEMA_VERSION:
+                    self._check_columns(conn, where)
                     return
                 text = (
                     resources.files("tether.store").joinpath("sql/postgres/schema.sql").read_text()
@@ -213,6 +231,25 @@ class PostgresStore(OpsStore):
                 f"{_first_line(exc)}. The user needs CREATE privilege on the database (or on "
                 "the schema) the first time tether opens it."
             ) from exc
+
+    @staticmethod
+    def _check_columns(conn: psycopg.Connection[Any], where: str) -> None:
+        """Refuse a schema made by a pre-release build that lacks today's columns."""
+        have = {
+            (table, column)
+            for table, column in conn.execute(
+                "SELECT table_name, column_name FROM information_schema.columns "
+                "WHERE table_schema = current_schema() AND table_name IN ('tasks', 'runs')"
+            ).fetchall()
+        }
+        wanted = [("tasks", c) for c in _TASK_COLUMNS] + [("runs", "tenant")]
+        missing = [f"{t}.{c}" for t, c in wanted if (t, c) not in have]
+        if missing:
+            raise StoreError(
+                f"store {where} was created by an older development build of tether (it "
+                f"lacks {', '.join(missing)}); finish or export its runs with that build, "
+                "then use a new database or schema"
+            )
 
     # -- writer threads -----------------------------------------------------
 
@@ -234,45 +271,44 @@ class PostgresStore(OpsStore):
 
     def _loop(self, conn: psycopg.Connection[Any] | None) -> None:
         pid: int | None = None
+        session = _Session(conn) if conn is not None else None
         try:
             while (batch := self._next_batch()) is not None:
-                if conn is None or conn.closed:
+                if session is None or session.conn.closed:
                     with self._lock:
                         self._own_pids.discard(pid or 0)
                     pid = None
                     try:
-                        conn = self._connect()
+                        session = _Session(self._connect())
                     except StoreError as exc:
-                        conn = None
+                        session = None
                         self._fail(batch, exc)
                         continue
                 if pid is None:
-                    pid = conn.info.backend_pid
+                    pid = session.conn.info.backend_pid
                     with self._lock:
                         self._own_pids.add(pid)
                 try:
-                    conn = self._run_batch(conn, batch)
+                    session = self._run_batch(session, batch)
                 except BaseException as exc:  # the writer thread must never die
                     log.exception("store batch failed")
                     self._fail(batch, StoreError(f"store operation failed: {exc!r}"))
-                    if conn is not None:
-                        conn.close()
-                    conn = None
+                    if session is not None:
+                        session.conn.close()
+                    session = None
         finally:
-            if conn is not None:
-                conn.close()
+            if session is not None:
+                session.conn.close()
 
-    def _run_batch(
-        self, conn: psycopg.Connection[Any], batch: list[Any]
-    ) -> psycopg.Connection[Any] | None:
-        """Run and commit one batch; return the connection to keep (None if it broke)."""
+    def _run_batch(self, session: _Session, batch: list[Any]) -> _Session | None:
+        """Run and commit one batch; return the session to keep (None if it broke)."""
         # a caller that gave up before its operation ran gets nothing applied
         batch = [item for item in batch if item[3].set_running_or_notify_cancel()]
         # lease renewals lock many task rows: alone in their own short transaction they
         # cannot close a deadlock cycle with completions (which lock a task, then its run)
         solo = [item for item in batch if item[0] in _SOLO and item[2]]
         rest = [item for item in batch if not (item[0] in _SOLO and item[2])]
-        kept: psycopg.Connection[Any] | None = conn
+        kept: _Session | None = session
         for part, alone in [(rest, False)] + [([item], True) for item in solo]:
             if not part:
                 continue
@@ -282,20 +318,36 @@ class PostgresStore(OpsStore):
             kept = self._commit(kept, part, alone)
         return kept
 
-    def _commit(
-        self, conn: psycopg.Connection[Any], batch: list[Any], solo: bool
-    ) -> psycopg.Connection[Any] | None:
+    def _commit(self, session: _Session, batch: list[Any], solo: bool) -> _Session | None:
+        conn = session.conn
         writes = any(w for _, _, w, _ in batch)
         if writes and len(batch) > 1:
             # one lock order for every batch: fewer deadlocks between writer threads
             # claims last: they may wait for a queue_limits row, and the batch that holds
             # it must not be waiting for rows this batch locked earlier
             batch.sort(key=lambda item: (item[0] in _CLAIMS, _run_key(item)))
+        safe = not writes  # reads run statement by statement in autocommit mode
         attempt = 0
         while True:
             attempt += 1
             try:
-                results, ready, finished = self._attempt(conn, batch, writes, solo)
+                if safe:
+                    results, ready, finished = self._attempt(session, batch, writes, solo)
+                else:
+                    results, ready, finished = self._attempt_fast(session, batch, solo)
+            except _Fallback as fallback:
+                # an operation failed on the fast path: nothing was committed; run the
+                # batch again with a savepoint per operation, so that one fails alone
+                self._rollback(conn)
+                if conn.broken or conn.closed:
+                    self._fail(batch, self._lost(fallback.error))
+                    return None
+                log.debug("batch of %d falls back to savepoints: %r", len(batch), fallback.error)
+                with self._lock:
+                    self._fallbacks += 1
+                safe = True
+                attempt -= 1
+                continue
             except _Retry as retry:
                 self._rollback(conn)
                 if conn.broken:
@@ -309,7 +361,7 @@ class PostgresStore(OpsStore):
                             f"({_first_line(retry.error)}); nothing was written, retry later"
                         ),
                     )
-                    return conn
+                    return session
                 log.debug(
                     "retrying a batch of %d operations (%s): %s",
                     len(batch),
@@ -323,28 +375,95 @@ class PostgresStore(OpsStore):
             except psycopg.Error as exc:
                 self._rollback(conn)
                 self._fail(batch, self._lost(exc) if conn.broken else self._explain(exc))
-                return None if conn.broken else conn
+                return None if conn.broken else session
             break
         with self._lock:
             if writes:
                 self._commits += 1
                 self._notified += len(ready) + len(finished)
             self._ops += len(batch)
-        for fut, value, error in results:
-            if error is not None:
-                fut.set_exception(error)
-            else:
-                fut.set_result(value)
+        _deliver(results)
         if ready or finished:
             self._announce(ready, finished)
-        return conn
+        return session
+
+    def _attempt_fast(
+        self, session: _Session, batch: list[Any], solo: bool
+    ) -> tuple[list[_Outcome], set[str], set[str]]:
+        """Run a write batch without savepoints and commit it.
+
+        Raises ``_Retry`` (deadlock, serialization failure, lost connection) or
+        ``_Fallback`` (any other failure of any operation); either way nothing was
+        committed and the caller rolls back.
+        """
+        conn = session.conn
+        results: list[_Outcome] = []
+        ready: set[str] = set()
+        finished: set[str] = set()
+        now = self.clock()
+        try:
+            session.start_pipeline()
+            session.send("BEGIN")
+            if solo:
+                session.send(f"SET LOCAL lock_timeout = {_SOLO_LOCK_TIMEOUT_MS}")
+            for fn, args, _write, fut in batch:
+                tx = _Tx(
+                    session,
+                    now,
+                    paramstyle="format",
+                    for_update=" FOR UPDATE",
+                    skip_locked=" FOR UPDATE SKIP LOCKED",
+                )
+                value = fn(tx, *args)
+                ready |= tx.ready
+                finished |= tx.finished
+                results.append((fut, value, None))
+            notify = self._notify_text(ready, finished, conn)
+            if notify:
+                session.send(notify)
+            session.send("COMMIT")
+            session.finish_pipeline()
+        except BaseException as exc:
+            session.abandon_pipeline()
+            if isinstance(exc, psycopg.Error) and (conn.broken or isinstance(exc, _RETRYABLE)):
+                raise _Retry(exc) from exc
+            if isinstance(exc, Exception):
+                raise _Fallback(exc) from exc
+            raise
+        return results, ready, finished
+
+    def _commit_text(
+        self, pending: str, ready: set[str], finished: set[str], conn: psycopg.Connection[Any]
+    ) -> str:
+        """``COMMIT`` preceded by ``pending`` and one ``pg_notify`` per wake-up.
+
+        NOTIFY is delivered at COMMIT: other stores wake only for committed work.
+        """
+        notify = self._notify_text(ready, finished, conn)
+        return f"{pending}{notify}; COMMIT" if notify else f"{pending}COMMIT"
+
+    def _notify_text(
+        self, ready: set[str], finished: set[str], conn: psycopg.Connection[Any]
+    ) -> str:
+        """One statement sending every wake-up of a commit ("" if there is none)."""
+        notes = [(self._ready_channel, q) for q in sorted(ready)]
+        notes += [(self._finished_channel, r) for r in sorted(finished)]
+        if not notes:
+            return ""
+        calls = ", ".join(
+            sql.SQL("pg_notify({}, {})")
+            .format(sql.Literal(channel), sql.Literal(payload))
+            .as_string(conn)
+            for channel, payload in notes
+        )
+        return f"SELECT {calls}"
 
     def _attempt(
-        self, conn: psycopg.Connection[Any], batch: list[Any], writes: bool, solo: bool
-    ) -> tuple[
-        list[tuple[concurrent.futures.Future[Any], Any, BaseException | None]], set[str], set[str]
-    ]:
-        results: list[tuple[concurrent.futures.Future[Any], Any, BaseException | None]] = []
+        self, session: _Session, batch: list[Any], writes: bool, solo: bool
+    ) -> tuple[list[_Outcome], set[str], set[str]]:
+        """The safe path: each write operation in its own savepoint, one round trip at a time."""
+        conn = session.conn
+        results: list[_Outcome] = []
         ready: set[str] = set()
         finished: set[str] = set()
         # transaction control that needs no result rides along with the next one (one
@@ -353,19 +472,19 @@ class PostgresStore(OpsStore):
         if writes and solo:
             pending += f"SET LOCAL lock_timeout = {_SOLO_LOCK_TIMEOUT_MS}; "
         now = self.clock()
-        for fut, fn, args, _write in ((b[3], b[0], b[1], b[2]) for b in batch):
+        for fn, args, _write, fut in batch:
             tries = 0
             while True:
                 tries += 1
                 tx = _Tx(
-                    conn,
+                    session,
                     now,
                     paramstyle="format",
                     for_update=" FOR UPDATE",
                     skip_locked=" FOR UPDATE SKIP LOCKED",
                 )
                 if writes:
-                    conn.execute(f"{pending}SAVEPOINT op")
+                    session.send(f"{pending}SAVEPOINT op")
                 try:
                     value = fn(tx, *args)
                 except BaseException as exc:
@@ -386,17 +505,8 @@ class PostgresStore(OpsStore):
                 results.append((fut, value, None))
                 break
         if writes:
-            notes = [(self._ready_channel, q) for q in sorted(ready)]
-            notes += [(self._finished_channel, r) for r in sorted(finished)]
-            # NOTIFY is sent at COMMIT: other stores wake only for committed work
-            tail = "".join(
-                sql.SQL("SELECT pg_notify({}, {}); ")
-                .format(sql.Literal(channel), sql.Literal(payload))
-                .as_string(conn)
-                for channel, payload in notes
-            )
             try:
-                conn.execute(f"{pending}{tail}COMMIT")
+                session.send(self._commit_text(pending, ready, finished, conn))
             except _RETRYABLE as exc:
                 raise _Retry(exc) from exc
         return results, ready, finished
@@ -412,9 +522,7 @@ class PostgresStore(OpsStore):
 
     @staticmethod
     def _fail(batch: list[Any], error: BaseException) -> None:
-        for _, _, _, fut in batch:
-            if not fut.done():
-                fut.set_exception(error)
+        _deliver([(fut, None, error) for _, _, _, fut in batch])
 
     def _lost(self, exc: BaseException) -> StoreError:
         return StoreError(
@@ -470,7 +578,12 @@ class PostgresStore(OpsStore):
         return fut
 
     async def _do(self, fn: Op, *args: Any, write: bool = True) -> Any:
-        return await asyncio.wrap_future(self._submit(fn, *args, write=write))
+        if self._closed:
+            raise StoreError("the store is closed")
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+        self._queue.put((fn, args, write, _LoopFuture(loop, fut)))
+        return await fut
 
     def call_sync(self, fn: Op, *args: Any, write: bool = True) -> Any:
         """Run an operation from a thread that has no event loop (sync activities)."""
@@ -494,6 +607,7 @@ class PostgresStore(OpsStore):
                 "commits": self._commits,
                 "operations": self._ops,
                 "retries": self._retries,
+                "fallbacks": self._fallbacks,
                 "notifications": self._notified,
             }
 
@@ -524,6 +638,405 @@ class _Retry(Exception):
     def __init__(self, error: BaseException) -> None:
         super().__init__(str(error))
         self.error = error
+
+
+class _Fallback(Exception):
+    """An operation failed on the fast path: roll back, run the batch with savepoints."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(repr(error))
+        self.error = error
+
+
+class _Rows:
+    """The rows of one statement, read at once (the connection serves the next one)."""
+
+    __slots__ = ("_pos", "_res", "_rows")
+
+    def __init__(self, rows: list[Any], res: pq.abc.PGresult | None) -> None:
+        self._rows = rows
+        self._res = res
+        self._pos = 0
+
+    @property
+    def description(self) -> list[tuple[str, int]] | None:
+        """(name, type oid) of each column, or None for a statement without rows."""
+        res = self._res
+        if res is None:
+            return None
+        return [((res.fname(i) or b"").decode(), res.ftype(i)) for i in range(res.nfields)]
+
+    def fetchone(self) -> Any:
+        """The next row, or None."""
+        if self._pos < len(self._rows):
+            self._pos += 1
+            return self._rows[self._pos - 1]
+        return None
+
+    def fetchall(self) -> list[Any]:
+        """The remaining rows."""
+        rest = self._rows[self._pos :]
+        self._pos = len(self._rows)
+        return rest
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.fetchall())
+
+
+class _Session:
+    """A writer's connection as the operations see it (``_Tx.conn``).
+
+    Statements go straight to libpq (psycopg's ``pgconn``) instead of through a
+    psycopg cursor, whose machinery (query conversion, prepared-statement manager,
+    result bookkeeping) costs about as much client CPU as the round trip itself.
+    psycopg's ``Transformer`` still adapts the parameters and the rows, so values
+    are exactly those a cursor would give. A statement is prepared on its second
+    use (parse and plan once per connection) and sent with the unnamed statement
+    before that, so one-off statements (a ``VALUES`` list of unusual length) leave
+    nothing behind on the server.
+
+    Between ``start_pipeline`` and ``finish_pipeline`` the connection is in libpq's
+    pipeline mode: a statement without rows to return is only queued, and the
+    queue goes out with the next statement whose rows an operation needs (or with
+    ``COMMIT``), in one round trip.
+    """
+
+    __slots__ = (
+        "_counts",
+        "_encoding",
+        "_new",
+        "_poll",
+        "_prepared",
+        "_queued",
+        "_tx",
+        "conn",
+        "pgconn",
+        "pipelined",
+    )
+
+    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+        self.conn = conn
+        self.pgconn = conn.pgconn
+        self.pipelined = False
+        self._tx = Transformer(conn)
+        self._encoding = conn.info.encoding
+        self._prepared: dict[tuple[bytes, tuple[int, ...]], bytes] = {}
+        self._counts: dict[tuple[bytes, tuple[int, ...]], int] = {}
+        self._new: list[tuple[bytes, tuple[int, ...]]] = []  #: prepared in this pipeline
+        self._queued = 0  #: pipelined requests whose results are not read yet
+        self._poll = select.poll()
+        self._poll.register(self.pgconn.socket, select.POLLIN)
+
+    # -- statements ----------------------------------------------------------
+
+    def execute(self, query: str, params: Sequence[Any] = ()) -> _Rows | _Sent:
+        """Run one statement (``%s`` placeholders); its rows, already read."""
+        text = _numbered(query)
+        if params:
+            tx = self._tx
+            values = tx.dump_sequence(params, [PyFormat.AUTO] * len(params))
+            types: tuple[int, ...] = tuple(tx.types or ())
+            formats: Sequence[pq.Format] | None = tx.formats
+        else:
+            values, types, formats = [], (), None
+        # NULL parameters are None, as for exec_params (psycopg's stub omits it)
+        args = cast(Sequence[bytes], values)
+        key = (text, types)
+        pg = self.pgconn
+        name = self._prepared.get(key)
+        if name is None:
+            seen = self._counts.get(key, 0) + 1
+            if seen < _PREPARE_AT or (self.pipelined and len(self._prepared) >= _MAX_PREPARED):
+                if len(self._counts) > _MAX_PREPARED:
+                    self._counts.clear()
+                self._counts[key] = seen
+                if not self.pipelined:
+                    return self._rows(pg.exec_params(text, values, types, formats, 0))
+                pg.send_query_params(text, values, types, formats, 0)
+                return self._after_send(query)
+            if len(self._prepared) >= _MAX_PREPARED:  # only ours: psycopg keeps its own
+                drop = b"; ".join(b"DEALLOCATE " + n for n in self._prepared.values())
+                self._check(pg.exec_(drop))
+                self._prepared.clear()
+            name = b"tether_%d" % next(_statement_ids)
+            self._prepared[key] = name
+            if not self.pipelined:
+                try:
+                    self._check(pg.prepare(name, text, types))
+                except BaseException:
+                    del self._prepared[key]
+                    raise
+            else:
+                self._new.append(key)
+                pg.send_prepare(name, text, types)
+                self._queued += 1
+        if not self.pipelined:
+            return self._rows(pg.exec_prepared(name, args, formats, 0))
+        pg.send_query_prepared(name, args, formats, 0)
+        return self._after_send(query)
+
+    def send(self, query: str) -> None:
+        """Run statements that take no parameters and return nothing of interest.
+
+        In pipeline mode ``query`` must be a single statement (it is only queued).
+        """
+        if self.pipelined:
+            self.pgconn.send_query_params(query.encode(), None)
+            self._queued += 1
+        else:
+            self._check(self.pgconn.exec_(query.encode()))
+
+    def cursor(self) -> psycopg.Cursor[Any]:
+        """A psycopg cursor on the connection (``executemany`` in ``migrate``)."""
+        self.leave_pipeline()  # psycopg must find the connection in its ordinary mode
+        return self.conn.cursor()
+
+    # -- pipeline mode ---------------------------------------------------------
+
+    def start_pipeline(self) -> None:
+        """Queue statements from now on (the connection must be idle)."""
+        self.pgconn.enter_pipeline_mode()
+        self.pipelined = True
+        self._queued = 0
+        self._new.clear()
+
+    def finish_pipeline(self) -> None:
+        """Send everything queued, read every result, leave pipeline mode.
+
+        Raises the first error any queued statement got, after leaving pipeline mode.
+        """
+        if not self.pipelined:
+            return
+        pg = self.pgconn
+        pg.pipeline_sync()
+        self._flush()
+        _last, error = self._drain(sync=True)
+        pg.exit_pipeline_mode()
+        self.pipelined = False
+        self._new.clear()
+        if error is not None:
+            raise pg_errors.error_from_result(error, encoding=self._encoding)
+
+    def leave_pipeline(self) -> None:
+        """Like ``finish_pipeline``, for a caller inside an operation (keeps the transaction)."""
+        self.finish_pipeline()
+
+    def abandon_pipeline(self) -> None:
+        """After a failure: read and drop whatever is queued, leave pipeline mode.
+
+        The transaction stays open (the caller rolls it back). A connection that
+        cannot be brought back to a known state is closed.
+        """
+        if not self.pipelined:
+            return
+        self.pipelined = False
+        for key in self._new:  # their PREPARE may never have run: prepare again next time
+            self._prepared.pop(key, None)
+        self._new.clear()
+        pg = self.pgconn
+        if pg.status == pq.ConnStatus.BAD:
+            return
+        try:
+            pg.pipeline_sync()
+            self._flush()
+            self._drain(sync=True)
+            pg.exit_pipeline_mode()
+        except psycopg.Error:
+            log.debug("could not leave pipeline mode cleanly; closing the connection")
+            self.conn.close()
+
+    def _after_send(self, query: str) -> _Rows | _Sent:
+        self._queued += 1
+        if not _returns_rows(query):
+            return _SENT
+        self.pgconn.send_flush_request()
+        self._flush()
+        last, error = self._drain(sync=False)
+        if error is not None:
+            raise pg_errors.error_from_result(error, encoding=self._encoding)
+        assert last is not None
+        return self._rows(last)
+
+    def _drain(self, *, sync: bool) -> tuple[pq.abc.PGresult | None, pq.abc.PGresult | None]:
+        """Read the results of every queued request, and then the sync if ``sync``.
+
+        Returns the last request's result and the first error (or None).
+        """
+        error: pq.abc.PGresult | None = None
+        last: pq.abc.PGresult | None = None
+        while self._queued:
+            res = self._next_result()
+            if res is None or self._next_result() is not None:
+                # every request answers with one result and then NULL
+                raise psycopg.OperationalError("tether: pipeline results out of step")
+            self._queued -= 1
+            status = res.status
+            if status == _PIPELINE_ABORTED:
+                continue  # skipped after an earlier error, which is the one reported
+            if status not in (_COMMAND_OK, _TUPLES_OK, _EMPTY_QUERY) and error is None:
+                error = res
+            last = res
+        if sync:
+            res = self._next_result()
+            if res is None or res.status != _PIPELINE_SYNC:
+                raise psycopg.OperationalError("tether: pipeline sync out of step")
+        return last, error
+
+    def _next_result(self) -> pq.abc.PGresult | None:
+        """``PQgetResult`` without blocking while holding the GIL."""
+        pg = self.pgconn
+        while pg.is_busy():
+            self._poll.poll()  # releases the GIL
+            pg.consume_input()
+        return pg.get_result()
+
+    def _flush(self) -> None:
+        pg = self.pgconn
+        while pg.flush():  # the socket buffer is full: wait until it drains
+            select.select([], [pg.socket], [])
+
+    # -- results ---------------------------------------------------------------
+
+    def _rows(self, res: pq.abc.PGresult) -> _Rows:
+        status = res.status
+        if status == _TUPLES_OK:
+            tx = self._tx
+            tx.set_pgresult(res)
+            return _Rows(tx.load_rows(0, res.ntuples, tuple), res)
+        self._check(res)
+        return _Rows([], None)
+
+    def _check(self, res: pq.abc.PGresult) -> None:
+        if res.status not in (_COMMAND_OK, _TUPLES_OK, _EMPTY_QUERY):
+            raise pg_errors.error_from_result(res, encoding=self._encoding)
+
+
+class _NeedsRows(Exception):
+    """An operation read the rows of a statement sent without waiting for it."""
+
+
+class _Sent:
+    """A statement queued in pipeline mode: it has no rows to read."""
+
+    __slots__ = ()
+    description = None
+
+    def fetchone(self) -> Any:
+        """Never: reading this means ``_returns_rows`` misjudged the statement."""
+        raise _NeedsRows()
+
+    def fetchall(self) -> list[Any]:
+        """As ``fetchone``."""
+        raise _NeedsRows()
+
+    def __iter__(self) -> Iterator[Any]:
+        raise _NeedsRows()
+
+
+_SENT = _Sent()
+#: statements that answer with rows whatever follows their first word
+_ROW_VERBS = frozenset({"SELECT", "WITH", "VALUES", "SHOW", "TABLE", "EXPLAIN", "FETCH"})
+_returns_rows_cache: dict[str, bool] = {}
+
+
+def _returns_rows(query: str) -> bool:
+    """Whether ``query`` answers with rows (a read, or a write with ``RETURNING``).
+
+    Decides only whether a pipelined statement is waited for. A wrong guess costs
+    time, never correctness: reading the rows of a statement taken for a plain
+    write raises ``_NeedsRows``, and the batch runs again on the safe path.
+    """
+    known = _returns_rows_cache.get(query)
+    if known is not None:
+        return known
+    text = query.lstrip().upper()
+    verb = text.split(None, 1)[0] if text else ""
+    answer = verb in _ROW_VERBS or "RETURNING" in text
+    if len(_returns_rows_cache) > 2000:  # statements with variable IN (...) lists
+        _returns_rows_cache.clear()
+    _returns_rows_cache[query] = answer
+    return answer
+
+
+_PREPARE_AT = 2  #: uses of a statement (per connection) after which it is prepared
+_MAX_PREPARED = 500  #: prepared statements per connection before they are all dropped
+_statement_ids = itertools.count(1)
+_TUPLES_OK = pq.ExecStatus.TUPLES_OK
+_COMMAND_OK = pq.ExecStatus.COMMAND_OK
+_EMPTY_QUERY = pq.ExecStatus.EMPTY_QUERY
+_PIPELINE_SYNC = pq.ExecStatus.PIPELINE_SYNC
+_PIPELINE_ABORTED = pq.ExecStatus.PIPELINE_ABORTED
+_numbered_cache: dict[str, bytes] = {}
+
+
+def _numbered(query: str) -> bytes:
+    """``%s`` placeholders as PostgreSQL's ``$1, $2, ...``, encoded (cached)."""
+    known = _numbered_cache.get(query)
+    if known is not None:
+        return known
+    parts = query.split("%s")
+    if "%" in "".join(parts):
+        raise StoreError(f"unsupported '%' in a store statement: {query[:80]!r}")
+    text = "".join(f"{part}${i}" for i, part in enumerate(parts[:-1], 1)) + parts[-1]
+    if len(_numbered_cache) > 2000:  # statements with variable IN (...) lists
+        _numbered_cache.clear()
+    _numbered_cache[query] = encoded = text.encode()
+    return encoded
+
+
+#: (caller's future, value, error) for one operation of a batch
+_Outcome = tuple[Any, Any, BaseException | None]
+
+
+class _LoopFuture:
+    """An asyncio caller waiting on a writer thread, resolved on its own loop.
+
+    The results of one batch are handed to each loop in one thread-safe call, not
+    one wake-up per operation (as ``asyncio.wrap_future`` would).
+    """
+
+    __slots__ = ("fut", "loop")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Any]) -> None:
+        self.loop = loop
+        self.fut = fut
+
+    def set_running_or_notify_cancel(self) -> bool:
+        """False if the caller was cancelled before its operation ran (it is skipped)."""
+        return not self.fut.cancelled()
+
+    def done(self) -> bool:
+        """Whether the caller's future is resolved (read from the writer thread)."""
+        return self.fut.done()
+
+
+def _deliver(results: list[_Outcome]) -> None:
+    """Resolve each caller's future: sync ones directly, async ones per loop in one call."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[_Outcome]] = {}
+    for fut, value, error in results:
+        if isinstance(fut, _LoopFuture):
+            by_loop.setdefault(fut.loop, []).append((fut.fut, value, error))
+        elif fut.done():
+            continue
+        elif error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(value)
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_resolve, items)
+        except RuntimeError:
+            pass  # that loop is closed: nobody is waiting any more
+
+
+def _resolve(items: list[_Outcome]) -> None:
+    for fut, value, error in items:
+        if fut.done():
+            continue
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(value)
 
 
 def _join(threads: list[threading.Thread]) -> None:
