@@ -512,7 +512,7 @@ def _insert_run(
     """Insert a run and its start event; unless ``queued`` or not ``task``, its workflow task."""
     tx.execute(
         "INSERT INTO runs (run_id, workflow, status, queue, input, parent_run_id, parent_step, "
-        "created_at, updated_at, tenant) VALUES (?,?,?,?,?,?,?,?,?,?)",
+        "created_at, updated_at, tenant, next_seq) VALUES (?,?,?,?,?,?,?,?,?,?,2)",
         (
             run_id,
             workflow,
@@ -535,7 +535,11 @@ def _insert_run(
             "VALUES (?, 'deadline', ?, ?, ?)",
             (run_id, queue, deadline_at, tx.now),
         )
-    _append(tx, run_id, EventType.WORKFLOW_STARTED, None, data, {"input": input})
+    # the start event is seq 1 (the row above already counts it): no counter round trip
+    tx.execute(
+        "INSERT INTO events (run_id, seq, type, step, data, created_at) VALUES (?,1,?,NULL,?,?)",
+        (run_id, EventType.WORKFLOW_STARTED.value, _json(data, {"input": input}), tx.now),
+    )
     if queued or not task:  # a queued run gets its workflow task when admitted (_promote)
         return None
     return _ensure_workflow_task(tx, run_id, queue, workflow, lease_to, lease_queues, lease)
@@ -610,15 +614,51 @@ def _create_run(
         )
         if not ended:
             tx.execute("UPDATE runs SET status = 'running' WHERE run_id = ?", (run_id,))
-        row = tx.execute(f"SELECT {_RUN_COLS} FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+        if ended or any(c.type is EventType.STATUS_SET for c in first.commands):
+            row = tx.execute(f"SELECT {_RUN_COLS} FROM runs WHERE run_id = ?", (run_id,))
+            info = _run_from_row(row.fetchone())
+        else:  # nothing else can have changed it: no read back
+            info = _new_run(tx, run_id, workflow, RunStatus.RUNNING, queue, input, tenant)
+        return StartResult(run=info, created=True, first_marker=marker, first_leased=tuple(acts))
+    if leased is None:
+        status = RunStatus.QUEUED if queued else RunStatus.PENDING
         return StartResult(
-            run=_run_from_row(row), created=True, first_marker=marker, first_leased=tuple(acts)
+            run=_new_run(tx, run_id, workflow, status, queue, input, tenant), created=True
         )
     row = tx.execute(f"SELECT {_RUN_COLS} FROM runs WHERE run_id = ?", (run_id,)).fetchone()
     if leased is not None:  # hand the worker the history too: it needs no read to start
         events = _read_history(tx, run_id, 0)
         leased = dataclasses.replace(leased, prefetched=tuple(events), prefetched_after=0)
     return StartResult(run=_run_from_row(row), created=True, leased=leased)
+
+
+def _new_run(
+    tx: _Tx,
+    run_id: str,
+    workflow: str,
+    status: RunStatus,
+    queue: str,
+    input: str,
+    tenant: str | None,
+) -> RunInfo:
+    """The RunInfo of a run this transaction just created (what a read would return)."""
+    return RunInfo(
+        run_id=run_id,
+        workflow=workflow,
+        status=status,
+        queue=queue,
+        input=input,
+        output=None,
+        error=None,
+        custom_status=None,
+        parent_run_id=None,
+        continued_to=None,
+        task_error=None,
+        created_at=tx.now,
+        updated_at=tx.now,
+        completed_at=None,
+        tenant=tenant,
+    )
 
 
 _LIVE = "('pending', 'running', 'suspended')"  #: statuses that count against admission
@@ -1120,7 +1160,12 @@ def _finish(
     error: dict[str, Any] | None = None,
     continued_to: str | None = None,
 ) -> None:
-    _status, _queue, parent_run_id, parent_step, _wf = _run_row(tx, run_id)
+    row = tx.execute(
+        "SELECT parent_run_id, parent_step, tenant FROM runs WHERE run_id = ?", (run_id,)
+    ).fetchone()
+    if row is None:
+        raise RunNotFoundError(run_id)
+    parent_run_id, parent_step, tenant = row
     tx.execute(
         "UPDATE runs SET status = ?, output = ?, error = ?, continued_to = ?, completed_at = ?, "
         "updated_at = ? WHERE run_id = ?",
@@ -1136,10 +1181,10 @@ def _finish(
     )
     tx.execute("DELETE FROM tasks WHERE run_id = ?", (run_id,))
     tx.finished.add(run_id)
-    if status is not RunStatus.CONTINUED_AS_NEW:  # the continuation keeps the run's place
-        (tenant,) = tx.execute("SELECT tenant FROM runs WHERE run_id = ?", (run_id,)).fetchone()
-        if tenant is not None:
-            _promote(tx, tenant)  # admit the tenant's oldest queued run, in this commit
+    # the continuation keeps the run's place; otherwise admit the tenant's oldest queued
+    # run, in this commit
+    if status is not RunStatus.CONTINUED_AS_NEW and tenant is not None:
+        _promote(tx, tenant)
     if status in (RunStatus.FAILED, RunStatus.NEEDS_INTERVENTION, RunStatus.TIMED_OUT):
         tx.execute(
             "INSERT INTO dead_letters (run_id, kind, name, input, error, reason, created_at) "
@@ -2253,10 +2298,13 @@ def _complete_activity_fast(
     _take_task(tx, task)
     row = tx.execute(
         "SELECT next_seq, status, queue, parent_run_id, parent_step, workflow, task_error, "
-        "(SELECT 1 FROM tasks WHERE tasks.run_id = runs.run_id AND kind = 'workflow') "
+        "(SELECT 1 FROM tasks WHERE tasks.run_id = runs.run_id AND kind = 'workflow'), "
+        "(SELECT 1 FROM queue_limits WHERE queue_limits.queue = ?) "
         f"FROM runs WHERE run_id = ?{tx.for_update}",
-        (task.run_id,),
+        (task.queue, task.run_id),
     ).fetchone()
+    if row is not None and task.queue not in tx.limited:
+        tx.limited[task.queue] = row[8] is not None  # read here: one statement fewer
     if (
         row is None
         or row[0] != expected_seq
