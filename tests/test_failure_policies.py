@@ -331,7 +331,9 @@ async def test_permanent_errors_fail_after_one_attempt(
             id="max_elapsed",
         ),
         pytest.param(
-            tether.Retry(attempts=50, initial=1, backoff=1, max_interval=1),
+            # no jitter: with the default 20%, four delays could sum to under 3.5 s and
+            # let a fifth attempt in (it did, about once in a hundred runs)
+            tether.Retry(attempts=50, initial=1, backoff=1, max_interval=1, jitter=0),
             3.5,
             "schedule-to-close",
         ),

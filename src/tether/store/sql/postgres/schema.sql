@@ -77,12 +77,13 @@ CREATE TABLE IF NOT EXISTS tasks (
 -- At most one workflow task per run: new events for a run whose task is
 -- already queued or running fold into that task.
 CREATE UNIQUE INDEX IF NOT EXISTS tasks_one_workflow_task ON tasks (run_id) WHERE kind = 'workflow';
-CREATE UNIQUE INDEX IF NOT EXISTS tasks_by_step ON tasks (run_id, step) WHERE kind <> 'workflow';
+-- (run_id, step) is unique for steps; workflow and deadline tasks have no step (NULLs
+-- are distinct), and the index also serves every lookup by run_id.
+CREATE UNIQUE INDEX IF NOT EXISTS tasks_by_run_step ON tasks (run_id, step);
 CREATE INDEX IF NOT EXISTS tasks_ready ON tasks (queue, available_at);
 -- The claim order (priority, then age) per queue: a claim reads only the rows it takes,
 -- however large the backlog (no sort of every ready task).
 CREATE INDEX IF NOT EXISTS tasks_ready_order ON tasks (queue, priority DESC, available_at);
-CREATE INDEX IF NOT EXISTS tasks_by_run ON tasks (run_id);
 CREATE INDEX IF NOT EXISTS tasks_by_dependency ON tasks (dependency, available_at) WHERE dependency IS NOT NULL;
 -- Batched activity tasks (empty unless tether.Batch is used): grouped by key at each claim.
 CREATE INDEX IF NOT EXISTS tasks_by_batch ON tasks (batch_key, available_at) WHERE batch_key IS NOT NULL;
