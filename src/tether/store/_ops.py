@@ -1469,6 +1469,12 @@ def _complete_activity(
     lease: float,
 ) -> Task | None:
     _take_task(tx, task)
+    _append_completed(tx, task, result)
+    return _after_activity(tx, task, lease_to, lease_queues, lease)
+
+
+def _append_completed(tx: _Tx, task: Task, result: str) -> None:
+    """Record an activity attempt's result (``result`` is already-encoded JSON)."""
     _append(
         tx,
         task.run_id,
@@ -1477,7 +1483,6 @@ def _complete_activity(
         {"attempt": task.attempt},
         {"result": result},
     )
-    return _after_activity(tx, task, lease_to, lease_queues, lease)
 
 
 def _take_task(tx: _Tx, task: Task) -> None:
@@ -2313,14 +2318,7 @@ def _complete_activity_fast(
         or row[2] not in lease_queues
     ):
         # record the result alone, as complete_activity does (the row is gone already)
-        _append(
-            tx,
-            task.run_id,
-            EventType.ACTIVITY_COMPLETED,
-            task.step,
-            {"attempt": task.attempt},
-            {"result": result},
-        )
+        _append_completed(tx, task, result)
         slow = _after_activity(tx, task, lease_to, lease_queues, lease)
         return False, 0, [], slow
     if task.dependency is not None or _has_limits(tx, task.queue):

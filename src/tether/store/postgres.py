@@ -55,6 +55,7 @@ from psycopg.adapt import PyFormat, Transformer
 
 from .._errors import StoreError
 from .._history import Task
+from ._handoff import LoopFuture, Outcome, deliver
 from ._ops import Op, OpsStore, _claim, _claim_with_wake, _heartbeat, _renew, _Tx
 
 log = logging.getLogger("tether.store")
@@ -382,14 +383,14 @@ class PostgresStore(OpsStore):
                 self._commits += 1
                 self._notified += len(ready) + len(finished)
             self._ops += len(batch)
-        _deliver(results)
+        deliver(results)
         if ready or finished:
             self._announce(ready, finished)
         return session
 
     def _attempt_fast(
         self, session: _Session, batch: list[Any], solo: bool
-    ) -> tuple[list[_Outcome], set[str], set[str]]:
+    ) -> tuple[list[Outcome], set[str], set[str]]:
         """Run a write batch without savepoints and commit it.
 
         Raises ``_Retry`` (deadlock, serialization failure, lost connection) or
@@ -397,7 +398,7 @@ class PostgresStore(OpsStore):
         committed and the caller rolls back.
         """
         conn = session.conn
-        results: list[_Outcome] = []
+        results: list[Outcome] = []
         ready: set[str] = set()
         finished: set[str] = set()
         now = self.clock()
@@ -460,10 +461,10 @@ class PostgresStore(OpsStore):
 
     def _attempt(
         self, session: _Session, batch: list[Any], writes: bool, solo: bool
-    ) -> tuple[list[_Outcome], set[str], set[str]]:
+    ) -> tuple[list[Outcome], set[str], set[str]]:
         """The safe path: each write operation in its own savepoint, one round trip at a time."""
         conn = session.conn
-        results: list[_Outcome] = []
+        results: list[Outcome] = []
         ready: set[str] = set()
         finished: set[str] = set()
         # transaction control that needs no result rides along with the next one (one
@@ -522,7 +523,7 @@ class PostgresStore(OpsStore):
 
     @staticmethod
     def _fail(batch: list[Any], error: BaseException) -> None:
-        _deliver([(fut, None, error) for _, _, _, fut in batch])
+        deliver([(fut, None, error) for _, _, _, fut in batch])
 
     def _lost(self, exc: BaseException) -> StoreError:
         return StoreError(
@@ -582,7 +583,7 @@ class PostgresStore(OpsStore):
             raise StoreError("the store is closed")
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
-        self._queue.put((fn, args, write, _LoopFuture(loop, fut)))
+        self._queue.put((fn, args, write, LoopFuture(loop, fut)))
         return await fut
 
     def call_sync(self, fn: Op, *args: Any, write: bool = True) -> Any:
@@ -982,61 +983,6 @@ def _numbered(query: str) -> bytes:
         _numbered_cache.clear()
     _numbered_cache[query] = encoded = text.encode()
     return encoded
-
-
-#: (caller's future, value, error) for one operation of a batch
-_Outcome = tuple[Any, Any, BaseException | None]
-
-
-class _LoopFuture:
-    """An asyncio caller waiting on a writer thread, resolved on its own loop.
-
-    The results of one batch are handed to each loop in one thread-safe call, not
-    one wake-up per operation (as ``asyncio.wrap_future`` would).
-    """
-
-    __slots__ = ("fut", "loop")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Any]) -> None:
-        self.loop = loop
-        self.fut = fut
-
-    def set_running_or_notify_cancel(self) -> bool:
-        """False if the caller was cancelled before its operation ran (it is skipped)."""
-        return not self.fut.cancelled()
-
-    def done(self) -> bool:
-        """Whether the caller's future is resolved (read from the writer thread)."""
-        return self.fut.done()
-
-
-def _deliver(results: list[_Outcome]) -> None:
-    """Resolve each caller's future: sync ones directly, async ones per loop in one call."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[_Outcome]] = {}
-    for fut, value, error in results:
-        if isinstance(fut, _LoopFuture):
-            by_loop.setdefault(fut.loop, []).append((fut.fut, value, error))
-        elif fut.done():
-            continue
-        elif error is not None:
-            fut.set_exception(error)
-        else:
-            fut.set_result(value)
-    for loop, items in by_loop.items():
-        try:
-            loop.call_soon_threadsafe(_resolve, items)
-        except RuntimeError:
-            pass  # that loop is closed: nobody is waiting any more
-
-
-def _resolve(items: list[_Outcome]) -> None:
-    for fut, value, error in items:
-        if fut.done():
-            continue
-        if error is not None:
-            fut.set_exception(error)
-        else:
-            fut.set_result(value)
 
 
 def _join(threads: list[threading.Thread]) -> None:

@@ -24,6 +24,7 @@ from typing import Any
 
 from .._errors import StoreError
 from .._history import RunInfo, Task
+from ._handoff import LoopFuture, deliver
 from ._ops import Op, OpsStore, _get_run, _heartbeat, _Tx
 
 log = logging.getLogger("tether.store")
@@ -197,11 +198,11 @@ class SqliteStore(OpsStore):
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
             err = StoreError(_explain(self.path, exc))
-            _deliver([(fut, None, err) for _, _, _, fut in live])
+            deliver([(fut, None, err) for _, _, _, fut in live])
             return
         results, ready, finished = outcome
         self._ops += len(live)
-        _deliver(results)
+        deliver(results)
         if ready or finished:
             for cb in list(self._listeners):
                 cb(ready, finished)
@@ -259,7 +260,7 @@ class SqliteStore(OpsStore):
             raise StoreError("the store is closed")
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
-        self._queue.put((fn, args, write, _LoopFuture(loop, fut)))
+        self._queue.put((fn, args, write, LoopFuture(loop, fut)))
         return await fut
 
     def _reader(self) -> sqlite3.Connection | None:
@@ -336,51 +337,6 @@ class SqliteStore(OpsStore):
         """``heartbeat`` for sync activities running in a thread."""
         out: bool = self.call_sync(_heartbeat, task, lease, details)
         return out
-
-
-class _LoopFuture:
-    """An asyncio future waiting on the store thread, resolved on its own loop.
-
-    The results of one batch are handed to each loop in ONE thread-safe call, not
-    one wake-up per operation: with group commit that saves a self-pipe write and
-    a loop iteration per operation.
-    """
-
-    __slots__ = ("fut", "loop")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, fut: asyncio.Future[Any]) -> None:
-        self.loop = loop
-        self.fut = fut
-
-    def set_running_or_notify_cancel(self) -> bool:
-        return True  # a cancelled awaiter is skipped when results are delivered
-
-
-def _deliver(results: list[tuple[Any, Any, BaseException | None]]) -> None:
-    """Resolve each caller's future: sync ones directly, async ones per loop in one call."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Any, Any, BaseException | None]]] = {}
-    for fut, value, error in results:
-        if isinstance(fut, _LoopFuture):
-            by_loop.setdefault(fut.loop, []).append((fut.fut, value, error))
-        elif error is not None:
-            fut.set_exception(error)
-        else:
-            fut.set_result(value)
-    for loop, items in by_loop.items():
-        try:
-            loop.call_soon_threadsafe(_resolve, items)
-        except RuntimeError:
-            pass  # that loop is closed: nobody is waiting any more
-
-
-def _resolve(items: list[tuple[asyncio.Future[Any], Any, BaseException | None]]) -> None:
-    for fut, value, error in items:
-        if fut.done():
-            continue
-        if error is not None:
-            fut.set_exception(error)
-        else:
-            fut.set_result(value)
 
 
 def _explain(path: str, exc: sqlite3.DatabaseError) -> str:
