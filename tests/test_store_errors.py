@@ -53,3 +53,34 @@ def test_sqlite_missing_directory_is_a_clear_error(tmp_path: Path) -> None:
 def test_unknown_store_url_is_a_clear_error() -> None:
     with pytest.raises(tether.ConfigurationError, match="unsupported store URL"):
         tether.store.open_store("mysql://localhost/db")
+
+
+def test_opening_a_new_file_while_another_process_holds_it_waits_its_turn(
+    tmp_path: Path,
+) -> None:
+    """Workers started together on a new file race to switch it to WAL. SQLite answers
+    "locked" at once to that switch (no busy handler) while another connection holds a
+    lock, so the store must retry within its busy timeout instead of failing."""
+    import threading
+    import time
+
+    db = tmp_path / "new.db"
+    other = sqlite3.connect(db, isolation_level=None, check_same_thread=False)
+    other.execute("BEGIN IMMEDIATE")  # another process, mid-way through its own set-up
+    release = threading.Timer(0.3, lambda: other.execute("COMMIT"))
+    release.start()
+    t0 = time.monotonic()
+    try:
+        store = SqliteStore(str(db), busy_timeout=10)
+    finally:
+        release.join()
+        other.close()
+    waited = time.monotonic() - t0
+    store.close_sync()
+    assert waited >= 0.25  # it waited for the other connection, then went on
+    conn = sqlite3.connect(db)
+    try:
+        assert conn.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+        assert conn.execute("PRAGMA user_version").fetchone() == (1,)
+    finally:
+        conn.close()

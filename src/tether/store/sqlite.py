@@ -15,6 +15,7 @@ import concurrent.futures
 import logging
 import os
 import queue
+import random
 import sqlite3
 import threading
 import time
@@ -85,7 +86,7 @@ class SqliteStore(OpsStore):
             self._conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
             self._refuse_foreign()
             if path != ":memory:":
-                self._conn.execute("PRAGMA journal_mode = WAL")
+                self._wal(busy_timeout)
             if synchronous.upper() not in ("FULL", "NORMAL", "OFF", "EXTRA"):
                 raise StoreError(f"unknown synchronous mode {synchronous!r}")
             self._conn.execute(f"PRAGMA synchronous = {synchronous.upper()}")
@@ -100,6 +101,23 @@ class SqliteStore(OpsStore):
         self._thread.start()
 
     # -- plumbing --------------------------------------------------------
+
+    def _wal(self, busy_timeout: float) -> None:
+        """Switch the file to WAL mode, waiting out other processes doing the same.
+
+        Switching journal modes needs the file to itself and SQLite answers "locked"
+        at once instead of calling the busy handler, so workers started together on a
+        new file retry here, for up to the busy timeout, rather than fail.
+        """
+        deadline = time.monotonic() + busy_timeout
+        while True:
+            try:
+                self._conn.execute("PRAGMA journal_mode = WAL")
+                return
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc) or time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.01 + random.random() * 0.04)
 
     def _refuse_foreign(self) -> None:
         """Never write tether's schema into another program's database."""
