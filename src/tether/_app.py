@@ -34,7 +34,7 @@ from ._policy import DEFAULT_RETRY, Retry, seconds
 from ._queues import Dependency, QueueLimits, QueueStats
 from ._serde import decode_raw, encode
 from ._worker import Worker
-from .store.base import Store, open_store
+from .store.base import Store, open_store, start_event_data
 
 log = logging.getLogger("tether")
 _seconds = seconds  # pause_queue has a parameter named ``seconds``
@@ -476,9 +476,7 @@ class App:
         if local is not None:
             # an in-process worker runs the first workflow task now, so the run and
             # that task's commands are stored in one commit (no claim, no second commit)
-            data: dict[str, Any] = {"workflow": wf.name}
-            if deadline_at is not None:
-                data["deadline_at"] = deadline_at
+            data = start_event_data(wf.name, deadline_at)
             eager = local.eager_start(wf, rid, text, data, now)
         try:
             res = await self.store.create_run(

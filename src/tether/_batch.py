@@ -41,7 +41,6 @@ from ._breaker import CircuitOpenError
 from ._definitions import Activity, ActivityOptions
 from ._errors import (
     ConfigurationError,
-    LeaseLostError,
     NonRetryable,
     PayloadError,
     StoreError,
@@ -512,22 +511,7 @@ async def _complete(w: Worker, task: Task, result: str, breaker: dict[str, Any] 
     """Record one item's result (the one-commit path when the worker can take it)."""
     if breaker:
         await w._breaker_record(breaker, True)
-    if await w._complete_fast(task, result):
-        return
-    try:
-        wt = await w.app.store.complete_activity(
-            task,
-            result,
-            lease_to=None if w._stopping else w.id,
-            lease_queues=w.queues,
-            lease=w.lease,
-            read_after=w._cached_through(task.run_id),
-        )
-    except LeaseLostError:
-        w.stats["lease_lost"] += 1
-        return
-    if wt is not None:
-        w._spawn(wt)
+    await w._record_result(task, result)
 
 
 async def _settle(w: Worker, outcomes: list[Awaitable[None]], tasks: list[Task]) -> None:

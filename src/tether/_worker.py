@@ -636,10 +636,15 @@ class Worker:
                     await store.dependency_feedback(task, pause)
                 except StoreError as exc:
                     log.warning("could not pause dependency %r: %s", task.dependency, exc)
+        await self._record_result(task, result)
+
+    async def _record_result(self, task: Task, result: str) -> None:
+        """Record an activity's result: the one-commit path when it applies, else
+        ``complete_activity`` (and run the workflow task it leases back to us)."""
         if await self._complete_fast(task, result):
             return
         try:
-            wt = await store.complete_activity(
+            wt = await self.app.store.complete_activity(
                 task,
                 result,
                 lease_to=None if self._stopping else self.id,

@@ -25,7 +25,7 @@ from .._errors import (
 )
 from .._history import COMMANDS, OUTCOMES, DeadLetter, Event, EventType, RunInfo, RunStatus, Task
 from .._queues import DEPENDENCY_PREFIX, QueueStats
-from .base import Command, StartResult, Store, WorkflowTaskResult
+from .base import Command, StartResult, Store, WorkflowTaskResult, start_event_data
 
 _TERMINAL = tuple(s.value for s in RunStatus if s.is_terminal)
 _RUN_COLS = (
@@ -526,9 +526,8 @@ def _insert_run(
             tenant,
         ),
     )
-    data: dict[str, Any] = {"workflow": workflow}
+    data = start_event_data(workflow, deadline_at)
     if deadline_at is not None:
-        data["deadline_at"] = deadline_at
         # the deadline is a task like a timer: due at the deadline, deleted when the run ends
         tx.execute(
             "INSERT INTO tasks (run_id, kind, queue, available_at, created_at) "

@@ -39,6 +39,18 @@ class WorkflowTaskResult:
     version: str | None = None  #: the workflow code version that produced it
 
 
+def start_event_data(workflow: str, deadline_at: float | None) -> dict[str, Any]:
+    """The data of a run's ``WorkflowStarted`` event (without its input).
+
+    Shared by the store that writes it and by eager start, which runs the first
+    workflow task on this event before the store has written it.
+    """
+    data: dict[str, Any] = {"workflow": workflow}
+    if deadline_at is not None:
+        data["deadline_at"] = deadline_at
+    return data
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StartResult:
     """The outcome of ``create_run``."""
