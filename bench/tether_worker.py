@@ -18,6 +18,7 @@ import asyncio
 import signal
 import sqlite3
 import sys
+import threading
 import time
 from typing import Any
 
@@ -28,6 +29,7 @@ STEP_SECONDS = 0.02
 
 _effects_path = "effects.db"
 _effects: sqlite3.Connection | None = None
+_effects_lock = threading.Lock()
 
 
 def make_app(db: str) -> tether.App:
@@ -61,21 +63,38 @@ def make_app(db: str) -> tether.App:
 
 def _record(run_id: str, step: int, attempt: int) -> None:
     """Append one execution to the side table (its own file; WAL, so a kill loses no row)."""
+    _side().execute("INSERT INTO effects VALUES (?, ?, ?, ?)", (run_id, step, attempt, time.time()))
+
+
+def _side() -> sqlite3.Connection:
+    """The side table's connection, set up once even when many step threads ask at once.
+
+    Switching the file to WAL answers "database is locked" at once (no busy wait)
+    while the benchmark is reading it: retried until it works.
+    """
     global _effects
-    if _effects is None:
-        _effects = sqlite3.connect(
-            _effects_path, isolation_level=None, check_same_thread=False, timeout=30
-        )
-        _effects.execute("PRAGMA journal_mode = WAL")
+    with _effects_lock:
+        if _effects is not None:
+            return _effects
+        conn = sqlite3.connect(_effects_path, isolation_level=None, check_same_thread=False)
+        conn.execute("PRAGMA busy_timeout = 30000")
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                conn.execute("PRAGMA journal_mode = WAL")
+                break
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
         # NORMAL survives a killed process (not a power cut): all a SIGKILL test needs
-        _effects.execute("PRAGMA synchronous = NORMAL")
-        _effects.execute(
+        conn.execute("PRAGMA synchronous = NORMAL")
+        conn.execute(
             "CREATE TABLE IF NOT EXISTS effects (run_id TEXT, step INTEGER, attempt INTEGER, "
             "at REAL)"
         )
-    _effects.execute(
-        "INSERT INTO effects VALUES (?, ?, ?, ?)", (run_id, step, attempt, time.time())
-    )
+        _effects = conn
+        return conn
 
 
 async def _serve(db: str, lease: float | None) -> None:

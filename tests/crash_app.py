@@ -12,25 +12,20 @@ import sys
 import time
 
 import tether
+from helpers import shared_side_db
 
 DB = sys.argv[1] if len(sys.argv) > 1 else "tether.db"
 EFFECTS = sys.argv[2] if len(sys.argv) > 2 else "effects.db"
 
 app = tether.App(store=f"sqlite:///{DB}")
-_conn: sqlite3.Connection | None = None
 
 
 def effects() -> sqlite3.Connection:
     """The side table, created on first use."""
-    global _conn
-    if _conn is None:
-        _conn = sqlite3.connect(EFFECTS, isolation_level=None, check_same_thread=False, timeout=30)
-        _conn.execute("PRAGMA journal_mode=WAL")
-        _conn.execute(
-            "CREATE TABLE IF NOT EXISTS effects (run_id TEXT, step INTEGER, attempt INTEGER, "
-            "at REAL)"
-        )
-    return _conn
+    return shared_side_db(
+        EFFECTS,
+        "CREATE TABLE IF NOT EXISTS effects (run_id TEXT, step INTEGER, attempt INTEGER, at REAL)",
+    )
 
 
 @app.activity

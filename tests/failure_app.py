@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 import tether
+from helpers import shared_side_db
 
 STORE = sys.argv[1] if len(sys.argv) > 1 else "sqlite:///tether.db"
 EFFECTS = sys.argv[2] if len(sys.argv) > 2 else "effects.db"
@@ -28,24 +29,17 @@ LEASE = float(sys.argv[3]) if len(sys.argv) > 3 else 15.0
 POLL = float(sys.argv[4]) if len(sys.argv) > 4 else 0.05
 
 app = tether.App(store=STORE)
-_conn: sqlite3.Connection | None = None
 
 
 def effects() -> sqlite3.Connection:
     """The side table, created on first use."""
-    global _conn
-    if _conn is None:
-        _conn = sqlite3.connect(EFFECTS, isolation_level=None, check_same_thread=False, timeout=30)
-        _conn.execute("PRAGMA journal_mode=WAL")
-        _conn.execute(
-            "CREATE TABLE IF NOT EXISTS effects (kind TEXT, name TEXT, key TEXT, "
-            "attempt INTEGER, pid INTEGER, detail TEXT, at REAL)"
-        )
-        _conn.execute(
-            "CREATE TABLE IF NOT EXISTS applied (seq INTEGER PRIMARY KEY AUTOINCREMENT, "
-            "key TEXT UNIQUE, name TEXT)"
-        )
-    return _conn
+    return shared_side_db(
+        EFFECTS,
+        "CREATE TABLE IF NOT EXISTS effects (kind TEXT, name TEXT, key TEXT, "
+        "attempt INTEGER, pid INTEGER, detail TEXT, at REAL)",
+        "CREATE TABLE IF NOT EXISTS applied (seq INTEGER PRIMARY KEY AUTOINCREMENT, "
+        "key TEXT UNIQUE, name TEXT)",
+    )
 
 
 def record(kind: str, name: str, detail: Any = None) -> None:

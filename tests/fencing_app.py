@@ -19,18 +19,17 @@ from pathlib import Path
 from typing import Any
 
 import tether
+from helpers import open_side_db
 
 LEASE = 2.0
 
 
 def side(directory: Path) -> sqlite3.Connection:
-    conn = sqlite3.connect(directory / "side.db", isolation_level=None, timeout=30)
-    conn.execute("PRAGMA journal_mode=WAL")
-    conn.execute(
+    return open_side_db(
+        directory / "side.db",
         "CREATE TABLE IF NOT EXISTS log (kind TEXT, pid INTEGER, attempt INTEGER, "
-        "fence INTEGER, detail TEXT, at REAL)"
+        "fence INTEGER, detail TEXT, at REAL)",
     )
-    return conn
 
 
 def build_app(store: str, directory: Path) -> tether.App:

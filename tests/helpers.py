@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -69,3 +71,40 @@ class WorkerProcesses:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(10)
+
+
+def open_side_db(path: str | Path, *schema: str) -> sqlite3.Connection:
+    """A connection to a test's side table file (WAL), with ``schema`` statements run.
+
+    Switching a file to WAL answers "database is locked" at once, without waiting,
+    while another connection (the test reading the side table) holds it: retried here,
+    for up to 30 s, so a worker never starts with a side table it could not set up.
+    """
+    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=30)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            break
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                conn.close()
+                raise
+            time.sleep(0.01)
+    for statement in schema:
+        conn.execute(statement)
+    return conn
+
+
+_side_lock = threading.Lock()
+_side_conns: dict[str, sqlite3.Connection] = {}
+
+
+def shared_side_db(path: str | Path, *schema: str) -> sqlite3.Connection:
+    """This process's one connection to a side table file, set up once (``open_side_db``)
+    even when many activity threads ask for it at the same moment."""
+    with _side_lock:
+        conn = _side_conns.get(str(path))
+        if conn is None:
+            conn = _side_conns[str(path)] = open_side_db(path, *schema)
+        return conn

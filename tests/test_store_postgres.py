@@ -427,6 +427,26 @@ def test_rows_of_a_statement_taken_for_a_plain_write_are_still_read(
     assert s.stats()["fallbacks"] == 1
 
 
+def test_a_statement_whose_prepare_a_failed_pipeline_skipped_is_prepared_again(
+    pg_schema: str, open_stores: list[PostgresStore]
+) -> None:
+    """After an error, a pipeline skips what follows it, PREPAREs included."""
+    s = _store(open_stores, pg_schema, writers=1)
+    _query(pg_schema, "CREATE TABLE pp (id INTEGER)")
+
+    def op(tx: Any, fail: bool) -> bool:
+        if fail and tx.optimistic:
+            tx.guard("SELECT 1 / (SELECT count(*) FROM pp WHERE id < 0)::int")  # fails
+        for i in range(3):  # the statement is prepared on its second use
+            tx.execute("INSERT INTO pp VALUES (?)", (i,))
+        return bool(tx.optimistic)
+
+    assert s.call_sync(op, True) is False  # fell back: the safe path ran it
+    assert s.call_sync(op, False) is True  # the fast path again: the statement is usable
+    assert s.stats()["fallbacks"] == 1
+    assert _query(pg_schema, "SELECT count(*) FROM pp") == [(6,)]
+
+
 def test_unreachable_server_raises_clear_store_error() -> None:
     with pytest.raises(tether.StoreError) as info:
         PostgresStore("postgresql://postgres:s3cret@127.0.0.1:1/test", connect_timeout=2)
@@ -480,3 +500,104 @@ async def test_recovers_after_server_drops_connections(
         await a.create_run(run_id=f"r2-{time.monotonic()}", workflow="wf", queue="q2", input="[]")
         await asyncio.sleep(0.2)
     assert woke.is_set()
+
+
+# -- the optimistic fast path: guesses instead of reads ------------------------------
+
+
+class _Waits:
+    """Counts, per batch, the answers a writer waited for before its COMMIT."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from tether.store import postgres
+
+        self.batches: list[tuple[tuple[str, ...], int]] = []
+        self._now = 0
+        drain, commit = postgres._Session._drain, postgres.PostgresStore._commit
+        waits = self
+
+        def counting_drain(session: Any, *, sync: bool) -> Any:
+            if not sync:
+                waits._now += 1
+            return drain(session, sync=sync)
+
+        def counting_commit(store: Any, session: Any, batch: list[Any], solo: bool) -> Any:
+            waits._now = 0
+            out = commit(store, session, batch, solo)
+            waits.batches.append((tuple(item[0].__name__ for item in batch), waits._now))
+            return out
+
+        monkeypatch.setattr(postgres._Session, "_drain", counting_drain)
+        monkeypatch.setattr(postgres.PostgresStore, "_commit", counting_commit)
+
+
+def _one_step_app(url: str, concurrency: list[int] | None = None) -> tether.App:
+    app = tether.App(store=url)
+    running = [0]
+
+    @app.activity
+    async def double(x: int) -> int:
+        running[0] += 1
+        if concurrency is not None:
+            concurrency.append(running[0])
+        await asyncio.sleep(0.01)
+        running[0] -= 1
+        return 2 * x
+
+    @app.workflow
+    async def one_step(x: int) -> int:
+        return await double(x)
+
+    return app
+
+
+async def test_an_eager_start_waits_for_nothing_and_a_step_for_one_answer(
+    pg_schema: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app = _one_step_app(with_schema(PG_URL, pg_schema))
+    try:
+        async with app.worker(lease=10.0, poll_interval=60):  # no polling claims meanwhile
+            await (await app.start("one_step", 0, run_id="warm-up")).result(timeout=10)
+            waits = _Waits(monkeypatch)
+            fallbacks = app.store.stats()["fallbacks"]  # type: ignore[attr-defined]
+            for i in range(5):
+                assert await (await app.start("one_step", i, run_id=f"r{i}")).result(10) == 2 * i
+            assert app.store.stats()["fallbacks"] == fallbacks  # type: ignore[attr-defined]
+            batches = list(waits.batches)
+    finally:
+        await app.close()
+    by_op: dict[tuple[str, ...], set[int]] = {}
+    for ops, n in batches:
+        by_op.setdefault(ops, set()).add(n)
+    # the run, its first task's commands and its leased activity: guesses and no reads
+    assert by_op.pop(("_create_run",)) == {0}
+    # the activity's result and the run's end: only the run row is read
+    assert by_op.pop(("_complete_activity_fast",)) == {1}
+    assert not by_op, f"unexpected batches: {by_op}"
+    assert [r[0] for r in _query(pg_schema, "SELECT status FROM runs")] == ["completed"] * 6
+
+
+async def test_wrong_guesses_fall_back_and_give_the_exact_answers(pg_schema: str) -> None:
+    app = _one_step_app(with_schema(PG_URL, pg_schema), concurrency := [])
+    try:
+        async with app.worker(lease=10.0, poll_interval=0.05):
+            first = await app.start("one_step", 1, run_id="same")
+            stats = app.store.stats  # type: ignore[attr-defined]
+            before = stats()["fallbacks"]
+            # the run exists: inserting it fails, and the safe path finds it unchanged
+            again = await app.start("one_step", 1, run_id="same")
+            assert again.run_id == "same" and stats()["fallbacks"] == before + 1
+            with pytest.raises(tether.RunIdConflictError):
+                await app.start("one_step", 2, run_id="same")
+            assert await first.result(timeout=10) == 2
+            # a queue with limits: the guess "no limits" fails once, then the store knows
+            app.configure_queue("default", max_concurrency=1)
+            before = stats()["fallbacks"]
+            runs = [await app.start("one_step", i, run_id=f"capped-{i}") for i in range(4)]
+            assert [await r.result(timeout=10) for r in runs] == [0, 2, 4, 6]
+            assert stats()["fallbacks"] - before == 1  # one wrong guess, then it knows
+            assert max(concurrency[-4:]) == 1  # the cap held: the work went through claims
+    finally:
+        await app.close()
+    assert len(_query(pg_schema, "SELECT 1 FROM events WHERE run_id = 'same'")) == 6
+    assert _query(pg_schema, "SELECT count(*) FROM tasks") == [(0,)]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import threading
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -45,7 +44,9 @@ class ActivityContext:
     _store: Store | None = field(repr=False)
     _loop: asyncio.AbstractEventLoop | None = field(repr=False)
     _lease: float = field(repr=False, default=30.0)
-    _cancelled: threading.Event = field(default_factory=threading.Event, repr=False)
+    #: set (from any thread) when the run was cancelled or the lease was lost; a plain
+    #: flag rather than a threading.Event: nothing waits on it, and it is made per attempt
+    _cancelled: bool = field(default=False, repr=False)
     _returned: bool = field(default=False, repr=False)  #: the function has returned
 
     def __post_init__(self) -> None:
@@ -55,7 +56,7 @@ class ActivityContext:
     @property
     def is_cancelled(self) -> bool:
         """Whether the run was cancelled or this worker lost the task: stop and clean up."""
-        return self._cancelled.is_set()
+        return self._cancelled
 
     def heartbeat(self, details: Any = None) -> None:
         """Renew the lease and record progress ``details`` (JSON-serialisable).
@@ -78,9 +79,9 @@ class ActivityContext:
         cf = asyncio.run_coroutine_threadsafe(coro, self._loop)
         try:
             if cf.result():
-                self._cancelled.set()
+                self._cancelled = True
         except TetherError:
-            self._cancelled.set()
+            self._cancelled = True
 
     def _beat(self, details: str | None) -> Coroutine[Any, Any, bool]:
         """The store call that renews this attempt's lease (True: cancelled or lost)."""
@@ -91,7 +92,7 @@ class ActivityContext:
         if fut.cancelled():
             return
         if fut.exception() is not None or fut.result():
-            self._cancelled.set()
+            self._cancelled = True
 
 
 def activity_context() -> ActivityContext:

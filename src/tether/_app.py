@@ -29,12 +29,12 @@ from ._errors import (
     UnknownWorkflowError,
     WorkflowFailedError,
 )
-from ._history import DeadLetter, Event, RunInfo, RunStatus
+from ._history import DeadLetter, Event, RunEnd, RunInfo, RunStatus
 from ._policy import DEFAULT_RETRY, Retry, seconds
 from ._queues import Dependency, QueueLimits, QueueStats
 from ._serde import decode_raw, encode
 from ._worker import Worker
-from .store.base import Store, open_store, start_event_data
+from .store.base import Finished, Store, open_store, start_event_data
 
 log = logging.getLogger("tether")
 _seconds = seconds  # pause_queue has a parameter named ``seconds``
@@ -130,8 +130,11 @@ class App:
         self.default_queue = queue
         self._workflows: dict[str, Workflow[Any, Any]] = {}
         self._activities: dict[str, Activity[Any, Any]] = {}
-        self._waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
+        self._waiters: dict[str, list[_Waiter]] = {}
         self._waiters_lock = threading.Lock()
+        #: runs this process started and runs in an in-process worker, not yet seen ending:
+        #: their end will be announced here, so ``result()`` need not read them first
+        self._running_here: set[str] = set()
         self._alerts: set[asyncio.Future[Any]] = set()
         #: workers running in this process, which app.start may hand a new run to
         self._local_workers: list[Worker] = []
@@ -183,14 +186,19 @@ class App:
             self._limits_dirty = True
             raise
 
-    def _on_commit(self, ready: set[str], finished: set[str]) -> None:
+    def _on_commit(self, ready: set[str], finished: Finished) -> None:
         if not finished:
             return
+        hits: list[_Waiter] = []
         with self._waiters_lock:
-            hits = [w for rid in finished for w in self._waiters.get(rid, [])]
-        for loop, ev in hits:
-            if not loop.is_closed():
-                loop.call_soon_threadsafe(ev.set)
+            for rid, end in finished.items():
+                self._running_here.discard(rid)
+                for w in self._waiters.get(rid, ()):
+                    w.end = end  # None: read the run (another process ended it, or a retry)
+                    hits.append(w)
+        for w in hits:
+            if not w.loop.is_closed():
+                w.loop.call_soon_threadsafe(w.event.set)
 
     async def close(self) -> None:
         """Close the store (waits for pending writes)."""
@@ -499,10 +507,18 @@ class App:
             raise
         if local is not None:
             if eager is not None:
+                if res.first_marker is not None and not res.run.is_finished:
+                    self._note_running_here(res.run.run_id)
                 local.adopt_start(eager[0], res)
             elif res.leased is not None:
                 local._spawn(res.leased)  # no claim round trip for a run started in-process
         return Run(self, res.run.run_id, wf)
+
+    def _note_running_here(self, run_id: str) -> None:
+        """Remember a run whose end this process's commits will announce."""
+        with self._waiters_lock:
+            if len(self._running_here) < _MAX_RUNNING_HERE:  # a hint: past it, result() reads
+                self._running_here.add(run_id)
 
     def _local_worker(self, queue: str) -> Worker | None:
         """A running in-process worker on this loop that serves ``queue`` and has room."""
@@ -707,41 +723,49 @@ class App:
 
     async def _wait_finished(
         self, run_id: str, deadline: float | None, may_not_exist: bool = False
-    ) -> RunInfo:
+    ) -> RunInfo | RunEnd:
+        """The run's end: announced by a commit in this process, else read (and polled)."""
         loop = asyncio.get_running_loop()
-        ev = asyncio.Event()
-        entry = (loop, ev)
+        waiter = _Waiter(loop)
         with self._waiters_lock:
-            self._waiters.setdefault(run_id, []).append(entry)
+            self._waiters.setdefault(run_id, []).append(waiter)
+            # its end is announced to this waiter (the check and the registration are
+            # atomic against _on_commit): nothing to read before it comes
+            skip_read = run_id in self._running_here
         try:
             # in-process commits wake us at once; polling covers other processes
             poll = 0.25
             while True:
-                ev.clear()  # before the read: a commit during the read must still wake us
-                found = await self.store.get_run(run_id)
-                if found is None and not may_not_exist:
+                waiter.event.clear()  # before the read: a commit during it must still wake us
+                end, waiter.end = waiter.end, None
+                if end is not None and end.status.is_terminal:
+                    return end
+                read, skip_read = not skip_read, False
+                found = await self.store.get_run(run_id) if read else None
+                if read and found is None and not may_not_exist:
                     raise RunNotFoundError(run_id)
                 if found is not None and found.is_finished:
                     return found
                 wait = poll
                 if deadline is not None:
                     left = deadline - loop.time()
-                    if left <= 0:
+                    if left <= 0 and read:
                         state = "not started" if found is None else found.status.value
                         raise ResultTimeoutError(
                             f"run {run_id!r} is still {state} after the timeout; "
                             "it goes on running: call result() again to keep waiting"
                         )
-                    wait = min(wait, left)
+                    wait = max(0.0, min(wait, left))  # not read yet: read before giving up
                 try:
-                    await asyncio.wait_for(ev.wait(), wait)
+                    await asyncio.wait_for(waiter.event.wait(), wait)
                 except TimeoutError:
                     poll = min(1.0, poll * 2)
         finally:
             with self._waiters_lock:
+                self._running_here.discard(run_id)
                 lst = self._waiters.get(run_id, [])
-                if entry in lst:
-                    lst.remove(entry)
+                if waiter in lst:
+                    lst.remove(waiter)
                 if not lst:
                     self._waiters.pop(run_id, None)
 
@@ -771,6 +795,20 @@ class App:
                 return await run.result(timeout)
 
         return run_sync(main())
+
+
+_MAX_RUNNING_HERE = 100_000  #: runs remembered as running here (a hint, see _wait_finished)
+
+
+class _Waiter:
+    """One ``result()`` waiting for a run's end: woken by commits, or by polling."""
+
+    __slots__ = ("end", "event", "loop")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.event = asyncio.Event()
+        self.end: RunEnd | None = None  #: set (from the store's thread) before the event
 
 
 def run_sync(coro: Coroutine[Any, Any, T]) -> T:

@@ -203,6 +203,22 @@ class RunInfo:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class RunEnd:
+    """How a run ended, as the commit that ended it knows it.
+
+    Stores hand this to their listeners with each finished run id, so a
+    ``run.result()`` waiting in the same process needs no read of the run.
+    """
+
+    run_id: str
+    workflow: str
+    status: RunStatus
+    output: str | None
+    error: dict[str, Any] | None
+    continued_to: str | None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Task:
     """A leased unit of work: a workflow task, an activity attempt or a due timer."""
 

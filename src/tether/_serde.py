@@ -54,6 +54,19 @@ def encode(value: Any, what: str = "value") -> str:
         ) from exc
 
 
+def dumps(data: Any) -> str:
+    """Compact JSON text of tether's own records (event data, options, errors).
+
+    pydantic-core's encoder is several times faster than ``json.dumps`` and writes
+    the same JSON (non-ASCII text as UTF-8 rather than escapes); ``json.dumps``
+    takes what it refuses, such as a lone surrogate in an error message.
+    """
+    try:
+        return pydantic_core.to_json(data, inf_nan_mode="constants").decode()
+    except Exception:
+        return json.dumps(data, separators=(",", ":"))
+
+
 def decode_raw(text: str | None) -> Any:
     """Decode JSON text to plain Python values."""
     if text is None:

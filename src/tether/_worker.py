@@ -36,7 +36,7 @@ from .workflow._instance import WorkflowInstance
 if TYPE_CHECKING:
     from ._app import App
     from ._definitions import Workflow
-    from .store.base import StartResult, WorkflowTaskResult
+    from .store.base import Finished, StartResult, WorkflowTaskResult
 
 log = logging.getLogger("tether.worker")
 
@@ -229,7 +229,7 @@ class Worker:
         """How many more tasks this worker may hold (tasks leased to it on commit)."""
         return max(0, self.concurrency - len(self._inflight) + self._batch_extra)
 
-    def _on_commit(self, ready: set[str], finished: set[str]) -> None:
+    def _on_commit(self, ready: set[str], finished: Finished) -> None:
         # called on the store's thread after each commit
         loop, wake = self._loop, self._wake
         if loop is None or wake is None or loop.is_closed():
@@ -370,7 +370,7 @@ class Worker:
                 cancelled = alive.get(t.task_id)
                 if cancelled is None or cancelled:
                     if ctx is not None:
-                        ctx._cancelled.set()
+                        ctx._cancelled = True
                     if (
                         t.kind == "activity"
                         and t.batch_id is None  # a batch runs on for its other items
@@ -611,7 +611,7 @@ class Worker:
         except asyncio.CancelledError:
             if self._stopping:
                 raise
-            ctx._cancelled.set()
+            ctx._cancelled = True
             await self._record_failure(
                 task, asyncio.CancelledError("activity cancelled"), plan, ctx
             )

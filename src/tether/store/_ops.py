@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -23,8 +24,19 @@ from .._errors import (
     RunNotFoundError,
     TetherError,
 )
-from .._history import COMMANDS, OUTCOMES, DeadLetter, Event, EventType, RunInfo, RunStatus, Task
+from .._history import (
+    COMMANDS,
+    OUTCOMES,
+    DeadLetter,
+    Event,
+    EventType,
+    RunEnd,
+    RunInfo,
+    RunStatus,
+    Task,
+)
 from .._queues import DEPENDENCY_PREFIX, QueueStats
+from .._serde import dumps
 from .base import Command, StartResult, Store, WorkflowTaskResult, start_event_data
 
 _TERMINAL = tuple(s.value for s in RunStatus if s.is_terminal)
@@ -50,10 +62,20 @@ class _Tx:
     for_update: str = ""  #: " FOR UPDATE" where row locks exist
     skip_locked: str = ""  #: " FOR UPDATE SKIP LOCKED" where supported
     ready: set[str] = field(default_factory=set)
-    finished: set[str] = field(default_factory=set)
+    #: runs this operation ended, with how they ended (None: changed, but look it up)
+    finished: dict[str, RunEnd | None] = field(default_factory=dict)
     #: queues known to have limits or not, asked once per operation (the SQLite store
     #: shares one dict per batch: its write lock keeps other processes out meanwhile)
     limited: dict[str, bool] = field(default_factory=dict)
+    #: queues seen with limits by this store (shared by its operations): treating a queue
+    #: as limited is always safe (its work goes through the claim, which applies them)
+    known_limited: set[str] = field(default_factory=set)
+    #: the PostgreSQL fast path: skip a read whose answer is almost always the same and
+    #: send a guard instead (``guard``), which fails the batch when the guess was wrong;
+    #: the batch then runs again on the safe path, where every read is made
+    optimistic: bool = False
+    #: a fresh task id (optimistic mode): a task row inserted with it needs no RETURNING
+    new_task_id: Callable[[], int] | None = None
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> Any:
         """Run one statement; ``?`` placeholders are translated for the backend."""
@@ -61,14 +83,31 @@ class _Tx:
             sql = sql.replace("?", "%s")
         return self.conn.execute(sql, params)
 
+    def guard(self, sql: str, params: Sequence[Any] = ()) -> None:
+        """Send a statement that raises (division by zero) if an optimistic guess was
+        wrong, without waiting for it: its error fails the batch before it commits."""
+        self.conn.guard(sql.replace("?", "%s"), params)
+
 
 def _json(data: dict[str, Any], raw: dict[str, str] | None = None) -> str:
     """JSON for an event's data, embedding already-encoded payloads verbatim."""
-    text = json.dumps(data, separators=(",", ":"))
+    text = dumps(data)
     if not raw:
         return text
-    inner = ",".join(f"{json.dumps(k)}:{v}" for k, v in raw.items())
+    inner = ",".join(f"{_key_json(k)}:{v}" for k, v in raw.items())
     return text[:-1] + ("," if data else "") + inner + "}"
+
+
+_KEYS: dict[str, str] = {}  #: the few payload keys, JSON-encoded once
+
+
+def _key_json(key: str) -> str:
+    known = _KEYS.get(key)
+    if known is None:
+        known = json.dumps(key)
+        if len(_KEYS) < 64:
+            _KEYS[key] = known
+    return known
 
 
 def _run_from_row(row: Sequence[Any]) -> RunInfo:
@@ -89,6 +128,62 @@ def _run_from_row(row: Sequence[Any]) -> RunInfo:
         completed_at=row[13],
         tenant=row[14],
     )
+
+
+#: an activity task's columns as ``_apply_workflow_result`` inserts them
+_TASK_INSERT_COLS = (
+    "run_id, kind, step, queue, name, payload, options, available_at, lease_owner, fence, "
+    "attempt, heartbeat_timeout, priority, limit_key, dependency, batch_key, batch_max, "
+    "batch_wait, created_at"
+)
+_TASK_INSERT_VALUES = "?, 'activity', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?"
+
+
+def _new_activity_task(task_id: int, values: Sequence[Any], options: dict[str, Any]) -> Task:
+    """The Task a leased activity row inserted with ``values`` is (no RETURNING read)."""
+    return Task(
+        task_id=task_id,
+        run_id=values[0],
+        kind="activity",
+        step=values[1],
+        queue=values[2],
+        name=values[3],
+        payload=values[4],
+        options=options,
+        fence=values[8],
+        attempt=values[9],
+        lease_expires_at=values[6],
+        heartbeat=None,
+        dependency=values[13],
+    )
+
+
+def _insert_activity_task(
+    tx: _Tx, values: Sequence[Any], options: dict[str, Any], local: bool
+) -> Task | None:
+    """Insert an activity task row (``_TASK_INSERT_COLS``); the Task if leased to us."""
+    if tx.optimistic and tx.new_task_id is not None:
+        # nothing to wait for: the id is ours already and the row is new (a conflicting
+        # row fails the batch, and the safe path sees it below)
+        if not local:
+            tx.execute(
+                f"INSERT INTO tasks ({_TASK_INSERT_COLS}) VALUES ({_TASK_INSERT_VALUES}) "
+                "ON CONFLICT DO NOTHING",
+                values,
+            )
+            return None
+        task_id = tx.new_task_id()
+        tx.execute(
+            f"INSERT INTO tasks (task_id, {_TASK_INSERT_COLS}) VALUES (?, {_TASK_INSERT_VALUES})",
+            (task_id, *values),
+        )
+        return _new_activity_task(task_id, values, options)
+    row = tx.execute(
+        f"INSERT INTO tasks ({_TASK_INSERT_COLS}) VALUES ({_TASK_INSERT_VALUES}) "
+        f"ON CONFLICT DO NOTHING RETURNING {_TASK_COLS}",
+        values,
+    ).fetchone()
+    return _task_from_row(row) if local and row is not None else None
 
 
 def _task_from_row(row: Sequence[Any]) -> Task:
@@ -403,11 +498,20 @@ def _append(
 _Pending = tuple[EventType, int | None, dict[str, Any], dict[str, str] | None]
 
 
-def _append_many(tx: _Tx, run_id: str, events: list[_Pending], next_seq: int | None = None) -> int:
+def _append_many(
+    tx: _Tx,
+    run_id: str,
+    events: list[_Pending],
+    next_seq: int | None = None,
+    *,
+    counter: bool = True,
+) -> int:
     """Append ``events`` to one run's history with one counter update and one INSERT.
 
     ``next_seq`` is the run's counter when the caller already read it under the
-    write lock (saving the ``RETURNING`` read). Returns the seq of the last event.
+    write lock (saving the ``RETURNING`` read); with ``counter=False`` as well, the
+    caller sets the counter to the returned seq + 1 in an update of its own.
+    Returns the seq of the last event.
     """
     n = len(events)
     if next_seq is None:
@@ -421,10 +525,11 @@ def _append_many(tx: _Tx, run_id: str, events: list[_Pending], next_seq: int | N
         first: int = row[0]
     else:
         first = next_seq
-        tx.execute(
-            "UPDATE runs SET next_seq = ?, updated_at = ? WHERE run_id = ?",
-            (first + n, tx.now, run_id),
-        )
+        if counter:
+            tx.execute(
+                "UPDATE runs SET next_seq = ?, updated_at = ? WHERE run_id = ?",
+                (first + n, tx.now, run_id),
+            )
     params: list[Any] = []
     for i, (type_, step, data, raw) in enumerate(events):
         params += (run_id, first + i, type_.value, step, _json(data, raw), tx.now)
@@ -473,8 +578,10 @@ def _ensure_workflow_task(
 
 
 def _run_row(tx: _Tx, run_id: str) -> tuple[Any, ...]:
+    """(status, queue, parent_run_id, parent_step, workflow, tenant) of a run."""
     row = tx.execute(
-        "SELECT status, queue, parent_run_id, parent_step, workflow FROM runs WHERE run_id = ?",
+        "SELECT status, queue, parent_run_id, parent_step, workflow, tenant FROM runs "
+        "WHERE run_id = ?",
         (run_id,),
     ).fetchone()
     if row is None:
@@ -508,8 +615,12 @@ def _insert_run(
     lease_queues: tuple[str, ...] = (),
     lease: float = 30.0,
     task: bool = True,
+    start_event: bool = True,
 ) -> Task | None:
-    """Insert a run and its start event; unless ``queued`` or not ``task``, its workflow task."""
+    """Insert a run and its start event; unless ``queued`` or not ``task``, its workflow task.
+
+    Without ``start_event`` the caller appends the start event (``_start_event``) as seq 1.
+    """
     tx.execute(
         "INSERT INTO runs (run_id, workflow, status, queue, input, parent_run_id, parent_step, "
         "created_at, updated_at, tenant, next_seq) VALUES (?,?,?,?,?,?,?,?,?,?,2)",
@@ -526,7 +637,6 @@ def _insert_run(
             tenant,
         ),
     )
-    data = start_event_data(workflow, deadline_at)
     if deadline_at is not None:
         # the deadline is a task like a timer: due at the deadline, deleted when the run ends
         tx.execute(
@@ -534,14 +644,23 @@ def _insert_run(
             "VALUES (?, 'deadline', ?, ?, ?)",
             (run_id, queue, deadline_at, tx.now),
         )
-    # the start event is seq 1 (the row above already counts it): no counter round trip
-    tx.execute(
-        "INSERT INTO events (run_id, seq, type, step, data, created_at) VALUES (?,1,?,NULL,?,?)",
-        (run_id, EventType.WORKFLOW_STARTED.value, _json(data, {"input": input}), tx.now),
-    )
+    if start_event:
+        # the start event is seq 1 (the row above already counts it): no counter round trip
+        _, _, data, raw = _start_event(workflow, input, deadline_at)
+        tx.execute(
+            "INSERT INTO events (run_id, seq, type, step, data, created_at) "
+            "VALUES (?,1,?,NULL,?,?)",
+            (run_id, EventType.WORKFLOW_STARTED.value, _json(data, raw), tx.now),
+        )
     if queued or not task:  # a queued run gets its workflow task when admitted (_promote)
         return None
     return _ensure_workflow_task(tx, run_id, queue, workflow, lease_to, lease_queues, lease)
+
+
+def _start_event(workflow: str, input: str, deadline_at: float | None) -> _Pending:
+    """A run's ``WorkflowStarted`` event, to append as its seq 1."""
+    data = start_event_data(workflow, deadline_at)
+    return (EventType.WORKFLOW_STARTED, None, data, {"input": input})
 
 
 def _create_run(
@@ -559,7 +678,10 @@ def _create_run(
     first: WorkflowTaskResult | None = None,
     lease_limit: int = 0,
 ) -> StartResult:
-    row = tx.execute(f"SELECT {_RUN_COLS} FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+    # optimistic: no read; if the run exists, inserting it fails and the safe path reads
+    row = None
+    if not tx.optimistic:
+        row = tx.execute(f"SELECT {_RUN_COLS} FROM runs WHERE run_id = ?", (run_id,)).fetchone()
     if row is not None:
         existing = _run_from_row(row)
         if existing.workflow != workflow:
@@ -596,23 +718,25 @@ def _create_run(
         lease_queues=lease_queues,
         lease=lease,
         task=not eager,
+        start_event=not eager,
     )
     if eager:
         assert first is not None
+        # the start event, the task's commands and its marker in one history write, the
+        # counter and the status in one update
         marker, acts, ended = _apply_workflow_result(
             tx,
             run_id,
-            (RunStatus.PENDING.value, queue, None, None, workflow),
+            (RunStatus.PENDING.value, queue, None, None, workflow, tenant),
             first,
-            [],
-            2,  # the start event took seq 1
+            [_start_event(workflow, input, deadline_at)],
+            1,
             lease_to,
             lease_queues,
             lease,
             lease_limit,
+            activate=True,
         )
-        if not ended:
-            tx.execute("UPDATE runs SET status = 'running' WHERE run_id = ?", (run_id,))
         if ended or any(c.type is EventType.STATUS_SET for c in first.commands):
             row = tx.execute(f"SELECT {_RUN_COLS} FROM runs WHERE run_id = ?", (run_id,))
             info = _run_from_row(row.fetchone())
@@ -1158,28 +1282,46 @@ def _finish(
     output: str | None = None,
     error: dict[str, Any] | None = None,
     continued_to: str | None = None,
+    known: tuple[Any, ...] | None = None,
+    next_seq: int | None = None,
 ) -> None:
-    row = tx.execute(
-        "SELECT parent_run_id, parent_step, tenant FROM runs WHERE run_id = ?", (run_id,)
-    ).fetchone()
-    if row is None:
-        raise RunNotFoundError(run_id)
-    parent_run_id, parent_step, tenant = row
+    """End a run: its status and outcome, its tasks gone, its parent and tenant told.
+
+    ``known`` is the run's (parent_run_id, parent_step, workflow, tenant) when the
+    caller read them already in this transaction (saving a read); ``next_seq`` a
+    new history counter to write in the same update.
+    """
+    if known is None:
+        known = tx.execute(
+            "SELECT parent_run_id, parent_step, workflow, tenant FROM runs WHERE run_id = ?",
+            (run_id,),
+        ).fetchone()
+        if known is None:
+            raise RunNotFoundError(run_id)
+    parent_run_id, parent_step, workflow, tenant = known
     tx.execute(
         "UPDATE runs SET status = ?, output = ?, error = ?, continued_to = ?, completed_at = ?, "
-        "updated_at = ? WHERE run_id = ?",
+        f"updated_at = ?{', next_seq = ?' if next_seq is not None else ''} WHERE run_id = ?",
         (
             status.value,
             output,
-            json.dumps(error) if error else None,
+            dumps(error) if error else None,
             continued_to,
             tx.now,
             tx.now,
+            *(() if next_seq is None else (next_seq,)),
             run_id,
         ),
     )
     tx.execute("DELETE FROM tasks WHERE run_id = ?", (run_id,))
-    tx.finished.add(run_id)
+    tx.finished[run_id] = RunEnd(
+        run_id=run_id,
+        workflow=workflow,
+        status=status,
+        output=output,
+        error=error,
+        continued_to=continued_to,
+    )
     # the continuation keeps the run's place; otherwise admit the tenant's oldest queued
     # run, in this commit
     if status is not RunStatus.CONTINUED_AS_NEW and tenant is not None:
@@ -1192,7 +1334,7 @@ def _finish(
         )
     if parent_run_id is None or status is RunStatus.CONTINUED_AS_NEW:
         return
-    pstatus, pqueue, _pp, _ps, pworkflow = _run_row(tx, parent_run_id)
+    pstatus, pqueue, _pp, _ps, pworkflow, _pt = _run_row(tx, parent_run_id)
     if RunStatus(pstatus).is_terminal:
         return
     if status is RunStatus.COMPLETED:
@@ -1225,17 +1367,29 @@ def _complete_workflow_task(
     lease_limit: int,
 ) -> tuple[int, list[Task]]:
     _check_fence(tx, task)
-    run = _run_row(tx, task.run_id)
+    row = tx.execute(
+        "SELECT status, queue, parent_run_id, parent_step, workflow, tenant, next_seq "
+        f"FROM runs WHERE run_id = ?{tx.for_update}",
+        (task.run_id,),
+    ).fetchone()
+    if row is None:
+        raise RunNotFoundError(task.run_id)
+    run = tuple(row[:6])
     marker, leased, ended = _apply_workflow_result(
-        tx, task.run_id, run, result, [], None, lease_to, lease_queues, lease, lease_limit
+        tx,
+        task.run_id,
+        run,
+        result,
+        [],
+        row[6],
+        lease_to,
+        lease_queues,
+        lease,
+        lease_limit,
+        activate=True,
     )
     if ended:
         return marker, []
-    tx.execute(
-        "UPDATE runs SET status = CASE status WHEN 'pending' THEN 'running' ELSE status END, "
-        "task_error = NULL WHERE run_id = ?",
-        (task.run_id,),
-    )
     newer = tx.execute(
         "SELECT 1 FROM events WHERE run_id = ? AND seq > ? AND type IN "
         "('ActivityCompleted','ActivityFailed','TimerFired','ChildCompleted','ChildFailed',"
@@ -1259,19 +1413,24 @@ def _apply_workflow_result(
     run: tuple[Any, ...],
     result: WorkflowTaskResult,
     events: list[_Pending],
-    next_seq: int | None,
+    next_seq: int,
     lease_to: str | None,
     lease_queues: tuple[str, ...],
     lease: float,
     lease_limit: int,
+    *,
+    activate: bool = False,
 ) -> tuple[int, list[Task], bool]:
     """Record a workflow task's commands and act on them (tasks, children, the end).
 
     ``run`` is the run's ``_run_row``; ``events`` are appended before the
     commands (the fast path's activity result), all in one history write.
+    ``next_seq`` is the run's counter, read under the write lock; the new value is
+    written in one update with the end or, with ``activate``, with a run that goes on
+    leaving ``pending`` and its ``task_error`` cleared.
     Returns (marker seq, activity tasks leased to ``lease_to``, run ended).
     """
-    status, run_queue, parent_run_id, parent_step, workflow = run
+    status, run_queue, parent_run_id, parent_step, workflow, tenant = run
     if status == RunStatus.SUSPENDED.value:
         lease_to = None  # suspended while this task ran: dispatch nothing locally
     leased: list[Task] = []
@@ -1305,33 +1464,28 @@ def _apply_workflow_result(
             )
             if local:
                 local = not _has_limits(tx, q)  # a limited queue's work goes through the claim
-            row = tx.execute(
-                "INSERT INTO tasks (run_id, kind, step, queue, name, payload, options, "
-                "available_at, lease_owner, fence, attempt, heartbeat_timeout, priority, "
-                "limit_key, dependency, batch_key, batch_max, batch_wait, created_at) "
-                "VALUES (?, 'activity', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
-                f"ON CONFLICT DO NOTHING RETURNING {_TASK_COLS}",
-                (
-                    run_id,
-                    cmd.step,
-                    q,
-                    cmd.data["name"],
-                    cmd.raw.get("args", "{}"),
-                    json.dumps(cmd.data.get("options", {})),
-                    tx.now + (hb_timeout or lease) if local else tx.now,
-                    lease_to if local else None,
-                    1 if local else 0,
-                    1 if local else 0,
-                    hb_timeout,
-                    int(cmd.data.get("priority") or 0),
-                    cmd.data.get("limit_key"),
-                    dep,
-                    *batch,
-                    tx.now,
-                ),
-            ).fetchone()
-            if local and row is not None:
-                leased.append(_task_from_row(row))
+            options = cmd.data.get("options", {})
+            values = (
+                run_id,
+                cmd.step,
+                q,
+                cmd.data["name"],
+                cmd.raw.get("args", "{}"),
+                dumps(options),
+                tx.now + (hb_timeout or lease) if local else tx.now,
+                lease_to if local else None,
+                1 if local else 0,
+                1 if local else 0,
+                hb_timeout,
+                int(cmd.data.get("priority") or 0),
+                cmd.data.get("limit_key"),
+                dep,
+                *batch,
+                tx.now,
+            )
+            task = _insert_activity_task(tx, values, options, local)
+            if task is not None:
+                leased.append(task)
             else:
                 tx.ready.add(q)
         elif t is EventType.TIMER_STARTED:
@@ -1420,34 +1574,48 @@ def _apply_workflow_result(
             None,
         )
     )
-    marker = _append_many(tx, run_id, events, next_seq)
-    if ending is not None:
-        if ending.type is EventType.WORKFLOW_COMPLETED:
-            _finish(tx, run_id, RunStatus.COMPLETED, output=ending.raw.get("result", "null"))
-        elif ending.type is EventType.WORKFLOW_FAILED:
-            _finish(tx, run_id, RunStatus.FAILED, error=ending.data["error"])
-        elif ending.type is EventType.WORKFLOW_TIMED_OUT:
-            _finish(tx, run_id, RunStatus.TIMED_OUT, error=ending.data.get("error"))
-        elif ending.type is EventType.WORKFLOW_NEEDS_INTERVENTION:
-            _finish(tx, run_id, RunStatus.NEEDS_INTERVENTION, error=ending.data["error"])
-        elif ending.type is EventType.WORKFLOW_CANCELLED:
-            _finish(tx, run_id, RunStatus.CANCELLED, error=ending.data.get("error"))
-        else:
-            nxt = ending.data["next_run_id"]
-            _finish(tx, run_id, RunStatus.CONTINUED_AS_NEW, continued_to=nxt)
-            (tenant,) = tx.execute("SELECT tenant FROM runs WHERE run_id = ?", (run_id,)).fetchone()
-            _insert_run(
-                tx,
-                nxt,
-                workflow,
-                run_queue,
-                ending.raw["input"],
-                parent_run_id,
-                parent_step,
-                tenant=tenant,
-            )
-        return marker, [], True
-    return marker, leased, False
+    marker = _append_many(tx, run_id, events, next_seq, counter=False)
+    if ending is None:  # the counter, with the status when the run leaves pending
+        tx.execute(
+            f"UPDATE runs SET next_seq = ?, updated_at = ?{_ACTIVATE if activate else ''} "
+            "WHERE run_id = ?",
+            (marker + 1, tx.now, run_id),
+        )
+        return marker, leased, False
+    known = (parent_run_id, parent_step, workflow, tenant)
+    # the counter is written by the end's update
+    end = functools.partial(_finish, tx, run_id, known=known, next_seq=marker + 1)
+    if ending.type is EventType.WORKFLOW_COMPLETED:
+        end(RunStatus.COMPLETED, output=ending.raw.get("result", "null"))
+    elif ending.type is EventType.WORKFLOW_FAILED:
+        end(RunStatus.FAILED, error=ending.data["error"])
+    elif ending.type is EventType.WORKFLOW_TIMED_OUT:
+        end(RunStatus.TIMED_OUT, error=ending.data.get("error"))
+    elif ending.type is EventType.WORKFLOW_NEEDS_INTERVENTION:
+        end(RunStatus.NEEDS_INTERVENTION, error=ending.data["error"])
+    elif ending.type is EventType.WORKFLOW_CANCELLED:
+        end(RunStatus.CANCELLED, error=ending.data.get("error"))
+    else:
+        nxt = ending.data["next_run_id"]
+        end(RunStatus.CONTINUED_AS_NEW, continued_to=nxt)
+        _insert_run(
+            tx,
+            nxt,
+            workflow,
+            run_queue,
+            ending.raw["input"],
+            parent_run_id,
+            parent_step,
+            tenant=tenant,
+        )
+    return marker, [], True
+
+
+#: leaving pending for running, a failed workflow task's error cleared (a suspended
+#: run stays suspended)
+_ACTIVATE = (
+    ", status = CASE status WHEN 'pending' THEN 'running' ELSE status END, task_error = NULL"
+)
 
 
 def _fail_workflow_task(tx: _Tx, task: Task, error: str, retry_at: float) -> None:
@@ -1486,6 +1654,13 @@ def _append_completed(tx: _Tx, task: Task, result: str) -> None:
 
 def _take_task(tx: _Tx, task: Task) -> None:
     """Delete a finished task's row, provided our lease on it still holds (its fence)."""
+    if tx.optimistic:  # the lease almost always holds: no wait; the guard fails if it did not
+        tx.guard(
+            "WITH d AS (DELETE FROM tasks WHERE task_id = ? AND fence = ? RETURNING 1) "
+            "SELECT 1 / count(*)::int FROM d",
+            (task.task_id, task.fence),
+        )
+        return
     row = tx.execute(
         "DELETE FROM tasks WHERE task_id = ? AND fence = ? RETURNING 1",
         (task.task_id, task.fence),
@@ -1503,7 +1678,7 @@ def _after_activity(
     """Wake claimers of a limited queue and make sure the run gets a workflow task."""
     if task.dependency is not None or _has_limits(tx, task.queue):
         tx.ready.add(task.queue)  # a slot under its concurrency cap is free: wake claimers
-    _, run_queue, _p, _s, workflow = _run_row(tx, task.run_id)
+    _, run_queue, _p, _s, workflow, _t = _run_row(tx, task.run_id)
     return _ensure_workflow_task(
         tx, task.run_id, run_queue, workflow, lease_to, lease_queues, lease
     )
@@ -1571,7 +1746,7 @@ def _fail_activity(
         {"attempt": task.attempt, "error": error},
     )
     tx.execute("DELETE FROM tasks WHERE task_id = ?", (task.task_id,))
-    _, run_queue, _p, _s, workflow = _run_row(tx, task.run_id)
+    _, run_queue, _p, _s, workflow, _t = _run_row(tx, task.run_id)
     return _ensure_workflow_task(
         tx, task.run_id, run_queue, workflow, lease_to, lease_queues, lease
     )
@@ -1593,7 +1768,7 @@ def _fire_timer(tx: _Tx, task: Task) -> None:
     else:
         _append(tx, task.run_id, EventType.TIMER_FIRED, task.step, {})
     tx.execute("DELETE FROM tasks WHERE task_id = ?", (task.task_id,))
-    _, run_queue, _p, _s, workflow = _run_row(tx, task.run_id)
+    _, run_queue, _p, _s, workflow, _t = _run_row(tx, task.run_id)
     _ensure_workflow_task(tx, task.run_id, run_queue, workflow)
 
 
@@ -1658,14 +1833,14 @@ def _live_run(tx: _Tx, run_id: str, action: str) -> tuple[Any, ...]:
 
 
 def _signal(tx: _Tx, run_id: str, name: str, payload: str) -> None:
-    status, run_queue, _p, _s, workflow = _live_run(tx, run_id, f"signal {name!r} to")
+    status, run_queue, _p, _s, workflow, _t = _live_run(tx, run_id, f"signal {name!r} to")
     _append(tx, run_id, EventType.SIGNAL_RECEIVED, None, {"name": name}, {"payload": payload})
     if status != RunStatus.QUEUED.value:  # a queued run sees the signal when admitted
         _ensure_workflow_task(tx, run_id, run_queue, workflow)
 
 
 def _cancel(tx: _Tx, run_id: str, reason: str | None) -> None:
-    status, run_queue, _p, _s, workflow = _live_run(tx, run_id, "cancel")
+    status, run_queue, _p, _s, workflow, _t = _live_run(tx, run_id, "cancel")
     _append(tx, run_id, EventType.CANCEL_REQUESTED, None, {"reason": reason})
     if status == RunStatus.QUEUED.value:  # never admitted: no code ran, nothing to undo
         error = {"type": "CancelledError", "message": reason or "cancelled before admission"}
@@ -1769,8 +1944,17 @@ def _next_due(tx: _Tx, queues: tuple[str, ...]) -> float | None:
 def _has_limits(tx: _Tx, queue: str) -> bool:
     known = tx.limited.get(queue)
     if known is None:
-        row = tx.execute("SELECT 1 FROM queue_limits WHERE queue = ?", (queue,)).fetchone()
-        known = tx.limited[queue] = row is not None
+        if queue in tx.known_limited:
+            known = True
+        elif tx.optimistic:  # almost always: no limits; the guard fails the batch if there are
+            tx.guard("SELECT 1 / (1 - count(*))::int FROM queue_limits WHERE queue = ?", (queue,))
+            known = False
+        else:
+            row = tx.execute("SELECT 1 FROM queue_limits WHERE queue = ?", (queue,)).fetchone()
+            known = row is not None
+            if known:
+                tx.known_limited.add(queue)
+        tx.limited[queue] = known
     return known
 
 
@@ -2069,7 +2253,7 @@ def _pending_work(tx: _Tx, run_id: str, kept: list[Event], run_queue: str, fork:
 
 
 def _retry_run(tx: _Tx, run_id: str) -> None:
-    status, run_queue, _p, _s, workflow = _run_row(tx, run_id)
+    status, run_queue, _p, _s, workflow, _t = _run_row(tx, run_id)
     if status not in (RunStatus.FAILED.value, RunStatus.NEEDS_INTERVENTION.value):
         raise RecoveryError(
             f"run {run_id!r} is {status}: only failed or needs_intervention runs can be "
@@ -2124,6 +2308,7 @@ def _retry_run(tx: _Tx, run_id: str) -> None:
         (run_id,),
     )
     _append(tx, run_id, EventType.RUN_RETRIED, None, {"voided": voided, "cut": cut, "reuse": reuse})
+    tx.finished[run_id] = None  # no longer finished: waiters woken by its end read it again
     tx.execute("DELETE FROM tasks WHERE run_id = ?", (run_id,))
     _pending_work(tx, run_id, kept, run_queue, fork=False)
     tx.execute(
@@ -2135,7 +2320,7 @@ def _retry_run(tx: _Tx, run_id: str) -> None:
 
 
 def _fork_run(tx: _Tx, run_id: str, new_run_id: str, at_step: int) -> None:
-    _status, run_queue, _p, _s, workflow = _run_row(tx, run_id)
+    _status, run_queue, _p, _s, workflow, _t = _run_row(tx, run_id)
     if tx.execute("SELECT 1 FROM runs WHERE run_id = ?", (new_run_id,)).fetchone():
         raise RunIdConflictError(new_run_id, "an existing run")
     events = _live_history(tx, run_id)
@@ -2303,12 +2488,14 @@ def _complete_activity_fast(
     row = tx.execute(
         "SELECT next_seq, status, queue, parent_run_id, parent_step, workflow, task_error, "
         "(SELECT 1 FROM tasks WHERE tasks.run_id = runs.run_id AND kind = 'workflow'), "
-        "(SELECT 1 FROM queue_limits WHERE queue_limits.queue = ?) "
+        "(SELECT 1 FROM queue_limits WHERE queue_limits.queue = ?), tenant "
         f"FROM runs WHERE run_id = ?{tx.for_update}",
         (task.queue, task.run_id),
     ).fetchone()
     if row is not None and task.queue not in tx.limited:
         tx.limited[task.queue] = row[8] is not None  # read here: one statement fewer
+        if row[8] is not None:
+            tx.known_limited.add(task.queue)
     if (
         row is None
         or row[0] != expected_seq
@@ -2325,10 +2512,10 @@ def _complete_activity_fast(
     completed: list[_Pending] = [
         (EventType.ACTIVITY_COMPLETED, task.step, {"attempt": task.attempt}, {"result": result})
     ]
-    marker, leased, ended = _apply_workflow_result(
+    marker, leased, _ended = _apply_workflow_result(
         tx,
         task.run_id,
-        (row[1], row[2], row[3], row[4], row[5]),
+        (row[1], row[2], row[3], row[4], row[5], row[9]),
         workflow_result,
         completed,
         expected_seq,
@@ -2336,12 +2523,8 @@ def _complete_activity_fast(
         lease_queues,
         lease,
         lease_limit,
+        activate=row[1] != RunStatus.RUNNING.value or row[6] is not None,
     )
-    if not ended and (row[1] != RunStatus.RUNNING.value or row[6] is not None):
-        tx.execute(
-            "UPDATE runs SET status = 'running', task_error = NULL WHERE run_id = ?",
-            (task.run_id,),
-        )
     return True, marker, leased, None
 
 

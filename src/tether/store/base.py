@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._errors import ConfigurationError
-from .._history import DeadLetter, Event, EventType, RunInfo, RunStatus, Task
+from .._history import DeadLetter, Event, EventType, RunEnd, RunInfo, RunStatus, Task
 from .._queues import QueueStats
 
 
@@ -37,6 +37,13 @@ class WorkflowTaskResult:
     through: int  #: last history seq the task had applied
     time: float  #: the workflow clock during the task (tether.now)
     version: str | None = None  #: the workflow code version that produced it
+
+
+#: runs a commit ended, each with how it ended; None when the listener must read the run
+#: (another process's commit, or a run that no longer is finished: an operator's retry)
+Finished = dict[str, RunEnd | None]
+#: called after each commit with the queues that got ready work and the runs that ended
+Listener = Callable[[set[str], Finished], None]
 
 
 def start_event_data(workflow: str, deadline_at: float | None) -> dict[str, Any]:
@@ -292,11 +299,11 @@ class Store(abc.ABC):
         """Copy a run's history up to its outcome of step ``at_step`` into a new run."""
 
     @abc.abstractmethod
-    def add_listener(self, callback: Callable[[set[str], set[str]], None]) -> None:
-        """Call ``callback(ready_queues, finished_run_ids)`` after commits (any thread)."""
+    def add_listener(self, callback: Listener) -> None:
+        """Call ``callback(ready_queues, finished)`` after commits (any thread)."""
 
     @abc.abstractmethod
-    def remove_listener(self, callback: Callable[[set[str], set[str]], None]) -> None:
+    def remove_listener(self, callback: Listener) -> None:
         """Stop calling ``callback``."""
 
     @abc.abstractmethod

@@ -34,7 +34,9 @@ tenants or tests. Notification channels are per schema.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
+import functools
 import hashlib
 import itertools
 import logging
@@ -57,10 +59,10 @@ from .._errors import StoreError
 from .._history import Task
 from ._handoff import LoopFuture, Outcome, deliver
 from ._ops import Op, OpsStore, _claim, _claim_with_wake, _heartbeat, _renew, _Tx
+from .base import Finished, Listener
 
 log = logging.getLogger("tether.store")
 
-Listener = Callable[[set[str], set[str]], None]
 
 _SCHEMA_VERSION = 1
 #: task columns added during development, missing from schemas made by older builds
@@ -121,6 +123,9 @@ class PostgresStore(OpsStore):
         self._fallbacks = 0
         self._notified = 0
         self._own_pids: set[int] = set()
+        self._known_limited: set[str] = set()  #: queues seen with limits (see _Tx)
+        self._task_ids: list[int] = []  #: taken from the tasks' sequence, not used yet
+        self._task_ids_lock = threading.Lock()
         self._closed = False
         self._ctl_channel = ""
         self._ready_channel = _channel("tether_ready", schema)
@@ -390,7 +395,7 @@ class PostgresStore(OpsStore):
 
     def _attempt_fast(
         self, session: _Session, batch: list[Any], solo: bool
-    ) -> tuple[list[Outcome], set[str], set[str]]:
+    ) -> tuple[list[Outcome], set[str], Finished]:
         """Run a write batch without savepoints and commit it.
 
         Raises ``_Retry`` (deadlock, serialization failure, lost connection) or
@@ -400,7 +405,7 @@ class PostgresStore(OpsStore):
         conn = session.conn
         results: list[Outcome] = []
         ready: set[str] = set()
-        finished: set[str] = set()
+        finished: Finished = {}
         now = self.clock()
         try:
             session.start_pipeline()
@@ -414,6 +419,9 @@ class PostgresStore(OpsStore):
                     paramstyle="format",
                     for_update=" FOR UPDATE",
                     skip_locked=" FOR UPDATE SKIP LOCKED",
+                    known_limited=self._known_limited,
+                    optimistic=True,
+                    new_task_id=functools.partial(self._new_task_id, session),
                 )
                 value = fn(tx, *args)
                 ready |= tx.ready
@@ -433,8 +441,16 @@ class PostgresStore(OpsStore):
             raise
         return results, ready, finished
 
+    def _new_task_id(self, session: _Session) -> int:
+        """A task id from the tasks table's own sequence, taken ``_ID_BLOCK`` at a time
+        (shared by the writers): a row inserted with it needs no ``RETURNING`` read."""
+        with self._task_ids_lock:
+            if not self._task_ids:
+                self._task_ids = sorted(session.take_task_ids(_ID_BLOCK), reverse=True)
+            return self._task_ids.pop()
+
     def _commit_text(
-        self, pending: str, ready: set[str], finished: set[str], conn: psycopg.Connection[Any]
+        self, pending: str, ready: set[str], finished: Finished, conn: psycopg.Connection[Any]
     ) -> str:
         """``COMMIT`` preceded by ``pending`` and one ``pg_notify`` per wake-up.
 
@@ -444,7 +460,7 @@ class PostgresStore(OpsStore):
         return f"{pending}{notify}; COMMIT" if notify else f"{pending}COMMIT"
 
     def _notify_text(
-        self, ready: set[str], finished: set[str], conn: psycopg.Connection[Any]
+        self, ready: set[str], finished: Finished, conn: psycopg.Connection[Any]
     ) -> str:
         """One statement sending every wake-up of a commit ("" if there is none)."""
         notes = [(self._ready_channel, q) for q in sorted(ready)]
@@ -461,12 +477,12 @@ class PostgresStore(OpsStore):
 
     def _attempt(
         self, session: _Session, batch: list[Any], writes: bool, solo: bool
-    ) -> tuple[list[Outcome], set[str], set[str]]:
+    ) -> tuple[list[Outcome], set[str], Finished]:
         """The safe path: each write operation in its own savepoint, one round trip at a time."""
         conn = session.conn
         results: list[Outcome] = []
         ready: set[str] = set()
-        finished: set[str] = set()
+        finished: Finished = {}
         # transaction control that needs no result rides along with the next one (one
         # round trip instead of two per operation): "RELEASE op; SAVEPOINT op"
         pending = "BEGIN; " if writes else ""
@@ -483,6 +499,7 @@ class PostgresStore(OpsStore):
                     paramstyle="format",
                     for_update=" FOR UPDATE",
                     skip_locked=" FOR UPDATE SKIP LOCKED",
+                    known_limited=self._known_limited,
                 )
                 if writes:
                     session.send(f"{pending}SAVEPOINT op")
@@ -537,7 +554,7 @@ class PostgresStore(OpsStore):
         err.__cause__ = exc
         return err
 
-    def _announce(self, ready: set[str], finished: set[str]) -> None:
+    def _announce(self, ready: set[str], finished: Finished) -> None:
         for cb in list(self._listeners):
             cb(ready, finished)
 
@@ -557,9 +574,9 @@ class PostgresStore(OpsStore):
                     if note.pid in self._own_pids:
                         continue  # our own commit: listeners were already called
                     if note.channel == self._ready_channel:
-                        self._announce({note.payload}, set())
+                        self._announce({note.payload}, {})
                     elif note.channel == self._finished_channel:
-                        self._announce(set(), {note.payload})
+                        self._announce(set(), {note.payload: None})
             except (psycopg.Error, StoreError):
                 if conn is not None:
                     conn.close()
@@ -705,10 +722,9 @@ class _Session:
     __slots__ = (
         "_counts",
         "_encoding",
-        "_new",
         "_poll",
         "_prepared",
-        "_queued",
+        "_requests",
         "_tx",
         "conn",
         "pgconn",
@@ -723,15 +739,38 @@ class _Session:
         self._encoding = conn.info.encoding
         self._prepared: dict[tuple[bytes, tuple[int, ...]], bytes] = {}
         self._counts: dict[tuple[bytes, tuple[int, ...]], int] = {}
-        self._new: list[tuple[bytes, tuple[int, ...]]] = []  #: prepared in this pipeline
-        self._queued = 0  #: pipelined requests whose results are not read yet
+        #: pipelined requests whose results are not read yet: each a PREPARE's key, or None
+        self._requests: collections.deque[tuple[bytes, tuple[int, ...]] | None] = (
+            collections.deque()
+        )
         self._poll = select.poll()
         self._poll.register(self.pgconn.socket, select.POLLIN)
 
     # -- statements ----------------------------------------------------------
 
-    def execute(self, query: str, params: Sequence[Any] = ()) -> _Rows | _Sent:
-        """Run one statement (``%s`` placeholders); its rows, already read."""
+    def guard(self, query: str, params: Sequence[Any] = ()) -> None:
+        """Queue a statement whose rows nobody reads; only its error matters (pipelined)."""
+        if not self.pipelined:
+            raise StoreError("tether: a guard statement outside pipeline mode")
+        self.execute(query, params, wait=False)
+
+    def take_task_ids(self, n: int) -> list[int]:
+        """``n`` new values of the tasks table's id sequence (never handed out again)."""
+        rows = self.execute(
+            "SELECT nextval(pg_get_serial_sequence('tasks', 'task_id')) "
+            "FROM generate_series(1, %s)",
+            (n,),
+        ).fetchall()
+        return [r[0] for r in rows]
+
+    def execute(
+        self, query: str, params: Sequence[Any] = (), *, wait: bool | None = None
+    ) -> _Rows | _Sent:
+        """Run one statement (``%s`` placeholders); its rows, already read.
+
+        In pipeline mode, ``wait=False`` only queues it (its rows are never read),
+        and ``None`` waits when the statement returns rows.
+        """
         text = _numbered(query)
         if params:
             tx = self._tx
@@ -754,7 +793,7 @@ class _Session:
                 if not self.pipelined:
                     return self._rows(pg.exec_params(text, values, types, formats, 0))
                 pg.send_query_params(text, values, types, formats, 0)
-                return self._after_send(query)
+                return self._after_send(query, wait)
             if len(self._prepared) >= _MAX_PREPARED:  # only ours: psycopg keeps its own
                 drop = b"; ".join(b"DEALLOCATE " + n for n in self._prepared.values())
                 self._check(pg.exec_(drop))
@@ -768,13 +807,12 @@ class _Session:
                     del self._prepared[key]
                     raise
             else:
-                self._new.append(key)
                 pg.send_prepare(name, text, types)
-                self._queued += 1
+                self._requests.append(key)
         if not self.pipelined:
             return self._rows(pg.exec_prepared(name, args, formats, 0))
         pg.send_query_prepared(name, args, formats, 0)
-        return self._after_send(query)
+        return self._after_send(query, wait)
 
     def send(self, query: str) -> None:
         """Run statements that take no parameters and return nothing of interest.
@@ -783,7 +821,7 @@ class _Session:
         """
         if self.pipelined:
             self.pgconn.send_query_params(query.encode(), None)
-            self._queued += 1
+            self._requests.append(None)
         else:
             self._check(self.pgconn.exec_(query.encode()))
 
@@ -798,8 +836,7 @@ class _Session:
         """Queue statements from now on (the connection must be idle)."""
         self.pgconn.enter_pipeline_mode()
         self.pipelined = True
-        self._queued = 0
-        self._new.clear()
+        self._requests.clear()
 
     def finish_pipeline(self) -> None:
         """Send everything queued, read every result, leave pipeline mode.
@@ -814,7 +851,6 @@ class _Session:
         _last, error = self._drain(sync=True)
         pg.exit_pipeline_mode()
         self.pipelined = False
-        self._new.clear()
         if error is not None:
             raise pg_errors.error_from_result(error, encoding=self._encoding)
 
@@ -831,11 +867,9 @@ class _Session:
         if not self.pipelined:
             return
         self.pipelined = False
-        for key in self._new:  # their PREPARE may never have run: prepare again next time
-            self._prepared.pop(key, None)
-        self._new.clear()
         pg = self.pgconn
         if pg.status == pq.ConnStatus.BAD:
+            self._forget_requests()
             return
         try:
             pg.pipeline_sync()
@@ -844,11 +878,19 @@ class _Session:
             pg.exit_pipeline_mode()
         except psycopg.Error:
             log.debug("could not leave pipeline mode cleanly; closing the connection")
+            self._forget_requests()
             self.conn.close()
 
-    def _after_send(self, query: str) -> _Rows | _Sent:
-        self._queued += 1
-        if not _returns_rows(query):
+    def _forget_requests(self) -> None:
+        """Unread requests of a broken pipeline: their PREPAREs may not have run."""
+        for key in self._requests:
+            if key is not None:
+                self._prepared.pop(key, None)
+        self._requests.clear()
+
+    def _after_send(self, query: str, wait: bool | None) -> _Rows | _Sent:
+        self._requests.append(None)
+        if not (_returns_rows(query) if wait is None else wait):
             return _SENT
         self.pgconn.send_flush_request()
         self._flush()
@@ -865,13 +907,16 @@ class _Session:
         """
         error: pq.abc.PGresult | None = None
         last: pq.abc.PGresult | None = None
-        while self._queued:
+        requests = self._requests
+        while requests:
             res = self._next_result()
             if res is None or self._next_result() is not None:
                 # every request answers with one result and then NULL
                 raise psycopg.OperationalError("tether: pipeline results out of step")
-            self._queued -= 1
+            key = requests.popleft()
             status = res.status
+            if key is not None and status != _COMMAND_OK:
+                self._prepared.pop(key, None)  # not prepared: prepare it again next time
             if status == _PIPELINE_ABORTED:
                 continue  # skipped after an earlier error, which is the one reported
             if status not in (_COMMAND_OK, _TUPLES_OK, _EMPTY_QUERY) and error is None:
@@ -959,6 +1004,7 @@ def _returns_rows(query: str) -> bool:
     return answer
 
 
+_ID_BLOCK = 128  #: task ids a store takes from the sequence at once
 _PREPARE_AT = 2  #: uses of a statement (per connection) after which it is prepared
 _MAX_PREPARED = 500  #: prepared statements per connection before they are all dropped
 _statement_ids = itertools.count(1)

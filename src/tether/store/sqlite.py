@@ -27,6 +27,7 @@ from .._errors import StoreError
 from .._history import RunInfo, Task
 from ._handoff import LoopFuture, deliver
 from ._ops import Op, OpsStore, _get_run, _heartbeat, _Tx
+from .base import Finished, Listener
 
 log = logging.getLogger("tether.store")
 
@@ -41,7 +42,6 @@ _OWN_TABLES = {
     "debounces",
 }
 
-Listener = Callable[[set[str], set[str]], None]
 
 _SCHEMA_VERSION = 1
 
@@ -64,6 +64,7 @@ class SqliteStore(OpsStore):
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._commits = 0
         self._ops = 0
+        self._known_limited: set[str] = set()  #: queues seen with limits (see _Tx)
         self._closed = False
         self._busy_timeout = busy_timeout
         self._idle = True  #: the writer thread is waiting for work
@@ -227,19 +228,19 @@ class SqliteStore(OpsStore):
 
     def _attempt(
         self, conn: sqlite3.Connection, live: list[Any], *, savepoints: bool
-    ) -> tuple[list[tuple[Any, Any, BaseException | None]], set[str], set[str]] | None:
+    ) -> tuple[list[tuple[Any, Any, BaseException | None]], set[str], Finished] | None:
         """Run the batch in one transaction; None if an operation failed without savepoints."""
         writes = any(w for _, _, w, _ in live)
         results: list[tuple[Any, Any, BaseException | None]] = []
         ready: set[str] = set()
-        finished: set[str] = set()
+        finished: Finished = {}
         before = conn.total_changes
         if writes:
             conn.execute("BEGIN IMMEDIATE")
         now = self.clock()
         limited: dict[str, bool] = {}  # one "has limits?" lookup per queue per batch
         for fn, args, write, fut in live:
-            tx = _Tx(conn, now, limited=limited)
+            tx = _Tx(conn, now, limited=limited, known_limited=self._known_limited)
             if savepoints and write:
                 conn.execute("SAVEPOINT op")
             try:
