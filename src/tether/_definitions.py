@@ -149,10 +149,17 @@ class ActivityOptions:
         return dataclasses.replace(self, **changes)
 
 
-def _current() -> WorkflowInstance | None:
-    from .workflow._instance import current_instance
+_current_instance: Callable[[], WorkflowInstance | None] | None = None
 
-    return current_instance()
+
+def _current() -> WorkflowInstance | None:
+    """The workflow instance running now (imported on first use: no import cycle)."""
+    global _current_instance
+    if _current_instance is None:
+        from .workflow._instance import current_instance
+
+        _current_instance = current_instance
+    return _current_instance()
 
 
 class Activity(Generic[P, R]):
@@ -169,6 +176,8 @@ class Activity(Generic[P, R]):
         self.opts = options
         self.sig = Signature(fn)
         self.is_async = inspect.iscoroutinefunction(fn)
+        #: ``options.to_json(name)``, made once: recorded with every call (never mutated)
+        self.options_json: dict[str, Any] = options.to_json(name)
         self.__doc__ = fn.__doc__
         self.__wrapped__: Callable[..., Any] = fn  #: the registered function
 

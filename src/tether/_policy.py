@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 from dataclasses import dataclass, field
@@ -102,16 +103,40 @@ class Retry:
     def from_json(
         cls, data: dict[str, Any], non_retryable: tuple[type[BaseException], ...] = ()
     ) -> Retry:
-        """Rebuild a policy stored with a task (exception types come from the registry)."""
-        return cls(
-            attempts=int(data.get("attempts", 5)),
-            initial=float(data.get("initial", 1.0)),
-            backoff=float(data.get("backoff", 2.0)),
-            max_interval=float(data.get("max_interval", 60.0)),
-            max_elapsed=data.get("max_elapsed"),
-            jitter=float(data.get("jitter", 0.2)),
-            non_retryable=non_retryable,
+        """Rebuild a policy stored with a task (exception types come from the registry).
+
+        Cached: every attempt of every step of an activity rebuilds the same policy.
+        """
+        return _retry_from_values(
+            data.get("attempts", 5),
+            data.get("initial", 1.0),
+            data.get("backoff", 2.0),
+            data.get("max_interval", 60.0),
+            data.get("max_elapsed"),
+            data.get("jitter", 0.2),
+            non_retryable,
         )
+
+
+@functools.lru_cache(maxsize=256)
+def _retry_from_values(
+    attempts: Any,
+    initial: Any,
+    backoff: Any,
+    max_interval: Any,
+    max_elapsed: Any,
+    jitter: Any,
+    non_retryable: tuple[type[BaseException], ...],
+) -> Retry:
+    return Retry(
+        attempts=int(attempts),
+        initial=float(initial),
+        backoff=float(backoff),
+        max_interval=float(max_interval),
+        max_elapsed=max_elapsed,
+        jitter=float(jitter),
+        non_retryable=non_retryable,
+    )
 
 
 DEFAULT_RETRY = Retry()

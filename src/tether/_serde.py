@@ -109,6 +109,15 @@ class Signature:
         self.return_type: Any = hints.get("return", inspect.Parameter.empty)
         self.params = list(self.sig.parameters.values())
         self.param_types = [hints.get(p.name, inspect.Parameter.empty) for p in self.params]
+        #: the parameters positional arguments bind to, with their types
+        self._positional = [
+            (p, tp)
+            for p, tp in zip(self.params, self.param_types, strict=True)
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
+        ]
+        self._types_by_name = {
+            p.name: tp for p, tp in zip(self.params, self.param_types, strict=True)
+        }
         #: positional call with exactly this many arguments always binds (no kwargs,
         #: defaults or *args to consider); None when the signature is not that simple
         self._plain_arity: int | None = (
@@ -138,27 +147,27 @@ class Signature:
     def decode_args_obj(self, raw: Any) -> tuple[list[Any], dict[str, Any]]:
         """Convert already-parsed stored arguments into the annotated parameter types."""
         raw = raw or {}
-        args: list[Any] = list(raw.get("args", []))
-        kwargs: dict[str, Any] = dict(raw.get("kwargs", {}))
+        args: list[Any] = raw.get("args") or []
+        kwargs: dict[str, Any] = raw.get("kwargs") or {}
         out_args: list[Any] = []
-        positional = [
-            p
-            for p in self.params
-            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
-        ]
+        positional = self._positional
         for i, value in enumerate(args):
-            if i < len(positional):
-                p = positional[i]
-                tp = self.param_types[self.params.index(p)]
-                if p.kind is p.VAR_POSITIONAL:
-                    out_args.extend(
-                        convert(v, tp, f"argument *{p.name} of {self.name}") for v in args[i:]
-                    )
-                    break
-                out_args.append(convert(value, tp, f"argument {p.name!r} of {self.name}"))
-            else:
+            if i >= len(positional):
                 out_args.append(value)
-        by_name = {p.name: t for p, t in zip(self.params, self.param_types, strict=True)}
+                continue
+            p, tp = positional[i]
+            if p.kind is p.VAR_POSITIONAL:
+                out_args.extend(
+                    convert(v, tp, f"argument *{p.name} of {self.name}") for v in args[i:]
+                )
+                break
+            if type(value) is tp and tp in _SCALARS:  # the common case, without a message
+                out_args.append(value)
+            else:
+                out_args.append(convert(value, tp, f"argument {p.name!r} of {self.name}"))
+        if not kwargs:
+            return out_args, {}
+        by_name = self._types_by_name
         out_kwargs = {
             k: convert(v, by_name.get(k, inspect.Parameter.empty), f"argument {k!r}")
             for k, v in kwargs.items()

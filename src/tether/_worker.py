@@ -17,6 +17,7 @@ import contextvars
 import functools
 import json
 import logging
+import math
 import os
 import socket
 import uuid
@@ -39,6 +40,8 @@ if TYPE_CHECKING:
     from .store.base import Finished, StartResult, WorkflowTaskResult
 
 log = logging.getLogger("tether.worker")
+#: no value given (a default that no real value is)
+_UNSET: Any = object()
 
 
 class Worker:
@@ -88,6 +91,8 @@ class Worker:
         self._batch_extra = 0
         self._cache: collections.OrderedDict[str, WorkflowInstance] = collections.OrderedDict()
         self._inflight: dict[int, tuple[Task, asyncio.Task[None], ActivityContext | None]] = {}
+        #: the activity a finished one leads to, run next in the same asyncio task
+        self._follow: dict[int, Task] = {}
         self._stopping = False
         self._unstarted: list[Task] = []
         self._renewer: asyncio.Task[None] | None = None
@@ -308,7 +313,7 @@ class Worker:
         t.add_done_callback(functools.partial(self._batch_done, len(tasks) - 1))
         for task in tasks:
             self._inflight[task.task_id] = (task, t, None)
-            t.add_done_callback(functools.partial(self._done, task.task_id))
+            t.add_done_callback(functools.partial(self._done, [task.task_id]))
 
     def _batch_done(self, extra: int, t: asyncio.Task[None]) -> None:
         self._batch_extra -= extra
@@ -317,17 +322,19 @@ class Worker:
         if self._stopping:
             self._unstarted.append(task)  # leased to us while stopping: released in stop()
             return
+        current = [task.task_id]  #: the task this asyncio task runs now (see _run_activities)
         if task.kind == "workflow":
             coro = self._run_workflow_task(task)
         elif task.kind == "activity":
-            coro = self._run_activity(task)
+            coro = self._run_activities(task, current)
         else:
             coro = self._fire_timer(task)
         t = asyncio.create_task(coro)
         self._inflight[task.task_id] = (task, t, None)
-        t.add_done_callback(functools.partial(self._done, task.task_id))
+        t.add_done_callback(functools.partial(self._done, current))
 
-    def _done(self, task_id: int, t: asyncio.Task[None] | None = None) -> None:
+    def _done(self, current: list[int], t: asyncio.Task[None] | None = None) -> None:
+        task_id = current[0]
         entry = self._inflight.pop(task_id, None)
         if t is not None and not t.cancelled():
             exc = t.exception()  # retrieved, so it is never lost in a warning
@@ -538,7 +545,32 @@ class Worker:
 
     # -- activities ----------------------------------------------------------
 
-    async def _run_activity(self, task: Task) -> None:
+    async def _run_activities(self, task: Task, current: list[int]) -> None:
+        """Run an activity, then the run's next one in the same asyncio task when the
+        one-commit path leased it back (no task to create and schedule per step)."""
+        me = asyncio.current_task()
+        assert me is not None
+        while True:
+            try:
+                await self._run_activity(task, inline=True)
+            except BaseException:
+                left = self._follow.pop(task.task_id, None)
+                if left is not None:
+                    self._spawn(left)  # it must still run (or be released on stop)
+                raise
+            follow = self._follow.pop(task.task_id, None)
+            if follow is None:
+                return
+            # the slot passes to the next step of the run: renewed and cancelled as its own
+            self._inflight.pop(task.task_id, None)
+            if self._stopping:
+                self._unstarted.append(follow)
+                return
+            current[0] = follow.task_id
+            self._inflight[follow.task_id] = (follow, me, None)
+            task = follow
+
+    async def _run_activity(self, task: Task, inline: bool = False) -> None:
         store = self.app.store
         assert self._loop is not None
         opts = task.options or {}
@@ -636,12 +668,18 @@ class Worker:
                     await store.dependency_feedback(task, pause)
                 except StoreError as exc:
                     log.warning("could not pause dependency %r: %s", task.dependency, exc)
-        await self._record_result(task, result)
+        await self._record_result(task, result, value, inline)
 
-    async def _record_result(self, task: Task, result: str) -> None:
+    async def _record_result(
+        self, task: Task, result: str, value: Any = _UNSET, inline: bool = False
+    ) -> None:
         """Record an activity's result: the one-commit path when it applies, else
-        ``complete_activity`` (and run the workflow task it leases back to us)."""
-        if await self._complete_fast(task, result):
+        ``complete_activity`` (and run the workflow task it leases back to us).
+
+        ``result`` is the encoded ``value`` (when the caller still has it). With
+        ``inline``, the run's next activity is left in ``_follow`` for the caller to run.
+        """
+        if await self._complete_fast(task, result, value, inline):
             return
         try:
             wt = await self.app.store.complete_activity(
@@ -658,7 +696,9 @@ class Worker:
         if wt is not None:
             self._spawn(wt)
 
-    async def _complete_fast(self, task: Task, result: str) -> bool:
+    async def _complete_fast(
+        self, task: Task, result: str, value: Any = _UNSET, inline: bool = False
+    ) -> bool:
         """The one-commit path: record the result and the workflow task it unblocks together.
 
         Possible when this worker holds the run in its cache and serves its queue:
@@ -688,7 +728,7 @@ class Worker:
             seq=expected,
             type=EventType.ACTIVITY_COMPLETED,
             step=task.step,
-            data={"attempt": task.attempt, "result": json.loads(result)},
+            data={"attempt": task.attempt, "result": _as_recorded(value, result)},
             created_at=now,
         )
         try:
@@ -731,7 +771,10 @@ class Worker:
         else:
             self._cache[task.run_id] = inst
         for t in leased:
-            self._spawn(t)
+            if inline and t.kind == "activity" and task.task_id not in self._follow:
+                self._follow[task.task_id] = t  # the caller runs it next, in its own task
+            else:
+                self._spawn(t)
         return True
 
     async def _record_failure(
@@ -781,6 +824,17 @@ class Worker:
             await self.app.store.fire_timer(task)
         except LeaseLostError:
             pass
+
+
+def _as_recorded(value: Any, encoded: str) -> Any:
+    """The result as replay will decode it from ``encoded``: ``value`` itself when it is
+    a plain JSON scalar (the same value), else the decoded text."""
+    kind = type(value)
+    if kind is int or kind is str or kind is bool or value is None:
+        return value
+    if kind is float and math.isfinite(value):
+        return value
+    return json.loads(encoded)
 
 
 class _StepTimeout(TimeoutError):

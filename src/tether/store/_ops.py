@@ -130,13 +130,48 @@ def _run_from_row(row: Sequence[Any]) -> RunInfo:
     )
 
 
-#: an activity task's columns as ``_apply_workflow_result`` inserts them
-_TASK_INSERT_COLS = (
-    "run_id, kind, step, queue, name, payload, options, available_at, lease_owner, fence, "
-    "attempt, heartbeat_timeout, priority, limit_key, dependency, batch_key, batch_max, "
-    "batch_wait, created_at"
+#: an activity task's columns as ``_apply_workflow_result`` gives their values
+_TASK_INSERT_NAMES = (
+    "run_id",
+    "step",
+    "queue",
+    "name",
+    "payload",
+    "options",
+    "available_at",
+    "lease_owner",
+    "fence",
+    "attempt",
+    "heartbeat_timeout",
+    "priority",
+    "limit_key",
+    "dependency",
+    "batch_key",
+    "batch_max",
+    "batch_wait",
+    "created_at",
 )
-_TASK_INSERT_VALUES = "?, 'activity', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?"
+_task_inserts: dict[tuple[tuple[bool, ...], bool, str], str] = {}
+
+
+def _task_insert(values: Sequence[Any], with_id: bool, tail: str) -> tuple[str, list[Any]]:
+    """An activity task's INSERT and its parameters, NULL columns left out.
+
+    The sqlite3 module adapts a None parameter the slow way (an attribute lookup
+    that fails and formats an error, per parameter): a column that stays NULL is
+    simply not named. One statement per pattern of NULLs (a handful), cached.
+    """
+    mask = tuple(v is not None for v in values)
+    key = (mask, with_id, tail)
+    text = _task_inserts.get(key)
+    if text is None:
+        cols = [name for name, given in zip(_TASK_INSERT_NAMES, mask, strict=True) if given]
+        names = (["task_id"] if with_id else []) + ["kind", *cols]
+        marks = (["?"] if with_id else []) + ["'activity'"] + ["?"] * len(cols)
+        text = f"INSERT INTO tasks ({', '.join(names)}) VALUES ({', '.join(marks)}){tail}"
+        if len(_task_inserts) < 256:
+            _task_inserts[key] = text
+    return text, [v for v in values if v is not None]
 
 
 def _new_activity_task(task_id: int, values: Sequence[Any], options: dict[str, Any]) -> Task:
@@ -161,29 +196,20 @@ def _new_activity_task(task_id: int, values: Sequence[Any], options: dict[str, A
 def _insert_activity_task(
     tx: _Tx, values: Sequence[Any], options: dict[str, Any], local: bool
 ) -> Task | None:
-    """Insert an activity task row (``_TASK_INSERT_COLS``); the Task if leased to us."""
+    """Insert an activity task row (``_TASK_INSERT_NAMES``); the Task if leased to us."""
     if tx.optimistic and tx.new_task_id is not None:
         # nothing to wait for: the id is ours already and the row is new (a conflicting
         # row fails the batch, and the safe path sees it below)
         if not local:
-            tx.execute(
-                f"INSERT INTO tasks ({_TASK_INSERT_COLS}) VALUES ({_TASK_INSERT_VALUES}) "
-                "ON CONFLICT DO NOTHING",
-                values,
-            )
+            tx.execute(*_task_insert(values, False, " ON CONFLICT DO NOTHING"))
             return None
         task_id = tx.new_task_id()
-        tx.execute(
-            f"INSERT INTO tasks (task_id, {_TASK_INSERT_COLS}) VALUES (?, {_TASK_INSERT_VALUES})",
-            (task_id, *values),
-        )
+        text, params = _task_insert(values, True, "")
+        tx.execute(text, [task_id, *params])
         return _new_activity_task(task_id, values, options)
-    row = tx.execute(
-        f"INSERT INTO tasks ({_TASK_INSERT_COLS}) VALUES ({_TASK_INSERT_VALUES}) "
-        f"ON CONFLICT DO NOTHING RETURNING {_TASK_COLS}",
-        values,
-    ).fetchone()
-    return _task_from_row(row) if local and row is not None else None
+    text, params = _task_insert(values, False, " ON CONFLICT DO NOTHING RETURNING task_id")
+    row = tx.execute(text, params).fetchone()
+    return _new_activity_task(row[0], values, options) if local and row is not None else None
 
 
 def _task_from_row(row: Sequence[Any]) -> Task:
@@ -532,13 +558,26 @@ def _append_many(
             )
     params: list[Any] = []
     for i, (type_, step, data, raw) in enumerate(events):
-        params += (run_id, first + i, type_.value, step, _json(data, raw), tx.now)
-    tx.execute(
-        "INSERT INTO events (run_id, seq, type, step, data, created_at) VALUES "
-        + ",".join(["(?,?,?,?,?,?)"] * n),
-        params,
-    )
+        if step is None:  # NULL in the statement: a None parameter is slow to bind
+            params += (run_id, first + i, type_.value, _json(data, raw), tx.now)
+        else:
+            params += (run_id, first + i, type_.value, step, _json(data, raw), tx.now)
+    tx.execute(_events_insert(tuple(e[1] is None for e in events)), params)
     return first + n - 1
+
+
+_events_inserts: dict[tuple[bool, ...], str] = {}
+
+
+def _events_insert(no_step: tuple[bool, ...]) -> str:
+    """A multi-row INSERT of events, with NULL written for the rows without a step."""
+    text = _events_inserts.get(no_step)
+    if text is None:
+        rows = ",".join("(?,?,?,NULL,?,?)" if none else "(?,?,?,?,?,?)" for none in no_step)
+        text = f"INSERT INTO events (run_id, seq, type, step, data, created_at) VALUES {rows}"
+        if len(_events_inserts) < 512:
+            _events_inserts[no_step] = text
+    return text
 
 
 def _ensure_workflow_task(
@@ -1407,6 +1446,18 @@ def _complete_workflow_task(
     return marker, leased
 
 
+def _marker(result: WorkflowTaskResult) -> _Pending:
+    """The ``WorkflowTaskCompleted`` event closing a workflow task.
+
+    Its JSON is written here (an int and a finite float need no encoder): every step
+    writes one.
+    """
+    raw = {"through": str(int(result.through)), "time": repr(float(result.time))}
+    if result.version is not None:
+        return (EventType.WORKFLOW_TASK_COMPLETED, None, {"version": result.version}, raw)
+    return (EventType.WORKFLOW_TASK_COMPLETED, None, {}, raw)
+
+
 def _apply_workflow_result(
     tx: _Tx,
     run_id: str,
@@ -1562,18 +1613,7 @@ def _apply_workflow_result(
             EventType.CONTINUED_AS_NEW,
         ):
             ending = cmd
-    events.append(
-        (
-            EventType.WORKFLOW_TASK_COMPLETED,
-            None,
-            (
-                {"through": result.through, "time": result.time, "version": result.version}
-                if result.version is not None
-                else {"through": result.through, "time": result.time}
-            ),
-            None,
-        )
-    )
+    events.append(_marker(result))
     marker = _append_many(tx, run_id, events, next_seq, counter=False)
     if ending is None:  # the counter, with the status when the run leaves pending
         tx.execute(
@@ -2510,7 +2550,12 @@ def _complete_activity_fast(
     if task.dependency is not None or _has_limits(tx, task.queue):
         tx.ready.add(task.queue)  # a slot under its concurrency cap is free: wake claimers
     completed: list[_Pending] = [
-        (EventType.ACTIVITY_COMPLETED, task.step, {"attempt": task.attempt}, {"result": result})
+        (
+            EventType.ACTIVITY_COMPLETED,
+            task.step,
+            {},
+            {"attempt": str(int(task.attempt)), "result": result},
+        )
     ]
     marker, leased, _ended = _apply_workflow_result(
         tx,

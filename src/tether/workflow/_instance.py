@@ -375,7 +375,7 @@ class WorkflowInstance:
         data: dict[str, Any] = {
             "name": activity.name,
             "queue": opts.queue,
-            "options": {**opts.to_json(activity.name), "scheduled_at": self.now},
+            "options": {**activity.options_json, "scheduled_at": self.now},
             # evaluated now and recorded, so the task row never depends on today's code
             **opts.scheduling(activity.name, args, kwargs),
         }
