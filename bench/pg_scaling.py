@@ -52,6 +52,9 @@ from psycopg import sql
 
 import tether
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from calibrate import cpu_calibration_ms  # bench/calibrate.py
+
 DEFAULT_URL = os.environ.get("TETHER_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/test")
 HERE = Path(__file__).resolve().parent
 PEER_PYTHON = HERE / ".peer-venv" / "bin" / "python"
@@ -343,7 +346,8 @@ async def serve(url: str) -> None:
 def run_once(args: argparse.Namespace, log: Any) -> Result:
     """Every workload once, in the order LIMIT, tether in-process, DBOS, tether N processes."""
     url = args.postgres
-    res: Result = {"load_before": os.getloadavg()}
+    res: Result = {"load_before": os.getloadavg(), "cpu_before_ms": cpu_calibration_ms()}
+    log(f"CPU calibration: {res['cpu_before_ms']} ms")
     log("LIMIT ...")
     res["limit"] = {
         "1": round(bench_limit(url, 1, args.limit_seconds), 1),
@@ -369,6 +373,7 @@ def run_once(args: argparse.Namespace, log: Any) -> Result:
         res["engine"].append(asyncio.run(bench_engine(url, n, args.runs, args.steps)))
         log(f"  {res['engine'][-1]['steps_per_s']:,.0f} steps/s")
     res["load_after"] = os.getloadavg()
+    res["cpu_after_ms"] = cpu_calibration_ms()
     return res
 
 
@@ -406,7 +411,8 @@ def _table(res: Result) -> str:
     lim1, lim8 = res["limit"]["1"], res["limit"]["8"]
     lines = [
         f"load average (1/5/15 min) before {_load(r['load_before'])}, "
-        f"after {_load(r['load_after'])}"
+        f"after {_load(r['load_after'])}; CPU calibration (fixed Python loop) "
+        f"{r['cpu_before_ms']:.1f} / {r['cpu_after_ms']:.1f} ms"
         for r in res.get("runs", [res])
     ]
     if "runs" in res:

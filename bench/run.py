@@ -48,6 +48,7 @@ from tether._history import INCOMING
 from tether.workflow._instance import WorkflowInstance
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import calibrate  # bench/calibrate.py: how fast this CPU is now
 import peer  # bench/peer.py: the DBOS comparison
 import workloads  # bench/workloads.py: W2, W4, W5
 
@@ -397,6 +398,8 @@ async def bench_w6(workdir: Path, sizes: Sizes) -> Result:
 
 async def run_suite(workdir: Path, sizes: Sizes, log: Callable[[str], None]) -> Result:
     """Every workload once, in order; LIMIT first so the others can be compared to it."""
+    cpu_before = calibrate.cpu_calibration_ms()
+    log(f"CPU calibration: {cpu_before} ms")
     log("LIMIT: raw SQLite commits ...")
     limit = bench_limit(workdir, sizes)
     log(f"  {limit['commits_per_s']:.0f} commits/s")
@@ -410,7 +413,8 @@ async def run_suite(workdir: Path, sizes: Sizes, log: Callable[[str], None]) -> 
     w6 = await bench_w6(workdir, sizes)
     log(f"  {w6['events']} events, cold {w6['cold_replay_s']:.3f} s")
     more = await workloads.run_more(workdir, sizes is QUICK, log)
-    return {"limit": limit, "w1": w1, "w3": w3, "w6": w6, **more}
+    cpu = {"before_ms": cpu_before, "after_ms": calibrate.cpu_calibration_ms()}
+    return {"cpu": cpu, "limit": limit, "w1": w1, "w3": w3, "w6": w6, **more}
 
 
 def _median_of(results: list[Result]) -> Result:
@@ -432,8 +436,13 @@ def _median_of(results: list[Result]) -> Result:
 
 def _table(res: Result) -> str:
     """The human-readable summary."""
-    lim, w1, w3, w6 = res["limit"], res["w1"], res["w3"], res["w6"]
+    lim, w1, w3, w6, cpu = res["limit"], res["w1"], res["w3"], res["w6"], res["cpu"]
     rows = [
+        (
+            "CPU",
+            "calibration: fixed Python loop, before / after",
+            f"{cpu['before_ms']:.1f} / {cpu['after_ms']:.1f} ms",
+        ),
         ("LIMIT", "raw INSERT+COMMIT (WAL, sync=FULL)", f"{lim['commits_per_s']:,.0f} commits/s"),
         ("", "time per durable commit", f"{lim['ms_per_commit']:.2f} ms"),
         ("W1", f"{w1['runs']} runs x {w1['steps_per_run']} steps, wall", f"{w1['wall_s']:.2f} s"),

@@ -36,3 +36,24 @@ def test_bench_quick_mode_runs_every_workload(tmp_path: Path) -> None:
     assert runs and all(r["recorded_steps_rerun"] == 0 for r in runs), w4
     assert results["w5"]["runs"] > 0
     assert "W1" in proc.stdout and "steps/s" in proc.stdout
+
+
+@pytest.mark.slow
+def test_postgres_bench_short_mode_runs_every_workload(tmp_path: Path) -> None:
+    from conftest import require_pg
+
+    url = require_pg()
+    out = tmp_path / "pg.json"
+    cmd = [sys.executable, str(ROOT / "bench" / "pg_scaling.py"), "--postgres", url]
+    cmd += ["--runs", "20", "--w3-runs", "20", "--limit-seconds", "0.3", "--procs", "1"]
+    proc = subprocess.run(
+        [*cmd, "--json", str(out)], cwd=tmp_path, capture_output=True, text=True, timeout=180
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["limit"]["1"] > 0 and doc["limit"]["8"] > 0
+    assert doc["w1_inproc"]["steps_per_s"] > 0 and doc["w1_inproc"]["retries"] >= 0
+    assert doc["w3_inproc"]["p50_ms"] > 0
+    assert [e["procs"] for e in doc["engine"]] == [1] and doc["engine"][0]["steps_per_s"] > 0
+    assert doc["cpu_before_ms"] > 0
+    assert "W3-PG tether in-process" in proc.stdout

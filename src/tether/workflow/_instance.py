@@ -84,7 +84,7 @@ class WorkflowInstance:
         self.workflow = workflow
         self.now = 0.0
         self.loop = DeterministicLoop(lambda: self.now)  # type: ignore[abstract]
-        self.rng = random.Random(int.from_bytes(hashlib.sha256(run_id.encode()).digest()[:8]))
+        self._rng: random.Random | None = None
         self.step = 0
         self.replaying = False
         self.last_seq = 0  #: history seq this instance has consumed up to
@@ -116,6 +116,14 @@ class WorkflowInstance:
         self._reuse: dict[
             int, tuple[str, Any]
         ] = {}  #: seqs an operator's retry took out of the history
+
+    @property
+    def rng(self) -> random.Random:
+        """The run's deterministic random generator (seeded by its id), made on first use."""
+        if self._rng is None:
+            seed = int.from_bytes(hashlib.sha256(self.run_id.encode()).digest()[:8])
+            self._rng = random.Random(seed)
+        return self._rng
 
     # -- driving -----------------------------------------------------------
 
