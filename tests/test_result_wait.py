@@ -10,8 +10,7 @@ import pytest
 
 import tether
 from helpers import eventually
-from tether import RunStatus
-from tether._history import RunEnd
+from tether import RunEnd, RunStatus
 
 
 def _count_reads(app: tether.App, monkeypatch: pytest.MonkeyPatch) -> list[str]:

@@ -36,7 +36,7 @@ from ._errors import (
     UnknownWorkflowError,
     WorkflowFailedError,
 )
-from ._history import DeadLetter, Event, EventType, RunInfo, RunStatus
+from ._history import DeadLetter, Event, EventType, RunEnd, RunInfo, RunStatus
 from ._policy import Retry
 from ._queues import Dependency, QueueStats
 from ._worker import Worker
@@ -98,6 +98,7 @@ __all__ = [
     "RetryAfter",
     "Run",
     "RunCancelledError",
+    "RunEnd",
     "RunFinishedError",
     "RunIdConflictError",
     "RunInfo",

@@ -517,8 +517,11 @@ class App:
     def _note_running_here(self, run_id: str) -> None:
         """Remember a run whose end this process's commits will announce."""
         with self._waiters_lock:
-            if len(self._running_here) < _MAX_RUNNING_HERE:  # a hint: past it, result() reads
-                self._running_here.add(run_id)
+            if len(self._running_here) >= _MAX_RUNNING_HERE:
+                # a hint only: runs ended by another process on SQLite are never announced
+                # here, so the set is bounded by forgetting (their result() reads first)
+                self._running_here.clear()
+            self._running_here.add(run_id)
 
     def _local_worker(self, queue: str) -> Worker | None:
         """A running in-process worker on this loop that serves ``queue`` and has room."""
@@ -757,7 +760,8 @@ class App:
                         )
                     wait = max(0.0, min(wait, left))  # not read yet: read before giving up
                 try:
-                    await asyncio.wait_for(waiter.event.wait(), wait)
+                    async with asyncio.timeout(wait):  # no second task, unlike wait_for
+                        await waiter.event.wait()
                 except TimeoutError:
                     poll = min(1.0, poll * 2)
         finally:
@@ -797,7 +801,7 @@ class App:
         return run_sync(main())
 
 
-_MAX_RUNNING_HERE = 100_000  #: runs remembered as running here (a hint, see _wait_finished)
+_MAX_RUNNING_HERE = 10_000  #: runs remembered as running here (a hint, see _wait_finished)
 
 
 class _Waiter:

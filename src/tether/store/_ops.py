@@ -658,7 +658,9 @@ def _insert_run(
 ) -> Task | None:
     """Insert a run and its start event; unless ``queued`` or not ``task``, its workflow task.
 
-    Without ``start_event`` the caller appends the start event (``_start_event``) as seq 1.
+    Without ``start_event`` the caller appends the start event (``_start_event``) as seq 1,
+    and the run is ``running`` at once: its first workflow task is recorded with it
+    (eager start), so it never is ``pending``.
     """
     tx.execute(
         "INSERT INTO runs (run_id, workflow, status, queue, input, parent_run_id, parent_step, "
@@ -666,7 +668,7 @@ def _insert_run(
         (
             run_id,
             workflow,
-            "queued" if queued else "pending",
+            "queued" if queued else ("pending" if start_event else "running"),
             queue,
             input,
             parent_run_id,
@@ -762,11 +764,11 @@ def _create_run(
     if eager:
         assert first is not None
         # the start event, the task's commands and its marker in one history write, the
-        # counter and the status in one update
+        # counter in one update (the run was inserted running)
         marker, acts, ended = _apply_workflow_result(
             tx,
             run_id,
-            (RunStatus.PENDING.value, queue, None, None, workflow, tenant),
+            (RunStatus.RUNNING.value, queue, None, None, workflow, tenant),
             first,
             [_start_event(workflow, input, deadline_at)],
             1,
@@ -774,7 +776,6 @@ def _create_run(
             lease_queues,
             lease,
             lease_limit,
-            activate=True,
         )
         if ended or any(c.type is EventType.STATUS_SET for c in first.commands):
             row = tx.execute(f"SELECT {_RUN_COLS} FROM runs WHERE run_id = ?", (run_id,))
