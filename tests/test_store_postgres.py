@@ -512,19 +512,19 @@ class _Waits:
         from tether.store import postgres
 
         self.batches: list[tuple[tuple[str, ...], int]] = []
-        self._now = 0
+        mine = threading.local()  # each writer thread counts its own batch
         drain, commit = postgres._Session._drain, postgres.PostgresStore._commit
         waits = self
 
         def counting_drain(session: Any, *, sync: bool) -> Any:
             if not sync:
-                waits._now += 1
+                mine.n = getattr(mine, "n", 0) + 1
             return drain(session, sync=sync)
 
         def counting_commit(store: Any, session: Any, batch: list[Any], solo: bool) -> Any:
-            waits._now = 0
+            mine.n = 0
             out = commit(store, session, batch, solo)
-            waits.batches.append((tuple(item[0].__name__ for item in batch), waits._now))
+            waits.batches.append((tuple(item[0].__name__ for item in batch), mine.n))
             return out
 
         monkeypatch.setattr(postgres._Session, "_drain", counting_drain)
