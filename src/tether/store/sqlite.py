@@ -82,7 +82,13 @@ class SqliteStore(OpsStore):
                 )
         try:
             self._conn = sqlite3.connect(
-                path, isolation_level=None, check_same_thread=False, timeout=busy_timeout
+                path,
+                isolation_level=None,
+                check_same_thread=False,
+                timeout=busy_timeout,
+                # multi-row INSERTs and NULL patterns make many statement texts: keep
+                # them all prepared (the default is 128)
+                cached_statements=512,
             )
             self._conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
             self._refuse_foreign()
