@@ -413,16 +413,7 @@ class PostgresStore(OpsStore):
             if solo:
                 session.send(f"SET LOCAL lock_timeout = {_SOLO_LOCK_TIMEOUT_MS}")
             for fn, args, _write, fut in batch:
-                tx = _Tx(
-                    session,
-                    now,
-                    paramstyle="format",
-                    for_update=" FOR UPDATE",
-                    skip_locked=" FOR UPDATE SKIP LOCKED",
-                    known_limited=self._known_limited,
-                    optimistic=True,
-                    new_task_id=functools.partial(self._new_task_id, session),
-                )
+                tx = self._tx(session, now, optimistic=True)
                 value = fn(tx, *args)
                 ready |= tx.ready
                 finished |= tx.finished
@@ -440,6 +431,19 @@ class PostgresStore(OpsStore):
                 raise _Fallback(exc) from exc
             raise
         return results, ready, finished
+
+    def _tx(self, session: _Session, now: float, *, optimistic: bool) -> _Tx:
+        """One operation's view of the batch's transaction, in PostgreSQL's dialect."""
+        return _Tx(
+            session,
+            now,
+            paramstyle="format",
+            for_update=" FOR UPDATE",
+            skip_locked=" FOR UPDATE SKIP LOCKED",
+            known_limited=self._known_limited,
+            optimistic=optimistic,
+            new_task_id=functools.partial(self._new_task_id, session) if optimistic else None,
+        )
 
     def _new_task_id(self, session: _Session) -> int:
         """A task id from the tasks table's own sequence, taken ``_ID_BLOCK`` at a time
@@ -493,14 +497,7 @@ class PostgresStore(OpsStore):
             tries = 0
             while True:
                 tries += 1
-                tx = _Tx(
-                    session,
-                    now,
-                    paramstyle="format",
-                    for_update=" FOR UPDATE",
-                    skip_locked=" FOR UPDATE SKIP LOCKED",
-                    known_limited=self._known_limited,
-                )
+                tx = self._tx(session, now, optimistic=False)
                 if writes:
                     session.send(f"{pending}SAVEPOINT op")
                 try:
