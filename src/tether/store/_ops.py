@@ -524,38 +524,12 @@ def _append(
 _Pending = tuple[EventType, int | None, dict[str, Any], dict[str, str] | None]
 
 
-def _append_many(
-    tx: _Tx,
-    run_id: str,
-    events: list[_Pending],
-    next_seq: int | None = None,
-    *,
-    counter: bool = True,
-) -> int:
-    """Append ``events`` to one run's history with one counter update and one INSERT.
+def _insert_events(tx: _Tx, run_id: str, events: list[_Pending], first: int) -> int:
+    """Insert ``events`` into one run's history from seq ``first``, in one INSERT.
 
-    ``next_seq`` is the run's counter when the caller already read it under the
-    write lock (saving the ``RETURNING`` read); with ``counter=False`` as well, the
-    caller sets the counter to the returned seq + 1 in an update of its own.
-    Returns the seq of the last event.
+    The caller read the run's counter under the write lock and writes the new one
+    (the returned seq + 1) in an update of its own. Returns the seq of the last event.
     """
-    n = len(events)
-    if next_seq is None:
-        row = tx.execute(
-            "UPDATE runs SET next_seq = next_seq + ?, updated_at = ? WHERE run_id = ? "
-            "RETURNING next_seq - ?",
-            (n, tx.now, run_id, n),
-        ).fetchone()
-        if row is None:
-            raise RunNotFoundError(run_id)
-        first: int = row[0]
-    else:
-        first = next_seq
-        if counter:
-            tx.execute(
-                "UPDATE runs SET next_seq = ?, updated_at = ? WHERE run_id = ?",
-                (first + n, tx.now, run_id),
-            )
     params: list[Any] = []
     for i, (type_, step, data, raw) in enumerate(events):
         if step is None:  # NULL in the statement: a None parameter is slow to bind
@@ -563,7 +537,7 @@ def _append_many(
         else:
             params += (run_id, first + i, type_.value, step, _json(data, raw), tx.now)
     tx.execute(_events_insert(tuple(e[1] is None for e in events)), params)
-    return first + n - 1
+    return first + len(events) - 1
 
 
 _events_inserts: dict[tuple[bool, ...], str] = {}
@@ -1615,7 +1589,7 @@ def _apply_workflow_result(
         ):
             ending = cmd
     events.append(_marker(result))
-    marker = _append_many(tx, run_id, events, next_seq, counter=False)
+    marker = _insert_events(tx, run_id, events, next_seq)
     if ending is None:  # the counter, with the status when the run leaves pending
         tx.execute(
             f"UPDATE runs SET next_seq = ?, updated_at = ?{_ACTIVATE if activate else ''} "
