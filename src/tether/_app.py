@@ -16,7 +16,7 @@ from typing import Any, Generic, ParamSpec, TypeVar, overload
 from ._activity_context import ActivityContext, set_context
 from ._batch import Batch, BatchActivity, BatchDecorator
 from ._breaker import CircuitBreaker
-from ._definitions import Activity, ActivityOptions, Workflow
+from ._definitions import Activity, ActivityOptions, Workflow, check_run_id
 from ._errors import (
     ConfigurationError,
     ResultTimeoutError,
@@ -465,6 +465,8 @@ class App:
             raise ConfigurationError(f"tenant must be a non-empty string (got {tenant!r})")
         if on_limit not in ("raise", "queue"):
             raise ConfigurationError(f'on_limit must be "raise" or "queue" (got {on_limit!r})')
+        if run_id is not None:
+            check_run_id(run_id)
         limit = seconds(deadline, "deadline")
         if deadline is not None and not limit:
             raise ConfigurationError("deadline must be positive")
@@ -586,9 +588,13 @@ class App:
         """A handle on an existing run (not checked until used)."""
         return Run(self, run_id, None)
 
-    async def get(self, run_id: str) -> RunInfo:
-        """The state of a run: status, custom status, timestamps, error."""
-        info = await self.store.get_run(run_id)
+    async def get(self, run_id: str, *, follow: bool = True) -> RunInfo:
+        """The state of a run: status, custom status, timestamps, error.
+
+        A run that continued as new answers to its first id: with ``follow`` (the
+        default) this is the chain's latest run; ``follow=False`` reads that one run.
+        """
+        info = await self.store.get_run(run_id, follow=follow)
         if info is None:
             raise RunNotFoundError(run_id)
         return info
@@ -605,10 +611,10 @@ class App:
         st = RunStatus(status) if status is not None else None
         return await self.store.list_runs(status=st, workflow=workflow, limit=limit, offset=offset)
 
-    async def history(self, run_id: str) -> builtins.list[Event]:
-        """The run's full history."""
-        await self.get(run_id)
-        return await self.store.read_history(run_id, 0)
+    async def history(self, run_id: str, *, follow: bool = True) -> builtins.list[Event]:
+        """The run's full history (of the chain's latest run, unless ``follow=False``)."""
+        info = await self.get(run_id, follow=follow)
+        return await self.store.read_history(info.run_id, 0)
 
     async def signal(self, run_id: str, name: str, payload: Any = None) -> None:
         """Deliver the signal ``name``; durable when this returns, buffered until waited for."""
@@ -655,6 +661,8 @@ class App:
         and runs the rest with today's code (try a fix or a new prompt on a real run)."""
         if at_step < 0:
             raise ConfigurationError("at_step must be 0 or more")
+        if new_run_id is not None:
+            check_run_id(new_run_id)
         rid = new_run_id or f"{run_id}@fork-{uuid.uuid4().hex[:8]}"
         await self.store.fork_run(run_id, rid, at_step)
         return self.get_run(rid)

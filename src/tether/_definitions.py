@@ -218,6 +218,25 @@ class Activity(Generic[P, R]):
         return f"<tether activity {self.name}>"
 
 
+#: what happens to a running child when its parent run ends first
+PARENT_CLOSE = ("terminate", "cancel", "abandon")
+#: joins a continue-as-new chain's first id and a run's number in it (``nightly~3``);
+#: reserved, so a user's run id never collides with a chain's
+CHAIN_SEPARATOR = "~"
+
+
+def check_run_id(run_id: str) -> None:
+    """Refuse a run id a user may not choose (empty, or in the chains' namespace)."""
+    if not isinstance(run_id, str) or not run_id:
+        raise ConfigurationError(f"a run id must be a non-empty string (got {run_id!r})")
+    if CHAIN_SEPARATOR in run_id:
+        raise ConfigurationError(
+            f"run id {run_id!r} contains {CHAIN_SEPARATOR!r}, which tether reserves for the "
+            f"runs of a continue-as-new chain ({run_id.split(CHAIN_SEPARATOR)[0]}"
+            f"{CHAIN_SEPARATOR}1, ...): choose an id without it"
+        )
+
+
 class Workflow(Generic[P, R]):
     """An async function run durably: replayed from its history after any crash.
 
@@ -233,6 +252,7 @@ class Workflow(Generic[P, R]):
         queue: str,
         version: str | None = None,
         child_run_id: str | None = None,
+        parent_close: str = "terminate",
     ) -> None:
         if not inspect.iscoroutinefunction(fn):
             raise ConfigurationError(
@@ -244,24 +264,45 @@ class Workflow(Generic[P, R]):
         self.version = version
         self.sig = Signature(fn)
         self._child_run_id = child_run_id
+        self._parent_close = parent_close
         self.__doc__ = fn.__doc__
         self.__wrapped__ = fn
 
-    def options(self, *, run_id: str | None = None, queue: str | None = None) -> Workflow[P, R]:
-        """A copy for starting a child with a chosen run id or queue."""
+    def options(
+        self,
+        *,
+        run_id: str | None = None,
+        queue: str | None = None,
+        parent_close: str | None = None,
+    ) -> Workflow[P, R]:
+        """A copy for starting a child with a chosen run id, queue or parent-close policy.
+
+        ``parent_close`` says what happens to the child when its parent run ends first:
+        ``"terminate"`` (the default: it ends at once, running none of its code),
+        ``"cancel"`` (it sees CancelledError and may clean up) or ``"abandon"`` (it runs
+        on by itself).
+        """
+        if run_id is not None:
+            check_run_id(run_id)
+        if parent_close is not None and parent_close not in PARENT_CLOSE:
+            raise ConfigurationError(
+                f"parent_close must be one of {', '.join(map(repr, PARENT_CLOSE))} "
+                f"(got {parent_close!r})"
+            )
         return Workflow(
             self.fn,
             name=self.name,
             queue=queue or self.queue,
             version=self.version,
             child_run_id=run_id,
+            parent_close=parent_close or self._parent_close,
         )
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> Awaitable[R]:
         inst = _current()
         if inst is None:
             return self.fn(*args, **kwargs)
-        return inst.start_child(self, args, kwargs, self._child_run_id)
+        return inst.start_child(self, args, kwargs, self._child_run_id, self._parent_close)
 
     def __repr__(self) -> str:
         return f"<tether workflow {self.name}>"

@@ -32,6 +32,7 @@ from ._errors import LeaseLostError, NonRetryable, PayloadError, StoreError, Tet
 from ._history import REPLAY_CHANGING, Event, EventType, Task
 from ._policy import Retry
 from ._serde import encode
+from .store.base import TASK_REJECTED
 from .workflow._instance import WorkflowInstance
 
 if TYPE_CHECKING:
@@ -533,6 +534,12 @@ class Worker:
                 self.stats["lease_lost"] += 1
             else:
                 log.warning("could not commit workflow task of %r: %s", task.run_id, exc)
+            return
+        if marker == TASK_REJECTED:
+            # the result would have ended the run while a signal, cancel or result
+            # arrived: not applied; the task runs again (a fresh replay) with it
+            self.stats["workflow_tasks_rejected"] += 1
+            inst.close()
             return
         self.stats["workflow_tasks"] += 1
         inst.committed(marker)

@@ -9,6 +9,7 @@ details carried by ``_Tx`` (placeholder style, row locks, SKIP LOCKED).
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 import functools
 import json
@@ -22,10 +23,12 @@ from .._errors import (
     RunFinishedError,
     RunIdConflictError,
     RunNotFoundError,
+    StoreError,
     TetherError,
 )
 from .._history import (
     COMMANDS,
+    INCOMING,
     OUTCOMES,
     DeadLetter,
     Event,
@@ -37,7 +40,14 @@ from .._history import (
 )
 from .._queues import DEPENDENCY_PREFIX, QueueStats
 from .._serde import dumps
-from .base import Command, StartResult, Store, WorkflowTaskResult, start_event_data
+from .base import (
+    TASK_REJECTED,
+    Command,
+    StartResult,
+    Store,
+    WorkflowTaskResult,
+    start_event_data,
+)
 
 _TERMINAL = tuple(s.value for s in RunStatus if s.is_terminal)
 _RUN_COLS = (
@@ -419,8 +429,8 @@ class OpsStore(Store):
     async def resume(self, run_id: str) -> None:
         await self._do(_resume, run_id)
 
-    async def get_run(self, run_id: str) -> RunInfo | None:
-        out: RunInfo | None = await self._do(_get_run, run_id, write=False)
+    async def get_run(self, run_id: str, *, follow: bool = False) -> RunInfo | None:
+        out: RunInfo | None = await self._do(_get_run, run_id, follow, write=False)
         return out
 
     async def list_runs(
@@ -1298,12 +1308,14 @@ def _finish(
     continued_to: str | None = None,
     known: tuple[Any, ...] | None = None,
     next_seq: int | None = None,
+    children: bool = False,
 ) -> None:
     """End a run: its status and outcome, its tasks gone, its parent and tenant told.
 
     ``known`` is the run's (parent_run_id, parent_step, workflow, tenant) when the
     caller read them already in this transaction (saving a read); ``next_seq`` a
-    new history counter to write in the same update.
+    new history counter to write in the same update. With ``children``, running
+    children get their parent-close policy in the same commit.
     """
     if known is None:
         known = tx.execute(
@@ -1328,6 +1340,8 @@ def _finish(
         ),
     )
     tx.execute("DELETE FROM tasks WHERE run_id = ?", (run_id,))
+    if children:
+        _close_children(tx, run_id)
     tx.finished[run_id] = RunEnd(
         run_id=run_id,
         workflow=workflow,
@@ -1388,7 +1402,25 @@ def _complete_workflow_task(
     ).fetchone()
     if row is None:
         raise RunNotFoundError(task.run_id)
+    if RunStatus(row[0]).is_terminal:
+        # ended meanwhile (terminated, cancelled while queued...): the result has no run
+        tx.execute("DELETE FROM tasks WHERE task_id = ?", (task.task_id,))
+        raise LeaseLostError(
+            f"run {task.run_id!r} ended ({row[0]}) while its workflow task ran; "
+            "the task's result was discarded"
+        )
     run = tuple(row[:6])
+    if any(c.type in _ENDINGS for c in result.commands) and _newer_incoming(
+        tx, task.run_id, result.through
+    ):
+        # a signal, cancel or result arrived after the task read the history: ending the
+        # run now would drop it; the task runs again with it instead
+        tx.execute(
+            "UPDATE tasks SET lease_owner = NULL, available_at = ? WHERE task_id = ?",
+            (tx.now, task.task_id),
+        )
+        tx.ready.add(run[1])
+        return TASK_REJECTED, []
     marker, leased, ended = _apply_workflow_result(
         tx,
         task.run_id,
@@ -1404,13 +1436,7 @@ def _complete_workflow_task(
     )
     if ended:
         return marker, []
-    newer = tx.execute(
-        "SELECT 1 FROM events WHERE run_id = ? AND seq > ? AND type IN "
-        "('ActivityCompleted','ActivityFailed','TimerFired','ChildCompleted','ChildFailed',"
-        "'SignalReceived','CancelRequested','DeadlineExceeded') LIMIT 1",
-        (task.run_id, result.through),
-    ).fetchone()
-    if newer:
+    if _newer_incoming(tx, task.run_id, result.through):
         tx.execute(
             "UPDATE tasks SET lease_owner = NULL, available_at = ? WHERE task_id = ?",
             (tx.now, task.task_id),
@@ -1419,6 +1445,34 @@ def _complete_workflow_task(
     else:
         tx.execute("DELETE FROM tasks WHERE task_id = ?", (task.task_id,))
     return marker, leased
+
+
+#: commands that end a run (or hand it to the next run of its chain)
+_ENDINGS = frozenset(
+    {
+        EventType.WORKFLOW_COMPLETED,
+        EventType.WORKFLOW_FAILED,
+        EventType.WORKFLOW_CANCELLED,
+        EventType.WORKFLOW_TIMED_OUT,
+        EventType.WORKFLOW_NEEDS_INTERVENTION,
+        EventType.CONTINUED_AS_NEW,
+    }
+)
+#: events a workflow task consumes, as stored (the start is never "newer")
+_INCOMING = (
+    "("
+    + ",".join(sorted(f"'{t.value}'" for t in INCOMING if t is not EventType.WORKFLOW_STARTED))
+    + ")"
+)
+
+
+def _newer_incoming(tx: _Tx, run_id: str, through: int) -> bool:
+    """Whether events a workflow task has not seen (after ``through``) wait for it."""
+    row = tx.execute(
+        f"SELECT 1 FROM events WHERE run_id = ? AND seq > ? AND type IN {_INCOMING} LIMIT 1",
+        (run_id, through),
+    ).fetchone()
+    return row is not None
 
 
 def _marker(result: WorkflowTaskResult) -> _Pending:
@@ -1570,23 +1624,16 @@ def _apply_workflow_result(
                     )
                 )
         elif t is EventType.CHILD_CANCEL_REQUESTED:
-            child = cmd.data["child_run_id"]
-            row = tx.execute("SELECT status FROM runs WHERE run_id = ?", (child,)).fetchone()
-            if row is not None and not RunStatus(row[0]).is_terminal:
-                _cancel(tx, child, f"parent run {run_id!r} stopped waiting for it")
+            # a child that continued as new is cancelled in its live run
+            why = f"parent run {run_id!r} stopped waiting for it"
+            with contextlib.suppress(RunNotFoundError, RunFinishedError):
+                _cancel(tx, cmd.data["child_run_id"], why)
         elif t is EventType.STATUS_SET:
             tx.execute(
                 "UPDATE runs SET custom_status = ? WHERE run_id = ?",
                 (cmd.raw.get("value", "null"), run_id),
             )
-        elif t in (
-            EventType.WORKFLOW_COMPLETED,
-            EventType.WORKFLOW_FAILED,
-            EventType.WORKFLOW_CANCELLED,
-            EventType.WORKFLOW_TIMED_OUT,
-            EventType.WORKFLOW_NEEDS_INTERVENTION,
-            EventType.CONTINUED_AS_NEW,
-        ):
+        elif t in _ENDINGS:
             ending = cmd
     events.append(_marker(result))
     marker = _insert_events(tx, run_id, events, next_seq)
@@ -1599,7 +1646,9 @@ def _apply_workflow_result(
         return marker, leased, False
     known = (parent_run_id, parent_step, workflow, tenant)
     # the counter is written by the end's update
-    end = functools.partial(_finish, tx, run_id, known=known, next_seq=marker + 1)
+    end = functools.partial(
+        _finish, tx, run_id, known=known, next_seq=marker + 1, children=result.children
+    )
     if ending.type is EventType.WORKFLOW_COMPLETED:
         end(RunStatus.COMPLETED, output=ending.raw.get("result", "null"))
     elif ending.type is EventType.WORKFLOW_FAILED:
@@ -1612,6 +1661,10 @@ def _apply_workflow_result(
         end(RunStatus.CANCELLED, error=ending.data.get("error"))
     else:
         nxt = ending.data["next_run_id"]
+        # the chain keeps the run's deadline (a task, deleted by the end) and suspension
+        deadline = tx.execute(
+            "SELECT available_at FROM tasks WHERE run_id = ? AND kind = 'deadline'", (run_id,)
+        ).fetchone()
         end(RunStatus.CONTINUED_AS_NEW, continued_to=nxt)
         _insert_run(
             tx,
@@ -1621,8 +1674,12 @@ def _apply_workflow_result(
             ending.raw["input"],
             parent_run_id,
             parent_step,
+            deadline_at=deadline[0] if deadline else None,
             tenant=tenant,
         )
+        if status == RunStatus.SUSPENDED.value:
+            _append(tx, nxt, EventType.SUSPENDED, None, {"carried_from": run_id})
+            tx.execute("UPDATE runs SET status = 'suspended' WHERE run_id = ?", (nxt,))
     return marker, [], True
 
 
@@ -1840,78 +1897,141 @@ def _heartbeat(tx: _Tx, task: Task, lease: float, details: str | None) -> bool:
     return bool(row[0])
 
 
-def _live_run(tx: _Tx, run_id: str, action: str) -> tuple[Any, ...]:
-    row = _run_row(tx, run_id)
-    if RunStatus(row[0]).is_terminal:
-        raise RunFinishedError(run_id, row[0], action)
-    return row
+#: longest continue-as-new chain an operation follows (a guard against a cycle)
+_MAX_CHAIN = 1_000_000
+
+
+def _live_run(tx: _Tx, run_id: str, action: str) -> tuple[str, tuple[Any, ...]]:
+    """The run an operation on ``run_id`` acts on, with its ``_run_row``, locked.
+
+    A run that continued as new answers to its first id: the chain is followed to its
+    live run. Each row is read under a row lock (PostgreSQL), so a run finishing or
+    continuing concurrently is seen as it is after that commit, never overwritten.
+    """
+    rid = run_id
+    for _ in range(_MAX_CHAIN):
+        row = tx.execute(
+            "SELECT status, queue, parent_run_id, parent_step, workflow, tenant, continued_to "
+            f"FROM runs WHERE run_id = ?{tx.for_update}",
+            (rid,),
+        ).fetchone()
+        if row is None:
+            raise RunNotFoundError(run_id)
+        if row[0] == RunStatus.CONTINUED_AS_NEW.value and row[6]:
+            rid = row[6]
+            continue
+        if RunStatus(row[0]).is_terminal:
+            raise RunFinishedError(rid, row[0], action)
+        return rid, tuple(row[:6])
+    raise StoreError(f"run {run_id!r} continues as new in a cycle")  # pragma: no cover
 
 
 def _signal(tx: _Tx, run_id: str, name: str, payload: str) -> None:
-    status, run_queue, _p, _s, workflow, _t = _live_run(tx, run_id, f"signal {name!r} to")
-    _append(tx, run_id, EventType.SIGNAL_RECEIVED, None, {"name": name}, {"payload": payload})
+    rid, (status, run_queue, _p, _s, workflow, _t) = _live_run(tx, run_id, f"signal {name!r} to")
+    _append(tx, rid, EventType.SIGNAL_RECEIVED, None, {"name": name}, {"payload": payload})
     if status != RunStatus.QUEUED.value:  # a queued run sees the signal when admitted
-        _ensure_workflow_task(tx, run_id, run_queue, workflow)
+        _ensure_workflow_task(tx, rid, run_queue, workflow)
 
 
 def _cancel(tx: _Tx, run_id: str, reason: str | None) -> None:
-    status, run_queue, _p, _s, workflow, _t = _live_run(tx, run_id, "cancel")
-    _append(tx, run_id, EventType.CANCEL_REQUESTED, None, {"reason": reason})
+    rid, (status, run_queue, _p, _s, workflow, _t) = _live_run(tx, run_id, "cancel")
+    _append(tx, rid, EventType.CANCEL_REQUESTED, None, {"reason": reason})
     if status == RunStatus.QUEUED.value:  # never admitted: no code ran, nothing to undo
         error = {"type": "CancelledError", "message": reason or "cancelled before admission"}
-        _finish(tx, run_id, RunStatus.CANCELLED, error=error)
+        _finish(tx, rid, RunStatus.CANCELLED, error=error)
         return
-    _ensure_workflow_task(tx, run_id, run_queue, workflow)
+    _ensure_workflow_task(tx, rid, run_queue, workflow)
     tx.execute(
-        "UPDATE tasks SET cancel_requested = 1 WHERE run_id = ? AND kind = 'activity'", (run_id,)
+        "UPDATE tasks SET cancel_requested = 1 WHERE run_id = ? AND kind = 'activity'", (rid,)
     )
 
 
 def _terminate(tx: _Tx, run_id: str, reason: str | None) -> None:
-    _live_run(tx, run_id, "terminate")
-    _append(tx, run_id, EventType.WORKFLOW_TERMINATED, None, {"reason": reason})
+    rid, _row = _live_run(tx, run_id, "terminate")
+    _append(tx, rid, EventType.WORKFLOW_TERMINATED, None, {"reason": reason})
     _finish(
         tx,
-        run_id,
+        rid,
         RunStatus.TERMINATED,
         error={"type": "Terminated", "message": reason or "terminated by an operator"},
+        children=True,
     )
-    children = tx.execute(
-        "SELECT run_id FROM runs WHERE parent_run_id = ? AND status NOT IN "
-        f"({','.join('?' * len(_TERMINAL))})",
-        (run_id, *_TERMINAL),
+
+
+def _close_children(tx: _Tx, run_id: str) -> None:
+    """Apply each running child's parent-close policy: ``run_id`` has just ended.
+
+    Children are found in the parent's own history (its ``ChildStarted`` events, with
+    the policy each was started with; terminate by default) and followed to their live
+    run when they continued as new. A child the parent already asked to cancel is left
+    to finish its cancellation; ``abandon`` leaves a child running on its own.
+    """
+    started = tx.execute(
+        "SELECT step, data FROM events WHERE run_id = ? AND type = ?",
+        (run_id, EventType.CHILD_STARTED.value),
     ).fetchall()
-    for (child,) in children:
-        _terminate(tx, child, f"parent run {run_id!r} was terminated")
+    if not started:
+        return
+    asked = {
+        json.loads(data).get("child_step")
+        for (data,) in tx.execute(
+            "SELECT data FROM events WHERE run_id = ? AND type = ?",
+            (run_id, EventType.CHILD_CANCEL_REQUESTED.value),
+        )
+    }
+    for step, data in started:
+        info = json.loads(data)
+        policy = info.get("parent_close", "terminate")
+        if policy == "abandon" or step in asked:
+            continue
+        reason = f"parent run {run_id!r} ended (parent_close={policy!r})"
+        try:
+            rid, row = _live_run(tx, info["child_run_id"], "close")
+        except (RunNotFoundError, RunFinishedError):
+            continue
+        if row[2] != run_id:
+            continue  # a run of that id that this parent did not start
+        if policy == "cancel":
+            _cancel(tx, rid, reason)
+        else:
+            _terminate(tx, rid, reason)
 
 
 def _suspend(tx: _Tx, run_id: str) -> None:
-    status, *_ = _live_run(tx, run_id, "suspend")
+    rid, (status, *_) = _live_run(tx, run_id, "suspend")
     if status == RunStatus.SUSPENDED.value:
         return
     if status == RunStatus.QUEUED.value:
         raise RecoveryError(
-            f"run {run_id!r} is queued for admission and has not started: cancel it, or let "
+            f"run {rid!r} is queued for admission and has not started: cancel it, or let "
             "it start and suspend it then"
         )
-    _append(tx, run_id, EventType.SUSPENDED, None, {})
-    tx.execute("UPDATE runs SET status = 'suspended' WHERE run_id = ?", (run_id,))
+    _append(tx, rid, EventType.SUSPENDED, None, {})
+    tx.execute("UPDATE runs SET status = 'suspended' WHERE run_id = ?", (rid,))
 
 
 def _resume(tx: _Tx, run_id: str) -> None:
-    status, run_queue, *_ = _live_run(tx, run_id, "resume")
+    rid, (status, run_queue, *_) = _live_run(tx, run_id, "resume")
     if status != RunStatus.SUSPENDED.value:
         return
-    _append(tx, run_id, EventType.RESUMED, None, {})
-    tx.execute("UPDATE runs SET status = 'running' WHERE run_id = ?", (run_id,))
+    _append(tx, rid, EventType.RESUMED, None, {})
+    tx.execute("UPDATE runs SET status = 'running' WHERE run_id = ?", (rid,))
     tx.ready.add(run_queue)
-    for (q,) in tx.execute("SELECT DISTINCT queue FROM tasks WHERE run_id = ?", (run_id,)):
+    for (q,) in tx.execute("SELECT DISTINCT queue FROM tasks WHERE run_id = ?", (rid,)):
         tx.ready.add(q)
 
 
-def _get_run(tx: _Tx, run_id: str) -> RunInfo | None:
-    row = tx.execute(f"SELECT {_RUN_COLS} FROM runs WHERE run_id = ?", (run_id,)).fetchone()
-    return _run_from_row(row) if row else None
+def _get_run(tx: _Tx, run_id: str, follow: bool = False) -> RunInfo | None:
+    """A run's row; with ``follow``, its chain's latest run (live or last) instead."""
+    for _ in range(_MAX_CHAIN):
+        row = tx.execute(f"SELECT {_RUN_COLS} FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+        if row is None:
+            return None
+        info = _run_from_row(row)
+        if not follow or info.continued_to is None:
+            return info
+        run_id = info.continued_to
+    raise StoreError(f"run {run_id!r} continues as new in a cycle")  # pragma: no cover
 
 
 def _list_runs(

@@ -37,6 +37,15 @@ class WorkflowTaskResult:
     through: int  #: last history seq the task had applied
     time: float  #: the workflow clock during the task (tether.now)
     version: str | None = None  #: the workflow code version that produced it
+    #: whether the run may have started children (their parent-close policies then
+    #: apply when it ends); False lets the store skip looking
+    children: bool = True
+
+
+#: the marker ``complete_workflow_task`` returns for a result it did not apply: the
+#: result would end the run while newer incoming events (a signal, a cancel...) wait,
+#: so the task was released to run again with them
+TASK_REJECTED = -1
 
 
 #: runs a commit ended, each with how it ended; None when the listener must read the run
@@ -208,7 +217,7 @@ class Store(abc.ABC):
         """Dispatch a suspended run's work again."""
 
     @abc.abstractmethod
-    async def get_run(self, run_id: str) -> RunInfo | None:
+    async def get_run(self, run_id: str, *, follow: bool = False) -> RunInfo | None:
         """One run, or None."""
 
     @abc.abstractmethod

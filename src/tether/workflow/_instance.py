@@ -92,6 +92,7 @@ class WorkflowInstance:
         self.finished = False
         self.cancel_requested = False
         self.deadline_exceeded = False
+        self.started_children = 0  #: children this run started (replayed ones included)
         self.main: asyncio.Task[Any] | None = None
         self._new: list[Command] = []
         self._recorded: dict[int, Event] = {}
@@ -185,7 +186,11 @@ class WorkflowInstance:
         self.through = through
         commands, self._new = self._new, []
         return WorkflowTaskResult(
-            commands=commands, through=through, time=now, version=self.workflow.version
+            commands=commands,
+            through=through,
+            time=now,
+            version=self.workflow.version,
+            children=self.started_children > 0,
         )
 
     def close(self) -> None:
@@ -405,15 +410,20 @@ class WorkflowInstance:
         args: Sequence[Any],
         kwargs: dict[str, Any],
         run_id: str | None,
+        parent_close: str = "terminate",
     ) -> asyncio.Future[Any]:
-        """Issue a ChildStarted command; the future resolves with the child's result."""
+        """Issue a ChildStarted command; the future resolves with the child's result.
+
+        ``parent_close`` is what happens to the child if this run ends first
+        (terminate, cancel or abandon); recorded with the start, applied by the store.
+        """
         input_json = workflow.sig.encode_args(args, kwargs)
         child_id = run_id or f"{self.run_id}/{self.step + 1}"
-        step = self._command(
-            EventType.CHILD_STARTED,
-            {"workflow": workflow.name, "child_run_id": child_id, "queue": workflow.queue},
-            {"input": input_json},
-        )
+        data = {"workflow": workflow.name, "child_run_id": child_id, "queue": workflow.queue}
+        if parent_close != "terminate":  # the default is not written: histories stay as before
+            data["parent_close"] = parent_close
+        self.started_children += 1
+        step = self._command(EventType.CHILD_STARTED, data, {"input": input_json})
         fut = self.loop.create_future()
         self._pending[step] = _Pending(fut, "child", workflow.name, workflow.sig.return_type)
         self._watch_cancel(
