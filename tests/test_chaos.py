@@ -1,8 +1,8 @@
 """Chaos on PostgreSQL: three worker processes share one schema while a killer SIGKILLs a
 random one every ~2 s and starts a replacement. 1,000 runs of 10 steps (some with a
 durable timer, some with a fan-out) must all complete with the right result, every
-step's side effect must exist exactly once, and no history may have a gap or a
-duplicate sequence number. Raw re-executions (steps whose effect ran again because a
+step's side effect must exist exactly once, no step may run again after its result
+was recorded, and no history may have a gap or a duplicate sequence number. Raw re-executions (steps whose effect ran again because a
 worker died before recording its result) are reported; the kills make them likely.
 """
 
@@ -134,6 +134,16 @@ async def test_chaos_three_workers_sigkilled_every_two_seconds(
     assert set(executed) == set(expected)
     total = sum(executed.values())
     reexecuted = total - len(expected)
+    # the invariant: no step ran again once its completion was recorded (a re-execution
+    # is legitimate only while the step's result is not yet in the history); the
+    # ON CONFLICT in the side table would hide such a repeat, this count does not
+    (after_recorded,) = _query(
+        pg_schema,
+        "SELECT count(*) FROM chaos_executions x JOIN events e "
+        "ON e.run_id = split_part(x.key, ':', 1) AND e.step = split_part(x.key, ':', 2)::int "
+        "AND e.type = 'ActivityCompleted' WHERE x.at > e.created_at",
+    )
+    assert after_recorded == (0,), "steps ran again after their result was recorded"
 
     # no history has a gap or a duplicate seq, and next_seq follows the last event
     shapes = _query(

@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tether
+from tether._history import COMMANDS
 from tether.testing import Env, check_history
 
 # a plan is a list of operations; each op is one of:
@@ -61,12 +62,32 @@ def _app() -> tether.App:
     return app
 
 
-async def _run(plan: list[Any]) -> tuple[list[Any], list[tether.Event], tether.App]:
+async def _run(plan: list[Any], **worker: Any) -> tuple[list[Any], list[tether.Event], tether.App]:
     app = _app()
-    async with Env(app):
-        run = await app.start(app.get_workflow("planned"), plan)
+    async with Env(app, start=1_000_000.0, **worker):
+        run = await app.start(app.get_workflow("planned"), plan, run_id="planned")
         result = await run.result(timeout=10)
         return result, await app.history(run.run_id), app
+
+
+#: recorded values that carry the clock, not the code's decisions
+_CLOCK_KEYS = {"scheduled_at", "fire_at", "time"}
+
+
+def _commands(history: list[tether.Event]) -> dict[int, tuple[str, Any]]:
+    """Every command by step with all it recorded (arguments, results, options), the
+    clock's readings left out."""
+
+    def strip(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: strip(v) for k, v in value.items() if k not in _CLOCK_KEYS}
+        return value
+
+    return {
+        e.step: (e.type.value, strip(e.data))
+        for e in history
+        if e.type in COMMANDS and e.step is not None
+    }
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -83,5 +104,13 @@ def test_replay_any_plan_replays_its_own_history(plan: list[Any]) -> None:
         assert check_history(app, history).ok
         assert result[-1]  # the deterministic uuid is part of the result
         await app.close()
+
+        # a worker that keeps nothing in memory replays the whole history for every task
+        # (as a fresh worker after a crash does): same result, and the same commands
+        # with the same arguments, options and results, step by step
+        again, history2, app2 = await _run(plan, cache_size=0)
+        await app2.close()
+        assert again == result
+        assert _commands(history2) == _commands(history)
 
     asyncio.run(main())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sqlite3
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -84,3 +85,31 @@ def test_opening_a_new_file_while_another_process_holds_it_waits_its_turn(
         assert conn.execute("PRAGMA user_version").fetchone() == (1,)
     finally:
         conn.close()
+
+
+def test_a_file_system_that_refuses_wal_is_a_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SQLite answers ``PRAGMA journal_mode = WAL`` with the mode it kept when it cannot
+    switch (a file system without shared memory): that is refused, not ignored."""
+    import tether.store.sqlite as sqlite_store
+
+    real_connect = sqlite3.connect
+
+    class NoWal:
+        def __init__(self, conn: sqlite3.Connection) -> None:
+            self._conn = conn
+
+        def execute(self, text: str, *args: Any) -> Any:
+            if "journal_mode" in text.replace(" ", "").lower():
+                return real_connect(":memory:").execute("SELECT 'delete'")
+            return self._conn.execute(text, *args)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._conn, name)
+
+    monkeypatch.setattr(
+        sqlite_store.sqlite3, "connect", lambda *a, **k: NoWal(real_connect(*a, **k))
+    )
+    with pytest.raises(tether.StoreError, match="refused WAL mode.*'delete'"):
+        SqliteStore(str(tmp_path / "t.db"))

@@ -119,12 +119,19 @@ class SqliteStore(OpsStore):
         deadline = time.monotonic() + busy_timeout
         while True:
             try:
-                self._conn.execute("PRAGMA journal_mode = WAL")
-                return
+                (mode,) = self._conn.execute("PRAGMA journal_mode = WAL").fetchone()
+                break
             except sqlite3.OperationalError as exc:
                 if "locked" not in str(exc) or time.monotonic() >= deadline:
                     raise
                 time.sleep(0.01 + random.random() * 0.04)
+        if str(mode).lower() != "wal":
+            # e.g. a file system without shared memory (some network mounts): another
+            # journal mode would silently change tether's concurrency and durability
+            raise StoreError(
+                f"SQLite store {self.path}: the file system refused WAL mode (the journal "
+                f"mode stayed {mode!r}); put the store on a local disk"
+            )
 
     def _refuse_foreign(self) -> None:
         """Never write tether's schema into another program's database."""

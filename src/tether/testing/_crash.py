@@ -3,12 +3,14 @@
 The workflow runs once uncrashed to learn its result and how many state-changing
 store writes it makes (claims and lease renewals are not counted: their number
 varies with timing). Then, for every write k, it runs again on a fresh store with a
-worker that dies (as if SIGKILLed) just before write k would commit: the write
-never happens, the worker's memory is gone, its leases are left to expire. A new
-worker takes over on the same store, and the run must finish with the same result,
-while every side effect recorded by idempotency key happened exactly once. Crash
-points include the gap between an activity's side effect and the commit of its
-result, which is where non-idempotent steps break.
+worker that dies (as if SIGKILLed) twice over: once just before write k would commit
+(the write never happens), once just after it committed, before the worker acted on
+its answer (the leased work it was handed is never run by it). Either way the
+worker's memory is gone and its leases are left to expire. A new worker takes over
+on the same store, and the run must finish with the same result, while every side
+effect recorded by idempotency key happened exactly once, under the keys the
+uncrashed run used. Crash points include the gap between an activity's side effect
+and the commit of its result, which is where non-idempotent steps break.
 """
 
 from __future__ import annotations
@@ -32,10 +34,12 @@ class CrashFailure:
     crash_point: int
     problem: str
     history: list[Event] = field(repr=False)
+    #: "before" the write committed, or "after" it committed and before it was acted on
+    when: str = "before"
 
     def describe(self) -> str:
         """The problem and the run's history at the end, one event per line."""
-        lines = [f"crash before store write #{self.crash_point}: {self.problem}"]
+        lines = [f"crash {self.when} store write #{self.crash_point}: {self.problem}"]
         lines += [f"  {e.seq:3} {e.type.value:26} step={e.step} {e.data}" for e in self.history]
         return "\n".join(lines)
 
@@ -76,8 +80,14 @@ def _clone(app: App) -> App:
 _HOUSEKEEPING = frozenset({"_claim", "_renew", "_release", "_heartbeat"})
 
 
-def _arm(app: App, crash_at: int | None, counter: list[int]) -> Callable[[], None]:
-    """Count write operations; from write ``crash_at`` on, the store 'is dead'."""
+def _arm(
+    app: App, crash_at: int | None, counter: list[int], after: bool = False
+) -> Callable[[], None]:
+    """Count write operations; from write ``crash_at`` on, the store 'is dead'.
+
+    With ``after``, write ``crash_at`` itself commits and its caller gets the crash
+    instead of the answer.
+    """
     store: Any = app.store
     original = store._do
     state = {"dead": False}
@@ -90,6 +100,8 @@ def _arm(app: App, crash_at: int | None, counter: list[int]) -> Callable[[], Non
             counter[0] += 1
             if crash_at is not None and counter[0] >= crash_at:
                 state["dead"] = True
+                if after and counter[0] == crash_at:
+                    await original(fn, *args, write=write)
                 raise SimulatedCrash()
         return await original(fn, *args, write=write)
 
@@ -107,14 +119,16 @@ async def _one(
     args: tuple[Any, ...],
     crash_at: int | None,
     timeout: float,
+    after: bool = False,
 ) -> tuple[Any, int, list[Event], bool]:
-    """Run once, crashing before write ``crash_at``; return result, writes, history, crashed."""
+    """Run once, crashing before (or ``after``) write ``crash_at``; return result, writes,
+    history, crashed."""
     work = _clone(app)
     counter = [0]
     crashed = False
     async with Env(work, lease=5.0) as env:
         run = await work.start(workflow, *args, run_id="crash-test")
-        disarm = _arm(work, crash_at, counter)
+        disarm = _arm(work, crash_at, counter, after)
         try:
             result = await run.result(timeout=timeout) if crash_at is None else None
         finally:
@@ -154,8 +168,8 @@ async def crash_at_every_step(
 
     ``effects()`` returns how many times each side effect was applied, keyed by
     idempotency key (your stub of the downstream system); ``reset()`` clears it
-    between runs. Each crash point must give the uncrashed result and apply every
-    effect exactly once.
+    between runs. Each crash point (before and after each write) must give the
+    uncrashed result and apply every effect exactly once, under the same keys.
     """
     if reset:
         reset()
@@ -166,13 +180,13 @@ async def crash_at_every_step(
     if bad:
         failures.append(CrashFailure(0, f"effects not exactly once without a crash: {bad}", []))
     points = min(writes, max_points)
-    for k in range(1, points + 1):
+    for k, when in [(k, w) for k in range(1, points + 1) for w in ("before", "after")]:
         if reset:
             reset()
         try:
-            result, _, history, _ = await _one(app, workflow, args, k, timeout)
+            result, _, history, _ = await _one(app, workflow, args, k, timeout, when == "after")
         except Exception as exc:
-            failures.append(CrashFailure(k, f"run did not recover: {exc!r}", []))
+            failures.append(CrashFailure(k, f"run did not recover: {exc!r}", [], when))
             continue
         problems = []
         if result != baseline:
@@ -185,6 +199,9 @@ async def crash_at_every_step(
             missing = set(expected) - set(seen)
             if missing:
                 problems.append(f"effects missing: {sorted(missing)}")
+            extra = set(seen) - set(expected)
+            if extra:  # e.g. a re-run step got a new idempotency key
+                problems.append(f"effects under keys the uncrashed run did not use: {extra}")
         if problems:
-            failures.append(CrashFailure(k, "; ".join(problems), history))
+            failures.append(CrashFailure(k, "; ".join(problems), history, when))
     return CrashReport(crash_points=points, result=baseline, failures=failures)
