@@ -2,8 +2,9 @@
 random one every ~2 s and starts a replacement. 1,000 runs of 10 steps (some with a
 durable timer, some with a fan-out) must all complete with the right result, every
 step's side effect must exist exactly once, no step may run again after its result
-was recorded, and no history may have a gap or a duplicate sequence number. Raw re-executions (steps whose effect ran again because a
-worker died before recording its result) are reported; the kills make them likely.
+was recorded, and no history may have a gap or a duplicate sequence number. Raw
+re-executions (steps whose effect ran again because a worker died before recording
+its result) are reported; the kills make them likely.
 """
 
 from __future__ import annotations

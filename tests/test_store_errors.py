@@ -111,5 +111,5 @@ def test_a_file_system_that_refuses_wal_is_a_clear_error(
     monkeypatch.setattr(
         sqlite_store.sqlite3, "connect", lambda *a, **k: NoWal(real_connect(*a, **k))
     )
-    with pytest.raises(tether.StoreError, match="refused WAL mode.*'delete'"):
+    with pytest.raises(tether.StoreError, match=r"refused WAL mode.*'delete'"):
         SqliteStore(str(tmp_path / "t.db"))
