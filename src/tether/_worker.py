@@ -168,13 +168,16 @@ class Worker:
         if leftover:
             await asyncio.wait([t for _, t, _ in leftover], timeout=1.0)
         # hand back what this worker still holds so others need not wait for leases
-        release = self._unstarted + [task for task, _, _ in leftover]
-        self._unstarted = []
-        if release:
-            try:
-                await self.app.store.release(release)
-            except StoreError as exc:
-                log.warning("could not release %d task(s) on stop: %s", len(release), exc)
+        # work claimed but never started gives its attempt back; work interrupted
+        # mid-run keeps it (it did run)
+        unstarted, self._unstarted = self._unstarted, []
+        interrupted = [task for task, _, _ in leftover]
+        for tasks, fresh in ((unstarted, True), (interrupted, False)):
+            if tasks:
+                try:
+                    await self.app.store.release(tasks, unstarted=fresh)
+                except StoreError as exc:
+                    log.warning("could not release %d task(s) on stop: %s", len(tasks), exc)
         self._main.cancel()
         try:
             await self._main

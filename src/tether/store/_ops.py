@@ -450,8 +450,10 @@ class OpsStore(Store):
         out: int = await self._do(_reclaim, worker_id)
         return out
 
-    async def release(self, tasks: Sequence[Task], delay: float = 0.0) -> None:
-        await self._do(_release, tuple(tasks), delay)
+    async def release(
+        self, tasks: Sequence[Task], delay: float = 0.0, *, unstarted: bool = False
+    ) -> None:
+        await self._do(_release, tuple(tasks), delay, unstarted)
 
     async def breaker_admit(self, cfg: dict[str, Any]) -> float | None:
         out: float | None = await self._do(_breaker_admit, cfg)
@@ -1447,6 +1449,33 @@ def _complete_workflow_task(
     return marker, leased
 
 
+def _child_outcome(tx: _Tx, child: str, step: int | None) -> _Pending | None:
+    """A child's outcome as its parent's event at ``step``, or None while it runs.
+
+    A child that continued as new is followed to its latest run, which is told to
+    report to ``step`` (where its parent now waits for it).
+    """
+    info = _get_run(tx, child, True)
+    if info is None:
+        return None
+    if not info.status.is_terminal:
+        tx.execute("UPDATE runs SET parent_step = ? WHERE run_id = ?", (step, info.run_id))
+        return None
+    if info.status is RunStatus.COMPLETED:
+        return (
+            EventType.CHILD_COMPLETED,
+            step,
+            {"child_run_id": child},
+            {"result": info.output or "null"},
+        )
+    return (
+        EventType.CHILD_FAILED,
+        step,
+        {"child_run_id": child, "status": info.status.value, "error": info.error},
+        None,
+    )
+
+
 #: commands that end a run (or hand it to the next run of its chain)
 _ENDINGS = frozenset(
     {
@@ -1607,7 +1636,13 @@ def _apply_workflow_result(
                     run_id,
                     cmd.step,
                 )
-            elif exists[0] != run_id:
+            elif exists[0] == run_id:
+                # started again after an operator's retry voided its start: it may have
+                # ended meanwhile (its end found this run failed and was not delivered)
+                outcome = _child_outcome(tx, child, cmd.step)
+                if outcome is not None:
+                    events.append(outcome)
+            else:
                 events.append(
                     (
                         EventType.CHILD_FAILED,
@@ -1796,6 +1831,29 @@ def _fail_activity(
         )
         tx.ready.add(task.queue)
         return None
+    requested = tx.execute(
+        "SELECT cancel_requested FROM tasks WHERE task_id = ?", (task.task_id,)
+    ).fetchone()
+    if not (requested and requested[0]):
+        # a step the workflow (or an operator) asked to cancel did what it was asked:
+        # not a failure to replay, so no dead letter
+        _dead_letter(tx, task, error)
+    _append(
+        tx,
+        task.run_id,
+        EventType.ACTIVITY_FAILED,
+        task.step,
+        {"attempt": task.attempt, "error": error},
+    )
+    tx.execute("DELETE FROM tasks WHERE task_id = ?", (task.task_id,))
+    _, run_queue, _p, _s, workflow, _t = _run_row(tx, task.run_id)
+    return _ensure_workflow_task(
+        tx, task.run_id, run_queue, workflow, lease_to, lease_queues, lease
+    )
+
+
+def _dead_letter(tx: _Tx, task: Task, error: dict[str, Any]) -> None:
+    """Record a step that exhausted its failure policy, for an operator to replay."""
     tx.execute(
         "INSERT INTO dead_letters (run_id, step, kind, name, input, error, attempts, reason, "
         "created_at) VALUES (?, ?, 'activity', ?, ?, ?, ?, ?, ?)",
@@ -1809,18 +1867,6 @@ def _fail_activity(
             error.get("reason"),
             tx.now,
         ),
-    )
-    _append(
-        tx,
-        task.run_id,
-        EventType.ACTIVITY_FAILED,
-        task.step,
-        {"attempt": task.attempt, "error": error},
-    )
-    tx.execute("DELETE FROM tasks WHERE task_id = ?", (task.task_id,))
-    _, run_queue, _p, _s, workflow, _t = _run_row(tx, task.run_id)
-    return _ensure_workflow_task(
-        tx, task.run_id, run_queue, workflow, lease_to, lease_queues, lease
     )
 
 
@@ -1873,10 +1919,18 @@ def _reclaim(tx: _Tx, worker_id: str) -> int:
     return len(rows)
 
 
-def _release(tx: _Tx, tasks: tuple[Task, ...], delay: float = 0.0) -> None:
+def _release(tx: _Tx, tasks: tuple[Task, ...], delay: float = 0.0, unstarted: bool = False) -> None:
+    """Give leased tasks back; ``unstarted`` ones never ran, so their claim's attempt
+    is taken back too (a graceful stop must not use up a step's retries)."""
+    undo = (
+        ", attempt = CASE WHEN kind = 'activity' AND attempt > 0 THEN attempt - 1 ELSE attempt END"
+        if unstarted
+        else ""
+    )
     for t in tasks:
         tx.execute(
-            "UPDATE tasks SET lease_owner = NULL, available_at = ? WHERE task_id = ? AND fence = ?",
+            f"UPDATE tasks SET lease_owner = NULL, available_at = ?{undo} "
+            "WHERE task_id = ? AND fence = ?",
             (tx.now + delay, t.task_id, t.fence),
         )
         tx.ready.add(t.queue)
@@ -2428,12 +2482,16 @@ def _retry_run(tx: _Tx, run_id: str) -> None:
     # offered back: if the code schedules the same activity at the same step again,
     # the recorded result is reused and the step does not run twice
     scheduled = {
-        e.step: e.data.get("name")
+        e.step: (e.data.get("name"), e.data.get("args"))
         for e in events
         if e.seq in voided_set and e.type is EventType.ACTIVITY_SCHEDULED
     }
     reuse = {
-        str(e.step): {"name": scheduled[e.step], "result": e.data.get("result")}
+        str(e.step): {
+            "name": scheduled[e.step][0],
+            "args": scheduled[e.step][1],
+            "result": e.data.get("result"),
+        }
         for e in events
         if e.seq in voided_set and e.type is EventType.ACTIVITY_COMPLETED and e.step in scheduled
     }
@@ -2499,18 +2557,6 @@ def _fork_run(tx: _Tx, run_id: str, new_run_id: str, at_step: int) -> None:
         _append(tx, new_run_id, e.type, e.step, data)
     _pending_work(tx, new_run_id, kept, run_queue, fork=True)
     _ensure_workflow_task(tx, new_run_id, run_queue, workflow)
-
-
-_ENDINGS = frozenset(
-    {
-        EventType.WORKFLOW_COMPLETED,
-        EventType.WORKFLOW_FAILED,
-        EventType.WORKFLOW_CANCELLED,
-        EventType.WORKFLOW_TIMED_OUT,
-        EventType.WORKFLOW_NEEDS_INTERVENTION,
-        EventType.CONTINUED_AS_NEW,
-    }
-)
 
 
 # -- circuit breakers ------------------------------------------------------

@@ -188,9 +188,12 @@ class Store(abc.ABC):
         """Make every task leased to ``worker_id`` claimable now; return how many."""
 
     @abc.abstractmethod
-    async def release(self, tasks: Sequence[Task], delay: float = 0.0) -> None:
+    async def release(
+        self, tasks: Sequence[Task], delay: float = 0.0, *, unstarted: bool = False
+    ) -> None:
         """Give back leased tasks (a worker stopping, or one that does not serve a run's
-        version) so any worker can claim them after ``delay`` seconds."""
+        version) so any worker can claim them after ``delay`` seconds; ``unstarted``
+        ones never ran, so the attempt their claim counted is taken back."""
 
     @abc.abstractmethod
     async def heartbeat(self, task: Task, lease: float, details: str | None) -> bool:

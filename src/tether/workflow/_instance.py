@@ -15,6 +15,7 @@ import asyncio
 import collections
 import contextvars
 import hashlib
+import json
 import random
 import traceback
 from asyncio import events as asyncio_events
@@ -114,9 +115,8 @@ class WorkflowInstance:
         self._voided: set[int] = set()
         self._retries_seen: set[int] = set()
         #: results of steps voided by an operator's retry, reusable at the same step
-        self._reuse: dict[
-            int, tuple[str, Any]
-        ] = {}  #: seqs an operator's retry took out of the history
+        #: (name, arguments, result) by step
+        self._reuse: dict[int, tuple[str, Any, Any]] = {}
 
     @property
     def rng(self) -> random.Random:
@@ -139,7 +139,7 @@ class WorkflowInstance:
                 self._retries_seen.add(ev.seq)
                 self._voided.update(ev.data.get("voided", []))
                 for step, kept in (ev.data.get("reuse") or {}).items():
-                    self._reuse[int(step)] = (kept["name"], kept.get("result"))
+                    self._reuse[int(step)] = (kept["name"], kept.get("args"), kept.get("result"))
         for ev in events:
             if ev.seq in self._voided:
                 continue
@@ -394,10 +394,16 @@ class WorkflowInstance:
         }
         raw = {"args": args_json}
         kept = self._reuse.get(self.step + 1)
-        if kept is not None and not self.replaying and kept[0] == activity.name:
+        if (
+            kept is not None
+            and not self.replaying
+            and kept[0] == activity.name
+            # the same call: a fixed deploy that passes other arguments runs the step
+            and (kept[1] is None or kept[1] == json.loads(args_json))
+        ):
             del self._reuse[self.step + 1]
             data["reused"] = True
-            raw["result"] = encode(kept[1], "reused result")
+            raw["result"] = encode(kept[2], "reused result")
         step = self._command(EventType.ACTIVITY_SCHEDULED, data, raw)
         fut = self.loop.create_future()
         self._pending[step] = _Pending(fut, "activity", activity.name, activity.sig.return_type)

@@ -1,0 +1,178 @@
+"""Edges of recovery: what an operator's retry reuses, children that ended meanwhile,
+work handed back by a stopping worker, and cancelled race losers."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+import tether
+from helpers import eventually
+
+FAST1 = tether.Retry(attempts=1, initial=0.01)
+
+
+def _quote_app(app: tether.App) -> tuple[dict[str, Any], list[tuple[int, str]]]:
+    """A run that survives a failed step, prices a quote, then fails: retried after a fix."""
+    mode: dict[str, Any] = {"currency": "EUR", "fail": True}
+    calls: list[tuple[int, str]] = []
+
+    @app.activity(retry=FAST1)
+    def flaky() -> None:
+        if mode["fail"]:
+            raise tether.NonRetryable("rates service down")
+
+    @app.activity
+    def price(amount: int, currency: str) -> str:
+        calls.append((amount, currency))
+        return f"{amount} {currency}"
+
+    @app.workflow
+    async def quote() -> str:
+        try:
+            await flaky()
+        except tether.ActivityError:
+            pass
+        priced = await price(100, mode["currency"])
+        if mode["fail"]:
+            raise ValueError("quote rejected")
+        return priced
+
+    return mode, calls
+
+
+async def test_retry_reruns_a_voided_step_called_with_other_arguments(
+    app: tether.App, worker: tether.Worker
+) -> None:
+    mode, calls = _quote_app(app)
+    run = await app.start("quote", run_id="q")
+    with pytest.raises(tether.WorkflowFailedError):
+        await run.result(timeout=10)
+    mode.update(currency="GBP", fail=False)  # the fixed deploy prices in another currency
+    await app.retry("q")
+    assert await run.result(timeout=10) == "100 GBP"
+    assert calls == [(100, "EUR"), (100, "GBP")]
+
+
+async def test_retry_reuses_a_voided_step_called_with_the_same_arguments(
+    app: tether.App, worker: tether.Worker
+) -> None:
+    mode, calls = _quote_app(app)
+    run = await app.start("quote", run_id="q")
+    with pytest.raises(tether.WorkflowFailedError):
+        await run.result(timeout=10)
+    mode.update(fail=False)
+    await app.retry("q")
+    assert await run.result(timeout=10) == "100 EUR"
+    assert calls == [(100, "EUR")]  # the recorded result was reused, not re-run
+
+
+async def test_retry_delivers_the_outcome_of_a_child_that_ended_meanwhile(
+    app: tether.App, worker: tether.Worker
+) -> None:
+    state = {"fail": True}
+
+    @app.activity(retry=FAST1)
+    def boom() -> None:
+        if state["fail"]:
+            raise tether.NonRetryable("down")
+
+    @app.workflow
+    async def kid() -> str:
+        await tether.sleep(0.2)
+        return "kid done"
+
+    @app.workflow
+    async def parent() -> str:
+        try:
+            await boom()
+        except tether.ActivityError:
+            pass
+        pending = kid.options(run_id="kid", parent_close="abandon")()
+        if state["fail"]:
+            raise ValueError("parent broke with its child running")
+        return await pending
+
+    run = await app.start(parent, run_id="p")
+    with pytest.raises(tether.WorkflowFailedError):
+        await run.result(timeout=10)
+    assert await app.get_run("kid").result(timeout=10) == "kid done"
+    state["fail"] = False
+    await app.retry("p")  # the child's start is voided with the failure and issued again
+    assert await run.result(timeout=10) == "kid done"
+
+
+async def test_work_claimed_while_a_worker_stops_keeps_its_attempts(app: tether.App) -> None:
+    ran: list[str] = []
+
+    @app.activity(retry=tether.Retry(attempts=1), queue="side")
+    def once() -> str:
+        ran.append("ran")
+        return "ok"
+
+    @app.workflow
+    async def job() -> str:
+        return await once()
+
+    run = await app.start(job)
+    async with app.worker(queues=["default"], poll_interval=0.05):
+        await eventually(lambda: _scheduled(app, run.run_id), what="the step scheduled")
+    side = app.worker(queues=["side"], poll_interval=0.05)
+    store = app.store
+    original = store.claim_with_wake
+    stopping: list[asyncio.Task[None]] = []
+
+    async def claim_then_stop(**kw: Any) -> Any:
+        tasks, until = await original(**kw)
+        if tasks and not stopping:
+            # the claim lands just as the worker is told to stop: the task is handed back
+            stopping.append(asyncio.create_task(side.stop(grace=2.0)))
+            await eventually(lambda: asyncio.sleep(0, result=side._stopping), what="stop")
+        return tasks, until
+
+    store.claim_with_wake = claim_then_stop  # type: ignore[method-assign]
+    await side.start()
+    await eventually(lambda: asyncio.sleep(0, result=bool(stopping)), what="the claim")
+    await stopping[0]
+    store.claim_with_wake = original  # type: ignore[method-assign]
+    assert ran == []
+    async with app.worker(poll_interval=0.05):
+        assert await run.result(timeout=10) == "ok"  # attempt 1 of 1, not 2 of 1
+    assert ran == ["ran"]
+
+
+async def _scheduled(app: tether.App, run_id: str) -> bool:
+    return tether.EventType.ACTIVITY_SCHEDULED in [e.type for e in await app.history(run_id)]
+
+
+async def test_a_cancelled_race_loser_is_no_dead_letter(app: tether.App) -> None:
+    @app.activity(retry=FAST1)
+    async def slow() -> str:
+        await asyncio.sleep(30)
+        return "slow"
+
+    @app.activity
+    async def quick() -> str:
+        await asyncio.sleep(0.1)
+        return "quick"
+
+    @app.workflow
+    async def race() -> str:
+        winner = await tether.first(slow(), quick())
+        await tether.wait_event("done")  # the run goes on while the loser's cancel lands
+        return str(winner)
+
+    async with app.worker(lease=1.0, poll_interval=0.05):  # renewals tell of the cancel
+        run = await app.start(race)
+        await eventually(
+            lambda: _has_failed_step(app, run.run_id), what="the loser's cancellation recorded"
+        )
+        await app.signal(run.run_id, "done")
+        assert await run.result(timeout=10) == "quick"
+    assert await app.dead_letters() == []
+
+
+async def _has_failed_step(app: tether.App, run_id: str) -> bool:
+    return tether.EventType.ACTIVITY_FAILED in [e.type for e in await app.history(run_id)]
