@@ -19,9 +19,9 @@ def _count_reads(app: tether.App, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     reads: list[str] = []
     original = store.get_run
 
-    async def counted(run_id: str) -> Any:
+    async def counted(run_id: str, **kw: Any) -> Any:
         reads.append(run_id)
-        return await original(run_id)
+        return await original(run_id, **kw)
 
     monkeypatch.setattr(store, "get_run", counted)
     return reads
