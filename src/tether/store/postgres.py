@@ -57,6 +57,7 @@ from psycopg.adapt import PyFormat, Transformer
 
 from .._errors import StoreError
 from .._history import Task
+from ._clock import ServerClock
 from ._handoff import LoopFuture, Outcome, deliver
 from ._ops import Op, OpsStore, _claim, _claim_with_wake, _heartbeat, _renew, _Tx
 from .base import Finished, Listener
@@ -110,7 +111,9 @@ class PostgresStore(OpsStore):
             raise StoreError(f"writers must be at least 1, got {writers}")
         self.url = _redact(conninfo)
         self.schema = schema
-        self.clock: Callable[[], float] = time.time
+        #: the database server's time: every worker on this database agrees on it
+        self.server_clock = ServerClock()
+        self.clock: Callable[[], float] = self.server_clock
         self._conninfo = conninfo
         self._connect_timeout = connect_timeout
         self._max_batch = max_batch
@@ -133,6 +136,7 @@ class PostgresStore(OpsStore):
 
         first = self._connect()
         try:
+            self.server_clock.sync(functools.partial(_server_time, first))
             self._migrate(first)
             listen_conn = self._connect_listener()
         except BaseException:
@@ -294,6 +298,11 @@ class PostgresStore(OpsStore):
                     pid = session.conn.info.backend_pid
                     with self._lock:
                         self._own_pids.add(pid)
+                if self.server_clock.due():
+                    try:
+                        self.server_clock.sync(functools.partial(_server_time, session.conn))
+                    except psycopg.Error as exc:  # the batch finds out what is wrong
+                        log.warning("could not read the database server's clock: %s", exc)
                 try:
                     session = self._run_batch(session, batch)
                 except BaseException as exc:  # the writer thread must never die
@@ -1031,6 +1040,13 @@ def _numbered(query: str) -> bytes:
 def _join(threads: list[threading.Thread]) -> None:
     for t in threads:
         t.join()
+
+
+def _server_time(conn: psycopg.Connection[Any]) -> float:
+    """The database server's clock, in seconds since the epoch (one round trip)."""
+    row = conn.execute("SELECT extract(epoch FROM clock_timestamp())::float8").fetchone()
+    assert row is not None
+    return float(row[0])
 
 
 def _wake_listener(tx: _Tx, channel: str) -> None:
