@@ -176,3 +176,24 @@ async def test_a_cancelled_race_loser_is_no_dead_letter(app: tether.App) -> None
 
 async def _has_failed_step(app: tether.App, run_id: str) -> bool:
     return tether.EventType.ACTIVITY_FAILED in [e.type for e in await app.history(run_id)]
+
+
+async def test_a_worker_id_held_by_a_live_worker_is_refused(store_url: str) -> None:
+    """Two processes with one stable id would take over each other's tasks: the second
+    is refused until the first is gone (then it takes over at once)."""
+    first, second = tether.App(store=store_url), tether.App(store=store_url)
+    try:
+        a = first.worker(worker_id="ingest-1")
+        await a.start()
+        b = second.worker(worker_id="ingest-1")
+        with pytest.raises(tether.ConfigurationError, match="in use by a live worker"):
+            await b.start()
+        other = second.worker(worker_id="ingest-2")  # another id is fine
+        await other.start()
+        await other.stop()
+        await a.kill()  # dies like a SIGKILLed process: its hold ends with it
+        await b.start()
+        await b.stop()
+    finally:
+        await first.close()
+        await second.close()

@@ -21,7 +21,7 @@ import math
 import os
 import socket
 import uuid
-from collections.abc import Collection, Coroutine, Sequence
+from collections.abc import Callable, Collection, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ._activity_context import ActivityContext, reset_context, set_context
@@ -87,6 +87,7 @@ class Worker:
         #: a stable id (given by the operator) lets a restarted worker take back at once
         #: what its crashed predecessor held, instead of waiting for the leases to expire
         self._stable_id = worker_id is not None
+        self._id_release: Callable[[], None] = _held_nothing  #: ends the hold on the id
         self._threads = threads or min(32, concurrency)
         #: items of running batches beyond the first of each: a batch takes one slot
         self._batch_extra = 0
@@ -128,6 +129,8 @@ class Worker:
         # every worker process writes the queue limits it was configured with, so all
         # processes claiming from a queue share them through the store
         await self.app._write_queue_limits(force=True)
+        if self._stable_id:  # refuse an id a live process holds: it would run tasks twice
+            self._id_release = await asyncio.to_thread(self.app.store.hold_worker_id, self.id)
         self.app.store.add_listener(self._on_commit)
         if self._stable_id:
             reclaimed = await self.app.store.reclaim(self.id)
@@ -190,6 +193,8 @@ class Worker:
         while self._cache:
             _, inst = self._cache.popitem()
             inst.close()
+        self._id_release()  # a killed process's hold ends with it too
+        self._id_release = _held_nothing
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
         self._main = None
@@ -220,6 +225,8 @@ class Worker:
         while self._cache:
             _, inst = self._cache.popitem()
             inst.close()
+        self._id_release()  # a killed process's hold ends with it too
+        self._id_release = _held_nothing
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
         self._main = None
@@ -918,3 +925,7 @@ class _Plan:
                 # the store pauses the queue (if it has pause_on_429) until then
                 error["rate_limited"] = True
         return error, (now + delay if retry else None)
+
+
+def _held_nothing() -> None:
+    """No worker id is held."""

@@ -183,6 +183,15 @@ class Store(abc.ABC):
     async def renew(self, tasks: Sequence[Task], lease: float) -> dict[int, bool]:
         """Extend leases; return ``{task_id: cancel_requested}`` for tasks still held."""
 
+    def hold_worker_id(self, worker_id: str) -> Callable[[], None]:
+        """Hold ``worker_id`` for this process while it lives; return the release.
+
+        Raises ``ConfigurationError`` when a live process holds it already (its tasks
+        would otherwise be taken over and run twice). A crashed holder's hold ends
+        with its process (or its database session), so its successor gets it at once.
+        """
+        return _no_release
+
     @abc.abstractmethod
     async def reclaim(self, worker_id: str) -> int:
         """Make every task leased to ``worker_id`` claimable now; return how many."""
@@ -359,3 +368,16 @@ def open_store(url: str | Store | None, *, schema: str | None = None) -> Store:
             "':memory:' or 'postgresql://user@host/dbname'"
         )
     return SqliteStore(url)
+
+
+def _no_release() -> None:
+    """Nothing was held."""
+
+
+def worker_id_in_use(worker_id: str) -> str:
+    """The message for a worker id that a live process holds."""
+    return (
+        f"worker id {worker_id!r} is in use by a live worker process on this store; "
+        "two processes with one id would take over each other's tasks and run them "
+        "twice: stop the other process first, or give this one another --id"
+    )

@@ -55,12 +55,12 @@ from psycopg import errors as pg_errors
 from psycopg import pq, sql
 from psycopg.adapt import PyFormat, Transformer
 
-from .._errors import StoreError
+from .._errors import ConfigurationError, StoreError
 from .._history import Task
 from ._clock import ServerClock
 from ._handoff import LoopFuture, Outcome, deliver
 from ._ops import Op, OpsStore, _claim, _claim_with_wake, _heartbeat, _renew, _Tx
-from .base import Finished, Listener
+from .base import Finished, Listener, worker_id_in_use
 
 log = logging.getLogger("tether.store")
 
@@ -608,6 +608,25 @@ class PostgresStore(OpsStore):
         fut: asyncio.Future[Any] = loop.create_future()
         self._queue.put((fn, args, write, LoopFuture(loop, fut)))
         return await fut
+
+    def hold_worker_id(self, worker_id: str) -> Callable[[], None]:
+        """A session advisory lock on its own connection: the server drops it when the
+        holding process dies (its connection closes)."""
+        key = hashlib.blake2b(
+            f"tether:worker:{self.schema or ''}:{worker_id}".encode(), digest_size=8
+        ).digest()
+        conn = self._connect()
+        try:
+            row = conn.execute(
+                "SELECT pg_try_advisory_lock(%s)", (int.from_bytes(key, "big", signed=True),)
+            ).fetchone()
+        except psycopg.Error as exc:
+            conn.close()
+            raise self._explain(exc) from exc
+        if not (row and row[0]):
+            conn.close()
+            raise ConfigurationError(worker_id_in_use(worker_id))
+        return conn.close
 
     def call_sync(self, fn: Op, *args: Any, write: bool = True) -> Any:
         """Run an operation from a thread that has no event loop (sync activities)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import hashlib
 import logging
 import os
 import queue
@@ -23,11 +24,16 @@ from collections.abc import Callable
 from importlib import resources
 from typing import Any
 
-from .._errors import StoreError
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not POSIX: worker ids are not held
+    fcntl = None  # type: ignore[assignment]
+
+from .._errors import ConfigurationError, StoreError
 from .._history import RunInfo, Task
 from ._handoff import LoopFuture, deliver
 from ._ops import Op, OpsStore, _get_run, _heartbeat, _Tx
-from .base import Finished, Listener
+from .base import Finished, Listener, worker_id_in_use
 
 log = logging.getLogger("tether.store")
 
@@ -332,6 +338,24 @@ class SqliteStore(OpsStore):
             conns, self._reader_conns = self._reader_conns, []
         for conn in conns:
             conn.close()
+
+    def hold_worker_id(self, worker_id: str) -> Callable[[], None]:
+        """An exclusive ``flock`` on ``<store>.worker-<hash>.lock``, which the OS drops
+        when the holding process dies (SIGKILL included)."""
+        if self.path == ":memory:" or fcntl is None:
+            return super().hold_worker_id(worker_id)
+        digest = hashlib.blake2b(worker_id.encode(), digest_size=8).hexdigest()
+        fd = os.open(f"{self.path}.worker-{digest}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ConfigurationError(worker_id_in_use(worker_id)) from None
+
+        def release() -> None:
+            os.close(fd)  # closing the file drops its lock
+
+        return release
 
     def call_sync(self, fn: Op, *args: Any, write: bool = True) -> Any:
         """Run an operation from a thread that has no event loop (sync activities)."""
