@@ -453,3 +453,21 @@ def test_missing_cli_extra(project: Project) -> None:
     assert res.returncode == 2
     assert "tether[cli]" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_a_worker_says_when_work_waits_for_another_workers_lease_and_refuses_a_live_id(
+    project: Project, start_worker: Callable[..., WorkerProc]
+) -> None:
+    first = start_worker("--id", "w1", "--lease", "30")
+    marker = project.root / "in-flight"
+    project.ok("start", "flows:app", "slow", json.dumps(str(marker)), "30", "--run-id", "s")
+    wait_until(marker.exists, CMD_TIMEOUT, "the activity to start")
+    first.proc.send_signal(signal.SIGKILL)  # crashed: its lease stays for up to 30 s
+    first.proc.wait(timeout=10)
+    second = start_worker("--id", "w2")
+    wait_until(lambda: "leased to other worker ids" in second.stderr, CMD_TIMEOUT, "the hint")
+    assert "--id" in second.stderr
+    # a second process under a live worker's id is refused, in one clear line
+    res = project.cli("worker", "flows:app", "--id", "w2")
+    assert res.returncode != 0
+    assert "in use by a live worker" in res.stderr and "Traceback" not in res.stderr

@@ -39,17 +39,20 @@ from ._errors import (
 from ._history import DeadLetter, Event, EventType, RunEnd, RunInfo, RunStatus
 from ._policy import Retry
 from ._queues import Dependency, QueueStats
+from ._sync import SyncClient, SyncRun
 from ._worker import Worker
 from .store._ops import RecoveryError
 from .workflow._api import (
     ItemOutcome,
     NotInWorkflowError,
+    WorkflowInfo,
     continue_as_new,
     deprecate_patch,
     first,
     gather,
     idempotency_key,
     in_workflow,
+    info,
     is_replaying,
     logger,
     map,
@@ -108,6 +111,8 @@ __all__ = [
     "RunTerminatedError",
     "RunTimedOutError",
     "Saga",
+    "SyncClient",
+    "SyncRun",
     "StoreError",
     "TetherError",
     "UnknownActivityError",
@@ -116,6 +121,7 @@ __all__ = [
     "Worker",
     "Workflow",
     "WorkflowFailedError",
+    "WorkflowInfo",
     "WorkflowSandboxError",
     "__version__",
     "activity_context",
@@ -126,6 +132,7 @@ __all__ = [
     "gather",
     "idempotency_key",
     "in_workflow",
+    "info",
     "is_replaying",
     "logger",
     "map",

@@ -473,6 +473,24 @@ class App:
         wf = self.get_workflow(workflow) if isinstance(workflow, str) else workflow
         if wf.name not in self._workflows:
             raise UnknownWorkflowError(wf.name, list(self._workflows))
+        elsewhere = self._worker_loop_elsewhere(wf.queue)
+        if elsewhere is not None:
+            # an in-process worker serves this queue on another loop (a web server's
+            # thread, a sync client): start there, so the run is stored with its first
+            # step in one commit
+            started = asyncio.run_coroutine_threadsafe(
+                self.start(
+                    workflow,
+                    *args,
+                    run_id=run_id,
+                    kwargs=kwargs,
+                    deadline=deadline,
+                    tenant=tenant,
+                    on_limit=on_limit,
+                ),
+                elsewhere,
+            )
+            return await asyncio.wrap_future(started)
         kw = kwargs or {}
         text = wf.sig.encode_args(args, kw)
         wf.sig.decode_args(text)  # wrong argument types fail here, not in the worker
@@ -486,7 +504,7 @@ class App:
         if local is not None:
             # an in-process worker runs the first workflow task now, so the run and
             # that task's commands are stored in one commit (no claim, no second commit)
-            data = start_event_data(wf.name, deadline_at)
+            data = start_event_data(wf.name, deadline_at, tenant)
             eager = local.eager_start(wf, rid, text, data, now)
         try:
             res = await self.store.create_run(
@@ -524,6 +542,19 @@ class App:
                 # here, so the set is bounded by forgetting (their result() reads first)
                 self._running_here.clear()
             self._running_here.add(run_id)
+
+    def _worker_loop_elsewhere(self, queue: str) -> asyncio.AbstractEventLoop | None:
+        """The loop of an in-process worker that would take a start of ``queue``, when
+        it is not the caller's loop (None: there is none, or it is this loop)."""
+        try:
+            here: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            here = None
+        for w in self._local_workers:
+            loop = w.running_loop()
+            if loop is not None and loop is not here and w.accepts_local_start(queue, loop):
+                return loop
+        return None
 
     def _local_worker(self, queue: str) -> Worker | None:
         """A running in-process worker on this loop that serves ``queue`` and has room."""

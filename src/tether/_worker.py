@@ -231,6 +231,10 @@ class Worker:
             self._pool.shutdown(wait=False, cancel_futures=True)
         self._main = None
 
+    def running_loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop this worker serves on, while it serves (None otherwise)."""
+        return self._loop if self._main is not None and not self._stopping else None
+
     def accepts_local_start(self, queue: str, loop: asyncio.AbstractEventLoop) -> bool:
         """Whether a run started in this process on ``loop`` may be handed to us directly."""
         return (

@@ -34,6 +34,7 @@ from ._errors import ConfigurationError, PayloadError, StoreError, TetherError
 from ._history import RunInfo, RunStatus
 from ._queues import QueueStats
 from ._serde import encode
+from ._worker import Worker
 from .store.base import Store
 
 try:
@@ -398,6 +399,23 @@ def _add_signal_handlers(
     return installed
 
 
+async def _hint_foreign_leases(app: App, w: Worker) -> None:
+    """Say plainly when work waits for other workers' leases (a crashed worker's tasks
+    resume only when they expire, unless it restarts with the same --id)."""
+    probe = getattr(app.store, "foreign_leases", None)
+    if probe is None:
+        return
+    count, until = await probe(w.queues, w.id)
+    if count and until is not None:
+        left = max(0.0, until - app.store.clock())
+        _note(
+            f"tether worker {w.id}: {count} task(s) on these queues are leased to other "
+            f"worker ids for up to {left:.0f}s more; if those workers are gone, their work "
+            "resumes here when the leases expire (start workers with a stable --id NAME and "
+            "a restarted one takes its tasks back at once)"
+        )
+
+
 async def _serve(
     app_spec: str,
     queues: list[str] | None,
@@ -436,6 +454,7 @@ async def _serve(
                 f"tether worker {w.id} serving queues {', '.join(w.queues)} on store "
                 f"{_describe_store(app.store)} (concurrency {concurrency}, lease {lease:g}s)"
             )
+            await _hint_foreign_leases(app, w)
             serving = asyncio.create_task(w.run())
             stopping = asyncio.create_task(stop.wait())
             await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)

@@ -450,6 +450,16 @@ class OpsStore(Store):
         out: int = await self._do(_reclaim, worker_id)
         return out
 
+    async def foreign_leases(
+        self, queues: Sequence[str], worker_id: str
+    ) -> tuple[int, float | None]:
+        """How many tasks of ``queues`` other worker ids hold, and when the last lease
+        ends (for ``tether worker``'s hint about work waiting for leases to expire)."""
+        out: tuple[int, float | None] = await self._do(
+            _foreign_leases, tuple(queues), worker_id, write=False
+        )
+        return out
+
     async def release(
         self, tasks: Sequence[Task], delay: float = 0.0, *, unstarted: bool = False
     ) -> None:
@@ -673,7 +683,7 @@ def _insert_run(
         )
     if start_event:
         # the start event is seq 1 (the row above already counts it): no counter round trip
-        _, _, data, raw = _start_event(workflow, input, deadline_at)
+        _, _, data, raw = _start_event(workflow, input, deadline_at, tenant, parent_run_id)
         tx.execute(
             "INSERT INTO events (run_id, seq, type, step, data, created_at) "
             "VALUES (?,1,?,NULL,?,?)",
@@ -684,9 +694,15 @@ def _insert_run(
     return _ensure_workflow_task(tx, run_id, queue, workflow, lease_to, lease_queues, lease)
 
 
-def _start_event(workflow: str, input: str, deadline_at: float | None) -> _Pending:
+def _start_event(
+    workflow: str,
+    input: str,
+    deadline_at: float | None,
+    tenant: str | None = None,
+    parent_run_id: str | None = None,
+) -> _Pending:
     """A run's ``WorkflowStarted`` event, to append as its seq 1."""
-    data = start_event_data(workflow, deadline_at)
+    data = start_event_data(workflow, deadline_at, tenant, parent_run_id)
     return (EventType.WORKFLOW_STARTED, None, data, {"input": input})
 
 
@@ -756,7 +772,7 @@ def _create_run(
             run_id,
             (RunStatus.RUNNING.value, queue, None, None, workflow, tenant),
             first,
-            [_start_event(workflow, input, deadline_at)],
+            [_start_event(workflow, input, deadline_at, tenant)],
             1,
             lease_to,
             lease_queues,
@@ -1917,6 +1933,16 @@ def _reclaim(tx: _Tx, worker_id: str) -> int:
     for (queue,) in rows:
         tx.ready.add(queue)
     return len(rows)
+
+
+def _foreign_leases(tx: _Tx, queues: tuple[str, ...], worker_id: str) -> tuple[int, float | None]:
+    marks = ",".join("?" * len(queues))
+    row = tx.execute(
+        f"SELECT count(*), max(available_at) FROM tasks WHERE queue IN ({marks}) "
+        "AND lease_owner IS NOT NULL AND lease_owner <> ? AND available_at > ?",
+        (*queues, worker_id, tx.now),
+    ).fetchone()
+    return (int(row[0]), row[1]) if row else (0, None)
 
 
 def _release(tx: _Tx, tasks: tuple[Task, ...], delay: float = 0.0, unstarted: bool = False) -> None:

@@ -55,15 +55,25 @@ Finished = dict[str, RunEnd | None]
 Listener = Callable[[set[str], Finished], None]
 
 
-def start_event_data(workflow: str, deadline_at: float | None) -> dict[str, Any]:
+def start_event_data(
+    workflow: str,
+    deadline_at: float | None,
+    tenant: str | None = None,
+    parent_run_id: str | None = None,
+) -> dict[str, Any]:
     """The data of a run's ``WorkflowStarted`` event (without its input).
 
     Shared by the store that writes it and by eager start, which runs the first
-    workflow task on this event before the store has written it.
+    workflow task on this event before the store has written it. What the run's
+    code may read of itself (``tether.info()``) is here, so it replays as recorded.
     """
     data: dict[str, Any] = {"workflow": workflow}
     if deadline_at is not None:
         data["deadline_at"] = deadline_at
+    if tenant is not None:
+        data["tenant"] = tenant
+    if parent_run_id is not None:
+        data["parent_run_id"] = parent_run_id
     return data
 
 
@@ -336,12 +346,18 @@ class Store(abc.ABC):
         """Counters: commits, operations (for benchmarks)."""
 
 
+#: URL schemes of PostgreSQL stores (all mean the same: tether always uses psycopg 3)
+_PG_SCHEMES = ("postgresql://", "postgres://", "postgresql+psycopg://", "postgresql+psycopg2://")
+
+
 def open_store(url: str | Store | None, *, schema: str | None = None) -> Store:
     """Open a store from a URL: a path, ``sqlite:///path``, ``:memory:``, or
     ``postgresql://user@host/db`` (``?schema=NAME`` or ``schema=`` picks a schema)."""
     if isinstance(url, Store):
         return url
-    if url is not None and url.startswith(("postgresql://", "postgres://")):
+    if url is not None and url.startswith(_PG_SCHEMES):
+        # SQLAlchemy (postgresql+psycopg://) and Heroku (postgres://) spellings too
+        url = "postgresql://" + url.split("://", 1)[1]
         try:
             from .postgres import PostgresStore
         except ImportError as exc:
@@ -365,7 +381,8 @@ def open_store(url: str | Store | None, *, schema: str | None = None) -> Store:
     if "://" in url:
         raise ConfigurationError(
             f"unsupported store URL {url!r}: use a file path, 'sqlite:///path/to/file.db', "
-            "':memory:' or 'postgresql://user@host/dbname'"
+            "':memory:' or 'postgresql://user@host/dbname' (also spelled postgres://, "
+            "postgresql+psycopg:// or postgresql+psycopg2://)"
         )
     return SqliteStore(url)
 

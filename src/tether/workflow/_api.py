@@ -63,6 +63,42 @@ def sleep(duration: float | timedelta) -> Awaitable[None]:
     return inst.start_timer(delay)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class WorkflowInfo:
+    """What a run's code may know of itself; every field replays as recorded."""
+
+    run_id: str  #: this run
+    chain_id: str  #: the first run of its continue-as-new chain (``run_id`` if none)
+    workflow: str  #: the workflow's registered name
+    version: str | None  #: the code version that ran the run's first task (or today's)
+    tenant: str | None  #: the tenant it was started under
+    parent_run_id: str | None  #: the run that started it as a child
+    started_at: _dt.datetime  #: when the run was created (UTC)
+
+
+def info() -> WorkflowInfo:
+    """This run's identity: run id, chain, workflow and version, tenant, parent, start.
+
+    Outside workflow code raises ``NotInWorkflowError`` (activities have
+    ``tether.activity_context()``).
+    """
+    inst = _instance("info")
+    started = inst.started
+    data = started.data if started is not None else {}
+    base, sep, n = inst.run_id.rpartition("~")
+    return WorkflowInfo(
+        run_id=inst.run_id,
+        chain_id=base if sep and n.isdigit() else inst.run_id,
+        workflow=inst.workflow.name,
+        version=inst.recorded_version or inst.workflow.version,
+        tenant=data.get("tenant"),
+        parent_run_id=data.get("parent_run_id"),
+        started_at=_dt.datetime.fromtimestamp(
+            started.created_at if started is not None else inst.now, _dt.UTC
+        ),
+    )
+
+
 def now() -> _dt.datetime:
     """The workflow's clock (UTC): the time of the current workflow task, replayed as recorded."""
     inst = current_instance()

@@ -94,6 +94,7 @@ class WorkflowInstance:
         self.cancel_requested = False
         self.deadline_exceeded = False
         self.started_children = 0  #: children this run started (replayed ones included)
+        self.started: Event | None = None  #: the run's WorkflowStarted event, once applied
         self.main: asyncio.Task[Any] | None = None
         self._new: list[Command] = []
         self._recorded: dict[int, Event] = {}
@@ -283,6 +284,7 @@ class WorkflowInstance:
     def _apply(self, ev: Event) -> None:
         t = ev.type
         if t is EventType.WORKFLOW_STARTED:
+            self.started = ev
             args, kwargs = self.workflow.sig.decode_args_obj(ev.data.get("input"))
             self.main = self.loop.create_task(self._run_main(args, kwargs), name=self.run_id)
             return

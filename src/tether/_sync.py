@@ -1,0 +1,188 @@
+"""The blocking client: the App's operations for synchronous code (``SyncClient``).
+
+Flask and Django views, scripts, notebooks and Celery tasks start and follow runs
+from threads that have no event loop. ``tether.SyncClient(app)`` offers every client
+operation of the async App under the same name, blocking. Each method is derived from the async
+one (``_blocking(App.get)``), so the two sides cannot drift; a test pins that both
+expose the same operations.
+
+A call runs its coroutine on the loop of a running in-process worker when there is
+one (so a start takes the fast path: the run is stored with its first step), else
+on a small private loop thread the client starts on first use and stops on
+``close()``. It works from any thread without a running event loop, including a
+thread pool under one (``run_in_executor``, FastAPI's sync routes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import threading
+from collections.abc import Awaitable, Callable, Coroutine
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar
+
+from ._app import App
+from ._errors import ConfigurationError
+from .workflow._api import in_workflow
+
+if TYPE_CHECKING:
+    from ._app import Run
+
+P = ParamSpec("P")
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+class SyncRun(Generic[R]):
+    """A handle on one run for synchronous code: ``result(timeout=)`` blocks."""
+
+    def __init__(self, client: SyncClient, run: Run[R]) -> None:
+        self._client = client
+        self.run = run  #: the async handle
+        self.run_id = run.run_id
+
+    def __repr__(self) -> str:
+        return f"<SyncRun {self.run_id}>"
+
+    def result(self, timeout: float | timedelta | None = None) -> R:
+        """Block until the run finishes and return its result (as ``Run.result``)."""
+        return self._client._run("result", lambda: self.run.result(timeout))
+
+    def info(self) -> Any:
+        """The run's current state (``RunInfo``)."""
+        return self._client._run("info", self.run.info)
+
+    def signal(self, name: str, payload: Any = None) -> None:
+        """Send the signal ``name`` to this run."""
+        self._client._run("signal", lambda: self.run.signal(name, payload))
+
+    def cancel(self, reason: str | None = None) -> None:
+        """Ask this run to cancel."""
+        self._client._run("cancel", lambda: self.run.cancel(reason))
+
+
+def _blocking(
+    fn: Callable[Concatenate[App, P], Coroutine[Any, Any, T]],
+) -> Callable[Concatenate[SyncClient, P], T]:
+    """The blocking form of an async App method: same name, arguments and result."""
+
+    @functools.wraps(fn)
+    def call(self: SyncClient, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        return self._run(fn.__name__, lambda: fn(self._app, *args, **kwargs))
+
+    return call
+
+
+def _blocking_run(
+    fn: Callable[Concatenate[App, P], Coroutine[Any, Any, Run[R]]],
+) -> Callable[Concatenate[SyncClient, P], SyncRun[R]]:
+    """The blocking form of an async App method that returns a ``Run``."""
+
+    @functools.wraps(fn)
+    def call(self: SyncClient, /, *args: P.args, **kwargs: P.kwargs) -> SyncRun[R]:
+        run = self._run(fn.__name__, lambda: fn(self._app, *args, **kwargs))
+        return SyncRun(self, run)
+
+    return call
+
+
+class _Portal:
+    """A private event loop in a daemon thread, for calls when no worker loop runs."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self._serve, name="tether-sync-client", daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_forever()
+        finally:
+            self.loop.close()
+
+    def stop(self) -> None:
+        if not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+class SyncClient:
+    """Every client operation of ``App``, blocking: ``client.start(...)`` and so on.
+
+    Make one per App and share it between threads: ``client = tether.SyncClient(app)``.
+    """
+
+    def __init__(self, app: App) -> None:
+        self._app = app
+        self._portal: _Portal | None = None
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"<SyncClient of {self._app!r}>"
+
+    def _loop(self) -> asyncio.AbstractEventLoop:
+        """Where calls run: a running in-process worker's loop, else the private one."""
+        for w in list(self._app._local_workers):
+            loop = w.running_loop()
+            if loop is not None and loop.is_running():
+                return loop
+        with self._lock:
+            if self._portal is None:
+                self._portal = _Portal()
+            return self._portal.loop
+
+    def _run(self, name: str, make: Callable[[], Awaitable[T]]) -> T:
+        """Run ``make()`` on a loop and block this thread until it is done."""
+        if in_workflow():
+            raise ConfigurationError(
+                f"SyncClient.{name}() blocks, and workflow code must never block: "
+                f"use `await app.{name}(...)` (or a child workflow or an activity) instead"
+            )
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass
+        else:
+            raise ConfigurationError(
+                f"SyncClient.{name}() was called on a thread that runs an event loop, which "
+                f"it would block: use `await app.{name}(...)` there (or call it from a "
+                "thread pool: `await loop.run_in_executor(None, ...)`)"
+            )
+
+        async def main() -> T:
+            return await make()
+
+        return asyncio.run_coroutine_threadsafe(main(), self._loop()).result()
+
+    # every client operation of App, blocking (tests/test_sync_client.py pins the list)
+    start = _blocking_run(App.start)
+    start_debounced = _blocking_run(App.start_debounced)
+    get = _blocking(App.get)
+    list = _blocking(App.list)
+    history = _blocking(App.history)
+    signal = _blocking(App.signal)
+    cancel = _blocking(App.cancel)
+    terminate = _blocking(App.terminate)
+    suspend = _blocking(App.suspend)
+    resume = _blocking(App.resume)
+    retry = _blocking_run(App.retry)
+    fork = _blocking_run(App.fork)
+    dead_letters = _blocking(App.dead_letters)
+    replay_dead_letter = _blocking(App.replay_dead_letter)
+    pause_queue = _blocking(App.pause_queue)
+    resume_queue = _blocking(App.resume_queue)
+    queue_stats = _blocking(App.queue_stats)
+
+    def get_run(self, run_id: str) -> SyncRun[Any]:
+        """A handle on an existing run (not checked until used)."""
+        return SyncRun(self, self._app.get_run(run_id))
+
+    def close(self) -> None:
+        """Close the App's store and stop this client's private loop thread."""
+        self._run("close", self._app.close)
+        with self._lock:
+            portal, self._portal = self._portal, None
+        if portal is not None:
+            portal.stop()
