@@ -18,6 +18,8 @@ from typing import Any
 import pytest
 
 import tether
+from helpers import eventually
+from tether._history import describe_waiting
 
 HERE = Path(__file__).parent
 
@@ -253,3 +255,66 @@ async def test_postgres_urls_in_the_spellings_users_have(pg_schema: str, scheme:
 def test_an_unknown_store_url_names_the_accepted_forms() -> None:
     with pytest.raises(tether.ConfigurationError, match=r"postgresql\+psycopg://"):
         _ = tether.App(store="mysql://x/y").store
+
+
+# -- waiting made visible --------------------------------------------------------------------
+
+
+async def test_waiting_on_shows_what_each_live_run_waits_for(
+    app: tether.App, worker: tether.Worker
+) -> None:
+    @app.workflow
+    async def approval() -> Any:
+        return await tether.wait_event("review", timeout=3600)
+
+    @app.workflow
+    async def napping() -> None:
+        await tether.sleep(3600)
+
+    @app.workflow
+    async def parent() -> Any:
+        return await napping.options(run_id="nap-kid")()
+
+    @app.workflow
+    async def limited() -> None:
+        await tether.sleep(3600)
+
+    t0 = time.time()
+    await app.start(approval, run_id="a")
+    await app.start(napping, run_id="n")
+    await app.start(parent, run_id="p")
+    app.configure_admission("acme", max_running=1)
+    await app.start(limited, run_id="l1", tenant="acme")
+    await app.start(limited, run_id="l2", tenant="acme", on_limit="queue")
+
+    async def settled() -> bool:
+        infos = {i.run_id: i for i in await app.list()}
+        return all(infos[r].waiting_on for r in ("a", "n", "p", "nap-kid", "l2"))
+
+    await eventually(settled, what="every run to wait")
+    a = await app.get("a")
+    assert a.waiting_on is not None
+    (w,) = a.waiting_on
+    assert w["kind"] == "signal" and w["name"] == "review"
+    assert t0 + 3599 < w["until"] < time.time() + 3601
+    (timer,) = (await app.get("n")).waiting_on or []
+    assert timer["kind"] == "timer" and timer["until"] > t0 + 3599
+    assert (await app.get("p")).waiting_on == [
+        {"kind": "child", "workflow": "napping", "run_id": "nap-kid"}
+    ]
+    assert (await app.get("l2")).waiting_on == [{"kind": "admission", "tenant": "acme"}]
+    assert describe_waiting(a.waiting_on).startswith("signal 'review' until ")
+
+    ids = lambda infos: sorted(i.run_id for i in infos)  # noqa: E731
+    assert ids(await app.list(waiting_for="signal")) == ["a"]
+    assert ids(await app.list(waiting_for="signal:review")) == ["a"]
+    assert ids(await app.list(waiting_for="signal:other")) == []
+    assert ids(await app.list(waiting_for="timer")) == ["l1", "n", "nap-kid"]
+    assert ids(await app.list(waiting_for="child")) == ["p"]
+    assert ids(await app.list(waiting_for="admission")) == ["l2"]
+    with pytest.raises(tether.ConfigurationError, match="waiting_for"):
+        await app.list(waiting_for="nap")
+
+    await app.signal("a", "review", {"ok": True})
+    assert await app.get_run("a").result(timeout=10) == {"ok": True}
+    assert (await app.get("a")).waiting_on is None  # a finished run waits for nothing

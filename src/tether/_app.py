@@ -34,7 +34,7 @@ from ._policy import DEFAULT_RETRY, Retry, seconds
 from ._queues import Dependency, QueueLimits, QueueStats
 from ._serde import decode_raw, encode
 from ._worker import Worker
-from .store.base import Finished, Store, open_store, start_event_data
+from .store.base import WAITING_KINDS, Finished, Store, open_store, start_event_data
 
 log = logging.getLogger("tether")
 _seconds = seconds  # pause_queue has a parameter named ``seconds``
@@ -637,10 +637,23 @@ class App:
         workflow: str | None = None,
         limit: int = 100,
         offset: int = 0,
+        waiting_for: str | None = None,
     ) -> builtins.list[RunInfo]:
-        """Runs, newest first, filtered by status and/or workflow name."""
+        """Runs, newest first, filtered by status, workflow name and what they wait for.
+
+        ``waiting_for`` is a kind of ``RunInfo.waiting_on``: ``"signal"`` (or
+        ``"signal:review"`` for one signal), ``"timer"``, ``"activity"``, ``"child"``,
+        or ``"admission"`` (queued for a tenant's slot).
+        """
+        if waiting_for is not None and waiting_for.partition(":")[0] not in WAITING_KINDS:
+            raise ConfigurationError(
+                f"waiting_for={waiting_for!r}: name one of {', '.join(WAITING_KINDS)} "
+                "(a signal may be named: 'signal:review')"
+            )
         st = RunStatus(status) if status is not None else None
-        return await self.store.list_runs(status=st, workflow=workflow, limit=limit, offset=offset)
+        return await self.store.list_runs(
+            status=st, workflow=workflow, limit=limit, offset=offset, waiting_for=waiting_for
+        )
 
     async def history(self, run_id: str, *, follow: bool = True) -> builtins.list[Event]:
         """The run's full history (of the chain's latest run, unless ``follow=False``)."""

@@ -14,6 +14,7 @@ families matter to replay:
 
 from __future__ import annotations
 
+import datetime as _dt
 import enum
 import json
 from dataclasses import dataclass
@@ -195,6 +196,11 @@ class RunInfo:
     updated_at: float
     completed_at: float | None
     tenant: str | None = None  #: ``app.start(tenant=)``: whose admission limit applies
+    #: what a live run waits for, as of its last workflow task: ``{"kind": "signal",
+    #: "name": ..., "until": ts | None}``, ``{"kind": "timer", "until": ts}``,
+    #: ``{"kind": "activity", "name": ..., "step": n}``, ``{"kind": "child", "run_id":
+    #: ..., "workflow": ...}``, or ``{"kind": "admission", "tenant": ...}`` while queued
+    waiting_on: list[dict[str, Any]] | None = None
 
     @property
     def is_finished(self) -> bool:
@@ -277,3 +283,27 @@ class DeadLetter:
             resolved_at=row[10],
             resolution=json.loads(row[11]) if row[11] else None,
         )
+
+
+def describe_waiting(waiting: list[dict[str, Any]] | None) -> str:
+    """``RunInfo.waiting_on`` in a few words: ``signal 'review' until 12:00:00``."""
+
+    def until(ts: float | None) -> str:
+        if ts is None:
+            return ""
+        return " until " + _dt.datetime.fromtimestamp(ts, _dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+    parts = []
+    for w in waiting or []:
+        kind = w.get("kind")
+        if kind == "signal":
+            parts.append(f"signal {w.get('name')!r}{until(w.get('until'))}")
+        elif kind == "timer":
+            parts.append(f"timer{until(w.get('until'))}")
+        elif kind == "activity":
+            parts.append(f"step {w.get('step')} {w.get('name')}")
+        elif kind == "child":
+            parts.append(f"child {w.get('run_id')}")
+        elif kind == "admission":
+            parts.append(f"a slot of tenant {w.get('tenant')!r}")
+    return ", ".join(parts)

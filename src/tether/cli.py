@@ -31,7 +31,7 @@ from typing import Annotated, Any, NoReturn, TypeVar
 
 from ._app import App, Run
 from ._errors import ConfigurationError, PayloadError, StoreError, TetherError
-from ._history import RunInfo, RunStatus
+from ._history import RunInfo, RunStatus, describe_waiting
 from ._queues import QueueStats
 from ._serde import encode
 from ._worker import Worker
@@ -494,13 +494,24 @@ def runs_command(
         str | None, typer.Option("--workflow", "-w", help="Only runs of this workflow.")
     ] = None,
     limit: Annotated[int, typer.Option("--limit", "-n", min=1, help="Show at most N runs.")] = 50,
+    waiting_for: Annotated[
+        str | None,
+        typer.Option(
+            "--waiting-for",
+            metavar="KIND",
+            help="Only live runs waiting for: signal (or signal:NAME), timer, activity, "
+            "child, admission.",
+        ),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
-    """List runs, newest first."""
+    """List runs, newest first, with what each live run waits for."""
 
     async def go() -> list[RunInfo]:
         async with _opened(_client_app(store, app)) as a:
-            return await a.list(status=status, workflow=workflow, limit=limit)
+            return await a.list(
+                status=status, workflow=workflow, limit=limit, waiting_for=waiting_for
+            )
 
     infos = _run(go())
     if as_json:
@@ -514,6 +525,7 @@ def runs_command(
     table.add_column("workflow")
     table.add_column("status", no_wrap=True)
     table.add_column("custom status")
+    table.add_column("waiting for")
     table.add_column("created", no_wrap=True)
     table.add_column("updated", no_wrap=True)
     for info in infos:
@@ -522,6 +534,7 @@ def runs_command(
             Text(info.workflow),
             _status_text(info.status),
             Text(_short_json(info.custom_status)),
+            Text(describe_waiting(info.waiting_on)),
             _ts(info.created_at),
             _ts(info.updated_at),
         )

@@ -52,7 +52,7 @@ from .base import (
 _TERMINAL = tuple(s.value for s in RunStatus if s.is_terminal)
 _RUN_COLS = (
     "run_id, workflow, status, queue, input, output, error, custom_status, parent_run_id, "
-    "continued_to, task_error, created_at, updated_at, completed_at, tenant"
+    "continued_to, task_error, created_at, updated_at, completed_at, tenant, waiting_on"
 )
 _TASK_COLS = (
     "task_id, run_id, kind, step, queue, name, payload, options, fence, attempt, available_at, "
@@ -137,7 +137,19 @@ def _run_from_row(row: Sequence[Any]) -> RunInfo:
         updated_at=row[12],
         completed_at=row[13],
         tenant=row[14],
+        waiting_on=(
+            [{"kind": "admission", "tenant": row[14]}]
+            if row[2] == "queued"
+            else json.loads(row[15])
+            if row[15]
+            else None
+        ),
     )
+
+
+def _compact(value: Any) -> str:
+    """JSON without spaces (``waiting_on`` is matched with LIKE patterns)."""
+    return json.dumps(value, separators=(",", ":"))
 
 
 #: an activity task's columns as ``_apply_workflow_result`` gives their values
@@ -440,9 +452,10 @@ class OpsStore(Store):
         workflow: str | None = None,
         limit: int = 100,
         offset: int = 0,
+        waiting_for: str | None = None,
     ) -> list[RunInfo]:
         out: list[RunInfo] = await self._do(
-            _list_runs, status, workflow, limit, offset, write=False
+            _list_runs, status, workflow, limit, offset, waiting_for, write=False
         )
         return out
 
@@ -1345,6 +1358,7 @@ def _finish(
     parent_run_id, parent_step, workflow, tenant = known
     tx.execute(
         "UPDATE runs SET status = ?, output = ?, error = ?, continued_to = ?, completed_at = ?, "
+        "waiting_on = NULL, "
         f"updated_at = ?{', next_seq = ?' if next_seq is not None else ''} WHERE run_id = ?",
         (
             status.value,
@@ -1689,10 +1703,11 @@ def _apply_workflow_result(
     events.append(_marker(result))
     marker = _insert_events(tx, run_id, events, next_seq)
     if ending is None:  # the counter, with the status when the run leaves pending
+        waiting = None if result.waiting_on is None else _compact(result.waiting_on)
         tx.execute(
-            f"UPDATE runs SET next_seq = ?, updated_at = ?{_ACTIVATE if activate else ''} "
-            "WHERE run_id = ?",
-            (marker + 1, tx.now, run_id),
+            "UPDATE runs SET next_seq = ?, updated_at = ?, waiting_on = ?"
+            f"{_ACTIVATE if activate else ''} WHERE run_id = ?",
+            (marker + 1, tx.now, waiting, run_id),
         )
         return marker, leased, False
     known = (parent_run_id, parent_step, workflow, tenant)
@@ -2115,9 +2130,25 @@ def _get_run(tx: _Tx, run_id: str, follow: bool = False) -> RunInfo | None:
 
 
 def _list_runs(
-    tx: _Tx, status: RunStatus | None, workflow: str | None, limit: int, offset: int
+    tx: _Tx,
+    status: RunStatus | None,
+    workflow: str | None,
+    limit: int,
+    offset: int,
+    waiting_for: str | None = None,
 ) -> list[RunInfo]:
     where, args = [], []
+    if waiting_for is not None:
+        kind, _, name = waiting_for.partition(":")
+        if kind == "admission":
+            where.append("status = 'queued'")
+        else:
+            pattern = f'"kind":"{kind}"' + (f',"name":{json.dumps(name)}' if name else "")
+            escaped = pattern.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+            where.append(
+                "status IN ('pending', 'running', 'suspended') AND waiting_on LIKE ? ESCAPE '\\'"
+            )
+            args.append(f"%{escaped}%")
     if status is not None:
         where.append("status = ?")
         args.append(status.value)

@@ -40,7 +40,12 @@ class WorkflowTaskResult:
     #: whether the run may have started children (their parent-close policies then
     #: apply when it ends); False lets the store skip looking
     children: bool = True
+    #: what the run waits for after this task (``RunInfo.waiting_on``); None: unknown
+    waiting_on: list[dict[str, Any]] | None = None
 
+
+#: what ``list_runs(waiting_for=)`` may name (optionally ``kind:name``: ``signal:review``)
+WAITING_KINDS = ("signal", "timer", "activity", "child", "admission")
 
 #: the marker ``complete_workflow_task`` returns for a result it did not apply: the
 #: result would end the run while newer incoming events (a signal, a cancel...) wait,
@@ -250,8 +255,9 @@ class Store(abc.ABC):
         workflow: str | None = None,
         limit: int = 100,
         offset: int = 0,
+        waiting_for: str | None = None,
     ) -> list[RunInfo]:
-        """Runs, newest first, optionally filtered."""
+        """Runs, newest first, optionally filtered (``waiting_for``: see ``App.list``)."""
 
     @abc.abstractmethod
     async def next_due(self, queues: Sequence[str]) -> float | None:

@@ -65,7 +65,11 @@ from .base import Finished, Listener, worker_id_in_use
 log = logging.getLogger("tether.store")
 
 
-_SCHEMA_VERSION = 1
+_SCHEMA_VERSION = 2
+#: statements that bring a store of the version before up to this one
+_UPGRADES: dict[int, tuple[str, ...]] = {
+    2: ("ALTER TABLE runs ADD COLUMN IF NOT EXISTS waiting_on TEXT",)
+}
 #: task columns added during development, missing from schemas made by older builds
 _TASK_COLUMNS = ("priority", "limit_key", "heartbeat_timeout", "dependency", "batch_key")
 _RETRYABLE = (
@@ -227,9 +231,14 @@ class PostgresStore(OpsStore):
                     resources.files("tether.store").joinpath("sql/postgres/schema.sql").read_text()
                 )
                 code = "\n".join(line.split("--", 1)[0] for line in text.splitlines())
-                for statement in code.split(";"):
-                    if statement.strip():
-                        conn.execute(statement)
+                if version == 0:
+                    for statement in code.split(";"):
+                        if statement.strip():
+                            conn.execute(statement)
+                else:
+                    for step in range(version + 1, _SCHEMA_VERSION + 1):
+                        for statement in _UPGRADES[step]:
+                            conn.execute(statement)
                 conn.execute(
                     "INSERT INTO tether_meta (version, applied_at) VALUES (%s, %s) "
                     "ON CONFLICT DO NOTHING",

@@ -49,7 +49,9 @@ _OWN_TABLES = {
 }
 
 
-_SCHEMA_VERSION = 1
+_SCHEMA_VERSION = 2
+#: statements that bring a store of the version before up to this one
+_UPGRADES: dict[int, tuple[str, ...]] = {2: ("ALTER TABLE runs ADD COLUMN waiting_on TEXT",)}
 
 
 class SqliteStore(OpsStore):
@@ -173,10 +175,15 @@ class SqliteStore(OpsStore):
         if version == _SCHEMA_VERSION:  # another process migrated it while we waited
             self._conn.execute("COMMIT")
             return
-        code = "\n".join(line.split("--", 1)[0] for line in schema.splitlines())
-        for statement in code.split(";"):
-            if statement.strip():
-                self._conn.execute(statement)
+        if version == 0:
+            code = "\n".join(line.split("--", 1)[0] for line in schema.splitlines())
+            for statement in code.split(";"):
+                if statement.strip():
+                    self._conn.execute(statement)
+        else:
+            for step in range(version + 1, _SCHEMA_VERSION + 1):
+                for statement in _UPGRADES[step]:
+                    self._conn.execute(statement)
         self._conn.execute(f"PRAGMA user_version = {_SCHEMA_VERSION}")
         self._conn.execute("COMMIT")
 

@@ -136,10 +136,11 @@ async def wait_event(
     found, payload = inst.take_signal(name)
     if found:
         return convert(payload, type)
-    fut = inst.wait_signal(name)
-    if timeout is None:
+    delay = None if timeout is None else seconds(timeout, "wait_event timeout") or 0.0
+    fut = inst.wait_signal(name, None if delay is None else inst.now + delay)
+    if delay is None:
         return convert(await fut, type)
-    timer = inst.start_timer(seconds(timeout, "wait_event timeout") or 0.0)
+    timer = inst.start_timer(delay, shown=False)
     try:
         await asyncio.wait([fut, timer], return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:

@@ -18,6 +18,7 @@ import hashlib
 import json
 import random
 import traceback
+import weakref
 from asyncio import events as asyncio_events
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -62,6 +63,9 @@ class _Pending:
     kind: str
     name: str
     result_type: Any
+    #: what ``waiting_on`` shows of it (a timer's fire time, a child's run id); None:
+    #: nothing (a wait_event's own timer, shown with its signal)
+    shown: dict[str, Any] | None = None
 
 
 def _error_dict(exc: BaseException) -> dict[str, Any]:
@@ -95,6 +99,10 @@ class WorkflowInstance:
         self.deadline_exceeded = False
         self.started_children = 0  #: children this run started (replayed ones included)
         self.started: Event | None = None  #: the run's WorkflowStarted event, once applied
+        #: how long each signal wait lasts (None: no timeout)
+        self._signal_until: weakref.WeakKeyDictionary[asyncio.Future[Any], float | None] = (
+            weakref.WeakKeyDictionary()
+        )
         self.main: asyncio.Task[Any] | None = None
         self._new: list[Command] = []
         self._recorded: dict[int, Event] = {}
@@ -192,6 +200,7 @@ class WorkflowInstance:
             time=now,
             version=self.workflow.version,
             children=self.started_children > 0,
+            waiting_on=None if self.finished else self.waiting_on(),
         )
 
     def close(self) -> None:
@@ -408,7 +417,13 @@ class WorkflowInstance:
             raw["result"] = encode(kept[2], "reused result")
         step = self._command(EventType.ACTIVITY_SCHEDULED, data, raw)
         fut = self.loop.create_future()
-        self._pending[step] = _Pending(fut, "activity", activity.name, activity.sig.return_type)
+        self._pending[step] = _Pending(
+            fut,
+            "activity",
+            activity.name,
+            activity.sig.return_type,
+            {"kind": "activity", "name": activity.name, "step": step},
+        )
         self._watch_cancel(step, EventType.ACTIVITY_CANCEL_REQUESTED, "activity_step")
         return fut
 
@@ -433,17 +448,29 @@ class WorkflowInstance:
         self.started_children += 1
         step = self._command(EventType.CHILD_STARTED, data, {"input": input_json})
         fut = self.loop.create_future()
-        self._pending[step] = _Pending(fut, "child", workflow.name, workflow.sig.return_type)
+        self._pending[step] = _Pending(
+            fut,
+            "child",
+            workflow.name,
+            workflow.sig.return_type,
+            {"kind": "child", "workflow": workflow.name, "run_id": child_id},
+        )
         self._watch_cancel(
             step, EventType.CHILD_CANCEL_REQUESTED, "child_step", child_run_id=child_id
         )
         return fut
 
-    def start_timer(self, delay: float) -> asyncio.Future[Any]:
-        """Issue a TimerStarted command; the future resolves when it fires."""
-        step = self._command(EventType.TIMER_STARTED, {"fire_at": self.now + delay})
+    def start_timer(self, delay: float, *, shown: bool = True) -> asyncio.Future[Any]:
+        """Issue a TimerStarted command; the future resolves when it fires.
+
+        ``shown=False``: the timer bounds another wait (a signal's), which shows it.
+        """
+        fire_at = self.now + delay
+        step = self._command(EventType.TIMER_STARTED, {"fire_at": fire_at})
         fut = self.loop.create_future()
-        self._pending[step] = _Pending(fut, "timer", "timer", None)
+        self._pending[step] = _Pending(
+            fut, "timer", "timer", None, {"kind": "timer", "until": fire_at} if shown else None
+        )
         self._watch_cancel(step, EventType.TIMER_CANCELLED, "timer_step")
         return fut
 
@@ -495,11 +522,26 @@ class WorkflowInstance:
             return True, buf.popleft()
         return False, None
 
-    def wait_signal(self, name: str) -> asyncio.Future[Any]:
-        """A future resolved by the next signal ``name`` to arrive."""
+    def wait_signal(self, name: str, until: float | None = None) -> asyncio.Future[Any]:
+        """A future resolved by the next signal ``name`` to arrive (awaited ``until``)."""
         fut = self.loop.create_future()
         self._waiters[name].append(fut)
+        self._signal_until[fut] = until
         return fut
+
+    def waiting_on(self) -> list[dict[str, Any]]:
+        """What the run waits for now: signals (until when), timers, steps, children."""
+        out: list[dict[str, Any]] = []
+        for name, waiters in self._waiters.items():
+            for fut in waiters:
+                if not fut.done():
+                    out.append(
+                        {"kind": "signal", "name": name, "until": self._signal_until.get(fut)}
+                    )
+        for p in self._pending.values():
+            if p.shown is not None and not p.future.done():
+                out.append(p.shown)
+        return out
 
 
 def _key(data: dict[str, Any]) -> tuple[Any, ...]:

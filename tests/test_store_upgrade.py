@@ -1,0 +1,73 @@
+"""A store made by the previous schema version is upgraded in place when opened."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import tether
+from conftest import PG_URL, with_schema
+
+
+async def _roundtrip(url: str) -> None:
+    app = tether.App(store=url)
+
+    @app.workflow
+    async def waits() -> str:
+        return str(await tether.wait_event("go"))
+
+    async with app.worker(poll_interval=0.05):
+        run = await app.start(waits, run_id="after-upgrade")
+        old = await app.get("before-upgrade")
+        assert old.status is tether.RunStatus.COMPLETED and old.waiting_on is None
+
+        async def waiting() -> bool:
+            return bool((await app.get(run.run_id)).waiting_on)
+
+        from helpers import eventually
+
+        await eventually(waiting, what="waiting_on recorded")
+        await app.signal(run.run_id, "go", "x")
+        assert await run.result(timeout=10) == "x"
+    await app.close()
+
+
+async def _first_run(url: str) -> None:
+    app = tether.App(store=url)
+
+    @app.workflow
+    async def quick() -> int:
+        return 1
+
+    async with app.worker(poll_interval=0.05):
+        assert await (await app.start(quick, run_id="before-upgrade")).result(timeout=10) == 1
+    await app.close()
+
+
+async def test_a_version_1_sqlite_store_is_upgraded(tmp_path: Path) -> None:
+    db = tmp_path / "old.db"
+    await _first_run(f"sqlite:///{db}")
+    conn = sqlite3.connect(db)
+    conn.execute("ALTER TABLE runs DROP COLUMN waiting_on")  # as version 1 made it
+    conn.execute("PRAGMA user_version = 1")
+    conn.commit()
+    conn.close()
+    await _roundtrip(f"sqlite:///{db}")
+    conn = sqlite3.connect(db)
+    assert conn.execute("PRAGMA user_version").fetchone() == (2,)
+    conn.close()
+
+
+async def test_a_version_1_postgres_store_is_upgraded(pg_schema: str) -> None:
+    import psycopg
+
+    url = with_schema(PG_URL, pg_schema)
+    await _first_run(url)
+    with psycopg.connect(PG_URL, autocommit=True) as conn:
+        conn.execute(f'SET search_path TO "{pg_schema}"')
+        conn.execute("ALTER TABLE runs DROP COLUMN waiting_on")
+        conn.execute("UPDATE tether_meta SET version = 1")  # as version 1 left it
+    await _roundtrip(url)
+    with psycopg.connect(PG_URL, autocommit=True) as conn:
+        conn.execute(f'SET search_path TO "{pg_schema}"')
+        assert conn.execute("SELECT max(version) FROM tether_meta").fetchone() == (2,)
