@@ -23,7 +23,7 @@ import pytest
 
 import tether
 from tether._queues import QueueLimits
-from tether.store._ops import _Tx
+from tether.store.ops._tx import _Tx
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))

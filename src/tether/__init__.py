@@ -41,7 +41,7 @@ from ._policy import Retry
 from ._queues import Dependency, QueueStats
 from ._sync import SyncClient, SyncRun
 from ._worker import Worker
-from .store._ops import RecoveryError
+from .store.ops.recovery import RecoveryError
 from .workflow._api import (
     ItemOutcome,
     NotInWorkflowError,

@@ -35,6 +35,8 @@ from ._queues import Dependency, QueueLimits, QueueStats
 from ._serde import decode_raw, encode
 from ._worker import Worker
 from .store.base import WAITING_KINDS, Finished, Store, open_store, start_event_data
+from .store.ops.admission import _configure_admission
+from .store.ops.queues import _configure_queue
 
 log = logging.getLogger("tether")
 _seconds = seconds  # pause_queue has a parameter named ``seconds``
@@ -161,7 +163,6 @@ class App:
         call = getattr(store, "call_sync", None)
         if not (self._queue_limits or self._admission) or call is None:
             return
-        from .store._ops import _configure_admission, _configure_queue
 
         try:
             for name, limits in list(self._queue_limits.items()):

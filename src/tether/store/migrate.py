@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING, Any
 
 from .._errors import StoreError, TetherError
 from .._history import Event, RunStatus
-from ._ops import OpsStore, _Tx
 from .base import Store, open_store
+from .ops import OpsStore
+from .ops._tx import _Tx
 
 if TYPE_CHECKING:
     from .._app import App

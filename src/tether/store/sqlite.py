@@ -32,8 +32,11 @@ except ImportError:  # pragma: no cover - not POSIX: worker ids are not held
 from .._errors import ConfigurationError, StoreError
 from .._history import RunInfo, Task
 from ._handoff import LoopFuture, deliver
-from ._ops import Op, OpsStore, _get_run, _heartbeat, _Tx
 from .base import Finished, Listener, worker_id_in_use
+from .ops import OpsStore
+from .ops._tx import Op, _Tx
+from .ops.runs import _get_run
+from .ops.tasks import _heartbeat
 
 log = logging.getLogger("tether.store")
 

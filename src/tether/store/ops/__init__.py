@@ -1,0 +1,317 @@
+"""Store operations by concern, written once for every SQL backend.
+
+Each operation is a function run inside the caller's transaction (``_tx._Tx``);
+backends differ only in how they run them (SQLite: one writer thread with group
+commit; PostgreSQL: pipelined writer connections) and in the dialect details
+``_Tx`` carries. ``OpsStore`` (here) gives every ``Store`` method its operation.
+
+Operations call across concerns (a run's end admits the tenant's next queued run,
+a cancel of a queued run ends it), so the modules import each other's functions
+at their end, after their own definitions: any import order then works.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..._history import DeadLetter, Event, RunInfo, RunStatus, Task
+from ..._queues import QueueStats
+from ..base import StartResult, Store, WorkflowTaskResult
+from ._tx import Op
+
+
+@dataclass
+class OpsStore(Store):
+    """A Store whose methods run the shared operations through ``_do``."""
+
+    @abc.abstractmethod
+    async def _do(self, fn: Op, *args: Any, write: bool = True) -> Any:
+        """Run ``fn(tx, *args)`` in a transaction and return its result."""
+
+    async def create_run(
+        self,
+        *,
+        run_id: str,
+        workflow: str,
+        queue: str,
+        input: str,
+        deadline_at: float | None = None,
+        tenant: str | None = None,
+        on_limit: str = "raise",
+        lease_to: str | None = None,
+        lease_queues: Sequence[str] = (),
+        lease: float = 30.0,
+        first: WorkflowTaskResult | None = None,
+        lease_limit: int = 0,
+    ) -> StartResult:
+        result: StartResult = await self._do(
+            _create_run,
+            run_id,
+            workflow,
+            queue,
+            input,
+            deadline_at,
+            tenant,
+            on_limit,
+            lease_to,
+            tuple(lease_queues),
+            lease,
+            first,
+            lease_limit,
+        )
+        return result
+
+    async def configure_admission(self, tenant: str, max_running: int | None) -> None:
+        await self._do(_configure_admission, tenant, max_running)
+
+    async def debounce(
+        self,
+        *,
+        key: str,
+        run_id: str,
+        workflow: str,
+        queue: str,
+        input: str,
+        window: float,
+        max_wait: float | None,
+    ) -> tuple[str, int, float]:
+        out: tuple[str, int, float] = await self._do(
+            _debounce, key, run_id, workflow, queue, input, window, max_wait
+        )
+        return out
+
+    async def dependency_feedback(self, task: Task, pause: float) -> float | None:
+        out: float | None = await self._do(_dependency_feedback, task.task_id, None, pause)
+        return out
+
+    async def claim(
+        self, *, worker_id: str, queues: Sequence[str], limit: int, lease: float
+    ) -> list[Task]:
+        tasks: list[Task] = await self._do(_claim, worker_id, tuple(queues), limit, lease)
+        return tasks
+
+    async def read_history(self, run_id: str, after_seq: int = 0) -> list[Event]:
+        events: list[Event] = await self._do(_read_history, run_id, after_seq, write=False)
+        return events
+
+    async def complete_workflow_task(
+        self,
+        task: Task,
+        result: WorkflowTaskResult,
+        *,
+        lease_to: str | None = None,
+        lease_queues: Sequence[str] = (),
+        lease: float = 30.0,
+        lease_limit: int = 1_000_000,
+    ) -> tuple[int, list[Task]]:
+        out: tuple[int, list[Task]] = await self._do(
+            _complete_workflow_task, task, result, lease_to, tuple(lease_queues), lease, lease_limit
+        )
+        return out
+
+    async def fail_workflow_task(self, task: Task, error: str, retry_at: float) -> None:
+        await self._do(_fail_workflow_task, task, error, retry_at)
+
+    async def complete_activity(
+        self,
+        task: Task,
+        result: str,
+        *,
+        lease_to: str | None = None,
+        lease_queues: Sequence[str] = (),
+        lease: float = 30.0,
+        read_after: int | None = None,
+    ) -> Task | None:
+        out: Task | None = await self._do(
+            _with_history,
+            _complete_activity,
+            read_after,
+            task,
+            result,
+            lease_to,
+            tuple(lease_queues),
+            lease,
+        )
+        return out
+
+    async def fail_activity(
+        self,
+        task: Task,
+        error: dict[str, Any],
+        retry_at: float | None,
+        *,
+        lease_to: str | None = None,
+        lease_queues: Sequence[str] = (),
+        lease: float = 30.0,
+        read_after: int | None = None,
+    ) -> Task | None:
+        out: Task | None = await self._do(
+            _with_history,
+            _fail_activity,
+            read_after,
+            task,
+            error,
+            retry_at,
+            lease_to,
+            tuple(lease_queues),
+            lease,
+        )
+        return out
+
+    async def complete_activity_fast(
+        self,
+        task: Task,
+        result: str,
+        workflow_result: WorkflowTaskResult,
+        expected_seq: int,
+        *,
+        lease_to: str,
+        lease_queues: Sequence[str],
+        lease: float,
+        lease_limit: int,
+    ) -> tuple[bool, int, list[Task], Task | None]:
+        out: tuple[bool, int, list[Task], Task | None] = await self._do(
+            _complete_activity_fast,
+            task,
+            result,
+            workflow_result,
+            expected_seq,
+            lease_to,
+            tuple(lease_queues),
+            lease,
+            lease_limit,
+        )
+        return out
+
+    async def fire_timer(self, task: Task) -> None:
+        await self._do(_fire_timer, task)
+
+    async def renew(self, tasks: Sequence[Task], lease: float) -> dict[int, bool]:
+        out: dict[int, bool] = await self._do(_renew, tuple(tasks), lease)
+        return out
+
+    async def heartbeat(self, task: Task, lease: float, details: str | None) -> bool:
+        out: bool = await self._do(_heartbeat, task, lease, details)
+        return out
+
+    async def signal(self, run_id: str, name: str, payload: str) -> None:
+        await self._do(_signal, run_id, name, payload)
+
+    async def cancel(self, run_id: str, reason: str | None) -> None:
+        await self._do(_cancel, run_id, reason)
+
+    async def terminate(self, run_id: str, reason: str | None) -> None:
+        await self._do(_terminate, run_id, reason)
+
+    async def suspend(self, run_id: str) -> None:
+        await self._do(_suspend, run_id)
+
+    async def resume(self, run_id: str) -> None:
+        await self._do(_resume, run_id)
+
+    async def get_run(self, run_id: str, *, follow: bool = False) -> RunInfo | None:
+        out: RunInfo | None = await self._do(_get_run, run_id, follow, write=False)
+        return out
+
+    async def list_runs(
+        self,
+        *,
+        status: RunStatus | None = None,
+        workflow: str | None = None,
+        limit: int = 100,
+        offset: int = 0,
+        waiting_for: str | None = None,
+    ) -> list[RunInfo]:
+        out: list[RunInfo] = await self._do(
+            _list_runs, status, workflow, limit, offset, waiting_for, write=False
+        )
+        return out
+
+    async def reclaim(self, worker_id: str) -> int:
+        out: int = await self._do(_reclaim, worker_id)
+        return out
+
+    async def foreign_leases(
+        self, queues: Sequence[str], worker_id: str
+    ) -> tuple[int, float | None]:
+        """How many tasks of ``queues`` other worker ids hold, and when the last lease
+        ends (for ``tether worker``'s hint about work waiting for leases to expire)."""
+        out: tuple[int, float | None] = await self._do(
+            _foreign_leases, tuple(queues), worker_id, write=False
+        )
+        return out
+
+    async def release(
+        self, tasks: Sequence[Task], delay: float = 0.0, *, unstarted: bool = False
+    ) -> None:
+        await self._do(_release, tuple(tasks), delay, unstarted)
+
+    async def breaker_admit(self, cfg: dict[str, Any]) -> float | None:
+        out: float | None = await self._do(_breaker_admit, cfg)
+        return out
+
+    async def breaker_record(self, cfg: dict[str, Any], ok: bool) -> None:
+        await self._do(_breaker_record, cfg, ok)
+
+    async def dead_letters(
+        self, *, include_resolved: bool = False, run_id: str | None = None, limit: int = 100
+    ) -> list[DeadLetter]:
+        out: list[DeadLetter] = await self._do(
+            _dead_letters, include_resolved, run_id, limit, write=False
+        )
+        return out
+
+    async def claim_dead_letter(self, letter_id: int) -> DeadLetter:
+        out: DeadLetter = await self._do(_claim_dead_letter, letter_id)
+        return out
+
+    async def resolve_dead_letter(self, letter_id: int, resolution: Any) -> None:
+        await self._do(_resolve_dead_letter, letter_id, resolution)
+
+    async def retry_run(self, run_id: str) -> None:
+        await self._do(_retry_run, run_id)
+
+    async def fork_run(self, run_id: str, new_run_id: str, at_step: int) -> None:
+        await self._do(_fork_run, run_id, new_run_id, at_step)
+
+    async def next_due(self, queues: Sequence[str]) -> float | None:
+        out: float | None = await self._do(_next_due, tuple(queues), write=False)
+        return out
+
+    async def claim_with_wake(
+        self, *, worker_id: str, queues: Sequence[str], limit: int, lease: float
+    ) -> tuple[list[Task], float | None]:
+        out: tuple[list[Task], float | None] = await self._do(
+            _claim_with_wake, worker_id, tuple(queues), limit, lease
+        )
+        return out
+
+    async def configure_queue(self, queue: str, limits: dict[str, Any]) -> None:
+        await self._do(_configure_queue, queue, limits)
+
+    async def pause_queue(self, queue: str, until: float | None) -> None:
+        await self._do(_pause_queue, queue, until)
+
+    async def queue_stats(self) -> list[QueueStats]:
+        out: list[QueueStats] = await self._do(_queue_stats, write=False)
+        return out
+
+
+# operations of other concerns (imported last: see the package docstring)
+from .activities import _complete_activity, _complete_activity_fast, _fail_activity, _with_history  # noqa: E402
+from .admission import _configure_admission  # noqa: E402
+from .breakers import _breaker_admit, _breaker_record  # noqa: E402
+from .claims import _claim, _claim_with_wake  # noqa: E402
+from .control import _cancel, _resume, _signal, _suspend, _terminate  # noqa: E402
+from .debounce import _debounce  # noqa: E402
+from .dependencies import _dependency_feedback  # noqa: E402
+from .history import _read_history  # noqa: E402
+from .queues import _configure_queue, _pause_queue, _queue_stats  # noqa: E402
+from .recovery import _claim_dead_letter, _dead_letters, _fork_run, _resolve_dead_letter, _retry_run  # noqa: E402
+from .runs import _create_run, _get_run, _list_runs  # noqa: E402
+from .tasks import _foreign_leases, _heartbeat, _next_due, _reclaim, _release, _renew  # noqa: E402
+from .timers import _fire_timer  # noqa: E402
+from .workflow_tasks import _complete_workflow_task, _fail_workflow_task  # noqa: E402

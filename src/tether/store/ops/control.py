@@ -1,0 +1,142 @@
+"""Operator and client control of a live run: signal, cancel, terminate,
+suspend, resume; a chain answers to its first id; children closed by policy.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ..._errors import RunFinishedError, RunNotFoundError, StoreError
+from ..._history import EventType, RunStatus
+from ._tx import _Tx
+
+#: longest continue-as-new chain an operation follows (a guard against a cycle)
+_MAX_CHAIN = 1_000_000
+
+
+def _live_run(tx: _Tx, run_id: str, action: str) -> tuple[str, tuple[Any, ...]]:
+    """The run an operation on ``run_id`` acts on, with its ``_run_row``, locked.
+
+    A run that continued as new answers to its first id: the chain is followed to its
+    live run. Each row is read under a row lock (PostgreSQL), so a run finishing or
+    continuing concurrently is seen as it is after that commit, never overwritten.
+    """
+    rid = run_id
+    for _ in range(_MAX_CHAIN):
+        row = tx.execute(
+            "SELECT status, queue, parent_run_id, parent_step, workflow, tenant, continued_to "
+            f"FROM runs WHERE run_id = ?{tx.for_update}",
+            (rid,),
+        ).fetchone()
+        if row is None:
+            raise RunNotFoundError(run_id)
+        if row[0] == RunStatus.CONTINUED_AS_NEW.value and row[6]:
+            rid = row[6]
+            continue
+        if RunStatus(row[0]).is_terminal:
+            raise RunFinishedError(rid, row[0], action)
+        return rid, tuple(row[:6])
+    raise StoreError(f"run {run_id!r} continues as new in a cycle")  # pragma: no cover
+
+
+def _signal(tx: _Tx, run_id: str, name: str, payload: str) -> None:
+    rid, (status, run_queue, _p, _s, workflow, _t) = _live_run(tx, run_id, f"signal {name!r} to")
+    _append(tx, rid, EventType.SIGNAL_RECEIVED, None, {"name": name}, {"payload": payload})
+    if status != RunStatus.QUEUED.value:  # a queued run sees the signal when admitted
+        _ensure_workflow_task(tx, rid, run_queue, workflow)
+
+
+def _cancel(tx: _Tx, run_id: str, reason: str | None) -> None:
+    rid, (status, run_queue, _p, _s, workflow, _t) = _live_run(tx, run_id, "cancel")
+    _append(tx, rid, EventType.CANCEL_REQUESTED, None, {"reason": reason})
+    if status == RunStatus.QUEUED.value:  # never admitted: no code ran, nothing to undo
+        error = {"type": "CancelledError", "message": reason or "cancelled before admission"}
+        _finish(tx, rid, RunStatus.CANCELLED, error=error)
+        return
+    _ensure_workflow_task(tx, rid, run_queue, workflow)
+    tx.execute(
+        "UPDATE tasks SET cancel_requested = 1 WHERE run_id = ? AND kind = 'activity'", (rid,)
+    )
+
+
+def _terminate(tx: _Tx, run_id: str, reason: str | None) -> None:
+    rid, _row = _live_run(tx, run_id, "terminate")
+    _append(tx, rid, EventType.WORKFLOW_TERMINATED, None, {"reason": reason})
+    _finish(
+        tx,
+        rid,
+        RunStatus.TERMINATED,
+        error={"type": "Terminated", "message": reason or "terminated by an operator"},
+        children=True,
+    )
+
+
+def _close_children(tx: _Tx, run_id: str) -> None:
+    """Apply each running child's parent-close policy: ``run_id`` has just ended.
+
+    Children are found in the parent's own history (its ``ChildStarted`` events, with
+    the policy each was started with; terminate by default) and followed to their live
+    run when they continued as new. A child the parent already asked to cancel is left
+    to finish its cancellation; ``abandon`` leaves a child running on its own.
+    """
+    started = tx.execute(
+        "SELECT step, data FROM events WHERE run_id = ? AND type = ?",
+        (run_id, EventType.CHILD_STARTED.value),
+    ).fetchall()
+    if not started:
+        return
+    asked = {
+        json.loads(data).get("child_step")
+        for (data,) in tx.execute(
+            "SELECT data FROM events WHERE run_id = ? AND type = ?",
+            (run_id, EventType.CHILD_CANCEL_REQUESTED.value),
+        )
+    }
+    for step, data in started:
+        info = json.loads(data)
+        policy = info.get("parent_close", "terminate")
+        if policy == "abandon" or step in asked:
+            continue
+        reason = f"parent run {run_id!r} ended (parent_close={policy!r})"
+        try:
+            rid, row = _live_run(tx, info["child_run_id"], "close")
+        except (RunNotFoundError, RunFinishedError):
+            continue
+        if row[2] != run_id:
+            continue  # a run of that id that this parent did not start
+        if policy == "cancel":
+            _cancel(tx, rid, reason)
+        else:
+            _terminate(tx, rid, reason)
+
+
+def _suspend(tx: _Tx, run_id: str) -> None:
+    rid, (status, *_) = _live_run(tx, run_id, "suspend")
+    if status == RunStatus.SUSPENDED.value:
+        return
+    if status == RunStatus.QUEUED.value:
+        raise RecoveryError(
+            f"run {rid!r} is queued for admission and has not started: cancel it, or let "
+            "it start and suspend it then"
+        )
+    _append(tx, rid, EventType.SUSPENDED, None, {})
+    tx.execute("UPDATE runs SET status = 'suspended' WHERE run_id = ?", (rid,))
+
+
+def _resume(tx: _Tx, run_id: str) -> None:
+    rid, (status, run_queue, *_) = _live_run(tx, run_id, "resume")
+    if status != RunStatus.SUSPENDED.value:
+        return
+    _append(tx, rid, EventType.RESUMED, None, {})
+    tx.execute("UPDATE runs SET status = 'running' WHERE run_id = ?", (rid,))
+    tx.ready.add(run_queue)
+    for (q,) in tx.execute("SELECT DISTINCT queue FROM tasks WHERE run_id = ?", (rid,)):
+        tx.ready.add(q)
+
+
+# operations of other concerns (imported last: see the package docstring)
+from .history import _append  # noqa: E402
+from .recovery import RecoveryError  # noqa: E402
+from .runs import _finish  # noqa: E402
+from .tasks import _ensure_workflow_task  # noqa: E402

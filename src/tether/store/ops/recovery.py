@@ -1,0 +1,279 @@
+"""Dead letters, operator retry and fork."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ..._errors import RunIdConflictError, TetherError
+from ..._history import COMMANDS, OUTCOMES, DeadLetter, Event, EventType, RunStatus
+from ._tx import _Tx
+
+_DL_COLS = (
+    "id, run_id, step, kind, name, input, error, attempts, reason, created_at, resolved_at, "
+    "resolution"
+)
+
+
+class RecoveryError(TetherError):
+    """A retry, fork or dead-letter replay cannot be done in the run's current state."""
+
+
+def _dead_letters(
+    tx: _Tx, include_resolved: bool, run_id: str | None, limit: int
+) -> list[DeadLetter]:
+    where, args = [], []
+    if not include_resolved:
+        where.append("resolved_at IS NULL")
+    if run_id is not None:
+        where.append("run_id = ?")
+        args.append(run_id)
+    clause = f"WHERE {' AND '.join(where)}" if where else ""
+    rows = tx.execute(
+        f"SELECT {_DL_COLS} FROM dead_letters {clause} ORDER BY id LIMIT ?", (*args, limit)
+    ).fetchall()
+    return [DeadLetter.from_row(tuple(r)) for r in rows]
+
+
+def _claim_dead_letter(tx: _Tx, letter_id: int) -> DeadLetter:
+    row = tx.execute(
+        f"UPDATE dead_letters SET resolved_at = ?, resolution = ? WHERE id = ? "
+        f"AND resolved_at IS NULL RETURNING {_DL_COLS}",
+        (tx.now, json.dumps({"state": "replaying"}), letter_id),
+    ).fetchone()
+    if row is None:
+        raise RecoveryError(
+            f"dead letter {letter_id} does not exist or was already replayed or resolved; "
+            "list open ones with app.dead_letters()"
+        )
+    return DeadLetter.from_row(tuple(row))
+
+
+def _resolve_dead_letter(tx: _Tx, letter_id: int, resolution: Any) -> None:
+    if resolution is None:  # the replay failed: reopen it
+        tx.execute(
+            "UPDATE dead_letters SET resolved_at = NULL, resolution = NULL WHERE id = ?",
+            (letter_id,),
+        )
+    else:
+        tx.execute(
+            "UPDATE dead_letters SET resolved_at = ?, resolution = ? WHERE id = ?",
+            (tx.now, json.dumps(resolution), letter_id),
+        )
+
+
+def _pending_work(tx: _Tx, run_id: str, kept: list[Event], run_queue: str, fork: bool) -> None:
+    """Re-create tasks for commands in ``kept`` that have no outcome and were not cancelled."""
+    done = {e.step for e in kept if e.type in OUTCOMES}
+    cancelled = {
+        e.data.get("timer_step") or e.data.get("activity_step") or e.data.get("child_step")
+        for e in kept
+        if e.type
+        in (
+            EventType.TIMER_CANCELLED,
+            EventType.ACTIVITY_CANCEL_REQUESTED,
+            EventType.CHILD_CANCEL_REQUESTED,
+        )
+    }
+    for e in kept:
+        if e.step is None or e.step in done or e.step in cancelled:
+            continue
+        if e.type is EventType.ACTIVITY_SCHEDULED:
+            hb = (e.data.get("options") or {}).get("heartbeat_timeout")
+            if e.data.get("dependency") is not None:
+                _ensure_dependency(tx, e.data["dependency"], e.data.get("dependency_limits") or {})
+            tx.execute(
+                "INSERT INTO tasks (run_id, kind, step, queue, name, payload, options, "
+                "available_at, heartbeat_timeout, priority, limit_key, dependency, batch_key, "
+                "batch_max, batch_wait, created_at) "
+                "VALUES (?, 'activity', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    run_id,
+                    e.step,
+                    e.data["queue"],
+                    e.data["name"],
+                    json.dumps(e.data.get("args", {})),
+                    json.dumps(e.data.get("options", {})),
+                    tx.now,
+                    hb,
+                    int(e.data.get("priority") or 0),
+                    e.data.get("limit_key"),
+                    e.data.get("dependency"),
+                    *_batch_cols(e.data),
+                    tx.now,
+                ),
+            )
+            tx.ready.add(e.data["queue"])
+        elif e.type is EventType.TIMER_STARTED:
+            tx.execute(
+                "INSERT INTO tasks (run_id, kind, step, queue, available_at, created_at) "
+                "VALUES (?, 'timer', ?, ?, ?, ?)",
+                (run_id, e.step, run_queue, e.data["fire_at"], tx.now),
+            )
+            tx.ready.add(run_queue)
+        elif e.type is EventType.CHILD_STARTED:
+            child = e.data["child_run_id"]
+            if fork:
+                _insert_run(
+                    tx,
+                    f"{run_id}/{e.step}",
+                    e.data["workflow"],
+                    e.data["queue"],
+                    json.dumps(e.data.get("input")),
+                    run_id,
+                    e.step,
+                )
+                continue
+            row = tx.execute(
+                "SELECT status, output, error FROM runs WHERE run_id = ?", (child,)
+            ).fetchone()
+            if row is None or not RunStatus(row[0]).is_terminal:
+                continue  # still running: its completion will reach this run
+            if row[0] == RunStatus.COMPLETED.value:
+                _append(
+                    tx,
+                    run_id,
+                    EventType.CHILD_COMPLETED,
+                    e.step,
+                    {"child_run_id": child},
+                    {"result": row[1] or "null"},
+                )
+            else:
+                _append(
+                    tx,
+                    run_id,
+                    EventType.CHILD_FAILED,
+                    e.step,
+                    {
+                        "child_run_id": child,
+                        "status": row[0],
+                        "error": json.loads(row[2]) if row[2] else None,
+                    },
+                )
+
+
+def _retry_run(tx: _Tx, run_id: str) -> None:
+    status, run_queue, _p, _s, workflow, _t = _run_row(tx, run_id)
+    if status not in (RunStatus.FAILED.value, RunStatus.NEEDS_INTERVENTION.value):
+        raise RecoveryError(
+            f"run {run_id!r} is {status}: only failed or needs_intervention runs can be "
+            "retried (use app.fork to re-run a finished run from a chosen step)"
+        )
+    events = _live_history(tx, run_id)
+    terminal = max(
+        (e.seq for e in events if e.type in COMMANDS and e.step is not None and e.type in _ENDINGS),
+        default=None,
+    )
+    failures = [
+        e
+        for e in events
+        if e.type in (EventType.ACTIVITY_FAILED, EventType.CHILD_FAILED)
+        and (terminal is None or e.seq < terminal)
+    ]
+    cut = failures[-1].seq if failures else (terminal or events[-1].seq)
+    voided_cmd_steps = {
+        e.step for e in events if e.seq > cut and e.type in COMMANDS and e.step is not None
+    }
+    voided = sorted(
+        e.seq
+        for e in events
+        if e.seq == cut
+        or (
+            e.seq > cut
+            and (
+                e.type in COMMANDS
+                or e.type is EventType.WORKFLOW_TASK_COMPLETED
+                or (e.type in OUTCOMES and e.step in voided_cmd_steps)
+            )
+        )
+    )
+    voided_set = set(voided)
+    kept = [e for e in events if e.seq not in voided_set]
+    # steps that succeeded after the failure are voided with it, but their results are
+    # offered back: if the code schedules the same activity at the same step again,
+    # the recorded result is reused and the step does not run twice
+    scheduled = {
+        e.step: (e.data.get("name"), e.data.get("args"))
+        for e in events
+        if e.seq in voided_set and e.type is EventType.ACTIVITY_SCHEDULED
+    }
+    reuse = {
+        str(e.step): {
+            "name": scheduled[e.step][0],
+            "args": scheduled[e.step][1],
+            "result": e.data.get("result"),
+        }
+        for e in events
+        if e.seq in voided_set and e.type is EventType.ACTIVITY_COMPLETED and e.step in scheduled
+    }
+    tx.execute(
+        "UPDATE runs SET status = 'running', output = NULL, error = NULL, completed_at = NULL "
+        "WHERE run_id = ?",
+        (run_id,),
+    )
+    _append(tx, run_id, EventType.RUN_RETRIED, None, {"voided": voided, "cut": cut, "reuse": reuse})
+    tx.finished[run_id] = None  # no longer finished: waiters woken by its end read it again
+    tx.execute("DELETE FROM tasks WHERE run_id = ?", (run_id,))
+    _pending_work(tx, run_id, kept, run_queue, fork=False)
+    tx.execute(
+        "UPDATE dead_letters SET resolved_at = ?, resolution = ? WHERE run_id = ? "
+        "AND resolved_at IS NULL",
+        (tx.now, json.dumps({"state": "retried"}), run_id),
+    )
+    _ensure_workflow_task(tx, run_id, run_queue, workflow)
+
+
+def _fork_run(tx: _Tx, run_id: str, new_run_id: str, at_step: int) -> None:
+    _status, run_queue, _p, _s, workflow, _t = _run_row(tx, run_id)
+    if tx.execute("SELECT 1 FROM runs WHERE run_id = ?", (new_run_id,)).fetchone():
+        raise RunIdConflictError(new_run_id, "an existing run")
+    events = _live_history(tx, run_id)
+    cut = next(
+        (
+            e.seq
+            for e in events
+            if (e.type in OUTCOMES and e.step is not None and e.step > at_step)
+            or e.type in _ENDINGS
+        ),
+        None,
+    )
+    informational = (
+        EventType.WORKFLOW_TERMINATED,
+        EventType.SUSPENDED,
+        EventType.RESUMED,
+        EventType.ACTIVITY_ATTEMPT_FAILED,
+    )
+    # keep everything before the cut, plus later outcomes of steps up to ``at_step``:
+    # with no marker after the cut, they are applied in the fork's first new task
+    kept = [
+        e
+        for e in events
+        if e.type not in informational
+        and (
+            cut is None
+            or e.seq < cut
+            or (e.type in OUTCOMES and e.step is not None and e.step <= at_step)
+        )
+    ]
+    row = tx.execute("SELECT input FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+    tx.execute(
+        "INSERT INTO runs (run_id, workflow, status, queue, input, created_at, updated_at) "
+        "VALUES (?, ?, 'running', ?, ?, ?, ?)",
+        (new_run_id, workflow, run_queue, row[0], tx.now, tx.now),
+    )
+    for e in kept:
+        data = dict(e.data)
+        if e.type is EventType.WORKFLOW_STARTED:
+            data["forked_from"] = {"run_id": run_id, "at_step": at_step}
+        _append(tx, new_run_id, e.type, e.step, data)
+    _pending_work(tx, new_run_id, kept, run_queue, fork=True)
+    _ensure_workflow_task(tx, new_run_id, run_queue, workflow)
+
+
+# operations of other concerns (imported last: see the package docstring)
+from .batches import _batch_cols  # noqa: E402
+from .dependencies import _ensure_dependency  # noqa: E402
+from .history import _append, _live_history  # noqa: E402
+from .runs import _insert_run, _run_row  # noqa: E402
+from .tasks import _ensure_workflow_task  # noqa: E402
+from .workflow_tasks import _ENDINGS  # noqa: E402

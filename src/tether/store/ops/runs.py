@@ -1,0 +1,386 @@
+"""Runs: creating them (with an eager first task), ending them, reading them."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from ..._errors import AdmissionLimitError, RunIdConflictError, RunNotFoundError, StoreError
+from ..._history import EventType, RunEnd, RunInfo, RunStatus, Task
+from ..._serde import dumps
+from ..base import StartResult, WorkflowTaskResult, start_event_data
+from ._tx import _RUN_COLS, _json, _run_from_row, _Tx
+
+
+def _run_row(tx: _Tx, run_id: str) -> tuple[Any, ...]:
+    """(status, queue, parent_run_id, parent_step, workflow, tenant) of a run."""
+    row = tx.execute(
+        "SELECT status, queue, parent_run_id, parent_step, workflow, tenant FROM runs "
+        "WHERE run_id = ?",
+        (run_id,),
+    ).fetchone()
+    if row is None:
+        raise RunNotFoundError(run_id)
+    return tuple(row)
+
+
+def _insert_run(
+    tx: _Tx,
+    run_id: str,
+    workflow: str,
+    queue: str,
+    input: str,
+    parent_run_id: str | None = None,
+    parent_step: int | None = None,
+    deadline_at: float | None = None,
+    tenant: str | None = None,
+    queued: bool = False,
+    lease_to: str | None = None,
+    lease_queues: tuple[str, ...] = (),
+    lease: float = 30.0,
+    task: bool = True,
+    start_event: bool = True,
+) -> Task | None:
+    """Insert a run and its start event; unless ``queued`` or not ``task``, its workflow task.
+
+    Without ``start_event`` the caller appends the start event (``_start_event``) as seq 1,
+    and the run is ``running`` at once: its first workflow task is recorded with it
+    (eager start), so it never is ``pending``.
+    """
+    tx.execute(
+        "INSERT INTO runs (run_id, workflow, status, queue, input, parent_run_id, parent_step, "
+        "created_at, updated_at, tenant, next_seq) VALUES (?,?,?,?,?,?,?,?,?,?,2)",
+        (
+            run_id,
+            workflow,
+            "queued" if queued else ("pending" if start_event else "running"),
+            queue,
+            input,
+            parent_run_id,
+            parent_step,
+            tx.now,
+            tx.now,
+            tenant,
+        ),
+    )
+    if deadline_at is not None:
+        # the deadline is a task like a timer: due at the deadline, deleted when the run ends
+        tx.execute(
+            "INSERT INTO tasks (run_id, kind, queue, available_at, created_at) "
+            "VALUES (?, 'deadline', ?, ?, ?)",
+            (run_id, queue, deadline_at, tx.now),
+        )
+    if start_event:
+        # the start event is seq 1 (the row above already counts it): no counter round trip
+        _, _, data, raw = _start_event(workflow, input, deadline_at, tenant, parent_run_id)
+        tx.execute(
+            "INSERT INTO events (run_id, seq, type, step, data, created_at) "
+            "VALUES (?,1,?,NULL,?,?)",
+            (run_id, EventType.WORKFLOW_STARTED.value, _json(data, raw), tx.now),
+        )
+    if queued or not task:  # a queued run gets its workflow task when admitted (_promote)
+        return None
+    return _ensure_workflow_task(tx, run_id, queue, workflow, lease_to, lease_queues, lease)
+
+
+def _start_event(
+    workflow: str,
+    input: str,
+    deadline_at: float | None,
+    tenant: str | None = None,
+    parent_run_id: str | None = None,
+) -> _Pending:
+    """A run's ``WorkflowStarted`` event, to append as its seq 1."""
+    data = start_event_data(workflow, deadline_at, tenant, parent_run_id)
+    return (EventType.WORKFLOW_STARTED, None, data, {"input": input})
+
+
+def _create_run(
+    tx: _Tx,
+    run_id: str,
+    workflow: str,
+    queue: str,
+    input: str,
+    deadline_at: float | None,
+    tenant: str | None = None,
+    on_limit: str = "raise",
+    lease_to: str | None = None,
+    lease_queues: tuple[str, ...] = (),
+    lease: float = 30.0,
+    first: WorkflowTaskResult | None = None,
+    lease_limit: int = 0,
+) -> StartResult:
+    # optimistic: no read; if the run exists, inserting it fails and the safe path reads
+    row = None
+    if not tx.optimistic:
+        row = tx.execute(f"SELECT {_RUN_COLS} FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+    if row is not None:
+        existing = _run_from_row(row)
+        if existing.workflow != workflow:
+            raise RunIdConflictError(run_id, f"workflow {existing.workflow!r}")
+        if existing.input != input:
+            raise RunIdConflictError(run_id, "different input")
+        if existing.tenant != tenant:
+            raise RunIdConflictError(run_id, f"tenant {existing.tenant!r}")
+        return StartResult(run=existing, created=False)
+    queued = False
+    if tenant is not None:
+        # the tenant's row is locked (PostgreSQL) before counting, so concurrent starts
+        # and finishes of one tenant take turns and the count cannot be overshot
+        limit, running = _admission(tx, tenant)
+        if limit is not None and running < limit:
+            # FIFO: runs already waiting for admission go first
+            running += _admit_queued(tx, tenant, limit - running)
+        if limit is not None and running >= limit:
+            if on_limit != "queue":
+                raise AdmissionLimitError(tenant, limit, running)
+            queued = True
+    # the caller ran the first workflow task already: record it here, with no task row
+    eager = first is not None and not queued and lease_to is not None and queue in lease_queues
+    leased = _insert_run(
+        tx,
+        run_id,
+        workflow,
+        queue,
+        input,
+        deadline_at=deadline_at,
+        tenant=tenant,
+        queued=queued,
+        lease_to=lease_to,
+        lease_queues=lease_queues,
+        lease=lease,
+        task=not eager,
+        start_event=not eager,
+    )
+    if eager:
+        assert first is not None
+        # the start event, the task's commands and its marker in one history write, the
+        # counter in one update (the run was inserted running)
+        marker, acts, ended = _apply_workflow_result(
+            tx,
+            run_id,
+            (RunStatus.RUNNING.value, queue, None, None, workflow, tenant),
+            first,
+            [_start_event(workflow, input, deadline_at, tenant)],
+            1,
+            lease_to,
+            lease_queues,
+            lease,
+            lease_limit,
+        )
+        if ended or any(c.type is EventType.STATUS_SET for c in first.commands):
+            row = tx.execute(f"SELECT {_RUN_COLS} FROM runs WHERE run_id = ?", (run_id,))
+            info = _run_from_row(row.fetchone())
+        else:  # nothing else can have changed it: no read back
+            info = _new_run(tx, run_id, workflow, RunStatus.RUNNING, queue, input, tenant)
+        return StartResult(run=info, created=True, first_marker=marker, first_leased=tuple(acts))
+    if leased is None:
+        status = RunStatus.QUEUED if queued else RunStatus.PENDING
+        return StartResult(
+            run=_new_run(tx, run_id, workflow, status, queue, input, tenant), created=True
+        )
+    row = tx.execute(f"SELECT {_RUN_COLS} FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+    if leased is not None:  # hand the worker the history too: it needs no read to start
+        events = _read_history(tx, run_id, 0)
+        leased = dataclasses.replace(leased, prefetched=tuple(events), prefetched_after=0)
+    return StartResult(run=_run_from_row(row), created=True, leased=leased)
+
+
+def _new_run(
+    tx: _Tx,
+    run_id: str,
+    workflow: str,
+    status: RunStatus,
+    queue: str,
+    input: str,
+    tenant: str | None,
+) -> RunInfo:
+    """The RunInfo of a run this transaction just created (what a read would return)."""
+    return RunInfo(
+        run_id=run_id,
+        workflow=workflow,
+        status=status,
+        queue=queue,
+        input=input,
+        output=None,
+        error=None,
+        custom_status=None,
+        parent_run_id=None,
+        continued_to=None,
+        task_error=None,
+        created_at=tx.now,
+        updated_at=tx.now,
+        completed_at=None,
+        tenant=tenant,
+    )
+
+
+def _finish(
+    tx: _Tx,
+    run_id: str,
+    status: RunStatus,
+    *,
+    output: str | None = None,
+    error: dict[str, Any] | None = None,
+    continued_to: str | None = None,
+    known: tuple[Any, ...] | None = None,
+    next_seq: int | None = None,
+    children: bool = False,
+) -> None:
+    """End a run: its status and outcome, its tasks gone, its parent and tenant told.
+
+    ``known`` is the run's (parent_run_id, parent_step, workflow, tenant) when the
+    caller read them already in this transaction (saving a read); ``next_seq`` a
+    new history counter to write in the same update. With ``children``, running
+    children get their parent-close policy in the same commit.
+    """
+    if known is None:
+        known = tx.execute(
+            "SELECT parent_run_id, parent_step, workflow, tenant FROM runs WHERE run_id = ?",
+            (run_id,),
+        ).fetchone()
+        if known is None:
+            raise RunNotFoundError(run_id)
+    parent_run_id, parent_step, workflow, tenant = known
+    tx.execute(
+        "UPDATE runs SET status = ?, output = ?, error = ?, continued_to = ?, completed_at = ?, "
+        "waiting_on = NULL, "
+        f"updated_at = ?{', next_seq = ?' if next_seq is not None else ''} WHERE run_id = ?",
+        (
+            status.value,
+            output,
+            dumps(error) if error else None,
+            continued_to,
+            tx.now,
+            tx.now,
+            *(() if next_seq is None else (next_seq,)),
+            run_id,
+        ),
+    )
+    tx.execute("DELETE FROM tasks WHERE run_id = ?", (run_id,))
+    if children:
+        _close_children(tx, run_id)
+    tx.finished[run_id] = RunEnd(
+        run_id=run_id,
+        workflow=workflow,
+        status=status,
+        output=output,
+        error=error,
+        continued_to=continued_to,
+    )
+    # the continuation keeps the run's place; otherwise admit the tenant's oldest queued
+    # run, in this commit
+    if status is not RunStatus.CONTINUED_AS_NEW and tenant is not None:
+        _promote(tx, tenant)
+    if status in (RunStatus.FAILED, RunStatus.NEEDS_INTERVENTION, RunStatus.TIMED_OUT):
+        tx.execute(
+            "INSERT INTO dead_letters (run_id, kind, name, input, error, reason, created_at) "
+            "SELECT run_id, 'run', workflow, input, ?, ?, ? FROM runs WHERE run_id = ?",
+            (json.dumps(error) if error else None, status.value, tx.now, run_id),
+        )
+    if parent_run_id is None or status is RunStatus.CONTINUED_AS_NEW:
+        return
+    pstatus, pqueue, _pp, _ps, pworkflow, _pt = _run_row(tx, parent_run_id)
+    if RunStatus(pstatus).is_terminal:
+        return
+    if status is RunStatus.COMPLETED:
+        _append(
+            tx,
+            parent_run_id,
+            EventType.CHILD_COMPLETED,
+            parent_step,
+            {"child_run_id": run_id},
+            {"result": output or "null"},
+        )
+    else:
+        _append(
+            tx,
+            parent_run_id,
+            EventType.CHILD_FAILED,
+            parent_step,
+            {"child_run_id": run_id, "status": status.value, "error": error},
+        )
+    _ensure_workflow_task(tx, parent_run_id, pqueue, pworkflow)
+
+
+def _child_outcome(tx: _Tx, child: str, step: int | None) -> _Pending | None:
+    """A child's outcome as its parent's event at ``step``, or None while it runs.
+
+    A child that continued as new is followed to its latest run, which is told to
+    report to ``step`` (where its parent now waits for it).
+    """
+    info = _get_run(tx, child, True)
+    if info is None:
+        return None
+    if not info.status.is_terminal:
+        tx.execute("UPDATE runs SET parent_step = ? WHERE run_id = ?", (step, info.run_id))
+        return None
+    if info.status is RunStatus.COMPLETED:
+        return (
+            EventType.CHILD_COMPLETED,
+            step,
+            {"child_run_id": child},
+            {"result": info.output or "null"},
+        )
+    return (
+        EventType.CHILD_FAILED,
+        step,
+        {"child_run_id": child, "status": info.status.value, "error": info.error},
+        None,
+    )
+
+
+def _get_run(tx: _Tx, run_id: str, follow: bool = False) -> RunInfo | None:
+    """A run's row; with ``follow``, its chain's latest run (live or last) instead."""
+    for _ in range(_MAX_CHAIN):
+        row = tx.execute(f"SELECT {_RUN_COLS} FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+        if row is None:
+            return None
+        info = _run_from_row(row)
+        if not follow or info.continued_to is None:
+            return info
+        run_id = info.continued_to
+    raise StoreError(f"run {run_id!r} continues as new in a cycle")  # pragma: no cover
+
+
+def _list_runs(
+    tx: _Tx,
+    status: RunStatus | None,
+    workflow: str | None,
+    limit: int,
+    offset: int,
+    waiting_for: str | None = None,
+) -> list[RunInfo]:
+    where, args = [], []
+    if waiting_for is not None:
+        kind, _, name = waiting_for.partition(":")
+        if kind == "admission":
+            where.append("status = 'queued'")
+        else:
+            pattern = f'"kind":"{kind}"' + (f',"name":{json.dumps(name)}' if name else "")
+            escaped = pattern.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+            where.append(
+                "status IN ('pending', 'running', 'suspended') AND waiting_on LIKE ? ESCAPE '\\'"
+            )
+            args.append(f"%{escaped}%")
+    if status is not None:
+        where.append("status = ?")
+        args.append(status.value)
+    if workflow is not None:
+        where.append("workflow = ?")
+        args.append(workflow)
+    clause = f"WHERE {' AND '.join(where)}" if where else ""
+    rows = tx.execute(
+        f"SELECT {_RUN_COLS} FROM runs {clause} ORDER BY created_at DESC, run_id LIMIT ? OFFSET ?",
+        (*args, limit, offset),
+    ).fetchall()
+    return [_run_from_row(r) for r in rows]
+
+
+# operations of other concerns (imported last: see the package docstring)
+from .admission import _admission, _admit_queued, _promote  # noqa: E402
+from .control import _MAX_CHAIN, _close_children  # noqa: E402
+from .history import _append, _Pending, _read_history  # noqa: E402
+from .tasks import _ensure_workflow_task  # noqa: E402
+from .workflow_tasks import _apply_workflow_result  # noqa: E402

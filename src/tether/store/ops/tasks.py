@@ -1,0 +1,259 @@
+"""Task rows: inserting, fencing, leases (renew, release, reclaim), next due."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ..._errors import LeaseLostError
+from ..._history import RunStatus, Task
+from ._tx import _TASK_COLS, _task_from_row, _Tx
+
+#: an activity task's columns as ``_apply_workflow_result`` gives their values
+_TASK_INSERT_NAMES = (
+    "run_id",
+    "step",
+    "queue",
+    "name",
+    "payload",
+    "options",
+    "available_at",
+    "lease_owner",
+    "fence",
+    "attempt",
+    "heartbeat_timeout",
+    "priority",
+    "limit_key",
+    "dependency",
+    "batch_key",
+    "batch_max",
+    "batch_wait",
+    "created_at",
+)
+
+
+_task_inserts: dict[tuple[tuple[bool, ...], bool, str], str] = {}
+
+
+def _task_insert(values: Sequence[Any], with_id: bool, tail: str) -> tuple[str, list[Any]]:
+    """An activity task's INSERT and its parameters, NULL columns left out.
+
+    The sqlite3 module adapts a None parameter the slow way (an attribute lookup
+    that fails and formats an error, per parameter): a column that stays NULL is
+    simply not named. One statement per pattern of NULLs (a handful), cached.
+    """
+    mask = tuple(v is not None for v in values)
+    key = (mask, with_id, tail)
+    text = _task_inserts.get(key)
+    if text is None:
+        cols = [name for name, given in zip(_TASK_INSERT_NAMES, mask, strict=True) if given]
+        names = (["task_id"] if with_id else []) + ["kind", *cols]
+        marks = (["?"] if with_id else []) + ["'activity'"] + ["?"] * len(cols)
+        text = f"INSERT INTO tasks ({', '.join(names)}) VALUES ({', '.join(marks)}){tail}"
+        if len(_task_inserts) < 256:
+            _task_inserts[key] = text
+    return text, [v for v in values if v is not None]
+
+
+def _new_activity_task(task_id: int, values: Sequence[Any], options: dict[str, Any]) -> Task:
+    """The Task a leased activity row inserted with ``values`` is (no RETURNING read)."""
+    return Task(
+        task_id=task_id,
+        run_id=values[0],
+        kind="activity",
+        step=values[1],
+        queue=values[2],
+        name=values[3],
+        payload=values[4],
+        options=options,
+        fence=values[8],
+        attempt=values[9],
+        lease_expires_at=values[6],
+        heartbeat=None,
+        dependency=values[13],
+    )
+
+
+def _insert_activity_task(
+    tx: _Tx, values: Sequence[Any], options: dict[str, Any], local: bool
+) -> Task | None:
+    """Insert an activity task row (``_TASK_INSERT_NAMES``); the Task if leased to us."""
+    if tx.optimistic and tx.new_task_id is not None:
+        # nothing to wait for: the id is ours already and the row is new (a conflicting
+        # row fails the batch, and the safe path sees it below)
+        if not local:
+            tx.execute(*_task_insert(values, False, " ON CONFLICT DO NOTHING"))
+            return None
+        task_id = tx.new_task_id()
+        text, params = _task_insert(values, True, "")
+        tx.execute(text, [task_id, *params])
+        return _new_activity_task(task_id, values, options)
+    text, params = _task_insert(values, False, " ON CONFLICT DO NOTHING RETURNING task_id")
+    row = tx.execute(text, params).fetchone()
+    return _new_activity_task(row[0], values, options) if local and row is not None else None
+
+
+def _ensure_workflow_task(
+    tx: _Tx,
+    run_id: str,
+    queue: str,
+    workflow: str,
+    lease_to: str | None = None,
+    lease_queues: tuple[str, ...] = (),
+    lease: float = 30.0,
+) -> Task | None:
+    """Make sure the run has a workflow task; return it if created and leased to us.
+
+    The task is leased at once to ``lease_to`` when that worker serves the run's
+    queue: it usually holds the run in its sticky cache, so it can continue it
+    without another claim.
+    """
+    if lease_to is not None and queue in lease_queues:
+        row = tx.execute("SELECT status FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+        if row is not None and row[0] == RunStatus.SUSPENDED.value:
+            lease_to = None  # a suspended run's work waits for resume, not for this worker
+    if lease_to is None or queue not in lease_queues:
+        tx.execute(
+            "INSERT INTO tasks (run_id, kind, queue, name, available_at, created_at) "
+            "VALUES (?, 'workflow', ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+            (run_id, queue, workflow, tx.now, tx.now),
+        )
+        tx.ready.add(queue)
+        return None
+    row = tx.execute(
+        "INSERT INTO tasks (run_id, kind, queue, name, available_at, lease_owner, fence, "
+        "created_at) VALUES (?, 'workflow', ?, ?, ?, ?, 1, ?) ON CONFLICT DO NOTHING "
+        f"RETURNING {_TASK_COLS}",
+        (run_id, queue, workflow, tx.now + lease, lease_to, tx.now),
+    ).fetchone()
+    return _task_from_row(row) if row else None
+
+
+def _check_fence(tx: _Tx, task: Task) -> None:
+    row = tx.execute(
+        f"SELECT fence FROM tasks WHERE task_id = ?{tx.for_update}", (task.task_id,)
+    ).fetchone()
+    if row is None or row[0] != task.fence:
+        raise LeaseLostError(
+            f"lease lost on {task.kind} task {task.task_id} of run {task.run_id!r}: another "
+            "worker took it over or the run ended; this worker's result was discarded"
+        )
+
+
+def _take_task(tx: _Tx, task: Task) -> None:
+    """Delete a finished task's row, provided our lease on it still holds (its fence)."""
+    if tx.optimistic:  # the lease almost always holds: no wait; the guard fails if it did not
+        tx.guard(
+            "WITH d AS (DELETE FROM tasks WHERE task_id = ? AND fence = ? RETURNING 1) "
+            "SELECT 1 / count(*)::int FROM d",
+            (task.task_id, task.fence),
+        )
+        return
+    row = tx.execute(
+        "DELETE FROM tasks WHERE task_id = ? AND fence = ? RETURNING 1",
+        (task.task_id, task.fence),
+    ).fetchone()
+    if row is None:
+        raise LeaseLostError(
+            f"lease lost on {task.kind} task {task.task_id} of run {task.run_id!r}: another "
+            "worker took it over or the run ended; this worker's result was discarded"
+        )
+
+
+def _renew(tx: _Tx, tasks: tuple[Task, ...], lease: float) -> dict[int, bool]:
+    out: dict[int, bool] = {}
+    for t in tasks:
+        row = tx.execute(
+            "UPDATE tasks SET available_at = CASE WHEN heartbeat_timeout IS NULL THEN ? "
+            "ELSE available_at END WHERE task_id = ? AND fence = ? RETURNING cancel_requested",
+            (tx.now + lease, t.task_id, t.fence),
+        ).fetchone()
+        if row is not None:
+            out[t.task_id] = bool(row[0])
+    return out
+
+
+def _reclaim(tx: _Tx, worker_id: str) -> int:
+    """Make the tasks leased to ``worker_id`` claimable now (its process restarted).
+
+    Safe even if the old process is somehow alive: the next claim bumps each fence,
+    so anything the old one tries to commit is refused.
+    """
+    rows = tx.execute(
+        "UPDATE tasks SET available_at = ? WHERE lease_owner = ? AND available_at > ? "
+        "RETURNING queue",
+        (tx.now, worker_id, tx.now),
+    ).fetchall()
+    for (queue,) in rows:
+        tx.ready.add(queue)
+    return len(rows)
+
+
+def _foreign_leases(tx: _Tx, queues: tuple[str, ...], worker_id: str) -> tuple[int, float | None]:
+    marks = ",".join("?" * len(queues))
+    row = tx.execute(
+        f"SELECT count(*), max(available_at) FROM tasks WHERE queue IN ({marks}) "
+        "AND lease_owner IS NOT NULL AND lease_owner <> ? AND available_at > ?",
+        (*queues, worker_id, tx.now),
+    ).fetchone()
+    return (int(row[0]), row[1]) if row else (0, None)
+
+
+def _release(tx: _Tx, tasks: tuple[Task, ...], delay: float = 0.0, unstarted: bool = False) -> None:
+    """Give leased tasks back; ``unstarted`` ones never ran, so their claim's attempt
+    is taken back too (a graceful stop must not use up a step's retries)."""
+    undo = (
+        ", attempt = CASE WHEN kind = 'activity' AND attempt > 0 THEN attempt - 1 ELSE attempt END"
+        if unstarted
+        else ""
+    )
+    for t in tasks:
+        tx.execute(
+            f"UPDATE tasks SET lease_owner = NULL, available_at = ?{undo} "
+            "WHERE task_id = ? AND fence = ?",
+            (tx.now + delay, t.task_id, t.fence),
+        )
+        tx.ready.add(t.queue)
+
+
+def _heartbeat(tx: _Tx, task: Task, lease: float, details: str | None) -> bool:
+    row = tx.execute(
+        "UPDATE tasks SET available_at = ? + COALESCE(heartbeat_timeout, ?), "
+        "heartbeat = coalesce(?, heartbeat) WHERE task_id = ? AND fence = ? "
+        "RETURNING cancel_requested",
+        (tx.now, lease, details, task.task_id, task.fence),
+    ).fetchone()
+    if row is None:
+        raise LeaseLostError(
+            f"activity task {task.task_id} of run {task.run_id!r} is no longer held by this "
+            "worker (lease expired, run ended or cancelled); stop work and clean up"
+        )
+    return bool(row[0])
+
+
+def _next_due(tx: _Tx, queues: tuple[str, ...]) -> float | None:
+    # batched tasks are due when their batch is (_batch_due), not when they became ready
+    if tx.skip_locked:
+        # PostgreSQL: one index endpoint lookup per queue (tasks_ready); min() over
+        # ``queue IN (...)`` read every task of those queues on each idle poll
+        row = tx.execute(
+            "SELECT min(m.due) FROM unnest(?::text[]) AS q(name) CROSS JOIN LATERAL "
+            "(SELECT t.available_at AS due FROM tasks t WHERE t.queue = q.name "
+            "AND t.batch_key IS NULL ORDER BY t.available_at LIMIT 1) m",
+            (list(queues),),
+        ).fetchone()
+    else:
+        marks = ",".join("?" * len(queues))
+        row = tx.execute(
+            f"SELECT min(available_at) FROM tasks WHERE queue IN ({marks}) AND batch_key IS NULL",
+            queues,
+        ).fetchone()
+    due: float | None = row[0] if row else None
+    batched = _batch_due(tx, queues) if queues else None
+    if batched is not None and (due is None or batched < due):
+        return batched
+    return due
+
+
+# operations of other concerns (imported last: see the package docstring)
+from .batches import _batch_due  # noqa: E402
