@@ -94,7 +94,7 @@ def test_concurrent_migration_from_four_threads_is_safe(
 def test_concurrent_migration_from_four_processes_is_safe(pg_schema: str) -> None:
     url = with_schema(PG_URL, pg_schema)
     code = (
-        "import sys, time; from tether.store.base import open_store\n"
+        "import sys, time; from tether.store import open_store\n"
         "time.sleep(max(0.0, float(sys.argv[2]) - time.time()))\n"
         "s = open_store(sys.argv[1]); s.close_sync(); print('ok')\n"
     )
@@ -458,7 +458,7 @@ def test_unreachable_server_raises_clear_store_error() -> None:
 def test_open_store_accepts_postgres_urls_and_schema(
     pg_schema: str, open_stores: list[PostgresStore]
 ) -> None:
-    from tether.store.base import open_store
+    from tether.store import open_store
 
     for url, kwargs in [
         (with_schema(PG_URL, pg_schema), {}),

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from ._activity_context import ActivityContext, NotInActivityError, activity_context
 from ._app import App, Run
-from ._batch import Batch, BatchActivity
+from ._batch import BatchActivity
+from ._batching import Batch
 from ._breaker import CircuitBreaker, CircuitOpenError
 from ._classify import RetryAfter, Verdict, classify
 from ._definitions import Activity, ActivityOptions, Workflow

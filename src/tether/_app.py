@@ -14,7 +14,8 @@ from datetime import timedelta
 from typing import Any, Generic, ParamSpec, TypeVar, overload
 
 from ._activity_context import ActivityContext, set_context
-from ._batch import Batch, BatchActivity, BatchDecorator
+from ._batch import BatchActivity, BatchDecorator
+from ._batching import Batch
 from ._breaker import CircuitBreaker
 from ._definitions import Activity, ActivityOptions, Workflow, check_run_id
 from ._errors import (
@@ -34,7 +35,8 @@ from ._policy import DEFAULT_RETRY, Retry, seconds
 from ._queues import Dependency, QueueLimits, QueueStats
 from ._serde import decode_raw, encode
 from ._worker import Worker
-from .store.base import WAITING_KINDS, Finished, Store, open_store, start_event_data
+from .store._open import open_store
+from .store.base import WAITING_KINDS, Finished, Store, start_event_data
 from .store.ops.admission import _configure_admission
 from .store.ops.queues import _configure_queue
 

@@ -13,15 +13,11 @@ in ``store/_ops.py``) and the worker runs the function once for all of them
 
 from __future__ import annotations
 
-import asyncio
 import collections.abc
-import contextvars
-import functools
 import inspect
-import json
 import logging
 import types
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import timedelta
 from typing import (
     TYPE_CHECKING,
@@ -36,100 +32,22 @@ from typing import (
     overload,
 )
 
-from ._activity_context import ActivityContext, set_context
-from ._breaker import CircuitOpenError
+from ._batching import Batch
 from ._definitions import Activity, ActivityOptions
 from ._errors import (
     ConfigurationError,
     NonRetryable,
-    PayloadError,
-    StoreError,
-    TetherError,
 )
-from ._history import Task
-from ._policy import Retry, seconds
-from ._serde import Signature, encode
+from ._policy import Retry
+from ._serde import Signature
 
 if TYPE_CHECKING:
     from ._queues import Dependency
-    from ._worker import Worker
 
 log = logging.getLogger("tether.worker")
 
 T = TypeVar("T")
 R = TypeVar("R")
-
-
-class Batch:
-    """How calls of one activity are batched: ``tether.Batch(max_items=, max_wait=, key=)``.
-
-    A batch is run when ``max_items`` calls with the same key are ready, or when
-    the oldest of them has waited ``max_wait`` (seconds or a timedelta). ``key``
-    is a function of the item returning a string (e.g. the model); calls with
-    different keys never share a batch. Without it, every call of the activity
-    may join the same batch.
-    """
-
-    def __init__(
-        self,
-        *,
-        max_items: int,
-        max_wait: float | timedelta,
-        key: Callable[[Any], str] | None = None,
-    ) -> None:
-        if isinstance(max_items, bool) or not isinstance(max_items, int):
-            raise ConfigurationError(
-                f"max_items of tether.Batch must be an integer (got {max_items!r})"
-            )
-        if max_items < 1:
-            raise ConfigurationError(
-                f"max_items of tether.Batch must be at least 1 (got {max_items})"
-            )
-        wait = seconds(max_wait, "max_wait of tether.Batch")
-        if wait is None or wait <= 0:
-            raise ConfigurationError(
-                f"max_wait of tether.Batch must be a positive duration (got {max_wait!r}): "
-                "how long the oldest waiting call may wait for its batch to fill"
-            )
-        if key is not None and not callable(key):
-            raise ConfigurationError(
-                "key of tether.Batch takes a function of the item returning a string "
-                f"(e.g. lambda req: req.model), got {type(key).__name__}"
-            )
-        self.max_items = max_items
-        self.max_wait = wait
-        self.key = key
-
-    def __repr__(self) -> str:
-        return f"<tether.Batch max_items={self.max_items} max_wait={self.max_wait}s>"
-
-    def scheduling(self, activity: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-        """What one call records in ActivityScheduled: its batch key and the batch limits.
-
-        The key function runs here, in the workflow, once; the store groups tasks
-        by the recorded key, so replay, retry and fork never call user code again.
-        """
-        item = args[0] if args else next(iter(kwargs.values()), None)
-        value: str | None = None
-        if self.key is not None:
-            try:
-                value = self.key(item)
-            except Exception as exc:
-                raise ConfigurationError(
-                    f"batch key of activity {activity!r} failed on this call's item: "
-                    f"{type(exc).__name__}: {exc}"
-                ) from exc
-            if not isinstance(value, str):
-                raise ConfigurationError(
-                    f"batch key of activity {activity!r} must return a string, "
-                    f"got {type(value).__name__} ({value!r})"
-                )
-        group = [activity] if value is None else [activity, value]
-        return {
-            "key": json.dumps(group, separators=(",", ":")),
-            "max_items": self.max_items,
-            "max_wait": self.max_wait,
-        }
 
 
 class BatchResultError(NonRetryable):
@@ -359,166 +277,3 @@ class BatchDecorator(Protocol):
     def __call__(self, fn: Callable[[list[Any]], Any], /) -> BatchActivity[Any, Any]:
         """Register ``fn`` as the batch function."""
         ...
-
-
-# -- the activity context of a batch --------------------------------------------
-
-
-class BatchActivityContext(ActivityContext):
-    """The context of a batched call: ``idempotency_keys`` has one key per item.
-
-    The scalar fields (``run_id``, ``step``, ``attempt``, ``idempotency_key``)
-    describe the first item. ``heartbeat()`` renews the lease of every item;
-    ``is_cancelled`` turns true when every item was cancelled or lost.
-    """
-
-    _tasks: tuple[Task, ...] = ()
-
-    def _beat(self, details: str | None) -> Coroutine[Any, Any, bool]:
-        return self._beat_all(details)
-
-    async def _beat_all(self, details: str | None) -> bool:
-        assert self._store is not None
-        store, lease = self._store, self._lease
-        beats = await asyncio.gather(
-            *(store.heartbeat(t, lease, details) for t in self._tasks), return_exceptions=True
-        )
-        return all(b is not False for b in beats)  # True: nothing of this batch is live
-
-
-# -- running a batch (the worker side) -------------------------------------------
-
-
-async def run_batch(w: Worker, tasks: list[Task]) -> None:
-    """Run the activity once for ``tasks`` (leased together) and record each outcome.
-
-    Items whose step is already out of time or attempts fail before the call;
-    the rest go to the function as one list. Its exception fails every item
-    (each by its own retry policy and attempt count); an Exception in the
-    result list fails only that item. The outcomes are written concurrently, so
-    the store's group commit puts them in one transaction, each with its own fence.
-    """
-    from ._worker import _Plan, _StepTimeout
-
-    store = w.app.store
-    assert w._loop is not None
-    try:
-        act: Activity[Any, Any] | None = w.app.get_activity(tasks[0].name or "")
-    except TetherError:
-        act = None
-    if not isinstance(act, BatchActivity) or act.fn is not act.item_fn:
-        # unknown here, no longer batched, or wrapped by a testing tool: one by one
-        await asyncio.gather(*(w._run_activity(t) for t in tasks))
-        return
-    now = store.clock()
-    outcomes: list[Awaitable[None]] = []
-    live: list[tuple[Task, _Plan, Any]] = []
-    for task in tasks:
-        opts = task.options or {}
-        plan = _Plan(Retry.from_json(opts.get("retry") or {}, act.opts.retry.non_retryable), opts)
-        early: BaseException | None = None
-        if plan.deadline is not None and now >= plan.deadline:
-            early = _StepTimeout(plan.deadline_reason)
-        elif task.attempt > plan.retry.attempts:
-            early = TimeoutError(
-                f"attempt {task.attempt} exceeds the {plan.retry.attempts} allowed: earlier "
-                "attempts were lost (worker crash or heartbeat timeout)"
-            )
-        else:
-            try:
-                args, kwargs = act.sig.decode_args(task.payload or "{}")
-                live.append((task, plan, args[0] if args else next(iter(kwargs.values()))))
-                continue
-            except PayloadError as exc:
-                early = NonRetryable(str(exc))
-        outcomes.append(w._record_failure(task, early, plan, None))
-    if outcomes:
-        await _settle(w, outcomes, tasks)  # recorded now: the batch may run a long time
-        outcomes = []
-    if not live:
-        return
-    breaker = (live[0][0].options or {}).get("breaker")
-    if breaker:
-        wait = await store.breaker_admit(breaker)
-        if wait is not None:  # open: fail fast, never touching the dependency
-            w.stats["breaker_rejections"] += len(live)
-            err = CircuitOpenError(breaker["name"], wait)
-            await _settle(w, [w._record_failure(t, err, p, None) for t, p, _ in live], tasks)
-            return
-    first = live[0][0]
-    ctx = BatchActivityContext(
-        run_id=first.run_id,
-        step=first.step or 0,
-        name=act.name,
-        attempt=first.attempt,
-        idempotency_key=f"{first.run_id}:{first.step}",
-        idempotency_keys=tuple(f"{t.run_id}:{t.step}" for t, _, _ in live),
-        task=first,
-        _store=store,
-        _loop=w._loop,
-        _lease=w.lease,
-    )
-    ctx._tasks = tuple(t for t, _, _ in live)
-    limits = [t for t in (p.attempt_timeout(now) for _, p, _ in live) if t]
-    timeout = min(limits) if limits else None
-    items = [item for _, _, item in live]
-    error: BaseException | None = None
-    results: list[Any] = []
-    try:
-        cv = contextvars.copy_context()
-        cv.run(set_context, ctx)
-        fut: asyncio.Future[Any]
-        if act.is_async:
-            fut = asyncio.ensure_future(w._loop.create_task(act.batch_fn(items), context=cv))
-        else:
-            fut = w._loop.run_in_executor(w._pool, functools.partial(cv.run, act.batch_fn, items))
-        value = await asyncio.wait_for(fut, timeout) if timeout else await fut
-        ctx._returned = True
-        results = split_results(act.name, value, len(items))
-    except asyncio.CancelledError:
-        if w._stopping:
-            raise
-        error = asyncio.CancelledError("activity cancelled")
-    except TimeoutError as exc:
-        error = TimeoutError(
-            str(exc)
-            or f"batch of {len(items)} item(s) of activity {act.name!r} timed out after {timeout}s"
-        )
-    except Exception as exc:
-        error = exc
-    w.stats["batches"] += 1
-    w.stats["batch_items"] += len(live)
-    for i, (task, plan, _) in enumerate(live):
-        outcome: BaseException | str
-        if error is not None:
-            outcome = error
-        elif isinstance(results[i], BaseException):
-            outcome = results[i]
-        else:
-            try:
-                outcome = encode(results[i], f"result of activity {act.name!r}")
-            except PayloadError as exc:
-                outcome = NonRetryable(str(exc))
-        if isinstance(outcome, str):
-            w.stats["activities"] += 1
-            outcomes.append(_complete(w, task, outcome, breaker))
-        else:
-            outcomes.append(w._record_failure(task, outcome, plan, None))
-    await _settle(w, outcomes, tasks)
-
-
-async def _complete(w: Worker, task: Task, result: str, breaker: dict[str, Any] | None) -> None:
-    """Record one item's result (the one-commit path when the worker can take it)."""
-    if breaker:
-        await w._breaker_record(breaker, True)
-    await w._record_result(task, result)
-
-
-async def _settle(w: Worker, outcomes: list[Awaitable[None]], tasks: list[Task]) -> None:
-    """Write the outcomes together; a store failure leaves that item to its lease."""
-    done = await asyncio.gather(*outcomes, return_exceptions=True)
-    for got in done:
-        if isinstance(got, StoreError):
-            log.warning("could not record an item of a batch of %r: %s", tasks[0].name, got)
-        elif isinstance(got, BaseException):
-            raise got

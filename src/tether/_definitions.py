@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import dataclasses
 import inspect
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Generic, ParamSpec, TypeVar
+from typing import Any, Generic, ParamSpec, Protocol, TypeVar
 
+from ._batching import Batch
 from ._breaker import CircuitBreaker
 from ._errors import ConfigurationError
 from ._policy import DEFAULT_RETRY, Retry, seconds
 from ._queues import Dependency, check_priority
 from ._serde import Signature
-
-if TYPE_CHECKING:
-    from ._batch import Batch
-    from .workflow._instance import WorkflowInstance
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -149,17 +148,33 @@ class ActivityOptions:
         return dataclasses.replace(self, **changes)
 
 
-_current_instance: Callable[[], WorkflowInstance | None] | None = None
+class WorkflowSide(Protocol):
+    """What definitions ask of the workflow instance running them (its commands)."""
+
+    def schedule_activity(
+        self, activity: Activity[Any, Any], args: Sequence[Any], kwargs: dict[str, Any]
+    ) -> asyncio.Future[Any]: ...
+
+    def start_child(
+        self,
+        workflow: Workflow[Any, Any],
+        args: Sequence[Any],
+        kwargs: dict[str, Any],
+        run_id: str | None,
+        parent_close: str = "terminate",
+    ) -> asyncio.Future[Any]: ...
 
 
-def _current() -> WorkflowInstance | None:
-    """The workflow instance running now (imported on first use: no import cycle)."""
-    global _current_instance
-    if _current_instance is None:
-        from .workflow._instance import current_instance
+#: the workflow instance whose code runs now (set by the workflow side while it runs
+#: that code); definitions read it here, so they never import the workflow side
+running: contextvars.ContextVar[WorkflowSide | None] = contextvars.ContextVar(
+    "tether_workflow_instance", default=None
+)
 
-        _current_instance = current_instance
-    return _current_instance()
+
+def _current() -> WorkflowSide | None:
+    """The workflow instance running now, if any."""
+    return running.get()
 
 
 class Activity(Generic[P, R]):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
-from .base import Store, WorkflowTaskResult, open_store
+from ._open import open_store
+from .base import Store, WorkflowTaskResult
 
 __all__ = ["Store", "WorkflowTaskResult", "open_store"]

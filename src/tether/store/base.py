@@ -13,7 +13,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._errors import ConfigurationError
 from .._history import DeadLetter, Event, EventType, RunEnd, RunInfo, RunStatus, Task
 from .._queues import QueueStats
 
@@ -350,47 +349,6 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def stats(self) -> dict[str, int]:
         """Counters: commits, operations (for benchmarks)."""
-
-
-#: URL schemes of PostgreSQL stores (all mean the same: tether always uses psycopg 3)
-_PG_SCHEMES = ("postgresql://", "postgres://", "postgresql+psycopg://", "postgresql+psycopg2://")
-
-
-def open_store(url: str | Store | None, *, schema: str | None = None) -> Store:
-    """Open a store from a URL: a path, ``sqlite:///path``, ``:memory:``, or
-    ``postgresql://user@host/db`` (``?schema=NAME`` or ``schema=`` picks a schema)."""
-    if isinstance(url, Store):
-        return url
-    if url is not None and url.startswith(_PG_SCHEMES):
-        # SQLAlchemy (postgresql+psycopg://) and Heroku (postgres://) spellings too
-        url = "postgresql://" + url.split("://", 1)[1]
-        try:
-            from .postgres import PostgresStore
-        except ImportError as exc:
-            raise ConfigurationError(
-                f"the PostgreSQL store needs psycopg, which is not installed ({exc}); "
-                "install it with: pip install 'tether[postgres]'"
-            ) from exc
-        return PostgresStore(url, schema=schema)
-    if schema is not None:
-        raise ConfigurationError(
-            f"schema={schema!r} applies only to PostgreSQL store URLs (postgresql://...)"
-        )
-    from .sqlite import SqliteStore
-
-    if url is None:
-        return SqliteStore("./tether.db")
-    if url == ":memory:" or url == "sqlite://:memory:":
-        return SqliteStore(":memory:")
-    if url.startswith("sqlite:///"):
-        return SqliteStore(url[len("sqlite:///") :])
-    if "://" in url:
-        raise ConfigurationError(
-            f"unsupported store URL {url!r}: use a file path, 'sqlite:///path/to/file.db', "
-            "':memory:' or 'postgresql://user@host/dbname' (also spelled postgres://, "
-            "postgresql+psycopg:// or postgresql+psycopg2://)"
-        )
-    return SqliteStore(url)
 
 
 def _no_release() -> None:

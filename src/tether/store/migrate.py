@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 from .._errors import StoreError, TetherError
 from .._history import Event, RunStatus
-from .base import Store, open_store
+from ._open import open_store
+from .base import Store
 from .ops import OpsStore
 from .ops._tx import _Tx
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextvars
 import hashlib
 import json
 import random
@@ -22,8 +21,9 @@ import weakref
 from asyncio import events as asyncio_events
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from .._definitions import Activity, Workflow, running
 from .._errors import ActivityError, ChildWorkflowError, NonDeterminismError, PayloadError
 from .._history import COMMANDS, INCOMING, Event, EventType
 from .._serde import convert, encode
@@ -31,17 +31,14 @@ from ..store.base import Command, WorkflowTaskResult
 from ._loop import DeterministicLoop
 from ._saga import CompensationFailed
 
-if TYPE_CHECKING:
-    from .._definitions import Activity, Workflow
-
-_current: contextvars.ContextVar[WorkflowInstance | None] = contextvars.ContextVar(
-    "tether_workflow_instance", default=None
-)
+#: set while this side runs workflow code (declared with the definitions that read it)
+_current = running
 
 
 def current_instance() -> WorkflowInstance | None:
     """The workflow instance whose code is running now, if any."""
-    return _current.get()
+    inst = _current.get()
+    return inst if isinstance(inst, WorkflowInstance) else None
 
 
 class ContinueAsNew(BaseException):

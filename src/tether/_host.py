@@ -1,0 +1,39 @@
+"""What a worker needs from the App it serves: a small protocol, so the worker layer
+never imports the client layer (``_app`` imports ``_worker``, not the other way)."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from ._definitions import Activity, Workflow
+from .store.base import Store
+
+
+class WorkerApp(Protocol):
+    """The App as its workers see it (``tether.App`` is one)."""
+
+    @property
+    def store(self) -> Store:
+        """The store the App's runs live in."""
+        ...
+
+    #: in-process workers (``tether.Worker``) of this App, for starts handed to them
+    _local_workers: list[Any]
+
+    def queues(self) -> list[str]:
+        """Every queue the App's workflows and activities use."""
+        ...
+
+    def get_workflow(self, name: str) -> Workflow[Any, Any]:
+        """The workflow registered under ``name``."""
+        ...
+
+    def get_activity(self, name: str) -> Activity[Any, Any]:
+        """The activity registered under ``name``."""
+        ...
+
+    async def _write_queue_limits(self, *, force: bool = False) -> None: ...
+
+    def _note_running_here(self, run_id: str) -> None: ...
+
+    def _alert(self, run_id: str, error: dict[str, Any]) -> None: ...

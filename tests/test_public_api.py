@@ -1,0 +1,91 @@
+"""The public API is exactly this list: a change to it is a decision, made here."""
+
+from __future__ import annotations
+
+import tether
+
+PUBLIC = [
+    "Activity",
+    "ActivityContext",
+    "ActivityError",
+    "ActivityOptions",
+    "AdmissionLimitError",
+    "App",
+    "Batch",
+    "BatchActivity",
+    "ChildWorkflowError",
+    "CircuitBreaker",
+    "CircuitOpenError",
+    "CompensationFailed",
+    "ConfigurationError",
+    "DeadLetter",
+    "Dependency",
+    "Event",
+    "EventType",
+    "ItemOutcome",
+    "LeaseLostError",
+    "NonDeterminismError",
+    "NonRetryable",
+    "NotInActivityError",
+    "NotInWorkflowError",
+    "PayloadError",
+    "QueueStats",
+    "RecoveryError",
+    "ResultTimeoutError",
+    "Retry",
+    "RetryAfter",
+    "Run",
+    "RunCancelledError",
+    "RunEnd",
+    "RunFinishedError",
+    "RunIdConflictError",
+    "RunInfo",
+    "RunNeedsInterventionError",
+    "RunNotFoundError",
+    "RunStatus",
+    "RunTerminatedError",
+    "RunTimedOutError",
+    "Saga",
+    "StoreError",
+    "SyncClient",
+    "SyncRun",
+    "TetherError",
+    "UnknownActivityError",
+    "UnknownWorkflowError",
+    "Verdict",
+    "Worker",
+    "Workflow",
+    "WorkflowFailedError",
+    "WorkflowInfo",
+    "WorkflowSandboxError",
+    "__version__",
+    "activity_context",
+    "classify",
+    "continue_as_new",
+    "deprecate_patch",
+    "first",
+    "gather",
+    "idempotency_key",
+    "in_workflow",
+    "info",
+    "is_replaying",
+    "logger",
+    "map",
+    "now",
+    "patched",
+    "random",
+    "saga",
+    "set_status",
+    "sleep",
+    "uuid",
+    "wait_event",
+]
+
+
+def test_the_public_api_is_pinned() -> None:
+    assert sorted(tether.__all__) == PUBLIC
+
+
+def test_every_public_name_exists() -> None:
+    missing = [name for name in tether.__all__ if not hasattr(tether, name)]
+    assert missing == []
