@@ -1,0 +1,291 @@
+"""What every command shares: loading an App, opening a store, errors and exit
+codes, JSON and rich output, common options.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import datetime
+import importlib
+import json
+import os
+import sqlite3
+import sys
+import traceback
+import urllib.parse
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any, NoReturn, TypeVar
+
+import typer
+from rich.console import Console
+from rich.text import Text
+
+from .._app import App
+from .._errors import ConfigurationError, StoreError, TetherError
+from .._history import RunInfo, RunStatus
+from ..store.base import Store
+
+T = TypeVar("T")
+
+
+EXIT_ERROR = 1
+
+
+EXIT_USAGE = 2
+
+
+DEFAULT_STORE = "./tether.db"
+
+
+_STATUS_STYLE = {
+    RunStatus.QUEUED: "dim yellow",
+    RunStatus.PENDING: "yellow",
+    RunStatus.RUNNING: "cyan",
+    RunStatus.SUSPENDED: "magenta",
+    RunStatus.COMPLETED: "green",
+    RunStatus.FAILED: "bold red",
+    RunStatus.CANCELLED: "red",
+    RunStatus.TERMINATED: "red",
+    RunStatus.CONTINUED_AS_NEW: "blue",
+}
+
+
+class UsageError(Exception):
+    """A bad argument the user must fix; reported with exit code 2."""
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _fail(message: str, code: int) -> NoReturn:
+    """Print ``error: message`` on one line to stderr and exit with ``code``."""
+    print(f"error: {_one_line(message)}", file=sys.stderr)
+    raise SystemExit(code)
+
+
+def _note(message: str) -> None:
+    """A progress line on stderr (keeps stdout for results)."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def _run(coro: Coroutine[Any, Any, T]) -> T:
+    """Run one command's coroutine, turning tether errors into one-line messages."""
+    try:
+        return asyncio.run(coro)
+    except UsageError as exc:
+        _fail(str(exc), EXIT_USAGE)
+    except TetherError as exc:
+        _fail(str(exc), EXIT_ERROR)
+    except KeyboardInterrupt:
+        _note("interrupted (runs already started go on)")
+        raise SystemExit(130) from None
+
+
+def _describe_exception(exc: BaseException) -> str:
+    """``Type: message (file, line N)`` for an exception raised by user code."""
+    text = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, SyntaxError) and exc.filename:
+        return f"{type(exc).__name__}: {exc.msg} ({exc.filename}, line {exc.lineno})"
+    frames = traceback.extract_tb(exc.__traceback__)
+    if frames:
+        last = frames[-1]
+        text += f" ({last.filename}, line {last.lineno})"
+    return text
+
+
+def load_app(spec: str) -> App:
+    """Import ``MODULE:ATTR`` (from the current directory first) and return that App."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise UsageError(
+            f"{spec!r} is not of the form MODULE:ATTR (for example 'myproject.flows:app')"
+        )
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        missing = exc.name or ""
+        if missing and (module_name == missing or module_name.startswith(missing + ".")):
+            raise ConfigurationError(
+                f"cannot import {module_name!r}: no module named {missing!r} in the current "
+                f"directory ({cwd}) or on PYTHONPATH"
+            ) from None
+        raise ConfigurationError(
+            f"importing {module_name!r} failed: {_describe_exception(exc)}"
+        ) from None
+    except Exception as exc:
+        raise ConfigurationError(
+            f"importing {module_name!r} failed: {_describe_exception(exc)}"
+        ) from None
+    obj: Any = module
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ConfigurationError(
+                f"module {module_name!r} has no attribute {attr!r}; "
+                "point MODULE:ATTR at the tether.App instance"
+            ) from None
+    if not isinstance(obj, App):
+        raise ConfigurationError(
+            f"{spec} is not a tether.App (it is of type {type(obj).__name__}); "
+            "point MODULE:ATTR at the tether.App instance"
+        )
+    return obj
+
+
+def _sqlite_path(spec: str) -> str | None:
+    """The file a store spec names, or None for in-memory and non-file URLs."""
+    if spec in (":memory:", "sqlite://:memory:"):
+        return None
+    if spec.startswith("sqlite:///"):
+        return spec[len("sqlite:///") :]
+    if "://" in spec:
+        return None  # open_store explains what it does not support
+    return spec
+
+
+def _client_app(store: str | None, app_spec: str | None) -> App:
+    """The App a client command talks to: from ``--app`` or a bare store ``--store``."""
+    if store is not None and app_spec is not None:
+        raise UsageError("pass either --store or --app, not both")
+    if app_spec is not None:
+        return load_app(app_spec)
+    spec = store if store is not None else DEFAULT_STORE
+    path = _sqlite_path(spec)
+    if path is not None and not os.path.exists(path):
+        # opening would create an empty store; a typo should not do that
+        raise StoreError(
+            f"no tether store at {path!r}: the file does not exist; pass --store PATH "
+            "(or --app MODULE:ATTR) to point at the database your workers use"
+        )
+    if path is not None:
+        _refuse_foreign_database(path)
+    return App(store=spec)
+
+
+def _refuse_foreign_database(path: str) -> None:
+    """Refuse an SQLite file without tether's schema: opening it would add tether's tables."""
+    try:
+        conn = sqlite3.connect(f"file:{urllib.parse.quote(path)}?mode=ro", uri=True)
+        try:
+            (version,) = conn.execute("PRAGMA user_version").fetchone()
+            tables = conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]
+        finally:
+            conn.close()
+    except sqlite3.Error:
+        return  # not readable as SQLite: the store reports it (and leaves it alone)
+    if version == 0 and tables:
+        raise StoreError(
+            f"store {path!r} is an SQLite database but not a tether store (it has other "
+            "tables and no tether schema); tether did not modify it: point --store at the "
+            "database your workers use"
+        )
+
+
+@contextlib.asynccontextmanager
+async def _opened(app: App) -> AsyncIterator[App]:
+    """Open the app's store (errors surface here) and close it when done."""
+    try:
+        _ = app.store  # opening raises StoreError for a bad path or file
+        yield app
+    finally:
+        await app.close()
+
+
+def _describe_store(store: Store) -> str:
+    path = getattr(store, "path", None)
+    if isinstance(path, str):
+        return path if path == ":memory:" else os.path.abspath(path)
+    return type(store).__name__
+
+
+def _parse_json(text: str, what: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UsageError(
+            f"{what} is not valid JSON ({exc.msg}): {text!r}; quote strings as JSON, "
+            """e.g. '"hello"'"""
+        ) from None
+
+
+def _maybe_json(text: str | None) -> Any:
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _info_dict(info: RunInfo) -> dict[str, Any]:
+    """A run's info as plain JSON values (input and output decoded)."""
+    data = dataclasses.asdict(info)
+    data["status"] = info.status.value
+    data["input"] = _maybe_json(info.input)
+    data["output"] = _maybe_json(info.output)
+    return data
+
+
+def _dump(value: Any) -> None:
+    sys.stdout.write(json.dumps(value, indent=2, default=str) + "\n")
+
+
+def _ts(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return datetime.datetime.fromtimestamp(value).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _short_json(value: Any, limit: int = 60) -> str:
+    if value is None:
+        return ""
+    text = json.dumps(value, separators=(",", ":"), default=str)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _console() -> Console:
+    # not a terminal: don't squeeze tables to 80 columns (ids must survive `| grep`)
+    wide = not sys.stdout.isatty() and "COLUMNS" not in os.environ
+    return Console(width=1000 if wide else None, highlight=False)
+
+
+def _status_text(status: RunStatus) -> Text:
+    return Text(status.value, style=_STATUS_STYLE.get(status, ""))
+
+
+# (called lazily, when typer evaluates the annotations, so typer may be missing)
+
+
+def _store_option() -> Any:
+    return typer.Option(
+        "--store",
+        "-s",
+        metavar="URL",
+        help=f"Store to read: a SQLite path or sqlite:///path (default {DEFAULT_STORE}).",
+        show_default=False,
+    )
+
+
+def _app_option() -> Any:
+    return typer.Option(
+        "--app",
+        "-a",
+        metavar="MODULE:ATTR",
+        help="Use the store of this tether.App instead of --store.",
+        show_default=False,
+    )
+
+
+def _run_id_argument() -> Any:
+    return typer.Argument(metavar="RUN_ID", help="The run's id.", show_default=False)
+
+
+def _reason_option() -> Any:
+    return typer.Option("--reason", "-r", help="Recorded in the run's history.")

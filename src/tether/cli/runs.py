@@ -1,0 +1,276 @@
+"""Runs and run control: ``start``, ``runs``, ``get``, ``signal``, ``cancel``,
+``terminate``, ``suspend``, ``resume``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Coroutine
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+from rich.text import Text
+
+from .._app import App, Run
+from .._errors import PayloadError
+from .._history import RunInfo, RunStatus, describe_waiting
+from .._serde import encode
+from ._common import (
+    EXIT_USAGE,
+    UsageError,
+    _app_option,
+    _client_app,
+    _console,
+    _dump,
+    _fail,
+    _info_dict,
+    _note,
+    _opened,
+    _parse_json,
+    _reason_option,
+    _run,
+    _run_id_argument,
+    _short_json,
+    _status_text,
+    _store_option,
+    _ts,
+    load_app,
+)
+
+
+def runs_command(
+    store: Annotated[str | None, _store_option()] = None,
+    app: Annotated[str | None, _app_option()] = None,
+    status: Annotated[
+        RunStatus | None, typer.Option("--status", help="Only runs with this status.")
+    ] = None,
+    workflow: Annotated[
+        str | None, typer.Option("--workflow", "-w", help="Only runs of this workflow.")
+    ] = None,
+    limit: Annotated[int, typer.Option("--limit", "-n", min=1, help="Show at most N runs.")] = 50,
+    waiting_for: Annotated[
+        str | None,
+        typer.Option(
+            "--waiting-for",
+            metavar="KIND",
+            help="Only live runs waiting for: signal (or signal:NAME), timer, activity, "
+            "child, admission.",
+        ),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+) -> None:
+    """List runs, newest first, with what each live run waits for."""
+
+    async def go() -> list[RunInfo]:
+        async with _opened(_client_app(store, app)) as a:
+            return await a.list(
+                status=status, workflow=workflow, limit=limit, waiting_for=waiting_for
+            )
+
+    infos = _run(go())
+    if as_json:
+        _dump([_info_dict(i) for i in infos])
+        return
+    if not infos:
+        _note("no runs found")
+        return
+    table = Table(show_edge=False, header_style="bold")
+    table.add_column("run id", no_wrap=True)
+    table.add_column("workflow")
+    table.add_column("status", no_wrap=True)
+    table.add_column("custom status")
+    table.add_column("waiting for")
+    table.add_column("created", no_wrap=True)
+    table.add_column("updated", no_wrap=True)
+    for info in infos:
+        table.add_row(
+            Text(info.run_id),
+            Text(info.workflow),
+            _status_text(info.status),
+            Text(_short_json(info.custom_status)),
+            Text(describe_waiting(info.waiting_on)),
+            _ts(info.created_at),
+            _ts(info.updated_at),
+        )
+    _console().print(table)
+
+
+def get_command(
+    run_id: Annotated[str, _run_id_argument()],
+    store: Annotated[str | None, _store_option()] = None,
+    app: Annotated[str | None, _app_option()] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Show one run: status, custom status, input, result or error, timestamps."""
+
+    async def go() -> RunInfo:
+        async with _opened(_client_app(store, app)) as a:
+            return await a.get(run_id)
+
+    info = _run(go())
+    if as_json:
+        _dump(_info_dict(info))
+        return
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold", no_wrap=True)
+    grid.add_column()
+    rows: list[tuple[str, Text | str]] = [
+        ("run id", Text(info.run_id)),
+        ("workflow", Text(info.workflow)),
+        ("status", _status_text(info.status)),
+        ("custom status", Text(_short_json(info.custom_status, 500))),
+        ("queue", Text(info.queue)),
+        ("created", _ts(info.created_at)),
+        ("updated", _ts(info.updated_at)),
+        ("completed", _ts(info.completed_at)),
+        ("input", Text(info.input)),
+    ]
+    if info.output is not None:
+        rows.append(("output", Text(info.output)))
+    if info.error:
+        err = info.error
+        rows.append(("error", Text(f"{err.get('type', 'Error')}: {err.get('message', '')}")))
+    if info.task_error:
+        rows.append(("task error", Text(info.task_error)))
+    if info.parent_run_id:
+        rows.append(("parent run", Text(info.parent_run_id)))
+    if info.continued_to:
+        rows.append(("continued to", Text(info.continued_to)))
+    for key, value in rows:
+        grid.add_row(key, value)
+    _console().print(grid)
+
+
+def signal_command(
+    run_id: Annotated[str, _run_id_argument()],
+    name: Annotated[str, typer.Argument(metavar="NAME", help="The signal's name.")],
+    payload: Annotated[
+        str | None,
+        typer.Argument(metavar="JSON_PAYLOAD", help="The payload as JSON (default null)."),
+    ] = None,
+    store: Annotated[str | None, _store_option()] = None,
+    app: Annotated[str | None, _app_option()] = None,
+) -> None:
+    """Send the signal NAME (with an optional JSON payload) to a run."""
+    value = None
+    if payload is not None:
+        try:
+            value = _parse_json(payload, "JSON_PAYLOAD")
+        except UsageError as exc:
+            _fail(str(exc), EXIT_USAGE)
+
+    _act(
+        store, app, lambda a: a.signal(run_id, name, value), f"signal {name!r} sent to run {run_id}"
+    )
+
+
+def _act(
+    store: str | None,
+    app: str | None,
+    action: Callable[[App], Coroutine[Any, Any, None]],
+    done: str,
+) -> None:
+    """Open the store, do one thing to a run, say what was done."""
+
+    async def go() -> None:
+        async with _opened(_client_app(store, app)) as a:
+            await action(a)
+
+    _run(go())
+    print(done)
+
+
+def cancel_command(
+    run_id: Annotated[str, _run_id_argument()],
+    reason: Annotated[str | None, _reason_option()] = None,
+    store: Annotated[str | None, _store_option()] = None,
+    app: Annotated[str | None, _app_option()] = None,
+) -> None:
+    """Ask a run to cancel; its code sees the cancellation at its next await."""
+    _act(store, app, lambda a: a.cancel(run_id, reason), f"cancellation requested for run {run_id}")
+
+
+def terminate_command(
+    run_id: Annotated[str, _run_id_argument()],
+    reason: Annotated[str | None, _reason_option()] = None,
+    store: Annotated[str | None, _store_option()] = None,
+    app: Annotated[str | None, _app_option()] = None,
+) -> None:
+    """End a run (and its running children) now, running none of its code."""
+    _act(store, app, lambda a: a.terminate(run_id, reason), f"run {run_id} terminated")
+
+
+def suspend_command(
+    run_id: Annotated[str, _run_id_argument()],
+    store: Annotated[str | None, _store_option()] = None,
+    app: Annotated[str | None, _app_option()] = None,
+) -> None:
+    """Pause a run: no new steps are dispatched until resume."""
+    _act(store, app, lambda a: a.suspend(run_id), f"run {run_id} suspended")
+
+
+def resume_command(
+    run_id: Annotated[str, _run_id_argument()],
+    store: Annotated[str | None, _store_option()] = None,
+    app: Annotated[str | None, _app_option()] = None,
+) -> None:
+    """Continue a suspended run."""
+    _act(store, app, lambda a: a.resume(run_id), f"run {run_id} resumed")
+
+
+def start_command(
+    app_spec: Annotated[
+        str,
+        typer.Argument(metavar="MODULE:ATTR", help="The tether.App defining the workflow."),
+    ],
+    workflow: Annotated[str, typer.Argument(metavar="WORKFLOW", help="The workflow's name.")],
+    args: Annotated[
+        list[str] | None,
+        typer.Argument(
+            metavar="JSON_ARGS",
+            help="Positional arguments, each as JSON (strings quoted: '\"text\"'; put -- "
+            "before negative numbers).",
+            show_default=False,
+        ),
+    ] = None,
+    run_id: Annotated[
+        str | None,
+        typer.Option(
+            "--run-id", help="Run id to use; starting again with the same input is a no-op."
+        ),
+    ] = None,
+    wait: Annotated[
+        bool,
+        typer.Option(
+            "--wait",
+            help="Wait for the run to finish and print its result as JSON. Needs a worker "
+            "running elsewhere (tether worker MODULE:ATTR); this command does not run it.",
+        ),
+    ] = False,
+    timeout: Annotated[
+        float | None,
+        typer.Option(
+            "--timeout",
+            metavar="SECONDS",
+            help="With --wait: give up waiting after this long (the run goes on).",
+        ),
+    ] = None,
+) -> None:
+    """Start a run of WORKFLOW and print its id (and its result with --wait)."""
+    try:
+        values = [_parse_json(a, f"argument {i}") for i, a in enumerate(args or [], 1)]
+    except UsageError as exc:
+        _fail(str(exc), EXIT_USAGE)
+
+    async def go() -> None:
+        async with _opened(load_app(app_spec)) as a:
+            try:
+                run: Run[Any] = await a.start(workflow, *values, run_id=run_id)
+            except PayloadError as exc:  # arguments do not bind or do not match the types
+                raise UsageError(str(exc)) from None
+            print(run.run_id, flush=True)
+            if wait:
+                result = await run.result(timeout)
+                print(encode(result, "the run's result"))
+
+    _run(go())

@@ -1,0 +1,197 @@
+"""``tether worker``: serve an App's workflows and activities until SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable
+from typing import Annotated
+
+import typer
+
+from .._app import App
+from .._worker import Worker
+from ._common import (
+    EXIT_ERROR,
+    EXIT_USAGE,
+    _describe_exception,
+    _describe_store,
+    _fail,
+    _note,
+    _opened,
+    _run,
+    load_app,
+)
+
+
+def worker_command(
+    app_spec: Annotated[
+        str,
+        typer.Argument(
+            metavar="MODULE:ATTR", help="The tether.App to serve, e.g. myproject.flows:app."
+        ),
+    ],
+    queue: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--queue",
+            "-q",
+            metavar="Q",
+            help="Queue to serve; repeat for several (default: every queue the app uses).",
+            show_default=False,
+        ),
+    ] = None,
+    concurrency: Annotated[
+        int, typer.Option("--concurrency", "-c", min=1, help="Tasks run at once, at most.")
+    ] = 100,
+    lease: Annotated[
+        float,
+        typer.Option(
+            "--lease",
+            metavar="SECONDS",
+            help="How long a claimed task stays ours without renewal.",
+        ),
+    ] = 15.0,
+    grace: Annotated[
+        float,
+        typer.Option(
+            "--grace",
+            metavar="SECONDS",
+            min=0.0,
+            help="On SIGTERM/Ctrl+C, how long in-flight work may take to finish.",
+        ),
+    ] = 10.0,
+    log_level: Annotated[
+        str, typer.Option("--log-level", help="Logging level: debug, info, warning, error.")
+    ] = "info",
+    worker_id: Annotated[
+        str | None,
+        typer.Option(
+            "--id",
+            metavar="NAME",
+            help="A stable, unique name for this worker (e.g. worker-1): after a crash its "
+            "restart takes back the tasks it held at once instead of waiting for leases.",
+        ),
+    ] = None,
+    version: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--version",
+            metavar="V",
+            help="Only continue runs recorded by these workflow versions; repeat for several.",
+        ),
+    ] = None,
+) -> None:
+    """Serve MODULE:ATTR's workflows and activities until SIGTERM or Ctrl+C."""
+    if lease <= 0:
+        _fail("--lease must be positive", EXIT_USAGE)
+    level = logging.getLevelName(log_level.upper())
+    if not isinstance(level, int):
+        _fail(f"unknown --log-level {log_level!r}", EXIT_USAGE)
+    logging.basicConfig(
+        level=level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    code = _run(
+        _serve(app_spec, queue or None, concurrency, lease, grace, worker_id, version or None)
+    )
+    raise SystemExit(code)
+
+
+def _add_signal_handlers(
+    loop: asyncio.AbstractEventLoop, handler: Callable[[signal.Signals], None]
+) -> list[signal.Signals]:
+    installed = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, handler, sig)
+        except (NotImplementedError, RuntimeError):  # e.g. Windows: plain handler
+            signal.signal(sig, lambda s, _f: loop.call_soon_threadsafe(handler, signal.Signals(s)))
+        else:
+            installed.append(sig)
+    return installed
+
+
+async def _hint_foreign_leases(app: App, w: Worker) -> None:
+    """Say plainly when work waits for other workers' leases (a crashed worker's tasks
+    resume only when they expire, unless it restarts with the same --id)."""
+    probe = getattr(app.store, "foreign_leases", None)
+    if probe is None:
+        return
+    count, until = await probe(w.queues, w.id)
+    if count and until is not None:
+        left = max(0.0, until - app.store.clock())
+        _note(
+            f"tether worker {w.id}: {count} task(s) on these queues are leased to other "
+            f"worker ids for up to {left:.0f}s more; if those workers are gone, their work "
+            "resumes here when the leases expire (start workers with a stable --id NAME and "
+            "a restarted one takes its tasks back at once)"
+        )
+
+
+async def _serve(
+    app_spec: str,
+    queues: list[str] | None,
+    concurrency: int,
+    lease: float,
+    grace: float,
+    worker_id: str | None = None,
+    versions: list[str] | None = None,
+) -> int:
+    app = load_app(app_spec)
+    async with _opened(app):
+        w = app.worker(
+            queues=queues,
+            concurrency=concurrency,
+            lease=lease,
+            worker_id=worker_id,
+            versions=versions,
+        )
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+
+        def on_signal(sig: signal.Signals) -> None:
+            if stop.is_set():
+                _note(f"tether worker {w.id}: {sig.name} again, exiting without waiting")
+                os._exit(EXIT_ERROR)  # leases expire and other workers take the work over
+            _note(
+                f"tether worker {w.id}: {sig.name} received, finishing in-flight work "
+                f"(up to {grace:g}s; send it again to exit at once)"
+            )
+            stop.set()
+
+        installed = _add_signal_handlers(loop, on_signal)
+        try:
+            await w.start()
+            _note(
+                f"tether worker {w.id} serving queues {', '.join(w.queues)} on store "
+                f"{_describe_store(app.store)} (concurrency {concurrency}, lease {lease:g}s)"
+            )
+            await _hint_foreign_leases(app, w)
+            serving = asyncio.create_task(w.run())
+            stopping = asyncio.create_task(stop.wait())
+            await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            stopping.cancel()
+            code = 0
+            if serving.done() and not serving.cancelled() and serving.exception() is not None:
+                exc = serving.exception()
+                assert exc is not None
+                _note(f"error: tether worker {w.id} crashed: {_describe_exception(exc)}")
+                code = EXIT_ERROR
+            try:
+                await w.stop(grace=grace)
+            except Exception as exc:
+                if code == 0:
+                    _note(f"error: tether worker {w.id} failed to stop cleanly: {exc}")
+                code = EXIT_ERROR
+            serving.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await serving
+        finally:
+            for sig in installed:
+                loop.remove_signal_handler(sig)
+    _note(f"tether worker {w.id} stopped")
+    return code
