@@ -1,6 +1,8 @@
-"""Polling that cannot storm (PostgreSQL): a backlog of 100,000 ready tasks on one queue
-does not slow claims on another, a claim takes a bounded batch, an idle worker polls at
-its interval, and no connection is left ``idle in transaction`` after a burst."""
+"""Polling that cannot storm (PostgreSQL): next to a backlog of 100,000 ready tasks on one
+queue, claims on another read a few rows each, a claim takes a bounded batch, an idle
+worker polls at its interval, and no connection is left ``idle in transaction`` after a
+burst. Work is judged by the rows the server read (its own counters), not by times,
+which a loaded machine stretches."""
 
 from __future__ import annotations
 
@@ -47,6 +49,38 @@ async def _claim_latencies(store: PostgresStore, queue: str, n: int) -> list[flo
     return out
 
 
+def _tuples_read(schema: str) -> int:
+    """Rows of ``tasks`` read by every backend so far (sequential and index fetches)."""
+    ((n,),) = _query(
+        schema,
+        "SELECT coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0) FROM pg_stat_user_tables "
+        "WHERE schemaname = %s AND relname = 'tasks'",
+        schema,
+    )
+    return int(n)
+
+
+async def _settled(schema: str) -> int:
+    """``_tuples_read`` once every backend has reported: unchanged for 11 s (a backend
+    reports its counters within 10 s of going idle on PostgreSQL 15+)."""
+    seen, stable_since = _tuples_read(schema), time.monotonic()
+    deadline = time.monotonic() + 40
+    while time.monotonic() < deadline and time.monotonic() - stable_since < 11:
+        await asyncio.sleep(0.5)
+        now = _tuples_read(schema)
+        if now != seen:
+            seen, stable_since = now, time.monotonic()
+    return seen
+
+
+async def _rows_read_by(schema: str, work: Any) -> int:
+    """Rows of ``tasks`` that ``work`` (a coroutine function) read, by the server's own
+    counters: unlike times, they do not depend on how busy the machine is."""
+    before = await _settled(schema)
+    await work()
+    return await _settled(schema) - before
+
+
 async def _idle_poll_latencies(store: PostgresStore, queues: list[str], n: int) -> list[float]:
     """Seconds per idle poll on ``queues`` (nothing ready): an empty claim plus ``next_due``."""
     out = []
@@ -70,8 +104,11 @@ async def test_backlog_on_one_queue_does_not_slow_claims_on_another(
         )
     )
     await _claim_latencies(store, "B", 20)  # warm up connections and plans
-    before = await _claim_latencies(store, "B", 100)
-    idle_before = await _idle_poll_latencies(store, ["C"], 50)
+    times: dict[str, float] = {}
+
+    async def on_b_and_c() -> None:
+        times["claim"] = statistics.median(await _claim_latencies(store, "B", 100))
+        times["idle"] = statistics.median(await _idle_poll_latencies(store, ["C"], 50))
 
     # 100,000 ready workflow tasks on queue A, with their runs, in one statement each
     now = time.time()
@@ -96,12 +133,14 @@ async def test_backlog_on_one_queue_does_not_slow_claims_on_another(
     loaded = time.perf_counter() - t0
     assert _query(pg_schema, "SELECT count(*) FROM tasks WHERE queue = 'A'") == [(BACKLOG,)]
 
-    after = await _claim_latencies(store, "B", 100)
-    idle_after = await _idle_poll_latencies(store, ["C"], 50)
-    med_before, med_after = statistics.median(before), statistics.median(after)
-    idle_med_before, idle_med_after = statistics.median(idle_before), statistics.median(idle_after)
-    assert med_after < 5 * med_before and med_after < 0.050
-    assert idle_med_after < 5 * idle_med_before and idle_med_after < 0.050
+    # (the counters are read after ANALYZE, as autovacuum runs it within a minute of a bulk
+    # load; until then the planner's stale estimates can pick a scan of the backlog)
+    _query(pg_schema, "ANALYZE tasks")
+
+    # 100 claims on B and 50 idle polls on C next to the backlog read a few rows each:
+    # A's 100,000 are never touched
+    read = await _rows_read_by(pg_schema, on_b_and_c)
+    assert read < 150 * 20, f"{read} task rows read for 150 operations next to the backlog"
 
     # claims on the backlogged queue itself, alone and with another queue: before the
     # table is analyzed (the planner's estimates are stale right after a bulk load) and
@@ -121,16 +160,20 @@ async def test_backlog_on_one_queue_does_not_slow_claims_on_another(
     assert len({t.run_id for b in batches + more for t in b}) == 20 * 64
     assert {t.run_id for t in batches[0]} == {f"a-{BACKLOG - i}" for i in range(64)}
     _query(pg_schema, "ANALYZE tasks")
-    fresh_a, _ = await claims_of_64(["A"])
-    fresh_ac, _ = await claims_of_64(["A", "C"])
+
+    async def on_a() -> None:
+        await claims_of_64(["A"])
+        await claims_of_64(["A", "C"])
+
+    # 20 claims of 64 on the backlogged queue read about the rows they take, not 100,000
+    read_a = await _rows_read_by(pg_schema, on_a)
     print(
         f"\nbacklog {BACKLOG} loaded in {loaded:.1f}s; claim of 1 on B p50 "
-        f"{med_before * 1e3:.2f} ms before, {med_after * 1e3:.2f} ms after; idle poll on C "
-        f"p50 {idle_med_before * 1e3:.2f} -> {idle_med_after * 1e3:.2f} ms; claim of 64 on "
-        f"A p50 {stale_a * 1e3:.2f} ms (stale stats) / {fresh_a * 1e3:.2f} ms (analyzed); "
-        f"on A+C {stale_ac * 1e3:.2f} / {fresh_ac * 1e3:.2f} ms"
+        f"{times['claim'] * 1e3:.2f} ms; idle poll on C p50 {times['idle'] * 1e3:.2f} ms; "
+        f"task rows read: {read} for 150 claims/polls on B and C, {read_a} for 20 claims "
+        f"of 64 on A (stale stats: {stale_a * 1e3:.2f} ms, A+C {stale_ac * 1e3:.2f} ms)"
     )
-    assert fresh_a < 0.050 and fresh_ac < 0.050
+    assert read_a < 20 * 64 * 10, f"{read_a} task rows read for 20 claims of 64"
 
 
 @pytest.mark.slow
@@ -148,6 +191,7 @@ async def test_idle_worker_polls_at_its_interval_and_leaves_no_open_transaction(
         now,
         BACKLOG,
     )
+    _query(pg_schema, "ANALYZE tasks")  # as autovacuum does within a minute of a bulk load
     # a worker serving A and C with nothing ready polls at its interval, never spins
     app = tether.App(store=store)
     before = store.stats()["operations"]
@@ -158,15 +202,20 @@ async def test_idle_worker_polls_at_its_interval_and_leaves_no_open_transaction(
     ops = store.stats()["operations"] - before
     # one claim and one next_due per poll: about 2 x 8 in 2 s at 0.25 s (plus slack)
     assert ops <= 30, f"an idle worker made {ops} store operations in 2 s"
-    # and each idle poll stays cheap next to the sleeping backlog
-    polls = await _idle_poll_latencies(store, ["A", "C"], 20)
+    # and each idle poll stays cheap next to the sleeping backlog: few rows read
+    polls: list[float] = []
+
+    async def idle_polls() -> None:
+        polls.extend(await _idle_poll_latencies(store, ["A", "C"], 20))
+
+    read = await _rows_read_by(pg_schema, idle_polls)
+    assert read < 20 * 20, f"{read} task rows read by 20 idle polls next to the backlog"
     due = await store.next_due(["A", "C"])
     assert due is not None and abs(due - (now + 3600.001)) < 1e-3
     print(
         f"\nidle poll on A+C next to {BACKLOG} sleeping timers: p50 "
         f"{statistics.median(polls) * 1e3:.2f} ms; {ops} store operations in 2 s"
     )
-    assert statistics.median(polls) < 0.050
 
     # a burst of concurrent claims and reads over both writer connections
     _query(

@@ -7,8 +7,8 @@ result back. Each call is an ordinary activity step of its own run (its own
 ``ActivityScheduled``, outcome, retries, attempt count, idempotency key and
 dead letter); only the execution is shared: the store leases up to
 ``max_items`` ready tasks with the same batch key together (``_claim_batches``
-in ``store/_ops.py``) and the worker runs the function once for all of them
-(``run_batch`` below), then records every item's outcome against its own fence.
+in ``store/ops/batches.py``) and the worker runs the function once for all of them
+(``run_batch`` in ``_batch_run.py``), then records every item's outcome against its own fence.
 """
 
 from __future__ import annotations

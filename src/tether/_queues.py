@@ -2,7 +2,7 @@
 
 Limits live in the store's ``queue_limits`` table, so every worker process that
 claims from a queue obeys the same caps: the claim query itself enforces them
-(see ``_claim`` in ``store/_ops.py``).
+(see ``_claim`` in ``store/ops/claims.py``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The PostgreSQL store: a few writer threads with group commit, LISTEN/NOTIFY wake-ups.
 
-The shared operations (``_ops.py``) run unchanged; only the runner differs from
+The shared operations (``store/ops/``) run unchanged; only the runner differs from
 SQLite. A small number of writer threads (``writers``), each with its own
 connection, drain one shared queue of operations and commit each drained batch
 in one transaction. Completions take the task row ``FOR UPDATE`` to check the

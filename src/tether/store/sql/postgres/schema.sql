@@ -1,5 +1,5 @@
 -- tether schema for PostgreSQL: the same tables as the SQLite schema, so the
--- shared operations (tether/store/_ops.py) run unchanged. JSON stays TEXT, times
+-- shared operations (tether/store/ops/) run unchanged. JSON stays TEXT, times
 -- are seconds since the epoch (DOUBLE PRECISION), flags are INTEGER 0/1.
 -- Applied at open under pg_advisory_xact_lock; tether_meta records the version.
 
