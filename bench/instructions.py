@@ -61,21 +61,10 @@ def main() -> int:
     """Print instructions per W1 step and per W3 run."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--inner", nargs=2, metavar=("KIND", "N"), help=argparse.SUPPRESS)
-    parser.add_argument(
-        "--worker-gc",
-        action="store_true",
-        help="tune the collector as the `tether worker` process does (tune_gc)",
-    )
     args = parser.parse_args()
     if args.inner:
-        if os.environ.get("TETHER_BENCH_WORKER_GC"):
-            from tether.cli.worker import tune_gc
-
-            tune_gc()
         _workload(args.inner[0], int(args.inner[1]))
         return 0
-    if args.worker_gc:
-        os.environ["TETHER_BENCH_WORKER_GC"] = "1"
     if shutil.which("valgrind") is None:
         print("valgrind is not installed: apt-get install valgrind", file=sys.stderr)
         return 2

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import os
 import signal
@@ -27,21 +26,6 @@ from ._common import (
     _run,
     load_app,
 )
-
-
-def tune_gc() -> None:
-    """Tune the garbage collector of a ``tether worker`` process (its own, never a host's).
-
-    Loading the app allocates long-lived objects (modules, pydantic validators) that every
-    full collection would scan again: frozen, they are left alone. Workflow steps allocate
-    many short-lived containers, so the youngest generation is collected ten times less
-    often than by default (gen-0 collections were ~12% of W1's CPU). An App embedded in
-    another program leaves that program's collector as it is.
-    """
-    gc.collect()
-    gc.freeze()
-    gen0, gen1, gen2 = gc.get_threshold()
-    gc.set_threshold(max(gen0, 7_000), gen1, gen2)
 
 
 def worker_command(
@@ -158,7 +142,6 @@ async def _serve(
     versions: list[str] | None = None,
 ) -> int:
     app = load_app(app_spec)
-    tune_gc()
     async with _opened(app):
         w = app.worker(
             queues=queues,
