@@ -3,7 +3,9 @@
 ``STORE_URL`` is a PostgreSQL URL with ``?schema=NAME``. Every activity execution
 writes, in one transaction on its own connection to the same schema:
 
-* a row in ``chaos_executions`` (append-only: counts raw executions, re-runs included);
+* a row in ``chaos_executions`` (append-only: counts raw executions, re-runs included),
+  with whether the step's ``ActivityCompleted`` was already committed when it ran (read
+  in the same transaction: exact, no clocks compared);
 * its side effect in ``chaos_effects``, keyed by the step's idempotency key with
   ``INSERT ... ON CONFLICT DO NOTHING`` (applied once however often the step runs).
 
@@ -35,7 +37,8 @@ SIDE_TABLES = (
     "CREATE TABLE IF NOT EXISTS chaos_effects (key TEXT PRIMARY KEY, run_id TEXT NOT NULL, "
     "i INTEGER NOT NULL, value BIGINT NOT NULL, pid INTEGER NOT NULL)",
     "CREATE TABLE IF NOT EXISTS chaos_executions (id BIGSERIAL PRIMARY KEY, key TEXT NOT NULL, "
-    "attempt INTEGER NOT NULL, pid INTEGER NOT NULL, at DOUBLE PRECISION NOT NULL)",
+    "attempt INTEGER NOT NULL, pid INTEGER NOT NULL, at DOUBLE PRECISION NOT NULL, "
+    "after_recorded BOOLEAN NOT NULL)",
 )
 
 
@@ -88,9 +91,12 @@ class SidePool:
         conn = self._pool.get()
         try:
             with conn.transaction():
+                step = int(key.rsplit(":", 1)[1])
                 conn.execute(
-                    "INSERT INTO chaos_executions (key, attempt, pid, at) VALUES (%s, %s, %s, %s)",
-                    (key, attempt, os.getpid(), time.time()),
+                    "INSERT INTO chaos_executions (key, attempt, pid, at, after_recorded) "
+                    "VALUES (%s, %s, %s, %s, EXISTS (SELECT 1 FROM events WHERE run_id = %s "
+                    "AND step = %s AND type = 'ActivityCompleted'))",
+                    (key, attempt, os.getpid(), time.time(), run_id, step),
                 )
                 conn.execute(
                     "INSERT INTO chaos_effects (key, run_id, i, value, pid) "
