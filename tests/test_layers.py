@@ -47,7 +47,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         ),
     ),
     ("client", ("tether._app", "tether._sync", "tether.testing")),
-    ("services", ("tether.cli", "tether.store.migrate", "tether")),
+    ("services", ("tether.cli", "tether.server", "tether.store.migrate", "tether")),
 ]
 #: packages whose modules may import each other in a cycle
 CYCLES_ALLOWED = ("tether.store.ops",)

@@ -641,12 +641,14 @@ class App:
         limit: int = 100,
         offset: int = 0,
         waiting_for: str | None = None,
+        before: tuple[float, str] | None = None,
     ) -> builtins.list[RunInfo]:
         """Runs, newest first, filtered by status, workflow name and what they wait for.
 
         ``waiting_for`` is a kind of ``RunInfo.waiting_on``: ``"signal"`` (or
         ``"signal:review"`` for one signal), ``"timer"``, ``"activity"``, ``"child"``,
-        or ``"admission"`` (queued for a tenant's slot).
+        or ``"admission"`` (queued for a tenant's slot). ``before`` pages by keyset:
+        pass the ``(created_at, run_id)`` of the previous page's last run.
         """
         if waiting_for is not None and waiting_for.partition(":")[0] not in WAITING_KINDS:
             raise ConfigurationError(
@@ -655,7 +657,12 @@ class App:
             )
         st = RunStatus(status) if status is not None else None
         return await self.store.list_runs(
-            status=st, workflow=workflow, limit=limit, offset=offset, waiting_for=waiting_for
+            status=st,
+            workflow=workflow,
+            limit=limit,
+            offset=offset,
+            waiting_for=waiting_for,
+            before=before,
         )
 
     async def history(self, run_id: str, *, follow: bool = True) -> builtins.list[Event]:

@@ -16,6 +16,7 @@ from .runs import (
     suspend_command,
     terminate_command,
 )
+from .serve import serve_command
 from .store import store_migrate_command
 from .testing import cassette_export_command, eval_command
 from .worker import worker_command
@@ -31,6 +32,7 @@ def _build() -> typer.Typer:
         context_settings={"help_option_names": ["-h", "--help"]},
     )
     cli.command("worker")(worker_command)
+    cli.command("serve")(serve_command)
     cli.command("start")(start_command)
     cli.command("runs")(runs_command)
     cli.command("queues")(queues_command)

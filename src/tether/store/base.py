@@ -255,8 +255,10 @@ class Store(abc.ABC):
         limit: int = 100,
         offset: int = 0,
         waiting_for: str | None = None,
+        before: tuple[float, str] | None = None,
     ) -> list[RunInfo]:
-        """Runs, newest first, optionally filtered (``waiting_for``: see ``App.list``)."""
+        """Runs, newest first, optionally filtered (``waiting_for``: see ``App.list``);
+        ``before`` is the (created_at, run_id) of the last run of the previous page."""
 
     @abc.abstractmethod
     async def next_due(self, queues: Sequence[str]) -> float | None:

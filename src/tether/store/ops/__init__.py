@@ -224,9 +224,10 @@ class OpsStore(Store):
         limit: int = 100,
         offset: int = 0,
         waiting_for: str | None = None,
+        before: tuple[float, str] | None = None,
     ) -> list[RunInfo]:
         out: list[RunInfo] = await self._do(
-            _list_runs, status, workflow, limit, offset, waiting_for, write=False
+            _list_runs, status, workflow, limit, offset, waiting_for, before, write=False
         )
         return out
 

@@ -351,8 +351,13 @@ def _list_runs(
     limit: int,
     offset: int,
     waiting_for: str | None = None,
+    before: tuple[float, str] | None = None,
 ) -> list[RunInfo]:
-    where, args = [], []
+    where: list[str] = []
+    args: list[Any] = []
+    if before is not None:  # keyset paging: stable while runs are added
+        where.append("(created_at < ? OR (created_at = ? AND run_id > ?))")
+        args += [before[0], before[0], before[1]]
     if waiting_for is not None:
         kind, _, name = waiting_for.partition(":")
         if kind == "admission":

@@ -1,0 +1,315 @@
+"""The HTTP service: start, follow and steer runs from any language (``tether serve``).
+
+``create_api(app)`` builds a FastAPI application over a ``tether.App``; ``tether serve
+module:app`` runs it on uvicorn. Slow work never runs inside a request: a start
+answers ``202 Accepted`` with the run's ``Location`` at once, and clients follow the
+run's status resource or wait on its result with a bound. Needs the ``server`` extra:
+``pip install 'tether[server]'``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import hashlib
+import json
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import Body, FastAPI, Header, Query, Response
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+
+from .. import __version__
+from .._app import App
+from .._definitions import Workflow
+from .._errors import (
+    ConfigurationError,
+    ResultTimeoutError,
+    RunIdConflictError,
+    TetherError,
+    WorkflowFailedError,
+)
+from .._history import RunStatus
+from .._worker import Worker
+from . import _problems
+from ._models import (
+    HistoryPage,
+    ResultView,
+    RunPage,
+    RunView,
+    event_view,
+    input_model,
+    links,
+    run_view,
+    start_model,
+)
+
+__all__ = ["create_api"]
+
+#: the longest ``?wait=`` a result request may hold its connection
+MAX_WAIT = 60.0
+
+
+def _idempotent_run_id(workflow: str, key: str) -> str:
+    """The run id an ``Idempotency-Key`` stands for (per workflow)."""
+    digest = hashlib.sha256(f"{workflow}\0{key}".encode()).hexdigest()[:32]
+    return f"idem-{digest}"
+
+
+def _cursor(created_at: float, run_id: str) -> str:
+    return base64.urlsafe_b64encode(json.dumps([created_at, run_id]).encode()).decode()
+
+
+def _uncursor(cursor: str) -> tuple[float, str]:
+    try:
+        created_at, run_id = json.loads(base64.urlsafe_b64decode(cursor.encode()))
+        return float(created_at), str(run_id)
+    except (ValueError, TypeError) as exc:
+        raise ConfigurationError(
+            f"cursor {cursor!r} is not one this API gave out: pass next_cursor as it came"
+        ) from exc
+
+
+class Reason(BaseModel):
+    """Why an operator acts (recorded with the run)."""
+
+    reason: str | None = None
+
+
+def create_api(
+    app: App, *, workers: int = 0, worker_options: dict[str, Any] | None = None, grace: float = 30
+) -> FastAPI:
+    """The HTTP API of ``app``; with ``workers``, that many in-process workers serve its
+    queues while the API runs (stopped, with ``grace`` seconds for in-flight work, on
+    shutdown)."""
+    running: list[Worker] = []
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_api: FastAPI) -> AsyncIterator[None]:
+        for _ in range(workers):
+            w = app.worker(**(worker_options or {}))
+            await w.start()
+            running.append(w)
+        try:
+            yield
+        finally:
+            await asyncio.gather(*(w.stop(grace=grace) for w in running))
+            running.clear()
+            await app.close()
+
+    api = FastAPI(
+        title="tether",
+        version=__version__,
+        description="Start, follow and steer durable workflow runs.",
+        lifespan=lifespan,
+    )
+    _problems.install(api)
+
+    for wf in app._workflows.values():
+        _add_start_route(api, app, wf)
+
+    @api.get("/v1/workflows", summary="The workflows this service starts, with input schemas")
+    async def list_workflows() -> list[dict[str, Any]]:
+        return [
+            {
+                "name": wf.name,
+                "version": wf.version,
+                "queue": wf.queue,
+                "input_schema": input_model(wf).model_json_schema(),
+                "start": f"/v1/workflows/{wf.name}/runs",
+            }
+            for wf in app._workflows.values()
+        ]
+
+    @api.get("/v1/runs/{run_id}", summary="A run's status resource", response_model=RunView)
+    async def get_run(run_id: str) -> RunView:
+        return run_view(await app.get(run_id))
+
+    @api.get(
+        "/v1/runs/{run_id}/result",
+        summary="Wait up to `wait` seconds for the run's outcome (202 + Retry-After if not yet)",
+        response_model=ResultView,
+        responses={202: {"description": "still running: ask again after Retry-After"}},
+    )
+    async def get_result(
+        run_id: str, response: Response, wait: Annotated[float, Query(ge=0)] = 0
+    ) -> ResultView:
+        try:
+            await app.get_run(run_id).result(timeout=min(wait, MAX_WAIT) or 0.001)
+        except ResultTimeoutError:
+            info = await app.get(run_id)
+            response.status_code = 202
+            response.headers["Retry-After"] = "1" if wait < 1 else "2"
+            return ResultView(id=info.run_id, status=info.status.value)
+        except WorkflowFailedError:
+            pass
+        info = await app.get(run_id)
+        view = run_view(info)
+        return ResultView(id=info.run_id, status=view.status, result=view.result, error=view.error)
+
+    @api.get(
+        "/v1/runs/{run_id}/history", summary="A run's events, paged", response_model=HistoryPage
+    )
+    async def get_history(
+        run_id: str,
+        after: Annotated[int, Query(ge=0)] = 0,
+        limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    ) -> HistoryPage:
+        info = await app.get(run_id, follow=False)
+        events = await app.store.read_history(info.run_id, after)
+        page = events[:limit]
+        more = len(events) > limit
+        return HistoryPage(
+            run_id=info.run_id,
+            events=[event_view(e) for e in page],
+            next_after=page[-1].seq if page and more else None,
+        )
+
+    @api.get(
+        "/v1/runs", summary="Runs, newest first, filtered; cursor paging", response_model=RunPage
+    )
+    async def list_runs(
+        workflow: str | None = None,
+        status: RunStatus | None = None,
+        waiting_for: str | None = None,
+        limit: Annotated[int, Query(ge=1, le=500)] = 50,
+        cursor: str | None = None,
+    ) -> RunPage:
+        before = _uncursor(cursor) if cursor else None
+        infos = await app.list(
+            workflow=workflow,
+            status=status,
+            waiting_for=waiting_for,
+            limit=limit + 1,
+            before=before,
+        )
+        page = infos[:limit]
+        nxt = _cursor(page[-1].created_at, page[-1].run_id) if len(infos) > limit else None
+        return RunPage(runs=[run_view(i) for i in page], next_cursor=nxt)
+
+    @api.post("/v1/runs/{run_id}/signals/{name}", status_code=202, summary="Send a signal")
+    async def send_signal(
+        run_id: str, name: str, payload: Annotated[Any, Body()] = None
+    ) -> dict[str, Any]:
+        await app.signal(run_id, name, payload)
+        return {"id": run_id, "signal": name, "accepted": True, "links": links(run_id)}
+
+    for action in ("cancel", "terminate"):
+        _add_reasoned_action(api, app, action)
+    for action in ("suspend", "resume"):
+        _add_action(api, app, action)
+
+    @api.post(
+        "/v1/runs/{run_id}/retry",
+        status_code=202,
+        summary="Retry a failed run from its failed step",
+    )
+    async def retry(run_id: str) -> RunView:
+        await app.retry(run_id)
+        return run_view(await app.get(run_id))
+
+    return api
+
+
+def _add_start_route(api: FastAPI, app: App, wf: Workflow[Any, Any]) -> None:
+    """``POST /v1/workflows/{name}/runs`` for one workflow, its body typed by its input."""
+    body_model = start_model(wf)
+
+    async def start(
+        body: body_model,  # type: ignore[valid-type]
+        response: Response,
+        idempotency_key: Annotated[str | None, Header()] = None,
+    ) -> JSONResponse:
+        data = body.model_dump()  # type: ignore[attr-defined]
+        kwargs = dict(body.input)  # type: ignore[attr-defined]
+        run_id = data.get("run_id")
+        if run_id is None and idempotency_key:
+            run_id = _idempotent_run_id(wf.name, idempotency_key)
+        existed = False
+        if run_id is not None:
+            with contextlib.suppress(TetherError):
+                await app.get(run_id, follow=False)
+                existed = True
+        try:
+            run = await app.start(
+                wf,
+                kwargs=kwargs,
+                run_id=run_id,
+                deadline=data.get("deadline"),
+                tenant=data.get("tenant"),
+            )
+        except TetherError as exc:
+            if (
+                isinstance(exc, RunIdConflictError)
+                and idempotency_key
+                and data.get("run_id") is None
+            ):
+                return _problems.problem(
+                    409,
+                    "Idempotency-Key reused with another body",
+                    f"Idempotency-Key {idempotency_key!r} already started run {run_id} of "
+                    f"{wf.name!r} with other input; use a new key for new input",
+                )
+            raise
+        info = await app.get(run.run_id, follow=False)
+        view = run_view(info)
+        return JSONResponse(
+            {"id": view.id, "status": view.status, "links": view.links.model_dump()},
+            status_code=200 if existed else 202,
+            headers={"Location": view.links.self},
+        )
+
+    # this module uses postponed annotations; FastAPI reads the body's type from here
+    start.__annotations__ = {
+        "body": body_model,
+        "response": Response,
+        "idempotency_key": Annotated[str | None, Header()],
+        "return": JSONResponse,
+    }
+    api.add_api_route(
+        f"/v1/workflows/{wf.name}/runs",
+        start,
+        methods=["POST"],
+        status_code=202,
+        summary=f"Start a run of {wf.name}",
+        responses={
+            202: {"description": "started: follow Location"},
+            200: {"description": "the run this Idempotency-Key or run id already started"},
+            409: {"description": "the key or run id was used with other input"},
+        },
+        name=f"start_{wf.name}",
+    )
+
+
+def _add_action(api: FastAPI, app: App, action: str) -> None:
+    async def act(run_id: str) -> RunView:
+        await getattr(app, action)(run_id)
+        return run_view(await app.get(run_id))
+
+    api.add_api_route(
+        f"/v1/runs/{{run_id}}/{action}",
+        act,
+        methods=["POST"],
+        status_code=202,
+        summary=f"{action.title()} a run",
+        name=action,
+        response_model=RunView,
+    )
+
+
+def _add_reasoned_action(api: FastAPI, app: App, action: str) -> None:
+    async def act(run_id: str, body: Reason | None = None) -> RunView:
+        await getattr(app, action)(run_id, body.reason if body else None)
+        return run_view(await app.get(run_id))
+
+    api.add_api_route(
+        f"/v1/runs/{{run_id}}/{action}",
+        act,
+        methods=["POST"],
+        status_code=202,
+        summary=f"{action.title()} a run",
+        name=action,
+        response_model=RunView,
+    )

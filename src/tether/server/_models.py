@@ -1,0 +1,149 @@
+"""Request and response bodies of the HTTP API, including one input model per workflow
+built from the workflow function's own annotations (so the OpenAPI document shows it)."""
+
+from __future__ import annotations
+
+import inspect
+import json
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, create_model
+
+from .._definitions import Workflow
+from .._history import Event, RunInfo
+
+
+class Links(BaseModel):
+    """Where to follow a run."""
+
+    self: str
+    result: str
+    history: str
+    events: str
+
+
+class RunView(BaseModel):
+    """A run as the API shows it."""
+
+    id: str
+    workflow: str
+    status: str
+    custom_status: Any = None
+    waiting_on: list[dict[str, Any]] | None = Field(
+        None, description="what the live run waits for (signals with deadlines, timers, ...)"
+    )
+    tenant: str | None = None
+    parent_run_id: str | None = None
+    continued_to: str | None = None
+    created_at: float
+    updated_at: float
+    completed_at: float | None = None
+    result: Any = Field(None, description="the run's result, once it completed")
+    error: dict[str, Any] | None = None
+    links: Links
+
+
+class RunPage(BaseModel):
+    """One page of runs, newest first; pass ``next_cursor`` as ``cursor`` for the next."""
+
+    runs: list[RunView]
+    next_cursor: str | None
+
+
+class EventView(BaseModel):
+    """One history event."""
+
+    seq: int
+    type: str
+    step: int | None
+    data: dict[str, Any]
+    created_at: float
+
+
+class HistoryPage(BaseModel):
+    """Events after ``after``, in order; ``next_after`` continues (None: no more now)."""
+
+    run_id: str
+    events: list[EventView]
+    next_after: int | None
+
+
+class ResultView(BaseModel):
+    """A finished run's outcome."""
+
+    id: str
+    status: str
+    result: Any = None
+    error: dict[str, Any] | None = None
+
+
+class StartOptions(BaseModel):
+    """Options of a start, beside the workflow's input."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    run_id: str | None = Field(None, description="choose the run id (idempotent by id)")
+    deadline: float | None = Field(None, gt=0, description="seconds the whole run may take")
+    tenant: str | None = Field(None, description="whose admission limit applies")
+
+
+def links(run_id: str) -> Links:
+    """The URLs of a run's resources."""
+    base = f"/v1/runs/{run_id}"
+    return Links(
+        self=base, result=f"{base}/result", history=f"{base}/history", events=f"{base}/events"
+    )
+
+
+def run_view(info: RunInfo) -> RunView:
+    """``RunInfo`` as the API shows it (the result decoded from its JSON)."""
+    return RunView(
+        id=info.run_id,
+        workflow=info.workflow,
+        status=info.status.value,
+        custom_status=info.custom_status,
+        waiting_on=info.waiting_on,
+        tenant=info.tenant,
+        parent_run_id=info.parent_run_id,
+        continued_to=info.continued_to,
+        created_at=info.created_at,
+        updated_at=info.updated_at,
+        completed_at=info.completed_at,
+        result=json.loads(info.output) if info.output else None,
+        error=info.error,
+        links=links(info.run_id),
+    )
+
+
+def event_view(e: Event) -> EventView:
+    """One event as the API shows it."""
+    return EventView(
+        seq=e.seq, type=e.type.value, step=e.step, data=e.data, created_at=e.created_at
+    )
+
+
+def input_model(wf: Workflow[Any, Any]) -> type[BaseModel]:
+    """A model of ``wf``'s parameters, from its annotations (``Any`` where there is none)."""
+    fields: dict[str, Any] = {}
+    for p, tp in zip(wf.sig.params, wf.sig.param_types, strict=True):
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        annotation = Any if tp is inspect.Parameter.empty else tp
+        default = ... if p.default is inspect.Parameter.empty else p.default
+        fields[p.name] = (annotation, default)
+    name = "".join(part.title() for part in wf.name.replace("-", "_").split("_")) or "Workflow"
+    model: type[BaseModel] = create_model(
+        f"{name}Input", __config__=ConfigDict(extra="forbid"), **fields
+    )
+    return model
+
+
+def start_model(wf: Workflow[Any, Any]) -> type[BaseModel]:
+    """The body of ``POST /v1/workflows/{name}/runs``: the input and the start's options."""
+    name = "".join(part.title() for part in wf.name.replace("-", "_").split("_")) or "Workflow"
+    model: type[BaseModel] = create_model(
+        f"Start{name}",
+        __base__=StartOptions,
+        input=(input_model(wf), Field(description=f"the arguments of {wf.name}")),
+    )
+    return model

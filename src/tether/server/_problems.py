@@ -1,0 +1,73 @@
+"""Errors as RFC 9457 problem documents (``application/problem+json``).
+
+Every failure the API reports names what is wrong and what to do, with the HTTP
+status that fits it; nothing answers with a stack trace.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from .._errors import (
+    AdmissionLimitError,
+    ConfigurationError,
+    PayloadError,
+    RunFinishedError,
+    RunIdConflictError,
+    RunNotFoundError,
+    TetherError,
+    UnknownWorkflowError,
+)
+from ..store.ops.recovery import RecoveryError
+
+PROBLEM = "application/problem+json"
+
+#: tether's errors, most specific first: (type, HTTP status, title)
+_MAP: list[tuple[type[BaseException], int, str]] = [
+    (RunNotFoundError, 404, "No such run"),
+    (UnknownWorkflowError, 404, "No such workflow"),
+    (RunIdConflictError, 409, "Run id or idempotency key already used for other input"),
+    (RunFinishedError, 409, "The run has finished"),
+    (AdmissionLimitError, 429, "The tenant is at its limit of live runs"),
+    (RecoveryError, 409, "The run cannot be recovered that way"),
+    (PayloadError, 400, "The input does not match the workflow's parameters"),
+    (ConfigurationError, 400, "Invalid request"),
+]
+
+
+def problem(status: int, title: str, detail: str, **extra: Any) -> JSONResponse:
+    """A problem document response."""
+    body = {"type": "about:blank", "title": title, "status": status, "detail": detail, **extra}
+    return JSONResponse(body, status_code=status, media_type=PROBLEM)
+
+
+def install(api: FastAPI) -> None:
+    """Answer tether's errors and request validation errors with problem documents."""
+
+    async def on_tether(_request: Request, exc: Exception) -> JSONResponse:
+        for kind, status, title in _MAP:
+            if isinstance(exc, kind):
+                return problem(status, title, str(exc))
+        return problem(500, "tether error", str(exc))
+
+    async def on_validation(_request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        errors = [
+            {"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")}
+            for e in exc.errors()
+        ]
+        first = errors[0] if errors else {"loc": [], "msg": "invalid request"}
+        where = ".".join(str(p) for p in first["loc"])
+        return problem(
+            422,
+            "The request does not match the API's schema",
+            f"{where}: {first['msg']} (see the OpenAPI document at /openapi.json)",
+            errors=errors,
+        )
+
+    api.add_exception_handler(TetherError, on_tether)
+    api.add_exception_handler(RequestValidationError, on_validation)

@@ -1,0 +1,46 @@
+"""The App the HTTP API tests serve: ``tether serve serve_app:app`` with TETHER_TEST_STORE."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from pydantic import BaseModel
+
+import tether
+
+app = tether.App(store=os.environ["TETHER_TEST_STORE"])
+
+
+class Invoice(BaseModel):
+    number: str
+    cents: int
+
+
+@app.activity
+def total(invoice: Invoice, vat: float) -> int:
+    return round(invoice.cents * (1 + vat))
+
+
+@app.activity
+def slow_step(seconds: float) -> str:
+    time.sleep(seconds)
+    return "slow done"
+
+
+@app.workflow
+async def bill(invoice: Invoice, vat: float = 0.2) -> dict[str, int | str]:
+    """Price an invoice."""
+    return {"number": invoice.number, "total": await total(invoice, vat)}
+
+
+@app.workflow
+async def approve(doc: str) -> str:
+    tether.set_status({"stage": "waiting for review"})
+    decision = await tether.wait_event("review", timeout=3600)
+    return f"{doc}: {decision['verdict'] if decision else 'rejected'}"
+
+
+@app.workflow
+async def slow(seconds: float) -> str:
+    return await slow_step(seconds)

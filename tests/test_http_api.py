@@ -1,0 +1,202 @@
+"""The HTTP service, as clients meet it: ``tether serve`` in a subprocess, httpx over
+a real socket, on both stores."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+HERE = Path(__file__).parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    """A ``tether serve serve_app:app`` subprocess and a client for it."""
+
+    def __init__(self, store: str, *args: str) -> None:
+        self.store = store
+        self.port = _free_port()
+        env = {
+            **os.environ,
+            "PYTHONPATH": f"{HERE.parent / 'src'}{os.pathsep}{HERE}",
+            "TETHER_TEST_STORE": store,
+        }
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tether.cli",
+                "serve",
+                "serve_app:app",
+                "--port",
+                str(self.port),
+                *args,
+            ],
+            cwd=HERE,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.http = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=30)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                self.http.get("/v1/workflows")
+                return
+            except httpx.TransportError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    err = self.proc.stderr.read() if self.proc.stderr else ""
+                    raise AssertionError(f"tether serve did not start:\n{err}") from None
+                time.sleep(0.1)
+
+    def stop(self) -> int:
+        self.http.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait(10)
+        finally:
+            if self.proc.stderr is not None:
+                self.proc.stderr.close()
+
+
+@pytest.fixture
+def server(store_url: str) -> Iterator[Server]:
+    s = Server(store_url, "--workers", "1")
+    yield s
+    s.stop()
+
+
+INVOICE: dict[str, Any] = {"input": {"invoice": {"number": "A-1", "cents": 1000}, "vat": 0.1}}
+
+
+def test_start_answers_202_with_location_and_the_run_completes(server: Server) -> None:
+    r = server.http.post("/v1/workflows/bill/runs", json=INVOICE)
+    assert r.status_code == 202, r.text
+    body = r.json()
+    assert r.headers["location"] == f"/v1/runs/{body['id']}" == body["links"]["self"]
+    done = server.http.get(f"{body['links']['result']}?wait=20")
+    assert done.status_code == 200
+    assert done.json()["result"] == {"number": "A-1", "total": 1100}
+    run = server.http.get(r.headers["location"]).json()
+    assert run["status"] == "completed" and run["workflow"] == "bill"
+    history = server.http.get(f"{body['links']['history']}?limit=2").json()
+    assert [e["type"] for e in history["events"]][:1] == ["WorkflowStarted"]
+    rest = server.http.get(f"{body['links']['history']}?after={history['next_after']}").json()
+    assert rest["events"][0]["seq"] == 3 and rest["next_after"] is None
+
+
+def test_idempotency_key_same_body_same_run_other_body_409(server: Server) -> None:
+    headers = {"Idempotency-Key": "order-77"}
+    first = server.http.post("/v1/workflows/bill/runs", json=INVOICE, headers=headers)
+    again = server.http.post("/v1/workflows/bill/runs", json=INVOICE, headers=headers)
+    assert first.status_code == 202 and again.status_code == 200
+    assert again.json()["id"] == first.json()["id"]
+    other = {"input": {"invoice": {"number": "A-2", "cents": 5}}}
+    clash = server.http.post("/v1/workflows/bill/runs", json=other, headers=headers)
+    assert clash.status_code == 409
+    assert clash.headers["content-type"].startswith("application/problem+json")
+    assert "order-77" in clash.json()["detail"]
+    chosen = server.http.post("/v1/workflows/bill/runs", json={**INVOICE, "run_id": "inv-a1"})
+    assert chosen.status_code == 202 and chosen.json()["id"] == "inv-a1"
+
+
+def test_bad_input_is_a_problem_document_naming_the_field(server: Server) -> None:
+    r = server.http.post(
+        "/v1/workflows/bill/runs", json={"input": {"invoice": {"number": "A-1", "cents": "x"}}}
+    )
+    assert r.status_code == 422
+    problem = r.json()
+    assert r.headers["content-type"].startswith("application/problem+json")
+    assert "invoice.cents" in problem["detail"]
+    missing = server.http.get("/v1/runs/no-such-run")
+    assert missing.status_code == 404 and "no-such-run" in missing.json()["detail"]
+    unknown = server.http.post("/v1/workflows/nope/runs", json={"input": {}})
+    assert unknown.status_code in (404, 405)
+
+
+def test_openapi_shows_each_workflows_input_schema(server: Server) -> None:
+    doc = server.http.get("/openapi.json").json()
+    assert "/v1/workflows/bill/runs" in doc["paths"]
+    schemas = doc["components"]["schemas"]
+    assert schemas["BillInput"]["required"] == ["invoice"]
+    assert "cents" in schemas["Invoice"]["properties"]
+    listed = server.http.get("/v1/workflows").json()
+    assert {w["name"] for w in listed} == {"bill", "approve", "slow"}
+
+
+def test_signal_result_wait_and_run_control(server: Server) -> None:
+    r = server.http.post("/v1/workflows/approve/runs", json={"input": {"doc": "contract"}})
+    run = r.json()
+    waiting = server.http.get(f"{run['links']['result']}?wait=0.2")
+    assert waiting.status_code == 202 and waiting.headers["retry-after"]
+    deadline = time.monotonic() + 20
+    while not server.http.get(run["links"]["self"]).json()["waiting_on"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    view = server.http.get(run["links"]["self"]).json()
+    assert view["custom_status"] == {"stage": "waiting for review"}
+    assert view["waiting_on"][0]["kind"] == "signal"
+    sent = server.http.post(f"/v1/runs/{run['id']}/signals/review", json={"verdict": "approved"})
+    assert sent.status_code == 202
+    assert server.http.get(f"{run['links']['result']}?wait=20").json()["result"] == (
+        "contract: approved"
+    )
+    again = server.http.post(f"/v1/runs/{run['id']}/signals/review", json={})
+    assert again.status_code == 409  # finished: refused, clearly
+
+    other = server.http.post("/v1/workflows/approve/runs", json={"input": {"doc": "x"}}).json()
+    cancelled = server.http.post(f"/v1/runs/{other['id']}/cancel", json={"reason": "no"})
+    assert cancelled.status_code == 202
+    result = server.http.get(f"{other['links']['result']}?wait=20").json()
+    assert result["status"] == "cancelled"
+
+
+def test_list_pages_by_cursor_stable_while_runs_are_added(server: Server) -> None:
+    for i in range(5):
+        server.http.post("/v1/workflows/approve/runs", json={"input": {"doc": f"d{i}"}})
+    page = server.http.get("/v1/runs?workflow=approve&limit=2").json()
+    seen = [r["id"] for r in page["runs"]]
+    server.http.post("/v1/workflows/approve/runs", json={"input": {"doc": "late"}})  # newer
+    while page["next_cursor"]:
+        page = server.http.get(
+            f"/v1/runs?workflow=approve&limit=2&cursor={page['next_cursor']}"
+        ).json()
+        seen += [r["id"] for r in page["runs"]]
+    assert len(seen) == len(set(seen)) == 5  # none twice, none skipped, the late one not
+    bad = server.http.get("/v1/runs?cursor=garbage")
+    assert bad.status_code == 400
+
+
+def test_sigterm_stops_gracefully_and_loses_nothing(tmp_path: Path) -> None:
+    store = f"sqlite:///{tmp_path / 't.db'}"
+    first = Server(store, "--workers", "1", "--grace", "10")
+    r = first.http.post("/v1/workflows/slow/runs", json={"input": {"seconds": 1.0}})
+    rid = r.json()["id"]
+    time.sleep(0.3)  # the step is running
+    assert first.stop() == 0  # SIGTERM: the in-flight step finishes, the server exits 0
+    second = Server(store, "--workers", "1")
+    try:
+        got = second.http.get(f"/v1/runs/{rid}/result?wait=20").json()
+        assert got["result"] == "slow done"
+    finally:
+        second.stop()
