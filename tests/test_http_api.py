@@ -200,3 +200,42 @@ def test_sigterm_stops_gracefully_and_loses_nothing(tmp_path: Path) -> None:
         assert got["result"] == "slow done"
     finally:
         second.stop()
+
+
+def _read_sse(lines: Any, until: str) -> list[tuple[int, str]]:
+    """(id, event) of SSE messages read from ``lines`` until an event named ``until``."""
+    out: list[tuple[int, str]] = []
+    msg: dict[str, str] = {}
+    for line in lines:
+        if line == "":
+            if "event" in msg and "id" in msg:
+                out.append((int(msg["id"]), msg["event"]))
+                if msg["event"] == until:
+                    return out
+            msg = {}
+        elif not line.startswith(":"):
+            field, _, value = line.partition(": ")
+            msg[field] = value
+    return out
+
+
+def test_events_stream_as_sse_and_resume_from_last_event_id(server: Server) -> None:
+    run = server.http.post("/v1/workflows/approve/runs", json={"input": {"doc": "d"}}).json()
+    url = f"/v1/runs/{run['id']}/events"
+    with server.http.stream("GET", url) as stream:
+        assert stream.headers["content-type"].startswith("text/event-stream")
+        lines = stream.iter_lines()
+        first = _read_sse(lines, "WorkflowTaskCompleted")
+        assert first[0] == (1, "WorkflowStarted")
+        server.http.post(f"/v1/runs/{run['id']}/signals/review", json={"verdict": "ok"})
+        rest = _read_sse(lines, "WorkflowCompleted")
+    seen = first + rest
+    assert [s for s, _ in seen] == sorted({s for s, _ in seen})  # in order, once each
+    assert ("SignalReceived" in {e for _, e in rest}) and rest[-1][1] == "WorkflowCompleted"
+    # reconnecting with Last-Event-ID sends only what came after it, and ends with the run
+    last = first[-1][0]
+    again = server.http.get(url, headers={"Last-Event-ID": str(last)})
+    ids = [int(line[4:]) for line in again.text.splitlines() if line.startswith("id: ")]
+    assert ids and min(ids) == last + 1
+    missing = server.http.get("/v1/runs/nope/events")
+    assert missing.status_code == 404

@@ -17,8 +17,8 @@ import json
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
-from fastapi import Body, FastAPI, Header, Query, Response
-from fastapi.responses import JSONResponse
+from fastapi import Body, FastAPI, Header, Query, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 
 from .. import __version__
@@ -189,6 +189,25 @@ def create_api(
         nxt = _cursor(page[-1].created_at, page[-1].run_id) if len(infos) > limit else None
         return RunPage(runs=[run_view(i) for i in page], next_cursor=nxt)
 
+    @api.get(
+        "/v1/runs/{run_id}/events",
+        summary="A run's events as Server-Sent Events (resumable with Last-Event-ID)",
+        response_class=StreamingResponse,
+    )
+    async def stream_events(
+        run_id: str,
+        request: Request,
+        last_event_id: Annotated[str | None, Header()] = None,
+        after: Annotated[int, Query(ge=0)] = 0,
+    ) -> StreamingResponse:
+        info = await app.get(run_id, follow=False)  # 404 before the stream starts
+        start = int(last_event_id) if last_event_id and last_event_id.isdigit() else after
+        return StreamingResponse(
+            _events(app, info.run_id, start, request),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
     @api.post("/v1/runs/{run_id}/signals/{name}", status_code=202, summary="Send a signal")
     async def send_signal(
         run_id: str, name: str, payload: Annotated[Any, Body()] = None
@@ -211,6 +230,38 @@ def create_api(
         return run_view(await app.get(run_id))
 
     return api
+
+
+#: how often an event stream looks for new events, and sends a keep-alive comment
+_STREAM_POLL = 0.25
+_STREAM_KEEPALIVE = 15.0
+
+
+async def _events(app: App, run_id: str, after: int, request: Request) -> AsyncIterator[str]:
+    """The run's events after ``after`` as SSE messages (``id`` is the event's seq), then
+    new ones as they are recorded, until the run has ended and everything was sent."""
+    loop = asyncio.get_running_loop()
+    quiet_since = loop.time()
+    while True:
+        events = await app.store.read_history(run_id, after)
+        for e in events:
+            after = e.seq
+            payload = json.dumps(event_view(e).model_dump(), separators=(",", ":"))
+            yield f"id: {e.seq}\nevent: {e.type.value}\ndata: {payload}\n\n"
+        if events:
+            quiet_since = loop.time()
+        else:
+            info = await app.get(run_id, follow=False)
+            if info.is_finished:
+                if info.continued_to:
+                    yield f"event: continued\ndata: {json.dumps({'next': info.continued_to})}\n\n"
+                return
+            if loop.time() - quiet_since > _STREAM_KEEPALIVE:
+                quiet_since = loop.time()
+                yield ": keep-alive\n\n"
+        if await request.is_disconnected():
+            return
+        await asyncio.sleep(_STREAM_POLL)
 
 
 def _add_start_route(api: FastAPI, app: App, wf: Workflow[Any, Any]) -> None:
