@@ -216,7 +216,7 @@ def create_api(
         return {"id": run_id, "signal": name, "accepted": True, "links": links(run_id)}
 
     for action in ("cancel", "terminate"):
-        _add_reasoned_action(api, app, action)
+        _add_action(api, app, action, reasoned=True)
     for action in ("suspend", "resume"):
         _add_action(api, app, action)
 
@@ -334,30 +334,20 @@ def _add_start_route(api: FastAPI, app: App, wf: Workflow[Any, Any]) -> None:
     )
 
 
-def _add_action(api: FastAPI, app: App, action: str) -> None:
+def _add_action(api: FastAPI, app: App, action: str, *, reasoned: bool = False) -> None:
+    """``POST /v1/runs/{id}/<action>``; a ``reasoned`` one takes ``{"reason": ...}``."""
+
     async def act(run_id: str) -> RunView:
         await getattr(app, action)(run_id)
         return run_view(await app.get(run_id))
 
-    api.add_api_route(
-        f"/v1/runs/{{run_id}}/{action}",
-        act,
-        methods=["POST"],
-        status_code=202,
-        summary=f"{action.title()} a run",
-        name=action,
-        response_model=RunView,
-    )
-
-
-def _add_reasoned_action(api: FastAPI, app: App, action: str) -> None:
-    async def act(run_id: str, body: Reason | None = None) -> RunView:
+    async def act_with_reason(run_id: str, body: Reason | None = None) -> RunView:
         await getattr(app, action)(run_id, body.reason if body else None)
         return run_view(await app.get(run_id))
 
     api.add_api_route(
         f"/v1/runs/{{run_id}}/{action}",
-        act,
+        act_with_reason if reasoned else act,
         methods=["POST"],
         status_code=202,
         summary=f"{action.title()} a run",
