@@ -239,3 +239,75 @@ def test_events_stream_as_sse_and_resume_from_last_event_id(server: Server) -> N
     assert ids and min(ids) == last + 1
     missing = server.http.get("/v1/runs/nope/events")
     assert missing.status_code == 404
+
+
+def _create_key(store: str, *args: str) -> str:
+    res = subprocess.run(
+        [sys.executable, "-m", "tether.cli", "keys", "create", "--store", store, *args],
+        env={**os.environ, "PYTHONPATH": str(HERE.parent / "src")},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 0, res.stderr
+    assert "shown once" in res.stderr
+    return res.stdout.strip()
+
+
+def test_api_keys_scope_a_client_to_its_tenant(store_url: str) -> None:
+    import tether
+
+    tether.App(store=store_url).store.close_sync()  # type: ignore[attr-defined]  # the store
+    acme = _create_key(store_url, "--role", "client", "--tenant", "acme", "--name", "acme app")
+    globex = _create_key(store_url, "--role", "client", "--tenant", "globex")
+    admin = _create_key(store_url, "--role", "admin")
+    server = Server(store_url, "--workers", "1")  # keys exist: required from start-up
+    try:
+        http = server.http
+        anonymous = http.post("/v1/workflows/bill/runs", json=INVOICE)
+        assert anonymous.status_code == 401
+        assert anonymous.headers["www-authenticate"] == "Bearer"
+        assert "tether keys create" in anonymous.json()["detail"]
+        wrong = http.get("/v1/runs", headers={"Authorization": f"Bearer {acme}x"})
+        assert wrong.status_code == 401
+
+        def as_(key: str) -> dict[str, str]:
+            return {"Authorization": f"Bearer {key}"}
+
+        mine = http.post("/v1/workflows/bill/runs", json=INVOICE, headers=as_(acme)).json()
+        got = http.get(f"{mine['links']['result']}?wait=20", headers=as_(acme)).json()
+        assert got["result"]["total"] == 1100
+        assert http.get(mine["links"]["self"], headers=as_(acme)).json()["tenant"] == "acme"
+        # another tenant's key does not see it, cannot signal it, does not list it
+        assert http.get(mine["links"]["self"], headers=as_(globex)).status_code == 404
+        sig = http.post(f"/v1/runs/{mine['id']}/signals/x", json={}, headers=as_(globex))
+        assert sig.status_code == 404
+        assert http.get("/v1/runs", headers=as_(globex)).json()["runs"] == []
+        assert [r["id"] for r in http.get("/v1/runs", headers=as_(acme)).json()["runs"]] == [
+            mine["id"]
+        ]
+        other = {**INVOICE, "tenant": "globex"}
+        assert (
+            http.post("/v1/workflows/bill/runs", json=other, headers=as_(acme)).status_code == 403
+        )
+        # operator actions need an admin key; the admin sees every tenant
+        waiting = http.post(
+            "/v1/workflows/approve/runs", json={"input": {"doc": "d"}}, headers=as_(acme)
+        ).json()
+        assert http.post(f"/v1/runs/{waiting['id']}/suspend", headers=as_(acme)).status_code == 403
+        assert http.post(f"/v1/runs/{waiting['id']}/suspend", headers=as_(admin)).status_code == 202
+        assert len(http.get("/v1/runs", headers=as_(admin)).json()["runs"]) == 2
+        # a revoked key is refused at once
+        key_id = acme[len("tether_") :].split(".")[0]
+        res = subprocess.run(
+            [sys.executable, "-m", "tether.cli", "keys", "revoke", key_id, "--store", store_url],
+            env={**os.environ, "PYTHONPATH": str(HERE.parent / "src")},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert res.returncode == 0, res.stderr
+        revoked = http.get("/v1/runs", headers=as_(acme))
+        assert revoked.status_code == 401 and "revoked" in revoked.json()["detail"]
+    finally:
+        server.stop()

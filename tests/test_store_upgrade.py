@@ -54,7 +54,7 @@ async def test_a_version_1_sqlite_store_is_upgraded(tmp_path: Path) -> None:
     conn.close()
     await _roundtrip(f"sqlite:///{db}")
     conn = sqlite3.connect(db)
-    assert conn.execute("PRAGMA user_version").fetchone() == (2,)
+    assert conn.execute("PRAGMA user_version").fetchone() == (3,)
     conn.close()
 
 
@@ -70,4 +70,4 @@ async def test_a_version_1_postgres_store_is_upgraded(pg_schema: str) -> None:
     await _roundtrip(url)
     with psycopg.connect(PG_URL, autocommit=True) as conn:
         conn.execute(f'SET search_path TO "{pg_schema}"')
-        assert conn.execute("SELECT max(version) FROM tether_meta").fetchone() == (2,)
+        assert conn.execute("SELECT max(version) FROM tether_meta").fetchone() == (3,)

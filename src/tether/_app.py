@@ -642,13 +642,15 @@ class App:
         offset: int = 0,
         waiting_for: str | None = None,
         before: tuple[float, str] | None = None,
+        tenant: str | None = None,
     ) -> builtins.list[RunInfo]:
         """Runs, newest first, filtered by status, workflow name and what they wait for.
 
         ``waiting_for`` is a kind of ``RunInfo.waiting_on``: ``"signal"`` (or
         ``"signal:review"`` for one signal), ``"timer"``, ``"activity"``, ``"child"``,
         or ``"admission"`` (queued for a tenant's slot). ``before`` pages by keyset:
-        pass the ``(created_at, run_id)`` of the previous page's last run.
+        pass the ``(created_at, run_id)`` of the previous page's last run. ``tenant``
+        keeps one tenant's runs.
         """
         if waiting_for is not None and waiting_for.partition(":")[0] not in WAITING_KINDS:
             raise ConfigurationError(
@@ -663,6 +665,7 @@ class App:
             offset=offset,
             waiting_for=waiting_for,
             before=before,
+            tenant=tenant,
         )
 
     async def history(self, run_id: str, *, follow: bool = True) -> builtins.list[Event]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from .history import history_export_command, replay_command
+from .keys import keys_create_command, keys_list_command, keys_revoke_command
 from .queues import queues_command
 from .runs import (
     cancel_command,
@@ -65,4 +66,13 @@ def _build() -> typer.Typer:
     )
     cassette.command("export")(cassette_export_command)
     cli.add_typer(cassette, name="cassette")
+    keys = typer.Typer(
+        help="API keys of the HTTP service (tether serve).",
+        no_args_is_help=True,
+        context_settings={"help_option_names": ["-h", "--help"]},
+    )
+    keys.command("create")(keys_create_command)
+    keys.command("list")(keys_list_command)
+    keys.command("revoke")(keys_revoke_command)
+    cli.add_typer(keys, name="keys")
     return cli

@@ -37,6 +37,14 @@ def serve_command(
     log_level: Annotated[
         str, typer.Option("--log-level", help="Logging level: debug, info, warning, error.")
     ] = "info",
+    auth: Annotated[
+        bool | None,
+        typer.Option(
+            "--auth/--no-auth",
+            help="Require API keys (default: when the store has a live key at start-up).",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Serve MODULE:ATTR's HTTP API until SIGTERM or Ctrl+C (OpenAPI at /docs)."""
     missing = [m for m in ("fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
@@ -56,7 +64,7 @@ def serve_command(
         level=level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     app = load_app(app_spec)
-    api = create_api(app, workers=workers, grace=grace)
+    api = create_api(app, workers=workers, grace=grace, auth=auth)
     _note(
         f"tether serve {app_spec} on http://{host}:{port} ({workers} in-process worker(s); "
         f"API docs at /docs)"

@@ -17,7 +17,7 @@ import json
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
-from fastapi import Body, FastAPI, Header, Query, Request, Response
+from fastapi import Body, Depends, FastAPI, Header, Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 
@@ -28,12 +28,14 @@ from .._errors import (
     ConfigurationError,
     ResultTimeoutError,
     RunIdConflictError,
+    RunNotFoundError,
     TetherError,
     WorkflowFailedError,
 )
-from .._history import RunStatus
+from .._history import RunInfo, RunStatus
 from .._worker import Worker
 from . import _problems
+from ._auth import AuthError, Principal, authenticate
 from ._models import (
     HistoryPage,
     ResultView,
@@ -79,15 +81,43 @@ class Reason(BaseModel):
 
 
 def create_api(
-    app: App, *, workers: int = 0, worker_options: dict[str, Any] | None = None, grace: float = 30
+    app: App,
+    *,
+    workers: int = 0,
+    worker_options: dict[str, Any] | None = None,
+    grace: float = 30,
+    auth: bool | None = None,
 ) -> FastAPI:
     """The HTTP API of ``app``; with ``workers``, that many in-process workers serve its
     queues while the API runs (stopped, with ``grace`` seconds for in-flight work, on
-    shutdown)."""
+    shutdown). ``auth``: require API keys (True), never (False), or when the store has
+    a live key at start-up (None, the default)."""
     running: list[Worker] = []
+    required = {"auth": bool(auth)}
+
+    async def who(request: Request, authorization: Annotated[str | None, Header()] = None) -> None:
+        """Authenticate every ``/v1`` request while keys are required."""
+        request.state.principal = (
+            await authenticate(app.store, authorization) if required["auth"] else None
+        )
+
+    async def visible(request: Request, run_id: str, *, follow: bool = True) -> RunInfo:
+        """The run, if the caller may see it (a client key: only its tenant's runs)."""
+        info = await app.get(run_id, follow=follow)
+        principal: Principal | None = request.state.principal
+        if principal is not None and not principal.admin and info.tenant != principal.tenant:
+            raise RunNotFoundError(run_id)  # another tenant's run does not exist for it
+        return info
+
+    def admin_only(request: Request, action: str) -> None:
+        principal: Principal | None = request.state.principal
+        if principal is not None and not principal.admin:
+            raise AuthError(403, "Admin key required", f"{action} needs an admin key")
 
     @contextlib.asynccontextmanager
     async def lifespan(_api: FastAPI) -> AsyncIterator[None]:
+        if auth is None:
+            required["auth"] = await app.store.has_api_keys()
         for _ in range(workers):
             w = app.worker(**(worker_options or {}))
             await w.start()
@@ -104,6 +134,7 @@ def create_api(
         version=__version__,
         description="Start, follow and steer durable workflow runs.",
         lifespan=lifespan,
+        dependencies=[Depends(who)],
     )
     _problems.install(api)
 
@@ -124,8 +155,8 @@ def create_api(
         ]
 
     @api.get("/v1/runs/{run_id}", summary="A run's status resource", response_model=RunView)
-    async def get_run(run_id: str) -> RunView:
-        return run_view(await app.get(run_id))
+    async def get_run(run_id: str, request: Request) -> RunView:
+        return run_view(await visible(request, run_id))
 
     @api.get(
         "/v1/runs/{run_id}/result",
@@ -134,8 +165,12 @@ def create_api(
         responses={202: {"description": "still running: ask again after Retry-After"}},
     )
     async def get_result(
-        run_id: str, response: Response, wait: Annotated[float, Query(ge=0)] = 0
+        run_id: str,
+        request: Request,
+        response: Response,
+        wait: Annotated[float, Query(ge=0)] = 0,
     ) -> ResultView:
+        await visible(request, run_id)
         try:
             await app.get_run(run_id).result(timeout=min(wait, MAX_WAIT) or 0.001)
         except ResultTimeoutError:
@@ -154,10 +189,11 @@ def create_api(
     )
     async def get_history(
         run_id: str,
+        request: Request,
         after: Annotated[int, Query(ge=0)] = 0,
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     ) -> HistoryPage:
-        info = await app.get(run_id, follow=False)
+        info = await visible(request, run_id, follow=False)
         events = await app.store.read_history(info.run_id, after)
         page = events[:limit]
         more = len(events) > limit
@@ -171,6 +207,7 @@ def create_api(
         "/v1/runs", summary="Runs, newest first, filtered; cursor paging", response_model=RunPage
     )
     async def list_runs(
+        request: Request,
         workflow: str | None = None,
         status: RunStatus | None = None,
         waiting_for: str | None = None,
@@ -178,7 +215,9 @@ def create_api(
         cursor: str | None = None,
     ) -> RunPage:
         before = _uncursor(cursor) if cursor else None
+        principal: Principal | None = request.state.principal
         infos = await app.list(
+            tenant=principal.tenant if principal is not None and not principal.admin else None,
             workflow=workflow,
             status=status,
             waiting_for=waiting_for,
@@ -200,7 +239,7 @@ def create_api(
         last_event_id: Annotated[str | None, Header()] = None,
         after: Annotated[int, Query(ge=0)] = 0,
     ) -> StreamingResponse:
-        info = await app.get(run_id, follow=False)  # 404 before the stream starts
+        info = await visible(request, run_id, follow=False)  # 404 before the stream starts
         start = int(last_event_id) if last_event_id and last_event_id.isdigit() else after
         return StreamingResponse(
             _events(app, info.run_id, start, request),
@@ -210,22 +249,22 @@ def create_api(
 
     @api.post("/v1/runs/{run_id}/signals/{name}", status_code=202, summary="Send a signal")
     async def send_signal(
-        run_id: str, name: str, payload: Annotated[Any, Body()] = None
+        run_id: str, name: str, request: Request, payload: Annotated[Any, Body()] = None
     ) -> dict[str, Any]:
+        await visible(request, run_id)
         await app.signal(run_id, name, payload)
         return {"id": run_id, "signal": name, "accepted": True, "links": links(run_id)}
 
-    for action in ("cancel", "terminate"):
-        _add_action(api, app, action, reasoned=True)
-    for action in ("suspend", "resume"):
-        _add_action(api, app, action)
+    for action in ("cancel", "terminate", "suspend", "resume"):
+        _add_action(api, app, action, visible, admin_only)
 
     @api.post(
         "/v1/runs/{run_id}/retry",
         status_code=202,
         summary="Retry a failed run from its failed step",
     )
-    async def retry(run_id: str) -> RunView:
+    async def retry(run_id: str, request: Request) -> RunView:
+        admin_only(request, "retry")
         await app.retry(run_id)
         return run_view(await app.get(run_id))
 
@@ -270,10 +309,18 @@ def _add_start_route(api: FastAPI, app: App, wf: Workflow[Any, Any]) -> None:
 
     async def start(
         body: body_model,  # type: ignore[valid-type]
+        request: Request,
         response: Response,
         idempotency_key: Annotated[str | None, Header()] = None,
     ) -> JSONResponse:
         data = body.model_dump()  # type: ignore[attr-defined]
+        principal: Principal | None = request.state.principal
+        if principal is not None and not principal.admin:
+            if data.get("tenant") not in (None, principal.tenant):
+                raise AuthError(
+                    403, "Another tenant", f"this key starts runs for {principal.tenant!r} only"
+                )
+            data["tenant"] = principal.tenant
         kwargs = dict(body.input)  # type: ignore[attr-defined]
         run_id = data.get("run_id")
         if run_id is None and idempotency_key:
@@ -315,6 +362,7 @@ def _add_start_route(api: FastAPI, app: App, wf: Workflow[Any, Any]) -> None:
     # this module uses postponed annotations; FastAPI reads the body's type from here
     start.__annotations__ = {
         "body": body_model,
+        "request": Request,
         "response": Response,
         "idempotency_key": Annotated[str | None, Header()],
         "return": JSONResponse,
@@ -334,20 +382,22 @@ def _add_start_route(api: FastAPI, app: App, wf: Workflow[Any, Any]) -> None:
     )
 
 
-def _add_action(api: FastAPI, app: App, action: str, *, reasoned: bool = False) -> None:
-    """``POST /v1/runs/{id}/<action>``; a ``reasoned`` one takes ``{"reason": ...}``."""
+def _add_action(api: FastAPI, app: App, action: str, visible: Any, admin_only: Any) -> None:
+    """``POST /v1/runs/{id}/<action>``; cancel and terminate take ``{"reason": ...}``;
+    a client key may cancel its tenant's runs, the rest needs an admin key."""
+    reasoned = action in ("cancel", "terminate")
 
-    async def act(run_id: str) -> RunView:
-        await getattr(app, action)(run_id)
-        return run_view(await app.get(run_id))
-
-    async def act_with_reason(run_id: str, body: Reason | None = None) -> RunView:
-        await getattr(app, action)(run_id, body.reason if body else None)
+    async def act(run_id: str, request: Request, body: Reason | None = None) -> RunView:
+        if action != "cancel":
+            admin_only(request, action)
+        await visible(request, run_id)
+        method = getattr(app, action)
+        await (method(run_id, body.reason if body else None) if reasoned else method(run_id))
         return run_view(await app.get(run_id))
 
     api.add_api_route(
         f"/v1/runs/{{run_id}}/{action}",
-        act_with_reason if reasoned else act,
+        act,
         methods=["POST"],
         status_code=202,
         summary=f"{action.title()} a run",

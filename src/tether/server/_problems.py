@@ -23,6 +23,7 @@ from .._errors import (
     UnknownWorkflowError,
 )
 from ..store.ops.recovery import RecoveryError
+from ._auth import AuthError
 
 PROBLEM = "application/problem+json"
 
@@ -69,5 +70,13 @@ def install(api: FastAPI) -> None:
             errors=errors,
         )
 
+    async def on_auth(_request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, AuthError)
+        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else {}
+        response = problem(exc.status, exc.title, exc.detail)
+        response.headers.update(headers)
+        return response
+
     api.add_exception_handler(TetherError, on_tether)
+    api.add_exception_handler(AuthError, on_auth)
     api.add_exception_handler(RequestValidationError, on_validation)

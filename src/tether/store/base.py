@@ -207,6 +207,28 @@ class Store(abc.ABC):
         return _no_release
 
     @abc.abstractmethod
+    async def create_api_key(
+        self, key_id: str, secret_hash: str, name: str | None, tenant: str | None, role: str
+    ) -> None:
+        """Record an API key of the HTTP service (only a hash of its secret)."""
+
+    @abc.abstractmethod
+    async def api_key(self, key_id: str) -> tuple[Any, ...] | None:
+        """(key_id, secret_hash, name, tenant, role, created_at, revoked_at) or None."""
+
+    @abc.abstractmethod
+    async def list_api_keys(self) -> list[tuple[Any, ...]]:
+        """Every API key (revoked ones too), oldest first."""
+
+    @abc.abstractmethod
+    async def revoke_api_key(self, key_id: str) -> bool:
+        """Revoke a key; False when it does not exist or was revoked already."""
+
+    @abc.abstractmethod
+    async def has_api_keys(self) -> bool:
+        """Whether any key is live (then the HTTP service requires one)."""
+
+    @abc.abstractmethod
     async def reclaim(self, worker_id: str) -> int:
         """Make every task leased to ``worker_id`` claimable now; return how many."""
 
@@ -256,6 +278,7 @@ class Store(abc.ABC):
         offset: int = 0,
         waiting_for: str | None = None,
         before: tuple[float, str] | None = None,
+        tenant: str | None = None,
     ) -> list[RunInfo]:
         """Runs, newest first, optionally filtered (``waiting_for``: see ``App.list``);
         ``before`` is the (created_at, run_id) of the last run of the previous page."""

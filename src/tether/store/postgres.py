@@ -65,10 +65,15 @@ from .ops.tasks import _heartbeat, _renew
 log = logging.getLogger("tether.store")
 
 
-_SCHEMA_VERSION = 2
+_SCHEMA_VERSION = 3
 #: statements that bring a store of the version before up to this one
 _UPGRADES: dict[int, tuple[str, ...]] = {
-    2: ("ALTER TABLE runs ADD COLUMN IF NOT EXISTS waiting_on TEXT",)
+    2: ("ALTER TABLE runs ADD COLUMN IF NOT EXISTS waiting_on TEXT",),
+    3: (
+        "CREATE TABLE IF NOT EXISTS api_keys (key_id TEXT PRIMARY KEY, secret_hash TEXT NOT "
+        "NULL, name TEXT, tenant TEXT, role TEXT NOT NULL, created_at DOUBLE PRECISION NOT "
+        "NULL, revoked_at DOUBLE PRECISION)",
+    ),
 }
 #: task columns added during development, missing from schemas made by older builds
 _TASK_COLUMNS = ("priority", "limit_key", "heartbeat_timeout", "dependency", "batch_key")

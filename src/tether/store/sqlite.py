@@ -52,9 +52,16 @@ _OWN_TABLES = {
 }
 
 
-_SCHEMA_VERSION = 2
+_SCHEMA_VERSION = 3
 #: statements that bring a store of the version before up to this one
-_UPGRADES: dict[int, tuple[str, ...]] = {2: ("ALTER TABLE runs ADD COLUMN waiting_on TEXT",)}
+_UPGRADES: dict[int, tuple[str, ...]] = {
+    2: ("ALTER TABLE runs ADD COLUMN waiting_on TEXT",),
+    3: (
+        "CREATE TABLE IF NOT EXISTS api_keys (key_id TEXT PRIMARY KEY, secret_hash TEXT NOT "
+        "NULL, name TEXT, tenant TEXT, role TEXT NOT NULL, created_at REAL NOT NULL, "
+        "revoked_at REAL)",
+    ),
+}
 
 
 class SqliteStore(OpsStore):

@@ -225,9 +225,10 @@ class OpsStore(Store):
         offset: int = 0,
         waiting_for: str | None = None,
         before: tuple[float, str] | None = None,
+        tenant: str | None = None,
     ) -> list[RunInfo]:
         out: list[RunInfo] = await self._do(
-            _list_runs, status, workflow, limit, offset, waiting_for, before, write=False
+            _list_runs, status, workflow, limit, offset, waiting_for, before, tenant, write=False
         )
         return out
 
@@ -256,6 +257,25 @@ class OpsStore(Store):
 
     async def breaker_record(self, cfg: dict[str, Any], ok: bool) -> None:
         await self._do(_breaker_record, cfg, ok)
+
+    async def create_api_key(
+        self, key_id: str, secret_hash: str, name: str | None, tenant: str | None, role: str
+    ) -> None:
+        await self._do(_create_api_key, key_id, secret_hash, name, tenant, role)
+
+    async def api_key(self, key_id: str) -> tuple[Any, ...] | None:
+        out: tuple[Any, ...] | None = await self._do(_api_key, key_id, write=False)
+        return out
+
+    async def list_api_keys(self) -> list[tuple[Any, ...]]:
+        out: list[tuple[Any, ...]] = await self._do(_list_api_keys, write=False)
+        return out
+
+    async def revoke_api_key(self, key_id: str) -> bool:
+        return bool(await self._do(_revoke_api_key, key_id))
+
+    async def has_api_keys(self) -> bool:
+        return bool(await self._do(_has_api_keys, write=False))
 
     async def dead_letters(
         self, *, include_resolved: bool = False, run_id: str | None = None, limit: int = 100
@@ -310,6 +330,13 @@ from .control import _cancel, _resume, _signal, _suspend, _terminate  # noqa: E4
 from .debounce import _debounce  # noqa: E402
 from .dependencies import _dependency_feedback  # noqa: E402
 from .history import _read_history  # noqa: E402
+from .keys import (  # noqa: E402
+    _api_key,
+    _create_api_key,
+    _has_api_keys,
+    _list_api_keys,
+    _revoke_api_key,
+)
 from .queues import _configure_queue, _pause_queue, _queue_stats  # noqa: E402
 from .recovery import _claim_dead_letter, _dead_letters, _fork_run, _resolve_dead_letter, _retry_run  # noqa: E402
 from .runs import _create_run, _get_run, _list_runs  # noqa: E402

@@ -352,9 +352,13 @@ def _list_runs(
     offset: int,
     waiting_for: str | None = None,
     before: tuple[float, str] | None = None,
+    tenant: str | None = None,
 ) -> list[RunInfo]:
     where: list[str] = []
     args: list[Any] = []
+    if tenant is not None:
+        where.append("tenant = ?")
+        args.append(tenant)
     if before is not None:  # keyset paging: stable while runs are added
         where.append("(created_at < ? OR (created_at = ? AND run_id > ?))")
         args += [before[0], before[0], before[1]]

@@ -155,3 +155,15 @@ CREATE TABLE IF NOT EXISTS debounces (
     due_at        REAL NOT NULL,
     updated_at    REAL NOT NULL
 );
+
+-- API keys of the HTTP service (tether serve): only a hash of the secret is kept; a key
+-- acts for one tenant (role client) or for every tenant (role admin).
+CREATE TABLE IF NOT EXISTS api_keys (
+    key_id       TEXT PRIMARY KEY,
+    secret_hash  TEXT NOT NULL,
+    name         TEXT,
+    tenant       TEXT,
+    role         TEXT NOT NULL,
+    created_at   REAL NOT NULL,
+    revoked_at   REAL
+);

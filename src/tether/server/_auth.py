@@ -1,0 +1,79 @@
+"""API keys of the HTTP service: who calls, for which tenant, in which role.
+
+A key is ``tether_<key id>.<secret>``; the store keeps only a SHA-256 of the secret
+(secrets are 256 random bits, so a fast hash is enough). A ``client`` key acts for its
+tenant: runs it starts carry that tenant, and it sees and signals only that tenant's
+runs. An ``admin`` key acts for every tenant and may also terminate, suspend, resume
+and retry. While no key exists (and ``--auth`` is not forced) the API is open, for a
+service on a private network; the first key created closes it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from dataclasses import dataclass
+
+from ..store.base import Store
+
+ROLES = ("client", "admin")
+PREFIX = "tether_"
+
+
+class AuthError(Exception):
+    """The request's credentials are missing, wrong or not enough (401 or 403)."""
+
+    def __init__(self, status: int, title: str, detail: str) -> None:
+        super().__init__(detail)
+        self.status, self.title, self.detail = status, title, detail
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """Who a request acts as."""
+
+    key_id: str
+    tenant: str | None
+    role: str
+
+    @property
+    def admin(self) -> bool:
+        """Whether it acts for every tenant."""
+        return self.role == "admin"
+
+
+def _hash(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+async def create_key(
+    store: Store, *, role: str, tenant: str | None, name: str | None = None
+) -> tuple[str, str]:
+    """Create a key; return (key id, the whole key). The key is shown once, never stored."""
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {', '.join(ROLES)} (got {role!r})")
+    if role == "client" and not tenant:
+        raise ValueError("a client key acts for one tenant: give --tenant")
+    key_id = secrets.token_hex(6)
+    secret = secrets.token_urlsafe(32)
+    await store.create_api_key(key_id, _hash(secret), name, tenant, role)
+    return key_id, f"{PREFIX}{key_id}.{secret}"
+
+
+async def authenticate(store: Store, authorization: str | None) -> Principal:
+    """The principal of an ``Authorization: Bearer <key>`` header, or ``AuthError``."""
+    scheme, _, token = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not token.startswith(PREFIX) or "." not in token:
+        raise AuthError(
+            401,
+            "API key required",
+            "send `Authorization: Bearer tether_...` with a key from `tether keys create`",
+        )
+    key_id, _, secret = token[len(PREFIX) :].partition(".")
+    row = await store.api_key(key_id)
+    if row is None or not hmac.compare_digest(row[1], _hash(secret)):
+        raise AuthError(401, "Unknown API key", "this key does not exist in the store")
+    if row[6] is not None:
+        raise AuthError(401, "Revoked API key", f"key {key_id} was revoked")
+    return Principal(key_id=key_id, tenant=row[3], role=row[4])
