@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import tether
@@ -27,6 +28,32 @@ class Fake:
 
     def __call__(self) -> float:
         return self.now
+
+
+def test_the_server_clock_trusts_its_quickest_reading() -> None:
+    """A reading whose round trip was long (a loaded host) is uncertain by half of it;
+    the clock keeps to the quickest of its recent readings."""
+    mono = Fake(100.0)
+    truth = 1_000.0  # server time minus monotonic time
+
+    def reading(rtt: float, evaluated_at: float) -> Callable[[], float]:
+        def read() -> float:
+            start = mono.now
+            mono.now += rtt
+            return start + rtt * evaluated_at + truth  # the server read its clock then
+
+        return read
+
+    clock = ServerClock(wall=Fake(0.0), monotonic=mono)
+    clock.sync(reading(0.002, 0.5))  # quick: exact
+    assert abs(clock() - (mono.now + truth)) < 1e-9
+    mono.now += 10
+    clock.sync(reading(0.200, 0.0))  # slow, and the server answered at once: 0.1 s early
+    assert abs(clock() - (mono.now + truth)) < 1e-9  # still the quick reading's
+    for _ in range(ServerClock.KEEP):  # once the quick one has aged out, the best of the rest
+        mono.now += 10
+        clock.sync(reading(0.020, 0.0))
+    assert abs(clock() - (mono.now + truth)) <= 0.010 + 1e-9
 
 
 def test_the_server_clock_ignores_the_hosts_wall_clock() -> None:

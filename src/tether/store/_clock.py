@@ -14,6 +14,7 @@ lease expiries and timers by the step (nothing fires early, nothing is leased tw
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -32,9 +33,14 @@ class ServerClock:
 
     ``sync(read_server)`` takes a reading (``read_server`` returns the server's time
     in seconds since the epoch, one round trip); ``due`` says when the next one is
-    wanted. The value never runs backwards, even when a new reading is a little
-    behind the old estimate (each reading is uncertain by half its round trip).
+    wanted. Each reading is uncertain by half its round trip, which a loaded host can
+    stretch to tens of milliseconds; of the last ``KEEP`` readings the one with the
+    shortest round trip sets the clock (as NTP filters its samples). The value never
+    runs backwards.
     """
+
+    #: readings kept to choose the best from (80 s of them at the default interval)
+    KEEP = 8
 
     def __init__(
         self,
@@ -47,8 +53,10 @@ class ServerClock:
         self.wall = wall  #: only to report how far this host's clock is off
         self.monotonic = monotonic
         self.offset = 0.0  #: server time minus this host's wall time, at the last reading
-        self._base: float | None = None  #: server time at monotonic time ``_at``
-        self._at = 0.0
+        #: (round trip, server time minus monotonic time) of the last readings
+        self._samples: collections.deque[tuple[float, float]] = collections.deque(maxlen=self.KEEP)
+        self._skew: float | None = None  #: server time minus monotonic time, chosen
+        self._at = 0.0  #: monotonic time of the last reading
         self._last = 0.0
         self._lock = threading.Lock()
 
@@ -57,7 +65,9 @@ class ServerClock:
         before = self.monotonic()
         server = read_server()
         after = self.monotonic()
-        mid = (before + after) / 2  # the reading was taken about half a round trip in
+        rtt = after - before
+        # the reading was taken about half a round trip in: at monotonic (before+after)/2
+        skew = server - (before + after) / 2
         offset = server - self.wall()
         if abs(offset) > WARN_OFFSET and abs(offset - self.offset) > WARN_OFFSET:
             log.warning(
@@ -68,17 +78,18 @@ class ServerClock:
             )
         with self._lock:
             self.offset = offset
-            self._base = server + (after - mid)
+            self._samples.append((rtt, skew))
+            self._skew = min(self._samples)[1]  # the most certain reading
             self._at = after
 
     def due(self) -> bool:
         """Whether the next reading of the server's clock is wanted."""
-        return self._base is None or self.monotonic() - self._at >= self.resync_every
+        return self._skew is None or self.monotonic() - self._at >= self.resync_every
 
     def __call__(self) -> float:
         with self._lock:
-            base = self._base  # None: not read yet (only before the store is open)
-            now = self.wall() if base is None else base + (self.monotonic() - self._at)
+            skew = self._skew  # None: not read yet (only before the store is open)
+            now = self.wall() if skew is None else self.monotonic() + skew
             if now < self._last:
                 return self._last
             self._last = now
