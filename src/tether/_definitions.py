@@ -240,6 +240,12 @@ PARENT_CLOSE = ("terminate", "cancel", "abandon")
 CHAIN_SEPARATOR = "~"
 
 
+def chain_of(run_id: str) -> tuple[str, int]:
+    """The first id of ``run_id``'s continue-as-new chain and its place in it (0: first)."""
+    base, sep, n = run_id.rpartition(CHAIN_SEPARATOR)
+    return (base, int(n)) if sep and n.isdigit() else (run_id, 0)
+
+
 def check_run_id(run_id: str) -> None:
     """Refuse a run id a user may not choose (empty, or in the chains' namespace)."""
     if not isinstance(run_id, str) or not run_id:

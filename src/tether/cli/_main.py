@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import typer
 
 from .history import history_export_command, replay_command
@@ -44,35 +46,31 @@ def _build() -> typer.Typer:
     cli.command("suspend")(suspend_command)
     cli.command("resume")(resume_command)
     cli.command("replay")(replay_command)
-    history = typer.Typer(
-        help="Inspect run histories.",
-        no_args_is_help=True,
-        context_settings={"help_option_names": ["-h", "--help"]},
-    )
-    history.command("export")(history_export_command)
-    cli.add_typer(history, name="history")
-    store = typer.Typer(
-        help="Manage stores: copy runs between them.",
-        no_args_is_help=True,
-        context_settings={"help_option_names": ["-h", "--help"]},
-    )
-    store.command("migrate")(store_migrate_command)
-    cli.add_typer(store, name="store")
+    _group(cli, "history", "Inspect run histories.", export=history_export_command)
+    _group(cli, "store", "Manage stores: copy runs between them.", migrate=store_migrate_command)
     cli.command("eval")(eval_command)
-    cassette = typer.Typer(
-        help="Turn recorded runs into regression tests.",
-        no_args_is_help=True,
-        context_settings={"help_option_names": ["-h", "--help"]},
+    _group(
+        cli,
+        "cassette",
+        "Turn recorded runs into regression tests.",
+        export=cassette_export_command,
     )
-    cassette.command("export")(cassette_export_command)
-    cli.add_typer(cassette, name="cassette")
-    keys = typer.Typer(
-        help="API keys of the HTTP service (tether serve).",
-        no_args_is_help=True,
-        context_settings={"help_option_names": ["-h", "--help"]},
+    _group(
+        cli,
+        "keys",
+        "API keys of the HTTP service (tether serve).",
+        create=keys_create_command,
+        list=keys_list_command,
+        revoke=keys_revoke_command,
     )
-    keys.command("create")(keys_create_command)
-    keys.command("list")(keys_list_command)
-    keys.command("revoke")(keys_revoke_command)
-    cli.add_typer(keys, name="keys")
     return cli
+
+
+def _group(cli: typer.Typer, name: str, help: str, **commands: Callable[..., None]) -> None:
+    """Add the command group ``tether <name>`` with ``commands`` (sub-command name: function)."""
+    group = typer.Typer(
+        help=help, no_args_is_help=True, context_settings={"help_option_names": ["-h", "--help"]}
+    )
+    for sub, fn in commands.items():
+        group.command(sub)(fn)
+    cli.add_typer(group, name=name)

@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from datetime import timedelta
 from typing import Any, Generic, TypeVar
 
+from .._definitions import chain_of
 from .._errors import TetherError
 from .._policy import seconds
 from .._serde import convert
@@ -85,10 +86,9 @@ def info() -> WorkflowInfo:
     inst = _instance("info")
     started = inst.started
     data = started.data if started is not None else {}
-    base, sep, n = inst.run_id.rpartition("~")
     return WorkflowInfo(
         run_id=inst.run_id,
-        chain_id=base if sep and n.isdigit() else inst.run_id,
+        chain_id=chain_of(inst.run_id)[0],
         workflow=inst.workflow.name,
         version=inst.recorded_version or inst.workflow.version,
         tenant=data.get("tenant"),

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .._definitions import Activity, Workflow, running
+from .._definitions import CHAIN_SEPARATOR, Activity, Workflow, chain_of, running
 from .._errors import ActivityError, ChildWorkflowError, NonDeterminismError, PayloadError
 from .._history import COMMANDS, INCOMING, Event, EventType
 from .._serde import convert, encode
@@ -554,7 +554,5 @@ def _key(data: dict[str, Any]) -> tuple[Any, ...]:
 
 
 def _next_run_id(run_id: str) -> str:
-    base, sep, n = run_id.rpartition("~")
-    if sep and n.isdigit():
-        return f"{base}~{int(n) + 1}"
-    return f"{run_id}~1"
+    first, n = chain_of(run_id)
+    return f"{first}{CHAIN_SEPARATOR}{n + 1}"
