@@ -14,9 +14,16 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import hypothesis  # noqa: F401  (see below)
 import pytest
 
 import tether
+
+# hypothesis is imported here, at collection, not by its plugin's end-of-session summary:
+# pytest rewrites hypothesis' modules with ast.parse, and CPython 3.11 can fail that with
+# "AST constructor recursion depth mismatch" when a garbage collection runs finalizers in
+# the middle of it, which is likely at the end of a session (a run of one test file that
+# does not use hypothesis then ends with a SystemError although every test passed)
 
 PG_URL = os.environ.get("TETHER_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/test")
 PG_START = "pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start"

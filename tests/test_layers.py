@@ -30,6 +30,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "tether._breaker",
             "tether._queues",
             "tether._batching",
+            "tether._usage",
         ),
     ),
     ("definitions", ("tether._definitions",)),
@@ -47,6 +48,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         ),
     ),
     ("client", ("tether._app", "tether._sync", "tether.testing")),
+    ("ai", ("tether.ai",)),
     ("services", ("tether.cli", "tether.server", "tether.store.migrate", "tether")),
 ]
 #: packages whose modules may import each other in a cycle

@@ -41,6 +41,7 @@ from ._history import DeadLetter, Event, EventType, RunEnd, RunInfo, RunStatus
 from ._policy import Retry
 from ._queues import Dependency, QueueStats
 from ._sync import SyncClient, SyncRun
+from ._usage import Budget, Usage
 from ._worker import Worker
 from .store.ops.recovery import RecoveryError
 from .workflow._api import (
@@ -66,6 +67,7 @@ from .workflow._api import (
     wait_event,
 )
 from .workflow._loop import WorkflowSandboxError
+from .workflow._route import route
 from .workflow._saga import CompensationFailed, Saga, saga
 
 __version__ = "0.1.0"
@@ -80,6 +82,7 @@ __all__ = [
     "App",
     "Batch",
     "BatchActivity",
+    "Budget",
     "ChildWorkflowError",
     "CircuitBreaker",
     "CircuitOpenError",
@@ -118,6 +121,7 @@ __all__ = [
     "TetherError",
     "UnknownActivityError",
     "UnknownWorkflowError",
+    "Usage",
     "Verdict",
     "Worker",
     "Workflow",
@@ -140,6 +144,7 @@ __all__ = [
     "now",
     "patched",
     "random",
+    "route",
     "saga",
     "set_status",
     "sleep",

@@ -6,6 +6,7 @@ import asyncio
 import builtins
 import contextvars
 import dataclasses
+import datetime as _dt
 import logging
 import threading
 import uuid
@@ -17,7 +18,14 @@ from ._activity_context import ActivityContext, set_context
 from ._batch import BatchActivity, BatchDecorator
 from ._batching import Batch
 from ._breaker import CircuitBreaker
-from ._definitions import Activity, ActivityOptions, Workflow, check_run_id
+from ._definitions import (
+    CHAIN_SEPARATOR,
+    Activity,
+    ActivityOptions,
+    Workflow,
+    chain_of,
+    check_run_id,
+)
 from ._errors import (
     ConfigurationError,
     ResultTimeoutError,
@@ -34,6 +42,7 @@ from ._history import DeadLetter, Event, RunEnd, RunInfo, RunStatus
 from ._policy import DEFAULT_RETRY, Retry, seconds
 from ._queues import Dependency, QueueLimits, QueueStats
 from ._serde import decode_raw, encode
+from ._usage import Budget, Usage, usage_of
 from ._worker import Worker
 from .store._open import open_store
 from .store.base import WAITING_KINDS, Finished, Store, start_event_data
@@ -452,6 +461,7 @@ class App:
         deadline: float | timedelta | None = None,
         tenant: str | None = None,
         on_limit: str = "raise",
+        budget: Budget | None = None,
     ) -> Run[R]:
         """Start a run and return its handle; durable when this returns.
 
@@ -463,7 +473,14 @@ class App:
         limit (``configure_admission``): at the limit, ``on_limit="raise"`` raises
         ``AdmissionLimitError`` and creates nothing; ``on_limit="queue"`` creates the
         run ``queued``, started when one of the tenant's runs finishes (oldest first).
+        ``budget`` bounds the tokens and cost of the run's model calls (``tether.ai``),
+        recorded with the run so it replays as it was.
         """
+        if budget is not None and not isinstance(budget, Budget):
+            raise ConfigurationError(
+                f"budget= takes a tether.Budget(tokens=..., cost=...), got {type(budget).__name__}"
+            )
+        attrs = {"budget": budget.to_json()} if budget is not None else None
         if tenant is not None and (not isinstance(tenant, str) or not tenant):
             raise ConfigurationError(f"tenant must be a non-empty string (got {tenant!r})")
         if on_limit not in ("raise", "queue"):
@@ -490,6 +507,7 @@ class App:
                     deadline=deadline,
                     tenant=tenant,
                     on_limit=on_limit,
+                    budget=budget,
                 ),
                 elsewhere,
             )
@@ -507,7 +525,7 @@ class App:
         if local is not None:
             # an in-process worker runs the first workflow task now, so the run and
             # that task's commands are stored in one commit (no claim, no second commit)
-            data = start_event_data(wf.name, deadline_at, tenant)
+            data = start_event_data(wf.name, deadline_at, tenant, attrs=attrs)
             eager = local.eager_start(wf, rid, text, data, now)
         try:
             res = await self.store.create_run(
@@ -523,6 +541,7 @@ class App:
                 lease=local.lease if local is not None else 30.0,
                 first=eager[1] if eager is not None else None,
                 lease_limit=local.free_slots() if local is not None else 0,
+                attrs=attrs,
             )
         except BaseException:
             if eager is not None:
@@ -672,6 +691,43 @@ class App:
         """The run's full history (of the chain's latest run, unless ``follow=False``)."""
         info = await self.get(run_id, follow=follow)
         return await self.store.read_history(info.run_id, 0)
+
+    async def usage(
+        self,
+        run_id: str | None = None,
+        *,
+        tenant: str | None = None,
+        workflow: str | None = None,
+        since: float | _dt.datetime | None = None,
+    ) -> Usage:
+        """Tokens and cost of the model calls recorded by ``tether.ai``.
+
+        With ``run_id``: that run's, its whole continue-as-new chain included.
+        Otherwise the sum over the runs created since ``since`` (a timestamp or an
+        aware datetime; all runs if None), kept to one ``tenant`` and/or ``workflow``.
+        Totals come from the recorded results, so they are exact and count every
+        attempt and repair. Reads each run's history: O(events) per run.
+        """
+        if run_id is not None:
+            latest = await self.get(run_id)
+            first, n = chain_of(latest.run_id)
+            ids = [first] + [f"{first}{CHAIN_SEPARATOR}{k}" for k in range(1, n + 1)]
+            total = Usage()
+            for rid in ids:
+                total = total + usage_of(await self.store.read_history(rid, 0))
+            return total
+        floor = since.timestamp() if isinstance(since, _dt.datetime) else since
+        total = Usage()
+        before: tuple[float, str] | None = None
+        while True:
+            page = await self.list(tenant=tenant, workflow=workflow, limit=200, before=before)
+            for info in page:
+                if floor is not None and info.created_at < floor:
+                    return total
+                total = total + usage_of(await self.store.read_history(info.run_id, 0))
+            if len(page) < 200:
+                return total
+            before = (page[-1].created_at, page[-1].run_id)
 
     async def signal(self, run_id: str, name: str, payload: Any = None) -> None:
         """Deliver the signal ``name``; durable when this returns, buffered until waited for."""

@@ -43,6 +43,8 @@ class EventType(enum.StrEnum):
     CHILD_CANCEL_REQUESTED = "ChildCancelRequested"
     STATUS_SET = "StatusSet"
     PATCH_MARKER = "PatchMarker"
+    #: a fact the workflow decided and recorded (a route, a validation verdict), for audit
+    MARKER = "Marker"
     WORKFLOW_COMPLETED = "WorkflowCompleted"
     WORKFLOW_FAILED = "WorkflowFailed"
     WORKFLOW_CANCELLED = "WorkflowCancelled"
@@ -84,6 +86,7 @@ COMMANDS = frozenset(
         EventType.CHILD_CANCEL_REQUESTED,
         EventType.STATUS_SET,
         EventType.PATCH_MARKER,
+        EventType.MARKER,
         EventType.WORKFLOW_COMPLETED,
         EventType.WORKFLOW_FAILED,
         EventType.WORKFLOW_CANCELLED,

@@ -64,6 +64,7 @@ def start_event_data(
     deadline_at: float | None,
     tenant: str | None = None,
     parent_run_id: str | None = None,
+    attrs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The data of a run's ``WorkflowStarted`` event (without its input).
 
@@ -78,6 +79,8 @@ def start_event_data(
         data["tenant"] = tenant
     if parent_run_id is not None:
         data["parent_run_id"] = parent_run_id
+    if attrs:
+        data["attrs"] = attrs  # e.g. a model budget (``app.start(budget=)``)
     return data
 
 
@@ -117,6 +120,7 @@ class Store(abc.ABC):
         lease: float = 30.0,
         first: WorkflowTaskResult | None = None,
         lease_limit: int = 0,
+        attrs: dict[str, Any] | None = None,
     ) -> StartResult:
         """Create a run with its first workflow task, or return the existing identical one.
 

@@ -38,9 +38,19 @@ from ._faults import (
     inject,
     install_crash_from_env,
 )
+from ._model_server import Answer as ModelAnswer
+from ._model_server import ModelServer
+from ._model_server import error as model_error
+from ._model_server import garbage as model_garbage
+from ._model_server import reply as model_reply
 from ._replay import ReplayReport, check_history, events_from_json, load_files
 
 __all__ = [
+    "ModelAnswer",
+    "ModelServer",
+    "model_error",
+    "model_garbage",
+    "model_reply",
     "CRASH_ENV",
     "Case",
     "CaseResult",

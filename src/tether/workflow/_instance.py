@@ -74,7 +74,7 @@ def _error_dict(exc: BaseException) -> dict[str, Any]:
 
 
 def _describe(type_: EventType | str, data: dict[str, Any]) -> str:
-    name = data.get("name") or data.get("workflow")
+    name = data.get("name") or data.get("workflow") or data.get("marker")
     return f"{type_}({name!r})" if name else str(type_)
 
 
@@ -475,6 +475,23 @@ class WorkflowInstance:
         """Issue a StatusSet command."""
         self._command(EventType.STATUS_SET, {}, {"value": encode(value, "status")})
 
+    def recorded_next(self) -> Event | None:
+        """The command history holds for the next step, when this run already got there.
+
+        Lets a decision that must not change on replay (a budget check whose price
+        table changed since) follow what was recorded instead of deciding again.
+        """
+        nxt = self.step + 1
+        return self._recorded.get(nxt) if nxt <= self._max_recorded else None
+
+    def record(self, marker: str, data: dict[str, Any]) -> None:
+        """Issue a Marker command: a decision of workflow code recorded for audit.
+
+        ``marker`` names its kind and is checked on replay like an activity's name;
+        ``data`` (JSON) is only stored.
+        """
+        self._command(EventType.MARKER, {"marker": marker}, {"value": encode(data, "marker")})
+
     def patched(self, patch_id: str, *, deprecated: bool = False) -> bool:
         """Whether this run takes the new branch of change ``patch_id``.
 
@@ -550,6 +567,7 @@ def _key(data: dict[str, Any]) -> tuple[Any, ...]:
         data.get("activity_step"),
         data.get("child_step"),
         data.get("patch_id"),
+        data.get("marker"),
     )
 
 

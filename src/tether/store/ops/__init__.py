@@ -46,6 +46,7 @@ class OpsStore(Store):
         lease: float = 30.0,
         first: WorkflowTaskResult | None = None,
         lease_limit: int = 0,
+        attrs: dict[str, Any] | None = None,
     ) -> StartResult:
         result: StartResult = await self._do(
             _create_run,
@@ -61,6 +62,7 @@ class OpsStore(Store):
             lease,
             first,
             lease_limit,
+            attrs,
         )
         return result
 

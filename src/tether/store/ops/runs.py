@@ -41,6 +41,7 @@ def _insert_run(
     lease: float = 30.0,
     task: bool = True,
     start_event: bool = True,
+    attrs: dict[str, Any] | None = None,
 ) -> Task | None:
     """Insert a run and its start event; unless ``queued`` or not ``task``, its workflow task.
 
@@ -73,7 +74,7 @@ def _insert_run(
         )
     if start_event:
         # the start event is seq 1 (the row above already counts it): no counter round trip
-        _, _, data, raw = _start_event(workflow, input, deadline_at, tenant, parent_run_id)
+        _, _, data, raw = _start_event(workflow, input, deadline_at, tenant, parent_run_id, attrs)
         tx.execute(
             "INSERT INTO events (run_id, seq, type, step, data, created_at) "
             "VALUES (?,1,?,NULL,?,?)",
@@ -90,9 +91,10 @@ def _start_event(
     deadline_at: float | None,
     tenant: str | None = None,
     parent_run_id: str | None = None,
+    attrs: dict[str, Any] | None = None,
 ) -> _Pending:
     """A run's ``WorkflowStarted`` event, to append as its seq 1."""
-    data = start_event_data(workflow, deadline_at, tenant, parent_run_id)
+    data = start_event_data(workflow, deadline_at, tenant, parent_run_id, attrs)
     return (EventType.WORKFLOW_STARTED, None, data, {"input": input})
 
 
@@ -110,6 +112,7 @@ def _create_run(
     lease: float = 30.0,
     first: WorkflowTaskResult | None = None,
     lease_limit: int = 0,
+    attrs: dict[str, Any] | None = None,
 ) -> StartResult:
     # optimistic: no read; if the run exists, inserting it fails and the safe path reads
     row = None
@@ -152,6 +155,7 @@ def _create_run(
         lease=lease,
         task=not eager,
         start_event=not eager,
+        attrs=attrs,
     )
     if eager:
         assert first is not None
@@ -162,7 +166,7 @@ def _create_run(
             run_id,
             (RunStatus.RUNNING.value, queue, None, None, workflow, tenant),
             first,
-            [_start_event(workflow, input, deadline_at, tenant)],
+            [_start_event(workflow, input, deadline_at, tenant, attrs=attrs)],
             1,
             lease_to,
             lease_queues,

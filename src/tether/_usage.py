@@ -1,0 +1,143 @@
+"""Model usage and cost, summed from the recorded model calls in runs' histories.
+
+A model call made through ``tether.ai`` is an activity whose recorded result
+carries a ``"tether.ai.call"`` block (model, provider, tokens, cost, latency).
+Usage is never kept anywhere else: it is read back from history, so the totals
+are exactly what was recorded, retries and repairs included, and a replay that
+reads the recorded results cannot count a call twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from decimal import Decimal
+from typing import Any
+
+from ._errors import ConfigurationError
+from ._history import Event, EventType
+
+#: the key of a model call's record inside its activity result
+CALL_KEY = "tether.ai.call"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Usage:
+    """Tokens and cost of a set of model calls (a run, a tenant, a day)."""
+
+    calls: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cache_read_tokens: int = 0
+    #: exact, in the price table's currency (USD for genai-prices)
+    cost: Decimal = Decimal(0)
+    #: calls whose price was unknown (no entry for the model): their cost is not in ``cost``
+    unpriced_calls: int = 0
+    #: answers served from the answer cache: no tokens were spent on them
+    cached_calls: int = 0
+    #: tokens the cached answers would have cost (their recorded usage)
+    tokens_saved: int = 0
+    cost_saved: Decimal = Decimal(0)
+
+    @property
+    def tokens(self) -> int:
+        """Input plus output tokens."""
+        return self.input_tokens + self.output_tokens
+
+    def __add__(self, other: Usage) -> Usage:
+        return Usage(
+            **{
+                f.name: getattr(self, f.name) + getattr(other, f.name)
+                for f in dataclasses.fields(self)
+            }
+        )
+
+    @classmethod
+    def of_call(cls, call: dict[str, Any]) -> Usage:
+        """The usage of one recorded call block."""
+        cost = call.get("cost")
+        tokens_in = int(call.get("input_tokens") or 0)
+        tokens_out = int(call.get("output_tokens") or 0)
+        if call.get("cache_hit"):
+            return cls(
+                calls=1,
+                cached_calls=1,
+                tokens_saved=tokens_in + tokens_out,
+                cost_saved=Decimal(cost) if cost is not None else Decimal(0),
+            )
+        return cls(
+            calls=1,
+            input_tokens=tokens_in,
+            output_tokens=tokens_out,
+            cache_read_tokens=int(call.get("cache_read_tokens") or 0),
+            cost=Decimal(cost) if cost is not None else Decimal(0),
+            unpriced_calls=0 if cost is not None else 1,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON form (cost as a decimal string, so it stays exact)."""
+        out: dict[str, Any] = dataclasses.asdict(self)
+        out["cost"] = str(self.cost)
+        out["cost_saved"] = str(self.cost_saved)
+        out["tokens"] = self.tokens
+        return out
+
+
+def call_of(result: Any) -> dict[str, Any] | None:
+    """The model-call block of a recorded activity result, if it is one."""
+    if isinstance(result, dict):
+        call = result.get(CALL_KEY)
+        if isinstance(call, dict):
+            return call
+    return None
+
+
+def usage_of(events: Iterable[Event]) -> Usage:
+    """The summed usage of every model call recorded in ``events``."""
+    total = Usage()
+    for ev in events:
+        if ev.type is EventType.ACTIVITY_COMPLETED:
+            call = call_of(ev.data.get("result"))
+            if call is not None:
+                total = total + Usage.of_call(call)
+    return total
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Budget:
+    """A bound on a run's model spend: ``app.start(..., budget=Budget(tokens=, cost=))``.
+
+    Checked by ``tether.ai`` before each model call, against the usage recorded so
+    far in the run plus the call's estimate: a call that would go over raises
+    ``tether.ai.BudgetExceeded`` in the workflow, before anything is sent.
+    """
+
+    tokens: int | None = None
+    cost: Decimal | float | str | None = None
+
+    def __post_init__(self) -> None:
+        if self.tokens is not None and (not isinstance(self.tokens, int) or self.tokens < 0):
+            raise ConfigurationError(
+                f"Budget tokens must be a whole number >= 0 (got {self.tokens!r})"
+            )
+        if self.cost is not None:
+            try:
+                value = Decimal(str(self.cost))
+            except ArithmeticError:
+                raise ConfigurationError(
+                    f"Budget cost must be a number (got {self.cost!r})"
+                ) from None
+            if not value.is_finite() or value < 0:
+                raise ConfigurationError(f"Budget cost must be >= 0 (got {self.cost!r})")
+            object.__setattr__(self, "cost", value)
+        if self.tokens is None and self.cost is None:
+            raise ConfigurationError("a Budget needs tokens=, cost= or both")
+
+    def to_json(self) -> dict[str, Any]:
+        """As recorded in the run's WorkflowStarted event."""
+        return {"tokens": self.tokens, "cost": None if self.cost is None else str(self.cost)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Budget:
+        """Back from ``to_json``."""
+        return cls(tokens=data.get("tokens"), cost=data.get("cost"))

@@ -1,0 +1,37 @@
+"""tether.ai: model calls as recorded facts, validated output, budgets and a shared gateway.
+
+In a pipeline the model proposes and code disposes: every model call is a
+recorded step (never regenerated on replay), its output is typed and validated
+before anything trusts it, and spend is bounded before a call, not discovered
+after it. Built on pydantic-ai's model layer and genai-prices (``tether[ai]``).
+"""
+
+from __future__ import annotations
+
+from .._usage import Budget, Usage
+from ..workflow._route import route
+from ._errors import BudgetExceeded, ContentRefused, ModelConfigError, OutputInvalid
+from ._gateway import DEFAULT_MODEL_RETRY, Gateway, ModelRef, Price
+from ._models import anthropic, openai_compatible
+from ._scripted import ScriptedModel, ScriptExhausted
+from ._structured import complete, structured
+
+__all__ = [
+    "DEFAULT_MODEL_RETRY",
+    "Budget",
+    "BudgetExceeded",
+    "ContentRefused",
+    "Gateway",
+    "ModelConfigError",
+    "ModelRef",
+    "OutputInvalid",
+    "Price",
+    "ScriptExhausted",
+    "ScriptedModel",
+    "Usage",
+    "anthropic",
+    "complete",
+    "openai_compatible",
+    "route",
+    "structured",
+]

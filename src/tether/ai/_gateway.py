@@ -1,0 +1,526 @@
+"""The gateway every model call goes through: a recorded step with limits, fallbacks and costs.
+
+``Gateway(app)`` registers one activity, ``tether.ai.call``, that runs a model
+request on the worker. Each registered model (``gateway.model("fast", ...)``)
+calls it with its own retry policy, timeout, queue and a shared limiter keyed by
+provider and model, so a 429's ``Retry-After`` (or an exhausted
+``x-ratelimit-*`` budget) pauses every waiting call for that model, in every
+worker. The step's result records the response and what it cost; replay reads
+it back and never calls the model again.
+
+The workflow side adds what must be decided deterministically: the budget check
+before a call, the fallback chain after the primary gave up, and hedging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import math
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from decimal import Decimal
+from typing import TYPE_CHECKING, Any
+
+from pydantic_ai.messages import ModelMessage, ModelResponse
+from pydantic_ai.models import Model, ModelRequestParameters
+from pydantic_ai.settings import ModelSettings
+
+from .._activity_context import NotInActivityError, activity_context
+from .._errors import ActivityError, ConfigurationError, NonRetryable
+from .._policy import Retry
+from .._queues import Dependency
+from .._usage import CALL_KEY, Budget
+from ..workflow._api import sleep
+from ..workflow._instance import WorkflowInstance, current_instance
+from ._errors import BudgetExceeded, ContentRefused, ModelConfigError
+from ._models import HeaderCapture, build, model_name_of, provider_of
+from ._wire import (
+    dump_messages,
+    dump_params,
+    dump_response,
+    load_messages,
+    load_params,
+    load_response,
+)
+
+if TYPE_CHECKING:
+    from .._app import App
+    from .._definitions import Activity
+
+#: model calls retry transient failures (429, 5xx, timeouts) a few times, then fall back
+DEFAULT_MODEL_RETRY = Retry(
+    attempts=4, initial=timedelta(seconds=1), backoff=2.0, max_interval=timedelta(seconds=30)
+)
+#: output tokens assumed for a call that sets no max_tokens, for the budget's estimate
+DEFAULT_OUTPUT_ESTIMATE = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class Price:
+    """A price per million tokens, for a model genai-prices does not know (or overriding it)."""
+
+    input_per_mtok: Decimal | float | str
+    output_per_mtok: Decimal | float | str
+    cache_read_per_mtok: Decimal | float | str | None = None
+
+    def cost(self, input_tokens: int, output_tokens: int, cache_read_tokens: int = 0) -> Decimal:
+        """The exact cost of one call's tokens."""
+        million = Decimal(1_000_000)
+        cached = min(cache_read_tokens, input_tokens)
+        read = self.cache_read_per_mtok
+        read_price = Decimal(str(read if read is not None else self.input_per_mtok))
+        return (
+            Decimal(str(self.input_per_mtok)) * (input_tokens - cached)
+            + read_price * cached
+            + Decimal(str(self.output_per_mtok)) * output_tokens
+        ) / million
+
+
+class _CallResult(dict[str, Any]):
+    """A recorded call; ``headers`` (not stored) lets the worker read x-ratelimit-*."""
+
+    headers: dict[str, str]
+
+
+@dataclasses.dataclass
+class _Tally:
+    """A run's model spend as its workflow code has seen it (rebuilt on replay)."""
+
+    tokens: int = 0
+    cost: Decimal = Decimal(0)
+    reserved_tokens: int = 0  # estimates of calls in flight
+    reserved_cost: Decimal = Decimal(0)
+
+
+_tallies: weakref.WeakKeyDictionary[WorkflowInstance, _Tally] = weakref.WeakKeyDictionary()
+
+
+class ModelRef:
+    """A model registered on a gateway; pass it to ``tether.ai.structured`` and friends."""
+
+    def __init__(
+        self,
+        gateway: Gateway,
+        name: str,
+        spec: Model | str | Callable[[], Model],
+        *,
+        fallback: Sequence[ModelRef],
+        activity: Activity[..., Any],
+        price: Price | None,
+        hedge: tuple[ModelRef, float] | None,
+        output_estimate: int,
+    ) -> None:
+        self.gateway = gateway
+        self.name = name
+        self.spec = spec
+        self.fallback = tuple(fallback)
+        self.activity = activity
+        self.price = price
+        self.hedge = hedge
+        self.output_estimate = output_estimate
+        probe: Model | str | None = spec if isinstance(spec, Model | str) else None
+        self.model_name = model_name_of(probe) if probe is not None else name
+        self.provider = provider_of(probe) if probe is not None else None
+
+    def __repr__(self) -> str:
+        return f"<tether.ai model {self.name} ({self.model_name})>"
+
+    def estimate(self, messages_json: list[Any], settings: ModelSettings | None) -> dict[str, Any]:
+        """Tokens and cost this call may use: prompt size / 4 plus its output cap."""
+        tokens_in = math.ceil(len(json.dumps(messages_json)) / 4)
+        cap = (settings or {}).get("max_tokens") or self.output_estimate
+        tokens_out = int(cap)
+        cost = self.gateway.price_of(self, tokens_in, tokens_out, 0, None, None)
+        return {"tokens": tokens_in + tokens_out, "cost": cost}
+
+
+class Gateway:
+    """Registers the model-call step on ``app`` and the models it may call.
+
+    ``retry`` and ``timeout`` are the defaults of every model (per attempt);
+    ``prices`` maps a provider's model name to a ``Price`` that overrides
+    genai-prices. Every worker that runs model steps must build the same gateway
+    (it does when it imports the module that defines it, as for any activity).
+    """
+
+    def __init__(
+        self,
+        app: App,
+        *,
+        name: str = "tether.ai",
+        retry: Retry = DEFAULT_MODEL_RETRY,
+        timeout: float | timedelta = 120.0,
+        queue: str | None = None,
+        prices: dict[str, Price] | None = None,
+    ) -> None:
+        self.app = app
+        self.name = name
+        self.prices = dict(prices or {})
+        self._models: dict[str, ModelRef] = {}
+        self._built: dict[str, Model] = {}
+        self._activity = app.activity(
+            name=f"{name}.call", retry=retry, timeout=timeout, queue=queue
+        )(self._call)
+
+    # registration -----------------------------------------------------------
+
+    def model(
+        self,
+        name: str,
+        model: Model | str | Callable[[], Model],
+        *,
+        fallback: Sequence[ModelRef] = (),
+        retry: Retry | None = None,
+        timeout: float | timedelta | None = None,
+        queue: str | None = None,
+        max_concurrency: int | None = None,
+        rate: float | None = None,
+        per: float | timedelta = 60.0,
+        price: Price | None = None,
+        hedge: tuple[ModelRef, float | timedelta] | None = None,
+        output_estimate: int = DEFAULT_OUTPUT_ESTIMATE,
+    ) -> ModelRef:
+        """Register ``model`` as ``name``: a pydantic-ai ``Model``, ``"provider:name"``, or a
+        function building one on the worker (so API keys are read there, never recorded).
+
+        ``fallback`` models are tried in order once this one's retries are spent;
+        ``max_concurrency`` and ``rate`` per ``per`` seconds bound calls across all
+        workers (429s pause the same limiter); ``hedge=(other, seconds)`` also asks
+        ``other`` when this one has not answered within ``seconds``, taking the
+        first answer.
+        """
+        if not isinstance(name, str) or not name:
+            raise ConfigurationError(f"a model needs a non-empty name (got {name!r})")
+        if name in self._models:
+            raise ConfigurationError(f"model {name!r} is already registered on this gateway")
+        if not (isinstance(model, Model | str) or callable(model)):
+            raise ConfigurationError(
+                f"model {name!r}: pass a pydantic-ai Model, a 'provider:name' string or a "
+                f"function returning a Model (got {type(model).__name__})"
+            )
+        for other in (*fallback, *(hedge[:1] if hedge else ())):
+            if not isinstance(other, ModelRef) or other.gateway is not self:
+                raise ConfigurationError(
+                    f"fallback and hedge models of {name!r} must be models of this gateway "
+                    f"(gateway.model(...)), got {other!r}"
+                )
+        probe = model if isinstance(model, Model | str) else None
+        key = (
+            f"{provider_of(probe) or 'model'}/{model_name_of(probe)}" if probe is not None else name
+        )
+        dependency = Dependency(
+            "model", key=key, max_concurrency=max_concurrency, rate=rate, per=per
+        )
+        activity = self._activity.options(
+            retry=retry, timeout=timeout, queue=queue, dependency=dependency
+        )
+        hedge_pair = None
+        if hedge is not None:
+            after = hedge[1].total_seconds() if isinstance(hedge[1], timedelta) else float(hedge[1])
+            if after <= 0:
+                raise ConfigurationError(f"hedge delay of model {name!r} must be positive")
+            hedge_pair = (hedge[0], after)
+        ref = ModelRef(
+            self,
+            name,
+            model,
+            fallback=fallback,
+            activity=activity,
+            price=price,
+            hedge=hedge_pair,
+            output_estimate=output_estimate,
+        )
+        self._models[name] = ref
+        return ref
+
+    def price_of(
+        self,
+        ref: ModelRef,
+        tokens_in: int,
+        tokens_out: int,
+        cache_read: int,
+        model_name: str | None,
+        provider: str | None,
+    ) -> str | None:
+        """The cost of tokens on ``ref`` as a decimal string (None: no price known)."""
+        name = model_name or ref.model_name
+        price = ref.price or self.prices.get(name)
+        if price is not None:
+            return str(price.cost(tokens_in, tokens_out, cache_read))
+        try:
+            from genai_prices import Usage as PriceUsage
+            from genai_prices import calc_price
+
+            calc = calc_price(
+                PriceUsage(
+                    input_tokens=tokens_in, output_tokens=tokens_out, cache_read_tokens=cache_read
+                ),
+                model_ref=name,
+                provider_id=provider or ref.provider,
+            )
+        except Exception:  # unknown model or provider: the call is recorded unpriced
+            return None
+        return str(calc.total_price)
+
+    # the step (worker side) -----------------------------------------------------
+
+    def _resolve(self, ref: ModelRef) -> Model:
+        built = self._built.get(ref.name)
+        if built is None:
+            spec = ref.spec
+            if isinstance(spec, Model):
+                built = spec
+            elif isinstance(spec, str):
+                built = build(spec)
+            else:
+                try:
+                    built = spec()
+                except NonRetryable:
+                    raise
+                except Exception as exc:
+                    raise ModelConfigError(
+                        f"the factory of model {ref.name!r} failed: {type(exc).__name__}: {exc}"
+                    ) from None
+            self._built[ref.name] = built
+        return built
+
+    async def _call(self, model: str, request: dict[str, Any]) -> dict[str, Any]:
+        """Run one model request; its result is recorded (the response and its cost)."""
+        from pydantic_ai.direct import model_request
+
+        ref = self._models.get(model)
+        if ref is None:
+            raise ModelConfigError(
+                f"model {model!r} is not registered on gateway {self.name!r} in this worker "
+                f"(known: {', '.join(sorted(self._models)) or 'none'}); register it with "
+                "gateway.model(...) in the module the worker imports"
+            )
+        built = self._resolve(ref)
+        messages = load_messages(request["messages"])
+        params = load_params(request["params"])
+        settings: ModelSettings | None = request.get("settings")
+        started = time.perf_counter()
+        with HeaderCapture() as cap:
+            try:
+                response = await model_request(
+                    built,
+                    messages,
+                    model_settings=settings,
+                    model_request_parameters=params,
+                    instrument=False,
+                )
+            except Exception as exc:
+                mapped = _classified(ref, exc)
+                if mapped is exc:
+                    raise
+                raise mapped from exc
+        latency = time.perf_counter() - started
+        if response.finish_reason == "content_filter" and not response.parts:
+            raise ContentRefused(
+                f"model {ref.name!r} ({ref.model_name}) refused the request on content policy; "
+                "retrying would get the same answer: change the input or route it to a human"
+            )
+        usage = response.usage
+        try:
+            attempt = activity_context().attempt
+        except NotInActivityError:
+            attempt = 1
+        call = {
+            "model": ref.name,
+            "model_name": response.model_name or ref.model_name,
+            "provider": response.provider_name or ref.provider,
+            "input_tokens": usage.input_tokens,
+            "output_tokens": usage.output_tokens,
+            "cache_read_tokens": usage.cache_read_tokens,
+            "cost": self.price_of(
+                ref,
+                usage.input_tokens,
+                usage.output_tokens,
+                usage.cache_read_tokens,
+                response.model_name,
+                response.provider_name,
+            ),
+            "latency_ms": round(latency * 1000, 3),
+            "finish_reason": response.finish_reason,
+            "attempt": attempt,
+            "prompt_version": request.get("prompt_version"),
+        }
+        out = _CallResult({"response": dump_response(response), CALL_KEY: call})
+        out.headers = cap.headers
+        return out
+
+    # the call (workflow side) -------------------------------------------------------
+
+    async def request(
+        self,
+        ref: ModelRef,
+        messages: list[ModelMessage],
+        *,
+        params: ModelRequestParameters | None = None,
+        settings: ModelSettings | None = None,
+        prompt_version: str | None = None,
+    ) -> tuple[ModelResponse, dict[str, Any]]:
+        """One model request as a recorded step: budget check, fallbacks, hedging.
+
+        Returns the response and its call record (model, tokens, cost...).
+        """
+        if ref.gateway is not self:
+            raise ConfigurationError(f"{ref!r} is a model of another gateway")
+        body: dict[str, Any] = {
+            "messages": dump_messages(messages),
+            "params": dump_params(params or ModelRequestParameters()),
+            "settings": dict(settings) if settings else None,
+        }
+        if prompt_version is not None:
+            body["prompt_version"] = prompt_version
+        chain = (ref, *ref.fallback)
+        for i, current in enumerate(chain):
+            try:
+                out = await self._hedged(current, body, settings)
+            except ActivityError as exc:
+                if exc.error_type in _NO_FALLBACK or i == len(chain) - 1:
+                    raise
+                inst = current_instance()
+                if inst is not None:
+                    inst.record(
+                        "model_fallback",
+                        {
+                            "from": current.name,
+                            "to": chain[i + 1].name,
+                            "error": f"{exc.error_type}: {exc.message}"[:500],
+                        },
+                    )
+                continue
+            return load_response(out["response"]), out[CALL_KEY]
+        raise AssertionError("unreachable: the chain is never empty")  # pragma: no cover
+
+    async def _hedged(
+        self, ref: ModelRef, body: dict[str, Any], settings: ModelSettings | None
+    ) -> dict[str, Any]:
+        if ref.hedge is None or current_instance() is None:
+            return await self._one(ref, body, settings)
+        other, after = ref.hedge
+        first = asyncio.ensure_future(self._one(ref, body, settings))
+        timer = asyncio.ensure_future(sleep(after))
+        await asyncio.wait({first, timer}, return_when=asyncio.FIRST_COMPLETED)
+        if first.done():
+            timer.cancel()
+            return first.result()
+        second = asyncio.ensure_future(self._one(other, body, settings))
+        pending = {first, second}
+        failure: BaseException | None = None
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for fut in done:
+                if fut.exception() is None:
+                    for loser in pending:
+                        loser.cancel()
+                    inst = current_instance()
+                    if inst is not None:
+                        winner = ref.name if fut is first else other.name
+                        inst.record("model_hedge", {"asked": [ref.name, other.name], "won": winner})
+                    result: dict[str, Any] = fut.result()
+                    return result
+                failure = failure or fut.exception()
+        assert failure is not None
+        raise failure
+
+    async def _one(
+        self, ref: ModelRef, body: dict[str, Any], settings: ModelSettings | None
+    ) -> dict[str, Any]:
+        inst = current_instance()
+        if inst is None:
+            direct: dict[str, Any] = await ref.activity(ref.name, body)
+            return direct
+        tally = _tallies.setdefault(inst, _Tally())
+        estimate = _check_budget(inst, tally, ref, body, settings)
+        tally.reserved_tokens += estimate["tokens"]
+        tally.reserved_cost += Decimal(estimate["cost"] or 0)
+        try:
+            out: dict[str, Any] = await ref.activity(ref.name, body)
+        finally:
+            tally.reserved_tokens -= estimate["tokens"]
+            tally.reserved_cost -= Decimal(estimate["cost"] or 0)
+        call = out[CALL_KEY]
+        tally.tokens += int(call.get("input_tokens") or 0) + int(call.get("output_tokens") or 0)
+        tally.cost += Decimal(call["cost"]) if call.get("cost") is not None else Decimal(0)
+        return out
+
+
+#: failures the next model in a fallback chain would meet too
+_NO_FALLBACK = frozenset({"ContentRefused", "BudgetExceeded"})
+
+
+def _check_budget(
+    inst: WorkflowInstance,
+    tally: _Tally,
+    ref: ModelRef,
+    body: dict[str, Any],
+    settings: ModelSettings | None,
+) -> dict[str, Any]:
+    """Refuse a call that would go over the run's budget (deterministically on replay)."""
+    started = inst.started
+    raw = ((started.data if started is not None else {}).get("attrs") or {}).get("budget")
+    if raw is None:
+        return {"tokens": 0, "cost": None}
+    recorded = inst.recorded_next()
+    if recorded is not None:
+        if recorded.data.get("marker") == "budget_exceeded":
+            # this run was refused here before: refuse again, whatever prices say today
+            value = recorded.data.get("value") or {}
+            inst.record("budget_exceeded", value)
+            raise BudgetExceeded(
+                ref.name, value["what"], value["limit"], value["spent"], value["estimate"]
+            )
+        return {"tokens": 0, "cost": None}  # the call was made: it passed then
+    budget = Budget.from_json(raw)
+    estimate = ref.estimate(body["messages"], settings)
+    spent_tokens = tally.tokens + tally.reserved_tokens
+    spent_cost = tally.cost + tally.reserved_cost
+    over: tuple[str, str] | None = None
+    limit_cost = Decimal(str(budget.cost)) if budget.cost is not None else None
+    if budget.tokens is not None and spent_tokens + estimate["tokens"] > budget.tokens:
+        over = ("tokens", str(budget.tokens))
+    elif limit_cost is not None and spent_cost + Decimal(estimate["cost"] or 0) > limit_cost:
+        over = ("cost", str(budget.cost))
+    if over is not None:
+        value = {
+            "model": ref.name,
+            "what": over[0],
+            "limit": over[1],
+            "spent": {"tokens": spent_tokens, "cost": str(spent_cost)},
+            "estimate": {"tokens": estimate["tokens"], "cost": estimate["cost"]},
+        }
+        inst.record("budget_exceeded", value)
+        raise BudgetExceeded(ref.name, over[0], over[1], value["spent"], value["estimate"])
+    return estimate
+
+
+def _classified(ref: ModelRef, exc: Exception) -> Exception:
+    """A provider error as tether classifies it: permanent ones become NonRetryable."""
+    from pydantic_ai import exceptions as pe
+
+    where = f"model {ref.name!r} ({ref.model_name})"
+    permanent = tuple(
+        cls
+        for cls in (
+            getattr(pe, "ModelQuotaExceededError", None),
+            getattr(pe, "ModelRequestRejectedError", None),
+            getattr(pe, "UserError", None),
+        )
+        if isinstance(cls, type)
+    )
+    if isinstance(exc, NonRetryable):
+        return exc
+    if permanent and isinstance(exc, permanent):
+        return NonRetryable(
+            f"{where}: {type(exc).__name__}: {exc}. The provider refused the request itself "
+            "(quota, credentials, unknown model or an over-long prompt): fix it, then retry the run"
+        )
+    if type(exc).__name__ == "ContentFilterError":
+        return ContentRefused(f"{where} refused the request on content policy: {exc}")
+    return exc

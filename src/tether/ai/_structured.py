@@ -1,0 +1,240 @@
+"""Typed model output: parse, validate, repair a bounded number of times, then decide.
+
+The model proposes; code disposes. Each attempt is a recorded model step; the
+parsing and validation run in the workflow on the recorded answer, so a replay
+reaches the same verdict without calling the model. A failed attempt is recorded
+(a ``Marker`` named ``output_invalid`` with the problems), its problems are sent
+back for a repair, and when the repairs are spent the call raises
+``OutputInvalid`` or returns the declared safe default.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar, cast
+
+from pydantic import TypeAdapter, ValidationError
+from pydantic_ai.messages import (
+    ModelMessage,
+    ModelRequest,
+    ModelResponse,
+    RetryFeedbackPart,
+    RetryInfo,
+    SystemPromptPart,
+    TextPart,
+    ToolCallPart,
+    ToolReturnPart,
+    UserPromptPart,
+)
+from pydantic_ai.models import ModelRequestParameters
+from pydantic_ai.settings import ModelSettings
+from pydantic_ai.tools import ToolDefinition
+
+from .._errors import ConfigurationError
+from ..workflow._instance import current_instance
+from ._errors import OutputInvalid
+from ._gateway import ModelRef
+
+T = TypeVar("T")
+
+#: the output tool's name (pydantic-ai's own convention)
+OUTPUT_TOOL = "final_result"
+_RAW_SHOWN = 2000
+
+
+class _NoDefault:
+    def __repr__(self) -> str:
+        return "<no default>"
+
+
+NO_DEFAULT: Any = _NoDefault()
+
+
+def _messages(prompt: str | Sequence[ModelMessage], instructions: str | None) -> list[ModelMessage]:
+    if isinstance(prompt, str):
+        parts: list[Any] = []
+        if instructions:
+            parts.append(SystemPromptPart(instructions))
+        parts.append(UserPromptPart(prompt))
+        return [ModelRequest(parts=parts)]
+    msgs = list(prompt)
+    if not msgs:
+        raise ConfigurationError("the prompt has no messages")
+    return msgs
+
+
+def _schema(output: Any) -> tuple[dict[str, Any], bool]:
+    """The output tool's JSON schema, and whether the value is wrapped in ``response``."""
+    schema = TypeAdapter(output).json_schema()
+    if schema.get("type") == "object":
+        return schema, False
+    return {
+        "type": "object",
+        "properties": {"response": schema},
+        "required": ["response"],
+        **({"$defs": schema.pop("$defs")} if "$defs" in schema else {}),
+    }, True
+
+
+def _problems_of(exc: ValidationError) -> list[str]:
+    out = []
+    for err in exc.errors(include_url=False):
+        loc = ".".join(str(p) for p in err.get("loc", ())) or "(root)"
+        out.append(f"{loc}: {err.get('msg')}")
+    return out
+
+
+def _parse(
+    response: ModelResponse, adapter: TypeAdapter[Any], wrapped: bool
+) -> tuple[Any, list[str], str | None, ToolCallPart | None]:
+    """(value, problems, raw text, the output tool call) of one answer."""
+    call = next(
+        (p for p in response.parts if isinstance(p, ToolCallPart) and p.tool_name == OUTPUT_TOOL),
+        None,
+    )
+    raw: str | None
+    if call is not None:
+        raw = call.args if isinstance(call.args, str) else json.dumps(call.args)
+    else:
+        texts = [p.content for p in response.parts if isinstance(p, TextPart)]
+        raw = "".join(texts) if texts else None
+        if raw is None:
+            return None, ["the model gave no answer (no text and no output tool call)"], None, None
+    try:
+        data = json.loads(raw) if isinstance(raw, str) else raw
+    except ValueError as exc:
+        return None, [f"the answer is not valid JSON: {exc}"], raw, call
+    if wrapped:
+        if not isinstance(data, dict) or "response" not in data:
+            return None, ["the answer must be an object with a 'response' field"], raw, call
+        data = data["response"]
+    try:
+        return adapter.validate_python(data), [], raw, call
+    except ValidationError as exc:
+        return None, _problems_of(exc), raw, call
+
+
+def _run_validator(validate: Callable[[Any], Any] | None, value: Any) -> list[str]:
+    if validate is None:
+        return []
+    verdict = validate(value)
+    if verdict is None or verdict is True:
+        return []
+    if verdict is False:
+        return ["the validator rejected the answer"]
+    if isinstance(verdict, str):
+        return [verdict] if verdict else []
+    return [str(p) for p in verdict]
+
+
+async def structured(
+    model: ModelRef,
+    prompt: str | Sequence[ModelMessage],
+    *,
+    output: type[T] | Any,
+    validate: Callable[[T], Any] | None = None,
+    max_repairs: int = 1,
+    default: T | Any = NO_DEFAULT,
+    instructions: str | None = None,
+    settings: ModelSettings | None = None,
+    prompt_version: str | None = None,
+    description: str | None = None,
+) -> T:
+    """Ask ``model`` for a value of type ``output``, validated before anything trusts it.
+
+    ``validate`` (deterministic: it runs again on replay) returns None/True when
+    the value is fine, or a problem (a string) or problems (a list) to send back.
+    Up to ``max_repairs`` further attempts see the problems. When they are spent,
+    raises ``OutputInvalid`` (problems, raw output) unless ``default`` is given,
+    which is then returned (and recorded as such).
+    """
+    if not isinstance(model, ModelRef):
+        raise ConfigurationError(
+            f"structured() takes a model registered on a tether.ai.Gateway "
+            f"(gateway.model(...)), got {type(model).__name__}"
+        )
+    if not isinstance(max_repairs, int) or max_repairs < 0:
+        raise ConfigurationError(f"max_repairs must be a whole number >= 0 (got {max_repairs!r})")
+    adapter: TypeAdapter[Any] = TypeAdapter(output)
+    schema, wrapped = _schema(output)
+    params = ModelRequestParameters(
+        output_mode="tool",
+        output_tools=[
+            ToolDefinition(
+                name=OUTPUT_TOOL,
+                parameters_json_schema=schema,
+                description=description or "Return the final answer.",
+            )
+        ],
+        allow_text_output=False,
+    )
+    messages = _messages(prompt, instructions)
+    problems: list[str] = []
+    raw: str | None = None
+    for attempt in range(1, max_repairs + 2):
+        response, _call = await model.gateway.request(
+            model, messages, params=params, settings=settings, prompt_version=prompt_version
+        )
+        value, problems, raw, tool_call = _parse(response, adapter, wrapped)
+        if not problems:
+            problems = _run_validator(validate, value)
+            if not problems:
+                return cast(T, value)
+        inst = current_instance()
+        if inst is not None:
+            inst.record(
+                "output_invalid",
+                {
+                    "model": model.name,
+                    "attempt": attempt,
+                    "problems": problems,
+                    "raw": raw[:_RAW_SHOWN] if raw else raw,
+                    "repair": attempt <= max_repairs,
+                },
+            )
+        feedback = "Your answer was invalid:\n" + "\n".join(f"- {p}" for p in problems)
+        feedback += "\nAnswer again, fixing these problems."
+        retry: ToolReturnPart | RetryFeedbackPart = (
+            ToolReturnPart(
+                tool_name=tool_call.tool_name,
+                content=feedback,
+                tool_call_id=tool_call.tool_call_id,
+                outcome="retried",
+                retry=RetryInfo(cause="validation_error", attempt=attempt),
+            )
+            if tool_call is not None
+            else RetryFeedbackPart(
+                content=feedback, retry=RetryInfo(cause="model_retry", attempt=attempt)
+            )
+        )
+        messages = [*messages, response, ModelRequest(parts=[retry])]
+    if default is not NO_DEFAULT:
+        inst = current_instance()
+        if inst is not None:
+            inst.record("output_default", {"model": model.name, "problems": problems})
+        return cast(T, default)
+    raise OutputInvalid(model.name, problems, raw, max_repairs + 1)
+
+
+async def complete(
+    model: ModelRef,
+    prompt: str | Sequence[ModelMessage],
+    *,
+    instructions: str | None = None,
+    settings: ModelSettings | None = None,
+    prompt_version: str | None = None,
+) -> str:
+    """Plain text from ``model`` as one recorded step."""
+    if not isinstance(model, ModelRef):
+        raise ConfigurationError(
+            "complete() takes a model registered on a tether.ai.Gateway, "
+            f"got {type(model).__name__}"
+        )
+    response, _call = await model.gateway.request(
+        model,
+        _messages(prompt, instructions),
+        settings=settings,
+        prompt_version=prompt_version,
+    )
+    return "".join(p.content for p in response.parts if isinstance(p, TextPart))

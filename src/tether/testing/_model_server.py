@@ -1,0 +1,242 @@
+"""A scripted OpenAI-compatible chat server on 127.0.0.1, for tests without a network.
+
+Real HTTP, so the whole path is exercised: the provider SDK, its error mapping,
+headers such as ``Retry-After``, timeouts and garbage bodies. Each model name has
+a script, a list of answers taken in order; a request after its script ran out
+gets HTTP 500 with ``script exhausted`` and is counted in ``exhausted``, so a test
+that makes more calls than it planned fails loudly. ``requests`` keeps every
+request (model, arrival time, body) for assertions such as "the model was called
+exactly twice".
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import http.server
+import json
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+@dataclasses.dataclass
+class Answer:
+    """One scripted answer: a reply, an HTTP error or a raw body."""
+
+    status: int = 200
+    #: the assistant's text content (a JSON string for structured output in text mode)
+    text: str | None = None
+    #: tool calls: (name, arguments) where arguments is a dict or a raw (maybe broken) string
+    tool_calls: list[tuple[str, dict[str, Any] | str]] = dataclasses.field(default_factory=list)
+    input_tokens: int = 10
+    output_tokens: int = 5
+    cached_tokens: int = 0
+    finish_reason: str = "stop"
+    headers: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: a body sent verbatim instead of a completion (garbage, an error document)
+    raw: str | None = None
+    delay: float = 0.0
+
+
+def reply(
+    text: str | None = None,
+    *,
+    tool: tuple[str, dict[str, Any] | str] | None = None,
+    input_tokens: int = 10,
+    output_tokens: int = 5,
+    cached_tokens: int = 0,
+    finish_reason: str | None = None,
+    headers: dict[str, str] | None = None,
+    delay: float = 0.0,
+) -> Answer:
+    """A completion with ``text`` or one tool call ``(name, arguments)``, and its usage."""
+    return Answer(
+        text=text,
+        tool_calls=[tool] if tool is not None else [],
+        input_tokens=input_tokens,
+        output_tokens=output_tokens,
+        cached_tokens=cached_tokens,
+        finish_reason=finish_reason or ("tool_calls" if tool is not None else "stop"),
+        headers=dict(headers or {}),
+        delay=delay,
+    )
+
+
+def error(
+    status: int,
+    message: str = "scripted error",
+    *,
+    code: str | None = None,
+    retry_after: float | None = None,
+    headers: dict[str, str] | None = None,
+    delay: float = 0.0,
+) -> Answer:
+    """An HTTP error answer in OpenAI's error shape (429 with ``retry_after``, 5xx...)."""
+    hdrs = dict(headers or {})
+    if retry_after is not None:
+        hdrs["Retry-After"] = f"{retry_after:g}"
+    body = {"error": {"message": message, "type": "scripted", "code": code}}
+    return Answer(status=status, raw=json.dumps(body), headers=hdrs, delay=delay)
+
+
+def garbage(body: str = "<html>502 bad gateway</html>", status: int = 200) -> Answer:
+    """A body that is not a completion at all."""
+    return Answer(status=status, raw=body)
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One request the server received."""
+
+    model: str
+    at: float  #: time.monotonic() on arrival
+    body: dict[str, Any]
+
+
+class ModelServer:
+    """An OpenAI-compatible ``/v1/chat/completions`` endpoint answering from scripts.
+
+    ``with ModelServer() as server:`` starts it on a free port; point a client at
+    ``server.base_url``. ``server.script("m", reply("hi"), error(429, retry_after=2))``
+    appends answers for model ``m``; ``server.default`` (a function of the request
+    body) answers when a model has no script at all, e.g. for benchmarks.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        self._scripts: dict[str, collections.deque[Answer]] = collections.defaultdict(
+            collections.deque
+        )
+        self._lock = threading.Lock()
+        self.requests: list[Request] = []
+        self.exhausted: list[str] = []
+        self.default: Callable[[dict[str, Any]], Answer] | None = None
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format: str, *args: Any) -> None:  # quiet
+                return
+
+            def do_POST(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                raw = self.rfile.read(length) if length else b""
+                try:
+                    body = json.loads(raw or b"{}")
+                except ValueError:
+                    body = {}
+                answer = server._take(body)
+                if answer.delay:
+                    time.sleep(answer.delay)
+                payload = (
+                    answer.raw.encode()
+                    if answer.raw is not None
+                    else json.dumps(_completion(body, answer)).encode()
+                )
+                try:
+                    self.send_response(answer.status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(payload)))
+                    for k, v in answer.headers.items():
+                        self.send_header(k, v)
+                    self.end_headers()
+                    self.wfile.write(payload)
+                except (BrokenPipeError, ConnectionResetError):  # the client gave up
+                    pass
+
+        self._httpd = http.server.ThreadingHTTPServer((host, port), Handler)
+        self._httpd.daemon_threads = True
+        self._thread: threading.Thread | None = None
+
+    @property
+    def base_url(self) -> str:
+        """The OpenAI base URL (``http://127.0.0.1:PORT/v1``)."""
+        host, port = self._httpd.server_address[:2]
+        return f"http://{host!s}:{port}/v1"
+
+    def script(self, model: str, *answers: Answer) -> ModelServer:
+        """Append answers to ``model``'s script (taken first in, first out)."""
+        with self._lock:
+            self._scripts[model].extend(answers)
+        return self
+
+    def count(self, model: str | None = None) -> int:
+        """Requests received (for ``model``, or all)."""
+        with self._lock:
+            return sum(1 for r in self.requests if model is None or r.model == model)
+
+    def calls(self, model: str | None = None) -> list[Request]:
+        """The requests received (for ``model``, or all), oldest first."""
+        with self._lock:
+            return [r for r in self.requests if model is None or r.model == model]
+
+    def pending(self, model: str) -> int:
+        """Answers left in ``model``'s script."""
+        with self._lock:
+            return len(self._scripts.get(model, ()))
+
+    def _take(self, body: dict[str, Any]) -> Answer:
+        model = str(body.get("model", ""))
+        with self._lock:
+            self.requests.append(Request(model, time.monotonic(), body))
+            script = self._scripts.get(model)
+            if script:
+                return script.popleft()
+            if self.default is not None and model not in self._scripts:
+                return self.default(body)
+            self.exhausted.append(model)
+        return error(500, f"script exhausted for model {model!r}")
+
+    def start(self) -> ModelServer:
+        """Serve in a daemon thread."""
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever, name="tether-model-server", daemon=True
+        )
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop serving and close the socket."""
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def __enter__(self) -> ModelServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _completion(body: dict[str, Any], a: Answer) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": a.text}
+    if a.tool_calls:
+        message["tool_calls"] = [
+            {
+                "id": f"call_{i}",
+                "type": "function",
+                "function": {
+                    "name": name,
+                    "arguments": args if isinstance(args, str) else json.dumps(args),
+                },
+            }
+            for i, (name, args) in enumerate(a.tool_calls)
+        ]
+    usage: dict[str, Any] = {
+        "prompt_tokens": a.input_tokens,
+        "completion_tokens": a.output_tokens,
+        "total_tokens": a.input_tokens + a.output_tokens,
+    }
+    if a.cached_tokens:
+        usage["prompt_tokens_details"] = {"cached_tokens": a.cached_tokens}
+    return {
+        "id": "chatcmpl-scripted",
+        "object": "chat.completion",
+        "created": 0,
+        "model": body.get("model", ""),
+        "choices": [{"index": 0, "message": message, "finish_reason": a.finish_reason}],
+        "usage": usage,
+    }

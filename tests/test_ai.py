@@ -1,0 +1,317 @@
+"""tether.ai against a real OpenAI-compatible HTTP server on 127.0.0.1 (both stores).
+
+The server (``tether.testing.ModelServer``) answers from scripts and counts the
+requests it gets, so "the model was not called again" is checked where it matters:
+at the provider.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from decimal import Decimal
+from typing import Any
+
+import pytest
+from pydantic import BaseModel
+
+import tether
+from tether import EventType, ai
+from tether.testing import ModelServer, model_error, model_reply
+
+pytestmark = pytest.mark.timeout(120)
+
+FAST = tether.Retry(attempts=3, initial=0.05, backoff=1.0)
+
+
+class Ticket(BaseModel):
+    category: str
+    priority: int
+    confidence: float
+
+
+def ticket(category: str = "billing", priority: int = 2, confidence: float = 0.9) -> Any:
+    return model_reply(
+        tool=(
+            "final_result",
+            {"category": category, "priority": priority, "confidence": confidence},
+        ),
+        input_tokens=120,
+        output_tokens=30,
+    )
+
+
+@pytest.fixture
+def server() -> Any:
+    with ModelServer() as s:
+        yield s
+
+
+def gateway(app: tether.App, server: ModelServer, **kw: Any) -> tuple[ai.Gateway, ai.ModelRef]:
+    gw = ai.Gateway(app, retry=FAST, timeout=10)
+    primary = gw.model(
+        "primary",
+        ai.openai_compatible("gpt-4o-mini", base_url=server.base_url, api_key="sk-test-secret"),
+        **kw,
+    )
+    return gw, primary
+
+
+def markers(history: list[tether.Event], name: str) -> list[dict[str, Any]]:
+    return [
+        e.data["value"]
+        for e in history
+        if e.type is EventType.MARKER and e.data.get("marker") == name
+    ]
+
+
+async def test_structured_output_is_a_recorded_step_with_usage_and_cost(
+    app: tether.App, server: ModelServer
+) -> None:
+    _gw, primary = gateway(app, server)
+
+    @app.workflow
+    async def triage(text: str) -> str:
+        t = await ai.structured(primary, f"triage: {text}", output=Ticket)
+        return tether.route(
+            t.category,
+            {"billing", "tech"},
+            default="human",
+            confidence=t.confidence,
+            min_confidence=0.7,
+        )
+
+    server.script("gpt-4o-mini", ticket("billing", confidence=0.95), ticket("sales"))
+    async with app.worker(poll_interval=0.05):
+        a = await app.start(triage, "refund please", tenant="acme")
+        assert await a.result(timeout=30) == "billing"
+        b = await app.start(triage, "buy more", tenant="acme")
+        assert await b.result(timeout=30) == "human"  # not allowed: the default, no raise
+    assert server.count("gpt-4o-mini") == 2
+    history = await app.history(a.run_id)
+    routes = markers(history, "route")
+    assert routes[0]["chosen"] == "billing" and routes[0]["reason"] == "allowed"
+    assert markers(await app.history(b.run_id), "route")[0]["reason"] == "not allowed"
+    # usage is exact against the server's scripted usage; cost from genai-prices
+    usage = await app.usage(a.run_id)
+    assert (usage.calls, usage.input_tokens, usage.output_tokens) == (1, 120, 30)
+    # gpt-4o-mini: $0.15 / $0.60 per million tokens
+    assert usage.cost == Decimal("0.000018") + Decimal("0.000018")
+    tenant = await app.usage(tenant="acme")
+    assert (tenant.calls, tenant.tokens, tenant.cost) == (2, 300, usage.cost * 2)
+
+
+async def test_429_retry_after_is_honoured_and_pauses_every_call_to_that_model(
+    app: tether.App, server: ModelServer
+) -> None:
+    _gw, primary = gateway(app, server)
+
+    @app.workflow
+    async def triage(text: str) -> str:
+        t = await ai.structured(primary, text, output=Ticket)
+        return t.category
+
+    server.script("gpt-4o-mini", model_error(429, "slow down", retry_after=2), ticket(), ticket())
+    async with app.worker(poll_interval=0.05):
+        a = await app.start(triage, "a")
+        deadline = time.monotonic() + 10
+        while server.count() < 1 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        refused_at = server.calls()[0].at
+        b = await app.start(triage, "b")  # a fresh call for the same model: it waits too
+        assert await a.result(timeout=30) == "billing"
+        assert await b.result(timeout=30) == "billing"
+    later = server.calls()[1:]
+    assert len(later) == 2
+    assert all(r.at - refused_at >= 1.9 for r in later), [r.at - refused_at for r in later]
+    failed = [e for e in await app.history(a.run_id) if e.type is EventType.ACTIVITY_ATTEMPT_FAILED]
+    assert failed[0].data["error"]["reason"].startswith("HTTP 429")
+    assert failed[0].data["error"]["retry_after"] == 2.0
+
+
+async def test_5xx_retries_then_falls_back_to_the_secondary_model(
+    app: tether.App, server: ModelServer
+) -> None:
+    gw = ai.Gateway(app, retry=FAST, timeout=10)
+    url = server.base_url
+    backup = gw.model("backup", ai.openai_compatible("gpt-4o", base_url=url, api_key="k"))
+    primary = gw.model(
+        "primary",
+        ai.openai_compatible("gpt-4o-mini", base_url=url, api_key="k"),
+        fallback=[backup],
+    )
+
+    @app.workflow
+    async def triage(text: str) -> str:
+        t = await ai.structured(primary, text, output=Ticket)
+        return t.category
+
+    server.script("gpt-4o-mini", *[model_error(503, "overloaded")] * 3)
+    server.script("gpt-4o", ticket("tech"))
+    async with app.worker(poll_interval=0.05):
+        run = await app.start(triage, "x")
+        assert await run.result(timeout=30) == "tech"
+    assert (server.count("gpt-4o-mini"), server.count("gpt-4o")) == (3, 1)
+    history = await app.history(run.run_id)
+    fb = markers(history, "model_fallback")
+    assert fb and fb[0]["from"] == "primary" and fb[0]["to"] == "backup"
+    assert "503" in fb[0]["error"]
+    usage = await app.usage(run.run_id)
+    assert usage.calls == 1 and usage.input_tokens == 120  # failed attempts spent nothing
+
+
+async def test_malformed_json_is_repaired_once_then_output_invalid(
+    app: tether.App, server: ModelServer
+) -> None:
+    _gw, primary = gateway(app, server)
+
+    def sane(t: Ticket) -> str | None:
+        return None if 1 <= t.priority <= 5 else f"priority must be 1..5, got {t.priority}"
+
+    @app.workflow
+    async def strict(text: str) -> str:
+        t = await ai.structured(primary, text, output=Ticket, validate=sane, max_repairs=1)
+        return t.category
+
+    @app.workflow
+    async def lenient(text: str) -> str:
+        fallback = Ticket(category="human", priority=3, confidence=0.0)
+        t = await ai.structured(primary, text, output=Ticket, max_repairs=1, default=fallback)
+        return t.category
+
+    broken = model_reply(tool=("final_result", '{"category": "billing", "prio'))
+    server.script("gpt-4o-mini", broken, ticket(priority=9))  # strict: JSON, then a bad value
+    async with app.worker(poll_interval=0.05):
+        run = await app.start(strict, "x")
+        with pytest.raises(tether.WorkflowFailedError) as info:
+            await run.result(timeout=30)
+        assert "OutputInvalid" in str(info.value) and "priority must be 1..5" in str(info.value)
+        # the repair request carried the problems back to the model
+        second = server.calls()[1].body["messages"]
+        assert any("not valid JSON" in str(m.get("content")) for m in second)
+        server.script("gpt-4o-mini", broken, broken)
+        run2 = await app.start(lenient, "y")
+        assert await run2.result(timeout=30) == "human"
+    assert server.count() == 4
+    bad = markers(await app.history(run.run_id), "output_invalid")
+    assert [m["attempt"] for m in bad] == [1, 2]
+    assert bad[0]["raw"].startswith('{"category"')
+    assert markers(await app.history(run2.run_id), "output_default")
+
+
+async def test_a_content_filter_refusal_is_not_retried(
+    app: tether.App, server: ModelServer
+) -> None:
+    _gw, primary = gateway(app, server)
+
+    @app.workflow
+    async def ask(text: str) -> str:
+        return await ai.complete(primary, text)
+
+    server.script("gpt-4o-mini", model_reply("", finish_reason="content_filter"))
+    async with app.worker(poll_interval=0.05):
+        run = await app.start(ask, "x")
+        with pytest.raises(tether.WorkflowFailedError) as info:
+            await run.result(timeout=30)
+    assert server.count() == 1
+    assert "ContentRefused" in str(info.value) and "content policy" in str(info.value)
+
+
+async def test_a_budget_stops_the_run_before_the_call_that_would_exceed_it(
+    app: tether.App, server: ModelServer
+) -> None:
+    _gw, primary = gateway(app, server)
+
+    @app.workflow
+    async def chain(n: int) -> list[str]:
+        out = []
+        for i in range(n):
+            try:
+                out.append(await ai.complete(primary, f"step {i}", settings={"max_tokens": 50}))
+            except ai.BudgetExceeded as exc:
+                out.append(f"stopped: {exc.what}")
+                break
+        return out
+
+    # each call: ~3 prompt tokens + 50 capped output estimated; 120+30 spent
+    server.script("gpt-4o-mini", *[model_reply("ok", input_tokens=120, output_tokens=30)] * 5)
+    async with app.worker(poll_interval=0.05):
+        run = await app.start(chain, 5, budget=tether.Budget(tokens=400))
+        assert await run.result(timeout=30) == ["ok", "ok", "stopped: tokens"]
+    assert server.count() == 2  # the third call was never sent
+    usage = await app.usage(run.run_id)
+    assert usage.tokens == 300
+    refused = markers(await app.history(run.run_id), "budget_exceeded")
+    assert refused[0]["spent"]["tokens"] == 300 and refused[0]["limit"] == "400"
+    with pytest.raises(tether.ConfigurationError):
+        tether.Budget()
+
+
+async def test_hedged_call_takes_the_first_answer_and_records_the_winner(
+    app: tether.App, server: ModelServer
+) -> None:
+    gw = ai.Gateway(app, retry=FAST, timeout=10)
+    url = server.base_url
+    fast = gw.model("fast", ai.openai_compatible("gpt-4o", base_url=url, api_key="k"))
+    slow = gw.model(
+        "slow",
+        ai.openai_compatible("gpt-4o-mini", base_url=url, api_key="k"),
+        hedge=(fast, 0.3),
+    )
+
+    @app.workflow
+    async def ask(text: str) -> str:
+        return await ai.complete(slow, text)
+
+    server.script("gpt-4o-mini", model_reply("slow answer", delay=3))
+    server.script("gpt-4o", model_reply("fast answer"))
+    async with app.worker(poll_interval=0.05):
+        run = await app.start(ask, "x")
+        assert await run.result(timeout=30) == "fast answer"
+    hedge = markers(await app.history(run.run_id), "model_hedge")
+    assert hedge == [{"asked": ["slow", "fast"], "won": "fast"}]
+
+
+async def test_bad_configuration_fails_the_step_with_a_clear_message_and_no_secret(
+    app: tether.App, server: ModelServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    gw = ai.Gateway(app, retry=FAST, timeout=10)
+    nokey = gw.model("nokey", "openai:gpt-4o-mini")
+    unknown = gw.model("unknown", "nosuchprovider:model-x")
+    secret = gw.model(
+        "secret", ai.openai_compatible("gpt-4o", base_url=server.base_url, api_key="sk-TOPSECRET")
+    )
+
+    @app.workflow
+    async def ask(which: str) -> str:
+        ref = {"nokey": nokey, "unknown": unknown, "secret": secret}[which]
+        return await ai.complete(ref, "x")
+
+    server.script("gpt-4o", model_error(401, "Incorrect API key provided: sk-TOP****CRET"))
+    async with app.worker(poll_interval=0.05):
+        for which, expected in (
+            ("nokey", "set OPENAI_API_KEY"),
+            ("unknown", "nosuchprovider:model-x"),
+            ("secret", "status_code: 401"),
+        ):
+            run = await app.start(ask, which)
+            with pytest.raises(tether.WorkflowFailedError) as info:
+                await run.result(timeout=30)
+            assert expected in str(info.value), str(info.value)
+            history = await app.history(run.run_id)
+            attempts = [e for e in history if e.type is EventType.ACTIVITY_ATTEMPT_FAILED]
+            assert attempts == [] or which == "secret"  # permanent: no retry
+            assert "sk-TOPSECRET" not in str([e.data for e in history])
+    assert server.count("gpt-4o") == 1  # 401 is permanent: not retried
+
+
+async def test_outside_a_workflow_the_calls_run_directly() -> None:
+    app = tether.App(store="sqlite:///:memory:")
+    gw = ai.Gateway(app)
+    scripted = ai.ScriptedModel([{"category": "tech", "priority": 1, "confidence": 1.0}])
+    m = gw.model("scripted", scripted)
+    t = await ai.structured(m, "x", output=Ticket)
+    assert t.category == "tech" and scripted.calls == 1
+    with pytest.raises(ai.ScriptExhausted):
+        await ai.complete(m, "again")
