@@ -8,8 +8,14 @@ at the provider.
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
 import time
 from decimal import Decimal
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,6 +27,7 @@ from tether.testing import ModelServer, model_error, model_reply
 
 pytestmark = pytest.mark.timeout(120)
 
+HERE = Path(__file__).parent
 FAST = tether.Retry(attempts=3, initial=0.05, backoff=1.0)
 
 
@@ -315,3 +322,62 @@ async def test_outside_a_workflow_the_calls_run_directly() -> None:
     assert t.category == "tech" and scripted.calls == 1
     with pytest.raises(ai.ScriptExhausted):
         await ai.complete(m, "again")
+
+
+async def test_sigkill_between_the_answer_and_its_record_calls_again_with_the_same_key(
+    tmp_path: Path, server: ModelServer
+) -> None:
+    """The guarantee: a recorded answer is never asked for again (replay reads it); an
+    answer the provider gave but the worker did not record (killed in between) is asked
+    for once more, with the same Idempotency-Key header."""
+    db = tmp_path / "tether.db"
+    sys.path.insert(0, str(HERE))
+    try:
+        import ai_crash_app
+    finally:
+        sys.path.remove(str(HERE))
+    client = tether.App(store=f"sqlite:///{db}")
+    client._workflows["two_calls"] = ai_crash_app.two_calls
+    server.script("m", model_reply("one"), model_reply("two (lost)"), model_reply("two"))
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def kill_on_second(request: Any) -> None:
+        if "second" in json.dumps(request.body) and len(procs) == 1:
+            procs[0].send_signal(signal.SIGKILL)  # the provider has the request; the worker dies
+            procs[0].wait(10)
+
+    server.on_request = kill_on_second
+    run = await client.start(ai_crash_app.two_calls, "doc", run_id="doc-1")
+    procs.append(spawn_ai_worker(db, server))
+    deadline = time.monotonic() + 30
+    while procs[0].poll() is None:
+        assert time.monotonic() < deadline, "the worker never asked the second question"
+        await asyncio.sleep(0.05)
+    assert procs[0].returncode == -signal.SIGKILL
+    procs.append(spawn_ai_worker(db, server))
+    try:
+        assert await run.result(timeout=60) == ["one", "two"]
+    finally:
+        procs[1].terminate()
+        procs[1].wait(10)
+    prompts = [json.dumps(r.body["messages"]) for r in server.calls("m")]
+    assert [("first" in p, "second" in p) for p in prompts] == [
+        (True, False),  # recorded before the kill: never asked again
+        (False, True),
+        (False, True),  # answered but not recorded: asked again...
+    ]
+    keys = [r.headers.get("idempotency-key") for r in server.calls("m")]
+    assert keys == ["doc-1:1", "doc-1:2", "doc-1:2"]  # ...with the same key
+    usage = await client.usage("doc-1")
+    assert usage.calls == 2  # the lost answer was never recorded, so it is not counted
+    await client.close()
+
+
+def spawn_ai_worker(db: Path, server: ModelServer) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONPATH": f"{HERE.parent / 'src'}{os.pathsep}{HERE}"}
+    return subprocess.Popen(
+        [sys.executable, str(HERE / "ai_crash_app.py"), str(db), server.base_url],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )

@@ -23,7 +23,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from decimal import Decimal
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from pydantic_ai.messages import ModelMessage, ModelResponse
 from pydantic_ai.models import Model, ModelRequestParameters
@@ -303,6 +303,16 @@ class Gateway:
         messages = load_messages(request["messages"])
         params = load_params(request["params"])
         settings: ModelSettings | None = request.get("settings")
+        try:
+            ctx = activity_context()
+            attempt, key = ctx.attempt, ctx.idempotency_key
+        except NotInActivityError:
+            attempt, key = 1, None
+        if key is not None:
+            # the same on every attempt and redelivery of this step: a provider (or a proxy)
+            # that honours it can answer a repeat after a crash without doing the work twice
+            headers = {**(settings or {}).get("extra_headers", {}), "Idempotency-Key": key}
+            settings = cast(ModelSettings, {**(settings or {}), "extra_headers": headers})
         started = time.perf_counter()
         with HeaderCapture() as cap:
             try:
@@ -325,10 +335,6 @@ class Gateway:
                 "retrying would get the same answer: change the input or route it to a human"
             )
         usage = response.usage
-        try:
-            attempt = activity_context().attempt
-        except NotInActivityError:
-            attempt = 1
         call = {
             "model": ref.name,
             "model_name": response.model_name or ref.model_name,

@@ -93,6 +93,7 @@ class Request:
     model: str
     at: float  #: time.monotonic() on arrival
     body: dict[str, Any]
+    headers: dict[str, str] = dataclasses.field(default_factory=dict)  #: lower-cased names
 
 
 class ModelServer:
@@ -112,6 +113,9 @@ class ModelServer:
         self.requests: list[Request] = []
         self.exhausted: list[str] = []
         self.default: Callable[[dict[str, Any]], Answer] | None = None
+        #: called with each request as it arrives, before it is answered (e.g. to kill
+        #: the client process between the provider's work and the client's record of it)
+        self.on_request: Callable[[Request], None] | None = None
         server = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -127,7 +131,8 @@ class ModelServer:
                     body = json.loads(raw or b"{}")
                 except ValueError:
                     body = {}
-                answer = server._take(body)
+                headers = {k.lower(): v for k, v in self.headers.items()}
+                answer = server._take(body, headers)
                 if answer.delay:
                     time.sleep(answer.delay)
                 payload = (
@@ -177,10 +182,13 @@ class ModelServer:
         with self._lock:
             return len(self._scripts.get(model, ()))
 
-    def _take(self, body: dict[str, Any]) -> Answer:
+    def _take(self, body: dict[str, Any], headers: dict[str, str]) -> Answer:
         model = str(body.get("model", ""))
+        request = Request(model, time.monotonic(), body, headers)
+        if self.on_request is not None:
+            self.on_request(request)
         with self._lock:
-            self.requests.append(Request(model, time.monotonic(), body))
+            self.requests.append(request)
             script = self._scripts.get(model)
             if script:
                 return script.popleft()
