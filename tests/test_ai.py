@@ -373,11 +373,66 @@ async def test_sigkill_between_the_answer_and_its_record_calls_again_with_the_sa
     await client.close()
 
 
-def spawn_ai_worker(db: Path, server: ModelServer) -> subprocess.Popen[bytes]:
+def spawn_ai_worker(
+    db: Path, server: ModelServer, effects: Path | None = None
+) -> subprocess.Popen[bytes]:
     env = {**os.environ, "PYTHONPATH": f"{HERE.parent / 'src'}{os.pathsep}{HERE}"}
+    extra = [str(effects)] if effects is not None else []
     return subprocess.Popen(
-        [sys.executable, str(HERE / "ai_crash_app.py"), str(db), server.base_url],
+        [sys.executable, str(HERE / "ai_crash_app.py"), str(db), server.base_url, *extra],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+
+
+async def test_a_durable_agent_killed_after_its_second_tool_call_resumes_without_repeats(
+    tmp_path: Path, server: ModelServer
+) -> None:
+    """Two tools, SIGKILL when the third model request arrives (both tool calls recorded):
+    a new worker replays the recorded requests and tool calls and makes only the missing
+    request again."""
+    db, effects = tmp_path / "tether.db", tmp_path / "effects.txt"
+    sys.path.insert(0, str(HERE))
+    try:
+        import ai_crash_app
+    finally:
+        sys.path.remove(str(HERE))
+    client = tether.App(store=f"sqlite:///{db}")
+    client._workflows["ask_agent"] = ai_crash_app.ask_agent
+    server.script(
+        "agent-model",
+        model_reply(tool=("lookup", {"key": "x"})),
+        model_reply(tool=("add", {"a": 40, "b": 2})),
+        model_reply("42, lost"),
+        model_reply("it is 42"),
+    )
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def kill_on_third(request: Any) -> None:
+        if server.count("agent-model") == 2 and len(procs) == 1:
+            procs[0].send_signal(signal.SIGKILL)
+            procs[0].wait(10)
+
+    server.on_request = kill_on_third
+    run = await client.start(ai_crash_app.ask_agent, "what is x + 2?", run_id="agent-1")
+    procs.append(spawn_ai_worker(db, server, effects))
+    deadline = time.monotonic() + 30
+    while procs[0].poll() is None:
+        assert time.monotonic() < deadline, "the agent never made its third request"
+        await asyncio.sleep(0.05)
+    procs.append(spawn_ai_worker(db, server, effects))
+    try:
+        assert await run.result(timeout=60) == "it is 42"
+    finally:
+        procs[1].terminate()
+        procs[1].wait(10)
+    # each tool ran once; each recorded model request was made once; the lost one twice
+    assert effects.read_text().splitlines() == ["lookup x", "add 40 2"]
+    tool_results = [json.dumps(r.body["messages"]).count('"role": "tool"') for r in server.calls()]
+    assert tool_results == [0, 1, 2, 2]
+    history = await client.history("agent-1")
+    names = [e.data["name"] for e in history if e.type is EventType.ACTIVITY_SCHEDULED]
+    assert names == ["tether.ai.call", "tether.ai.agent.helper.tool"] * 2 + ["tether.ai.call"]
+    assert (await client.usage("agent-1")).calls == 3
+    await client.close()

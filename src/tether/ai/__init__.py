@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from .._usage import Budget, Usage
 from ..workflow._route import route
+from ._agent import DurableAgent, RecordedModel, durable
 from ._errors import BudgetExceeded, ContentRefused, ModelConfigError, OutputInvalid
 from ._gateway import DEFAULT_MODEL_RETRY, Gateway, ModelRef, Price
 from ._models import anthropic, openai_compatible
@@ -21,16 +22,19 @@ __all__ = [
     "Budget",
     "BudgetExceeded",
     "ContentRefused",
+    "DurableAgent",
     "Gateway",
     "ModelConfigError",
     "ModelRef",
     "OutputInvalid",
     "Price",
+    "RecordedModel",
     "ScriptExhausted",
     "ScriptedModel",
     "Usage",
     "anthropic",
     "complete",
+    "durable",
     "openai_compatible",
     "route",
     "structured",

@@ -7,9 +7,8 @@ from typing import Any
 from pydantic import TypeAdapter
 from pydantic_ai.messages import ModelMessage, ModelMessagesTypeAdapter, ModelResponse
 from pydantic_ai.models import ModelRequestParameters
-from pydantic_ai.tools import ToolDefinition
 
-_TOOLS: TypeAdapter[list[ToolDefinition]] = TypeAdapter(list[ToolDefinition])
+_PARAMS: TypeAdapter[ModelRequestParameters] = TypeAdapter(ModelRequestParameters)
 
 
 def dump_messages(messages: list[ModelMessage]) -> list[Any]:
@@ -37,20 +36,11 @@ def load_response(data: dict[str, Any]) -> ModelResponse:
 
 
 def dump_params(params: ModelRequestParameters) -> dict[str, Any]:
-    """The parts of request parameters a plain model call uses."""
-    return {
-        "function_tools": _TOOLS.dump_python(params.function_tools, mode="json"),
-        "output_mode": params.output_mode,
-        "output_tools": _TOOLS.dump_python(params.output_tools, mode="json"),
-        "allow_text_output": params.allow_text_output,
-    }
+    """Request parameters (tools, output mode, instructions...) as a JSON object."""
+    out: dict[str, Any] = _PARAMS.dump_python(params, mode="json", exclude_defaults=True)
+    return out
 
 
 def load_params(data: dict[str, Any]) -> ModelRequestParameters:
     """Request parameters back from ``dump_params``."""
-    return ModelRequestParameters(
-        function_tools=_TOOLS.validate_python(data.get("function_tools") or []),
-        output_mode=data.get("output_mode", "text"),
-        output_tools=_TOOLS.validate_python(data.get("output_tools") or []),
-        allow_text_output=bool(data.get("allow_text_output", True)),
-    )
+    return _PARAMS.validate_python(data)

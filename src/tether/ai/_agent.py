@@ -1,0 +1,207 @@
+"""Durable pydantic-ai agents: every model request and tool call a recorded tether step.
+
+``tether.ai.durable(agent, gateway)`` leaves the agent's code as it is. Called
+inside a workflow, its loop runs in the workflow (deterministic: it only
+decides), its model requests go through the gateway as recorded steps, and each
+call of a function tool runs as the activity ``tether.ai.agent.<name>.tool`` on a
+worker, with tether's retries and timeouts. On replay the recorded answers and
+tool results come back and the loop reaches the same place without calling the
+model or a tool again. Outside a workflow the agent runs as it always did.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any, Generic, TypeVar
+
+from pydantic import TypeAdapter
+from pydantic_ai import Agent
+from pydantic_ai.exceptions import ModelRetry
+from pydantic_ai.messages import ModelMessage, ModelResponse
+from pydantic_ai.models import Model, ModelRequestParameters
+from pydantic_ai.settings import ModelSettings
+from pydantic_ai.tools import RunContext
+from pydantic_ai.toolsets import AbstractToolset, WrapperToolset
+from pydantic_ai.toolsets.abstract import ToolsetTool
+from pydantic_core import to_jsonable_python
+
+from .._errors import ConfigurationError, NonRetryable
+from .._policy import Retry
+from ..workflow._instance import current_instance
+from ._gateway import Gateway, ModelRef
+
+DepsT = TypeVar("DepsT")
+OutputT = TypeVar("OutputT")
+
+#: a tool's ``ModelRetry`` crosses the step boundary as this key of its result
+_RETRY_KEY = "tether.ai.model_retry"
+
+
+class RecordedModel(Model):
+    """A pydantic-ai ``Model`` whose requests are recorded steps of the running workflow."""
+
+    def __init__(self, ref: ModelRef) -> None:
+        super().__init__()
+        self._ref = ref
+
+    @property
+    def model_name(self) -> str:
+        return self._ref.model_name
+
+    @property
+    def system(self) -> str:
+        return self._ref.provider or "tether"
+
+    async def request(
+        self,
+        messages: list[ModelMessage],
+        model_settings: ModelSettings | None,
+        model_request_parameters: ModelRequestParameters,
+    ) -> ModelResponse:
+        response, _call = await self._ref.gateway.request(
+            self._ref, list(messages), params=model_request_parameters, settings=model_settings
+        )
+        return response
+
+
+@dataclasses.dataclass
+class _RecordedToolset(WrapperToolset[Any]):
+    """Runs each tool call of the wrapped toolset as a recorded step."""
+
+    durable: DurableAgent[Any, Any] = dataclasses.field(default=None)  # type: ignore[arg-type]
+    index: int = 0
+
+    async def call_tool(
+        self, name: str, tool_args: dict[str, Any], ctx: RunContext[Any], tool: ToolsetTool[Any]
+    ) -> Any:
+        if current_instance() is None:
+            return await super().call_tool(name, tool_args, ctx, tool)
+        from pydantic_ai.durable_exec import DurableRunContext
+
+        context = to_jsonable_python(DurableRunContext.serialize_run_context(ctx))
+        deps = to_jsonable_python(ctx.deps) if ctx.deps is not None else None
+        out = await self.durable.tool_step(
+            self.durable.name, self.index, name, tool_args, context, deps
+        )
+        if isinstance(out, dict) and _RETRY_KEY in out:
+            raise ModelRetry(str(out[_RETRY_KEY]))
+        return out["value"] if isinstance(out, dict) else out
+
+
+class DurableAgent(Generic[DepsT, OutputT]):
+    """A pydantic-ai agent whose model requests and tool calls are recorded steps."""
+
+    def __init__(
+        self,
+        agent: Agent[DepsT, OutputT],
+        gateway: Gateway,
+        *,
+        name: str,
+        model: ModelRef,
+        tool_retry: Retry | None,
+        tool_timeout: float | timedelta | None,
+    ) -> None:
+        self.agent = agent
+        self.gateway = gateway
+        self.name = name
+        self.model = model
+        self.toolsets: list[AbstractToolset[Any]] = list(agent.toolsets)
+        self._deps: TypeAdapter[Any] = TypeAdapter(agent.deps_type)
+        self.tool_step = gateway.app.activity(
+            name=f"{gateway.name}.agent.{name}.tool", retry=tool_retry, timeout=tool_timeout
+        )(self._run_tool)
+
+    async def run(
+        self,
+        user_prompt: str | Sequence[Any] | None = None,
+        *,
+        deps: DepsT = None,  # type: ignore[assignment]
+        message_history: Sequence[ModelMessage] | None = None,
+        model_settings: ModelSettings | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """``agent.run(...)``: durable inside a workflow, the plain agent outside one."""
+        if current_instance() is None:
+            return await self.agent.run(
+                user_prompt,
+                deps=deps,
+                message_history=message_history,
+                model_settings=model_settings,
+                **kwargs,
+            )
+        wrapped = [
+            _RecordedToolset(ts, durable=self, index=i) for i, ts in enumerate(self.toolsets)
+        ]
+        # tools=[] empties the agent's own function toolset: its tools run through the wrapper
+        with self.agent.override(model=RecordedModel(self.model), toolsets=wrapped, tools=[]):
+            return await self.agent.run(
+                user_prompt,
+                deps=deps,
+                message_history=message_history,
+                model_settings=model_settings,
+                **kwargs,
+            )
+
+    async def _run_tool(
+        self,
+        agent: str,
+        toolset: int,
+        name: str,
+        args: dict[str, Any],
+        context: dict[str, Any],
+        deps: Any = None,
+    ) -> dict[str, Any]:
+        """One tool call (worker side), with the run context rebuilt from the workflow's."""
+        from pydantic_ai.durable_exec import DurableRunContext
+
+        if agent != self.name or not 0 <= toolset < len(self.toolsets):
+            raise NonRetryable(
+                f"tool step for agent {agent!r} (toolset {toolset}) does not match this worker's "
+                f"agent {self.name!r}: deploy the same agent definition to every worker"
+            )
+        ts = self.toolsets[toolset]
+        ctx = DurableRunContext.deserialize_run_context(
+            context, deps=self._deps.validate_python(deps)
+        )
+        tools = await ts.get_tools(ctx)
+        tool = tools.get(name)
+        if tool is None:
+            raise NonRetryable(f"agent {self.name!r} has no tool {name!r} in toolset {toolset}")
+        try:
+            value = await ts.call_tool(name, args, ctx, tool)
+        except ModelRetry as exc:
+            return {_RETRY_KEY: exc.message}
+        return {"value": to_jsonable_python(value)}
+
+
+def durable(
+    agent: Agent[DepsT, OutputT],
+    gateway: Gateway,
+    *,
+    name: str | None = None,
+    model: ModelRef | None = None,
+    tool_retry: Retry | None = None,
+    tool_timeout: float | timedelta | None = None,
+) -> DurableAgent[DepsT, OutputT]:
+    """Make ``agent`` durable on ``gateway``'s app; its code does not change.
+
+    The agent's model is registered on the gateway as ``agent:<name>`` (or pass
+    ``model=`` a gateway model, with its fallbacks and limits). ``name`` defaults
+    to the agent's own and must be stable: recorded steps carry it.
+    """
+    label = name or agent.name
+    if not label:
+        raise ConfigurationError(
+            "a durable agent needs a stable name: Agent(..., name='triage') or durable(name=)"
+        )
+    if model is None:
+        if agent.model is None:
+            raise ConfigurationError(
+                f"agent {label!r} has no model: give the Agent one, or pass model= a gateway model"
+            )
+        model = gateway.model(f"agent:{label}", agent.model)
+    return DurableAgent(
+        agent, gateway, name=label, model=model, tool_retry=tool_retry, tool_timeout=tool_timeout
+    )
