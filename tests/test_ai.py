@@ -22,6 +22,7 @@ import pytest
 from pydantic import BaseModel
 
 import tether
+from helpers import has_event
 from tether import EventType, ai
 from tether.testing import ModelServer, model_error, model_reply
 
@@ -122,10 +123,12 @@ async def test_429_retry_after_is_honoured_and_pauses_every_call_to_that_model(
     async with app.worker(poll_interval=0.05):
         a = await app.start(triage, "a")
         deadline = time.monotonic() + 10
-        while server.count() < 1 and time.monotonic() < deadline:
+        while not await has_event(app, a.run_id, EventType.ACTIVITY_ATTEMPT_FAILED):
+            assert time.monotonic() < deadline, "the 429 was never recorded"
             await asyncio.sleep(0.01)
         refused_at = server.calls()[0].at
-        b = await app.start(triage, "b")  # a fresh call for the same model: it waits too
+        # a call for the same model scheduled once the 429 is recorded waits too
+        b = await app.start(triage, "b")
         assert await a.result(timeout=30) == "billing"
         assert await b.result(timeout=30) == "billing"
     later = server.calls()[1:]

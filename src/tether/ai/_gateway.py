@@ -162,6 +162,8 @@ class Gateway:
         self.prices = dict(prices or {})
         self._models: dict[str, ModelRef] = {}
         self._built: dict[str, Model] = {}
+        #: genai-prices' price of (model, provider), looked up once (None: unknown)
+        self._price_table: dict[tuple[str, str | None], Any] = {}
         self._activity = app.activity(
             name=f"{name}.call", retry=retry, timeout=timeout, queue=queue
         )(self._call)
@@ -251,20 +253,20 @@ class Gateway:
         price = ref.price or self.prices.get(name)
         if price is not None:
             return str(price.cost(tokens_in, tokens_out, cache_read))
-        try:
-            from genai_prices import Usage as PriceUsage
-            from genai_prices import calc_price
-
-            calc = calc_price(
-                PriceUsage(
-                    input_tokens=tokens_in, output_tokens=tokens_out, cache_read_tokens=cache_read
-                ),
-                model_ref=name,
-                provider_id=provider or ref.provider,
-            )
-        except Exception:  # unknown model or provider: the call is recorded unpriced
+        key = (name, provider or ref.provider)
+        if key not in self._price_table:
+            self._price_table[key] = _lookup_price(*key)
+        model_price = self._price_table[key]
+        if model_price is None:  # unknown model or provider: the call is recorded unpriced
             return None
-        return str(calc.total_price)
+        from genai_prices import Usage as PriceUsage
+
+        calc = model_price.calc_price(
+            PriceUsage(
+                input_tokens=tokens_in, output_tokens=tokens_out, cache_read_tokens=cache_read
+            )
+        )
+        return str(calc["total_price"])
 
     # the step (worker side) -----------------------------------------------------
 
@@ -455,6 +457,17 @@ class Gateway:
         tally.tokens += int(call.get("input_tokens") or 0) + int(call.get("output_tokens") or 0)
         tally.cost += Decimal(call["cost"]) if call.get("cost") is not None else Decimal(0)
         return out
+
+
+def _lookup_price(model: str, provider: str | None) -> Any:
+    """genai-prices' current price of ``model`` at ``provider`` (None when it has none)."""
+    try:
+        from genai_prices import Usage as PriceUsage
+        from genai_prices import calc_price
+
+        return calc_price(PriceUsage(), model_ref=model, provider_id=provider).model_price
+    except Exception:
+        return None
 
 
 #: failures the next model in a fallback chain would meet too

@@ -13,7 +13,8 @@ _PARAMS: TypeAdapter[ModelRequestParameters] = TypeAdapter(ModelRequestParameter
 
 def dump_messages(messages: list[ModelMessage]) -> list[Any]:
     """Messages as JSON values."""
-    out: list[Any] = ModelMessagesTypeAdapter.dump_python(messages, mode="json")
+    # None fields are their defaults: leaving them out halves what every step stores
+    out: list[Any] = ModelMessagesTypeAdapter.dump_python(messages, mode="json", exclude_none=True)
     return out
 
 

@@ -38,11 +38,18 @@ def _append_completed(tx: _Tx, task: Task, result: str) -> None:
     )
 
 
+def _frees_a_slot(tx: _Tx, task: Task) -> bool:
+    """Whether the end of ``task`` frees room under a limit (so claimers should wake)."""
+    if task.dependency is not None and _dependency_limited(tx, task.dependency):
+        return True
+    return _has_limits(tx, task.queue)
+
+
 def _after_activity(
     tx: _Tx, task: Task, lease_to: str | None, lease_queues: tuple[str, ...], lease: float
 ) -> Task | None:
     """Wake claimers of a limited queue and make sure the run gets a workflow task."""
-    if task.dependency is not None or _has_limits(tx, task.queue):
+    if _frees_a_slot(tx, task):
         tx.ready.add(task.queue)  # a slot under its concurrency cap is free: wake claimers
     _, run_queue, _p, _s, workflow, _t = _run_row(tx, task.run_id)
     return _ensure_workflow_task(
@@ -183,7 +190,7 @@ def _complete_activity_fast(
         _append_completed(tx, task, result)
         slow = _after_activity(tx, task, lease_to, lease_queues, lease)
         return False, 0, [], slow
-    if task.dependency is not None or _has_limits(tx, task.queue):
+    if _frees_a_slot(tx, task):
         tx.ready.add(task.queue)  # a slot under its concurrency cap is free: wake claimers
     completed: list[_Pending] = [
         (
@@ -210,7 +217,7 @@ def _complete_activity_fast(
 
 
 # operations of other concerns (imported last: see the package docstring)
-from .dependencies import _dependency_feedback  # noqa: E402
+from .dependencies import _dependency_feedback, _dependency_limited  # noqa: E402
 from .history import _append, _Pending, _read_history  # noqa: E402
 from .queues import _has_limits, _pause_on_429  # noqa: E402
 from .runs import _run_row  # noqa: E402

@@ -7,19 +7,36 @@ from typing import Any
 from ._tx import _Tx
 
 
-def _ensure_dependency(tx: _Tx, dep: str, cfg: dict[str, Any]) -> None:
+def _ensure_dependency(tx: _Tx, dep: str, cfg: dict[str, Any]) -> bool:
     """Create the dependency limiter row ``dep``; update it if its limits changed.
 
     The usual case (the row exists, unchanged) reads it without a lock, so
-    scheduling never waits for claims holding the limiter.
+    scheduling never waits for claims holding the limiter. Returns whether a call
+    may skip the claim (be leased in the scheduling commit): the limiter has no
+    limits and no rate-limit pause, so the claim would have nothing to enforce.
     """
     row = tx.execute(
-        "SELECT max_concurrency, rate, burst FROM queue_limits WHERE queue = ?", (dep,)
+        "SELECT max_concurrency, rate, burst, paused_until FROM queue_limits WHERE queue = ?",
+        (dep,),
     ).fetchone()
     want = (cfg.get("max_concurrency"), cfg.get("rate"), cfg.get("burst"))
-    if row is not None and tuple(row) == want:
-        return
+    if row is not None and tuple(row[:3]) == want:
+        paused = row[3]
+        return want == (None, None, None) and (paused is None or float(paused) <= tx.now)
     _configure_queue(tx, dep, {**cfg, "fair": False, "key_concurrency": None})
+    return False
+
+
+def _dependency_limited(tx: _Tx, dep: str) -> bool:
+    """Whether the limiter ``dep`` has a cap or a rate: a finished call frees something in it.
+
+    A limiter with neither only carries rate-limit pauses; waking claimers when one
+    of its calls ends would send every worker to claim for nothing.
+    """
+    row = tx.execute(
+        "SELECT max_concurrency, rate FROM queue_limits WHERE queue = ?", (dep,)
+    ).fetchone()
+    return row is None or row[0] is not None or row[1] is not None
 
 
 def _dependency_feedback(

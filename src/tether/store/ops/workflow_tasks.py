@@ -162,14 +162,17 @@ def _apply_workflow_result(
             q = cmd.data["queue"]
             hb_timeout = (cmd.data.get("options") or {}).get("heartbeat_timeout")
             dep = cmd.data.get("dependency")
-            if dep is not None:
-                _ensure_dependency(tx, dep, cmd.data.get("dependency_limits") or {})
+            # a dependency's work goes through the claim, unless its limiter has nothing
+            # to enforce (no limits, not paused by a 429)
+            dep_open = dep is None or _ensure_dependency(
+                tx, dep, cmd.data.get("dependency_limits") or {}
+            )
             batch = _batch_cols(cmd.data)
             local = (
                 lease_to is not None
                 and q in lease_queues
                 and len(leased) < lease_limit
-                and dep is None  # a dependency's work goes through the claim
+                and dep_open
                 and batch[0] is None  # so does a batched call: the claim forms batches
             )
             if local:
