@@ -237,13 +237,13 @@ async def test_a_budget_stops_the_run_before_the_call_that_would_exceed_it(
         out = []
         for i in range(n):
             try:
-                out.append(await ai.complete(primary, f"step {i}", settings={"max_tokens": 50}))
+                out.append(await ai.complete(primary, f"step {i}", settings={"max_tokens": 100}))
             except ai.BudgetExceeded as exc:
                 out.append(f"stopped: {exc.what}")
                 break
         return out
 
-    # each call: ~3 prompt tokens + 50 capped output estimated; 120+30 spent
+    # a call is estimated at its prompt (~40 tokens) + max_tokens (100); each spends 150
     server.script("gpt-4o-mini", *[model_reply("ok", input_tokens=120, output_tokens=30)] * 5)
     async with app.worker(poll_interval=0.05):
         run = await app.start(chain, 5, budget=tether.Budget(tokens=400))
@@ -439,3 +439,73 @@ async def test_a_durable_agent_killed_after_its_second_tool_call_resumes_without
     assert names == ["tether.ai.call", "tether.ai.agent.helper.tool"] * 2 + ["tether.ai.call"]
     assert (await client.usage("agent-1")).calls == 3
     await client.close()
+
+
+async def test_the_answer_cache_serves_the_same_question_across_runs_and_counts_savings(
+    app: tether.App, server: ModelServer
+) -> None:
+    gw = ai.Gateway(app, retry=FAST, timeout=10)
+    cached = gw.model(
+        "cached",
+        ai.openai_compatible("gpt-4o-mini", base_url=server.base_url, api_key="k"),
+        cache_ttl=60,
+    )
+
+    @app.workflow
+    async def ask(text: str) -> str:
+        t = await ai.structured(cached, text, output=Ticket)
+        return t.category
+
+    server.script("gpt-4o-mini", ticket("billing"), ticket("tech"))
+    async with app.worker(poll_interval=0.05):
+        first = await app.start(ask, "same question")
+        assert await first.result(timeout=30) == "billing"
+        again = await app.start(ask, "same question")  # another run, the same request
+        assert await again.result(timeout=30) == "billing"
+        other = await app.start(ask, "another question")
+        assert await other.result(timeout=30) == "tech"
+    assert server.count() == 2
+    saved = await app.usage(again.run_id)
+    assert (saved.calls, saved.cached_calls, saved.tokens, saved.tokens_saved) == (1, 1, 0, 150)
+    assert saved.cost == 0 and saved.cost_saved == Decimal("0.000036")
+
+
+async def test_a_tenant_daily_budget_is_shared_by_its_runs_and_can_be_raised(
+    app: tether.App, server: ModelServer
+) -> None:
+    gw, primary = gateway(app, server)
+
+    @app.workflow
+    async def ask(text: str) -> str:
+        try:
+            return await ai.complete(primary, text, settings={"max_tokens": 100})
+        except ai.BudgetExceeded as exc:
+            return f"refused: {exc.scope} {exc.what}"
+
+    await gw.set_budget(tenant="acme", tokens=400)
+    server.script("gpt-4o-mini", *[model_reply("ok", input_tokens=120, output_tokens=30)] * 4)
+    async with app.worker(poll_interval=0.05):
+        results = []
+        for i in range(3):
+            run = await app.start(ask, f"q{i}", tenant="acme")
+            results.append(await run.result(timeout=30))
+        other = await app.start(ask, "q", tenant="globex")  # no budget: not limited
+        assert await other.result(timeout=30) == "ok"
+        assert results == ["ok", "ok", "refused: tenant:acme tokens"]
+        await gw.set_budget(tenant="acme", tokens=1000)  # an operator raises it
+        await asyncio.sleep(2.1)  # workers re-read the budgets within 2 s
+        run = await app.start(ask, "q3", tenant="acme")
+        assert await run.result(timeout=30) == "ok"
+    assert server.count() == 4
+    budgets = await gw.budgets()
+    assert budgets == [
+        {
+            "scope": "tenant:acme",
+            "tokens": 1000,
+            "cost": None,
+            "spent_tokens": 450,
+            "spent_cost": str(Decimal("0.000036") * 3),
+        },
+    ]
+    await gw.set_budget(tenant="acme")  # removed
+    assert await gw.budgets() == []

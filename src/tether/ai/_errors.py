@@ -40,22 +40,33 @@ class BudgetExceeded(TetherError):
     """
 
     def __init__(
-        self, model: str, what: str, limit: str, spent: dict[str, Any], estimate: dict[str, Any]
+        self,
+        model: str,
+        what: str,
+        limit: str,
+        spent: dict[str, Any],
+        estimate: dict[str, Any],
+        scope: str = "run",
     ) -> None:
         self.model = model
         self.what = what
         self.limit = limit
         self.spent = spent
         self.estimate = estimate
+        self.scope = scope  #: "run", "tenant:<name>" (daily) or "global" (daily)
+        whose = "the run's" if scope == "run" else f"the daily ({scope})"
         super().__init__(
-            f"a call to model {model!r} would exceed the run's {what} budget of {limit} "
+            f"a call to model {model!r} would exceed {whose} {what} budget of {limit} "
             f"(spent {spent[what]}, this call's estimate {estimate[what]}); "
             "catch tether.ai.BudgetExceeded to fall back to a cheaper model or to wait for "
-            "a raised budget, or start the run with a larger tether.Budget"
+            "a raised budget, or give the run (or tenant) a larger budget"
         )
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.model, self.what, self.limit, self.spent, self.estimate))
+        return (
+            type(self),
+            (self.model, self.what, self.limit, self.spent, self.estimate, self.scope),
+        )
 
 
 class ContentRefused(NonRetryable):

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import json
 import math
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any, cast
 
@@ -113,8 +114,10 @@ class ModelRef:
         price: Price | None,
         hedge: tuple[ModelRef, float] | None,
         output_estimate: int,
+        cache_ttl: float | None = None,
     ) -> None:
         self.gateway = gateway
+        self.cache_ttl = cache_ttl
         self.name = name
         self.spec = spec
         self.fallback = tuple(fallback)
@@ -162,6 +165,9 @@ class Gateway:
         self.prices = dict(prices or {})
         self._models: dict[str, ModelRef] = {}
         self._built: dict[str, Model] = {}
+        #: the scopes that have a daily budget, re-read every few seconds
+        self._budget_scopes: set[str] = set()
+        self._budgets_read_at = 0.0
         #: genai-prices' price of (model, provider), looked up once (None: unknown)
         self._price_table: dict[tuple[str, str | None], Any] = {}
         self._activity = app.activity(
@@ -185,6 +191,7 @@ class Gateway:
         price: Price | None = None,
         hedge: tuple[ModelRef, float | timedelta] | None = None,
         output_estimate: int = DEFAULT_OUTPUT_ESTIMATE,
+        cache_ttl: float | timedelta | None = None,
     ) -> ModelRef:
         """Register ``model`` as ``name``: a pydantic-ai ``Model``, ``"provider:name"``, or a
         function building one on the worker (so API keys are read there, never recorded).
@@ -193,7 +200,9 @@ class Gateway:
         ``max_concurrency`` and ``rate`` per ``per`` seconds bound calls across all
         workers (429s pause the same limiter); ``hedge=(other, seconds)`` also asks
         ``other`` when this one has not answered within ``seconds``, taking the
-        first answer.
+        first answer. ``cache_ttl`` keeps answers in the store for that long and
+        answers the same request (model, messages, tools, parameters, output type)
+        from there, in any run: for deterministic prompts (temperature 0) only.
         """
         if not isinstance(name, str) or not name:
             raise ConfigurationError(f"a model needs a non-empty name (got {name!r})")
@@ -226,6 +235,9 @@ class Gateway:
             if after <= 0:
                 raise ConfigurationError(f"hedge delay of model {name!r} must be positive")
             hedge_pair = (hedge[0], after)
+        ttl = cache_ttl.total_seconds() if isinstance(cache_ttl, timedelta) else cache_ttl
+        if ttl is not None and ttl <= 0:
+            raise ConfigurationError(f"cache_ttl of model {name!r} must be positive")
         ref = ModelRef(
             self,
             name,
@@ -235,6 +247,7 @@ class Gateway:
             price=price,
             hedge=hedge_pair,
             output_estimate=output_estimate,
+            cache_ttl=ttl,
         )
         self._models[name] = ref
         return ref
@@ -301,6 +314,14 @@ class Gateway:
                 f"(known: {', '.join(sorted(self._models)) or 'none'}); register it with "
                 "gateway.model(...) in the module the worker imports"
             )
+        cache_key = _cache_key(ref, request) if ref.cache_ttl else None
+        if cache_key is not None:
+            hit = await self.app.store.ai_cache_get(cache_key)
+            if hit is not None:
+                cached: dict[str, Any] = json.loads(hit)
+                cached[CALL_KEY] = {**cached[CALL_KEY], "cache_hit": True}
+                return cached
+        scopes = await self._check_daily_budgets(ref, request)
         built = self._resolve(ref)
         messages = load_messages(request["messages"])
         params = load_params(request["params"])
@@ -359,7 +380,94 @@ class Gateway:
         }
         out = _CallResult({"response": dump_response(response), CALL_KEY: call})
         out.headers = cap.headers
+        if scopes:
+            await self.app.store.add_model_spend(
+                scopes,
+                _day(self.app.store.clock()),
+                usage.input_tokens + usage.output_tokens,
+                str(call["cost"] or "0"),
+            )
+        if cache_key is not None:
+            await self.app.store.ai_cache_put(cache_key, json.dumps(out), ref.cache_ttl or 0.0)
         return out
+
+    # daily budgets (worker side: they are shared by every run of a tenant) -------------
+
+    async def set_budget(
+        self,
+        *,
+        tenant: str | None = None,
+        tokens: int | None = None,
+        cost: Decimal | float | str | None = None,
+    ) -> None:
+        """Set the daily model budget (UTC day) of ``tenant``, or the global one without it.
+
+        Shared by every worker (it lives in the store); neither ``tokens`` nor ``cost``
+        removes it. A call whose estimate would go over raises ``BudgetExceeded`` in
+        the workflow before it is sent; raising the budget lets the next call through.
+        """
+        if tenant is not None and (not isinstance(tenant, str) or not tenant):
+            raise ConfigurationError(f"tenant must be a non-empty string (got {tenant!r})")
+        checked = Budget(tokens=tokens, cost=cost) if (tokens, cost) != (None, None) else None
+        await self.app.store.set_model_budget(
+            f"tenant:{tenant}" if tenant is not None else "global",
+            checked.tokens if checked else None,
+            None if checked is None or checked.cost is None else str(checked.cost),
+        )
+        self._budgets_read_at = 0.0
+
+    async def budgets(self) -> list[dict[str, Any]]:
+        """Every daily budget with today's spend: scope, limits, tokens and cost spent."""
+        rows = await self.app.store.model_budgets(_day(self.app.store.clock()))
+        return [
+            {
+                "scope": scope,
+                "tokens": tokens,
+                "cost": cost,
+                "spent_tokens": int(spent_tokens or 0),
+                "spent_cost": str(spent_cost or "0"),
+            }
+            for scope, tokens, cost, spent_tokens, spent_cost in rows
+        ]
+
+    async def _check_daily_budgets(self, ref: ModelRef, request: dict[str, Any]) -> tuple[str, ...]:
+        """The scopes with a daily budget this call counts against; raise when one is spent."""
+        now = self.app.store.clock()
+        if now - self._budgets_read_at > _BUDGETS_TTL:
+            self._budget_scopes = {b["scope"] for b in await self.budgets()}
+            self._budgets_read_at = now
+        tenant = request.get("tenant")
+        scopes = tuple(
+            s
+            for s in (f"tenant:{tenant}" if tenant else None, "global")
+            if s in self._budget_scopes
+        )
+        if not scopes:
+            return ()
+        estimate = request.get("estimate") or {"tokens": 0, "cost": None}
+        for b in await self.budgets():
+            if b["scope"] not in scopes:
+                continue
+            over = None
+            if b["tokens"] is not None and b["spent_tokens"] + estimate["tokens"] > b["tokens"]:
+                over = ("tokens", str(b["tokens"]))
+            elif b["cost"] is not None and Decimal(b["spent_cost"]) + Decimal(
+                estimate["cost"] or 0
+            ) > Decimal(b["cost"]):
+                over = ("cost", str(b["cost"]))
+            if over is not None:
+                raise DailyBudgetExceeded(
+                    json.dumps(
+                        {
+                            "scope": b["scope"],
+                            "what": over[0],
+                            "limit": over[1],
+                            "spent": {"tokens": b["spent_tokens"], "cost": b["spent_cost"]},
+                            "estimate": estimate,
+                        }
+                    )
+                )
+        return scopes
 
     # the call (workflow side) -------------------------------------------------------
 
@@ -446,10 +554,30 @@ class Gateway:
             return direct
         tally = _tallies.setdefault(inst, _Tally())
         estimate = _check_budget(inst, tally, ref, body, settings)
+        started = inst.started
+        tenant = (started.data if started is not None else {}).get("tenant")
+        if tenant is not None:
+            body = {**body, "tenant": tenant}
+        if estimate["tokens"] or estimate["cost"]:
+            body = {**body, "estimate": estimate}
+        elif tenant is not None:
+            body = {**body, "estimate": ref.estimate(body["messages"], settings)}
         tally.reserved_tokens += estimate["tokens"]
         tally.reserved_cost += Decimal(estimate["cost"] or 0)
         try:
             out: dict[str, Any] = await ref.activity(ref.name, body)
+        except ActivityError as exc:
+            if exc.error_type != "DailyBudgetExceeded":
+                raise
+            info = json.loads(exc.message)
+            raise BudgetExceeded(
+                ref.name,
+                info["what"],
+                info["limit"],
+                info["spent"],
+                info["estimate"],
+                scope=info["scope"],
+            ) from None
         finally:
             tally.reserved_tokens -= estimate["tokens"]
             tally.reserved_cost -= Decimal(estimate["cost"] or 0)
@@ -457,6 +585,42 @@ class Gateway:
         tally.tokens += int(call.get("input_tokens") or 0) + int(call.get("output_tokens") or 0)
         tally.cost += Decimal(call["cost"]) if call.get("cost") is not None else Decimal(0)
         return out
+
+
+#: how long a worker trusts its list of scopes with a daily budget
+_BUDGETS_TTL = 2.0
+#: request fields that differ between identical questions (left out of cache keys)
+_VOLATILE = frozenset({"timestamp", "run_id", "conversation_id", "provider_response_id"})
+
+
+class DailyBudgetExceeded(NonRetryable):
+    """A tenant's (or the global) daily model budget would be exceeded (worker side)."""
+
+
+def _day(ts: float) -> str:
+    """The UTC day of a timestamp, as daily budgets count it."""
+    return datetime.fromtimestamp(ts, UTC).date().isoformat()
+
+
+def _stable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _stable(v) for k, v in value.items() if k not in _VOLATILE}
+    if isinstance(value, list):
+        return [_stable(v) for v in value]
+    return value
+
+
+def _cache_key(ref: ModelRef, request: dict[str, Any]) -> str:
+    """What makes two requests the same question to the same model."""
+    settings = {k: v for k, v in (request.get("settings") or {}).items() if k != "extra_headers"}
+    material = {
+        "model": ref.name,
+        "model_name": ref.model_name,
+        "messages": _stable(request["messages"]),
+        "params": request["params"],
+        "settings": settings,
+    }
+    return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
 
 
 def _lookup_price(model: str, provider: str | None) -> Any:

@@ -211,6 +211,28 @@ class Store(abc.ABC):
         return _no_release
 
     @abc.abstractmethod
+    async def ai_cache_get(self, key: str) -> str | None:
+        """A cached model answer (tether.ai) still within its TTL, or None."""
+
+    @abc.abstractmethod
+    async def ai_cache_put(self, key: str, value: str, ttl: float) -> None:
+        """Keep a model answer for ``ttl`` seconds under ``key``."""
+
+    @abc.abstractmethod
+    async def set_model_budget(self, scope: str, tokens: int | None, cost: str | None) -> None:
+        """Set (or, with neither, remove) the daily model budget of a scope."""
+
+    @abc.abstractmethod
+    async def model_budgets(self, day: str) -> list[tuple[Any, ...]]:
+        """(scope, token limit, cost limit, tokens spent, cost spent) per budget on ``day``."""
+
+    @abc.abstractmethod
+    async def add_model_spend(
+        self, scopes: tuple[str, ...], day: str, tokens: int, cost: str
+    ) -> None:
+        """Add one call's tokens and cost to each scope's spend of ``day``."""
+
+    @abc.abstractmethod
     async def create_api_key(
         self, key_id: str, secret_hash: str, name: str | None, tenant: str | None, role: str
     ) -> None:

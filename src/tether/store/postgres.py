@@ -65,7 +65,7 @@ from .ops.tasks import _heartbeat, _renew
 log = logging.getLogger("tether.store")
 
 
-_SCHEMA_VERSION = 3
+_SCHEMA_VERSION = 4
 #: statements that bring a store of the version before up to this one
 _UPGRADES: dict[int, tuple[str, ...]] = {
     2: ("ALTER TABLE runs ADD COLUMN IF NOT EXISTS waiting_on TEXT",),
@@ -73,6 +73,15 @@ _UPGRADES: dict[int, tuple[str, ...]] = {
         "CREATE TABLE IF NOT EXISTS api_keys (key_id TEXT PRIMARY KEY, secret_hash TEXT NOT "
         "NULL, name TEXT, tenant TEXT, role TEXT NOT NULL, created_at DOUBLE PRECISION NOT "
         "NULL, revoked_at DOUBLE PRECISION)",
+    ),
+    4: (
+        "CREATE TABLE IF NOT EXISTS ai_cache (cache_key TEXT PRIMARY KEY, value TEXT NOT NULL, "
+        "created_at DOUBLE PRECISION NOT NULL, expires_at DOUBLE PRECISION NOT NULL)",
+        "CREATE TABLE IF NOT EXISTS ai_spend (scope TEXT NOT NULL, day TEXT NOT NULL, tokens "
+        "BIGINT NOT NULL, cost TEXT NOT NULL, updated_at DOUBLE PRECISION NOT NULL, "
+        "PRIMARY KEY (scope, day))",
+        "CREATE TABLE IF NOT EXISTS ai_budgets (scope TEXT PRIMARY KEY, tokens BIGINT, cost TEXT, "
+        "updated_at DOUBLE PRECISION NOT NULL)",
     ),
 }
 #: task columns added during development, missing from schemas made by older builds

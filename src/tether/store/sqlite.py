@@ -49,10 +49,14 @@ _OWN_TABLES = {
     "queue_limits",
     "tenant_limits",
     "debounces",
+    "api_keys",
+    "ai_cache",
+    "ai_spend",
+    "ai_budgets",
 }
 
 
-_SCHEMA_VERSION = 3
+_SCHEMA_VERSION = 4
 #: statements that bring a store of the version before up to this one
 _UPGRADES: dict[int, tuple[str, ...]] = {
     2: ("ALTER TABLE runs ADD COLUMN waiting_on TEXT",),
@@ -60,6 +64,15 @@ _UPGRADES: dict[int, tuple[str, ...]] = {
         "CREATE TABLE IF NOT EXISTS api_keys (key_id TEXT PRIMARY KEY, secret_hash TEXT NOT "
         "NULL, name TEXT, tenant TEXT, role TEXT NOT NULL, created_at REAL NOT NULL, "
         "revoked_at REAL)",
+    ),
+    4: (
+        "CREATE TABLE IF NOT EXISTS ai_cache (cache_key TEXT PRIMARY KEY, value TEXT NOT NULL, "
+        "created_at REAL NOT NULL, expires_at REAL NOT NULL)",
+        "CREATE TABLE IF NOT EXISTS ai_spend (scope TEXT NOT NULL, day TEXT NOT NULL, tokens "
+        "BIGINT NOT NULL, cost TEXT NOT NULL, updated_at REAL NOT NULL, "
+        "PRIMARY KEY (scope, day))",
+        "CREATE TABLE IF NOT EXISTS ai_budgets (scope TEXT PRIMARY KEY, tokens BIGINT, cost TEXT, "
+        "updated_at REAL NOT NULL)",
     ),
 }
 

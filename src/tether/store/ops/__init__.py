@@ -260,6 +260,25 @@ class OpsStore(Store):
     async def breaker_record(self, cfg: dict[str, Any], ok: bool) -> None:
         await self._do(_breaker_record, cfg, ok)
 
+    async def ai_cache_get(self, key: str) -> str | None:
+        out: str | None = await self._do(_cache_get, key, write=False)
+        return out
+
+    async def ai_cache_put(self, key: str, value: str, ttl: float) -> None:
+        await self._do(_cache_put, key, value, ttl)
+
+    async def set_model_budget(self, scope: str, tokens: int | None, cost: str | None) -> None:
+        await self._do(_set_model_budget, scope, tokens, cost)
+
+    async def model_budgets(self, day: str) -> list[tuple[Any, ...]]:
+        out: list[tuple[Any, ...]] = await self._do(_model_budgets, day, write=False)
+        return out
+
+    async def add_model_spend(
+        self, scopes: tuple[str, ...], day: str, tokens: int, cost: str
+    ) -> None:
+        await self._do(_add_spend, scopes, day, tokens, cost)
+
     async def create_api_key(
         self, key_id: str, secret_hash: str, name: str | None, tenant: str | None, role: str
     ) -> None:
@@ -326,6 +345,13 @@ class OpsStore(Store):
 # operations of other concerns (imported last: see the package docstring)
 from .activities import _complete_activity, _complete_activity_fast, _fail_activity, _with_history  # noqa: E402
 from .admission import _configure_admission  # noqa: E402
+from .ai import (  # noqa: E402
+    _add_spend,
+    _cache_get,
+    _cache_put,
+    _model_budgets,
+    _set_model_budget,
+)
 from .breakers import _breaker_admit, _breaker_record  # noqa: E402
 from .claims import _claim, _claim_with_wake  # noqa: E402
 from .control import _cancel, _resume, _signal, _suspend, _terminate  # noqa: E402

@@ -177,3 +177,30 @@ CREATE TABLE IF NOT EXISTS api_keys (
     created_at   DOUBLE PRECISION NOT NULL,
     revoked_at   DOUBLE PRECISION
 );
+
+-- tether.ai: answers kept for reuse across runs (opt-in per model), by a hash of the
+-- model, prompt, tools, parameters and output type; a row past ``expires_at`` is dead.
+CREATE TABLE IF NOT EXISTS ai_cache (
+    cache_key    TEXT PRIMARY KEY,
+    value        TEXT NOT NULL,
+    created_at   DOUBLE PRECISION NOT NULL,
+    expires_at   DOUBLE PRECISION NOT NULL
+);
+
+-- tether.ai: model spend per scope ('tenant:<name>' or 'global') and UTC day, added by
+-- each call, and the daily budgets set on those scopes (app.configure_model_budget).
+CREATE TABLE IF NOT EXISTS ai_spend (
+    scope        TEXT NOT NULL,
+    day          TEXT NOT NULL,
+    tokens       BIGINT NOT NULL,
+    cost         TEXT NOT NULL,
+    updated_at   DOUBLE PRECISION NOT NULL,
+    PRIMARY KEY (scope, day)
+);
+
+CREATE TABLE IF NOT EXISTS ai_budgets (
+    scope        TEXT PRIMARY KEY,
+    tokens       BIGINT,
+    cost         TEXT,
+    updated_at   DOUBLE PRECISION NOT NULL
+);

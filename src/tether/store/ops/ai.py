@@ -1,0 +1,70 @@
+"""tether.ai's shared state: the answer cache, daily model spend and budgets per scope."""
+
+from __future__ import annotations
+
+from decimal import Decimal
+from typing import Any
+
+from ._tx import _Tx
+
+
+def _cache_get(tx: _Tx, key: str) -> str | None:
+    row = tx.execute(
+        "SELECT value FROM ai_cache WHERE cache_key = ? AND expires_at > ?", (key, tx.now)
+    ).fetchone()
+    return str(row[0]) if row is not None else None
+
+
+def _cache_put(tx: _Tx, key: str, value: str, ttl: float) -> None:
+    tx.execute(
+        "INSERT INTO ai_cache (cache_key, value, created_at, expires_at) VALUES (?, ?, ?, ?) "
+        "ON CONFLICT (cache_key) DO UPDATE SET value = excluded.value, "
+        "created_at = excluded.created_at, expires_at = excluded.expires_at",
+        (key, value, tx.now, tx.now + ttl),
+    )
+    # a few expired answers go with each write, so the table stays the size of its TTL
+    tx.execute(
+        "DELETE FROM ai_cache WHERE cache_key IN (SELECT cache_key FROM ai_cache "
+        "WHERE expires_at <= ? LIMIT 20)",
+        (tx.now,),
+    )
+
+
+def _set_model_budget(tx: _Tx, scope: str, tokens: int | None, cost: str | None) -> None:
+    if tokens is None and cost is None:
+        tx.execute("DELETE FROM ai_budgets WHERE scope = ?", (scope,))
+        return
+    tx.execute(
+        "INSERT INTO ai_budgets (scope, tokens, cost, updated_at) VALUES (?, ?, ?, ?) "
+        "ON CONFLICT (scope) DO UPDATE SET tokens = excluded.tokens, cost = excluded.cost, "
+        "updated_at = excluded.updated_at",
+        (scope, tokens, cost, tx.now),
+    )
+
+
+def _model_budgets(tx: _Tx, day: str) -> list[tuple[Any, ...]]:
+    """(scope, token limit, cost limit, tokens spent, cost spent) of every budget on ``day``."""
+    rows = tx.execute(
+        "SELECT b.scope, b.tokens, b.cost, s.tokens, s.cost FROM ai_budgets b "
+        "LEFT JOIN ai_spend s ON s.scope = b.scope AND s.day = ? ORDER BY b.scope",
+        (day,),
+    ).fetchall()
+    return [tuple(r) for r in rows]
+
+
+def _add_spend(tx: _Tx, scopes: tuple[str, ...], day: str, tokens: int, cost: str) -> None:
+    for scope in scopes:
+        # the row exists before it is locked, so two first writers of a day cannot collide
+        tx.execute(
+            "INSERT INTO ai_spend (scope, day, tokens, cost, updated_at) VALUES (?, ?, 0, '0', ?) "
+            "ON CONFLICT (scope, day) DO NOTHING",
+            (scope, day, tx.now),
+        )
+        row = tx.execute(
+            f"SELECT tokens, cost FROM ai_spend WHERE scope = ? AND day = ?{tx.for_update}",
+            (scope, day),
+        ).fetchone()
+        tx.execute(
+            "UPDATE ai_spend SET tokens = ?, cost = ?, updated_at = ? WHERE scope = ? AND day = ?",
+            (int(row[0]) + tokens, str(Decimal(row[1]) + Decimal(cost)), tx.now, scope, day),
+        )
