@@ -25,6 +25,7 @@ from conftest import PG_URL, with_schema
 
 psycopg = pytest.importorskip("psycopg")
 
+from tether.store.postgres import _SCHEMA_VERSION as SCHEMA_VERSION  # noqa: E402
 from tether.store.postgres import PostgresStore  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -79,7 +80,7 @@ def test_concurrent_migration_from_four_threads_is_safe(
         t.join()
     assert errors == []
     assert len(open_stores) == 4
-    assert _query(pg_schema, "SELECT version FROM tether_meta") == [(3,)]
+    assert _query(pg_schema, "SELECT version FROM tether_meta") == [(SCHEMA_VERSION,)]
     tables = {
         r[0]
         for r in _query(
@@ -113,7 +114,7 @@ def test_concurrent_migration_from_four_processes_is_safe(pg_schema: str) -> Non
     outs = [p.communicate(timeout=60) for p in procs]
     assert [p.returncode for p in procs] == [0] * 4, outs
     assert all(out.strip() == "ok" for out, _ in outs), outs
-    assert _query(pg_schema, "SELECT version FROM tether_meta") == [(3,)]
+    assert _query(pg_schema, "SELECT version FROM tether_meta") == [(SCHEMA_VERSION,)]
 
 
 def test_newer_schema_version_is_refused(pg_schema: str, open_stores: list[PostgresStore]) -> None:
@@ -137,7 +138,7 @@ def test_schema_from_an_older_build_is_refused_untouched(
         "WHERE table_schema = current_schema() AND table_name = 'tasks'",
     )
     assert ("batch_key",) not in cols
-    assert _query(pg_schema, "SELECT version FROM tether_meta") == [(3,)]
+    assert _query(pg_schema, "SELECT version FROM tether_meta") == [(SCHEMA_VERSION,)]
 
 
 def test_postgres_schema_has_the_same_columns_as_sqlite(
