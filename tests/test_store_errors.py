@@ -82,7 +82,7 @@ def test_opening_a_new_file_while_another_process_holds_it_waits_its_turn(
     conn = sqlite3.connect(db)
     try:
         assert conn.execute("PRAGMA journal_mode").fetchone() == ("wal",)
-        assert conn.execute("PRAGMA user_version").fetchone() == (4,)
+        assert conn.execute("PRAGMA user_version").fetchone() == (5,)
     finally:
         conn.close()
 

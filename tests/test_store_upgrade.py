@@ -49,14 +49,14 @@ async def test_a_version_1_sqlite_store_is_upgraded(tmp_path: Path) -> None:
     await _first_run(f"sqlite:///{db}")
     conn = sqlite3.connect(db)
     conn.execute("ALTER TABLE runs DROP COLUMN waiting_on")  # as version 1 made it
-    for table in ("api_keys", "ai_cache", "ai_spend", "ai_budgets"):
+    for table in ("api_keys", "ai_cache", "ai_spend", "ai_budgets", "approvals"):
         conn.execute(f"DROP TABLE {table}")
     conn.execute("PRAGMA user_version = 1")
     conn.commit()
     conn.close()
     await _roundtrip(f"sqlite:///{db}")
     conn = sqlite3.connect(db)
-    assert conn.execute("PRAGMA user_version").fetchone() == (4,)
+    assert conn.execute("PRAGMA user_version").fetchone() == (5,)
     assert conn.execute("SELECT count(*) FROM ai_spend").fetchone() == (0,)
     conn.close()
 
@@ -69,11 +69,11 @@ async def test_a_version_1_postgres_store_is_upgraded(pg_schema: str) -> None:
     with psycopg.connect(PG_URL, autocommit=True) as conn:
         conn.execute(f'SET search_path TO "{pg_schema}"')
         conn.execute("ALTER TABLE runs DROP COLUMN waiting_on")
-        for table in ("api_keys", "ai_cache", "ai_spend", "ai_budgets"):
+        for table in ("api_keys", "ai_cache", "ai_spend", "ai_budgets", "approvals"):
             conn.execute(f"DROP TABLE {table}")
         conn.execute("UPDATE tether_meta SET version = 1")  # as version 1 left it
     await _roundtrip(url)
     with psycopg.connect(PG_URL, autocommit=True) as conn:
         conn.execute(f'SET search_path TO "{pg_schema}"')
-        assert conn.execute("SELECT max(version) FROM tether_meta").fetchone() == (4,)
+        assert conn.execute("SELECT max(version) FROM tether_meta").fetchone() == (5,)
         assert conn.execute("SELECT count(*) FROM ai_spend").fetchone() == (0,)

@@ -17,6 +17,7 @@ from ._definitions import Activity, ActivityOptions, Workflow
 from ._errors import (
     ActivityError,
     AdmissionLimitError,
+    ApprovalError,
     ChildWorkflowError,
     ConfigurationError,
     LeaseLostError,
@@ -37,7 +38,7 @@ from ._errors import (
     UnknownWorkflowError,
     WorkflowFailedError,
 )
-from ._history import DeadLetter, Event, EventType, RunEnd, RunInfo, RunStatus
+from ._history import Approval, DeadLetter, Event, EventType, RunEnd, RunInfo, RunStatus
 from ._policy import Retry
 from ._queues import Dependency, QueueStats
 from ._sync import SyncClient, SyncRun
@@ -66,6 +67,7 @@ from .workflow._api import (
     uuid,
     wait_event,
 )
+from .workflow._approval import Decision, approval
 from .workflow._loop import WorkflowSandboxError
 from .workflow._route import route
 from .workflow._saga import CompensationFailed, Saga, saga
@@ -80,6 +82,8 @@ __all__ = [
     "ActivityError",
     "ActivityOptions",
     "App",
+    "Approval",
+    "ApprovalError",
     "Batch",
     "BatchActivity",
     "Budget",
@@ -89,6 +93,7 @@ __all__ = [
     "CompensationFailed",
     "ConfigurationError",
     "DeadLetter",
+    "Decision",
     "Event",
     "EventType",
     "ItemOutcome",
@@ -130,6 +135,7 @@ __all__ = [
     "WorkflowSandboxError",
     "__version__",
     "activity_context",
+    "approval",
     "classify",
     "continue_as_new",
     "deprecate_patch",

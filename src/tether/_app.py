@@ -27,6 +27,7 @@ from ._definitions import (
     check_run_id,
 )
 from ._errors import (
+    ApprovalError,
     ConfigurationError,
     ResultTimeoutError,
     RunCancelledError,
@@ -38,7 +39,15 @@ from ._errors import (
     UnknownWorkflowError,
     WorkflowFailedError,
 )
-from ._history import DeadLetter, Event, RunEnd, RunInfo, RunStatus
+from ._history import (
+    APPROVAL_SIGNAL,
+    Approval,
+    DeadLetter,
+    Event,
+    RunEnd,
+    RunInfo,
+    RunStatus,
+)
 from ._policy import DEFAULT_RETRY, Retry, seconds
 from ._queues import Dependency, QueueLimits, QueueStats
 from ._serde import decode_raw, encode
@@ -728,6 +737,81 @@ class App:
             if len(page) < 200:
                 return total
             before = (page[-1].created_at, page[-1].run_id)
+
+    async def approvals(
+        self,
+        *,
+        status: str | None = "open",
+        approver: str | None = None,
+        run_id: str | None = None,
+        tenant: str | None = None,
+        limit: int = 100,
+    ) -> builtins.list[Approval]:
+        """Reviews opened by ``tether.approval``, oldest first.
+
+        ``status="open"`` (the default) keeps the undecided reviews of live runs;
+        None lists all; or name one (``approved``, ``rejected``, ``expired_rejected``...).
+        ``approver`` keeps the reviews that person may decide now (reviews open to
+        anyone included).
+        """
+        rows = await self.store.list_approvals(
+            status=status, run_id=run_id, tenant=tenant, limit=limit
+        )
+        out = [Approval.from_row(r) for r in rows]
+        if approver is not None:
+            out = [a for a in out if not a.approvers or approver in a.approvers]
+        return out
+
+    async def get_approval(self, approval_id: str) -> Approval:
+        """One review (``ApprovalError`` when there is none by that id)."""
+        row = await self.store.get_approval(approval_id)
+        if row is None:
+            raise ApprovalError(approval_id, "no such review (ids look like 'run-id:step')")
+        return Approval.from_row(row)
+
+    async def decide(
+        self,
+        approval_id: str,
+        *,
+        approve: bool,
+        by: str,
+        fingerprint: str,
+        value: Any = None,
+        reason: str | None = None,
+    ) -> None:
+        """Decide an open review as ``by``, naming the proposal's ``fingerprint``.
+
+        ``value`` is an edited proposal (when the review allows edits), validated
+        by the run before it continues with it. The run records every decision it
+        receives; one it refuses (another fingerprint, someone not asked, an
+        invalid edit) changes nothing. A fingerprint that does not match the
+        review's is delivered (so the attempt is on record) and then raises
+        ``ApprovalError``, as does a review that is no longer open.
+        """
+        if not isinstance(by, str) or not by:
+            raise ConfigurationError("a decision needs by= (who decides)")
+        review = await self.get_approval(approval_id)
+        if review.status != "open":
+            raise ApprovalError(approval_id, f"it is {review.status}, no longer open")
+        payload = {
+            "approval_id": approval_id,
+            "fingerprint": fingerprint,
+            "decision": "approve" if approve else "reject",
+            "by": by,
+            "reason": reason,
+            "value": value,
+        }
+        await self.store.signal(
+            review.run_id,
+            f"{APPROVAL_SIGNAL}{approval_id}",
+            encode(payload, f"decision of approval {approval_id!r}"),
+        )
+        if fingerprint != review.fingerprint:
+            raise ApprovalError(
+                approval_id,
+                "the fingerprint does not match the proposal under review (the proposal "
+                "changed, or another review was meant); the attempt is recorded and refused",
+            )
 
     async def signal(self, run_id: str, name: str, payload: Any = None) -> None:
         """Deliver the signal ``name``; durable when this returns, buffered until waited for."""

@@ -110,6 +110,17 @@ class RunFinishedError(TetherError):
         )
 
 
+class ApprovalError(TetherError):
+    """A decision could not be taken: the review is unknown, closed, or not the one named."""
+
+    def __init__(self, approval_id: str, message: str) -> None:
+        self.approval_id = approval_id
+        super().__init__(f"approval {approval_id!r}: {message}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.approval_id, str(self).split(": ", 1)[1]))
+
+
 class StoreError(TetherError):
     """The store could not be opened, read or written; stored runs are untouched."""
 

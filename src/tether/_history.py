@@ -112,6 +112,61 @@ OUTCOMES = frozenset(
 )
 
 
+#: the signal a decision of ``tether.approval`` is delivered as: this prefix + the approval id
+APPROVAL_SIGNAL = "tether.approval:"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Approval:
+    """A review opened by ``tether.approval`` (``app.approvals()``, ``app.get_approval()``)."""
+
+    approval_id: str  #: ``run_id:step``; name it (and the fingerprint) to decide
+    run_id: str
+    workflow: str
+    tenant: str | None
+    name: str
+    fingerprint: str  #: of the proposal under review
+    proposal: Any  #: the proposal as JSON
+    approvers: list[str]  #: who may decide now (anyone when empty)
+    deadline_at: float  #: of the current level; then escalation or the default
+    #: ``open``; ``approved`` / ``rejected``; ``expired_rejected`` / ``expired_approved``
+    #: (the default at the last deadline); ``closed`` (the run ended undecided)
+    status: str
+    level: int  #: 0, then 1.. for each escalation
+    allow_edit: bool
+    decided_by: str | None
+    decided_at: float | None
+    reason: str | None
+    reminded_at: float | None
+    created_at: float
+
+    @classmethod
+    def from_row(cls, row: tuple[Any, ...]) -> Approval:
+        """Build from the store's row: its columns, then the run's tenant, status, workflow."""
+        status = row[7]
+        if status == "open" and RunStatus(row[17]).is_terminal:
+            status = "closed"
+        return cls(
+            approval_id=row[0],
+            run_id=row[1],
+            name=row[2],
+            fingerprint=row[3],
+            proposal=json.loads(row[4]),
+            approvers=json.loads(row[5]),
+            deadline_at=float(row[6]),
+            status=status,
+            level=int(row[8]),
+            allow_edit=bool(row[9]),
+            decided_by=row[10],
+            decided_at=row[11],
+            reason=row[12],
+            reminded_at=row[13],
+            created_at=float(row[14]),
+            tenant=row[16],
+            workflow=row[18],
+        )
+
+
 class RunStatus(enum.StrEnum):
     """Lifecycle of a run; values equal the strings stored in ``runs.status``."""
 

@@ -174,6 +174,10 @@ class SyncClient:
     pause_queue = _blocking(App.pause_queue)
     resume_queue = _blocking(App.resume_queue)
     queue_stats = _blocking(App.queue_stats)
+    usage = _blocking(App.usage)
+    approvals = _blocking(App.approvals)
+    get_approval = _blocking(App.get_approval)
+    decide = _blocking(App.decide)
 
     def get_run(self, run_id: str) -> SyncRun[Any]:
         """A handle on an existing run (not checked until used)."""

@@ -211,6 +211,22 @@ class Store(abc.ABC):
         return _no_release
 
     @abc.abstractmethod
+    async def list_approvals(
+        self,
+        *,
+        status: str | None = None,
+        run_id: str | None = None,
+        tenant: str | None = None,
+        limit: int = 100,
+    ) -> list[tuple[Any, ...]]:
+        """Rows of reviews (``Approval.from_row``), oldest first; ``status="open"``: undecided
+        reviews of live runs."""
+
+    @abc.abstractmethod
+    async def get_approval(self, approval_id: str) -> tuple[Any, ...] | None:
+        """One review's row, or None."""
+
+    @abc.abstractmethod
     async def ai_cache_get(self, key: str) -> str | None:
         """A cached model answer (tether.ai) still within its TTL, or None."""
 

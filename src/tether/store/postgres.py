@@ -65,7 +65,7 @@ from .ops.tasks import _heartbeat, _renew
 log = logging.getLogger("tether.store")
 
 
-_SCHEMA_VERSION = 4
+_SCHEMA_VERSION = 5
 #: statements that bring a store of the version before up to this one
 _UPGRADES: dict[int, tuple[str, ...]] = {
     2: ("ALTER TABLE runs ADD COLUMN IF NOT EXISTS waiting_on TEXT",),
@@ -82,6 +82,16 @@ _UPGRADES: dict[int, tuple[str, ...]] = {
         "PRIMARY KEY (scope, day))",
         "CREATE TABLE IF NOT EXISTS ai_budgets (scope TEXT PRIMARY KEY, tokens BIGINT, cost TEXT, "
         "updated_at DOUBLE PRECISION NOT NULL)",
+    ),
+    5: (
+        "CREATE TABLE IF NOT EXISTS approvals (approval_id TEXT PRIMARY KEY, run_id TEXT NOT "
+        "NULL, name TEXT NOT NULL, fingerprint TEXT NOT NULL, proposal TEXT NOT NULL, "
+        "approvers TEXT NOT NULL, deadline_at DOUBLE PRECISION NOT NULL, status TEXT NOT NULL, "
+        "level INTEGER NOT NULL, allow_edit INTEGER NOT NULL, decided_by TEXT, "
+        "decided_at DOUBLE PRECISION, reason TEXT, reminded_at DOUBLE PRECISION, "
+        "created_at DOUBLE PRECISION NOT NULL, updated_at DOUBLE PRECISION NOT NULL)",
+        "CREATE INDEX IF NOT EXISTS approvals_by_status ON approvals (status, created_at)",
+        "CREATE INDEX IF NOT EXISTS approvals_by_run ON approvals (run_id)",
     ),
 }
 #: task columns added during development, missing from schemas made by older builds

@@ -484,13 +484,15 @@ class WorkflowInstance:
         nxt = self.step + 1
         return self._recorded.get(nxt) if nxt <= self._max_recorded else None
 
-    def record(self, marker: str, data: dict[str, Any]) -> None:
+    def record(self, marker: str, data: dict[str, Any]) -> int:
         """Issue a Marker command: a decision of workflow code recorded for audit.
 
         ``marker`` names its kind and is checked on replay like an activity's name;
         ``data`` (JSON) is only stored.
         """
-        self._command(EventType.MARKER, {"marker": marker}, {"value": encode(data, "marker")})
+        return self._command(
+            EventType.MARKER, {"marker": marker}, {"value": encode(data, "marker")}
+        )
 
     def patched(self, patch_id: str, *, deprecated: bool = False) -> bool:
         """Whether this run takes the new branch of change ``patch_id``.

@@ -260,6 +260,23 @@ class OpsStore(Store):
     async def breaker_record(self, cfg: dict[str, Any], ok: bool) -> None:
         await self._do(_breaker_record, cfg, ok)
 
+    async def list_approvals(
+        self,
+        *,
+        status: str | None = None,
+        run_id: str | None = None,
+        tenant: str | None = None,
+        limit: int = 100,
+    ) -> list[tuple[Any, ...]]:
+        out: list[tuple[Any, ...]] = await self._do(
+            _list_approvals, status, run_id, tenant, limit, write=False
+        )
+        return out
+
+    async def get_approval(self, approval_id: str) -> tuple[Any, ...] | None:
+        out: tuple[Any, ...] | None = await self._do(_get_approval, approval_id, write=False)
+        return out
+
     async def ai_cache_get(self, key: str) -> str | None:
         out: str | None = await self._do(_cache_get, key, write=False)
         return out
@@ -352,6 +369,7 @@ from .ai import (  # noqa: E402
     _model_budgets,
     _set_model_budget,
 )
+from .approvals import _get_approval, _list_approvals  # noqa: E402
 from .breakers import _breaker_admit, _breaker_record  # noqa: E402
 from .claims import _claim, _claim_with_wake  # noqa: E402
 from .control import _cancel, _resume, _signal, _suspend, _terminate  # noqa: E402

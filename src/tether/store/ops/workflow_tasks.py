@@ -272,6 +272,8 @@ def _apply_workflow_result(
                 "UPDATE runs SET custom_status = ? WHERE run_id = ?",
                 (cmd.raw.get("value", "null"), run_id),
             )
+        elif t is EventType.MARKER and cmd.data.get("marker") in APPROVAL_MARKERS:
+            _apply_approval_marker(tx, run_id, cmd.data["marker"], cmd.raw["value"])
         elif t in _ENDINGS:
             ending = cmd
     events.append(_marker(result))
@@ -340,6 +342,7 @@ def _fail_workflow_task(tx: _Tx, task: Task, error: str, retry_at: float) -> Non
 
 
 # operations of other concerns (imported last: see the package docstring)
+from .approvals import APPROVAL_MARKERS, _apply_approval_marker  # noqa: E402
 from .batches import _batch_cols  # noqa: E402
 from .control import _cancel  # noqa: E402
 from .dependencies import _ensure_dependency  # noqa: E402

@@ -204,3 +204,26 @@ CREATE TABLE IF NOT EXISTS ai_budgets (
     cost         TEXT,
     updated_at   DOUBLE PRECISION NOT NULL
 );
+
+-- Reviews opened by tether.approval, kept in step with the run's approval markers in the
+-- same commit (store/ops/approvals.py): the list of open reviews, decidable from outside.
+CREATE TABLE IF NOT EXISTS approvals (
+    approval_id  TEXT PRIMARY KEY,
+    run_id       TEXT NOT NULL,
+    name         TEXT NOT NULL,
+    fingerprint  TEXT NOT NULL,
+    proposal     TEXT NOT NULL,
+    approvers    TEXT NOT NULL,
+    deadline_at  DOUBLE PRECISION NOT NULL,
+    status       TEXT NOT NULL,
+    level        INTEGER NOT NULL,
+    allow_edit   INTEGER NOT NULL,
+    decided_by   TEXT,
+    decided_at   DOUBLE PRECISION,
+    reason       TEXT,
+    reminded_at  DOUBLE PRECISION,
+    created_at   DOUBLE PRECISION NOT NULL,
+    updated_at   DOUBLE PRECISION NOT NULL
+);
+CREATE INDEX IF NOT EXISTS approvals_by_status ON approvals (status, created_at);
+CREATE INDEX IF NOT EXISTS approvals_by_run ON approvals (run_id);

@@ -1,0 +1,109 @@
+"""Open reviews of ``tether.approval``: kept in step with the run's approval markers.
+
+The workflow records every approval event as a ``Marker``; the commit that appends
+it also updates the ``approvals`` row, so the list of open reviews can never
+disagree with history. A review whose run ended without a decision reads as
+``closed``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ._tx import _Tx
+
+#: the markers that change a review's row
+APPROVAL_MARKERS = frozenset(
+    {"approval_requested", "approval_escalated", "approval_reminder", "approval_decided"}
+)
+
+_COLS = (
+    "a.approval_id, a.run_id, a.name, a.fingerprint, a.proposal, a.approvers, a.deadline_at, "
+    "a.status, a.level, a.allow_edit, a.decided_by, a.decided_at, a.reason, a.reminded_at, "
+    "a.created_at, a.updated_at, r.tenant, r.status, r.workflow"
+)
+
+
+def _apply_approval_marker(tx: _Tx, run_id: str, marker: str, raw: str) -> None:
+    """Bring the review's row up to date with one approval marker of ``run_id``."""
+    value: dict[str, Any] = json.loads(raw)
+    aid = value["approval_id"]
+    if marker == "approval_requested":
+        tx.execute(
+            "INSERT INTO approvals (approval_id, run_id, name, fingerprint, proposal, approvers, "
+            "deadline_at, status, level, allow_edit, created_at, updated_at) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, 'open', 0, ?, ?, ?) ON CONFLICT (approval_id) DO NOTHING",
+            (
+                aid,
+                run_id,
+                value["name"],
+                value["fingerprint"],
+                json.dumps(value["proposal"]),
+                json.dumps(value["approvers"]),
+                value["deadline_at"],
+                1 if value.get("allow_edit") else 0,
+                tx.now,
+                tx.now,
+            ),
+        )
+    elif marker == "approval_escalated":
+        tx.execute(
+            "UPDATE approvals SET approvers = ?, deadline_at = ?, level = ?, reminded_at = NULL, "
+            "updated_at = ? WHERE approval_id = ?",
+            (json.dumps(value["approvers"]), value["deadline_at"], value["level"], tx.now, aid),
+        )
+    elif marker == "approval_reminder":
+        tx.execute(
+            "UPDATE approvals SET reminded_at = ?, updated_at = ? WHERE approval_id = ?",
+            (tx.now, tx.now, aid),
+        )
+    elif marker == "approval_decided":
+        status = "approved" if value["approved"] else "rejected"
+        if value.get("timed_out"):
+            status = "expired_" + status
+        tx.execute(
+            "UPDATE approvals SET status = ?, decided_by = ?, decided_at = ?, reason = ?, "
+            "updated_at = ? WHERE approval_id = ?",
+            (status, value.get("by"), tx.now, value.get("reason"), tx.now, aid),
+        )
+
+
+def _list_approvals(
+    tx: _Tx,
+    status: str | None,
+    run_id: str | None,
+    tenant: str | None,
+    limit: int,
+) -> list[tuple[Any, ...]]:
+    """Reviews, oldest first; ``status="open"`` keeps the undecided ones of live runs."""
+    where, args = [], []
+    if status == "open":
+        where.append(
+            "a.status = 'open' AND r.status NOT IN ('completed', 'failed', 'cancelled', "
+            "'terminated', 'timed_out', 'needs_intervention', 'continued_as_new')"
+        )
+    elif status is not None:
+        where.append("a.status = ?")
+        args.append(status)
+    if run_id is not None:
+        where.append("a.run_id = ?")
+        args.append(run_id)
+    if tenant is not None:
+        where.append("r.tenant = ?")
+        args.append(tenant)
+    sql = f"SELECT {_COLS} FROM approvals a JOIN runs r ON r.run_id = a.run_id"
+    if where:
+        sql += " WHERE " + " AND ".join(where)
+    sql += " ORDER BY a.created_at, a.approval_id LIMIT ?"
+    rows = tx.execute(sql, (*args, limit)).fetchall()
+    return [tuple(r) for r in rows]
+
+
+def _get_approval(tx: _Tx, approval_id: str) -> tuple[Any, ...] | None:
+    row = tx.execute(
+        f"SELECT {_COLS} FROM approvals a JOIN runs r ON r.run_id = a.run_id "
+        "WHERE a.approval_id = ?",
+        (approval_id,),
+    ).fetchone()
+    return tuple(row) if row is not None else None

@@ -1,0 +1,297 @@
+"""``tether.approval``: a human decision as a durable, audited step that fails closed.
+
+The proposal is recorded with a stable id (``run_id:step``) and a fingerprint (a
+hash of its canonical JSON). A decision is a signal that must name both; one that
+names another proposal or fingerprint, comes from someone not asked, or edits
+when editing is not allowed is recorded as refused and changes nothing. The wait
+is durable: reminders, escalation along a chain of approvers, and at the end of
+the chain the declared default (reject, unless told otherwise). A decision
+recorded before the deadline's timer wins over it. Every step is a ``Marker``
+event (``approval_requested``, ``approval_reminder``, ``approval_escalated``,
+``approval_refused``, ``approval_decided``), which the store also keeps in its
+``approvals`` table so open reviews can be listed and decided from outside.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import json
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any, Generic, TypeVar
+
+from pydantic import TypeAdapter, ValidationError
+
+from .._definitions import Activity
+from .._errors import ConfigurationError
+from .._history import APPROVAL_SIGNAL
+from .._policy import seconds
+from .._serde import encode
+from ._api import _instance
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision(Generic[T]):
+    """How an approval ended."""
+
+    approved: bool
+    #: what the run continues with: the proposal, or the reviewer's edit of it (None if
+    #: rejected)
+    value: T | None
+    by: str | None  #: who decided (None when the deadline did)
+    reason: str | None
+    edited: bool
+    timed_out: bool  #: no decision by the last deadline: the default applied
+    approval_id: str
+    fingerprint: str
+
+
+def fingerprint_of(value: Any) -> str:
+    """The fingerprint of a proposal: SHA-256 of its canonical JSON (sorted keys)."""
+    canonical = json.dumps(json.loads(encode(value, "proposal")), sort_keys=True)
+    return hashlib.sha256(canonical.encode()).hexdigest()[:32]
+
+
+def _level(spec: Any, what: str) -> tuple[list[str], float]:
+    if not (isinstance(spec, tuple) and len(spec) == 2):
+        raise ConfigurationError(
+            f"{what}: each escalation level is (approvers, duration), e.g. "
+            "(['lead@x'], timedelta(hours=4))"
+        )
+    who, dur = spec
+    people = [who] if isinstance(who, str) else list(who)
+    limit = seconds(dur, what)
+    if not limit:
+        raise ConfigurationError(f"{what}: the duration must be positive")
+    return people, limit
+
+
+async def approval(
+    proposal: T,
+    *,
+    deadline: float | timedelta,
+    approvers: Sequence[str] | str = (),
+    remind_before: float | timedelta | None = None,
+    escalate_to: Sequence[tuple[Sequence[str] | str, float | timedelta]] = (),
+    allow_edit: bool = False,
+    default: str = "reject",
+    name: str = "approval",
+    notify: Activity[..., Any] | None = None,
+) -> Decision[T]:
+    """Ask a person to approve ``proposal``; wait durably; fail closed.
+
+    ``approvers`` may decide during ``deadline`` (anyone may when empty); then
+    each ``escalate_to`` level ``(approvers, duration)`` in turn; then ``default``
+    (``"reject"`` or ``"approve"``) decides. ``remind_before`` records a reminder
+    that long before each level's deadline. ``notify``, an activity, is called
+    with the review (a dict with the kind of event ``opened``, ``reminder`` or
+    ``escalated``) so a message can go out. With ``allow_edit`` the reviewer may
+    approve an edited proposal, validated against the proposal's type first.
+    """
+    inst = _instance("approval")
+    if default not in ("reject", "approve"):
+        raise ConfigurationError(f'default of approval {name!r} is "reject" or "approve"')
+    first = seconds(deadline, f"deadline of approval {name!r}")
+    if not first:
+        raise ConfigurationError(f"deadline of approval {name!r} must be positive")
+    levels = [([approvers] if isinstance(approvers, str) else list(approvers), first)]
+    levels += [_level(spec, f"escalate_to of approval {name!r}") for spec in escalate_to]
+    remind = seconds(remind_before, f"remind_before of approval {name!r}")
+    kind = type(proposal)
+    adapter: TypeAdapter[Any] = TypeAdapter(kind)
+    proposal_json = json.loads(encode(proposal, f"proposal of approval {name!r}"))
+    approval_id = f"{inst.run_id}:{inst.step + 1}"
+    fp = fingerprint_of(proposal)
+    signal = f"{APPROVAL_SIGNAL}{approval_id}"
+    deadline_at = inst.now + levels[0][1]
+    review = {
+        "approval_id": approval_id,
+        "name": name,
+        "fingerprint": fp,
+        "proposal": proposal_json,
+        "approvers": levels[0][0],
+        "deadline_at": deadline_at,
+        "allow_edit": allow_edit,
+        "default": default,
+        "level": 0,
+    }
+    inst.record("approval_requested", review)
+    if notify is not None:
+        await notify({**review, "event": "opened"})
+    for level, (people, duration) in enumerate(levels):
+        until = inst.now + duration if level else deadline_at
+        if level:
+            inst.record(
+                "approval_escalated",
+                {
+                    "approval_id": approval_id,
+                    "level": level,
+                    "approvers": people,
+                    "deadline_at": until,
+                },
+            )
+            if notify is not None:
+                await notify(
+                    {
+                        **review,
+                        "approvers": people,
+                        "deadline_at": until,
+                        "level": level,
+                        "event": "escalated",
+                    }
+                )
+        reminded = remind is None or until - remind <= inst.now
+        while True:
+            wake = until if reminded else until - (remind or 0.0)
+            payload = await _next_decision(inst, signal, wake)
+            if payload is None:
+                if inst.now < until - 1e-6 and not reminded:
+                    reminded = True
+                    inst.record(
+                        "approval_reminder",
+                        {
+                            "approval_id": approval_id,
+                            "level": level,
+                            "approvers": people,
+                            "deadline_at": until,
+                        },
+                    )
+                    if notify is not None:
+                        await notify(
+                            {
+                                **review,
+                                "approvers": people,
+                                "deadline_at": until,
+                                "level": level,
+                                "event": "reminder",
+                            }
+                        )
+                    continue
+                break  # this level's deadline passed
+            verdict = _judge(payload, approval_id, fp, people, allow_edit, adapter)
+            if isinstance(verdict, str):
+                inst.record(
+                    "approval_refused",
+                    {
+                        "approval_id": approval_id,
+                        "by": payload.get("by"),
+                        "reason": verdict,
+                        "level": level,
+                    },
+                )
+                continue
+            approved, value, edited = verdict
+            if approved and not edited:
+                value = proposal
+            inst.record(
+                "approval_decided",
+                {
+                    "approval_id": approval_id,
+                    "approved": approved,
+                    "by": payload.get("by"),
+                    "reason": payload.get("reason"),
+                    "edited": edited,
+                    "timed_out": False,
+                    "level": level,
+                    "value": json.loads(encode(value, "decision")) if edited else None,
+                },
+            )
+            return Decision(
+                approved=approved,
+                value=value if approved else None,
+                by=payload.get("by"),
+                reason=payload.get("reason"),
+                edited=edited,
+                timed_out=False,
+                approval_id=approval_id,
+                fingerprint=fp,
+            )
+    approved = default == "approve"
+    inst.record(
+        "approval_decided",
+        {
+            "approval_id": approval_id,
+            "approved": approved,
+            "by": None,
+            "reason": "no decision before the deadline",
+            "edited": False,
+            "timed_out": True,
+            "level": len(levels) - 1,
+            "value": None,
+        },
+    )
+    return Decision(
+        approved=approved,
+        value=proposal if approved else None,
+        by=None,
+        reason="no decision before the deadline",
+        edited=False,
+        timed_out=True,
+        approval_id=approval_id,
+        fingerprint=fp,
+    )
+
+
+async def _next_decision(inst: Any, signal: str, until: float) -> dict[str, Any] | None:
+    """The next decision signal, or None when ``until`` passes first (a signal wins a tie)."""
+    found, payload = inst.take_signal(signal)
+    if found:
+        return payload if isinstance(payload, dict) else {"invalid": payload}
+    delay = max(0.0, until - inst.now)
+    fut = inst.wait_signal(signal, until)
+    timer = inst.start_timer(delay, shown=False)
+    try:
+        await asyncio.wait([fut, timer], return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        fut.cancel()
+        timer.cancel()
+        raise
+    if fut.done() and not fut.cancelled():
+        timer.cancel()
+        got = fut.result()
+        return got if isinstance(got, dict) else {"invalid": got}
+    fut.cancel()
+    return None
+
+
+def _judge(
+    payload: dict[str, Any],
+    approval_id: str,
+    fp: str,
+    people: list[str],
+    allow_edit: bool,
+    adapter: TypeAdapter[Any],
+) -> str | tuple[bool, Any, bool]:
+    """Why a decision is refused, or (approved, value, edited)."""
+    if "invalid" in payload:
+        return "a decision must be an object with approval_id, fingerprint and decision"
+    if payload.get("approval_id") != approval_id:
+        return f"it names approval {payload.get('approval_id')!r}, not {approval_id!r}"
+    if payload.get("fingerprint") != fp:
+        return "its fingerprint does not match the proposal under review"
+    decision = payload.get("decision")
+    if decision not in ("approve", "reject"):
+        return f'decision must be "approve" or "reject", got {decision!r}'
+    by = payload.get("by")
+    if not isinstance(by, str) or not by:
+        return "a decision must say who made it (by)"
+    if people and by not in people:
+        return f"{by!r} is not an approver at this level ({', '.join(people)})"
+    if decision == "reject":
+        return (False, None, False)
+    if "value" in payload and payload["value"] is not None:
+        if not allow_edit:
+            return "this approval does not allow edits"
+        try:
+            return (True, adapter.validate_python(payload["value"]), True)
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in e['loc']) or '(root)'}: {e['msg']}"
+                for e in exc.errors(include_url=False)
+            )
+            return f"the edited proposal is invalid: {problems}"
+    return (True, None, False)

@@ -1,0 +1,212 @@
+"""tether.approval on both stores, on a virtual clock moved by hand (deadlines are hours).
+
+What is proved: a decision must name the proposal and its fingerprint and come from an
+approver (others are recorded and refused); an edit is validated against the proposal's
+type before the run continues with it; no decision by the last deadline fails closed;
+reminders and escalation happen on time; a decision recorded before the deadline wins;
+open reviews are listed (by approver) and a review of an ended run reads closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from pydantic import BaseModel
+
+import tether
+from tether import EventType
+from tether.testing import Env
+
+HOUR = 3600.0
+
+
+class Post(BaseModel):
+    title: str
+    words: int
+
+
+def markers(history: list[tether.Event], name: str) -> list[dict[str, Any]]:
+    return [
+        e.data["value"]
+        for e in history
+        if e.type is EventType.MARKER and e.data.get("marker") == name
+    ]
+
+
+async def open_review(app: tether.App, run_id: str) -> tether.Approval:
+    for _ in range(200):
+        reviews = await app.approvals(run_id=run_id)
+        if reviews:
+            return reviews[0]
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"run {run_id} opened no review")
+
+
+async def waits(app: tether.App, run_id: str, marker: str, n: int = 1) -> list[dict[str, Any]]:
+    for _ in range(250):
+        found = markers(await app.history(run_id), marker)
+        if len(found) >= n:
+            return found
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"run {run_id} recorded no {marker} (x{n})")
+
+
+def register(app: tether.App) -> tether.Workflow[[Post], str]:
+    notes: list[dict[str, Any]] = []
+
+    @app.activity
+    async def notify(review: dict[str, Any]) -> None:
+        notes.append(review)
+
+    @app.workflow
+    async def publish(post: Post) -> str:
+        d = await tether.approval(
+            post,
+            approvers=["alice"],
+            deadline=HOUR,
+            remind_before=600,
+            escalate_to=[(["bob"], 2 * HOUR)],
+            allow_edit=True,
+            notify=notify,
+        )
+        if not d.approved:
+            return f"rejected ({'timeout' if d.timed_out else d.by})"
+        assert d.value is not None
+        return f"published {d.value.title} ({d.value.words}) by {d.by}"
+
+    publish.notes = notes  # type: ignore[attr-defined]
+    return publish
+
+
+async def test_a_decision_must_name_the_proposal_and_come_from_an_approver(
+    app: tether.App,
+) -> None:
+    publish = register(app)
+    async with Env(app, skip_time=False):
+        run = await app.start(publish, Post(title="Q3", words=900), run_id="post-1")
+        review = await open_review(app, "post-1")
+        assert review.status == "open" and review.approvers == ["alice"]
+        assert review.proposal == {"title": "Q3", "words": 900}
+        assert [r.approval_id for r in await app.approvals(approver="alice")] == [
+            review.approval_id
+        ]
+        assert await app.approvals(approver="mallory") == []
+        # another fingerprint: recorded, refused, and the caller is told
+        with pytest.raises(tether.ApprovalError, match="fingerprint does not match"):
+            await app.decide(review.approval_id, approve=True, by="alice", fingerprint="0" * 32)
+        # the right fingerprint from someone not asked: recorded and refused
+        await app.decide(
+            review.approval_id, approve=True, by="mallory", fingerprint=review.fingerprint
+        )
+        refused = await waits(app, "post-1", "approval_refused", 2)
+        assert "fingerprint" in refused[0]["reason"]
+        assert "'mallory' is not an approver" in refused[1]["reason"]
+        assert (await app.get("post-1")).status is tether.RunStatus.RUNNING
+        await app.decide(
+            review.approval_id, approve=True, by="alice", fingerprint=review.fingerprint
+        )
+        assert await run.result(timeout=10) == "published Q3 (900) by alice"
+    done = await app.get_approval(review.approval_id)
+    assert (done.status, done.decided_by) == ("approved", "alice")
+    assert await app.approvals() == []  # nothing open
+    decided = markers(await app.history("post-1"), "approval_decided")
+    assert decided[0]["by"] == "alice" and decided[0]["approved"] is True
+    with pytest.raises(tether.ApprovalError, match="no longer open"):
+        await app.decide(review.approval_id, approve=False, by="alice", fingerprint="x")
+    with pytest.raises(tether.ApprovalError, match="no such review"):
+        await app.get_approval("nope:1")
+
+
+async def test_an_edit_is_validated_then_the_run_continues_with_it(app: tether.App) -> None:
+    publish = register(app)
+    async with Env(app, skip_time=False):
+        run = await app.start(publish, Post(title="draft", words=10), run_id="post-2")
+        review = await open_review(app, "post-2")
+        fp = review.fingerprint
+        await app.decide(
+            review.approval_id,
+            approve=True,
+            by="alice",
+            fingerprint=fp,
+            value={"title": "Final", "words": "many"},
+        )
+        refused = await waits(app, "post-2", "approval_refused")
+        assert "edited proposal is invalid" in refused[0]["reason"]
+        assert "words" in refused[0]["reason"]
+        await app.decide(
+            review.approval_id,
+            approve=True,
+            by="alice",
+            fingerprint=fp,
+            value={"title": "Final", "words": 12},
+            reason="tightened the title",
+        )
+        assert await run.result(timeout=10) == "published Final (12) by alice"
+    history = await app.history("post-2")
+    assert markers(history, "approval_requested")[0]["proposal"] == {"title": "draft", "words": 10}
+    decided = markers(history, "approval_decided")[0]
+    assert decided["edited"] is True and decided["value"] == {"title": "Final", "words": 12}
+    assert decided["reason"] == "tightened the title"
+
+
+async def test_no_decision_reminds_escalates_then_fails_closed(app: tether.App) -> None:
+    publish = register(app)
+    async with Env(app, skip_time=False) as env:
+        run = await app.start(publish, Post(title="t", words=1), run_id="post-3")
+        review = await open_review(app, "post-3")
+        await env.advance(HOUR - 600 + 1)  # the reminder is due 10 minutes before
+        await waits(app, "post-3", "approval_reminder")
+        assert (await app.get_approval(review.approval_id)).reminded_at is not None
+        await env.advance(600)  # alice's hour is over: bob's turn
+        escalated = await waits(app, "post-3", "approval_escalated")
+        assert escalated[0]["approvers"] == ["bob"]
+        now = await app.get_approval(review.approval_id)
+        assert (now.level, now.approvers) == (1, ["bob"])
+        await app.decide(review.approval_id, approve=True, by="alice", fingerprint=now.fingerprint)
+        await waits(app, "post-3", "approval_refused")  # alice may no longer decide
+        await env.advance(2 * HOUR - 600 + 1)
+        await waits(app, "post-3", "approval_reminder", 2)
+        await env.advance(600)
+        assert await run.result(timeout=10) == "rejected (timeout)"
+    assert (await app.get_approval(review.approval_id)).status == "expired_rejected"
+    events = [n["event"] for n in publish.notes]  # type: ignore[attr-defined]
+    assert events == ["opened", "reminder", "escalated", "reminder"]
+
+
+async def test_a_decision_recorded_before_the_deadline_wins(app: tether.App) -> None:
+    publish = register(app)
+    async with Env(app, skip_time=False) as env:
+        run = await app.start(publish, Post(title="t", words=2), run_id="post-4")
+        review = await open_review(app, "post-4")
+        await env.advance(HOUR - 1)
+        await waits(app, "post-4", "approval_reminder")
+        await app.decide(
+            review.approval_id, approve=False, by="alice", fingerprint=review.fingerprint
+        )
+        await env.advance(2)  # the deadline passes right after the decision arrived
+        assert await run.result(timeout=10) == "rejected (alice)"
+    history = await app.history("post-4")
+    assert markers(history, "approval_escalated") == []
+    assert markers(history, "approval_decided")[0]["timed_out"] is False
+
+
+async def test_a_review_of_an_ended_run_is_closed(app: tether.App) -> None:
+    publish = register(app)
+    async with Env(app, skip_time=False):
+        await app.start(publish, Post(title="t", words=3), run_id="post-5")
+        review = await open_review(app, "post-5")
+        await app.terminate("post-5", "withdrawn")
+        closed = await app.get_approval(review.approval_id)
+        assert closed.status == "closed"
+        assert await app.approvals() == []
+        with pytest.raises(tether.ApprovalError, match="closed"):
+            await app.decide(
+                review.approval_id, approve=True, by="alice", fingerprint=review.fingerprint
+            )
+
+
+async def test_approval_outside_a_workflow_is_refused() -> None:
+    with pytest.raises(tether.NotInWorkflowError):
+        await tether.approval(Post(title="t", words=1), deadline=60)
