@@ -44,3 +44,12 @@ async def approve(doc: str) -> str:
 @app.workflow
 async def slow(seconds: float) -> str:
     return await slow_step(seconds)
+
+
+@app.workflow
+async def review(title: str) -> str:
+    """Ask a person to approve a title (editable)."""
+    d = await tether.approval(
+        {"title": title}, approvers=["ann"], deadline=3600, allow_edit=True, name="title"
+    )
+    return f"{d.value['title']} approved by {d.by}" if d.approved and d.value else "rejected"

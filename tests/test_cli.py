@@ -52,6 +52,12 @@ async def waiter(label: str) -> str:
 
 
 @app.workflow
+async def review(title: str) -> str:
+    d = await tether.approval({{"title": title}}, approvers=["ann"], deadline=3600, allow_edit=True)
+    return f"{{d.approved}} {{d.by}} {{d.value}}"
+
+
+@app.workflow
 async def slow(marker: str, seconds: float) -> str:
     return await slow_step(marker, seconds)
 
@@ -255,6 +261,46 @@ def test_signal_a_waiting_run(project: Project, start_worker: Callable[..., Work
     # a finished run takes no more signals
     res = project.cli("signal", "w1", "go", "1", *store)
     assert_one_line_error(res, 1, "w1", "already finished")
+
+
+def test_approvals_list_show_and_decide(
+    project: Project, start_worker: Callable[..., WorkerProc]
+) -> None:
+    start_worker()
+    store = ("--store", str(project.db))
+    project.ok("start", "flows:app", "review", '"Q3"', "--run-id", "r1")
+
+    def reviews() -> list[dict[str, Any]]:
+        return json.loads(project.ok("approvals", "list", "--json", *store))
+
+    wait_until(lambda: len(reviews()) == 1, CMD_TIMEOUT, "the review to open")
+    listed = reviews()[0]
+    assert listed["approval_id"] == "r1:1" and listed["approvers"] == ["ann"]
+    assert "r1:1" in project.ok("approvals", "list", "--approver", "ann", *store)
+    assert "no reviews" in project.cli("approvals", "list", "--approver", "bo", *store).stderr
+    shown = json.loads(project.ok("approvals", "show", "r1:1", *store))
+    assert shown["proposal"] == {"title": "Q3"}
+    res = project.cli(
+        "approvals", "decide", "r1:1", "--approve", "--by", "ann", "--fingerprint", "bad", *store
+    )
+    assert_one_line_error(res, 1, "r1:1", "fingerprint does not match")
+    out = project.cli(
+        "approvals",
+        "decide",
+        "r1:1",
+        "--approve",
+        "--by",
+        "ann",
+        "--fingerprint",
+        shown["fingerprint"],
+        "--value",
+        '{"title": "Q3 final"}',
+        *store,
+    )
+    assert out.returncode == 0, out.stderr
+    wait_until(lambda: project.run_info("r1")["status"] == "completed", CMD_TIMEOUT, "completion")
+    assert project.run_info("r1")["output"] == "True ann {'title': 'Q3 final'}"
+    assert json.loads(project.ok("approvals", "show", "r1:1", *store))["status"] == "approved"
 
 
 def test_suspend_resume_cancel_terminate(

@@ -141,7 +141,7 @@ def test_openapi_shows_each_workflows_input_schema(server: Server) -> None:
     assert schemas["BillInput"]["required"] == ["invoice"]
     assert "cents" in schemas["Invoice"]["properties"]
     listed = server.http.get("/v1/workflows").json()
-    assert {w["name"] for w in listed} == {"bill", "approve", "slow"}
+    assert {w["name"] for w in listed} == {"bill", "approve", "slow", "review"}
 
 
 def test_signal_result_wait_and_run_control(server: Server) -> None:
@@ -252,6 +252,41 @@ def _create_key(store: str, *args: str) -> str:
     assert res.returncode == 0, res.stderr
     assert "shown once" in res.stderr
     return res.stdout.strip()
+
+
+def test_approvals_are_listed_and_decided_over_http(server: Server) -> None:
+    http = server.http
+    run = http.post("/v1/workflows/review/runs", json={"input": {"title": "Q3"}}).json()
+    deadline = time.monotonic() + 20
+    while not (listed := http.get("/v1/approvals", params={"approver": "ann"}).json()):
+        assert time.monotonic() < deadline, "the review never opened"
+        time.sleep(0.05)
+    review = listed[0]
+    assert review["run_id"] == run["id"] and review["proposal"] == {"title": "Q3"}
+    assert http.get("/v1/approvals", params={"approver": "bo"}).json() == []
+    one = http.get(f"/v1/approvals/{review['approval_id']}").json()
+    assert one["fingerprint"] == review["fingerprint"]
+    assert http.get("/v1/approvals/nope:1").status_code == 404
+    decide = f"/v1/approvals/{review['approval_id']}/decision"
+    wrong = http.post(decide, json={"approve": True, "by": "ann", "fingerprint": "x"})
+    assert wrong.status_code == 409 and "fingerprint" in wrong.json()["detail"]
+    missing = http.post(decide, json={"approve": True, "fingerprint": review["fingerprint"]})
+    assert missing.status_code == 422 and "by" in str(missing.json())
+    ok = http.post(
+        decide,
+        json={
+            "approve": True,
+            "by": "ann",
+            "fingerprint": review["fingerprint"],
+            "value": {"title": "Q3 final"},
+        },
+    )
+    assert ok.status_code == 202, ok.text
+    result = http.get(f"{run['links']['result']}?wait=20").json()
+    assert result["result"] == "Q3 final approved by ann"
+    assert http.get(f"/v1/approvals/{review['approval_id']}").json()["status"] == "approved"
+    again = http.post(decide, json={"approve": False, "by": "ann", "fingerprint": "x"})
+    assert again.status_code == 409 and "no longer open" in again.json()["detail"]
 
 
 def test_api_keys_scope_a_client_to_its_tenant(store_url: str) -> None:

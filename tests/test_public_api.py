@@ -13,6 +13,7 @@ PUBLIC = [
     "App",
     "Approval",
     "ApprovalError",
+    "ApprovalNotFoundError",
     "Batch",
     "BatchActivity",
     "Budget",

@@ -84,6 +84,7 @@ __all__ = [
     "App",
     "Approval",
     "ApprovalError",
+    "ApprovalNotFoundError",
     "Batch",
     "BatchActivity",
     "Budget",

@@ -28,6 +28,7 @@ from ._definitions import (
 )
 from ._errors import (
     ApprovalError,
+    ApprovalNotFoundError,
     ConfigurationError,
     ResultTimeoutError,
     RunCancelledError,
@@ -766,7 +767,7 @@ class App:
         """One review (``ApprovalError`` when there is none by that id)."""
         row = await self.store.get_approval(approval_id)
         if row is None:
-            raise ApprovalError(approval_id, "no such review (ids look like 'run-id:step')")
+            raise ApprovalNotFoundError(approval_id, "no such review (ids look like 'run-id:step')")
         return Approval.from_row(row)
 
     async def decide(

@@ -121,6 +121,10 @@ class ApprovalError(TetherError):
         return (type(self), (self.approval_id, str(self).split(": ", 1)[1]))
 
 
+class ApprovalNotFoundError(ApprovalError):
+    """No review has that id (ids look like ``run-id:step``)."""
+
+
 class StoreError(TetherError):
     """The store could not be opened, read or written; stored runs are untouched."""
 

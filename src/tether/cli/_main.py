@@ -6,6 +6,11 @@ from collections.abc import Callable
 
 import typer
 
+from .approvals import (
+    approvals_decide_command,
+    approvals_list_command,
+    approvals_show_command,
+)
 from .history import history_export_command, replay_command
 from .keys import keys_create_command, keys_list_command, keys_revoke_command
 from .queues import queues_command
@@ -62,6 +67,14 @@ def _build() -> typer.Typer:
         create=keys_create_command,
         list=keys_list_command,
         revoke=keys_revoke_command,
+    )
+    _group(
+        cli,
+        "approvals",
+        "Reviews opened by tether.approval: list, show, decide.",
+        list=approvals_list_command,
+        show=approvals_show_command,
+        decide=approvals_decide_command,
     )
     return cli
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import hashlib
 import json
 from collections.abc import AsyncIterator
@@ -19,12 +20,13 @@ from typing import Annotated, Any
 
 from fastapi import Body, Depends, FastAPI, Header, Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from .. import __version__
 from .._app import App
 from .._definitions import Workflow
 from .._errors import (
+    ApprovalNotFoundError,
     ConfigurationError,
     ResultTimeoutError,
     RunIdConflictError,
@@ -32,7 +34,7 @@ from .._errors import (
     TetherError,
     WorkflowFailedError,
 )
-from .._history import RunInfo, RunStatus
+from .._history import Approval, RunInfo, RunStatus
 from .._worker import Worker
 from . import _problems
 from ._auth import AuthError, Principal, authenticate
@@ -72,6 +74,16 @@ def _uncursor(cursor: str) -> tuple[float, str]:
         raise ConfigurationError(
             f"cursor {cursor!r} is not one this API gave out: pass next_cursor as it came"
         ) from exc
+
+
+class DecisionBody(BaseModel):
+    """A decision on a review; the run checks it before it counts."""
+
+    approve: bool
+    by: str = Field(min_length=1, description="Who decides (recorded).")
+    fingerprint: str = Field(description="The fingerprint of the proposal reviewed.")
+    value: Any = Field(None, description="An edited proposal, when the review allows edits.")
+    reason: str | None = None
 
 
 class Reason(BaseModel):
@@ -257,6 +269,53 @@ def create_api(
 
     for action in ("cancel", "terminate", "suspend", "resume"):
         _add_action(api, app, action, visible, admin_only)
+
+    async def review_of(request: Request, approval_id: str) -> Approval:
+        """The review, if the caller may see its run."""
+        review = await app.get_approval(approval_id)
+        principal: Principal | None = request.state.principal
+        if principal is not None and not principal.admin and review.tenant != principal.tenant:
+            raise ApprovalNotFoundError(approval_id, "no such review")
+        return review
+
+    @api.get("/v1/approvals", summary="Reviews opened by tether.approval (open ones by default)")
+    async def list_approvals(
+        request: Request,
+        status: str = "open",
+        approver: str | None = None,
+        run_id: str | None = None,
+        limit: Annotated[int, Query(ge=1, le=500)] = 100,
+    ) -> list[dict[str, Any]]:
+        principal: Principal | None = request.state.principal
+        reviews = await app.approvals(
+            status=None if status == "all" else status,
+            approver=approver,
+            run_id=run_id,
+            tenant=principal.tenant if principal is not None and not principal.admin else None,
+            limit=limit,
+        )
+        return [dataclasses.asdict(r) for r in reviews]
+
+    @api.get("/v1/approvals/{approval_id}", summary="One review, with its proposal and fingerprint")
+    async def get_approval(approval_id: str, request: Request) -> dict[str, Any]:
+        return dataclasses.asdict(await review_of(request, approval_id))
+
+    @api.post(
+        "/v1/approvals/{approval_id}/decision",
+        status_code=202,
+        summary="Approve or reject a review, naming the fingerprint of the proposal reviewed",
+    )
+    async def decide(approval_id: str, body: DecisionBody, request: Request) -> dict[str, Any]:
+        review = await review_of(request, approval_id)
+        await app.decide(
+            approval_id,
+            approve=body.approve,
+            by=body.by,
+            fingerprint=body.fingerprint,
+            value=body.value,
+            reason=body.reason,
+        )
+        return {"approval_id": approval_id, "accepted": True, "links": links(review.run_id)}
 
     @api.post(
         "/v1/runs/{run_id}/retry",

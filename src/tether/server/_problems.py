@@ -14,6 +14,8 @@ from fastapi.responses import JSONResponse
 
 from .._errors import (
     AdmissionLimitError,
+    ApprovalError,
+    ApprovalNotFoundError,
     ConfigurationError,
     PayloadError,
     RunFinishedError,
@@ -30,6 +32,8 @@ PROBLEM = "application/problem+json"
 #: tether's errors, most specific first: (type, HTTP status, title)
 _MAP: list[tuple[type[BaseException], int, str]] = [
     (RunNotFoundError, 404, "No such run"),
+    (ApprovalNotFoundError, 404, "No such review"),
+    (ApprovalError, 409, "The review cannot take this decision"),
     (UnknownWorkflowError, 404, "No such workflow"),
     (RunIdConflictError, 409, "Run id or idempotency key already used for other input"),
     (RunFinishedError, 409, "The run has finished"),
