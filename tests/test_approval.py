@@ -10,6 +10,12 @@ open reviews are listed (by approver) and a review of an ended run reads closed.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,8 +24,10 @@ from pydantic import BaseModel
 import tether
 from tether import EventType
 from tether.testing import Env
+from tether.workflow._approval import fingerprint_of
 
 HOUR = 3600.0
+HERE = Path(__file__).parent
 
 
 class Post(BaseModel):
@@ -210,3 +218,115 @@ async def test_a_review_of_an_ended_run_is_closed(app: tether.App) -> None:
 async def test_approval_outside_a_workflow_is_refused() -> None:
     with pytest.raises(tether.NotInWorkflowError):
         await tether.approval(Post(title="t", words=1), deadline=60)
+
+
+async def test_invoice_review_one_of_eight_waits_while_the_others_finish(
+    app: tether.App,
+) -> None:
+    """The guide's invoice case: only the doubtful invoice waits for a person; a stale
+    decision (an older proposal's fingerprint) is refused; an approval just before the
+    deadline wins, and without one the invoice fails closed."""
+
+    @app.activity
+    async def extract(doc: str) -> dict[str, Any]:
+        return {"doc": doc, "total": 100 * len(doc), "confidence": 0.4 if "?" in doc else 0.95}
+
+    @app.activity
+    async def book(invoice: dict[str, Any]) -> str:
+        return f"booked {invoice['doc']}"
+
+    @app.workflow
+    async def one_invoice(doc: str) -> str:
+        invoice = await extract(doc)
+        if invoice["confidence"] < 0.6:
+            d = await tether.approval(invoice, approvers=["clerk"], deadline=HOUR)
+            if not d.approved:
+                return f"held {doc}"
+        return await book(invoice)
+
+    @app.workflow
+    async def batch(docs: list[str]) -> list[str]:
+        outcomes = await tether.map(one_invoice, docs, concurrency=8)
+        return [o.value if o.ok else f"error {o.error}" for o in outcomes]
+
+    docs = [f"inv-{i}" for i in range(7)] + ["inv-7?"]
+    async with Env(app, skip_time=False) as env:
+        for run_id in ("early", "late"):
+            await app.start(batch, docs, run_id=run_id)
+        for run_id in ("early", "late"):
+            review = await open_review(app, f"{run_id}/8")
+            # the seven others finish while the review is open
+            for _ in range(250):
+                children = [await app.get(f"{run_id}/{k}") for k in range(1, 9)]
+                done = [c for c in children if c.status is tether.RunStatus.COMPLETED]
+                if len(done) == 7:
+                    break
+                await asyncio.sleep(0.02)
+            assert len(done) == 7, [c.status for c in children]
+            assert children[7].status is tether.RunStatus.RUNNING
+            stale = fingerprint_of({**review.proposal, "total": 1})
+            with pytest.raises(tether.ApprovalError, match="fingerprint"):
+                await app.decide(review.approval_id, approve=True, by="clerk", fingerprint=stale)
+        await env.advance(HOUR - 5)
+        early = await open_review(app, "early/8")
+        await app.decide(early.approval_id, approve=True, by="clerk", fingerprint=early.fingerprint)
+        await waits(app, "early/8", "approval_decided")
+        await env.advance(10)  # both deadlines pass
+        assert (await (app.get_run("early")).result(timeout=10))[7] == "booked inv-7?"
+        late = await app.get_run("late").result(timeout=10)
+    assert late[:7] == [f"booked inv-{i}" for i in range(7)] and late[7] == "held inv-7?"
+    for run_id in ("early", "late"):
+        refused = markers(await app.history(f"{run_id}/8"), "approval_refused")
+        assert len(refused) == 1 and "fingerprint" in refused[0]["reason"]
+
+
+async def test_incident_proposal_survives_sigkill_and_only_the_approved_one_runs_once(
+    tmp_path: Path,
+) -> None:
+    """SIGKILL the worker once the proposal is generated and the review open: the new
+    worker never regenerates it, and the approved proposal is executed exactly once."""
+    db, effects = tmp_path / "tether.db", tmp_path / "effects.db"
+    sys.path.insert(0, str(HERE))
+    try:
+        import approval_app
+    finally:
+        sys.path.remove(str(HERE))
+    client = tether.App(store=f"sqlite:///{db}")
+    client._workflows["incident"] = approval_app.incident
+    run = await client.start(approval_app.incident, "INC-7", run_id="inc-7")
+    env = {**os.environ, "PYTHONPATH": f"{HERE.parent / 'src'}{os.pathsep}{HERE}"}
+
+    def worker() -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            [sys.executable, str(HERE / "approval_app.py"), str(db), str(effects)],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+
+    first = worker()
+    try:
+        review = await open_review(client, "inc-7")
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait(10)
+    assert first.returncode == -signal.SIGKILL
+    second = worker()
+    try:
+        await client.decide(
+            review.approval_id, approve=True, by="lead", fingerprint=review.fingerprint
+        )
+        assert await run.result(timeout=60) == "done"
+    finally:
+        second.terminate()
+        second.wait(10)
+    conn = sqlite3.connect(effects)
+    rows = conn.execute("SELECT what, detail FROM effects ORDER BY rowid").fetchall()
+    conn.close()
+    assert rows == [
+        ("generated", "INC-7"),
+        ("executed", "restart the payment service / lead"),
+    ]
+    decided = markers(await client.history("inc-7"), "approval_decided")
+    assert decided[0]["by"] == "lead"
+    await client.close()

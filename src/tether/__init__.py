@@ -18,6 +18,7 @@ from ._errors import (
     ActivityError,
     AdmissionLimitError,
     ApprovalError,
+    ApprovalNotFoundError,
     ChildWorkflowError,
     ConfigurationError,
     LeaseLostError,

@@ -13,11 +13,20 @@ from ..workflow._route import route
 from ._agent import DurableAgent, RecordedModel, durable
 from ._errors import BudgetExceeded, ContentRefused, ModelConfigError, OutputInvalid
 from ._gateway import DEFAULT_MODEL_RETRY, Gateway, ModelRef, Price
+from ._mapreduce import ChunkFailure, MapReduceError, MapReduceResult, chunk_text, map_reduce
 from ._models import anthropic, openai_compatible
 from ._scripted import ScriptedModel, ScriptExhausted
 from ._structured import complete, structured
+from ._untrusted import UNTRUSTED_RULE, untrusted
 
 __all__ = [
+    "UNTRUSTED_RULE",
+    "ChunkFailure",
+    "MapReduceError",
+    "MapReduceResult",
+    "chunk_text",
+    "map_reduce",
+    "untrusted",
     "DEFAULT_MODEL_RETRY",
     "Budget",
     "BudgetExceeded",
