@@ -5,7 +5,10 @@
 
 * ``bare``: ``pydantic_ai.direct.model_request`` in a loop, N calls;
 * ``complete``: one workflow making N sequential ``tether.ai.complete`` steps;
-* ``structured``: the same with ``tether.ai.structured`` (output tool + validation).
+* ``structured``: the same with ``tether.ai.structured`` (output tool + validation);
+* a 100-turn conversation in one run, with message references (the default: each
+  step records only its new messages) and with full message lists, for the history
+  bytes per step (flat vs growing).
 
 The server runs in a child process (in this one it would compete for the GIL).
 The per-call time of the bare loop is each call's duration; of a recorded run, the
@@ -111,6 +114,49 @@ async def recorded(workdir: Path, base_url: str, calls: int, mode: str) -> dict[
     }
 
 
+async def conversation(workdir: Path, base_url: str, calls: int, refs: bool) -> dict[str, Any]:
+    """One run holding a conversation of ``calls`` turns: history bytes per model step."""
+    from pydantic_ai.messages import ModelMessage
+
+    db = workdir / f"chat-{refs}.db"
+    app = tether.App(store=f"sqlite:///{db}")
+    gateway = ai.Gateway(app, message_refs=refs)
+    model = gateway.model("chat", ai.openai_compatible("chat", base_url=base_url, api_key="k"))
+
+    @app.workflow
+    async def chat(n: int) -> int:
+        messages: list[ModelMessage] = []
+        for i in range(n):
+            messages.append(ModelRequest(parts=[UserPromptPart(f"turn {i}: what next? " * 4)]))
+            response, _call = await gateway.request(model, messages)
+            messages.append(response)
+        return len(messages)
+
+    try:
+        async with app.worker(poll_interval=0.05):
+            run = await app.start(chat, calls, run_id="chat")
+            check(await run.result(timeout=600) == 2 * calls, "wrong result")
+    finally:
+        await app.close()
+    conn = sqlite3.connect(db)
+    try:
+        per_call = [
+            n
+            for (n,) in conn.execute(
+                "SELECT length(data) FROM events WHERE run_id = 'chat' "
+                "AND type IN ('ActivityScheduled', 'ActivityCompleted') ORDER BY seq"
+            )
+        ]
+    finally:
+        conn.close()
+    steps = [a + b for a, b in zip(per_call[::2], per_call[1::2], strict=True)]
+    return {
+        "first10": sum(steps[:10]) / 10,
+        "last10": sum(steps[-10:]) / 10,
+        "total": sum(steps),
+    }
+
+
 def _answer(body: dict[str, Any]) -> Any:
     if body.get("tools"):
         return model_reply(tool=("final_result", {"label": "greeting", "score": 0.9}))
@@ -126,6 +172,10 @@ async def measure(workdir: Path, calls: int) -> dict[str, Any]:
         out: dict[str, Any] = {"bare": {"gaps": await bare(base_url, calls)}}
         for mode in ("complete", "structured"):
             out[mode] = await recorded(workdir, base_url, calls, mode)
+        out["conversation"] = {
+            "by reference": await conversation(workdir, base_url, 100, True),
+            "full lists": await conversation(workdir, base_url, 100, False),
+        }
     finally:
         parent.send("stop")
         proc.join(10)
@@ -150,6 +200,7 @@ def main() -> None:
         f"{'commits':>8} {'bytes':>7}"
     )
     summary: dict[str, Any] = {"limit": limit, "calls": args.calls, "seconds": elapsed}
+    chats = res.pop("conversation")
     for mode, r in res.items():
         p50, p99 = _percentile(r["gaps"], 50), _percentile(r["gaps"], 99)
         extra = p50 - base
@@ -164,6 +215,14 @@ def main() -> None:
             "commits_per_call": r.get("commits_per_call"),
             "bytes_per_call": r.get("bytes_per_call"),
         }
+    print("history bytes per model step, one 100-turn conversation:")
+    for how, c in chats.items():
+        growth = c["last10"] / c["first10"]
+        print(
+            f"  {how:<13} first 10: {c['first10']:8.0f}  last 10: {c['last10']:8.0f}  "
+            f"(x{growth:.2f})  total: {c['total'] / 1024:8.0f} KiB"
+        )
+    summary["conversation"] = chats
     print(json.dumps(summary, indent=2))
 
 

@@ -509,3 +509,81 @@ async def test_a_tenant_daily_budget_is_shared_by_its_runs_and_can_be_raised(
     ]
     await gw.set_budget(tenant="acme")  # removed
     assert await gw.budgets() == []
+
+
+def _scheduled_bytes(history: list[tether.Event]) -> list[int]:
+    return [
+        len(json.dumps(e.data))
+        for e in history
+        if e.type is EventType.ACTIVITY_SCHEDULED and e.data["name"].endswith(".call")
+    ]
+
+
+async def test_a_long_conversation_stores_flat_bytes_per_call(
+    app: tether.App, server: ModelServer
+) -> None:
+    """With message references each step records only its new messages: the stored bytes
+    per call stay flat as the conversation grows (full lists grow linearly per call)."""
+    from pydantic_ai.messages import ModelMessage, ModelRequest, UserPromptPart
+
+    gw = ai.Gateway(app, retry=FAST)
+    full_gw = ai.Gateway(app, name="full", retry=FAST, message_refs=False)
+    url = server.base_url
+    refs = gw.model("refs", ai.openai_compatible("chat", base_url=url, api_key="k"))
+    full = full_gw.model("full", ai.openai_compatible("chat", base_url=url, api_key="k"))
+    server.default = lambda body: model_reply("a reply of some length " * 4)
+
+    @app.workflow
+    async def chat(which: str, turns: int) -> int:
+        model = refs if which == "refs" else full
+        messages: list[ModelMessage] = []
+        for i in range(turns):
+            messages.append(ModelRequest(parts=[UserPromptPart(f"question number {i} " * 3)]))
+            response, _call = await model.gateway.request(model, messages)
+            messages.append(response)
+        return len(messages)
+
+    async with app.worker(poll_interval=0.05):
+        a = await app.start(chat, "refs", 40)
+        b = await app.start(chat, "full", 40)
+        assert await a.result(timeout=60) == await b.result(timeout=60) == 80
+    flat = _scheduled_bytes(await app.history(a.run_id))
+    grows = _scheduled_bytes(await app.history(b.run_id))
+    first, last = sum(flat[:10]) / 10, sum(flat[-10:]) / 10
+    assert abs(last - first) / first < 0.2, (first, last)
+    assert sum(grows[-10:]) / 10 > 5 * sum(grows[:10]) / 10
+    # the model saw the whole conversation either way
+    sizes = [len(r.body["messages"]) for r in server.calls("chat")]
+    assert sorted(sizes) == sorted([2 * i + 1 for i in range(40)] * 2)
+
+
+async def test_a_worker_that_did_not_see_a_conversation_rebuilds_it_from_history(
+    app: tether.App, server: ModelServer
+) -> None:
+    from pydantic_ai.messages import ModelMessage, ModelRequest, UserPromptPart
+
+    gw = ai.Gateway(app, retry=FAST)
+    model = gw.model("m", ai.openai_compatible("chat", base_url=server.base_url, api_key="k"))
+    server.default = lambda body: model_reply(f"reply {len(body['messages'])}")
+
+    @app.workflow
+    async def chat() -> str:
+        messages: list[ModelMessage] = []
+        for i in range(6):
+            if i == 3:
+                await tether.wait_event("go")
+            messages.append(ModelRequest(parts=[UserPromptPart(f"q{i}")]))
+            response, _call = await gw.request(model, messages)
+            messages.append(response)
+        return str(response.parts[0].content)  # type: ignore[union-attr]
+
+    async with app.worker(poll_interval=0.05):
+        run = await app.start(chat)
+        while not (await app.get(run.run_id)).waiting_on:
+            await asyncio.sleep(0.02)
+        # as if another worker (that never saw this run) took over from here
+        gw._threads.clear()
+        await app.signal(run.run_id, "go")
+        assert await run.result(timeout=30) == "reply 11"
+    texts = [json.dumps(r.body["messages"]) for r in server.calls("chat")]
+    assert all(f"q{i}" in texts[-1] for i in range(6))  # the full conversation was sent

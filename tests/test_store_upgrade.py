@@ -49,7 +49,13 @@ async def test_a_version_1_sqlite_store_is_upgraded(tmp_path: Path) -> None:
     await _first_run(f"sqlite:///{db}")
     conn = sqlite3.connect(db)
     conn.execute("ALTER TABLE runs DROP COLUMN waiting_on")  # as version 1 made it
-    for table in ("api_keys", "ai_cache", "ai_spend", "ai_budgets", "approvals"):
+    for table in (
+        "api_keys",
+        "ai_cache",
+        "ai_spend",
+        "ai_budgets",
+        "approvals",
+    ):
         conn.execute(f"DROP TABLE {table}")
     conn.execute("PRAGMA user_version = 1")
     conn.commit()
@@ -69,7 +75,13 @@ async def test_a_version_1_postgres_store_is_upgraded(pg_schema: str) -> None:
     with psycopg.connect(PG_URL, autocommit=True) as conn:
         conn.execute(f'SET search_path TO "{pg_schema}"')
         conn.execute("ALTER TABLE runs DROP COLUMN waiting_on")
-        for table in ("api_keys", "ai_cache", "ai_spend", "ai_budgets", "approvals"):
+        for table in (
+            "api_keys",
+            "ai_cache",
+            "ai_spend",
+            "ai_budgets",
+            "approvals",
+        ):
             conn.execute(f"DROP TABLE {table}")
         conn.execute("UPDATE tether_meta SET version = 1")  # as version 1 left it
     await _roundtrip(url)

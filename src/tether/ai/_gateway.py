@@ -32,6 +32,7 @@ from pydantic_ai.settings import ModelSettings
 
 from .._activity_context import NotInActivityError, activity_context
 from .._errors import ActivityError, ConfigurationError, NonRetryable
+from .._history import Event, EventType
 from .._policy import Retry
 from .._queues import Dependency
 from .._usage import CALL_KEY, Budget
@@ -40,12 +41,16 @@ from ..workflow._instance import WorkflowInstance, current_instance
 from ._errors import BudgetExceeded, ContentRefused, ModelConfigError
 from ._models import HeaderCapture, build, model_name_of, provider_of
 from ._wire import (
+    canonical,
     dump_messages,
     dump_params,
     dump_response,
+    is_packed,
+    link,
     load_messages,
     load_params,
     load_response,
+    pack,
 )
 
 if TYPE_CHECKING:
@@ -100,6 +105,66 @@ class _Tally:
 _tallies: weakref.WeakKeyDictionary[WorkflowInstance, _Tally] = weakref.WeakKeyDictionary()
 
 
+@dataclasses.dataclass
+class _Rebuilt:
+    """Conversations rebuilt from a run's history: message contents and node links."""
+
+    messages: dict[str, Any] = dataclasses.field(default_factory=dict)
+    parents: dict[str, tuple[str | None, str]] = dataclasses.field(default_factory=dict)
+    after: int = 0  #: the last history seq applied
+    #: model steps scheduled, not yet completed: step -> node of the request
+    tips: dict[int, str] = dataclasses.field(default_factory=dict)
+
+    def apply(self, events: list[Event], activity: str) -> None:
+        """Take in the model steps' arguments and answers among ``events``."""
+        for ev in events:
+            self.after = max(self.after, ev.seq)
+            if ev.type is EventType.ACTIVITY_SCHEDULED and ev.data.get("name") == activity:
+                args = ev.data.get("args") or {}
+                request = (args.get("args") or [None, {}])[-1] if isinstance(args, dict) else None
+                packed = request.get("messages") if isinstance(request, dict) else None
+                if is_packed(packed) and ev.step is not None:
+                    assert isinstance(packed, dict)
+                    node = packed.get("base")
+                    for e in packed["new"]:
+                        child = link(node, e["h"])
+                        self.parents[child] = (node, e["h"])
+                        if "m" in e:
+                            self.messages[e["h"]] = e["m"]
+                        node = child
+                    self.tips[ev.step] = node or ""
+            elif ev.type is EventType.ACTIVITY_COMPLETED and ev.step in self.tips:
+                tip = self.tips.pop(ev.step)
+                result = ev.data.get("result")
+                if isinstance(result, dict) and isinstance(result.get("response"), dict):
+                    digest, stable = canonical(result["response"])
+                    self.messages[digest] = stable
+                    self.parents[link(tip, digest)] = (tip or None, digest)
+
+    def thread(self, node: str) -> list[str] | None:
+        """The message hashes of the conversation ending at ``node`` (None: unknown)."""
+        out: list[str] = []
+        current: str | None = node
+        while current:
+            if current not in self.parents:
+                return None
+            current, digest = self.parents[current]
+            out.append(digest)
+        return out[::-1]
+
+
+@dataclasses.dataclass
+class _Seen:
+    """Per run: the messages and conversation nodes its steps have stored (rebuilt on
+    replay, as the steps replay)."""
+
+    messages: set[str] = dataclasses.field(default_factory=set)
+    nodes: set[str] = dataclasses.field(default_factory=set)
+
+
+_known: weakref.WeakKeyDictionary[WorkflowInstance, _Seen] = weakref.WeakKeyDictionary()
+
+
 class ModelRef:
     """A model registered on a gateway; pass it to ``tether.ai.structured`` and friends."""
 
@@ -146,8 +211,11 @@ class Gateway:
 
     ``retry`` and ``timeout`` are the defaults of every model (per attempt);
     ``prices`` maps a provider's model name to a ``Price`` that overrides
-    genai-prices. Every worker that runs model steps must build the same gateway
-    (it does when it imports the module that defines it, as for any activity).
+    genai-prices. With ``message_refs`` (the default) a step records only the
+    conversation messages new to its run and refers to earlier ones by content
+    hash, so a long conversation's history grows linearly, not quadratically.
+    Every worker that runs model steps must build the same gateway (it does when
+    it imports the module that defines it, as for any activity).
     """
 
     def __init__(
@@ -159,12 +227,17 @@ class Gateway:
         timeout: float | timedelta = 120.0,
         queue: str | None = None,
         prices: dict[str, Price] | None = None,
+        message_refs: bool = True,
     ) -> None:
         self.app = app
+        #: steps record only the messages new to their run (the rest by content hash)
+        self.message_refs = message_refs
         self.name = name
         self.prices = dict(prices or {})
         self._models: dict[str, ModelRef] = {}
         self._built: dict[str, Model] = {}
+        #: per run, its conversations as rebuilt from history (most recently used last)
+        self._threads: dict[str, _Rebuilt] = {}
         #: the scopes that have a daily budget, re-read every few seconds
         self._budget_scopes: set[str] = set()
         self._budgets_read_at = 0.0
@@ -314,6 +387,8 @@ class Gateway:
                 f"(known: {', '.join(sorted(self._models)) or 'none'}); register it with "
                 "gateway.model(...) in the module the worker imports"
             )
+        if is_packed(request["messages"]):
+            request = {**request, "messages": await self._unpack(request["messages"])}
         cache_key = _cache_key(ref, request) if ref.cache_ttl else None
         if cache_key is not None:
             hit = await self.app.store.ai_cache_get(cache_key)
@@ -390,6 +465,44 @@ class Gateway:
         if cache_key is not None:
             await self.app.store.ai_cache_put(cache_key, json.dumps(out), ref.cache_ttl or 0.0)
         return out
+
+    async def _unpack(self, packed: dict[str, Any]) -> list[dict[str, Any]]:
+        """Full messages from ``pack`` form.
+
+        Everything a step refers to is in its run's history: the messages earlier
+        steps sent in full (their arguments) and the answers they got (their
+        results). The worker rebuilds the run's conversations from history once and
+        then reads only the events recorded since, so this costs no write at all.
+        """
+        base: str | None = packed.get("base")
+        new: list[dict[str, Any]] = packed["new"]
+        if base is None and all("m" in e for e in new):
+            return [e["m"] for e in new]  # all of it is here: no history to read
+        known = await self._conversations()
+        prefix = known.thread(base) if base else []
+        inline = {e["h"]: e["m"] for e in new if "m" in e}
+        order = [*(prefix or []), *(e["h"] for e in new)]
+        missing = [h for h in order if h not in inline and h not in known.messages]
+        if prefix is None or missing:
+            raise NonRetryable(
+                f"a conversation this step refers to is not in its run's history (node {base}, "
+                f"{len(missing)} message(s) missing): was the history changed by hand?"
+            )
+        return [inline.get(h) or known.messages[h] for h in order]
+
+    async def _conversations(self) -> _Rebuilt:
+        """This run's conversations as its history holds them (cached per run, updated
+        with the events recorded since the last step)."""
+        try:
+            run_id = activity_context().run_id
+        except NotInActivityError:
+            return _Rebuilt()
+        known = self._threads.pop(run_id, None) or _Rebuilt()
+        self._threads[run_id] = known  # most recently used last
+        while len(self._threads) > _THREADS_CACHED:
+            self._threads.pop(next(iter(self._threads)))
+        known.apply(await self.app.store.read_history(run_id, known.after), self._activity.name)
+        return known
 
     # daily budgets (worker side: they are shared by every run of a tenant) -------------
 
@@ -562,6 +675,13 @@ class Gateway:
             body = {**body, "estimate": estimate}
         elif tenant is not None:
             body = {**body, "estimate": ref.estimate(body["messages"], settings)}
+        inline: list[str] = []
+        tip = ""
+        seen = _known.setdefault(inst, _Seen())
+        if self.message_refs:
+            # the conversation so far by one node, then only the messages after it
+            packed, inline, tip = pack(body["messages"], seen.messages, seen.nodes)
+            body = {**body, "messages": packed}
         tally.reserved_tokens += estimate["tokens"]
         tally.reserved_cost += Decimal(estimate["cost"] or 0)
         try:
@@ -581,12 +701,20 @@ class Gateway:
         finally:
             tally.reserved_tokens -= estimate["tokens"]
             tally.reserved_cost -= Decimal(estimate["cost"] or 0)
+        if self.message_refs:
+            # the worker kept them (and the answer), so later steps may refer to them
+            answer = canonical(out["response"])[0]
+            seen.messages.update(inline)
+            seen.messages.add(answer)
+            seen.nodes.update((tip, link(tip, answer)))
         call = out[CALL_KEY]
         tally.tokens += int(call.get("input_tokens") or 0) + int(call.get("output_tokens") or 0)
         tally.cost += Decimal(call["cost"]) if call.get("cost") is not None else Decimal(0)
         return out
 
 
+#: runs whose conversations a worker keeps in memory
+_THREADS_CACHED = 256
 #: how long a worker trusts its list of scopes with a daily budget
 _BUDGETS_TTL = 2.0
 #: request fields that differ between identical questions (left out of cache keys)

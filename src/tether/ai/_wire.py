@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any
 
 from pydantic import TypeAdapter
@@ -45,3 +47,63 @@ def dump_params(params: ModelRequestParameters) -> dict[str, Any]:
 def load_params(data: dict[str, Any]) -> ModelRequestParameters:
     """Request parameters back from ``dump_params``."""
     return _PARAMS.validate_python(data)
+
+
+#: fields that differ between two copies of the same message (left out of its content)
+_VOLATILE = frozenset({"timestamp"})
+
+
+def _stable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _stable(v) for k, v in value.items() if k not in _VOLATILE}
+    if isinstance(value, list):
+        return [_stable(v) for v in value]
+    return value
+
+
+def canonical(message: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """A message's content address (SHA-256 of its JSON without timestamps) and that JSON."""
+    stable: dict[str, Any] = _stable(message)
+    text = json.dumps(stable, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:32], stable
+
+
+def link(parent: str | None, message: str) -> str:
+    """The node of a conversation that ends with ``message`` after the node ``parent``."""
+    return hashlib.sha256(f"{parent or ''}:{message}".encode()).hexdigest()[:32]
+
+
+def pack(
+    messages: list[dict[str, Any]], stored: set[str], nodes: set[str]
+) -> tuple[dict[str, Any], list[str], str]:
+    """A conversation as the longest stored prefix (one node id) plus the messages after it.
+
+    Each message after the prefix is ``{"h": hash}`` when its content is stored
+    already, else ``{"h": hash, "m": message}``. Returns the packed form, the
+    hashes sent in full, and the node of the whole list. A step's arguments so stay
+    the same size however long the conversation grows.
+    """
+    digests, stables, chain = [], [], []
+    node: str | None = None
+    for message in messages:
+        digest, stable = canonical(message)
+        node = link(node, digest)
+        digests.append(digest)
+        stables.append(stable)
+        chain.append(node)
+    start = next((k for k in range(len(chain), 0, -1) if chain[k - 1] in nodes), 0)
+    entries: list[dict[str, Any]] = []
+    inline: list[str] = []
+    for digest, stable in zip(digests[start:], stables[start:], strict=True):
+        if digest in stored or digest in inline:
+            entries.append({"h": digest})
+        else:
+            entries.append({"h": digest, "m": stable})
+            inline.append(digest)
+    base = chain[start - 1] if start else None
+    return {"base": base, "new": entries}, inline, chain[-1] if chain else ""
+
+
+def is_packed(messages: Any) -> bool:
+    """Whether a request's messages are in ``pack`` form (not a list of full messages)."""
+    return isinstance(messages, dict) and "new" in messages
