@@ -587,3 +587,49 @@ async def test_a_worker_that_did_not_see_a_conversation_rebuilds_it_from_history
         assert await run.result(timeout=30) == "reply 11"
     texts = [json.dumps(r.body["messages"]) for r in server.calls("chat")]
     assert all(f"q{i}" in texts[-1] for i in range(6))  # the full conversation was sent
+
+
+async def test_evaluate_scores_a_router_from_its_recorded_decisions(tmp_path: Path) -> None:
+    """tether.testing.evaluate over a workflow that classifies with a model and routes:
+    the confusion matrix is the router's (read from history), repairs and cost too."""
+    from tether.testing import aevaluate
+
+    app = tether.App(store=f"sqlite:///{tmp_path / 'eval.db'}")
+    gw = ai.Gateway(app, retry=FAST)
+    answers = {
+        "refund my card": [{"category": "billing", "priority": 2, "confidence": 0.9}],
+        "app crashes": ["not json", {"category": "tech", "priority": 1, "confidence": 0.8}],
+        "hello?": [{"category": "sales", "priority": 3, "confidence": 0.9}],
+        "charged twice": [{"category": "billing", "priority": 1, "confidence": 0.3}],
+    }
+    scripted = ai.ScriptedModel([a for v in answers.values() for a in v])
+    model = gw.model("m", scripted, price=ai.Price(input_per_mtok=1, output_per_mtok=2))
+
+    @app.workflow
+    async def triage(text: str) -> str:
+        t = await ai.structured(model, text, output=Ticket, max_repairs=1)
+        return tether.route(
+            t.category,
+            {"billing", "tech"},
+            default="human",
+            confidence=t.confidence,
+            min_confidence=0.5,
+            name="queue",
+        )
+
+    cases = [
+        ("refund my card", "billing"),
+        ("app crashes", "tech"),
+        ("hello?", "human"),
+        ("charged twice", "billing"),  # low confidence: routed to a human
+    ]
+    report = await aevaluate(triage, cases, app=app, router="queue")
+    assert report.accuracy == 0.75
+    assert report.confusion == {
+        "billing": {"billing": 1, "human": 1},
+        "tech": {"tech": 1},
+        "human": {"human": 1},
+    }
+    assert report.repair_rate == 0.25
+    assert [r.cost for r in report.results] == [0.00002, 0.00004, 0.00002, 0.00002]
+    await app.close()

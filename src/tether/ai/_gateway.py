@@ -56,6 +56,7 @@ from ._wire import (
 if TYPE_CHECKING:
     from .._app import App
     from .._definitions import Activity
+    from ..store.base import Store
 
 #: model calls retry transient failures (429, 5xx, timeouts) a few times, then fall back
 DEFAULT_MODEL_RETRY = Retry(
@@ -391,7 +392,7 @@ class Gateway:
             request = {**request, "messages": await self._unpack(request["messages"])}
         cache_key = _cache_key(ref, request) if ref.cache_ttl else None
         if cache_key is not None:
-            hit = await self.app.store.ai_cache_get(cache_key)
+            hit = await self._step_store().ai_cache_get(cache_key)
             if hit is not None:
                 cached: dict[str, Any] = json.loads(hit)
                 cached[CALL_KEY] = {**cached[CALL_KEY], "cache_hit": True}
@@ -456,15 +457,24 @@ class Gateway:
         out = _CallResult({"response": dump_response(response), CALL_KEY: call})
         out.headers = cap.headers
         if scopes:
-            await self.app.store.add_model_spend(
+            await self._step_store().add_model_spend(
                 scopes,
-                _day(self.app.store.clock()),
+                _day(self._step_store().clock()),
                 usage.input_tokens + usage.output_tokens,
                 str(call["cost"] or "0"),
             )
         if cache_key is not None:
-            await self.app.store.ai_cache_put(cache_key, json.dumps(out), ref.cache_ttl or 0.0)
+            await self._step_store().ai_cache_put(cache_key, json.dumps(out), ref.cache_ttl or 0.0)
         return out
+
+    def _step_store(self) -> Store:
+        """The store of the worker running this step (the App's outside a step): a
+        worker may serve a copy of the App (``tether.testing.evaluate`` does)."""
+        try:
+            store = activity_context()._store
+        except NotInActivityError:
+            store = None
+        return store if store is not None else self.app.store
 
     async def _unpack(self, packed: dict[str, Any]) -> list[dict[str, Any]]:
         """Full messages from ``pack`` form.
@@ -501,7 +511,8 @@ class Gateway:
         self._threads[run_id] = known  # most recently used last
         while len(self._threads) > _THREADS_CACHED:
             self._threads.pop(next(iter(self._threads)))
-        known.apply(await self.app.store.read_history(run_id, known.after), self._activity.name)
+        history = await self._step_store().read_history(run_id, known.after)
+        known.apply(history, self._activity.name)
         return known
 
     # daily budgets (worker side: they are shared by every run of a tenant) -------------

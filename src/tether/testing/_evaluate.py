@@ -34,6 +34,8 @@ from typing import Any
 from .._app import App, run_sync
 from .._definitions import Activity, Workflow
 from .._errors import ConfigurationError, TetherError, WorkflowFailedError
+from .._history import Event, EventType
+from .._usage import usage_of
 from ._env import Env
 
 #: the thresholds ``evaluate`` understands: name -> (metric, direction)
@@ -202,7 +204,11 @@ class EvalReport:
         """Share of cases that failed with a validation error (malformed output)."""
         if not self.results:
             return 0.0
-        bad = [r for r in self.results if r.error_type and "Validation" in r.error_type]
+        bad = [
+            r
+            for r in self.results
+            if r.error_type and ("Validation" in r.error_type or r.error_type == "OutputInvalid")
+        ]
         return len(bad) / len(self.results)
 
     def by_group(self) -> dict[str, dict[str, float]]:
@@ -392,6 +398,7 @@ async def aevaluate(
     thresholds: Mapping[str, float] | None = None,
     key: Callable[[Any], Any] | None = None,
     timeout: float = 30.0,
+    router: str | None = None,
 ) -> EvalReport:
     """The async form of ``evaluate`` (use it inside a running event loop)."""
     limits = dict(thresholds or {})
@@ -404,7 +411,7 @@ async def aevaluate(
     label = str(getattr(target, "name", None) or getattr(target, "__name__", repr(target)))
     results: list[CaseResult] = []
     if isinstance(target, Workflow):
-        results = await _run_workflow(target, items, app, key, timeout)
+        results = await _run_workflow(target, items, app, key, timeout, router)
     else:
         fn = target.fn if isinstance(target, Activity) else target
         for case in items:
@@ -457,12 +464,44 @@ async def _measure(
     return res
 
 
+async def _from_history(res: CaseResult, history: list[Event], router: str | None) -> None:
+    """What the run's history tells of a case: model repairs and cost (tether.ai), and
+    with ``router`` the branch that router chose, as the prediction."""
+    if res.repairs is None:
+        tries = [
+            e.data.get("value") or {}
+            for e in history
+            if e.type is EventType.MARKER and e.data.get("marker") == "output_invalid"
+        ]
+        calls = usage_of(history)
+        if calls.calls:
+            res.repairs = sum(1 for t in tries if t.get("repair"))
+            if res.cost is None and not calls.unpriced_calls:
+                res.cost = float(calls.cost)
+    if router is None:
+        return
+    routes = [
+        (e.data.get("value") or {})
+        for e in history
+        if e.type is EventType.MARKER and e.data.get("marker") == "route"
+    ]
+    chosen = [r.get("chosen") for r in routes if r.get("name") == router]
+    if not chosen:
+        if res.error is None:
+            res.error = f"the run recorded no decision of router {router!r}"
+            res.error_type = "NoRoute"
+        return
+    res.prediction = chosen[-1]
+    res.correct = res.prediction == res.case.expected
+
+
 async def _run_workflow(
     wf: Workflow[Any, Any],
     cases: list[Case],
     app: App | None,
     key: Callable[[Any], Any] | None,
     timeout: float,
+    router: str | None = None,
 ) -> list[CaseResult]:
     if app is None:
         raise ConfigurationError(
@@ -476,12 +515,17 @@ async def _run_workflow(
     try:
         async with Env(fresh):
             for case in cases:
+                started: list[str] = []
 
-                async def go(c: Case = case) -> Any:
+                async def go(c: Case = case, ids: list[str] = started) -> Any:
                     run = await fresh.start(wf, *c.args, kwargs=c.kwargs)
+                    ids.append(run.run_id)
                     return await run.result(timeout=timeout)
 
-                out.append(await _measure(case, key, go))
+                res = await _measure(case, key, go)
+                if started:
+                    await _from_history(res, await fresh.history(started[0]), router)
+                out.append(res)
     finally:
         await fresh.close()
     return out
@@ -495,14 +539,26 @@ def evaluate(
     thresholds: Mapping[str, float] | None = None,
     key: Callable[[Any], Any] | None = None,
     timeout: float = 30.0,
+    router: str | None = None,
 ) -> EvalReport:
     """Run ``target`` over ``cases`` and report; see the module docstring.
 
     ``key`` extracts the prediction from an output (``lambda o: o.label``) before it
     is compared with the expected value. Raises ``EvaluationFailed`` when a threshold
-    is not met. Callable from sync code, or from a running loop (it then runs in a
-    thread); inside async tests prefer ``await aevaluate(...)``.
+    is not met. ``router`` (a workflow's ``tether.route(name=)``) scores that router:
+    the prediction is the branch it chose, read from the run's history, so the
+    confusion matrix is the router's. A workflow's model repairs and cost are read
+    from its history too (``tether.ai``). Callable from sync code, or from a running
+    loop (it then runs in a thread); inside async tests prefer ``await aevaluate(...)``.
     """
     return run_sync(
-        aevaluate(target, cases, app=app, thresholds=thresholds, key=key, timeout=timeout)
+        aevaluate(
+            target,
+            cases,
+            app=app,
+            thresholds=thresholds,
+            key=key,
+            timeout=timeout,
+            router=router,
+        )
     )
