@@ -133,14 +133,21 @@ async def wait_event(
     ``type=`` to decode the payload into a dataclass or pydantic model.
     """
     inst = _instance("wait_event")
+    delay = None if timeout is None else seconds(timeout, "wait_event timeout") or 0.0
+    got, payload = await signal_until(inst, name, None if delay is None else inst.now + delay)
+    return convert(payload, type) if got else None
+
+
+async def signal_until(inst: WorkflowInstance, name: str, until: float | None) -> tuple[bool, Any]:
+    """``(True, payload)`` of the next signal ``name``, or ``(False, None)`` when the
+    workflow clock reaches ``until`` first (a durable timer; a signal wins a tie)."""
     found, payload = inst.take_signal(name)
     if found:
-        return convert(payload, type)
-    delay = None if timeout is None else seconds(timeout, "wait_event timeout") or 0.0
-    fut = inst.wait_signal(name, None if delay is None else inst.now + delay)
-    if delay is None:
-        return convert(await fut, type)
-    timer = inst.start_timer(delay, shown=False)
+        return True, payload
+    fut = inst.wait_signal(name, until)
+    if until is None:
+        return True, await fut
+    timer = inst.start_timer(max(0.0, until - inst.now), shown=False)
     try:
         await asyncio.wait([fut, timer], return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:
@@ -149,9 +156,9 @@ async def wait_event(
         raise
     if fut.done() and not fut.cancelled():
         timer.cancel()
-        return convert(fut.result(), type)
+        return True, fut.result()
     fut.cancel()
-    return None
+    return False, None
 
 
 async def gather(*aws: Awaitable[Any], return_exceptions: bool = False) -> list[Any]:

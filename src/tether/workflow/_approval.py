@@ -14,7 +14,6 @@ event (``approval_requested``, ``approval_reminder``, ``approval_escalated``,
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import hashlib
 import json
@@ -29,7 +28,7 @@ from .._errors import ConfigurationError
 from .._history import APPROVAL_SIGNAL
 from .._policy import seconds
 from .._serde import encode
-from ._api import _instance
+from ._api import _instance, signal_until
 
 T = TypeVar("T")
 
@@ -122,28 +121,28 @@ async def approval(
     inst.record("approval_requested", review)
     if notify is not None:
         await notify({**review, "event": "opened"})
+
+    async def announce(event: str, level: int, people: list[str], until: float) -> None:
+        """Record a reminder or an escalation, and tell ``notify``."""
+        inst.record(
+            f"approval_{event}",
+            {"approval_id": approval_id, "level": level, "approvers": people, "deadline_at": until},
+        )
+        if notify is not None:
+            await notify(
+                {
+                    **review,
+                    "approvers": people,
+                    "deadline_at": until,
+                    "level": level,
+                    "event": event,
+                }
+            )
+
     for level, (people, duration) in enumerate(levels):
         until = inst.now + duration if level else deadline_at
         if level:
-            inst.record(
-                "approval_escalated",
-                {
-                    "approval_id": approval_id,
-                    "level": level,
-                    "approvers": people,
-                    "deadline_at": until,
-                },
-            )
-            if notify is not None:
-                await notify(
-                    {
-                        **review,
-                        "approvers": people,
-                        "deadline_at": until,
-                        "level": level,
-                        "event": "escalated",
-                    }
-                )
+            await announce("escalated", level, people, until)
         reminded = remind is None or until - remind <= inst.now
         while True:
             wake = until if reminded else until - (remind or 0.0)
@@ -151,25 +150,7 @@ async def approval(
             if payload is None:
                 if inst.now < until - 1e-6 and not reminded:
                     reminded = True
-                    inst.record(
-                        "approval_reminder",
-                        {
-                            "approval_id": approval_id,
-                            "level": level,
-                            "approvers": people,
-                            "deadline_at": until,
-                        },
-                    )
-                    if notify is not None:
-                        await notify(
-                            {
-                                **review,
-                                "approvers": people,
-                                "deadline_at": until,
-                                "level": level,
-                                "event": "reminder",
-                            }
-                        )
+                    await announce("reminder", level, people, until)
                     continue
                 break  # this level's deadline passed
             verdict = _judge(payload, approval_id, fp, people, allow_edit, adapter)
@@ -238,24 +219,10 @@ async def approval(
 
 async def _next_decision(inst: Any, signal: str, until: float) -> dict[str, Any] | None:
     """The next decision signal, or None when ``until`` passes first (a signal wins a tie)."""
-    found, payload = inst.take_signal(signal)
-    if found:
-        return payload if isinstance(payload, dict) else {"invalid": payload}
-    delay = max(0.0, until - inst.now)
-    fut = inst.wait_signal(signal, until)
-    timer = inst.start_timer(delay, shown=False)
-    try:
-        await asyncio.wait([fut, timer], return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        fut.cancel()
-        timer.cancel()
-        raise
-    if fut.done() and not fut.cancelled():
-        timer.cancel()
-        got = fut.result()
-        return got if isinstance(got, dict) else {"invalid": got}
-    fut.cancel()
-    return None
+    got, payload = await signal_until(inst, signal, until)
+    if not got:
+        return None
+    return payload if isinstance(payload, dict) else {"invalid": payload}
 
 
 def _judge(
