@@ -170,6 +170,22 @@ def test_signal_result_wait_and_run_control(server: Server) -> None:
     result = server.http.get(f"{other['links']['result']}?wait=20").json()
     assert result["status"] == "cancelled"
 
+    # fork the completed bill run after its first step: the new run reuses that step
+    done = server.http.post("/v1/workflows/bill/runs", json=INVOICE).json()
+    assert server.http.get(f"{done['links']['result']}?wait=20").status_code == 200
+    forked = server.http.post(f"/v1/runs/{done['id']}/fork", json={"at_step": 1, "run_id": "f1"})
+    assert forked.status_code == 202, forked.text
+    assert forked.headers["location"] == "/v1/runs/f1"
+    again_result = server.http.get("/v1/runs/f1/result?wait=20").json()
+    assert again_result["result"] == {"number": "A-1", "total": 1100}
+    history = server.http.get("/v1/runs/f1/history").json()["events"]
+    started = next(e for e in history if e["type"] == "WorkflowStarted")
+    assert started["data"]["forked_from"] == {"run_id": done["id"], "at_step": 1}
+    steps = [e for e in history if e["type"] == "ActivityScheduled"]
+    assert len(steps) == 1  # the reused step, not run again
+    bad = server.http.post(f"/v1/runs/{done['id']}/fork", json={"at_step": -1})
+    assert bad.status_code == 422
+
 
 def test_list_pages_by_cursor_stable_while_runs_are_added(server: Server) -> None:
     for i in range(5):

@@ -76,6 +76,13 @@ def _uncursor(cursor: str) -> tuple[float, str]:
         ) from exc
 
 
+class ForkBody(BaseModel):
+    """Where to fork a run: the outcomes of its first ``at_step`` steps are reused."""
+
+    at_step: int = Field(ge=0, description="Steps of the original run to reuse.")
+    run_id: str | None = Field(None, description="The new run's id (made up when absent).")
+
+
 class DecisionBody(BaseModel):
     """A decision on a review; the run checks it before it counts."""
 
@@ -269,6 +276,18 @@ def create_api(
 
     for action in ("cancel", "terminate", "suspend", "resume"):
         _add_action(api, app, action, visible, admin_only)
+
+    @api.post(
+        "/v1/runs/{run_id}/fork",
+        status_code=202,
+        summary="Start a new run reusing a run's first recorded steps, the rest with today's code",
+    )
+    async def fork(run_id: str, body: ForkBody, request: Request, response: Response) -> RunView:
+        admin_only(request, "fork")
+        await visible(request, run_id)
+        new = await app.fork(run_id, at_step=body.at_step, new_run_id=body.run_id)
+        response.headers["Location"] = f"/v1/runs/{new.run_id}"
+        return run_view(await app.get(new.run_id))
 
     async def review_of(request: Request, approval_id: str) -> Approval:
         """The review, if the caller may see its run."""
