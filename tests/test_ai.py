@@ -633,3 +633,59 @@ async def test_evaluate_scores_a_router_from_its_recorded_decisions(tmp_path: Pa
     assert report.repair_rate == 0.25
     assert [r.cost for r in report.results] == [0.00002, 0.00004, 0.00002, 0.00002]
     await app.close()
+
+
+async def test_a_streamed_step_reaches_followers_and_only_the_answer_is_recorded(
+    app: tether.App, server: ModelServer
+) -> None:
+    gw, primary = gateway(app, server)
+
+    @app.workflow
+    async def tell(topic: str) -> str:
+        first = await ai.complete(primary, f"tell me about {topic}", stream=True)
+        await tether.wait_event("more")
+        second = await ai.complete(primary, "and then?", stream=True)
+        return f"{first} | {second}"
+
+    server.script(
+        "gpt-4o-mini",
+        model_reply("the quick brown fox", chunk_delay=0.01),
+        model_reply("jumps over", chunk_delay=0.01),
+    )
+    got: list[dict[str, Any]] = []
+
+    async def follow(run_id: str, steps: int) -> None:
+        async for item in gw.follow(run_id):
+            got.append(item)
+            if item.get("done") and sum(1 for g in got if g.get("done")) == steps:
+                return
+
+    async with app.worker(poll_interval=0.05):
+        run = await app.start(tell, "foxes", run_id="tale")
+        follower = asyncio.create_task(follow("tale", 1))
+        await asyncio.wait_for(follower, 30)
+    deltas = [g["delta"] for g in got if "delta" in g]
+    assert "".join(deltas) == "the quick brown fox" and len(deltas) == 4
+    assert got[-1]["done"] is True and got[0]["step"] == 1
+    # a fresh worker replays the first answer without streaming it again
+    again: list[dict[str, Any]] = []
+
+    async def follow_again() -> None:
+        async for item in gw.follow("tale"):
+            again.append(item)
+            if item.get("done"):
+                return
+
+    async with app.worker(poll_interval=0.05):
+        follower = asyncio.create_task(follow_again())
+        await app.signal("tale", "more")
+        assert await run.result(timeout=30) == "the quick brown fox | jumps over"
+        await asyncio.wait_for(follower, 30)
+    assert "".join(g["delta"] for g in again if "delta" in g) == "jumps over"
+    assert server.count() == 2
+    history = await app.history("tale")
+    completed = [e for e in history if e.type is EventType.ACTIVITY_COMPLETED]
+    assert [c.data["result"]["response"]["parts"][0]["content"] for c in completed] == [
+        "the quick brown fox",
+        "jumps over",
+    ]

@@ -19,9 +19,10 @@ import dataclasses
 import hashlib
 import json
 import math
+import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any, cast
@@ -237,6 +238,9 @@ class Gateway:
         self.prices = dict(prices or {})
         self._models: dict[str, ModelRef] = {}
         self._built: dict[str, Model] = {}
+        #: followers of streamed output, per run: (their loop, their queue)
+        self._followers: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]]] = {}
+        self._followers_lock = threading.Lock()
         #: per run, its conversations as rebuilt from history (most recently used last)
         self._threads: dict[str, _Rebuilt] = {}
         #: the scopes that have a daily budget, re-read every few seconds
@@ -415,13 +419,16 @@ class Gateway:
         started = time.perf_counter()
         with HeaderCapture() as cap:
             try:
-                response = await model_request(
-                    built,
-                    messages,
-                    model_settings=settings,
-                    model_request_parameters=params,
-                    instrument=False,
-                )
+                if request.get("stream"):
+                    response = await self._streamed(ref, built, messages, settings, params)
+                else:
+                    response = await model_request(
+                        built,
+                        messages,
+                        model_settings=settings,
+                        model_request_parameters=params,
+                        instrument=False,
+                    )
             except Exception as exc:
                 mapped = _classified(ref, exc)
                 if mapped is exc:
@@ -466,6 +473,76 @@ class Gateway:
         if cache_key is not None:
             await self._step_store().ai_cache_put(cache_key, json.dumps(out), ref.cache_ttl or 0.0)
         return out
+
+    async def _streamed(
+        self,
+        ref: ModelRef,
+        built: Model,
+        messages: list[ModelMessage],
+        settings: ModelSettings | None,
+        params: ModelRequestParameters,
+    ) -> ModelResponse:
+        """A streamed request: text deltas go to the run's followers as they arrive;
+        only the final answer is returned (and recorded)."""
+        from pydantic_ai.direct import model_request_stream
+        from pydantic_ai.messages import PartDeltaEvent, PartStartEvent, TextPart, TextPartDelta
+
+        try:
+            ctx = activity_context()
+            where: dict[str, Any] = {"run_id": ctx.run_id, "step": ctx.step, "model": ref.name}
+        except NotInActivityError:
+            where = {"run_id": None, "step": None, "model": ref.name}
+        run_id = where["run_id"]
+        async with model_request_stream(
+            built,
+            messages,
+            model_settings=settings,
+            model_request_parameters=params,
+            instrument=False,
+        ) as stream:
+            async for event in stream:
+                text = None
+                if isinstance(event, PartStartEvent) and isinstance(event.part, TextPart):
+                    text = event.part.content
+                elif isinstance(event, PartDeltaEvent) and isinstance(event.delta, TextPartDelta):
+                    text = event.delta.content_delta
+                if text and run_id is not None:
+                    self._publish(run_id, {**where, "delta": text})
+            response = stream.get()
+        if run_id is not None:
+            self._publish(run_id, {**where, "done": True})
+        return response
+
+    def _publish(self, run_id: str, item: dict[str, Any]) -> None:
+        with self._followers_lock:
+            followers = list(self._followers.get(run_id, ()))
+        for loop, queue in followers:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+    async def follow(self, run_id: str) -> AsyncIterator[dict[str, Any]]:
+        """The streamed output of ``run_id``'s model steps, as it is produced, in this
+        process: ``{"run_id", "step", "model", "delta": text}`` items and a
+        ``{"done": True, ...}`` item when a step's answer is complete.
+
+        Only steps run after you start following, by a worker of this process, with
+        ``stream=True`` (``ai.complete(..., stream=True)``) stream; recorded answers
+        are never streamed again (a resumed run replays them silently). Stop by
+        breaking out of the loop.
+        """
+        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        entry = (asyncio.get_running_loop(), queue)
+        with self._followers_lock:
+            self._followers.setdefault(run_id, []).append(entry)
+        try:
+            while True:
+                yield await queue.get()
+        finally:
+            with self._followers_lock:
+                subs = self._followers.get(run_id, [])
+                if entry in subs:
+                    subs.remove(entry)
+                if not subs:
+                    self._followers.pop(run_id, None)
 
     def _step_store(self) -> Store:
         """The store of the worker running this step (the App's outside a step): a
@@ -603,8 +680,12 @@ class Gateway:
         params: ModelRequestParameters | None = None,
         settings: ModelSettings | None = None,
         prompt_version: str | None = None,
+        stream: bool = False,
     ) -> tuple[ModelResponse, dict[str, Any]]:
         """One model request as a recorded step: budget check, fallbacks, hedging.
+
+        With ``stream`` the answer's text goes to the run's followers as it arrives
+        (``gateway.follow``); the recorded result is the same final answer.
 
         Returns the response and its call record (model, tokens, cost...).
         """
@@ -617,6 +698,8 @@ class Gateway:
         }
         if prompt_version is not None:
             body["prompt_version"] = prompt_version
+        if stream:
+            body["stream"] = True
         chain = (ref, *ref.fallback)
         for i, current in enumerate(chain):
             try:

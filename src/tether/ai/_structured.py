@@ -224,8 +224,10 @@ async def complete(
     instructions: str | None = None,
     settings: ModelSettings | None = None,
     prompt_version: str | None = None,
+    stream: bool = False,
 ) -> str:
-    """Plain text from ``model`` as one recorded step."""
+    """Plain text from ``model`` as one recorded step; with ``stream`` its text also goes
+    to the run's followers as it arrives (``gateway.follow(run_id)``)."""
     if not isinstance(model, ModelRef):
         raise ConfigurationError(
             "complete() takes a model registered on a tether.ai.Gateway, "
@@ -236,5 +238,6 @@ async def complete(
         _messages(prompt, instructions),
         settings=settings,
         prompt_version=prompt_version,
+        stream=stream,
     )
     return "".join(p.content for p in response.parts if isinstance(p, TextPart))

@@ -39,6 +39,8 @@ class Answer:
     #: a body sent verbatim instead of a completion (garbage, an error document)
     raw: str | None = None
     delay: float = 0.0
+    #: pause between streamed chunks (a request with ``"stream": true`` gets chunks)
+    chunk_delay: float = 0.0
 
 
 def reply(
@@ -51,8 +53,11 @@ def reply(
     finish_reason: str | None = None,
     headers: dict[str, str] | None = None,
     delay: float = 0.0,
+    chunk_delay: float = 0.0,
 ) -> Answer:
-    """A completion with ``text`` or one tool call ``(name, arguments)``, and its usage."""
+    """A completion with ``text`` or one tool call ``(name, arguments)``, and its usage.
+
+    Streamed (word by word) when the request asks for a stream."""
     return Answer(
         text=text,
         tool_calls=[tool] if tool is not None else [],
@@ -62,6 +67,7 @@ def reply(
         finish_reason=finish_reason or ("tool_calls" if tool is not None else "stop"),
         headers=dict(headers or {}),
         delay=delay,
+        chunk_delay=chunk_delay,
     )
 
 
@@ -142,6 +148,9 @@ class ModelServer:
                 answer = server._take(body, headers)
                 if answer.delay:
                     time.sleep(answer.delay)
+                if body.get("stream") and answer.raw is None and answer.status == 200:
+                    self._stream(body, answer)
+                    return
                 payload = (
                     answer.raw.encode()
                     if answer.raw is not None
@@ -157,6 +166,26 @@ class ModelServer:
                     self.wfile.write(payload)
                 except (BrokenPipeError, ConnectionResetError):  # the client gave up
                     pass
+
+            def _stream(self, body: dict[str, Any], answer: Answer) -> None:
+                """The answer as Server-Sent Events chunks, a word at a time."""
+                try:
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/event-stream")
+                    self.send_header("Connection", "close")
+                    for k, v in answer.headers.items():
+                        self.send_header(k, v)
+                    self.end_headers()
+                    for chunk in _chunks(body, answer):
+                        self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                        self.wfile.flush()
+                        if answer.chunk_delay:
+                            time.sleep(answer.chunk_delay)
+                    self.wfile.write(b"data: [DONE]\n\n")
+                    self.wfile.flush()
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
+                self.close_connection = True
 
         self._httpd = http.server.ThreadingHTTPServer((host, port), Handler)
         self._httpd.daemon_threads = True
@@ -255,3 +284,38 @@ def _completion(body: dict[str, Any], a: Answer) -> dict[str, Any]:
         "choices": [{"index": 0, "message": message, "finish_reason": a.finish_reason}],
         "usage": usage,
     }
+
+
+def _chunks(body: dict[str, Any], a: Answer) -> list[dict[str, Any]]:
+    """A text answer as OpenAI ``chat.completion.chunk`` objects, then the usage."""
+    base = {
+        "id": "chatcmpl-scripted",
+        "object": "chat.completion.chunk",
+        "created": 0,
+        "model": body.get("model", ""),
+    }
+    words = [w + " " for w in (a.text or "").split(" ")]
+    if words:
+        words[-1] = words[-1][:-1]
+    out = [
+        {
+            **base,
+            "choices": [
+                {"index": 0, "delta": {"role": "assistant", "content": w}, "finish_reason": None}
+            ],
+        }
+        for w in words
+    ]
+    out.append({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": a.finish_reason}]})
+    out.append(
+        {
+            **base,
+            "choices": [],
+            "usage": {
+                "prompt_tokens": a.input_tokens,
+                "completion_tokens": a.output_tokens,
+                "total_tokens": a.input_tokens + a.output_tokens,
+            },
+        }
+    )
+    return out
