@@ -689,3 +689,65 @@ async def test_a_streamed_step_reaches_followers_and_only_the_answer_is_recorded
         "the quick brown fox",
         "jumps over",
     ]
+
+
+async def test_a_run_keeps_the_model_it_started_with_across_a_deploy(
+    store_url: str, server: ModelServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OPENAI_BASE_URL", server.base_url)
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
+    server.default = lambda body: model_reply(f"from {body['model']}")
+
+    def deploy(fast_spec: Any, version: str | None = None) -> tether.App:
+        app = tether.App(store=store_url)
+        gw = ai.Gateway(app, retry=FAST)
+        fast = gw.model("fast", fast_spec, version=version)
+
+        @app.workflow
+        async def two(text: str) -> str:
+            first = await ai.complete(fast, text)
+            await tether.wait_event("go")
+            return f"{first}, {await ai.complete(fast, text)}"
+
+        return app
+
+    old = deploy("openai:m-old")
+    async with old.worker(poll_interval=0.05):
+        await old.start("two", "x", run_id="pinned")
+        while not await old.list(waiting_for="signal:go"):
+            await asyncio.sleep(0.02)
+    pins = (await old.get("pinned")).attrs["pins"]["tether.ai"]["models"]  # type: ignore[index]
+    assert pins == {"fast": {"version": "openai:m-old", "spec": "openai:m-old"}}
+    await old.start("two", "q", run_id="started-before")  # not run at all before the deploy
+    await old.close()
+    new = deploy("openai:m-new")  # a deploy changes the model
+    async with new.worker(poll_interval=0.05):
+        await new.signal("pinned", "go")
+        assert await new.get_run("pinned").result(timeout=30) == "from m-old, from m-old"
+        await new.signal("started-before", "go")
+        assert await new.get_run("started-before").result(timeout=30) == "from m-old, from m-old"
+        fresh = await new.start("two", "y")
+        await new.signal(fresh.run_id, "go")
+        assert await fresh.result(timeout=30) == "from m-new, from m-new"
+    await new.close()
+    # a model object cannot be rebuilt from its pin: the change is recorded, not silent
+    url = server.base_url
+    old = deploy(ai.openai_compatible("m-a", base_url=url, api_key="k"), version="a")
+    async with old.worker(poll_interval=0.05):
+        await old.start("two", "z", run_id="repinned")
+        while not await old.list(waiting_for="signal:go"):
+            await asyncio.sleep(0.02)
+    await old.close()
+    new = deploy(ai.openai_compatible("m-b", base_url=url, api_key="k"), version="b")
+    async with new.worker(poll_interval=0.05):
+        await new.signal("repinned", "go")
+        assert await new.get_run("repinned").result(timeout=30) == "from m-a, from m-b"
+    assert markers(await new.history("repinned"), "model_repinned") == [
+        {
+            "model": "fast",
+            "from": "a",
+            "to": "b",
+            "why": "the pinned model is a Model object this deploy does not have",
+        }
+    ]
+    await new.close()

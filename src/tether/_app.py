@@ -152,6 +152,8 @@ class App:
         self._store_lock = threading.Lock()
         self.default_queue = queue
         self._workflows: dict[str, Workflow[Any, Any]] = {}
+        #: what runs are pinned to at their start, by source (``tether.ai`` gateways)
+        self._pin_sources: dict[str, Callable[[], dict[str, Any]]] = {}
         self._activities: dict[str, Activity[Any, Any]] = {}
         self._waiters: dict[str, list[_Waiter]] = {}
         self._waiters_lock = threading.Lock()
@@ -490,7 +492,12 @@ class App:
             raise ConfigurationError(
                 f"budget= takes a tether.Budget(tokens=..., cost=...), got {type(budget).__name__}"
             )
-        attrs = {"budget": budget.to_json()} if budget is not None else None
+        attrs: dict[str, Any] | None = None
+        if budget is not None:
+            attrs = {"budget": budget.to_json()}
+        if self._pin_sources:
+            pins = {name: source() for name, source in self._pin_sources.items()}
+            attrs = {**(attrs or {}), "pins": pins}
         if tenant is not None and (not isinstance(tenant, str) or not tenant):
             raise ConfigurationError(f"tenant must be a non-empty string (got {tenant!r})")
         if on_limit not in ("raise", "queue"):

@@ -259,6 +259,8 @@ class RunInfo:
     #: ``{"kind": "activity", "name": ..., "step": n}``, ``{"kind": "child", "run_id":
     #: ..., "workflow": ...}``, or ``{"kind": "admission", "tenant": ...}`` while queued
     waiting_on: list[dict[str, Any]] | None = None
+    #: what the run was started with: ``{"budget": ..., "pins": {"models": ...}}``
+    attrs: dict[str, Any] | None = None
 
     @property
     def is_finished(self) -> bool:

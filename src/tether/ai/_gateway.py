@@ -162,6 +162,7 @@ class _Seen:
 
     messages: set[str] = dataclasses.field(default_factory=set)
     nodes: set[str] = dataclasses.field(default_factory=set)
+    repinned: set[str] = dataclasses.field(default_factory=set)
 
 
 _known: weakref.WeakKeyDictionary[WorkflowInstance, _Seen] = weakref.WeakKeyDictionary()
@@ -182,6 +183,7 @@ class ModelRef:
         hedge: tuple[ModelRef, float] | None,
         output_estimate: int,
         cache_ttl: float | None = None,
+        version: str | None = None,
     ) -> None:
         self.gateway = gateway
         self.cache_ttl = cache_ttl
@@ -195,6 +197,9 @@ class ModelRef:
         probe: Model | str | None = spec if isinstance(spec, Model | str) else None
         self.model_name = model_name_of(probe) if probe is not None else name
         self.provider = provider_of(probe) if probe is not None else None
+        #: what runs started now are pinned to (a deploy that changes it does not change
+        #: them): the given version, else the "provider:name" string, else the model name
+        self.version = version or (spec if isinstance(spec, str) else self.model_name)
 
     def __repr__(self) -> str:
         return f"<tether.ai model {self.name} ({self.model_name})>"
@@ -213,7 +218,11 @@ class Gateway:
 
     ``retry`` and ``timeout`` are the defaults of every model (per attempt);
     ``prices`` maps a provider's model name to a ``Price`` that overrides
-    genai-prices. With ``message_refs`` (the default) a step records only the
+    genai-prices. A run is pinned at its start to each model's ``version``
+    (``app.get(run).attrs["pins"]``): after a deploy that changes a model, runs in
+    flight keep calling the one they started with when it is a ``"provider:name"``
+    string, and otherwise record the change (a ``model_repinned`` marker). With
+    ``message_refs`` (the default) a step records only the
     conversation messages new to its run and refers to earlier ones by content
     hash, so a long conversation's history grows linearly, not quadratically.
     Every worker that runs model steps must build the same gateway (it does when
@@ -248,6 +257,7 @@ class Gateway:
         self._budgets_read_at = 0.0
         #: genai-prices' price of (model, provider), looked up once (None: unknown)
         self._price_table: dict[tuple[str, str | None], Any] = {}
+        app._pin_sources[name] = self._pins
         self._activity = app.activity(
             name=f"{name}.call", retry=retry, timeout=timeout, queue=queue
         )(self._call)
@@ -270,6 +280,7 @@ class Gateway:
         hedge: tuple[ModelRef, float | timedelta] | None = None,
         output_estimate: int = DEFAULT_OUTPUT_ESTIMATE,
         cache_ttl: float | timedelta | None = None,
+        version: str | None = None,
     ) -> ModelRef:
         """Register ``model`` as ``name``: a pydantic-ai ``Model``, ``"provider:name"``, or a
         function building one on the worker (so API keys are read there, never recorded).
@@ -281,6 +292,7 @@ class Gateway:
         first answer. ``cache_ttl`` keeps answers in the store for that long and
         answers the same request (model, messages, tools, parameters, output type)
         from there, in any run: for deterministic prompts (temperature 0) only.
+        ``version`` names what runs are pinned to (see ``Gateway``).
         """
         if not isinstance(name, str) or not name:
             raise ConfigurationError(f"a model needs a non-empty name (got {name!r})")
@@ -326,9 +338,23 @@ class Gateway:
             hedge=hedge_pair,
             output_estimate=output_estimate,
             cache_ttl=ttl,
+            version=version,
         )
         self._models[name] = ref
         return ref
+
+    def _pins(self) -> dict[str, Any]:
+        """What a run started now is pinned to: each model's version (and its
+        ``"provider:name"`` when it has one, so a later deploy can still build it)."""
+        return {
+            "models": {
+                name: {
+                    "version": ref.version,
+                    "spec": ref.spec if isinstance(ref.spec, str) else None,
+                }
+                for name, ref in self._models.items()
+            }
+        }
 
     def price_of(
         self,
@@ -381,6 +407,13 @@ class Gateway:
             self._built[ref.name] = built
         return built
 
+    def _resolve_spec(self, spec: str) -> Model:
+        """A model a run was pinned to by its ``"provider:name"`` (built once per worker)."""
+        key = f"spec:{spec}"
+        if key not in self._built:
+            self._built[key] = build(spec)
+        return self._built[key]
+
     async def _call(self, model: str, request: dict[str, Any]) -> dict[str, Any]:
         """Run one model request; its result is recorded (the response and its cost)."""
         from pydantic_ai.direct import model_request
@@ -402,7 +435,8 @@ class Gateway:
                 cached[CALL_KEY] = {**cached[CALL_KEY], "cache_hit": True}
                 return cached
         scopes = await self._check_daily_budgets(ref, request)
-        built = self._resolve(ref)
+        pinned: str | None = request.get("spec")
+        built = self._resolve_spec(pinned) if pinned else self._resolve(ref)
         messages = load_messages(request["messages"])
         params = load_params(request["params"])
         settings: ModelSettings | None = request.get("settings")
@@ -461,6 +495,8 @@ class Gateway:
             "attempt": attempt,
             "prompt_version": request.get("prompt_version"),
         }
+        if pinned and pinned != ref.spec:
+            call["pinned"] = pinned
         out = _CallResult({"response": dump_response(response), CALL_KEY: call})
         out.headers = cap.headers
         if scopes:
@@ -769,6 +805,10 @@ class Gateway:
             body = {**body, "estimate": estimate}
         elif tenant is not None:
             body = {**body, "estimate": ref.estimate(body["messages"], settings)}
+        # the step names the model it calls, so a worker of a later deploy calls the same
+        spec = _pinned(inst, self.name, ref) or (ref.spec if isinstance(ref.spec, str) else None)
+        if spec is not None:
+            body = {**body, "spec": spec}
         inline: list[str] = []
         tip = ""
         seen = _known.setdefault(inst, _Seen())
@@ -858,6 +898,36 @@ def _lookup_price(model: str, provider: str | None) -> Any:
 
 #: failures the next model in a fallback chain would meet too
 _NO_FALLBACK = frozenset({"ContentRefused", "BudgetExceeded"})
+
+
+def _pinned(inst: WorkflowInstance, gateway: str, ref: ModelRef) -> str | None:
+    """The ``"provider:name"`` a run pinned at its start to call instead of today's ``ref``,
+    or None to call ``ref`` (the same version, no pin, or a pin that cannot be rebuilt,
+    which is then recorded once as ``model_repinned``)."""
+    started = inst.started
+    attrs = (started.data if started is not None else {}).get("attrs") or {}
+    pin = ((attrs.get("pins") or {}).get(gateway) or {}).get("models", {}).get(ref.name)
+    if pin is None or pin.get("version") == ref.version:
+        return None
+    if pin.get("spec"):
+        return str(pin["spec"])
+    seen = _known.setdefault(inst, _Seen())
+    recorded = inst.recorded_next()
+    replayed_call = recorded is not None and recorded.data.get("marker") != "model_repinned"
+    if ref.name not in seen.repinned and not replayed_call:
+        # once per model and run, where the run first calls it after the deploy (a call
+        # replayed from before the deploy records nothing: history has it already)
+        seen.repinned.add(ref.name)
+        inst.record(
+            "model_repinned",
+            {
+                "model": ref.name,
+                "from": pin.get("version"),
+                "to": ref.version,
+                "why": "the pinned model is a Model object this deploy does not have",
+            },
+        )
+    return None
 
 
 def _check_budget(

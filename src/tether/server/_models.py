@@ -40,6 +40,9 @@ class RunView(BaseModel):
     completed_at: float | None = None
     result: Any = Field(None, description="the run's result, once it completed")
     error: dict[str, Any] | None = None
+    attrs: dict[str, Any] | None = Field(
+        None, description="what the run was started with: its model budget, model pins"
+    )
     links: Links
 
 
@@ -111,6 +114,7 @@ def run_view(info: RunInfo) -> RunView:
         completed_at=info.completed_at,
         result=json.loads(info.output) if info.output else None,
         error=info.error,
+        attrs=info.attrs,
         links=links(info.run_id),
     )
 

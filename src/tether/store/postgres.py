@@ -84,6 +84,7 @@ _UPGRADES: dict[int, tuple[str, ...]] = {
         "updated_at DOUBLE PRECISION NOT NULL)",
     ),
     5: (
+        "ALTER TABLE runs ADD COLUMN IF NOT EXISTS attrs TEXT",
         "CREATE TABLE IF NOT EXISTS approvals (approval_id TEXT PRIMARY KEY, run_id TEXT NOT "
         "NULL, name TEXT NOT NULL, fingerprint TEXT NOT NULL, proposal TEXT NOT NULL, "
         "approvers TEXT NOT NULL, deadline_at DOUBLE PRECISION NOT NULL, status TEXT NOT NULL, "

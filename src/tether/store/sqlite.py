@@ -76,6 +76,7 @@ _UPGRADES: dict[int, tuple[str, ...]] = {
         "updated_at REAL NOT NULL)",
     ),
     5: (
+        "ALTER TABLE runs ADD COLUMN attrs TEXT",
         "CREATE TABLE IF NOT EXISTS approvals (approval_id TEXT PRIMARY KEY, run_id TEXT NOT "
         "NULL, name TEXT NOT NULL, fingerprint TEXT NOT NULL, proposal TEXT NOT NULL, "
         "approvers TEXT NOT NULL, deadline_at REAL NOT NULL, status TEXT NOT NULL, "

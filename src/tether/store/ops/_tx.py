@@ -15,7 +15,7 @@ _TERMINAL = tuple(s.value for s in RunStatus if s.is_terminal)
 
 _RUN_COLS = (
     "run_id, workflow, status, queue, input, output, error, custom_status, parent_run_id, "
-    "continued_to, task_error, created_at, updated_at, completed_at, tenant, waiting_on"
+    "continued_to, task_error, created_at, updated_at, completed_at, tenant, waiting_on, attrs"
 )
 
 
@@ -110,6 +110,7 @@ def _run_from_row(row: Sequence[Any]) -> RunInfo:
             if row[15]
             else None
         ),
+        attrs=json.loads(row[16]) if len(row) > 16 and row[16] else None,
     )
 
 

@@ -51,7 +51,7 @@ def _insert_run(
     """
     tx.execute(
         "INSERT INTO runs (run_id, workflow, status, queue, input, parent_run_id, parent_step, "
-        "created_at, updated_at, tenant, next_seq) VALUES (?,?,?,?,?,?,?,?,?,?,2)",
+        "created_at, updated_at, tenant, attrs, next_seq) VALUES (?,?,?,?,?,?,?,?,?,?,?,2)",
         (
             run_id,
             workflow,
@@ -63,6 +63,7 @@ def _insert_run(
             tx.now,
             tx.now,
             tenant,
+            json.dumps(attrs) if attrs else None,
         ),
     )
     if deadline_at is not None:
@@ -177,12 +178,13 @@ def _create_run(
             row = tx.execute(f"SELECT {_RUN_COLS} FROM runs WHERE run_id = ?", (run_id,))
             info = _run_from_row(row.fetchone())
         else:  # nothing else can have changed it: no read back
-            info = _new_run(tx, run_id, workflow, RunStatus.RUNNING, queue, input, tenant)
+            info = _new_run(tx, run_id, workflow, RunStatus.RUNNING, queue, input, tenant, attrs)
         return StartResult(run=info, created=True, first_marker=marker, first_leased=tuple(acts))
     if leased is None:
         status = RunStatus.QUEUED if queued else RunStatus.PENDING
         return StartResult(
-            run=_new_run(tx, run_id, workflow, status, queue, input, tenant), created=True
+            run=_new_run(tx, run_id, workflow, status, queue, input, tenant, attrs),
+            created=True,
         )
     row = tx.execute(f"SELECT {_RUN_COLS} FROM runs WHERE run_id = ?", (run_id,)).fetchone()
     if leased is not None:  # hand the worker the history too: it needs no read to start
@@ -199,6 +201,7 @@ def _new_run(
     queue: str,
     input: str,
     tenant: str | None,
+    attrs: dict[str, Any] | None = None,
 ) -> RunInfo:
     """The RunInfo of a run this transaction just created (what a read would return)."""
     return RunInfo(
@@ -217,6 +220,7 @@ def _new_run(
         updated_at=tx.now,
         completed_at=None,
         tenant=tenant,
+        attrs=attrs,
     )
 
 

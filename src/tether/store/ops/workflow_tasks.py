@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 from typing import Any
 
 from ..._errors import LeaseLostError, RunFinishedError, RunNotFoundError
@@ -307,6 +308,8 @@ def _apply_workflow_result(
         deadline = tx.execute(
             "SELECT available_at FROM tasks WHERE run_id = ? AND kind = 'deadline'", (run_id,)
         ).fetchone()
+        # ... and what it was started with (a budget, model pins)
+        attrs = tx.execute("SELECT attrs FROM runs WHERE run_id = ?", (run_id,)).fetchone()[0]
         end(RunStatus.CONTINUED_AS_NEW, continued_to=nxt)
         _insert_run(
             tx,
@@ -318,6 +321,7 @@ def _apply_workflow_result(
             parent_step,
             deadline_at=deadline[0] if deadline else None,
             tenant=tenant,
+            attrs=json.loads(attrs) if attrs else None,
         )
         if status == RunStatus.SUSPENDED.value:
             _append(tx, nxt, EventType.SUSPENDED, None, {"carried_from": run_id})

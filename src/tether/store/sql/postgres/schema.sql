@@ -24,7 +24,8 @@ CREATE TABLE IF NOT EXISTS runs (
     updated_at     DOUBLE PRECISION NOT NULL,
     completed_at   DOUBLE PRECISION,
     tenant         TEXT,              -- app.start(tenant=): admission limits
-    waiting_on     TEXT               -- JSON: what the run waits for after its last task
+    waiting_on     TEXT,              -- JSON: what the run waits for after its last task
+    attrs          TEXT               -- JSON: what it was started with (budget, model pins)
 );
 CREATE INDEX IF NOT EXISTS runs_by_status ON runs (status, created_at);
 CREATE INDEX IF NOT EXISTS runs_by_workflow ON runs (workflow, created_at);
