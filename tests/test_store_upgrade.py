@@ -49,6 +49,7 @@ async def test_a_version_1_sqlite_store_is_upgraded(tmp_path: Path) -> None:
     await _first_run(f"sqlite:///{db}")
     conn = sqlite3.connect(db)
     conn.execute("ALTER TABLE runs DROP COLUMN waiting_on")  # as version 1 made it
+    conn.execute("ALTER TABLE runs DROP COLUMN attrs")
     for table in (
         "api_keys",
         "ai_cache",
@@ -75,6 +76,7 @@ async def test_a_version_1_postgres_store_is_upgraded(pg_schema: str) -> None:
     with psycopg.connect(PG_URL, autocommit=True) as conn:
         conn.execute(f'SET search_path TO "{pg_schema}"')
         conn.execute("ALTER TABLE runs DROP COLUMN waiting_on")
+        conn.execute("ALTER TABLE runs DROP COLUMN attrs")
         for table in (
             "api_keys",
             "ai_cache",
