@@ -661,8 +661,9 @@ async def test_a_streamed_step_reaches_followers_and_only_the_answer_is_recorded
                 return
 
     async with app.worker(poll_interval=0.05):
-        run = await app.start(tell, "foxes", run_id="tale")
         follower = asyncio.create_task(follow("tale", 1))
+        await asyncio.sleep(0.01)  # following before the run starts: no delta can be missed
+        run = await app.start(tell, "foxes", run_id="tale")
         await asyncio.wait_for(follower, 30)
     deltas = [g["delta"] for g in got if "delta" in g]
     assert "".join(deltas) == "the quick brown fox" and len(deltas) == 4
@@ -678,6 +679,7 @@ async def test_a_streamed_step_reaches_followers_and_only_the_answer_is_recorded
 
     async with app.worker(poll_interval=0.05):
         follower = asyncio.create_task(follow_again())
+        await asyncio.sleep(0.01)
         await app.signal("tale", "more")
         assert await run.result(timeout=30) == "the quick brown fox | jumps over"
         await asyncio.wait_for(follower, 30)
