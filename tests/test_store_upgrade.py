@@ -32,6 +32,10 @@ async def _roundtrip(url: str) -> None:
     await app.close()
 
 
+#: tables added after version 1 (a version-1 store made by an old build lacks them)
+NEWER_TABLES = ("api_keys", "ai_cache", "ai_spend", "ai_budgets", "approvals")
+
+
 async def _first_run(url: str) -> None:
     app = tether.App(store=url)
 
@@ -50,13 +54,7 @@ async def test_a_version_1_sqlite_store_is_upgraded(tmp_path: Path) -> None:
     conn = sqlite3.connect(db)
     conn.execute("ALTER TABLE runs DROP COLUMN waiting_on")  # as version 1 made it
     conn.execute("ALTER TABLE runs DROP COLUMN attrs")
-    for table in (
-        "api_keys",
-        "ai_cache",
-        "ai_spend",
-        "ai_budgets",
-        "approvals",
-    ):
+    for table in NEWER_TABLES:
         conn.execute(f"DROP TABLE {table}")
     conn.execute("PRAGMA user_version = 1")
     conn.commit()
@@ -77,13 +75,7 @@ async def test_a_version_1_postgres_store_is_upgraded(pg_schema: str) -> None:
         conn.execute(f'SET search_path TO "{pg_schema}"')
         conn.execute("ALTER TABLE runs DROP COLUMN waiting_on")
         conn.execute("ALTER TABLE runs DROP COLUMN attrs")
-        for table in (
-            "api_keys",
-            "ai_cache",
-            "ai_spend",
-            "ai_budgets",
-            "approvals",
-        ):
+        for table in NEWER_TABLES:
             conn.execute(f"DROP TABLE {table}")
         conn.execute("UPDATE tether_meta SET version = 1")  # as version 1 left it
     await _roundtrip(url)

@@ -34,7 +34,7 @@ from pydantic_ai.settings import ModelSettings
 from .._activity_context import NotInActivityError, activity_context
 from .._errors import ActivityError, ConfigurationError, NonRetryable
 from .._history import Event, EventType
-from .._policy import Retry
+from .._policy import Retry, seconds
 from .._queues import Dependency
 from .._usage import CALL_KEY, Budget
 from ..workflow._api import sleep
@@ -52,6 +52,7 @@ from ._wire import (
     load_params,
     load_response,
     pack,
+    without,
 )
 
 if TYPE_CHECKING:
@@ -321,12 +322,12 @@ class Gateway:
         )
         hedge_pair = None
         if hedge is not None:
-            after = hedge[1].total_seconds() if isinstance(hedge[1], timedelta) else float(hedge[1])
-            if after <= 0:
+            after = seconds(hedge[1], f"hedge delay of model {name!r}")
+            if not after:
                 raise ConfigurationError(f"hedge delay of model {name!r} must be positive")
             hedge_pair = (hedge[0], after)
-        ttl = cache_ttl.total_seconds() if isinstance(cache_ttl, timedelta) else cache_ttl
-        if ttl is not None and ttl <= 0:
+        ttl = seconds(cache_ttl, f"cache_ttl of model {name!r}")
+        if ttl is not None and not ttl:
             raise ConfigurationError(f"cache_ttl of model {name!r} must be positive")
         ref = ModelRef(
             self,
@@ -670,8 +671,10 @@ class Gateway:
     async def _check_daily_budgets(self, ref: ModelRef, request: dict[str, Any]) -> tuple[str, ...]:
         """The scopes with a daily budget this call counts against; raise when one is spent."""
         now = self.app.store.clock()
+        rows: list[dict[str, Any]] | None = None
         if now - self._budgets_read_at > _BUDGETS_TTL:
-            self._budget_scopes = {b["scope"] for b in await self.budgets()}
+            rows = await self.budgets()
+            self._budget_scopes = {b["scope"] for b in rows}
             self._budgets_read_at = now
         tenant = request.get("tenant")
         scopes = tuple(
@@ -682,16 +685,10 @@ class Gateway:
         if not scopes:
             return ()
         estimate = request.get("estimate") or {"tokens": 0, "cost": None}
-        for b in await self.budgets():
+        for b in rows if rows is not None else await self.budgets():
             if b["scope"] not in scopes:
                 continue
-            over = None
-            if b["tokens"] is not None and b["spent_tokens"] + estimate["tokens"] > b["tokens"]:
-                over = ("tokens", str(b["tokens"]))
-            elif b["cost"] is not None and Decimal(b["spent_cost"]) + Decimal(
-                estimate["cost"] or 0
-            ) > Decimal(b["cost"]):
-                over = ("cost", str(b["cost"]))
+            over = _over(b["tokens"], b["cost"], b["spent_tokens"], b["spent_cost"], estimate)
             if over is not None:
                 raise DailyBudgetExceeded(
                     json.dumps(
@@ -864,21 +861,13 @@ def _day(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).date().isoformat()
 
 
-def _stable(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _stable(v) for k, v in value.items() if k not in _VOLATILE}
-    if isinstance(value, list):
-        return [_stable(v) for v in value]
-    return value
-
-
 def _cache_key(ref: ModelRef, request: dict[str, Any]) -> str:
     """What makes two requests the same question to the same model."""
     settings = {k: v for k, v in (request.get("settings") or {}).items() if k != "extra_headers"}
     material = {
         "model": ref.name,
         "model_name": ref.model_name,
-        "messages": _stable(request["messages"]),
+        "messages": without(request["messages"], _VOLATILE),
         "params": request["params"],
         "settings": settings,
     }
@@ -956,12 +945,7 @@ def _check_budget(
     estimate = ref.estimate(body["messages"], settings)
     spent_tokens = tally.tokens + tally.reserved_tokens
     spent_cost = tally.cost + tally.reserved_cost
-    over: tuple[str, str] | None = None
-    limit_cost = Decimal(str(budget.cost)) if budget.cost is not None else None
-    if budget.tokens is not None and spent_tokens + estimate["tokens"] > budget.tokens:
-        over = ("tokens", str(budget.tokens))
-    elif limit_cost is not None and spent_cost + Decimal(estimate["cost"] or 0) > limit_cost:
-        over = ("cost", str(budget.cost))
+    over = _over(budget.tokens, budget.cost, spent_tokens, spent_cost, estimate)
     if over is not None:
         value = {
             "model": ref.name,
@@ -973,6 +957,23 @@ def _check_budget(
         inst.record("budget_exceeded", value)
         raise BudgetExceeded(ref.name, over[0], over[1], value["spent"], value["estimate"])
     return estimate
+
+
+def _over(
+    tokens: int | None,
+    cost: Any,
+    spent_tokens: int,
+    spent_cost: Decimal | str,
+    estimate: dict[str, Any],
+) -> tuple[str, str] | None:
+    """Which limit (``("tokens" | "cost", the limit)``) a call of ``estimate`` would pass."""
+    if tokens is not None and spent_tokens + estimate["tokens"] > tokens:
+        return ("tokens", str(tokens))
+    if cost is not None and Decimal(spent_cost) + Decimal(estimate["cost"] or 0) > Decimal(
+        str(cost)
+    ):
+        return ("cost", str(cost))
+    return None
 
 
 def _classified(ref: ModelRef, exc: Exception) -> Exception:

@@ -53,17 +53,18 @@ def load_params(data: dict[str, Any]) -> ModelRequestParameters:
 _VOLATILE = frozenset({"timestamp"})
 
 
-def _stable(value: Any) -> Any:
+def without(value: Any, keys: frozenset[str] = _VOLATILE) -> Any:
+    """``value`` (JSON) with the fields named ``keys`` left out, at every depth."""
     if isinstance(value, dict):
-        return {k: _stable(v) for k, v in value.items() if k not in _VOLATILE}
+        return {k: without(v, keys) for k, v in value.items() if k not in keys}
     if isinstance(value, list):
-        return [_stable(v) for v in value]
+        return [without(v, keys) for v in value]
     return value
 
 
 def canonical(message: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """A message's content address (SHA-256 of its JSON without timestamps) and that JSON."""
-    stable: dict[str, Any] = _stable(message)
+    stable: dict[str, Any] = without(message)
     text = json.dumps(stable, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:32], stable
 
