@@ -72,6 +72,7 @@ def _serve(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
             str(port),
             "--workers",
             "1",
+            "--no-auth",
         ],
         cwd=workdir,
         env=env,

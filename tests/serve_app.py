@@ -41,6 +41,29 @@ async def approve(doc: str) -> str:
     return f"{doc}: {decision['verdict'] if decision else 'rejected'}"
 
 
+@app.activity(retry=tether.Retry(attempts=1))
+def flaky(flag: str) -> str:
+    """Fails while the file ``flag`` exists (the test removes it to "fix" the step)."""
+    if os.path.exists(flag):
+        raise RuntimeError(f"flag {flag} is up")
+    return "fixed"
+
+
+@app.workflow
+async def fragile(flag: str) -> str:
+    return await flaky(flag)
+
+
+@app.workflow
+async def counted(items: int) -> int:
+    """Reports progress by item."""
+    for i in range(items):
+        tether.set_progress(i, items, unit="items")
+        await total(Invoice(number=str(i), cents=100), 0.0)
+    tether.set_progress(items, items, unit="items")
+    return items
+
+
 @app.workflow
 async def slow(seconds: float) -> str:
     return await slow_step(seconds)

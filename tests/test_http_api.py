@@ -81,7 +81,7 @@ class Server:
 
 @pytest.fixture
 def server(store_url: str) -> Iterator[Server]:
-    s = Server(store_url, "--workers", "1")
+    s = Server(store_url, "--workers", "1", "--no-auth")
     yield s
     s.stop()
 
@@ -141,7 +141,7 @@ def test_openapi_shows_each_workflows_input_schema(server: Server) -> None:
     assert schemas["BillInput"]["required"] == ["invoice"]
     assert "cents" in schemas["Invoice"]["properties"]
     listed = server.http.get("/v1/workflows").json()
-    assert {w["name"] for w in listed} == {"bill", "approve", "slow", "review"}
+    assert {w["name"] for w in listed} == {"bill", "approve", "slow", "review", "fragile", "counted"}
 
 
 def test_signal_result_wait_and_run_control(server: Server) -> None:
@@ -205,12 +205,12 @@ def test_list_pages_by_cursor_stable_while_runs_are_added(server: Server) -> Non
 
 def test_sigterm_stops_gracefully_and_loses_nothing(tmp_path: Path) -> None:
     store = f"sqlite:///{tmp_path / 't.db'}"
-    first = Server(store, "--workers", "1", "--grace", "10")
+    first = Server(store, "--workers", "1", "--grace", "10", "--no-auth")
     r = first.http.post("/v1/workflows/slow/runs", json={"input": {"seconds": 1.0}})
     rid = r.json()["id"]
     time.sleep(0.3)  # the step is running
     assert first.stop() == 0  # SIGTERM: the in-flight step finishes, the server exits 0
-    second = Server(store, "--workers", "1")
+    second = Server(store, "--workers", "1", "--no-auth")
     try:
         got = second.http.get(f"/v1/runs/{rid}/result?wait=20").json()
         assert got["result"] == "slow done"
@@ -309,9 +309,10 @@ def test_api_keys_scope_a_client_to_its_tenant(store_url: str) -> None:
     import tether
 
     tether.App(store=store_url).store.close_sync()  # type: ignore[attr-defined]  # the store
-    acme = _create_key(store_url, "--role", "client", "--tenant", "acme", "--name", "acme app")
-    globex = _create_key(store_url, "--role", "client", "--tenant", "globex")
+    acme = _create_key(store_url, "--role", "operate", "--tenant", "acme", "--name", "acme app")
+    globex = _create_key(store_url, "--role", "operate", "--tenant", "globex")
     admin = _create_key(store_url, "--role", "admin")
+    viewer = _create_key(store_url, "--role", "read", "--tenant", "acme")
     server = Server(store_url, "--workers", "1")  # keys exist: required from start-up
     try:
         http = server.http
@@ -341,13 +342,28 @@ def test_api_keys_scope_a_client_to_its_tenant(store_url: str) -> None:
         assert (
             http.post("/v1/workflows/bill/runs", json=other, headers=as_(acme)).status_code == 403
         )
-        # operator actions need an admin key; the admin sees every tenant
+        # roles: a read key looks but cannot act; operate cannot terminate; admin can
         waiting = http.post(
             "/v1/workflows/approve/runs", json={"input": {"doc": "d"}}, headers=as_(acme)
         ).json()
-        assert http.post(f"/v1/runs/{waiting['id']}/suspend", headers=as_(acme)).status_code == 403
-        assert http.post(f"/v1/runs/{waiting['id']}/suspend", headers=as_(admin)).status_code == 202
+        run_url = f"/v1/runs/{waiting['id']}"
+        assert http.get(run_url, headers=as_(viewer)).status_code == 200
+        for action in ("cancel", "suspend", "signals/review"):
+            refused = http.post(f"{run_url}/{action}", json={}, headers=as_(viewer))
+            assert refused.status_code == 403, (action, refused.text)
+        assert "role operate" in refused.json()["detail"]
+        started = http.post("/v1/workflows/bill/runs", json=INVOICE, headers=as_(viewer))
+        assert started.status_code == 403
+        assert http.post(f"{run_url}/suspend", headers=as_(acme)).status_code == 202
+        assert http.post(f"{run_url}/resume", headers=as_(acme)).status_code == 202
+        assert http.post(f"{run_url}/terminate", headers=as_(acme)).status_code == 403
+        assert http.post(f"{run_url}/terminate", headers=as_(admin)).status_code == 202
+        # another tenant cannot stream, cancel or see the history either
+        assert http.get(f"{run_url}/events", headers=as_(globex)).status_code == 404
+        assert http.get(f"{run_url}/history", headers=as_(globex)).status_code == 404
+        assert http.post(f"{run_url}/cancel", headers=as_(globex)).status_code == 404
         assert len(http.get("/v1/runs", headers=as_(admin)).json()["runs"]) == 2
+        assert http.get("/v1/runs?tenant=globex", headers=as_(acme)).json()["runs"] == []
         # a revoked key is refused at once
         key_id = acme[len("tether_") :].split(".")[0]
         res = subprocess.run(

@@ -31,6 +31,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "tether._queues",
             "tether._batching",
             "tether._usage",
+            "tether.webhooks",
         ),
     ),
     ("definitions", ("tether._definitions",)),

@@ -33,7 +33,7 @@ async def _roundtrip(url: str) -> None:
 
 
 #: tables added after version 1 (a version-1 store made by an old build lacks them)
-NEWER_TABLES = ("api_keys", "ai_cache", "ai_spend", "ai_budgets", "approvals")
+NEWER_TABLES = ("api_keys", "ai_cache", "ai_spend", "ai_budgets", "approvals", "webhook_outbox")
 
 
 async def _first_run(url: str) -> None:
@@ -61,7 +61,7 @@ async def test_a_version_1_sqlite_store_is_upgraded(tmp_path: Path) -> None:
     conn.close()
     await _roundtrip(f"sqlite:///{db}")
     conn = sqlite3.connect(db)
-    assert conn.execute("PRAGMA user_version").fetchone() == (5,)
+    assert conn.execute("PRAGMA user_version").fetchone() == (6,)
     assert conn.execute("SELECT count(*) FROM ai_spend").fetchone() == (0,)
     conn.close()
 
@@ -81,5 +81,5 @@ async def test_a_version_1_postgres_store_is_upgraded(pg_schema: str) -> None:
     await _roundtrip(url)
     with psycopg.connect(PG_URL, autocommit=True) as conn:
         conn.execute(f'SET search_path TO "{pg_schema}"')
-        assert conn.execute("SELECT max(version) FROM tether_meta").fetchone() == (5,)
+        assert conn.execute("SELECT max(version) FROM tether_meta").fetchone() == (6,)
         assert conn.execute("SELECT count(*) FROM ai_spend").fetchone() == (0,)

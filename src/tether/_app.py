@@ -58,6 +58,7 @@ from .store._open import open_store
 from .store.base import WAITING_KINDS, Finished, Store, start_event_data
 from .store.ops.admission import _configure_admission
 from .store.ops.queues import _configure_queue
+from .webhooks import check_webhook_url
 
 log = logging.getLogger("tether")
 _seconds = seconds  # pause_queue has a parameter named ``seconds``
@@ -474,6 +475,7 @@ class App:
         tenant: str | None = None,
         on_limit: str = "raise",
         budget: Budget | None = None,
+        webhook: str | None = None,
     ) -> Run[R]:
         """Start a run and return its handle; durable when this returns.
 
@@ -486,7 +488,9 @@ class App:
         ``AdmissionLimitError`` and creates nothing; ``on_limit="queue"`` creates the
         run ``queued``, started when one of the tenant's runs finishes (oldest first).
         ``budget`` bounds the tokens and cost of the run's model calls (``tether.ai``),
-        recorded with the run so it replays as it was.
+        recorded with the run so it replays as it was. ``webhook``: an http(s) URL that
+        gets the run's outcome when it ends (queued in the commit that ends it, posted
+        at least once and signed by ``tether serve``'s relay: see ``tether.webhooks``).
         """
         if budget is not None and not isinstance(budget, Budget):
             raise ConfigurationError(
@@ -498,6 +502,8 @@ class App:
         if self._pin_sources:
             pins = {name: source() for name, source in self._pin_sources.items()}
             attrs = {**(attrs or {}), "pins": pins}
+        if webhook is not None:
+            attrs = {**(attrs or {}), "webhook": check_webhook_url(webhook)}
         if tenant is not None and (not isinstance(tenant, str) or not tenant):
             raise ConfigurationError(f"tenant must be a non-empty string (got {tenant!r})")
         if on_limit not in ("raise", "queue"):
@@ -525,6 +531,7 @@ class App:
                     tenant=tenant,
                     on_limit=on_limit,
                     budget=budget,
+                    webhook=webhook,
                 ),
                 elsewhere,
             )
@@ -679,6 +686,8 @@ class App:
         waiting_for: str | None = None,
         before: tuple[float, str] | None = None,
         tenant: str | None = None,
+        since: float | None = None,
+        error_type: str | None = None,
     ) -> builtins.list[RunInfo]:
         """Runs, newest first, filtered by status, workflow name and what they wait for.
 
@@ -686,7 +695,8 @@ class App:
         ``"signal:review"`` for one signal), ``"timer"``, ``"activity"``, ``"child"``,
         or ``"admission"`` (queued for a tenant's slot). ``before`` pages by keyset:
         pass the ``(created_at, run_id)`` of the previous page's last run. ``tenant``
-        keeps one tenant's runs.
+        keeps one tenant's runs; ``since`` (epoch seconds) runs created since then;
+        ``error_type`` runs whose error, or its cause, is of that type (class name).
         """
         if waiting_for is not None and waiting_for.partition(":")[0] not in WAITING_KINDS:
             raise ConfigurationError(
@@ -702,6 +712,8 @@ class App:
             waiting_for=waiting_for,
             before=before,
             tenant=tenant,
+            since=since,
+            error_type=error_type,
         )
 
     async def history(self, run_id: str, *, follow: bool = True) -> builtins.list[Event]:
@@ -844,11 +856,22 @@ class App:
     # -- recovery ---------------------------------------------------------------
 
     async def dead_letters(
-        self, *, include_resolved: bool = False, run_id: str | None = None, limit: int = 100
+        self,
+        *,
+        include_resolved: bool = False,
+        run_id: str | None = None,
+        limit: int = 100,
+        letter_id: int | None = None,
+        tenant: str | None = None,
     ) -> builtins.list[DeadLetter]:
-        """Steps and runs that exhausted their failure policy, oldest first."""
+        """Steps and runs that exhausted their failure policy, oldest first; ``letter_id``
+        picks one, ``tenant`` keeps those of that tenant's runs."""
         return await self.store.dead_letters(
-            include_resolved=include_resolved, run_id=run_id, limit=limit
+            include_resolved=include_resolved,
+            run_id=run_id,
+            limit=limit,
+            letter_id=letter_id,
+            tenant=tenant,
         )
 
     async def retry(self, run_id: str) -> Run[Any]:

@@ -246,10 +246,19 @@ def chain_of(run_id: str) -> tuple[str, int]:
     return (base, int(n)) if sep and n.isdigit() else (run_id, 0)
 
 
+#: the longest run id a user may choose (chains and forks append to it)
+MAX_RUN_ID = 200
+
+
 def check_run_id(run_id: str) -> None:
     """Refuse a run id a user may not choose (empty, or in the chains' namespace)."""
     if not isinstance(run_id, str) or not run_id:
         raise ConfigurationError(f"a run id must be a non-empty string (got {run_id!r})")
+    if len(run_id) > MAX_RUN_ID or not run_id.isprintable():
+        raise ConfigurationError(
+            f"run id {run_id[:80]!r} must be at most {MAX_RUN_ID} printable characters "
+            "(no control characters, line breaks or unpaired surrogates)"
+        )
     if CHAIN_SEPARATOR in run_id:
         raise ConfigurationError(
             f"run id {run_id!r} contains {CHAIN_SEPARATOR!r}, which tether reserves for the "

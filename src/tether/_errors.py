@@ -62,6 +62,16 @@ class UnknownActivityError(TetherError, LookupError):
     """No activity is registered under the given name."""
 
 
+class DeadLetterNotFoundError(TetherError, LookupError):
+    """No dead letter has this id."""
+
+    def __init__(self, letter_id: int) -> None:
+        super().__init__(
+            f"no dead letter {letter_id}; list them with app.dead_letters() or GET /v1/dead-letters"
+        )
+        self.letter_id = letter_id
+
+
 class RunNotFoundError(TetherError, LookupError):
     """No run exists with the given id."""
 

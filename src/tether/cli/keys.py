@@ -25,14 +25,22 @@ from ._common import (
 def keys_create_command(
     store: Annotated[str | None, _store_option()] = None,
     app: Annotated[str | None, _app_option()] = None,
-    role: Annotated[str, typer.Option("--role", help="client (one tenant) or admin.")] = "client",
+    role: Annotated[
+        str,
+        typer.Option(
+            "--role",
+            help="read (look), operate (also start, signal, cancel, decide) or admin (also "
+            "terminate, fork; may act for every tenant).",
+        ),
+    ] = "operate",
     tenant: Annotated[
-        str | None, typer.Option("--tenant", help="The tenant a client key acts for.")
+        str | None,
+        typer.Option("--tenant", help="The tenant the key acts for (required but for admin keys)."),
     ] = None,
     name: Annotated[str | None, typer.Option("--name", help="What the key is for.")] = None,
 ) -> None:
     """Create an API key and print it once (only its hash is stored)."""
-    if role not in ROLES:
+    if role not in (*ROLES, "client"):
         _fail(f"--role must be one of {', '.join(ROLES)} (got {role!r})", EXIT_USAGE)
 
     async def go() -> tuple[str, str]:

@@ -38,13 +38,53 @@ def serve_command(
         str, typer.Option("--log-level", help="Logging level: debug, info, warning, error.")
     ] = "info",
     auth: Annotated[
-        bool | None,
+        bool,
         typer.Option(
             "--auth/--no-auth",
-            help="Require API keys (default: when the store has a live key at start-up).",
+            help="Require API keys (the default; create them with `tether keys create`). "
+            "--no-auth lets anyone who reaches the port act as admin: a private network or "
+            "a test only.",
+        ),
+    ] = True,
+    rate_limit: Annotated[
+        float | None,
+        typer.Option(
+            "--rate-limit", min=0.001, help="Requests per second per API key (429 beyond)."
+        ),
+    ] = None,
+    max_body: Annotated[
+        int,
+        typer.Option("--max-body", min=1, help="Largest request body in bytes (413 beyond)."),
+    ] = 4 * 1024 * 1024,
+    webhook_secret: Annotated[
+        str | None,
+        typer.Option(
+            "--webhook-secret",
+            envvar="TETHER_WEBHOOK_SECRET",
+            help="Signs the outcomes posted to runs' callback URLs (whsec_...; make one with "
+            "`python -c 'import tether.webhooks as w; print(w.new_secret())'`). Without "
+            "it, starts with a callback_url are refused.",
             show_default=False,
         ),
     ] = None,
+    max_wait: Annotated[
+        float,
+        typer.Option(
+            "--max-wait",
+            min=0.1,
+            help="Longest a GET .../result?wait= holds its connection, in seconds (keep it "
+            "under your proxies' idle timeout).",
+        ),
+    ] = 60.0,
+    webhook_max_backoff: Annotated[
+        float,
+        typer.Option(
+            "--webhook-max-backoff",
+            min=0.1,
+            help="Longest wait in seconds between attempts to post one webhook (exponential "
+            "from 1 s; deliveries are given up 3 days after the run ended).",
+        ),
+    ] = 300.0,
 ) -> None:
     """Serve MODULE:ATTR's HTTP API until SIGTERM or Ctrl+C (OpenAPI at /docs)."""
     missing = [m for m in ("fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
@@ -64,7 +104,23 @@ def serve_command(
         level=level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     app = load_app(app_spec)
-    api = create_api(app, workers=workers, grace=grace, auth=auth)
+    api = create_api(
+        app,
+        workers=workers,
+        grace=grace,
+        auth=auth,
+        rate_limit=rate_limit,
+        max_body=max_body,
+        webhook_secret=webhook_secret,
+        webhook_options={"max_backoff": webhook_max_backoff},
+        max_wait=max_wait,
+    )
+    if not auth:
+        _note(
+            "WARNING: --no-auth: API keys are OFF. Anyone who can reach "
+            f"{host}:{port} can start, read, cancel and terminate every tenant's runs. "
+            "Use this on a private network or in a test only."
+        )
     _note(
         f"tether serve {app_spec} on http://{host}:{port} ({workers} in-process worker(s); "
         f"API docs at /docs)"

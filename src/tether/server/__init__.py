@@ -15,10 +15,12 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import math
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import Body, Depends, FastAPI, Header, Query, Request, Response
+from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 
@@ -28,16 +30,18 @@ from .._definitions import Workflow
 from .._errors import (
     ApprovalNotFoundError,
     ConfigurationError,
+    DeadLetterNotFoundError,
     ResultTimeoutError,
     RunIdConflictError,
     RunNotFoundError,
     TetherError,
     WorkflowFailedError,
 )
-from .._history import Approval, RunInfo, RunStatus
+from .._history import Approval, DeadLetter, RunInfo, RunStatus
 from .._worker import Worker
 from . import _problems
 from ._auth import AuthError, Principal, authenticate
+from ._limits import BodyLimit, RateLimiter
 from ._models import (
     HistoryPage,
     ResultView,
@@ -49,11 +53,15 @@ from ._models import (
     run_view,
     start_model,
 )
+from ._relay import WebhookRelay
+from ._stream import EventHub
 
 __all__ = ["create_api"]
 
 #: the longest ``?wait=`` a result request may hold its connection
 MAX_WAIT = 60.0
+#: the largest request body by default (bytes): big documents go by reference
+MAX_BODY = 4 * 1024 * 1024
 
 
 def _idempotent_run_id(workflow: str, key: str) -> str:
@@ -105,38 +113,70 @@ def create_api(
     workers: int = 0,
     worker_options: dict[str, Any] | None = None,
     grace: float = 30,
-    auth: bool | None = None,
+    auth: bool = True,
+    rate_limit: float | None = None,
+    max_body: int = MAX_BODY,
+    webhook_secret: str | None = None,
+    webhook_options: dict[str, Any] | None = None,
+    max_wait: float = MAX_WAIT,
 ) -> FastAPI:
     """The HTTP API of ``app``; with ``workers``, that many in-process workers serve its
     queues while the API runs (stopped, with ``grace`` seconds for in-flight work, on
-    shutdown). ``auth``: require API keys (True), never (False), or when the store has
-    a live key at start-up (None, the default)."""
+    shutdown). ``auth=False`` serves without API keys (anyone who reaches the port acts
+    as admin: only for a private network or a test). ``rate_limit``: requests per second
+    per key (429 beyond, with Retry-After); ``max_body``: the largest request body in
+    bytes (413 beyond). ``webhook_secret`` signs the outcomes posted to runs' callback
+    URLs (the relay runs only with one; ``webhook_options`` tune its retries).
+    ``max_wait``: the longest a ``/result?wait=`` request holds its connection."""
     running: list[Worker] = []
-    required = {"auth": bool(auth)}
+    hub = EventHub(app)
+    relay = WebhookRelay(app, webhook_secret, **(webhook_options or {})) if webhook_secret else None
+    limiter = RateLimiter(rate_limit) if rate_limit else None
 
     async def who(request: Request, authorization: Annotated[str | None, Header()] = None) -> None:
-        """Authenticate every ``/v1`` request while keys are required."""
-        request.state.principal = (
-            await authenticate(app.store, authorization) if required["auth"] else None
-        )
+        """Authenticate (while keys are required) and rate-limit every ``/v1`` request."""
+        if not request.url.path.startswith("/v1/"):
+            request.state.principal = None
+            return  # health checks and the OpenAPI document are open
+        principal = await authenticate(app.store, authorization) if auth else None
+        request.state.principal = principal
+        if limiter is not None:
+            client = request.client.host if request.client else "?"
+            wait = limiter.take(principal.key_id if principal else f"addr:{client}")
+            if wait:
+                raise AuthError(
+                    429,
+                    "Too many requests",
+                    f"this key is limited to {limiter.rate:g} requests/s; "
+                    f"retry after {math.ceil(wait)} s",
+                    retry_after=math.ceil(wait),
+                )
+
+    def may(request: Request, role: str, action: str) -> Principal | None:
+        """The caller, if its key's role allows ``action`` (403 otherwise)."""
+        principal: Principal | None = request.state.principal
+        if principal is not None:
+            principal.require(role, action)
+        return principal
+
+    def scope(request: Request) -> str | None:
+        """The tenant the caller's queries are limited to (None: every tenant)."""
+        principal: Principal | None = request.state.principal
+        return principal.tenant if principal is not None else None
 
     async def visible(request: Request, run_id: str, *, follow: bool = True) -> RunInfo:
-        """The run, if the caller may see it (a client key: only its tenant's runs)."""
+        """The run, if the caller may see it (a tenant's key: only that tenant's runs)."""
         info = await app.get(run_id, follow=follow)
         principal: Principal | None = request.state.principal
-        if principal is not None and not principal.admin and info.tenant != principal.tenant:
+        if principal is not None and not principal.sees(info.tenant):
             raise RunNotFoundError(run_id)  # another tenant's run does not exist for it
         return info
 
-    def admin_only(request: Request, action: str) -> None:
-        principal: Principal | None = request.state.principal
-        if principal is not None and not principal.admin:
-            raise AuthError(403, "Admin key required", f"{action} needs an admin key")
-
     @contextlib.asynccontextmanager
     async def lifespan(_api: FastAPI) -> AsyncIterator[None]:
-        if auth is None:
-            required["auth"] = await app.store.has_api_keys()
+        hub.start()
+        if relay is not None:
+            relay.start()
         for _ in range(workers):
             w = app.worker(**(worker_options or {}))
             await w.start()
@@ -144,6 +184,9 @@ def create_api(
         try:
             yield
         finally:
+            hub.stop()
+            if relay is not None:
+                await relay.stop()
             await asyncio.gather(*(w.stop(grace=grace) for w in running))
             running.clear()
             await app.close()
@@ -156,6 +199,28 @@ def create_api(
         dependencies=[Depends(who)],
     )
     _problems.install(api)
+    api.add_middleware(BodyLimit, max_bytes=max_body)
+    api.state.relay = relay
+    api.state.hub = hub
+
+    @api.get("/healthz", summary="The process is up", tags=["health"])
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @api.get(
+        "/readyz",
+        summary="The store answers and its schema is this version's",
+        tags=["health"],
+        responses={503: {"description": "the store does not answer"}},
+    )
+    async def readyz() -> JSONResponse:
+        try:
+            await asyncio.wait_for(app.store.get_run("-readyz-"), 5)
+        except Exception as exc:  # any failure to answer is "not ready"
+            return _problems.problem(
+                503, "Store not ready", f"the store did not answer: {type(exc).__name__}: {exc}"
+            )
+        return JSONResponse({"status": "ready", "workers": len(running)})
 
     for wf in app._workflows.values():
         _add_start_route(api, app, wf)
@@ -191,7 +256,7 @@ def create_api(
     ) -> ResultView:
         await visible(request, run_id)
         try:
-            await app.get_run(run_id).result(timeout=min(wait, MAX_WAIT) or 0.001)
+            await app.get_run(run_id).result(timeout=min(wait, max_wait) or 0.001)
         except ResultTimeoutError:
             info = await app.get(run_id)
             response.status_code = 202
@@ -230,18 +295,29 @@ def create_api(
         workflow: str | None = None,
         status: RunStatus | None = None,
         waiting_for: str | None = None,
+        tenant: str | None = None,
+        age: Annotated[
+            float | None, Query(gt=0, description="only runs created in the last AGE seconds")
+        ] = None,
+        error_type: Annotated[
+            str | None, Query(description="only runs whose error (or its cause) has this type")
+        ] = None,
         limit: Annotated[int, Query(ge=1, le=500)] = 50,
         cursor: str | None = None,
     ) -> RunPage:
         before = _uncursor(cursor) if cursor else None
-        principal: Principal | None = request.state.principal
+        mine = scope(request)
+        if mine is not None and tenant not in (None, mine):
+            return RunPage(runs=[], next_cursor=None)  # another tenant has no runs for it
         infos = await app.list(
-            tenant=principal.tenant if principal is not None and not principal.admin else None,
+            tenant=mine or tenant,
             workflow=workflow,
             status=status,
             waiting_for=waiting_for,
             limit=limit + 1,
             before=before,
+            since=app.store.clock() - age if age else None,
+            error_type=error_type,
         )
         page = infos[:limit]
         nxt = _cursor(page[-1].created_at, page[-1].run_id) if len(infos) > limit else None
@@ -261,7 +337,7 @@ def create_api(
         info = await visible(request, run_id, follow=False)  # 404 before the stream starts
         start = int(last_event_id) if last_event_id and last_event_id.isdigit() else after
         return StreamingResponse(
-            _events(app, info.run_id, start, request),
+            hub.stream(info.run_id, start, request),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -270,12 +346,18 @@ def create_api(
     async def send_signal(
         run_id: str, name: str, request: Request, payload: Annotated[Any, Body()] = None
     ) -> dict[str, Any]:
+        may(request, "operate", "signal")
         await visible(request, run_id)
         await app.signal(run_id, name, payload)
         return {"id": run_id, "signal": name, "accepted": True, "links": links(run_id)}
 
-    for action in ("cancel", "terminate", "suspend", "resume"):
-        _add_action(api, app, action, visible, admin_only)
+    for action, role in (
+        ("cancel", "operate"),
+        ("suspend", "operate"),
+        ("resume", "operate"),
+        ("terminate", "admin"),
+    ):
+        _add_action(api, app, action, role, visible, may)
 
     @api.post(
         "/v1/runs/{run_id}/fork",
@@ -283,7 +365,7 @@ def create_api(
         summary="Start a new run reusing a run's first recorded steps, the rest with today's code",
     )
     async def fork(run_id: str, body: ForkBody, request: Request, response: Response) -> RunView:
-        admin_only(request, "fork")
+        may(request, "admin", "fork")
         await visible(request, run_id)
         new = await app.fork(run_id, at_step=body.at_step, new_run_id=body.run_id)
         response.headers["Location"] = f"/v1/runs/{new.run_id}"
@@ -293,7 +375,7 @@ def create_api(
         """The review, if the caller may see its run."""
         review = await app.get_approval(approval_id)
         principal: Principal | None = request.state.principal
-        if principal is not None and not principal.admin and review.tenant != principal.tenant:
+        if principal is not None and not principal.sees(review.tenant):
             raise ApprovalNotFoundError(approval_id, "no such review")
         return review
 
@@ -305,12 +387,11 @@ def create_api(
         run_id: str | None = None,
         limit: Annotated[int, Query(ge=1, le=500)] = 100,
     ) -> list[dict[str, Any]]:
-        principal: Principal | None = request.state.principal
         reviews = await app.approvals(
             status=None if status == "all" else status,
             approver=approver,
             run_id=run_id,
-            tenant=principal.tenant if principal is not None and not principal.admin else None,
+            tenant=scope(request),
             limit=limit,
         )
         return [dataclasses.asdict(r) for r in reviews]
@@ -325,6 +406,7 @@ def create_api(
         summary="Approve or reject a review, naming the fingerprint of the proposal reviewed",
     )
     async def decide(approval_id: str, body: DecisionBody, request: Request) -> dict[str, Any]:
+        may(request, "operate", "deciding a review")
         review = await review_of(request, approval_id)
         await app.decide(
             approval_id,
@@ -342,43 +424,69 @@ def create_api(
         summary="Retry a failed run from its failed step",
     )
     async def retry(run_id: str, request: Request) -> RunView:
-        admin_only(request, "retry")
+        may(request, "operate", "retry")
+        await visible(request, run_id)
         await app.retry(run_id)
         return run_view(await app.get(run_id))
+
+    @api.get(
+        "/v1/runs/{run_id}/webhooks",
+        summary="The run's webhook deliveries: state, attempts, last error",
+    )
+    async def run_webhooks(run_id: str, request: Request) -> list[dict[str, Any]]:
+        info = await visible(request, run_id, follow=False)
+        rows = await app.store.webhook_deliveries(run_id=info.run_id)
+        return [_delivery(r) for r in rows]
+
+    async def letter_of(request: Request, letter_id: int) -> DeadLetter:
+        letters = await app.dead_letters(include_resolved=True, letter_id=letter_id, limit=1)
+        if not letters:
+            raise DeadLetterNotFoundError(letter_id)
+        await visible(request, letters[0].run_id, follow=False)  # 404 for another tenant's
+        return letters[0]
+
+    @api.get("/v1/dead-letters", summary="Steps and runs that exhausted their failure policy")
+    async def list_dead_letters(
+        request: Request,
+        include_resolved: bool = False,
+        run_id: str | None = None,
+        limit: Annotated[int, Query(ge=1, le=500)] = 100,
+    ) -> list[dict[str, Any]]:
+        letters = await app.dead_letters(
+            include_resolved=include_resolved, run_id=run_id, limit=limit, tenant=scope(request)
+        )
+        return [dataclasses.asdict(d) for d in letters]
+
+    @api.get("/v1/dead-letters/{letter_id}", summary="One dead letter, with its input and error")
+    async def get_dead_letter(letter_id: int, request: Request) -> dict[str, Any]:
+        return dataclasses.asdict(await letter_of(request, letter_id))
+
+    @api.post(
+        "/v1/dead-letters/{letter_id}/replay",
+        summary="Run a dead letter's step again with today's code; its outcome resolves it",
+    )
+    async def replay_dead_letter(letter_id: int, request: Request) -> dict[str, Any]:
+        may(request, "operate", "replaying a dead letter")
+        await letter_of(request, letter_id)
+        outcome = await app.replay_dead_letter(letter_id)
+        return {"id": letter_id, "replayed": True, "outcome": jsonable_encoder(outcome)}
 
     return api
 
 
-#: how often an event stream looks for new events, and sends a keep-alive comment
-_STREAM_POLL = 0.25
-_STREAM_KEEPALIVE = 15.0
-
-
-async def _events(app: App, run_id: str, after: int, request: Request) -> AsyncIterator[str]:
-    """The run's events after ``after`` as SSE messages (``id`` is the event's seq), then
-    new ones as they are recorded, until the run has ended and everything was sent."""
-    loop = asyncio.get_running_loop()
-    quiet_since = loop.time()
-    while True:
-        events = await app.store.read_history(run_id, after)
-        for e in events:
-            after = e.seq
-            payload = json.dumps(event_view(e).model_dump(), separators=(",", ":"))
-            yield f"id: {e.seq}\nevent: {e.type.value}\ndata: {payload}\n\n"
-        if events:
-            quiet_since = loop.time()
-        else:
-            info = await app.get(run_id, follow=False)
-            if info.is_finished:
-                if info.continued_to:
-                    yield f"event: continued\ndata: {json.dumps({'next': info.continued_to})}\n\n"
-                return
-            if loop.time() - quiet_since > _STREAM_KEEPALIVE:
-                quiet_since = loop.time()
-                yield ": keep-alive\n\n"
-        if await request.is_disconnected():
-            return
-        await asyncio.sleep(_STREAM_POLL)
+def _delivery(row: tuple[Any, ...]) -> dict[str, Any]:
+    """A webhook delivery row as the API shows it."""
+    return {
+        "delivery_id": f"{row[1]}:{row[0]}",
+        "url": row[2],
+        "status": row[4],
+        "attempts": row[9],
+        "state": row[10],
+        "last_error": row[11],
+        "next_at": row[12] if row[10] == "pending" else None,
+        "delivered_at": row[13],
+        "created_at": row[14],
+    }
 
 
 def _add_start_route(api: FastAPI, app: App, wf: Workflow[Any, Any]) -> None:
@@ -393,12 +501,21 @@ def _add_start_route(api: FastAPI, app: App, wf: Workflow[Any, Any]) -> None:
     ) -> JSONResponse:
         data = body.model_dump()  # type: ignore[attr-defined]
         principal: Principal | None = request.state.principal
-        if principal is not None and not principal.admin:
+        if principal is not None:
+            principal.require("operate", "starting a run")
+        if principal is not None and principal.tenant is not None:
             if data.get("tenant") not in (None, principal.tenant):
                 raise AuthError(
                     403, "Another tenant", f"this key starts runs for {principal.tenant!r} only"
                 )
             data["tenant"] = principal.tenant
+        if data.get("callback_url") and api.state.relay is None:
+            return _problems.problem(
+                422,
+                "Webhooks are not configured",
+                "this service has no webhook signing secret, so callback_url would never be "
+                "posted; start tether serve with --webhook-secret (or TETHER_WEBHOOK_SECRET)",
+            )
         kwargs = dict(body.input)  # type: ignore[attr-defined]
         run_id = data.get("run_id")
         if run_id is None and idempotency_key:
@@ -415,6 +532,7 @@ def _add_start_route(api: FastAPI, app: App, wf: Workflow[Any, Any]) -> None:
                 run_id=run_id,
                 deadline=data.get("deadline"),
                 tenant=data.get("tenant"),
+                webhook=data.get("callback_url"),
             )
         except TetherError as exc:
             if (
@@ -460,14 +578,13 @@ def _add_start_route(api: FastAPI, app: App, wf: Workflow[Any, Any]) -> None:
     )
 
 
-def _add_action(api: FastAPI, app: App, action: str, visible: Any, admin_only: Any) -> None:
-    """``POST /v1/runs/{id}/<action>``; cancel and terminate take ``{"reason": ...}``;
-    a client key may cancel its tenant's runs, the rest needs an admin key."""
+def _add_action(api: FastAPI, app: App, action: str, role: str, visible: Any, may: Any) -> None:
+    """``POST /v1/runs/{id}/<action>`` for keys of ``role`` or above; cancel and
+    terminate take ``{"reason": ...}``."""
     reasoned = action in ("cancel", "terminate")
 
     async def act(run_id: str, request: Request, body: Reason | None = None) -> RunView:
-        if action != "cancel":
-            admin_only(request, action)
+        may(request, role, action)
         await visible(request, run_id)
         method = getattr(app, action)
         await (method(run_id, body.reason if body else None) if reasoned else method(run_id))

@@ -1,11 +1,17 @@
 """API keys of the HTTP service: who calls, for which tenant, in which role.
 
 A key is ``tether_<key id>.<secret>``; the store keeps only a SHA-256 of the secret
-(secrets are 256 random bits, so a fast hash is enough). A ``client`` key acts for its
-tenant: runs it starts carry that tenant, and it sees and signals only that tenant's
-runs. An ``admin`` key acts for every tenant and may also terminate, suspend, resume
-and retry. While no key exists (and ``--auth`` is not forced) the API is open, for a
-service on a private network; the first key created closes it.
+(secrets are 256 random bits, so a fast hash is enough). Each key has a role:
+
+- ``read``: look at runs, histories, event streams, reviews and dead letters;
+- ``operate``: also start, signal, cancel, suspend, resume and retry runs, decide
+  reviews and replay dead letters;
+- ``admin``: also terminate and fork runs.
+
+A key bound to a tenant acts for that tenant only: runs it starts carry the tenant,
+and another tenant's runs do not exist for it (404). Only an admin key may be unbound
+(acting for every tenant). While no key exists (and ``--auth`` is not forced) the API
+is open, for a service on a private network; the first key created closes it.
 """
 
 from __future__ import annotations
@@ -17,16 +23,22 @@ from dataclasses import dataclass
 
 from ..store.base import Store
 
-ROLES = ("client", "admin")
+ROLES = ("read", "operate", "admin")
+#: the role keys created before roles were split were called (it operates)
+_LEGACY = {"client": "operate"}
 PREFIX = "tether_"
 
 
 class AuthError(Exception):
-    """The request's credentials are missing, wrong or not enough (401 or 403)."""
+    """The request's credentials are missing, wrong or not enough (401 or 403), or its
+    key is over its rate limit (429, with ``retry_after`` seconds)."""
 
-    def __init__(self, status: int, title: str, detail: str) -> None:
+    def __init__(
+        self, status: int, title: str, detail: str, *, retry_after: int | None = None
+    ) -> None:
         super().__init__(detail)
         self.status, self.title, self.detail = status, title, detail
+        self.retry_after = retry_after
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,10 +49,18 @@ class Principal:
     tenant: str | None
     role: str
 
-    @property
-    def admin(self) -> bool:
-        """Whether it acts for every tenant."""
-        return self.role == "admin"
+    def sees(self, tenant: str | None) -> bool:
+        """Whether a run of ``tenant`` exists for this key."""
+        return self.tenant is None or tenant == self.tenant
+
+    def require(self, role: str, action: str) -> None:
+        """Raise 403 unless this key's role includes ``role``."""
+        if ROLES.index(self.role) < ROLES.index(role):
+            raise AuthError(
+                403,
+                f"{role.title()} key required",
+                f"{action} needs a key with role {role} or above (this key: {self.role})",
+            )
 
 
 def _hash(secret: str) -> str:
@@ -51,10 +71,11 @@ async def create_key(
     store: Store, *, role: str, tenant: str | None, name: str | None = None
 ) -> tuple[str, str]:
     """Create a key; return (key id, the whole key). The key is shown once, never stored."""
+    role = _LEGACY.get(role, role)
     if role not in ROLES:
         raise ValueError(f"role must be one of {', '.join(ROLES)} (got {role!r})")
-    if role == "client" and not tenant:
-        raise ValueError("a client key acts for one tenant: give --tenant")
+    if role != "admin" and not tenant:
+        raise ValueError(f"a {role} key acts for one tenant: give --tenant")
     key_id = secrets.token_hex(6)
     secret = secrets.token_urlsafe(32)
     await store.create_api_key(key_id, _hash(secret), name, tenant, role)
@@ -76,4 +97,4 @@ async def authenticate(store: Store, authorization: str | None) -> Principal:
         raise AuthError(401, "Unknown API key", "this key does not exist in the store")
     if row[6] is not None:
         raise AuthError(401, "Revoked API key", f"key {key_id} was revoked")
-    return Principal(key_id=key_id, tenant=row[3], role=row[4])
+    return Principal(key_id=key_id, tenant=row[3], role=_LEGACY.get(row[4], row[4]))

@@ -22,6 +22,14 @@ class Links(BaseModel):
     events: str
 
 
+class Progress(BaseModel):
+    """Units of work done (``tether.set_progress``)."""
+
+    done: int
+    total: int | None = None
+    unit: str | None = None
+
+
 class RunView(BaseModel):
     """A run as the API shows it."""
 
@@ -29,6 +37,7 @@ class RunView(BaseModel):
     workflow: str
     status: str
     custom_status: Any = None
+    progress: Progress | None = Field(None, description="units of work done, when the run says")
     waiting_on: list[dict[str, Any]] | None = Field(
         None, description="what the live run waits for (signals with deadlines, timers, ...)"
     )
@@ -88,6 +97,11 @@ class StartOptions(BaseModel):
     run_id: str | None = Field(None, description="choose the run id (idempotent by id)")
     deadline: float | None = Field(None, gt=0, description="seconds the whole run may take")
     tenant: str | None = Field(None, description="whose admission limit applies")
+    callback_url: str | None = Field(
+        None,
+        description="an http(s) URL that gets one signed POST of the run's outcome when it "
+        "ends (at least once: dedupe by the webhook-id header)",
+    )
 
 
 def links(run_id: str) -> Links:
@@ -105,6 +119,7 @@ def run_view(info: RunInfo) -> RunView:
         workflow=info.workflow,
         status=info.status.value,
         custom_status=info.custom_status,
+        progress=_progress(info.custom_status),
         waiting_on=info.waiting_on,
         tenant=info.tenant,
         parent_run_id=info.parent_run_id,
@@ -117,6 +132,17 @@ def run_view(info: RunInfo) -> RunView:
         attrs=info.attrs,
         links=links(info.run_id),
     )
+
+
+def _progress(status: Any) -> Progress | None:
+    """The progress a custom status holds (``tether.set_progress``), if any."""
+    value = status.get("progress") if isinstance(status, dict) else None
+    if isinstance(value, dict) and isinstance(value.get("done"), int):
+        try:
+            return Progress.model_validate(value)
+        except ValueError:
+            return None
+    return None
 
 
 def event_view(e: Event) -> EventView:

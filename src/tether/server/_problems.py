@@ -11,12 +11,14 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .._errors import (
     AdmissionLimitError,
     ApprovalError,
     ApprovalNotFoundError,
     ConfigurationError,
+    DeadLetterNotFoundError,
     PayloadError,
     RunFinishedError,
     RunIdConflictError,
@@ -33,6 +35,7 @@ PROBLEM = "application/problem+json"
 _MAP: list[tuple[type[BaseException], int, str]] = [
     (RunNotFoundError, 404, "No such run"),
     (ApprovalNotFoundError, 404, "No such review"),
+    (DeadLetterNotFoundError, 404, "No such dead letter"),
     (ApprovalError, 409, "The review cannot take this decision"),
     (UnknownWorkflowError, 404, "No such workflow"),
     (RunIdConflictError, 409, "Run id or idempotency key already used for other input"),
@@ -42,6 +45,14 @@ _MAP: list[tuple[type[BaseException], int, str]] = [
     (PayloadError, 400, "The input does not match the workflow's parameters"),
     (ConfigurationError, 400, "Invalid request"),
 ]
+
+
+_HTTP_TITLES = {
+    404: "Not found",
+    405: "Method not allowed",
+    413: "Request body too large",
+    429: "Too many requests",
+}
 
 
 def problem(status: int, title: str, detail: str, **extra: Any) -> JSONResponse:
@@ -65,6 +76,14 @@ def install(api: FastAPI) -> None:
             {"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")}
             for e in exc.errors()
         ]
+        if any(e["type"] == "json_invalid" for e in errors):
+            return problem(
+                400,
+                "Malformed JSON",
+                "the request body is not valid JSON: "
+                + "; ".join(str(e["msg"]) for e in errors if e["type"] == "json_invalid"),
+                errors=errors,
+            )
         first = errors[0] if errors else {"loc": [], "msg": "invalid request"}
         where = ".".join(str(p) for p in first["loc"])
         return problem(
@@ -77,10 +96,21 @@ def install(api: FastAPI) -> None:
     async def on_auth(_request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, AuthError)
         headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else {}
+        if exc.retry_after is not None:
+            headers["Retry-After"] = str(exc.retry_after)
         response = problem(exc.status, exc.title, exc.detail)
         response.headers.update(headers)
         return response
 
+    async def on_http(_request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        title = _HTTP_TITLES.get(exc.status_code, "HTTP error")
+        detail = exc.detail if isinstance(exc.detail, str) else title
+        response = problem(exc.status_code, title, detail)
+        response.headers.update(exc.headers or {})
+        return response
+
+    api.add_exception_handler(StarletteHTTPException, on_http)
     api.add_exception_handler(TetherError, on_tether)
     api.add_exception_handler(AuthError, on_auth)
     api.add_exception_handler(RequestValidationError, on_validation)

@@ -57,6 +57,8 @@ TASK_REJECTED = -1
 Finished = dict[str, RunEnd | None]
 #: called after each commit with the queues that got ready work and the runs that ended
 Listener = Callable[[set[str], Finished], None]
+#: called after commits with the runs whose history grew (event streams follow these)
+HistoryListener = Callable[[set[str]], None]
 
 
 def start_event_data(
@@ -271,6 +273,22 @@ class Store(abc.ABC):
         """Whether any key is live (then the HTTP service requires one)."""
 
     @abc.abstractmethod
+    async def claim_webhooks(self, limit: int, lease: float) -> list[tuple[Any, ...]]:
+        """Lease up to ``limit`` due webhook deliveries for ``lease`` seconds."""
+
+    @abc.abstractmethod
+    async def finish_webhook(
+        self, delivery_id: int, ok: bool, error: str | None, retry_at: float | None
+    ) -> None:
+        """Mark a delivery delivered (``ok``), due again at ``retry_at``, or given up."""
+
+    @abc.abstractmethod
+    async def webhook_deliveries(
+        self, *, run_id: str | None = None, state: str | None = None, limit: int = 100
+    ) -> list[tuple[Any, ...]]:
+        """Webhook deliveries, newest first."""
+
+    @abc.abstractmethod
     async def reclaim(self, worker_id: str) -> int:
         """Make every task leased to ``worker_id`` claimable now; return how many."""
 
@@ -321,9 +339,13 @@ class Store(abc.ABC):
         waiting_for: str | None = None,
         before: tuple[float, str] | None = None,
         tenant: str | None = None,
+        since: float | None = None,
+        error_type: str | None = None,
     ) -> list[RunInfo]:
         """Runs, newest first, optionally filtered (``waiting_for``: see ``App.list``);
-        ``before`` is the (created_at, run_id) of the last run of the previous page."""
+        ``before`` is the (created_at, run_id) of the last run of the previous page;
+        ``since`` keeps runs created at or after it; ``error_type`` runs whose error (or
+        its cause) has that type."""
 
     @abc.abstractmethod
     async def next_due(self, queues: Sequence[str]) -> float | None:
@@ -381,9 +403,16 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     async def dead_letters(
-        self, *, include_resolved: bool = False, run_id: str | None = None, limit: int = 100
+        self,
+        *,
+        include_resolved: bool = False,
+        run_id: str | None = None,
+        limit: int = 100,
+        letter_id: int | None = None,
+        tenant: str | None = None,
     ) -> list[DeadLetter]:
-        """Dead letters, oldest first (open ones only unless ``include_resolved``)."""
+        """Dead letters, oldest first (open ones only unless ``include_resolved``);
+        ``letter_id`` picks one, ``tenant`` keeps those of that tenant's runs."""
 
     @abc.abstractmethod
     async def claim_dead_letter(self, letter_id: int) -> DeadLetter:
@@ -407,6 +436,15 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def remove_listener(self, callback: Listener) -> None:
+        """Stop calling ``callback``."""
+
+    @abc.abstractmethod
+    def add_history_listener(self, callback: HistoryListener) -> None:
+        """Call ``callback(run_ids)`` after commits that appended to those runs' histories
+        (any thread; on PostgreSQL, other processes' commits too)."""
+
+    @abc.abstractmethod
+    def remove_history_listener(self, callback: HistoryListener) -> None:
         """Stop calling ``callback``."""
 
     @abc.abstractmethod

@@ -32,7 +32,7 @@ except ImportError:  # pragma: no cover - not POSIX: worker ids are not held
 from .._errors import ConfigurationError, StoreError
 from .._history import RunInfo, Task
 from ._handoff import LoopFuture, deliver
-from .base import Finished, Listener, worker_id_in_use
+from .base import Finished, HistoryListener, Listener, worker_id_in_use
 from .ops import OpsStore
 from .ops._tx import Op, _Tx
 from .ops.runs import _get_run
@@ -57,7 +57,7 @@ _OWN_TABLES = {
 }
 
 
-_SCHEMA_VERSION = 5
+_SCHEMA_VERSION = 6
 #: statements that bring a store of the version before up to this one
 _UPGRADES: dict[int, tuple[str, ...]] = {
     2: ("ALTER TABLE runs ADD COLUMN waiting_on TEXT",),
@@ -86,6 +86,15 @@ _UPGRADES: dict[int, tuple[str, ...]] = {
         "CREATE INDEX IF NOT EXISTS approvals_by_status ON approvals (status, created_at)",
         "CREATE INDEX IF NOT EXISTS approvals_by_run ON approvals (run_id)",
     ),
+    6: (
+        "CREATE TABLE IF NOT EXISTS webhook_outbox (delivery_id INTEGER PRIMARY KEY "
+        "AUTOINCREMENT, run_id TEXT NOT NULL, url TEXT NOT NULL, workflow TEXT NOT NULL, "
+        "status TEXT NOT NULL, output TEXT, error TEXT, tenant TEXT, ended_at REAL, attempts "
+        "INTEGER NOT NULL, state TEXT NOT NULL, last_error TEXT, next_at REAL NOT NULL, "
+        "delivered_at REAL, created_at REAL NOT NULL)",
+        "CREATE INDEX IF NOT EXISTS webhook_outbox_due ON webhook_outbox (state, next_at)",
+        "CREATE INDEX IF NOT EXISTS webhook_outbox_by_run ON webhook_outbox (run_id)",
+    ),
 }
 
 
@@ -104,6 +113,7 @@ class SqliteStore(OpsStore):
         self.clock: Callable[[], float] = time.time
         self._max_batch = max_batch
         self._listeners: list[Listener] = []
+        self._history_listeners: list[HistoryListener] = []
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._commits = 0
         self._ops = 0
@@ -280,21 +290,25 @@ class SqliteStore(OpsStore):
             err = StoreError(_explain(self.path, exc))
             deliver([(fut, None, err) for _, _, _, fut in live])
             return
-        results, ready, finished = outcome
+        results, ready, finished, touched = outcome
         self._ops += len(live)
         deliver(results)
         if ready or finished:
             for cb in list(self._listeners):
                 cb(ready, finished)
+        if touched:
+            for hcb in list(self._history_listeners):
+                hcb(touched)
 
     def _attempt(
         self, conn: sqlite3.Connection, live: list[Any], *, savepoints: bool
-    ) -> tuple[list[tuple[Any, Any, BaseException | None]], set[str], Finished] | None:
+    ) -> tuple[list[tuple[Any, Any, BaseException | None]], set[str], Finished, set[str]] | None:
         """Run the batch in one transaction; None if an operation failed without savepoints."""
         writes = any(w for _, _, w, _ in live)
         results: list[tuple[Any, Any, BaseException | None]] = []
         ready: set[str] = set()
         finished: Finished = {}
+        touched: set[str] = set()
         before = conn.total_changes
         if writes:
             conn.execute("BEGIN IMMEDIATE")
@@ -321,12 +335,13 @@ class SqliteStore(OpsStore):
                 conn.execute("RELEASE op")
             ready |= tx.ready
             finished |= tx.finished
+            touched |= tx.touched
             results.append((fut, value, None))
         if writes:
             conn.execute("COMMIT")
             if conn.total_changes != before:
                 self._commits += 1  # durable commits only: an empty claim writes nothing
-        return results, ready, finished
+        return results, ready, finished, touched
 
     def _submit(self, fn: Op, *args: Any, write: bool = True) -> concurrent.futures.Future[Any]:
         if self._closed:
@@ -409,6 +424,13 @@ class SqliteStore(OpsStore):
     def remove_listener(self, callback: Listener) -> None:
         if callback in self._listeners:
             self._listeners.remove(callback)
+
+    def add_history_listener(self, callback: HistoryListener) -> None:
+        self._history_listeners.append(callback)
+
+    def remove_history_listener(self, callback: HistoryListener) -> None:
+        if callback in self._history_listeners:
+            self._history_listeners.remove(callback)
 
     def stats(self) -> dict[str, int]:
         return {"commits": self._commits, "operations": self._ops}

@@ -123,6 +123,17 @@ def set_status(value: Any) -> None:
     _instance("set_status").set_status(value)
 
 
+def set_progress(done: int, total: int | None = None, *, unit: str | None = None) -> None:
+    """Publish progress by units of work (``done`` of ``total`` ``unit``), shown as the
+    run's ``progress`` by ``tether serve``; kept under ``"progress"`` in the custom status
+    (merged into it when the status is a dict, replacing it otherwise)."""
+    if not isinstance(done, int) or done < 0 or (total is not None and total < 0):
+        raise ValueError(f"progress needs whole counts >= 0 (got done={done!r}, total={total!r})")
+    inst = _instance("set_progress")
+    current = inst.last_status if isinstance(inst.last_status, dict) else {}
+    inst.set_status({**current, "progress": {"done": done, "total": total, "unit": unit}})
+
+
 async def wait_event(
     name: str, timeout: float | timedelta | None = None, *, type: Any = None
 ) -> Any:

@@ -66,11 +66,14 @@ class _Pending:
 
 
 def _error_dict(exc: BaseException) -> dict[str, Any]:
-    return {
+    out: dict[str, Any] = {
         "type": type(exc).__name__,
         "message": str(exc),
         "traceback": "".join(traceback.format_exception(exc))[-8000:],
     }
+    if isinstance(exc, ActivityError):  # what the step raised: listable by its type
+        out["cause"] = {"type": exc.error_type, "activity": exc.activity}
+    return out
 
 
 def _describe(type_: EventType | str, data: dict[str, Any]) -> str:
@@ -104,6 +107,8 @@ class WorkflowInstance:
         self._new: list[Command] = []
         self._recorded: dict[int, Event] = {}
         self._max_recorded = 0
+        #: the custom status last set by this run's code (the same on every replay)
+        self.last_status: Any = None
         self._pending: dict[int, _Pending] = {}
         self._buffers: dict[str, collections.deque[Any]] = collections.defaultdict(
             collections.deque
@@ -473,6 +478,7 @@ class WorkflowInstance:
 
     def set_status(self, value: Any) -> None:
         """Issue a StatusSet command."""
+        self.last_status = value
         self._command(EventType.STATUS_SET, {}, {"value": encode(value, "status")})
 
     def recorded_next(self) -> Event | None:

@@ -228,9 +228,38 @@ class OpsStore(Store):
         waiting_for: str | None = None,
         before: tuple[float, str] | None = None,
         tenant: str | None = None,
+        since: float | None = None,
+        error_type: str | None = None,
     ) -> list[RunInfo]:
         out: list[RunInfo] = await self._do(
-            _list_runs, status, workflow, limit, offset, waiting_for, before, tenant, write=False
+            _list_runs,
+            status,
+            workflow,
+            limit,
+            offset,
+            waiting_for,
+            before,
+            tenant,
+            since,
+            error_type,
+            write=False,
+        )
+        return out
+
+    async def claim_webhooks(self, limit: int, lease: float) -> list[tuple[Any, ...]]:
+        out: list[tuple[Any, ...]] = await self._do(_claim_webhooks, limit, lease)
+        return out
+
+    async def finish_webhook(
+        self, delivery_id: int, ok: bool, error: str | None, retry_at: float | None
+    ) -> None:
+        await self._do(_finish_webhook, delivery_id, ok, error, retry_at)
+
+    async def webhook_deliveries(
+        self, *, run_id: str | None = None, state: str | None = None, limit: int = 100
+    ) -> list[tuple[Any, ...]]:
+        out: list[tuple[Any, ...]] = await self._do(
+            _webhook_deliveries, run_id, state, limit, write=False
         )
         return out
 
@@ -316,10 +345,16 @@ class OpsStore(Store):
         return bool(await self._do(_has_api_keys, write=False))
 
     async def dead_letters(
-        self, *, include_resolved: bool = False, run_id: str | None = None, limit: int = 100
+        self,
+        *,
+        include_resolved: bool = False,
+        run_id: str | None = None,
+        limit: int = 100,
+        letter_id: int | None = None,
+        tenant: str | None = None,
     ) -> list[DeadLetter]:
         out: list[DeadLetter] = await self._do(
-            _dead_letters, include_resolved, run_id, limit, write=False
+            _dead_letters, include_resolved, run_id, limit, letter_id, tenant, write=False
         )
         return out
 
@@ -388,4 +423,5 @@ from .recovery import _claim_dead_letter, _dead_letters, _fork_run, _resolve_dea
 from .runs import _create_run, _get_run, _list_runs  # noqa: E402
 from .tasks import _foreign_leases, _heartbeat, _next_due, _reclaim, _release, _renew  # noqa: E402
 from .timers import _fire_timer  # noqa: E402
+from .webhooks import _claim_webhooks, _finish_webhook, _webhook_deliveries  # noqa: E402
 from .workflow_tasks import _complete_workflow_task, _fail_workflow_task  # noqa: E402

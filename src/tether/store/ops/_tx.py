@@ -52,6 +52,9 @@ class _Tx:
     optimistic: bool = False
     #: a fresh task id (optimistic mode): a task row inserted with it needs no RETURNING
     new_task_id: Callable[[], int] | None = None
+    #: runs whose history this operation appended to (event streams wake on them); the
+    #: store may share one set across a batch
+    touched: set[str] = field(default_factory=set)
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> Any:
         """Run one statement; ``?`` placeholders are translated for the backend."""

@@ -25,6 +25,7 @@ def _append(
     if row is None:
         raise RunNotFoundError(run_id)
     seq: int = row[0]
+    tx.touched.add(run_id)
     tx.execute(
         "INSERT INTO events (run_id, seq, type, step, data, created_at) VALUES (?,?,?,?,?,?)",
         (run_id, seq, type_.value, step, _json(data, raw), tx.now),
@@ -42,6 +43,7 @@ def _insert_events(tx: _Tx, run_id: str, events: list[_Pending], first: int) -> 
     The caller read the run's counter under the write lock and writes the new one
     (the returned seq + 1) in an update of its own. Returns the seq of the last event.
     """
+    tx.touched.add(run_id)
     params: list[Any] = []
     for i, (type_, step, data, raw) in enumerate(events):
         if step is None:  # NULL in the statement: a None parameter is slow to bind

@@ -20,14 +20,26 @@ class RecoveryError(TetherError):
 
 
 def _dead_letters(
-    tx: _Tx, include_resolved: bool, run_id: str | None, limit: int
+    tx: _Tx,
+    include_resolved: bool,
+    run_id: str | None,
+    limit: int,
+    letter_id: int | None = None,
+    tenant: str | None = None,
 ) -> list[DeadLetter]:
-    where, args = [], []
+    where: list[str] = []
+    args: list[Any] = []
     if not include_resolved:
         where.append("resolved_at IS NULL")
     if run_id is not None:
         where.append("run_id = ?")
         args.append(run_id)
+    if letter_id is not None:
+        where.append("id = ?")
+        args.append(letter_id)
+    if tenant is not None:
+        where.append("run_id IN (SELECT run_id FROM runs WHERE tenant = ?)")
+        args.append(tenant)
     clause = f"WHERE {' AND '.join(where)}" if where else ""
     rows = tx.execute(
         f"SELECT {_DL_COLS} FROM dead_letters {clause} ORDER BY id LIMIT ?", (*args, limit)

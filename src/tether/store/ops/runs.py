@@ -76,6 +76,7 @@ def _insert_run(
     if start_event:
         # the start event is seq 1 (the row above already counts it): no counter round trip
         _, _, data, raw = _start_event(workflow, input, deadline_at, tenant, parent_run_id, attrs)
+        tx.touched.add(run_id)
         tx.execute(
             "INSERT INTO events (run_id, seq, type, step, data, created_at) "
             "VALUES (?,1,?,NULL,?,?)",
@@ -277,6 +278,8 @@ def _finish(
         error=error,
         continued_to=continued_to,
     )
+    if status is not RunStatus.CONTINUED_AS_NEW:
+        _queue_webhook(tx, run_id)  # its outcome for its callback URL, in this commit
     # the continuation keeps the run's place; otherwise admit the tenant's oldest queued
     # run, in this commit
     if status is not RunStatus.CONTINUED_AS_NEW and tenant is not None:
@@ -352,6 +355,11 @@ def _get_run(tx: _Tx, run_id: str, follow: bool = False) -> RunInfo | None:
     raise StoreError(f"run {run_id!r} continues as new in a cycle")  # pragma: no cover
 
 
+def _contains(text: str) -> str:
+    """A LIKE pattern (escape character ``\\``) matching text that contains ``text``."""
+    return "%" + text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+
+
 def _list_runs(
     tx: _Tx,
     status: RunStatus | None,
@@ -361,12 +369,20 @@ def _list_runs(
     waiting_for: str | None = None,
     before: tuple[float, str] | None = None,
     tenant: str | None = None,
+    since: float | None = None,
+    error_type: str | None = None,
 ) -> list[RunInfo]:
     where: list[str] = []
     args: list[Any] = []
     if tenant is not None:
         where.append("tenant = ?")
         args.append(tenant)
+    if since is not None:
+        where.append("created_at >= ?")
+        args.append(since)
+    if error_type is not None:
+        where.append("error LIKE ? ESCAPE '\\'")
+        args.append(_contains(f'"type":{json.dumps(error_type)}'))
     if before is not None:  # keyset paging: stable while runs are added
         where.append("(created_at < ? OR (created_at = ? AND run_id > ?))")
         args += [before[0], before[0], before[1]]
@@ -376,11 +392,10 @@ def _list_runs(
             where.append("status = 'queued'")
         else:
             pattern = f'"kind":"{kind}"' + (f',"name":{json.dumps(name)}' if name else "")
-            escaped = pattern.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
             where.append(
                 "status IN ('pending', 'running', 'suspended') AND waiting_on LIKE ? ESCAPE '\\'"
             )
-            args.append(f"%{escaped}%")
+            args.append(_contains(pattern))
     if status is not None:
         where.append("status = ?")
         args.append(status.value)
@@ -400,4 +415,5 @@ from .admission import _admission, _admit_queued, _promote  # noqa: E402
 from .control import _MAX_CHAIN, _close_children  # noqa: E402
 from .history import _append, _Pending, _read_history  # noqa: E402
 from .tasks import _ensure_workflow_task  # noqa: E402
+from .webhooks import _queue_webhook  # noqa: E402
 from .workflow_tasks import _apply_workflow_result  # noqa: E402

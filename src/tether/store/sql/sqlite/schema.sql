@@ -218,3 +218,25 @@ CREATE TABLE IF NOT EXISTS approvals (
 );
 CREATE INDEX IF NOT EXISTS approvals_by_status ON approvals (status, created_at);
 CREATE INDEX IF NOT EXISTS approvals_by_run ON approvals (run_id);
+
+-- The webhook outbox (store/ops/webhooks.py): a run's outcome, queued for its callback URL
+-- in the commit that ends the run, delivered at least once by the HTTP service's relay.
+CREATE TABLE IF NOT EXISTS webhook_outbox (
+    delivery_id  INTEGER PRIMARY KEY AUTOINCREMENT,
+    run_id       TEXT NOT NULL,
+    url          TEXT NOT NULL,
+    workflow     TEXT NOT NULL,
+    status       TEXT NOT NULL,
+    output       TEXT,
+    error        TEXT,
+    tenant       TEXT,
+    ended_at     REAL,
+    attempts     INTEGER NOT NULL,
+    state        TEXT NOT NULL,            -- pending | delivered | failed (gave up)
+    last_error   TEXT,
+    next_at      REAL NOT NULL,
+    delivered_at REAL,
+    created_at   REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS webhook_outbox_due ON webhook_outbox (state, next_at);
+CREATE INDEX IF NOT EXISTS webhook_outbox_by_run ON webhook_outbox (run_id);

@@ -1,0 +1,92 @@
+"""Server-Sent Events of a run's history, woken by the store's commit notifications.
+
+One history listener serves every open stream of the service: a commit that appends
+to a run's history wakes the streams following that run (in this process through the
+store's listeners; on PostgreSQL, other processes' commits arrive by LISTEN/NOTIFY).
+A woken stream reads its run's new events once. Commits the store cannot announce
+(another process on the same SQLite file) are caught by a slow re-read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+
+from .._app import App
+from ._models import event_view
+
+#: how often a stream re-reads without a wake-up (commits no notification reaches)
+SAFETY_READ = 2.0
+#: how long a quiet stream waits before it sends a keep-alive comment
+KEEPALIVE = 15.0
+
+
+class EventHub:
+    """Wakes the streams that follow a run when a commit appends to its history."""
+
+    def __init__(self, app: App) -> None:
+        self._app = app
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._following: dict[str, set[asyncio.Event]] = {}
+
+    def start(self) -> None:
+        """Begin listening (call on the service's event loop)."""
+        self._loop = asyncio.get_running_loop()
+        self._app.store.add_history_listener(self._on_commit)
+
+    def stop(self) -> None:
+        """Stop listening."""
+        self._app.store.remove_history_listener(self._on_commit)
+
+    def _on_commit(self, runs: set[str]) -> None:
+        # any thread: hand over to the loop, and only while some stream follows a run
+        if self._following and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._wake, runs)
+
+    def _wake(self, runs: set[str]) -> None:
+        for run_id in runs:
+            for ev in self._following.get(run_id, ()):
+                ev.set()
+
+    async def stream(self, run_id: str, after: int, request: Request) -> AsyncIterator[str]:
+        """The run's events after ``after`` as SSE messages (``id`` is the event's seq),
+        then new ones as they are committed, until the run has ended and all was sent."""
+        woken = asyncio.Event()
+        self._following.setdefault(run_id, set()).add(woken)
+        loop = asyncio.get_running_loop()
+        quiet_since = loop.time()
+        try:
+            while True:
+                woken.clear()  # before the read: a commit during it wakes the next wait
+                events = await self._app.store.read_history(run_id, after)
+                for e in events:
+                    after = e.seq
+                    payload = json.dumps(event_view(e).model_dump(), separators=(",", ":"))
+                    yield f"id: {e.seq}\nevent: {e.type.value}\ndata: {payload}\n\n"
+                if events:
+                    quiet_since = loop.time()
+                else:
+                    info = await self._app.get(run_id, follow=False)
+                    if info.is_finished:
+                        if info.continued_to:
+                            nxt = json.dumps({"next": info.continued_to})
+                            yield f"event: continued\ndata: {nxt}\n\n"
+                        return
+                    if loop.time() - quiet_since > KEEPALIVE:
+                        quiet_since = loop.time()
+                        yield ": keep-alive\n\n"
+                if await request.is_disconnected():
+                    return
+                try:
+                    await asyncio.wait_for(woken.wait(), SAFETY_READ)
+                except TimeoutError:
+                    pass
+        finally:
+            followers = self._following.get(run_id)
+            if followers is not None:
+                followers.discard(woken)
+                if not followers:
+                    del self._following[run_id]

@@ -1,0 +1,96 @@
+"""The webhook outbox: a run's outcome queued for delivery in the commit that ends it.
+
+A run started with a callback URL (``attrs["webhook"]``) gets a delivery row when it
+reaches a terminal status, in the same transaction as its end: a crash can never end
+the run without queueing the delivery. Relays lease due rows (``next_at``), post them,
+and mark them delivered or due again later; several relays never post the same row at
+the same time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._tx import _Tx
+
+_DELIVERY_COLS = (
+    "delivery_id, run_id, url, workflow, status, output, error, tenant, ended_at, "
+    "attempts, state, last_error, next_at, delivered_at, created_at"
+)
+
+
+def _url_of_attrs(tx: _Tx) -> str:
+    """The SQL expression for a run row's webhook URL, in the backend's dialect."""
+    if tx.paramstyle == "qmark":
+        return "json_extract(attrs, '$.webhook')"
+    return "(attrs::jsonb ->> 'webhook')"
+
+
+def _queue_webhook(tx: _Tx, run_id: str) -> None:
+    """Queue the ended run's outcome for its callback URL, if it has one (no row else).
+
+    Runs without attrs cost one primary-key probe; the statement needs no answer."""
+    url = _url_of_attrs(tx)
+    tx.execute(
+        "INSERT INTO webhook_outbox (run_id, url, workflow, status, output, error, tenant, "
+        "ended_at, attempts, state, next_at, created_at) "
+        f"SELECT run_id, {url}, workflow, status, output, error, tenant, completed_at, 0, "
+        f"'pending', ?, ? FROM runs WHERE run_id = ? AND attrs IS NOT NULL AND {url} IS NOT NULL",
+        (tx.now, tx.now, run_id),
+    )
+
+
+def _claim_webhooks(tx: _Tx, limit: int, lease: float) -> list[tuple[Any, ...]]:
+    """Lease up to ``limit`` due deliveries for ``lease`` seconds (they come due again
+    then, should this relay die while posting)."""
+    rows = tx.execute(
+        f"SELECT {_DELIVERY_COLS} FROM webhook_outbox WHERE state = 'pending' AND next_at <= ? "
+        f"ORDER BY next_at LIMIT ?{tx.skip_locked}",
+        (tx.now, limit),
+    ).fetchall()
+    for row in rows:
+        tx.execute(
+            "UPDATE webhook_outbox SET next_at = ?, attempts = attempts + 1 WHERE delivery_id = ?",
+            (tx.now + lease, row[0]),
+        )
+    return [(*row[:9], row[9] + 1, *row[10:]) for row in rows]
+
+
+def _finish_webhook(
+    tx: _Tx, delivery_id: int, ok: bool, error: str | None, retry_at: float | None
+) -> None:
+    """Record a post's outcome: delivered, due again at ``retry_at``, or given up (None)."""
+    if ok:
+        tx.execute(
+            "UPDATE webhook_outbox SET state = 'delivered', delivered_at = ?, last_error = NULL "
+            "WHERE delivery_id = ?",
+            (tx.now, delivery_id),
+        )
+    else:
+        tx.execute(
+            "UPDATE webhook_outbox SET state = ?, last_error = ?, next_at = ? "
+            "WHERE delivery_id = ?",
+            (
+                "pending" if retry_at is not None else "failed",
+                error,
+                retry_at if retry_at is not None else tx.now,
+                delivery_id,
+            ),
+        )
+
+
+def _webhook_deliveries(
+    tx: _Tx, run_id: str | None, state: str | None, limit: int
+) -> list[tuple[Any, ...]]:
+    where, params = [], []
+    if run_id is not None:
+        where.append("run_id = ?")
+        params.append(run_id)
+    if state is not None:
+        where.append("state = ?")
+        params.append(state)
+    sql = f"SELECT {_DELIVERY_COLS} FROM webhook_outbox"
+    if where:
+        sql += " WHERE " + " AND ".join(where)
+    rows = tx.execute(f"{sql} ORDER BY delivery_id DESC LIMIT ?", (*params, limit)).fetchall()
+    return [tuple(r) for r in rows]

@@ -1,0 +1,327 @@
+"""The HTTP service's edges, against a real ``tether serve`` process: signed webhooks
+through the outbox (receiver down, server killed), SIGKILL with in-process workers,
+concurrent idempotent starts, limits (413, 429, malformed JSON), health, dead letters,
+progress, and a schemathesis run against the served OpenAPI document."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from test_http_api import INVOICE, Server, _free_port
+from tether.webhooks import WebhookError, new_secret, verify
+
+HERE = Path(__file__).parent
+
+
+class Receiver:
+    """A webhook receiver on ``port`` that records every post and answers 200."""
+
+    def __init__(self, port: int) -> None:
+        self.posts: list[tuple[dict[str, str], bytes]] = []
+        posts = self.posts
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["content-length"]))
+                posts.append(({k.lower(): v for k, v in self.headers.items()}, body))
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.http = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.thread = threading.Thread(target=self.http.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.http.shutdown()
+        self.http.server_close()
+
+
+def _wait_for(check: Any, seconds: float, what: str) -> Any:
+    deadline = time.monotonic() + seconds
+    while True:
+        value = check()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def test_webhooks_are_signed_delivered_once_and_outlast_a_receiver_that_is_down(
+    store_url: str, tmp_path: Path
+) -> None:
+    secret = new_secret()
+    port = _free_port()
+    hook = f"http://127.0.0.1:{port}/hook"
+    flag = tmp_path / "flag"
+    flag.write_text("up")  # the fragile run fails: failures are delivered too
+    server = Server(
+        store_url,
+        "--workers",
+        "1",
+        "--no-auth",
+        "--webhook-secret",
+        secret,
+        "--webhook-max-backoff",
+        "2",
+    )
+    receiver: Receiver | None = None
+    try:
+        http = server.http
+        ok = http.post("/v1/workflows/bill/runs", json={**INVOICE, "callback_url": hook}).json()
+        bad = http.post(
+            "/v1/workflows/fragile/runs",
+            json={"input": {"flag": str(flag)}, "callback_url": hook},
+        ).json()
+        quiet = http.post("/v1/workflows/bill/runs", json=INVOICE).json()  # no callback
+        for run in (ok, bad, quiet):
+            assert http.get(f"{run['links']['result']}?wait=20").json()["status"] != "running"
+        # the receiver is down: the relay keeps the deliveries and tries again
+        downtime = 30 if store_url.startswith("sqlite") else 5
+        time.sleep(downtime)
+        pending = http.get(f"/v1/runs/{ok['id']}/webhooks").json()
+        assert len(pending) == 1 and pending[0]["state"] == "pending", pending
+        assert pending[0]["attempts"] >= 2 and "Connect" in pending[0]["last_error"]
+        receiver = Receiver(port)
+
+        def delivered() -> bool:
+            rows = [http.get(f"/v1/runs/{r['id']}/webhooks").json() for r in (ok, bad)]
+            return all(len(r) == 1 and r[0]["state"] == "delivered" for r in rows)
+
+        _wait_for(delivered, 20, "both deliveries")
+        assert http.get(f"/v1/runs/{quiet['id']}/webhooks").json() == []
+        time.sleep(1.0)  # nothing more arrives
+        assert len(receiver.posts) == 2  # exactly one post per ended run with a callback
+        outcomes = {}
+        for headers, body in receiver.posts:
+            outcome = verify(secret, body, headers)
+            assert headers["webhook-id"].startswith(outcome["run"]["id"] + ":")
+            outcomes[outcome["run"]["id"]] = outcome
+        assert outcomes[ok["id"]]["run"]["status"] == "completed"
+        assert outcomes[ok["id"]]["run"]["result"] == {"number": "A-1", "total": 1100}
+        assert outcomes[bad["id"]]["run"]["status"] == "failed"
+        assert "flag" in outcomes[bad["id"]]["run"]["error"]["message"]
+        headers, body = receiver.posts[0]
+        with pytest.raises(WebhookError, match="tampered"):
+            verify(secret, body.replace(b'"status"', b'"Status"'), headers)
+        with pytest.raises(WebhookError, match="tampered"):
+            verify(new_secret(), body, headers)
+        with pytest.raises(WebhookError, match="stale"):
+            verify(secret, body, headers, now=int(headers["webhook-timestamp"]) + 3600)
+        with pytest.raises(WebhookError, match="missing"):
+            verify(secret, body, {})
+    finally:
+        if receiver is not None:
+            receiver.close()
+        server.stop()
+
+
+def test_a_callback_url_without_a_signing_secret_is_refused(store_url: str) -> None:
+    server = Server(store_url, "--no-auth")
+    try:
+        r = server.http.post(
+            "/v1/workflows/bill/runs", json={**INVOICE, "callback_url": "http://x.example/h"}
+        )
+        assert r.status_code == 422 and "--webhook-secret" in r.json()["detail"]
+        bad = server.http.post(
+            "/v1/workflows/bill/runs", json={**INVOICE, "callback_url": "ftp://x.example/h"}
+        )
+        assert bad.status_code in (400, 422)
+    finally:
+        server.stop()
+
+
+def test_sigkill_with_in_process_workers_loses_no_accepted_run_or_delivery(
+    tmp_path: Path,
+) -> None:
+    store = f"sqlite:///{tmp_path / 't.db'}"
+    secret = new_secret()
+    port = _free_port()
+    hook = f"http://127.0.0.1:{port}/hook"
+    args = ("--workers", "1", "--no-auth", "--webhook-secret", secret)
+    first = Server(store, *args, "--webhook-max-backoff", "1")
+    ids = []
+    for i in range(8):
+        body = {"input": {"seconds": 0.3}, "callback_url": hook, "run_id": f"kill-{i}"}
+        r = first.http.post("/v1/workflows/slow/runs", json=body)
+        assert r.status_code == 202, r.text
+        ids.append(r.json()["id"])
+    first.proc.send_signal(signal.SIGKILL)  # no shutdown, no lease released
+    first.proc.wait(10)
+    first.http.close()
+    receiver = Receiver(port)
+    second = Server(store, *args)
+    try:
+        for rid in ids:
+            got = second.http.get(f"/v1/runs/{rid}/result?wait=60").json()
+            assert got["status"] == "completed" and got["result"] == "slow done", got
+        _wait_for(lambda: len({h["webhook-id"] for h, _ in receiver.posts}) == 8, 30, "posts")
+        for headers, body in receiver.posts:
+            verify(secret, body, headers)
+        assert {json.loads(b)["run"]["id"] for _, b in receiver.posts} == set(ids)
+    finally:
+        receiver.close()
+        second.stop()
+
+
+def test_twenty_concurrent_identical_starts_make_one_run(store_url: str) -> None:
+    server = Server(store_url, "--workers", "1", "--no-auth")
+    try:
+        port = server.port
+
+        def post(_: int) -> tuple[int, str]:
+            with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
+                r = c.post(
+                    "/v1/workflows/bill/runs", json=INVOICE, headers={"Idempotency-Key": "k-20"}
+                )
+                return r.status_code, r.json()["id"]
+
+        with ThreadPoolExecutor(20) as pool:
+            answers = list(pool.map(post, range(20)))
+        assert {code for code, _ in answers} <= {200, 202}, answers
+        assert len({rid for _, rid in answers}) == 1
+        runs = server.http.get("/v1/runs?workflow=bill").json()["runs"]
+        assert len(runs) == 1
+    finally:
+        server.stop()
+
+
+def test_limits_health_and_problem_documents(store_url: str) -> None:
+    server = Server(
+        store_url, "--workers", "1", "--no-auth", "--max-body", "2000", "--rate-limit", "5"
+    )
+    try:
+        http = server.http
+        assert http.get("/healthz").json() == {"status": "ok"}
+        assert http.get("/readyz").json()["status"] == "ready"
+        big = {"input": {"invoice": {"number": "x" * 5000, "cents": 1}, "vat": 0.1}}
+        r = http.post("/v1/workflows/bill/runs", json=big)
+        assert r.status_code == 413, r.text
+        assert r.headers["content-type"] == "application/problem+json"
+        assert "2000 bytes" in r.json()["detail"]
+
+        def chunks() -> Iterator[bytes]:  # no Content-Length: counted as it streams
+            yield b'{"input": {"invoice": {"number": "'
+            for _ in range(10):
+                yield b"y" * 500
+            yield b'", "cents": 1}}}'
+
+        r = http.post(
+            "/v1/workflows/bill/runs",
+            content=chunks(),
+            headers={"content-type": "application/json"},
+        )
+        assert r.status_code == 413, r.text
+        time.sleep(1.2)  # the bucket refills
+        r = http.post(
+            "/v1/workflows/bill/runs",
+            content=b'{"input": {',
+            headers={"content-type": "application/json"},
+        )
+        assert r.status_code == 400 and r.json()["title"] == "Malformed JSON", r.text
+        r = http.get("/v1/nothing-here")
+        assert r.status_code == 404 and r.headers["content-type"] == "application/problem+json"
+        codes = [http.get("/v1/runs?limit=1") for _ in range(12)]
+        limited = [c for c in codes if c.status_code == 429]
+        assert limited, [c.status_code for c in codes]
+        assert int(limited[0].headers["retry-after"]) >= 1
+        assert "requests/s" in limited[0].json()["detail"]
+        assert http.get("/healthz").status_code == 200  # health is not rate limited
+    finally:
+        server.stop()
+
+
+def test_dead_letters_are_listed_inspected_and_replayed(store_url: str, tmp_path: Path) -> None:
+    flag = tmp_path / "flag"
+    flag.write_text("up")
+    server = Server(store_url, "--workers", "1", "--no-auth")
+    try:
+        http = server.http
+        run = http.post("/v1/workflows/fragile/runs", json={"input": {"flag": str(flag)}}).json()
+        failed = http.get(f"{run['links']['result']}?wait=20").json()
+        assert failed["status"] == "failed"
+        letters = http.get(f"/v1/dead-letters?run_id={run['id']}").json()
+        assert sorted(d["kind"] for d in letters) == ["activity", "run"]  # the step, the run
+        letter = next(d for d in letters if d["kind"] == "run")
+        one = http.get(f"/v1/dead-letters/{letter['id']}").json()
+        assert one["run_id"] == run["id"] and "flag" in one["error"]["message"]
+        assert http.get("/v1/dead-letters/999999").status_code == 404
+        by_type = http.get("/v1/runs?error_type=RuntimeError").json()["runs"]
+        assert run["id"] in {r["id"] for r in by_type}
+        assert http.get("/v1/runs?error_type=KeyError").json()["runs"] == []
+        flag.unlink()  # the fix
+        replay = http.post(f"/v1/dead-letters/{letter['id']}/replay")
+        assert replay.status_code == 200, replay.text
+        fixed = http.get(f"{run['links']['result']}?wait=20").json()
+        assert fixed["status"] == "completed" and fixed["result"] == "fixed"
+        still = http.get(f"/v1/dead-letters?run_id={run['id']}").json()
+        assert letter["id"] not in {d["id"] for d in still}
+        again = http.post(f"/v1/dead-letters/{letter['id']}/replay")
+        assert again.status_code == 409
+    finally:
+        server.stop()
+
+
+def test_progress_by_units_of_work(store_url: str) -> None:
+    server = Server(store_url, "--workers", "1", "--no-auth")
+    try:
+        run = server.http.post("/v1/workflows/counted/runs", json={"input": {"items": 3}}).json()
+        assert server.http.get(f"{run['links']['result']}?wait=20").json()["result"] == 3
+        view = server.http.get(run["links"]["self"]).json()
+        assert view["progress"] == {"done": 3, "total": 3, "unit": "items"}
+        recent = server.http.get("/v1/runs?age=3600").json()["runs"]
+        assert run["id"] in {r["id"] for r in recent}
+    finally:
+        server.stop()
+
+
+ST = Path(sys.executable).parent / "st"
+
+
+@pytest.mark.skipif(
+    not ST.exists() and not os.environ.get("CI"),
+    reason="schemathesis is not installed (pip install -e '.[dev]')",
+)
+def test_schemathesis_finds_no_server_error_and_no_schema_violation(tmp_path: Path) -> None:
+    server = Server(
+        f"sqlite:///{tmp_path / 't.db'}", "--workers", "1", "--no-auth", "--max-wait", "2"
+    )
+    try:
+        res = subprocess.run(
+            [
+                str(ST),
+                "run",
+                f"http://127.0.0.1:{server.port}/openapi.json",
+                "--checks",
+                "not_a_server_error,response_schema_conformance",
+                "--max-examples",
+                "15",
+                "--seed",
+                "1",
+                "--exclude-path-regex",
+                "/events$",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            cwd=tmp_path,
+        )
+        assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-2000:]
+    finally:
+        server.stop()
