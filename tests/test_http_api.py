@@ -141,7 +141,14 @@ def test_openapi_shows_each_workflows_input_schema(server: Server) -> None:
     assert schemas["BillInput"]["required"] == ["invoice"]
     assert "cents" in schemas["Invoice"]["properties"]
     listed = server.http.get("/v1/workflows").json()
-    assert {w["name"] for w in listed} == {"bill", "approve", "slow", "review", "fragile", "counted"}
+    assert {w["name"] for w in listed} == {
+        "bill",
+        "approve",
+        "slow",
+        "review",
+        "fragile",
+        "counted",
+    }
 
 
 def test_signal_result_wait_and_run_control(server: Server) -> None:
