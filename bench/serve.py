@@ -7,7 +7,12 @@ sockets, measures:
 * ``start``: ``POST /v1/workflows/{name}/runs`` until the ``202``;
 * ``start + result``: that plus ``GET /v1/runs/{id}/result?wait=30`` until the result
   of a one-step run;
-* throughput of ``start + result`` with C concurrent clients.
+* throughput of ``start + result`` with C concurrent clients;
+* starts/s and POST -> 202 latency with S (50) concurrent keep-alive clients that only
+  start, next to ``app.start`` in-process on the same disk (the same S concurrent
+  callers, no HTTP) measured in the same run;
+* the time from a signal's POST until its ``SignalReceived`` event reaches a client
+  following the run's SSE stream (an upper bound of commit -> SSE event).
 
 Next to them, the raw commit rate of the same disk (LIMIT, as in ``bench/run.py``).
 """
@@ -15,13 +20,16 @@ Next to them, the raw commit rate of the same disk (LIMIT, as in ``bench/run.py`
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
+import queue
 import socket
 import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -47,6 +55,12 @@ APP = textwrap.dedent(
     @app.workflow
     async def one_step(x: int) -> int:
         return await double(x)
+
+    @app.workflow
+    async def pinger(n: int) -> int:
+        for _ in range(n):
+            await tether.wait_event("ping")
+        return n
     """
 )
 
@@ -129,10 +143,97 @@ def measure(base: str, runs: int, clients: int) -> dict[str, Any]:
     }
 
 
+def measure_starts(base: str, starts: int, clients: int) -> dict[str, Any]:
+    """S keep-alive clients that only start runs: starts/s and POST -> 202 latency."""
+    per = starts // clients
+    barrier = threading.Barrier(clients + 1)
+
+    def client(k: int) -> list[float]:
+        out = []
+        with httpx.Client(base_url=base, timeout=60) as http:
+            http.get("/healthz")  # the connection is open before the clock starts
+            barrier.wait()
+            for i in range(per):
+                t0 = time.perf_counter()
+                res = http.post("/v1/workflows/one_step/runs", json={"input": {"x": k * per + i}})
+                check(res.status_code == 202, f"start answered {res.status_code}: {res.text}")
+                out.append((time.perf_counter() - t0) * 1000)
+        return out
+
+    with ThreadPoolExecutor(clients) as pool:
+        futures = [pool.submit(client, k) for k in range(clients)]
+        barrier.wait()
+        t0 = time.perf_counter()
+        lat = [x for f in futures for x in f.result()]
+        elapsed = time.perf_counter() - t0
+    return {
+        "starts_per_s": len(lat) / elapsed,
+        "start_load_p50_ms": _percentile(lat, 50),
+        "start_load_p99_ms": _percentile(lat, 99),
+        "start_clients": clients,
+    }
+
+
+def measure_in_process(workdir: Path, starts: int, clients: int) -> float:
+    """``app.start`` rate in this process (S concurrent callers, no worker), same disk."""
+    sys.path.insert(0, str(workdir))
+    os.environ["BENCH_STORE"] = f"sqlite:///{workdir / 'inproc.db'}"
+    import bench_http_app
+
+    app = bench_http_app.app
+
+    async def go() -> float:
+        per = starts // clients
+
+        async def caller(k: int) -> None:
+            for i in range(per):
+                await app.start("one_step", k * per + i)
+
+        await app.start("one_step", -1)  # open the store
+        t0 = time.perf_counter()
+        await asyncio.gather(*(caller(k) for k in range(clients)))
+        rate = per * clients / (time.perf_counter() - t0)
+        await app.close()
+        return rate
+
+    return asyncio.run(go())
+
+
+def measure_sse(base: str, pings: int) -> dict[str, Any]:
+    """POST a signal, time until its SignalReceived event arrives on the SSE stream."""
+    seen: queue.SimpleQueue[float] = queue.SimpleQueue()
+    with httpx.Client(base_url=base, timeout=60) as http:
+        run = http.post("/v1/workflows/pinger/runs", json={"input": {"n": pings}}).json()
+
+        def follow() -> None:
+            with (
+                httpx.Client(base_url=base, timeout=60) as c,
+                c.stream("GET", run["links"]["events"]) as stream,
+            ):
+                for line in stream.iter_lines():
+                    if line == "event: SignalReceived":
+                        seen.put(time.perf_counter())
+
+        reader = threading.Thread(target=follow, daemon=True)
+        reader.start()
+        time.sleep(0.5)
+        lat = []
+        for _ in range(pings):
+            t0 = time.perf_counter()
+            res = http.post(f"/v1/runs/{run['id']}/signals/ping", json={})
+            check(res.status_code == 202, f"signal answered {res.status_code}")
+            lat.append((seen.get(timeout=10) - t0) * 1000)
+        reader.join(10)
+    return {"sse_p50_ms": _percentile(lat, 50), "sse_p99_ms": _percentile(lat, 99)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--runs", type=int, default=300)
     parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--starts", type=int, default=3000)
+    parser.add_argument("--start-clients", type=int, default=50)
+    parser.add_argument("--pings", type=int, default=100)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="tether-http-bench-") as tmp:
         workdir = Path(tmp)
@@ -140,9 +241,12 @@ def main() -> None:
         proc, base = _serve(workdir)
         try:
             res = measure(base, args.runs, args.clients)
+            res |= measure_sse(base, args.pings)
+            res |= measure_starts(base, args.starts, args.start_clients)
         finally:
             proc.terminate()
             proc.wait(30)
+        res["inproc_starts_per_s"] = measure_in_process(workdir, args.starts, args.start_clients)
     per_commit = 1000 / limit["commits_per_s"]
     print(f"LIMIT: {limit['commits_per_s']:,.0f} commits/s ({per_commit:.3f} ms/commit)")
     print(
@@ -156,6 +260,20 @@ def main() -> None:
     print(
         f"{res['clients']} clients, start + result: {res['runs_per_s']:,.0f} runs/s "
         f"({res['runs_per_s'] / limit['commits_per_s']:.2f} x LIMIT)"
+    )
+    print(
+        f"{res['start_clients']} clients, starts only: {res['starts_per_s']:,.0f} starts/s, "
+        f"POST -> 202 p50 {res['start_load_p50_ms']:.2f} ms p99 {res['start_load_p99_ms']:.2f} ms"
+    )
+    print(
+        f"in-process app.start, {res['start_clients']} callers: "
+        f"{res['inproc_starts_per_s']:,.0f} starts/s "
+        f"(HTTP is {res['starts_per_s'] / res['inproc_starts_per_s']:.2f} x of it; "
+        f"{res['inproc_starts_per_s'] / limit['commits_per_s']:.2f} x LIMIT)"
+    )
+    print(
+        f"signal POST -> its SSE event p50 {res['sse_p50_ms']:.2f} ms  "
+        f"p99 {res['sse_p99_ms']:.2f} ms"
     )
     print(json.dumps({"limit": limit, **res}, indent=2))
 

@@ -76,3 +76,21 @@ async def review(title: str) -> str:
         {"title": title}, approvers=["ann"], deadline=3600, allow_edit=True, name="title"
     )
     return f"{d.value['title']} approved by {d.by}" if d.approved and d.value else "rejected"
+
+
+if os.environ.get("TETHER_TEST_MODEL_URL"):  # a scripted model server the test started
+    from tether import ai
+
+    gateway = ai.Gateway(app, retry=tether.Retry(attempts=2, initial=0.1), timeout=10)
+    storyteller = gateway.model(
+        "storyteller",
+        ai.openai_compatible(
+            "gpt-4o-mini", base_url=os.environ["TETHER_TEST_MODEL_URL"], api_key="sk-test"
+        ),
+    )
+
+    @app.workflow
+    async def tell(topic: str) -> str:
+        """A streamed model step: tokens on the event stream, the answer in history."""
+        await tether.wait_event("go")  # the test follows the stream first
+        return await ai.complete(storyteller, f"tell me about {topic}", stream=True)

@@ -28,11 +28,12 @@ def _free_port() -> int:
 class Server:
     """A ``tether serve serve_app:app`` subprocess and a client for it."""
 
-    def __init__(self, store: str, *args: str) -> None:
+    def __init__(self, store: str, *args: str, env: dict[str, str] | None = None) -> None:
         self.store = store
         self.port = _free_port()
         env = {
             **os.environ,
+            **(env or {}),
             "PYTHONPATH": f"{HERE.parent / 'src'}{os.pathsep}{HERE}",
             "TETHER_TEST_STORE": store,
         }

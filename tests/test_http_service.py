@@ -325,3 +325,57 @@ def test_schemathesis_finds_no_server_error_and_no_schema_violation(tmp_path: Pa
         assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-2000:]
     finally:
         server.stop()
+
+
+def test_streamed_model_tokens_reach_the_event_stream(store_url: str) -> None:
+    """Tokens of a streamed model step arrive as SSE ``token`` events while the step
+    runs; on PostgreSQL from a worker in another process (NOTIFY), on SQLite from the
+    server's own worker."""
+    from tether.testing import ModelServer, model_reply
+
+    with ModelServer() as models:
+        models.script("gpt-4o-mini", model_reply("once upon a time, a fox", chunk_delay=0.15))
+        env = {"TETHER_TEST_MODEL_URL": models.base_url}
+        apart = not store_url.startswith("sqlite")
+        worker = None
+        if apart:
+            worker = subprocess.Popen(
+                [sys.executable, "-m", "tether.cli", "worker", "serve_app:app"],
+                cwd=HERE,
+                env={
+                    **os.environ,
+                    **env,
+                    "PYTHONPATH": f"{HERE.parent / 'src'}{os.pathsep}{HERE}",
+                    "TETHER_TEST_STORE": store_url,
+                },
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        server = Server(store_url, *(() if apart else ("--workers", "1")), "--no-auth", env=env)
+        try:
+            body = {"input": {"topic": "foxes"}, "run_id": "tale"}
+            assert server.http.post("/v1/workflows/tell/runs", json=body).status_code == 202
+            tokens: list[dict[str, Any]] = []
+            kinds: list[str] = []
+            with server.http.stream("GET", "/v1/runs/tale/events") as stream:
+                # the run waits for "go": the stream follows before any token is made
+                server.http.post("/v1/runs/tale/signals/go", json={})
+                kind = ""
+                for line in stream.iter_lines():
+                    if line.startswith("event: "):
+                        kind = line[7:]
+                        kinds.append(kind)
+                    elif line.startswith("data: ") and kind == "token":
+                        tokens.append(json.loads(line[6:]))
+            text = "".join(t.get("delta", "") for t in tokens)
+            assert text == "once upon a time, a fox", tokens
+            assert tokens[-1].get("done") is True and tokens[0]["run_id"] == "tale"
+            assert len([t for t in tokens if "delta" in t]) >= 2  # in pieces, as they came
+            # the tokens came before the step's recorded answer, which ends the run
+            assert kinds.index("token") < kinds.index("ActivityCompleted")
+            assert "WorkflowCompleted" in kinds
+        finally:
+            server.stop()
+            if worker is not None:
+                worker.terminate()
+                worker.wait(30)

@@ -10,7 +10,7 @@ import pytest
 
 import tether
 import tether.store
-from tether.store.sqlite import SqliteStore
+from tether.store.sqlite import _SCHEMA_VERSION, SqliteStore
 
 
 async def test_sqlite_locked_file_gives_clear_error_and_keeps_runs(tmp_path: Path) -> None:
@@ -82,7 +82,7 @@ def test_opening_a_new_file_while_another_process_holds_it_waits_its_turn(
     conn = sqlite3.connect(db)
     try:
         assert conn.execute("PRAGMA journal_mode").fetchone() == ("wal",)
-        assert conn.execute("PRAGMA user_version").fetchone() == (5,)
+        assert conn.execute("PRAGMA user_version").fetchone() == (_SCHEMA_VERSION,)
     finally:
         conn.close()
 

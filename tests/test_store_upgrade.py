@@ -7,6 +7,7 @@ from pathlib import Path
 
 import tether
 from conftest import PG_URL, with_schema
+from tether.store.sqlite import _SCHEMA_VERSION
 
 
 async def _roundtrip(url: str) -> None:
@@ -61,7 +62,7 @@ async def test_a_version_1_sqlite_store_is_upgraded(tmp_path: Path) -> None:
     conn.close()
     await _roundtrip(f"sqlite:///{db}")
     conn = sqlite3.connect(db)
-    assert conn.execute("PRAGMA user_version").fetchone() == (6,)
+    assert conn.execute("PRAGMA user_version").fetchone() == (_SCHEMA_VERSION,)
     assert conn.execute("SELECT count(*) FROM ai_spend").fetchone() == (0,)
     conn.close()
 
@@ -81,5 +82,5 @@ async def test_a_version_1_postgres_store_is_upgraded(pg_schema: str) -> None:
     await _roundtrip(url)
     with psycopg.connect(PG_URL, autocommit=True) as conn:
         conn.execute(f'SET search_path TO "{pg_schema}"')
-        assert conn.execute("SELECT max(version) FROM tether_meta").fetchone() == (6,)
+        assert conn.execute("SELECT max(version) FROM tether_meta").fetchone() == (_SCHEMA_VERSION,)
         assert conn.execute("SELECT count(*) FROM ai_spend").fetchone() == (0,)

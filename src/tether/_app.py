@@ -688,6 +688,7 @@ class App:
         tenant: str | None = None,
         since: float | None = None,
         error_type: str | None = None,
+        search: str | None = None,
     ) -> builtins.list[RunInfo]:
         """Runs, newest first, filtered by status, workflow name and what they wait for.
 
@@ -696,7 +697,8 @@ class App:
         or ``"admission"`` (queued for a tenant's slot). ``before`` pages by keyset:
         pass the ``(created_at, run_id)`` of the previous page's last run. ``tenant``
         keeps one tenant's runs; ``since`` (epoch seconds) runs created since then;
-        ``error_type`` runs whose error, or its cause, is of that type (class name).
+        ``error_type`` runs whose error, or its cause, is of that type (class name);
+        ``search`` runs whose id contains that text.
         """
         if waiting_for is not None and waiting_for.partition(":")[0] not in WAITING_KINDS:
             raise ConfigurationError(
@@ -714,6 +716,7 @@ class App:
             tenant=tenant,
             since=since,
             error_type=error_type,
+            search=search,
         )
 
     async def history(self, run_id: str, *, follow: bool = True) -> builtins.list[Event]:

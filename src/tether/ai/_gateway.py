@@ -18,6 +18,7 @@ import asyncio
 import dataclasses
 import hashlib
 import json
+import logging
 import math
 import threading
 import time
@@ -212,6 +213,12 @@ class ModelRef:
         tokens_out = int(cap)
         cost = self.gateway.price_of(self, tokens_in, tokens_out, 0, None, None)
         return {"tokens": tokens_in + tokens_out, "cost": cost}
+
+
+log = logging.getLogger("tether.ai")
+
+#: the longest a streamed delta waits before it is published to other processes
+STREAM_FLUSH = 0.05
 
 
 class Gateway:
@@ -530,6 +537,11 @@ class Gateway:
         except NotInActivityError:
             where = {"run_id": None, "step": None, "model": ref.name}
         run_id = where["run_id"]
+        # other processes (an SSE stream of tether serve) hear through the store, in
+        # pieces of at most STREAM_FLUSH seconds' text: one notification per piece
+        store = self._step_store()
+        clock = asyncio.get_running_loop().time
+        pending, flushed = "", clock()
         async with model_request_stream(
             built,
             messages,
@@ -545,10 +557,25 @@ class Gateway:
                     text = event.delta.content_delta
                 if text and run_id is not None:
                     self._publish(run_id, {**where, "delta": text})
+                    pending += text
+                    if clock() - flushed >= STREAM_FLUSH:
+                        await self._broadcast(store, run_id, {**where, "delta": pending})
+                        pending, flushed = "", clock()
             response = stream.get()
         if run_id is not None:
+            if pending:
+                await self._broadcast(store, run_id, {**where, "delta": pending})
             self._publish(run_id, {**where, "done": True})
+            await self._broadcast(store, run_id, {**where, "done": True})
         return response
+
+    @staticmethod
+    async def _broadcast(store: Store, run_id: str, item: dict[str, Any]) -> None:
+        """Publish through the store; a failure loses only this ephemeral piece."""
+        try:
+            await store.publish(run_id, item)
+        except Exception:  # the answer is still recorded; followers miss a piece
+            log.warning("could not publish a streamed piece of run %s", run_id, exc_info=True)
 
     def _publish(self, run_id: str, item: dict[str, Any]) -> None:
         with self._followers_lock:

@@ -55,6 +55,8 @@ from ._models import (
 )
 from ._relay import WebhookRelay
 from ._stream import EventHub
+from .console import install_console
+from .console._session import COOKIE as CONSOLE_COOKIE
 
 __all__ = ["create_api"]
 
@@ -119,6 +121,7 @@ def create_api(
     webhook_secret: str | None = None,
     webhook_options: dict[str, Any] | None = None,
     max_wait: float = MAX_WAIT,
+    console: bool = True,
 ) -> FastAPI:
     """The HTTP API of ``app``; with ``workers``, that many in-process workers serve its
     queues while the API runs (stopped, with ``grace`` seconds for in-flight work, on
@@ -127,7 +130,8 @@ def create_api(
     per key (429 beyond, with Retry-After); ``max_body``: the largest request body in
     bytes (413 beyond). ``webhook_secret`` signs the outcomes posted to runs' callback
     URLs (the relay runs only with one; ``webhook_options`` tune its retries).
-    ``max_wait``: the longest a ``/result?wait=`` request holds its connection."""
+    ``max_wait``: the longest a ``/result?wait=`` request holds its connection.
+    ``console``: serve the operator console at ``/`` (same keys, in a cookie)."""
     running: list[Worker] = []
     hub = EventHub(app)
     relay = WebhookRelay(app, webhook_secret, **(webhook_options or {})) if webhook_secret else None
@@ -138,6 +142,11 @@ def create_api(
         if not request.url.path.startswith("/v1/"):
             request.state.principal = None
             return  # health checks and the OpenAPI document are open
+        if auth and authorization is None and request.method == "GET":
+            # the console's browser follows event streams with its session cookie
+            # (SameSite=Strict: never sent by another site); only for reads
+            cookie = request.cookies.get(CONSOLE_COOKIE)
+            authorization = f"Bearer {cookie}" if cookie else None
         principal = await authenticate(app.store, authorization) if auth else None
         request.state.principal = principal
         if limiter is not None:
@@ -202,6 +211,8 @@ def create_api(
     api.add_middleware(BodyLimit, max_bytes=max_body)
     api.state.relay = relay
     api.state.hub = hub
+    if console:
+        install_console(api, app, auth=auth)
 
     @api.get("/healthz", summary="The process is up", tags=["health"])
     async def healthz() -> dict[str, str]:

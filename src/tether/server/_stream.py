@@ -5,6 +5,11 @@ to a run's history wakes the streams following that run (in this process through
 store's listeners; on PostgreSQL, other processes' commits arrive by LISTEN/NOTIFY).
 A woken stream reads its run's new events once. Commits the store cannot announce
 (another process on the same SQLite file) are caught by a slow re-read.
+
+Streamed model output (``ai.complete(..., stream=True)``) is not history: the store
+passes it on as it comes (``Store.publish``) and streams send it as ``token`` events
+without an ``id`` (a reconnect does not get them again; the final answer is in the
+history). On SQLite only a worker in the same process reaches the stream.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import Request
 
@@ -31,15 +37,27 @@ class EventHub:
         self._app = app
         self._loop: asyncio.AbstractEventLoop | None = None
         self._following: dict[str, set[asyncio.Event]] = {}
+        self._tokens: dict[asyncio.Event, list[dict[str, Any]]] = {}
 
     def start(self) -> None:
         """Begin listening (call on the service's event loop)."""
         self._loop = asyncio.get_running_loop()
         self._app.store.add_history_listener(self._on_commit)
+        self._app.store.add_stream_listener(self._on_item)
 
     def stop(self) -> None:
         """Stop listening."""
         self._app.store.remove_history_listener(self._on_commit)
+        self._app.store.remove_stream_listener(self._on_item)
+
+    def _on_item(self, run_id: str, item: dict[str, Any]) -> None:
+        if self._following and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._hand, run_id, item)
+
+    def _hand(self, run_id: str, item: dict[str, Any]) -> None:
+        for ev in self._following.get(run_id, ()):
+            self._tokens.setdefault(ev, []).append(item)
+            ev.set()
 
     def _on_commit(self, runs: set[str]) -> None:
         # any thread: hand over to the loop, and only while some stream follows a run
@@ -61,6 +79,8 @@ class EventHub:
         try:
             while True:
                 woken.clear()  # before the read: a commit during it wakes the next wait
+                for item in self._tokens.pop(woken, ()):
+                    yield f"event: token\ndata: {json.dumps(item, separators=(',', ':'))}\n\n"
                 events = await self._app.store.read_history(run_id, after)
                 for e in events:
                     after = e.seq
@@ -85,6 +105,7 @@ class EventHub:
                 except TimeoutError:
                     pass
         finally:
+            self._tokens.pop(woken, None)
             followers = self._following.get(run_id)
             if followers is not None:
                 followers.discard(woken)

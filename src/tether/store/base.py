@@ -59,6 +59,8 @@ Finished = dict[str, RunEnd | None]
 Listener = Callable[[set[str], Finished], None]
 #: called after commits with the runs whose history grew (event streams follow these)
 HistoryListener = Callable[[set[str]], None]
+#: called with (run id, item) for each ephemeral item a run published (streamed tokens)
+StreamListener = Callable[[str, dict[str, Any]], None]
 
 
 def start_event_data(
@@ -289,6 +291,20 @@ class Store(abc.ABC):
         """Webhook deliveries, newest first."""
 
     @abc.abstractmethod
+    async def run_counts(self, tenant: str | None = None) -> list[tuple[str, str, int]]:
+        """(workflow, status, runs) of every pair that has runs."""
+
+    @abc.abstractmethod
+    async def run_outcomes(
+        self, since: float, bucket: float, tenant: str | None = None
+    ) -> list[tuple[int, str, int]]:
+        """(bucket number, status, runs) of runs that ended since ``since``."""
+
+    @abc.abstractmethod
+    async def spend_on(self, day: str) -> list[tuple[str, int, str]]:
+        """(scope, tokens, cost) of model spend recorded on ``day`` (YYYY-MM-DD, UTC)."""
+
+    @abc.abstractmethod
     async def reclaim(self, worker_id: str) -> int:
         """Make every task leased to ``worker_id`` claimable now; return how many."""
 
@@ -341,11 +357,12 @@ class Store(abc.ABC):
         tenant: str | None = None,
         since: float | None = None,
         error_type: str | None = None,
+        search: str | None = None,
     ) -> list[RunInfo]:
         """Runs, newest first, optionally filtered (``waiting_for``: see ``App.list``);
         ``before`` is the (created_at, run_id) of the last run of the previous page;
         ``since`` keeps runs created at or after it; ``error_type`` runs whose error (or
-        its cause) has that type."""
+        its cause) has that type; ``search`` runs whose id contains it."""
 
     @abc.abstractmethod
     async def next_due(self, queues: Sequence[str]) -> float | None:
@@ -445,6 +462,20 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def remove_history_listener(self, callback: HistoryListener) -> None:
+        """Stop calling ``callback``."""
+
+    @abc.abstractmethod
+    async def publish(self, run_id: str, item: dict[str, Any]) -> None:
+        """Hand an ephemeral item of ``run_id`` (a streamed model delta) to the stream
+        listeners: in this process, and on PostgreSQL in every process. Never stored:
+        a listener that is not there misses it (the final answer is in history)."""
+
+    @abc.abstractmethod
+    def add_stream_listener(self, callback: StreamListener) -> None:
+        """Call ``callback(run_id, item)`` for published items (any thread)."""
+
+    @abc.abstractmethod
+    def remove_stream_listener(self, callback: StreamListener) -> None:
         """Stop calling ``callback``."""
 
     @abc.abstractmethod

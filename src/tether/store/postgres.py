@@ -37,6 +37,7 @@ import asyncio
 import concurrent.futures
 import functools
 import hashlib
+import json
 import logging
 import queue
 import random
@@ -56,7 +57,7 @@ from .._history import Task
 from ._clock import ServerClock
 from ._handoff import LoopFuture, Outcome, deliver
 from ._pg_session import _ID_BLOCK, _Session
-from .base import Finished, HistoryListener, Listener, worker_id_in_use
+from .base import Finished, HistoryListener, Listener, StreamListener, worker_id_in_use
 from .ops import OpsStore
 from .ops._tx import Op, _Tx
 from .ops.claims import _claim, _claim_with_wake
@@ -158,6 +159,7 @@ class PostgresStore(OpsStore):
         self._max_batch = max_batch
         self._listeners: list[Listener] = []
         self._history_listeners: list[HistoryListener] = []
+        self._stream_listeners: list[StreamListener] = []
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._commits = 0
@@ -174,6 +176,7 @@ class PostgresStore(OpsStore):
         self._ready_channel = _channel("tether_ready", schema)
         self._finished_channel = _channel("tether_finished", schema)
         self._events_channel = _channel("tether_events", schema)
+        self._stream_channel = _channel("tether_stream", schema)
 
         first = self._connect()
         try:
@@ -229,7 +232,13 @@ class PostgresStore(OpsStore):
         try:
             # the control channel lets close() wake this thread at once
             ctl = f"tether_ctl_{conn.info.backend_pid}"
-            for channel in (self._ready_channel, self._finished_channel, self._events_channel, ctl):
+            for channel in (
+                self._ready_channel,
+                self._finished_channel,
+                self._events_channel,
+                self._stream_channel,
+                ctl,
+            ):
                 conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
             self._ctl_channel = ctl
         except psycopg.Error as exc:
@@ -648,6 +657,8 @@ class PostgresStore(OpsStore):
                         self._announce({note.payload}, {})
                     elif note.channel == self._finished_channel:
                         self._announce(set(), {note.payload: None})
+                    elif note.channel == self._stream_channel and self._stream_listeners:
+                        self._heard(note.payload)
                     elif note.channel == self._events_channel and self._history_listeners:
                         runs = set(note.payload.split("\n"))
                         for hcb in list(self._history_listeners):
@@ -719,6 +730,31 @@ class PostgresStore(OpsStore):
     def remove_history_listener(self, callback: HistoryListener) -> None:
         if callback in self._history_listeners:
             self._history_listeners.remove(callback)
+
+    async def publish(self, run_id: str, item: dict[str, Any]) -> None:
+        for cb in list(self._stream_listeners):
+            cb(run_id, item)
+        payload = json.dumps({"r": run_id, "i": item}, separators=(",", ":"))
+        if len(payload.encode()) > _PAYLOAD_LIMIT:
+            return  # too big for a notification: other processes' followers miss it
+        await self._do(_notify, self._stream_channel, payload)
+
+    def _heard(self, payload: str) -> None:
+        """A published item from another process: to the stream listeners."""
+        try:
+            note = json.loads(payload)
+            run_id, item = note["r"], note["i"]
+        except (ValueError, KeyError, TypeError):
+            return
+        for cb in list(self._stream_listeners):
+            cb(run_id, item)
+
+    def add_stream_listener(self, callback: StreamListener) -> None:
+        self._stream_listeners.append(callback)
+
+    def remove_stream_listener(self, callback: StreamListener) -> None:
+        if callback in self._stream_listeners:
+            self._stream_listeners.remove(callback)
 
     def stats(self) -> dict[str, int]:
         with self._lock:
@@ -798,6 +834,11 @@ def _joined(run_ids: list[str]) -> list[str]:
     if part:
         out.append("\n".join(part))
     return out
+
+
+def _notify(tx: _Tx, channel: str, payload: str) -> None:
+    """Send one notification, delivered when the batch commits."""
+    tx.execute("SELECT pg_notify(?, ?)", (channel, payload))
 
 
 def _wake_listener(tx: _Tx, channel: str) -> None:

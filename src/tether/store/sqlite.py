@@ -32,7 +32,7 @@ except ImportError:  # pragma: no cover - not POSIX: worker ids are not held
 from .._errors import ConfigurationError, StoreError
 from .._history import RunInfo, Task
 from ._handoff import LoopFuture, deliver
-from .base import Finished, HistoryListener, Listener, worker_id_in_use
+from .base import Finished, HistoryListener, Listener, StreamListener, worker_id_in_use
 from .ops import OpsStore
 from .ops._tx import Op, _Tx
 from .ops.runs import _get_run
@@ -114,6 +114,7 @@ class SqliteStore(OpsStore):
         self._max_batch = max_batch
         self._listeners: list[Listener] = []
         self._history_listeners: list[HistoryListener] = []
+        self._stream_listeners: list[StreamListener] = []
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._commits = 0
         self._ops = 0
@@ -431,6 +432,18 @@ class SqliteStore(OpsStore):
     def remove_history_listener(self, callback: HistoryListener) -> None:
         if callback in self._history_listeners:
             self._history_listeners.remove(callback)
+
+    async def publish(self, run_id: str, item: dict[str, Any]) -> None:
+        # one process per SQLite file can hear: another process's followers miss it
+        for cb in list(self._stream_listeners):
+            cb(run_id, item)
+
+    def add_stream_listener(self, callback: StreamListener) -> None:
+        self._stream_listeners.append(callback)
+
+    def remove_stream_listener(self, callback: StreamListener) -> None:
+        if callback in self._stream_listeners:
+            self._stream_listeners.remove(callback)
 
     def stats(self) -> dict[str, int]:
         return {"commits": self._commits, "operations": self._ops}

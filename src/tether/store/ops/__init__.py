@@ -230,6 +230,7 @@ class OpsStore(Store):
         tenant: str | None = None,
         since: float | None = None,
         error_type: str | None = None,
+        search: str | None = None,
     ) -> list[RunInfo]:
         out: list[RunInfo] = await self._do(
             _list_runs,
@@ -242,6 +243,7 @@ class OpsStore(Store):
             tenant,
             since,
             error_type,
+            search,
             write=False,
         )
         return out
@@ -261,6 +263,22 @@ class OpsStore(Store):
         out: list[tuple[Any, ...]] = await self._do(
             _webhook_deliveries, run_id, state, limit, write=False
         )
+        return out
+
+    async def run_counts(self, tenant: str | None = None) -> list[tuple[str, str, int]]:
+        out: list[tuple[str, str, int]] = await self._do(_run_counts, tenant, write=False)
+        return out
+
+    async def run_outcomes(
+        self, since: float, bucket: float, tenant: str | None = None
+    ) -> list[tuple[int, str, int]]:
+        out: list[tuple[int, str, int]] = await self._do(
+            _run_outcomes, since, bucket, tenant, write=False
+        )
+        return out
+
+    async def spend_on(self, day: str) -> list[tuple[str, int, str]]:
+        out: list[tuple[str, int, str]] = await self._do(_spend_on, day, write=False)
         return out
 
     async def reclaim(self, worker_id: str) -> int:
@@ -418,6 +436,7 @@ from .keys import (  # noqa: E402
     _list_api_keys,
     _revoke_api_key,
 )
+from .overview import _run_counts, _run_outcomes, _spend_on  # noqa: E402
 from .queues import _configure_queue, _pause_queue, _queue_stats  # noqa: E402
 from .recovery import _claim_dead_letter, _dead_letters, _fork_run, _resolve_dead_letter, _retry_run  # noqa: E402
 from .runs import _create_run, _get_run, _list_runs  # noqa: E402

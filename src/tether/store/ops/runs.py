@@ -371,6 +371,7 @@ def _list_runs(
     tenant: str | None = None,
     since: float | None = None,
     error_type: str | None = None,
+    search: str | None = None,
 ) -> list[RunInfo]:
     where: list[str] = []
     args: list[Any] = []
@@ -380,6 +381,9 @@ def _list_runs(
     if since is not None:
         where.append("created_at >= ?")
         args.append(since)
+    if search:
+        where.append("run_id LIKE ? ESCAPE '\\'")
+        args.append(_contains(search))
     if error_type is not None:
         where.append("error LIKE ? ESCAPE '\\'")
         args.append(_contains(f'"type":{json.dumps(error_type)}'))

@@ -1,0 +1,402 @@
+"""The operator console: see, inspect and steer runs in a browser (``tether serve`` at ``/``).
+
+Server-rendered pages (Jinja2) over the same App and store as the HTTP API, with the
+same keys, roles and tenants; htmx (vendored, no CDN) refreshes lists and a run's
+timeline in place. Every action is a form POST carrying a CSRF token, confirmed in the
+browser, and names who did it (the key) in what the run records.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlencode
+
+from fastapi import FastAPI, Request
+from fastapi.responses import RedirectResponse, Response
+from fastapi.staticfiles import StaticFiles
+from fastapi.templating import Jinja2Templates
+
+from ..._app import App
+from ..._errors import RunNotFoundError, TetherError
+from ..._history import EventType, RunInfo, RunStatus
+from .._auth import AuthError, Principal, authenticate
+from .._models import run_view
+from ._charts import outcomes_svg
+from ._session import COOKIE, LoginRequired, check_csrf, csrf_token, principal_of
+from ._timeline import bars, svg
+
+__all__ = ["install_console"]
+
+HERE = Path(__file__).parent
+_ACTIONS = {
+    "cancel": "operate",
+    "suspend": "operate",
+    "resume": "operate",
+    "retry": "operate",
+    "terminate": "admin",
+}
+_OVERVIEW_TTL = 5.0  #: seconds the overview's aggregates are reused
+
+
+def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
+    """Add the console's pages and static files to ``api``."""
+    templates = Jinja2Templates(directory=str(HERE / "templates"))
+    templates.env.filters["when"] = _when
+    templates.env.filters["pretty"] = _pretty
+    api.mount("/static", StaticFiles(directory=str(HERE / "static")), name="static")
+    cache: dict[str | None, tuple[float, dict[str, Any]]] = {}
+
+    async def who(request: Request) -> Principal | None:
+        return await principal_of(request, app.store, auth)
+
+    def page(request: Request, name: str, principal: Principal | None, **ctx: Any) -> Response:
+        ctx |= {
+            "principal": principal,
+            "auth": auth,
+            "csrf": csrf_token(request),
+            "tenant": principal.tenant if principal else None,
+        }
+        return templates.TemplateResponse(request, name, ctx)
+
+    async def visible(principal: Principal | None, run_id: str) -> RunInfo:
+        info = await app.get(run_id, follow=False)
+        if principal is not None and not principal.sees(info.tenant):
+            raise RunNotFoundError(run_id)
+        return info
+
+    async def form(request: Request) -> dict[str, str]:
+        """An urlencoded form (no multipart parser needed), CSRF checked."""
+        fields = {k: v[-1] for k, v in parse_qs((await request.body()).decode()).items()}
+        check_csrf(request, fields.get("csrf"))
+        return fields
+
+    def actor(principal: Principal | None) -> str:
+        return f"key {principal.key_id}" if principal else "console (no auth)"
+
+    @api.exception_handler(LoginRequired)
+    async def to_login(request: Request, _exc: Exception) -> Response:
+        return RedirectResponse(f"/login?{urlencode({'next': request.url.path})}", 303)
+
+    @api.get("/login", include_in_schema=False)
+    async def login_page(request: Request, next: str = "/", error: str | None = None) -> Response:
+        return templates.TemplateResponse(
+            request, "login.html", {"next": next, "error": error, "auth": auth}
+        )
+
+    @api.post("/login", include_in_schema=False)
+    async def login(request: Request) -> Response:
+        fields = {k: v[-1] for k, v in parse_qs((await request.body()).decode()).items()}
+        key, nxt = fields.get("key", "").strip(), fields.get("next", "/")
+        if not nxt.startswith("/") or nxt.startswith("//"):
+            nxt = "/"  # never redirect off this site
+        try:
+            await authenticate(app.store, f"Bearer {key}")
+        except AuthError as exc:
+            return templates.TemplateResponse(
+                request,
+                "login.html",
+                {"next": nxt, "error": exc.detail, "auth": auth},
+                status_code=401,
+            )
+        response = RedirectResponse(nxt, 303)
+        response.set_cookie(
+            COOKIE,
+            key,
+            httponly=True,
+            samesite="strict",
+            secure=request.url.scheme == "https",
+            max_age=12 * 3600,
+        )
+        return response
+
+    @api.post("/logout", include_in_schema=False)
+    async def logout(request: Request) -> Response:
+        await form(request)
+        response = RedirectResponse("/login", 303)
+        response.delete_cookie(COOKIE)
+        return response
+
+    @api.get("/", include_in_schema=False)
+    async def overview(request: Request) -> Response:
+        principal = await who(request)
+        scope = principal.tenant if principal else None
+        hit = cache.get(scope)
+        if hit is None or time.monotonic() - hit[0] > _OVERVIEW_TTL:
+            hit = (time.monotonic(), await _overview(app, scope))
+            cache[scope] = hit
+        return page(request, "overview.html", principal, **hit[1])
+
+    @api.get("/runs", include_in_schema=False)
+    async def runs(
+        request: Request,
+        workflow: str | None = None,
+        status: str | None = None,
+        tenant: str | None = None,
+        age: float | None = None,
+        error_type: str | None = None,
+        q: str | None = None,
+        cursor: str | None = None,
+        partial: bool = False,
+    ) -> Response:
+        principal = await who(request)
+        mine = principal.tenant if principal else None
+        if q:
+            try:
+                info = await visible(principal, q.strip())
+                return RedirectResponse(f"/runs/{info.run_id}", 303)
+            except TetherError:
+                pass
+        before = None
+        if cursor:
+            created, _, rid = cursor.partition("|")
+            before = (float(created), rid)
+        infos: list[RunInfo] = []
+        problem = None
+        try:
+            infos = await app.list(
+                workflow=workflow or None,
+                status=RunStatus(status) if status else None,
+                tenant=mine or tenant or None,
+                since=app.store.clock() - age if age else None,
+                error_type=error_type or None,
+                search=q.strip() if q else None,
+                limit=51,
+                before=before,
+            )
+        except (ValueError, TetherError) as exc:
+            problem = str(exc)
+        shown = infos[:50]
+        nxt = f"{shown[-1].created_at!r}|{shown[-1].run_id}" if len(infos) > 50 else None
+        filters = {
+            "workflow": workflow or "",
+            "status": status or "",
+            "tenant": tenant or "",
+            "age": age or "",
+            "error_type": error_type or "",
+            "q": q or "",
+        }
+        return page(
+            request,
+            "_runs_table.html" if partial else "runs.html",
+            principal,
+            runs=[run_view(i) for i in shown],
+            next_cursor=nxt,
+            filters=filters,
+            query=urlencode({k: v for k, v in filters.items() if v}),
+            statuses=[s.value for s in RunStatus],
+            workflows=sorted(app._workflows),
+            problem=problem,
+        )
+
+    @api.get("/runs/{run_id}", include_in_schema=False)
+    async def run_detail(request: Request, run_id: str, partial: bool = False) -> Response:
+        principal = await who(request)
+        try:
+            info = await visible(principal, run_id)
+        except RunNotFoundError:
+            return page(request, "missing.html", principal, what=f"run {run_id}")
+        history = await app.store.read_history(info.run_id)
+        now = app.store.clock()
+        steps = bars(history)
+        ctx = {
+            "run": run_view(info),
+            "info": info,
+            "timeline": svg(steps, info.created_at, info.completed_at or now),
+            "steps": steps,
+            "events": history,
+            "calls": _model_calls(history),
+            "children": [
+                e.data.get("child_run_id") for e in history if e.type is EventType.CHILD_STARTED
+            ],
+            "input": _pretty_raw(info.input),
+            "reviews": await app.approvals(status="open", run_id=info.run_id),
+            "letters": await app.dead_letters(run_id=info.run_id),
+            "finished": info.is_finished,
+            "message": request.query_params.get("message"),
+        }
+        name = "_run_live.html" if partial else "run.html"
+        return page(request, name, principal, **ctx)
+
+    @api.post("/runs/{run_id}/act", include_in_schema=False)
+    async def act(request: Request, run_id: str) -> Response:
+        principal = await who(request)
+        fields = await form(request)
+        action = fields.get("action", "")
+        if action not in _ACTIONS:
+            raise AuthError(400, "Unknown action", f"no console action {action!r}")
+        if principal is not None:
+            principal.require(_ACTIONS[action], action)
+        info = await visible(principal, run_id)
+        reason = f"{actor(principal)} via console: {fields.get('reason') or 'no reason given'}"
+        if action in ("cancel", "terminate"):
+            await getattr(app, action)(info.run_id, reason)
+        else:
+            await getattr(app, action)(info.run_id)
+        return _back(run_id, f"{action} requested by {actor(principal)}")
+
+    @api.post("/runs/{run_id}/signal", include_in_schema=False)
+    async def signal(request: Request, run_id: str) -> Response:
+        principal = await who(request)
+        fields = await form(request)
+        if principal is not None:
+            principal.require("operate", "signal")
+        info = await visible(principal, run_id)
+        name = fields.get("name", "").strip()
+        try:
+            payload = json.loads(fields.get("payload") or "null")
+        except ValueError as exc:
+            return _back(run_id, f"signal not sent: the payload is not JSON ({exc})")
+        if not name:
+            return _back(run_id, "signal not sent: give it a name")
+        await app.signal(info.run_id, name, payload)
+        return _back(run_id, f"signal {name!r} sent by {actor(principal)}")
+
+    @api.get("/approvals", include_in_schema=False)
+    async def approvals(request: Request) -> Response:
+        principal = await who(request)
+        reviews = await app.approvals(
+            status="open", tenant=principal.tenant if principal else None, limit=200
+        )
+        return page(request, "approvals.html", principal, reviews=reviews)
+
+    @api.post("/approvals/{approval_id}", include_in_schema=False)
+    async def decide(request: Request, approval_id: str) -> Response:
+        principal = await who(request)
+        fields = await form(request)
+        if principal is not None:
+            principal.require("operate", "deciding a review")
+        review = await app.get_approval(approval_id)
+        await visible(principal, review.run_id)
+        value = None
+        if fields.get("value"):
+            try:
+                value = json.loads(fields["value"])
+            except ValueError as exc:
+                return _back(review.run_id, f"not decided: the edited value is not JSON ({exc})")
+        try:
+            await app.decide(
+                approval_id,
+                approve=fields.get("decision") == "approve",
+                by=fields.get("by") or actor(principal),
+                fingerprint=fields.get("fingerprint", ""),
+                value=value,
+                reason=fields.get("reason") or None,
+            )
+        except TetherError as exc:
+            return _back(review.run_id, f"not decided: {exc}")
+        return _back(review.run_id, f"review {approval_id} decided by {actor(principal)}")
+
+    @api.get("/dead-letters", include_in_schema=False)
+    async def dead_letters(request: Request) -> Response:
+        principal = await who(request)
+        letters = await app.dead_letters(tenant=principal.tenant if principal else None, limit=500)
+        return page(request, "dead_letters.html", principal, letters=letters)
+
+    @api.post("/dead-letters/{letter_id}/replay", include_in_schema=False)
+    async def replay(request: Request, letter_id: int) -> Response:
+        principal = await who(request)
+        await form(request)
+        if principal is not None:
+            principal.require("operate", "replaying a dead letter")
+        letters = await app.dead_letters(include_resolved=True, letter_id=letter_id, limit=1)
+        if not letters:
+            return page(request, "missing.html", principal, what=f"dead letter {letter_id}")
+        await visible(principal, letters[0].run_id)
+        try:
+            await app.replay_dead_letter(letter_id)
+            message = f"dead letter {letter_id} replayed by {actor(principal)}"
+        except Exception as exc:  # the replay's own failure is the operator's answer
+            message = f"replay of dead letter {letter_id} failed: {type(exc).__name__}: {exc}"
+        return _back(letters[0].run_id, message)
+
+
+def _back(run_id: str, message: str) -> Response:
+    return RedirectResponse(f"/runs/{run_id}?{urlencode({'message': message})}", 303)
+
+
+async def _overview(app: App, tenant: str | None) -> dict[str, Any]:
+    """The overview's figures (reused for a few seconds: they scan the runs table)."""
+    store = app.store
+    now = store.clock()
+    counts = await store.run_counts(tenant)
+    by_status: dict[str, int] = {}
+    by_workflow: dict[str, dict[str, int]] = {}
+    for wf, status, n in counts:
+        by_status[status] = by_status.get(status, 0) + n
+        by_workflow.setdefault(wf, {})[status] = n
+    hours = 24
+    since = now - hours * 3600
+    outcomes = await store.run_outcomes(since, 3600, tenant)
+    ended = sum(n for _, _, n in outcomes)
+    failed = sum(n for _, s, n in outcomes if s != "completed")
+    oldest = await app.approvals(status="open", tenant=tenant, limit=1)
+    letters = await app.dead_letters(tenant=tenant, limit=1000)
+    day = datetime.fromtimestamp(now, UTC).strftime("%Y-%m-%d")
+    return {
+        "by_status": by_status,
+        "by_workflow": by_workflow,
+        "statuses": [s.value for s in RunStatus],
+        "chart": outcomes_svg(outcomes, hours, since),
+        "ended": ended,
+        "failure_rate": failed / ended if ended else 0.0,
+        "queues": await app.queue_stats(),
+        "dead_letters": len(letters),
+        "intervention": by_status.get("needs_intervention", 0) + by_status.get("failed", 0),
+        "oldest_review": oldest[0] if oldest else None,
+        "spend": await store.spend_on(day) if tenant is None else [],
+        "now": now,
+    }
+
+
+def _model_calls(history: list[Any]) -> list[dict[str, Any]]:
+    """Model calls of ``tether.ai`` recorded in the run: model, tokens, cost, latency."""
+    scheduled: dict[int | None, Any] = {}
+    out = []
+    for e in history:
+        if e.type is EventType.ACTIVITY_SCHEDULED and e.data.get("name") == "tether.ai.call":
+            scheduled[e.step] = e
+        elif e.type is EventType.ACTIVITY_COMPLETED and e.step in scheduled:
+            result = e.data.get("result")
+            call = result.get("tether.ai.call") if isinstance(result, dict) else None
+            if not isinstance(call, dict):
+                continue
+            out.append(
+                {
+                    "step": e.step,
+                    "model": f"{call.get('model')} ({call.get('provider')}:"
+                    f"{call.get('model_name')})",
+                    "prompt": call.get("prompt_version") or "",
+                    "input_tokens": call.get("input_tokens"),
+                    "output_tokens": call.get("output_tokens"),
+                    "cost": call.get("cost"),
+                    "latency_ms": call.get("latency_ms"),
+                    "attempt": call.get("attempt"),
+                }
+            )
+    return out
+
+
+def _when(ts: float | None) -> str:
+    if ts is None:
+        return ""
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _pretty(value: Any) -> str:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = dataclasses.asdict(value)
+    return json.dumps(value, indent=2, default=str, ensure_ascii=False)
+
+
+def _pretty_raw(text: str | None) -> str:
+    if not text:
+        return ""
+    try:
+        return _pretty(json.loads(text))
+    except ValueError:
+        return text

@@ -1,0 +1,48 @@
+"""Aggregates for an operator's overview: runs by status, outcomes over time, spend."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._tx import _Tx
+
+
+def _run_counts(tx: _Tx, tenant: str | None) -> list[tuple[str, str, int]]:
+    """(workflow, status, runs) for every pair that has runs."""
+    where, args = ("WHERE tenant = ?", (tenant,)) if tenant is not None else ("", ())
+    rows = tx.execute(
+        f"SELECT workflow, status, COUNT(*) FROM runs {where} GROUP BY workflow, status "
+        "ORDER BY workflow, status",
+        args,
+    ).fetchall()
+    return [(r[0], r[1], int(r[2])) for r in rows]
+
+
+def _run_outcomes(
+    tx: _Tx, since: float, bucket: float, tenant: str | None
+) -> list[tuple[int, str, int]]:
+    """(bucket number, status, runs) of the runs that ended since ``since``, bucketed
+    by ``bucket`` seconds of their end time. Reads every ended run's row (no index on
+    the end time: it would cost every run's end a write); callers cache the answer."""
+    where = "completed_at >= ?" + (" AND tenant = ?" if tenant is not None else "")
+    args: tuple[Any, ...] = (since, bucket, since) + ((tenant,) if tenant is not None else ())
+    # whole buckets: CAST truncates in SQLite (positive values), FLOOR in PostgreSQL
+    num = (
+        "FLOOR((completed_at - ?) / ?)"
+        if tx.paramstyle != "qmark"
+        else ("CAST((completed_at - ?) / ? AS INTEGER)")
+    )
+    rows = tx.execute(
+        f"SELECT {num} AS b, status, COUNT(*) FROM runs WHERE {where} GROUP BY b, status "
+        "ORDER BY b, status",
+        args,
+    ).fetchall()
+    return [(int(r[0]), r[1], int(r[2])) for r in rows]
+
+
+def _spend_on(tx: _Tx, day: str) -> list[tuple[str, int, str]]:
+    """(scope, tokens, cost) of the model spend recorded on ``day`` (UTC date)."""
+    rows = tx.execute(
+        "SELECT scope, tokens, cost FROM ai_spend WHERE day = ? ORDER BY scope", (day,)
+    ).fetchall()
+    return [(r[0], int(r[1]), str(r[2])) for r in rows]

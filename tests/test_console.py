@@ -1,0 +1,186 @@
+"""The operator console in a real browser (Playwright driving Debian's Chromium) against a
+real ``tether serve`` process: sign-in with a key, overview, runs, a run's timeline,
+and actions (signal, approve, cancel, replay a dead letter) with CSRF and roles."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from test_http_api import INVOICE, Server, _create_key
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+pytestmark = pytest.mark.skipif(
+    CHROMIUM is None and not os.environ.get("CI"),
+    reason="Chromium is not installed (./scripts/setup installs it as root)",
+)
+
+
+@pytest.fixture
+def browser() -> Iterator[Any]:
+    from playwright.sync_api import sync_playwright
+
+    assert CHROMIUM is not None, "CI needs chromium: ./scripts/setup installs it"
+    with sync_playwright() as pw:
+        b = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        try:
+            yield b
+        finally:
+            b.close()
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[tuple[Server, dict[str, str]]]:
+    store = f"sqlite:///{tmp_path / 't.db'}"
+    import tether
+
+    tether.App(store=store).store.close_sync()  # type: ignore[attr-defined]
+    keys = {
+        "operate": _create_key(store, "--role", "operate", "--tenant", "acme"),
+        "read": _create_key(store, "--role", "read", "--tenant", "acme"),
+        "other": _create_key(store, "--role", "operate", "--tenant", "globex"),
+        "admin": _create_key(store, "--role", "admin"),
+    }
+    server = Server(store, "--workers", "1")
+    yield server, keys
+    server.stop()
+
+
+def _start(server: Server, key: str, workflow: str, body: dict[str, Any]) -> dict[str, Any]:
+    r = server.http.post(
+        f"/v1/workflows/{workflow}/runs", json=body, headers={"Authorization": f"Bearer {key}"}
+    )
+    assert r.status_code == 202, r.text
+    out: dict[str, Any] = r.json()
+    return out
+
+
+def _sign_in(page: Any, base: str, key: str) -> None:
+    page.goto(f"{base}/")
+    assert "/login" in page.url  # no session: the sign-in page
+    page.fill("input[name=key]", key)
+    page.click("button[type=submit]")
+    page.wait_for_url(f"{base}/")
+
+
+def test_sign_in_overview_runs_and_a_signal_from_the_browser(
+    served: tuple[Server, dict[str, str]], browser: Any
+) -> None:
+    server, keys = served
+    base = f"http://127.0.0.1:{server.port}"
+    billed = _start(server, keys["operate"], "bill", INVOICE)
+    waiting = _start(server, keys["operate"], "approve", {"input": {"doc": "contract"}})
+    theirs = _start(server, keys["other"], "bill", INVOICE)
+    auth = {"Authorization": f"Bearer {keys['operate']}"}
+    server.http.get(f"/v1/runs/{billed['id']}/result?wait=20", headers=auth)
+    page = browser.new_page()
+    page.on("dialog", lambda d: d.accept())  # every action asks first; the operator agrees
+    page.goto(f"{base}/")
+    page.fill("input[name=key]", "tether_nope.wrong")
+    page.click("button[type=submit]")
+    assert "does not exist" in page.inner_text(".error")
+    page.fill("input[name=key]", keys["operate"])
+    page.click("button[type=submit]")
+    page.wait_for_url(f"{base}/")
+    assert "bill" in page.inner_text("table.grid")
+    assert page.locator("svg.outcomes").count() == 1
+    # runs: only this tenant's, live-refreshed list
+    page.goto(f"{base}/runs")
+    text = page.inner_text("#runs")
+    assert billed["id"] in text and waiting["id"] in text and theirs["id"] not in text
+    page.goto(f"{base}/runs/{theirs['id']}")
+    assert "Not found" in page.inner_text("h1")  # another tenant's run does not exist
+    # a run's page: timeline, then a signal sent from the form finishes it
+    page.goto(f"{base}/runs/{billed['id']}")
+    assert page.locator("svg.timeline g.bar.activity.ok").count() == 1
+    assert "1100" in page.inner_text("section >> text=Result") or "1100" in page.content()
+    page.goto(f"{base}/runs/{waiting['id']}")
+    assert "waiting on" in page.inner_text("#live")
+    page.fill("form.signal input[name=name]", "review")
+    page.fill("form.signal textarea[name=payload]", '{"verdict": "approved"}')
+    page.click("form.signal button[type=submit]")
+    assert "signal 'review' sent by key" in page.inner_text(".message")
+    page.wait_for_selector("#status.completed", timeout=20_000)  # the page follows the run
+    done = server.http.get(f"/v1/runs/{waiting['id']}", headers=auth).json()
+    assert done["result"] == "contract: approved"
+
+
+def test_approve_cancel_and_replay_from_the_browser_with_roles_and_csrf(
+    served: tuple[Server, dict[str, str]], browser: Any, tmp_path: Path
+) -> None:
+    server, keys = served
+    base = f"http://127.0.0.1:{server.port}"
+    review = _start(server, keys["operate"], "review", {"input": {"title": "Q3 plan"}})
+    doomed = _start(server, keys["operate"], "approve", {"input": {"doc": "d"}})
+    flag = tmp_path / "flag"
+    flag.write_text("up")
+    fragile = _start(server, keys["operate"], "fragile", {"input": {"flag": str(flag)}})
+    auth = {"Authorization": f"Bearer {keys['operate']}"}
+    deadline = time.monotonic() + 20
+    while not server.http.get(f"/v1/approvals?run_id={review['id']}", headers=auth).json():
+        assert time.monotonic() < deadline, "the review never opened"
+        time.sleep(0.1)
+    server.http.get(f"/v1/runs/{fragile['id']}/result?wait=20", headers=auth)
+
+    # a read key sees everything but every action is refused
+    reader = browser.new_page()
+    reader.on("dialog", lambda d: d.accept())
+    _sign_in(reader, base, keys["read"])
+    reader.goto(f"{base}/runs/{doomed['id']}")
+    with reader.expect_response(lambda r: r.url.endswith("/act")) as refused:
+        reader.click("form[action$='/act'] button:has-text('Cancel')")
+    assert refused.value.status == 403
+
+    page = browser.new_page()
+    page.on("dialog", lambda d: d.accept())
+    _sign_in(page, base, keys["operate"])
+    # approve the open review, shown with its fingerprint
+    page.goto(f"{base}/approvals")
+    assert "title" in page.inner_text("table.grid")
+    page.goto(f"{base}/runs/{review['id']}")
+    fingerprint = page.inner_text("code.fp")
+    assert len(fingerprint) >= 16
+    page.click("form.review button[value=approve]")
+    assert "decided by key" in page.inner_text(".message")
+    got = server.http.get(f"/v1/runs/{review['id']}/result?wait=20", headers=auth).json()
+    assert got["result"] == "Q3 plan approved by ann"
+    # cancel with a reason: the run records who did it
+    page.goto(f"{base}/runs/{doomed['id']}")
+    page.fill("form[action$='/act'] input[name=reason]", "duplicate")
+    page.click("form[action$='/act'] button:has-text('Cancel')")
+    assert "cancel requested by key" in page.inner_text(".message")
+    got = server.http.get(f"/v1/runs/{doomed['id']}/result?wait=20", headers=auth).json()
+    assert got["status"] == "cancelled"
+    history = server.http.get(f"/v1/runs/{doomed['id']}/history", headers=auth).json()
+    reasons = [e["data"].get("reason") for e in history["events"] if e["type"] == "CancelRequested"]
+    assert reasons and "via console: duplicate" in reasons[0] and "key " in reasons[0]
+    # the failed run shows its error and stack trace; replaying its dead letter after the
+    # fix completes it
+    page.goto(f"{base}/runs/{fragile['id']}")
+    assert "RuntimeError" in page.inner_text(".error-box") or "ActivityError" in page.inner_text(
+        ".error-box"
+    )
+    assert page.locator("svg.timeline g.bar.activity.failed").count() == 1
+    flag.unlink()
+    page.goto(f"{base}/dead-letters")
+    page.locator("tr", has_text=fragile["id"]).filter(has_text="fragile").locator("button").click()
+    assert "replayed by key" in page.inner_text(".message")
+    got = server.http.get(f"/v1/runs/{fragile['id']}/result?wait=20", headers=auth).json()
+    assert got["status"] == "completed"
+
+    # a form posted without this session's CSRF token is refused, even with the cookie
+    cookie = {c["name"]: c["value"] for c in page.context.cookies()}
+    forged = httpx.post(
+        f"{base}/runs/{doomed['id']}/act",
+        data={"action": "suspend", "csrf": "0" * 40},
+        cookies=cookie,
+    )
+    assert forged.status_code == 403 and "CSRF" in forged.json()["title"]
