@@ -184,3 +184,41 @@ def test_approve_cancel_and_replay_from_the_browser_with_roles_and_csrf(
         cookies=cookie,
     )
     assert forged.status_code == 403 and "CSRF" in forged.json()["title"]
+
+
+def test_an_admin_flips_a_kill_switch_in_the_browser(
+    served: tuple[Server, dict[str, str]], browser: Any
+) -> None:
+    server, keys = served
+    base = f"http://127.0.0.1:{server.port}"
+    page = browser.new_page()
+    page.on("dialog", lambda d: d.accept())
+    _sign_in(page, base, keys["admin"])
+    page.goto(f"{base}/switches")
+    page.select_option("form.switch-off select[name=kind]", "activity")
+    page.fill("form.switch-off input[name=name]", "total")
+    page.fill("form.switch-off input[name=reason]", "bad deploy")
+    page.click("form.switch-off button[type=submit]")
+    assert "activity total switched off by key" in page.inner_text(".message")
+    assert "bad deploy" in page.inner_text("table.switches")
+    admin = {"Authorization": f"Bearer {keys['admin']}"}
+    assert [s["name"] for s in server.http.get("/v1/switches", headers=admin).json()] == ["total"]
+    run = _start(server, keys["operate"], "bill", INVOICE)
+    time.sleep(3)
+    assert server.http.get(f"/v1/runs/{run['id']}", headers=admin).json()["status"] == "running"
+    page.click("table.switches button:has-text('Switch on')")
+    assert "switched on" in page.inner_text(".message")
+    assert "switch off" in page.inner_text("table.audit")  # who did it, listed
+    got = server.http.get(f"/v1/runs/{run['id']}/result?wait=30", headers=admin).json()
+    assert got["result"]["total"] == 1100
+    # an operate key may not flip switches
+    other = browser.new_page()
+    other.on("dialog", lambda d: d.accept())
+    _sign_in(other, base, keys["operate"])
+    other.goto(f"{base}/switches")
+    other.fill("form.switch-off input[name=name]", "total")
+    with other.expect_response(
+        lambda r: r.url.endswith("/switches") and r.request.method == "POST"
+    ) as refused:
+        other.click("form.switch-off button[type=submit]")
+    assert refused.value.status == 403

@@ -379,3 +379,43 @@ def test_streamed_model_tokens_reach_the_event_stream(store_url: str) -> None:
             if worker is not None:
                 worker.terminate()
                 worker.wait(30)
+
+
+def test_a_kill_switch_flipped_over_http_holds_work_on_a_worker_in_another_process(
+    store_url: str,
+) -> None:
+    server = Server(store_url, "--no-auth")  # no worker in the server: it runs apart
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "tether.cli", "worker", "serve_app:app"],
+        cwd=HERE,
+        env={
+            **os.environ,
+            "PYTHONPATH": f"{HERE.parent / 'src'}{os.pathsep}{HERE}",
+            "TETHER_TEST_STORE": store_url,
+        },
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        http = server.http
+        off = http.put("/v1/switches/activity/total", json={"reason": "bad deploy"})
+        assert off.status_code == 200 and off.json()["changed"] is True
+        assert http.put("/v1/switches/queue/x").status_code == 400  # not a kind of switch
+        assert [s["name"] for s in http.get("/v1/switches").json()] == ["total"]
+        run = http.post("/v1/workflows/bill/runs", json=INVOICE).json()
+        time.sleep(4)  # the worker has seen the step (and held it) by now
+        assert http.get(f"{run['links']['result']}?wait=0").status_code == 202
+        events = http.get(f"/v1/runs/{run['id']}/history").json()["events"]
+        assert "ActivityCompleted" not in {e["type"] for e in events}
+        assert http.delete("/v1/switches/activity/total").json()["changed"] is True
+        done = http.get(f"{run['links']['result']}?wait=30").json()
+        assert done["result"] == {"number": "A-1", "total": 1100}
+        log = http.get("/v1/audit?target=activity:total").json()
+        assert [(e["action"], e["actor"]) for e in log] == [
+            ("switch on", "api (no auth)"),
+            ("switch off", "api (no auth)"),
+        ]
+    finally:
+        server.stop()
+        worker.terminate()
+        worker.wait(30)

@@ -32,6 +32,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "tether._batching",
             "tether._usage",
             "tether.webhooks",
+            "tether._switches",
         ),
     ),
     ("definitions", ("tether._definitions",)),

@@ -51,6 +51,7 @@ PUBLIC = [
     "RunStatus",
     "RunTerminatedError",
     "RunTimedOutError",
+    "SwitchedOffError",
     "Saga",
     "StoreError",
     "SyncClient",

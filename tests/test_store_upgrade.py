@@ -34,7 +34,16 @@ async def _roundtrip(url: str) -> None:
 
 
 #: tables added after version 1 (a version-1 store made by an old build lacks them)
-NEWER_TABLES = ("api_keys", "ai_cache", "ai_spend", "ai_budgets", "approvals", "webhook_outbox")
+NEWER_TABLES = (
+    "api_keys",
+    "ai_cache",
+    "ai_spend",
+    "ai_budgets",
+    "approvals",
+    "webhook_outbox",
+    "switches",
+    "audit_log",
+)
 
 
 async def _first_run(url: str) -> None:

@@ -72,6 +72,17 @@ class DeadLetterNotFoundError(TetherError, LookupError):
         self.letter_id = letter_id
 
 
+class SwitchedOffError(TetherError):
+    """A kill switch is off for what was asked (a tenant's new runs)."""
+
+    def __init__(self, kind: str, name: str) -> None:
+        super().__init__(
+            f"{kind} {name!r} is switched off by an operator: no new work of it starts until "
+            f"it is switched on again (tether switch on {kind} {name})"
+        )
+        self.kind, self.name = kind, name
+
+
 class RunNotFoundError(TetherError, LookupError):
     """No run exists with the given id."""
 

@@ -34,6 +34,9 @@ from ._history import REPLAY_CHANGING, Event, EventType, Task
 from ._host import WorkerApp
 from ._policy import Retry
 from ._serde import encode
+from ._switches import HOLD as SWITCH_HOLD
+from ._switches import REFRESH as SWITCH_REFRESH
+from ._switches import Switches
 from .store.base import TASK_REJECTED
 from .workflow._instance import WorkflowInstance
 
@@ -99,6 +102,9 @@ class Worker:
         self._stopping = False
         self._unstarted: list[Task] = []
         self._renewer: asyncio.Task[None] | None = None
+        self._switcher: asyncio.Task[None] | None = None
+        #: the kill switches that are off (``_switches.py``), read every REFRESH seconds
+        self._switches = Switches()
         self._background: set[asyncio.Future[None]] = set()
         self._main: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
@@ -132,6 +138,7 @@ class Worker:
         await self.app._write_queue_limits(force=True)
         if self._stable_id:  # refuse an id a live process holds: it would run tasks twice
             self._id_release = await asyncio.to_thread(self.app.store.hold_worker_id, self.id)
+        await self._read_switches()  # before the first task, claimed or handed over
         self.app.store.add_listener(self._on_commit)
         if self._stable_id:
             reclaimed = await self.app.store.reclaim(self.id)
@@ -190,6 +197,9 @@ class Worker:
         if self._renewer is not None:
             self._renewer.cancel()
             self._renewer = None
+        if self._switcher is not None:
+            self._switcher.cancel()
+            self._switcher = None
         self.app.store.remove_listener(self._on_commit)
         while self._cache:
             _, inst = self._cache.popitem()
@@ -217,6 +227,9 @@ class Worker:
         if self._renewer is not None:
             tasks.append(self._renewer)
             self._renewer = None
+        if self._switcher is not None:
+            tasks.append(self._switcher)
+            self._switcher = None
         for t in (*tasks, self._main):
             t.cancel()
         await asyncio.gather(*tasks, self._main, return_exceptions=True)
@@ -263,6 +276,7 @@ class Worker:
     async def _serve(self) -> None:
         assert self._wake is not None and self._slot is not None
         self._renewer = asyncio.create_task(self._renew_loop())
+        self._switcher = asyncio.create_task(self._switch_loop())
         failures = 0
         while not self._stopping:
             free = self.free_slots()
@@ -324,6 +338,9 @@ class Worker:
         if self._stopping:
             self._unstarted.extend(tasks)
             return
+        tasks = [t for t in tasks if not self._held(t)]
+        if not tasks:
+            return
         t = asyncio.create_task(run_batch(self, tasks))
         self._batch_extra += len(tasks) - 1
         t.add_done_callback(functools.partial(self._batch_done, len(tasks) - 1))
@@ -334,9 +351,30 @@ class Worker:
     def _batch_done(self, extra: int, t: asyncio.Task[None]) -> None:
         self._batch_extra -= extra
 
+    async def _read_switches(self) -> None:
+        try:
+            self._switches = Switches(await self.app.store.switches())
+        except StoreError as exc:  # keep the last known state
+            log.warning("reading the kill switches failed: %s", exc)
+
+    async def _switch_loop(self) -> None:
+        while True:
+            await asyncio.sleep(SWITCH_REFRESH)
+            await self._read_switches()
+
+    def _held(self, task: Task) -> bool:
+        """Give ``task`` back unstarted if a kill switch holds it (True)."""
+        if not self._switches or not self._switches.blocks(task):
+            return False
+        self.stats["held_by_switch"] += 1
+        self._fire(self.app.store.release([task], delay=SWITCH_HOLD, unstarted=True))
+        return True
+
     def _spawn(self, task: Task) -> None:
         if self._stopping:
             self._unstarted.append(task)  # leased to us while stopping: released in stop()
+            return
+        if self._held(task):
             return
         current = [task.task_id]  #: the task this asyncio task runs now (see _run_activities)
         if task.kind == "workflow":
@@ -445,7 +483,7 @@ class Worker:
         the run and another to complete its first task. ``data`` is the start
         event's data as the store will record it. None: take the ordinary path.
         """
-        if self._stopping:
+        if self._stopping or wf.name in self._switches.off.get("workflow", ()):
             return None
         start = Event(
             run_id=run_id,
@@ -587,6 +625,8 @@ class Worker:
             self._inflight.pop(task.task_id, None)
             if self._stopping:
                 self._unstarted.append(follow)
+                return
+            if self._held(follow):
                 return
             current[0] = follow.task_id
             self._inflight[follow.task_id] = (follow, me, None)

@@ -26,6 +26,7 @@ from .runs import (
 )
 from .serve import serve_command
 from .store import store_migrate_command
+from .switches import switch_list_command, switch_off_command, switch_on_command
 from .testing import cassette_export_command, eval_command
 from .worker import worker_command
 
@@ -75,6 +76,14 @@ def _build() -> typer.Typer:
         list=approvals_list_command,
         show=approvals_show_command,
         decide=approvals_decide_command,
+    )
+    _group(
+        cli,
+        "switch",
+        "Kill switches: stop a workflow, activity, model or tenant on every worker.",
+        off=switch_off_command,
+        on=switch_on_command,
+        list=switch_list_command,
     )
     return cli
 

@@ -40,7 +40,7 @@ from .._errors import (
 from .._history import Approval, DeadLetter, RunInfo, RunStatus
 from .._worker import Worker
 from . import _problems
-from ._auth import AuthError, Principal, authenticate
+from ._auth import AuthError, Principal, actor_of, authenticate
 from ._limits import BodyLimit, RateLimiter
 from ._models import (
     HistoryPage,
@@ -172,6 +172,12 @@ def create_api(
         """The tenant the caller's queries are limited to (None: every tenant)."""
         principal: Principal | None = request.state.principal
         return principal.tenant if principal is not None else None
+
+    async def audit(
+        request: Request, action: str, target: str, detail: dict[str, Any] | None = None
+    ) -> None:
+        """Record who did ``action`` (after it succeeded)."""
+        await app.store.audit(actor_of(request.state.principal, "api"), action, target, detail)
 
     async def visible(request: Request, run_id: str, *, follow: bool = True) -> RunInfo:
         """The run, if the caller may see it (a tenant's key: only that tenant's runs)."""
@@ -360,6 +366,7 @@ def create_api(
         may(request, "operate", "signal")
         await visible(request, run_id)
         await app.signal(run_id, name, payload)
+        await audit(request, "signal", f"run:{run_id}", {"signal": name})
         return {"id": run_id, "signal": name, "accepted": True, "links": links(run_id)}
 
     for action, role in (
@@ -368,7 +375,7 @@ def create_api(
         ("resume", "operate"),
         ("terminate", "admin"),
     ):
-        _add_action(api, app, action, role, visible, may)
+        _add_action(api, app, action, role, visible, may, audit)
 
     @api.post(
         "/v1/runs/{run_id}/fork",
@@ -379,6 +386,7 @@ def create_api(
         may(request, "admin", "fork")
         await visible(request, run_id)
         new = await app.fork(run_id, at_step=body.at_step, new_run_id=body.run_id)
+        await audit(request, "fork", f"run:{run_id}", {"at_step": body.at_step, "new": new.run_id})
         response.headers["Location"] = f"/v1/runs/{new.run_id}"
         return run_view(await app.get(new.run_id))
 
@@ -427,6 +435,12 @@ def create_api(
             value=body.value,
             reason=body.reason,
         )
+        await audit(
+            request,
+            "decide",
+            f"run:{review.run_id}",
+            {"approval_id": approval_id, "approve": body.approve, "by": body.by},
+        )
         return {"approval_id": approval_id, "accepted": True, "links": links(review.run_id)}
 
     @api.post(
@@ -438,7 +452,40 @@ def create_api(
         may(request, "operate", "retry")
         await visible(request, run_id)
         await app.retry(run_id)
+        await audit(request, "retry", f"run:{run_id}")
         return run_view(await app.get(run_id))
+
+    @api.get("/v1/switches", summary="Kill switches that are off")
+    async def list_switches() -> list[dict[str, Any]]:
+        return await app.switches()
+
+    @api.put(
+        "/v1/switches/{kind}/{name}",
+        summary="Switch a workflow, activity, model or tenant off for every worker (admin)",
+    )
+    async def switch_off(
+        kind: str, name: str, request: Request, body: Reason | None = None
+    ) -> dict[str, Any]:
+        principal = may(request, "admin", "switching off")
+        changed = await app.disable(
+            kind, name, reason=body.reason if body else None, by=actor_of(principal, "api")
+        )
+        return {"kind": kind, "name": name, "off": True, "changed": changed}
+
+    @api.delete("/v1/switches/{kind}/{name}", summary="Switch it back on (admin)")
+    async def switch_on(kind: str, name: str, request: Request) -> dict[str, Any]:
+        principal = may(request, "admin", "switching on")
+        changed = await app.enable(kind, name, by=actor_of(principal, "api"))
+        return {"kind": kind, "name": name, "off": False, "changed": changed}
+
+    @api.get("/v1/audit", summary="Who did what, newest first (admin)")
+    async def audit_log(
+        request: Request,
+        target: str | None = None,
+        limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    ) -> list[dict[str, Any]]:
+        may(request, "admin", "reading the audit log")
+        return await app.audit_log(target=target, limit=limit)
 
     @api.get(
         "/v1/runs/{run_id}/webhooks",
@@ -480,6 +527,8 @@ def create_api(
         may(request, "operate", "replaying a dead letter")
         await letter_of(request, letter_id)
         outcome = await app.replay_dead_letter(letter_id)
+        letter = await letter_of(request, letter_id)
+        await audit(request, "replay dead letter", f"run:{letter.run_id}", {"letter": letter_id})
         return {"id": letter_id, "replayed": True, "outcome": jsonable_encoder(outcome)}
 
     return api
@@ -589,7 +638,9 @@ def _add_start_route(api: FastAPI, app: App, wf: Workflow[Any, Any]) -> None:
     )
 
 
-def _add_action(api: FastAPI, app: App, action: str, role: str, visible: Any, may: Any) -> None:
+def _add_action(
+    api: FastAPI, app: App, action: str, role: str, visible: Any, may: Any, audit: Any
+) -> None:
     """``POST /v1/runs/{id}/<action>`` for keys of ``role`` or above; cancel and
     terminate take ``{"reason": ...}``."""
     reasoned = action in ("cancel", "terminate")
@@ -599,6 +650,7 @@ def _add_action(api: FastAPI, app: App, action: str, role: str, visible: Any, ma
         await visible(request, run_id)
         method = getattr(app, action)
         await (method(run_id, body.reason if body else None) if reasoned else method(run_id))
+        await audit(request, action, f"run:{run_id}", {"reason": body.reason} if body else None)
         return run_view(await app.get(run_id))
 
     api.add_api_route(

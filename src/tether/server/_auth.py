@@ -63,6 +63,11 @@ class Principal:
             )
 
 
+def actor_of(principal: Principal | None, where: str) -> str:
+    """How the audit log names who acted: the key, or where (auth off)."""
+    return f"key {principal.key_id}" if principal is not None else f"{where} (no auth)"
+
+
 def _hash(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
 

@@ -23,6 +23,7 @@ from .._errors import (
     RunFinishedError,
     RunIdConflictError,
     RunNotFoundError,
+    SwitchedOffError,
     TetherError,
     UnknownWorkflowError,
 )
@@ -40,6 +41,7 @@ _MAP: list[tuple[type[BaseException], int, str]] = [
     (UnknownWorkflowError, 404, "No such workflow"),
     (RunIdConflictError, 409, "Run id or idempotency key already used for other input"),
     (RunFinishedError, 409, "The run has finished"),
+    (SwitchedOffError, 409, "Switched off by an operator"),
     (AdmissionLimitError, 429, "The tenant is at its limit of live runs"),
     (RecoveryError, 409, "The run cannot be recovered that way"),
     (PayloadError, 400, "The input does not match the workflow's parameters"),

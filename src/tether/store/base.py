@@ -305,6 +305,28 @@ class Store(abc.ABC):
         """(scope, tokens, cost) of model spend recorded on ``day`` (YYYY-MM-DD, UTC)."""
 
     @abc.abstractmethod
+    async def set_switch(
+        self, kind: str, name: str, off: bool, by: str | None, reason: str | None
+    ) -> bool:
+        """Turn ``kind``/``name`` off or back on; True when that changed anything."""
+
+    @abc.abstractmethod
+    async def switches(self) -> list[tuple[Any, ...]]:
+        """(kind, name, by, reason, created_at) of every switch that is off."""
+
+    @abc.abstractmethod
+    async def audit(
+        self, actor: str, action: str, target: str, detail: dict[str, Any] | None = None
+    ) -> None:
+        """Record who did what to which target."""
+
+    @abc.abstractmethod
+    async def audit_log(
+        self, *, target: str | None = None, limit: int = 100
+    ) -> list[tuple[Any, ...]]:
+        """(id, at, actor, action, target, detail) entries, newest first."""
+
+    @abc.abstractmethod
     async def reclaim(self, worker_id: str) -> int:
         """Make every task leased to ``worker_id`` claimable now; return how many."""
 

@@ -57,7 +57,7 @@ _OWN_TABLES = {
 }
 
 
-_SCHEMA_VERSION = 6
+_SCHEMA_VERSION = 7
 #: statements that bring a store of the version before up to this one
 _UPGRADES: dict[int, tuple[str, ...]] = {
     2: ("ALTER TABLE runs ADD COLUMN waiting_on TEXT",),
@@ -94,6 +94,14 @@ _UPGRADES: dict[int, tuple[str, ...]] = {
         "delivered_at REAL, created_at REAL NOT NULL)",
         "CREATE INDEX IF NOT EXISTS webhook_outbox_due ON webhook_outbox (state, next_at)",
         "CREATE INDEX IF NOT EXISTS webhook_outbox_by_run ON webhook_outbox (run_id)",
+    ),
+    7: (
+        "CREATE TABLE IF NOT EXISTS switches (kind TEXT NOT NULL, name TEXT NOT NULL, by_whom"
+        " TEXT, reason TEXT, created_at REAL NOT NULL, PRIMARY KEY (kind, name))",
+        "CREATE TABLE IF NOT EXISTS audit_log (id INTEGER PRIMARY KEY AUTOINCREMENT, at REAL "
+        "NOT NULL, actor TEXT NOT NULL, action TEXT NOT NULL, target TEXT NOT NULL, detail "
+        "TEXT)",
+        "CREATE INDEX IF NOT EXISTS audit_log_by_target ON audit_log (target, id)",
     ),
 }
 

@@ -24,7 +24,8 @@ from fastapi.templating import Jinja2Templates
 from ..._app import App
 from ..._errors import RunNotFoundError, TetherError
 from ..._history import EventType, RunInfo, RunStatus
-from .._auth import AuthError, Principal, authenticate
+from ...store.ops.switches import SWITCH_KINDS
+from .._auth import AuthError, Principal, actor_of, authenticate
 from .._models import run_view
 from ._charts import outcomes_svg
 from ._session import COOKIE, LoginRequired, check_csrf, csrf_token, principal_of
@@ -76,7 +77,12 @@ def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
         return fields
 
     def actor(principal: Principal | None) -> str:
-        return f"key {principal.key_id}" if principal else "console (no auth)"
+        return actor_of(principal, "console")
+
+    async def audit(
+        principal: Principal | None, action: str, target: str, detail: dict[str, Any] | None
+    ) -> None:
+        await app.store.audit(actor(principal), f"{action} (console)", target, detail)
 
     @api.exception_handler(LoginRequired)
     async def to_login(request: Request, _exc: Exception) -> Response:
@@ -216,6 +222,7 @@ def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
             "input": _pretty_raw(info.input),
             "reviews": await app.approvals(status="open", run_id=info.run_id),
             "letters": await app.dead_letters(run_id=info.run_id),
+            "audit": await app.audit_log(target=f"run:{info.run_id}", limit=50),
             "finished": info.is_finished,
             "message": request.query_params.get("message"),
         }
@@ -237,6 +244,7 @@ def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
             await getattr(app, action)(info.run_id, reason)
         else:
             await getattr(app, action)(info.run_id)
+        await audit(principal, action, f"run:{info.run_id}", {"reason": fields.get("reason")})
         return _back(run_id, f"{action} requested by {actor(principal)}")
 
     @api.post("/runs/{run_id}/signal", include_in_schema=False)
@@ -254,6 +262,7 @@ def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
         if not name:
             return _back(run_id, "signal not sent: give it a name")
         await app.signal(info.run_id, name, payload)
+        await audit(principal, "signal", f"run:{info.run_id}", {"signal": name})
         return _back(run_id, f"signal {name!r} sent by {actor(principal)}")
 
     @api.get("/approvals", include_in_schema=False)
@@ -289,7 +298,41 @@ def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
             )
         except TetherError as exc:
             return _back(review.run_id, f"not decided: {exc}")
+        approved = fields.get("decision") == "approve"
+        detail = {"approval_id": approval_id, "approve": approved}
+        await audit(principal, "decide", f"run:{review.run_id}", detail)
         return _back(review.run_id, f"review {approval_id} decided by {actor(principal)}")
+
+    @api.get("/switches", include_in_schema=False)
+    async def switches(request: Request) -> Response:
+        principal = await who(request)
+        return page(
+            request,
+            "switches.html",
+            principal,
+            switches=await app.switches(),
+            kinds=SWITCH_KINDS,
+            message=request.query_params.get("message"),
+            log=await app.audit_log(limit=30),
+        )
+
+    @api.post("/switches", include_in_schema=False)
+    async def switch(request: Request) -> Response:
+        principal = await who(request)
+        fields = await form(request)
+        if principal is not None:
+            principal.require("admin", "flipping a kill switch")
+        kind, name = fields.get("kind", ""), fields.get("name", "").strip()
+        try:
+            if fields.get("off") == "1":
+                await app.disable(kind, name, reason=fields.get("reason"), by=actor(principal))
+                message = f"{kind} {name} switched off by {actor(principal)}"
+            else:
+                await app.enable(kind, name, by=actor(principal))
+                message = f"{kind} {name} switched on by {actor(principal)}"
+        except TetherError as exc:
+            message = f"not changed: {exc}"
+        return RedirectResponse(f"/switches?{urlencode({'message': message})}", 303)
 
     @api.get("/dead-letters", include_in_schema=False)
     async def dead_letters(request: Request) -> Response:
@@ -310,6 +353,8 @@ def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
         try:
             await app.replay_dead_letter(letter_id)
             message = f"dead letter {letter_id} replayed by {actor(principal)}"
+            target = f"run:{letters[0].run_id}"
+            await audit(principal, "replay dead letter", target, {"letter": letter_id})
         except Exception as exc:  # the replay's own failure is the operator's answer
             message = f"replay of dead letter {letter_id} failed: {type(exc).__name__}: {exc}"
         return _back(letters[0].run_id, message)

@@ -8,6 +8,7 @@ from html import escape
 from typing import Any
 
 from ..._history import Event, EventType
+from ..._switches import model_of_args
 
 #: what ends a bar, by the event that started it
 _ENDS = {
@@ -73,11 +74,8 @@ def bars(history: list[Event]) -> list[Bar]:
 
 
 def _model_of(data: dict[str, Any]) -> str:
-    """The model a ``tether.ai.call`` step asked for, from its recorded arguments."""
-    args = data.get("args")
-    if isinstance(args, list) and args and isinstance(args[0], dict):
-        return str(args[0].get("model") or args[0].get("spec") or "?")
-    return "?"
+    """The model a ``tether.ai.call`` step asked for (its first argument)."""
+    return model_of_args(data.get("args")) or "?"
 
 
 def _approval(

@@ -281,6 +281,27 @@ class OpsStore(Store):
         out: list[tuple[str, int, str]] = await self._do(_spend_on, day, write=False)
         return out
 
+    async def set_switch(
+        self, kind: str, name: str, off: bool, by: str | None, reason: str | None
+    ) -> bool:
+        out: bool = await self._do(_set_switch, kind, name, off, by, reason)
+        return out
+
+    async def switches(self) -> list[tuple[Any, ...]]:
+        out: list[tuple[Any, ...]] = await self._do(_switches, write=False)
+        return out
+
+    async def audit(
+        self, actor: str, action: str, target: str, detail: dict[str, Any] | None = None
+    ) -> None:
+        await self._do(_audit, actor, action, target, detail)
+
+    async def audit_log(
+        self, *, target: str | None = None, limit: int = 100
+    ) -> list[tuple[Any, ...]]:
+        out: list[tuple[Any, ...]] = await self._do(_audit_log, target, limit, write=False)
+        return out
+
     async def reclaim(self, worker_id: str) -> int:
         out: int = await self._do(_reclaim, worker_id)
         return out
@@ -440,6 +461,7 @@ from .overview import _run_counts, _run_outcomes, _spend_on  # noqa: E402
 from .queues import _configure_queue, _pause_queue, _queue_stats  # noqa: E402
 from .recovery import _claim_dead_letter, _dead_letters, _fork_run, _resolve_dead_letter, _retry_run  # noqa: E402
 from .runs import _create_run, _get_run, _list_runs  # noqa: E402
+from .switches import _audit, _audit_log, _set_switch, _switches  # noqa: E402
 from .tasks import _foreign_leases, _heartbeat, _next_due, _reclaim, _release, _renew  # noqa: E402
 from .timers import _fire_timer  # noqa: E402
 from .webhooks import _claim_webhooks, _finish_webhook, _webhook_deliveries  # noqa: E402

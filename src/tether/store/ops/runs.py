@@ -6,7 +6,13 @@ import dataclasses
 import json
 from typing import Any
 
-from ..._errors import AdmissionLimitError, RunIdConflictError, RunNotFoundError, StoreError
+from ..._errors import (
+    AdmissionLimitError,
+    RunIdConflictError,
+    RunNotFoundError,
+    StoreError,
+    SwitchedOffError,
+)
 from ..._history import EventType, RunEnd, RunInfo, RunStatus, Task
 from ..._serde import dumps
 from ..base import StartResult, WorkflowTaskResult, start_event_data
@@ -131,6 +137,11 @@ def _create_run(
         return StartResult(run=existing, created=False)
     queued = False
     if tenant is not None:
+        off = tx.execute(
+            "SELECT 1 FROM switches WHERE kind = 'tenant' AND name = ?", (tenant,)
+        ).fetchone()
+        if off is not None:  # an operator stopped this tenant's new runs
+            raise SwitchedOffError("tenant", tenant)
         # the tenant's row is locked (PostgreSQL) before counting, so concurrent starts
         # and finishes of one tenant take turns and the count cannot be overshot
         limit, running = _admission(tx, tenant)

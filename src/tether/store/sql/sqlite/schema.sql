@@ -240,3 +240,25 @@ CREATE TABLE IF NOT EXISTS webhook_outbox (
 );
 CREATE INDEX IF NOT EXISTS webhook_outbox_due ON webhook_outbox (state, next_at);
 CREATE INDEX IF NOT EXISTS webhook_outbox_by_run ON webhook_outbox (run_id);
+
+-- Kill switches (store/ops/switches.py): a workflow, activity, model or tenant turned off
+-- for every worker until removed.
+CREATE TABLE IF NOT EXISTS switches (
+    kind        TEXT NOT NULL,             -- workflow | activity | model | tenant
+    name        TEXT NOT NULL,
+    by_whom     TEXT,
+    reason      TEXT,
+    created_at  REAL NOT NULL,
+    PRIMARY KEY (kind, name)
+);
+
+-- Who did what to which run or switch (API, console, CLI).
+CREATE TABLE IF NOT EXISTS audit_log (
+    id      INTEGER PRIMARY KEY AUTOINCREMENT,
+    at      REAL NOT NULL,
+    actor   TEXT NOT NULL,
+    action  TEXT NOT NULL,
+    target  TEXT NOT NULL,                 -- run:<id>, switch:<kind>:<name>, review:<id>, ...
+    detail  TEXT
+);
+CREATE INDEX IF NOT EXISTS audit_log_by_target ON audit_log (target, id);

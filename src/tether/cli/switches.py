@@ -1,0 +1,60 @@
+"""``tether switch``: kill switches that stop a workflow, activity, model or tenant on
+every worker of a store (off, on, list)."""
+
+from __future__ import annotations
+
+import getpass
+from typing import Annotated, Any
+
+import typer
+
+from ._common import _app_option, _client_app, _dump, _note, _opened, _run, _store_option
+
+_KIND = typer.Argument(help="workflow, activity, model or tenant.")
+_NAME = typer.Argument(help="Its name (a model as registered with the gateway).")
+
+
+def switch_off_command(
+    kind: Annotated[str, _KIND],
+    name: Annotated[str, _NAME],
+    store: Annotated[str | None, _store_option()] = None,
+    app: Annotated[str | None, _app_option()] = None,
+    reason: Annotated[str | None, typer.Option("--reason", help="Why (recorded).")] = None,
+) -> None:
+    """Switch it off: no new task of it starts on any worker until switched on."""
+
+    async def go() -> bool:
+        async with _opened(_client_app(store, app)) as a:
+            return await a.disable(kind, name, reason=reason, by=f"cli {getpass.getuser()}")
+
+    changed = _run(go())
+    _note(f"{kind} {name} is off" + ("" if changed else " (it already was)"))
+
+
+def switch_on_command(
+    kind: Annotated[str, _KIND],
+    name: Annotated[str, _NAME],
+    store: Annotated[str | None, _store_option()] = None,
+    app: Annotated[str | None, _app_option()] = None,
+) -> None:
+    """Switch it back on (held tasks go within about 5 s)."""
+
+    async def go() -> bool:
+        async with _opened(_client_app(store, app)) as a:
+            return await a.enable(kind, name, by=f"cli {getpass.getuser()}")
+
+    changed = _run(go())
+    _note(f"{kind} {name} is on" + ("" if changed else " (it already was)"))
+
+
+def switch_list_command(
+    store: Annotated[str | None, _store_option()] = None,
+    app: Annotated[str | None, _app_option()] = None,
+) -> None:
+    """List the switches that are off, as JSON."""
+
+    async def go() -> list[dict[str, Any]]:
+        async with _opened(_client_app(store, app)) as a:
+            return await a.switches()
+
+    _dump(_run(go()))

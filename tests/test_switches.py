@@ -1,0 +1,106 @@
+"""Kill switches live in the store and hold work back on every worker: a workflow's
+tasks, an activity's attempts, a model's calls; a tenant gets no new runs. Switching
+back on lets held work go; held attempts are not used up. Every flip is audited."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+import tether
+from helpers import event_types, eventually
+from tether import EventType, ai
+
+
+def held(w: tether.Worker, n: int) -> Any:
+    """A check for ``eventually``: the worker held ``n`` tasks back so far."""
+
+    async def check() -> bool:
+        return w.stats["held_by_switch"] >= n
+
+    return check
+
+
+async def test_an_activity_switched_off_is_held_until_switched_on(app: tether.App) -> None:
+    calls: list[int] = []
+
+    @app.activity(retry=tether.Retry(attempts=1))
+    async def charge(cents: int) -> int:
+        calls.append(cents)
+        return cents
+
+    @app.workflow
+    async def bill(cents: int) -> int:
+        return await charge(cents)
+
+    assert await app.disable("activity", "charge", reason="card processor incident", by="ann")
+    assert not await app.disable("activity", "charge")  # already off
+    async with app.worker(poll_interval=0.05) as w:
+        run = await app.start(bill, 100)
+        await eventually(held(w, 2), 15, "the step held twice")
+        assert calls == []  # never ran, on any attempt
+        assert EventType.ACTIVITY_COMPLETED not in await event_types(app, run.run_id)
+        assert (await app.get(run.run_id)).status is tether.RunStatus.RUNNING
+        assert await app.switches() == [
+            {
+                "kind": "activity",
+                "name": "charge",
+                "by": "ann",
+                "reason": "card processor incident",
+                "since": (await app.switches())[0]["since"],
+            }
+        ]
+        assert await app.enable("activity", "charge", by="bob")
+        assert await run.result(timeout=20) == 100  # attempts=1: the holds used none
+    assert calls == [100]
+    log = await app.audit_log(target="activity:charge")
+    assert [(e["actor"], e["action"]) for e in log] == [("bob", "switch on"), ("ann", "switch off")]
+    assert log[1]["detail"] == {"reason": "card processor incident"}
+
+
+async def test_a_workflow_switched_off_does_not_start_and_a_tenant_gets_no_new_runs(
+    app: tether.App,
+) -> None:
+    @app.activity
+    async def step() -> str:
+        return "done"
+
+    @app.workflow
+    async def flow() -> str:
+        return await step()
+
+    await app.disable("workflow", "flow")
+    await app.disable("tenant", "acme", reason="unpaid")
+    async with app.worker(poll_interval=0.05) as w:
+        run = await app.start(flow)  # stored, but no worker starts it
+        await eventually(held(w, 1), 15, "the hold")
+        assert await event_types(app, run.run_id) == [EventType.WORKFLOW_STARTED]
+        with pytest.raises(tether.SwitchedOffError, match="tenant 'acme' is switched off"):
+            await app.start(flow, tenant="acme")
+        assert await app.list(tenant="acme") == []  # refused: nothing was created
+        await app.start(flow, tenant="globex")  # other tenants go on
+        await app.enable("workflow", "flow")
+        assert await run.result(timeout=20) == "done"
+    with pytest.raises(tether.ConfigurationError, match="a switch is one of"):
+        await app.disable("queue", "default")
+
+
+async def test_a_model_switched_off_holds_its_calls_not_other_models(app: tether.App) -> None:
+    gw = ai.Gateway(app, retry=tether.Retry(attempts=1), timeout=10)
+    cheap = gw.model("cheap", ai.ScriptedModel(["cheap answer"]))
+    big = gw.model("big", ai.ScriptedModel(["big answer"]))
+
+    @app.workflow
+    async def ask(which: str) -> str:
+        return await ai.complete(cheap if which == "cheap" else big, "hello")
+
+    await app.disable("model", "big", reason="provider outage")
+    async with app.worker(poll_interval=0.05) as w:
+        waiting = await app.start(ask, "big")
+        other = await app.start(ask, "cheap")
+        assert await other.result(timeout=20) == "cheap answer"
+        await eventually(held(w, 1), 15, "the hold")
+        assert (await app.get(waiting.run_id)).status is tether.RunStatus.RUNNING
+        await app.enable("model", "big")
+        assert await waiting.result(timeout=20) == "big answer"
