@@ -94,3 +94,9 @@ if os.environ.get("TETHER_TEST_MODEL_URL"):  # a scripted model server the test 
         """A streamed model step: tokens on the event stream, the answer in history."""
         await tether.wait_event("go")  # the test follows the stream first
         return await ai.complete(storyteller, f"tell me about {topic}", stream=True)
+
+    @app.workflow
+    async def two_answers(topic: str) -> str:
+        """Two model steps, the second building on the first (forked in the tests)."""
+        first = await ai.complete(storyteller, f"outline {topic}")
+        return await ai.complete(storyteller, f"write it from: {first}")

@@ -17,6 +17,8 @@ import pytest
 from test_http_api import INVOICE, Server, _create_key
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+#: where the pages' screenshots go (test artefacts; docs/img keeps current ones)
+ARTIFACTS = Path(os.environ.get("TETHER_ARTIFACTS") or Path(__file__).parent / "artifacts")
 
 pytestmark = pytest.mark.skipif(
     CHROMIUM is None and not os.environ.get("CI"),
@@ -92,6 +94,8 @@ def test_sign_in_overview_runs_and_a_signal_from_the_browser(
     page.wait_for_url(f"{base}/")
     assert "bill" in page.inner_text("table.grid")
     assert page.locator("svg.outcomes").count() == 1
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "console-overview.png"), full_page=True)
     # runs: only this tenant's, live-refreshed list
     page.goto(f"{base}/runs")
     text = page.inner_text("#runs")
@@ -101,6 +105,7 @@ def test_sign_in_overview_runs_and_a_signal_from_the_browser(
     # a run's page: timeline, then a signal sent from the form finishes it
     page.goto(f"{base}/runs/{billed['id']}")
     assert page.locator("svg.timeline g.bar.activity.ok").count() == 1
+    page.screenshot(path=str(ARTIFACTS / "console-run.png"), full_page=True)
     assert "1100" in page.inner_text("section >> text=Result") or "1100" in page.content()
     page.goto(f"{base}/runs/{waiting['id']}")
     assert "waiting on" in page.inner_text("#live")
@@ -222,3 +227,48 @@ def test_an_admin_flips_a_kill_switch_in_the_browser(
     ) as refused:
         other.click("form.switch-off button[type=submit]")
     assert refused.value.status == 403
+
+
+def test_fork_with_another_model_and_compare_side_by_side(tmp_path: Path, browser: Any) -> None:
+    from tether.testing import ModelServer, model_reply
+
+    with ModelServer() as models:
+        models.script("gpt-4o-mini", model_reply("a short outline"), model_reply("the essay"))
+        server = Server(
+            f"sqlite:///{tmp_path / 't.db'}",
+            "--workers",
+            "1",
+            "--no-auth",
+            env={"TETHER_TEST_MODEL_URL": models.base_url},
+        )
+        try:
+            base = f"http://127.0.0.1:{server.port}"
+            run = server.http.post(
+                "/v1/workflows/two_answers/runs", json={"input": {"topic": "foxes"}}
+            ).json()
+            done = server.http.get(f"{run['links']['result']}?wait=20").json()
+            assert done["result"] == "the essay"
+            page = browser.new_page()
+            page.on("dialog", lambda d: d.accept())
+            page.goto(f"{base}/runs/{run['id']}")
+            assert page.locator("table.grid >> text=storyteller").count() >= 1  # model calls
+            # fork after the first step, the second calling pydantic-ai's test model
+            page.fill("form.fork input[name=at_step]", "1")
+            page.fill("form.fork input[name=models]", "storyteller=test")
+            page.click("form.fork button[type=submit]")
+            page.wait_for_url(f"{base}/compare?*")
+            assert models.count() == 2  # the fork reused step 1: no third request
+            page.wait_for_timeout(200)
+            fork_id = page.url.split("b=")[1]
+            server.http.get(f"/v1/runs/{fork_id}/result?wait=20")
+            page.reload()
+            assert "1 of 2 steps differ" in page.inner_text("#differing")
+            rows = page.locator("table.compare tbody tr")
+            assert "same" in (rows.nth(0).get_attribute("class") or "")
+            assert "differs" in (rows.nth(1).get_attribute("class") or "")
+            assert "a short outline" in rows.nth(0).inner_text()
+            assert "the essay" in rows.nth(1).inner_text()
+            assert "success" in rows.nth(1).inner_text()  # what the test model answered
+            page.screenshot(path=str(ARTIFACTS / "console-compare.png"), full_page=True)
+        finally:
+            server.stop()

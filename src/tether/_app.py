@@ -945,15 +945,41 @@ class App:
         await self.store.retry_run(run_id)
         return self.get_run(run_id)
 
-    async def fork(self, run_id: str, *, at_step: int, new_run_id: str | None = None) -> Run[Any]:
+    async def fork(
+        self,
+        run_id: str,
+        *,
+        at_step: int,
+        new_run_id: str | None = None,
+        models: dict[str, str] | None = None,
+    ) -> Run[Any]:
         """Start a new run that reuses the first ``at_step`` recorded outcomes of ``run_id``
-        and runs the rest with today's code (try a fix or a new prompt on a real run)."""
+        and runs the rest with today's code (try a fix or a new prompt on a real run).
+
+        ``models`` maps a model's name (as registered with a ``tether.ai`` gateway) to
+        the ``"provider:name"`` the fork calls instead, to compare models on a real run.
+        The fork keeps the run's tenant and its other pins and budget."""
         if at_step < 0:
             raise ConfigurationError("at_step must be 0 or more")
         if new_run_id is not None:
             check_run_id(new_run_id)
         rid = new_run_id or f"{run_id}@fork-{uuid.uuid4().hex[:8]}"
-        await self.store.fork_run(run_id, rid, at_step)
+        attrs = None
+        if models:
+            attrs = dict((await self.get(run_id, follow=False)).attrs or {})
+            pins = {gw: dict(p) for gw, p in (attrs.get("pins") or {}).items()}
+            for gw in set(pins) | set(self._pin_sources):
+                pinned = dict((pins.get(gw) or {}).get("models") or {})
+                for name, spec in models.items():
+                    if not isinstance(spec, str) or not spec:
+                        raise ConfigurationError(
+                            f"models[{name!r}] must be a 'provider:name' string (got {spec!r})"
+                        )
+                    # a version no deploy has: the gateway calls the spec instead
+                    pinned[name] = {"version": f"fork:{spec}", "spec": spec}
+                pins[gw] = {**(pins.get(gw) or {}), "models": pinned}
+            attrs["pins"] = pins
+        await self.store.fork_run(run_id, rid, at_step, attrs)
         return self.get_run(rid)
 
     async def replay_dead_letter(self, letter_id: int) -> Any:

@@ -91,6 +91,10 @@ class ForkBody(BaseModel):
 
     at_step: int = Field(ge=0, description="Steps of the original run to reuse.")
     run_id: str | None = Field(None, description="The new run's id (made up when absent).")
+    models: dict[str, str] | None = Field(
+        None,
+        description="Models to call instead in the fork: {model name: 'provider:name'}.",
+    )
 
 
 class DecisionBody(BaseModel):
@@ -385,7 +389,9 @@ def create_api(
     async def fork(run_id: str, body: ForkBody, request: Request, response: Response) -> RunView:
         may(request, "admin", "fork")
         await visible(request, run_id)
-        new = await app.fork(run_id, at_step=body.at_step, new_run_id=body.run_id)
+        new = await app.fork(
+            run_id, at_step=body.at_step, new_run_id=body.run_id, models=body.models
+        )
         await audit(request, "fork", f"run:{run_id}", {"at_step": body.at_step, "new": new.run_id})
         response.headers["Location"] = f"/v1/runs/{new.run_id}"
         return run_view(await app.get(new.run_id))

@@ -466,7 +466,9 @@ class Store(abc.ABC):
         """Void a failed run's failure and what followed it, and continue it."""
 
     @abc.abstractmethod
-    async def fork_run(self, run_id: str, new_run_id: str, at_step: int) -> None:
+    async def fork_run(
+        self, run_id: str, new_run_id: str, at_step: int, attrs: dict[str, Any] | None = None
+    ) -> None:
         """Copy a run's history up to its outcome of step ``at_step`` into a new run."""
 
     @abc.abstractmethod

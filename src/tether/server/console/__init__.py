@@ -28,6 +28,7 @@ from ...store.ops.switches import SWITCH_KINDS
 from .._auth import AuthError, Principal, actor_of, authenticate
 from .._models import run_view
 from ._charts import outcomes_svg
+from ._compare import compare
 from ._session import COOKIE, LoginRequired, check_csrf, csrf_token, principal_of
 from ._timeline import bars, svg
 
@@ -264,6 +265,47 @@ def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
         await app.signal(info.run_id, name, payload)
         await audit(principal, "signal", f"run:{info.run_id}", {"signal": name})
         return _back(run_id, f"signal {name!r} sent by {actor(principal)}")
+
+    @api.post("/runs/{run_id}/fork", include_in_schema=False)
+    async def fork(request: Request, run_id: str) -> Response:
+        principal = await who(request)
+        fields = await form(request)
+        if principal is not None:
+            principal.require("admin", "fork")
+        info = await visible(principal, run_id)
+        models: dict[str, str] = {}
+        for pair in (fields.get("models") or "").split(","):
+            name, _, spec = pair.strip().partition("=")
+            if name and spec:
+                models[name.strip()] = spec.strip()
+        try:
+            at_step = int(fields.get("at_step") or "0")
+            new = await app.fork(info.run_id, at_step=at_step, models=models or None)
+        except (ValueError, TetherError) as exc:
+            return _back(run_id, f"not forked: {exc}")
+        detail = {"at_step": at_step, "new": new.run_id, "models": models or None}
+        await audit(principal, "fork", f"run:{info.run_id}", detail)
+        return RedirectResponse(f"/compare?{urlencode({'a': info.run_id, 'b': new.run_id})}", 303)
+
+    @api.get("/compare", include_in_schema=False)
+    async def compare_runs(request: Request, a: str, b: str) -> Response:
+        principal = await who(request)
+        try:
+            left, right = await visible(principal, a), await visible(principal, b)
+        except RunNotFoundError:
+            return page(request, "missing.html", principal, what=f"run {a} or {b}")
+        rows = compare(
+            await app.store.read_history(left.run_id), await app.store.read_history(right.run_id)
+        )
+        return page(
+            request,
+            "compare.html",
+            principal,
+            a=run_view(left),
+            b=run_view(right),
+            rows=rows,
+            differing=sum(1 for r in rows if r["differs"]),
+        )
 
     @api.get("/approvals", include_in_schema=False)
     async def approvals(request: Request) -> Response:

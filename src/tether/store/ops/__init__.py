@@ -407,8 +407,10 @@ class OpsStore(Store):
     async def retry_run(self, run_id: str) -> None:
         await self._do(_retry_run, run_id)
 
-    async def fork_run(self, run_id: str, new_run_id: str, at_step: int) -> None:
-        await self._do(_fork_run, run_id, new_run_id, at_step)
+    async def fork_run(
+        self, run_id: str, new_run_id: str, at_step: int, attrs: dict[str, Any] | None = None
+    ) -> None:
+        await self._do(_fork_run, run_id, new_run_id, at_step, attrs)
 
     async def next_due(self, queues: Sequence[str]) -> float | None:
         out: float | None = await self._do(_next_due, tuple(queues), write=False)

@@ -235,7 +235,11 @@ def _retry_run(tx: _Tx, run_id: str) -> None:
     _ensure_workflow_task(tx, run_id, run_queue, workflow)
 
 
-def _fork_run(tx: _Tx, run_id: str, new_run_id: str, at_step: int) -> None:
+def _fork_run(
+    tx: _Tx, run_id: str, new_run_id: str, at_step: int, attrs: dict[str, Any] | None = None
+) -> None:
+    """Copy ``run_id``'s history up to its outcome of step ``at_step`` into a new run of
+    the same tenant; ``attrs`` replace what the run was started with (model pins)."""
     _status, run_queue, _p, _s, workflow, _t = _run_row(tx, run_id)
     if tx.execute("SELECT 1 FROM runs WHERE run_id = ?", (new_run_id,)).fetchone():
         raise RunIdConflictError(new_run_id, "an existing run")
@@ -244,7 +248,10 @@ def _fork_run(tx: _Tx, run_id: str, new_run_id: str, at_step: int) -> None:
         (
             e.seq
             for e in events
+            # the first command or outcome of a later step: today's code issues the
+            # later steps again (with today's arguments and model pins)
             if (e.type in OUTCOMES and e.step is not None and e.step > at_step)
+            or (e.type in COMMANDS and e.step is not None and e.step > at_step)
             or e.type in _ENDINGS
         ),
         None,
@@ -267,16 +274,30 @@ def _fork_run(tx: _Tx, run_id: str, new_run_id: str, at_step: int) -> None:
             or (e.type in OUTCOMES and e.step is not None and e.step <= at_step)
         )
     ]
-    row = tx.execute("SELECT input FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+    row = tx.execute("SELECT input, tenant, attrs FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+    new_attrs = attrs if attrs is not None else (json.loads(row[2]) if row[2] else None)
     tx.execute(
-        "INSERT INTO runs (run_id, workflow, status, queue, input, created_at, updated_at) "
-        "VALUES (?, ?, 'running', ?, ?, ?, ?)",
-        (new_run_id, workflow, run_queue, row[0], tx.now, tx.now),
+        "INSERT INTO runs (run_id, workflow, status, queue, input, created_at, updated_at, "
+        "tenant, attrs) VALUES (?, ?, 'running', ?, ?, ?, ?, ?, ?)",
+        (
+            new_run_id,
+            workflow,
+            run_queue,
+            row[0],
+            tx.now,
+            tx.now,
+            row[1],
+            json.dumps(new_attrs) if new_attrs else None,
+        ),
     )
     for e in kept:
         data = dict(e.data)
         if e.type is EventType.WORKFLOW_STARTED:
             data["forked_from"] = {"run_id": run_id, "at_step": at_step}
+            if new_attrs:
+                data["attrs"] = new_attrs
+            else:
+                data.pop("attrs", None)
         _append(tx, new_run_id, e.type, e.step, data)
     _pending_work(tx, new_run_id, kept, run_queue, fork=True)
     _ensure_workflow_task(tx, new_run_id, run_queue, workflow)
