@@ -43,6 +43,8 @@ _ACTIONS = {
     "terminate": "admin",
 }
 _OVERVIEW_TTL = 5.0  #: seconds the overview's aggregates are reused
+_EVENTS_PAGE = 500  #: history events on a run's page
+_BARS = 300  #: timeline bars on a run's page (the latest steps)
 
 
 def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
@@ -201,7 +203,9 @@ def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
         )
 
     @api.get("/runs/{run_id}", include_in_schema=False)
-    async def run_detail(request: Request, run_id: str, partial: bool = False) -> Response:
+    async def run_detail(
+        request: Request, run_id: str, partial: bool = False, before: int | None = None
+    ) -> Response:
         principal = await who(request)
         try:
             info = await visible(principal, run_id)
@@ -210,12 +214,18 @@ def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
         history = await app.store.read_history(info.run_id)
         now = app.store.clock()
         steps = bars(history)
+        # long runs: the latest steps and a page of events (older ones by ?before=seq)
+        shown_events = [e for e in history if before is None or e.seq < before][-_EVENTS_PAGE:]
+        older = shown_events[0].seq if shown_events and shown_events[0].seq > 1 else None
         ctx = {
             "run": run_view(info),
             "info": info,
-            "timeline": svg(steps, info.created_at, info.completed_at or now),
+            "timeline": svg(steps[-_BARS:], info.created_at, info.completed_at or now),
             "steps": steps,
-            "events": history,
+            "hidden_steps": max(0, len(steps) - _BARS),
+            "events": shown_events,
+            "older": older,
+            "total_events": len(history),
             "calls": _model_calls(history),
             "children": [
                 e.data.get("child_run_id") for e in history if e.type is EventType.CHILD_STARTED
