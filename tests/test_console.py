@@ -174,6 +174,14 @@ def test_approve_cancel_and_replay_from_the_browser_with_roles_and_csrf(
         ".error-box"
     )
     assert page.locator("svg.timeline g.bar.activity.failed").count() == 1
+    # find it by filter, retry it from the failed step while the flag is still up: it
+    # fails again; then fix it and replay its dead letter: it completes
+    page.goto(f"{base}/runs?status=failed")
+    page.click(f"a:has-text('{fragile['id']}')")
+    page.click("button:has-text('Retry from the failed step')")
+    assert "retry requested by key" in page.inner_text(".message")
+    again = server.http.get(f"/v1/runs/{fragile['id']}/result?wait=20", headers=auth).json()
+    assert again["status"] == "failed"
     flag.unlink()
     page.goto(f"{base}/dead-letters")
     page.locator("tr", has_text=fragile["id"]).filter(has_text="fragile").locator("button").click()
