@@ -104,3 +104,33 @@ async def test_a_model_switched_off_holds_its_calls_not_other_models(app: tether
         assert (await app.get(waiting.run_id)).status is tether.RunStatus.RUNNING
         await app.enable("model", "big")
         assert await waiting.result(timeout=20) == "big answer"
+
+
+async def test_a_tenant_switched_off_holds_its_live_runs_too(app: tether.App) -> None:
+    @app.activity
+    async def step(n: int) -> int:
+        return n
+
+    @app.workflow
+    async def two(n: int) -> int:
+        await tether.wait_event("go")
+        return await step(n)
+
+    async with app.worker(poll_interval=0.05) as w:
+        acme = await app.start(two, 1, tenant="acme")
+        other = await app.start(two, 2, tenant="globex")
+        await eventually(
+            lambda: _waiting(app, acme.run_id), 10, "the acme run waiting for its signal"
+        )
+        await app.disable("tenant", "acme")
+        await app.signal(acme.run_id, "go")
+        await app.signal(other.run_id, "go")
+        assert await other.result(timeout=20) == 2  # another tenant goes on
+        await eventually(held(w, 1), 15, "the acme run held")
+        assert (await app.get(acme.run_id)).status is tether.RunStatus.RUNNING
+        await app.enable("tenant", "acme")
+        assert await acme.result(timeout=20) == 1
+
+
+async def _waiting(app: tether.App, run_id: str) -> bool:
+    return bool((await app.get(run_id)).waiting_on)

@@ -383,9 +383,21 @@ class Worker:
             coro = self._run_activities(task, current)
         else:
             coro = self._fire_timer(task)
+        if task.kind != "timer" and self._switches.off.get("tenant"):
+            coro = self._tenant_gate(task, coro)  # only while some tenant is switched off
         t = asyncio.create_task(coro)
         self._inflight[task.task_id] = (task, t, None)
         t.add_done_callback(functools.partial(self._done, current))
+
+    async def _tenant_gate(self, task: Task, coro: Coroutine[Any, Any, None]) -> None:
+        """Run ``coro`` unless the run's tenant is switched off (then hold the task)."""
+        info = await self.app.store.get_run(task.run_id)
+        if info is not None and info.tenant in self._switches.off.get("tenant", ()):
+            coro.close()
+            self.stats["held_by_switch"] += 1
+            await self.app.store.release([task], delay=SWITCH_HOLD, unstarted=True)
+            return
+        await coro
 
     def _done(self, current: list[int], t: asyncio.Task[None] | None = None) -> None:
         task_id = current[0]
