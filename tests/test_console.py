@@ -280,3 +280,33 @@ def test_fork_with_another_model_and_compare_side_by_side(tmp_path: Path, browse
             page.screenshot(path=str(ARTIFACTS / "console-compare.png"), full_page=True)
         finally:
             server.stop()
+
+
+def test_pages_read_with_javascript_off_with_landmarks_and_labels(
+    served: tuple[Server, dict[str, str]], browser: Any
+) -> None:
+    server, keys = served
+    base = f"http://127.0.0.1:{server.port}"
+    run = _start(server, keys["operate"], "bill", INVOICE)
+    auth = {"Authorization": f"Bearer {keys['operate']}"}
+    server.http.get(f"/v1/runs/{run['id']}/result?wait=20", headers=auth)
+    context = browser.new_context(java_script_enabled=False)
+    page = context.new_page()
+    _sign_in(page, base, keys["operate"])  # a plain form post: no script needed
+    for path in ("/", "/runs", f"/runs/{run['id']}", "/approvals", "/dead-letters", "/switches"):
+        page.goto(f"{base}{path}")
+        assert page.locator("header nav a").count() >= 5 and page.locator("main h1").count() == 1
+        # every form control has a label (wrapping it) or is a hidden field or a button
+        unlabelled = page.evaluate(
+            """() => [...document.querySelectorAll('main input, main select, main textarea')]
+                .filter(e => e.type !== 'hidden' && !e.closest('label') && !e.labels?.length
+                        && !e.getAttribute('aria-label'))
+                .map(e => e.name)"""
+        )
+        assert unlabelled == [], (path, unlabelled)
+    page.goto(f"{base}/runs/{run['id']}")
+    assert '"total": 1100' in page.inner_text("#live")
+    assert page.locator("svg.timeline").count() == 1
+    page.goto(f"{base}/runs")
+    assert run["id"] in page.inner_text("#runs")
+    context.close()
