@@ -11,6 +11,7 @@ from __future__ import annotations
 from .._usage import Budget, Usage
 from ..workflow._route import route
 from ._agent import DurableAgent, RecordedModel, durable
+from ._batch import BatchError, BatchResult, batch
 from ._errors import BudgetExceeded, ContentRefused, ModelConfigError, OutputInvalid
 from ._gateway import DEFAULT_MODEL_RETRY, Gateway, ModelRef, Price
 from ._mapreduce import ChunkFailure, MapReduceError, MapReduceResult, chunk_text, map_reduce
@@ -20,6 +21,9 @@ from ._structured import complete, structured
 from ._untrusted import UNTRUSTED_RULE, untrusted
 
 __all__ = [
+    "BatchError",
+    "BatchResult",
+    "batch",
     "UNTRUSTED_RULE",
     "ChunkFailure",
     "MapReduceError",

@@ -40,6 +40,7 @@ from .._queues import Dependency
 from .._usage import CALL_KEY, Budget
 from ..workflow._api import sleep
 from ..workflow._instance import WorkflowInstance, current_instance
+from ._batch import BatchJobs
 from ._errors import BudgetExceeded, ContentRefused, ModelConfigError
 from ._models import HeaderCapture, build, model_name_of, provider_of
 from ._wire import (
@@ -269,6 +270,7 @@ class Gateway:
         self._activity = app.activity(
             name=f"{name}.call", retry=retry, timeout=timeout, queue=queue
         )(self._call)
+        self._batch = BatchJobs(self)
 
     # registration -----------------------------------------------------------
 

@@ -21,6 +21,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ._fake_batches import FakeBatches
+
 
 @dataclasses.dataclass
 class Answer:
@@ -120,6 +122,8 @@ class ModelServer:
         self.requests: list[Request] = []
         self.exhausted: list[str] = []
         self.default: Callable[[dict[str, Any]], Answer] | None = None
+        #: the provider batch API (files, batches) answering from the same scripts
+        self.batches = FakeBatches(self)
         #: called with each request as it arrives, before it is answered (e.g. to kill
         #: the client process between the provider's work and the client's record of it)
         self.on_request: Callable[[Request], None] | None = None
@@ -137,9 +141,39 @@ class ModelServer:
                 # and the client's delayed ACK add ~40 ms to every answer
                 self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
+            def _json(self, status: int, payload: Any) -> None:
+                data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:
+                path = self.path.split("?")[0].rstrip("/")
+                parts = path.split("/")
+                found: Any = None
+                if path.endswith("/batches"):
+                    found = server.batches.listing()
+                elif len(parts) >= 2 and parts[-2] == "batches":
+                    found = server.batches.retrieve(parts[-1])
+                elif path.endswith("/content") and len(parts) >= 3:
+                    found = server.batches.content(parts[-2])
+                if found is None:
+                    self._json(404, {"error": {"message": f"no {path}", "type": "not_found"}})
+                else:
+                    self._json(200, found)
+
             def do_POST(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 raw = self.rfile.read(length) if length else b""
+                path = self.path.split("?")[0].rstrip("/")
+                if path.endswith("/files"):
+                    self._json(200, server.batches.upload(self.headers["Content-Type"], raw))
+                    return
+                if path.endswith("/batches"):
+                    self._json(200, server.batches.create(json.loads(raw or b"{}")))
+                    return
                 try:
                     body = json.loads(raw or b"{}")
                 except ValueError:

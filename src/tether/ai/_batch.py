@@ -1,0 +1,228 @@
+"""Provider batch jobs as durable steps: submit a file of requests, poll on a durable
+timer, download the results, resubmit only what failed.
+
+Each provider call is a recorded activity of the gateway (``<gateway>.batch.submit``,
+``.poll``, ``.fetch``), so the batch id is in the run's history the moment the
+provider accepted it: a worker restarted between submit and completion polls the same
+batch, never a second one. A submit whose answer was lost (the worker died after the
+provider created the batch) finds its batch again by the step's idempotency key,
+kept in the batch's metadata. The results' usage is recorded as the run's model usage
+(``app.usage``). Works with OpenAI's batch API and servers that copy it, through the
+model's own OpenAI SDK client (SDK retries off: tether retries).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from .._activity_context import activity_context
+from .._errors import ConfigurationError
+from .._policy import Retry, seconds
+from .._usage import CALL_KEY
+from ..workflow._api import sleep
+from ..workflow._instance import current_instance
+from ._errors import ModelConfigError
+
+if TYPE_CHECKING:
+    from ._gateway import Gateway, ModelRef
+
+#: batch statuses after which polling stops
+_DONE = frozenset({"completed", "failed", "expired", "cancelled"})
+_ENDPOINT = "/v1/chat/completions"
+
+
+class BatchError(Exception):
+    """A batch job did not finish: its deadline passed, or the provider failed it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchResult:
+    """What a batch job gave: answers by custom id, the ids that still failed after the
+    resubmits (with why), ids the provider returned that were never asked, and the
+    provider's batch ids in order."""
+
+    results: dict[str, str]
+    failed: dict[str, str]
+    unknown: list[str]
+    batches: list[str]
+
+
+class BatchJobs:
+    """The batch activities of one gateway (registered with it, on every process)."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+        app = gateway.app
+        opts: dict[str, Any] = {"retry": Retry(attempts=5, initial=2.0), "timeout": 300.0}
+        self.submit = app.activity(name=f"{gateway.name}.batch.submit", **opts)(self._submit)
+        self.poll = app.activity(name=f"{gateway.name}.batch.poll", **opts)(self._poll)
+        self.fetch = app.activity(name=f"{gateway.name}.batch.fetch", **opts)(self._fetch)
+
+    def _client(self, model: str) -> tuple[ModelRef, Any]:
+        ref = self.gateway._models.get(model)
+        if ref is None:
+            raise ModelConfigError(f"model {model!r} is not registered on this gateway")
+        client = getattr(self.gateway._resolve(ref), "client", None)
+        if client is None or not hasattr(client, "batches"):
+            raise ModelConfigError(
+                f"model {model!r} has no OpenAI-compatible client: batch jobs need an "
+                "OpenAI model or a server with the same batch API"
+            )
+        return ref, client
+
+    async def _submit(
+        self, model: str, items: dict[str, str], options: dict[str, Any]
+    ) -> dict[str, Any]:
+        ref, client = self._client(model)
+        key = activity_context().idempotency_key
+        # in doubt: did this step create its batch before a crash lost the answer?
+        page = await client.batches.list(limit=100)
+        for b in page.data:
+            if (b.metadata or {}).get("tether_key") == key:
+                return {"batch_id": b.id, "found_again": True}
+        lines = []
+        for cid, prompt in items.items():
+            body: dict[str, Any] = {
+                "model": ref.model_name,
+                "messages": [{"role": "user", "content": prompt}],
+            }
+            if options.get("max_tokens"):
+                body["max_tokens"] = options["max_tokens"]
+            lines.append(
+                json.dumps({"custom_id": cid, "method": "POST", "url": _ENDPOINT, "body": body})
+            )
+        upload = await client.files.create(
+            file=("tether-batch.jsonl", "\n".join(lines).encode()), purpose="batch"
+        )
+        batch = await client.batches.create(
+            input_file_id=upload.id,
+            endpoint=_ENDPOINT,
+            completion_window=options.get("window", "24h"),
+            metadata={"tether_key": key, "tether_run": activity_context().run_id},
+        )
+        return {"batch_id": batch.id, "found_again": False}
+
+    async def _poll(self, model: str, batch_id: str) -> dict[str, Any]:
+        _ref, client = self._client(model)
+        b = await client.batches.retrieve(batch_id)
+        counts = b.request_counts.model_dump() if b.request_counts is not None else None
+        return {
+            "status": b.status,
+            "output_file_id": b.output_file_id,
+            "error_file_id": b.error_file_id,
+            "counts": counts,
+        }
+
+    async def _fetch(
+        self, model: str, batch_id: str, files: list[str | None], asked: list[str]
+    ) -> dict[str, Any]:
+        ref, client = self._client(model)
+        wanted = set(asked)
+        results: dict[str, str] = {}
+        errors: dict[str, str] = {}
+        unknown: list[str] = []
+        tokens_in = tokens_out = 0
+        for fid in files:
+            if not fid:
+                continue
+            text = (await client.files.content(fid)).text
+            for raw in text.splitlines():
+                if not raw.strip():
+                    continue
+                line = json.loads(raw)
+                cid = str(line.get("custom_id"))
+                if cid not in wanted:
+                    unknown.append(cid)
+                    continue
+                response = line.get("response") or {}
+                body = response.get("body") or {}
+                if response.get("status_code") == 200 and body.get("choices"):
+                    results[cid] = body["choices"][0]["message"].get("content") or ""
+                    usage = body.get("usage") or {}
+                    tokens_in += int(usage.get("prompt_tokens") or 0)
+                    tokens_out += int(usage.get("completion_tokens") or 0)
+                else:
+                    err = line.get("error") or body.get("error") or {}
+                    errors[cid] = str(err.get("message") or err or "no answer")[:500]
+        call = {
+            "model": ref.name,
+            "model_name": ref.model_name,
+            "provider": ref.provider,
+            "input_tokens": tokens_in,
+            "output_tokens": tokens_out,
+            "cache_read_tokens": 0,
+            "cost": self.gateway.price_of(ref, tokens_in, tokens_out, 0, ref.model_name, None),
+            "latency_ms": 0.0,
+            "finish_reason": "batch",
+            "batch_id": batch_id,
+            "items": len(results),
+        }
+        return {"results": results, "errors": errors, "unknown": unknown, CALL_KEY: call}
+
+
+async def batch(
+    model: ModelRef,
+    requests: Mapping[str, str],
+    *,
+    poll: float | timedelta = 60.0,
+    max_poll: float | timedelta = 900.0,
+    deadline: float | timedelta = 86_400.0,
+    resubmits: int = 2,
+    max_tokens: int | None = None,
+    window: str = "24h",
+) -> BatchResult:
+    """Run ``requests`` (custom id -> prompt) as the provider's batch job, durably.
+
+    Submits them as one recorded step, polls on durable timers from ``poll`` seconds
+    doubling to ``max_poll``, gives up (``BatchError``) when ``deadline`` seconds have
+    passed since the first submit, downloads the results, and resubmits only the items
+    that failed or are missing, at most ``resubmits`` times. Inside a workflow only.
+    """
+    inst = current_instance()
+    if inst is None:
+        raise ConfigurationError("tether.ai.batch runs inside a workflow")
+    if not requests:
+        return BatchResult({}, {}, [], [])
+    jobs = model.gateway._batch
+    first_wait = seconds(poll, "poll") or 60.0
+    longest = seconds(max_poll, "max_poll") or first_wait
+    give_up = inst.now + (seconds(deadline, "deadline") or 86_400.0)
+    todo = dict(requests)
+    results: dict[str, str] = {}
+    failed: dict[str, str] = {}
+    unknown: list[str] = []
+    ids: list[str] = []
+    options = {"max_tokens": max_tokens, "window": window}
+    for _round in range(resubmits + 1):
+        sub = await jobs.submit(model.name, todo, options)
+        bid = sub["batch_id"]
+        ids.append(bid)
+        wait = first_wait
+        while True:
+            state = await jobs.poll(model.name, bid)
+            if state["status"] in _DONE:
+                break
+            if inst.now + wait > give_up:
+                raise BatchError(
+                    f"batch {bid} of model {model.name!r} is still {state['status']} at its "
+                    "deadline; its results, if any come, are not collected"
+                )
+            await sleep(wait)
+            wait = min(wait * 2, longest)
+        files = [state.get("output_file_id"), state.get("error_file_id")]
+        got = await jobs.fetch(model.name, bid, files, sorted(todo))
+        results.update(got["results"])
+        unknown.extend(u for u in got["unknown"] if u not in unknown)
+        failed = {
+            cid: got["errors"].get(cid) or f"missing from batch {bid} ({state['status']})"
+            for cid in todo
+            if cid not in got["results"]
+        }
+        todo = {cid: todo[cid] for cid in failed}
+        if not todo:
+            break
+    return BatchResult(results=results, failed=failed, unknown=unknown, batches=ids)

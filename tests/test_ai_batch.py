@@ -1,0 +1,117 @@
+"""Provider batch jobs (``tether.ai.batch``) against the fake batch API of
+``ModelServer``: the batch id is recorded, a worker killed between submit and completion
+does not submit again, failed and missing items are resubmitted alone, unknown ids are
+reported, usage is billed to the run, and a deadline fails the job."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+import tether
+from helpers import eventually
+from tether import EventType, ai
+from tether.testing import ModelServer, model_reply
+
+
+@pytest.fixture
+def models() -> Iterator[ModelServer]:
+    with ModelServer() as s:
+        # each request is answered from its own prompt
+        s.default = lambda body: model_reply(f"answer to {body['messages'][-1]['content']}")
+        yield s
+
+
+def _batch_app(app: tether.App, models: ModelServer, **batch_kw: Any) -> Any:
+    gw = ai.Gateway(app, retry=tether.Retry(attempts=3, initial=0.05), timeout=10)
+    m = gw.model(
+        "m", ai.openai_compatible("gpt-4o-mini", base_url=models.base_url, api_key="sk-test")
+    )
+
+    @app.workflow
+    async def nightly(keys: list[str]) -> dict[str, Any]:
+        res = await ai.batch(m, {k: f"q {k}" for k in keys}, **batch_kw)
+        return dataclasses.asdict(res)
+
+    return nightly
+
+
+async def test_a_batch_survives_a_worker_killed_mid_job_and_resubmits_only_failures(
+    app: tether.App, models: ModelServer
+) -> None:
+    nightly = _batch_app(app, models, poll=0.2, max_poll=0.4, deadline=120)
+    fake = models.batches
+    fake.complete_after = 1.5
+    fake.fail_once = {"c"}
+    fake.drop_once = {"d"}
+    fake.unknown = ["zzz"]
+    first = app.worker(poll_interval=0.05, lease=1.0)
+    await first.start()
+    run = await app.start(nightly, list("abcde"), run_id="nightly-1")
+
+    async def submitted() -> bool:
+        history = await app.history(run.run_id)
+        return any(
+            e.type is EventType.ACTIVITY_COMPLETED and "batch_id" in (e.data.get("result") or {})
+            for e in history
+        )
+
+    await eventually(submitted, 20, "the batch submitted and recorded")
+    await first.kill()  # like SIGKILL: between submit and completion
+    assert fake.created == 1
+    second = app.worker(poll_interval=0.05, lease=1.0)
+    await second.start()
+    try:
+        out = await run.result(timeout=60)
+    finally:
+        await second.stop()
+    assert out["results"] == {k: f"answer to q {k}" for k in "abcde"}
+    assert out["failed"] == {} and out["unknown"] == ["zzz"]
+    assert out["batches"] == ["batch_1", "batch_2"]
+    assert fake.created == 2  # the restart polled batch_1; only c and d went again
+    resubmitted = fake.files[fake.batches["batch_2"]["input_file_id"]].decode().splitlines()
+    assert sorted(json.loads(x)["custom_id"] for x in resubmitted) == ["c", "d"]
+    usage = await app.usage(run.run_id)
+    assert usage.tokens == 15 * 5  # five answers of 10 + 5 tokens, billed to the run
+    history = await app.history(run.run_id)
+    timers = [e for e in history if e.type is EventType.TIMER_STARTED]
+    assert timers  # polled on durable timers
+
+
+async def test_a_submit_whose_answer_was_lost_finds_its_batch_again(
+    app: tether.App, models: ModelServer
+) -> None:
+    """The provider created the batch but the worker died before recording it: the
+    retried submit finds the batch by the step's key in its metadata."""
+    nightly = _batch_app(app, models, poll=0.2, max_poll=0.2, deadline=60)
+    models.batches.complete_after = 0.2
+    lost = {"n": 0}
+    real_create = models.batches.create
+
+    def create_then_fail(body: dict[str, Any]) -> dict[str, Any]:
+        made = real_create(body)
+        if lost["n"] == 0:
+            lost["n"] += 1
+            raise ConnectionResetError("the answer is lost on the way back")
+        return made
+
+    models.batches.create = create_then_fail  # type: ignore[method-assign]
+    async with app.worker(poll_interval=0.05):
+        out = await (await app.start(nightly, ["a", "b"])).result(timeout=30)
+    assert out["results"] == {"a": "answer to q a", "b": "answer to q b"}
+    assert models.batches.created == 1 and out["batches"] == ["batch_1"]
+
+
+async def test_a_batch_past_its_deadline_fails_the_step(
+    app: tether.App, models: ModelServer
+) -> None:
+    nightly = _batch_app(app, models, poll=0.2, max_poll=0.2, deadline=1.0)
+    models.batches.complete_after = 3600
+    async with app.worker(poll_interval=0.05):
+        run = await app.start(nightly, ["a"])
+        with pytest.raises(tether.WorkflowFailedError, match="still in_progress at its deadline"):
+            await run.result(timeout=30)
