@@ -587,6 +587,18 @@ async def test_a_worker_that_did_not_see_a_conversation_rebuilds_it_from_history
         assert await run.result(timeout=30) == "reply 11"
     texts = [json.dumps(r.body["messages"]) for r in server.calls("chat")]
     assert all(f"q{i}" in texts[-1] for i in range(6))  # the full conversation was sent
+    # an exported history writes every step's conversation out in full
+    exported = ai.expand_history(await app.history(run.run_id))
+    steps = [
+        e["data"]["args"]["args"][-1]["messages"]
+        for e in exported
+        if e["type"] == "ActivityScheduled"
+    ]
+    assert [len(m) for m in steps] == [1, 3, 5, 7, 9, 11]
+    assert all(isinstance(m, list) for m in steps)
+    assert "q0" in json.dumps(steps[-1]) and "reply 9" in json.dumps(steps[-1])
+    recorded = [e for e in await app.history(run.run_id) if e.type is EventType.ACTIVITY_SCHEDULED]
+    assert all("base" in e.data["args"]["args"][-1]["messages"] for e in recorded)  # as stored
 
 
 async def test_evaluate_scores_a_router_from_its_recorded_decisions(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from ..workflow._route import route
 from ._agent import DurableAgent, RecordedModel, durable
 from ._batch import BatchError, BatchResult, batch
 from ._errors import BudgetExceeded, ContentRefused, ModelConfigError, OutputInvalid
-from ._gateway import DEFAULT_MODEL_RETRY, Gateway, ModelRef, Price
+from ._gateway import DEFAULT_MODEL_RETRY, Gateway, ModelRef, Price, expand_history
 from ._mapreduce import ChunkFailure, MapReduceError, MapReduceResult, chunk_text, map_reduce
 from ._models import anthropic, openai_compatible
 from ._scripted import ScriptedModel, ScriptExhausted
@@ -48,6 +48,7 @@ __all__ = [
     "anthropic",
     "complete",
     "durable",
+    "expand_history",
     "openai_compatible",
     "route",
     "structured",

@@ -146,6 +146,18 @@ class _Rebuilt:
                     self.messages[digest] = stable
                     self.parents[link(tip, digest)] = (tip or None, digest)
 
+    def full(self, packed: dict[str, Any]) -> list[Any] | None:
+        """The full messages of a step's packed conversation (None: not all known)."""
+        base: str | None = packed.get("base")
+        prefix = self.thread(base) if base else []
+        if prefix is None:
+            return None
+        inline = {e["h"]: e["m"] for e in packed["new"] if "m" in e}
+        order = [*prefix, *(e["h"] for e in packed["new"])]
+        if any(h not in inline and h not in self.messages for h in order):
+            return None
+        return [inline.get(h) or self.messages[h] for h in order]
+
     def thread(self, node: str) -> list[str] | None:
         """The message hashes of the conversation ending at ``node`` (None: unknown)."""
         out: list[str] = []
@@ -631,17 +643,13 @@ class Gateway:
         new: list[dict[str, Any]] = packed["new"]
         if base is None and all("m" in e for e in new):
             return [e["m"] for e in new]  # all of it is here: no history to read
-        known = await self._conversations()
-        prefix = known.thread(base) if base else []
-        inline = {e["h"]: e["m"] for e in new if "m" in e}
-        order = [*(prefix or []), *(e["h"] for e in new)]
-        missing = [h for h in order if h not in inline and h not in known.messages]
-        if prefix is None or missing:
+        full = (await self._conversations()).full(packed)
+        if full is None:
             raise NonRetryable(
                 f"a conversation this step refers to is not in its run's history (node {base}, "
-                f"{len(missing)} message(s) missing): was the history changed by hand?"
+                "messages missing): was the history changed by hand?"
             )
-        return [inline.get(h) or known.messages[h] for h in order]
+        return full
 
     async def _conversations(self) -> _Rebuilt:
         """This run's conversations as its history holds them (cached per run, updated
@@ -1029,3 +1037,30 @@ def _classified(ref: ModelRef, exc: Exception) -> Exception:
     if type(exc).__name__ == "ContentFilterError":
         return ContentRefused(f"{where} refused the request on content policy: {exc}")
     return exc
+
+
+def expand_history(events: list[Event], activity: str = "tether.ai.call") -> list[dict[str, Any]]:
+    """``events`` as JSON with every model step's conversation written out in full
+    (steps record it by reference: ``{"base": node, "new": [...]}``), for people and
+    tools reading an exported history. Replay does not need it."""
+    known = _Rebuilt()
+    out = []
+    for ev in events:
+        item = ev.to_json()
+        if ev.type is EventType.ACTIVITY_SCHEDULED and ev.data.get("name") == activity:
+            args = ev.data.get("args") or {}
+            positional = args.get("args") if isinstance(args, dict) else None
+            request = positional[-1] if isinstance(positional, list) and positional else None
+            packed = request.get("messages") if isinstance(request, dict) else None
+            if is_packed(packed) and isinstance(request, dict) and isinstance(positional, list):
+                assert isinstance(packed, dict)
+                full = known.full(packed)
+                if full is not None:
+                    new_request = {**request, "messages": full}
+                    item["data"] = {
+                        **item["data"],
+                        "args": {**args, "args": [*positional[:-1], new_request]},
+                    }
+        known.apply([ev], activity)
+        out.append(item)
+    return out

@@ -4,6 +4,7 @@ code before a deploy).
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Annotated, Any
 
 import typer
@@ -26,14 +27,27 @@ def history_export_command(
     run_id: Annotated[str, _run_id_argument()],
     store: Annotated[str | None, _store_option()] = None,
     app: Annotated[str | None, _app_option()] = None,
+    packed: Annotated[
+        bool,
+        typer.Option(
+            "--packed",
+            help="Keep model conversations as recorded (by reference) instead of written out.",
+        ),
+    ] = False,
 ) -> None:
-    """Print a run's info and full history as JSON: {"run": {...}, "events": [...]}."""
+    """Print a run's info and full history as JSON: {"run": {...}, "events": [...]};
+    model steps' conversations are written out in full unless --packed."""
 
     async def go() -> dict[str, Any]:
         async with _opened(_client_app(store, app)) as a:
             info = await a.get(run_id)
             events = await a.history(run_id)
-            return {"run": _info_dict(info), "events": [e.to_json() for e in events]}
+            rows = [e.to_json() for e in events]
+            if not packed and importlib.util.find_spec("pydantic_ai") is not None:
+                from ..ai import expand_history
+
+                rows = expand_history(events)
+            return {"run": _info_dict(info), "events": rows}
 
     _dump(_run(go()))
 
