@@ -767,3 +767,54 @@ async def test_a_run_keeps_the_model_it_started_with_across_a_deploy(
         }
     ]
     await new.close()
+
+
+async def test_a_durable_agent_streams_its_text_and_tool_events_to_followers(
+    app: tether.App, server: ModelServer
+) -> None:
+    from pydantic_ai import Agent
+
+    gw = ai.Gateway(app, retry=FAST)
+    model = gw.model("m", ai.openai_compatible("helper", base_url=server.base_url, api_key="k"))
+    agent: Agent[None, str] = Agent(name="helper")
+
+    @agent.tool_plain
+    def weather(city: str) -> str:
+        return f"sunny in {city}"
+
+    helper = ai.durable(agent, gw, model=model, stream=True)
+
+    @app.workflow
+    async def ask(question: str) -> str:
+        await tether.wait_event("go")
+        result = await helper.run(question)
+        return str(result.output)
+
+    server.script(
+        "helper",
+        model_reply(tool=("weather", {"city": "Oslo"})),
+        model_reply("It is sunny in Oslo today", chunk_delay=0.01),
+    )
+    got: list[dict[str, Any]] = []
+
+    async def follow(run_id: str) -> None:
+        async for item in gw.follow(run_id):
+            got.append(item)
+
+    async with app.worker(poll_interval=0.05):
+        run = await app.start(ask, "weather in Oslo?", run_id="helper-1")
+        follower = asyncio.create_task(follow(run.run_id))
+        await asyncio.sleep(0.05)
+        await app.signal(run.run_id, "go")
+        assert await run.result(timeout=30) == "It is sunny in Oslo today"
+        await asyncio.sleep(0.1)
+        follower.cancel()
+    events = [g for g in got if "event" in g]
+    assert [(e["event"], e["tool"]) for e in events] == [
+        ("tool_call", "weather"),
+        ("tool_result", "weather"),
+    ]
+    assert events[0]["args"] == {"city": "Oslo"} and events[0]["agent"] == "helper"
+    text = "".join(g.get("delta", "") for g in got)
+    assert text == "It is sunny in Oslo today"
+    assert len([g for g in got if "delta" in g]) > 1  # in pieces, as they came

@@ -27,6 +27,7 @@ from pydantic_ai.toolsets import AbstractToolset, WrapperToolset
 from pydantic_ai.toolsets.abstract import ToolsetTool
 from pydantic_core import to_jsonable_python
 
+from .._activity_context import activity_context
 from .._errors import ConfigurationError, NonRetryable
 from .._policy import Retry
 from ..workflow._instance import current_instance
@@ -42,9 +43,10 @@ _RETRY_KEY = "tether.ai.model_retry"
 class RecordedModel(Model):
     """A pydantic-ai ``Model`` whose requests are recorded steps of the running workflow."""
 
-    def __init__(self, ref: ModelRef) -> None:
+    def __init__(self, ref: ModelRef, stream: bool = False) -> None:
         super().__init__()
         self._ref = ref
+        self._stream = stream
 
     @property
     def model_name(self) -> str:
@@ -61,7 +63,11 @@ class RecordedModel(Model):
         model_request_parameters: ModelRequestParameters,
     ) -> ModelResponse:
         response, _call = await self._ref.gateway.request(
-            self._ref, list(messages), params=model_request_parameters, settings=model_settings
+            self._ref,
+            list(messages),
+            params=model_request_parameters,
+            settings=model_settings,
+            stream=self._stream,
         )
         return response
 
@@ -102,8 +108,10 @@ class DurableAgent(Generic[DepsT, OutputT]):
         model: ModelRef,
         tool_retry: Retry | None,
         tool_timeout: float | timedelta | None,
+        stream: bool = False,
     ) -> None:
         self.agent = agent
+        self.stream = stream
         self.gateway = gateway
         self.name = name
         self.model = model
@@ -135,7 +143,8 @@ class DurableAgent(Generic[DepsT, OutputT]):
             _RecordedToolset(ts, durable=self, index=i) for i, ts in enumerate(self.toolsets)
         ]
         # tools=[] empties the agent's own function toolset: its tools run through the wrapper
-        with self.agent.override(model=RecordedModel(self.model), toolsets=wrapped, tools=[]):
+        recorded = RecordedModel(self.model, self.stream)
+        with self.agent.override(model=recorded, toolsets=wrapped, tools=[]):
             return await self.agent.run(
                 user_prompt,
                 deps=deps,
@@ -169,11 +178,21 @@ class DurableAgent(Generic[DepsT, OutputT]):
         tool = tools.get(name)
         if tool is None:
             raise NonRetryable(f"agent {self.name!r} has no tool {name!r} in toolset {toolset}")
+        await self._event({"event": "tool_call", "tool": name, "args": args})
         try:
             value = await ts.call_tool(name, args, ctx, tool)
         except ModelRetry as exc:
+            await self._event({"event": "tool_result", "tool": name, "ok": False})
             return {_RETRY_KEY: exc.message}
+        await self._event({"event": "tool_result", "tool": name, "ok": True})
         return {"value": to_jsonable_python(value)}
+
+    async def _event(self, item: dict[str, Any]) -> None:
+        """An agent event for whoever follows the run (worker side; never recorded)."""
+        ctx = activity_context()
+        event = {"run_id": ctx.run_id, "step": ctx.step, "agent": self.name, **item}
+        self.gateway._publish(ctx.run_id, event)
+        await self.gateway._broadcast(self.gateway._step_store(), ctx.run_id, event)
 
 
 def durable(
@@ -184,12 +203,15 @@ def durable(
     model: ModelRef | None = None,
     tool_retry: Retry | None = None,
     tool_timeout: float | timedelta | None = None,
+    stream: bool = False,
 ) -> DurableAgent[DepsT, OutputT]:
     """Make ``agent`` durable on ``gateway``'s app; its code does not change.
 
     The agent's model is registered on the gateway as ``agent:<name>`` (or pass
     ``model=`` a gateway model, with its fallbacks and limits). ``name`` defaults
-    to the agent's own and must be stable: recorded steps carry it.
+    to the agent's own and must be stable: recorded steps carry it. Followers of the
+    run (``gateway.follow``, the HTTP event stream) get each tool call and result as
+    an event, and with ``stream`` the model's text as it comes; none of it is recorded.
     """
     label = name or agent.name
     if not label:
@@ -203,5 +225,11 @@ def durable(
             )
         model = gateway.model(f"agent:{label}", agent.model)
     return DurableAgent(
-        agent, gateway, name=label, model=model, tool_retry=tool_retry, tool_timeout=tool_timeout
+        agent,
+        gateway,
+        name=label,
+        model=model,
+        tool_retry=tool_retry,
+        tool_timeout=tool_timeout,
+        stream=stream,
     )

@@ -328,7 +328,7 @@ def _chunks(body: dict[str, Any], a: Answer) -> list[dict[str, Any]]:
         "created": 0,
         "model": body.get("model", ""),
     }
-    words = [w + " " for w in (a.text or "").split(" ")]
+    words = [w + " " for w in (a.text or "").split(" ")] if a.text else []
     if words:
         words[-1] = words[-1][:-1]
     out = [
@@ -340,7 +340,24 @@ def _chunks(body: dict[str, Any], a: Answer) -> list[dict[str, Any]]:
         }
         for w in words
     ]
-    out.append({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": a.finish_reason}]})
+    for i, (name, args) in enumerate(a.tool_calls or ()):
+        call = {
+            "index": i,
+            "id": f"call_{i}",
+            "type": "function",
+            "function": {
+                "name": name,
+                "arguments": args if isinstance(args, str) else json.dumps(args),
+            },
+        }
+        out.append(
+            {
+                **base,
+                "choices": [{"index": 0, "delta": {"tool_calls": [call]}, "finish_reason": None}],
+            }
+        )
+    finish = a.finish_reason or ("tool_calls" if a.tool_calls else "stop")
+    out.append({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": finish}]})
     out.append(
         {
             **base,
