@@ -22,7 +22,7 @@ import pytest
 from pydantic import BaseModel
 
 import tether
-from helpers import has_event
+from helpers import eventually, has_event
 from tether import EventType, ai
 from tether.testing import ModelServer, model_error, model_reply
 
@@ -818,3 +818,72 @@ async def test_a_durable_agent_streams_its_text_and_tool_events_to_followers(
     text = "".join(g.get("delta", "") for g in got)
     assert text == "It is sunny in Oslo today"
     assert len([g for g in got if "delta" in g]) > 1  # in pieces, as they came
+
+
+@pytest.mark.parametrize("verdict", ["approve", "edit", "reject"])
+async def test_a_tool_that_needs_approval_waits_durably_for_a_decision(
+    app: tether.App, verdict: str
+) -> None:
+    from pydantic_ai import Agent, DeferredToolRequests
+    from pydantic_ai.messages import ModelResponse, ToolCallPart
+
+    refunds: list[int] = []
+    gw = ai.Gateway(app, retry=FAST)
+    scripted = ai.ScriptedModel(
+        [
+            ModelResponse(parts=[ToolCallPart("refund", {"cents": 5000}, tool_call_id="c1")]),
+            "done",
+        ]
+    )
+    model = gw.model("m", scripted)
+    agent: Agent[None, str | DeferredToolRequests] = Agent(
+        name="support", output_type=[str, DeferredToolRequests]
+    )
+
+    @agent.tool_plain(requires_approval=True)
+    def refund(cents: int) -> str:
+        refunds.append(cents)
+        return f"refunded {cents}"
+
+    support = ai.durable(agent, gw, model=model)
+
+    @app.workflow
+    async def handle(ticket: str) -> str:
+        result = await support.run(
+            ticket, approve_tools=ai.ToolApproval(deadline=3600, approvers=["ann"], allow_edit=True)
+        )
+        return str(result.output)
+
+    async with app.worker(poll_interval=0.05):
+        run = await app.start(handle, "charged twice", run_id=f"ticket-{verdict}")
+
+        async def opened() -> list[tether.Approval]:
+            return await app.approvals(run_id=run.run_id)
+
+        (review,) = await eventually(opened, 20, "the review of the refund")
+        assert review.proposal == {"tool": "refund", "args": {"cents": 5000}}
+        assert review.name == "support.refund" and refunds == []  # nothing ran yet
+        if verdict == "reject":
+            await app.decide(
+                review.approval_id,
+                approve=False,
+                by="ann",
+                fingerprint=review.fingerprint,
+                reason="not eligible",
+            )
+        else:
+            await app.decide(
+                review.approval_id,
+                approve=True,
+                by="ann",
+                fingerprint=review.fingerprint,
+                value={"tool": "refund", "args": {"cents": 2500}} if verdict == "edit" else None,
+            )
+        assert await run.result(timeout=30) == "done"
+    assert refunds == {"approve": [5000], "edit": [2500], "reject": []}[verdict]
+    # the model saw the tool's result, or the denial with who and why
+    last_prompt = json.dumps([m.parts for m in scripted.requests[-1]], default=str)
+    if verdict == "reject":
+        assert "denied by ann: not eligible" in last_prompt
+    else:
+        assert "refunded" in last_prompt

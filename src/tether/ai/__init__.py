@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from .._usage import Budget, Usage
 from ..workflow._route import route
-from ._agent import DurableAgent, RecordedModel, durable
+from ._agent import DurableAgent, RecordedModel, ToolApproval, durable
 from ._batch import BatchError, BatchResult, batch
 from ._errors import BudgetExceeded, ContentRefused, ModelConfigError, OutputInvalid
 from ._gateway import DEFAULT_MODEL_RETRY, Gateway, ModelRef, Price, expand_history
@@ -44,6 +44,7 @@ __all__ = [
     "RecordedModel",
     "ScriptExhausted",
     "ScriptedModel",
+    "ToolApproval",
     "Usage",
     "anthropic",
     "complete",

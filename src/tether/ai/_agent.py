@@ -30,6 +30,7 @@ from pydantic_core import to_jsonable_python
 from .._activity_context import activity_context
 from .._errors import ConfigurationError, NonRetryable
 from .._policy import Retry
+from ..workflow._approval import approval
 from ..workflow._instance import current_instance
 from ._gateway import Gateway, ModelRef
 
@@ -96,6 +97,18 @@ class _RecordedToolset(WrapperToolset[Any]):
         return out["value"] if isinstance(out, dict) else out
 
 
+@dataclasses.dataclass(frozen=True)
+class ToolApproval:
+    """Who approves the tool calls an agent defers, by when, and what happens then
+    (``tether.approval``'s options)."""
+
+    deadline: float | timedelta
+    approvers: Sequence[str] | str = ()
+    escalate_to: Sequence[tuple[Sequence[str] | str, float | timedelta]] = ()
+    allow_edit: bool = False
+    default: str = "reject"
+
+
 class DurableAgent(Generic[DepsT, OutputT]):
     """A pydantic-ai agent whose model requests and tool calls are recorded steps."""
 
@@ -128,9 +141,69 @@ class DurableAgent(Generic[DepsT, OutputT]):
         deps: DepsT = None,  # type: ignore[assignment]
         message_history: Sequence[ModelMessage] | None = None,
         model_settings: ModelSettings | None = None,
+        approve_tools: ToolApproval | None = None,
         **kwargs: Any,
     ) -> Any:
-        """``agent.run(...)``: durable inside a workflow, the plain agent outside one."""
+        """``agent.run(...)``: durable inside a workflow, the plain agent outside one.
+
+        With ``approve_tools``, tool calls the agent defers for approval (tools declared
+        with ``requires_approval=True``, the agent's output types including
+        ``DeferredToolRequests``) each become a ``tether.approval`` of the call (tool
+        and arguments), waited for durably; the agent then goes on with the approved
+        calls run (edited arguments when the review allows edits) and the others
+        denied, until it answers without deferring."""
+        result = await self._run_once(
+            user_prompt,
+            deps=deps,
+            message_history=message_history,
+            model_settings=model_settings,
+            **kwargs,
+        )
+        if approve_tools is None or current_instance() is None:
+            return result
+        from pydantic_ai import DeferredToolRequests, DeferredToolResults, ToolApproved, ToolDenied
+
+        while isinstance(result.output, DeferredToolRequests) and result.output.approvals:
+            answers: dict[str, Any] = {}
+            for call in result.output.approvals:
+                proposal: dict[str, Any] = {"tool": call.tool_name, "args": call.args_as_dict()}
+                decision = await approval(
+                    proposal,
+                    deadline=approve_tools.deadline,
+                    approvers=approve_tools.approvers,
+                    escalate_to=approve_tools.escalate_to,
+                    allow_edit=approve_tools.allow_edit,
+                    default=approve_tools.default,
+                    name=f"{self.name}.{call.tool_name}",
+                )
+                if decision.approved:
+                    edited: Any = decision.value if decision.edited else None
+                    args = edited.get("args") if isinstance(edited, dict) else None
+                    override = args if isinstance(args, dict) else None
+                    answers[call.tool_call_id] = ToolApproved(override_args=override)
+                else:
+                    who = decision.by or "the deadline"
+                    why = f"denied by {who}" + (f": {decision.reason}" if decision.reason else "")
+                    answers[call.tool_call_id] = ToolDenied(why)
+            result = await self._run_once(
+                None,
+                deps=deps,
+                message_history=result.all_messages(),
+                model_settings=model_settings,
+                deferred_tool_results=DeferredToolResults(approvals=answers),
+                **kwargs,
+            )
+        return result
+
+    async def _run_once(
+        self,
+        user_prompt: str | Sequence[Any] | None,
+        *,
+        deps: DepsT,
+        message_history: Sequence[ModelMessage] | None,
+        model_settings: ModelSettings | None,
+        **kwargs: Any,
+    ) -> Any:
         if current_instance() is None:
             return await self.agent.run(
                 user_prompt,

@@ -62,9 +62,16 @@ def without(value: Any, keys: frozenset[str] = _VOLATILE) -> Any:
     return value
 
 
+#: a message's own fields that name the agent run that made it (new on every replay)
+_PER_RUN = ("run_id", "conversation_id")
+
+
 def canonical(message: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """A message's content address (SHA-256 of its JSON without timestamps) and that JSON."""
+    """A message's content address (SHA-256 of its JSON without timestamps, nor the ids
+    of the agent run that made it) and that JSON."""
     stable: dict[str, Any] = without(message)
+    for key in _PER_RUN:
+        stable.pop(key, None)
     text = json.dumps(stable, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:32], stable
 
