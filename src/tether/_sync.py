@@ -178,6 +178,10 @@ class SyncClient:
     approvals = _blocking(App.approvals)
     get_approval = _blocking(App.get_approval)
     decide = _blocking(App.decide)
+    disable = _blocking(App.disable)
+    enable = _blocking(App.enable)
+    switches = _blocking(App.switches)
+    audit_log = _blocking(App.audit_log)
 
     def get_run(self, run_id: str) -> SyncRun[Any]:
         """A handle on an existing run (not checked until used)."""
