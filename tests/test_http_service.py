@@ -53,6 +53,22 @@ class Receiver:
         self.http.server_close()
 
 
+def _worker_process(store_url: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """A ``tether worker serve_app:app`` process on ``store_url``."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "tether.cli", "worker", "serve_app:app"],
+        cwd=HERE,
+        env={
+            **os.environ,
+            **(env or {}),
+            "PYTHONPATH": f"{HERE.parent / 'src'}{os.pathsep}{HERE}",
+            "TETHER_TEST_STORE": store_url,
+        },
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
 def _wait_for(check: Any, seconds: float, what: str) -> Any:
     deadline = time.monotonic() + seconds
     while True:
@@ -337,20 +353,7 @@ def test_streamed_model_tokens_reach_the_event_stream(store_url: str) -> None:
         models.script("gpt-4o-mini", model_reply("once upon a time, a fox", chunk_delay=0.15))
         env = {"TETHER_TEST_MODEL_URL": models.base_url}
         apart = not store_url.startswith("sqlite")
-        worker = None
-        if apart:
-            worker = subprocess.Popen(
-                [sys.executable, "-m", "tether.cli", "worker", "serve_app:app"],
-                cwd=HERE,
-                env={
-                    **os.environ,
-                    **env,
-                    "PYTHONPATH": f"{HERE.parent / 'src'}{os.pathsep}{HERE}",
-                    "TETHER_TEST_STORE": store_url,
-                },
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
+        worker = _worker_process(store_url, env) if apart else None
         server = Server(store_url, *(() if apart else ("--workers", "1")), "--no-auth", env=env)
         try:
             body = {"input": {"topic": "foxes"}, "run_id": "tale"}
@@ -385,17 +388,7 @@ def test_a_kill_switch_flipped_over_http_holds_work_on_a_worker_in_another_proce
     store_url: str,
 ) -> None:
     server = Server(store_url, "--no-auth")  # no worker in the server: it runs apart
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "tether.cli", "worker", "serve_app:app"],
-        cwd=HERE,
-        env={
-            **os.environ,
-            "PYTHONPATH": f"{HERE.parent / 'src'}{os.pathsep}{HERE}",
-            "TETHER_TEST_STORE": store_url,
-        },
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    worker = _worker_process(store_url)
     try:
         http = server.http
         off = http.put("/v1/switches/activity/total", json={"reason": "bad deploy"})

@@ -78,6 +78,9 @@ class Run(Generic[R]):
         self.run_id = run_id
         self.workflow = workflow
         self._may_not_exist = False  #: a debounced start: the run appears when it is due
+        #: from ``app.start``: the run as the start found or made it, and whether it made it
+        self.started: RunInfo | None = None
+        self.created: bool | None = None
 
     def __repr__(self) -> str:
         return f"<Run {self.run_id}>"
@@ -580,7 +583,9 @@ class App:
                 local.adopt_start(eager[0], res)
             elif res.leased is not None:
                 local._spawn(res.leased)  # no claim round trip for a run started in-process
-        return Run(self, res.run.run_id, wf)
+        run = Run(self, res.run.run_id, wf)
+        run.started, run.created = res.run, res.created
+        return run
 
     def _note_running_here(self, run_id: str) -> None:
         """Remember a run whose end this process's commits will announce."""
