@@ -17,7 +17,7 @@ import dataclasses
 import json
 from collections.abc import Mapping
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .._activity_context import activity_context
 from .._errors import ConfigurationError
@@ -26,9 +26,7 @@ from .._usage import CALL_KEY
 from ..workflow._api import sleep
 from ..workflow._instance import current_instance
 from ._errors import ModelConfigError
-
-if TYPE_CHECKING:
-    from ._gateway import Gateway, ModelRef
+from ._gateway import EXTENSIONS, Gateway, ModelRef
 
 #: batch statuses after which polling stops
 _DONE = frozenset({"completed", "failed", "expired", "cancelled"})
@@ -187,7 +185,7 @@ async def batch(
         raise ConfigurationError("tether.ai.batch runs inside a workflow")
     if not requests:
         return BatchResult({}, {}, [], [])
-    jobs = model.gateway._batch
+    jobs: BatchJobs = model.gateway.extensions["batch"]
     first_wait = seconds(poll, "poll") or 60.0
     longest = seconds(max_poll, "max_poll") or first_wait
     give_up = inst.now + (seconds(deadline, "deadline") or 86_400.0)
@@ -226,3 +224,10 @@ async def batch(
         if not todo:
             break
     return BatchResult(results=results, failed=failed, unknown=unknown, batches=ids)
+
+
+def _register(gateway: Gateway) -> None:
+    gateway.extensions["batch"] = BatchJobs(gateway)
+
+
+EXTENSIONS.append(_register)

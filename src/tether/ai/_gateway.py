@@ -40,7 +40,6 @@ from .._queues import Dependency
 from .._usage import CALL_KEY, Budget
 from ..workflow._api import sleep
 from ..workflow._instance import WorkflowInstance, current_instance
-from ._batch import BatchJobs
 from ._errors import BudgetExceeded, ContentRefused, ModelConfigError
 from ._models import HeaderCapture, build, model_name_of, provider_of
 from ._wire import (
@@ -230,6 +229,10 @@ class ModelRef:
 
 log = logging.getLogger("tether.ai")
 
+#: called with every new gateway, to register the activities of other modules on it
+#: (they import this one, so it cannot import them)
+EXTENSIONS: list[Callable[[Gateway], None]] = []
+
 #: the longest a streamed delta waits before it is published to other processes
 STREAM_FLUSH = 0.05
 
@@ -282,7 +285,10 @@ class Gateway:
         self._activity = app.activity(
             name=f"{name}.call", retry=retry, timeout=timeout, queue=queue
         )(self._call)
-        self._batch = BatchJobs(self)
+        #: what other modules registered on this gateway (``EXTENSIONS``), by name
+        self.extensions: dict[str, Any] = {}
+        for extend in EXTENSIONS:  # e.g. the batch activities (``_batch.py``)
+            extend(self)
 
     # registration -----------------------------------------------------------
 

@@ -14,17 +14,18 @@ import email.policy
 import json
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
-if TYPE_CHECKING:
-    from ._model_server import ModelServer
+#: answers one request body: (HTTP status, the chat completion JSON)
+Answerer = Callable[[dict[str, Any]], tuple[int, dict[str, Any]]]
 
 
 class FakeBatches:
     """The batch endpoints' state; ``created`` counts batches made."""
 
-    def __init__(self, server: ModelServer) -> None:
-        self._server = server
+    def __init__(self, answer: Answerer) -> None:
+        self._answer = answer
         self._lock = threading.Lock()
         self.files: dict[str, bytes] = {}
         self.batches: dict[str, dict[str, Any]] = {}
@@ -123,17 +124,12 @@ class FakeBatches:
             if cid in self.drop_once and cid not in self._dropped:
                 self._dropped.add(cid)
                 continue
-            answer = self._server._take(line["body"], {})
-            from ._model_server import _completion
-
+            status, completion = self._answer(line["body"])
             out.append(
                 {
                     "id": f"req-{cid}",
                     "custom_id": cid,
-                    "response": {
-                        "status_code": answer.status,
-                        "body": _completion(line["body"], answer),
-                    },
+                    "response": {"status_code": status, "body": completion},
                     "error": None,
                 }
             )

@@ -123,7 +123,7 @@ class ModelServer:
         self.exhausted: list[str] = []
         self.default: Callable[[dict[str, Any]], Answer] | None = None
         #: the provider batch API (files, batches) answering from the same scripts
-        self.batches = FakeBatches(self)
+        self.batches = FakeBatches(self._batch_answer)
         #: called with each request as it arrives, before it is answered (e.g. to kill
         #: the client process between the provider's work and the client's record of it)
         self.on_request: Callable[[Request], None] | None = None
@@ -251,6 +251,11 @@ class ModelServer:
         """Answers left in ``model``'s script."""
         with self._lock:
             return len(self._scripts.get(model, ()))
+
+    def _batch_answer(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        """One line of a batch, answered like a chat request."""
+        answer = self._take(body, {})
+        return answer.status, _completion(body, answer)
 
     def _take(self, body: dict[str, Any], headers: dict[str, str]) -> Answer:
         model = str(body.get("model", ""))
