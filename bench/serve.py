@@ -174,6 +174,44 @@ def measure_starts(base: str, starts: int, clients: int) -> dict[str, Any]:
     }
 
 
+def measure_paced(base: str, rate: float, seconds: float, clients: int) -> dict[str, Any]:
+    """S keep-alive clients that together offer ``rate`` starts/s (each on its own
+    schedule, an open loop): POST -> 202 latency at that load."""
+    interval = clients / rate
+    per = max(1, int(seconds / interval))
+    barrier = threading.Barrier(clients + 1)
+
+    def client(k: int) -> list[float]:
+        out = []
+        with httpx.Client(base_url=base, timeout=60) as http:
+            http.get("/healthz")
+            barrier.wait()
+            t_next = time.perf_counter() + k * interval / clients  # spread the clients
+            for i in range(per):
+                pause = t_next - time.perf_counter()
+                if pause > 0:
+                    time.sleep(pause)
+                t0 = time.perf_counter()
+                res = http.post("/v1/workflows/one_step/runs", json={"input": {"x": i}})
+                check(res.status_code == 202, f"start answered {res.status_code}")
+                out.append((time.perf_counter() - t0) * 1000)
+                t_next += interval
+        return out
+
+    with ThreadPoolExecutor(clients) as pool:
+        futures = [pool.submit(client, k) for k in range(clients)]
+        barrier.wait()
+        t0 = time.perf_counter()
+        lat = [x for f in futures for x in f.result()]
+        elapsed = time.perf_counter() - t0
+    return {
+        "paced_rate": rate,
+        "paced_achieved": len(lat) / elapsed,
+        "paced_p50_ms": _percentile(lat, 50),
+        "paced_p99_ms": _percentile(lat, 99),
+    }
+
+
 def measure_in_process(workdir: Path, starts: int, clients: int) -> float:
     """``app.start`` rate in this process (S concurrent callers, no worker), same disk."""
     sys.path.insert(0, str(workdir))
@@ -234,6 +272,7 @@ def main() -> None:
     parser.add_argument("--starts", type=int, default=3000)
     parser.add_argument("--start-clients", type=int, default=50)
     parser.add_argument("--pings", type=int, default=100)
+    parser.add_argument("--paced-rate", type=float, default=500.0)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="tether-http-bench-") as tmp:
         workdir = Path(tmp)
@@ -243,6 +282,7 @@ def main() -> None:
             res = measure(base, args.runs, args.clients)
             res |= measure_sse(base, args.pings)
             res |= measure_starts(base, args.starts, args.start_clients)
+            res |= measure_paced(base, args.paced_rate, 4.0, args.start_clients)
         finally:
             proc.terminate()
             proc.wait(30)
@@ -264,6 +304,11 @@ def main() -> None:
     print(
         f"{res['start_clients']} clients, starts only: {res['starts_per_s']:,.0f} starts/s, "
         f"POST -> 202 p50 {res['start_load_p50_ms']:.2f} ms p99 {res['start_load_p99_ms']:.2f} ms"
+    )
+    print(
+        f"{res['start_clients']} clients offering {res['paced_rate']:,.0f} starts/s "
+        f"(achieved {res['paced_achieved']:,.0f}): POST -> 202 p50 {res['paced_p50_ms']:.2f} ms "
+        f"p99 {res['paced_p99_ms']:.2f} ms"
     )
     print(
         f"in-process app.start, {res['start_clients']} callers: "
