@@ -22,7 +22,7 @@ ARTIFACTS = Path(os.environ.get("TETHER_ARTIFACTS") or Path(__file__).parent / "
 
 pytestmark = pytest.mark.skipif(
     CHROMIUM is None and not os.environ.get("CI"),
-    reason="Chromium is not installed (./scripts/setup installs it as root)",
+    reason="Chromium is not installed (./scripts/setup-browser installs it as root)",
 )
 
 
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.skipif(
 def browser() -> Iterator[Any]:
     from playwright.sync_api import sync_playwright
 
-    assert CHROMIUM is not None, "CI needs chromium: ./scripts/setup installs it"
+    assert CHROMIUM is not None, "CI needs chromium: ./scripts/setup-browser installs it"
     with sync_playwright() as pw:
         b = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
         try:
