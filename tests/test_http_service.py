@@ -412,3 +412,66 @@ def test_a_kill_switch_flipped_over_http_holds_work_on_a_worker_in_another_proce
         server.stop()
         worker.terminate()
         worker.wait(30)
+
+
+def test_prometheus_metrics_from_the_server_and_from_a_worker(store_url: str) -> None:
+    fast = {"TETHER_METRICS_REFRESH": "0.25"}  # runs by status every 3 s
+    server = Server(store_url, "--workers", "1", "--no-auth", env=fast)
+    port = _free_port()
+    worker = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tether.cli",
+            "worker",
+            "serve_app:app",
+            "--metrics-port",
+            str(port),
+        ],
+        cwd=HERE,
+        env={
+            **os.environ,
+            "PYTHONPATH": f"{HERE.parent / 'src'}{os.pathsep}{HERE}",
+            "TETHER_TEST_STORE": store_url,
+        },
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        http = server.http
+        run = http.post("/v1/workflows/bill/runs", json=INVOICE).json()
+        assert http.get(f"{run['links']['result']}?wait=20").json()["status"] == "completed"
+        waiting = http.post("/v1/workflows/review/runs", json={"input": {"title": "t"}}).json()
+        _wait_for(
+            lambda: http.get(f"/v1/approvals?run_id={waiting['id']}").json(), 20, "the review"
+        )
+        http.put("/v1/switches/model/big", json={"reason": "x"})
+
+        def scraped() -> str | None:
+            text = http.get("/metrics").text
+            ok = 'tether_runs{status="completed",workflow="bill"} 1.0' in text
+            return text if ok and "tether_approvals_open 1.0" in text else None
+
+        text = _wait_for(scraped, 20, "metrics that show the runs")
+        assert 'tether_queue_ready_tasks{queue="default"}' in text
+        assert 'tether_switches_off{kind="model"} 1.0' in text
+        assert 'event="activities"' in text and "tether_worker_slots" in text
+        # the worker process serves its own on --metrics-port
+        body = _wait_for(
+            lambda: _get_text(f"http://127.0.0.1:{port}/metrics"), 30, "the worker's metrics"
+        )
+        assert (
+            "tether_worker_inflight_tasks" in body and "tether_queue_oldest_ready_seconds" in body
+        )
+    finally:
+        server.stop()
+        worker.terminate()
+        worker.wait(30)
+
+
+def _get_text(url: str) -> str | None:
+    try:
+        r = httpx.get(url, timeout=5)
+    except httpx.TransportError:
+        return None
+    return r.text if r.status_code == 200 else None

@@ -51,7 +51,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ),
     ("client", ("tether._app", "tether._sync", "tether.testing")),
     ("ai", ("tether.ai",)),
-    ("services", ("tether.cli", "tether.server", "tether.store.migrate", "tether")),
+    (
+        "services",
+        ("tether.cli", "tether.server", "tether.store.migrate", "tether.metrics", "tether"),
+    ),
 ]
 #: packages whose modules may import each other in a cycle
 CYCLES_ALLOWED = ("tether.store.ops",)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import logging
 import os
 import signal
 import sys
 from collections.abc import Callable
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -85,6 +86,14 @@ def worker_command(
             help="Only continue runs recorded by these workflow versions; repeat for several.",
         ),
     ] = None,
+    metrics_port: Annotated[
+        int | None,
+        typer.Option(
+            "--metrics-port",
+            metavar="PORT",
+            help="Serve Prometheus metrics on this port (GET /metrics); needs prometheus-client.",
+        ),
+    ] = None,
 ) -> None:
     """Serve MODULE:ATTR's workflows and activities until SIGTERM or Ctrl+C."""
     if lease <= 0:
@@ -95,8 +104,19 @@ def worker_command(
     logging.basicConfig(
         level=level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if metrics_port is not None and importlib.util.find_spec("prometheus_client") is None:
+        _fail("--metrics-port needs prometheus-client: pip install 'tether[server]'", EXIT_USAGE)
     code = _run(
-        _serve(app_spec, queue or None, concurrency, lease, grace, worker_id, version or None)
+        _serve(
+            app_spec,
+            queue or None,
+            concurrency,
+            lease,
+            grace,
+            worker_id,
+            version or None,
+            metrics_port,
+        )
     )
     raise SystemExit(code)
 
@@ -132,6 +152,21 @@ async def _hint_foreign_leases(app: App, w: Worker) -> None:
         )
 
 
+async def _serve_metrics(app: App, w: Worker, port: int) -> Any:
+    """Prometheus metrics of this worker and its store on ``port`` (a daemon thread)."""
+    from prometheus_client import REGISTRY, start_http_server
+
+    from ..metrics import Metrics
+
+    metrics = Metrics(app, [w])
+    await metrics.update()
+    metrics.start()
+    REGISTRY.register(metrics)
+    start_http_server(port)
+    _note(f"tether worker {w.id}: metrics on http://0.0.0.0:{port}/metrics")
+    return metrics
+
+
 async def _serve(
     app_spec: str,
     queues: list[str] | None,
@@ -140,6 +175,7 @@ async def _serve(
     grace: float,
     worker_id: str | None = None,
     versions: list[str] | None = None,
+    metrics_port: int | None = None,
 ) -> int:
     app = load_app(app_spec)
     async with _opened(app):
@@ -164,8 +200,11 @@ async def _serve(
             stop.set()
 
         installed = _add_signal_handlers(loop, on_signal)
+        metrics = None
         try:
             await w.start()
+            if metrics_port is not None:
+                metrics = await _serve_metrics(app, w, metrics_port)
             _note(
                 f"tether worker {w.id} serving queues {', '.join(w.queues)} on store "
                 f"{_describe_store(app.store)} (concurrency {concurrency}, lease {lease:g}s)"
@@ -191,6 +230,8 @@ async def _serve(
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await serving
         finally:
+            if metrics is not None:
+                await metrics.stop()
             for sig in installed:
                 loop.remove_signal_handler(sig)
     _note(f"tether worker {w.id} stopped")

@@ -14,6 +14,7 @@ import base64
 import contextlib
 import dataclasses
 import hashlib
+import importlib.util
 import json
 import math
 from collections.abc import AsyncIterator
@@ -41,6 +42,7 @@ from .._errors import (
 )
 from .._history import Approval, DeadLetter, RunInfo, RunStatus
 from .._worker import Worker
+from ..metrics import Metrics
 from . import _problems
 from ._auth import AuthError, Principal, actor_of, authenticate
 from ._limits import BodyLimit, RateLimiter
@@ -193,6 +195,8 @@ def create_api(
             raise RunNotFoundError(run_id)  # another tenant's run does not exist for it
         return info
 
+    metrics = Metrics(app, running) if importlib.util.find_spec("prometheus_client") else None
+
     @contextlib.asynccontextmanager
     async def lifespan(_api: FastAPI) -> AsyncIterator[None]:
         hub.start()
@@ -202,9 +206,14 @@ def create_api(
             w = app.worker(**(worker_options or {}))
             await w.start()
             running.append(w)
+        if metrics is not None:
+            await metrics.update()
+            metrics.start()
         try:
             yield
         finally:
+            if metrics is not None:
+                await metrics.stop()
             hub.stop()
             if relay is not None:
                 await relay.stop()
@@ -225,6 +234,21 @@ def create_api(
     api.state.hub = hub
     if console:
         install_console(api, app, auth=auth)
+
+    @api.get(
+        "/metrics",
+        summary="Prometheus metrics (a key of any role when keys are required)",
+        tags=["health"],
+        response_class=Response,
+    )
+    async def prometheus(request: Request) -> Response:
+        if auth:
+            await authenticate(app.store, request.headers.get("authorization"))
+        if metrics is None:
+            return _problems.problem(
+                501, "Metrics need prometheus-client", "pip install 'tether[server]'"
+            )
+        return Response(metrics.exposition(), media_type="text/plain; version=0.0.4")
 
     @api.get("/healthz", summary="The process is up", tags=["health"])
     async def healthz() -> dict[str, str]:

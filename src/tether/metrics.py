@@ -1,0 +1,174 @@
+"""Prometheus metrics of an App and its workers (``pip install 'tether[server]'``, or
+``prometheus-client`` alone).
+
+``tether serve`` answers ``GET /metrics``; ``tether worker --metrics-port N`` serves
+them on its own port. Figures come from the store and from the workers of this
+process, read in the background on the App's event loop (every ``refresh`` seconds;
+runs by status every ``slow_refresh``, since that one counts the runs table), so a
+scrape never waits on the store:
+
+- backlog per queue: ready tasks, age of the oldest ready task, running and scheduled;
+- reliability: open dead letters, webhook deliveries pending or given up, open reviews,
+  kill switches that are off;
+- flow health: runs by workflow and status;
+- this process's workers: task counters (activities, workflow tasks, replays, cache
+  hits, held by a switch...), tasks in flight and slots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from ._app import App
+from ._worker import Worker
+
+log = logging.getLogger("tether.metrics")
+
+#: at most this many rows are counted for the list-based figures (dead letters...)
+_COUNT_CAP = 10_000
+
+
+class Metrics:
+    """The figures of ``app`` (and ``workers``), refreshed in the background."""
+
+    def __init__(
+        self,
+        app: App,
+        workers: Sequence[Worker] = (),
+        *,
+        refresh: float | None = None,
+        slow_refresh: float | None = None,
+    ) -> None:
+        self.app = app
+        self.workers = workers
+        #: seconds between reads (``TETHER_METRICS_REFRESH``, default 5); runs by status
+        #: every 12 times that
+        self.refresh = refresh or float(os.environ.get("TETHER_METRICS_REFRESH") or 5.0)
+        self.slow_refresh = slow_refresh or 12 * self.refresh
+        self._fast: dict[str, Any] = {}
+        self._runs: list[tuple[str, str, int]] = []
+        self._runs_at = 0.0
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Refresh in the background on the running loop."""
+        self._task = asyncio.create_task(self._loop(), name="tether-metrics")
+
+    async def stop(self) -> None:
+        """Stop refreshing."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self.update()
+            except Exception:  # a store hiccup must not end the metrics for good
+                log.warning("reading metrics from the store failed", exc_info=True)
+            await asyncio.sleep(self.refresh)
+
+    async def update(self) -> None:
+        """Read the store's figures now (runs by status at most every ``slow_refresh``)."""
+        store = self.app.store
+        fast: dict[str, Any] = {
+            "queues": await self.app.queue_stats(),
+            "dead_letters": len(await self.app.dead_letters(limit=_COUNT_CAP)),
+            "approvals": len(await self.app.approvals(status="open", limit=_COUNT_CAP)),
+            "switches": await self.app.switches(),
+            "webhooks": {
+                state: len(await store.webhook_deliveries(state=state, limit=_COUNT_CAP))
+                for state in ("pending", "failed")
+            },
+        }
+        self._fast = fast
+        if time.monotonic() - self._runs_at >= self.slow_refresh or not self._runs_at:
+            self._runs = await store.run_counts()
+            self._runs_at = time.monotonic()
+
+    def collect(self) -> Iterator[Any]:
+        """prometheus_client's collector protocol: the latest figures."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        fast = self._fast
+        ready = GaugeMetricFamily(
+            "tether_queue_ready_tasks", "Tasks due and not leased", labels=["queue"]
+        )
+        oldest = GaugeMetricFamily(
+            "tether_queue_oldest_ready_seconds", "Age of the oldest ready task", labels=["queue"]
+        )
+        running = GaugeMetricFamily(
+            "tether_queue_running_tasks", "Tasks leased to a worker", labels=["queue"]
+        )
+        scheduled = GaugeMetricFamily(
+            "tether_queue_scheduled_tasks",
+            "Tasks due later (timers, retry backoffs)",
+            labels=["queue"],
+        )
+        for q in fast.get("queues", ()):
+            ready.add_metric([q.queue], q.ready)
+            oldest.add_metric([q.queue], q.oldest_ready_age or 0.0)
+            running.add_metric([q.queue], q.running)
+            scheduled.add_metric([q.queue], q.scheduled)
+        yield from (ready, oldest, running, scheduled)
+        if fast:
+            yield GaugeMetricFamily(
+                "tether_dead_letters_open",
+                "Steps and runs waiting for an operator",
+                value=fast["dead_letters"],
+            )
+            yield GaugeMetricFamily(
+                "tether_approvals_open", "Reviews waiting for a decision", value=fast["approvals"]
+            )
+            hooks = GaugeMetricFamily(
+                "tether_webhook_deliveries", "Webhook deliveries not delivered", labels=["state"]
+            )
+            for state, n in fast["webhooks"].items():
+                hooks.add_metric([state], n)
+            yield hooks
+            off = GaugeMetricFamily(
+                "tether_switches_off", "Kill switches that are off", labels=["kind"]
+            )
+            kinds: dict[str, int] = {}
+            for s in fast["switches"]:
+                kinds[s["kind"]] = kinds.get(s["kind"], 0) + 1
+            for kind, n in sorted(kinds.items()):
+                off.add_metric([kind], n)
+            yield off
+        runs = GaugeMetricFamily(
+            "tether_runs", "Runs by workflow and status", labels=["workflow", "status"]
+        )
+        for workflow, status, n in self._runs:
+            runs.add_metric([workflow, status], n)
+        yield runs
+        events = CounterMetricFamily(
+            "tether_worker_events", "What this process's workers did", labels=["worker", "event"]
+        )
+        inflight = GaugeMetricFamily(
+            "tether_worker_inflight_tasks", "Tasks running now", labels=["worker"]
+        )
+        slots = GaugeMetricFamily(
+            "tether_worker_slots", "Tasks a worker runs at once", labels=["worker"]
+        )
+        for w in self.workers:
+            for name, n in sorted(w.stats.items()):
+                events.add_metric([w.id, name], n)
+            inflight.add_metric([w.id], len(w._inflight))
+            slots.add_metric([w.id], w.concurrency)
+        yield from (events, inflight, slots)
+
+    def exposition(self) -> bytes:
+        """The figures in Prometheus's text format."""
+        from prometheus_client import CollectorRegistry, generate_latest
+
+        registry = CollectorRegistry()
+        registry.register(self)
+        return bytes(generate_latest(registry))
