@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 
@@ -19,6 +20,7 @@ class Invoice(BaseModel):
 
 @app.activity
 def total(invoice: Invoice, vat: float) -> int:
+    logging.getLogger("serve_app").info("pricing invoice", extra={"invoice": invoice.number})
     return round(invoice.cents * (1 + vat))
 
 

@@ -53,10 +53,12 @@ class Receiver:
         self.http.server_close()
 
 
-def _worker_process(store_url: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+def _worker_process(
+    store_url: str, env: dict[str, str] | None = None, *args: str, stderr: Any = None
+) -> subprocess.Popen[str]:
     """A ``tether worker serve_app:app`` process on ``store_url``."""
     return subprocess.Popen(
-        [sys.executable, "-m", "tether.cli", "worker", "serve_app:app"],
+        [sys.executable, "-m", "tether.cli", "worker", "serve_app:app", *args],
         cwd=HERE,
         env={
             **os.environ,
@@ -65,7 +67,8 @@ def _worker_process(store_url: str, env: dict[str, str] | None = None) -> subpro
             "TETHER_TEST_STORE": store_url,
         },
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stderr=stderr if stderr is not None else subprocess.DEVNULL,
+        text=True,
     )
 
 
@@ -475,3 +478,21 @@ def _get_text(url: str) -> str | None:
     except httpx.TransportError:
         return None
     return r.text if r.status_code == 200 else None
+
+
+def test_json_logs_carry_the_run_and_step(store_url: str) -> None:
+    server = Server(store_url, "--no-auth")
+    worker = _worker_process(store_url, None, "--log-format", "json", stderr=subprocess.PIPE)
+    try:
+        run = server.http.post("/v1/workflows/bill/runs", json=INVOICE).json()
+        done = server.http.get(f"{run['links']['result']}?wait=30").json()
+        assert done["status"] == "completed"
+    finally:
+        server.stop()
+        worker.terminate()
+        _out, err = worker.communicate(timeout=30)
+    records = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
+    assert records and all("time" in r and "level" in r for r in records)
+    (priced,) = [r for r in records if r["message"] == "pricing invoice"]
+    assert priced["run_id"] == run["id"] and priced["activity"] == "total"
+    assert priced["step"] == 1 and priced["attempt"] == 1 and priced["invoice"] == "A-1"

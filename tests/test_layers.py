@@ -53,7 +53,14 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("ai", ("tether.ai",)),
     (
         "services",
-        ("tether.cli", "tether.server", "tether.store.migrate", "tether.metrics", "tether"),
+        (
+            "tether.cli",
+            "tether.server",
+            "tether.store.migrate",
+            "tether.metrics",
+            "tether.logs",
+            "tether",
+        ),
     ),
 ]
 #: packages whose modules may import each other in a cycle

@@ -37,6 +37,13 @@ def serve_command(
     log_level: Annotated[
         str, typer.Option("--log-level", help="Logging level: debug, info, warning, error.")
     ] = "info",
+    log_format: Annotated[
+        str,
+        typer.Option(
+            "--log-format",
+            help="text, or json: one JSON object per line with the run and step (tether.logs).",
+        ),
+    ] = "text",
     auth: Annotated[
         bool,
         typer.Option(
@@ -100,9 +107,18 @@ def serve_command(
     level = logging.getLevelName(log_level.upper())
     if not isinstance(level, int):
         _fail(f"unknown --log-level {log_level!r}", EXIT_USAGE)
-    logging.basicConfig(
-        level=level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    if log_format not in ("text", "json"):
+        _fail(f"--log-format is text or json (got {log_format!r})", EXIT_USAGE)
+    if log_format == "json":
+        from ..logs import configure
+
+        configure(level)
+    else:
+        logging.basicConfig(
+            level=level,
+            stream=sys.stderr,
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        )
     app = load_app(app_spec)
     api = create_api(
         app,
@@ -130,7 +146,17 @@ def serve_command(
     # graceful stop exits 0
     previous = {sig: signal.signal(sig, _stopped) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        uvicorn.run(api, host=host, port=port, log_level=log_level.lower(), lifespan="on")
+        if log_format == "json":  # uvicorn's loggers go through the root's JSON handler
+            uvicorn.run(
+                api,
+                host=host,
+                port=port,
+                log_level=log_level.lower(),
+                lifespan="on",
+                log_config=None,
+            )
+        else:
+            uvicorn.run(api, host=host, port=port, log_level=log_level.lower(), lifespan="on")
     except _Stopped:
         pass
     finally:

@@ -69,6 +69,13 @@ def worker_command(
     log_level: Annotated[
         str, typer.Option("--log-level", help="Logging level: debug, info, warning, error.")
     ] = "info",
+    log_format: Annotated[
+        str,
+        typer.Option(
+            "--log-format",
+            help="text, or json: one JSON object per line with the run and step (tether.logs).",
+        ),
+    ] = "text",
     worker_id: Annotated[
         str | None,
         typer.Option(
@@ -101,9 +108,18 @@ def worker_command(
     level = logging.getLevelName(log_level.upper())
     if not isinstance(level, int):
         _fail(f"unknown --log-level {log_level!r}", EXIT_USAGE)
-    logging.basicConfig(
-        level=level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    if log_format not in ("text", "json"):
+        _fail(f"--log-format is text or json (got {log_format!r})", EXIT_USAGE)
+    if log_format == "json":
+        from ..logs import configure
+
+        configure(level)
+    else:
+        logging.basicConfig(
+            level=level,
+            stream=sys.stderr,
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        )
     if metrics_port is not None and importlib.util.find_spec("prometheus_client") is None:
         _fail("--metrics-port needs prometheus-client: pip install 'tether[server]'", EXIT_USAGE)
     code = _run(
