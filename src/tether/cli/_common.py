@@ -10,6 +10,7 @@ import dataclasses
 import datetime
 import importlib
 import json
+import logging
 import os
 import sqlite3
 import sys
@@ -289,3 +290,31 @@ def _run_id_argument() -> Any:
 
 def _reason_option() -> Any:
     return typer.Option("--reason", "-r", help="Recorded in the run's history.")
+
+
+def _log_level_option() -> Any:
+    return typer.Option("--log-level", help="Logging level: debug, info, warning, error.")
+
+
+def _log_format_option() -> Any:
+    return typer.Option(
+        "--log-format",
+        help="text, or json: one JSON object per line with the run and step (tether.logs).",
+    )
+
+
+def _setup_logging(log_level: str, log_format: str) -> None:
+    """Log to stderr at ``log_level``, as text lines or as JSON (``tether.logs``)."""
+    level = logging.getLevelName(log_level.upper())
+    if not isinstance(level, int):
+        _fail(f"unknown --log-level {log_level!r}", EXIT_USAGE)
+    if log_format not in ("text", "json"):
+        _fail(f"--log-format is text or json (got {log_format!r})", EXIT_USAGE)
+    if log_format == "json":
+        from ..logs import configure
+
+        configure(level)
+    else:
+        logging.basicConfig(
+            level=level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )

@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import importlib.util
-import logging
 import signal
-import sys
 from typing import Annotated
 
 import typer
 
-from ._common import EXIT_USAGE, _fail, _note, load_app
+from ._common import (
+    EXIT_USAGE,
+    _fail,
+    _log_format_option,
+    _log_level_option,
+    _note,
+    _setup_logging,
+    load_app,
+)
 
 
 def serve_command(
@@ -34,16 +40,8 @@ def serve_command(
         float,
         typer.Option("--grace", help="Seconds in-flight work may take to finish on SIGTERM."),
     ] = 10.0,
-    log_level: Annotated[
-        str, typer.Option("--log-level", help="Logging level: debug, info, warning, error.")
-    ] = "info",
-    log_format: Annotated[
-        str,
-        typer.Option(
-            "--log-format",
-            help="text, or json: one JSON object per line with the run and step (tether.logs).",
-        ),
-    ] = "text",
+    log_level: Annotated[str, _log_level_option()] = "info",
+    log_format: Annotated[str, _log_format_option()] = "text",
     auth: Annotated[
         bool,
         typer.Option(
@@ -104,21 +102,7 @@ def serve_command(
 
     from ..server import create_api
 
-    level = logging.getLevelName(log_level.upper())
-    if not isinstance(level, int):
-        _fail(f"unknown --log-level {log_level!r}", EXIT_USAGE)
-    if log_format not in ("text", "json"):
-        _fail(f"--log-format is text or json (got {log_format!r})", EXIT_USAGE)
-    if log_format == "json":
-        from ..logs import configure
-
-        configure(level)
-    else:
-        logging.basicConfig(
-            level=level,
-            stream=sys.stderr,
-            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        )
+    _setup_logging(log_level, log_format)
     app = load_app(app_spec)
     api = create_api(
         app,

@@ -5,10 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.util
-import logging
 import os
 import signal
-import sys
 from collections.abc import Callable
 from typing import Annotated, Any
 
@@ -22,9 +20,12 @@ from ._common import (
     _describe_exception,
     _describe_store,
     _fail,
+    _log_format_option,
+    _log_level_option,
     _note,
     _opened,
     _run,
+    _setup_logging,
     load_app,
 )
 
@@ -66,16 +67,8 @@ def worker_command(
             help="On SIGTERM/Ctrl+C, how long in-flight work may take to finish.",
         ),
     ] = 10.0,
-    log_level: Annotated[
-        str, typer.Option("--log-level", help="Logging level: debug, info, warning, error.")
-    ] = "info",
-    log_format: Annotated[
-        str,
-        typer.Option(
-            "--log-format",
-            help="text, or json: one JSON object per line with the run and step (tether.logs).",
-        ),
-    ] = "text",
+    log_level: Annotated[str, _log_level_option()] = "info",
+    log_format: Annotated[str, _log_format_option()] = "text",
     worker_id: Annotated[
         str | None,
         typer.Option(
@@ -105,21 +98,7 @@ def worker_command(
     """Serve MODULE:ATTR's workflows and activities until SIGTERM or Ctrl+C."""
     if lease <= 0:
         _fail("--lease must be positive", EXIT_USAGE)
-    level = logging.getLevelName(log_level.upper())
-    if not isinstance(level, int):
-        _fail(f"unknown --log-level {log_level!r}", EXIT_USAGE)
-    if log_format not in ("text", "json"):
-        _fail(f"--log-format is text or json (got {log_format!r})", EXIT_USAGE)
-    if log_format == "json":
-        from ..logs import configure
-
-        configure(level)
-    else:
-        logging.basicConfig(
-            level=level,
-            stream=sys.stderr,
-            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        )
+    _setup_logging(log_level, log_format)
     if metrics_port is not None and importlib.util.find_spec("prometheus_client") is None:
         _fail("--metrics-port needs prometheus-client: pip install 'tether[server]'", EXIT_USAGE)
     code = _run(
