@@ -496,3 +496,20 @@ def test_json_logs_carry_the_run_and_step(store_url: str) -> None:
     (priced,) = [r for r in records if r["message"] == "pricing invoice"]
     assert priced["run_id"] == run["id"] and priced["activity"] == "total"
     assert priced["step"] == 1 and priced["attempt"] == 1 and priced["invoice"] == "A-1"
+
+
+def test_a_start_with_a_traceparent_joins_the_callers_trace(store_url: str) -> None:
+    server = Server(store_url, "--no-auth")
+    try:
+        trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+        r = server.http.post(
+            "/v1/workflows/bill/runs",
+            json=INVOICE,
+            headers={"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"},
+        )
+        attrs = server.http.get(r.json()["links"]["self"]).json()["attrs"]
+        assert attrs["trace"]["traceparent"].split("-")[1] == trace_id
+        plain = server.http.post("/v1/workflows/bill/runs", json=INVOICE).json()
+        assert not (server.http.get(plain["links"]["self"]).json()["attrs"] or {}).get("trace")
+    finally:
+        server.stop()

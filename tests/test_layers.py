@@ -33,6 +33,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "tether._usage",
             "tether.webhooks",
             "tether._switches",
+            "tether._tracing",
         ),
     ),
     ("definitions", ("tether._definitions",)),

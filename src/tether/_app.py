@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from datetime import timedelta
 from typing import Any, Generic, ParamSpec, TypeVar, overload
 
+from . import _tracing as tracing
 from ._activity_context import ActivityContext, set_context
 from ._batch import BatchActivity, BatchDecorator
 from ._batching import Batch
@@ -481,6 +482,7 @@ class App:
         on_limit: str = "raise",
         budget: Budget | None = None,
         webhook: str | None = None,
+        _trace: dict[str, str] | None = None,
     ) -> Run[R]:
         """Start a run and return its handle; durable when this returns.
 
@@ -496,6 +498,7 @@ class App:
         recorded with the run so it replays as it was. ``webhook``: an http(s) URL that
         gets the run's outcome when it ends (queued in the commit that ends it, posted
         at least once and signed by ``tether serve``'s relay: see ``tether.webhooks``).
+        With OpenTelemetry configured the run joins the current trace (``_tracing.py``).
         """
         if budget is not None and not isinstance(budget, Budget):
             raise ConfigurationError(
@@ -521,6 +524,12 @@ class App:
         wf = self.get_workflow(workflow) if isinstance(workflow, str) else workflow
         if wf.name not in self._workflows:
             raise UnknownWorkflowError(wf.name, list(self._workflows))
+        rid = run_id or uuid.uuid4().hex
+        carrier = _trace
+        if carrier is None and tracing.available():
+            carrier = tracing.start_carrier(wf.name, rid) or {}
+        if carrier:
+            attrs = {**(attrs or {}), "trace": carrier}
         elsewhere = self._worker_loop_elsewhere(wf.queue)
         if elsewhere is not None:
             # an in-process worker serves this queue on another loop (a web server's
@@ -530,13 +539,14 @@ class App:
                 self.start(
                     workflow,
                     *args,
-                    run_id=run_id,
+                    run_id=rid,
                     kwargs=kwargs,
                     deadline=deadline,
                     tenant=tenant,
                     on_limit=on_limit,
                     budget=budget,
                     webhook=webhook,
+                    _trace=carrier or {},  # this thread's trace context, not that loop's
                 ),
                 elsewhere,
             )
@@ -544,7 +554,6 @@ class App:
         kw = kwargs or {}
         text = wf.sig.encode_args(args, kw)
         wf.sig.decode_args(text)  # wrong argument types fail here, not in the worker
-        rid = run_id or uuid.uuid4().hex
         if self._limits_dirty:
             await self._write_queue_limits()
         local = self._local_worker(wf.queue)

@@ -24,6 +24,7 @@ import uuid
 from collections.abc import Callable, Collection, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any
 
+from . import _tracing as tracing
 from ._activity_context import ActivityContext, reset_context, set_context
 from ._attempts import _Plan, _StepTimeout
 from ._batch_run import run_batch
@@ -624,7 +625,14 @@ class Worker:
         assert me is not None
         while True:
             try:
-                await self._run_activity(task, inline=True)
+                carrier = (task.options or {}).get("trace")
+                if carrier is None:
+                    await self._run_activity(task, inline=True)
+                else:  # the run is traced: this attempt is a span of its trace
+                    with tracing.activity_span(
+                        task.name or "", task.run_id, task.step, task.attempt, task.queue, carrier
+                    ):
+                        await self._run_activity(task, inline=True)
             except BaseException:
                 left = self._follow.pop(task.task_id, None)
                 if left is not None:
@@ -733,6 +741,7 @@ class Worker:
             await self._record_failure(task, exc, plan, ctx)
             return
         self.stats["activities"] += 1
+        tracing.mark_ok()
         if breaker:
             await self._breaker_record(breaker, True)
         if task.dependency is not None:
@@ -858,6 +867,7 @@ class Worker:
         now = store.clock()
         error, retry_at = plan.decide(task.attempt, exc, now, ctx is not None and ctx.is_cancelled)
         self.stats["activity_failures"] += 1
+        tracing.mark_failed(type(exc).__name__, retry_at is not None)
         breaker = (task.options or {}).get("breaker")
         # only transient failures say the dependency is unhealthy; a 400 does not
         if (

@@ -28,6 +28,7 @@ from pydantic import BaseModel, Field, ValidationError
 from starlette.routing import Route
 
 from .. import __version__
+from .. import _tracing as tracing
 from .._app import App
 from .._definitions import Workflow
 from .._errors import (
@@ -677,7 +678,8 @@ def _add_start_route(api: FastAPI, app: App, wf: Workflow[Any, Any], who: Any) -
         except ValidationError as exc:
             errors = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]
             raise RequestValidationError(errors) from None
-        return await start(body, request, Response(), request.headers.get("idempotency-key"))
+        with tracing.joined(request.headers):  # a caller's traceparent: the run joins it
+            return await start(body, request, Response(), request.headers.get("idempotency-key"))
 
     # served by this route, documented by the one above (routes match in order)
     api.router.routes.insert(

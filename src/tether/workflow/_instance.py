@@ -392,16 +392,25 @@ class WorkflowInstance:
 
         fut.add_done_callback(on_done)
 
+    def _trace(self) -> Any:
+        """The W3C context the run was started in (``app.start``), if it is traced."""
+        attrs = (self.started.data.get("attrs") if self.started is not None else None) or {}
+        return attrs.get("trace")
+
     def schedule_activity(
         self, activity: Activity[Any, Any], args: Sequence[Any], kwargs: dict[str, Any]
     ) -> asyncio.Future[Any]:
         """Issue an ActivityScheduled command; the future resolves with its outcome."""
         opts = activity.opts
         args_json = activity.sig.encode_args(args, kwargs)
+        options = {**activity.options_json, "scheduled_at": self.now}
+        trace = self._trace()
+        if trace is not None:  # the run is traced: the attempt's span joins its trace
+            options["trace"] = trace
         data: dict[str, Any] = {
             "name": activity.name,
             "queue": opts.queue,
-            "options": {**activity.options_json, "scheduled_at": self.now},
+            "options": options,
             # evaluated now and recorded, so the task row never depends on today's code
             **opts.scheduling(activity.name, args, kwargs),
         }

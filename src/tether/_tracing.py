@@ -1,0 +1,113 @@
+"""OpenTelemetry traces of runs, when ``opentelemetry-api`` is installed (``tether[otel]``).
+
+A run belongs to the trace that was current when it was started (an HTTP request into
+``tether serve``, the caller's own span), or to a short ``tether.run`` span made then:
+``app.start`` keeps that context's W3C ``traceparent`` in the run's attrs, the
+workflow side copies it into every activity it schedules (so a worker needs no extra
+read), and each activity attempt becomes a span, a child of the run's context, with
+the run id, step, attempt, queue, outcome and error type (never the message, which may
+hold data). So a run resumed hours later on another worker continues the same trace.
+Replays make no spans: only attempts that run do. With the API alone (no SDK
+configured) every call here is a no-op; without it, this module does nothing at all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+try:
+    from opentelemetry import context as otel_context
+    from opentelemetry import propagate, trace
+except ImportError:  # pragma: no cover - the extra is not installed
+    trace = None  # type: ignore[assignment]
+
+#: the instrumentation scope of tether's spans
+SCOPE = "tether"
+
+
+def available() -> bool:
+    """Whether opentelemetry-api is installed."""
+    return trace is not None
+
+
+def start_carrier(workflow: str, run_id: str) -> dict[str, str] | None:
+    """The W3C context a new run joins: the current span's, else a ``tether.run`` span's
+    made now. None when nothing records traces (no SDK, or sampled out)."""
+    if trace is None:
+        return None
+    current = trace.get_current_span().get_span_context()
+    carrier: dict[str, str] = {}
+    if current.is_valid:
+        if current.trace_flags.sampled:  # an unsampled trace is not followed into runs
+            propagate.inject(carrier)
+    else:
+        tracer = trace.get_tracer(SCOPE)
+        with tracer.start_as_current_span(
+            f"tether.run {workflow}",
+            kind=trace.SpanKind.PRODUCER,
+            attributes={"tether.run_id": run_id, "tether.workflow": workflow},
+        ) as span:
+            if span.get_span_context().trace_flags.sampled:
+                propagate.inject(carrier)
+    return carrier or None
+
+
+@contextlib.contextmanager
+def activity_span(
+    name: str, run_id: str, step: int | None, attempt: int, queue: str, carrier: Any
+) -> Iterator[Any]:
+    """A span for one activity attempt, a child of the run's stored context."""
+    if trace is None or not isinstance(carrier, dict):
+        yield None
+        return
+    parent = propagate.extract(carrier)
+    tracer = trace.get_tracer(SCOPE)
+    with tracer.start_as_current_span(
+        f"tether.activity {name}",
+        context=parent,
+        kind=trace.SpanKind.CONSUMER,
+        attributes={
+            "tether.run_id": run_id,
+            "tether.step": step if step is not None else -1,
+            "tether.attempt": attempt,
+            "tether.queue": queue,
+            "tether.activity": name,
+        },
+    ) as span:
+        yield span
+
+
+def mark_failed(error_type: str, retrying: bool) -> None:
+    """On the current attempt's span: how it failed (the type only)."""
+    if trace is None:
+        return
+    span = trace.get_current_span()
+    if not span.is_recording():
+        return
+    span.set_attribute("tether.outcome", "retry" if retrying else "failed")
+    span.set_attribute("error.type", error_type)
+    span.set_status(trace.Status(trace.StatusCode.ERROR, error_type))
+
+
+def mark_ok() -> None:
+    """On the current attempt's span: it succeeded."""
+    if trace is None:
+        return
+    span = trace.get_current_span()
+    if span.is_recording():
+        span.set_attribute("tether.outcome", "ok")
+
+
+@contextlib.contextmanager
+def joined(headers: Any) -> Iterator[None]:
+    """Make the W3C context in ``headers`` (an HTTP request's) current for a while."""
+    if trace is None:
+        yield
+        return
+    token = otel_context.attach(propagate.extract(headers))
+    try:
+        yield
+    finally:
+        otel_context.detach(token)

@@ -1,0 +1,147 @@
+"""OpenTelemetry: a run joins the trace it was started in; every activity attempt is a
+span of that trace with the run, step, attempt, outcome and error type, on whichever
+worker runs it, after any wait; replays make no spans."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, Sampler
+
+import tether
+
+
+class _Switchable(Sampler):
+    """Samples while a test traces; off otherwise (the provider is set once per process)."""
+
+    on = False
+
+    def should_sample(self, *args: Any, **kwargs: Any) -> Any:
+        return (ALWAYS_ON if self.on else ALWAYS_OFF).should_sample(*args, **kwargs)
+
+    def get_description(self) -> str:
+        return "switchable"
+
+
+_SAMPLER = _Switchable()
+_EXPORTER = InMemorySpanExporter()
+
+
+@pytest.fixture
+def spans() -> Iterator[InMemorySpanExporter]:
+    if not isinstance(trace.get_tracer_provider(), TracerProvider):
+        provider = TracerProvider(sampler=_SAMPLER)
+        provider.add_span_processor(SimpleSpanProcessor(_EXPORTER))
+        trace.set_tracer_provider(provider)
+    _EXPORTER.clear()
+    _SAMPLER.on = True
+    try:
+        yield _EXPORTER
+    finally:
+        _SAMPLER.on = False
+
+
+def _attempts(exporter: InMemorySpanExporter) -> list[ReadableSpan]:
+    return [s for s in exporter.get_finished_spans() if s.name.startswith("tether.activity")]
+
+
+async def test_attempts_are_spans_of_the_trace_the_run_was_started_in(
+    app: tether.App, spans: InMemorySpanExporter
+) -> None:
+    tries = {"n": 0}
+
+    @app.activity(retry=tether.Retry(attempts=2, initial=0.05))
+    async def flaky() -> str:
+        tries["n"] += 1
+        if tries["n"] == 1:
+            raise ConnectionError("try again")
+        return "ok"
+
+    @app.activity
+    async def after(x: str) -> str:
+        return x + "!"
+
+    @app.workflow
+    async def traced() -> str:
+        first = await flaky()
+        await tether.wait_event("go")
+        return await after(first)
+
+    tracer = trace.get_tracer("test")
+    with tracer.start_as_current_span("caller") as caller:
+        run = await app.start(traced, run_id="traced-1")
+    trace_id = caller.get_span_context().trace_id
+    async with app.worker(poll_interval=0.05):
+
+        async def waiting() -> bool:
+            return bool((await app.get(run.run_id)).waiting_on)
+
+        from helpers import eventually
+
+        await eventually(waiting, 10, "the run waiting for its signal")
+    # a new worker (as after a restart) replays step 1 and runs step 2
+    async with app.worker(poll_interval=0.05):
+        await app.signal(run.run_id, "go")
+        assert await run.result(timeout=20) == "ok!"
+    attempts = _attempts(spans)
+    assert [
+        (s.name, s.attributes["tether.step"], s.attributes["tether.attempt"]) for s in attempts
+    ] == [
+        ("tether.activity flaky", 1, 1),
+        ("tether.activity flaky", 1, 2),
+        ("tether.activity after", 2, 1),
+    ]  # the replay of step 1 made no span
+    assert {s.context.trace_id for s in attempts} == {trace_id}  # one trace across workers
+    assert all(
+        s.parent is not None and s.parent.span_id == caller.get_span_context().span_id
+        for s in attempts
+    )
+    failed, retried_ok, later = attempts
+    assert failed.attributes["tether.outcome"] == "retry"
+    assert failed.attributes["error.type"] == "ConnectionError"
+    assert "try again" not in str(failed.attributes)  # the message may hold data: never sent
+    assert retried_ok.attributes["tether.outcome"] == "ok"
+    assert later.attributes["tether.run_id"] == "traced-1"
+    assert (await app.get(run.run_id)).attrs["trace"]["traceparent"].split("-")[1] == format(
+        trace_id, "032x"
+    )
+
+
+async def test_a_run_started_outside_any_span_gets_a_trace_of_its_own(
+    app: tether.App, spans: InMemorySpanExporter
+) -> None:
+    @app.activity
+    async def step() -> int:
+        return 1
+
+    @app.workflow
+    async def alone() -> int:
+        return await step()
+
+    async with app.worker(poll_interval=0.05):
+        assert await (await app.start(alone)).result(timeout=20) == 1
+    names = [s.name for s in spans.get_finished_spans()]
+    assert names == ["tether.run alone", "tether.activity step"]
+    run_span, attempt = spans.get_finished_spans()
+    assert attempt.context.trace_id == run_span.context.trace_id
+
+
+async def test_untraced_runs_carry_nothing(app: tether.App) -> None:
+    @app.activity
+    async def step() -> int:
+        return 1
+
+    @app.workflow
+    async def plain() -> int:
+        return await step()
+
+    async with app.worker(poll_interval=0.05):
+        run = await app.start(plain)
+        assert await run.result(timeout=20) == 1
+    assert not ((await app.get(run.run_id)).attrs or {}).get("trace")
