@@ -42,6 +42,8 @@ def start_carrier(workflow: str, run_id: str) -> dict[str, str] | None:
     if current.is_valid:
         if current.trace_flags.sampled:  # an unsampled trace is not followed into runs
             propagate.inject(carrier)
+    elif isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
+        return None  # no SDK configured in this process: no span to make (and no cost)
     else:
         tracer = trace.get_tracer(SCOPE)
         with tracer.start_as_current_span(
