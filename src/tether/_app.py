@@ -15,7 +15,6 @@ from collections.abc import Awaitable, Callable, Coroutine
 from datetime import timedelta
 from typing import Any, Generic, ParamSpec, TypeVar, overload
 
-from . import _tracing as tracing
 from ._activity_context import ActivityContext, set_context
 from ._batch import BatchActivity, BatchDecorator
 from ._batching import Batch
@@ -54,6 +53,8 @@ from ._history import (
 from ._policy import DEFAULT_RETRY, Retry, seconds
 from ._queues import Dependency, QueueLimits, QueueStats
 from ._serde import decode_raw, encode
+from ._tracing import available as tracing_available
+from ._tracing import start_carrier
 from ._usage import Budget, Usage, usage_of
 from ._worker import Worker
 from .store._open import open_store
@@ -526,8 +527,8 @@ class App:
             raise UnknownWorkflowError(wf.name, list(self._workflows))
         rid = run_id or uuid.uuid4().hex
         carrier = _trace
-        if carrier is None and tracing.available():
-            carrier = tracing.start_carrier(wf.name, rid) or {}
+        if carrier is None and tracing_available():
+            carrier = start_carrier(wf.name, rid) or {}
         if carrier:
             attrs = {**(attrs or {}), "trace": carrier}
         elsewhere = self._worker_loop_elsewhere(wf.queue)

@@ -24,7 +24,6 @@ import uuid
 from collections.abc import Callable, Collection, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any
 
-from . import _tracing as tracing
 from ._activity_context import ActivityContext, reset_context, set_context
 from ._attempts import _Plan, _StepTimeout
 from ._batch_run import run_batch
@@ -38,6 +37,7 @@ from ._serde import encode
 from ._switches import HOLD as SWITCH_HOLD
 from ._switches import REFRESH as SWITCH_REFRESH
 from ._switches import Switches
+from ._tracing import activity_span, mark_failed, mark_ok
 from .store.base import TASK_REJECTED
 from .workflow._instance import WorkflowInstance
 
@@ -629,7 +629,7 @@ class Worker:
                 if carrier is None:
                     await self._run_activity(task, inline=True)
                 else:  # the run is traced: this attempt is a span of its trace
-                    with tracing.activity_span(
+                    with activity_span(
                         task.name or "", task.run_id, task.step, task.attempt, task.queue, carrier
                     ):
                         await self._run_activity(task, inline=True)
@@ -741,7 +741,7 @@ class Worker:
             await self._record_failure(task, exc, plan, ctx)
             return
         self.stats["activities"] += 1
-        tracing.mark_ok()
+        mark_ok()
         if breaker:
             await self._breaker_record(breaker, True)
         if task.dependency is not None:
@@ -867,7 +867,7 @@ class Worker:
         now = store.clock()
         error, retry_at = plan.decide(task.attempt, exc, now, ctx is not None and ctx.is_cancelled)
         self.stats["activity_failures"] += 1
-        tracing.mark_failed(type(exc).__name__, retry_at is not None)
+        mark_failed(type(exc).__name__, retry_at is not None)
         breaker = (task.options or {}).get("breaker")
         # only transient failures say the dependency is unhealthy; a 400 does not
         if (

@@ -28,7 +28,6 @@ from pydantic import BaseModel, Field, ValidationError
 from starlette.routing import Route
 
 from .. import __version__
-from .. import _tracing as tracing
 from .._app import App
 from .._definitions import Workflow
 from .._errors import (
@@ -42,6 +41,7 @@ from .._errors import (
     WorkflowFailedError,
 )
 from .._history import Approval, DeadLetter, RunInfo, RunStatus
+from .._tracing import joined
 from .._worker import Worker
 from ..metrics import Metrics
 from . import _problems
@@ -420,7 +420,7 @@ def create_api(
             run_id, at_step=body.at_step, new_run_id=body.run_id, models=body.models
         )
         await audit(request, "fork", f"run:{run_id}", {"at_step": body.at_step, "new": new.run_id})
-        response.headers["Location"] = f"/v1/runs/{new.run_id}"
+        response.headers["Location"] = links(new.run_id).self
         return run_view(await app.get(new.run_id))
 
     async def review_of(request: Request, approval_id: str) -> Approval:
@@ -636,15 +636,11 @@ def _add_start_route(api: FastAPI, app: App, wf: Workflow[Any, Any], who: Any) -
                 )
             raise
         info = run.started or await app.get(run.run_id, follow=False)
-        url = f"/v1/runs/{info.run_id}"
+        where = links(info.run_id)  # the id percent-encoded: a header is Latin-1 only
         return JSONResponse(
-            {
-                "id": info.run_id,
-                "status": info.status.value,
-                "links": links(info.run_id).model_dump(),
-            },
+            {"id": info.run_id, "status": info.status.value, "links": where.model_dump()},
             status_code=200 if run.created is False else 202,
-            headers={"Location": url},
+            headers={"Location": where.self},
         )
 
     # this module uses postponed annotations; FastAPI reads the body's type from here
@@ -678,7 +674,7 @@ def _add_start_route(api: FastAPI, app: App, wf: Workflow[Any, Any], who: Any) -
         except ValidationError as exc:
             errors = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]
             raise RequestValidationError(errors) from None
-        with tracing.joined(request.headers):  # a caller's traceparent: the run joins it
+        with joined(request.headers):  # a caller's traceparent: the run joins it
             return await start(body, request, Response(), request.headers.get("idempotency-key"))
 
     # served by this route, documented by the one above (routes match in order)

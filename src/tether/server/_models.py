@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 import json
 from typing import Any
+from urllib.parse import quote
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
@@ -105,8 +106,8 @@ class StartOptions(BaseModel):
 
 
 def links(run_id: str) -> Links:
-    """The URLs of a run's resources."""
-    base = f"/v1/runs/{run_id}"
+    """The URLs of a run's resources (the id percent-encoded: ids may hold any text)."""
+    base = f"/v1/runs/{quote(run_id, safe='@:')}"
     return Links(
         self=base, result=f"{base}/result", history=f"{base}/history", events=f"{base}/events"
     )
