@@ -143,9 +143,10 @@ def measure(base: str, runs: int, clients: int) -> dict[str, Any]:
     }
 
 
-def measure_starts(base: str, starts: int, clients: int) -> dict[str, Any]:
-    """S keep-alive clients that only start runs: starts/s and POST -> 202 latency."""
-    per = starts // clients
+def _load(base: str, clients: int, per: int, interval: float | None) -> tuple[list[float], float]:
+    """``clients`` keep-alive clients start ``per`` runs each, back to back (``interval``
+    None: a closed loop) or one every ``interval`` seconds each (an open loop);
+    returns the POST -> 202 latencies (ms) and the seconds it all took."""
     barrier = threading.Barrier(clients + 1)
 
     def client(k: int) -> list[float]:
@@ -153,7 +154,13 @@ def measure_starts(base: str, starts: int, clients: int) -> dict[str, Any]:
         with httpx.Client(base_url=base, timeout=60) as http:
             http.get("/healthz")  # the connection is open before the clock starts
             barrier.wait()
+            t_next = time.perf_counter() + (k * interval / clients if interval else 0.0)
             for i in range(per):
+                if interval:
+                    pause = t_next - time.perf_counter()
+                    if pause > 0:
+                        time.sleep(pause)
+                    t_next += interval
                 t0 = time.perf_counter()
                 res = http.post("/v1/workflows/one_step/runs", json={"input": {"x": k * per + i}})
                 check(res.status_code == 202, f"start answered {res.status_code}: {res.text}")
@@ -165,7 +172,12 @@ def measure_starts(base: str, starts: int, clients: int) -> dict[str, Any]:
         barrier.wait()
         t0 = time.perf_counter()
         lat = [x for f in futures for x in f.result()]
-        elapsed = time.perf_counter() - t0
+        return lat, time.perf_counter() - t0
+
+
+def measure_starts(base: str, starts: int, clients: int) -> dict[str, Any]:
+    """S keep-alive clients that only start runs: starts/s and POST -> 202 latency."""
+    lat, elapsed = _load(base, clients, starts // clients, None)
     return {
         "starts_per_s": len(lat) / elapsed,
         "start_load_p50_ms": _percentile(lat, 50),
@@ -178,32 +190,7 @@ def measure_paced(base: str, rate: float, seconds: float, clients: int) -> dict[
     """S keep-alive clients that together offer ``rate`` starts/s (each on its own
     schedule, an open loop): POST -> 202 latency at that load."""
     interval = clients / rate
-    per = max(1, int(seconds / interval))
-    barrier = threading.Barrier(clients + 1)
-
-    def client(k: int) -> list[float]:
-        out = []
-        with httpx.Client(base_url=base, timeout=60) as http:
-            http.get("/healthz")
-            barrier.wait()
-            t_next = time.perf_counter() + k * interval / clients  # spread the clients
-            for i in range(per):
-                pause = t_next - time.perf_counter()
-                if pause > 0:
-                    time.sleep(pause)
-                t0 = time.perf_counter()
-                res = http.post("/v1/workflows/one_step/runs", json={"input": {"x": i}})
-                check(res.status_code == 202, f"start answered {res.status_code}")
-                out.append((time.perf_counter() - t0) * 1000)
-                t_next += interval
-        return out
-
-    with ThreadPoolExecutor(clients) as pool:
-        futures = [pool.submit(client, k) for k in range(clients)]
-        barrier.wait()
-        t0 = time.perf_counter()
-        lat = [x for f in futures for x in f.result()]
-        elapsed = time.perf_counter() - t0
+    lat, elapsed = _load(base, clients, max(1, int(seconds / interval)), interval)
     return {
         "paced_rate": rate,
         "paced_achieved": len(lat) / elapsed,

@@ -479,14 +479,24 @@ class Store(abc.ABC):
     def remove_listener(self, callback: Listener) -> None:
         """Stop calling ``callback``."""
 
-    @abc.abstractmethod
+    #: set by each backend's constructor (the registries below are shared code)
+    _history_listeners: list[HistoryListener]
+    _stream_listeners: list[StreamListener]
+
     def add_history_listener(self, callback: HistoryListener) -> None:
         """Call ``callback(run_ids)`` after commits that appended to those runs' histories
         (any thread; on PostgreSQL, other processes' commits too)."""
+        self._history_listeners.append(callback)
 
-    @abc.abstractmethod
     def remove_history_listener(self, callback: HistoryListener) -> None:
         """Stop calling ``callback``."""
+        if callback in self._history_listeners:
+            self._history_listeners.remove(callback)
+
+    def _history_grew(self, runs: set[str]) -> None:
+        """Tell the history listeners which runs' histories grew."""
+        for callback in list(self._history_listeners):
+            callback(runs)
 
     @abc.abstractmethod
     async def publish(self, run_id: str, item: dict[str, Any]) -> None:
@@ -494,13 +504,19 @@ class Store(abc.ABC):
         listeners: in this process, and on PostgreSQL in every process. Never stored:
         a listener that is not there misses it (the final answer is in history)."""
 
-    @abc.abstractmethod
     def add_stream_listener(self, callback: StreamListener) -> None:
         """Call ``callback(run_id, item)`` for published items (any thread)."""
+        self._stream_listeners.append(callback)
 
-    @abc.abstractmethod
     def remove_stream_listener(self, callback: StreamListener) -> None:
         """Stop calling ``callback``."""
+        if callback in self._stream_listeners:
+            self._stream_listeners.remove(callback)
+
+    def _hand_out(self, run_id: str, item: dict[str, Any]) -> None:
+        """Give a published item to this process's stream listeners."""
+        for callback in list(self._stream_listeners):
+            callback(run_id, item)
 
     @abc.abstractmethod
     async def close(self) -> None:

@@ -464,8 +464,7 @@ class PostgresStore(OpsStore):
         if ready or finished:
             self._announce(ready, finished)
         if touched:
-            for hcb in list(self._history_listeners):
-                hcb(touched)
+            self._history_grew(touched)
         return session
 
     def _attempt_fast(
@@ -669,8 +668,7 @@ class PostgresStore(OpsStore):
                         self._heard(note.payload)
                     elif note.channel == self._events_channel and self._history_listeners:
                         runs = set(note.payload.split("\n"))
-                        for hcb in list(self._history_listeners):
-                            hcb(runs)
+                        self._history_grew(runs)
             except (psycopg.Error, StoreError):
                 if conn is not None:
                     conn.close()
@@ -732,16 +730,8 @@ class PostgresStore(OpsStore):
         if callback in self._listeners:
             self._listeners.remove(callback)
 
-    def add_history_listener(self, callback: HistoryListener) -> None:
-        self._history_listeners.append(callback)
-
-    def remove_history_listener(self, callback: HistoryListener) -> None:
-        if callback in self._history_listeners:
-            self._history_listeners.remove(callback)
-
     async def publish(self, run_id: str, item: dict[str, Any]) -> None:
-        for cb in list(self._stream_listeners):
-            cb(run_id, item)
+        self._hand_out(run_id, item)
         payload = json.dumps({"r": run_id, "i": item}, separators=(",", ":"))
         if len(payload.encode()) > _PAYLOAD_LIMIT:
             return  # too big for a notification: other processes' followers miss it
@@ -754,15 +744,7 @@ class PostgresStore(OpsStore):
             run_id, item = note["r"], note["i"]
         except (ValueError, KeyError, TypeError):
             return
-        for cb in list(self._stream_listeners):
-            cb(run_id, item)
-
-    def add_stream_listener(self, callback: StreamListener) -> None:
-        self._stream_listeners.append(callback)
-
-    def remove_stream_listener(self, callback: StreamListener) -> None:
-        if callback in self._stream_listeners:
-            self._stream_listeners.remove(callback)
+        self._hand_out(run_id, item)
 
     def stats(self) -> dict[str, int]:
         with self._lock:

@@ -306,8 +306,7 @@ class SqliteStore(OpsStore):
             for cb in list(self._listeners):
                 cb(ready, finished)
         if touched:
-            for hcb in list(self._history_listeners):
-                hcb(touched)
+            self._history_grew(touched)
 
     def _attempt(
         self, conn: sqlite3.Connection, live: list[Any], *, savepoints: bool
@@ -434,24 +433,9 @@ class SqliteStore(OpsStore):
         if callback in self._listeners:
             self._listeners.remove(callback)
 
-    def add_history_listener(self, callback: HistoryListener) -> None:
-        self._history_listeners.append(callback)
-
-    def remove_history_listener(self, callback: HistoryListener) -> None:
-        if callback in self._history_listeners:
-            self._history_listeners.remove(callback)
-
     async def publish(self, run_id: str, item: dict[str, Any]) -> None:
         # one process per SQLite file can hear: another process's followers miss it
-        for cb in list(self._stream_listeners):
-            cb(run_id, item)
-
-    def add_stream_listener(self, callback: StreamListener) -> None:
-        self._stream_listeners.append(callback)
-
-    def remove_stream_listener(self, callback: StreamListener) -> None:
-        if callback in self._stream_listeners:
-            self._stream_listeners.remove(callback)
+        self._hand_out(run_id, item)
 
     def stats(self) -> dict[str, int]:
         return {"commits": self._commits, "operations": self._ops}
