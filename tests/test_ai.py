@@ -601,6 +601,25 @@ async def test_a_worker_that_did_not_see_a_conversation_rebuilds_it_from_history
     assert all("base" in e.data["args"]["args"][-1]["messages"] for e in recorded)  # as stored
 
 
+class _ByPrompt(ai.ScriptedModel):
+    """Answers each case by its prompt, and a repair by the number of requests so far:
+    an attempt redelivered under load gets the same answer (a plain script would
+    hand it the next case's)."""
+
+    def __init__(self, answers: dict[str, list[Any]]) -> None:
+        super().__init__([a for v in answers.values() for a in v])
+        self.by_prompt = answers
+
+    def _answer(self, messages: list[Any], info: Any) -> Any:
+        from pydantic_ai.messages import ModelRequest, UserPromptPart
+
+        requests = [m for m in messages if isinstance(m, ModelRequest)]
+        prompt = next(str(p.content) for p in requests[0].parts if isinstance(p, UserPromptPart))
+        options = self.by_prompt[prompt]
+        item = options[min(len(requests), len(options)) - 1]
+        return ai.ScriptedModel([item])._answer(messages, info)
+
+
 async def test_evaluate_scores_a_router_from_its_recorded_decisions(tmp_path: Path) -> None:
     """tether.testing.evaluate over a workflow that classifies with a model and routes:
     the confusion matrix is the router's (read from history), repairs and cost too."""
@@ -614,7 +633,7 @@ async def test_evaluate_scores_a_router_from_its_recorded_decisions(tmp_path: Pa
         "hello?": [{"category": "sales", "priority": 3, "confidence": 0.9}],
         "charged twice": [{"category": "billing", "priority": 1, "confidence": 0.3}],
     }
-    scripted = ai.ScriptedModel([a for v in answers.values() for a in v])
+    scripted = _ByPrompt(answers)
     model = gw.model("m", scripted, price=ai.Price(input_per_mtok=1, output_per_mtok=2))
 
     @app.workflow
