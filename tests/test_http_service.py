@@ -466,6 +466,20 @@ def test_prometheus_metrics_from_the_server_and_from_a_worker(store_url: str) ->
         assert (
             "tether_worker_inflight_tasks" in body and "tether_queue_oldest_ready_seconds" in body
         )
+        # both parse as Prometheus text; the run's end is counted once, by the process
+        # that committed it, whichever of the two ran it
+        from prometheus_client.parser import text_string_to_metric_families
+
+        ended = [
+            s.value
+            for exposition in (text, body)
+            for family in text_string_to_metric_families(exposition)
+            for s in family.samples
+            if s.name == "tether_runs_ended_total"
+            and s.labels == {"workflow": "bill", "status": "completed"}
+        ]
+        assert sum(ended) == 1
+        assert "tether_activity_duration_seconds_bucket" in text + body
     finally:
         server.stop()
         worker.terminate()

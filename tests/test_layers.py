@@ -34,6 +34,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "tether.webhooks",
             "tether._switches",
             "tether._tracing",
+            "tether._telemetry",
+            "tether._redact",
         ),
     ),
     ("definitions", ("tether._definitions",)),

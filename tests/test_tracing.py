@@ -80,7 +80,8 @@ async def test_attempts_are_spans_of_the_trace_the_run_was_started_in(
     async with app.worker(poll_interval=0.05):
 
         async def waiting() -> bool:
-            return bool((await app.get(run.run_id)).waiting_on)
+            waiting = (await app.get(run.run_id)).waiting_on or []
+            return any(w["kind"] == "signal" for w in waiting)
 
         from helpers import eventually
 
@@ -111,6 +112,50 @@ async def test_attempts_are_spans_of_the_trace_the_run_was_started_in(
     assert (await app.get(run.run_id)).attrs["trace"]["traceparent"].split("-")[1] == format(
         trace_id, "032x"
     )
+    # the workflow side: its tasks, the wait for the signal and the run's whole life
+    others = [
+        s
+        for s in spans.get_finished_spans()
+        if s.name.startswith("tether.") and not s.name.startswith("tether.activity")
+    ]
+    assert {s.context.trace_id for s in others} == {trace_id}
+    assert all(
+        s.parent is not None and s.parent.span_id == caller.get_span_context().span_id
+        for s in others
+    )
+    waits = [s for s in others if s.name == "tether.wait signal"]
+    assert len(waits) == 1 and waits[0].attributes["tether.wait.name"] == "go"
+    assert waits[0].start_time < waits[0].end_time
+    tasks = [s for s in others if s.name == "tether.workflow_task traced"]
+    assert len(tasks) >= 2 and any(s.attributes["tether.replayed"] for s in tasks)
+    (life,) = [s for s in others if s.name == "tether.lifetime traced"]
+    assert life.attributes["tether.outcome"] == "completed"
+    assert life.start_time <= attempts[0].start_time and life.end_time >= waits[0].end_time
+
+
+async def test_a_child_run_continues_its_parents_trace(
+    app: tether.App, spans: InMemorySpanExporter
+) -> None:
+    @app.activity
+    async def leaf() -> int:
+        return 2
+
+    @app.workflow
+    async def child() -> int:
+        return await leaf()
+
+    @app.workflow
+    async def parent() -> int:
+        return await child() + 1
+
+    tracer = trace.get_tracer("test")
+    with tracer.start_as_current_span("caller") as caller:
+        run = await app.start(parent)
+    async with app.worker(poll_interval=0.05):
+        assert await run.result(timeout=20) == 3
+    names = {s.name: s for s in spans.get_finished_spans()}
+    assert {"tether.activity leaf", "tether.lifetime child", "tether.lifetime parent"} <= set(names)
+    assert {s.context.trace_id for s in names.values()} == {caller.get_span_context().trace_id}
 
 
 async def test_a_run_started_outside_any_span_gets_a_trace_of_its_own(
@@ -126,10 +171,10 @@ async def test_a_run_started_outside_any_span_gets_a_trace_of_its_own(
 
     async with app.worker(poll_interval=0.05):
         assert await (await app.start(alone)).result(timeout=20) == 1
-    names = [s.name for s in spans.get_finished_spans()]
-    assert names == ["tether.run alone", "tether.activity step"]
-    run_span, attempt = spans.get_finished_spans()
-    assert attempt.context.trace_id == run_span.context.trace_id
+    by_name = {s.name: s for s in spans.get_finished_spans()}
+    assert set(by_name) >= {"tether.run alone", "tether.activity step", "tether.lifetime alone"}
+    run_span = by_name["tether.run alone"]
+    assert {s.context.trace_id for s in by_name.values()} == {run_span.context.trace_id}
 
 
 async def test_untraced_runs_carry_nothing(app: tether.App) -> None:

@@ -48,6 +48,7 @@ class ActivityContext:
     #: flag rather than a threading.Event: nothing waits on it, and it is made per attempt
     _cancelled: bool = field(default=False, repr=False)
     _returned: bool = field(default=False, repr=False)  #: the function has returned
+    _began: float = field(default=0.0, repr=False)  #: perf_counter when the attempt began
 
     def __post_init__(self) -> None:
         if not self.idempotency_keys:

@@ -52,7 +52,9 @@ from ._history import (
 )
 from ._policy import DEFAULT_RETRY, Retry, seconds
 from ._queues import Dependency, QueueLimits, QueueStats
+from ._redact import redact
 from ._serde import decode_raw, encode
+from ._telemetry import count
 from ._tracing import available as tracing_available
 from ._tracing import start_carrier
 from ._usage import Budget, Usage, usage_of
@@ -224,6 +226,11 @@ class App:
         hits: list[_Waiter] = []
         with self._waiters_lock:
             for rid, end in finished.items():
+                if end is not None:  # ended by a commit of this process: counted here
+                    labels = (end.workflow, end.status.value)
+                    count("tether_runs_ended", labels)
+                    if end.status in _DEAD_LETTERED:
+                        count("tether_runs_dead_lettered", labels)
                 self._running_here.discard(rid)
                 for w in self._waiters.get(rid, ()):
                     w.end = end  # None: read the run (another process ended it, or a retry)
@@ -593,6 +600,8 @@ class App:
                 local.adopt_start(eager[0], res)
             elif res.leased is not None:
                 local._spawn(res.leased)  # no claim round trip for a run started in-process
+        if res.created:
+            count("tether_runs_started", (wf.name,))
         run = Run(self, res.run.run_id, wf)
         run.started, run.created = res.run, res.created
         return run
@@ -1051,7 +1060,12 @@ class App:
     def _alert(self, run_id: str, error: dict[str, Any]) -> None:
         hook = self.on_alert
         if hook is None:
-            log.error("run %r needs intervention: %s", run_id, error.get("message"))
+            log.error(
+                "run %r needs intervention: %s: %s",
+                run_id,
+                error.get("type"),
+                redact(str(error.get("message") or "")),
+            )
             return
         try:
             out = hook(run_id, error)
@@ -1140,6 +1154,8 @@ class App:
 
 
 _MAX_RUNNING_HERE = 10_000  #: runs remembered as running here (a hint, see _wait_finished)
+#: the statuses a run ends in that write it to the dead letters (``_finish``)
+_DEAD_LETTERED = frozenset({RunStatus.FAILED, RunStatus.NEEDS_INTERVENTION, RunStatus.TIMED_OUT})
 
 
 class _Waiter:

@@ -113,3 +113,86 @@ def joined(headers: Any) -> Iterator[None]:
         yield
     finally:
         otel_context.detach(token)
+
+
+def _span_at(
+    name: str, carrier: Any, began: float, ended: float, attributes: dict[str, Any]
+) -> Any:
+    """A finished span from ``began`` to ``ended`` (epoch seconds), under ``carrier``."""
+    assert trace is not None
+    tracer = trace.get_tracer(SCOPE)
+    span = tracer.start_span(
+        name,
+        context=propagate.extract(carrier),
+        kind=trace.SpanKind.INTERNAL,
+        attributes=attributes,
+        start_time=int(began * 1e9),
+    )
+    return span, int(ended * 1e9)
+
+
+def wait_spans(
+    workflow: str, run_id: str, carrier: Any, waits: list[tuple[str, str, float, float]]
+) -> None:
+    """A span per durable wait that ended (timer, signal, approval), from its recorded
+    start to the event that ended it. Made once, after the commit that consumed the
+    event; a replay of the same events makes none."""
+    if trace is None or not isinstance(carrier, dict):
+        return
+    for kind, name, began, ended in waits:
+        span, end = _span_at(
+            f"tether.wait {kind}",
+            carrier,
+            began,
+            max(began, ended),
+            {
+                "tether.run_id": run_id,
+                "tether.workflow": workflow,
+                "tether.wait.kind": kind,
+                "tether.wait.name": name,
+            },
+        )
+        span.end(end_time=end)
+
+
+def workflow_task_span(
+    workflow: str,
+    run_id: str,
+    carrier: Any,
+    began: float,
+    ended: float,
+    attributes: dict[str, Any],
+    error_type: str | None = None,
+) -> None:
+    """A span for one executed workflow task (its replay, code and commit)."""
+    if trace is None or not isinstance(carrier, dict):
+        return
+    span, end = _span_at(
+        f"tether.workflow_task {workflow}",
+        carrier,
+        began,
+        ended,
+        {"tether.run_id": run_id, "tether.workflow": workflow, **attributes},
+    )
+    if error_type is not None:
+        span.set_attribute("error.type", error_type)
+        span.set_status(trace.Status(trace.StatusCode.ERROR, error_type))
+    span.end(end_time=end)
+
+
+def run_span(
+    workflow: str, run_id: str, carrier: Any, began: float, ended: float, status: str
+) -> None:
+    """At a run's end, a span over its whole life (start to end), in its trace."""
+    if trace is None or not isinstance(carrier, dict):
+        return
+    span, end = _span_at(
+        f"tether.lifetime {workflow}",
+        carrier,
+        began,
+        ended,
+        {"tether.run_id": run_id, "tether.workflow": workflow, "tether.outcome": status},
+    )
+    if status in ("failed", "timed_out", "needs_intervention"):
+        span.set_status(trace.Status(trace.StatusCode.ERROR, status))
+    span.end(end_time=end)

@@ -20,6 +20,7 @@ import logging
 import math
 import os
 import socket
+import time
 import uuid
 from collections.abc import Callable, Collection, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any
@@ -29,15 +30,31 @@ from ._attempts import _Plan, _StepTimeout
 from ._batch_run import run_batch
 from ._breaker import CircuitOpenError
 from ._classify import classify, ratelimit_pause
-from ._errors import LeaseLostError, NonRetryable, PayloadError, StoreError, TetherError
+from ._errors import (
+    LeaseLostError,
+    NonDeterminismError,
+    NonRetryable,
+    PayloadError,
+    StoreError,
+    TetherError,
+)
 from ._history import REPLAY_CHANGING, Event, EventType, Task
 from ._host import WorkerApp
 from ._policy import Retry
+from ._redact import redact
 from ._serde import encode
 from ._switches import HOLD as SWITCH_HOLD
 from ._switches import REFRESH as SWITCH_REFRESH
 from ._switches import Switches
-from ._tracing import activity_span, mark_failed, mark_ok
+from ._telemetry import count, observe
+from ._tracing import (
+    activity_span,
+    mark_failed,
+    mark_ok,
+    run_span,
+    wait_spans,
+    workflow_task_span,
+)
 from .store.base import TASK_REJECTED
 from .workflow._instance import WorkflowInstance
 
@@ -46,6 +63,14 @@ if TYPE_CHECKING:
     from .store.base import Finished, StartResult, WorkflowTaskResult
 
 log = logging.getLogger("tether.worker")
+#: commands that end a run, with the status they end it in
+_RUN_ENDINGS = {
+    EventType.WORKFLOW_COMPLETED: "completed",
+    EventType.WORKFLOW_FAILED: "failed",
+    EventType.WORKFLOW_TIMED_OUT: "timed_out",
+    EventType.CONTINUED_AS_NEW: "continued_as_new",
+    EventType.WORKFLOW_NEEDS_INTERVENTION: "needs_intervention",
+}
 #: no value given (a default that no real value is)
 _UNSET: Any = object()
 
@@ -144,6 +169,7 @@ class Worker:
         if self._stable_id:
             reclaimed = await self.app.store.reclaim(self.id)
             if reclaimed:
+                count("tether_orphans_recovered", (), reclaimed)
                 log.info("worker %s took back %d task(s) of its predecessor", self.id, reclaimed)
         self._main = asyncio.create_task(self._serve(), name=f"tether-worker-{self.id}")
         self.app._local_workers.append(self)
@@ -533,6 +559,7 @@ class Worker:
     ) -> None:
         store = self.app.store
         fresh: WorkflowInstance | None = None
+        began = time.time()
         try:
             if task.prefetched is not None and task.prefetched_after == (
                 inst.through if inst is not None else 0
@@ -575,8 +602,28 @@ class Worker:
         except Exception as exc:
             if fresh is not None:
                 fresh.close()
-            log.error("workflow task for run %r failed: %s", task.run_id, exc)
+            wf_name = task.name or ""
+            if isinstance(exc, NonDeterminismError):
+                count("tether_nondeterminism_errors", (wf_name,))
+            count("tether_workflow_task_failures", (wf_name, type(exc).__name__))
+            # the message may hold the run's data: logged only as the redaction hook allows
+            log.error(
+                "workflow task for run %r failed: %s: %s",
+                task.run_id,
+                type(exc).__name__,
+                redact(str(exc)),
+            )
             self.stats["workflow_task_failures"] += 1
+            if inst is not None and inst.started is not None:
+                workflow_task_span(
+                    wf_name,
+                    task.run_id,
+                    inst.trace_context(),
+                    began,
+                    time.time(),
+                    {"tether.replayed": fresh is not None},
+                    type(exc).__name__,
+                )
             try:
                 await store.fail_workflow_task(
                     task, f"{type(exc).__name__}: {exc}", store.clock() + self.workflow_retry_delay
@@ -610,11 +657,59 @@ class Worker:
         self.stats["workflow_tasks"] += 1
         inst.committed(marker)
         keep.append(inst)
-        for cmd in result.commands:
-            if cmd.type is EventType.WORKFLOW_NEEDS_INTERVENTION:
-                self.app._alert(task.run_id, cmd.data.get("error") or {})
+        self._committed(task.run_id, inst, result, began, fresh is not None)
         for t in leased:
             self._spawn(t)
+
+    def _committed(
+        self,
+        run_id: str,
+        inst: WorkflowInstance,
+        result: WorkflowTaskResult,
+        began: float | None,
+        replayed: bool,
+    ) -> None:
+        """After a workflow task's commit: alerts, counters and metrics, and (when the
+        run is traced) the spans of the task, the waits it ended and the run's end.
+
+        ``began`` is when the task began (None: it rode on an activity's commit, the
+        one-commit path, whose attempt span covers it)."""
+        carrier = inst.trace_context()
+        for cmd in result.commands:
+            t = cmd.type
+            if t is EventType.WORKFLOW_NEEDS_INTERVENTION:
+                self.app._alert(run_id, cmd.data.get("error") or {})
+            if t is EventType.CHILD_STARTED:
+                count("tether_runs_started", (cmd.data.get("workflow") or "",))
+            elif t in _RUN_ENDINGS and inst.started is not None:
+                status = _RUN_ENDINGS[t]
+                started_at = inst.started.created_at
+                observe(
+                    "tether_run_duration",
+                    (inst.workflow.name, status),
+                    max(0.0, result.time - started_at),
+                )
+                if carrier is not None:
+                    run_span(inst.workflow.name, run_id, carrier, started_at, result.time, status)
+        waits = inst.take_waits()
+        if waits:
+            for kind, name, since, ended in waits:
+                observe("tether_wait_duration", (kind, name), max(0.0, ended - since))
+            if carrier is not None:
+                wait_spans(inst.workflow.name, run_id, carrier, waits)
+        if began is not None and carrier is not None:
+            workflow_task_span(
+                inst.workflow.name,
+                run_id,
+                carrier,
+                began,
+                time.time(),
+                {
+                    "tether.replayed": replayed,
+                    "tether.commands": len(result.commands),
+                    "tether.workflow.version": result.version or "",
+                },
+            )
 
     # -- activities ----------------------------------------------------------
 
@@ -693,13 +788,18 @@ class Worker:
             await self._record_failure(task, err, plan, ctx)
             return
         timeout = plan.attempt_timeout(now)
+        scheduled_at = opts.get("scheduled_at")
+        if task.attempt == 1 and scheduled_at is not None:
+            observe("tether_queue_wait", (task.queue, "activity"), max(0.0, now - scheduled_at))
         breaker = opts.get("breaker")
         if breaker:
             wait = await store.breaker_admit(breaker)
             if wait is not None:  # open: fail fast, never touching the dependency
                 self.stats["breaker_rejections"] += 1
+                count("tether_breaker_rejections", (act.name,))
                 await self._record_failure(task, CircuitOpenError(breaker["name"], wait), plan, ctx)
                 return
+        ctx._began = time.perf_counter()
         try:
             args, kwargs = act.sig.decode_args(task.payload or "{}")
             if act.is_async:
@@ -741,6 +841,7 @@ class Worker:
             await self._record_failure(task, exc, plan, ctx)
             return
         self.stats["activities"] += 1
+        observe("tether_activity_duration", (act.name, "ok"), time.perf_counter() - ctx._began)
         mark_ok()
         if breaker:
             await self._breaker_record(breaker, True)
@@ -775,6 +876,7 @@ class Worker:
             )
         except LeaseLostError:
             self.stats["lease_lost"] += 1
+            count("tether_lease_lost")
             return
         if wt is not None:
             self._spawn(wt)
@@ -846,9 +948,7 @@ class Worker:
         self.stats["fast_path"] += 1
         self.stats["workflow_tasks"] += 1
         inst.committed(marker)
-        for cmd in wf_result.commands:
-            if cmd.type is EventType.WORKFLOW_NEEDS_INTERVENTION:
-                self.app._alert(task.run_id, cmd.data.get("error") or {})
+        self._committed(task.run_id, inst, wf_result, None, False)
         if inst.finished or (not self.cache_waiting and inst.waits_only_on_time_or_events()):
             inst.close()
         else:
@@ -867,7 +967,18 @@ class Worker:
         now = store.clock()
         error, retry_at = plan.decide(task.attempt, exc, now, ctx is not None and ctx.is_cancelled)
         self.stats["activity_failures"] += 1
-        mark_failed(type(exc).__name__, retry_at is not None)
+        error_type = type(exc).__name__
+        mark_failed(error_type, retry_at is not None)
+        name = task.name or ""
+        if ctx is not None and ctx._began:
+            outcome = "retry" if retry_at is not None else "failed"
+            observe("tether_activity_duration", (name, outcome), time.perf_counter() - ctx._began)
+        if isinstance(exc, TimeoutError):
+            count("tether_activity_timeouts", (name,))
+        if retry_at is not None:
+            count("tether_activity_retries", (name, error_type))
+        else:
+            count("tether_activity_failures", (name, error_type))
         breaker = (task.options or {}).get("breaker")
         # only transient failures say the dependency is unhealthy; a 400 does not
         if (

@@ -3,9 +3,14 @@
 ``tether worker --log-format json`` and ``tether serve --log-format json`` use it; in
 your own process, ``tether.logs.configure()``. A record logged inside an activity
 carries ``run_id``, ``step``, ``activity`` and ``attempt``; inside workflow code
-(``tether.logger``, which drops lines while replaying) ``run_id``, ``workflow`` and
-``step``; anything passed in ``extra=`` is kept. Exceptions go out as their type and
-traceback text in ``error``.
+(``tether.logger``, which drops lines while replaying) ``run_id``, ``workflow``,
+``step`` and ``tenant``; with OpenTelemetry, ``trace_id`` and ``span_id``; anything
+passed in ``extra=`` is kept. Exceptions go out as their type and traceback text in
+``error``. ``ContextFilter`` adds the same fields to records for any other formatter.
+
+The engine never logs payloads (inputs, outputs, prompts, error messages, which may
+quote them): where a line would carry such text it goes through ``redact``, which
+replaces it unless a hook set with ``set_redactor`` returns what may be shown.
 """
 
 from __future__ import annotations
@@ -18,7 +23,13 @@ from datetime import UTC, datetime
 from typing import Any
 
 from ._activity_context import NotInActivityError, activity_context
+from ._redact import redact, set_redactor
 from .workflow._instance import current_instance
+
+try:
+    from opentelemetry import trace as _trace
+except ImportError:  # pragma: no cover - the otel extra is not installed
+    _trace = None  # type: ignore[assignment]
 
 #: attributes every LogRecord has: what is left over came from ``extra=``
 _STANDARD = frozenset(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
@@ -47,15 +58,44 @@ class JsonFormatter(logging.Formatter):
 
 
 def context() -> dict[str, Any]:
-    """The run and step the calling code works for, if any."""
+    """The run and step the calling code works for, if any (and the current trace)."""
+    out: dict[str, Any]
     try:
         ctx = activity_context()
     except NotInActivityError:
         inst = current_instance()
         if inst is None:
-            return {}
-        return {"run_id": inst.run_id, "workflow": inst.workflow.name, "step": inst.step}
-    return {"run_id": ctx.run_id, "step": ctx.step, "activity": ctx.name, "attempt": ctx.attempt}
+            out = {}
+        else:
+            out = {"run_id": inst.run_id, "workflow": inst.workflow.name, "step": inst.step}
+            tenant = inst.started.data.get("tenant") if inst.started is not None else None
+            if tenant is not None:
+                out["tenant"] = tenant
+    else:
+        out = {
+            "run_id": ctx.run_id,
+            "step": ctx.step,
+            "activity": ctx.name,
+            "attempt": ctx.attempt,
+        }
+    if _trace is not None:
+        span = _trace.get_current_span().get_span_context()
+        if span.is_valid:
+            out["trace_id"] = format(span.trace_id, "032x")
+            out["span_id"] = format(span.span_id, "016x")
+    return out
+
+
+class ContextFilter(logging.Filter):
+    """Adds ``context()`` to every record as attributes (``%(run_id)s``...), so plain
+    formatters can show them; records outside any run get ``run_id`` None."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        ctx = context()
+        record.run_id = ctx.get("run_id")
+        for key, value in ctx.items():
+            setattr(record, key, value)
+        return True
 
 
 def configure(level: int | str = logging.INFO, stream: Any = None) -> None:
@@ -65,3 +105,6 @@ def configure(level: int | str = logging.INFO, stream: Any = None) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
+
+
+__all__ = ["ContextFilter", "JsonFormatter", "configure", "context", "redact", "set_redactor"]

@@ -12,7 +12,11 @@ scrape never waits on the store:
   kill switches that are off;
 - flow health: runs by workflow and status;
 - this process's workers: task counters (activities, workflow tasks, replays, cache
-  hits, held by a switch...), tasks in flight and slots.
+  hits, held by a switch...), tasks in flight and slots;
+- what this process did (``tether._telemetry``): runs started and ended, dead letters,
+  retries and final failures by activity and error type, timeouts, breaker rejections,
+  non-determinism errors, lost leases, orphans taken back; histograms of attempt
+  durations, queue waits, run durations and durable waits (timers, signals, approvals).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ._app import App
+from ._telemetry import DURATION_BUCKETS, RECORDER, SPECS
 from ._worker import Worker
 
 log = logging.getLogger("tether.metrics")
@@ -164,6 +169,7 @@ class Metrics:
             inflight.add_metric([w.id], len(w._inflight))
             slots.add_metric([w.id], w.concurrency)
         yield from (events, inflight, slots)
+        yield from _recorded()
 
     def exposition(self) -> bytes:
         """The figures in Prometheus's text format."""
@@ -172,3 +178,27 @@ class Metrics:
         registry = CollectorRegistry()
         registry.register(self)
         return bytes(generate_latest(registry))
+
+
+def _recorded() -> Iterator[Any]:
+    """The engine's counters and histograms of this process (``tether._telemetry``)."""
+    from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+
+    families: dict[str, Any] = {}
+    for name, spec in SPECS.items():
+        if spec.kind == "counter":
+            families[name] = CounterMetricFamily(name, spec.help, labels=list(spec.labels))
+        else:
+            families[name] = HistogramMetricFamily(
+                f"{name}_seconds", spec.help, labels=list(spec.labels)
+            )
+    for name, labels, value in RECORDER.counters():
+        families[name].add_metric(list(labels), value)
+    bounds = [str(b) for b in DURATION_BUCKETS] + ["+Inf"]
+    for name, labels, counts, total, _n in RECORDER.histograms():
+        cumulative, running = [], 0
+        for bound, c in zip(bounds, counts, strict=True):
+            running += c
+            cumulative.append((bound, running))
+        families[name].add_metric(list(labels), cumulative, total)
+    yield from families.values()

@@ -25,7 +25,7 @@ from typing import Any
 
 from .._definitions import CHAIN_SEPARATOR, Activity, Workflow, chain_of, running
 from .._errors import ActivityError, ChildWorkflowError, NonDeterminismError, PayloadError
-from .._history import COMMANDS, INCOMING, Event, EventType
+from .._history import APPROVAL_SIGNAL, COMMANDS, INCOMING, Event, EventType
 from .._serde import convert, encode
 from ..store.base import Command, WorkflowTaskResult
 from ._loop import DeterministicLoop
@@ -63,6 +63,7 @@ class _Pending:
     #: what ``waiting_on`` shows of it (a timer's fire time, a child's run id); None:
     #: nothing (a wait_event's own timer, shown with its signal)
     shown: dict[str, Any] | None = None
+    since: float = 0.0  #: the workflow clock when the wait began
 
 
 def _error_dict(exc: BaseException) -> dict[str, Any]:
@@ -103,6 +104,13 @@ class WorkflowInstance:
         self._signal_until: weakref.WeakKeyDictionary[asyncio.Future[Any], float | None] = (
             weakref.WeakKeyDictionary()
         )
+        #: when each signal wait began (the workflow clock)
+        self._signal_since: weakref.WeakKeyDictionary[asyncio.Future[Any], float] = (
+            weakref.WeakKeyDictionary()
+        )
+        #: durable waits that ended in new (not replayed) events since the last
+        #: ``take_waits``: (kind, name, began, ended); the worker makes spans and metrics
+        self._waits: list[tuple[str, str, float, float]] = []
         self.main: asyncio.Task[Any] | None = None
         self._new: list[Command] = []
         self._recorded: dict[int, Event] = {}
@@ -305,6 +313,11 @@ class WorkflowInstance:
             while waiters:
                 fut = waiters.popleft()
                 if not fut.done():
+                    if not self.replaying:
+                        since = self._signal_since.get(fut, ev.created_at)
+                        label = "approval" if name.startswith(APPROVAL_SIGNAL) else name
+                        kind = "approval" if label == "approval" else "signal"
+                        self._waits.append((kind, label, since, ev.created_at))
                     fut.set_result(ev.data.get("payload"))
                     return
             self._buffers[name].append(ev.data.get("payload"))
@@ -331,6 +344,8 @@ class WorkflowInstance:
                 return
             p.future.set_result(value)
         elif t is EventType.TIMER_FIRED:
+            if not self.replaying and p.shown is not None:
+                self._waits.append(("timer", "timer", p.since, ev.created_at))
             p.future.set_result(None)
         elif t is EventType.ACTIVITY_FAILED:
             err = ev.data.get("error") or {}
@@ -392,10 +407,15 @@ class WorkflowInstance:
 
         fut.add_done_callback(on_done)
 
-    def _trace(self) -> Any:
+    def trace_context(self) -> Any:
         """The W3C context the run was started in (``app.start``), if it is traced."""
         attrs = (self.started.data.get("attrs") if self.started is not None else None) or {}
         return attrs.get("trace")
+
+    def take_waits(self) -> list[tuple[str, str, float, float]]:
+        """The waits that ended since the last call (kind, name, began, ended)."""
+        waits, self._waits = self._waits, []
+        return waits
 
     def schedule_activity(
         self, activity: Activity[Any, Any], args: Sequence[Any], kwargs: dict[str, Any]
@@ -404,7 +424,7 @@ class WorkflowInstance:
         opts = activity.opts
         args_json = activity.sig.encode_args(args, kwargs)
         options = {**activity.options_json, "scheduled_at": self.now}
-        trace = self._trace()
+        trace = self.trace_context()
         if trace is not None:  # the run is traced: the attempt's span joins its trace
             options["trace"] = trace
         data: dict[str, Any] = {
@@ -454,6 +474,9 @@ class WorkflowInstance:
         input_json = workflow.sig.encode_args(args, kwargs)
         child_id = run_id or f"{self.run_id}/{self.step + 1}"
         data = {"workflow": workflow.name, "child_run_id": child_id, "queue": workflow.queue}
+        trace = self.trace_context()
+        if trace is not None:  # the child continues its parent's trace
+            data["trace"] = trace
         if parent_close != "terminate":  # the default is not written: histories stay as before
             data["parent_close"] = parent_close
         self.started_children += 1
@@ -480,7 +503,12 @@ class WorkflowInstance:
         step = self._command(EventType.TIMER_STARTED, {"fire_at": fire_at})
         fut = self.loop.create_future()
         self._pending[step] = _Pending(
-            fut, "timer", "timer", None, {"kind": "timer", "until": fire_at} if shown else None
+            fut,
+            "timer",
+            "timer",
+            None,
+            {"kind": "timer", "until": fire_at} if shown else None,
+            self.now,
         )
         self._watch_cancel(step, EventType.TIMER_CANCELLED, "timer_step")
         return fut
@@ -558,6 +586,7 @@ class WorkflowInstance:
         fut = self.loop.create_future()
         self._waiters[name].append(fut)
         self._signal_until[fut] = until
+        self._signal_since[fut] = self.now
         return fut
 
     def waiting_on(self) -> list[dict[str, Any]]:

@@ -21,7 +21,9 @@ from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import Any, TypeVar
 
+from .._definitions import running
 from .._errors import TetherError
+from .._telemetry import count
 
 T = TypeVar("T")
 
@@ -77,8 +79,10 @@ class Saga:
                 await undo()
             except Exception as exc:
                 failures.append({"undo": label, "error": f"{type(exc).__name__}: {exc}"})
+                _count(label, "failed")
             else:
                 self.compensated.append(label)
+                _count(label, "ok")
         return failures
 
     async def __aenter__(self) -> Saga:
@@ -98,6 +102,13 @@ class Saga:
             original = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             raise CompensationFailed(original, failures) from exc
         return False
+
+
+def _count(undo: str, outcome: str) -> None:
+    """Count a compensation's outcome once: when it is new, not when a replay meets it."""
+    inst: Any = running.get()
+    if inst is not None and not getattr(inst, "replaying", True):
+        count("tether_compensations", (inst.workflow.name, undo, outcome))
 
 
 def saga() -> Saga:

@@ -240,6 +240,8 @@ def _apply_workflow_result(
                     cmd.raw["input"],
                     run_id,
                     cmd.step,
+                    # a traced parent's context: the child's spans join its trace
+                    attrs={"trace": cmd.data["trace"]} if "trace" in cmd.data else None,
                 )
             elif exists[0] == run_id:
                 # started again after an operator's retry voided its start: it may have

@@ -1,0 +1,145 @@
+"""The engine never logs payloads: a canary string in a run's input, its steps' errors,
+a signal, a failed workflow and a failed compensation appears in no log record unless
+the redaction hook lets it; the context filter and JSON lines carry run and trace ids."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+from collections.abc import Iterator
+
+import pytest
+
+import tether
+from tether import logs
+
+CANARY = "canary-7f3a-secret-ssn-078-05-1120"
+
+
+@pytest.fixture
+def records() -> Iterator[list[logging.LogRecord]]:
+    """Every record of every logger at DEBUG while the test runs."""
+    got: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            got.append(record)
+
+    root = logging.getLogger()
+    handler, level = Keep(logging.DEBUG), root.level
+    root.addHandler(handler)
+    root.setLevel(logging.DEBUG)
+    try:
+        yield got
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+        logs.set_redactor(None)
+
+
+def _text(records: list[logging.LogRecord]) -> str:
+    out = []
+    for r in records:
+        out.append(r.getMessage())
+        if r.exc_info and r.exc_info[1] is not None:
+            out.append(repr(r.exc_info[1]))
+        out.append(json.dumps({k: str(v) for k, v in vars(r).items()}))
+    return "\n".join(out)
+
+
+def _register(app: tether.App) -> tuple[tether.Workflow, tether.Workflow, tether.Workflow]:
+    @app.activity(retry=tether.Retry(attempts=2, initial=0.01))
+    async def leaky(text: str) -> str:
+        raise ValueError(f"could not parse {text}")
+
+    @app.activity
+    async def hold(text: str) -> str:
+        return text
+
+    @app.activity(retry=tether.Retry(attempts=1))
+    async def undo(text: str) -> None:
+        raise RuntimeError(f"undo failed for {text}")
+
+    @app.workflow
+    async def parse(text: str) -> str:
+        got = await tether.wait_event("more")
+        return await leaky(f"{text} {got}")
+
+    @app.workflow
+    async def crash(text: str) -> None:
+        raise KeyError(text)  # workflow code that quotes its input in an error
+
+    @app.workflow
+    async def rollback(text: str) -> None:
+        async with tether.saga() as saga:
+            await saga.step(hold(text), undo=undo)
+            raise ValueError(f"then failed on {text}")
+
+    return parse, crash, rollback
+
+
+async def test_no_payload_reaches_a_log_line(
+    app: tether.App, records: list[logging.LogRecord]
+) -> None:
+    parse, crash, rollback = _register(app)
+    async with app.worker(poll_interval=0.05):
+        run = await app.start(parse, CANARY)
+        await app.signal(run.run_id, "more", CANARY)
+        with pytest.raises(tether.WorkflowFailedError):
+            await run.result(timeout=20)
+        with pytest.raises(tether.WorkflowFailedError):
+            await (await app.start(crash, CANARY)).result(timeout=20)
+        with pytest.raises(tether.RunNeedsInterventionError):
+            await (await app.start(rollback, CANARY)).result(timeout=20)
+    text = _text(records)
+    assert "needs intervention" in text  # the line was written, without the message
+    assert CANARY not in text
+    assert "characters redacted" in text
+
+
+async def test_the_redaction_hook_decides_what_is_shown(
+    app: tether.App, records: list[logging.LogRecord]
+) -> None:
+    _, _, rollback = _register(app)
+    logs.set_redactor(lambda text: text.replace(CANARY, "***"))
+    async with app.worker(poll_interval=0.05):
+        with pytest.raises(tether.RunNeedsInterventionError):
+            await (await app.start(rollback, CANARY)).result(timeout=20)
+    text = _text(records)
+    assert CANARY not in text and "undo failed for ***" in text
+    logs.set_redactor(lambda text: text)  # a hook that shows everything
+    async with app.worker(poll_interval=0.05):
+        with pytest.raises(tether.RunNeedsInterventionError):
+            await (await app.start(rollback, CANARY)).result(timeout=20)
+    assert CANARY in _text(records)
+
+
+async def test_records_carry_the_run_and_the_json_line_too(app: tether.App) -> None:
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logging.Formatter("%(run_id)s %(workflow)s|%(message)s"))
+    handler.addFilter(logs.ContextFilter())
+    json_stream = io.StringIO()
+    json_handler = logging.StreamHandler(json_stream)
+    json_handler.setFormatter(logs.JsonFormatter())
+    user = logging.getLogger("user.code")
+    user.addHandler(handler)
+    user.addHandler(json_handler)
+    user.setLevel(logging.INFO)
+
+    @app.workflow
+    async def noisy() -> None:
+        if not tether.is_replaying():
+            user.info("hello from the workflow")
+
+    try:
+        async with app.worker(poll_interval=0.05):
+            run = await app.start(noisy, tenant="acme")
+            await run.result(timeout=20)
+    finally:
+        user.removeHandler(handler)
+        user.removeHandler(json_handler)
+    assert f"{run.run_id} noisy|hello from the workflow" in stream.getvalue()
+    line = json.loads(json_stream.getvalue().splitlines()[0])
+    assert line["run_id"] == run.run_id and line["tenant"] == "acme"
