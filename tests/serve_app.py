@@ -71,6 +71,28 @@ async def slow(seconds: float) -> str:
     return await slow_step(seconds)
 
 
+@app.activity
+def hold_room(title: str) -> str:
+    return f"room for {title}"
+
+
+@app.activity(retry=tether.Retry(attempts=1))
+def release_room(hold: str, flag: str) -> None:
+    """The compensation: fails while the file ``flag`` exists."""
+    if os.path.exists(flag):
+        raise RuntimeError(f"flag {flag} is up")
+
+
+@app.workflow
+async def booking(title: str, flag: str) -> str:
+    """Approved, then waits to ship; a cancel releases the room (which may fail)."""
+    await tether.approval({"title": title}, approvers=["ann"], deadline=3600, name="booking")
+    async with tether.saga() as saga:
+        await saga.step(hold_room(title), undo=lambda hold: release_room(hold, flag))
+        await tether.wait_event("ship")
+    return "shipped"
+
+
 @app.workflow
 async def review(title: str) -> str:
     """Ask a person to approve a title (editable)."""

@@ -332,6 +332,20 @@ def test_suspend_resume_cancel_terminate(
     assert "stuck" in json.dumps(info["error"])
     res = project.cli("terminate", "b", *store)
     assert_one_line_error(res, 1, "'b'", "already finished")
+    # the audit trail names the shell's user and host for each action, the start included
+    import getpass
+    import socket
+
+    me = f"cli {getpass.getuser()}@{socket.gethostname()}"
+    trail = [json.loads(line) for line in project.ok("audit", "a", "--json", *store).splitlines()]
+    assert [(t["action"], t["actor"]) for t in trail] == [
+        ("start", me),
+        ("suspend", me),
+        ("resume", me),
+        ("cancel", me),
+    ]
+    assert trail[-1]["detail"] == {"reason": "no longer needed"}
+    assert "terminate" in project.ok("audit", "b", *store)
 
 
 def test_sigterm_lets_in_flight_work_finish_and_exits_zero(

@@ -386,3 +386,68 @@ def test_api_keys_scope_a_client_to_its_tenant(store_url: str) -> None:
         assert revoked.status_code == 401 and "revoked" in revoked.json()["detail"]
     finally:
         server.stop()
+
+
+def test_the_audit_trail_names_who_started_approved_cancelled_and_retried(
+    store_url: str, tmp_path: Path
+) -> None:
+    import tether
+
+    tether.App(store=store_url).store.close_sync()  # type: ignore[attr-defined]  # the store
+    intake = _create_key(store_url, "--role", "operate", "--tenant", "acme", "--name", "intake")
+    desk = _create_key(store_url, "--role", "operate", "--tenant", "acme", "--name", "desk")
+    admin = _create_key(store_url, "--role", "admin", "--name", "oncall")
+    flag = tmp_path / "release-broken"
+    flag.write_text("up")
+    server = Server(store_url, "--workers", "1")
+    try:
+        http = server.http
+
+        def as_(key: str) -> dict[str, str]:
+            return {"Authorization": f"Bearer {key}"}
+
+        run = http.post(
+            "/v1/workflows/booking/runs",
+            json={"input": {"title": "Q3 offsite", "flag": str(flag)}},
+            headers=as_(intake),
+        ).json()
+        deadline = time.monotonic() + 20
+        while not (reviews := http.get("/v1/approvals", headers=as_(desk)).json()):
+            assert time.monotonic() < deadline, "the review never opened"
+            time.sleep(0.05)
+        decided = http.post(
+            f"/v1/approvals/{reviews[0]['approval_id']}/decision",
+            json={"approve": True, "by": "ann", "fingerprint": reviews[0]["fingerprint"]},
+            headers=as_(desk),
+        )
+        assert decided.status_code == 202, decided.text
+
+        def waiting_to_ship() -> bool:
+            info = http.get(run["links"]["self"], headers=as_(desk)).json()
+            return any(w.get("name") == "ship" for w in info.get("waiting_on") or [])
+
+        while not waiting_to_ship():
+            assert time.monotonic() < deadline, "the run never waited to ship"
+            time.sleep(0.05)
+        cancel = http.post(
+            f"/v1/runs/{run['id']}/cancel", json={"reason": "offsite moved"}, headers=as_(desk)
+        )
+        assert cancel.status_code == 202, cancel.text
+        # the release (compensation) fails: the run needs an operator
+        ended = http.get(f"{run['links']['result']}?wait=20", headers=as_(desk)).json()
+        assert ended["status"] == "needs_intervention", ended
+        flag.unlink()
+        retried = http.post(f"/v1/runs/{run['id']}/retry", headers=as_(admin))
+        assert retried.status_code == 202, retried.text
+        final = http.get(f"{run['links']['result']}?wait=20", headers=as_(desk)).json()
+        assert final["status"] == "cancelled", final
+        trail = http.get(f"/v1/runs/{run['id']}/audit", headers=as_(desk)).json()
+    finally:
+        server.stop()
+    actions = [(t["action"], t["actor"].split(" (")[0]) for t in trail]
+    keys = {t["actor"] for t in trail}
+    assert [a for a, _ in actions] == ["start", "decide", "cancel", "retry"], trail
+    assert len(keys) == 3  # intake started, desk decided and cancelled, oncall retried
+    assert actions[1][1] == actions[2][1] != actions[0][1] != actions[3][1]
+    assert all(t["actor"].startswith("key ") for t in trail)
+    assert trail[1]["detail"]["by"] == "ann" and trail[2]["detail"] == {"reason": "offsite moved"}

@@ -490,6 +490,7 @@ class App:
         on_limit: str = "raise",
         budget: Budget | None = None,
         webhook: str | None = None,
+        by: str | None = None,
         _trace: dict[str, str] | None = None,
     ) -> Run[R]:
         """Start a run and return its handle; durable when this returns.
@@ -507,6 +508,8 @@ class App:
         gets the run's outcome when it ends (queued in the commit that ends it, posted
         at least once and signed by ``tether serve``'s relay: see ``tether.webhooks``).
         With OpenTelemetry configured the run joins the current trace (``_tracing.py``).
+        ``by`` names who starts it (an API key, a CLI user), kept with the run for
+        ``audit``; children name their parent run without it.
         """
         if budget is not None and not isinstance(budget, Budget):
             raise ConfigurationError(
@@ -520,6 +523,8 @@ class App:
             attrs = {**(attrs or {}), "pins": pins}
         if webhook is not None:
             attrs = {**(attrs or {}), "webhook": check_webhook_url(webhook)}
+        if by is not None:
+            attrs = {**(attrs or {}), "started_by": str(by)[:200]}
         if tenant is not None and (not isinstance(tenant, str) or not tenant):
             raise ConfigurationError(f"tenant must be a non-empty string (got {tenant!r})")
         if on_limit not in ("raise", "queue"):
@@ -554,6 +559,7 @@ class App:
                     on_limit=on_limit,
                     budget=budget,
                     webhook=webhook,
+                    by=by,
                     _trace=carrier or {},  # this thread's trace context, not that loop's
                 ),
                 elsewhere,
@@ -939,6 +945,30 @@ class App:
                 target=target, limit=limit
             )
         ]
+
+    async def audit(self, run_id: str) -> builtins.list[dict[str, Any]]:
+        """Who or what acted on a run, oldest first: who started it (``start(by=)``, its
+        parent run, or code that named no one), then every recorded action on it
+        (signals, decisions, cancels, retries, forks... from the API, console and CLI)."""
+        info = await self.get(run_id, follow=False)
+        attrs = info.attrs or {}
+        starter = (
+            attrs.get("started_by")
+            or (f"run {info.parent_run_id}" if info.parent_run_id else None)
+            or "code (app.start without by=)"
+        )
+        trail: builtins.list[dict[str, Any]] = [
+            {
+                "id": None,
+                "at": info.created_at,
+                "actor": starter,
+                "action": "start",
+                "target": f"run:{run_id}",
+                "detail": {"workflow": info.workflow},
+            }
+        ]
+        trail.extend(reversed(await self.audit_log(target=f"run:{run_id}", limit=1000)))
+        return trail
 
     async def dead_letters(
         self,

@@ -8,10 +8,12 @@ import asyncio
 import contextlib
 import dataclasses
 import datetime
+import getpass
 import importlib
 import json
 import logging
 import os
+import socket
 import sqlite3
 import sys
 import traceback
@@ -149,6 +151,15 @@ def _sqlite_path(spec: str) -> str | None:
     if "://" in spec:
         return None  # open_store explains what it does not support
     return spec
+
+
+def cli_actor() -> str:
+    """How the audit log names a person acting from this shell: ``cli user@host``."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no name for this uid (a bare container)
+        user = f"uid {os.getuid()}"
+    return f"cli {user}@{socket.gethostname()}"
 
 
 def _client_app(store: str | None, app_spec: str | None) -> App:

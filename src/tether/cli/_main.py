@@ -15,9 +15,11 @@ from .history import history_export_command, replay_command
 from .keys import keys_create_command, keys_list_command, keys_revoke_command
 from .queues import queues_command
 from .runs import (
+    audit_command,
     cancel_command,
     get_command,
     resume_command,
+    retry_command,
     runs_command,
     signal_command,
     start_command,
@@ -51,6 +53,8 @@ def _build() -> typer.Typer:
     cli.command("terminate")(terminate_command)
     cli.command("suspend")(suspend_command)
     cli.command("resume")(resume_command)
+    cli.command("retry")(retry_command)
+    cli.command("audit")(audit_command)
     cli.command("replay")(replay_command)
     _group(cli, "history", "Inspect run histories.", export=history_export_command)
     _group(cli, "store", "Manage stores: copy runs between them.", migrate=store_migrate_command)

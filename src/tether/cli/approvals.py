@@ -22,6 +22,7 @@ from ._common import (
     _short_json,
     _store_option,
     _ts,
+    cli_actor,
 )
 
 
@@ -125,6 +126,13 @@ def approvals_decide_command(
                 fingerprint=fingerprint,
                 value=edited,
                 reason=reason,
+            )
+            review = await a.get_approval(approval_id)
+            await a.store.audit(
+                cli_actor(),
+                "decide",
+                f"run:{review.run_id}",
+                {"approval_id": approval_id, "approve": approve, "by": by},
             )
 
     _run(go())

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Coroutine
 from typing import Annotated, Any
 
@@ -34,6 +35,7 @@ from ._common import (
     _status_text,
     _store_option,
     _ts,
+    cli_actor,
     load_app,
 )
 
@@ -160,21 +162,29 @@ def signal_command(
             _fail(str(exc), EXIT_USAGE)
 
     _act(
-        store, app, lambda a: a.signal(run_id, name, value), f"signal {name!r} sent to run {run_id}"
+        store,
+        app,
+        lambda a: a.signal(run_id, name, value),
+        f"signal {name!r} sent to run {run_id}",
+        ("signal", run_id, {"signal": name}),
     )
 
 
 def _act(
     store: str | None,
     app: str | None,
-    action: Callable[[App], Coroutine[Any, Any, None]],
+    action: Callable[[App], Coroutine[Any, Any, Any]],
     done: str,
+    audit: tuple[str, str, dict[str, Any] | None],
 ) -> None:
-    """Open the store, do one thing to a run, say what was done."""
+    """Open the store, do one thing to a run, record who did it (``audit``: the action,
+    the run id and details), say what was done."""
 
     async def go() -> None:
         async with _opened(_client_app(store, app)) as a:
             await action(a)
+            what, run_id, detail = audit
+            await a.store.audit(cli_actor(), what, f"run:{run_id}", detail)
 
     _run(go())
     print(done)
@@ -187,7 +197,13 @@ def cancel_command(
     app: Annotated[str | None, _app_option()] = None,
 ) -> None:
     """Ask a run to cancel; its code sees the cancellation at its next await."""
-    _act(store, app, lambda a: a.cancel(run_id, reason), f"cancellation requested for run {run_id}")
+    _act(
+        store,
+        app,
+        lambda a: a.cancel(run_id, reason),
+        f"cancellation requested for run {run_id}",
+        ("cancel", run_id, {"reason": reason} if reason else None),
+    )
 
 
 def terminate_command(
@@ -197,7 +213,13 @@ def terminate_command(
     app: Annotated[str | None, _app_option()] = None,
 ) -> None:
     """End a run (and its running children) now, running none of its code."""
-    _act(store, app, lambda a: a.terminate(run_id, reason), f"run {run_id} terminated")
+    _act(
+        store,
+        app,
+        lambda a: a.terminate(run_id, reason),
+        f"run {run_id} terminated",
+        ("terminate", run_id, {"reason": reason} if reason else None),
+    )
 
 
 def suspend_command(
@@ -206,7 +228,13 @@ def suspend_command(
     app: Annotated[str | None, _app_option()] = None,
 ) -> None:
     """Pause a run: no new steps are dispatched until resume."""
-    _act(store, app, lambda a: a.suspend(run_id), f"run {run_id} suspended")
+    _act(
+        store,
+        app,
+        lambda a: a.suspend(run_id),
+        f"run {run_id} suspended",
+        ("suspend", run_id, None),
+    )
 
 
 def resume_command(
@@ -215,7 +243,53 @@ def resume_command(
     app: Annotated[str | None, _app_option()] = None,
 ) -> None:
     """Continue a suspended run."""
-    _act(store, app, lambda a: a.resume(run_id), f"run {run_id} resumed")
+    _act(store, app, lambda a: a.resume(run_id), f"run {run_id} resumed", ("resume", run_id, None))
+
+
+def retry_command(
+    run_id: Annotated[str, _run_id_argument()],
+    store: Annotated[str | None, _store_option()] = None,
+    app: Annotated[str | None, _app_option()] = None,
+) -> None:
+    """Retry a failed (or needs-intervention) run from its failed step; earlier steps
+    keep their recorded results."""
+    _act(
+        store,
+        app,
+        lambda a: a.retry(run_id),
+        f"run {run_id} retried from its failed step",
+        ("retry", run_id, None),
+    )
+
+
+def audit_command(
+    run_id: Annotated[str, _run_id_argument()],
+    store: Annotated[str | None, _store_option()] = None,
+    app: Annotated[str | None, _app_option()] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON lines.")] = False,
+) -> None:
+    """Who or what started and acted on a run (API keys, console, CLI users, parent runs)."""
+
+    async def go() -> list[dict[str, Any]]:
+        async with _opened(_client_app(store, app)) as a:
+            return await a.audit(run_id)
+
+    trail = _run(go())
+    if as_json:
+        for entry in trail:
+            print(json.dumps(entry, default=str))
+        return
+    table = Table(box=None)
+    for col in ("at", "actor", "action", "detail"):
+        table.add_column(col)
+    for entry in trail:
+        table.add_row(
+            _ts(entry["at"]),
+            entry["actor"],
+            entry["action"],
+            json.dumps(entry["detail"]) if entry["detail"] else "",
+        )
+    _console().print(table)
 
 
 def start_command(
@@ -265,7 +339,7 @@ def start_command(
     async def go() -> None:
         async with _opened(load_app(app_spec)) as a:
             try:
-                run: Run[Any] = await a.start(workflow, *values, run_id=run_id)
+                run: Run[Any] = await a.start(workflow, *values, run_id=run_id, by=cli_actor())
             except PayloadError as exc:  # arguments do not bind or do not match the types
                 raise UsageError(str(exc)) from None
             print(run.run_id, flush=True)

@@ -3,12 +3,20 @@ every worker of a store (off, on, list)."""
 
 from __future__ import annotations
 
-import getpass
 from typing import Annotated, Any
 
 import typer
 
-from ._common import _app_option, _client_app, _dump, _note, _opened, _run, _store_option
+from ._common import (
+    _app_option,
+    _client_app,
+    _dump,
+    _note,
+    _opened,
+    _run,
+    _store_option,
+    cli_actor,
+)
 
 _KIND = typer.Argument(help="workflow, activity, model or tenant.")
 _NAME = typer.Argument(help="Its name (a model as registered with the gateway).")
@@ -25,7 +33,7 @@ def switch_off_command(
 
     async def go() -> bool:
         async with _opened(_client_app(store, app)) as a:
-            return await a.disable(kind, name, reason=reason, by=f"cli {getpass.getuser()}")
+            return await a.disable(kind, name, reason=reason, by=cli_actor())
 
     changed = _run(go())
     _note(f"{kind} {name} is off" + ("" if changed else " (it already was)"))
@@ -41,7 +49,7 @@ def switch_on_command(
 
     async def go() -> bool:
         async with _opened(_client_app(store, app)) as a:
-            return await a.enable(kind, name, by=f"cli {getpass.getuser()}")
+            return await a.enable(kind, name, by=cli_actor())
 
     changed = _run(go())
     _note(f"{kind} {name} is on" + ("" if changed else " (it already was)"))

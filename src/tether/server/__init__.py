@@ -520,6 +520,12 @@ def create_api(
         may(request, "admin", "reading the audit log")
         return await app.audit_log(target=target, limit=limit)
 
+    @api.get("/v1/runs/{run_id}/audit", summary="Who started and acted on the run, oldest first")
+    async def run_audit(run_id: str, request: Request) -> list[dict[str, Any]]:
+        may(request, "read", "reading a run's audit trail")
+        await visible(request, run_id, follow=False)
+        return await app.audit(run_id)
+
     @api.get(
         "/v1/runs/{run_id}/webhooks",
         summary="The run's webhook deliveries: state, attempts, last error",
@@ -621,6 +627,7 @@ def _add_start_route(api: FastAPI, app: App, wf: Workflow[Any, Any], who: Any) -
                 deadline=data.get("deadline"),
                 tenant=data.get("tenant"),
                 webhook=data.get("callback_url"),
+                by=actor_of(principal, "api"),
             )
         except TetherError as exc:
             if (

@@ -80,7 +80,8 @@ async def create_key(
     if role not in ROLES:
         raise ValueError(f"role must be one of {', '.join(ROLES)} (got {role!r})")
     if role != "admin" and not tenant:
-        raise ValueError(f"a {role} key acts for one tenant: give --tenant")
+        article = "an" if role[0] in "aeiou" else "a"
+        raise ValueError(f"{article} {role} key acts for one tenant: give --tenant")
     key_id = secrets.token_hex(6)
     secret = secrets.token_urlsafe(32)
     await store.create_api_key(key_id, _hash(secret), name, tenant, role)

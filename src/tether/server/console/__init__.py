@@ -233,7 +233,7 @@ def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
             "input": _pretty_raw(info.input),
             "reviews": await app.approvals(status="open", run_id=info.run_id),
             "letters": await app.dead_letters(run_id=info.run_id),
-            "audit": await app.audit_log(target=f"run:{info.run_id}", limit=50),
+            "audit": (await app.audit(info.run_id))[-50:],
             "finished": info.is_finished,
             "message": request.query_params.get("message"),
         }
