@@ -906,3 +906,36 @@ async def test_a_tool_that_needs_approval_waits_durably_for_a_decision(
         assert "denied by ann: not eligible" in last_prompt
     else:
         assert "refunded" in last_prompt
+
+
+async def test_model_calls_tokens_cost_repairs_routes_and_429s_are_counted(
+    app: tether.App, server: ModelServer
+) -> None:
+    from tether._telemetry import RECORDER
+
+    _gw, primary = gateway(app, server)
+
+    @app.workflow
+    async def triage(text: str) -> str:
+        t = await ai.structured(
+            primary, text, output=Ticket, validate=lambda t: [] if t.priority < 5 else ["p<5"]
+        )
+        return tether.route(t.category, {"billing"}, default="human")
+
+    server.script(
+        "gpt-4o-mini",
+        model_error(429, "slow down", retry_after=0.1),
+        ticket(priority=9),  # invalid: repaired
+        ticket(priority=1),
+    )
+    RECORDER.reset()
+    async with app.worker(poll_interval=0.05):
+        assert await (await app.start(triage, "x", tenant="acme")).result(timeout=30) == "billing"
+    labels = ("triage", "primary", "acme")
+    assert RECORDER.counter("tether_ai_calls", (*labels, "model")) == 2
+    assert RECORDER.counter("tether_ai_tokens", (*labels, "input")) == 240
+    assert RECORDER.counter("tether_ai_tokens", (*labels, "output")) == 60
+    assert RECORDER.counter("tether_ai_cost", labels) == pytest.approx(0.000072)
+    assert RECORDER.counter("tether_decisions", ("triage", "output_invalid")) == 1
+    assert RECORDER.counter("tether_decisions", ("triage", "route")) == 1
+    assert RECORDER.counter("tether_rate_limited", (primary.activity.name,)) == 1

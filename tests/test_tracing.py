@@ -4,7 +4,14 @@ worker runs it, after any wait; replays make no spans."""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -190,3 +197,91 @@ async def test_untraced_runs_carry_nothing(app: tether.App) -> None:
         run = await app.start(plain)
         assert await run.result(timeout=20) == 1
     assert not ((await app.get(run.run_id)).attrs or {}).get("trace")
+
+
+def test_a_run_whose_worker_is_killed_resumes_in_one_trace(
+    tmp_path: Path, spans: InMemorySpanExporter
+) -> None:
+    """SIGKILL mid-step; another worker process resumes: every span is in the caller's
+    trace under its span, one per finished attempt, none for the replayed first step."""
+    here = Path(__file__).parent
+    db, out, marker = tmp_path / "t.db", tmp_path / "spans.jsonl", tmp_path / "in-flight"
+    env = {**os.environ, "PYTHONPATH": f"{here.parent / 'src'}{os.pathsep}{here}"}
+    sys.path.insert(0, str(here))
+    try:
+        argv = sys.argv
+        sys.argv = ["trace_app", str(db), str(out), str(marker)]
+        import trace_app  # the same App definition, for starting the run here
+    finally:
+        sys.argv = argv
+        sys.path.remove(str(here))
+
+    def worker() -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            [sys.executable, str(here / "trace_app.py"), str(db), str(out), str(marker)],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+
+    import asyncio
+
+    tracer = trace.get_tracer("test")
+    with tracer.start_as_current_span("caller") as caller:
+        run_id = asyncio.run(_start(trace_app.app, trace_app.traced_three))
+    first = worker()
+    try:
+        deadline = time.monotonic() + 30
+        while not marker.exists():
+            assert time.monotonic() < deadline, "step 2 never started"
+            time.sleep(0.05)
+        first.send_signal(signal.SIGKILL)
+        first.wait(10)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    second = worker()
+    try:
+        result = asyncio.run(_result(trace_app.app, run_id))
+    finally:
+        second.send_signal(signal.SIGTERM)
+        second.wait(30)
+    assert result == 20
+    got = [json.loads(line) for line in out.read_text().splitlines()]
+    ctx = caller.get_span_context()
+    assert {s["trace_id"] for s in got} == {format(ctx.trace_id, "032x")}
+    assert {s["parent"] for s in got} == {format(ctx.span_id, "016x")}
+    attempts = [
+        (s["name"], s["attributes"]["tether.step"], s["attributes"]["tether.attempt"], s["pid"])
+        for s in got
+        if s["name"].startswith("tether.activity")
+    ]
+    # step 1 ran once (in the killed worker), its replay in the second made no span; the
+    # killed attempt of step 2 never finished (no span), its retry did
+    assert [a[:3] for a in attempts] == [
+        ("tether.activity first", 1, 1),
+        ("tether.activity second", 2, 2),
+        ("tether.activity third", 3, 1),
+    ]
+    assert attempts[0][3] == first.pid and attempts[1][3] == attempts[2][3] == second.pid
+    names = [s["name"] for s in got]
+    assert names.count("tether.lifetime traced_three") == 1
+    assert any(
+        s["name"] == "tether.workflow_task traced_three"
+        and s["attributes"]["tether.replayed"]
+        and s["pid"] == second.pid
+        for s in got
+    )
+
+
+async def _start(app: tether.App, wf: Any) -> str:
+    run = await app.start(wf)
+    await app.close()
+    return run.run_id
+
+
+async def _result(app: tether.App, run_id: str) -> Any:
+    try:
+        return await app.get_run(run_id).result(timeout=60)
+    finally:
+        await app.close()

@@ -46,7 +46,8 @@ class Verdict:
     retry_after: float | None = None  #: seconds the caller asked us to wait
 
 
-def _status(exc: BaseException) -> int | None:
+def http_status(exc: BaseException) -> int | None:
+    """The HTTP status an exception (or its ``response``) carries, if any."""
     for obj in (exc, getattr(exc, "response", None)):
         if obj is None:
             continue
@@ -113,7 +114,7 @@ def classify(
         return Verdict(False, f"{type(exc).__name__} is listed as non-retryable")
     if isinstance(exc, RetryAfter):
         return Verdict(True, str(exc), exc.retry_after)
-    status = _status(exc)
+    status = http_status(exc)
     if status is not None:
         after = _retry_after(exc, now)
         if status in TRANSIENT_STATUS or status >= 500:

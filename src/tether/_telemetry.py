@@ -89,6 +89,28 @@ SPECS: dict[str, Spec] = {
     "tether_workflow_task_failures": Spec(
         "counter", "Workflow tasks that raised (bugs in workflow code)", ("workflow", "error_type")
     ),
+    "tether_decisions": Spec(
+        "counter",
+        "Decisions recorded by workflow code, by kind: route, output_invalid (a repair or a "
+        "failure), output_default, budget_exceeded, approval_requested, model_hedge...",
+        ("workflow", "marker"),
+    ),
+    "tether_ai_calls": Spec(
+        "counter",
+        "Model calls answered, by source (model or cache)",
+        ("workflow", "model", "tenant", "source"),
+    ),
+    "tether_ai_tokens": Spec(
+        "counter", "Model tokens used, by direction", ("workflow", "model", "tenant", "direction")
+    ),
+    "tether_ai_cost": Spec(
+        "counter",
+        "Model spend in the price table's currency (USD)",
+        ("workflow", "model", "tenant"),
+    ),
+    "tether_rate_limited": Spec(
+        "counter", "Attempts answered 429 (rate limited) by their dependency", ("activity",)
+    ),
     "tether_lease_lost": Spec(
         "counter", "Results refused because the lease had passed to another worker", ()
     ),

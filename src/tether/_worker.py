@@ -29,7 +29,7 @@ from ._activity_context import ActivityContext, reset_context, set_context
 from ._attempts import _Plan, _StepTimeout
 from ._batch_run import run_batch
 from ._breaker import CircuitOpenError
-from ._classify import classify, ratelimit_pause
+from ._classify import classify, http_status, ratelimit_pause
 from ._errors import (
     LeaseLostError,
     NonDeterminismError,
@@ -550,6 +550,8 @@ class Worker:
         self.stats["workflow_tasks"] += 1
         self.stats["eager_starts"] += 1
         inst.committed(res.first_marker)
+        for name, labels, n in inst.take_counts():  # what its first task noted
+            count(name, labels, n)
         self._keep(res.run.run_id, inst)
         for t in res.first_leased:
             self._spawn(t)
@@ -691,6 +693,8 @@ class Worker:
                 )
                 if carrier is not None:
                     run_span(inst.workflow.name, run_id, carrier, started_at, result.time, status)
+        for name, labels, n in inst.take_counts():
+            count(name, labels, n)
         waits = inst.take_waits()
         if waits:
             for kind, name, since, ended in waits:
@@ -975,6 +979,8 @@ class Worker:
             observe("tether_activity_duration", (name, outcome), time.perf_counter() - ctx._began)
         if isinstance(exc, TimeoutError):
             count("tether_activity_timeouts", (name,))
+        elif http_status(exc) == 429:
+            count("tether_rate_limited", (name,))
         if retry_at is not None:
             count("tether_activity_retries", (name, error_type))
         else:

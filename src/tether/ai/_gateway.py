@@ -884,6 +884,14 @@ class Gateway:
         call = out[CALL_KEY]
         tally.tokens += int(call.get("input_tokens") or 0) + int(call.get("output_tokens") or 0)
         tally.cost += Decimal(call["cost"]) if call.get("cost") is not None else Decimal(0)
+        # counted once, when the run first meets the answer (never on replay)
+        labels = (inst.workflow.name, ref.name, tenant or "")
+        inst.count("tether_ai_calls", (*labels, "cache" if call.get("cache_hit") else "model"))
+        if not call.get("cache_hit"):
+            inst.count("tether_ai_tokens", (*labels, "input"), int(call.get("input_tokens") or 0))
+            inst.count("tether_ai_tokens", (*labels, "output"), int(call.get("output_tokens") or 0))
+            if call.get("cost") is not None:
+                inst.count("tether_ai_cost", labels, float(call["cost"]))
         return out
 
 

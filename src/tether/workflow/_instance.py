@@ -111,6 +111,9 @@ class WorkflowInstance:
         #: durable waits that ended in new (not replayed) events since the last
         #: ``take_waits``: (kind, name, began, ended); the worker makes spans and metrics
         self._waits: list[tuple[str, str, float, float]] = []
+        #: counters noted by code that ran for the first time (``count``), flushed by the
+        #: worker once the task that ran it commits
+        self._counts: list[tuple[str, tuple[str, ...], float]] = []
         self.main: asyncio.Task[Any] | None = None
         self._new: list[Command] = []
         self._recorded: dict[int, Event] = {}
@@ -412,6 +415,18 @@ class WorkflowInstance:
         attrs = (self.started.data.get("attrs") if self.started is not None else None) or {}
         return attrs.get("trace")
 
+    def count(self, name: str, labels: tuple[str, ...], n: float = 1.0) -> None:
+        """Note a counter (``tether._telemetry``) for code running for the first time:
+        counted when its task commits, so neither a replay nor a task whose commit
+        failed (and that runs again) counts twice."""
+        if not self.replaying:
+            self._counts.append((name, labels, n))
+
+    def take_counts(self) -> list[tuple[str, tuple[str, ...], float]]:
+        """The counters noted since the last call."""
+        counts, self._counts = self._counts, []
+        return counts
+
     def take_waits(self) -> list[tuple[str, str, float, float]]:
         """The waits that ended since the last call (kind, name, began, ended)."""
         waits, self._waits = self._waits, []
@@ -533,6 +548,7 @@ class WorkflowInstance:
         ``marker`` names its kind and is checked on replay like an activity's name;
         ``data`` (JSON) is only stored.
         """
+        self.count("tether_decisions", (self.workflow.name, marker))
         return self._command(
             EventType.MARKER, {"marker": marker}, {"value": encode(data, "marker")}
         )

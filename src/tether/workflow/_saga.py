@@ -23,7 +23,6 @@ from typing import Any, TypeVar
 
 from .._definitions import running
 from .._errors import TetherError
-from .._telemetry import count
 
 T = TypeVar("T")
 
@@ -107,8 +106,8 @@ class Saga:
 def _count(undo: str, outcome: str) -> None:
     """Count a compensation's outcome once: when it is new, not when a replay meets it."""
     inst: Any = running.get()
-    if inst is not None and not getattr(inst, "replaying", True):
-        count("tether_compensations", (inst.workflow.name, undo, outcome))
+    if inst is not None and hasattr(inst, "count"):
+        inst.count("tether_compensations", (inst.workflow.name, undo, outcome))
 
 
 def saga() -> Saga:
