@@ -16,6 +16,7 @@ from datetime import timedelta
 from typing import Any, Generic, ParamSpec, TypeVar, overload
 
 from ._activity_context import ActivityContext, set_context
+from ._alert_rules import AlertRules
 from ._batch import BatchActivity, BatchDecorator
 from ._batching import Batch
 from ._breaker import CircuitBreaker
@@ -154,9 +155,14 @@ class App:
         *,
         queue: str = "default",
         on_alert: Callable[[str, dict[str, Any]], Any] | None = None,
+        alert_rules: AlertRules | None = None,
     ) -> None:
-        #: called as ``on_alert(run_id, error)`` (sync or async) when a run needs an operator
+        #: called as ``on_alert(subject, details)`` (sync or async): when a run needs an
+        #: operator (subject: its id; details: its error) and for the conditions of
+        #: ``tether.alerts`` (``details["alert"]`` names which)
         self.on_alert = on_alert
+        #: thresholds of the alert watcher (``tether.alerts``; None: its defaults)
+        self.alert_rules = alert_rules
         self._store_spec = store
         self._store: Store | None = None
         self._store_lock = threading.Lock()
@@ -1087,24 +1093,31 @@ class App:
         )
         return value
 
-    def _alert(self, run_id: str, error: dict[str, Any]) -> None:
+    def _alert(self, subject: str, details: dict[str, Any]) -> None:
+        """Tell the alert hook (or the log): ``subject`` is a run id for a run that needs
+        an operator (``details`` is its error), else what the alert is about
+        (``queue:<name>``, ``workflow:<name>``, ``dead_letters``, ``process``)."""
+        details = {"alert": "needs_intervention", **details}
         hook = self.on_alert
         if hook is None:
-            log.error(
-                "run %r needs intervention: %s: %s",
-                run_id,
-                error.get("type"),
-                redact(str(error.get("message") or "")),
-            )
+            if details["alert"] == "needs_intervention":
+                log.error(
+                    "run %r needs intervention: %s: %s",
+                    subject,
+                    details.get("type"),
+                    redact(str(details.get("message") or "")),
+                )
+            else:  # the watcher's own words: names and figures, no payload
+                log.warning("alert %s on %s: %s", details["alert"], subject, details["message"])
             return
         try:
-            out = hook(run_id, error)
+            out = hook(subject, details)
             if asyncio.iscoroutine(out):
                 task = asyncio.ensure_future(out)
                 self._alerts.add(task)
                 task.add_done_callback(self._alerts.discard)
         except Exception:
-            log.exception("the on_alert hook failed for run %r", run_id)
+            log.exception("the on_alert hook failed for %r", subject)
 
     async def _wait_finished(
         self, run_id: str, deadline: float | None, may_not_exist: bool = False

@@ -17,6 +17,7 @@ import hashlib
 import importlib.util
 import json
 import math
+import os
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
@@ -43,6 +44,7 @@ from .._errors import (
 from .._history import Approval, DeadLetter, RunInfo, RunStatus
 from .._tracing import joined
 from .._worker import Worker
+from ..alerts import AlertWatcher
 from ..metrics import Metrics
 from . import _problems
 from ._auth import AuthError, Principal, actor_of, authenticate
@@ -210,9 +212,13 @@ def create_api(
         if metrics is not None:
             await metrics.update()
             metrics.start()
+        # the conditions of tether.alerts, told to the App's on_alert hook (or the log)
+        watcher = AlertWatcher(app, interval=float(os.environ.get("TETHER_ALERT_INTERVAL") or 30))
+        watcher.start()
         try:
             yield
         finally:
+            await watcher.stop()
             if metrics is not None:
                 await metrics.stop()
             hub.stop()

@@ -1,0 +1,160 @@
+"""Alerts as hooks: conditions an operator must hear about, sent to ``App(on_alert=...)``.
+
+``tether serve`` watches them when the App has an ``on_alert`` hook (rules from
+``App(alert_rules=AlertRules(...))``, else the defaults below); elsewhere start an
+``AlertWatcher`` yourself, in one process per store. Every ``interval`` seconds it reads
+the store (queue age, dead letters, runs over their expected duration) and this
+process's counters (retries, 429s, breaker refusals, invalid model outputs, budget
+stops, orphaned tasks taken back: ``tether._telemetry``) over the last ``window``. A
+condition calls the hook once when it starts to hold (``on_alert(subject, details)``,
+``details["alert"]`` naming it) and again only after it has cleared. The counters cover
+only the process the watcher runs in: for fleet-wide spikes use the Prometheus rules in
+docs/observability.md on the same counters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+from typing import TYPE_CHECKING, Any
+
+from ._alert_rules import AlertRules
+from ._history import RunStatus
+from ._telemetry import RECORDER
+
+if TYPE_CHECKING:
+    from ._app import App
+
+log = logging.getLogger("tether.alerts")
+
+__all__ = ["AlertRules", "AlertWatcher"]
+
+
+#: count rules: (rule, counter name, labels filter: which label equals what, or None)
+_COUNTED: tuple[tuple[str, str, tuple[int, str] | None], ...] = (
+    ("retries", "tether_activity_retries", None),
+    ("rate_limited", "tether_rate_limited", None),
+    ("breaker_rejections", "tether_breaker_rejections", None),
+    ("validation_failures", "tether_decisions", (1, "output_invalid")),
+    ("budget_stops", "tether_decisions", (1, "budget_exceeded")),
+    ("orphans", "tether_orphans_recovered", None),
+)
+
+
+class AlertWatcher:
+    """Checks ``rules`` every ``interval`` seconds and tells ``app``'s alert hook."""
+
+    def __init__(self, app: App, rules: AlertRules | None = None, *, interval: float = 30.0):
+        self.app = app
+        self.rules = rules or getattr(app, "alert_rules", None) or AlertRules()
+        self.interval = interval
+        self._firing: set[str] = set()
+        #: (monotonic time, counter totals, open dead letters) of earlier checks
+        self._history: collections.deque[tuple[float, dict[str, float], int]] = collections.deque()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Check in the background on the running loop."""
+        self._task = asyncio.create_task(self._loop(), name="tether-alerts")
+
+    async def stop(self) -> None:
+        """Stop checking."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self.check()
+            except Exception:  # a store hiccup must not end the watch
+                log.warning("checking alert conditions failed", exc_info=True)
+            await asyncio.sleep(self.interval)
+
+    async def check(self, now: float | None = None) -> list[tuple[str, dict[str, Any]]]:
+        """Evaluate every rule now; return (and send) the alerts that started to hold."""
+        loop_now = asyncio.get_running_loop().time() if now is None else now
+        holding = await self._conditions(loop_now)
+        fired: list[tuple[str, dict[str, Any]]] = []
+        for key, (subject, details) in holding.items():
+            if key not in self._firing:
+                fired.append((subject, details))
+                self.app._alert(subject, details)
+        self._firing = set(holding)
+        return fired
+
+    async def _conditions(self, now: float) -> dict[str, tuple[str, dict[str, Any]]]:
+        rules, app = self.rules, self.app
+        out: dict[str, tuple[str, dict[str, Any]]] = {}
+
+        def hold(key: str, subject: str, alert: str, value: float, limit: float, msg: str) -> None:
+            details = {"alert": alert, "value": value, "threshold": limit, "message": msg}
+            out[key] = (subject, details)
+
+        if rules.queue_age is not None:
+            for q in await app.queue_stats():
+                age = q.oldest_ready_age or 0.0
+                if age > rules.queue_age:
+                    hold(
+                        f"queue_age:{q.queue}",
+                        f"queue:{q.queue}",
+                        "queue_age",
+                        age,
+                        rules.queue_age,
+                        f"the oldest ready task of queue {q.queue!r} has waited {age:.0f}s "
+                        f"(threshold {rules.queue_age:.0f}s): are its workers up and unpaused?",
+                    )
+        clock = app.store.clock()
+        for workflow, expected in rules.overdue.items():
+            cutoff = (clock - expected, "")  # created before it (keyset: newest first)
+            late = await app.list(
+                status=RunStatus.RUNNING, workflow=workflow, before=cutoff, limit=100
+            )
+            if late:
+                hold(
+                    f"overdue:{workflow}",
+                    f"workflow:{workflow}",
+                    "run_overdue",
+                    len(late),
+                    expected,
+                    f"{len(late)}{'+' if len(late) == 100 else ''} running run(s) of "
+                    f"{workflow!r} started over {expected:.0f}s ago (oldest listed: "
+                    f"{late[-1].run_id})",
+                )
+        totals: dict[str, float] = collections.defaultdict(float)
+        for name, labels, value in RECORDER.counters():
+            for rule, counter, match in _COUNTED:
+                if name == counter and (match is None or labels[match[0]] == match[1]):
+                    totals[rule] += value
+        letters = len(await app.dead_letters(limit=10_000))
+        self._history.append((now, dict(totals), letters))
+        while len(self._history) > 1 and self._history[1][0] <= now - rules.window:
+            self._history.popleft()
+        _, before, letters_before = self._history[0]
+        if rules.dead_letters is not None and letters - letters_before >= rules.dead_letters:
+            new = letters - letters_before
+            hold(
+                "dead_letters",
+                "dead_letters",
+                "dead_letter_growth",
+                new,
+                rules.dead_letters,
+                f"{new} new dead letter(s) in {rules.window:.0f}s ({letters} open)",
+            )
+        for rule, _counter, _match in _COUNTED:
+            limit = getattr(rules, rule)
+            grew = totals.get(rule, 0.0) - before.get(rule, 0.0)
+            if limit is not None and grew >= limit:
+                hold(
+                    rule,
+                    "process",
+                    rule,
+                    grew,
+                    limit,
+                    f"{grew:.0f} {rule.replace('_', ' ')} in {rules.window:.0f}s in this process",
+                )
+        return out

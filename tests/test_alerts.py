@@ -1,0 +1,127 @@
+"""Alert conditions reach ``on_alert`` once when they start to hold and again only after
+they cleared: a stuck queue, runs over their expected duration, dead-letter growth and a
+retry spike; a run needing an operator is an alert of its own kind."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import tether
+from tether._telemetry import RECORDER
+from tether.alerts import AlertRules, AlertWatcher
+
+OFF: dict[str, Any] = {
+    "queue_age": None,
+    "dead_letters": None,
+    "retries": None,
+    "rate_limited": None,
+    "breaker_rejections": None,
+    "validation_failures": None,
+    "budget_stops": None,
+    "orphans": None,
+}
+
+
+def _hooked(app: tether.App) -> list[tuple[str, dict[str, Any]]]:
+    got: list[tuple[str, dict[str, Any]]] = []
+    app.on_alert = lambda subject, details: got.append((subject, details))
+    return got
+
+
+async def test_a_stuck_queue_alerts_once_until_it_clears(app: tether.App) -> None:
+    got = _hooked(app)
+
+    @app.workflow(queue="nightly")
+    async def batch() -> int:
+        return 1
+
+    watcher = AlertWatcher(app, AlertRules(**{**OFF, "queue_age": 0.2}))
+    run = await app.start(batch)  # no worker serves "nightly"
+    await asyncio.sleep(0.3)
+    await watcher.check()
+    await watcher.check()  # still stuck: not told again
+    assert [(s, d["alert"]) for s, d in got] == [("queue:nightly", "queue_age")]
+    assert got[0][1]["value"] > 0.2 and got[0][1]["threshold"] == 0.2
+    async with app.worker(queues=["nightly"], poll_interval=0.05):
+        assert await run.result(timeout=20) == 1
+    await watcher.check()  # cleared
+    await app.start(batch)
+    await asyncio.sleep(0.3)
+    await watcher.check()  # holds again: told again
+    assert [s for s, _ in got] == ["queue:nightly", "queue:nightly"]
+
+
+async def test_runs_over_their_expected_duration(app: tether.App) -> None:
+    got = _hooked(app)
+
+    @app.workflow
+    async def slowpoke() -> None:
+        await tether.wait_event("never")
+
+    watcher = AlertWatcher(app, AlertRules(**OFF, overdue={"slowpoke": 0.2}))
+    async with app.worker(poll_interval=0.05):
+        run = await app.start(slowpoke)
+        await asyncio.sleep(0.1)
+        assert await watcher.check() == []
+        await asyncio.sleep(0.2)
+        (fired,) = await watcher.check()
+    assert fired[0] == "workflow:slowpoke" and fired[1]["alert"] == "run_overdue"
+    assert run.run_id in fired[1]["message"] and got == [fired]
+
+
+async def test_dead_letter_growth_and_a_retry_spike(app: tether.App) -> None:
+    got = _hooked(app)
+
+    @app.activity(retry=tether.Retry(attempts=4, initial=0.01, backoff=1.0))
+    async def flaky() -> None:
+        raise ConnectionError("down")
+
+    @app.workflow
+    async def fragile() -> None:
+        await flaky()
+
+    rules = AlertRules(**{**OFF, "dead_letters": 2, "retries": 6}, window=60)
+    watcher = AlertWatcher(app, rules)
+    RECORDER.reset()
+    await watcher.check()  # the baseline
+    async with app.worker(poll_interval=0.05):
+        runs = [await app.start(fragile) for _ in range(2)]
+        for run in runs:
+            try:
+                await run.result(timeout=20)
+            except tether.WorkflowFailedError:
+                pass
+    fired = dict(await watcher.check())
+    assert fired["dead_letters"]["alert"] == "dead_letter_growth"
+    assert fired["dead_letters"]["value"] >= 2  # the steps' and the runs' letters
+    assert fired["process"]["alert"] == "retries" and fired["process"]["value"] == 6
+    assert len(got) == 2
+
+
+async def test_a_run_needing_an_operator_is_an_alert_with_its_error(app: tether.App) -> None:
+    got = _hooked(app)
+
+    @app.activity(retry=tether.Retry(attempts=1))
+    async def undo(_: None) -> None:
+        raise RuntimeError("refund refused")
+
+    @app.activity
+    async def step() -> None:
+        return None
+
+    @app.workflow
+    async def booking() -> None:
+        async with tether.saga() as saga:
+            await saga.step(step(), undo=undo)
+            raise ValueError("then it failed")
+
+    async with app.worker(poll_interval=0.05):
+        run = await app.start(booking)
+        try:
+            await run.result(timeout=20)
+        except tether.RunNeedsInterventionError:
+            pass
+    ((subject, details),) = got
+    assert subject == run.run_id and details["alert"] == "needs_intervention"
+    assert details["type"] == "CompensationFailed"
