@@ -57,3 +57,17 @@ def test_postgres_bench_short_mode_runs_every_workload(tmp_path: Path) -> None:
     assert [e["procs"] for e in doc["engine"]] == [1] and doc["engine"][0]["steps_per_s"] > 0
     assert doc["cpu_before_ms"] > 0
     assert "W3-PG tether in-process" in proc.stdout
+
+
+@pytest.mark.slow
+def test_observability_bench_quick_mode_runs_every_mode() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "observability.py"), "--quick", "--repeat", "1"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for mode in ("bare", "metrics", "api", "sdk", "sdk10"):
+        assert f"\n{mode} " in proc.stdout, proc.stdout
+    assert "spans=600" in proc.stdout  # the sdk mode traced every attempt

@@ -118,3 +118,36 @@ async def test_counters_match_a_scripted_scenario(app: tether.App) -> None:
     assert _get(s, "tether_queue_wait_seconds_count", queue="default", kind="activity") >= 6
     # no run id ever becomes a label
     assert not any(dict(labels).get("run_id") for _, labels in s)
+
+
+def test_the_dashboard_and_alert_rules_name_only_metrics_that_exist() -> None:
+    """docs/grafana/tether.json and the rules in docs/observability.md use real names."""
+    import json
+    import re
+    from pathlib import Path
+
+    from tether._telemetry import SPECS
+
+    docs = Path(__file__).parent.parent / "docs"
+    known = {f"{n}_total" if s.kind == "counter" else f"{n}_seconds" for n, s in SPECS.items()}
+    known |= {f"{n}_seconds_bucket" for n, s in SPECS.items() if s.kind == "histogram"}
+    known |= {
+        "tether_queue_ready_tasks",
+        "tether_queue_oldest_ready_seconds",
+        "tether_queue_running_tasks",
+        "tether_queue_scheduled_tasks",
+        "tether_dead_letters_open",
+        "tether_approvals_open",
+        "tether_webhook_deliveries",
+        "tether_switches_off",
+        "tether_runs",
+        "tether_worker_events_total",
+        "tether_worker_inflight_tasks",
+        "tether_worker_slots",
+    }
+    dashboard = json.loads((docs / "grafana" / "tether.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    rules = re.findall(r"expr: (.+)", (docs / "observability.md").read_text())
+    assert len(exprs) >= 10 and len(rules) >= 8
+    used = {m for e in exprs + rules for m in re.findall(r"\btether_[a-z_]+", e)}
+    assert used and used <= known, sorted(used - known)

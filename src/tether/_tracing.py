@@ -27,6 +27,34 @@ except ImportError:  # pragma: no cover - the extra is not installed
 SCOPE = "tether"
 
 
+_TRACER: Any = None
+#: parsed W3C contexts by traceparent: a run's attempts all parse the same one
+_PARSED: dict[str, Any] = {}
+_PARSED_MAX = 4096
+
+
+def _tracer() -> Any:
+    """tether's tracer, made once (``get_tracer`` costs tens of microseconds a call);
+    one made before the SDK was configured forwards to it once it is."""
+    global _TRACER
+    if _TRACER is None:
+        _TRACER = trace.get_tracer(SCOPE)
+    return _TRACER
+
+
+def _extract(carrier: dict[str, str]) -> Any:
+    """The context in ``carrier``, parsed once per distinct traceparent."""
+    key = carrier.get("traceparent")
+    if key is None or carrier.get("tracestate") or len(carrier) > 1:
+        return propagate.extract(carrier)
+    ctx = _PARSED.get(key)
+    if ctx is None:
+        if len(_PARSED) >= _PARSED_MAX:
+            _PARSED.clear()
+        ctx = _PARSED[key] = propagate.extract(carrier)
+    return ctx
+
+
 def available() -> bool:
     """Whether opentelemetry-api is installed."""
     return trace is not None
@@ -45,7 +73,7 @@ def start_carrier(workflow: str, run_id: str) -> dict[str, str] | None:
     elif isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
         return None  # no SDK configured in this process: no span to make (and no cost)
     else:
-        tracer = trace.get_tracer(SCOPE)
+        tracer = _tracer()
         with tracer.start_as_current_span(
             f"tether.run {workflow}",
             kind=trace.SpanKind.PRODUCER,
@@ -60,25 +88,31 @@ def start_carrier(workflow: str, run_id: str) -> dict[str, str] | None:
 def activity_span(
     name: str, run_id: str, step: int | None, attempt: int, queue: str, carrier: Any
 ) -> Iterator[Any]:
-    """A span for one activity attempt, a child of the run's stored context."""
+    """A span for one activity attempt, a child of the run's stored context, current
+    while the attempt runs (so the activity's own instrumentation nests under it).
+
+    Exceptions are not recorded on it: their messages may hold data (``mark_failed``
+    sets the type)."""
     if trace is None or not isinstance(carrier, dict):
         yield None
         return
-    parent = propagate.extract(carrier)
-    tracer = trace.get_tracer(SCOPE)
-    with tracer.start_as_current_span(
+    span = _tracer().start_span(
         f"tether.activity {name}",
-        context=parent,
+        context=_extract(carrier),
         kind=trace.SpanKind.CONSUMER,
         attributes={
             "tether.run_id": run_id,
             "tether.step": step if step is not None else -1,
             "tether.attempt": attempt,
             "tether.queue": queue,
-            "tether.activity": name,
         },
-    ) as span:
+    )
+    token = otel_context.attach(trace.set_span_in_context(span))
+    try:
         yield span
+    finally:
+        otel_context.detach(token)
+        span.end()
 
 
 def mark_failed(error_type: str, retrying: bool) -> None:
@@ -120,10 +154,10 @@ def _span_at(
 ) -> Any:
     """A finished span from ``began`` to ``ended`` (epoch seconds), under ``carrier``."""
     assert trace is not None
-    tracer = trace.get_tracer(SCOPE)
+    tracer = _tracer()
     span = tracer.start_span(
         name,
-        context=propagate.extract(carrier),
+        context=_extract(carrier),
         kind=trace.SpanKind.INTERNAL,
         attributes=attributes,
         start_time=int(began * 1e9),

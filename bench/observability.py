@@ -1,0 +1,203 @@
+"""What observability costs: W1 (runs of sequential no-op steps on SQLite) in four modes,
+each in its own process (an OpenTelemetry SDK is set once per process), interleaved and
+repeated, against the raw commit rate (LIMIT) of the same machine in the same run:
+
+* ``bare``: no counters, no tracing (the engine's recorder replaced by no-ops, as if
+  ``opentelemetry-api`` were not installed): the baseline;
+* ``metrics``: tether's counters and histograms (always on in a real deployment);
+* ``api``: counters plus ``opentelemetry-api`` with no SDK configured;
+* ``sdk``: counters plus the SDK with an in-memory exporter, every run traced (a span
+  per attempt, workflow task and run end), and ``/metrics`` rendered every second;
+* ``sdk10``: the same with one trace in ten sampled (``ParentBased(TraceIdRatioBased(0.1))``,
+  the usual production setting): unsampled runs carry no context and cost nothing.
+
+Targets (issue #19): ``sdk`` within 15% of ``bare``'s steps/s, ``api`` within 3%.
+
+    .venv/bin/python bench/observability.py [--quick] [--repeat N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+MODES = ("bare", "metrics", "api", "sdk", "sdk10")
+
+
+def _mode_setup(mode: str) -> Any:
+    """Configure this (child) process for ``mode``; return what to keep alive."""
+    import tether._app
+    import tether._tracing
+    import tether._worker
+    import tether.logs
+
+    def nothing(*_: Any, **__: Any) -> None:
+        return None
+
+    if mode == "bare":
+        for mod in (tether._worker, tether._app):
+            for name in ("count", "observe"):
+                if hasattr(mod, name):
+                    setattr(mod, name, nothing)
+    if mode in ("bare", "metrics"):
+        tether._tracing.trace = None  # type: ignore[assignment]  # as if not installed
+        tether.logs._trace = None  # type: ignore[assignment]
+        import tether._app as app_module
+
+        app_module.tracing_available = lambda: False  # type: ignore[attr-defined]
+    if mode.startswith("sdk"):
+        from opentelemetry import trace
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+        from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+        from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+
+        exporter = InMemorySpanExporter()
+        sampler = ParentBased(TraceIdRatioBased(0.1)) if mode == "sdk10" else None
+        provider = TracerProvider(sampler=sampler) if sampler else TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        trace.set_tracer_provider(provider)
+        return exporter
+    return None
+
+
+async def _w1(db: Path, runs_n: int, steps_n: int, mode: str, exporter: Any) -> dict[str, Any]:
+    import tether
+    from tether.metrics import Metrics
+
+    app = tether.App(store=f"sqlite:///{db}")
+
+    @app.activity
+    async def noop(x: int) -> int:
+        return x
+
+    @app.workflow
+    async def sequential(steps: int, base: int) -> int:
+        total = 0
+        for i in range(steps):
+            total += await noop(base + i)
+        return total
+
+    scrapes = 0
+    try:
+        async with app.worker(concurrency=100, lease=30.0, poll_interval=0.25) as worker:
+            metrics = Metrics(app, [worker]) if mode.startswith("sdk") else None
+
+            async def scrape() -> None:
+                nonlocal scrapes
+                while True:
+                    await asyncio.sleep(1.0)
+                    assert metrics is not None
+                    await metrics.update()
+                    metrics.exposition()
+                    scrapes += 1
+
+            scraper = asyncio.create_task(scrape()) if metrics is not None else None
+            t0 = time.perf_counter()
+            cpu0 = time.process_time()
+            runs = await asyncio.gather(
+                *(app.start(sequential, steps_n, i, run_id=f"w1-{i}") for i in range(runs_n))
+            )
+            results = await asyncio.gather(*(r.result(timeout=600) for r in runs))
+            wall = time.perf_counter() - t0
+            cpu = time.process_time() - cpu0
+            if scraper is not None:
+                scraper.cancel()
+    finally:
+        await app.close()
+    expected = [sum(i + k for k in range(steps_n)) for i in range(runs_n)]
+    if results != expected:
+        raise RuntimeError(f"{mode}: wrong results")
+    spans = len(exporter.get_finished_spans()) if exporter is not None else 0
+    if mode == "sdk" and spans < runs_n * steps_n:
+        raise RuntimeError(f"sdk: only {spans} spans for {runs_n * steps_n} attempts")
+    steps = runs_n * steps_n
+    return {
+        "mode": mode,
+        "steps_per_s": steps / wall,
+        "cpu_us_per_step": 1e6 * cpu / steps,
+        "spans": spans,
+        "scrapes": scrapes,
+    }
+
+
+def _child(mode: str, runs_n: int, steps_n: int) -> None:
+    exporter = _mode_setup(mode)
+    with tempfile.TemporaryDirectory() as d:
+        out = asyncio.run(_w1(Path(d) / "w1.db", runs_n, steps_n, mode, exporter))
+    print(json.dumps(out))
+
+
+def _limit(seconds: float = 2.0) -> float:
+    sys.path.insert(0, str(HERE))
+    import run as bench_run
+
+    with tempfile.TemporaryDirectory() as d:
+        sizes = bench_run.Sizes(
+            limit_seconds=seconds,
+            limit_commits=5_000,
+            w1_runs=0,
+            w1_steps=0,
+            w3_runs=0,
+            w3_warmup=0,
+            w6_steps=0,
+            w6_cold_repeats=0,
+        )
+        return float(bench_run.bench_limit(Path(d), sizes)["commits_per_s"])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="50 runs instead of 500")
+    parser.add_argument("--repeat", type=int, default=3, help="rounds of the four modes")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    runs_n, steps_n = (50 if args.quick else 500), 10
+    if args.child:
+        _child(args.child, runs_n, steps_n)
+        return 0
+    limit = _limit(0.3 if args.quick else 2.0)
+    print(f"LIMIT (raw SQLite INSERT+COMMIT): {limit:,.0f} commits/s")
+    got: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
+    for r in range(args.repeat):
+        for mode in MODES:  # interleaved: a machine slowing down hurts every mode alike
+            cmd = [sys.executable, __file__, "--child", mode]
+            if args.quick:
+                cmd.append("--quick")
+            res = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            if res.returncode != 0:
+                print(res.stderr, file=sys.stderr)
+                return 1
+            one = json.loads(res.stdout.strip().splitlines()[-1])
+            got[mode].append(one)
+            print(
+                f"round {r + 1} {mode:8} {one['steps_per_s']:8,.0f} steps/s "
+                f"{one['cpu_us_per_step']:6.0f} us CPU/step spans={one['spans']}"
+            )
+    base = statistics.median(x["steps_per_s"] for x in got["bare"])
+    base_cpu = statistics.median(x["cpu_us_per_step"] for x in got["bare"])
+    print(f"\nW1 {runs_n} runs x {steps_n} steps, medians of {args.repeat}:")
+    print(
+        f"{'mode':8} {'steps/s':>9} {'/ bare':>7} {'/ LIMIT':>8} {'CPU us/step':>12} {'/ bare':>7}"
+    )
+    for mode in MODES:
+        sps = statistics.median(x["steps_per_s"] for x in got[mode])
+        cpu = statistics.median(x["cpu_us_per_step"] for x in got[mode])
+        print(
+            f"{mode:8} {sps:9,.0f} {sps / base:7.2f} {sps / limit:8.2f} {cpu:12.0f} "
+            f"{cpu / base_cpu:7.2f}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
