@@ -149,6 +149,7 @@ def test_openapi_shows_each_workflows_input_schema(server: Server) -> None:
         "review",
         "fragile",
         "counted",
+        "booking",
     }
 
 

@@ -151,3 +151,49 @@ def test_the_dashboard_and_alert_rules_name_only_metrics_that_exist() -> None:
     assert len(exprs) >= 10 and len(rules) >= 8
     used = {m for e in exprs + rules for m in re.findall(r"\btether_[a-z_]+", e)}
     assert used and used <= known, sorted(used - known)
+
+
+async def test_the_same_figures_reach_opentelemetry_metrics(app: tether.App) -> None:
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from tether.metrics import to_opentelemetry
+
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    before = list(RECORDER.sinks)
+    to_opentelemetry(provider)
+    try:
+        tries = {"n": 0}
+
+        @app.activity(retry=tether.Retry(attempts=3, initial=0.01, backoff=1.0))
+        async def wobbly() -> int:
+            tries["n"] += 1
+            if tries["n"] == 1:
+                raise ConnectionError("again")
+            return 7
+
+        @app.workflow
+        async def once() -> int:
+            return await wobbly()
+
+        async with app.worker(poll_interval=0.05):
+            assert await (await app.start(once)).result(timeout=20) == 7
+    finally:
+        RECORDER.sinks[:] = before
+    points: dict[str, list[Any]] = {}
+    data = reader.get_metrics_data()
+    assert data is not None
+    for rm in data.resource_metrics:
+        for sm in rm.scope_metrics:
+            for metric in sm.metrics:
+                points[metric.name] = list(metric.data.data_points)
+    (retry,) = points["tether_activity_retries"]
+    assert retry.value == 1
+    assert dict(retry.attributes or {}) == {"activity": "wobbly", "error_type": "ConnectionError"}
+    durations = points["tether_activity_duration_seconds"]
+    assert sum(p.count for p in durations) == 2  # the failed attempt and the good one
+    ended = points["tether_runs_ended"]
+    assert [(dict(p.attributes or {}), p.value) for p in ended] == [
+        ({"workflow": "once", "status": "completed"}, 1)
+    ]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import bisect
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 #: seconds; covers sub-millisecond steps to day-long waits
@@ -129,6 +129,10 @@ class _Histogram:
         self.count = 0
 
 
+#: also told of every observation: (name, labels, value, is a histogram)
+Sink = Callable[[str, tuple[str, ...], float, bool], None]
+
+
 class Recorder:
     """Counters and histograms by (name, label values); safe from any thread."""
 
@@ -136,12 +140,16 @@ class Recorder:
         self._lock = threading.Lock()
         self._counters: dict[tuple[str, tuple[str, ...]], float] = {}
         self._histograms: dict[tuple[str, tuple[str, ...]], _Histogram] = {}
+        #: other places every observation goes (OpenTelemetry metrics, when bridged)
+        self.sinks: list[Sink] = []
 
     def count(self, name: str, labels: tuple[str, ...] = (), n: float = 1.0) -> None:
         """Add ``n`` to counter ``name``."""
         key = (name, labels)
         with self._lock:
             self._counters[key] = self._counters.get(key, 0.0) + n
+        for sink in self.sinks:
+            sink(name, labels, n, False)
 
     def observe(self, name: str, labels: tuple[str, ...], seconds: float) -> None:
         """Record one observation of histogram ``name``."""
@@ -154,6 +162,8 @@ class Recorder:
             h.counts[i] += 1
             h.sum += seconds
             h.count += 1
+        for sink in self.sinks:
+            sink(name, labels, seconds, True)
 
     def counter(self, name: str, labels: tuple[str, ...] = ()) -> float:
         """The value of one counter (0 if never counted)."""

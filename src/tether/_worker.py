@@ -614,6 +614,7 @@ class Worker:
                 task.run_id,
                 type(exc).__name__,
                 redact(str(exc)),
+                extra={"run_id": task.run_id, "workflow": wf_name},
             )
             self.stats["workflow_task_failures"] += 1
             if inst is not None and inst.started is not None:
@@ -648,7 +649,12 @@ class Worker:
             if isinstance(exc, LeaseLostError):
                 self.stats["lease_lost"] += 1
             else:
-                log.warning("could not commit workflow task of %r: %s", task.run_id, exc)
+                log.warning(
+                    "could not commit workflow task of %r: %s",
+                    task.run_id,
+                    exc,
+                    extra={"run_id": task.run_id},
+                )
             return
         if marker == TASK_REJECTED:
             # the result would have ended the run while a signal, cancel or result

@@ -13,7 +13,8 @@ scrape never waits on the store:
 - flow health: runs by workflow and status;
 - this process's workers: task counters (activities, workflow tasks, replays, cache
   hits, held by a switch...), tasks in flight and slots;
-- what this process did (``tether._telemetry``): runs started and ended, dead letters,
+- what this process did (``tether._telemetry``; ``to_opentelemetry()`` also sends it to
+  the OpenTelemetry metrics API): runs started and ended, dead letters,
   retries and final failures by activity and error type, timeouts, breaker rejections,
   non-determinism errors, lost leases, orphans taken back; histograms of attempt
   durations, queue waits, run durations and durable waits (timers, signals, approvals).
@@ -202,3 +203,36 @@ def _recorded() -> Iterator[Any]:
             cumulative.append((bound, running))
         families[name].add_metric(list(labels), cumulative, total)
     yield from families.values()
+
+
+def to_opentelemetry(meter_provider: Any = None) -> None:
+    """Also record the engine's counters and histograms as OpenTelemetry metrics
+    (instruments of meter ``tether``, same names and labels as attributes), from now on,
+    for the meter provider you configured (``opentelemetry-sdk`` and an exporter)."""
+    from opentelemetry import metrics as otel_metrics
+
+    provider = meter_provider or otel_metrics.get_meter_provider()
+    meter = provider.get_meter("tether")
+    instruments: dict[str, Any] = {}
+    for name, spec in SPECS.items():
+        if spec.kind == "counter":
+            instruments[name] = meter.create_counter(name, description=spec.help)
+        else:
+            instruments[name] = meter.create_histogram(
+                f"{name}_seconds",
+                unit="s",
+                description=spec.help,
+                explicit_bucket_boundaries_advisory=list(DURATION_BUCKETS),
+            )
+
+    def sink(name: str, labels: tuple[str, ...], value: float, histogram: bool) -> None:
+        instrument = instruments.get(name)
+        if instrument is None:
+            return
+        attributes = dict(zip(SPECS[name].labels, labels, strict=False))
+        if histogram:
+            instrument.record(value, attributes)
+        else:
+            instrument.add(value, attributes)
+
+    RECORDER.sinks.append(sink)
