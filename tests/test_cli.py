@@ -531,3 +531,34 @@ def test_a_worker_says_when_work_waits_for_another_workers_lease_and_refuses_a_l
     res = project.cli("worker", "flows:app", "--id", "w2")
     assert res.returncode != 0
     assert "in use by a live worker" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_schedules_create_list_pause_trigger_delete(
+    project: Project, start_worker: Callable[..., WorkerProc]
+) -> None:
+    store = ("--store", str(project.db))
+    bad = project.cli("schedules", "create", "s", "flows:app", "hello", '"x"', "--cron", "61 * * *")
+    assert_one_line_error(bad, 1, "cron=", "five-field")
+    bad = project.cli("schedules", "create", "s", "flows:app", "hello", "--every", "60")
+    assert bad.returncode == 2 and "hello" in bad.stderr  # the workflow's argument is missing
+    assert json.loads(project.ok("schedules", "list", "--json", *store)) == []
+    project.ok("schedules", "create", "hi", "flows:app", "hello", '"sched"', "--every", "1")
+    start_worker()
+
+    def fired() -> int:
+        (s,) = json.loads(project.ok("schedules", "list", "--json", *store))
+        return int(s["fired"])
+
+    wait_until(lambda: fired() >= 2, CMD_TIMEOUT, "two ticks")
+    assert "every 1s" in project.ok("schedules", "list", *store)
+    project.ok("schedules", "pause", "hi", *store)
+    (paused,) = json.loads(project.ok("schedules", "list", "--json", *store))
+    assert paused["paused"] and paused["next_at"] is None
+    run_id = project.ok("schedules", "trigger", "hi", *store).strip()
+    assert run_id.startswith("hi@trigger-")
+    wait_until(lambda: project.run_info(run_id)["status"] == "completed", CMD_TIMEOUT, "the run")
+    assert project.run_info(run_id)["output"] == "hello sched"
+    project.ok("schedules", "delete", "hi", *store)
+    assert json.loads(project.ok("schedules", "list", "--json", *store)) == []
+    missing = project.cli("schedules", "pause", "hi", *store)
+    assert_one_line_error(missing, 1, "no schedule 'hi'")

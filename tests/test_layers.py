@@ -37,6 +37,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "tether._telemetry",
             "tether._redact",
             "tether._alert_rules",
+            "tether._schedules",
         ),
     ),
     ("definitions", ("tether._definitions",)),

@@ -34,6 +34,7 @@ from ._errors import (
     RunNotFoundError,
     RunTerminatedError,
     RunTimedOutError,
+    ScheduleNotFoundError,
     StoreError,
     SwitchedOffError,
     TetherError,
@@ -44,6 +45,7 @@ from ._errors import (
 from ._history import Approval, DeadLetter, Event, EventType, RunEnd, RunInfo, RunStatus
 from ._policy import Retry
 from ._queues import Dependency, QueueStats
+from ._schedules import ScheduleInfo, ScheduleSpec
 from ._sync import SyncClient, SyncRun
 from ._usage import Budget, Usage
 from ._worker import Worker
@@ -122,6 +124,9 @@ __all__ = [
     "RunNeedsInterventionError",
     "RunNotFoundError",
     "DeadLetterNotFoundError",
+    "ScheduleInfo",
+    "ScheduleNotFoundError",
+    "ScheduleSpec",
     "SwitchedOffError",
     "RunStatus",
     "RunTerminatedError",

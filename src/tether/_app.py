@@ -54,6 +54,7 @@ from ._history import (
 from ._policy import DEFAULT_RETRY, Retry, seconds
 from ._queues import Dependency, QueueLimits, QueueStats
 from ._redact import redact
+from ._schedules import ScheduleInfo, check_schedule_id, make_spec
 from ._serde import decode_raw, encode
 from ._telemetry import count
 from ._tracing import available as tracing_available
@@ -895,6 +896,85 @@ class App:
         await self.store.resume(run_id)
 
     # -- recovery ---------------------------------------------------------------
+
+    # -- schedules --------------------------------------------------------------------
+
+    async def schedule(
+        self,
+        schedule_id: str,
+        workflow: Workflow[P, R] | str,
+        *args: Any,
+        cron: str | None = None,
+        every: float | timedelta | None = None,
+        tz: str | None = None,
+        jitter: float | timedelta | None = None,
+        overlap: str = "skip",
+        catchup_window: float | timedelta | None = None,
+        start_at: float | _dt.datetime | None = None,
+        end_at: float | _dt.datetime | None = None,
+        kwargs: dict[str, Any] | None = None,
+        paused: bool = False,
+        note: str | None = None,
+    ) -> ScheduleInfo:
+        """Create (or change) the schedule ``schedule_id``: runs of ``workflow(*args)`` on a
+        five-field ``cron`` expression in time zone ``tz``, or ``every`` N seconds.
+
+        Each tick starts one run, id ``<schedule_id>@<tick in UTC>``, on whichever worker
+        serves the workflow's queue (the store decides: never two runs for a tick).
+        ``overlap`` is what a tick does while the previous run still runs: ``skip`` it,
+        ``buffer_one`` (start it when that run ends; later ticks skipped meanwhile),
+        ``allow_all``, or ``cancel_previous``. Ticks missed (no worker, downtime) fire late
+        while within ``catchup_window`` (a day by default), else are skipped. ``jitter``
+        delays each tick by up to that much (fixed per tick). Declaring the same schedule
+        again (each deploy) changes nothing; another spec replaces it from now on.
+        Time zones and clock changes: see ``tether._schedules``.
+        """
+        check_schedule_id(schedule_id)
+        wf = self.get_workflow(workflow) if isinstance(workflow, str) else workflow
+        if wf.name not in self._workflows:
+            raise UnknownWorkflowError(wf.name, list(self._workflows))
+        spec = make_spec(
+            cron=cron,
+            every=every,
+            tz=tz,
+            jitter=jitter,
+            overlap=overlap,
+            catchup_window=catchup_window,
+            start_at=start_at,
+            end_at=end_at,
+        )
+        text = wf.sig.encode_args(args, kwargs or {})
+        wf.sig.decode_args(text)  # wrong argument types fail here, not at the first tick
+        info, _changed = await self.store.put_schedule(
+            schedule_id, wf.name, wf.queue, text, spec, paused=paused, note=note
+        )
+        return info
+
+    async def schedules(self, *, limit: int = 1000) -> builtins.list[ScheduleInfo]:
+        """Every schedule, by id: its spec, next tick, last run, runs fired and skipped."""
+        return await self.store.list_schedules(limit)
+
+    async def get_schedule(self, schedule_id: str) -> ScheduleInfo:
+        """One schedule (``ScheduleNotFoundError`` if there is none)."""
+        return await self.store.get_schedule(schedule_id)
+
+    async def pause_schedule(self, schedule_id: str, note: str | None = None) -> bool:
+        """Stop firing (ticks passed while paused never fire); True if it was running."""
+        return await self.store.pause_schedule(schedule_id, True, note)
+
+    async def resume_schedule(self, schedule_id: str) -> bool:
+        """Fire again, from the first tick after now; True if it was paused."""
+        return await self.store.pause_schedule(schedule_id, False, None)
+
+    async def trigger_schedule(self, schedule_id: str) -> Run[Any]:
+        """Start the schedule's run now (id ``<schedule_id>@trigger-<now>``), whatever its
+        ticks and overlap policy say."""
+        run_id = await self.store.trigger_schedule(schedule_id)
+        return self.get_run(run_id)
+
+    async def delete_schedule(self, schedule_id: str) -> None:
+        """Delete a schedule; the runs it started stay."""
+        await self.store.delete_schedule(schedule_id)
 
     # -- kill switches and the audit log -------------------------------------------
 

@@ -72,6 +72,19 @@ class DeadLetterNotFoundError(TetherError, LookupError):
         self.letter_id = letter_id
 
 
+class ScheduleNotFoundError(TetherError, LookupError):
+    """No schedule has this id."""
+
+    def __init__(self, schedule_id: str) -> None:
+        super().__init__(
+            f"no schedule {schedule_id!r}; list them with app.schedules() or tether schedules list"
+        )
+        self.schedule_id = schedule_id
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.schedule_id,))
+
+
 class SwitchedOffError(TetherError):
     """A kill switch is off for what was asked (a tenant's new runs)."""
 

@@ -26,6 +26,14 @@ from .runs import (
     suspend_command,
     terminate_command,
 )
+from .schedules import (
+    schedules_create_command,
+    schedules_delete_command,
+    schedules_list_command,
+    schedules_pause_command,
+    schedules_resume_command,
+    schedules_trigger_command,
+)
 from .serve import serve_command
 from .store import store_migrate_command
 from .switches import switch_list_command, switch_off_command, switch_on_command
@@ -80,6 +88,17 @@ def _build() -> typer.Typer:
         list=approvals_list_command,
         show=approvals_show_command,
         decide=approvals_decide_command,
+    )
+    _group(
+        cli,
+        "schedules",
+        "Schedules that start runs on a cron or an interval, once per tick across workers.",
+        list=schedules_list_command,
+        create=schedules_create_command,
+        pause=schedules_pause_command,
+        resume=schedules_resume_command,
+        trigger=schedules_trigger_command,
+        delete=schedules_delete_command,
     )
     _group(
         cli,

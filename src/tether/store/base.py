@@ -15,6 +15,7 @@ from typing import Any
 
 from .._history import DeadLetter, Event, EventType, RunEnd, RunInfo, RunStatus, Task
 from .._queues import QueueStats
+from .._schedules import ScheduleInfo, ScheduleSpec
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -309,6 +310,40 @@ class Store(abc.ABC):
         self, kind: str, name: str, off: bool, by: str | None, reason: str | None
     ) -> bool:
         """Turn ``kind``/``name`` off or back on; True when that changed anything."""
+
+    @abc.abstractmethod
+    async def put_schedule(
+        self,
+        schedule_id: str,
+        workflow: str,
+        queue: str,
+        input: str,
+        spec: ScheduleSpec,
+        *,
+        paused: bool = False,
+        note: str | None = None,
+    ) -> tuple[ScheduleInfo, bool]:
+        """Create or change a schedule; (it, whether anything changed)."""
+
+    @abc.abstractmethod
+    async def get_schedule(self, schedule_id: str) -> ScheduleInfo:
+        """One schedule (ScheduleNotFoundError if none)."""
+
+    @abc.abstractmethod
+    async def list_schedules(self, limit: int = 1000) -> list[ScheduleInfo]:
+        """Schedules by id."""
+
+    @abc.abstractmethod
+    async def pause_schedule(self, schedule_id: str, paused: bool, note: str | None) -> bool:
+        """Pause or resume; True if it changed."""
+
+    @abc.abstractmethod
+    async def delete_schedule(self, schedule_id: str) -> None:
+        """Delete a schedule (its runs stay)."""
+
+    @abc.abstractmethod
+    async def trigger_schedule(self, schedule_id: str) -> str:
+        """Start the schedule's run now; its run id."""
 
     @abc.abstractmethod
     async def switches(self) -> list[tuple[Any, ...]]:

@@ -66,7 +66,7 @@ from .ops.tasks import _heartbeat, _renew
 log = logging.getLogger("tether.store")
 
 
-_SCHEMA_VERSION = 7
+_SCHEMA_VERSION = 8
 #: statements that bring a store of the version before up to this one
 _UPGRADES: dict[int, tuple[str, ...]] = {
     2: ("ALTER TABLE runs ADD COLUMN IF NOT EXISTS waiting_on TEXT",),
@@ -112,6 +112,15 @@ _UPGRADES: dict[int, tuple[str, ...]] = {
         "PRIMARY KEY, at DOUBLE PRECISION NOT NULL, actor TEXT NOT NULL, action TEXT NOT "
         "NULL, target TEXT NOT NULL, detail TEXT)",
         "CREATE INDEX IF NOT EXISTS audit_log_by_target ON audit_log (target, id)",
+    ),
+    8: (
+        "CREATE TABLE IF NOT EXISTS schedules (schedule_id TEXT PRIMARY KEY, workflow "
+        "TEXT NOT NULL, queue TEXT NOT NULL, input TEXT NOT NULL, spec TEXT NOT NULL, "
+        "tenant TEXT, paused INTEGER NOT NULL DEFAULT 0, note TEXT, next_at DOUBLE "
+        "PRECISION, last_tick DOUBLE PRECISION, last_run_id TEXT, buffered DOUBLE "
+        "PRECISION, fired BIGINT NOT NULL DEFAULT 0, skipped BIGINT NOT NULL DEFAULT 0, "
+        "version BIGINT NOT NULL DEFAULT 1, created_at DOUBLE PRECISION NOT NULL, "
+        "updated_at DOUBLE PRECISION NOT NULL)",
     ),
 }
 #: task columns added during development, missing from schemas made by older builds

@@ -57,7 +57,7 @@ _OWN_TABLES = {
 }
 
 
-_SCHEMA_VERSION = 7
+_SCHEMA_VERSION = 8
 #: statements that bring a store of the version before up to this one
 _UPGRADES: dict[int, tuple[str, ...]] = {
     2: ("ALTER TABLE runs ADD COLUMN waiting_on TEXT",),
@@ -102,6 +102,14 @@ _UPGRADES: dict[int, tuple[str, ...]] = {
         "NOT NULL, actor TEXT NOT NULL, action TEXT NOT NULL, target TEXT NOT NULL, detail "
         "TEXT)",
         "CREATE INDEX IF NOT EXISTS audit_log_by_target ON audit_log (target, id)",
+    ),
+    8: (
+        "CREATE TABLE IF NOT EXISTS schedules (schedule_id TEXT PRIMARY KEY, workflow "
+        "TEXT NOT NULL, queue TEXT NOT NULL, input TEXT NOT NULL, spec TEXT NOT NULL, "
+        "tenant TEXT, paused INTEGER NOT NULL DEFAULT 0, note TEXT, next_at REAL, "
+        "last_tick REAL, last_run_id TEXT, buffered REAL, fired BIGINT NOT NULL DEFAULT "
+        "0, skipped BIGINT NOT NULL DEFAULT 0, version BIGINT NOT NULL DEFAULT 1, "
+        "created_at REAL NOT NULL, updated_at REAL NOT NULL)",
     ),
 }
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from ..._history import DeadLetter, Event, RunInfo, RunStatus, Task
 from ..._queues import QueueStats
+from ..._schedules import ScheduleInfo, ScheduleSpec
 from ..base import StartResult, Store, WorkflowTaskResult
 from ._tx import Op
 
@@ -287,6 +288,41 @@ class OpsStore(Store):
         out: bool = await self._do(_set_switch, kind, name, off, by, reason)
         return out
 
+    async def put_schedule(
+        self,
+        schedule_id: str,
+        workflow: str,
+        queue: str,
+        input: str,
+        spec: ScheduleSpec,
+        *,
+        paused: bool = False,
+        note: str | None = None,
+    ) -> tuple[ScheduleInfo, bool]:
+        result: tuple[ScheduleInfo, bool] = await self._do(
+            _put_schedule, schedule_id, workflow, queue, input, spec, None, paused, note
+        )
+        return result
+
+    async def get_schedule(self, schedule_id: str) -> ScheduleInfo:
+        info: ScheduleInfo = await self._do(_get_schedule, schedule_id, write=False)
+        return info
+
+    async def list_schedules(self, limit: int = 1000) -> list[ScheduleInfo]:
+        infos: list[ScheduleInfo] = await self._do(_list_schedules, limit, write=False)
+        return infos
+
+    async def pause_schedule(self, schedule_id: str, paused: bool, note: str | None) -> bool:
+        changed: bool = await self._do(_pause_schedule, schedule_id, paused, note)
+        return changed
+
+    async def delete_schedule(self, schedule_id: str) -> None:
+        await self._do(_delete_schedule, schedule_id)
+
+    async def trigger_schedule(self, schedule_id: str) -> str:
+        run_id: str = await self._do(_trigger_schedule, schedule_id)
+        return run_id
+
     async def switches(self) -> list[tuple[Any, ...]]:
         out: list[tuple[Any, ...]] = await self._do(_switches, write=False)
         return out
@@ -463,6 +499,14 @@ from .overview import _run_counts, _run_outcomes, _spend_on  # noqa: E402
 from .queues import _configure_queue, _pause_queue, _queue_stats  # noqa: E402
 from .recovery import _claim_dead_letter, _dead_letters, _fork_run, _resolve_dead_letter, _retry_run  # noqa: E402
 from .runs import _create_run, _get_run, _list_runs  # noqa: E402
+from .schedules import (  # noqa: E402
+    _delete_schedule,
+    _get_schedule,
+    _list_schedules,
+    _pause_schedule,
+    _put_schedule,
+    _trigger_schedule,
+)
 from .switches import _audit, _audit_log, _set_switch, _switches  # noqa: E402
 from .tasks import _foreign_leases, _heartbeat, _next_due, _reclaim, _release, _renew  # noqa: E402
 from .timers import _fire_timer  # noqa: E402

@@ -7,6 +7,9 @@ from ._tx import _Tx
 
 
 def _fire_timer(tx: _Tx, task: Task) -> None:
+    if task.kind == "schedule":
+        _fire_schedule(tx, task)
+        return
     _check_fence(tx, task)
     if task.kind == "debounce":
         _fire_debounce(tx, task)
@@ -53,4 +56,5 @@ def _fire_debounce(tx: _Tx, task: Task) -> None:
 # operations of other concerns (imported last: see the package docstring)
 from .history import _append  # noqa: E402
 from .runs import _finish, _insert_run, _run_row  # noqa: E402
+from .schedules import _fire_schedule  # noqa: E402
 from .tasks import _check_fence, _ensure_workflow_task  # noqa: E402

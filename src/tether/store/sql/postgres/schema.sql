@@ -272,3 +272,26 @@ CREATE TABLE IF NOT EXISTS audit_log (
     detail  TEXT
 );
 CREATE INDEX IF NOT EXISTS audit_log_by_target ON audit_log (target, id);
+
+-- Schedules (app.schedule): one row each; a 'schedule' task (run_id "schedule:<id>",
+-- name <id>) is due at the next tick plus jitter, and the worker that claims it fires
+-- the tick in one commit (the run id <id>@<tick> makes a second firing impossible).
+CREATE TABLE IF NOT EXISTS schedules (
+    schedule_id TEXT PRIMARY KEY,
+    workflow TEXT NOT NULL,
+    queue TEXT NOT NULL,
+    input TEXT NOT NULL,
+    spec TEXT NOT NULL,
+    tenant TEXT,
+    paused INTEGER NOT NULL DEFAULT 0,
+    note TEXT,
+    next_at DOUBLE PRECISION,
+    last_tick DOUBLE PRECISION,
+    last_run_id TEXT,
+    buffered DOUBLE PRECISION,
+    fired BIGINT NOT NULL DEFAULT 0,
+    skipped BIGINT NOT NULL DEFAULT 0,
+    version BIGINT NOT NULL DEFAULT 1,
+    created_at DOUBLE PRECISION NOT NULL,
+    updated_at DOUBLE PRECISION NOT NULL
+);

@@ -1,0 +1,325 @@
+"""Schedules: cron and interval ticks (time zones, clock changes), one run per tick
+whatever fires it, overlap policies, the catch-up window, pause/resume/trigger/delete,
+and bad input refused with nothing stored. Simulated hours run on the time-skipping
+``Env``; once-only across worker processes is tested with real processes."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import os
+import sqlite3
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from zoneinfo import ZoneInfo
+
+import pytest
+
+import tether
+from tether._schedules import ScheduleSpec, make_spec, next_tick, plan, tick_run_id
+from tether.testing import Env
+from tether.testing._env import VirtualClock
+
+HERE = Path(__file__).parent
+BERLIN = ZoneInfo("Europe/Berlin")
+T0 = 1_800_000_000.0  # a whole minute (and hour) in UTC
+
+
+def _spec(**kw: object) -> ScheduleSpec:
+    base: dict[str, object] = {
+        "cron": None,
+        "every": None,
+        "tz": None,
+        "jitter": None,
+        "overlap": "skip",
+        "catchup_window": None,
+        "start_at": None,
+        "end_at": None,
+    }
+    return make_spec(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def _at(text: str) -> float:
+    return datetime.fromisoformat(text).timestamp()
+
+
+# -- when ticks fall --------------------------------------------------------------------
+
+
+def test_cron_ticks_in_a_time_zone_across_both_clock_changes() -> None:
+    daily = _spec(cron="30 2 * * *", tz="Europe/Berlin")
+    # spring forward (2026-03-29 02:00 -> 03:00): 02:30 does not exist, fires at 03:00
+    t = next_tick(daily, _at("2026-03-28T12:00:00+01:00"))
+    assert t == _at("2026-03-29T03:00:00+02:00")
+    assert next_tick(daily, t) == _at("2026-03-30T02:30:00+02:00")
+    # fall back (2026-10-25 03:00 -> 02:00): 02:30 happens twice, fires once (the first)
+    t = next_tick(daily, _at("2026-10-24T12:00:00+02:00"))
+    assert t == _at("2026-10-25T02:30:00+02:00")
+    assert next_tick(daily, t) == _at("2026-10-26T02:30:00+01:00")
+    # hourly through the repeated hour: each wall-clock hour once
+    hourly = _spec(cron="0 * * * *", tz="Europe/Berlin")
+    ticks, t = [], _at("2026-10-25T00:30:00+02:00")
+    for _ in range(4):
+        t = next_tick(hourly, t)
+        ticks.append(datetime.fromtimestamp(t, BERLIN).isoformat())
+    assert ticks == [
+        "2026-10-25T01:00:00+02:00",
+        "2026-10-25T02:00:00+02:00",
+        "2026-10-25T03:00:00+01:00",
+        "2026-10-25T04:00:00+01:00",
+    ]
+
+
+def test_interval_ticks_the_catch_up_window_and_the_end() -> None:
+    every = _spec(every=60, catchup_window=150, end_at=T0 + 600)
+    assert next_tick(every, T0 + 1) == T0 + 60 and next_tick(every, T0 + 60) == T0 + 120
+    assert plan(every, T0 + 60, T0 + 30) == (None, 0, T0 + 60)  # not due yet
+    # 10 minutes late: ticks older than 150 s are skipped, the rest fire one by one
+    tick, skipped, after = plan(every, T0 + 60, T0 + 600)
+    assert (tick, skipped, after) == (T0 + 480, 7, T0 + 540)
+    assert next_tick(every, T0 + 600) is None  # past end_at
+    anchored = _spec(every=3600, start_at=T0 + 900)
+    assert next_tick(anchored, T0) == T0 + 900 and next_tick(anchored, T0 + 900) == T0 + 4500
+    assert tick_run_id("nightly", T0) == "nightly@2027-01-15T08:00:00Z"
+
+
+async def test_bad_input_is_refused_naming_the_field_and_nothing_is_stored(
+    app: tether.App,
+) -> None:
+    @app.workflow
+    async def job(n: int) -> int:
+        return n
+
+    cases = [
+        ({"cron": "61 * * * *"}, "cron="),
+        ({"cron": "every day"}, "cron="),
+        ({"cron": "0 2 * * *", "tz": "Mars/Olympus"}, "tz="),
+        ({"cron": "0 2 * * *", "every": 60}, "exactly one"),
+        ({}, "exactly one"),
+        ({"every": 0.5}, "every="),
+        ({"every": 60, "overlap": "queue"}, "overlap="),
+        ({"every": 60, "jitter": -1}, "jitter"),
+    ]
+    for kw, needle in cases:
+        with pytest.raises(tether.ConfigurationError, match=needle):
+            await app.schedule("s", job, 1, **kw)  # type: ignore[arg-type]
+    with pytest.raises(tether.ConfigurationError, match="schedule id"):
+        await app.schedule("a@b", job, 1, every=60)
+    with pytest.raises(tether.PayloadError):
+        await app.schedule("s", job, "not a number", every=60)
+    with pytest.raises(tether.UnknownWorkflowError):
+        await app.schedule("s", "nope", every=60)
+    assert await app.schedules() == []
+    with pytest.raises(tether.ScheduleNotFoundError, match="tether schedules list"):
+        await app.pause_schedule("missing")
+
+
+# -- firing, on a virtual clock ----------------------------------------------------------
+
+
+async def _until(env: Env, t: float) -> None:
+    while env.clock.now < t:
+        await asyncio.sleep(0.002)
+    await asyncio.sleep(0.05)  # let the last tick's run finish
+
+
+async def test_one_run_per_tick_over_a_simulated_hour(app: tether.App) -> None:
+    @app.workflow
+    async def ping() -> str:
+        return tether.info().run_id
+
+    async with Env(app, start=T0) as env:
+        await app.schedule("ping", ping, every=60)
+        await _until(env, T0 + 3600)
+    runs = await app.list(workflow="ping", limit=1000)
+    ids = sorted(r.run_id for r in runs if r.run_id <= tick_run_id("ping", T0 + 3600))
+    assert ids == [tick_run_id("ping", T0 + 60 * i) for i in range(1, 61)]
+    info = await app.get_schedule("ping")
+    assert info.skipped == 0 and info.fired >= 60
+
+
+async def test_a_declaration_repeated_at_each_deploy_changes_nothing(app: tether.App) -> None:
+    @app.workflow
+    async def job() -> None:
+        return None
+
+    async with Env(app, start=T0, skip_time=False) as env:
+        first = await app.schedule("job", job, cron="0 * * * *")
+        await env.advance(1800)
+        again = await app.schedule("job", job, cron="0 * * * *")
+        assert again.version == first.version and again.next_at == first.next_at == T0 + 3600
+        changed = await app.schedule("job", job, cron="15 * * * *")
+        # 08:30 now: the new spec's next tick is 09:15
+        assert changed.version == first.version + 1 and changed.next_at == T0 + 4500
+
+
+@pytest.mark.parametrize(
+    ("overlap", "expected"),
+    [
+        # runs take 150 s, ticks every 60 s, for 10 minutes
+        ("skip", [60, 240, 420, 600]),
+        ("allow_all", [60, 120, 180, 240, 300, 360, 420, 480, 540, 600]),
+        # 60 runs to 210; 120 is held, 180 dropped; 120 starts at ~210 and runs to ~360;
+        # 240 is held, 300 and 360 dropped; 240 starts at ~360...
+        ("buffer_one", [60, 120, 240, 420]),
+        ("cancel_previous", [60, 120, 180, 240, 300, 360, 420, 480, 540, 600]),
+    ],
+)
+async def test_overlap_policies(app: tether.App, overlap: str, expected: list[int]) -> None:
+    @app.workflow
+    async def long() -> None:
+        await tether.sleep(150)
+
+    async with Env(app, start=T0) as env:
+        await app.schedule("long", long, every=60, overlap=overlap)
+        await _until(env, T0 + 600)
+    runs = {r.run_id: r for r in await app.list(workflow="long", limit=100)}
+    ticks = [T0 + 60 * i for i in range(1, 11)]
+    fired = sorted(t for t in ticks if tick_run_id("long", t) in runs)
+    assert [int(t - T0) for t in fired] == expected
+    if overlap == "cancel_previous":
+        assert runs[tick_run_id("long", T0 + 60)].status is tether.RunStatus.CANCELLED
+    if overlap == "buffer_one":
+        # the held tick starts once the run before it ended (within the 5 s re-check)
+        held = runs[tick_run_id("long", T0 + 120)]
+        assert T0 + 210 <= held.created_at <= T0 + 216
+    info = await app.get_schedule("long")
+    assert info.last_tick is not None  # every tick so far was fired, skipped or is held
+    ticks_seen = round((info.last_tick - T0) / 60)
+    assert info.fired + info.skipped + (1 if info.buffered else 0) == ticks_seen
+
+
+async def test_missed_ticks_fire_late_within_the_catch_up_window_only(app: tether.App) -> None:
+    @app.workflow
+    async def job() -> None:
+        return None
+
+    clock = VirtualClock(T0)
+    app.store.clock = clock  # no worker for ten minutes
+    # allow_all: this test is about the window, not about overlaps among the late runs
+    await app.schedule("late", job, every=60, catchup_window=150, overlap="allow_all")
+    async with Env(app, start=T0 + 600, skip_time=False):
+        await asyncio.sleep(0.5)
+    ids = sorted(r.run_id for r in await app.list(workflow="job"))
+    assert ids == [tick_run_id("late", T0 + s) for s in (480, 540, 600)]
+    assert (await app.get_schedule("late")).skipped == 7
+
+
+async def test_a_daily_cron_over_the_night_the_clocks_go_back(app: tether.App) -> None:
+    @app.workflow
+    async def nightly() -> None:
+        return None
+
+    start = _at("2026-10-24T12:00:00+02:00")
+    async with Env(app, start=start) as env:
+        await app.schedule("nightly", nightly, cron="30 2 * * *", tz="Europe/Berlin")
+        await _until(env, _at("2026-10-27T12:00:00+01:00"))
+    last = "nightly@2026-10-27T01:30:00Z"  # the Env goes on skipping time afterwards
+    ids = sorted(r.run_id for r in await app.list(workflow="nightly") if r.run_id <= last)
+    assert ids == [
+        "nightly@2026-10-25T00:30:00Z",  # 02:30 summer time, once
+        "nightly@2026-10-26T01:30:00Z",
+        "nightly@2026-10-27T01:30:00Z",
+    ]
+
+
+async def test_pause_resume_trigger_and_delete(app: tether.App) -> None:
+    @app.workflow
+    async def job() -> str:
+        return "done"
+
+    async with Env(app, start=T0, skip_time=False) as env:
+        await app.schedule("ops", job, every=60)
+        await env.advance(60)
+        await asyncio.sleep(0.2)
+        assert await app.pause_schedule("ops", note="maintenance") is True
+        assert await app.pause_schedule("ops") is False
+        await env.advance(300)  # ticks while paused never fire
+        await asyncio.sleep(0.2)
+        paused = await app.get_schedule("ops")
+        assert paused.paused and paused.next_at is None and paused.note == "maintenance"
+        assert await app.resume_schedule("ops") is True
+        assert (await app.get_schedule("ops")).next_at == T0 + 420
+        run = await app.trigger_schedule("ops")
+        assert run.run_id.startswith("ops@trigger-") and await run.result(timeout=5) == "done"
+        await app.delete_schedule("ops")
+        await env.advance(600)
+        await asyncio.sleep(0.2)
+    ids = sorted(r.run_id for r in await app.list(workflow="job"))
+    assert ids[:1] == [tick_run_id("ops", T0 + 60)] and len(ids) == 2  # and the trigger
+    assert await app.schedules() == []
+    with pytest.raises(tether.ScheduleNotFoundError):
+        await app.get_schedule("ops")
+
+
+# -- once per tick across worker processes ----------------------------------------------
+
+
+def test_three_worker_processes_fire_each_tick_exactly_once(
+    store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    effects = tmp_path / "effects.db"
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{HERE.parent / 'src'}{os.pathsep}{HERE}",
+        "TETHER_TEST_STORE": store_url,
+        "SCHEDULE_EFFECTS": str(effects),
+    }
+    sys.path.insert(0, str(HERE))
+    monkeypatch.setenv("TETHER_TEST_STORE", store_url)
+    monkeypatch.setenv("SCHEDULE_EFFECTS", str(effects))
+    try:
+        import schedule_app
+
+        schedule_app = importlib.reload(schedule_app)  # on this test's store
+    finally:
+        sys.path.remove(str(HERE))
+
+    async def declare() -> float:
+        await schedule_app.app.schedule(
+            "every-second", schedule_app.tick, every=1, overlap="allow_all"
+        )
+        began = schedule_app.app.store.clock()
+        await schedule_app.app.close()
+        return began
+
+    began = asyncio.run(declare())
+    workers = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tether.cli", "worker", "schedule_app:app"],
+            cwd=HERE,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for _ in range(3)
+    ]
+    try:
+        time.sleep(8)
+    finally:
+        for w in workers:
+            w.terminate()
+        for w in workers:
+            w.wait(30)
+
+    async def read() -> tuple[list[str], tether.ScheduleInfo]:
+        app = tether.App(store=store_url)
+        try:
+            runs = await app.list(workflow="tick", limit=1000)
+            return [r.run_id for r in runs], await app.get_schedule("every-second")
+        finally:
+            await app.close()
+
+    ids, info = asyncio.run(read())
+    last = info.last_tick
+    assert last is not None
+    expected = [tick_run_id("every-second", t) for t in range(int(began) + 1, int(last) + 1)]
+    assert sorted(ids) == expected  # every tick, none missed
+    assert len(expected) >= 5 and info.fired == len(ids) and info.skipped == 0
+    with sqlite3.connect(effects) as conn:
+        rows = conn.execute("SELECT run_id, count(*) FROM effects GROUP BY run_id").fetchall()
+    assert sorted(r[0] for r in rows) == expected and all(r[1] == 1 for r in rows)
+    assert datetime.fromtimestamp(last, UTC) > datetime.fromtimestamp(began, UTC)
