@@ -498,6 +498,8 @@ class App:
         budget: Budget | None = None,
         webhook: str | None = None,
         by: str | None = None,
+        if_running: str | None = None,
+        signal: tuple[str, Any] | None = None,
         _trace: dict[str, str] | None = None,
     ) -> Run[R]:
         """Start a run and return its handle; durable when this returns.
@@ -517,7 +519,33 @@ class App:
         With OpenTelemetry configured the run joins the current trace (``_tracing.py``).
         ``by`` names who starts it (an API key, a CLI user), kept with the run for
         ``audit``; children name their parent run without it.
+
+        Singletons: with a ``run_id``, ``if_running`` says what a start does when that run
+        exists: ``"return"`` it whatever its input, ``"reject"`` (``RunIdConflictError``),
+        or ``"signal"``: signal-with-start, with ``signal=(name, payload)``: the signal
+        goes to the existing run (its live run if it continued as new), or the run is
+        created and gets the signal before its code first runs; one commit either way,
+        so concurrent starts make one run and every signal arrives, in one order. By
+        default a start with the same input returns the existing run and other input is
+        a conflict. A run id names one run ever: a signal-with-start to a run that ended
+        raises ``RunFinishedError``.
         """
+        if if_running not in (None, "return", "reject", "signal"):
+            raise ConfigurationError(
+                f"if_running= must be 'return', 'reject' or 'signal' (got {if_running!r})"
+            )
+        if if_running == "signal" and signal is None:
+            raise ConfigurationError("if_running='signal' needs signal=(name, payload)")
+        if signal is not None and if_running not in (None, "signal"):
+            raise ConfigurationError("signal= is a signal-with-start: if_running='signal'")
+        if (if_running is not None or signal is not None) and run_id is None:
+            raise ConfigurationError("if_running= and signal= need the run's id: run_id=")
+        signal_wire = None
+        if signal is not None:
+            if not (isinstance(signal, tuple) and len(signal) == 2 and isinstance(signal[0], str)):
+                raise ConfigurationError("signal= takes a (name, payload) tuple")
+            signal_wire = (signal[0], encode(signal[1], f"payload of signal {signal[0]!r}"))
+        if_exists = "same_input" if if_running in (None, "signal") else if_running
         if budget is not None and not isinstance(budget, Budget):
             raise ConfigurationError(
                 f"budget= takes a tether.Budget(tokens=..., cost=...), got {type(budget).__name__}"
@@ -567,6 +595,8 @@ class App:
                     budget=budget,
                     webhook=webhook,
                     by=by,
+                    if_running=if_running,
+                    signal=signal,
                     _trace=carrier or {},  # this thread's trace context, not that loop's
                 ),
                 elsewhere,
@@ -581,7 +611,7 @@ class App:
         now = self.store.clock()
         deadline_at = None if limit is None else now + limit
         eager = None
-        if local is not None:
+        if local is not None and signal is None:
             # an in-process worker runs the first workflow task now, so the run and
             # that task's commands are stored in one commit (no claim, no second commit)
             data = start_event_data(wf.name, deadline_at, tenant, attrs=attrs)
@@ -601,6 +631,8 @@ class App:
                 first=eager[1] if eager is not None else None,
                 lease_limit=local.free_slots() if local is not None else 0,
                 attrs=attrs,
+                if_exists=if_exists,
+                signal=signal_wire,
             )
         except BaseException:
             if eager is not None:

@@ -126,8 +126,17 @@ class Store(abc.ABC):
         first: WorkflowTaskResult | None = None,
         lease_limit: int = 0,
         attrs: dict[str, Any] | None = None,
+        if_exists: str = "same_input",
+        signal: tuple[str, str] | None = None,
     ) -> StartResult:
         """Create a run with its first workflow task, or return the existing identical one.
+
+        ``if_exists``: ``same_input`` (the existing run if its workflow, input and tenant
+        match, else ``RunIdConflictError``), ``return`` (the existing run whatever its
+        input) or ``reject`` (``RunIdConflictError``). With ``signal`` (name, encoded
+        payload), the signal goes to the run in the same commit: to the existing run
+        (its live run if it continued as new; ``RunFinishedError`` if it ended), or to
+        the new one before its code first runs (signal-with-start).
 
         With ``lease_to`` (an in-process worker serving the run's queue), the first
         workflow task is leased to it in the same commit and returned, saving a claim.

@@ -48,6 +48,8 @@ class OpsStore(Store):
         first: WorkflowTaskResult | None = None,
         lease_limit: int = 0,
         attrs: dict[str, Any] | None = None,
+        if_exists: str = "same_input",
+        signal: tuple[str, str] | None = None,
     ) -> StartResult:
         result: StartResult = await self._do(
             _create_run,
@@ -64,6 +66,8 @@ class OpsStore(Store):
             first,
             lease_limit,
             attrs,
+            if_exists,
+            signal,
         )
         return result
 

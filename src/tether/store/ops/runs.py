@@ -121,20 +121,29 @@ def _create_run(
     first: WorkflowTaskResult | None = None,
     lease_limit: int = 0,
     attrs: dict[str, Any] | None = None,
+    if_exists: str = "same_input",
+    signal: tuple[str, str] | None = None,
 ) -> StartResult:
     # optimistic: no read; if the run exists, inserting it fails and the safe path reads
     row = None
-    if not tx.optimistic:
+    if not tx.optimistic or signal is not None or if_exists != "same_input":
         row = tx.execute(f"SELECT {_RUN_COLS} FROM runs WHERE run_id = ?", (run_id,)).fetchone()
     if row is not None:
         existing = _run_from_row(row)
         if existing.workflow != workflow:
             raise RunIdConflictError(run_id, f"workflow {existing.workflow!r}")
-        if existing.input != input:
-            raise RunIdConflictError(run_id, "different input")
-        if existing.tenant != tenant:
-            raise RunIdConflictError(run_id, f"tenant {existing.tenant!r}")
+        if if_exists == "reject":
+            raise RunIdConflictError(run_id, "a run (this start refuses to join it)")
+        if if_exists == "same_input" and signal is None:
+            if existing.input != input:
+                raise RunIdConflictError(run_id, "different input")
+            if existing.tenant != tenant:
+                raise RunIdConflictError(run_id, f"tenant {existing.tenant!r}")
+        if signal is not None:  # to the run (its live run, if it continued as new)
+            _signal(tx, run_id, signal[0], signal[1])
         return StartResult(run=existing, created=False)
+    if signal is not None:
+        first = None  # the first workflow task must see the signal: no eager task
     queued = False
     if tenant is not None:
         off = tx.execute(
@@ -170,6 +179,8 @@ def _create_run(
         start_event=not eager,
         attrs=attrs,
     )
+    if signal is not None:  # right after the start event: the code's first task sees it
+        _signal(tx, run_id, signal[0], signal[1])
     if eager:
         assert first is not None
         # the start event, the task's commands and its marker in one history write, the
@@ -427,7 +438,7 @@ def _list_runs(
 
 # operations of other concerns (imported last: see the package docstring)
 from .admission import _admission, _admit_queued, _promote  # noqa: E402
-from .control import _MAX_CHAIN, _close_children  # noqa: E402
+from .control import _MAX_CHAIN, _close_children, _signal  # noqa: E402
 from .history import _append, _Pending, _read_history  # noqa: E402
 from .tasks import _ensure_workflow_task  # noqa: E402
 from .webhooks import _queue_webhook  # noqa: E402
