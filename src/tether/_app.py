@@ -32,6 +32,7 @@ from ._errors import (
     ApprovalError,
     ApprovalNotFoundError,
     ConfigurationError,
+    QueryError,
     ResultTimeoutError,
     RunCancelledError,
     RunNeedsInterventionError,
@@ -40,13 +41,18 @@ from ._errors import (
     RunTimedOutError,
     UnknownActivityError,
     UnknownWorkflowError,
+    UpdateFailedError,
+    UpdateRejectedError,
     WorkflowFailedError,
 )
 from ._history import (
     APPROVAL_SIGNAL,
+    UPDATE_MARKER,
+    UPDATE_SIGNAL,
     Approval,
     DeadLetter,
     Event,
+    EventType,
     RunEnd,
     RunInfo,
     RunStatus,
@@ -67,6 +73,7 @@ from .store.ops.admission import _configure_admission
 from .store.ops.queues import _configure_queue
 from .store.ops.switches import SWITCH_KINDS
 from .webhooks import check_webhook_url
+from .workflow._instance import WorkflowInstance
 
 log = logging.getLogger("tether")
 _seconds = seconds  # pause_queue has a parameter named ``seconds``
@@ -910,6 +917,110 @@ class App:
     async def signal(self, run_id: str, name: str, payload: Any = None) -> None:
         """Deliver the signal ``name``; durable when this returns, buffered until waited for."""
         await self.store.signal(run_id, name, encode(payload, f"payload of signal {name!r}"))
+
+    # -- queries and updates -----------------------------------------------------
+
+    async def query(self, run_id: str, name: str, *args: Any) -> Any:
+        """Answer the run's query ``name`` (``tether.on_query``) from its state, rebuilt
+        here by replaying its history (the workflow must be registered on this App). No
+        event is recorded and no worker is asked; a finished run answers from its final
+        state. ``QueryError`` if the run has no such handler or it raised."""
+        inst = await self._replayed(run_id, f"query {name!r}")
+        try:
+            handler = inst.queries.get(name)
+            if handler is None:
+                known = ", ".join(sorted(inst.queries)) or "none"
+                raise QueryError(inst.run_id, name, f"no such query handler (known: {known})")
+            try:
+                out = handler(*args)
+            except Exception as exc:
+                raise QueryError(inst.run_id, name, f"{type(exc).__name__}: {exc}") from exc
+            if asyncio.iscoroutine(out):
+                out.close()
+                raise QueryError(inst.run_id, name, "a query handler must not be async")
+            return json.loads(encode(out, f"answer of query {name!r}"))
+        finally:
+            inst.close()
+
+    async def update(self, run_id: str, name: str, *args: Any, timeout: float | None = 60.0) -> Any:
+        """Run the update ``name`` (``tether.on_update``) in the run and return its result.
+
+        Its validator runs here first against the replayed state: a refusal raises
+        ``UpdateRejectedError`` and records nothing. An accepted update is recorded (a
+        request, then a Marker with its outcome) and applied when the run reaches it;
+        ``UpdateFailedError`` if its handler raised. Waits up to ``timeout`` seconds for
+        the outcome (``ResultTimeoutError``; the update still applies)."""
+        inst = await self._replayed(run_id, f"update {name!r}")
+        try:
+            entry = inst.updates.get(name)
+            if entry is None:
+                known = ", ".join(sorted(inst.updates)) or "none"
+                raise UpdateRejectedError(
+                    inst.run_id, name, f"no such update handler (known: {known})"
+                )
+            if entry[1] is not None:
+                try:
+                    entry[1](*args)
+                except Exception as exc:
+                    raise UpdateRejectedError(inst.run_id, name, str(exc)) from None
+            live = inst.run_id
+        finally:
+            inst.close()
+        update_id = uuid.uuid4().hex
+        payload = encode({"id": update_id, "args": list(args)}, f"arguments of update {name!r}")
+        await self.store.signal(live, UPDATE_SIGNAL + name, payload)
+        return await self._update_outcome(live, update_id, name, timeout)
+
+    async def _replayed(self, run_id: str, what: str) -> WorkflowInstance:
+        """The run's live instance rebuilt from its history, through its last task."""
+        info = await self.get(run_id)
+        events = await self.store.read_history(info.run_id, 0)
+        last = max(
+            (i for i, e in enumerate(events) if e.type is EventType.WORKFLOW_TASK_COMPLETED),
+            default=None,
+        )
+        if last is None:
+            raise QueryError(info.run_id, what, "its code has not run yet: try again shortly")
+        inst = WorkflowInstance(info.run_id, self.get_workflow(info.workflow))
+        try:
+            inst.advance(events[: last + 1], self.store.clock())
+        except BaseException:
+            inst.close()
+            raise
+        return inst
+
+    async def _update_outcome(
+        self, run_id: str, update_id: str, name: str, timeout: float | None
+    ) -> Any:
+        """Wait for the Marker that records the update's outcome."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        after, delay = 0, 0.01
+        while True:
+            for ev in await self.store.read_history(run_id, after):
+                after = max(after, ev.seq)
+                value = ev.data.get("value") if ev.type is EventType.MARKER else None
+                if ev.data.get("marker") != UPDATE_MARKER or not isinstance(value, dict):
+                    continue
+                if value.get("id") != update_id:
+                    continue
+                err = value.get("error")
+                if err is None:
+                    return value.get("result")
+                if err.get("type") == "UpdateRejected":
+                    raise UpdateRejectedError(run_id, name, str(err.get("message")))
+                raise UpdateFailedError(run_id, name, str(err.get("type")), str(err.get("message")))
+            info = await self.get(run_id, follow=False)
+            if info.is_finished:
+                ended = f"the run ended ({info.status.value}) before it handled the update"
+                raise UpdateRejectedError(run_id, name, ended)
+            if deadline is not None and loop.time() >= deadline:
+                raise ResultTimeoutError(
+                    f"update {name!r} of run {run_id!r} has no outcome after {timeout}s; "
+                    "it is recorded and still applies when the run reaches it"
+                )
+            await asyncio.sleep(delay)
+            delay = min(0.25, delay * 1.5)
 
     async def cancel(self, run_id: str, reason: str | None = None) -> None:
         """Ask a run to cancel: its code sees CancelledError at the next await and may clean up."""

@@ -72,6 +72,39 @@ class DeadLetterNotFoundError(TetherError, LookupError):
         self.letter_id = letter_id
 
 
+class QueryError(TetherError):
+    """A query could not be answered: no such handler in the run, or it failed."""
+
+    def __init__(self, run_id: str, name: str, problem: str) -> None:
+        super().__init__(f"query {name!r} of run {run_id!r}: {problem}")
+        self.run_id, self.name, self.problem = run_id, name, problem
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.run_id, self.name, self.problem))
+
+
+class UpdateRejectedError(TetherError):
+    """An update was refused (unknown, or its validator raised): nothing was applied."""
+
+    def __init__(self, run_id: str, name: str, problem: str) -> None:
+        super().__init__(f"update {name!r} of run {run_id!r} refused: {problem}")
+        self.run_id, self.name, self.problem = run_id, name, problem
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.run_id, self.name, self.problem))
+
+
+class UpdateFailedError(TetherError):
+    """An accepted update's handler raised; ``error_type`` and the message say what."""
+
+    def __init__(self, run_id: str, name: str, error_type: str, message: str) -> None:
+        super().__init__(f"update {name!r} of run {run_id!r} failed: {error_type}: {message}")
+        self.run_id, self.name, self.error_type, self.message = run_id, name, error_type, message
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.run_id, self.name, self.error_type, self.message))
+
+
 class ScheduleNotFoundError(TetherError, LookupError):
     """No schedule has this id."""
 

@@ -114,6 +114,10 @@ OUTCOMES = frozenset(
 
 #: the signal a decision of ``tether.approval`` is delivered as: this prefix + the approval id
 APPROVAL_SIGNAL = "tether.approval:"
+#: an update request is a signal named this prefix + the update's name, its payload
+#: ``{"id": ..., "args": [...]}``; its outcome a Marker ``update`` with the same id
+UPDATE_SIGNAL = "tether.update:"
+UPDATE_MARKER = "update"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -311,3 +311,40 @@ def patched(patch_id: str) -> bool:
 def deprecate_patch(patch_id: str) -> None:
     """Keep replaying runs that recorded ``patch_id`` after the old branch is removed."""
     _instance("deprecate_patch").patched(patch_id, deprecated=True)
+
+
+def on_query(name: str, handler: Callable[..., Any] | None = None) -> Any:
+    """Register a read-only query handler (``tether.on_query("stage", fn)`` or as a
+    decorator). ``app.query(run_id, name, *args)`` answers it from the run's state, which
+    the caller rebuilds by replaying the run's history up to its last workflow task: no
+    event is recorded and no worker is asked. A handler must only read (its changes are
+    thrown away) and must not await."""
+    inst = _instance("on_query")
+
+    def register(fn: Callable[..., Any]) -> Callable[..., Any]:
+        inst.queries[name] = fn
+        return fn
+
+    return register if handler is None else register(handler)
+
+
+def on_update(
+    name: str,
+    handler: Callable[..., Any] | None = None,
+    *,
+    validate: Callable[..., Any] | None = None,
+) -> Any:
+    """Register an update handler: ``app.update(run_id, name, *args)`` runs it in the run
+    and returns its result. ``validate(*args)`` (raise to refuse) runs first in the
+    caller, against the replayed state: a refused update records nothing and the caller
+    gets the error. An accepted one is recorded (a request and a Marker with its
+    outcome), then validated again and run when the run reaches it. Handlers may be
+    ``async`` (they can then call activities and children; they interleave with the
+    code at awaits). JSON arguments and results."""
+    inst = _instance("on_update")
+
+    def register(fn: Callable[..., Any]) -> Callable[..., Any]:
+        inst.register_update(name, fn, validate)
+        return fn
+
+    return register if handler is None else register(handler)

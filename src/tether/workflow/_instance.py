@@ -19,13 +19,21 @@ import random
 import traceback
 import weakref
 from asyncio import events as asyncio_events
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from .._definitions import CHAIN_SEPARATOR, Activity, Workflow, chain_of, running
 from .._errors import ActivityError, ChildWorkflowError, NonDeterminismError, PayloadError
-from .._history import APPROVAL_SIGNAL, COMMANDS, INCOMING, Event, EventType
+from .._history import (
+    APPROVAL_SIGNAL,
+    COMMANDS,
+    INCOMING,
+    UPDATE_MARKER,
+    UPDATE_SIGNAL,
+    Event,
+    EventType,
+)
 from .._serde import convert, encode
 from ..store.base import Command, WorkflowTaskResult
 from ._loop import DeterministicLoop
@@ -114,6 +122,13 @@ class WorkflowInstance:
         #: counters noted by code that ran for the first time (``count``), flushed by the
         #: worker once the task that ran it commits
         self._counts: list[tuple[str, tuple[str, ...], float]] = []
+        #: read-only handlers by name (``tether.on_query``): answered by replaying, never
+        #: recorded
+        self.queries: dict[str, Callable[..., Any]] = {}
+        #: update handlers by name (``tether.on_update``): (handler, validator or None)
+        self.updates: dict[str, tuple[Callable[..., Any], Callable[..., Any] | None]] = {}
+        #: update requests that arrived before their handler was registered
+        self._early_updates: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
         self.main: asyncio.Task[Any] | None = None
         self._new: list[Command] = []
         self._recorded: dict[int, Event] = {}
@@ -263,6 +278,11 @@ class WorkflowInstance:
             self._finish(self.main)
 
     def _finish(self, main: asyncio.Task[Any]) -> None:
+        token = _current.set(self)
+        try:
+            self.refuse_early_updates()
+        finally:
+            _current.reset(token)
         self.finished = True
         token = _current.set(self)
         try:
@@ -312,6 +332,9 @@ class WorkflowInstance:
             return
         if t is EventType.SIGNAL_RECEIVED:
             name = ev.data["name"]
+            if name.startswith(UPDATE_SIGNAL):
+                self._deliver_update(name[len(UPDATE_SIGNAL) :], ev.data.get("payload") or {})
+                return
             waiters = self._waiters[name]
             while waiters:
                 fut = waiters.popleft()
@@ -414,6 +437,78 @@ class WorkflowInstance:
         """The W3C context the run was started in (``app.start``), if it is traced."""
         attrs = (self.started.data.get("attrs") if self.started is not None else None) or {}
         return attrs.get("trace")
+
+    # -- queries and updates ---------------------------------------------------------
+
+    def register_update(
+        self, name: str, handler: Callable[..., Any], validator: Callable[..., Any] | None
+    ) -> None:
+        """Register an update handler; requests that came before it are handled now."""
+        self.updates[name] = (handler, validator)
+        for request in self._early_updates.pop(name, []):
+            self._deliver_update(name, request)
+
+    def _deliver_update(self, name: str, request: dict[str, Any]) -> None:
+        """Apply one update request: validate, run the handler, record its outcome as a
+        Marker (the same on every replay: the request is an event in history)."""
+        if name not in self.updates:
+            self._early_updates[name].append(request)  # its handler is not registered yet
+            return
+        handler, validator = self.updates[name]
+        update_id, args = request.get("id"), list(request.get("args") or [])
+        if validator is not None:
+            try:
+                validator(*args)
+            except Exception as exc:  # accepted by the caller's check, refused now
+                self._update_done(update_id, name, error=exc, rejected=True)
+                return
+        try:
+            out = handler(*args)
+        except Exception as exc:
+            self._update_done(update_id, name, error=exc)
+            return
+        if not asyncio.iscoroutine(out):
+            self._update_done(update_id, name, result=out)
+            return
+
+        async def finish(coro: Any) -> None:
+            try:
+                value = await coro
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self._update_done(update_id, name, error=exc)
+            else:
+                self._update_done(update_id, name, result=value)
+
+        self.loop.create_task(finish(out))
+
+    def _update_done(
+        self,
+        update_id: Any,
+        name: str,
+        *,
+        result: Any = None,
+        error: BaseException | None = None,
+        rejected: bool = False,
+    ) -> None:
+        outcome: dict[str, Any] = {"id": update_id, "name": name}
+        if error is None:
+            outcome["result"] = result
+        else:
+            outcome["error"] = {
+                "type": "UpdateRejected" if rejected else type(error).__name__,
+                "message": str(error),
+            }
+        self.record(UPDATE_MARKER, outcome)
+
+    def refuse_early_updates(self) -> None:
+        """At the run's end: requests whose handler was never registered are answered."""
+        for name, requests in list(self._early_updates.items()):
+            for request in requests:
+                err = LookupError(f"the run ended without a handler for update {name!r}")
+                self._update_done(request.get("id"), name, error=err, rejected=True)
+        self._early_updates.clear()
 
     def count(self, name: str, labels: tuple[str, ...], n: float = 1.0) -> None:
         """Note a counter (``tether._telemetry``) for code running for the first time:
