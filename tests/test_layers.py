@@ -54,7 +54,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "tether._worker",
         ),
     ),
-    ("client", ("tether._app", "tether._sync", "tether.testing")),
+    ("client", ("tether._app", "tether._sync", "tether.testing", "tether._entities")),
     ("ai", ("tether.ai",)),
     (
         "services",

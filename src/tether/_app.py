@@ -28,6 +28,9 @@ from ._definitions import (
     chain_of,
     check_run_id,
 )
+from ._entities import PREFIX as ENTITY_PREFIX
+from ._entities import EntityRef, entity_workflow, list_entities
+from ._entities import operations as entity_operations
 from ._errors import (
     ApprovalError,
     ApprovalNotFoundError,
@@ -81,6 +84,7 @@ _seconds = seconds  # pause_queue has a parameter named ``seconds``
 P = ParamSpec("P")
 R = TypeVar("R")
 T = TypeVar("T")
+C = TypeVar("C", bound=type)
 
 
 class Run(Generic[R]):
@@ -176,6 +180,8 @@ class App:
         self._store_lock = threading.Lock()
         self.default_queue = queue
         self._workflows: dict[str, Workflow[Any, Any]] = {}
+        #: entity classes by name: their operations (``entity``)
+        self._entities: dict[str, frozenset[str]] = {}
         #: what runs are pinned to at their start, by source (``tether.ai`` gateways)
         self._pin_sources: dict[str, Callable[[], dict[str, Any]]] = {}
         self._activities: dict[str, Activity[Any, Any]] = {}
@@ -968,8 +974,8 @@ class App:
             inst.close()
         update_id = uuid.uuid4().hex
         payload = encode({"id": update_id, "args": list(args)}, f"arguments of update {name!r}")
-        await self.store.signal(live, UPDATE_SIGNAL + name, payload)
-        return await self._update_outcome(live, update_id, name, timeout)
+        got = await self.store.signal(live, UPDATE_SIGNAL + name, payload)
+        return await self._update_outcome(got or live, update_id, name, timeout)
 
     async def _replayed(self, run_id: str, what: str) -> WorkflowInstance:
         """The run's live instance rebuilt from its history, through its last task."""
@@ -997,6 +1003,9 @@ class App:
         deadline = None if timeout is None else loop.time() + timeout
         after, delay = 0, 0.01
         while True:
+            # whether it had ended is read before its history: an outcome recorded by
+            # the commit that ended it is then found below, never missed
+            ended = await self.get(run_id, follow=False)
             for ev in await self.store.read_history(run_id, after):
                 after = max(after, ev.seq)
                 value = ev.data.get("value") if ev.type is EventType.MARKER else None
@@ -1010,10 +1019,9 @@ class App:
                 if err.get("type") == "UpdateRejected":
                     raise UpdateRejectedError(run_id, name, str(err.get("message")))
                 raise UpdateFailedError(run_id, name, str(err.get("type")), str(err.get("message")))
-            info = await self.get(run_id, follow=False)
-            if info.is_finished:
-                ended = f"the run ended ({info.status.value}) before it handled the update"
-                raise UpdateRejectedError(run_id, name, ended)
+            if ended.is_finished:
+                why = f"the run ended ({ended.status.value}) before it handled the update"
+                raise UpdateRejectedError(run_id, name, why)
             if deadline is not None and loop.time() >= deadline:
                 raise ResultTimeoutError(
                     f"update {name!r} of run {run_id!r} has no outcome after {timeout}s; "
@@ -1039,6 +1047,49 @@ class App:
         await self.store.resume(run_id)
 
     # -- recovery ---------------------------------------------------------------
+
+    # -- entities ---------------------------------------------------------------------
+
+    def entity(
+        self,
+        cls: C | None = None,
+        /,
+        *,
+        name: str | None = None,
+        queue: str | None = None,
+        ops_per_run: int = 500,
+    ) -> Any:
+        """Register a class as a durable entity (``@app.entity``): one object per key,
+        its public methods its operations, applied one at a time and recorded with the
+        state they leave (``tether._entities``). ``app.entity_ref(Cls, key)`` calls them."""
+
+        def wrap(c: C) -> C:
+            ename = name or c.__name__
+            if ops_per_run < 1:
+                raise ConfigurationError(f"ops_per_run must be >= 1 (got {ops_per_run})")
+            fn = entity_workflow(c, ops_per_run)
+            self.workflow(name=ENTITY_PREFIX + ename, queue=queue)(fn)
+            self._entities[ename] = frozenset(entity_operations(c))
+            return c
+
+        return wrap if cls is None else wrap(cls)
+
+    def entity_ref(self, entity: type | str, key: str) -> EntityRef:
+        """The entity of class (or name) ``entity`` with this key: ``call``, ``signal``,
+        ``state``. It exists once an operation was asked of it."""
+        ename = entity if isinstance(entity, str) else entity.__name__
+        ops = self._entities.get(ename)
+        if ops is None:
+            raise ConfigurationError(
+                f"no entity {ename!r} is registered on this App (known: "
+                f"{', '.join(sorted(self._entities)) or 'none'}); decorate it with @app.entity"
+            )
+        return EntityRef(self, ename, ops, key)
+
+    async def entities(self, entity: type | str, *, limit: int = 1000) -> builtins.list[str]:
+        """The keys of the live entities of a class, newest first."""
+        ename = entity if isinstance(entity, str) else entity.__name__
+        return await list_entities(self, ename, limit)
 
     # -- schedules --------------------------------------------------------------------
 

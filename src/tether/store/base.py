@@ -101,6 +101,8 @@ class StartResult:
     first_marker: int | None = None
     #: with ``first``: the activity tasks it scheduled that were leased to ``lease_to``
     first_leased: tuple[Task, ...] = ()
+    #: with ``signal``: the run the signal went to (the live run of a continued chain)
+    signalled: str | None = None
 
 
 class Store(abc.ABC):
@@ -387,7 +389,7 @@ class Store(abc.ABC):
         """Extend one activity's lease and record progress; return whether it was cancelled."""
 
     @abc.abstractmethod
-    async def signal(self, run_id: str, name: str, payload: str) -> None:
+    async def signal(self, run_id: str, name: str, payload: str) -> str:
         """Append a signal to the run's history; durable when this returns."""
 
     @abc.abstractmethod

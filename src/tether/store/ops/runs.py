@@ -139,9 +139,10 @@ def _create_run(
                 raise RunIdConflictError(run_id, "different input")
             if existing.tenant != tenant:
                 raise RunIdConflictError(run_id, f"tenant {existing.tenant!r}")
+        got = None
         if signal is not None:  # to the run (its live run, if it continued as new)
-            _signal(tx, run_id, signal[0], signal[1])
-        return StartResult(run=existing, created=False)
+            got = _signal(tx, run_id, signal[0], signal[1])
+        return StartResult(run=existing, created=False, signalled=got)
     if signal is not None:
         first = None  # the first workflow task must see the signal: no eager task
     queued = False

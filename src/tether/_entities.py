@@ -1,0 +1,159 @@
+"""Durable entities: one object per key whose operations run one at a time.
+
+``@app.entity`` turns a class into a workflow ``entity:<Name>``; each key is one run
+(``entity:<Name>:<key>``, a continue-as-new chain) that holds the object and applies
+each operation as an update: the operation's arguments are recorded when it is asked
+for, and the object's new state and the operation's result are recorded in the same
+commit, so an operation is applied exactly once, in the order the store received it,
+however many workers, crashes and callers there are. ``call`` waits for the result,
+``signal`` does not; the first operation on a key creates its run (signal-with-start,
+so concurrent first calls make one entity). Every ``ops_per_run`` operations the run
+continues as new with the object's state, so histories stay short.
+
+Operations are plain (synchronous) methods: deterministic code on the object's state.
+To start work from one, start a workflow without waiting:
+``some_workflow.options(parent_close="abandon", run_id=...)(args)``. The limit: an
+entity serialises its own operations, not the effects they cause elsewhere (a
+workflow it starts, a payment a caller makes after reading it); those still need
+idempotency keys or a destination that rejects stale writes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import uuid
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from ._definitions import chain_of
+from ._errors import ConfigurationError, UpdateRejectedError
+from ._history import UPDATE_SIGNAL, RunInfo
+from ._serde import encode
+from .workflow._api import continue_as_new, on_query, on_update
+
+C = TypeVar("C", bound=type)
+
+#: the prefix of an entity's workflow name; its runs are ``<prefix><Name>:<key>``
+PREFIX = "entity:"
+#: keys are at most this long
+MAX_KEY = 150
+
+
+def operations(cls: type) -> dict[str, Callable[..., Any]]:
+    """An entity class's operations: its public, synchronous methods."""
+    ops: dict[str, Callable[..., Any]] = {}
+    for name, member in inspect.getmembers(cls, inspect.isfunction):
+        if name.startswith("_"):
+            continue
+        if inspect.iscoroutinefunction(member):
+            raise ConfigurationError(
+                f"entity {cls.__name__}: operation {name!r} is async; operations are plain "
+                "methods (deterministic changes of the state); start a workflow from one "
+                "to do I/O"
+            )
+        ops[name] = member
+    if not ops:
+        raise ConfigurationError(f"entity {cls.__name__} has no public methods (operations)")
+    return ops
+
+
+def entity_workflow(cls: type, ops_per_run: int) -> Callable[..., Any]:
+    """The workflow function that holds one object of ``cls`` and applies operations."""
+    ops = operations(cls)
+
+    async def entity(state: dict[str, Any] | None = None) -> None:
+        obj: Any = object.__new__(cls)
+        if state is None:
+            obj.__init__()
+        else:
+            obj.__dict__.update(state)
+        applied = 0
+        full = asyncio.get_running_loop().create_future()
+
+        def bind(name: str) -> Callable[..., Any]:
+            method = ops[name]
+
+            def apply(*args: Any) -> Any:
+                nonlocal applied
+                out = method(obj, *args)
+                applied += 1
+                if applied >= ops_per_run and not full.done():
+                    full.set_result(None)
+                return out
+
+            return apply
+
+        for name in ops:
+            on_update(name, bind(name))
+        on_query("state", lambda: dict(obj.__dict__))
+        await full
+        # every update that came with the last ones was applied (synchronously) first
+        continue_as_new(dict(obj.__dict__))
+
+    entity.__name__ = entity.__qualname__ = f"entity_{cls.__name__}"
+    entity.__doc__ = cls.__doc__
+    return entity
+
+
+def check_key(key: str) -> None:
+    """Entity keys name runs: short and printable."""
+    if not isinstance(key, str) or not key or len(key) > MAX_KEY or not key.isprintable():
+        raise ConfigurationError(f"entity key must be 1-{MAX_KEY} printable characters")
+
+
+class EntityRef:
+    """One entity (a class and a key): call or signal its operations, read its state."""
+
+    def __init__(self, app: Any, name: str, ops: frozenset[str], key: str) -> None:
+        check_key(key)
+        self.app = app  #: the App (typed loosely: that module imports this one)
+        self.name = name
+        self.key = key
+        self.ops = ops
+        self.run_id = f"{PREFIX}{name}:{key}"
+
+    async def call(self, op: str, *args: Any, timeout: float | None = 60.0) -> Any:
+        """Apply ``op(*args)`` and return its result (``UpdateFailedError`` if it raised)."""
+        update_id, target = await self._send(op, args)
+        return await self.app._update_outcome(target, update_id, op, timeout)
+
+    async def signal(self, op: str, *args: Any) -> None:
+        """Ask for ``op(*args)`` without waiting: recorded when this returns, applied in
+        order with the entity's other operations."""
+        await self._send(op, args)
+
+    async def state(self) -> dict[str, Any]:
+        """The entity's state now (its object's attributes), from its replayed history."""
+        answer: dict[str, Any] = await self.app.query(self.run_id, "state")
+        return answer
+
+    async def _send(self, op: str, args: tuple[Any, ...]) -> tuple[str, str]:
+        if op not in self.ops:
+            known = ", ".join(sorted(self.ops))
+            raise UpdateRejectedError(self.run_id, op, f"no such operation (known: {known})")
+        update_id = uuid.uuid4().hex
+        payload = encode({"id": update_id, "args": list(args)}, f"arguments of {op!r}")
+        wf = self.app.get_workflow(PREFIX + self.name)
+        res = await self.app.store.create_run(
+            run_id=self.run_id,
+            workflow=wf.name,
+            queue=wf.queue,
+            input=wf.sig.encode_args((), {}),
+            if_exists="return",
+            signal=(UPDATE_SIGNAL + op, payload),
+        )
+        return update_id, res.signalled or self.run_id
+
+
+async def list_entities(app: Any, name: str, limit: int) -> list[str]:
+    """Keys of the live entities of one class, newest first."""
+    runs: list[RunInfo] = await app.list(workflow=PREFIX + name, limit=limit)
+    keys: list[str] = []
+    prefix = f"{PREFIX}{name}:"
+    for r in runs:
+        if r.is_finished:  # ended, or continued as new (its live run is listed)
+            continue
+        first, _n = chain_of(r.run_id)  # a continued run: its chain's first id
+        keys.append(first[len(prefix) :] if first.startswith(prefix) else first)
+    return keys

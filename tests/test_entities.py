@@ -1,0 +1,188 @@
+"""Durable entities: one object per key, operations applied one at a time and recorded
+with the state they leave; no update lost or doubled across worker processes, a SIGKILL
+mid-operation, continue-as-new boundaries and concurrent callers."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import os
+import random
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import tether
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture
+def entity_app(store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """tests/entity_app.py on this test's store (and destination table)."""
+    monkeypatch.setenv("TETHER_TEST_STORE", store_url)
+    monkeypatch.setenv("ENTITY_DESTINATION", str(tmp_path / "destination.db"))
+    sys.path.insert(0, str(HERE))
+    try:
+        import entity_app
+
+        module = importlib.reload(entity_app)
+    finally:
+        sys.path.remove(str(HERE))
+    yield module
+    if module.app._store is not None:
+        module.app.store.close_sync()
+
+
+async def test_operations_state_and_listing(entity_app: Any) -> None:
+    app: tether.App = entity_app.app
+    counter = app.entity_ref(entity_app.Counter, "c1")
+    with pytest.raises(tether.UpdateRejectedError, match="known: add, get"):
+        await counter.call("reset")
+    assert await app.list() == []  # refused before anything was recorded
+    async with app.worker(poll_interval=0.05):
+        assert [await counter.call("add", 2) for _ in range(10)] == list(range(2, 22, 2))
+        assert await counter.call("get") == 20
+        await counter.signal("add", 1)
+        for _ in range(200):
+            if (await counter.state())["value"] == 21:
+                break
+            await asyncio.sleep(0.02)
+        assert (await counter.state()) == {"value": 21}
+        await app.entity_ref("Counter", "c2").call("add", 5)
+    assert sorted(await app.entities(entity_app.Counter)) == ["c1", "c2"]
+    # ops_per_run=7: twelve operations crossed a continue-as-new boundary
+    chain = [r.run_id for r in await app.list(workflow="entity:Counter") if "c1" in r.run_id]
+    assert len(chain) >= 2
+    with pytest.raises(tether.ConfigurationError, match="no entity 'Nope'"):
+        app.entity_ref("Nope", "x")
+    with pytest.raises(tether.ConfigurationError, match="async"):
+
+        @app.entity
+        class Bad:
+            async def op(self) -> None:
+                return None
+
+
+def _workers(store_url: str, destination: Path, n: int) -> list[subprocess.Popen[bytes]]:
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{HERE.parent / 'src'}{os.pathsep}{HERE}",
+        "TETHER_TEST_STORE": store_url,
+        "ENTITY_DESTINATION": str(destination),
+    }
+    return [
+        subprocess.Popen(
+            [sys.executable, "-m", "tether.cli", "worker", "entity_app:app", "--lease", "2"],
+            cwd=HERE,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for _ in range(n)
+    ]
+
+
+def _stop(workers: list[subprocess.Popen[bytes]]) -> None:
+    for w in workers:
+        if w.poll() is None:
+            w.terminate()
+    for w in workers:
+        try:
+            w.wait(30)
+        except subprocess.TimeoutExpired:
+            w.kill()
+
+
+def test_a_hundred_concurrent_operations_from_three_workers_one_killed(
+    entity_app: Any, store_url: str, tmp_path: Path
+) -> None:
+    """100 concurrent adds on one key, four client connections, three worker processes,
+    one SIGKILLed mid-way: the counter ends at exactly 100, each result seen once."""
+    workers = _workers(store_url, tmp_path / "destination.db", 3)
+    store = store_url
+
+    async def callers() -> list[int]:
+        apps = [entity_app.app] + [tether.App(store=store) for _ in range(3)]
+        for a in apps[1:]:  # the same entity registered on each client App
+            a.entity(entity_app.Counter, ops_per_run=7)
+        try:
+
+            async def one(i: int) -> int:
+                ref = apps[i % 4].entity_ref("Counter", "hot")
+                out: int = await ref.call("add", 1, timeout=120)
+                return out
+
+            calls = [asyncio.create_task(one(i)) for i in range(100)]
+            await asyncio.sleep(1.5)
+            workers[0].send_signal(signal.SIGKILL)  # mid-way: tasks in flight are lost
+            return list(await asyncio.gather(*calls))
+        finally:
+            for a in apps[1:]:
+                await a.close()
+
+    try:
+        results = asyncio.run(callers())
+    finally:
+        _stop(workers)
+    assert sorted(results) == list(range(1, 101))  # none lost, none applied twice
+
+    async def final() -> dict[str, Any]:
+        app = tether.App(store=store)
+        app.entity(entity_app.Counter, ops_per_run=7)
+        try:
+            state: dict[str, Any] = await app.entity_ref("Counter", "hot").state()
+            return state
+        finally:
+            await app.close()
+
+    assert asyncio.run(final()) == {"value": 100}
+
+
+def test_out_of_order_duplicated_revisions_never_overwrite_a_newer_one(
+    entity_app: Any, store_url: str, tmp_path: Path
+) -> None:
+    """Revisions 1-30 of one document, each sent twice, shuffled, from concurrent
+    callers: the entity keeps the highest, and the destination (with its own fence)
+    never takes an older revision after a newer one."""
+    destination = tmp_path / "destination.db"
+    workers = _workers(store_url, destination, 2)
+    offers = [r for r in range(1, 31) for _ in range(2)]
+    random.Random(7).shuffle(offers)
+
+    async def send() -> list[bool]:
+        ref = entity_app.app.entity_ref(entity_app.Document, "doc-9")
+        got = await asyncio.gather(
+            *(ref.call("offer", "doc-9", r, f"body {r}", timeout=120) for r in offers)
+        )
+        return list(got)
+
+    async def settle() -> dict[str, Any]:
+        ref = entity_app.app.entity_ref(entity_app.Document, "doc-9")
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            runs = await entity_app.app.list(workflow="publish", limit=100)
+            if runs and all(r.is_finished for r in runs):
+                break
+            await asyncio.sleep(0.1)
+        state: dict[str, Any] = await ref.state()
+        return state
+
+    try:
+        accepted = asyncio.run(send())
+        state = asyncio.run(settle())
+    finally:
+        _stop(workers)
+    assert state == {"revision": 30, "ignored": 60 - sum(accepted)}
+    with sqlite3.connect(destination) as conn:
+        written = [r for (r,) in conn.execute("SELECT revision FROM writes ORDER BY rowid")]
+        (final,) = conn.execute("SELECT revision FROM docs WHERE doc = 'doc-9'").fetchone()
+    assert final == 30
+    assert written == sorted(set(written))  # strictly increasing: never an older one
