@@ -182,6 +182,17 @@ class SyncClient:
     enable = _blocking(App.enable)
     switches = _blocking(App.switches)
     audit_log = _blocking(App.audit_log)
+    audit = _blocking(App.audit)
+    query = _blocking(App.query)
+    update = _blocking(App.update)
+    entities = _blocking(App.entities)
+    schedule = _blocking(App.schedule)
+    schedules = _blocking(App.schedules)
+    get_schedule = _blocking(App.get_schedule)
+    pause_schedule = _blocking(App.pause_schedule)
+    resume_schedule = _blocking(App.resume_schedule)
+    trigger_schedule = _blocking_run(App.trigger_schedule)
+    delete_schedule = _blocking(App.delete_schedule)
 
     def get_run(self, run_id: str) -> SyncRun[Any]:
         """A handle on an existing run (not checked until used)."""
