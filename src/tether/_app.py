@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import contextlib
 import contextvars
 import dataclasses
 import datetime as _dt
@@ -974,8 +975,8 @@ class App:
             inst.close()
         update_id = uuid.uuid4().hex
         payload = encode({"id": update_id, "args": list(args)}, f"arguments of update {name!r}")
-        got = await self.store.signal(live, UPDATE_SIGNAL + name, payload)
-        return await self._update_outcome(got or live, update_id, name, timeout)
+        target, seq = await self.store.signal(live, UPDATE_SIGNAL + name, payload)
+        return await self._update_outcome(target, update_id, name, timeout, seq)
 
     async def _replayed(self, run_id: str, what: str) -> WorkflowInstance:
         """The run's live instance rebuilt from its history, through its last task."""
@@ -996,39 +997,62 @@ class App:
         return inst
 
     async def _update_outcome(
-        self, run_id: str, update_id: str, name: str, timeout: float | None
+        self, run_id: str, update_id: str, name: str, timeout: float | None, after: int = 0
     ) -> Any:
-        """Wait for the Marker that records the update's outcome."""
+        """Wait for the Marker that records the update's outcome: woken by the commits
+        that grow the run's history (this process's, and others' on PostgreSQL), with a
+        slow re-read for commits nobody announces (another process on SQLite)."""
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
-        after, delay = 0, 0.01
-        while True:
-            # whether it had ended is read before its history: an outcome recorded by
-            # the commit that ended it is then found below, never missed
-            ended = await self.get(run_id, follow=False)
-            for ev in await self.store.read_history(run_id, after):
-                after = max(after, ev.seq)
-                value = ev.data.get("value") if ev.type is EventType.MARKER else None
-                if ev.data.get("marker") != UPDATE_MARKER or not isinstance(value, dict):
-                    continue
-                if value.get("id") != update_id:
-                    continue
-                err = value.get("error")
-                if err is None:
-                    return value.get("result")
-                if err.get("type") == "UpdateRejected":
-                    raise UpdateRejectedError(run_id, name, str(err.get("message")))
-                raise UpdateFailedError(run_id, name, str(err.get("type")), str(err.get("message")))
-            if ended.is_finished:
-                why = f"the run ended ({ended.status.value}) before it handled the update"
-                raise UpdateRejectedError(run_id, name, why)
-            if deadline is not None and loop.time() >= deadline:
-                raise ResultTimeoutError(
-                    f"update {name!r} of run {run_id!r} has no outcome after {timeout}s; "
-                    "it is recorded and still applies when the run reaches it"
-                )
-            await asyncio.sleep(delay)
-            delay = min(0.25, delay * 1.5)
+        grew = asyncio.Event()
+
+        def on_growth(runs: set[str]) -> None:
+            if run_id in runs:
+                with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                    loop.call_soon_threadsafe(grew.set)
+
+        self.store.add_history_listener(on_growth)
+        delay = 0.01  # the outcome comes after the request (seq ``after``): read from there
+        try:
+            while True:
+                grew.clear()
+                # whether it had ended is read before its history: an outcome recorded
+                # by the commit that ended it is then found below, never missed
+                ended = await self.get(run_id, follow=False)
+                for ev in await self.store.read_history(run_id, after):
+                    after = max(after, ev.seq)
+                    value = ev.data.get("value") if ev.type is EventType.MARKER else None
+                    if ev.data.get("marker") != UPDATE_MARKER or not isinstance(value, dict):
+                        continue
+                    if value.get("id") != update_id:
+                        continue
+                    err = value.get("error")
+                    if err is None:
+                        return value.get("result")
+                    if err.get("type") == "UpdateRejected":
+                        raise UpdateRejectedError(run_id, name, str(err.get("message")))
+                    raise UpdateFailedError(
+                        run_id, name, str(err.get("type")), str(err.get("message"))
+                    )
+                if ended.is_finished:
+                    why = f"the run ended ({ended.status.value}) before it handled the update"
+                    raise UpdateRejectedError(run_id, name, why)
+                wait = delay
+                if deadline is not None:
+                    left = deadline - loop.time()
+                    if left <= 0:
+                        raise ResultTimeoutError(
+                            f"update {name!r} of run {run_id!r} has no outcome after "
+                            f"{timeout}s; it is recorded and still applies when the run "
+                            "reaches it"
+                        )
+                    wait = min(wait, left)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(wait):
+                        await grew.wait()
+                delay = min(0.5, delay * 2)
+        finally:
+            self.store.remove_history_listener(on_growth)
 
     async def cancel(self, run_id: str, reason: str | None = None) -> None:
         """Ask a run to cancel: its code sees CancelledError at the next await and may clean up."""

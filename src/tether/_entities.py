@@ -31,6 +31,7 @@ from ._errors import ConfigurationError, UpdateRejectedError
 from ._history import UPDATE_SIGNAL, RunInfo
 from ._serde import encode
 from .workflow._api import continue_as_new, on_query, on_update
+from .workflow._instance import current_instance
 
 C = TypeVar("C", bound=type)
 
@@ -63,6 +64,9 @@ def entity_workflow(cls: type, ops_per_run: int) -> Callable[..., Any]:
     ops = operations(cls)
 
     async def entity(state: dict[str, Any] | None = None) -> None:
+        inst = current_instance()
+        if inst is not None:
+            inst.hot = True  # kept in a worker's cache between operations: no replays
         obj: Any = object.__new__(cls)
         if state is None:
             obj.__init__()
@@ -115,8 +119,8 @@ class EntityRef:
 
     async def call(self, op: str, *args: Any, timeout: float | None = 60.0) -> Any:
         """Apply ``op(*args)`` and return its result (``UpdateFailedError`` if it raised)."""
-        update_id, target = await self._send(op, args)
-        return await self.app._update_outcome(target, update_id, op, timeout)
+        update_id, (target, seq) = await self._send(op, args)
+        return await self.app._update_outcome(target, update_id, op, timeout, seq)
 
     async def signal(self, op: str, *args: Any) -> None:
         """Ask for ``op(*args)`` without waiting: recorded when this returns, applied in
@@ -128,7 +132,7 @@ class EntityRef:
         answer: dict[str, Any] = await self.app.query(self.run_id, "state")
         return answer
 
-    async def _send(self, op: str, args: tuple[Any, ...]) -> tuple[str, str]:
+    async def _send(self, op: str, args: tuple[Any, ...]) -> tuple[str, tuple[str, int]]:
         if op not in self.ops:
             known = ", ".join(sorted(self.ops))
             raise UpdateRejectedError(self.run_id, op, f"no such operation (known: {known})")
@@ -143,7 +147,8 @@ class EntityRef:
             if_exists="return",
             signal=(UPDATE_SIGNAL + op, payload),
         )
-        return update_id, res.signalled or self.run_id
+        assert res.signalled is not None  # create_run signals in the same commit
+        return update_id, res.signalled
 
 
 async def list_entities(app: Any, name: str, limit: int) -> list[str]:

@@ -500,7 +500,9 @@ class Worker:
 
     def _keep(self, run_id: str, inst: WorkflowInstance) -> None:
         """Cache a committed instance so the run's next task costs O(new events)."""
-        if inst.finished or (not self.cache_waiting and inst.waits_only_on_time_or_events()):
+        if inst.finished or (
+            not self.cache_waiting and not inst.hot and inst.waits_only_on_time_or_events()
+        ):
             # a run that waits for a timer or a signal costs no memory: its
             # history is its state, replayed (cheaply) when it wakes
             inst.close()
@@ -959,7 +961,9 @@ class Worker:
         self.stats["workflow_tasks"] += 1
         inst.committed(marker)
         self._committed(task.run_id, inst, wf_result, None, False)
-        if inst.finished or (not self.cache_waiting and inst.waits_only_on_time_or_events()):
+        if inst.finished or (
+            not self.cache_waiting and not inst.hot and inst.waits_only_on_time_or_events()
+        ):
             inst.close()
         else:
             self._cache[task.run_id] = inst

@@ -101,8 +101,8 @@ class StartResult:
     first_marker: int | None = None
     #: with ``first``: the activity tasks it scheduled that were leased to ``lease_to``
     first_leased: tuple[Task, ...] = ()
-    #: with ``signal``: the run the signal went to (the live run of a continued chain)
-    signalled: str | None = None
+    #: with ``signal``: (the run it went to: the live run of a continued chain, its seq)
+    signalled: tuple[str, int] | None = None
 
 
 class Store(abc.ABC):
@@ -389,8 +389,9 @@ class Store(abc.ABC):
         """Extend one activity's lease and record progress; return whether it was cancelled."""
 
     @abc.abstractmethod
-    async def signal(self, run_id: str, name: str, payload: str) -> str:
-        """Append a signal to the run's history; durable when this returns."""
+    async def signal(self, run_id: str, name: str, payload: str) -> tuple[str, int]:
+        """Append a signal to the run's history (its live run if it continued as new);
+        durable when this returns. (The run it went to, the signal's seq there.)"""
 
     @abc.abstractmethod
     async def cancel(self, run_id: str, reason: str | None) -> None:

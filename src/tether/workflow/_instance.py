@@ -127,6 +127,9 @@ class WorkflowInstance:
         self.queries: dict[str, Callable[..., Any]] = {}
         #: update handlers by name (``tether.on_update``): (handler, validator or None)
         self.updates: dict[str, tuple[Callable[..., Any], Callable[..., Any] | None]] = {}
+        #: kept in a worker's cache while it waits for signals (an entity: each of its
+        #: operations would otherwise cost a replay of its whole run)
+        self.hot = False
         #: update requests that arrived before their handler was registered
         self._early_updates: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
         self.main: asyncio.Task[Any] | None = None

@@ -204,9 +204,9 @@ class OpsStore(Store):
         out: bool = await self._do(_heartbeat, task, lease, details)
         return out
 
-    async def signal(self, run_id: str, name: str, payload: str) -> str:
-        rid: str = await self._do(_signal, run_id, name, payload)
-        return rid
+    async def signal(self, run_id: str, name: str, payload: str) -> tuple[str, int]:
+        got: tuple[str, int] = await self._do(_signal, run_id, name, payload)
+        return got
 
     async def cancel(self, run_id: str, reason: str | None) -> None:
         await self._do(_cancel, run_id, reason)

@@ -40,13 +40,14 @@ def _live_run(tx: _Tx, run_id: str, action: str) -> tuple[str, tuple[Any, ...]]:
     raise StoreError(f"run {run_id!r} continues as new in a cycle")  # pragma: no cover
 
 
-def _signal(tx: _Tx, run_id: str, name: str, payload: str) -> str:
-    """Append the signal to the run (its live run if it continued as new); that run's id."""
+def _signal(tx: _Tx, run_id: str, name: str, payload: str) -> tuple[str, int]:
+    """Append the signal to the run (its live run if it continued as new); (that run's
+    id, the signal's seq in its history)."""
     rid, (status, run_queue, _p, _s, workflow, _t) = _live_run(tx, run_id, f"signal {name!r} to")
-    _append(tx, rid, EventType.SIGNAL_RECEIVED, None, {"name": name}, {"payload": payload})
+    seq = _append(tx, rid, EventType.SIGNAL_RECEIVED, None, {"name": name}, {"payload": payload})
     if status != RunStatus.QUEUED.value:  # a queued run sees the signal when admitted
         _ensure_workflow_task(tx, rid, run_queue, workflow)
-    return rid
+    return rid, seq
 
 
 def _cancel(tx: _Tx, run_id: str, reason: str | None) -> None:

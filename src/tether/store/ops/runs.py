@@ -180,8 +180,9 @@ def _create_run(
         start_event=not eager,
         attrs=attrs,
     )
+    signalled = None
     if signal is not None:  # right after the start event: the code's first task sees it
-        _signal(tx, run_id, signal[0], signal[1])
+        signalled = _signal(tx, run_id, signal[0], signal[1])
     if eager:
         assert first is not None
         # the start event, the task's commands and its marker in one history write, the
@@ -209,12 +210,13 @@ def _create_run(
         return StartResult(
             run=_new_run(tx, run_id, workflow, status, queue, input, tenant, attrs),
             created=True,
+            signalled=signalled,
         )
     row = tx.execute(f"SELECT {_RUN_COLS} FROM runs WHERE run_id = ?", (run_id,)).fetchone()
     if leased is not None:  # hand the worker the history too: it needs no read to start
         events = _read_history(tx, run_id, 0)
         leased = dataclasses.replace(leased, prefetched=tuple(events), prefetched_after=0)
-    return StartResult(run=_run_from_row(row), created=True, leased=leased)
+    return StartResult(run=_run_from_row(row), created=True, leased=leased, signalled=signalled)
 
 
 def _new_run(
