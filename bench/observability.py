@@ -71,25 +71,16 @@ def _mode_setup(mode: str) -> Any:
 
 
 async def _w1(db: Path, runs_n: int, steps_n: int, mode: str, exporter: Any) -> dict[str, Any]:
-    import tether
     from tether.metrics import Metrics
 
-    app = tether.App(store=f"sqlite:///{db}")
+    sys.path.insert(0, str(HERE))
+    import run as bench_run  # W1's own app and workflow
 
-    @app.activity
-    async def noop(x: int) -> int:
-        return x
-
-    @app.workflow
-    async def sequential(steps: int, base: int) -> int:
-        total = 0
-        for i in range(steps):
-            total += await noop(base + i)
-        return total
+    app, sequential = bench_run._make_app(db)
 
     scrapes = 0
     try:
-        async with app.worker(concurrency=100, lease=30.0, poll_interval=0.25) as worker:
+        async with app.worker(**bench_run.WORKER_OPTIONS) as worker:
             metrics = Metrics(app, [worker]) if mode.startswith("sdk") else None
 
             async def scrape() -> None:
@@ -114,7 +105,7 @@ async def _w1(db: Path, runs_n: int, steps_n: int, mode: str, exporter: Any) -> 
                 scraper.cancel()
     finally:
         await app.close()
-    expected = [sum(i + k for k in range(steps_n)) for i in range(runs_n)]
+    expected = [bench_run._expected(steps_n, i) for i in range(runs_n)]
     if results != expected:
         raise RuntimeError(f"{mode}: wrong results")
     spans = len(exporter.get_finished_spans()) if exporter is not None else 0

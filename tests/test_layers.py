@@ -38,6 +38,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "tether._redact",
             "tether._alert_rules",
             "tether._schedules",
+            "tether._periodic",
         ),
     ),
     ("definitions", ("tether._definitions",)),

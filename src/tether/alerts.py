@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import logging
 from typing import TYPE_CHECKING, Any
 
 from ._alert_rules import AlertRules
 from ._history import RunStatus
+from ._periodic import Periodic
 from ._telemetry import RECORDER
 
 if TYPE_CHECKING:
@@ -53,27 +53,17 @@ class AlertWatcher:
         self._firing: set[str] = set()
         #: (monotonic time, counter totals, open dead letters) of earlier checks
         self._history: collections.deque[tuple[float, dict[str, float], int]] = collections.deque()
-        self._task: asyncio.Task[None] | None = None
+        self._periodic = Periodic(
+            "tether-alerts", self.check, lambda: self.interval, log, "checking alert conditions"
+        )
 
     def start(self) -> None:
         """Check in the background on the running loop."""
-        self._task = asyncio.create_task(self._loop(), name="tether-alerts")
+        self._periodic.start()
 
     async def stop(self) -> None:
         """Stop checking."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-
-    async def _loop(self) -> None:
-        while True:
-            try:
-                await self.check()
-            except Exception:  # a store hiccup must not end the watch
-                log.warning("checking alert conditions failed", exc_info=True)
-            await asyncio.sleep(self.interval)
+        await self._periodic.stop()
 
     async def check(self, now: float | None = None) -> list[tuple[str, dict[str, Any]]]:
         """Evaluate every rule now; return (and send) the alerts that started to hold."""

@@ -22,8 +22,6 @@ scrape never waits on the store:
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import os
 import time
@@ -31,6 +29,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ._app import App
+from ._periodic import Periodic
 from ._telemetry import DURATION_BUCKETS, RECORDER, SPECS
 from ._worker import Worker
 
@@ -60,27 +59,17 @@ class Metrics:
         self._fast: dict[str, Any] = {}
         self._runs: list[tuple[str, str, int]] = []
         self._runs_at = 0.0
-        self._task: asyncio.Task[None] | None = None
+        self._periodic = Periodic(
+            "tether-metrics", self.update, lambda: self.refresh, log, "reading metrics"
+        )
 
     def start(self) -> None:
         """Refresh in the background on the running loop."""
-        self._task = asyncio.create_task(self._loop(), name="tether-metrics")
+        self._periodic.start()
 
     async def stop(self) -> None:
         """Stop refreshing."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-
-    async def _loop(self) -> None:
-        while True:
-            try:
-                await self.update()
-            except Exception:  # a store hiccup must not end the metrics for good
-                log.warning("reading metrics from the store failed", exc_info=True)
-            await asyncio.sleep(self.refresh)
+        await self._periodic.stop()
 
     async def update(self) -> None:
         """Read the store's figures now (runs by status at most every ``slow_refresh``)."""
