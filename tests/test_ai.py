@@ -938,4 +938,5 @@ async def test_model_calls_tokens_cost_repairs_routes_and_429s_are_counted(
     assert RECORDER.counter("tether_ai_cost", labels) == pytest.approx(0.000072)
     assert RECORDER.counter("tether_decisions", ("triage", "output_invalid")) == 1
     assert RECORDER.counter("tether_decisions", ("triage", "route")) == 1
+    assert RECORDER.counter("tether_routes", ("triage", "route", "billing", "allowed")) == 1
     assert RECORDER.counter("tether_rate_limited", (primary.activity.name,)) == 1

@@ -128,10 +128,15 @@ async def test_records_carry_the_run_and_the_json_line_too(app: tether.App) -> N
     user.addHandler(json_handler)
     user.setLevel(logging.INFO)
 
+    @app.activity
+    async def chatty() -> None:
+        user.info("hello from the activity")
+
     @app.workflow
     async def noisy() -> None:
         if not tether.is_replaying():
             user.info("hello from the workflow")
+        await chatty()
 
     try:
         async with app.worker(poll_interval=0.05):
@@ -141,5 +146,6 @@ async def test_records_carry_the_run_and_the_json_line_too(app: tether.App) -> N
         user.removeHandler(handler)
         user.removeHandler(json_handler)
     assert f"{run.run_id} noisy|hello from the workflow" in stream.getvalue()
-    line = json.loads(json_stream.getvalue().splitlines()[0])
+    line, step = (json.loads(x) for x in json_stream.getvalue().splitlines()[:2])
     assert line["run_id"] == run.run_id and line["tenant"] == "acme"
+    assert step["activity"] == "chatty" and step["tenant"] == "acme" and step["attempt"] == 1

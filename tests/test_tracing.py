@@ -157,12 +157,13 @@ async def test_a_child_run_continues_its_parents_trace(
 
     tracer = trace.get_tracer("test")
     with tracer.start_as_current_span("caller") as caller:
-        run = await app.start(parent)
+        run = await app.start(parent, tenant="acme")
     async with app.worker(poll_interval=0.05):
         assert await run.result(timeout=20) == 3
     names = {s.name: s for s in spans.get_finished_spans()}
     assert {"tether.activity leaf", "tether.lifetime child", "tether.lifetime parent"} <= set(names)
     assert {s.context.trace_id for s in names.values()} == {caller.get_span_context().trace_id}
+    assert names["tether.workflow_task parent"].attributes["tether.tenant"] == "acme"
 
 
 async def test_a_run_started_outside_any_span_gets_a_trace_of_its_own(

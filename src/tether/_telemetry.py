@@ -95,6 +95,11 @@ SPECS: dict[str, Spec] = {
         "failure), output_default, budget_exceeded, approval_requested, model_hedge...",
         ("workflow", "marker"),
     ),
+    "tether_routes": Spec(
+        "counter",
+        "Routing decisions (tether.route) by route, chosen value and reason",
+        ("workflow", "route", "chosen", "reason"),
+    ),
     "tether_ai_calls": Spec(
         "counter",
         "Model calls answered, by source (model or cache)",

@@ -86,7 +86,13 @@ def start_carrier(workflow: str, run_id: str) -> dict[str, str] | None:
 
 @contextlib.contextmanager
 def activity_span(
-    name: str, run_id: str, step: int | None, attempt: int, queue: str, carrier: Any
+    name: str,
+    run_id: str,
+    step: int | None,
+    attempt: int,
+    queue: str,
+    carrier: Any,
+    tenant: str | None = None,
 ) -> Iterator[Any]:
     """A span for one activity attempt, a child of the run's stored context, current
     while the attempt runs (so the activity's own instrumentation nests under it).
@@ -96,16 +102,19 @@ def activity_span(
     if trace is None or not isinstance(carrier, dict):
         yield None
         return
+    attributes: dict[str, Any] = {
+        "tether.run_id": run_id,
+        "tether.step": step if step is not None else -1,
+        "tether.attempt": attempt,
+        "tether.queue": queue,
+    }
+    if tenant is not None:
+        attributes["tether.tenant"] = tenant
     span = _tracer().start_span(
         f"tether.activity {name}",
         context=_extract(carrier),
         kind=trace.SpanKind.CONSUMER,
-        attributes={
-            "tether.run_id": run_id,
-            "tether.step": step if step is not None else -1,
-            "tether.attempt": attempt,
-            "tether.queue": queue,
-        },
+        attributes=attributes,
     )
     token = otel_context.attach(trace.set_span_in_context(span))
     try:

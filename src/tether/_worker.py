@@ -720,6 +720,8 @@ class Worker:
                     "tether.replayed": replayed,
                     "tether.commands": len(result.commands),
                     "tether.workflow.version": result.version or "",
+                    "tether.tenant": (inst.started.data.get("tenant") if inst.started else None)
+                    or "",
                 },
             )
 
@@ -737,7 +739,13 @@ class Worker:
                     await self._run_activity(task, inline=True)
                 else:  # the run is traced: this attempt is a span of its trace
                     with activity_span(
-                        task.name or "", task.run_id, task.step, task.attempt, task.queue, carrier
+                        task.name or "",
+                        task.run_id,
+                        task.step,
+                        task.attempt,
+                        task.queue,
+                        carrier,
+                        (task.options or {}).get("tenant"),
                     ):
                         await self._run_activity(task, inline=True)
             except BaseException:

@@ -78,6 +78,9 @@ def context() -> dict[str, Any]:
             "activity": ctx.name,
             "attempt": ctx.attempt,
         }
+        tenant = ((ctx.task.options or {}) if ctx.task is not None else {}).get("tenant")
+        if tenant is not None:
+            out["tenant"] = tenant
     if _trace is not None:
         span = _trace.get_current_span().get_span_context()
         if span.is_valid:

@@ -540,6 +540,9 @@ class WorkflowInstance:
         trace = self.trace_context()
         if trace is not None:  # the run is traced: the attempt's span joins its trace
             options["trace"] = trace
+        tenant = self.started.data.get("tenant") if self.started is not None else None
+        if tenant is not None:  # for the attempt's span and log lines
+            options["tenant"] = tenant
         data: dict[str, Any] = {
             "name": activity.name,
             "queue": opts.queue,

@@ -68,6 +68,10 @@ def route(
                 "evidence": evidence,
             },
         )
+        # bounded labels: the chosen value is one of the allow-list or the default
+        inst.count(
+            "tether_routes", (inst.workflow.name, str(name), str(_plain(chosen))[:64], reason)
+        )
     return chosen
 
 
