@@ -562,3 +562,32 @@ def test_schedules_create_list_pause_trigger_delete(
     assert json.loads(project.ok("schedules", "list", "--json", *store)) == []
     missing = project.cli("schedules", "pause", "hi", *store)
     assert_one_line_error(missing, 1, "no schedule 'hi'")
+
+
+def test_purge_erase_tenant_backup_restore_and_check(
+    project: Project, start_worker: Callable[..., WorkerProc]
+) -> None:
+    store = ("--store", str(project.db))
+    start_worker()
+    for rid in ("p1", "p2"):
+        project.ok("start", "flows:app", "hello", '"x"', "--run-id", rid, "--wait")
+    bad = project.cli("purge", "--older-than", "a while", *store)
+    assert_one_line_error(bad, 2, "30d")
+    preview = json.loads(project.ok("purge", "--older-than", "0s", "--dry-run", *store))
+    assert preview["runs"] == 2 and project.run_info("p1")["status"] == "completed"
+    backup = project.root / "backup.db"
+    project.ok("store", "backup", str(backup), *store)
+    again = project.cli("store", "backup", str(backup), *store)
+    assert_one_line_error(again, 2, "exists")
+    assert json.loads(project.ok("purge", "--older-than", "0s", *store))["runs"] == 2
+    gone = project.cli("get", "p1", *store)
+    assert_one_line_error(gone, 1, "purged")
+    assert_one_line_error(project.cli("audit", "p1", *store), 1, "purged")  # its trail too
+    restored = project.root / "restored.db"
+    project.ok("store", "restore", str(backup), "--to", str(restored))
+    assert json.loads(project.ok("get", "p1", "--store", str(restored), "--json"))["status"]
+    check = json.loads(project.ok("store", "check", "--store", str(restored)))
+    assert check["problems"] == []
+    refused = project.cli("erase-tenant", "acme", *store)
+    assert_one_line_error(refused, 2, "--yes")
+    assert json.loads(project.ok("erase-tenant", "acme", "--yes", *store))["runs"] == 0

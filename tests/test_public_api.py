@@ -49,6 +49,7 @@ PUBLIC = [
     "RunInfo",
     "RunNeedsInterventionError",
     "RunNotFoundError",
+    "RunPurgedError",
     "RunStatus",
     "RunTerminatedError",
     "RunTimedOutError",

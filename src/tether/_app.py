@@ -39,8 +39,10 @@ from ._errors import (
     QueryError,
     ResultTimeoutError,
     RunCancelledError,
+    RunFinishedError,
     RunNeedsInterventionError,
     RunNotFoundError,
+    RunPurgedError,
     RunTerminatedError,
     RunTimedOutError,
     UnknownActivityError,
@@ -758,8 +760,79 @@ class App:
         """
         info = await self.store.get_run(run_id, follow=follow)
         if info is None:
+            purged = await self.store.purged_run(run_id)
+            if purged is not None:
+                raise RunPurgedError(run_id, *purged)
             raise RunNotFoundError(run_id)
         return info
+
+    # -- retention and erasure -----------------------------------------------------
+
+    async def purge(
+        self,
+        older_than: float | timedelta,
+        *,
+        workflow: str | None = None,
+        tenant: str | None = None,
+        dry_run: bool = False,
+        batch: int = 500,
+    ) -> dict[str, int]:
+        """Remove runs that ended more than ``older_than`` ago (of one ``workflow`` or
+        ``tenant`` if given): their history, tasks, dead letters, reviews, webhook
+        deliveries and audit entries, in transactions of ``batch`` runs so workers are
+        never held up. Their ids answer ``RunPurgedError``. Live runs are never touched.
+        Returns the rows removed per table (``dry_run``: what the first batch would
+        remove, nothing removed)."""
+        age = seconds(older_than, "older_than")
+        if age is None or age < 0:
+            raise ConfigurationError(f"older_than must be a duration >= 0 (got {older_than!r})")
+        if batch < 1:
+            raise ConfigurationError(f"batch must be >= 1 (got {batch})")
+        cutoff = self.store.clock() - age
+        total: dict[str, int] = {"runs": 0}
+        while True:
+            counts = await self.store.purge(
+                cutoff, workflow=workflow, tenant=tenant, limit=batch, dry_run=dry_run
+            )
+            for table, n in counts.items():
+                total[table] = total.get(table, 0) + n
+            if dry_run or counts["runs"] < batch:
+                return total
+
+    async def erase_tenant(
+        self, tenant: str, *, dry_run: bool = False, batch: int = 500
+    ) -> dict[str, int]:
+        """Erase a tenant: terminate its live runs, then remove every run of it with all
+        their rows, and its own rows (admission limit, API keys, switch, model budgets
+        and spend). Its run ids answer ``RunPurgedError`` ("tenant erased"). Returns the
+        rows removed per table (``dry_run``: what the first batch would remove, nothing
+        changed)."""
+        if not tenant:
+            raise ConfigurationError("erase_tenant needs the tenant's name")
+        if not dry_run:
+            while True:
+                live = [
+                    r
+                    for status in (
+                        RunStatus.PENDING,
+                        RunStatus.RUNNING,
+                        RunStatus.SUSPENDED,
+                        RunStatus.QUEUED,
+                    )
+                    for r in await self.list(status=status, tenant=tenant, limit=batch)
+                ]
+                if not live:
+                    break
+                for r in live:
+                    with contextlib.suppress(RunFinishedError, RunNotFoundError):
+                        await self.store.terminate(r.run_id, "tenant erased")
+        total: dict[str, int] = {"runs": 0}
+        while True:
+            counts = await self.store.erase_tenant_batch(tenant, limit=batch, dry_run=dry_run)
+            for table, n in counts.items():
+                total[table] = total.get(table, 0) + n
+            if dry_run or counts["runs"] == 0:
+                return total
 
     async def list(
         self,

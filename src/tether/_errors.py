@@ -29,6 +29,7 @@ step, what was expected) and says what to do next.
 
 from __future__ import annotations
 
+import datetime
 from typing import Any
 
 
@@ -135,6 +136,21 @@ class RunNotFoundError(TetherError, LookupError):
     def __init__(self, run_id: str) -> None:
         self.run_id = run_id
         super().__init__(f"no run with id {run_id!r} exists in this store")
+
+
+class RunPurgedError(RunNotFoundError):
+    """The run existed and was removed (retention or tenant erasure)."""
+
+    def __init__(self, run_id: str, reason: str = "retention", purged_at: float = 0.0) -> None:
+        super().__init__(run_id)
+        self.reason, self.purged_at = reason, purged_at
+        when = datetime.datetime.fromtimestamp(purged_at, datetime.UTC).isoformat(
+            timespec="seconds"
+        )
+        self.args = (f"run {run_id!r} was purged at {when} ({reason}): its data is gone",)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.run_id, self.reason, self.purged_at))
 
 
 class RunIdConflictError(TetherError):

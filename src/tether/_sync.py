@@ -183,6 +183,8 @@ class SyncClient:
     switches = _blocking(App.switches)
     audit_log = _blocking(App.audit_log)
     audit = _blocking(App.audit)
+    purge = _blocking(App.purge)
+    erase_tenant = _blocking(App.erase_tenant)
     query = _blocking(App.query)
     update = _blocking(App.update)
     entities = _blocking(App.entities)

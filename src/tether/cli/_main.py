@@ -13,6 +13,13 @@ from .approvals import (
 )
 from .history import history_export_command, replay_command
 from .keys import keys_create_command, keys_list_command, keys_revoke_command
+from .lifecycle import (
+    erase_tenant_command,
+    purge_command,
+    store_backup_command,
+    store_check_command,
+    store_restore_command,
+)
 from .queues import queues_command
 from .runs import (
     audit_command,
@@ -65,7 +72,17 @@ def _build() -> typer.Typer:
     cli.command("audit")(audit_command)
     cli.command("replay")(replay_command)
     _group(cli, "history", "Inspect run histories.", export=history_export_command)
-    _group(cli, "store", "Manage stores: copy runs between them.", migrate=store_migrate_command)
+    _group(
+        cli,
+        "store",
+        "Manage stores: back up, restore, check, copy runs between them.",
+        migrate=store_migrate_command,
+        backup=store_backup_command,
+        restore=store_restore_command,
+        check=store_check_command,
+    )
+    cli.command("purge")(purge_command)
+    cli.command("erase-tenant")(erase_tenant_command)
     cli.command("eval")(eval_command)
     _group(
         cli,

@@ -323,6 +323,34 @@ class Store(abc.ABC):
         """Turn ``kind``/``name`` off or back on; True when that changed anything."""
 
     @abc.abstractmethod
+    async def purge(
+        self,
+        cutoff: float,
+        *,
+        workflow: str | None = None,
+        tenant: str | None = None,
+        limit: int = 500,
+        dry_run: bool = False,
+        reason: str = "retention",
+    ) -> dict[str, int]:
+        """Remove up to ``limit`` runs that ended before ``cutoff`` (one transaction);
+        rows removed per table."""
+
+    @abc.abstractmethod
+    async def erase_tenant_batch(
+        self, tenant: str, *, limit: int = 500, dry_run: bool = False
+    ) -> dict[str, int]:
+        """Remove up to ``limit`` runs of a tenant, then its own rows; counts per table."""
+
+    @abc.abstractmethod
+    async def purged_run(self, run_id: str) -> tuple[str, float] | None:
+        """(why, when) if the run was purged."""
+
+    @abc.abstractmethod
+    async def orphans(self) -> dict[str, int]:
+        """Rows naming a run (or schedule) the store does not have, per table."""
+
+    @abc.abstractmethod
     async def put_schedule(
         self,
         schedule_id: str,

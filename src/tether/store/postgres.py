@@ -121,6 +121,9 @@ _UPGRADES: dict[int, tuple[str, ...]] = {
         "PRECISION, fired BIGINT NOT NULL DEFAULT 0, skipped BIGINT NOT NULL DEFAULT 0, "
         "version BIGINT NOT NULL DEFAULT 1, created_at DOUBLE PRECISION NOT NULL, "
         "updated_at DOUBLE PRECISION NOT NULL)",
+        "CREATE TABLE IF NOT EXISTS purged_runs (run_id TEXT PRIMARY KEY, workflow TEXT, "
+        "reason TEXT NOT NULL, purged_at DOUBLE PRECISION NOT NULL)",
+        "CREATE INDEX IF NOT EXISTS dead_letters_by_run ON dead_letters (run_id)",
     ),
 }
 #: task columns added during development, missing from schemas made by older builds

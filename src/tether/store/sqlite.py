@@ -110,6 +110,9 @@ _UPGRADES: dict[int, tuple[str, ...]] = {
         "last_tick REAL, last_run_id TEXT, buffered REAL, fired BIGINT NOT NULL DEFAULT "
         "0, skipped BIGINT NOT NULL DEFAULT 0, version BIGINT NOT NULL DEFAULT 1, "
         "created_at REAL NOT NULL, updated_at REAL NOT NULL)",
+        "CREATE TABLE IF NOT EXISTS purged_runs (run_id TEXT PRIMARY KEY, workflow TEXT, "
+        "reason TEXT NOT NULL, purged_at REAL NOT NULL)",
+        "CREATE INDEX IF NOT EXISTS dead_letters_by_run ON dead_letters (run_id)",
     ),
 }
 

@@ -293,6 +293,37 @@ class OpsStore(Store):
         out: bool = await self._do(_set_switch, kind, name, off, by, reason)
         return out
 
+    async def purge(
+        self,
+        cutoff: float,
+        *,
+        workflow: str | None = None,
+        tenant: str | None = None,
+        limit: int = 500,
+        dry_run: bool = False,
+        reason: str = "retention",
+    ) -> dict[str, int]:
+        counts: dict[str, int] = await self._do(
+            _purge_batch, cutoff, workflow, tenant, limit, dry_run, reason, write=not dry_run
+        )
+        return counts
+
+    async def erase_tenant_batch(
+        self, tenant: str, *, limit: int = 500, dry_run: bool = False
+    ) -> dict[str, int]:
+        counts: dict[str, int] = await self._do(
+            _erase_tenant_batch, tenant, limit, dry_run, write=not dry_run
+        )
+        return counts
+
+    async def purged_run(self, run_id: str) -> tuple[str, float] | None:
+        got: tuple[str, float] | None = await self._do(_purged_run, run_id, write=False)
+        return got
+
+    async def orphans(self) -> dict[str, int]:
+        counts: dict[str, int] = await self._do(_orphans, write=False)
+        return counts
+
     async def put_schedule(
         self,
         schedule_id: str,
@@ -503,6 +534,7 @@ from .keys import (  # noqa: E402
 from .overview import _run_counts, _run_outcomes, _spend_on  # noqa: E402
 from .queues import _configure_queue, _pause_queue, _queue_stats  # noqa: E402
 from .recovery import _claim_dead_letter, _dead_letters, _fork_run, _resolve_dead_letter, _retry_run  # noqa: E402
+from .retention import _erase_tenant_batch, _orphans, _purge_batch, _purged_run  # noqa: E402
 from .runs import _create_run, _get_run, _list_runs  # noqa: E402
 from .schedules import (  # noqa: E402
     _delete_schedule,

@@ -285,3 +285,13 @@ CREATE TABLE IF NOT EXISTS schedules (
     created_at REAL NOT NULL,
     updated_at REAL NOT NULL
 );
+
+-- Runs removed by retention (tether purge) or tenant erasure: their ids answer as
+-- purged, not as unknown. Nothing else of them is kept.
+CREATE TABLE IF NOT EXISTS purged_runs (
+    run_id     TEXT PRIMARY KEY,
+    workflow   TEXT,
+    reason     TEXT NOT NULL,
+    purged_at  REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS dead_letters_by_run ON dead_letters (run_id);

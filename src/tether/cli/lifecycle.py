@@ -1,0 +1,202 @@
+"""Data lifecycle from a shell: ``tether purge`` (retention), ``tether erase-tenant``,
+``tether store backup|restore|check``."""
+
+from __future__ import annotations
+
+import os
+import re
+import sqlite3
+from typing import Annotated, Any
+
+import typer
+
+from ._common import (
+    EXIT_USAGE,
+    _app_option,
+    _client_app,
+    _dump,
+    _fail,
+    _note,
+    _opened,
+    _refuse_foreign_database,
+    _run,
+    _sqlite_path,
+    _store_option,
+    cli_actor,
+    load_app,
+)
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86_400, "w": 604_800}
+
+
+def parse_age(text: str) -> float:
+    """``30d``, ``12h``, ``90m``, ``45s``, ``2w`` (or plain seconds) in seconds."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", text)
+    if m is None:
+        _fail(f"--older-than {text!r} is not a duration: write 30d, 12h, 90m or 45s", EXIT_USAGE)
+    return float(m.group(1)) * _UNITS[m.group(2) or "s"]
+
+
+def purge_command(
+    older_than: Annotated[
+        str, typer.Option("--older-than", metavar="AGE", help="Ended more than AGE ago: 30d.")
+    ],
+    workflow: Annotated[str | None, typer.Option("--workflow", help="Only this workflow.")] = None,
+    tenant: Annotated[str | None, typer.Option("--tenant", help="Only this tenant.")] = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Count what the first batch would remove.")
+    ] = False,
+    batch: Annotated[int, typer.Option("--batch", help="Runs per transaction.")] = 500,
+    store: Annotated[str | None, _store_option()] = None,
+    app: Annotated[str | None, _app_option()] = None,
+) -> None:
+    """Remove ended runs older than AGE with everything of theirs (history, tasks, dead
+    letters, reviews, webhook deliveries, audit entries), in short transactions that do
+    not block workers. Their ids then answer "purged". Live runs are never touched."""
+    age = parse_age(older_than)
+
+    async def go() -> dict[str, int]:
+        async with _opened(_client_app(store, app)) as a:
+            counts = await a.purge(
+                age, workflow=workflow, tenant=tenant, dry_run=dry_run, batch=batch
+            )
+            if not dry_run and counts["runs"]:
+                detail = {"older_than": older_than, "workflow": workflow, "tenant": tenant}
+                await a.store.audit(cli_actor(), "purge", "runs", {**detail, **counts})
+            return counts
+
+    counts = _run(go())
+    _dump(counts)
+    _note(("would remove " if dry_run else "removed ") + f"{counts['runs']} run(s)")
+
+
+def erase_tenant_command(
+    tenant: Annotated[str, typer.Argument(metavar="TENANT", help="The tenant to erase.")],
+    yes: Annotated[bool, typer.Option("--yes", help="Really erase (it cannot be undone).")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Count, change nothing.")] = False,
+    store: Annotated[str | None, _store_option()] = None,
+    app: Annotated[str | None, _app_option()] = None,
+) -> None:
+    """Erase a tenant: terminate its live runs, remove every run of it with all their
+    rows, and its admission limit, API keys, switch and model budgets and spend."""
+    if not yes and not dry_run:
+        _fail(f"erasing tenant {tenant!r} cannot be undone: add --yes (or --dry-run)", EXIT_USAGE)
+
+    async def go() -> dict[str, int]:
+        async with _opened(_client_app(store, app)) as a:
+            counts = await a.erase_tenant(tenant, dry_run=dry_run)
+            if not dry_run:
+                await a.store.audit(cli_actor(), "erase tenant", f"tenant:{tenant}", counts)
+            return counts
+
+    _dump(_run(go()))
+
+
+def store_backup_command(
+    path: Annotated[str, typer.Argument(metavar="BACKUP", help="The file to write.")],
+    store: Annotated[str | None, _store_option()] = None,
+) -> None:
+    """Copy a SQLite store to BACKUP while workers run: one consistent snapshot (SQLite's
+    online backup). PostgreSQL: use pg_dump or PITR (docs/deploy.md)."""
+    src = _local_store(store)
+    if os.path.exists(path):
+        _fail(f"{path!r} exists: choose a new file for the backup", EXIT_USAGE)
+    source = sqlite3.connect(f"file:{src}?mode=ro", uri=True, timeout=30)
+    target = sqlite3.connect(path)
+    try:
+        source.backup(target)  # all pages in one step: a single consistent read
+    finally:
+        target.close()
+        source.close()
+    _note(f"backed up {src} to {path} ({os.path.getsize(path):,} bytes)")
+
+
+def store_restore_command(
+    backup: Annotated[str, typer.Argument(metavar="BACKUP", help="A file from backup.")],
+    target: Annotated[str, typer.Option("--to", metavar="PATH", help="The store file to create.")],
+) -> None:
+    """Restore a backup into a new store file (then start workers on it: runs in flight
+    at the backup resume from their last recorded step)."""
+    if not os.path.exists(backup):
+        _fail(f"no backup at {backup!r}", EXIT_USAGE)
+    if os.path.exists(target):
+        _fail(f"{target!r} exists: restore into a new file (or move it away first)", EXIT_USAGE)
+    _refuse_foreign_database(backup)
+    source = sqlite3.connect(f"file:{backup}?mode=ro", uri=True)
+    dest = sqlite3.connect(target)
+    try:
+        source.backup(dest)
+        (ok,) = dest.execute("PRAGMA integrity_check").fetchone()
+    finally:
+        dest.close()
+        source.close()
+    if ok != "ok":
+        os.remove(target)
+        _fail(f"the backup {backup!r} is damaged ({ok}); nothing was restored", 1)
+    _note(f"restored {backup} into {target}; check it with: tether store check --store {target}")
+
+
+def store_check_command(
+    store: Annotated[str | None, _store_option()] = None,
+    app: Annotated[
+        str | None,
+        typer.Option("--app", metavar="MODULE:ATTR", help="Also replay every unfinished run."),
+    ] = None,
+) -> None:
+    """Check a store (a restored one above all): SQLite's integrity check, no row naming
+    a run that is not there, and with --app every unfinished run's history replays with
+    that code. Exits 1 on any problem."""
+    problems: list[str] = []
+    path = _sqlite_path(store) if store else None
+    if path is not None:
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            (ok,) = conn.execute("PRAGMA integrity_check").fetchone()
+        finally:
+            conn.close()
+        if ok != "ok":
+            problems.append(f"integrity: {ok}")
+
+    async def go() -> dict[str, Any]:
+        # with --app its store (and its code for the replays), else --store
+        a = load_app(app) if app else _client_app(store, None)
+        async with _opened(a) as opened:
+            orphans = await opened.store.orphans()
+            replayed, failed = 0, []
+            if app:
+                from ..testing._replay import check_history
+
+                for status in ("pending", "running", "suspended", "queued"):
+                    for run in await opened.list(status=status, limit=1_000_000):
+                        report = check_history(opened, await opened.history(run.run_id))
+                        replayed += 1
+                        if not report.ok:
+                            failed.append(f"{run.run_id}: {report.error}")
+            return {"orphans": orphans, "replayed": replayed, "replay_failures": failed}
+
+    found = _run(go())
+    orphans = found["orphans"].items()
+    problems += [f"{n} {table} row(s) name a missing run" for table, n in orphans if n]
+    problems += found["replay_failures"]
+    _dump({"problems": problems, "replayed": found["replayed"], "orphans": found["orphans"]})
+    if problems:
+        raise typer.Exit(1)
+    _note("the store is sound")
+
+
+def _local_store(store: str | None) -> str:
+    path = _sqlite_path(store) if store else None
+    if path is None:
+        from ._common import DEFAULT_STORE
+
+        path = _sqlite_path(store or DEFAULT_STORE)
+    if path is None:
+        _fail(
+            "tether store backup copies SQLite stores; back up PostgreSQL with pg_dump or "
+            "point-in-time recovery (docs/deploy.md)",
+            EXIT_USAGE,
+        )
+    if not os.path.exists(path):
+        _fail(f"no tether store at {path!r}", EXIT_USAGE)
+    _refuse_foreign_database(path)
+    return path

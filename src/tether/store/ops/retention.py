@@ -1,0 +1,142 @@
+"""Retention and erasure: removing ended runs (and everything of theirs) in bounded
+batches, leaving a tombstone per run id; and the orphan check of a store.
+
+Each batch is one short transaction over at most ``limit`` runs, so workers are never
+held up for long. A purged run's rows go from every table that names it (history,
+tasks, dead letters, reviews, webhook deliveries, audit entries); its id stays in
+``purged_runs`` with when and why, so asking for it answers "purged", not "unknown".
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..._history import RunStatus
+from ._tx import _Tx
+
+#: tables whose rows belong to one run (by ``run_id``)
+RUN_TABLES = ("events", "tasks", "dead_letters", "approvals", "webhook_outbox")
+#: statuses a run can be purged in (it has ended)
+_ENDED = tuple(s.value for s in RunStatus if s.is_terminal)
+
+
+def _purge_batch(
+    tx: _Tx,
+    cutoff: float,
+    workflow: str | None,
+    tenant: str | None,
+    limit: int,
+    dry_run: bool,
+    reason: str,
+) -> dict[str, int]:
+    """Remove up to ``limit`` runs that ended before ``cutoff`` (and match the filters);
+    the rows removed per table. With ``dry_run`` nothing is removed: the counts are
+    what one batch would remove."""
+    ids: list[str] = []
+    for status in _ENDED:  # by (status, created_at): an index, never a scan of runs
+        where = "status = ? AND created_at < ? AND completed_at < ?"
+        args: list[Any] = [status, cutoff, cutoff]
+        if workflow is not None:
+            where += " AND workflow = ?"
+            args.append(workflow)
+        if tenant is not None:
+            where += " AND tenant = ?"
+            args.append(tenant)
+        rows = tx.execute(
+            f"SELECT run_id FROM runs WHERE {where} ORDER BY created_at LIMIT ?",
+            (*args, limit - len(ids)),
+        ).fetchall()
+        ids.extend(r[0] for r in rows)
+        if len(ids) >= limit:
+            break
+    return _remove(tx, ids, dry_run, reason)
+
+
+def _erase_tenant_batch(tx: _Tx, tenant: str, limit: int, dry_run: bool) -> dict[str, int]:
+    """Remove up to ``limit`` runs of ``tenant`` whatever their status (the caller ended
+    the live ones first), then, when none is left, the tenant's own rows."""
+    ids = [
+        r[0]
+        for r in tx.execute(
+            "SELECT run_id FROM runs WHERE tenant = ? ORDER BY created_at LIMIT ?",
+            (tenant, limit),
+        ).fetchall()
+    ]
+    counts = _remove(tx, ids, dry_run, "tenant erased")
+    if not ids:
+        for table, column in (
+            ("tenant_limits", "tenant"),
+            ("api_keys", "tenant"),
+            ("switches", "name"),
+            ("ai_budgets", "scope"),
+            ("ai_spend", "scope"),
+        ):
+            value = f"tenant:{tenant}" if column == "scope" else tenant
+            extra = " AND kind = 'tenant'" if table == "switches" else ""
+            sql = f"FROM {table} WHERE {column} = ?{extra}"
+            if dry_run:
+                n = int(tx.execute(f"SELECT COUNT(*) {sql}", (value,)).fetchone()[0])
+            else:
+                n = _deleted(tx, sql, (value,))
+            if n:
+                counts[table] = n
+    return counts
+
+
+def _remove(tx: _Tx, ids: list[str], dry_run: bool, reason: str) -> dict[str, int]:
+    counts: dict[str, int] = {"runs": len(ids)}
+    if not ids:
+        return counts
+    marks = ",".join("?" * len(ids))
+    targets = [f"run:{i}" for i in ids]
+    for table in RUN_TABLES:
+        sql = f"FROM {table} WHERE run_id IN ({marks})"
+        if dry_run:
+            counts[table] = int(tx.execute(f"SELECT COUNT(*) {sql}", ids).fetchone()[0])
+        else:
+            counts[table] = _deleted(tx, sql, ids)
+    sql = f"FROM audit_log WHERE target IN ({marks})"
+    if dry_run:
+        counts["audit_log"] = int(tx.execute(f"SELECT COUNT(*) {sql}", targets).fetchone()[0])
+        return counts
+    counts["audit_log"] = _deleted(tx, sql, targets)
+    tx.execute(
+        "INSERT INTO purged_runs (run_id, workflow, reason, purged_at) "
+        f"SELECT run_id, workflow, ?, ? FROM runs WHERE run_id IN ({marks}) "
+        "ON CONFLICT (run_id) DO NOTHING",
+        (reason, tx.now, *ids),
+    )
+    tx.execute(f"DELETE FROM runs WHERE run_id IN ({marks})", ids)
+    return counts
+
+
+def _deleted(tx: _Tx, from_where: str, args: Any) -> int:
+    """Delete ``FROM ... WHERE ...``; how many rows (RETURNING: both backends count it)."""
+    return len(tx.execute(f"DELETE {from_where} RETURNING 1", args).fetchall())
+
+
+def _purged_run(tx: _Tx, run_id: str) -> tuple[str, float] | None:
+    """(why, when) if the run was purged."""
+    row = tx.execute(
+        "SELECT reason, purged_at FROM purged_runs WHERE run_id = ?", (run_id,)
+    ).fetchone()
+    return None if row is None else (str(row[0]), float(row[1]))
+
+
+def _orphans(tx: _Tx) -> dict[str, int]:
+    """Rows that name a run the store does not have, per table (all zero in a sound
+    store). A schedule's task names its schedule, not a run."""
+    out: dict[str, int] = {}
+    for table in RUN_TABLES:
+        extra = " AND t.kind <> 'schedule'" if table == "tasks" else ""
+        (n,) = tx.execute(
+            f"SELECT COUNT(*) FROM {table} t WHERE NOT EXISTS "
+            f"(SELECT 1 FROM runs r WHERE r.run_id = t.run_id){extra}"
+        ).fetchone()
+        out[table] = int(n)
+    (n,) = tx.execute(
+        "SELECT COUNT(*) FROM tasks t WHERE t.kind = 'schedule' AND NOT EXISTS "
+        "(SELECT 1 FROM schedules s WHERE s.schedule_id = t.name)"
+    ).fetchone()
+    out["schedule tasks"] = int(n)
+    return out

@@ -1,0 +1,235 @@
+"""Retention, tenant erasure, and backups: purged runs leave no row behind (checked over
+every table that names a run) and answer as purged; other tenants are untouched; a
+backup taken mid-flight, restored, resumes every run without running a recorded step
+again."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import tether
+from tether import EventType
+
+HERE = Path(__file__).parent
+
+
+def _define(app: tether.App) -> tuple[tether.Workflow, tether.Workflow, tether.Workflow]:
+    @app.activity
+    async def step(x: int) -> int:
+        return x + 1
+
+    @app.activity(retry=tether.Retry(attempts=1))
+    async def broken() -> None:
+        raise tether.NonRetryable("no")
+
+    @app.workflow
+    async def quick(x: int) -> int:
+        return await step(x)
+
+    @app.workflow
+    async def failing() -> None:
+        await broken()
+
+    @app.workflow
+    async def waiting() -> None:
+        await tether.wait_event("never")
+
+    return quick, failing, waiting
+
+
+async def test_purge_removes_ended_runs_and_everything_of_theirs(app: tether.App) -> None:
+    quick, failing, waiting = _define(app)
+    async with app.worker(poll_interval=0.05):
+        old = [await app.start(quick, i) for i in range(5)]
+        for r in old:
+            await r.result(timeout=20)
+        bad = await app.start(failing)
+        with pytest.raises(tether.WorkflowFailedError):
+            await bad.result(timeout=20)
+        live = await app.start(waiting)
+        await app.store.audit("test", "cancel", f"run:{old[0].run_id}")
+        real = app.store.clock
+        app.store.clock = lambda: real() + 3600  # an hour later
+        new = await app.start(quick, 100)
+        assert await new.result(timeout=20) == 101
+        assert len(await app.dead_letters()) == 2  # the step's and the run's
+        preview = await app.purge(1800, dry_run=True)
+        assert preview["runs"] == 6 and len(await app.list(limit=100)) == 8  # nothing removed
+        counts = await app.purge(1800, batch=2)  # in batches of two runs
+    assert counts["runs"] == 6 and counts["dead_letters"] == 2 and counts["audit_log"] == 1
+    assert counts["events"] > 0
+    left = {r.run_id for r in await app.list(limit=100)}
+    assert left == {live.run_id, new.run_id}  # live runs and newer ones stay
+    with pytest.raises(tether.RunPurgedError, match=r"purged at .* \(retention\)"):
+        await app.get(old[0].run_id)
+    with pytest.raises(tether.RunNotFoundError):  # a purged run is also "not found"
+        await app.history(bad.run_id)
+    assert await app.dead_letters() == []
+    assert await app.audit_log(target=f"run:{old[0].run_id}") == []
+    assert set((await app.store.orphans()).values()) == {0}
+    assert len(await app.history(new.run_id)) > 0  # untouched
+
+
+async def test_purge_by_workflow_and_tenant(app: tether.App) -> None:
+    quick, failing, _ = _define(app)
+    async with app.worker(poll_interval=0.05):
+        a = await app.start(quick, 1, tenant="acme")
+        b = await app.start(quick, 2, tenant="globex")
+        c = await app.start(failing, tenant="acme")
+        for r in (a, b):
+            await r.result(timeout=20)
+        with pytest.raises(tether.WorkflowFailedError):
+            await c.result(timeout=20)
+    assert (await app.purge(0, workflow="quick", tenant="acme"))["runs"] == 1
+    assert {r.run_id for r in await app.list()} == {b.run_id, c.run_id}
+    with pytest.raises(tether.ConfigurationError, match="older_than"):
+        await app.purge(-1)
+
+
+async def test_erasing_a_tenant_leaves_nothing_of_it_and_spares_the_others(
+    app: tether.App,
+) -> None:
+    quick, _, waiting = _define(app)
+    from tether.server._auth import create_key
+
+    app.configure_admission("acme", max_running=5)
+    await create_key(app.store, role="operate", tenant="acme")
+    await create_key(app.store, role="operate", tenant="globex")
+    async with app.worker(poll_interval=0.05):
+        done = await app.start(quick, 1, tenant="acme")
+        await done.result(timeout=20)
+        live = await app.start(waiting, tenant="acme")  # still running: terminated first
+        other = await app.start(quick, 2, tenant="globex")
+        await other.result(timeout=20)
+        await app.disable("tenant", "acme", reason="erasing")
+        counts = await app.erase_tenant("acme")
+    assert counts["runs"] == 2 and counts["tenant_limits"] == 1 and counts["api_keys"] == 1
+    assert counts["switches"] == 1
+    assert [r.run_id for r in await app.list()] == [other.run_id]
+    for rid in (done.run_id, live.run_id):
+        with pytest.raises(tether.RunPurgedError, match="tenant erased"):
+            await app.get(rid)
+    assert set((await app.store.orphans()).values()) == {0}
+    assert len(await app.store.list_api_keys()) == 1  # globex keeps its key
+
+
+def _spawn(db: Path, effects: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, str(HERE / "crash_app.py"), str(db), str(effects)],
+        env={**os.environ, "PYTHONPATH": f"{HERE.parent / 'src'}{os.pathsep}{HERE}"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+def _executed(effects: Path) -> int:
+    if not effects.exists():
+        return 0
+    try:
+        with sqlite3.connect(effects, timeout=30) as conn:
+            return int(conn.execute("SELECT count(*) FROM effects").fetchone()[0])
+    except sqlite3.OperationalError:  # the worker has not made the table yet
+        return 0
+
+
+def test_a_backup_taken_mid_flight_resumes_every_run_without_repeating_a_step(
+    tmp_path: Path,
+) -> None:
+    db, backup, restored = tmp_path / "t.db", tmp_path / "backup.db", tmp_path / "restored.db"
+    sys.path.insert(0, str(HERE))
+    try:
+        import crash_app  # the worker's App (ten 20 ms steps per run)
+    finally:
+        sys.path.remove(str(HERE))
+
+    async def start_all() -> None:
+        app = tether.App(store=f"sqlite:///{db}")
+        app.workflow(crash_app.ten_steps.fn)
+        try:
+            for i in range(100):
+                await app.start("ten_steps", f"r{i}", run_id=f"r{i}")
+        finally:
+            await app.close()
+
+    asyncio.run(start_all())
+    worker = _spawn(db, tmp_path / "effects1.db")
+    try:
+        deadline = time.monotonic() + 60
+        while _executed(tmp_path / "effects1.db") < 200:  # mid-flight: a fifth of the steps
+            assert time.monotonic() < deadline, "the worker never got going"
+            time.sleep(0.02)
+        cli = [sys.executable, "-m", "tether.cli"]
+        env = {**os.environ, "PYTHONPATH": str(HERE.parent / "src")}
+        out = subprocess.run(
+            [*cli, "store", "backup", str(backup), "--store", str(db)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 0, out.stderr
+    finally:
+        worker.kill()
+        worker.wait(30)
+    out = subprocess.run(
+        [*cli, "store", "restore", str(backup), "--to", str(restored)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    check = subprocess.run(
+        [*cli, "store", "check", "--store", str(restored)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+
+    async def recorded(path: Path) -> tuple[dict[str, set[int]], int]:
+        app = tether.App(store=f"sqlite:///{path}")
+        try:
+            done: dict[str, set[int]] = {}
+            finished = 0
+            for i in range(100):
+                events = await app.history(f"r{i}")
+                done[f"r{i}"] = {
+                    e.step for e in events if e.type is EventType.ACTIVITY_COMPLETED and e.step
+                }
+                finished += any(e.type is EventType.WORKFLOW_COMPLETED for e in events)
+            return done, finished
+        finally:
+            await app.close()
+
+    at_backup, finished_then = asyncio.run(recorded(restored))
+    assert sum(map(len, at_backup.values())) > 0 and finished_then < 100  # mid-flight
+    effects2 = tmp_path / "effects2.db"
+    worker = _spawn(restored, effects2)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            _, finished = asyncio.run(recorded(restored))
+            if finished == 100:
+                break
+            assert time.monotonic() < deadline, f"only {finished} of 100 runs completed"
+            time.sleep(0.5)
+    finally:
+        worker.terminate()
+        worker.wait(30)
+    with sqlite3.connect(effects2) as conn:
+        rerun = [
+            (r, s)
+            for r, s in conn.execute("SELECT run_id, step FROM effects").fetchall()
+            if s in at_backup[r]
+        ]
+    assert rerun == []  # no step recorded in the backup ran again after the restore
