@@ -38,6 +38,7 @@ from .._errors import (
     ResultTimeoutError,
     RunIdConflictError,
     RunNotFoundError,
+    RunPurgedError,
     TetherError,
     WorkflowFailedError,
 )
@@ -192,8 +193,13 @@ def create_api(
 
     async def visible(request: Request, run_id: str, *, follow: bool = True) -> RunInfo:
         """The run, if the caller may see it (a tenant's key: only that tenant's runs)."""
-        info = await app.get(run_id, follow=follow)
         principal: Principal | None = request.state.principal
+        try:
+            info = await app.get(run_id, follow=follow)
+        except RunPurgedError:
+            if principal is not None and principal.tenant is not None:
+                raise RunNotFoundError(run_id) from None  # whose it was is not theirs to know
+            raise
         if principal is not None and not principal.sees(info.tenant):
             raise RunNotFoundError(run_id)  # another tenant's run does not exist for it
         return info

@@ -23,6 +23,7 @@ from .._errors import (
     RunFinishedError,
     RunIdConflictError,
     RunNotFoundError,
+    RunPurgedError,
     SwitchedOffError,
     TetherError,
     UnknownWorkflowError,
@@ -34,6 +35,7 @@ PROBLEM = "application/problem+json"
 
 #: tether's errors, most specific first: (type, HTTP status, title)
 _MAP: list[tuple[type[BaseException], int, str]] = [
+    (RunPurgedError, 410, "The run was purged"),
     (RunNotFoundError, 404, "No such run"),
     (ApprovalNotFoundError, 404, "No such review"),
     (DeadLetterNotFoundError, 404, "No such dead letter"),
