@@ -93,6 +93,38 @@ async def booking(title: str, flag: str) -> str:
     return "shipped"
 
 
+@app.entity
+class Tally:
+    """An entity: one counter per key."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def add(self, k: int) -> int:
+        self.n += k
+        return self.n
+
+
+def _positive(k: int) -> None:
+    if k <= 0:
+        raise ValueError("k must be > 0")
+
+
+@app.workflow
+async def counter(start: int) -> int:
+    """Counts what updates add until told to stop; its total is a query."""
+    total = {"n": start}
+    tether.on_query("total", lambda: total["n"])
+
+    @tether.on_update("add", validate=_positive)
+    def add(k: int) -> int:
+        total["n"] += k
+        return total["n"]
+
+    await tether.wait_event("stop")
+    return total["n"]
+
+
 @app.workflow
 async def review(title: str) -> str:
     """Ask a person to approve a title (editable)."""

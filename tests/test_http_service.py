@@ -527,3 +527,102 @@ def test_a_start_with_a_traceparent_joins_the_callers_trace(store_url: str) -> N
         assert not (server.http.get(plain["links"]["self"]).json()["attrs"] or {}).get("trace")
     finally:
         server.stop()
+
+
+def test_queries_updates_signal_with_start_entities_and_schedules_over_http(
+    store_url: str,
+) -> None:
+    server = Server(store_url, "--workers", "1", "--no-auth")
+    try:
+        http = server.http
+        # signal-with-start: the run is created with the signal waiting for it
+        body = {
+            "input": {"doc": "d"},
+            "run_id": "doc-1",
+            "if_running": "signal",
+            "signal": {"name": "review", "payload": {"verdict": "ok"}},
+        }
+        started = http.post("/v1/workflows/approve/runs", json=body)
+        assert started.status_code == 202, started.text
+        done = http.get("/v1/runs/doc-1/result?wait=20").json()
+        assert done["result"] == "d: ok"
+        again = http.post("/v1/workflows/approve/runs", json=body)  # it has ended
+        assert again.status_code == 409 and "finished" in again.json()["detail"]
+        refused = http.post(
+            "/v1/workflows/approve/runs",
+            json={"input": {"doc": "d"}, "run_id": "doc-1", "if_running": "reject"},
+        )
+        assert refused.status_code == 409
+        # queries and updates
+        run = http.post("/v1/workflows/counter/runs", json={"input": {"start": 10}}).json()
+        rid = run["id"]
+        base = f"/v1/runs/{rid}"
+        deadline = time.monotonic() + 20
+        while http.post(f"{base}/queries/total", json={}).status_code != 200:
+            assert time.monotonic() < deadline, "the run never ran"
+            time.sleep(0.05)
+        assert http.post(f"{base}/queries/total", json={}).json()["result"] == 10
+        added = http.post(f"{base}/updates/add", json={"args": [5]})
+        assert added.status_code == 200 and added.json()["result"] == 15
+        before = len(http.get(f"{base}/history").json()["events"])
+        bad = http.post(f"{base}/updates/add", json={"args": [-1]})
+        assert bad.status_code == 422 and "k must be > 0" in bad.json()["detail"]
+        assert len(http.get(f"{base}/history").json()["events"]) == before
+        unknown = http.post(f"{base}/queries/nope", json={})
+        assert unknown.status_code == 422 and "known: total" in unknown.json()["detail"]
+        http.post(f"{base}/signals/stop")
+        assert http.get(f"{base}/result?wait=20").json()["result"] == 15
+        # entities
+        for k in (1, 2, 3):
+            got = http.post("/v1/entities/Tally/t1/operations/add", json={"args": [k]})
+            assert got.status_code == 200, got.text
+        assert got.json()["result"] == 6
+        assert http.get("/v1/entities/Tally/t1").json() == {"n": 6}
+        assert http.get("/v1/entities/Tally").json() == ["t1"]
+        nope = http.post("/v1/entities/Tally/t1/operations/reset", json={})
+        assert nope.status_code == 422 and "known: add" in nope.json()["detail"]
+        names = {w["name"] for w in http.get("/v1/workflows").json()}
+        assert "counter" in names and not any(n.startswith("entity:") for n in names)
+        # schedules (declared with the CLI; listed and steered over HTTP)
+        created = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "tether.cli",
+                "schedules",
+                "create",
+                "nightly",
+                "serve_app:app",
+                "bill",
+                json.dumps(INVOICE["input"]["invoice"]),
+                "0.1",
+                "--cron",
+                "0 2 * * *",
+                "--tz",
+                "Europe/Paris",
+            ],
+            cwd=Path(__file__).parent,
+            env={
+                **os.environ,
+                "TETHER_TEST_STORE": store_url,
+                "PYTHONPATH": f"{Path(__file__).parent.parent / 'src'}{os.pathsep}"
+                f"{Path(__file__).parent}",
+            },
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert created.returncode == 0, created.stderr
+        listed = http.get("/v1/schedules").json()
+        assert [s["id"] for s in listed] == ["nightly"]
+        assert listed[0]["spec"]["tz"] == "Europe/Paris"
+        assert http.post("/v1/schedules/nightly/pause").json()["paused"] is True
+        fired = http.post("/v1/schedules/nightly/trigger")
+        assert fired.status_code == 202 and fired.json()["id"].startswith("nightly@trigger-")
+        result = http.get(f"{fired.headers['location']}/result?wait=20").json()
+        assert result["result"]["total"] == 1100
+        assert http.post("/v1/schedules/nightly/explode").status_code == 404
+        assert http.delete("/v1/schedules/nightly").json()["deleted"] is True
+        assert http.get("/v1/schedules/nightly").status_code == 404
+    finally:
+        server.stop()

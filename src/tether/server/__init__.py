@@ -31,6 +31,7 @@ from starlette.routing import Route
 from .. import __version__
 from .._app import App
 from .._definitions import Workflow
+from .._entities import PREFIX as ENTITY_PREFIX
 from .._errors import (
     ApprovalNotFoundError,
     ConfigurationError,
@@ -49,6 +50,7 @@ from ..alerts import AlertWatcher
 from ..metrics import Metrics
 from . import _problems
 from ._auth import AuthError, Principal, actor_of, authenticate
+from ._interact import install_interactions
 from ._limits import BodyLimit, RateLimiter
 from ._models import (
     HistoryPage,
@@ -282,7 +284,9 @@ def create_api(
             )
         return JSONResponse({"status": "ready", "workers": len(running)})
 
-    for wf in app._workflows.values():
+    # entities are reached through /v1/entities, not started as runs
+    startable = [wf for wf in app._workflows.values() if not wf.name.startswith(ENTITY_PREFIX)]
+    for wf in startable:
         _add_start_route(api, app, wf, who)
 
     @api.get("/v1/workflows", summary="The workflows this service starts, with input schemas")
@@ -295,7 +299,7 @@ def create_api(
                 "input_schema": input_model(wf).model_json_schema(),
                 "start": f"/v1/workflows/{wf.name}/runs",
             }
-            for wf in app._workflows.values()
+            for wf in startable
         ]
 
     @api.get("/v1/runs/{run_id}", summary="A run's status resource", response_model=RunView)
@@ -411,6 +415,8 @@ def create_api(
         await app.signal(run_id, name, payload)
         await audit(request, "signal", f"run:{run_id}", {"signal": name})
         return {"id": run_id, "signal": name, "accepted": True, "links": links(run_id)}
+
+    install_interactions(api, app, visible=visible, may=may, audit=audit, max_wait=max_wait)
 
     for action, role in (
         ("cancel", "operate"),
@@ -640,6 +646,10 @@ def _add_start_route(api: FastAPI, app: App, wf: Workflow[Any, Any], who: Any) -
                 tenant=data.get("tenant"),
                 webhook=data.get("callback_url"),
                 by=actor_of(principal, "api"),
+                if_running=data.get("if_running"),
+                signal=None
+                if data.get("signal") is None
+                else (data["signal"]["name"], data["signal"].get("payload")),
             )
         except TetherError as exc:
             if (

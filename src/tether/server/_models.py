@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import inspect
 import json
-from typing import Any
+import re
+from typing import Any, Literal
 from urllib.parse import quote
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
@@ -90,6 +91,15 @@ class ResultView(BaseModel):
     error: dict[str, Any] | None = None
 
 
+class SignalOption(BaseModel):
+    """A signal sent with a start (signal-with-start)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    payload: Any = None
+
+
 class StartOptions(BaseModel):
     """Options of a start, beside the workflow's input."""
 
@@ -102,6 +112,14 @@ class StartOptions(BaseModel):
         None,
         description="an http(s) URL that gets one signed POST of the run's outcome when it "
         "ends (at least once: dedupe by the webhook-id header)",
+    )
+    if_running: Literal["return", "reject", "signal"] | None = Field(
+        None,
+        description="with run_id, when that run exists: return it whatever its input, "
+        "reject the start (409), or signal it (signal-with-start: give signal)",
+    )
+    signal: SignalOption | None = Field(
+        None, description="signal-with-start: delivered to the run, or first to a new one"
     )
 
 
@@ -162,7 +180,7 @@ def input_model(wf: Workflow[Any, Any]) -> type[BaseModel]:
         annotation = Any if tp is inspect.Parameter.empty else tp
         default = ... if p.default is inspect.Parameter.empty else p.default
         fields[p.name] = (annotation, default)
-    name = "".join(part.title() for part in wf.name.replace("-", "_").split("_")) or "Workflow"
+    name = _model_name(wf.name)
     model: type[BaseModel] = create_model(
         f"{name}Input", __config__=ConfigDict(extra="forbid"), **fields
     )
@@ -171,10 +189,16 @@ def input_model(wf: Workflow[Any, Any]) -> type[BaseModel]:
 
 def start_model(wf: Workflow[Any, Any]) -> type[BaseModel]:
     """The body of ``POST /v1/workflows/{name}/runs``: the input and the start's options."""
-    name = "".join(part.title() for part in wf.name.replace("-", "_").split("_")) or "Workflow"
+    name = _model_name(wf.name)
     model: type[BaseModel] = create_model(
         f"Start{name}",
         __base__=StartOptions,
         input=(input_model(wf), Field(description=f"the arguments of {wf.name}")),
     )
     return model
+
+
+def _model_name(workflow: str) -> str:
+    """A schema name for a workflow: letters, digits and underscores only (OpenAPI)."""
+    parts = re.split(r"[^0-9A-Za-z]+", workflow)
+    return "".join(p[:1].upper() + p[1:] for p in parts if p) or "Workflow"

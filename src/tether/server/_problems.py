@@ -20,13 +20,17 @@ from .._errors import (
     ConfigurationError,
     DeadLetterNotFoundError,
     PayloadError,
+    QueryError,
     RunFinishedError,
     RunIdConflictError,
     RunNotFoundError,
     RunPurgedError,
+    ScheduleNotFoundError,
     SwitchedOffError,
     TetherError,
     UnknownWorkflowError,
+    UpdateFailedError,
+    UpdateRejectedError,
 )
 from ..store.ops.recovery import RecoveryError
 from ._auth import AuthError
@@ -47,6 +51,10 @@ _MAP: list[tuple[type[BaseException], int, str]] = [
     (AdmissionLimitError, 429, "The tenant is at its limit of live runs"),
     (RecoveryError, 409, "The run cannot be recovered that way"),
     (PayloadError, 400, "The input does not match the workflow's parameters"),
+    (ScheduleNotFoundError, 404, "No such schedule"),
+    (QueryError, 422, "The query could not be answered"),
+    (UpdateRejectedError, 422, "The update was refused (nothing was recorded)"),
+    (UpdateFailedError, 422, "The update's handler failed"),
     (ConfigurationError, 400, "Invalid request"),
 ]
 

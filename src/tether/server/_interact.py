@@ -1,0 +1,136 @@
+"""HTTP routes for queries, updates, entities and schedules (``tether serve``).
+
+- ``POST /v1/runs/{id}/queries/{name}`` ``{"args": [...]}``: the answer (read role);
+- ``POST /v1/runs/{id}/updates/{name}`` ``{"args": [...], "timeout": 30}``: the update's
+  result (operate); ``202`` when it is recorded but not applied within the wait;
+- ``POST /v1/entities/{entity}/{key}/operations/{op}`` and ``GET /v1/entities/{entity}/{key}``
+  (an entity's state), ``GET /v1/entities/{entity}`` (its keys): entities have no
+  tenant, so these need a key that sees every tenant (admin);
+- ``GET /v1/schedules``, ``GET /v1/schedules/{id}``, ``POST .../pause|resume|trigger``
+  (operate) and ``DELETE /v1/schedules/{id}`` (admin). Schedules are declared in code
+  or with ``tether schedules create``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
+
+from .._app import App
+from .._errors import ResultTimeoutError
+from .._schedules import ScheduleInfo
+from ._models import links
+from ._problems import problem
+
+
+class ArgsBody(BaseModel):
+    """Positional arguments (JSON), and for updates how long to wait for the outcome."""
+
+    args: list[Any] = Field(default_factory=list)
+    timeout: float | None = Field(None, gt=0, description="seconds to wait (updates)")
+
+
+def schedule_view(s: ScheduleInfo) -> dict[str, Any]:
+    """A schedule as the API shows it."""
+    return {
+        "id": s.schedule_id,
+        "workflow": s.workflow,
+        "spec": s.spec.to_json(),
+        "paused": s.paused,
+        "next_at": s.next_at,
+        "last_tick": s.last_tick,
+        "last_run_id": s.last_run_id,
+        "fired": s.fired,
+        "skipped": s.skipped,
+        "note": s.note,
+    }
+
+
+def install_interactions(
+    api: FastAPI, app: App, *, visible: Any, may: Any, audit: Any, max_wait: float
+) -> None:
+    """Add the routes above to ``api``."""
+
+    @api.post("/v1/runs/{run_id}/queries/{name}", summary="Ask a run's query handler")
+    async def query(run_id: str, name: str, body: ArgsBody, request: Request) -> dict[str, Any]:
+        may(request, "read", "query")
+        info = await visible(request, run_id)
+        return {"id": info.run_id, "result": await app.query(info.run_id, name, *body.args)}
+
+    @api.post("/v1/runs/{run_id}/updates/{name}", summary="Run an update in a run")
+    async def update(run_id: str, name: str, body: ArgsBody, request: Request) -> Any:
+        may(request, "operate", "update")
+        info = await visible(request, run_id)
+        wait = min(body.timeout or 30.0, max_wait)
+        try:
+            result = await app.update(info.run_id, name, *body.args, timeout=wait)
+        except ResultTimeoutError as exc:
+            await audit(request, "update", f"run:{info.run_id}", {"update": name})
+            return JSONResponse(
+                {"id": info.run_id, "status": "accepted", "detail": str(exc)},
+                status_code=202,
+                headers={"Retry-After": "1"},
+            )
+        await audit(request, "update", f"run:{info.run_id}", {"update": name})
+        return {"id": info.run_id, "result": result, "links": links(info.run_id)}
+
+    @api.get("/v1/entities/{entity}", summary="The keys of an entity class's live entities")
+    async def entity_keys(entity: str, request: Request) -> list[str]:
+        may(request, "admin", "listing entities")
+        app.entity_ref(entity, "-")  # unknown class: 400 naming the known ones
+        return await app.entities(entity)
+
+    @api.get("/v1/entities/{entity}/{key}", summary="An entity's state")
+    async def entity_state(entity: str, key: str, request: Request) -> dict[str, Any]:
+        may(request, "admin", "reading entities")
+        return await app.entity_ref(entity, key).state()
+
+    @api.post("/v1/entities/{entity}/{key}/operations/{op}", summary="Apply an entity operation")
+    async def entity_call(
+        entity: str, key: str, op: str, body: ArgsBody, request: Request
+    ) -> dict[str, Any]:
+        may(request, "admin", "calling entities")
+        ref = app.entity_ref(entity, key)
+        result = await ref.call(op, *body.args, timeout=min(body.timeout or 30.0, max_wait))
+        await audit(request, f"entity {op}", f"run:{ref.run_id}", None)
+        return {"entity": entity, "key": key, "result": result}
+
+    @api.get("/v1/schedules", summary="Every schedule")
+    async def schedules(request: Request) -> list[dict[str, Any]]:
+        may(request, "read", "listing schedules")
+        return [schedule_view(s) for s in await app.schedules()]
+
+    @api.get("/v1/schedules/{schedule_id}", summary="One schedule")
+    async def schedule(schedule_id: str, request: Request) -> dict[str, Any]:
+        may(request, "read", "reading schedules")
+        return schedule_view(await app.get_schedule(schedule_id))
+
+    @api.post("/v1/schedules/{schedule_id}/{action}", summary="Pause, resume or trigger")
+    async def schedule_action(schedule_id: str, action: str, request: Request) -> Any:
+        may(request, "operate", f"{action} a schedule")
+        if action == "pause":
+            await app.pause_schedule(schedule_id, note="paused over HTTP")
+        elif action == "resume":
+            await app.resume_schedule(schedule_id)
+        elif action == "trigger":
+            run = await app.trigger_schedule(schedule_id)
+            await audit(request, "schedule trigger", f"schedule:{schedule_id}", None)
+            return JSONResponse(
+                {"id": run.run_id, "links": links(run.run_id).model_dump()},
+                status_code=202,
+                headers={"Location": links(run.run_id).self},
+            )
+        else:
+            return problem(404, "No such action", "schedule actions are pause, resume and trigger")
+        await audit(request, f"schedule {action}", f"schedule:{schedule_id}", None)
+        return schedule_view(await app.get_schedule(schedule_id))
+
+    @api.delete("/v1/schedules/{schedule_id}", summary="Delete a schedule (its runs stay)")
+    async def delete_schedule(schedule_id: str, request: Request) -> dict[str, Any]:
+        may(request, "admin", "deleting a schedule")
+        await app.delete_schedule(schedule_id)
+        await audit(request, "schedule delete", f"schedule:{schedule_id}", None)
+        return {"id": schedule_id, "deleted": True}
