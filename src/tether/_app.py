@@ -1086,14 +1086,22 @@ class App:
 
         self.store.add_history_listener(on_growth)
         delay = 0.01  # the outcome comes after the request (seq ``after``): read from there
+        ended: RunInfo | None = None
+        status_at = loop.time() + 1.0
         try:
             while True:
                 grew.clear()
-                # whether it had ended is read before its history: an outcome recorded
-                # by the commit that ended it is then found below, never missed
-                ended = await self.get(run_id, follow=False)
+                # the history says when the run ended (its last command is in it); a few
+                # ends write no event (a queued run cancelled), so the run is read too,
+                # now and then. Read before the history: an outcome recorded by the
+                # commit that ended it is then found below, never missed.
+                if loop.time() >= status_at:
+                    ended = await self.get(run_id, follow=False)
+                    status_at = loop.time() + 1.0
                 for ev in await self.store.read_history(run_id, after):
                     after = max(after, ev.seq)
+                    if ev.type in _ENDING_EVENTS and ended is None:
+                        ended = await self.get(run_id, follow=False)
                     value = ev.data.get("value") if ev.type is EventType.MARKER else None
                     if ev.data.get("marker") != UPDATE_MARKER or not isinstance(value, dict):
                         continue
@@ -1107,7 +1115,7 @@ class App:
                     raise UpdateFailedError(
                         run_id, name, str(err.get("type")), str(err.get("message"))
                     )
-                if ended.is_finished:
+                if ended is not None and ended.is_finished:
                     why = f"the run ended ({ended.status.value}) before it handled the update"
                     raise UpdateRejectedError(run_id, name, why)
                 wait = delay
@@ -1567,6 +1575,18 @@ class App:
         return run_sync(main())
 
 
+#: events that end a run (its history then holds every outcome it will ever record)
+_ENDING_EVENTS = frozenset(
+    {
+        EventType.WORKFLOW_COMPLETED,
+        EventType.WORKFLOW_FAILED,
+        EventType.WORKFLOW_CANCELLED,
+        EventType.WORKFLOW_TIMED_OUT,
+        EventType.WORKFLOW_NEEDS_INTERVENTION,
+        EventType.CONTINUED_AS_NEW,
+        EventType.WORKFLOW_TERMINATED,
+    }
+)
 _MAX_RUNNING_HERE = 10_000  #: runs remembered as running here (a hint, see _wait_finished)
 #: the statuses a run ends in that write it to the dead letters (``_finish``)
 _DEAD_LETTERED = frozenset({RunStatus.FAILED, RunStatus.NEEDS_INTERVENTION, RunStatus.TIMED_OUT})
