@@ -3,16 +3,18 @@ CSRF token every form posts back.
 
 The cookie holds the key itself, so the console needs no session table and a revoked
 key logs its sessions out on their next request. Pages are only readable by the
-browser holding the cookie; a form's token is an HMAC of the cookie under a
-per-process secret, which another site can neither read nor compute; a POST without
-the right token is refused even though SameSite already keeps the cookie off
-cross-site requests.
+browser holding the cookie; a form's token is an HMAC of the cookie under a secret,
+which another site can neither read nor compute; a POST without the right token is
+refused even though SameSite already keeps the cookie off cross-site requests. The
+secret is ``TETHER_CONSOLE_SECRET`` when set (give every replica behind a balancer the
+same one, so a form served by one is accepted by another), else one per process.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 import secrets
 
 from fastapi import Request
@@ -21,7 +23,11 @@ from ...store.base import Store
 from .._auth import AuthError, Principal, authenticate
 
 COOKIE = "tether_console"
-_SECRET = secrets.token_bytes(32)
+_SECRET = (
+    hashlib.sha256(os.environ["TETHER_CONSOLE_SECRET"].encode()).digest()
+    if os.environ.get("TETHER_CONSOLE_SECRET")
+    else secrets.token_bytes(32)
+)
 
 
 class LoginRequired(Exception):
