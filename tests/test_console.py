@@ -310,3 +310,29 @@ def test_pages_read_with_javascript_off_with_landmarks_and_labels(
     page.goto(f"{base}/runs")
     assert run["id"] in page.inner_text("#runs")
     context.close()
+
+
+def test_a_shared_console_secret_makes_replicas_accept_each_others_forms(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """TETHER_CONSOLE_SECRET: two processes (two loads of the module) sign alike."""
+    import importlib
+
+    from starlette.requests import Request
+
+    from tether.server.console import _session
+
+    def token() -> str:
+        scope = {"type": "http", "headers": [(b"cookie", b"tether_console=k1")]}
+        return _session.csrf_token(Request(scope))
+
+    try:
+        monkeypatch.setenv("TETHER_CONSOLE_SECRET", "shared by every replica")
+        first = token() if importlib.reload(_session) else ""
+        second = token() if importlib.reload(_session) else ""
+        assert first == second
+        monkeypatch.delenv("TETHER_CONSOLE_SECRET")
+        importlib.reload(_session)
+        assert token() != first  # a per-process secret otherwise
+    finally:
+        importlib.reload(_session)
