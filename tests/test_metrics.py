@@ -116,6 +116,7 @@ async def test_counters_match_a_scripted_scenario(app: tether.App) -> None:
     assert _get(s, "tether_wait_duration_seconds_count", kind="timer", name="timer") == 1
     assert _get(s, "tether_wait_duration_seconds_sum", kind="timer", name="timer") >= 0.04
     assert _get(s, "tether_queue_wait_seconds_count", queue="default", kind="activity") >= 6
+    assert _get(s, "tether_queue_wait_seconds_count", queue="default", kind="workflow") == 3
     # no run id ever becomes a label
     assert not any(dict(labels).get("run_id") for _, labels in s)
 

@@ -62,7 +62,10 @@ SPECS: dict[str, Spec] = {
         "histogram", "Duration of activity attempts", ("activity", "outcome")
     ),
     "tether_queue_wait": Spec(
-        "histogram", "Time a due task waited for a worker", ("queue", "kind")
+        "histogram",
+        "Time a due task waited for a worker: an activity's first attempt (kind activity), "
+        "a run's first workflow task (kind workflow: the time it was pending)",
+        ("queue", "kind"),
     ),
     "tether_wait_duration": Spec(
         "histogram", "Durable waits that ended: timers and signals (approvals)", ("kind", "name")

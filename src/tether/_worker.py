@@ -551,6 +551,7 @@ class Worker:
             return
         self.stats["workflow_tasks"] += 1
         self.stats["eager_starts"] += 1
+        observe("tether_queue_wait", (res.run.queue, "workflow"), 0.0)  # it never waited
         inst.committed(res.first_marker)
         for name, labels, n in inst.take_counts():  # what its first task noted
             count(name, labels, n)
@@ -598,7 +599,11 @@ class Worker:
                     self.stats["version_skipped"] += 1
                     await store.release([task], delay=1.0)
                     return
-            result = inst.advance(events, store.clock())
+            now = store.clock()
+            if fresh is not None and events and events[-1].seq == 1:
+                # the run's first workflow task: how long the run was pending
+                observe("tether_queue_wait", (task.queue, "workflow"), now - events[0].created_at)
+            result = inst.advance(events, now)
         except LeaseLostError:
             if fresh is not None:
                 fresh.close()
