@@ -25,6 +25,9 @@ async def test_breaker_opens_fails_fast_half_opens_and_closes(
 ) -> None:
     dep = {"calls": 0, "healthy": False, "slow": 0.0}
     breaker = tether.CircuitBreaker("llm", failure_ratio=0.5, min_calls=4, cooldown=0.4)
+    from tether._telemetry import RECORDER
+
+    opens_before = RECORDER.counter("tether_breaker_opens", ("llm",))
 
     @app.activity(retry=tether.Retry(attempts=1), breaker=breaker)
     async def call_llm(i: int) -> int:
@@ -64,6 +67,8 @@ async def test_breaker_opens_fails_fast_half_opens_and_closes(
     dep["slow"] = 0.0
     assert await once(40, 41, 42) == ["ok", "ok", "ok"]
     assert dep["calls"] == 9
+    # opened twice (the ratio, then the failed trial), refused four times
+    assert RECORDER.counter("tether_breaker_opens", ("llm",)) - opens_before == 2
 
 
 async def test_breaker_open_rejection_is_retried_after_cooldown(

@@ -77,6 +77,9 @@ SPECS: dict[str, Spec] = {
         "counter", "Activity steps that failed for good", ("activity", "error_type")
     ),
     "tether_activity_timeouts": Spec("counter", "Activity attempts that timed out", ("activity",)),
+    "tether_breaker_opens": Spec(
+        "counter", "Circuit breakers opened (by this process's outcomes)", ("breaker",)
+    ),
     "tether_breaker_rejections": Spec(
         "counter", "Attempts refused by an open circuit breaker", ("activity",)
     ),

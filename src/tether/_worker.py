@@ -1037,7 +1037,8 @@ class Worker:
 
     async def _breaker_record(self, cfg: dict[str, Any], ok: bool) -> None:
         try:
-            await self.app.store.breaker_record(cfg, ok)
+            if await self.app.store.breaker_record(cfg, ok):
+                count("tether_breaker_opens", (str(cfg.get("name")),))
         except StoreError as exc:
             log.warning("could not update circuit breaker %r: %s", cfg.get("name"), exc)
 

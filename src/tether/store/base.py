@@ -512,8 +512,9 @@ class Store(abc.ABC):
         """Ask the named breaker for a call: None to go ahead, or seconds to wait."""
 
     @abc.abstractmethod
-    async def breaker_record(self, cfg: dict[str, Any], ok: bool) -> None:
-        """Report a call's outcome to the named breaker (may open or close it)."""
+    async def breaker_record(self, cfg: dict[str, Any], ok: bool) -> bool:
+        """Report a call's outcome to the named breaker (may open or close it; True when
+        this outcome opened it)."""
 
     @abc.abstractmethod
     async def dead_letters(

@@ -397,8 +397,9 @@ class OpsStore(Store):
         out: float | None = await self._do(_breaker_admit, cfg)
         return out
 
-    async def breaker_record(self, cfg: dict[str, Any], ok: bool) -> None:
-        await self._do(_breaker_record, cfg, ok)
+    async def breaker_record(self, cfg: dict[str, Any], ok: bool) -> bool:
+        opened: bool = await self._do(_breaker_record, cfg, ok)
+        return opened
 
     async def list_approvals(
         self,

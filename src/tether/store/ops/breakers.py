@@ -44,7 +44,8 @@ def _breaker_admit(tx: _Tx, cfg: dict[str, Any]) -> float | None:
     return None
 
 
-def _breaker_record(tx: _Tx, cfg: dict[str, Any], ok: bool) -> None:
+def _breaker_record(tx: _Tx, cfg: dict[str, Any], ok: bool) -> bool:
+    """Record a call's outcome; True when it opened the breaker."""
     name = cfg["name"]
     state, _opened, window_start, calls, failures, _trial = _breaker_row(tx, name)
     if state == "half_open":
@@ -59,9 +60,10 @@ def _breaker_record(tx: _Tx, cfg: dict[str, Any], ok: bool) -> None:
                 "UPDATE breakers SET state = 'open', opened_at = ?, trial_at = NULL WHERE name = ?",
                 (tx.now, name),
             )
-        return
+            return True  # the trial failed: open again
+        return False
     if state == "open":
-        return  # a call admitted before it opened: its outcome changes nothing
+        return False  # a call admitted before it opened: its outcome changes nothing
     if tx.now - float(window_start) > float(cfg["window"]):
         window_start, calls, failures = tx.now, 0, 0
     calls += 1
@@ -72,8 +74,9 @@ def _breaker_record(tx: _Tx, cfg: dict[str, Any], ok: bool) -> None:
             "failures = 0 WHERE name = ?",
             (tx.now, tx.now, name),
         )
-    else:
-        tx.execute(
-            "UPDATE breakers SET window_start = ?, calls = ?, failures = ? WHERE name = ?",
-            (window_start, calls, failures, name),
-        )
+        return True
+    tx.execute(
+        "UPDATE breakers SET window_start = ?, calls = ?, failures = ? WHERE name = ?",
+        (window_start, calls, failures, name),
+    )
+    return False
