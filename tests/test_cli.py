@@ -588,6 +588,11 @@ def test_purge_erase_tenant_backup_restore_and_check(
     assert json.loads(project.ok("get", "p1", "--store", str(restored), "--json"))["status"]
     check = json.loads(project.ok("store", "check", "--store", str(restored)))
     assert check["problems"] == []
+    # with --app, every unfinished run's history is replayed against that code
+    project.ok("start", "flows:app", "waiter", '"w"', "--run-id", "w1")
+    wait_until(lambda: project.run_info("w1")["status"] == "running", CMD_TIMEOUT, "w1")
+    replayed = json.loads(project.ok("store", "check", "--app", "flows:app"))
+    assert replayed["problems"] == [] and replayed["replayed"] == 1
     refused = project.cli("erase-tenant", "acme", *store)
     assert_one_line_error(refused, 2, "--yes")
     assert json.loads(project.ok("erase-tenant", "acme", "--yes", *store))["runs"] == 0

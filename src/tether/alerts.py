@@ -120,7 +120,7 @@ class AlertWatcher:
             for rule, counter, match in _COUNTED:
                 if name == counter and (match is None or labels[match[0]] == match[1]):
                     totals[rule] += value
-        letters = len(await app.dead_letters(limit=10_000))
+        letters = (await app.store.open_counts())["dead_letters"]
         self._history.append((now, dict(totals), letters))
         while len(self._history) > 1 and self._history[1][0] <= now - rules.window:
             self._history.popleft()

@@ -35,9 +35,6 @@ from ._worker import Worker
 
 log = logging.getLogger("tether.metrics")
 
-#: at most this many rows are counted for the list-based figures (dead letters...)
-_COUNT_CAP = 10_000
-
 
 class Metrics:
     """The figures of ``app`` (and ``workers``), refreshed in the background."""
@@ -74,14 +71,15 @@ class Metrics:
     async def update(self) -> None:
         """Read the store's figures now (runs by status at most every ``slow_refresh``)."""
         store = self.app.store
+        counts = await store.open_counts()
         fast: dict[str, Any] = {
             "queues": await self.app.queue_stats(),
-            "dead_letters": len(await self.app.dead_letters(limit=_COUNT_CAP)),
-            "approvals": len(await self.app.approvals(status="open", limit=_COUNT_CAP)),
+            "dead_letters": counts["dead_letters"],
+            "approvals": counts["approvals"],
             "switches": await self.app.switches(),
             "webhooks": {
-                state: len(await store.webhook_deliveries(state=state, limit=_COUNT_CAP))
-                for state in ("pending", "failed")
+                "pending": counts["webhooks_pending"],
+                "failed": counts["webhooks_failed"],
             },
         }
         self._fast = fast

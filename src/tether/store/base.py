@@ -303,6 +303,10 @@ class Store(abc.ABC):
         """Webhook deliveries, newest first."""
 
     @abc.abstractmethod
+    async def open_counts(self) -> dict[str, int]:
+        """Open dead letters and reviews, webhook deliveries pending and given up."""
+
+    @abc.abstractmethod
     async def run_counts(self, tenant: str | None = None) -> list[tuple[str, str, int]]:
         """(workflow, status, runs) of every pair that has runs."""
 

@@ -46,3 +46,22 @@ def _spend_on(tx: _Tx, day: str) -> list[tuple[str, int, str]]:
         "SELECT scope, tokens, cost FROM ai_spend WHERE day = ? ORDER BY scope", (day,)
     ).fetchall()
     return [(r[0], int(r[1]), str(r[2])) for r in rows]
+
+
+def _open_counts(tx: _Tx) -> dict[str, int]:
+    """How many dead letters and reviews are open, and webhook deliveries pending or
+    given up: counts (not lists), for metrics and alerts."""
+    out: dict[str, int] = {}
+    for key, sql in (
+        ("dead_letters", "SELECT COUNT(*) FROM dead_letters WHERE resolved_at IS NULL"),
+        (
+            "approvals",  # undecided reviews of live runs, as list_approvals(status="open")
+            "SELECT COUNT(*) FROM approvals a JOIN runs r ON r.run_id = a.run_id "
+            "WHERE a.status = 'open' AND r.status NOT IN ('completed', 'failed', "
+            "'cancelled', 'terminated', 'timed_out', 'needs_intervention', 'continued_as_new')",
+        ),
+        ("webhooks_pending", "SELECT COUNT(*) FROM webhook_outbox WHERE state = 'pending'"),
+        ("webhooks_failed", "SELECT COUNT(*) FROM webhook_outbox WHERE state = 'failed'"),
+    ):
+        out[key] = int(tx.execute(sql).fetchone()[0])
+    return out
