@@ -593,6 +593,7 @@ def test_purge_erase_tenant_backup_restore_and_check(
     wait_until(lambda: project.run_info("w1")["status"] == "running", CMD_TIMEOUT, "w1")
     replayed = json.loads(project.ok("store", "check", "--app", "flows:app"))
     assert replayed["problems"] == [] and replayed["replayed"] == 1
+    assert json.loads(project.ok("store", "gc-blobs", *store)) == {"kept": 0, "removed": 0}
     refused = project.cli("erase-tenant", "acme", *store)
     assert_one_line_error(refused, 2, "--yes")
     assert json.loads(project.ok("erase-tenant", "acme", "--yes", *store))["runs"] == 0

@@ -39,6 +39,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "tether._alert_rules",
             "tether._schedules",
             "tether._periodic",
+            "tether.blobs",
         ),
     ),
     ("definitions", ("tether._definitions",)),
@@ -48,6 +49,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "worker",
         (
             "tether._activity_context",
+            "tether._blob_api",
             "tether._attempts",
             "tether._host",
             "tether._batch",

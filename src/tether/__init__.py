@@ -11,6 +11,7 @@ from ._activity_context import ActivityContext, NotInActivityError, activity_con
 from ._app import App, Run
 from ._batch import BatchActivity
 from ._batching import Batch
+from ._blob_api import put_blob, read_blob
 from ._breaker import CircuitBreaker, CircuitOpenError
 from ._classify import RetryAfter, Verdict, classify
 from ._definitions import Activity, ActivityOptions, Workflow
@@ -53,6 +54,7 @@ from ._schedules import ScheduleInfo, ScheduleSpec
 from ._sync import SyncClient, SyncRun
 from ._usage import Budget, Usage
 from ._worker import Worker
+from .blobs import Blob, BlobError
 from .store.ops.recovery import RecoveryError
 from .workflow._api import (
     ItemOutcome,
@@ -131,6 +133,10 @@ __all__ = [
     "RunNotFoundError",
     "DeadLetterNotFoundError",
     "ScheduleInfo",
+    "Blob",
+    "BlobError",
+    "put_blob",
+    "read_blob",
     "RunPurgedError",
     "QueryError",
     "UpdateFailedError",

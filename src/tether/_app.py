@@ -11,6 +11,7 @@ import datetime as _dt
 import json
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
 from datetime import timedelta
@@ -73,6 +74,7 @@ from ._tracing import available as tracing_available
 from ._tracing import start_carrier
 from ._usage import Budget, Usage, usage_of
 from ._worker import Worker
+from .blobs import Blob, BlobStore, default_root
 from .store._open import open_store
 from .store.base import WAITING_KINDS, Finished, Store, start_event_data
 from .store.ops.admission import _configure_admission
@@ -171,6 +173,7 @@ class App:
         queue: str = "default",
         on_alert: Callable[[str, dict[str, Any]], Any] | None = None,
         alert_rules: AlertRules | None = None,
+        blobs: str | None = None,
     ) -> None:
         #: called as ``on_alert(subject, details)`` (sync or async): when a run needs an
         #: operator (subject: its id; details: its error) and for the conditions of
@@ -178,6 +181,9 @@ class App:
         self.on_alert = on_alert
         #: thresholds of the alert watcher (``tether.alerts``; None: its defaults)
         self.alert_rules = alert_rules
+        #: where large payloads go (``tether.blobs``): a directory or an fsspec URL;
+        #: None: beside a SQLite file (``<file>.blobs``), else ``./tether-blobs``
+        self._blobs_spec = blobs
         self._store_spec = store
         self._store: Store | None = None
         self._store_lock = threading.Lock()
@@ -209,6 +215,9 @@ class App:
             with self._store_lock:
                 if self._store is None:
                     store = open_store(self._store_spec)
+                    store.blobs = BlobStore(
+                        self._blobs_spec or default_root(getattr(store, "path", None))
+                    )
                     store.add_listener(self._on_commit)
                     self._store = store
                     self._write_queue_limits_sync(store)
@@ -765,6 +774,35 @@ class App:
                 raise RunPurgedError(run_id, *purged)
             raise RunNotFoundError(run_id)
         return info
+
+    # -- blobs -----------------------------------------------------------------------
+
+    def put_blob(self, data: bytes, media_type: str | None = None) -> Blob:
+        """Store bytes in the blob store (e.g. a document before starting its run)."""
+        assert self.store.blobs is not None
+        return self.store.blobs.put(data, media_type)
+
+    def read_blob(self, blob: Blob | dict[str, Any]) -> bytes:
+        """The bytes of a blob (``BlobError`` if missing or damaged)."""
+        assert self.store.blobs is not None
+        return self.store.blobs.get(blob)
+
+    async def gc_blobs(self, older_than: float | timedelta = 3600.0) -> dict[str, int]:
+        """Remove blobs no payload refers to (written by attempts that crashed before
+        their commit, or whose runs were purged) once older than ``older_than``, so the
+        blobs of attempts still running stay. Returns how many were kept and removed."""
+        grace = seconds(older_than, "older_than") or 0.0
+        blobs = self.store.blobs
+        assert blobs is not None
+        stored = list(blobs.refs())  # listed first: a blob written after is not judged
+        used = await self.store.blob_refs()
+        cutoff = time.time() - grace
+        removed = 0
+        for ref, mtime in stored:
+            if ref not in used and mtime < cutoff:
+                blobs.delete(ref)
+                removed += 1
+        return {"kept": len(stored) - removed, "removed": removed}
 
     # -- retention and erasure -----------------------------------------------------
 

@@ -18,6 +18,7 @@ from .lifecycle import (
     purge_command,
     store_backup_command,
     store_check_command,
+    store_gc_blobs_command,
     store_restore_command,
 )
 from .queues import queues_command
@@ -80,6 +81,7 @@ def _build() -> typer.Typer:
         backup=store_backup_command,
         restore=store_restore_command,
         check=store_check_command,
+        **{"gc-blobs": store_gc_blobs_command},
     )
     cli.command("purge")(purge_command)
     cli.command("erase-tenant")(erase_tenant_command)

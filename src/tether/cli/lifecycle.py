@@ -92,6 +92,25 @@ def erase_tenant_command(
     _dump(_run(go()))
 
 
+def store_gc_blobs_command(
+    older_than: Annotated[
+        str, typer.Option("--older-than", metavar="AGE", help="Grace period: 1h.")
+    ] = "1h",
+    store: Annotated[str | None, _store_option()] = None,
+    app: Annotated[str | None, _app_option()] = None,
+) -> None:
+    """Remove blobs no payload refers to (an attempt that crashed before its commit, runs
+    purged since) once older than AGE, which keeps the blobs of attempts still running.
+    The blob store is the App's (--app) or the one beside the SQLite file."""
+    age = parse_age(older_than)
+
+    async def go() -> dict[str, int]:
+        async with _opened(_client_app(store, app)) as a:
+            return await a.gc_blobs(older_than=age)
+
+    _dump(_run(go()))
+
+
 def store_backup_command(
     path: Annotated[str, typer.Argument(metavar="BACKUP", help="The file to write.")],
     store: Annotated[str | None, _store_option()] = None,

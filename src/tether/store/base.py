@@ -16,6 +16,7 @@ from typing import Any
 from .._history import DeadLetter, Event, EventType, RunEnd, RunInfo, RunStatus, Task
 from .._queues import QueueStats
 from .._schedules import ScheduleInfo, ScheduleSpec
+from ..blobs import BlobStore
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -110,6 +111,8 @@ class Store(abc.ABC):
 
     #: seconds since the epoch; replaceable for tests with a virtual clock
     clock: Callable[[], float]
+    #: where large payloads go by reference (``tether.blobs``); set by the App
+    blobs: BlobStore | None = None
 
     @abc.abstractmethod
     async def create_run(
@@ -301,6 +304,10 @@ class Store(abc.ABC):
         self, *, run_id: str | None = None, state: str | None = None, limit: int = 100
     ) -> list[tuple[Any, ...]]:
         """Webhook deliveries, newest first."""
+
+    @abc.abstractmethod
+    async def blob_refs(self) -> set[str]:
+        """Every blob reference the store's payloads hold (for ``gc_blobs``)."""
 
     @abc.abstractmethod
     async def open_counts(self) -> dict[str, int]:

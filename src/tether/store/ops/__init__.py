@@ -271,6 +271,10 @@ class OpsStore(Store):
         )
         return out
 
+    async def blob_refs(self) -> set[str]:
+        refs: set[str] = await self._do(_blob_refs, write=False)
+        return refs
+
     async def open_counts(self) -> dict[str, int]:
         counts: dict[str, int] = await self._do(_open_counts, write=False)
         return counts
@@ -536,7 +540,7 @@ from .keys import (  # noqa: E402
     _list_api_keys,
     _revoke_api_key,
 )
-from .overview import _open_counts, _run_counts, _run_outcomes, _spend_on  # noqa: E402
+from .overview import _blob_refs, _open_counts, _run_counts, _run_outcomes, _spend_on  # noqa: E402
 from .queues import _configure_queue, _pause_queue, _queue_stats  # noqa: E402
 from .recovery import _claim_dead_letter, _dead_letters, _fork_run, _resolve_dead_letter, _retry_run  # noqa: E402
 from .retention import _erase_tenant_batch, _orphans, _purge_batch, _purged_run  # noqa: E402

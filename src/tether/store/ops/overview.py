@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...blobs import REF
 from ._tx import _Tx
 
 
@@ -65,3 +66,21 @@ def _open_counts(tx: _Tx) -> dict[str, int]:
     ):
         out[key] = int(tx.execute(sql).fetchone()[0])
     return out
+
+
+def _blob_refs(tx: _Tx) -> set[str]:
+    """Every blob reference (``sha256:<hex>``) a history, run, task or dead letter holds."""
+    found: set[str] = set()
+    for table, columns in (
+        ("events", ("data",)),
+        ("runs", ("input", "output")),
+        ("tasks", ("payload",)),
+        ("dead_letters", ("input",)),
+    ):
+        for column in columns:
+            rows = tx.execute(
+                f"SELECT {column} FROM {table} WHERE {column} LIKE ?", ("%sha256:%",)
+            ).fetchall()
+            for (text,) in rows:
+                found.update(REF.findall(str(text)))
+    return found

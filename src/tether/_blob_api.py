@@ -1,0 +1,30 @@
+"""Reading and writing blobs from inside an activity (``tether.put_blob``,
+``tether.read_blob``): the App's blob store, found through the activity's context."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._activity_context import activity_context
+from ._errors import ConfigurationError
+from .blobs import Blob, BlobStore
+
+
+def put_blob(data: bytes, media_type: str | None = None) -> Blob:
+    """Inside an activity: store ``data`` in the App's blob store; return its reference
+    (return that from the activity: the history records only the reference)."""
+    return _blobs().put(data, media_type)
+
+
+def read_blob(blob: Blob | dict[str, Any]) -> bytes:
+    """Inside an activity: the bytes of ``blob`` (``BlobError`` if missing or damaged:
+    the step fails and retries, so restoring the blob lets the run go on)."""
+    return _blobs().get(blob)
+
+
+def _blobs() -> BlobStore:
+    store = activity_context()._store
+    blobs = getattr(store, "blobs", None)
+    if blobs is None:
+        raise ConfigurationError("this App has no blob store (App(blobs=...))")
+    return blobs  # type: ignore[no-any-return]

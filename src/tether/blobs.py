@@ -1,0 +1,149 @@
+"""Large payloads by reference: a content-addressed blob store beside the history.
+
+A 50 MB document should never pass through a run's history (or workflow code). An
+activity writes it with ``tether.put_blob(data)`` and returns the ``Blob`` (a hash, a
+size, a media type); the history records only that reference, and the next activity
+reads the bytes back with ``tether.read_blob(blob)``, which checks them against the
+hash. The store is a directory beside a SQLite file (``tether.db.blobs``) by default,
+or any place ``App(blobs="s3://bucket/prefix")`` names (``fsspec``, the ``blobs``
+extra). Blobs are written before the commit that refers to them; one written by an
+attempt that crashed before its commit is an orphan, removed by ``tether store gc-blobs``
+once it is older than a grace period (so blobs of attempts still running are kept).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import os
+import re
+import tempfile
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from ._errors import ConfigurationError, TetherError
+
+#: a reference as it appears in histories: ``sha256:<64 hex digits>``
+REF = re.compile(r"sha256:[0-9a-f]{64}")
+
+
+class Blob(BaseModel):
+    """A reference to bytes in the blob store: what a history holds instead of them."""
+
+    ref: str = Field(pattern=REF.pattern, description="sha256:<hex> of the bytes")
+    size: int = Field(ge=0)
+    media_type: str | None = None
+
+
+class BlobError(TetherError):
+    """A blob could not be read as recorded: missing, or not the bytes its hash names."""
+
+    def __init__(self, ref: str, problem: str) -> None:
+        super().__init__(f"blob {ref}: {problem}")
+        self.ref, self.problem = ref, problem
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.ref, self.problem))
+
+
+class BlobStore:
+    """Content-addressed bytes under ``root`` (a directory, or an fsspec URL)."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root.rstrip("/")
+        self._fs: Any = None
+        if "://" in root and not root.startswith("file://"):
+            try:
+                fsspec = importlib.import_module("fsspec")
+            except ImportError:
+                raise ConfigurationError(
+                    f"blob store {root!r} needs fsspec: pip install 'tether[blobs]' (plus "
+                    "the filesystem's own package, e.g. s3fs)"
+                ) from None
+            self._fs, self.root = fsspec.core.url_to_fs(root)
+        else:
+            self.root = root.removeprefix("file://")  # made on the first put
+
+    def _path(self, digest: str) -> str:
+        return f"{self.root}/sha256/{digest[:2]}/{digest[2:]}"
+
+    def put(self, data: bytes, media_type: str | None = None) -> Blob:
+        """Store ``data`` (once per content) and return its reference."""
+        digest = hashlib.sha256(data).hexdigest()
+        path = self._path(digest)
+        if self._fs is not None:
+            if not self._fs.exists(path):
+                self._fs.pipe_file(path, data)
+        elif not os.path.exists(path):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, path)  # whole or not at all, whoever writes it first
+            except BaseException:
+                if os.path.exists(tmp):
+                    os.remove(tmp)
+                raise
+        return Blob(ref=f"sha256:{digest}", size=len(data), media_type=media_type)
+
+    def get(self, blob: Blob | dict[str, Any]) -> bytes:
+        """The bytes of ``blob``, checked against its hash and size."""
+        b = blob if isinstance(blob, Blob) else Blob.model_validate(blob)
+        digest = b.ref.removeprefix("sha256:")
+        path = self._path(digest)
+        try:
+            if self._fs is not None:
+                data: bytes = self._fs.cat_file(path)
+            else:
+                with open(path, "rb") as f:
+                    data = f.read()
+        except FileNotFoundError:
+            raise BlobError(b.ref, f"missing from the blob store at {self.root!r}") from None
+        if len(data) != b.size or hashlib.sha256(data).hexdigest() != digest:
+            raise BlobError(
+                b.ref,
+                f"the stored bytes do not match the hash ({len(data)} bytes, recorded "
+                f"{b.size}): the file was changed or damaged",
+            )
+        return data
+
+    def refs(self) -> Iterator[tuple[str, float]]:
+        """Every stored blob: (ref, modification time)."""
+        base = f"{self.root}/sha256"
+        if self._fs is not None:
+            for path in self._fs.find(base):
+                parts = path.rsplit("/", 2)
+                info = self._fs.info(path)
+                yield f"sha256:{parts[-2]}{parts[-1]}", float(info.get("mtime") or time.time())
+            return
+        if not os.path.isdir(base):
+            return
+        for prefix in os.listdir(base):
+            folder = os.path.join(base, prefix)
+            for name in os.listdir(folder):
+                if name.startswith(".tmp-"):
+                    continue
+                yield f"sha256:{prefix}{name}", os.path.getmtime(os.path.join(folder, name))
+
+    def delete(self, ref: str) -> None:
+        """Remove one blob (orphans only: see ``gc``)."""
+        path = self._path(ref.removeprefix("sha256:"))
+        if self._fs is not None:
+            self._fs.rm_file(path)
+        elif os.path.exists(path):
+            os.remove(path)
+
+
+def default_root(store_path: str | None) -> str:
+    """Beside a SQLite file (``<file>.blobs``); else ``./tether-blobs``."""
+    if store_path and store_path != ":memory:":
+        return f"{store_path}.blobs"
+    if store_path == ":memory:":
+        return tempfile.mkdtemp(prefix="tether-blobs-")
+    return "./tether-blobs"

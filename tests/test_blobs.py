@@ -1,0 +1,109 @@
+"""Large payloads by reference: a 50 MB document passes between activities as a Blob
+(its hash and size), never through the history; a damaged or missing blob fails the
+step naming it; orphans (blobs no payload refers to) are collected after a grace
+period, never the blobs of runs that refer to them."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import tether
+
+SIZE = 50 * 2**20
+
+
+@pytest.fixture
+def blob_app(store_url: str, tmp_path: Path) -> Iterator[tether.App]:
+    app = tether.App(store=store_url, blobs=str(tmp_path / "blobs"))
+    yield app
+    if app._store is not None:
+        app.store.close_sync()  # type: ignore[attr-defined]
+
+
+async def test_a_50_mb_document_passes_by_reference(blob_app: tether.App, tmp_path: Path) -> None:
+    app = blob_app
+
+    @app.activity
+    def fetch() -> tether.Blob:
+        return tether.put_blob(os.urandom(SIZE), media_type="application/pdf")
+
+    @app.activity
+    def measure(doc: tether.Blob) -> int:
+        return len(tether.read_blob(doc))
+
+    @app.workflow
+    async def ingest() -> int:
+        doc = await fetch()  # the workflow holds the reference only
+        return await measure(doc)
+
+    async with app.worker(poll_interval=0.05):
+        run = await app.start(ingest)
+        assert await run.result(timeout=60) == SIZE
+    history = await app.history(run.run_id)
+    assert max(len(json.dumps(e.data)) for e in history) < 2_000  # never the bytes
+    ref = next(
+        e.data["result"]
+        for e in history
+        if e.data.get("result", {}) and "ref" in str(e.data.get("result"))
+    )
+    assert ref["size"] == SIZE and ref["media_type"] == "application/pdf"
+    stored = list((tmp_path / "blobs").rglob("*"))
+    assert sum(p.stat().st_size for p in stored if p.is_file()) == SIZE
+
+
+async def test_a_damaged_or_missing_blob_fails_the_step_naming_it(
+    blob_app: tether.App, tmp_path: Path
+) -> None:
+    app = blob_app
+    blob = app.put_blob(b"the contract, version 3")
+    digest = blob.ref.removeprefix("sha256:")
+    path = tmp_path / "blobs" / "sha256" / digest[:2] / digest[2:]
+    path.write_bytes(b"the contract, version 4")  # changed behind our back
+
+    @app.activity(retry=tether.Retry(attempts=1))
+    def read(doc: tether.Blob) -> str:
+        return tether.read_blob(doc).decode()
+
+    @app.workflow
+    async def check(doc: tether.Blob) -> str:
+        return await read(doc)
+
+    async with app.worker(poll_interval=0.05):
+        with pytest.raises(tether.WorkflowFailedError, match="do not match the hash"):
+            await (await app.start(check, blob)).result(timeout=20)
+        path.unlink()
+        with pytest.raises(tether.WorkflowFailedError, match=f"{blob.ref}: missing"):
+            await (await app.start(check, blob, run_id="again")).result(timeout=20)
+    with pytest.raises(tether.BlobError, match="missing"):
+        app.read_blob(blob)
+
+
+async def test_orphans_are_collected_after_the_grace_period(blob_app: tether.App) -> None:
+    app = blob_app
+
+    @app.workflow
+    async def holds(doc: tether.Blob) -> int:
+        return doc.size
+
+    kept = app.put_blob(b"referred to by a run")
+    async with app.worker(poll_interval=0.05):
+        assert await (await app.start(holds, kept)).result(timeout=20) == len(
+            b"referred to by a run"
+        )
+    orphan = app.put_blob(b"written by an attempt that crashed before its commit")
+    fresh = app.put_blob(b"written by an attempt still running")
+    root = Path(app.store.blobs.root)  # type: ignore[union-attr]
+    old = time.time() - 7200
+    for b in (kept, orphan):
+        digest = b.ref.removeprefix("sha256:")
+        os.utime(root / "sha256" / digest[:2] / digest[2:], (old, old))
+    assert await app.gc_blobs(older_than=3600) == {"kept": 2, "removed": 1}
+    assert app.read_blob(kept) and app.read_blob(fresh)
+    with pytest.raises(tether.BlobError):
+        app.read_blob(orphan)
