@@ -40,3 +40,57 @@ def test_breaking_news_out_of_order_duplicated_webhooks(tmp_path: Path) -> None:
                 )
             ]
             assert writes == sorted(set(writes)) and writes[-1] == 20  # never backwards
+
+
+def _invoice_batch(tmp_path: Path, *flags: str) -> str:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "invoice_batch.py"), *flags],
+        env={
+            **os.environ,
+            "PYTHONPATH": str(ROOT / "src"),
+            "TETHER_EXAMPLE_STORE": str(tmp_path / f"invoices{'-'.join(flags)}.db"),
+        },
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+def test_invoice_batch_waits_for_review_fails_closed_and_posts_the_rest(tmp_path: Path) -> None:
+    skipped = _invoice_batch(tmp_path)
+    assert "INV-2: rejected: no decision by the deadline" in skipped
+    assert "virtual time skipped: 3600 s" in skipped  # the hour passed on a virtual clock
+    assert "ledger: ['INV-1', 'INV-3']" in skipped
+    approved = _invoice_batch(tmp_path, "--approve")
+    assert "INV-2: posted" in approved and "ledger: ['INV-1', 'INV-2', 'INV-3']" in approved
+
+
+async def test_an_invoice_is_posted_once_whatever_the_crash_point(tmp_path: Path) -> None:
+    os.environ["TETHER_EXAMPLE_STORE"] = str(tmp_path / "crash.db")
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        import importlib
+
+        import invoice_batch
+
+        invoice_batch = importlib.reload(invoice_batch)
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+        del os.environ["TETHER_EXAMPLE_STORE"]
+    from tether.testing import crash_at_every_step
+
+    def reset() -> None:
+        invoice_batch.LEDGER.clear()
+        invoice_batch.POSTS.clear()
+
+    report = await crash_at_every_step(
+        invoice_batch.app,
+        invoice_batch.post_invoice,
+        invoice_batch.Invoice("INV-9", "umbrella", 2_500),
+        effects=lambda: dict(invoice_batch.POSTS),
+        reset=reset,
+    )
+    assert report.ok and report.crash_points > 4, report  # every write, before and after
+    await invoice_batch.app.close()
