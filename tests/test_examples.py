@@ -94,3 +94,27 @@ async def test_an_invoice_is_posted_once_whatever_the_crash_point(tmp_path: Path
     )
     assert report.ok and report.crash_points >= 1, report  # before and after every write
     await invoice_batch.app.close()
+
+
+def test_queue_pipeline_burst_poison_item_and_replay(tmp_path: Path) -> None:
+    """2,000 items through two limited queues: the rate limit holds (the burst takes at
+    least 2,000 / 400 s), the poison item dead-letters while the rest complete, and its
+    replay after the fix completes it without extracting anything twice."""
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "queue_pipeline.py")],
+        env={
+            **os.environ,
+            "PYTHONPATH": str(ROOT / "src"),
+            "TETHER_EXAMPLE_STORE": str(tmp_path / "queues.db"),
+        },
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    first = out.stdout.splitlines()[0]
+    seconds = float(re.search(r"in ([\d.]+) s", first).group(1))  # type: ignore[union-attr]
+    assert seconds >= 4.5  # 2,000 enrich calls at 400 a second, less the burst of 50
+    assert "failed at first: ['item-1337']" in first
+    assert "after the fix item-1337 is 'news'" in out.stdout
+    assert "steps extracted twice: []" in out.stdout
