@@ -118,3 +118,23 @@ def test_queue_pipeline_burst_poison_item_and_replay(tmp_path: Path) -> None:
     assert "failed at first: ['item-1337']" in first
     assert "after the fix item-1337 is 'news'" in out.stdout
     assert "steps extracted twice: []" in out.stdout
+
+
+def test_parallel_analysis_degrades_on_optional_branches_only(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "parallel_analysis.py")],
+        env={
+            **os.environ,
+            "PYTHONPATH": str(ROOT / "src"),
+            "TETHER_EXAMPLE_STORE": str(tmp_path / "analysis.db"),
+        },
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    up, down, slow, required = out.stdout.splitlines()
+    assert "'sentiment': -0.3" in up and "gaps" not in up
+    assert "'gaps': ['sentiment: ActivityError']" in down and "'risk': 0.8" in down
+    assert "no answer within 1 s" in slow
+    assert required.startswith("failed:") and "required branch risk failed" in required
