@@ -138,3 +138,31 @@ def test_parallel_analysis_degrades_on_optional_branches_only(tmp_path: Path) ->
     assert "'gaps': ['sentiment: ActivityError']" in down and "'risk': 0.8" in down
     assert "no answer within 1 s" in slow
     assert required.startswith("failed:") and "required branch risk failed" in required
+
+
+async def test_ticket_triage_repairs_gates_and_routes(tmp_path: Path) -> None:
+    import tether
+
+    store = tmp_path / "tickets.db"
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "ticket_triage.py")],
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src"), "TETHER_EXAMPLE_STORE": str(store)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = dict(line.split(": ", 1) for line in out.stdout.splitlines())
+    assert "'queue': 'billing'" in lines["T-1"]
+    assert "'queue': 'tech', 'priority': 1" in lines["T-2"]  # repaired from 9
+    assert "'queue': 'human'" in lines["T-3"]  # unsure: the safe default
+    assert all("guarantee" not in v for v in lines.values())  # the gate held
+    app = tether.App(store=str(store))
+    try:
+        history = await app.history("T-2")
+    finally:
+        await app.close()
+    markers = [e.data.get("marker") for e in history if e.type is tether.EventType.MARKER]
+    assert markers.count("output_invalid") == 1 and "route" in markers
+    calls = [e for e in history if e.type is tether.EventType.ACTIVITY_COMPLETED]
+    assert len(calls) == 5  # classify, its repair, a refused draft, the redraft, filing
