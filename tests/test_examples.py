@@ -166,3 +166,29 @@ async def test_ticket_triage_repairs_gates_and_routes(tmp_path: Path) -> None:
     assert markers.count("output_invalid") == 1 and "route" in markers
     calls = [e for e in history if e.type is tether.EventType.ACTIVITY_COMPLETED]
     assert len(calls) == 5  # classify, its repair, a refused draft, the redraft, filing
+
+
+def _incident(tmp_path: Path, *flags: str) -> str:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "incident_assistant.py"), *flags],
+        env={
+            **os.environ,
+            "PYTHONPATH": str(ROOT / "src"),
+            "TETHER_EXAMPLE_STORE": str(tmp_path / f"incident{len(flags)}.db"),
+        },
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+def test_incident_assistant_needs_the_fingerprint_and_fails_closed(tmp_path: Path) -> None:
+    approved = _incident(tmp_path)
+    assert "refused:" in approved and "fingerprint does not match" in approved
+    assert "'executed': 'rollback checkout@2026.12.04-3" in approved
+    assert "executions by key: [1]" in approved  # once
+    silent = _incident(tmp_path, "--no-answer")
+    assert "'executed': None, 'why': 'no decision in 15 min'" in silent
+    assert "executions by key: []" in silent  # fails closed: nothing ran
