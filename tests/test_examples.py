@@ -192,3 +192,31 @@ def test_incident_assistant_needs_the_fingerprint_and_fails_closed(tmp_path: Pat
     silent = _incident(tmp_path, "--no-answer")
     assert "'executed': None, 'why': 'no decision in 15 min'" in silent
     assert "executions by key: []" in silent  # fails closed: nothing ran
+
+
+def _provision(tmp_path: Path, *flags: str) -> str:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "tenant_provisioning.py"), *flags],
+        env={
+            **os.environ,
+            "PYTHONPATH": str(ROOT / "src"),
+            "TETHER_EXAMPLE_STORE": str(tmp_path / f"provision{len(flags)}.db"),
+        },
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+def test_tenant_provisioning_waves_cleanup_and_intervention(tmp_path: Path) -> None:
+    ok = _provision(tmp_path)
+    assert "acme is live" in ok and "creations per key: [1]" in ok
+    assert "virtual time: 240 s" in ok  # polled on durable timers, skipped in the test
+    failed = _provision(tmp_path, "--fail", "storage")
+    assert "the provider failed to create acme-storage" in failed
+    assert "left at the provider: []" in failed  # everything built was torn down
+    stuck = _provision(tmp_path, "--fail", "storage", "--stuck-teardown")
+    assert "RunNeedsInterventionError" in stuck and "teardown acme-network" in stuck
+    assert "left at the provider: ['acme-network']" in stuck  # said, not hidden
