@@ -220,3 +220,26 @@ def test_tenant_provisioning_waves_cleanup_and_intervention(tmp_path: Path) -> N
     stuck = _provision(tmp_path, "--fail", "storage", "--stuck-teardown")
     assert "RunNeedsInterventionError" in stuck and "teardown acme-network" in stuck
     assert "left at the provider: ['acme-network']" in stuck  # said, not hidden
+
+
+def test_payment_recovery_never_charges_twice_and_trusts_the_ledger(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "payment_recovery.py")],
+        env={
+            **os.environ,
+            "PYTHONPATH": str(ROOT / "src"),
+            "TETHER_EXAMPLE_STORE": str(tmp_path / "billing.db"),
+        },
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = dict(line.split(": ", 1) for line in out.stdout.splitlines())
+    assert lines["ann"] == "cycle 3: paid"  # three cycles, continued as new
+    assert lines["bo"] == "cycle 1: suspended"  # the callback's claim was checked
+    charges = lines["charges"]
+    # the timed-out charge was found in the ledger, not charged again (no ann:1:2)
+    assert "'ann:1:1': 'captured'" in charges and "ann:1:2" not in charges
+    assert "'ann:2:2': 'captured'" in charges and "'bo:1:1': 'declined'" in charges
+    assert int(lines["virtual_days"]) >= 60  # two 30-day cycles on a virtual clock
