@@ -12,20 +12,26 @@ from pathlib import Path
 ROOT = Path(__file__).parent.parent
 
 
+def _example(name: str, store: Path, *args: str, timeout: float = 120) -> str:
+    """Run ``examples/<name>.py ARGS`` on ``store`` as a user would; its stdout."""
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / f"{name}.py"), *args],
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src"), "TETHER_EXAMPLE_STORE": str(store)},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
 def test_breaking_news_out_of_order_duplicated_webhooks(tmp_path: Path) -> None:
     """Three articles, revisions 1-20 each delivered twice, shuffled, concurrently: each
     page ends at revision 20, no older revision is ever written after a newer one, and
     one controller per article counted all 40 webhooks."""
     store = tmp_path / "news.db"
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "breaking_news.py"), str(store)],
-        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    lines = [line for line in out.stdout.splitlines() if line.startswith("story-")]
+    stdout = _example("breaking_news", store, str(store), timeout=300)
+    lines = [line for line in stdout.splitlines() if line.startswith("story-")]
     assert len(lines) == 3
     for line in lines:
         assert "40 webhooks, page at revision 20" in line, line
@@ -43,19 +49,7 @@ def test_breaking_news_out_of_order_duplicated_webhooks(tmp_path: Path) -> None:
 
 
 def _invoice_batch(tmp_path: Path, *flags: str) -> str:
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "invoice_batch.py"), *flags],
-        env={
-            **os.environ,
-            "PYTHONPATH": str(ROOT / "src"),
-            "TETHER_EXAMPLE_STORE": str(tmp_path / f"invoices{'-'.join(flags)}.db"),
-        },
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out.stdout
+    return _example("invoice_batch", tmp_path / f"invoices{'-'.join(flags)}.db", *flags)
 
 
 def test_invoice_batch_waits_for_review_fails_closed_and_posts_the_rest(tmp_path: Path) -> None:
@@ -100,40 +94,17 @@ def test_queue_pipeline_burst_poison_item_and_replay(tmp_path: Path) -> None:
     """2,000 items through two limited queues: the rate limit holds (the burst takes at
     least 2,000 / 400 s), the poison item dead-letters while the rest complete, and its
     replay after the fix completes it without extracting anything twice."""
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "queue_pipeline.py")],
-        env={
-            **os.environ,
-            "PYTHONPATH": str(ROOT / "src"),
-            "TETHER_EXAMPLE_STORE": str(tmp_path / "queues.db"),
-        },
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    first = out.stdout.splitlines()[0]
+    stdout = _example("queue_pipeline", tmp_path / "queues.db", timeout=300)
+    first = stdout.splitlines()[0]
     seconds = float(re.search(r"in ([\d.]+) s", first).group(1))  # type: ignore[union-attr]
     assert seconds >= 4.5  # 2,000 enrich calls at 400 a second, less the burst of 50
     assert "failed at first: ['item-1337']" in first
-    assert "after the fix item-1337 is 'news'" in out.stdout
-    assert "steps extracted twice: []" in out.stdout
+    assert "after the fix item-1337 is 'news'" in stdout
+    assert "steps extracted twice: []" in stdout
 
 
 def test_parallel_analysis_degrades_on_optional_branches_only(tmp_path: Path) -> None:
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "parallel_analysis.py")],
-        env={
-            **os.environ,
-            "PYTHONPATH": str(ROOT / "src"),
-            "TETHER_EXAMPLE_STORE": str(tmp_path / "analysis.db"),
-        },
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    up, down, slow, required = out.stdout.splitlines()
+    up, down, slow, required = _example("parallel_analysis", tmp_path / "a.db").splitlines()
     assert "'sentiment': -0.3" in up and "gaps" not in up
     assert "'gaps': ['sentiment: ActivityError']" in down and "'risk': 0.8" in down
     assert "no answer within 1 s" in slow
@@ -144,15 +115,7 @@ async def test_ticket_triage_repairs_gates_and_routes(tmp_path: Path) -> None:
     import tether
 
     store = tmp_path / "tickets.db"
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "ticket_triage.py")],
-        env={**os.environ, "PYTHONPATH": str(ROOT / "src"), "TETHER_EXAMPLE_STORE": str(store)},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    lines = dict(line.split(": ", 1) for line in out.stdout.splitlines())
+    lines = dict(line.split(": ", 1) for line in _example("ticket_triage", store).splitlines())
     assert "'queue': 'billing'" in lines["T-1"]
     assert "'queue': 'tech', 'priority': 1" in lines["T-2"]  # repaired from 9
     assert "'queue': 'human'" in lines["T-3"]  # unsure: the safe default
@@ -169,19 +132,7 @@ async def test_ticket_triage_repairs_gates_and_routes(tmp_path: Path) -> None:
 
 
 def _incident(tmp_path: Path, *flags: str) -> str:
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "incident_assistant.py"), *flags],
-        env={
-            **os.environ,
-            "PYTHONPATH": str(ROOT / "src"),
-            "TETHER_EXAMPLE_STORE": str(tmp_path / f"incident{len(flags)}.db"),
-        },
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out.stdout
+    return _example("incident_assistant", tmp_path / f"incident{len(flags)}.db", *flags)
 
 
 def test_incident_assistant_needs_the_fingerprint_and_fails_closed(tmp_path: Path) -> None:
@@ -195,19 +146,7 @@ def test_incident_assistant_needs_the_fingerprint_and_fails_closed(tmp_path: Pat
 
 
 def _provision(tmp_path: Path, *flags: str) -> str:
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "tenant_provisioning.py"), *flags],
-        env={
-            **os.environ,
-            "PYTHONPATH": str(ROOT / "src"),
-            "TETHER_EXAMPLE_STORE": str(tmp_path / f"provision{len(flags)}.db"),
-        },
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return out.stdout
+    return _example("tenant_provisioning", tmp_path / f"provision{len(flags)}.db", *flags)
 
 
 def test_tenant_provisioning_waves_cleanup_and_intervention(tmp_path: Path) -> None:
@@ -223,19 +162,8 @@ def test_tenant_provisioning_waves_cleanup_and_intervention(tmp_path: Path) -> N
 
 
 def test_payment_recovery_never_charges_twice_and_trusts_the_ledger(tmp_path: Path) -> None:
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "payment_recovery.py")],
-        env={
-            **os.environ,
-            "PYTHONPATH": str(ROOT / "src"),
-            "TETHER_EXAMPLE_STORE": str(tmp_path / "billing.db"),
-        },
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    lines = dict(line.split(": ", 1) for line in out.stdout.splitlines())
+    stdout = _example("payment_recovery", tmp_path / "billing.db")
+    lines = dict(line.split(": ", 1) for line in stdout.splitlines())
     assert lines["ann"] == "cycle 3: paid"  # three cycles, continued as new
     assert lines["bo"] == "cycle 1: suspended"  # the callback's claim was checked
     charges = lines["charges"]

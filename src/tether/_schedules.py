@@ -81,6 +81,22 @@ class ScheduleInfo:
     input: Any = None  #: the workflow's arguments (decoded)
     buffered: float | None = None  #: a tick held by ``buffer_one``
 
+    def to_json(self) -> dict[str, Any]:
+        """As the CLI and the HTTP API show it."""
+        return {
+            "id": self.schedule_id,
+            "workflow": self.workflow,
+            "spec": self.spec.to_json(),
+            "paused": self.paused,
+            "next_at": self.next_at,
+            "last_tick": self.last_tick,
+            "last_run_id": self.last_run_id,
+            "fired": self.fired,
+            "skipped": self.skipped,
+            "note": self.note,
+            "input": self.input,
+        }
+
 
 def make_spec(
     *,

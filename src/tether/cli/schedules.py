@@ -30,22 +30,6 @@ from ._common import (
 _ID = typer.Argument(metavar="SCHEDULE_ID", help="The schedule's id.")
 
 
-def _as_dict(s: ScheduleInfo) -> dict[str, Any]:
-    return {
-        "schedule_id": s.schedule_id,
-        "workflow": s.workflow,
-        "spec": s.spec.to_json(),
-        "paused": s.paused,
-        "next_at": s.next_at,
-        "last_tick": s.last_tick,
-        "last_run_id": s.last_run_id,
-        "fired": s.fired,
-        "skipped": s.skipped,
-        "note": s.note,
-        "input": s.input,
-    }
-
-
 def schedules_list_command(
     store: Annotated[str | None, _store_option()] = None,
     app: Annotated[str | None, _app_option()] = None,
@@ -59,7 +43,7 @@ def schedules_list_command(
 
     found = _run(go())
     if as_json:
-        _dump([_as_dict(s) for s in found])
+        _dump([s.to_json() for s in found])
         return
     table = Table(box=None)
     for col in ("id", "workflow", "when", "overlap", "next", "last run", "fired", "skipped"):

@@ -21,7 +21,6 @@ from pydantic import BaseModel, Field
 
 from .._app import App
 from .._errors import ResultTimeoutError
-from .._schedules import ScheduleInfo
 from ._models import links
 from ._problems import problem
 
@@ -31,22 +30,6 @@ class ArgsBody(BaseModel):
 
     args: list[Any] = Field(default_factory=list)
     timeout: float | None = Field(None, gt=0, description="seconds to wait (updates)")
-
-
-def schedule_view(s: ScheduleInfo) -> dict[str, Any]:
-    """A schedule as the API shows it."""
-    return {
-        "id": s.schedule_id,
-        "workflow": s.workflow,
-        "spec": s.spec.to_json(),
-        "paused": s.paused,
-        "next_at": s.next_at,
-        "last_tick": s.last_tick,
-        "last_run_id": s.last_run_id,
-        "fired": s.fired,
-        "skipped": s.skipped,
-        "note": s.note,
-    }
 
 
 def install_interactions(
@@ -101,12 +84,12 @@ def install_interactions(
     @api.get("/v1/schedules", summary="Every schedule")
     async def schedules(request: Request) -> list[dict[str, Any]]:
         may(request, "read", "listing schedules")
-        return [schedule_view(s) for s in await app.schedules()]
+        return [s.to_json() for s in await app.schedules()]
 
     @api.get("/v1/schedules/{schedule_id}", summary="One schedule")
     async def schedule(schedule_id: str, request: Request) -> dict[str, Any]:
         may(request, "read", "reading schedules")
-        return schedule_view(await app.get_schedule(schedule_id))
+        return (await app.get_schedule(schedule_id)).to_json()
 
     @api.post("/v1/schedules/{schedule_id}/{action}", summary="Pause, resume or trigger")
     async def schedule_action(schedule_id: str, action: str, request: Request) -> Any:
@@ -126,7 +109,7 @@ def install_interactions(
         else:
             return problem(404, "No such action", "schedule actions are pause, resume and trigger")
         await audit(request, f"schedule {action}", f"schedule:{schedule_id}", None)
-        return schedule_view(await app.get_schedule(schedule_id))
+        return (await app.get_schedule(schedule_id)).to_json()
 
     @api.delete("/v1/schedules/{schedule_id}", summary="Delete a schedule (its runs stay)")
     async def delete_schedule(schedule_id: str, request: Request) -> dict[str, Any]:
