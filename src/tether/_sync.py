@@ -185,6 +185,7 @@ class SyncClient:
     audit = _blocking(App.audit)
     purge = _blocking(App.purge)
     erase_tenant = _blocking(App.erase_tenant)
+    gc_blobs = _blocking(App.gc_blobs)
     query = _blocking(App.query)
     update = _blocking(App.update)
     entities = _blocking(App.entities)
