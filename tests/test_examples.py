@@ -171,3 +171,9 @@ def test_payment_recovery_never_charges_twice_and_trusts_the_ledger(tmp_path: Pa
     assert "'ann:1:1': 'captured'" in charges and "ann:1:2" not in charges
     assert "'ann:2:2': 'captured'" in charges and "'bo:1:1': 'declined'" in charges
     assert int(lines["virtual_days"]) >= 60  # two 30-day cycles on a virtual clock
+
+
+def test_long_report_map_reduce_in_order_with_a_poison_chunk(tmp_path: Path) -> None:
+    stdout = _example("long_report", tmp_path / "report.db")
+    assert "{'chunks': 70, 'levels': 3, 'left_out': [13]}" in stdout  # 70 -> 9 -> 2 -> 1
+    assert "summary has 69 sections, in order: True" in stdout  # the junk one left out
