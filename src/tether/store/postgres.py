@@ -713,18 +713,24 @@ class PostgresStore(OpsStore):
         key = hashlib.blake2b(
             f"tether:worker:{self.schema or ''}:{worker_id}".encode(), digest_size=8
         ).digest()
+        lock = int.from_bytes(key, "big", signed=True)
         conn = self._connect()
-        try:
-            row = conn.execute(
-                "SELECT pg_try_advisory_lock(%s)", (int.from_bytes(key, "big", signed=True),)
-            ).fetchone()
-        except psycopg.Error as exc:
-            conn.close()
-            raise self._explain(exc) from exc
-        if not (row and row[0]):
-            conn.close()
-            raise ConfigurationError(worker_id_in_use(worker_id))
-        return conn.close
+        # The server ends a dead session's locks only once its backend has exited, a
+        # moment after the connection dropped: a worker restarted at once after a crash
+        # tries again for a short grace before it is refused.
+        deadline = time.monotonic() + _ID_HOLD_GRACE
+        while True:
+            try:
+                row = conn.execute("SELECT pg_try_advisory_lock(%s)", (lock,)).fetchone()
+            except psycopg.Error as exc:
+                conn.close()
+                raise self._explain(exc) from exc
+            if row and row[0]:
+                return conn.close
+            if time.monotonic() >= deadline:
+                conn.close()
+                raise ConfigurationError(worker_id_in_use(worker_id))
+            time.sleep(0.1)
 
     def call_sync(self, fn: Op, *args: Any, write: bool = True) -> Any:
         """Run an operation from a thread that has no event loop (sync activities)."""
@@ -818,6 +824,8 @@ def _server_time(conn: psycopg.Connection[Any]) -> float:
 
 
 #: PostgreSQL refuses a NOTIFY payload of 8,000 bytes or more
+#: how long a worker id held by a session that just died is waited for (seconds)
+_ID_HOLD_GRACE = 3.0
 _PAYLOAD_LIMIT = 7900
 
 
