@@ -16,15 +16,21 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, Generic, TypeVar
 
-from pydantic import TypeAdapter
+from pydantic import TypeAdapter, ValidationError
 from pydantic_ai import Agent
 from pydantic_ai.exceptions import ModelRetry
-from pydantic_ai.messages import ModelMessage, ModelResponse
+from pydantic_ai.messages import InstructionPart, ModelMessage, ModelResponse
 from pydantic_ai.models import Model, ModelRequestParameters
 from pydantic_ai.settings import ModelSettings
-from pydantic_ai.tools import RunContext
-from pydantic_ai.toolsets import AbstractToolset, WrapperToolset
+from pydantic_ai.tools import RunContext, ToolDefinition
+from pydantic_ai.toolsets import (
+    AbstractToolset,
+    DynamicToolset,
+    FunctionToolset,
+    WrapperToolset,
+)
 from pydantic_ai.toolsets.abstract import ToolsetTool
+from pydantic_ai.toolsets.external import TOOL_SCHEMA_VALIDATOR
 from pydantic_core import to_jsonable_python
 
 from .._activity_context import activity_context
@@ -36,6 +42,11 @@ from ._gateway import Gateway, ModelRef
 
 DepsT = TypeVar("DepsT")
 OutputT = TypeVar("OutputT")
+
+_TOOL_DEF: TypeAdapter[ToolDefinition] = TypeAdapter(ToolDefinition)
+_INSTRUCTIONS: TypeAdapter[Any] = TypeAdapter(
+    str | InstructionPart | list[str | InstructionPart] | None
+)
 
 #: a tool's ``ModelRetry`` crosses the step boundary as this key of its result
 _RETRY_KEY = "tether.ai.model_retry"
@@ -73,24 +84,103 @@ class RecordedModel(Model):
         return response
 
 
+def _leaves(toolset: AbstractToolset[Any]) -> list[AbstractToolset[Any]]:
+    found: list[AbstractToolset[Any]] = []
+    toolset.apply(found.append)
+    return found
+
+
+def _listed_by_a_step(toolset: AbstractToolset[Any]) -> bool:
+    """Whether listing ``toolset``'s tools may do I/O (an MCP server, a dynamic toolset's
+    function): then the listing is a recorded step, never run in the workflow."""
+    return not all(isinstance(leaf, FunctionToolset) for leaf in _leaves(toolset))
+
+
+def _listed_per_step(toolset: AbstractToolset[Any]) -> bool:
+    """A dynamic toolset re-evaluated at every run step is listed again at each step;
+    anything else once per agent run (as an MCP server's cached tool list)."""
+    return any(isinstance(leaf, DynamicToolset) and leaf.per_run_step for leaf in _leaves(toolset))
+
+
+def _context(ctx: RunContext[Any]) -> tuple[Any, Any]:
+    """The run context and deps as JSON, to cross to the worker that runs a step."""
+    from pydantic_ai.durable_exec import DurableRunContext
+
+    context = to_jsonable_python(DurableRunContext.serialize_run_context(ctx))
+    deps = to_jsonable_python(ctx.deps) if ctx.deps is not None else None
+    return context, deps
+
+
 @dataclasses.dataclass
 class _RecordedToolset(WrapperToolset[Any]):
-    """Runs each tool call of the wrapped toolset as a recorded step."""
+    """Runs each tool call of the wrapped toolset as a recorded step; a toolset whose
+    listing does I/O (MCP, dynamic) is listed by a recorded step too, and never entered
+    in the workflow: the worker that runs a step enters it around that step."""
 
     durable: DurableAgent[Any, Any] = dataclasses.field(default=None)  # type: ignore[arg-type]
     index: int = 0
+    listed: bool = False
+    per_step: bool = False
+    #: the last recorded listing: (run step or -1, tools, instructions)
+    listing: list[Any] = dataclasses.field(default_factory=list)
+
+    @property
+    def id(self) -> str | None:
+        """The wrapped toolset's id: instructions and tool names are attributed to it."""
+        return self.wrapped.id
+
+    async def for_run(self, ctx: RunContext[Any]) -> AbstractToolset[Any]:
+        return self if self.listed else await super().for_run(ctx)
+
+    async def for_run_step(self, ctx: RunContext[Any]) -> AbstractToolset[Any]:
+        return self if self.listed else await super().for_run_step(ctx)
+
+    async def __aenter__(self) -> Any:
+        if not self.listed:
+            await super().__aenter__()
+        return self
+
+    async def __aexit__(self, *args: Any) -> bool | None:
+        return None if self.listed else await super().__aexit__(*args)
+
+    async def get_tools(self, ctx: RunContext[Any]) -> dict[str, ToolsetTool[Any]]:
+        if not self.listed:
+            return await super().get_tools(ctx)
+        tools, _instructions = await self._listing(ctx)
+        return tools
+
+    async def get_instructions(self, ctx: RunContext[Any]) -> Any:
+        if not self.listed:
+            return await super().get_instructions(ctx)
+        _tools, instructions = await self._listing(ctx)
+        return instructions
+
+    async def _listing(self, ctx: RunContext[Any]) -> tuple[dict[str, ToolsetTool[Any]], Any]:
+        key = ctx.run_step if self.per_step else -1
+        if not self.listing or self.listing[0] != key:
+            context, deps = _context(ctx)
+            out = await self.durable.list_step(self.durable.name, self.index, context, deps)
+            tools: dict[str, ToolsetTool[Any]] = {}
+            for item in out["tools"]:
+                tool_def = _TOOL_DEF.validate_python(item["tool_def"])
+                tools[tool_def.name] = ToolsetTool(
+                    toolset=self,
+                    tool_def=tool_def,
+                    max_retries=item["max_retries"],
+                    args_validator=TOOL_SCHEMA_VALIDATOR,  # checked by the worker's own tool
+                )
+            self.listing[:] = [key, tools, _INSTRUCTIONS.validate_python(out["instructions"])]
+        return self.listing[1], self.listing[2]
 
     async def call_tool(
         self, name: str, tool_args: dict[str, Any], ctx: RunContext[Any], tool: ToolsetTool[Any]
     ) -> Any:
         if current_instance() is None:
             return await super().call_tool(name, tool_args, ctx, tool)
-        from pydantic_ai.durable_exec import DurableRunContext
-
-        context = to_jsonable_python(DurableRunContext.serialize_run_context(ctx))
-        deps = to_jsonable_python(ctx.deps) if ctx.deps is not None else None
+        context, deps = _context(ctx)
+        tool_def = to_jsonable_python(tool.tool_def) if self.listed else None
         out = await self.durable.tool_step(
-            self.durable.name, self.index, name, tool_args, context, deps
+            self.durable.name, self.index, name, tool_args, context, deps, tool_def
         )
         if isinstance(out, dict) and _RETRY_KEY in out:
             raise ModelRetry(str(out[_RETRY_KEY]))
@@ -133,6 +223,9 @@ class DurableAgent(Generic[DepsT, OutputT]):
         self.tool_step = gateway.app.activity(
             name=f"{gateway.name}.agent.{name}.tool", retry=tool_retry, timeout=tool_timeout
         )(self._run_tool)
+        self.list_step = gateway.app.activity(
+            name=f"{gateway.name}.agent.{name}.tools", retry=tool_retry, timeout=tool_timeout
+        )(self._list_tools)
 
     async def run(
         self,
@@ -213,7 +306,14 @@ class DurableAgent(Generic[DepsT, OutputT]):
                 **kwargs,
             )
         wrapped = [
-            _RecordedToolset(ts, durable=self, index=i) for i, ts in enumerate(self.toolsets)
+            _RecordedToolset(
+                ts,
+                durable=self,
+                index=i,
+                listed=_listed_by_a_step(ts),
+                per_step=_listed_per_step(ts),
+            )
+            for i, ts in enumerate(self.toolsets)
         ]
         # tools=[] empties the agent's own function toolset: its tools run through the wrapper
         recorded = RecordedModel(self.model, self.stream)
@@ -226,6 +326,41 @@ class DurableAgent(Generic[DepsT, OutputT]):
                 **kwargs,
             )
 
+    def _toolset(
+        self, agent: str, toolset: int, context: dict[str, Any], deps: Any
+    ) -> tuple[AbstractToolset[Any], RunContext[Any]]:
+        """The toolset a step names, and the run context rebuilt from the workflow's."""
+        from pydantic_ai.durable_exec import DurableRunContext
+
+        if agent != self.name or not 0 <= toolset < len(self.toolsets):
+            raise NonRetryable(
+                f"tool step for agent {agent!r} (toolset {toolset}) does not match this worker's "
+                f"agent {self.name!r}: deploy the same agent definition to every worker"
+            )
+        ctx = DurableRunContext.deserialize_run_context(
+            context, deps=self._deps.validate_python(deps)
+        )
+        return self.toolsets[toolset], ctx
+
+    async def _list_tools(
+        self, agent: str, toolset: int, context: dict[str, Any], deps: Any = None
+    ) -> dict[str, Any]:
+        """The tools (and instructions) of a toolset whose listing does I/O (worker side):
+        entered for this step, as the agent would enter it for a run."""
+        ts, ctx = self._toolset(agent, toolset, context, deps)
+        run_ts = await ts.for_run(ctx)
+        async with run_ts:
+            run_ts = await run_ts.for_run_step(ctx)
+            tools = await run_ts.get_tools(ctx)
+            instructions = await run_ts.get_instructions(ctx)
+        return {
+            "tools": [
+                {"tool_def": to_jsonable_python(t.tool_def), "max_retries": t.max_retries}
+                for t in tools.values()
+            ],
+            "instructions": to_jsonable_python(instructions),
+        }
+
     async def _run_tool(
         self,
         agent: str,
@@ -234,29 +369,40 @@ class DurableAgent(Generic[DepsT, OutputT]):
         args: dict[str, Any],
         context: dict[str, Any],
         deps: Any = None,
+        tool_def: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """One tool call (worker side), with the run context rebuilt from the workflow's."""
-        from pydantic_ai.durable_exec import DurableRunContext
-
-        if agent != self.name or not 0 <= toolset < len(self.toolsets):
-            raise NonRetryable(
-                f"tool step for agent {agent!r} (toolset {toolset}) does not match this worker's "
-                f"agent {self.name!r}: deploy the same agent definition to every worker"
-            )
-        ts = self.toolsets[toolset]
-        ctx = DurableRunContext.deserialize_run_context(
-            context, deps=self._deps.validate_python(deps)
-        )
-        tools = await ts.get_tools(ctx)
-        tool = tools.get(name)
-        if tool is None:
-            raise NonRetryable(f"agent {self.name!r} has no tool {name!r} in toolset {toolset}")
-        await self._event({"event": "tool_call", "tool": name, "args": args})
-        try:
-            value = await ts.call_tool(name, args, ctx, tool)
-        except ModelRetry as exc:
-            await self._event({"event": "tool_result", "tool": name, "ok": False})
-            return {_RETRY_KEY: exc.message}
+        """One tool call (worker side), with the run context rebuilt from the workflow's;
+        the arguments are checked here by the tool's own validator (a listed tool's
+        definition crossed as JSON, without it)."""
+        ts, ctx = self._toolset(agent, toolset, context, deps)
+        run_ts = await ts.for_run(ctx)
+        async with run_ts:
+            run_ts = await run_ts.for_run_step(ctx)
+            tool: ToolsetTool[Any] | None
+            if tool_def is None:
+                tool = (await run_ts.get_tools(ctx)).get(name)
+            else:
+                try:
+                    tool = await run_ts.get_tool_for_tool_def(
+                        _TOOL_DEF.validate_python(tool_def), ctx
+                    )
+                except KeyError:
+                    tool = None
+            if tool is None:
+                raise NonRetryable(
+                    f"agent {self.name!r} has no tool {name!r} in toolset {toolset} on this "
+                    "worker: deploy the same agent definition (and tool servers) to every worker"
+                )
+            try:
+                valid = tool.args_validator.validate_python(args)
+            except ValidationError as exc:
+                return {_RETRY_KEY: f"invalid arguments for tool {name!r}: {exc}"}
+            await self._event({"event": "tool_call", "tool": name, "args": args})
+            try:
+                value = await run_ts.call_tool(name, valid, ctx, tool)
+            except ModelRetry as exc:
+                await self._event({"event": "tool_result", "tool": name, "ok": False})
+                return {_RETRY_KEY: exc.message}
         await self._event({"event": "tool_result", "tool": name, "ok": True})
         return {"value": to_jsonable_python(value)}
 

@@ -497,7 +497,9 @@ class Gateway:
                     raise
                 raise mapped from exc
         latency = time.perf_counter() - started
-        if response.finish_reason == "content_filter" and not response.parts:
+        # a filtered answer is refused even when some text came before the filter cut it
+        # (Anthropic's "refusal" stop reason may carry a partial reply)
+        if response.finish_reason == "content_filter":
             raise ContentRefused(
                 f"model {ref.name!r} ({ref.model_name}) refused the request on content policy; "
                 "retrying would get the same answer: change the input or route it to a human"

@@ -95,11 +95,16 @@ def openai_compatible(
 
 
 def anthropic(
-    model_name: str, *, api_key: str | None = None, timeout: float | None = None
+    model_name: str,
+    *,
+    api_key: str | None = None,
+    base_url: str | None = None,
+    timeout: float | None = None,
 ) -> Model:
-    """An Anthropic model with SDK retries off (``api_key`` defaults to ``ANTHROPIC_API_KEY``)."""
+    """An Anthropic model with SDK retries off (``api_key`` defaults to ``ANTHROPIC_API_KEY``;
+    ``base_url`` to ``ANTHROPIC_BASE_URL`` or Anthropic's own, e.g. for a proxy)."""
     try:
-        from anthropic import AsyncAnthropic  # type: ignore[import-not-found]
+        from anthropic import AsyncAnthropic
         from pydantic_ai.models.anthropic import AnthropicModel
         from pydantic_ai.providers.anthropic import AnthropicProvider
     except ImportError as exc:
@@ -114,7 +119,10 @@ def anthropic(
             "environment or pass api_key="
         )
     client = AsyncAnthropic(
-        api_key=key, max_retries=0, http_client=http_client(timeout, lib=_sdk_http(AsyncAnthropic))
+        api_key=key,
+        base_url=base_url or os.environ.get("ANTHROPIC_BASE_URL"),
+        max_retries=0,
+        http_client=http_client(timeout, lib=_sdk_http(AsyncAnthropic)),
     )
     return AnthropicModel(model_name, provider=AnthropicProvider(anthropic_client=client))
 

@@ -106,7 +106,8 @@ class Request:
 
 
 class ModelServer:
-    """An OpenAI-compatible ``/v1/chat/completions`` endpoint answering from scripts.
+    """An OpenAI-compatible ``/v1/chat/completions`` endpoint answering from scripts
+    (and Anthropic's ``/v1/messages``, at ``anthropic_url``).
 
     ``with ModelServer() as server:`` starts it on a free port; point a client at
     ``server.base_url``. ``server.script("m", reply("hi"), error(429, retry_after=2))``
@@ -182,13 +183,18 @@ class ModelServer:
                 answer = server._take(body, headers)
                 if answer.delay:
                     time.sleep(answer.delay)
+                anthropic = path.endswith("/messages")
+                if anthropic and body.get("stream"):
+                    self._json(400, _anthropic_error("streaming is not scripted here"))
+                    return
                 if body.get("stream") and answer.raw is None and answer.status == 200:
                     self._stream(body, answer)
                     return
+                shape = _anthropic_message if anthropic else _completion
                 payload = (
                     answer.raw.encode()
                     if answer.raw is not None
-                    else json.dumps(_completion(body, answer)).encode()
+                    else json.dumps(shape(body, answer)).encode()
                 )
                 try:
                     self.send_response(answer.status)
@@ -230,6 +236,14 @@ class ModelServer:
         """The OpenAI base URL (``http://127.0.0.1:PORT/v1``)."""
         host, port = self._httpd.server_address[:2]
         return f"http://{host!s}:{port}/v1"
+
+    @property
+    def anthropic_url(self) -> str:
+        """The Anthropic base URL (``http://127.0.0.1:PORT``; the SDK adds ``/v1/messages``).
+
+        The same scripts answer in the Messages API's shape (not streamed)."""
+        host, port = self._httpd.server_address[:2]
+        return f"http://{host!s}:{port}"
 
     def script(self, model: str, *answers: Answer) -> ModelServer:
         """Append answers to ``model``'s script (taken first in, first out)."""
@@ -323,6 +337,48 @@ def _completion(body: dict[str, Any], a: Answer) -> dict[str, Any]:
         "choices": [{"index": 0, "message": message, "finish_reason": a.finish_reason}],
         "usage": usage,
     }
+
+
+#: OpenAI finish reasons as Anthropic stop reasons
+_STOP_REASONS = {
+    "stop": "end_turn",
+    "tool_calls": "tool_use",
+    "length": "max_tokens",
+    "content_filter": "refusal",
+}
+
+
+def _anthropic_message(body: dict[str, Any], a: Answer) -> dict[str, Any]:
+    """The answer as an Anthropic Messages API response."""
+    content: list[dict[str, Any]] = []
+    if a.text is not None:
+        content.append({"type": "text", "text": a.text})
+    for i, (name, args) in enumerate(a.tool_calls):
+        if isinstance(args, str):  # a broken argument string: Anthropic sends objects only
+            try:
+                args = json.loads(args)
+            except ValueError:
+                args = {"_raw": args}
+        content.append({"type": "tool_use", "id": f"toolu_{i}", "name": name, "input": args})
+    return {
+        "id": "msg_scripted",
+        "type": "message",
+        "role": "assistant",
+        "model": body.get("model", ""),
+        "content": content,
+        "stop_reason": _STOP_REASONS.get(a.finish_reason, a.finish_reason),
+        "stop_sequence": None,
+        "usage": {
+            "input_tokens": a.input_tokens - a.cached_tokens,
+            "output_tokens": a.output_tokens,
+            "cache_read_input_tokens": a.cached_tokens,
+            "cache_creation_input_tokens": 0,
+        },
+    }
+
+
+def _anthropic_error(message: str, kind: str = "invalid_request_error") -> dict[str, Any]:
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 def _chunks(body: dict[str, Any], a: Answer) -> list[dict[str, Any]]:
