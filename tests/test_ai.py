@@ -24,6 +24,7 @@ from pydantic import BaseModel
 import tether
 from helpers import eventually, has_event
 from tether import EventType, ai
+from tether._usage import CALL_KEY
 from tether.testing import ModelServer, model_error, model_reply
 
 pytestmark = pytest.mark.timeout(120)
@@ -785,6 +786,60 @@ async def test_a_run_keeps_the_model_it_started_with_across_a_deploy(
             "why": "the pinned model is a Model object this deploy does not have",
         }
     ]
+    await new.close()
+
+
+class TicketV2(BaseModel):
+    category: str
+    priority: int
+    confidence: float
+    team: str = "support"  # a field added by a later deploy
+
+
+async def test_a_run_is_pinned_to_its_output_schema_and_a_change_is_recorded(
+    store_url: str,
+) -> None:
+    def deploy(output: Any, version: str) -> tether.App:
+        app = tether.App(store=store_url)
+        gw = ai.Gateway(app, retry=FAST)
+        answer = {"category": "tech", "priority": 1, "confidence": 0.9}
+        fast = gw.model("fast", ai.ScriptedModel([answer] * 4))
+        gw.output(output, name="Ticket", version=version)
+
+        @app.workflow
+        async def two(text: str) -> str:
+            first = await ai.structured(fast, text, output=output)
+            await tether.wait_event("go")
+            second = await ai.structured(fast, text, output=output)
+            return f"{first.category}, {type(second).__name__}"
+
+        return app
+
+    old = deploy(Ticket, "1")
+    async with old.worker(poll_interval=0.05):
+        await old.start("two", "x", run_id="schema-pinned")
+        while not await old.list(waiting_for="signal:go"):
+            await asyncio.sleep(0.02)
+    pins = (await old.get("schema-pinned")).attrs["pins"]["tether.ai"]  # type: ignore[index]
+    assert pins["outputs"]["Ticket"]["version"] == "1"
+    await old.close()
+    new = deploy(TicketV2, "2")  # a deploy changes the output type under the run
+    async with new.worker(poll_interval=0.05):
+        await new.signal("schema-pinned", "go")
+        assert await new.get_run("schema-pinned").result(timeout=30) == "tech, TicketV2"
+        fresh = await new.start("two", "y")
+        await new.signal(fresh.run_id, "go")
+        assert await fresh.result(timeout=30) == "tech, TicketV2"
+    history = await new.history("schema-pinned")
+    (change,) = markers(history, "output_schema_repinned")
+    assert (change["output"], change["from"], change["to"]) == ("Ticket", "1", "2")
+    assert markers(await new.history(fresh.run_id), "output_schema_repinned") == []
+    calls = [
+        e.data["result"][CALL_KEY]["output_schema"]
+        for e in history
+        if e.type is EventType.ACTIVITY_COMPLETED
+    ]
+    assert calls == ["Ticket@1", "Ticket@2"]  # each call names the schema it used
     await new.close()
 
 

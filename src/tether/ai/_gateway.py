@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -26,8 +27,9 @@ import weakref
 from collections.abc import AsyncIterator, Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
+from pydantic import TypeAdapter
 from pydantic_ai.messages import ModelMessage, ModelResponse
 from pydantic_ai.models import Model, ModelRequestParameters
 from pydantic_ai.settings import ModelSettings
@@ -62,6 +64,24 @@ if TYPE_CHECKING:
     from ..store.base import Store
 
 #: model calls retry transient failures (429, 5xx, timeouts) a few times, then fall back
+OutT = TypeVar("OutT")
+
+
+def schema_fingerprint(output: Any) -> str:
+    """A short hash of an output type's JSON schema: equal schemas, equal fingerprints."""
+    try:
+        return _fingerprint_of(output)
+    except TypeError:  # an unhashable type expression: not cached
+        return _fingerprint_of.__wrapped__(output)
+
+
+@functools.lru_cache(maxsize=256)
+def _fingerprint_of(output: Any) -> str:
+    schema = TypeAdapter(output).json_schema()
+    canonical = json.dumps(schema, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
 DEFAULT_MODEL_RETRY = Retry(
     attempts=4, initial=timedelta(seconds=1), backoff=2.0, max_interval=timedelta(seconds=30)
 )
@@ -270,6 +290,8 @@ class Gateway:
         self.name = name
         self.prices = dict(prices or {})
         self._models: dict[str, ModelRef] = {}
+        #: output types registered with ``output``: type -> (name, version, fingerprint)
+        self._outputs: dict[Any, tuple[str, str, str]] = {}
         self._built: dict[str, Model] = {}
         #: followers of streamed output, per run: (their loop, their queue)
         self._followers: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]]] = {}
@@ -371,10 +393,39 @@ class Gateway:
         self._models[name] = ref
         return ref
 
+    def output(self, output: OutT, *, name: str | None = None, version: str | None = None) -> OutT:
+        """Register an output type of ``ai.structured`` so runs are pinned to its schema.
+
+        A run started now records the type's ``version`` (default: a fingerprint of its
+        JSON schema) in its pins; when a later deploy changes the schema under a run in
+        flight, the run's next structured step records ``output_schema_repinned`` (the
+        change is visible, not silent). Every call record names the schema it used
+        (``output_schema``: ``name@version``). Returns ``output`` unchanged."""
+        fingerprint = schema_fingerprint(output)
+        label = name or getattr(output, "__qualname__", None) or repr(output)
+        taken = {n for n, _v, _f in self._outputs.values()}
+        if label in taken and self._outputs.get(output, ("",))[0] != label:
+            raise ConfigurationError(
+                f"output schema name {label!r} is registered twice on gateway {self.name!r}: "
+                "give one of them name="
+            )
+        self._outputs[output] = (label, version or fingerprint, fingerprint)
+        return output
+
+    def output_pin(self, output: Any) -> tuple[str, str, str]:
+        """(name, version, fingerprint) of an output type: as registered, or by its schema."""
+        known = self._outputs.get(output)
+        if known is not None:
+            return known
+        fingerprint = schema_fingerprint(output)
+        label = getattr(output, "__qualname__", None) or repr(output)
+        return label, fingerprint, fingerprint
+
     def _pins(self) -> dict[str, Any]:
         """What a run started now is pinned to: each model's version (and its
-        ``"provider:name"`` when it has one, so a later deploy can still build it)."""
-        return {
+        ``"provider:name"`` when it has one, so a later deploy can still build it), and
+        each registered output type's schema version."""
+        pins: dict[str, Any] = {
             "models": {
                 name: {
                     "version": ref.version,
@@ -383,6 +434,12 @@ class Gateway:
                 for name, ref in self._models.items()
             }
         }
+        if self._outputs:
+            pins["outputs"] = {
+                label: {"version": version, "fingerprint": fingerprint}
+                for label, version, fingerprint in self._outputs.values()
+            }
+        return pins
 
     def price_of(
         self,
@@ -525,6 +582,8 @@ class Gateway:
             "attempt": attempt,
             "prompt_version": request.get("prompt_version"),
         }
+        if request.get("output_schema"):
+            call["output_schema"] = request["output_schema"]
         if pinned and pinned != ref.spec:
             call["pinned"] = pinned
         out = _CallResult({"response": dump_response(response), CALL_KEY: call})
@@ -758,6 +817,7 @@ class Gateway:
         params: ModelRequestParameters | None = None,
         settings: ModelSettings | None = None,
         prompt_version: str | None = None,
+        output_schema: str | None = None,
         stream: bool = False,
     ) -> tuple[ModelResponse, dict[str, Any]]:
         """One model request as a recorded step: budget check, fallbacks, hedging.
@@ -776,6 +836,8 @@ class Gateway:
         }
         if prompt_version is not None:
             body["prompt_version"] = prompt_version
+        if output_schema is not None:
+            body["output_schema"] = output_schema
         if stream:
             body["stream"] = True
         chain = (ref, *ref.fallback)
@@ -942,33 +1004,70 @@ def _lookup_price(model: str, provider: str | None) -> Any:
 _NO_FALLBACK = frozenset({"ContentRefused", "BudgetExceeded"})
 
 
+def _run_pins(inst: WorkflowInstance, gateway: str) -> dict[str, Any]:
+    """The pins a run recorded at its start for ``gateway``."""
+    started = inst.started
+    attrs = (started.data if started is not None else {}).get("attrs") or {}
+    pins: dict[str, Any] = (attrs.get("pins") or {}).get(gateway) or {}
+    return pins
+
+
+def _note_repin(inst: WorkflowInstance, key: str, marker: str, data: dict[str, Any]) -> None:
+    """Record ``marker`` once per run and ``key``, where the run first meets the change
+    after a deploy (a step replayed from before the deploy records nothing: history
+    has what it did already)."""
+    seen = _known.setdefault(inst, _Seen())
+    recorded = inst.recorded_next()
+    replayed_step = recorded is not None and recorded.data.get("marker") != marker
+    if key not in seen.repinned and not replayed_step:
+        seen.repinned.add(key)
+        inst.record(marker, data)
+
+
+def check_output_pin(
+    inst: WorkflowInstance | None, gateway: Gateway, output: Any
+) -> tuple[str, str]:
+    """The schema an output type has now (``name@version``, fingerprint), after recording
+    ``output_schema_repinned`` when the run was pinned at its start to another one."""
+    label, version, fingerprint = gateway.output_pin(output)
+    if inst is not None:
+        pin = (_run_pins(inst, gateway.name).get("outputs") or {}).get(label)
+        if pin is not None and pin.get("fingerprint") != fingerprint:
+            _note_repin(
+                inst,
+                f"output:{label}",
+                "output_schema_repinned",
+                {
+                    "output": label,
+                    "from": pin.get("version"),
+                    "to": version,
+                    "why": "this deploy's output type has another schema than the run started "
+                    "with; answers recorded before are read with the new type",
+                },
+            )
+    return f"{label}@{version}", fingerprint
+
+
 def _pinned(inst: WorkflowInstance, gateway: str, ref: ModelRef) -> str | None:
     """The ``"provider:name"`` a run pinned at its start to call instead of today's ``ref``,
     or None to call ``ref`` (the same version, no pin, or a pin that cannot be rebuilt,
     which is then recorded once as ``model_repinned``)."""
-    started = inst.started
-    attrs = (started.data if started is not None else {}).get("attrs") or {}
-    pin = ((attrs.get("pins") or {}).get(gateway) or {}).get("models", {}).get(ref.name)
+    pin = _run_pins(inst, gateway).get("models", {}).get(ref.name)
     if pin is None or pin.get("version") == ref.version:
         return None
     if pin.get("spec"):
         return str(pin["spec"])
-    seen = _known.setdefault(inst, _Seen())
-    recorded = inst.recorded_next()
-    replayed_call = recorded is not None and recorded.data.get("marker") != "model_repinned"
-    if ref.name not in seen.repinned and not replayed_call:
-        # once per model and run, where the run first calls it after the deploy (a call
-        # replayed from before the deploy records nothing: history has it already)
-        seen.repinned.add(ref.name)
-        inst.record(
-            "model_repinned",
-            {
-                "model": ref.name,
-                "from": pin.get("version"),
-                "to": ref.version,
-                "why": "the pinned model is a Model object this deploy does not have",
-            },
-        )
+    _note_repin(
+        inst,
+        ref.name,
+        "model_repinned",
+        {
+            "model": ref.name,
+            "from": pin.get("version"),
+            "to": ref.version,
+            "why": "the pinned model is a Model object this deploy does not have",
+        },
+    )
     return None
 
 

@@ -34,7 +34,7 @@ from pydantic_ai.tools import ToolDefinition
 from .._errors import ConfigurationError
 from ..workflow._instance import current_instance
 from ._errors import OutputInvalid
-from ._gateway import ModelRef
+from ._gateway import ModelRef, check_output_pin
 
 T = TypeVar("T")
 
@@ -158,6 +158,7 @@ async def structured(
         raise ConfigurationError(f"max_repairs must be a whole number >= 0 (got {max_repairs!r})")
     adapter: TypeAdapter[Any] = TypeAdapter(output)
     schema, wrapped = _schema(output)
+    schema_version, _fingerprint = check_output_pin(current_instance(), model.gateway, output)
     params = ModelRequestParameters(
         output_mode="tool",
         output_tools=[
@@ -174,7 +175,12 @@ async def structured(
     raw: str | None = None
     for attempt in range(1, max_repairs + 2):
         response, _call = await model.gateway.request(
-            model, messages, params=params, settings=settings, prompt_version=prompt_version
+            model,
+            messages,
+            params=params,
+            settings=settings,
+            prompt_version=prompt_version,
+            output_schema=schema_version,
         )
         value, problems, raw, tool_call = _parse(response, adapter, wrapped)
         if not problems:
