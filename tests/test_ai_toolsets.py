@@ -129,3 +129,30 @@ async def test_a_dynamic_toolset_is_built_on_the_worker_each_step_and_checks_arg
     # a toolset re-evaluated at every run step is listed again at each one
     history = await app.history(run.run_id)
     assert scheduled(history) == ["tools", "call", "tool", "tools", "call", "tool", "tools", "call"]
+
+
+async def test_run_stream_inside_a_workflow_reads_the_recorded_answer_whole(
+    app: tether.App,
+) -> None:
+    """Code written for ``agent.run_stream`` runs unchanged in a workflow: the text comes
+    as one item (the recorded answer, the same on replay); outside it streams as ever."""
+    scripted = ai.ScriptedModel(["the whole answer"])
+    gw = ai.Gateway(app)
+    agent: Agent[None, str] = Agent(name="streamer")
+    streamer = ai.durable(agent, gw, model=gw.model("m", scripted))
+
+    @app.workflow
+    async def ask(question: str) -> list[str]:
+        async with streamer.run_stream(question) as result:
+            pieces = [text async for text in result.stream_text()]
+            assert await result.get_output() == pieces[-1]
+        return pieces
+
+    async with app.worker(poll_interval=0.05):
+        run = await app.start(ask, "q")
+        assert await run.result(timeout=30) == ["the whole answer"]
+    from pydantic_ai.models.test import TestModel
+
+    with agent.override(model=TestModel(custom_output_text="streamed outside")):
+        async with streamer.run_stream("q") as result:
+            assert await result.get_output() == "streamed outside"

@@ -11,8 +11,9 @@ model or a tool again. Outside a workflow the agent runs as it always did.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from datetime import timedelta
 from typing import Any, Generic, TypeVar
 
@@ -288,6 +289,26 @@ class DurableAgent(Generic[DepsT, OutputT]):
             )
         return result
 
+    @contextlib.asynccontextmanager
+    async def run_stream(
+        self,
+        user_prompt: str | Sequence[Any] | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[Any]:
+        """``agent.run_stream(...)``: the plain agent's stream outside a workflow.
+
+        Inside one, the run is the durable ``run`` (each request a recorded step) and
+        the result streams what was recorded: ``stream_text`` / ``stream_output`` give
+        the final answer as one item, the same on every replay, because a replay has
+        no stream to read. Live text for a person watching goes to the run's
+        followers instead (``durable(..., stream=True)``, ``gateway.follow``, the HTTP
+        event stream), never through workflow code."""
+        if current_instance() is None:
+            async with self.agent.run_stream(user_prompt, **kwargs) as streamed:
+                yield streamed
+            return
+        yield _RecordedStream(await self.run(user_prompt, **kwargs))
+
     async def _run_once(
         self,
         user_prompt: str | Sequence[Any] | None,
@@ -412,6 +433,41 @@ class DurableAgent(Generic[DepsT, OutputT]):
         event = {"run_id": ctx.run_id, "step": ctx.step, "agent": self.name, **item}
         self.gateway._publish(ctx.run_id, event)
         await self.gateway._broadcast(self.gateway._step_store(), ctx.run_id, event)
+
+
+class _RecordedStream:
+    """A durable agent run's result with the streamed result's reading methods: the
+    recorded answer, whole (deterministic on replay)."""
+
+    def __init__(self, result: Any) -> None:
+        self.result = result
+
+    @property
+    def output(self) -> Any:
+        return self.result.output
+
+    async def get_output(self) -> Any:
+        return self.result.output
+
+    async def stream_output(self, *, debounce_by: float | None = None) -> AsyncIterator[Any]:
+        yield self.result.output
+
+    async def stream_text(
+        self, *, delta: bool = False, debounce_by: float | None = None
+    ) -> AsyncIterator[str]:
+        yield str(self.result.output)
+
+    def all_messages(self) -> list[ModelMessage]:
+        return list(self.result.all_messages())
+
+    def new_messages(self) -> list[ModelMessage]:
+        return list(self.result.new_messages())
+
+    def usage(self) -> Any:
+        return self.result.usage()
+
+    #: the answer was recorded whole
+    is_complete = True
 
 
 def durable(
