@@ -68,6 +68,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "tether.metrics",
             "tether.logs",
             "tether.alerts",
+            "tether.demo",
             "tether",
         ),
     ),

@@ -11,6 +11,7 @@ from .approvals import (
     approvals_list_command,
     approvals_show_command,
 )
+from .demo import demo_command
 from .history import history_export_command, replay_command
 from .keys import keys_create_command, keys_list_command, keys_revoke_command
 from .lifecycle import (
@@ -58,6 +59,7 @@ def _build() -> typer.Typer:
         pretty_exceptions_show_locals=False,
         context_settings={"help_option_names": ["-h", "--help"]},
     )
+    cli.command("demo")(demo_command)
     cli.command("worker")(worker_command)
     cli.command("serve")(serve_command)
     cli.command("start")(start_command)

@@ -1,0 +1,332 @@
+"""``tether demo``: run the document pipeline, crash it, resume it, ask a person, check it.
+
+The pipeline's worker runs in a child process. Part-way through, the demo kills it
+with SIGKILL (announced on screen) and starts another, which replays each run from
+its history and goes on from the last recorded step. Reviews are asked at the
+terminal (or approved with ``--auto-approve``). At the end a table shows each
+document's outcome, steps, retries, time, tokens and cost, and the demo checks
+itself against its side table: every document accounted for, the crash survived,
+no recorded step executed again, every document published at most once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+from rich import box
+from rich.console import Console
+from rich.panel import Panel
+from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+from rich.prompt import Prompt
+from rich.table import Table
+
+
+@dataclass
+class Options:
+    """What ``tether demo`` was asked to do."""
+
+    store: Path
+    auto_approve: bool = False
+    fast: bool = False
+    crash: bool = True
+    model: str | None = None
+    base_url: str | None = None
+
+
+@dataclass
+class _State:
+    worker: subprocess.Popen[bytes] | None = None
+    workers_started: int = 0
+    killed_pid: int | None = None
+    recorded_at_kill: int = 0
+    decided: dict[str, str] = field(default_factory=dict)
+    asked: set[str] = field(default_factory=set)
+
+
+def main(options: Options, console: Console | None = None) -> int:
+    """Run the demo; 0 when every self-check passed."""
+    # a log or a pipe gets a wide table, not one cut to 80 columns
+    console = console or Console(width=None if sys.stdout.isatty() else 120)
+    for suffix in ("", "-wal", "-shm", ".side.db", ".side.db-wal", ".side.db-shm"):
+        Path(f"{options.store}{suffix}").unlink(missing_ok=True)  # a demo starts afresh
+    os.environ["TETHER_DEMO_STORE"] = str(options.store)
+    os.environ["TETHER_DEMO_PACE"] = "0.05" if options.fast else "1.0"
+    os.environ["TETHER_DEMO_MODEL"] = options.model or ""
+    os.environ["TETHER_DEMO_BASE_URL"] = options.base_url or ""
+    return asyncio.run(_main(options, console))
+
+
+async def _main(options: Options, console: Console) -> int:
+    from . import pipeline
+    from .documents import SAMPLES
+
+    label = (
+        f"model: [bold]{options.model or 'default'}[/] at {options.base_url}"
+        if options.base_url
+        else f"model: [bold]{options.model}[/]"
+        if options.model
+        else "model: [bold]offline scripted model[/] (deterministic, no network; "
+        "--model to use a real one)"
+    )
+    console.print(
+        Panel(
+            f"{len(SAMPLES)} documents through extract -> classify -> analyse -> validate -> "
+            f"review -> publish\nstore: [bold]{options.store}[/] (embedded SQLite)\n{label}",
+            title="tether demo",
+            expand=False,
+        )
+    )
+    app = pipeline.app
+    state = _State()
+    _start_worker(state, console)
+    started = time.time()
+    try:
+        runs = [
+            await app.start(pipeline.process_document, doc, run_id=f"doc-{doc.doc_id}")
+            for doc in SAMPLES
+        ]
+        await _follow(app, [r.run_id for r in runs], options, state, console)
+    finally:
+        _stop_worker(state)
+    elapsed = time.time() - started
+    ok = await _summary(app, pipeline, [r.run_id for r in runs], options, state, console)
+    console.print(f"\nall done in {elapsed:.1f} s.")
+    console.print(
+        "See every run, its history and its approvals in the console:\n"
+        f"  [bold]TETHER_DEMO_STORE={options.store} tether serve tether.demo.pipeline:app "
+        "--no-auth --workers 1[/]  then open http://127.0.0.1:8000/\n"
+        f"or from the shell: [bold]tether runs list --store {options.store}[/]",
+        soft_wrap=True,  # commands stay whole, to copy
+    )
+    await app.close()
+    return 0 if ok else 1
+
+
+def _start_worker(state: _State, console: Console) -> None:
+    state.worker = subprocess.Popen(
+        [sys.executable, "-m", "tether.demo.pipeline"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=os.environ.copy(),
+    )
+    state.workers_started += 1
+    console.print(f"[dim]worker process started (pid {state.worker.pid})[/]")
+
+
+def _stop_worker(state: _State) -> None:
+    if state.worker is not None and state.worker.poll() is None:
+        state.worker.send_signal(signal.SIGTERM)
+        try:
+            state.worker.wait(15)
+        except subprocess.TimeoutExpired:
+            state.worker.kill()
+            state.worker.wait(5)
+
+
+async def _follow(
+    app: Any, run_ids: list[str], options: Options, state: _State, console: Console
+) -> None:
+    """Show progress until every run has ended; crash the worker once; ask for reviews."""
+    total_stages = 6
+    progress = Progress(
+        TextColumn("{task.fields[doc]:<10}"),
+        BarColumn(bar_width=24),
+        TextColumn("{task.fields[stage]}"),
+        TimeElapsedColumn(),
+        console=console,
+    )
+    tasks: dict[str, TaskID] = {
+        rid: progress.add_task("", total=total_stages, doc=rid[4:], stage="queued")
+        for rid in run_ids
+    }
+    progress.start()
+    try:
+        while True:
+            infos = [await app.get(rid) for rid in run_ids]
+            done_stages = 0
+            for info in infos:
+                status = info.custom_status if isinstance(info.custom_status, dict) else {}
+                done = int((status.get("progress") or {}).get("done") or 0)
+                stage = str(status.get("stage") or info.status.value)
+                if status.get("kind") and stage not in ("published", "rejected"):
+                    stage = f"{stage} ({status['kind']})"
+                if info.is_finished:
+                    done = total_stages
+                    if info.status.value != "completed":
+                        stage = f"[red]{info.status.value}[/]"
+                progress.update(tasks[info.run_id], completed=done, stage=stage)
+                done_stages += done
+            if all(i.is_finished for i in infos):
+                return
+            share = done_stages / (total_stages * len(infos))
+            if options.crash and state.killed_pid is None and share >= 0.3:
+                await _crash(app, run_ids, state, progress.console)
+            # a decision is delivered at once and recorded by the run a moment later:
+            # until then the review still reads open, so ask about each one once
+            reviews = [
+                r for r in await app.approvals(status="open") if r.approval_id not in state.asked
+            ]
+            if reviews:
+                progress.stop()
+                for review in reviews:
+                    await _review(app, review, options, state, console)
+                progress.start()
+            await asyncio.sleep(0.15)
+    finally:
+        progress.stop()
+
+
+async def _crash(app: Any, run_ids: list[str], state: _State, console: Console) -> None:
+    """SIGKILL the worker mid-flight, say so, and start a new one."""
+    assert state.worker is not None
+    recorded = 0
+    for rid in run_ids:
+        recorded += sum(1 for e in await app.history(rid) if e.type.value == "ActivityCompleted")
+    state.killed_pid = state.worker.pid
+    state.recorded_at_kill = recorded
+    state.worker.send_signal(signal.SIGKILL)
+    state.worker.wait(10)
+    console.print(
+        f"[bold red]CRASH:[/] killed the worker process (pid {state.killed_pid}) with SIGKILL, "
+        f"{recorded} steps recorded so far, others in flight. Starting a new worker: it "
+        "replays each run from its history and runs only what was not recorded."
+    )
+    _start_worker(state, console)
+
+
+async def _review(app: Any, review: Any, options: Options, state: _State, console: Console) -> None:
+    """Ask the person at the terminal (or approve, with --auto-approve or no terminal)."""
+    from .pipeline import KINDS, REVIEWER
+
+    state.asked.add(review.approval_id)
+    proposal = review.proposal
+    body = (
+        f"[bold]{proposal['doc_id']}[/] classified as [bold]{proposal['kind']}[/]\n"
+        f"summary: {proposal['summary']}\n"
+        f"details: {proposal.get('details') or '-'}\n"
+        f"fingerprint: {review.fingerprint[:16]}..."
+    )
+    console.print(Panel(body, title=f"review needed ({review.approval_id})", expand=False))
+    interactive = not options.auto_approve and sys.stdin.isatty()
+    choice = "approve"
+    if interactive:
+        choice = Prompt.ask(
+            "approve, edit the kind, or reject?",
+            choices=["approve", "edit", "reject"],
+            default="approve",
+            console=console,
+        )
+    else:
+        why = "--auto-approve" if options.auto_approve else "no terminal to ask"
+        console.print(f"[dim]approved automatically ({why})[/]")
+    value = None
+    if choice == "edit":
+        kind = Prompt.ask("kind", choices=sorted(KINDS), default=proposal["kind"], console=console)
+        value = {**proposal, "kind": kind}
+    await app.decide(
+        review.approval_id,
+        approve=choice != "reject",
+        by=REVIEWER,
+        fingerprint=review.fingerprint,
+        value=value,
+        reason=None if choice != "reject" else "rejected at the terminal",
+    )
+    state.decided[review.run_id] = {"approve": "approved", "edit": "edited"}.get(choice, "rejected")
+
+
+async def _summary(
+    app: Any, pipeline: Any, run_ids: list[str], options: Options, state: _State, console: Console
+) -> bool:
+    """The outcome table and the self-checks; True when every check passed."""
+    table = Table(title="outcome", box=box.SIMPLE_HEAD)
+    columns = ("document", "kind", "outcome", "review", "steps", "retries", "re-run", "time")
+    for column in (*columns, "tokens", "cost"):
+        numeric = column in {"steps", "retries", "re-run", "time", "tokens", "cost"}
+        table.add_column(column, justify="right" if numeric else "left")
+    repeated: list[str] = []
+    accounted = 0
+    with pipeline.side_table() as conn:
+        executions = conn.execute("SELECT run_id, step, at FROM executions").fetchall()
+        published = conn.execute("SELECT doc_id, deliveries FROM published").fetchall()
+    ran_at: dict[tuple[str, int], list[float]] = {}
+    for rid, step, at in executions:
+        ran_at.setdefault((rid, step), []).append(at)
+    total_cost = Decimal(0)
+    for rid in run_ids:
+        info = await app.get(rid)
+        history = await app.history(rid)
+        completed = [e for e in history if e.type.value == "ActivityCompleted"]
+        failures = sum(1 for e in history if e.type.value == "ActivityAttemptFailed")
+        reruns = 0
+        for event in completed:
+            times = ran_at.get((rid, event.step or 0), [])
+            reruns += max(0, len(times) - 1)
+            if any(t > event.created_at for t in times):
+                repeated.append(f"{rid} step {event.step}")
+        outcome = kind = review = "-"
+        if info.status.value == "completed":
+            out = await app.get_run(rid).result(timeout=5)
+            outcome, kind = out.status, out.kind
+            review = state.decided.get(rid, "-")
+            accounted += 1
+        usage = await app.usage(rid)
+        total_cost += usage.cost
+        took = (info.completed_at or time.time()) - info.created_at
+        table.add_row(
+            rid[4:],
+            kind,
+            outcome,
+            review,
+            str(len(completed)),
+            str(failures),
+            str(reruns),
+            f"{took:.1f} s",
+            f"{usage.tokens:,}",
+            f"${usage.cost:.6f}",
+        )
+    console.print(table)
+    priced = "simulated price" if not (options.model or options.base_url) else "genai-prices"
+    console.print(
+        f"model cost, all documents: ${total_cost:.6f} ({priced}). retries: failed attempts "
+        "tried again; re-run: steps in flight when the worker was killed (never recorded, so "
+        "run again)"
+    )
+    per_doc: dict[str, int] = {}
+    duplicates = 0
+    for doc_id, deliveries in published:
+        per_doc[doc_id] = per_doc.get(doc_id, 0) + 1
+        duplicates += deliveries - 1
+    checks = [
+        (accounted == len(run_ids), f"{accounted}/{len(run_ids)} documents accounted for"),
+        (
+            not options.crash or (state.killed_pid is not None and state.workers_started == 2),
+            f"worker killed (pid {state.killed_pid}) after {state.recorded_at_kill} recorded "
+            "steps, and the runs finished on a new worker"
+            if options.crash
+            else "no crash asked for (--no-crash)",
+        ),
+        (
+            not repeated,
+            "no recorded step executed again"
+            if not repeated
+            else f"recorded steps executed again: {', '.join(repeated[:5])}",
+        ),
+        (
+            all(n == 1 for n in per_doc.values()),
+            f"{len(per_doc)} documents published once each"
+            + (f" ({duplicates} repeated deliveries absorbed by the key)" if duplicates else ""),
+        ),
+    ]
+    console.print()
+    for ok, text in checks:
+        console.print(f"  {'[green]ok[/]  ' if ok else '[red]FAIL[/]'} {text}")
+    return all(ok for ok, _ in checks)
