@@ -177,3 +177,23 @@ def test_long_report_map_reduce_in_order_with_a_poison_chunk(tmp_path: Path) -> 
     stdout = _example("long_report", tmp_path / "report.db")
     assert "{'chunks': 70, 'levels': 3, 'left_out': [13]}" in stdout  # 70 -> 9 -> 2 -> 1
     assert "summary has 69 sections, in order: True" in stdout  # the junk one left out
+
+
+def test_a_durable_agent_killed_mid_loop_resumes_without_repeating_a_step(
+    tmp_path: Path,
+) -> None:
+    """Example 10: SIGKILL after two recorded tool calls; the new worker goes on from the
+    agent's recorded requests and tool calls: every tool once, the room reserved once,
+    no recorded step executed again, only the lost request made twice."""
+    stdout = _example("durable_agent", tmp_path / "agent.db")
+    assert "killed the worker (SIGKILL) after 2 recorded tool calls" in stdout
+    assert (
+        "tool executions: ['forecast Lisbon', 'exchange_rate EUR', 'reserve_room Lisbon 3']"
+        in stdout
+    )
+    assert "recorded steps executed again: 0" in stdout
+    made, recorded = map(
+        int, re.search(r"model requests: (\d+) made for (\d+) recorded", stdout).groups()
+    )  # type: ignore[union-attr]
+    assert recorded == 4 and recorded <= made <= recorded + 1  # at most the one in flight
+    assert "reserved for ana" in stdout
