@@ -69,6 +69,20 @@ def test_the_demo_crashes_resumes_and_checks_itself(tmp_path: Path) -> None:
     _check_store(store, every)
 
 
+def test_the_demo_runs_on_a_model_pydantic_ai_names(tmp_path: Path) -> None:
+    """``--model`` takes any model pydantic-ai resolves by name (here its ``test`` model,
+    which answers schema-valid nonsense: everything goes to review and is approved)."""
+    store = tmp_path / "demo.db"
+    out = subprocess.run(
+        [*TETHER, "demo", "--model", "test", "--auto-approve", "--fast", "--no-crash",
+         "--store", str(store)],
+        env=_env(), capture_output=True, text=True, timeout=150,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "model: test" in out.stdout and "ok   10/10 documents accounted for" in out.stdout
+    assert "no crash asked for (--no-crash)" in out.stdout
+
+
 @pytest.mark.skipif(sys.platform == "win32", reason="a POSIX pseudo-terminal")
 def test_a_person_at_the_terminal_rejects_one_document_and_edits_another(
     tmp_path: Path,
