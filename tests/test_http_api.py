@@ -453,3 +453,53 @@ def test_the_audit_trail_names_who_started_approved_cancelled_and_retried(
     assert actions[1][1] == actions[2][1] != actions[0][1] != actions[3][1]
     assert all(t["actor"].startswith("key ") for t in trail)
     assert trail[1]["detail"]["by"] == "ann" and trail[2]["detail"] == {"reason": "offsite moved"}
+
+
+async def test_a_stream_sends_the_events_committed_between_its_read_and_the_run_s_end() -> None:
+    """The race a fresh-clone run caught on PostgreSQL: the stream read nothing new, the
+    run ended (its last events committed) before the stream looked at its status, and
+    the stream closed without sending them. It reads once more before it ends."""
+    import types
+
+    from tether import EventType
+    from tether._history import Event
+    from tether.server._stream import EventHub
+
+    last = [
+        Event(
+            run_id="r",
+            seq=7,
+            type=EventType.ACTIVITY_COMPLETED,
+            step=3,
+            data={"attempt": 1, "result": 1},
+            created_at=0.0,
+        ),
+        Event(
+            run_id="r",
+            seq=8,
+            type=EventType.WORKFLOW_COMPLETED,
+            step=None,
+            data={"result": 1},
+            created_at=0.0,
+        ),
+    ]
+    reads: list[int] = []
+
+    async def read_history(run_id: str, after: int) -> list[Event]:
+        reads.append(after)
+        return [] if len(reads) == 1 else [e for e in last if e.seq > after]
+
+    async def get(run_id: str, follow: bool = True) -> Any:
+        return types.SimpleNamespace(is_finished=True, continued_to=None)  # ended meanwhile
+
+    async def is_disconnected() -> bool:
+        return False
+
+    app = types.SimpleNamespace(store=types.SimpleNamespace(read_history=read_history), get=get)
+    hub = EventHub(app)  # type: ignore[arg-type]
+    request = types.SimpleNamespace(is_disconnected=is_disconnected)
+    sent = [m async for m in hub.stream("r", 6, request)]  # type: ignore[arg-type]
+    assert [m.split("\n")[1] for m in sent] == [
+        "event: ActivityCompleted",
+        "event: WorkflowCompleted",
+    ]

@@ -378,6 +378,7 @@ def test_streamed_model_tokens_reach_the_event_stream(store_url: str) -> None:
             assert tokens[-1].get("done") is True and tokens[0]["run_id"] == "tale"
             assert len([t for t in tokens if "delta" in t]) >= 2  # in pieces, as they came
             # the tokens came before the step's recorded answer, which ends the run
+            assert "ActivityCompleted" in kinds, kinds
             assert kinds.index("token") < kinds.index("ActivityCompleted")
             assert "WorkflowCompleted" in kinds
         finally:

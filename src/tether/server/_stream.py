@@ -22,6 +22,7 @@ from typing import Any
 from fastapi import Request
 
 from .._app import App
+from .._history import Event
 from ._models import event_view
 
 #: how often a stream re-reads without a wake-up (commits no notification reaches)
@@ -84,13 +85,17 @@ class EventHub:
                 events = await self._app.store.read_history(run_id, after)
                 for e in events:
                     after = e.seq
-                    payload = json.dumps(event_view(e).model_dump(), separators=(",", ":"))
-                    yield f"id: {e.seq}\nevent: {e.type.value}\ndata: {payload}\n\n"
+                    yield _message(e)
                 if events:
                     quiet_since = loop.time()
                 else:
                     info = await self._app.get(run_id, follow=False)
                     if info.is_finished:
+                        # the run may have ended between the read above and this look:
+                        # read once more, so its last events are sent before the end
+                        for e in await self._app.store.read_history(run_id, after):
+                            after = e.seq
+                            yield _message(e)
                         if info.continued_to:
                             nxt = json.dumps({"next": info.continued_to})
                             yield f"event: continued\ndata: {nxt}\n\n"
@@ -111,3 +116,9 @@ class EventHub:
                 followers.discard(woken)
                 if not followers:
                     del self._following[run_id]
+
+
+def _message(event: Event) -> str:
+    """One history event as an SSE message (``id`` is its seq, for reconnects)."""
+    payload = json.dumps(event_view(event).model_dump(), separators=(",", ":"))
+    return f"id: {event.seq}\nevent: {event.type.value}\ndata: {payload}\n\n"
