@@ -94,6 +94,55 @@ async def test_purge_by_workflow_and_tenant(app: tether.App) -> None:
         await app.purge(-1)
 
 
+async def test_workers_apply_a_workflow_s_retention_in_the_background(app: tether.App) -> None:
+    """``@app.workflow(retention=)``: workers purge its ended runs once older than that;
+    its live runs and other workflows' runs stay. Two workers do it at once without
+    getting in each other's way (PostgreSQL: a batch skips rows another one holds)."""
+
+    @app.activity
+    async def step(x: int) -> int:
+        return x + 1
+
+    @app.workflow(retention=3600)
+    async def ephemeral(x: int) -> int:
+        return await step(x)
+
+    @app.workflow(retention=3600)
+    async def lingering() -> None:
+        await tether.wait_event("never")
+
+    @app.workflow
+    async def kept(x: int) -> int:
+        return await step(x)
+
+    with pytest.raises(tether.ConfigurationError, match="retention"):
+        app.workflow(retention=0)
+    async with app.worker(poll_interval=0.05):
+        done = [await app.start(ephemeral, i) for i in range(30)]
+        for r in done:
+            await r.result(timeout=20)
+        other = await app.start(kept, 1)
+        await other.result(timeout=20)
+        live = await app.start(lingering)
+    real = app.store.clock
+    app.store.clock = lambda: real() + 7200  # two hours later: past the retention
+    first = app.worker(poll_interval=0.05, retention_every=0.1)
+    second = app.worker(poll_interval=0.05, retention_every=0.1)
+    await first.start()
+    await second.start()
+    try:
+        deadline = time.monotonic() + 20
+        while {r.run_id for r in await app.list(limit=100)} != {other.run_id, live.run_id}:
+            assert time.monotonic() < deadline, "the retention was never applied"
+            await asyncio.sleep(0.1)
+    finally:
+        await first.stop()
+        await second.stop()
+    with pytest.raises(tether.RunPurgedError, match="retention"):
+        await app.get(done[0].run_id)
+    assert set((await app.store.orphans()).values()) == {0}
+
+
 async def test_erasing_a_tenant_leaves_nothing_of_it_and_spares_the_others(
     app: tether.App,
 ) -> None:

@@ -284,7 +284,12 @@ class App:
 
     @overload
     def workflow(
-        self, *, name: str | None = None, queue: str | None = None, version: str | None = None
+        self,
+        *,
+        name: str | None = None,
+        queue: str | None = None,
+        version: str | None = None,
+        retention: float | timedelta | None = None,
     ) -> Callable[[Callable[P, Awaitable[R]]], Workflow[P, R]]: ...
 
     def workflow(  # type: ignore[misc]
@@ -295,14 +300,23 @@ class App:
         name: str | None = None,
         queue: str | None = None,
         version: str | None = None,
+        retention: float | timedelta | None = None,
     ) -> Workflow[P, R] | Callable[[Callable[P, Awaitable[R]]], Workflow[P, R]]:
-        """Register an ``async def`` as a durable workflow (bare or with options)."""
+        """Register an ``async def`` as a durable workflow (bare or with options).
+
+        ``retention``: how long an ended run of it is kept; workers purge older ones in
+        the background (``Worker(retention_every=)``), as ``app.purge`` would."""
+        keep = seconds(retention, "retention")
+        if keep is not None and keep <= 0:
+            raise ConfigurationError(f"retention must be a duration > 0 (got {retention!r})")
 
         def wrap(f: Callable[P, Awaitable[R]]) -> Workflow[P, R]:
             wname = name or f.__name__
             if wname in self._workflows and self._workflows[wname].fn is not f:
                 raise ConfigurationError(f"a workflow named {wname!r} is already registered")
-            wf = Workflow(f, name=wname, queue=queue or self.default_queue, version=version)
+            wf = Workflow(
+                f, name=wname, queue=queue or self.default_queue, version=version, retention=keep
+            )
             self._workflows[wname] = wf
             return wf
 
@@ -405,6 +419,10 @@ class App:
             return act
 
         return wrap(fn) if fn is not None else wrap
+
+    def workflows(self) -> builtins.list[Workflow[Any, Any]]:
+        """Every workflow registered on this App."""
+        return list(self._workflows.values())
 
     def get_workflow(self, name: str) -> Workflow[Any, Any]:
         """The workflow registered as ``name``."""

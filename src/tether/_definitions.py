@@ -283,6 +283,7 @@ class Workflow(Generic[P, R]):
         version: str | None = None,
         child_run_id: str | None = None,
         parent_close: str = "terminate",
+        retention: float | None = None,
     ) -> None:
         if not inspect.iscoroutinefunction(fn):
             raise ConfigurationError(
@@ -292,6 +293,8 @@ class Workflow(Generic[P, R]):
         self.name = name
         self.queue = queue
         self.version = version
+        #: seconds an ended run is kept before workers purge it (None: kept until purged)
+        self.retention = retention
         self.sig = Signature(fn)
         self._child_run_id = child_run_id
         self._parent_close = parent_close
@@ -326,6 +329,7 @@ class Workflow(Generic[P, R]):
             version=self.version,
             child_run_id=run_id,
             parent_close=parent_close or self._parent_close,
+            retention=self.retention,
         )
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> Awaitable[R]:

@@ -28,6 +28,10 @@ class WorkerApp(Protocol):
         """The workflow registered under ``name``."""
         ...
 
+    def workflows(self) -> list[Workflow[Any, Any]]:
+        """Every workflow registered on the App."""
+        ...
+
     def get_activity(self, name: str) -> Activity[Any, Any]:
         """The activity registered under ``name``."""
         ...

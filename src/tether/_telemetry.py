@@ -128,6 +128,9 @@ SPECS: dict[str, Spec] = {
     "tether_orphans_recovered": Spec(
         "counter", "Tasks of a dead predecessor taken back at worker start", ()
     ),
+    "tether_runs_purged": Spec(
+        "counter", "Ended runs purged by their workflow's retention", ("workflow",)
+    ),
 }
 
 

@@ -40,6 +40,7 @@ from ._errors import (
 )
 from ._history import REPLAY_CHANGING, Event, EventType, Task
 from ._host import WorkerApp
+from ._periodic import Periodic
 from ._policy import Retry
 from ._redact import redact
 from ._serde import encode
@@ -96,6 +97,7 @@ class Worker:
         workflow_retry_delay: float = 5.0,
         versions: Collection[str] | None = None,
         worker_id: str | None = None,
+        retention_every: float = 300.0,
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
@@ -118,6 +120,9 @@ class Worker:
         #: what its crashed predecessor held, instead of waiting for the leases to expire
         self._stable_id = worker_id is not None
         self._id_release: Callable[[], None] = _held_nothing  #: ends the hold on the id
+        #: how often the workflows' ``retention`` is applied (purging ended runs)
+        self.retention_every = retention_every
+        self._retention: Periodic | None = None
         self._threads = threads or min(32, concurrency)
         #: items of running batches beyond the first of each: a batch takes one slot
         self._batch_extra = 0
@@ -173,6 +178,15 @@ class Worker:
                 log.info("worker %s took back %d task(s) of its predecessor", self.id, reclaimed)
         self._main = asyncio.create_task(self._serve(), name=f"tether-worker-{self.id}")
         self.app._local_workers.append(self)
+        if any(wf.retention is not None for wf in self.app.workflows()):
+            self._retention = Periodic(
+                f"tether-retention-{self.id}",
+                self._apply_retention,
+                lambda: self.retention_every,
+                log,
+                "applying workflow retention",
+            )
+            self._retention.start()
 
     async def run(self) -> None:
         """Serve until ``stop()`` is called (or the task is cancelled)."""
@@ -227,6 +241,9 @@ class Worker:
         if self._switcher is not None:
             self._switcher.cancel()
             self._switcher = None
+        if self._retention is not None:
+            await self._retention.stop()
+            self._retention = None
         self.app.store.remove_listener(self._on_commit)
         while self._cache:
             _, inst = self._cache.popitem()
@@ -236,6 +253,25 @@ class Worker:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
         self._main = None
+
+    async def _apply_retention(self) -> None:
+        """Purge the ended runs of each workflow with a ``retention`` that are older than
+        it, in batches (every worker may do it: a batch skips runs another one holds)."""
+        for wf in self.app.workflows():
+            if wf.retention is None:
+                continue
+            cutoff = self.app.store.clock() - wf.retention
+            removed = 0
+            while not self._stopping:
+                counts = await self.app.store.purge(
+                    cutoff, workflow=wf.name, tenant=None, limit=500, dry_run=False
+                )
+                removed += counts["runs"]
+                if counts["runs"] < 500:
+                    break
+            if removed:
+                count("tether_runs_purged", (wf.name,), removed)
+                log.info("retention: purged %d ended run(s) of %s", removed, wf.name)
 
     async def kill(self) -> None:
         """Die like a SIGKILLed process (for tests): drop everything, tell the store nothing.
@@ -260,6 +296,9 @@ class Worker:
         for t in (*tasks, self._main):
             t.cancel()
         await asyncio.gather(*tasks, self._main, return_exceptions=True)
+        if self._retention is not None:
+            await self._retention.stop()
+            self._retention = None
         self._inflight.clear()
         self._unstarted = []
         self.app.store.remove_listener(self._on_commit)
