@@ -186,11 +186,17 @@ def store_check_command(
                 from ..testing._replay import check_history
 
                 for status in ("pending", "running", "suspended", "queued"):
-                    for run in await opened.list(status=status, limit=1_000_000):
-                        report = check_history(opened, await opened.history(run.run_id))
-                        replayed += 1
-                        if not report.ok:
-                            failed.append(f"{run.run_id}: {report.error}")
+                    before: tuple[float, str] | None = None
+                    while True:  # a page at a time: a million live runs never sit in memory
+                        page = await opened.list(status=status, limit=500, before=before)
+                        for run in page:
+                            report = check_history(opened, await opened.history(run.run_id))
+                            replayed += 1
+                            if not report.ok:
+                                failed.append(f"{run.run_id}: {report.error}")
+                        if len(page) < 500:
+                            break
+                        before = (page[-1].created_at, page[-1].run_id)
             return {"orphans": orphans, "replayed": replayed, "replay_failures": failed}
 
     found = _run(go())
