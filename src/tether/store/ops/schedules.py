@@ -130,30 +130,24 @@ def _put_schedule(
                 tx.now,
             ),
         )
+        due = None if nxt is None else jittered(schedule_id, spec, nxt)
+        _set_task(tx, schedule_id, queue, due)
     else:
-        tx.execute(
-            "UPDATE schedules SET workflow = ?, queue = ?, input = ?, spec = ?, tenant = ?, "
-            "paused = ?, note = ?, next_at = ?, buffered = NULL, version = version + 1, "
-            "updated_at = ? WHERE schedule_id = ?",
-            (
-                workflow,
-                queue,
-                input,
-                spec_text,
-                tenant,
-                int(paused),
-                note,
-                nxt,
-                tx.now,
-                schedule_id,
-            ),
-        )
         if old[2] != queue:  # the task moves to the new queue
             tx.execute(
                 "UPDATE tasks SET queue = ? WHERE run_id = ? AND kind = 'schedule'",
                 (queue, _task_id(schedule_id)),
             )
-    _set_task(tx, schedule_id, queue, None if nxt is None else jittered(schedule_id, spec, nxt))
+        changes = {
+            "workflow": workflow,
+            "queue": queue,
+            "input": input,
+            "spec": spec_text,
+            "tenant": tenant,
+            "paused": int(paused),
+            "note": note,
+        }
+        _new_version(tx, schedule_id, changes, queue, spec, nxt)
     return _info(_row(tx, schedule_id)), True
 
 
@@ -181,14 +175,27 @@ def _pause_schedule(tx: _Tx, schedule_id: str, paused: bool, note: str | None) -
     if info.paused == paused:
         return False
     nxt = None if paused else next_tick(info.spec, tx.now)
-    tx.execute(
-        "UPDATE schedules SET paused = ?, note = ?, next_at = ?, buffered = NULL, "
-        "version = version + 1, updated_at = ? WHERE schedule_id = ?",
-        (int(paused), note, nxt, tx.now, schedule_id),
-    )
-    due = None if nxt is None else jittered(schedule_id, info.spec, nxt)
-    _set_task(tx, schedule_id, info.queue, due)
+    _new_version(tx, schedule_id, {"paused": int(paused), "note": note}, info.queue, info.spec, nxt)
     return True
+
+
+def _new_version(
+    tx: _Tx,
+    schedule_id: str,
+    changes: dict[str, Any],
+    queue: str,
+    spec: Any,
+    nxt: float | None,
+) -> None:
+    """Write ``changes`` as the schedule's next version (a buffered tick is dropped: it
+    belonged to the old one) and move its one task to the next tick."""
+    sets = "".join(f"{column} = ?, " for column in changes)  # column names from code only
+    tx.execute(
+        f"UPDATE schedules SET {sets}next_at = ?, buffered = NULL, version = version + 1, "
+        "updated_at = ? WHERE schedule_id = ?",
+        (*changes.values(), nxt, tx.now, schedule_id),
+    )
+    _set_task(tx, schedule_id, queue, None if nxt is None else jittered(schedule_id, spec, nxt))
 
 
 def _delete_schedule(tx: _Tx, schedule_id: str) -> None:
