@@ -158,20 +158,30 @@ def joined(headers: Any) -> Iterator[None]:
         otel_context.detach(token)
 
 
-def _span_at(
-    name: str, carrier: Any, began: float, ended: float, attributes: dict[str, Any]
-) -> Any:
-    """A finished span from ``began`` to ``ended`` (epoch seconds), under ``carrier``."""
-    assert trace is not None
-    tracer = _tracer()
-    span = tracer.start_span(
+def _closed_span(
+    name: str,
+    carrier: Any,
+    began: float,
+    ended: float,
+    attributes: dict[str, Any],
+    error: str | None = None,
+) -> None:
+    """Record a finished span from ``began`` to ``ended`` (epoch seconds) under the run's
+    trace ``carrier``, marked as an error when ``error`` names one. Nothing without the
+    OpenTelemetry API or a carrier."""
+    if trace is None or not isinstance(carrier, dict):
+        return
+    span = _tracer().start_span(
         name,
         context=_extract(carrier),
         kind=trace.SpanKind.INTERNAL,
         attributes=attributes,
         start_time=int(began * 1e9),
     )
-    return span, int(ended * 1e9)
+    if error is not None:
+        span.set_attribute("error.type", error)
+        span.set_status(trace.Status(trace.StatusCode.ERROR, error))
+    span.end(end_time=int(max(began, ended) * 1e9))
 
 
 def wait_spans(
@@ -180,22 +190,14 @@ def wait_spans(
     """A span per durable wait that ended (timer, signal, approval), from its recorded
     start to the event that ended it. Made once, after the commit that consumed the
     event; a replay of the same events makes none."""
-    if trace is None or not isinstance(carrier, dict):
-        return
     for kind, name, began, ended in waits:
-        span, end = _span_at(
-            f"tether.wait {kind}",
-            carrier,
-            began,
-            max(began, ended),
-            {
-                "tether.run_id": run_id,
-                "tether.workflow": workflow,
-                "tether.wait.kind": kind,
-                "tether.wait.name": name,
-            },
-        )
-        span.end(end_time=end)
+        attributes = {
+            "tether.run_id": run_id,
+            "tether.workflow": workflow,
+            "tether.wait.kind": kind,
+            "tether.wait.name": name,
+        }
+        _closed_span(f"tether.wait {kind}", carrier, began, ended, attributes)
 
 
 def workflow_task_span(
@@ -208,34 +210,25 @@ def workflow_task_span(
     error_type: str | None = None,
 ) -> None:
     """A span for one executed workflow task (its replay, code and commit)."""
-    if trace is None or not isinstance(carrier, dict):
-        return
-    span, end = _span_at(
+    _closed_span(
         f"tether.workflow_task {workflow}",
         carrier,
         began,
         ended,
         {"tether.run_id": run_id, "tether.workflow": workflow, **attributes},
+        error_type,
     )
-    if error_type is not None:
-        span.set_attribute("error.type", error_type)
-        span.set_status(trace.Status(trace.StatusCode.ERROR, error_type))
-    span.end(end_time=end)
 
 
 def run_span(
     workflow: str, run_id: str, carrier: Any, began: float, ended: float, status: str
 ) -> None:
     """At a run's end, a span over its whole life (start to end), in its trace."""
-    if trace is None or not isinstance(carrier, dict):
-        return
-    span, end = _span_at(
+    _closed_span(
         f"tether.lifetime {workflow}",
         carrier,
         began,
         ended,
         {"tether.run_id": run_id, "tether.workflow": workflow, "tether.outcome": status},
+        status if status in ("failed", "timed_out", "needs_intervention") else None,
     )
-    if status in ("failed", "timed_out", "needs_intervention"):
-        span.set_status(trace.Status(trace.StatusCode.ERROR, status))
-    span.end(end_time=end)
