@@ -57,7 +57,16 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "tether._worker",
         ),
     ),
-    ("client", ("tether._app", "tether._sync", "tether.testing", "tether._entities")),
+    (
+        "client",
+        (
+            "tether._update_wait",
+            "tether._app",
+            "tether._sync",
+            "tether.testing",
+            "tether._entities",
+        ),
+    ),
     ("ai", ("tether.ai",)),
     (
         "services",

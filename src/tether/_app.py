@@ -48,13 +48,11 @@ from ._errors import (
     RunTimedOutError,
     UnknownActivityError,
     UnknownWorkflowError,
-    UpdateFailedError,
     UpdateRejectedError,
     WorkflowFailedError,
 )
 from ._history import (
     APPROVAL_SIGNAL,
-    UPDATE_MARKER,
     UPDATE_SIGNAL,
     Approval,
     DeadLetter,
@@ -72,6 +70,7 @@ from ._serde import decode_raw, encode
 from ._telemetry import count
 from ._tracing import available as tracing_available
 from ._tracing import start_carrier
+from ._update_wait import UpdateOutcomes
 from ._usage import Budget, Usage, usage_of
 from ._worker import Worker
 from .blobs import Blob, BlobStore, default_root
@@ -189,6 +188,8 @@ class App:
         self._store_lock = threading.Lock()
         self.default_queue = queue
         self._workflows: dict[str, Workflow[Any, Any]] = {}
+        #: callers waiting on update outcomes, one history reader per run
+        self._updates = UpdateOutcomes(self)
         #: entity classes by name: their operations (``entity``)
         self._entities: dict[str, frozenset[str]] = {}
         #: what runs are pinned to at their start, by source (``tether.ai`` gateways)
@@ -1128,68 +1129,9 @@ class App:
     async def _update_outcome(
         self, run_id: str, update_id: str, name: str, timeout: float | None, after: int = 0
     ) -> Any:
-        """Wait for the Marker that records the update's outcome: woken by the commits
-        that grow the run's history (this process's, and others' on PostgreSQL), with a
-        slow re-read for commits nobody announces (another process on SQLite)."""
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout is None else loop.time() + timeout
-        grew = asyncio.Event()
-
-        def on_growth(runs: set[str]) -> None:
-            if run_id in runs:
-                with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-                    loop.call_soon_threadsafe(grew.set)
-
-        self.store.add_history_listener(on_growth)
-        delay = 0.01  # the outcome comes after the request (seq ``after``): read from there
-        ended: RunInfo | None = None
-        status_at = loop.time() + 1.0
-        try:
-            while True:
-                grew.clear()
-                # the history says when the run ended (its last command is in it); a few
-                # ends write no event (a queued run cancelled), so the run is read too,
-                # now and then. Read before the history: an outcome recorded by the
-                # commit that ended it is then found below, never missed.
-                if loop.time() >= status_at:
-                    ended = await self.get(run_id, follow=False)
-                    status_at = loop.time() + 1.0
-                for ev in await self.store.read_history(run_id, after):
-                    after = max(after, ev.seq)
-                    if ev.type in _ENDING_EVENTS and ended is None:
-                        ended = await self.get(run_id, follow=False)
-                    value = ev.data.get("value") if ev.type is EventType.MARKER else None
-                    if ev.data.get("marker") != UPDATE_MARKER or not isinstance(value, dict):
-                        continue
-                    if value.get("id") != update_id:
-                        continue
-                    err = value.get("error")
-                    if err is None:
-                        return value.get("result")
-                    if err.get("type") == "UpdateRejected":
-                        raise UpdateRejectedError(run_id, name, str(err.get("message")))
-                    raise UpdateFailedError(
-                        run_id, name, str(err.get("type")), str(err.get("message"))
-                    )
-                if ended is not None and ended.is_finished:
-                    why = f"the run ended ({ended.status.value}) before it handled the update"
-                    raise UpdateRejectedError(run_id, name, why)
-                wait = delay
-                if deadline is not None:
-                    left = deadline - loop.time()
-                    if left <= 0:
-                        raise ResultTimeoutError(
-                            f"update {name!r} of run {run_id!r} has no outcome after "
-                            f"{timeout}s; it is recorded and still applies when the run "
-                            "reaches it"
-                        )
-                    wait = min(wait, left)
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(wait):
-                        await grew.wait()
-                delay = min(0.5, delay * 2)
-        finally:
-            self.store.remove_history_listener(on_growth)
+        """Wait for the Marker that records the update's outcome (``_update_wait``: one
+        reader of the run's history for every caller waiting on it)."""
+        return await self._updates.wait(run_id, update_id, name, timeout, after)
 
     async def cancel(self, run_id: str, reason: str | None = None) -> None:
         """Ask a run to cancel: its code sees CancelledError at the next await and may clean up."""
@@ -1631,18 +1573,6 @@ class App:
         return run_sync(main())
 
 
-#: events that end a run (its history then holds every outcome it will ever record)
-_ENDING_EVENTS = frozenset(
-    {
-        EventType.WORKFLOW_COMPLETED,
-        EventType.WORKFLOW_FAILED,
-        EventType.WORKFLOW_CANCELLED,
-        EventType.WORKFLOW_TIMED_OUT,
-        EventType.WORKFLOW_NEEDS_INTERVENTION,
-        EventType.CONTINUED_AS_NEW,
-        EventType.WORKFLOW_TERMINATED,
-    }
-)
 _MAX_RUNNING_HERE = 10_000  #: runs remembered as running here (a hint, see _wait_finished)
 #: the statuses a run ends in that write it to the dead letters (``_finish``)
 _DEAD_LETTERED = frozenset({RunStatus.FAILED, RunStatus.NEEDS_INTERVENTION, RunStatus.TIMED_OUT})
