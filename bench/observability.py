@@ -9,7 +9,12 @@ repeated, against the raw commit rate (LIMIT) of the same machine in the same ru
 * ``sdk``: counters plus the SDK with an in-memory exporter, every run traced (a span
   per attempt, workflow task and run end), and ``/metrics`` rendered every second;
 * ``sdk10``: the same with one trace in ten sampled (``ParentBased(TraceIdRatioBased(0.1))``,
-  the usual production setting): unsampled runs carry no context and cost nothing.
+  the usual production setting): unsampled runs carry no context and cost nothing;
+* ``scrape``: counters and ``/metrics`` rendered every second, no tracing (what the
+  scrape alone costs);
+* ``sdk-trace``: every run traced, no scrape (what tracing alone costs);
+* ``sdk-slow``: every run traced, but only attempts of 5 ms or more (or failed) get a
+  span of their own (``TETHER_TRACE_MIN_ATTEMPT_MS=5``), no scrape.
 
 Targets (issue #19): ``sdk`` within 15% of ``bare``'s steps/s, ``api`` within 3%.
 
@@ -30,7 +35,9 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-MODES = ("bare", "metrics", "api", "sdk", "sdk10")
+MODES = ("bare", "metrics", "api", "scrape", "sdk", "sdk-trace", "sdk-slow", "sdk10")
+#: the modes that render /metrics every second (the store's figures read each time)
+SCRAPED = ("scrape", "sdk", "sdk10")
 
 
 def _mode_setup(mode: str) -> Any:
@@ -48,7 +55,7 @@ def _mode_setup(mode: str) -> Any:
             for name in ("count", "observe"):
                 if hasattr(mod, name):
                     setattr(mod, name, nothing)
-    if mode in ("bare", "metrics"):
+    if mode in ("bare", "metrics", "scrape"):
         tether._tracing.trace = None  # type: ignore[assignment]  # as if not installed
         tether.logs._trace = None  # type: ignore[assignment]
         import tether._app as app_module
@@ -66,6 +73,8 @@ def _mode_setup(mode: str) -> Any:
         provider = TracerProvider(sampler=sampler) if sampler else TracerProvider()
         provider.add_span_processor(SimpleSpanProcessor(exporter))
         trace.set_tracer_provider(provider)
+        if mode == "sdk-slow":
+            tether._tracing.set_min_attempt_ms(5)
         return exporter
     return None
 
@@ -81,7 +90,7 @@ async def _w1(db: Path, runs_n: int, steps_n: int, mode: str, exporter: Any) -> 
     scrapes = 0
     try:
         async with app.worker(**bench_run.WORKER_OPTIONS) as worker:
-            metrics = Metrics(app, [worker]) if mode.startswith("sdk") else None
+            metrics = Metrics(app, [worker]) if mode in SCRAPED else None
 
             async def scrape() -> None:
                 nonlocal scrapes
@@ -109,7 +118,7 @@ async def _w1(db: Path, runs_n: int, steps_n: int, mode: str, exporter: Any) -> 
     if results != expected:
         raise RuntimeError(f"{mode}: wrong results")
     spans = len(exporter.get_finished_spans()) if exporter is not None else 0
-    if mode == "sdk" and spans < runs_n * steps_n:
+    if mode in ("sdk", "sdk-trace") and spans < runs_n * steps_n:
         raise RuntimeError(f"sdk: only {spans} spans for {runs_n * steps_n} attempts")
     steps = runs_n * steps_n
     return {
@@ -151,6 +160,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="50 runs instead of 500")
     parser.add_argument("--repeat", type=int, default=3, help="rounds of the four modes")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--modes", help="comma-separated modes (default: all)")
     args = parser.parse_args()
     runs_n, steps_n = (50 if args.quick else 500), 10
     if args.child:
@@ -158,9 +168,10 @@ def main() -> int:
         return 0
     limit = _limit(0.3 if args.quick else 2.0)
     print(f"LIMIT (raw SQLite INSERT+COMMIT): {limit:,.0f} commits/s")
-    got: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
+    modes = tuple(args.modes.split(",")) if args.modes else MODES
+    got: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     for r in range(args.repeat):
-        for mode in MODES:  # interleaved: a machine slowing down hurts every mode alike
+        for mode in modes:  # interleaved: a machine slowing down hurts every mode alike
             cmd = [sys.executable, __file__, "--child", mode]
             if args.quick:
                 cmd.append("--quick")
@@ -180,7 +191,7 @@ def main() -> int:
     print(
         f"{'mode':8} {'steps/s':>9} {'/ bare':>7} {'/ LIMIT':>8} {'CPU us/step':>12} {'/ bare':>7}"
     )
-    for mode in MODES:
+    for mode in modes:
         sps = statistics.median(x["steps_per_s"] for x in got[mode])
         cpu = statistics.median(x["cpu_us_per_step"] for x in got[mode])
         print(

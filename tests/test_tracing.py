@@ -286,3 +286,56 @@ async def _result(app: tether.App, run_id: str) -> Any:
         return await app.get_run(run_id).result(timeout=60)
     finally:
         await app.close()
+
+
+async def test_with_a_threshold_only_slow_or_failed_attempts_get_a_span(
+    app: tether.App, spans: InMemorySpanExporter
+) -> None:
+    """``TETHER_TRACE_MIN_ATTEMPT_MS``: a fast successful attempt makes no span; a slow
+    one gets its span at its end with its real start and end; a fast failure gets one
+    with its outcome; all in the run's trace."""
+    from tether import _tracing
+
+    tries = {"n": 0}
+
+    @app.activity
+    async def fast() -> int:
+        return 1
+
+    @app.activity
+    async def slow() -> int:
+        import asyncio
+
+        await asyncio.sleep(0.08)
+        return 2
+
+    @app.activity(retry=tether.Retry(attempts=2, initial=0.01))
+    async def flaky() -> int:
+        tries["n"] += 1
+        if tries["n"] == 1:
+            raise ConnectionError("once")
+        return 3
+
+    @app.workflow
+    async def mixed() -> int:
+        return await fast() + await slow() + await flaky()
+
+    tracer = trace.get_tracer("test")
+    _tracing.set_min_attempt_ms(50)
+    try:
+        with tracer.start_as_current_span("request") as outer:
+            run = await app.start(mixed)
+        async with app.worker(poll_interval=0.05):
+            assert await run.result(timeout=20) == 6
+    finally:
+        _tracing.set_min_attempt_ms(0)
+    attempts = _attempts(spans)
+    names = sorted((s.name, dict(s.attributes or {}).get("tether.outcome")) for s in attempts)
+    assert names == [("tether.activity flaky", "retry"), ("tether.activity slow", "ok")]
+    slow_span = next(s for s in attempts if s.name == "tether.activity slow")
+    assert slow_span.end_time is not None and slow_span.start_time is not None
+    assert slow_span.end_time - slow_span.start_time >= 80_000_000  # its real duration
+    trace_id = outer.get_span_context().trace_id
+    assert all(s.context is not None and s.context.trace_id == trace_id for s in attempts)
+    with pytest.raises(ValueError):
+        _tracing.set_min_attempt_ms(-1)

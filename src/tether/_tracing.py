@@ -14,6 +14,9 @@ configured) every call here is a no-op; without it, this module does nothing at 
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import os
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,6 +31,29 @@ SCOPE = "tether"
 
 
 _TRACER: Any = None
+#: attempts that take less than this (ns) and succeed get no span of their own
+#: (``TETHER_TRACE_MIN_ATTEMPT_MS``); 0: every attempt gets one
+_MIN_ATTEMPT_NS = int(float(os.environ.get("TETHER_TRACE_MIN_ATTEMPT_MS") or 0) * 1e6)
+#: the attempt running in this context when its span is decided at its end
+_pending: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
+    "tether_attempt_span", default=None
+)
+
+
+def set_min_attempt_ms(ms: float) -> None:
+    """Give spans only to attempts that run at least ``ms`` or fail (0: to every one).
+
+    The Python SDK costs tens of microseconds per span, a large share of a short step:
+    with a threshold every run stays traced (its start, waits, workflow tasks and life,
+    and every slow or failed attempt) while the many fast steps cost almost nothing.
+    An attempt without a span of its own has no current span while it runs, so spans
+    its own code makes nest under the run's context instead."""
+    global _MIN_ATTEMPT_NS
+    if ms < 0:
+        raise ValueError(f"min_attempt_ms must be >= 0 (got {ms!r})")
+    _MIN_ATTEMPT_NS = int(ms * 1e6)
+
+
 #: parsed W3C contexts by traceparent: a run's attempts all parse the same one
 _PARSED: dict[str, Any] = {}
 _PARSED_MAX = 4096
@@ -110,6 +136,9 @@ def activity_span(
     }
     if tenant is not None:
         attributes["tether.tenant"] = tenant
+    if _MIN_ATTEMPT_NS:
+        yield from _decided_at_end(f"tether.activity {name}", carrier, attributes)
+        return
     span = _tracer().start_span(
         f"tether.activity {name}",
         context=_extract(carrier),
@@ -124,9 +153,45 @@ def activity_span(
         span.end()
 
 
+def _decided_at_end(name: str, carrier: Any, attributes: dict[str, Any]) -> Iterator[None]:
+    """An attempt whose span is made at its end, if it was slow or failed."""
+    assert trace is not None
+    pending: dict[str, Any] = {}
+    token = _pending.set(pending)
+    began = time.time_ns()
+    try:
+        yield None
+    finally:
+        _pending.reset(token)
+        ended = time.time_ns()
+        failed = pending.get("error_type")
+        # the attempt's own run time decides (until it returned), not the wait for the
+        # commit that records it, which group commit makes longer under load
+        ran = pending.get("returned_at", ended) - began
+        if failed is not None or ran >= _MIN_ATTEMPT_NS:
+            span = _tracer().start_span(
+                name,
+                context=_extract(carrier),
+                kind=trace.SpanKind.CONSUMER,
+                attributes=attributes,
+                start_time=began,
+            )
+            if failed is not None:
+                span.set_attribute("tether.outcome", "retry" if pending["retrying"] else "failed")
+                span.set_attribute("error.type", failed)
+                span.set_status(trace.Status(trace.StatusCode.ERROR, failed))
+            elif pending.get("ok"):
+                span.set_attribute("tether.outcome", "ok")
+            span.end(end_time=ended)
+
+
 def mark_failed(error_type: str, retrying: bool) -> None:
     """On the current attempt's span: how it failed (the type only)."""
     if trace is None:
+        return
+    pending = _pending.get()
+    if pending is not None:
+        pending.update(error_type=error_type, retrying=retrying)
         return
     span = trace.get_current_span()
     if not span.is_recording():
@@ -139,6 +204,10 @@ def mark_failed(error_type: str, retrying: bool) -> None:
 def mark_ok() -> None:
     """On the current attempt's span: it succeeded."""
     if trace is None:
+        return
+    pending = _pending.get()
+    if pending is not None:
+        pending.update(ok=True, returned_at=time.time_ns())
         return
     span = trace.get_current_span()
     if span.is_recording():
