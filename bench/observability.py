@@ -7,7 +7,8 @@ repeated, against the raw commit rate (LIMIT) of the same machine in the same ru
 * ``metrics``: tether's counters and histograms (always on in a real deployment);
 * ``api``: counters plus ``opentelemetry-api`` with no SDK configured;
 * ``sdk``: counters plus the SDK with an in-memory exporter, every run traced (a span
-  per attempt, workflow task and run end), and ``/metrics`` rendered every second;
+  per attempt, workflow task and run end), and ``/metrics`` rendered every second (the
+  store's figures read every 5 s, the default ``TETHER_METRICS_REFRESH``);
 * ``sdk10``: the same with one trace in ten sampled (``ParentBased(TraceIdRatioBased(0.1))``,
   the usual production setting): unsampled runs carry no context and cost nothing;
 * ``scrape``: counters and ``/metrics`` rendered every second, no tracing (what the
@@ -97,8 +98,9 @@ async def _w1(db: Path, runs_n: int, steps_n: int, mode: str, exporter: Any) -> 
                 while True:
                     await asyncio.sleep(1.0)
                     assert metrics is not None
-                    await metrics.update()
-                    metrics.exposition()
+                    if scrapes % 5 == 0:  # the store's figures: every refresh (5 s default)
+                        await metrics.update()
+                    metrics.exposition()  # a scraper asking every second
                     scrapes += 1
 
             scraper = asyncio.create_task(scrape()) if metrics is not None else None

@@ -128,22 +128,15 @@ def activity_span(
     if trace is None or not isinstance(carrier, dict):
         yield None
         return
-    attributes: dict[str, Any] = {
-        "tether.run_id": run_id,
-        "tether.step": step if step is not None else -1,
-        "tether.attempt": attempt,
-        "tether.queue": queue,
-    }
-    if tenant is not None:
-        attributes["tether.tenant"] = tenant
+    about = (run_id, step, attempt, queue, tenant)
     if _MIN_ATTEMPT_NS:
-        yield from _decided_at_end(f"tether.activity {name}", carrier, attributes)
+        yield from _decided_at_end(f"tether.activity {name}", carrier, about)
         return
     span = _tracer().start_span(
         f"tether.activity {name}",
         context=_extract(carrier),
         kind=trace.SpanKind.CONSUMER,
-        attributes=attributes,
+        attributes=_attempt_attributes(*about),
     )
     token = otel_context.attach(trace.set_span_in_context(span))
     try:
@@ -153,8 +146,23 @@ def activity_span(
         span.end()
 
 
-def _decided_at_end(name: str, carrier: Any, attributes: dict[str, Any]) -> Iterator[None]:
-    """An attempt whose span is made at its end, if it was slow or failed."""
+def _attempt_attributes(
+    run_id: str, step: int | None, attempt: int, queue: str, tenant: str | None
+) -> dict[str, Any]:
+    attributes: dict[str, Any] = {
+        "tether.run_id": run_id,
+        "tether.step": step if step is not None else -1,
+        "tether.attempt": attempt,
+        "tether.queue": queue,
+    }
+    if tenant is not None:
+        attributes["tether.tenant"] = tenant
+    return attributes
+
+
+def _decided_at_end(name: str, carrier: Any, about: tuple[Any, ...]) -> Iterator[None]:
+    """An attempt whose span is made at its end, if it was slow or failed (its
+    attributes are built only then)."""
     assert trace is not None
     pending: dict[str, Any] = {}
     token = _pending.set(pending)
@@ -173,7 +181,7 @@ def _decided_at_end(name: str, carrier: Any, attributes: dict[str, Any]) -> Iter
                 name,
                 context=_extract(carrier),
                 kind=trace.SpanKind.CONSUMER,
-                attributes=attributes,
+                attributes=_attempt_attributes(*about),
                 start_time=began,
             )
             if failed is not None:
