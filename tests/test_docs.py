@@ -95,54 +95,29 @@ def _tether_commands(page: Path) -> list[list[str]]:
         for raw in block.replace("\\\n", " ").splitlines():
             command = raw.split("#", 1)[0].strip()
             if command.startswith("tether "):
-                found.append(shlex.split(command))
+                words = shlex.split(re.sub(r"\$\([^)]*\)", "X", command))  # $(...): a value
+                ends = [i for i, w in enumerate(words) if w in {">", ">>", "<", "|", "&&", ";"}]
+                found.append(words[: ends[0]] if ends else words)  # the shell's part is not ours
     return found
 
 
 @pytest.mark.parametrize("page", [p for p in PAGES if _tether_commands(p)], ids=lambda p: p.name)
 def test_the_tether_commands_of_a_page_exist(page: Path) -> None:
+    """Each line parses as the CLI would parse it: the command, its options, and no
+    argument too many (placeholders such as RUN_ID stand for real values)."""
     from typer.main import get_command
 
     from tether.cli._main import _build
 
     cli = get_command(_build())
     for argv in _tether_commands(page):
-        words = argv[1:]
-        ctx = cli.make_context("tether", list(words), resilient_parsing=True)
-        command, names = cli, []
-        args = list(words)
+        args = list(argv[1:])
+        command, names = cli, ["tether"]
         while hasattr(command, "commands") and args and args[0] in command.commands:
             names.append(args[0])
             command = command.commands[args.pop(0)]
         assert not hasattr(command, "commands"), f"{page.name}: `{' '.join(argv)}` names a group"
-        known = {opt for p in command.params for opt in (*p.opts, *p.secondary_opts)}
-        for word in args:
-            if word.startswith("-"):
-                assert word.split("=")[0] in known, (
-                    f"{page.name}: `{' '.join(argv)}`: tether {' '.join(names)} has no {word}"
-                )
-        del ctx
-
-
-def test_the_cli_reference_is_generated_from_the_commands() -> None:
-    from tether.cli._reference import markdown
-
-    page = (ROOT / "docs" / "cli.md").read_text()
-    assert page == markdown(), "docs/cli.md is stale: python -m tether.cli._reference > docs/cli.md"
-
-
-@pytest.mark.timeout(300)
-def test_the_documentation_site_builds_strictly(tmp_path: Path) -> None:
-    """MkDocs (Material, mkdocstrings) with --strict: a broken link, a page missing from
-    the navigation or a docstring griffe cannot read fails the build."""
-    out = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
-        cwd=ROOT,
-        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
-        capture_output=True,
-        text=True,
-        timeout=280,
-    )
-    assert out.returncode == 0, out.stderr[-4000:]
-    api = (tmp_path / "site" / "api" / "index.html").read_text()
-    assert 'id="tether.App' in api and 'id="tether.ai.structured' in api
+        try:
+            command.make_context(" ".join(names), args)
+        except Exception as exc:  # click's UsageError, BadParameter...
+            raise AssertionError(f"{page.name}: `{' '.join(argv)}`: {exc}") from None

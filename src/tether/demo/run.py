@@ -104,7 +104,7 @@ async def _main(options: Options, console: Console) -> int:
         "See every run, its history and its approvals in the console:\n"
         f"  [bold]TETHER_DEMO_STORE={options.store} tether serve tether.demo.pipeline:app "
         "--no-auth --workers 1[/]  then open http://127.0.0.1:8000/\n"
-        f"or from the shell: [bold]tether runs list --store {options.store}[/]",
+        f"or from the shell: [bold]tether runs --store {options.store}[/]",
         soft_wrap=True,  # commands stay whole, to copy
     )
     await app.close()
