@@ -121,3 +121,27 @@ def test_the_tether_commands_of_a_page_exist(page: Path) -> None:
             command.make_context(" ".join(names), args)
         except Exception as exc:  # click's UsageError, BadParameter...
             raise AssertionError(f"{page.name}: `{' '.join(argv)}`: {exc}") from None
+
+
+def test_the_cli_reference_is_generated_from_the_commands() -> None:
+    from tether.cli._reference import markdown
+
+    page = (ROOT / "docs" / "cli.md").read_text()
+    assert page == markdown(), "docs/cli.md is stale: python -m tether.cli._reference > docs/cli.md"
+
+
+@pytest.mark.timeout(300)
+def test_the_documentation_site_builds_strictly(tmp_path: Path) -> None:
+    """MkDocs (Material, mkdocstrings) with --strict: a broken link, a page missing from
+    the navigation or a docstring griffe cannot read fails the build."""
+    out = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
+        cwd=ROOT,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    api = (tmp_path / "site" / "api" / "index.html").read_text()
+    assert 'id="tether.App' in api and 'id="tether.ai.structured' in api
