@@ -103,6 +103,18 @@ def _listed_per_step(toolset: AbstractToolset[Any]) -> bool:
     return any(isinstance(leaf, DynamicToolset) and leaf.per_run_step for leaf in _leaves(toolset))
 
 
+@contextlib.asynccontextmanager
+async def _entered(
+    toolset: AbstractToolset[Any], ctx: RunContext[Any]
+) -> AsyncIterator[AbstractToolset[Any]]:
+    """``toolset`` as an agent run holds it at this step (worker side): its per-run copy,
+    entered (an MCP server connected), and evaluated for the step (a dynamic toolset's
+    function run)."""
+    run_ts = await toolset.for_run(ctx)
+    async with run_ts:
+        yield await run_ts.for_run_step(ctx)
+
+
 def _context(ctx: RunContext[Any]) -> tuple[Any, Any]:
     """The run context and deps as JSON, to cross to the worker that runs a step."""
     from pydantic_ai.durable_exec import DurableRunContext
@@ -369,9 +381,7 @@ class DurableAgent(Generic[DepsT, OutputT]):
         """The tools (and instructions) of a toolset whose listing does I/O (worker side):
         entered for this step, as the agent would enter it for a run."""
         ts, ctx = self._toolset(agent, toolset, context, deps)
-        run_ts = await ts.for_run(ctx)
-        async with run_ts:
-            run_ts = await run_ts.for_run_step(ctx)
+        async with _entered(ts, ctx) as run_ts:
             tools = await run_ts.get_tools(ctx)
             instructions = await run_ts.get_instructions(ctx)
         return {
@@ -396,9 +406,7 @@ class DurableAgent(Generic[DepsT, OutputT]):
         the arguments are checked here by the tool's own validator (a listed tool's
         definition crossed as JSON, without it)."""
         ts, ctx = self._toolset(agent, toolset, context, deps)
-        run_ts = await ts.for_run(ctx)
-        async with run_ts:
-            run_ts = await run_ts.for_run_step(ctx)
+        async with _entered(ts, ctx) as run_ts:
             tool: ToolsetTool[Any] | None
             if tool_def is None:
                 tool = (await run_ts.get_tools(ctx)).get(name)
