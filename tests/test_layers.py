@@ -40,6 +40,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "tether._schedules",
             "tether._periodic",
             "tether.blobs",
+            "tether.encryption",
+            "tether._codec",
         ),
     ),
     ("definitions", ("tether._definitions",)),

@@ -31,6 +31,7 @@ PUBLIC = [
     "Event",
     "EventType",
     "ItemOutcome",
+    "KeyUnavailableError",
     "LeaseLostError",
     "NonDeterminismError",
     "NonRetryable",

@@ -55,6 +55,7 @@ from ._sync import SyncClient, SyncRun
 from ._usage import Budget, Usage
 from ._worker import Worker
 from .blobs import Blob, BlobError
+from .encryption import KeyUnavailableError
 from .store.ops.recovery import RecoveryError
 from .workflow._api import (
     ItemOutcome,
@@ -112,6 +113,7 @@ __all__ = [
     "Event",
     "EventType",
     "ItemOutcome",
+    "KeyUnavailableError",
     "LeaseLostError",
     "NonDeterminismError",
     "NonRetryable",

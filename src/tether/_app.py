@@ -22,6 +22,7 @@ from ._alert_rules import AlertRules
 from ._batch import BatchActivity, BatchDecorator
 from ._batching import Batch
 from ._breaker import CircuitBreaker
+from ._codec import OFFLOAD_ABOVE, Codec
 from ._definitions import (
     CHAIN_SEPARATOR,
     Activity,
@@ -74,6 +75,7 @@ from ._update_wait import UpdateOutcomes
 from ._usage import Budget, Usage, usage_of
 from ._worker import Worker
 from .blobs import Blob, BlobStore, default_root
+from .encryption import Keyring
 from .store._open import open_store
 from .store.base import WAITING_KINDS, Finished, Store, start_event_data
 from .store.ops.admission import _configure_admission
@@ -173,6 +175,8 @@ class App:
         on_alert: Callable[[str, dict[str, Any]], Any] | None = None,
         alert_rules: AlertRules | None = None,
         blobs: str | None = None,
+        encryption: Keyring | None = None,
+        offload_above: int | None = OFFLOAD_ABOVE,
     ) -> None:
         #: called as ``on_alert(subject, details)`` (sync or async): when a run needs an
         #: operator (subject: its id; details: its error) and for the conditions of
@@ -183,6 +187,12 @@ class App:
         #: where large payloads go (``tether.blobs``): a directory or an fsspec URL;
         #: None: beside a SQLite file (``<file>.blobs``), else ``./tether-blobs``
         self._blobs_spec = blobs
+        #: seals every payload the store keeps (``tether.encryption``); None: the keyring
+        #: ``TETHER_KEYRING`` or ``TETHER_ENCRYPTION_KEYS`` names, if any
+        self._keyring = encryption
+        #: payloads larger than this many bytes go to the blob store, the history keeping
+        #: a reference (``_codec``); None: always inline
+        self._offload_above = offload_above
         self._store_spec = store
         self._store: Store | None = None
         self._store_lock = threading.Lock()
@@ -215,10 +225,14 @@ class App:
         if self._store is None:
             with self._store_lock:
                 if self._store is None:
-                    store = open_store(self._store_spec)
-                    store.blobs = BlobStore(
+                    store = open_store(self._store_spec, keyring=self._keyring)
+                    blobs = BlobStore(
                         self._blobs_spec or default_root(getattr(store, "path", None))
                     )
+                    sealer = store.codec.sealer if store.codec is not None else None
+                    blobs.sealer = sealer
+                    store.blobs = blobs
+                    store.codec = Codec(sealer, blobs, self._offload_above)
                     store.add_listener(self._on_commit)
                     self._store = store
                     self._write_queue_limits_sync(store)
@@ -861,9 +875,11 @@ class App:
     ) -> dict[str, int]:
         """Erase a tenant: terminate its live runs, then remove every run of it with all
         their rows, and its own rows (admission limit, API keys, switch, model budgets
-        and spend). Its run ids answer ``RunPurgedError`` ("tenant erased"). Returns the
-        rows removed per table (``dry_run``: what the first batch would remove, nothing
-        changed)."""
+        and spend). Its run ids answer ``RunPurgedError`` ("tenant erased"). With
+        per-tenant encryption keys (``tether.encryption``) the tenant's keys are destroyed
+        last, so any copy of its data left elsewhere (a backup) is unreadable. Returns the
+        rows removed per table and ``keys_destroyed`` (``dry_run``: what the first batch
+        would remove, nothing changed)."""
         if not tenant:
             raise ConfigurationError("erase_tenant needs the tenant's name")
         if not dry_run:
@@ -884,12 +900,24 @@ class App:
                     with contextlib.suppress(RunFinishedError, RunNotFoundError):
                         await self.store.terminate(r.run_id, "tenant erased")
         total: dict[str, int] = {"runs": 0}
+        # the blobs its payloads refer to (or were offloaded to): removed after its rows
+        # unless another tenant's payload refers to the same bytes
+        theirs = set() if dry_run else await self.store.blob_refs(tenant)
         while True:
             counts = await self.store.erase_tenant_batch(tenant, limit=batch, dry_run=dry_run)
             for table, n in counts.items():
                 total[table] = total.get(table, 0) + n
             if dry_run or counts["runs"] == 0:
-                return total
+                break
+        if theirs and self.store.blobs is not None:
+            gone = theirs - await self.store.blob_refs()
+            for ref in gone:
+                self.store.blobs.delete(ref)
+            total["blobs"] = len(gone)
+        codec = self.store.codec
+        if not dry_run and codec is not None and codec.sealer is not None:
+            total["keys_destroyed"] = len(codec.sealer.keyring.shred(tenant))
+        return total
 
     async def list(
         self,

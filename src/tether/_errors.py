@@ -6,6 +6,7 @@ step, what was expected) and says what to do next.
     TetherError
     ├── ConfigurationError        bad decorator options, bad store URL
     ├── PayloadError              a value cannot be encoded or decoded
+    │   └── KeyUnavailableError   a sealed payload's key is missing (tether.encryption)
     ├── UnknownWorkflowError      no workflow registered under that name
     ├── RunNotFoundError          no run with that id
     ├── RunIdConflictError        run id already used with other input

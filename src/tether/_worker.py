@@ -30,6 +30,7 @@ from ._attempts import _Plan, _StepTimeout
 from ._batch_run import run_batch
 from ._breaker import CircuitOpenError
 from ._classify import classify, http_status, ratelimit_pause
+from ._codec import MARKS, decode_text
 from ._errors import (
     LeaseLostError,
     NonDeterminismError,
@@ -56,6 +57,8 @@ from ._tracing import (
     wait_spans,
     workflow_task_span,
 )
+from .blobs import BlobError
+from .encryption import KeyUnavailableError
 from .store.base import TASK_REJECTED
 from .workflow._instance import WorkflowInstance
 
@@ -64,6 +67,19 @@ if TYPE_CHECKING:
     from .store.base import Finished, StartResult, WorkflowTaskResult
 
 log = logging.getLogger("tether.worker")
+
+#: seconds an activity whose arguments this worker cannot read waits before a retry
+KEY_HOLD = 30.0
+
+
+def _sealed(task: Task) -> str | None:
+    """The task's payload or heartbeat if it is still sealed (the claim could not open it)."""
+    for text in (task.payload, task.heartbeat):
+        if text and text.startswith(MARKS):
+            return text
+    return None
+
+
 #: commands that end a run, with the status they end it in
 _RUN_ENDINGS = {
     EventType.WORKFLOW_COMPLETED: "completed",
@@ -822,6 +838,19 @@ class Worker:
             await self._record_failure(task, exc, _Plan(Retry(attempts=1_000_000), opts), None)
             return
         plan = _Plan(Retry.from_json(opts.get("retry") or {}, act.opts.retry.non_retryable), opts)
+        if _sealed(task):
+            # its arguments are sealed under a key this process lacks (or kept in a blob
+            # it cannot read): the step waits for a worker that can read them, or for this
+            # one to be given the key or blob; no attempt is spent
+            try:
+                decode_text(
+                    store.codec, _sealed(task) or "", f"run {task.run_id!r}, step {task.step}"
+                )
+            except (KeyUnavailableError, BlobError) as exc:
+                log.error("activity %r of run %r waits: %s", act.name, task.run_id, exc)
+            self.stats["held_unreadable"] += 1
+            await store.release([task], delay=KEY_HOLD, unstarted=True)
+            return
         details = None
         if task.heartbeat is not None:
             details = json.loads(task.heartbeat)

@@ -25,6 +25,9 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from ._errors import ConfigurationError, TetherError
+from .encryption import PREFIX, Sealer, no_keyring
+
+SEALED = PREFIX.encode()
 
 #: a reference as it appears in histories: ``sha256:<64 hex digits>``
 REF = re.compile(r"sha256:[0-9a-f]{64}")
@@ -53,6 +56,8 @@ class BlobStore:
     """Content-addressed bytes under ``root`` (a directory, or an fsspec URL)."""
 
     def __init__(self, root: str) -> None:
+        #: seals the bytes of blobs put from now on (``tether.encryption``); None: plain
+        self.sealer: Sealer | None = None
         self.root = root.rstrip("/")
         self._fs: Any = None
         if "://" in root and not root.startswith("file://"):
@@ -70,9 +75,17 @@ class BlobStore:
     def _path(self, digest: str) -> str:
         return f"{self.root}/sha256/{digest[:2]}/{digest[2:]}"
 
-    def put(self, data: bytes, media_type: str | None = None) -> Blob:
-        """Store ``data`` (once per content) and return its reference."""
+    def put(self, data: bytes, media_type: str | None = None, *, sealed: bool = False) -> Blob:
+        """Store ``data`` (once per content) and return its reference.
+
+        With a sealer (encryption on) the bytes are kept sealed under the hash of the
+        plain ones; ``sealed``: ``data`` is already as it is to be kept (the store's
+        offloaded payloads, sealed per tenant), and its own hash names it.
+        """
         digest = hashlib.sha256(data).hexdigest()
+        size = len(data)
+        if self.sealer is not None and not sealed:
+            data = self.sealer.seal_bytes(data)
         path = self._path(digest)
         if self._fs is not None:
             if not self._fs.exists(path):
@@ -90,10 +103,11 @@ class BlobStore:
                 if os.path.exists(tmp):
                     os.remove(tmp)
                 raise
-        return Blob(ref=f"sha256:{digest}", size=len(data), media_type=media_type)
+        return Blob(ref=f"sha256:{digest}", size=size, media_type=media_type)
 
-    def get(self, blob: Blob | dict[str, Any]) -> bytes:
-        """The bytes of ``blob``, checked against its hash and size."""
+    def get(self, blob: Blob | dict[str, Any], *, sealed: bool = False) -> bytes:
+        """The bytes of ``blob``, checked against its hash and size (opened first if
+        sealed; ``sealed``: as kept, for the store's offloaded payloads)."""
         b = blob if isinstance(blob, Blob) else Blob.model_validate(blob)
         digest = b.ref.removeprefix("sha256:")
         path = self._path(digest)
@@ -105,6 +119,10 @@ class BlobStore:
                     data = f.read()
         except FileNotFoundError:
             raise BlobError(b.ref, f"missing from the blob store at {self.root!r}") from None
+        if not sealed and data.startswith(SEALED):
+            if self.sealer is None:
+                raise no_keyring(data[4:80].decode("ascii", "replace").split(":")[0], b.ref)
+            data = self.sealer.open_bytes(data, f"blob {b.ref}")
         if len(data) != b.size or hashlib.sha256(data).hexdigest() != digest:
             raise BlobError(
                 b.ref,

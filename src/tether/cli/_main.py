@@ -13,6 +13,13 @@ from .approvals import (
 )
 from .demo import demo_command
 from .history import history_export_command, replay_command
+from .keyring import (
+    keyring_init_command,
+    keyring_list_command,
+    keyring_new_key_command,
+    keyring_rotate_command,
+    keyring_shred_command,
+)
 from .keys import keys_create_command, keys_list_command, keys_revoke_command
 from .lifecycle import (
     erase_tenant_command,
@@ -101,6 +108,16 @@ def _build() -> typer.Typer:
         create=keys_create_command,
         list=keys_list_command,
         revoke=keys_revoke_command,
+    )
+    _group(
+        cli,
+        "keyring",
+        "Encryption keys that seal payloads at rest (TETHER_KEYRING).",
+        init=keyring_init_command,
+        list=keyring_list_command,
+        rotate=keyring_rotate_command,
+        shred=keyring_shred_command,
+        **{"new-key": keyring_new_key_command},
     )
     _group(
         cli,

@@ -2,18 +2,37 @@
 
 from __future__ import annotations
 
+from .._codec import Codec
 from .._errors import ConfigurationError
+from ..encryption import Keyring, Sealer, keyring_from_env
 from .base import Store
 
 #: URL schemes of PostgreSQL stores (all mean the same: tether always uses psycopg 3)
 _PG_SCHEMES = ("postgresql://", "postgres://", "postgresql+psycopg://", "postgresql+psycopg2://")
 
 
-def open_store(url: str | Store | None, *, schema: str | None = None) -> Store:
+def open_store(
+    url: str | Store | None, *, schema: str | None = None, keyring: Keyring | None = None
+) -> Store:
     """Open a store from a URL: a path, ``sqlite:///path``, ``:memory:``, or
-    ``postgresql://user@host/db`` (``?schema=NAME`` or ``schema=`` picks a schema)."""
+    ``postgresql://user@host/db`` (``?schema=NAME`` or ``schema=`` picks a schema).
+
+    Payloads are sealed under ``keyring``, or the one ``TETHER_KEYRING`` or
+    ``TETHER_ENCRYPTION_KEYS`` names (``tether.encryption``); a store object given
+    as it is keeps its own codec unless ``keyring`` is given.
+    """
     if isinstance(url, Store):
+        if keyring is not None:
+            url.codec = Codec(Sealer(keyring))
         return url
+    store = _open(url, schema)
+    keyring = keyring if keyring is not None else keyring_from_env()
+    if keyring is not None:
+        store.codec = Codec(Sealer(keyring))
+    return store
+
+
+def _open(url: str | None, schema: str | None) -> Store:
     if url is not None and url.startswith(_PG_SCHEMES):
         # SQLAlchemy (postgresql+psycopg://) and Heroku (postgres://) spellings too
         url = "postgresql://" + url.split("://", 1)[1]

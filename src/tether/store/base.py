@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._codec import Codec
 from .._history import DeadLetter, Event, EventType, RunEnd, RunInfo, RunStatus, Task
 from .._queues import QueueStats
 from .._schedules import ScheduleInfo, ScheduleSpec
@@ -113,6 +114,9 @@ class Store(abc.ABC):
     clock: Callable[[], float]
     #: where large payloads go by reference (``tether.blobs``); set by the App
     blobs: BlobStore | None = None
+    #: seals payloads as they are written and opens them as they are read
+    #: (``tether.encryption``); set by ``open_store`` or the App. None: plaintext
+    codec: Codec | None = None
 
     @abc.abstractmethod
     async def create_run(
@@ -306,8 +310,9 @@ class Store(abc.ABC):
         """Webhook deliveries, newest first."""
 
     @abc.abstractmethod
-    async def blob_refs(self) -> set[str]:
-        """Every blob reference the store's payloads hold (for ``gc_blobs``)."""
+    async def blob_refs(self, tenant: str | None = None) -> set[str]:
+        """Every blob reference the store's payloads hold (for ``gc_blobs``), or those of
+        ``tenant``'s runs."""
 
     @abc.abstractmethod
     async def open_counts(self) -> dict[str, int]:

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .._codec import decode_text, open_fields
 from .._errors import StoreError, TetherError
 from .._history import Event, RunStatus
 from ._open import open_store
@@ -299,7 +300,12 @@ async def _verify(
             by_run: dict[str, list[Event]] = {}
             order = [cols["events"].index(c) for c in _EVENT_COLS]
             for row in events:
-                ev = Event.from_row(tuple(row[k] for k in order))
+                values = [row[k] for k in order]
+                where = f"run {values[0]!r}, event {values[1]}"
+                if isinstance(values[4], str):  # the data column, fetched if offloaded
+                    values[4] = decode_text(dst.codec, values[4], where)
+                ev = Event.from_row(tuple(values))
+                open_fields(dst.codec, ev.data, where)
                 by_run.setdefault(ev.run_id, []).append(ev)
             for rid, history in by_run.items():
                 try:

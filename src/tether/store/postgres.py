@@ -531,6 +531,7 @@ class PostgresStore(OpsStore):
             known_limited=self._known_limited,
             optimistic=optimistic,
             new_task_id=functools.partial(self._new_task_id, session) if optimistic else None,
+            codec=self.codec,
         )
 
     def _new_task_id(self, session: _Session) -> int:

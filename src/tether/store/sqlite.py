@@ -334,7 +334,9 @@ class SqliteStore(OpsStore):
         now = self.clock()
         limited: dict[str, bool] = {}  # one "has limits?" lookup per queue per batch
         for fn, args, write, fut in live:
-            tx = _Tx(conn, now, limited=limited, known_limited=self._known_limited)
+            tx = _Tx(
+                conn, now, limited=limited, known_limited=self._known_limited, codec=self.codec
+            )
             if savepoints and write:
                 conn.execute("SAVEPOINT op")
             try:
@@ -405,7 +407,7 @@ class SqliteStore(OpsStore):
         if conn is None:  # busy: a read here would contend with it for the GIL
             return await super().get_run(run_id, follow=follow)
         try:
-            return _get_run(_Tx(conn, self.clock()), run_id, follow)
+            return _get_run(_Tx(conn, self.clock(), codec=self.codec), run_id, follow)
         except sqlite3.DatabaseError as exc:
             raise StoreError(_explain(self.path, exc)) from exc
 

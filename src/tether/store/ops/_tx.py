@@ -7,8 +7,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..._codec import MARKS, PLAIN_RAW, SEALED_FIELD, SECRET_KEYS, Codec, decode_text
 from ..._history import RunEnd, RunInfo, RunStatus, Task
 from ..._serde import dumps
+from ...blobs import BlobError
+from ...encryption import KeyUnavailableError
 
 _TERMINAL = tuple(s.value for s in RunStatus if s.is_terminal)
 
@@ -55,6 +58,65 @@ class _Tx:
     #: runs whose history this operation appended to (event streams wake on them); the
     #: store may share one set across a batch
     touched: set[str] = field(default_factory=set)
+    #: seals payloads as they are written (``tether.encryption``); None: stored as given
+    codec: Codec | None = None
+
+    def seal(self, text: str | None, run_id: str | None = None) -> str | None:
+        """``text`` as the store keeps it: sealed under the run's tenant's key if
+        encryption is on, else unchanged."""
+        codec = self.codec
+        if codec is None or text is None:
+            return text
+        tenant = None
+        if codec.per_tenant and run_id is not None:
+            tenant = self.tenant_of(run_id)
+        return codec.encode(text, tenant)
+
+    def seal_error(self, text: str | None, run_id: str | None = None) -> str | None:
+        """An error's JSON as stored: sealed except its type (runs are filtered by it)."""
+        if self.codec is None or text is None:
+            return text
+        try:
+            kind = json.loads(text).get("type")
+        except (ValueError, AttributeError):
+            kind = None
+        return dumps({"type": kind, "sealed": self.seal(text, run_id)})
+
+    def data(self, run_id: str, data: dict[str, Any], raw: dict[str, str] | None) -> str:
+        """An event's data column: its JSON; offloaded whole when large, and with
+        encryption on, its payloads and free text sealed in one field (``SEALED_FIELD``),
+        the rest (names, steps, times, options) left readable."""
+        codec = self.codec
+        if codec is None:
+            return _json(data, raw)
+        if codec.sealer is None:
+            return self.seal(_json(data, raw), run_id) or ""
+        secret = [k for k in data if k in SECRET_KEYS]
+        hidden = {k: v for k, v in raw.items() if k not in PLAIN_RAW} if raw else {}
+        if not hidden and not secret:
+            return _json(data, raw)  # tether's own bookkeeping only
+        inner = _json({k: data[k] for k in secret}, hidden)
+        outer = {k: v for k, v in data.items() if k not in secret}
+        outer[SEALED_FIELD] = self.seal(inner, run_id)
+        shown = {k: v for k, v in raw.items() if k in PLAIN_RAW} if raw else None
+        return _json(outer, shown)
+
+    def tenant_of(self, run_id: str) -> str | None:
+        """A run's tenant (remembered by the codec: a run's tenant never changes)."""
+        assert self.codec is not None
+        known = self.codec.tenants
+        if run_id in known:
+            return known[run_id]
+        row = self.execute("SELECT tenant FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+        tenant: str | None = row[0] if row else None
+        self.codec.remember(run_id, tenant)
+        return tenant
+
+    def open(self, text: str | None, where: str) -> str | None:
+        """A stored payload as it was written (opened if sealed)."""
+        if text is None or not text.startswith(MARKS):
+            return text
+        return decode_text(self.codec, text, where)
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> Any:
         """Run one statement; ``?`` placeholders are translated for the backend."""
@@ -89,19 +151,45 @@ def _key_json(key: str) -> str:
     return known
 
 
-def _run_from_row(row: Sequence[Any]) -> RunInfo:
+def _opened(codec: Codec | None, text: str | None, where: str, keep: bool = False) -> str | None:
+    """``text`` decoded if sealed or offloaded (``_codec``); with ``keep``, a value whose
+    key or blob is missing stays as stored (a worker holds its task back and says why)."""
+    if text is None or not text.startswith(MARKS):
+        return text
+    try:
+        return decode_text(codec, text, where)
+    except (KeyUnavailableError, BlobError):
+        if keep:
+            return text
+        raise
+
+
+def _error_json(codec: Codec | None, text: str | None, where: str) -> Any:
+    """A stored error as a dict (``seal_error`` kept its type outside the seal)."""
+    if not text:
+        return None
+    error = json.loads(text)
+    if isinstance(error, dict) and isinstance(error.get("sealed"), str):
+        error = json.loads(decode_text(codec, error["sealed"], where))
+    return error
+
+
+def _run_from_row(row: Sequence[Any], codec: Codec | None = None) -> RunInfo:
+    where = f"run {row[0]!r}"
     return RunInfo(
         run_id=row[0],
         workflow=row[1],
         status=RunStatus(row[2]),
         queue=row[3],
-        input=row[4],
-        output=row[5],
-        error=json.loads(row[6]) if row[6] else None,
-        custom_status=json.loads(row[7]) if row[7] else None,
+        input=_opened(codec, row[4], f"{where}, input") or "null",
+        output=_opened(codec, row[5], f"{where}, output"),
+        error=_error_json(codec, row[6], f"{where}, error"),
+        custom_status=json.loads(_opened(codec, row[7], f"{where}, status") or "null")
+        if row[7]
+        else None,
         parent_run_id=row[8],
         continued_to=row[9],
-        task_error=row[10],
+        task_error=_opened(codec, row[10], f"{where}, task error"),
         created_at=row[11],
         updated_at=row[12],
         completed_at=row[13],
@@ -122,7 +210,8 @@ def _compact(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"))
 
 
-def _task_from_row(row: Sequence[Any]) -> Task:
+def _task_from_row(row: Sequence[Any], codec: Codec | None = None) -> Task:
+    where = f"run {row[1]!r}, step {row[3]}"
     return Task(
         task_id=row[0],
         run_id=row[1],
@@ -130,11 +219,11 @@ def _task_from_row(row: Sequence[Any]) -> Task:
         step=row[3],
         queue=row[4],
         name=row[5],
-        payload=row[6],
+        payload=_opened(codec, row[6], f"{where}, arguments", keep=True),
         options=json.loads(row[7]) if row[7] else {},
         fence=row[8],
         attempt=row[9],
         lease_expires_at=row[10],
-        heartbeat=row[11],
+        heartbeat=_opened(codec, row[11], f"{where}, heartbeat details", keep=True),
         dependency=row[12],
     )

@@ -86,7 +86,7 @@ def _fail_activity(
         tx.execute(
             "UPDATE tasks SET lease_owner = NULL, available_at = ?, last_error = ? "
             "WHERE task_id = ?",
-            (retry_at, json.dumps(error), task.task_id),
+            (retry_at, tx.seal_error(json.dumps(error), task.run_id), task.task_id),
         )
         _append(
             tx,
@@ -127,8 +127,8 @@ def _dead_letter(tx: _Tx, task: Task, error: dict[str, Any]) -> None:
             task.run_id,
             task.step,
             task.name,
-            task.payload,
-            json.dumps(error),
+            tx.seal(task.payload, task.run_id),
+            tx.seal_error(json.dumps(error), task.run_id),
             task.attempt,
             error.get("reason"),
             tx.now,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from decimal import Decimal
 from typing import Any
 
+from ...encryption import KeyUnavailableError
 from ._tx import _Tx
 
 
@@ -12,7 +13,12 @@ def _cache_get(tx: _Tx, key: str) -> str | None:
     row = tx.execute(
         "SELECT value FROM ai_cache WHERE cache_key = ? AND expires_at > ?", (key, tx.now)
     ).fetchone()
-    return str(row[0]) if row is not None else None
+    if row is None:
+        return None
+    try:
+        return tx.open(str(row[0]), f"cached model answer {key!r}")
+    except KeyUnavailableError:  # sealed under a key now gone: as good as not cached
+        return None
 
 
 def _cache_put(tx: _Tx, key: str, value: str, ttl: float) -> None:
@@ -20,7 +26,7 @@ def _cache_put(tx: _Tx, key: str, value: str, ttl: float) -> None:
         "INSERT INTO ai_cache (cache_key, value, created_at, expires_at) VALUES (?, ?, ?, ?) "
         "ON CONFLICT (cache_key) DO UPDATE SET value = excluded.value, "
         "created_at = excluded.created_at, expires_at = excluded.expires_at",
-        (key, value, tx.now, tx.now + ttl),
+        (key, tx.seal(value), tx.now, tx.now + ttl),
     )
     # a few expired answers go with each write, so the table stays the size of its TTL
     tx.execute(

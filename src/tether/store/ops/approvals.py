@@ -39,7 +39,7 @@ def _apply_approval_marker(tx: _Tx, run_id: str, marker: str, raw: str) -> None:
                 run_id,
                 value["name"],
                 value["fingerprint"],
-                json.dumps(value["proposal"]),
+                tx.seal(json.dumps(value["proposal"]), run_id),
                 json.dumps(value["approvers"]),
                 value["deadline_at"],
                 1 if value.get("allow_edit") else 0,
@@ -65,7 +65,7 @@ def _apply_approval_marker(tx: _Tx, run_id: str, marker: str, raw: str) -> None:
         tx.execute(
             "UPDATE approvals SET status = ?, decided_by = ?, decided_at = ?, reason = ?, "
             "updated_at = ? WHERE approval_id = ?",
-            (status, value.get("by"), tx.now, value.get("reason"), tx.now, aid),
+            (status, value.get("by"), tx.now, tx.seal(value.get("reason"), run_id), tx.now, aid),
         )
 
 
@@ -97,7 +97,20 @@ def _list_approvals(
         sql += " WHERE " + " AND ".join(where)
     sql += " ORDER BY a.created_at, a.approval_id LIMIT ?"
     rows = tx.execute(sql, (*args, limit)).fetchall()
-    return [tuple(r) for r in rows]
+    return [_opened_row(tx, r) for r in rows]
+
+
+def _opened_row(tx: _Tx, row: Any) -> tuple[Any, ...]:
+    """A review's row with its proposal and reason opened if sealed."""
+    row = tuple(row)
+    where = f"review {row[0]!r}"
+    return (
+        *row[:4],
+        tx.open(row[4], f"{where}, proposal"),
+        *row[5:12],
+        tx.open(row[12], f"{where}, reason"),
+        *row[13:],
+    )
 
 
 def _get_approval(tx: _Tx, approval_id: str) -> tuple[Any, ...] | None:
@@ -106,4 +119,4 @@ def _get_approval(tx: _Tx, approval_id: str) -> tuple[Any, ...] | None:
         "WHERE a.approval_id = ?",
         (approval_id,),
     ).fetchone()
-    return tuple(row) if row is not None else None
+    return _opened_row(tx, row) if row is not None else None

@@ -90,14 +90,14 @@ def _close_children(tx: _Tx, run_id: str) -> None:
     if not started:
         return
     asked = {
-        json.loads(data).get("child_step")
+        json.loads(tx.open(data, f"run {run_id!r}, events") or "{}").get("child_step")
         for (data,) in tx.execute(
             "SELECT data FROM events WHERE run_id = ? AND type = ?",
             (run_id, EventType.CHILD_CANCEL_REQUESTED.value),
         )
     }
     for step, data in started:
-        info = json.loads(data)
+        info = json.loads(tx.open(data, f"run {run_id!r}, step {step}") or "{}")
         policy = info.get("parent_close", "terminate")
         if policy == "abandon" or step in asked:
             continue

@@ -27,7 +27,7 @@ def _debounce(
         "workflow = excluded.workflow, queue = excluded.queue, "
         "triggers = debounces.triggers + 1, due_at = excluded.due_at, "
         "updated_at = excluded.updated_at RETURNING run_id, triggers, first_at, queue",
-        (key, run_id, workflow, queue, input, tx.now, tx.now + window, tx.now),
+        (key, run_id, workflow, queue, tx.seal(input), tx.now, tx.now + window, tx.now),
     ).fetchone()
     rid, triggers, first_at, q = row[0], int(row[1]), float(row[2]), row[3]
     due = tx.now + window

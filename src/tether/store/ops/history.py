@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..._codec import MARKS, decode_text, open_fields
 from ..._errors import RunNotFoundError
 from ..._history import Event, EventType
-from ._tx import _json, _Tx
+from ._tx import _Tx
 
 
 def _append(
@@ -28,7 +29,7 @@ def _append(
     tx.touched.add(run_id)
     tx.execute(
         "INSERT INTO events (run_id, seq, type, step, data, created_at) VALUES (?,?,?,?,?,?)",
-        (run_id, seq, type_.value, step, _json(data, raw), tx.now),
+        (run_id, seq, type_.value, step, tx.data(run_id, data, raw), tx.now),
     )
     return seq
 
@@ -47,9 +48,9 @@ def _insert_events(tx: _Tx, run_id: str, events: list[_Pending], first: int) -> 
     params: list[Any] = []
     for i, (type_, step, data, raw) in enumerate(events):
         if step is None:  # NULL in the statement: a None parameter is slow to bind
-            params += (run_id, first + i, type_.value, _json(data, raw), tx.now)
+            params += (run_id, first + i, type_.value, tx.data(run_id, data, raw), tx.now)
         else:
-            params += (run_id, first + i, type_.value, step, _json(data, raw), tx.now)
+            params += (run_id, first + i, type_.value, step, tx.data(run_id, data, raw), tx.now)
     tx.execute(_events_insert(tuple(e[1] is None for e in events)), params)
     return first + len(events) - 1
 
@@ -74,7 +75,20 @@ def _read_history(tx: _Tx, run_id: str, after_seq: int) -> list[Event]:
         "WHERE run_id = ? AND seq > ? ORDER BY seq",
         (run_id, after_seq),
     ).fetchall()
-    return [Event.from_row(r) for r in rows]
+    return [_event(tx, r) for r in rows]
+
+
+def _event(tx: _Tx, row: Any) -> Event:
+    """An event from its row, its data opened if sealed."""
+    data = row[4]
+    if not data or (tx.codec is None and '"~"' not in data and not data.startswith(MARKS)):
+        return Event.from_row(row)
+    where = f"run {row[0]!r}, event {row[1]}" + (f" (step {row[3]})" if row[3] else "")
+    if data.startswith(MARKS):  # offloaded whole
+        row = (*row[:4], decode_text(tx.codec, data, where), row[5])
+    event = Event.from_row(row)
+    open_fields(tx.codec, event.data, where)
+    return event
 
 
 def _live_history(tx: _Tx, run_id: str) -> list[Event]:

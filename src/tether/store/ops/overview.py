@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+import json
+from typing import Any, cast
 
-from ...blobs import REF
+from ..._codec import SEALED_FIELD
+from ...blobs import REF, BlobError
+from ...encryption import KeyUnavailableError
 from ._tx import _Tx
 
 
@@ -68,19 +71,63 @@ def _open_counts(tx: _Tx) -> dict[str, int]:
     return out
 
 
-def _blob_refs(tx: _Tx) -> set[str]:
-    """Every blob reference (``sha256:<hex>``) a history, run, task or dead letter holds."""
+#: every column that holds payloads (each may hold a blob reference, or be offloaded)
+_PAYLOAD_COLUMNS = (
+    ("events", ("data",)),
+    ("runs", ("input", "output", "error", "custom_status", "task_error")),
+    ("tasks", ("payload", "heartbeat", "last_error")),
+    ("dead_letters", ("input", "error", "resolution")),
+    ("approvals", ("proposal", "reason")),
+    ("debounces", ("input",)),
+    ("schedules", ("input",)),
+    ("webhook_outbox", ("output", "error")),
+    ("ai_cache", ("value",)),
+)
+#: tables whose rows belong to a run (and through it to a tenant)
+_BY_RUN = {"events", "tasks", "dead_letters", "approvals", "webhook_outbox"}
+
+
+def _blob_refs(tx: _Tx, tenant: str | None = None) -> set[str]:
+    """Every blob reference (``sha256:<hex>``) the store's payloads hold (only those of
+    ``tenant``'s runs if given): the ones written into them, and payloads offloaded."""
     found: set[str] = set()
-    for table, columns in (
-        ("events", ("data",)),
-        ("runs", ("input", "output")),
-        ("tasks", ("payload",)),
-        ("dead_letters", ("input",)),
-    ):
+    for table, columns in _PAYLOAD_COLUMNS:
+        scope, args = "", cast(tuple[str, ...], ())
+        if tenant is not None:
+            if table == "runs":
+                scope, args = " AND tenant = ?", (tenant,)
+            elif table in _BY_RUN:
+                scope = " AND run_id IN (SELECT run_id FROM runs WHERE tenant = ?)"
+                args = (tenant,)
+            else:
+                continue
         for column in columns:
+            # sealed or offloaded payloads hide what they hold: those rows are decoded
             rows = tx.execute(
-                f"SELECT {column} FROM {table} WHERE {column} LIKE ?", ("%sha256:%",)
+                f"SELECT {column} FROM {table} WHERE ({column} LIKE ? OR {column} LIKE ?)" + scope,
+                ("%sha256:%", "%~_1:%", *args),
             ).fetchall()
             for (text,) in rows:
-                found.update(REF.findall(str(text)))
+                found.update(REF.findall(str(text)))  # an offloaded payload's own blob
+                try:
+                    text = _decoded(tx, str(text), f"{table}.{column}")
+                except KeyUnavailableError as exc:
+                    if exc.destroyed:  # crypto-shredded: its blobs are erased data too
+                        continue
+                    raise
+                except BlobError:  # an offloaded payload whose blob is gone already
+                    continue
+                found.update(REF.findall(text))
     return found
+
+
+def _decoded(tx: _Tx, text: str, where: str) -> str:
+    """A payload column's text decoded: fetched if offloaded, its sealed parts opened
+    (an error's ``sealed``, an event's ``SEALED_FIELD``)."""
+    text = tx.open(text, where) or ""
+    if text.startswith("{") and ('"sealed"' in text or '"~"' in text):
+        value = json.loads(text)
+        if isinstance(value, dict):
+            parts = [value.get("sealed"), value.get(SEALED_FIELD)]
+            text += "".join(tx.open(p, where) or "" for p in parts if isinstance(p, str))
+    return text

@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from ..._codec import MARKS
 from ..._errors import RunIdConflictError, TetherError
 from ..._history import COMMANDS, OUTCOMES, DeadLetter, Event, EventType, RunStatus
-from ._tx import _Tx
+from ._tx import _error_json, _Tx
 
 _DL_COLS = (
     "id, run_id, step, kind, name, input, error, attempts, reason, created_at, resolved_at, "
@@ -44,7 +45,7 @@ def _dead_letters(
     rows = tx.execute(
         f"SELECT {_DL_COLS} FROM dead_letters {clause} ORDER BY id LIMIT ?", (*args, limit)
     ).fetchall()
-    return [DeadLetter.from_row(tuple(r)) for r in rows]
+    return [_letter(tx, r) for r in rows]
 
 
 def _claim_dead_letter(tx: _Tx, letter_id: int) -> DeadLetter:
@@ -58,7 +59,27 @@ def _claim_dead_letter(tx: _Tx, letter_id: int) -> DeadLetter:
             f"dead letter {letter_id} does not exist or was already replayed or resolved; "
             "list open ones with app.dead_letters()"
         )
-    return DeadLetter.from_row(tuple(row))
+    return _letter(tx, row)
+
+
+def _letter(tx: _Tx, row: Any) -> DeadLetter:
+    """A dead letter from its row, its payloads opened if sealed."""
+    row = tuple(row)
+    if tx.codec is None and not any(
+        isinstance(v, str) and (v.startswith(MARKS) or '"sealed"' in v) for v in row
+    ):
+        return DeadLetter.from_row(row)
+    where = f"dead letter {row[0]} (run {row[1]!r}, step {row[2]})"
+    error = _error_json(tx.codec, row[6], f"{where}, error")
+    return DeadLetter.from_row(
+        (
+            *row[:5],
+            tx.open(row[5], f"{where}, input"),
+            json.dumps(error) if error is not None else None,
+            *row[7:11],
+            tx.open(row[11], f"{where}, resolution"),
+        )
+    )
 
 
 def _resolve_dead_letter(tx: _Tx, letter_id: int, resolution: Any) -> None:
@@ -70,7 +91,7 @@ def _resolve_dead_letter(tx: _Tx, letter_id: int, resolution: Any) -> None:
     else:
         tx.execute(
             "UPDATE dead_letters SET resolved_at = ?, resolution = ? WHERE id = ?",
-            (tx.now, json.dumps(resolution), letter_id),
+            (tx.now, tx.seal(json.dumps(resolution)), letter_id),
         )
 
 
@@ -104,7 +125,7 @@ def _pending_work(tx: _Tx, run_id: str, kept: list[Event], run_queue: str, fork:
                     e.step,
                     e.data["queue"],
                     e.data["name"],
-                    json.dumps(e.data.get("args", {})),
+                    tx.seal(json.dumps(e.data.get("args", {})), run_id),
                     json.dumps(e.data.get("options", {})),
                     tx.now,
                     hb,

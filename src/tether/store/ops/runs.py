@@ -16,7 +16,7 @@ from ..._errors import (
 from ..._history import EventType, RunEnd, RunInfo, RunStatus, Task
 from ..._serde import dumps
 from ..base import StartResult, WorkflowTaskResult, start_event_data
-from ._tx import _RUN_COLS, _json, _run_from_row, _Tx
+from ._tx import _RUN_COLS, _run_from_row, _Tx
 
 
 def _run_row(tx: _Tx, run_id: str) -> tuple[Any, ...]:
@@ -55,6 +55,8 @@ def _insert_run(
     and the run is ``running`` at once: its first workflow task is recorded with it
     (eager start), so it never is ``pending``.
     """
+    if tx.codec is not None:
+        tx.codec.remember(run_id, tenant)
     tx.execute(
         "INSERT INTO runs (run_id, workflow, status, queue, input, parent_run_id, parent_step, "
         "created_at, updated_at, tenant, attrs, next_seq) VALUES (?,?,?,?,?,?,?,?,?,?,?,2)",
@@ -63,7 +65,7 @@ def _insert_run(
             workflow,
             "queued" if queued else ("pending" if start_event else "running"),
             queue,
-            input,
+            tx.seal(input, run_id),
             parent_run_id,
             parent_step,
             tx.now,
@@ -86,7 +88,7 @@ def _insert_run(
         tx.execute(
             "INSERT INTO events (run_id, seq, type, step, data, created_at) "
             "VALUES (?,1,?,NULL,?,?)",
-            (run_id, EventType.WORKFLOW_STARTED.value, _json(data, raw), tx.now),
+            (run_id, EventType.WORKFLOW_STARTED.value, tx.data(run_id, data, raw), tx.now),
         )
     if queued or not task:  # a queued run gets its workflow task when admitted (_promote)
         return None
@@ -129,7 +131,7 @@ def _create_run(
     if not tx.optimistic or signal is not None or if_exists != "same_input":
         row = tx.execute(f"SELECT {_RUN_COLS} FROM runs WHERE run_id = ?", (run_id,)).fetchone()
     if row is not None:
-        existing = _run_from_row(row)
+        existing = _run_from_row(row, tx.codec)
         if existing.workflow != workflow:
             raise RunIdConflictError(run_id, f"workflow {existing.workflow!r}")
         if if_exists == "reject":
@@ -201,7 +203,7 @@ def _create_run(
         )
         if ended or any(c.type is EventType.STATUS_SET for c in first.commands):
             row = tx.execute(f"SELECT {_RUN_COLS} FROM runs WHERE run_id = ?", (run_id,))
-            info = _run_from_row(row.fetchone())
+            info = _run_from_row(row.fetchone(), tx.codec)
         else:  # nothing else can have changed it: no read back
             info = _new_run(tx, run_id, workflow, RunStatus.RUNNING, queue, input, tenant, attrs)
         return StartResult(run=info, created=True, first_marker=marker, first_leased=tuple(acts))
@@ -216,7 +218,9 @@ def _create_run(
     if leased is not None:  # hand the worker the history too: it needs no read to start
         events = _read_history(tx, run_id, 0)
         leased = dataclasses.replace(leased, prefetched=tuple(events), prefetched_after=0)
-    return StartResult(run=_run_from_row(row), created=True, leased=leased, signalled=signalled)
+    return StartResult(
+        run=_run_from_row(row, tx.codec), created=True, leased=leased, signalled=signalled
+    )
 
 
 def _new_run(
@@ -277,14 +281,16 @@ def _finish(
         if known is None:
             raise RunNotFoundError(run_id)
     parent_run_id, parent_step, workflow, tenant = known
+    if tx.codec is not None:
+        tx.codec.remember(run_id, tenant)
     tx.execute(
         "UPDATE runs SET status = ?, output = ?, error = ?, continued_to = ?, completed_at = ?, "
         "waiting_on = NULL, "
         f"updated_at = ?{', next_seq = ?' if next_seq is not None else ''} WHERE run_id = ?",
         (
             status.value,
-            output,
-            dumps(error) if error else None,
+            tx.seal(output, run_id),
+            tx.seal_error(dumps(error), run_id) if error else None,
             continued_to,
             tx.now,
             tx.now,
@@ -313,7 +319,12 @@ def _finish(
         tx.execute(
             "INSERT INTO dead_letters (run_id, kind, name, input, error, reason, created_at) "
             "SELECT run_id, 'run', workflow, input, ?, ?, ? FROM runs WHERE run_id = ?",
-            (json.dumps(error) if error else None, status.value, tx.now, run_id),
+            (
+                tx.seal_error(json.dumps(error), run_id) if error else None,
+                status.value,
+                tx.now,
+                run_id,
+            ),
         )
     if parent_run_id is None or status is RunStatus.CONTINUED_AS_NEW:
         return
@@ -373,7 +384,7 @@ def _get_run(tx: _Tx, run_id: str, follow: bool = False) -> RunInfo | None:
         row = tx.execute(f"SELECT {_RUN_COLS} FROM runs WHERE run_id = ?", (run_id,)).fetchone()
         if row is None:
             return None
-        info = _run_from_row(row)
+        info = _run_from_row(row, tx.codec)
         if not follow or info.continued_to is None:
             return info
         run_id = info.continued_to
@@ -436,7 +447,7 @@ def _list_runs(
         f"SELECT {_RUN_COLS} FROM runs {clause} ORDER BY created_at DESC, run_id LIMIT ? OFFSET ?",
         (*args, limit, offset),
     ).fetchall()
-    return [_run_from_row(r) for r in rows]
+    return [_run_from_row(r, tx.codec) for r in rows]
 
 
 # operations of other concerns (imported last: see the package docstring)

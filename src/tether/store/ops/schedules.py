@@ -60,10 +60,17 @@ def _info(row: Any) -> ScheduleInfo:
 
 
 def _row(tx: _Tx, schedule_id: str, lock: bool = False) -> Any:
-    return tx.execute(
+    row = tx.execute(
         f"SELECT {_COLS} FROM schedules WHERE schedule_id = ?{tx.for_update if lock else ''}",
         (schedule_id,),
     ).fetchone()
+    return None if row is None else _opened(tx, row)
+
+
+def _opened(tx: _Tx, row: Any) -> tuple[Any, ...]:
+    """A schedule's row with its input opened if sealed."""
+    row = tuple(row)
+    return (*row[:14], tx.open(row[14], f"schedule {row[0]!r}, input"), *row[15:])
 
 
 def _set_task(tx: _Tx, schedule_id: str, queue: str, due: float | None) -> None:
@@ -120,7 +127,7 @@ def _put_schedule(
                 schedule_id,
                 workflow,
                 queue,
-                input,
+                tx.seal(input),
                 spec_text,
                 tenant,
                 int(paused),
@@ -141,7 +148,7 @@ def _put_schedule(
         changes = {
             "workflow": workflow,
             "queue": queue,
-            "input": input,
+            "input": tx.seal(input),
             "spec": spec_text,
             "tenant": tenant,
             "paused": int(paused),
@@ -162,7 +169,7 @@ def _list_schedules(tx: _Tx, limit: int) -> list[ScheduleInfo]:
     rows = tx.execute(
         f"SELECT {_COLS} FROM schedules ORDER BY schedule_id LIMIT ?", (limit,)
     ).fetchall()
-    return [_info(r) for r in rows]
+    return [_info(_opened(tx, r)) for r in rows]
 
 
 def _pause_schedule(tx: _Tx, schedule_id: str, paused: bool, note: str | None) -> bool:

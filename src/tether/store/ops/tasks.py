@@ -78,6 +78,9 @@ def _insert_activity_task(
     tx: _Tx, values: Sequence[Any], options: dict[str, Any], local: bool
 ) -> Task | None:
     """Insert an activity task row (``_TASK_INSERT_NAMES``); the Task if leased to us."""
+    task_values = values
+    if tx.codec is not None and values[4] is not None:  # the arguments, sealed
+        values = (*values[:4], tx.seal(values[4], values[0]), *values[5:])
     if tx.optimistic and tx.new_task_id is not None:
         # nothing to wait for: the id is ours already and the row is new (a conflicting
         # row fails the batch, and the safe path sees it below)
@@ -87,10 +90,10 @@ def _insert_activity_task(
         task_id = tx.new_task_id()
         text, params = _task_insert(values, True, "")
         tx.execute(text, [task_id, *params])
-        return _new_activity_task(task_id, values, options)
+        return _new_activity_task(task_id, task_values, options)
     text, params = _task_insert(values, False, " ON CONFLICT DO NOTHING RETURNING task_id")
     row = tx.execute(text, params).fetchone()
-    return _new_activity_task(row[0], values, options) if local and row is not None else None
+    return _new_activity_task(row[0], task_values, options) if local and row is not None else None
 
 
 def _ensure_workflow_task(
@@ -126,7 +129,7 @@ def _ensure_workflow_task(
         f"RETURNING {_TASK_COLS}",
         (run_id, queue, workflow, tx.now + lease, lease_to, tx.now),
     ).fetchone()
-    return _task_from_row(row) if row else None
+    return _task_from_row(row, tx.codec) if row else None
 
 
 def _check_fence(tx: _Tx, task: Task) -> None:
@@ -221,7 +224,7 @@ def _heartbeat(tx: _Tx, task: Task, lease: float, details: str | None) -> bool:
         "UPDATE tasks SET available_at = ? + COALESCE(heartbeat_timeout, ?), "
         "heartbeat = coalesce(?, heartbeat) WHERE task_id = ? AND fence = ? "
         "RETURNING cancel_requested",
-        (tx.now, lease, details, task.task_id, task.fence),
+        (tx.now, lease, tx.seal(details, task.run_id), task.task_id, task.fence),
     ).fetchone()
     if row is None:
         raise LeaseLostError(

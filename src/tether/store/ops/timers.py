@@ -39,7 +39,8 @@ def _fire_debounce(tx: _Tx, task: Task) -> None:
     if row is None or row[0] != task.run_id:
         tx.execute("DELETE FROM tasks WHERE task_id = ?", (task.task_id,))
         return
-    run_id, workflow, queue, input, due_at = row
+    run_id, workflow, queue, sealed, due_at = row
+    input = tx.open(sealed, f"debounce {task.name!r}, input") or "null"
     if float(due_at) > tx.now:  # triggered again after this task was claimed
         tx.execute(
             "UPDATE tasks SET lease_owner = NULL, available_at = ? WHERE task_id = ?",

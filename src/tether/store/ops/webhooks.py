@@ -9,9 +9,11 @@ the same time.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
-from ._tx import _Tx
+from ..._codec import MARKS
+from ._tx import _error_json, _Tx
 
 _DELIVERY_COLS = (
     "delivery_id, run_id, url, workflow, status, output, error, tenant, ended_at, "
@@ -53,7 +55,7 @@ def _claim_webhooks(tx: _Tx, limit: int, lease: float) -> list[tuple[Any, ...]]:
             "UPDATE webhook_outbox SET next_at = ?, attempts = attempts + 1 WHERE delivery_id = ?",
             (tx.now + lease, row[0]),
         )
-    return [(*row[:9], row[9] + 1, *row[10:]) for row in rows]
+    return [_opened(tx, (*row[:9], row[9] + 1, *row[10:])) for row in rows]
 
 
 def _finish_webhook(
@@ -93,4 +95,23 @@ def _webhook_deliveries(
     if where:
         sql += " WHERE " + " AND ".join(where)
     rows = tx.execute(f"{sql} ORDER BY delivery_id DESC LIMIT ?", (*params, limit)).fetchall()
-    return [tuple(r) for r in rows]
+    return [_opened(tx, r) for r in rows]
+
+
+def _opened(tx: _Tx, found: Any) -> tuple[Any, ...]:
+    """A delivery's row with the run's output and error opened if sealed."""
+    row: tuple[Any, ...] = tuple(found)
+    if (
+        tx.codec is None
+        and not (row[5] or "").startswith(MARKS)
+        and '"sealed"' not in (row[6] or "")
+    ):
+        return row
+    where = f"webhook delivery {row[0]} (run {row[1]!r})"
+    error = _error_json(tx.codec, row[6], f"{where}, error")
+    return (
+        *row[:5],
+        tx.open(row[5], f"{where}, output"),
+        None if error is None else json.dumps(error),
+        *row[7:],
+    )

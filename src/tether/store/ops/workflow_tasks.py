@@ -273,7 +273,7 @@ def _apply_workflow_result(
         elif t is EventType.STATUS_SET:
             tx.execute(
                 "UPDATE runs SET custom_status = ? WHERE run_id = ?",
-                (cmd.raw.get("value", "null"), run_id),
+                (tx.seal(cmd.raw.get("value", "null"), run_id), run_id),
             )
         elif t is EventType.MARKER and cmd.data.get("marker") in APPROVAL_MARKERS:
             _apply_approval_marker(tx, run_id, cmd.data["marker"], cmd.raw["value"])
@@ -340,7 +340,10 @@ _ACTIVATE = (
 
 def _fail_workflow_task(tx: _Tx, task: Task, error: str, retry_at: float) -> None:
     _check_fence(tx, task)
-    tx.execute("UPDATE runs SET task_error = ? WHERE run_id = ?", (error, task.run_id))
+    tx.execute(
+        "UPDATE runs SET task_error = ? WHERE run_id = ?",
+        (tx.seal(error, task.run_id), task.run_id),
+    )
     tx.execute(
         "UPDATE tasks SET lease_owner = NULL, available_at = ? WHERE task_id = ?",
         (retry_at, task.task_id),

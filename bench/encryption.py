@@ -1,0 +1,164 @@
+"""What encryption at rest costs: W1 (runs of sequential no-op steps on SQLite) with
+payloads stored as they are, sealed under one key, and sealed per tenant (ten tenants,
+a key each), each mode in its own process, interleaved and repeated, against the raw
+commit rate (LIMIT) of the same machine in the same run.
+
+* ``plain``: no keyring (the baseline);
+* ``sealed``: ``TETHER_ENCRYPTION_KEYS`` (AES-256-GCM, one key): every event, input,
+  output and argument sealed as it is written and opened as it is read;
+* ``per-tenant``: a per-tenant keyring file, the runs spread over ten tenants.
+
+Target (issue #21): ``sealed`` under 10% slower than ``plain``.
+
+    .venv/bin/python bench/encryption.py [--quick] [--repeat N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+MODES = ("plain", "sealed", "per-tenant")
+
+
+async def _w1(db: Path, runs_n: int, steps_n: int, mode: str) -> dict[str, Any]:
+    sys.path.insert(0, str(HERE))
+    import run as bench_run  # W1's own app and workflow
+
+    app, sequential = bench_run._make_app(db)
+    tenants = mode == "per-tenant"
+    try:
+        async with app.worker(**bench_run.WORKER_OPTIONS):
+            t0 = time.perf_counter()
+            cpu0 = time.process_time()
+            runs = await asyncio.gather(
+                *(
+                    app.start(
+                        sequential,
+                        steps_n,
+                        i,
+                        run_id=f"w1-{i}",
+                        tenant=f"tenant-{i % 10}" if tenants else None,
+                    )
+                    for i in range(runs_n)
+                )
+            )
+            results = await asyncio.gather(*(r.result(timeout=600) for r in runs))
+            wall = time.perf_counter() - t0
+            cpu = time.process_time() - cpu0
+        sealed = await app.store._do(  # type: ignore[attr-defined]
+            lambda tx: tx.execute("SELECT count(*) FROM events WHERE data LIKE '%~e1:%'").fetchone()[
+                0
+            ],
+            write=False,
+        )
+    finally:
+        await app.close()
+    expected = [bench_run._expected(steps_n, i) for i in range(runs_n)]
+    if results != expected:
+        raise RuntimeError(f"{mode}: wrong results")
+    if (mode != "plain") != (sealed > 0):
+        raise RuntimeError(f"{mode}: {sealed} sealed events")
+    steps = runs_n * steps_n
+    return {
+        "mode": mode,
+        "steps_per_s": steps / wall,
+        "cpu_us_per_step": 1e6 * cpu / steps,
+        "sealed_events": sealed,
+    }
+
+
+def _child(mode: str, runs_n: int, steps_n: int) -> None:
+    with tempfile.TemporaryDirectory() as d:
+        if mode == "sealed":
+            from tether.encryption import new_key
+
+            os.environ["TETHER_ENCRYPTION_KEYS"] = f"k1={new_key()}"
+        elif mode == "per-tenant":
+            from tether.encryption import FileKeyring
+
+            FileKeyring.create(Path(d) / "keys.json", per_tenant=True)
+            os.environ["TETHER_KEYRING"] = str(Path(d) / "keys.json")
+        out = asyncio.run(_w1(Path(d) / "w1.db", runs_n, steps_n, mode))
+    print(json.dumps(out))
+
+
+def _limit(seconds: float = 2.0) -> float:
+    sys.path.insert(0, str(HERE))
+    import run as bench_run
+
+    with tempfile.TemporaryDirectory() as d:
+        sizes = bench_run.Sizes(
+            limit_seconds=seconds,
+            limit_commits=5_000,
+            w1_runs=0,
+            w1_steps=0,
+            w3_runs=0,
+            w3_warmup=0,
+            w6_steps=0,
+            w6_cold_repeats=0,
+        )
+        return float(bench_run.bench_limit(Path(d), sizes)["commits_per_s"])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="50 runs instead of 500")
+    parser.add_argument("--repeat", type=int, default=3, help="rounds of the modes")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    runs_n, steps_n = (50 if args.quick else 500), 10
+    if args.child:
+        _child(args.child, runs_n, steps_n)
+        return 0
+    for name in ("TETHER_ENCRYPTION_KEYS", "TETHER_KEYRING"):
+        os.environ.pop(name, None)  # the children set their own
+    limit = _limit(0.3 if args.quick else 2.0)
+    print(f"LIMIT (raw SQLite INSERT+COMMIT): {limit:,.0f} commits/s")
+    got: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
+    for r in range(args.repeat):
+        # interleaved (a machine slowing down hurts every mode alike), and in a rotated
+        # order each round (no mode always runs first or right after another)
+        for mode in MODES[r % len(MODES) :] + MODES[: r % len(MODES)]:
+            cmd = [sys.executable, __file__, "--child", mode]
+            if args.quick:
+                cmd.append("--quick")
+            res = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            if res.returncode != 0:
+                print(res.stderr, file=sys.stderr)
+                return 1
+            one = json.loads(res.stdout.strip().splitlines()[-1])
+            got[mode].append(one)
+            print(
+                f"round {r + 1} {mode:10} {one['steps_per_s']:8,.0f} steps/s "
+                f"{one['cpu_us_per_step']:6.0f} us CPU/step"
+            )
+    base = statistics.median(x["steps_per_s"] for x in got["plain"])
+    base_cpu = statistics.median(x["cpu_us_per_step"] for x in got["plain"])
+    print(f"\nW1 {runs_n} runs x {steps_n} steps, medians of {args.repeat}:")
+    print(
+        f"{'mode':10} {'steps/s':>9} {'/ plain':>8} {'/ LIMIT':>8} {'CPU us/step':>12} "
+        f"{'/ plain':>8}"
+    )
+    for mode in MODES:
+        sps = statistics.median(x["steps_per_s"] for x in got[mode])
+        cpu = statistics.median(x["cpu_us_per_step"] for x in got[mode])
+        print(
+            f"{mode:10} {sps:9,.0f} {sps / base:8.2f} {sps / limit:8.2f} {cpu:12.0f} "
+            f"{cpu / base_cpu:8.2f}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""How the store keeps payload text: large ones in the blob store, sealed when encrypted.
+
+Every payload the store writes (event data, run input and output, task arguments...)
+passes ``Codec.encode``: text above ``offload_above`` bytes goes to the blob store and
+the row keeps a reference (``~b1:sha256:<hex>:<size>``, the hash of the stored bytes);
+with a keyring the text, or the blob, is sealed (``tether.encryption``). Reading
+reverses it (``decode_text``). JSON never starts with ``~``, so values written before
+either was turned on read as they are.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from .blobs import Blob, BlobError, BlobStore
+from .encryption import PREFIX as SEALED
+from .encryption import Sealer, no_keyring
+
+#: what a reference to an offloaded payload starts with
+OFFLOADED = "~b1:"
+#: what a payload the codec changed starts with (a plain one never does)
+MARKS = (SEALED, OFFLOADED)
+#: offload payloads larger than this by default (bytes of UTF-8)
+OFFLOAD_ABOVE = 256 * 1024
+#: the key of an event's data that holds its sealed part (tether's own keys never start
+#: with ``~``, so it cannot clash with one)
+SEALED_FIELD = "~"
+#: the keys of event data that may carry a user's words (besides the payloads): sealed
+SECRET_KEYS = frozenset({"error", "reason", "message", "traceback", "note", "detail", "decision"})
+#: the pre-encoded parts of event data that are tether's bookkeeping, not payloads
+PLAIN_RAW = frozenset({"through", "time"})
+
+
+class Codec:
+    """A store's payload codec: offload to ``blobs`` above a size, seal with ``sealer``."""
+
+    def __init__(
+        self,
+        sealer: Sealer | None = None,
+        blobs: BlobStore | None = None,
+        offload_above: int | None = OFFLOAD_ABOVE,
+    ) -> None:
+        self.sealer = sealer
+        self.blobs = blobs
+        self.offload_above = offload_above if blobs is not None else None
+        #: whether payloads are sealed per tenant (the writer then needs the run's tenant)
+        self.per_tenant = sealer is not None and sealer.keyring.per_tenant
+        #: the tenant of each run written lately (per-tenant keys): run id -> tenant
+        self.tenants: dict[str, str | None] = {}
+
+    def remember(self, run_id: str, tenant: str | None) -> None:
+        """Note a run's tenant, so sealing its payloads needs no read."""
+        if len(self.tenants) > 100_000:
+            self.tenants.clear()
+        self.tenants[run_id] = tenant
+
+    def encode(self, text: str, tenant: str | None = None) -> str:
+        """``text`` as the store keeps it."""
+        if self.offload_above is not None and len(text) > self.offload_above:
+            assert self.blobs is not None
+            data = text.encode()
+            if len(data) > self.offload_above:
+                if self.sealer is not None:
+                    data = self.sealer.seal_bytes(data, tenant)
+                blob = self.blobs.put(data, sealed=True)
+                return f"{OFFLOADED}{blob.ref}:{blob.size}"
+        if self.sealer is not None:
+            return self.sealer.seal(text, tenant)
+        return text
+
+
+def open_fields(codec: Codec | None, data: dict[str, Any], where: str) -> dict[str, Any]:
+    """Event data with its sealed part (``SEALED_FIELD``) opened and merged back."""
+    sealed = data.get(SEALED_FIELD)
+    if not isinstance(sealed, str):
+        return data
+    del data[SEALED_FIELD]
+    data.update(json.loads(decode_text(codec, sealed, where)))
+    return data
+
+
+def decode_text(codec: Codec | None, text: str, where: str) -> str:
+    """The payload ``text`` stands for: opened if sealed, fetched if offloaded.
+
+    A sealed value without a keyring, an unknown or destroyed key, a missing or changed
+    blob: each is an error naming ``where`` (the run and step), never a wrong value.
+    """
+    if not text.startswith(MARKS):
+        return text
+    sealer = codec.sealer if codec is not None else None
+    if text.startswith(SEALED):
+        if sealer is None:
+            raise no_keyring(text[len(SEALED) :].split(":", 1)[0], where)
+        text = sealer.open(text, where)
+    if not text.startswith(OFFLOADED):
+        return text
+    ref, _, size = text[len(OFFLOADED) :].rpartition(":")
+    blobs = codec.blobs if codec is not None else None
+    if blobs is None:
+        raise BlobError(ref, f"{where}: kept in a blob store this process has not opened")
+    try:
+        data = blobs.get(Blob(ref=ref, size=int(size)), sealed=True)
+    except BlobError as exc:
+        raise BlobError(ref, f"{where}: {exc.problem}") from None
+    if data.startswith(SEALED.encode()):
+        if sealer is None:
+            raise no_keyring(data[len(SEALED) : 80].decode("ascii", "replace").split(":")[0], where)
+        data = sealer.open_bytes(data, where)
+    return data.decode()

@@ -1,0 +1,103 @@
+"""``tether keyring``: the encryption keys payloads are sealed with (tether.encryption)."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Annotated
+
+import typer
+
+from .._errors import ConfigurationError
+from ..encryption import FileKeyring, new_key
+from ._common import EXIT_USAGE, _dump, _fail, _note
+
+
+def _path_argument() -> typer.models.ArgumentInfo:
+    return typer.Argument(  # type: ignore[no-any-return]
+        metavar="PATH",
+        help="The keyring file (default: $TETHER_KEYRING).",
+        show_default=False,
+    )
+
+
+def _ring(path: str | None) -> FileKeyring:
+    path = path or os.environ.get("TETHER_KEYRING")
+    if not path:
+        _fail("name the keyring file, or set TETHER_KEYRING", EXIT_USAGE)
+    try:
+        return FileKeyring(path)
+    except ConfigurationError as exc:
+        _fail(str(exc), EXIT_USAGE)
+
+
+def keyring_init_command(
+    path: Annotated[str, typer.Argument(metavar="PATH", help="The keyring file to create.")],
+    per_tenant: Annotated[
+        bool,
+        typer.Option(
+            "--per-tenant",
+            help="Give each tenant a key of its own (erasing a tenant destroys its keys).",
+        ),
+    ] = False,
+) -> None:
+    """Create a keyring file (mode 0600) with one key; point TETHER_KEYRING at it in
+    every process that opens the store (workers, tether serve, the CLI)."""
+    try:
+        FileKeyring.create(path, per_tenant=per_tenant)
+    except ConfigurationError as exc:
+        _fail(str(exc), EXIT_USAGE)
+    _note(f"created {path}: new payloads are sealed with key k1; keep a copy somewhere safe")
+
+
+def keyring_list_command(path: Annotated[str | None, _path_argument()] = None) -> None:
+    """List the keys (never their bytes): id, tenant, created, current, destroyed."""
+    ring = _ring(path)
+
+    def ts(t: float | None) -> str | None:
+        return None if t is None else time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+
+    _dump(
+        [
+            {**k, "created_at": ts(k["created_at"]), "destroyed_at": ts(k["destroyed_at"])}
+            for k in ring.listing()
+        ]
+    )
+
+
+def keyring_rotate_command(
+    path: Annotated[str | None, _path_argument()] = None,
+    tenant: Annotated[
+        str | None, typer.Option("--tenant", help="Rotate this tenant's key (per-tenant rings).")
+    ] = None,
+) -> None:
+    """Make a new key current: new payloads are sealed with it, old ones stay readable."""
+    ring = _ring(path)
+    try:
+        key_id = ring.rotate(tenant)
+    except ConfigurationError as exc:
+        _fail(str(exc), EXIT_USAGE)
+    _note(f"new payloads{f' of tenant {tenant!r}' if tenant else ''} are sealed with {key_id}")
+
+
+def keyring_shred_command(
+    tenant: Annotated[str, typer.Argument(metavar="TENANT", help="The tenant whose keys go.")],
+    path: Annotated[str | None, typer.Option("--keyring", help="The keyring file.")] = None,
+    yes: Annotated[
+        bool, typer.Option("--yes", help="Really destroy (it cannot be undone).")
+    ] = False,
+) -> None:
+    """Destroy a tenant's keys: every payload of it, in the store and in every backup,
+    becomes unreadable for good (tether erase-tenant does this too, after removing rows)."""
+    ring = _ring(path)
+    if not yes:
+        _fail(f"destroying the keys of tenant {tenant!r} cannot be undone: add --yes", EXIT_USAGE)
+    gone = ring.shred(tenant)
+    _dump({"tenant": tenant, "destroyed": gone})
+    _note(f"destroyed {len(gone)} key(s) of tenant {tenant!r}")
+
+
+def keyring_new_key_command() -> None:
+    """Print a fresh 256-bit key, for TETHER_ENCRYPTION_KEYS="id=KEY" (keys given in the
+    environment instead of a keyring file; the first one listed seals new payloads)."""
+    print(new_key())

@@ -1,0 +1,542 @@
+"""Encryption at rest: every stored payload sealed with AES-GCM under a named key.
+
+With a keyring configured (``App(encryption=...)``, or ``TETHER_KEYRING`` /
+``TETHER_ENCRYPTION_KEYS`` in the environment of every process that opens the store),
+the store seals each payload it writes (event data, run input, output and errors,
+task arguments, dead letters, debounced and scheduled inputs, review proposals, cached
+model answers) and opens it again as it reads. A sealed value is text:
+
+    ~e1:<key id>:<z|n>:<base64 of the 12-byte nonce and the ciphertext>
+
+``z`` marks a payload compressed with zlib before sealing (done when that saves a
+quarter or more), ``n`` one that is not. The key id travels with the value, so data
+written under an old key stays readable after a rotation; the key id and the flag are
+authenticated with the ciphertext. With per-tenant keys (``FileKeyring(per_tenant=
+True)``) each tenant's payloads are sealed under a key of its own, and destroying that
+key (``tether keys shred``) leaves every copy of its data unreadable, backups included.
+"""
+
+from __future__ import annotations
+
+import abc
+import base64
+import binascii
+import contextlib
+import hashlib
+import itertools
+import json
+import os
+import re
+import secrets
+import sys
+import tempfile
+import threading
+import time
+import weakref
+import zlib
+from collections.abc import Iterator
+from typing import Any
+
+from ._errors import ConfigurationError, PayloadError
+
+#: what every sealed value starts with (JSON text never starts with ``~``)
+PREFIX = "~e1:"
+_KEY_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
+#: payloads shorter than this are not worth compressing
+_COMPRESS_FROM = 512
+
+
+class KeyUnavailableError(PayloadError):
+    """A sealed payload names a key this process does not have (unknown or destroyed)."""
+
+    def __init__(self, key_id: str, problem: str, where: str = "") -> None:
+        self.key_id, self.problem, self.where = key_id, problem, where
+        place = f"{where}: " if where else ""
+        super().__init__(f"{place}payload sealed with key {key_id!r}: {problem}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.key_id, self.problem, self.where))
+
+    @property
+    def destroyed(self) -> bool:
+        """True when the key was destroyed on purpose (the data is erased, not lost)."""
+        return "destroyed" in self.problem
+
+
+class Keyring(abc.ABC):
+    """Where keys come from: the key for new writes, and any key by its id."""
+
+    #: whether each tenant gets keys of its own (``current`` then depends on the tenant)
+    per_tenant: bool = False
+
+    @abc.abstractmethod
+    def current(self, tenant: str | None) -> str:
+        """The id of the key new payloads of ``tenant`` are sealed with."""
+
+    @abc.abstractmethod
+    def key(self, key_id: str) -> bytes:
+        """The 32 key bytes of ``key_id``; raise ``KeyUnavailableError`` if there are none."""
+
+    def generation(self) -> object:
+        """Changes whenever keys may have gone (a sealer then forgets the keys it holds)."""
+        return None
+
+    def shred(self, tenant: str) -> list[str]:
+        """Destroy ``tenant``'s own keys, if it has any; the ids destroyed."""
+        return []
+
+
+class StaticKeyring(Keyring):
+    """Fixed keys given in code or in ``TETHER_ENCRYPTION_KEYS`` (one for every tenant)."""
+
+    def __init__(self, keys: dict[str, bytes], current: str) -> None:
+        for key_id, key in keys.items():
+            _check_key(key_id, key)
+        if current not in keys:
+            raise ConfigurationError(f"current key {current!r} is not among the keys given")
+        self._keys, self._current = dict(keys), current
+
+    @classmethod
+    def parse(cls, text: str) -> StaticKeyring:
+        """Keys from ``id=base64,id=base64``: the first one seals new payloads."""
+        keys: dict[str, bytes] = {}
+        for part in (p.strip() for p in text.split(",")):
+            key_id, sep, b64 = part.partition("=")
+            if not sep:
+                raise ConfigurationError(
+                    f"TETHER_ENCRYPTION_KEYS: {part[:12]!r}... is not id=base64 (make a key "
+                    "with: tether keyring new-key)"
+                )
+            try:
+                keys[key_id.strip()] = base64.b64decode(b64.strip() + "==", validate=False)
+            except ValueError as exc:
+                raise ConfigurationError(f"key {key_id!r} is not base64: {exc}") from None
+        if not keys:
+            raise ConfigurationError("TETHER_ENCRYPTION_KEYS holds no key")
+        return cls(keys, next(iter(keys)))
+
+    def current(self, tenant: str | None) -> str:
+        return self._current
+
+    def key(self, key_id: str) -> bytes:
+        try:
+            return self._keys[key_id]
+        except KeyError:
+            raise KeyUnavailableError(key_id, "this keyring has no such key") from None
+
+
+def new_key() -> str:
+    """A fresh 256-bit key, base64 (for ``TETHER_ENCRYPTION_KEYS``)."""
+    return base64.b64encode(secrets.token_bytes(32)).decode()
+
+
+def _check_key(key_id: str, key: bytes) -> None:
+    if not _KEY_ID.fullmatch(key_id):
+        raise ConfigurationError(f"key id {key_id!r}: use 1-64 letters, digits, '.', '_' or '-'")
+    if len(key) != 32:
+        raise ConfigurationError(f"key {key_id!r} has {len(key)} bytes; AES-256 needs 32")
+
+
+class FileKeyring(Keyring):
+    """Keys in a JSON file (mode 0600) that ``tether keys`` manages.
+
+    ``per_tenant=True`` gives each tenant its own key, made the first time a payload
+    of the tenant is sealed; ``shred(tenant)`` destroys the tenant's keys. Processes
+    sharing the file see a rotation or a shred within a second.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, per_tenant: bool | None = None) -> None:
+        self.path = os.fspath(path)
+        self._lock = threading.Lock()
+        self._data: dict[str, Any] = {}
+        self._stamp: tuple[int, int] | None = None
+        self._checked = 0.0
+        if not os.path.exists(self.path):
+            raise ConfigurationError(
+                f"keyring {self.path!r} does not exist; make one with: "
+                f"tether keyring init {self.path}"
+            )
+        self._load()
+        self.per_tenant = bool(self._data.get("per_tenant")) if per_tenant is None else per_tenant
+
+    @classmethod
+    def create(cls, path: str | os.PathLike[str], *, per_tenant: bool = False) -> FileKeyring:
+        """Write a new keyring file with one key (refuses to overwrite one)."""
+        path = os.fspath(path)
+        if os.path.exists(path):
+            raise ConfigurationError(f"{path!r} exists; a keyring is never overwritten")
+        key_id = "k1"
+        data = {
+            "version": 1,
+            "per_tenant": per_tenant,
+            "current": key_id,
+            "keys": {key_id: _entry(None)},
+            "tenants": {},
+            "destroyed": {},
+        }
+        _write(path, data)
+        return cls(path)
+
+    # reading ------------------------------------------------------------------------
+
+    def _load(self) -> None:
+        try:
+            stat = os.stat(self.path)
+            with open(self.path, encoding="utf-8") as f:
+                data = json.load(f)
+        except (OSError, ValueError) as exc:
+            raise ConfigurationError(f"cannot read keyring {self.path!r}: {exc}") from None
+        self._data, self._stamp = data, (stat.st_mtime_ns, stat.st_size)
+        self._checked = time.monotonic()
+
+    def _fresh(self, force: bool = False) -> dict[str, Any]:
+        """The file's content, read again when it changed (looked at once a second)."""
+        now = time.monotonic()
+        if force or now - self._checked > 1.0:
+            self._checked = now
+            try:
+                stat = os.stat(self.path)
+            except OSError:
+                return self._data
+            if (stat.st_mtime_ns, stat.st_size) != self._stamp:
+                with self._lock:
+                    self._load()
+        return self._data
+
+    def key(self, key_id: str) -> bytes:
+        data = self._fresh()
+        entry = data["keys"].get(key_id)
+        if entry is None:
+            data = self._fresh(force=True)
+            entry = data["keys"].get(key_id)
+        if entry is None:
+            gone = data.get("destroyed", {}).get(key_id)
+            if gone:
+                raise KeyUnavailableError(
+                    key_id,
+                    f"the key was destroyed (tenant {gone.get('tenant')!r} erased at "
+                    f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(gone['at']))} UTC); "
+                    "the data it sealed is unreadable for good",
+                )
+            raise KeyUnavailableError(
+                key_id, f"keyring {self.path!r} has no such key (is it the right keyring?)"
+            )
+        return base64.b64decode(entry["key"])
+
+    def current(self, tenant: str | None) -> str:
+        data = self._fresh()
+        if not self.per_tenant or tenant is None:
+            return str(data["current"])
+        key_id = data["tenants"].get(tenant)
+        if key_id is None:
+            key_id = self._tenant_key(tenant, new=False)
+        return str(key_id)
+
+    def generation(self) -> object:
+        return self._fresh() and self._stamp
+
+    def listing(self) -> list[dict[str, Any]]:
+        """Every key: id, tenant, created, current or not, and the destroyed ones."""
+        data = self._fresh(force=True)
+        current = {data["current"], *data["tenants"].values()}
+        out = [
+            {
+                "key_id": k,
+                "tenant": e.get("tenant"),
+                "created_at": e["created_at"],
+                "current": k in current,
+                "destroyed_at": None,
+            }
+            for k, e in data["keys"].items()
+        ]
+        out += [
+            {
+                "key_id": k,
+                "tenant": g.get("tenant"),
+                "created_at": None,
+                "current": False,
+                "destroyed_at": g["at"],
+            }
+            for k, g in data.get("destroyed", {}).items()
+        ]
+        return out
+
+    # changing -----------------------------------------------------------------------
+
+    def rotate(self, tenant: str | None = None) -> str:
+        """Make a new key current (for ``tenant``, or the shared one); old keys stay."""
+        if tenant is not None:
+            return self._tenant_key(tenant, new=True)
+        with self._changing() as data:
+            key_id = _next_id(data, "k")
+            data["keys"][key_id] = _entry(None)
+            data["current"] = key_id
+        return key_id
+
+    def _tenant_key(self, tenant: str, *, new: bool) -> str:
+        """The tenant's current key id, made under the file's lock if ``new`` or missing
+        (so processes meeting a new tenant at once agree on one key)."""
+        if not self.per_tenant:
+            raise ConfigurationError(
+                f"keyring {self.path!r} has no per-tenant keys (tether keyring init --per-tenant)"
+            )
+        with self._changing() as data:
+            key_id = data["tenants"].get(tenant)
+            if new or key_id is None:
+                stem = "t" + hashlib.sha256(tenant.encode()).hexdigest()[:12] + "-"
+                key_id = _next_id(data, stem)
+                data["keys"][key_id] = _entry(tenant)
+                data["tenants"][tenant] = key_id
+        return str(key_id)
+
+    def shred(self, tenant: str) -> list[str]:
+        """Destroy every key of ``tenant``: what they sealed, wherever it is, is unreadable."""
+        with self._changing() as data:
+            gone = [k for k, e in data["keys"].items() if e.get("tenant") == tenant]
+            for key_id in gone:
+                del data["keys"][key_id]
+                data.setdefault("destroyed", {})[key_id] = {"tenant": tenant, "at": time.time()}
+            data["tenants"].pop(tenant, None)
+        return gone
+
+    @contextlib.contextmanager
+    def _changing(self) -> Iterator[dict[str, Any]]:
+        """Read, change and write the file under an exclusive lock shared by processes."""
+        with self._lock, _file_lock(self.path + ".lock"):
+            self._load()
+            data = self._data
+            yield data
+            _write(self.path, data)
+            self._load()
+
+
+def _entry(tenant: str | None) -> dict[str, Any]:
+    return {"key": new_key(), "tenant": tenant, "created_at": time.time()}
+
+
+def _next_id(data: dict[str, Any], stem: str) -> str:
+    taken = set(data["keys"]) | set(data.get("destroyed", {}))
+    n = 1
+    while f"{stem}{n}" in taken:
+        n += 1
+    return f"{stem}{n}"
+
+
+def _write(path: str, data: dict[str, Any]) -> None:
+    """Replace the file atomically, readable by its owner only."""
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".keyring-")
+    try:
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+@contextlib.contextmanager
+def _file_lock(path: str) -> Iterator[None]:
+    if sys.platform == "win32":  # pragma: no cover
+        yield
+        return
+    import fcntl
+
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+class Sealer:
+    """Seals payloads for the store and opens them again (compression, then AES-GCM)."""
+
+    def __init__(self, keyring: Keyring) -> None:
+        try:
+            from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+        except ImportError as exc:
+            raise ConfigurationError(
+                f"encryption needs the cryptography package ({exc}); install it with: "
+                "pip install 'tether[encryption]'"
+            ) from None
+        self._aesgcm = AESGCM
+        self.keyring = keyring
+        self._ciphers: dict[str, Any] = {}
+        self._generation: object = keyring.generation()
+        #: whether the keyring's keys can change under us (a file): asked before each use
+        self._dynamic = type(keyring).generation is not Keyring.generation
+        self._nonces = _Nonces()
+        #: (key id, flag) -> the head as text and as bytes (authenticated with the data)
+        self._heads: dict[tuple[str, str], tuple[str, bytes]] = {}
+
+    def _cipher(self, key_id: str) -> Any:
+        if self._dynamic:
+            generation = self.keyring.generation()
+            if generation != self._generation:  # keys may have been destroyed: ask again
+                self._ciphers.clear()
+                self._generation = generation
+        cipher = self._ciphers.get(key_id)
+        if cipher is None:
+            key = self.keyring.key(key_id)
+            _check_key(key_id, key)
+            cipher = self._aesgcm(key)
+            if len(self._ciphers) > 1024:
+                self._ciphers.clear()
+            self._ciphers[key_id] = cipher
+        return cipher
+
+    def _seal(self, data: bytes, tenant: str | None) -> tuple[bytes, bytes]:
+        """(head, nonce + ciphertext) of ``data`` under the tenant's current key."""
+        key_id = self.keyring.current(tenant)
+        flag = "n"
+        if len(data) >= _COMPRESS_FROM:
+            packed = zlib.compress(data, 1)
+            if len(packed) * 4 <= len(data) * 3:
+                data, flag = packed, "z"
+        nonce = self._nonces.next()
+        head = f"{PREFIX}{key_id}:{flag}:".encode()
+        return head, nonce + self._cipher(key_id).encrypt(nonce, data, head)
+
+    def _open(self, key_id: str, flag: str, raw: bytes, where: str) -> bytes:
+        head = f"{PREFIX}{key_id}:{flag}:".encode()
+        try:
+            cipher = self._ciphers.get(key_id) if not self._dynamic else None
+            cipher = cipher or self._cipher(key_id)
+        except KeyUnavailableError as exc:
+            raise KeyUnavailableError(key_id, exc.problem, where) from None
+        try:
+            data: bytes = cipher.decrypt(raw[:12], raw[12:], head)
+        except Exception:
+            raise KeyUnavailableError(
+                key_id,
+                "it does not open with this keyring's key of that id (a different key under "
+                "the same id, or the value was changed)",
+                where,
+            ) from None
+        return zlib.decompress(data) if flag == "z" else data
+
+    def seal(self, text: str, tenant: str | None = None) -> str:
+        """``text`` sealed under the current key of ``tenant``, as text."""
+        key_id = self.keyring.current(tenant)
+        data = text.encode()
+        flag = "n"
+        if len(data) >= _COMPRESS_FROM:
+            packed = zlib.compress(data, 1)
+            if len(packed) * 4 <= len(data) * 3:
+                data, flag = packed, "z"
+        head = self._heads.get((key_id, flag))
+        if head is None:
+            text_head = f"{PREFIX}{key_id}:{flag}:"
+            head = self._heads[(key_id, flag)] = (text_head, text_head.encode())
+        nonce = self._nonces.next()
+        body = self._cipher(key_id).encrypt(nonce, data, head[1])
+        return head[0] + binascii.b2a_base64(nonce + body, newline=False).decode()
+
+    def open(self, text: str, where: str = "") -> str:
+        """The text a sealed value holds; ``text`` itself if it is not sealed."""
+        if not text.startswith(PREFIX):
+            return text
+        key_id, flag, body = _parts(text, where)
+        try:
+            raw = binascii.a2b_base64(body)
+        except binascii.Error:
+            raise PayloadError(f"{where}: a sealed payload is damaged: {text[:40]!r}") from None
+        return self._open(key_id, flag, raw, where).decode()
+
+    def seal_bytes(self, data: bytes, tenant: str | None = None) -> bytes:
+        """``data`` sealed under the current key of ``tenant``, as bytes (for blobs)."""
+        head, body = self._seal(data, tenant)
+        return head + body
+
+    def open_bytes(self, data: bytes, where: str = "") -> bytes:
+        """The bytes a sealed blob holds; ``data`` itself if it is not sealed."""
+        if not data.startswith(PREFIX.encode()):
+            return data
+        key_id, flag, _body = _parts(data[:100].decode("ascii", "replace"), where)
+        start = len(PREFIX) + len(key_id) + len(flag) + 2
+        return self._open(key_id, flag, data[start:], where)
+
+
+class _Nonces:
+    """AES-GCM nonces: 8 random bytes drawn per process, then a 4-byte counter (the
+    deterministic construction of NIST SP 800-38D, 8.2.1). Unique for a key as long as
+    no two processes draw the same 64-bit prefix; a forked child draws its own, and the
+    prefix is drawn again before the counter would wrap."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.draw()
+        _ALL_NONCES.add(self)
+
+    def draw(self) -> None:
+        self._prefix = secrets.token_bytes(8)
+        self._count = itertools.count()
+
+    def next(self) -> bytes:
+        n = next(self._count)
+        if n >= 0xFFFFFFFF:
+            with self._lock:
+                if next(self._count) >= 0xFFFFFFFF:
+                    self.draw()
+            n = next(self._count)
+        return self._prefix + n.to_bytes(4, "big")
+
+
+_ALL_NONCES: weakref.WeakSet[_Nonces] = weakref.WeakSet()
+
+
+def _redraw_after_fork() -> None:
+    for nonces in list(_ALL_NONCES):
+        nonces.draw()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_redraw_after_fork)
+
+
+def _parts(text: str, where: str) -> tuple[str, str, str]:
+    try:
+        key_id, flag, body = text[len(PREFIX) :].split(":", 2)
+    except ValueError:
+        raise PayloadError(f"{where}: a sealed payload is cut short: {text[:40]!r}") from None
+    if flag not in ("n", "z"):
+        raise PayloadError(f"{where}: a sealed payload names no known codec: {text[:40]!r}")
+    return key_id, flag, body
+
+
+def no_keyring(key_id: str, where: str) -> KeyUnavailableError:
+    """The error for a sealed payload met by a process without a keyring."""
+    return KeyUnavailableError(
+        key_id,
+        "this store is encrypted and this process has no keyring: set TETHER_KEYRING "
+        "(a keyring file) or TETHER_ENCRYPTION_KEYS, or pass App(encryption=...)",
+        where,
+    )
+
+
+def keyring_from_env() -> Keyring | None:
+    """The keyring ``TETHER_KEYRING`` (a file) or ``TETHER_ENCRYPTION_KEYS`` names, if any."""
+    path = os.environ.get("TETHER_KEYRING")
+    if path:
+        return FileKeyring(path)
+    keys = os.environ.get("TETHER_ENCRYPTION_KEYS")
+    if keys:
+        return StaticKeyring.parse(keys)
+    return None
+
+
+__all__ = [
+    "FileKeyring",
+    "KeyUnavailableError",
+    "Keyring",
+    "Sealer",
+    "StaticKeyring",
+    "keyring_from_env",
+    "new_key",
+]

@@ -1,0 +1,339 @@
+"""Encryption at rest (tether.encryption): nothing readable in the store's bytes, every
+payload readable through tether, rotation, per-tenant shredding, clear errors."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import glob
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import tether
+from conftest import PG_URL
+from tether._history import EventType
+from tether.encryption import FileKeyring, KeyUnavailableError, Sealer, StaticKeyring, new_key
+
+CANARY = "CANARY-7f3c2a-secret"
+
+
+def _keyring(tmp_path: Path, per_tenant: bool = False) -> FileKeyring:
+    return FileKeyring.create(tmp_path / "keys.json", per_tenant=per_tenant)
+
+
+def _pg_text(schema: str) -> str:
+    """Every row of every table of ``schema``, as text."""
+    import psycopg
+    from psycopg import sql
+
+    out: list[str] = []
+    with psycopg.connect(PG_URL, autocommit=True) as conn:
+        tables = [
+            r[0]
+            for r in conn.execute(
+                "SELECT table_name FROM information_schema.tables WHERE table_schema = %s",
+                (schema,),
+            )
+        ]
+        for table in tables:
+            q = sql.SQL("SELECT t::text FROM {}.{} t").format(
+                sql.Identifier(schema), sql.Identifier(table)
+            )
+            out += [r[0] for r in conn.execute(q)]
+    return "\n".join(out)
+
+
+def _stored_bytes(store_url: str) -> bytes:
+    """What the store holds, as raw bytes: the SQLite files, or PostgreSQL's rows."""
+    if store_url.startswith("sqlite:///"):
+        path = store_url[len("sqlite:///") :]
+        return b"".join(Path(p).read_bytes() for p in glob.glob(path + "*") if os.path.isfile(p))
+    schema = store_url.rsplit("schema=", 1)[1]
+    return _pg_text(schema).encode()
+
+
+def _register(app: tether.App) -> None:
+    @app.activity
+    def shout(text: str) -> str:
+        return text.upper() + " " + CANARY
+
+    @app.activity
+    def explode(text: str) -> str:
+        raise tether.NonRetryable(f"cannot handle {text}")
+
+    @app.workflow
+    async def flow(text: str) -> dict[str, Any]:
+        tether.set_status({"seen": text})
+        loud = await shout(text)
+        note = await tether.wait_event("note", timeout=60)
+        return {"loud": loud, "note": note}
+
+    @app.workflow
+    async def failing(text: str) -> str:
+        return await explode(text)
+
+    @app.workflow
+    async def echo(text: str) -> str:
+        return await shout(text)
+
+
+async def test_nothing_of_inputs_outputs_signals_or_errors_is_readable_in_the_store(
+    store_url: str, tmp_path: Path
+) -> None:
+    app = tether.App(store=store_url, encryption=_keyring(tmp_path))
+    _register(app)
+    async with app.worker(poll_interval=0.05):
+        run = await app.start("flow", f"hello {CANARY}", run_id="r1")
+        await app.signal("r1", "note", {"text": f"signal {CANARY}"})
+        result = await run.result(timeout=30)
+        bad = await app.start("failing", f"input {CANARY}", run_id="r2")
+        with pytest.raises(tether.WorkflowFailedError):
+            await bad.result(timeout=30)
+    # every payload reads back through tether...
+    assert result == {
+        "loud": f"HELLO {CANARY.upper()} {CANARY}",
+        "note": {"text": f"signal {CANARY}"},
+    }
+    info = await app.get("r1")
+    assert CANARY in (info.input or "") and info.custom_status == {"seen": f"hello {CANARY}"}
+    history = await app.history("r1")
+    assert any(CANARY in str(e.data) for e in history)
+    failed = await app.get("r2")
+    assert failed.error is not None and CANARY in failed.error["message"]
+    letters = await app.dead_letters()
+    assert letters and CANARY in (letters[0].input or "")
+    # the error's type stays outside the seal: runs are still filtered by it
+    assert [r.run_id for r in await app.list(error_type=failed.error["type"])] == ["r2"]
+    app.store.close_sync()  # type: ignore[attr-defined]
+    # ...and none of it is in the store's bytes
+    raw = _stored_bytes(store_url)
+    assert raw and CANARY.encode() not in raw
+    assert CANARY.upper().encode() not in raw
+
+
+async def test_a_store_sealed_under_a_key_says_so_to_a_process_without_it(
+    store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("TETHER_KEYRING", raising=False)
+    monkeypatch.delenv("TETHER_ENCRYPTION_KEYS", raising=False)
+    app = tether.App(store=store_url, encryption=_keyring(tmp_path))
+    _register(app)
+    async with app.worker(poll_interval=0.05):
+        await app.start("flow", "x", run_id="r1")
+        await app.signal("r1", "note", "n")
+        await app.get_run("r1").result(timeout=30)
+    app.store.close_sync()  # type: ignore[attr-defined]
+
+    plain = tether.App(store=store_url)  # no keyring
+    with pytest.raises(KeyUnavailableError) as err:
+        await plain.get("r1")
+    message = str(err.value)
+    assert "run 'r1'" in message and "'k1'" in message and "TETHER_KEYRING" in message
+    plain.store.close_sync()  # type: ignore[attr-defined]
+
+    # the same key id holding other bytes: an error, never a wrong value
+    other = StaticKeyring({"k1": os.urandom(32)}, "k1")
+    wrong = tether.App(store=store_url, encryption=other)
+    with pytest.raises(KeyUnavailableError, match="does not open"):
+        await wrong.history("r1")
+    wrong.store.close_sync()  # type: ignore[attr-defined]
+
+    # the keyring given in the environment opens it, as it would for the CLI or server
+    monkeypatch.setenv("TETHER_KEYRING", str(tmp_path / "keys.json"))
+    env = tether.App(store=store_url)
+    assert (await env.get("r1")).input == '{"args":["x"],"kwargs":{}}'
+    env.store.close_sync()  # type: ignore[attr-defined]
+
+
+async def test_rotation_keeps_old_data_readable_and_shredding_a_tenant_erases_only_it(
+    store_url: str, tmp_path: Path
+) -> None:
+    keys = _keyring(tmp_path, per_tenant=True)
+    app = tether.App(store=store_url, encryption=keys)
+    _register(app)
+    async with app.worker(poll_interval=0.05):
+        a1 = await app.start("echo", "acme one", run_id="a1", tenant="acme")
+        b1 = await app.start("echo", "beta one", run_id="b1", tenant="beta")
+        n1 = await app.start("echo", "shared one", run_id="n1")
+        for r in (a1, b1, n1):
+            await r.result(timeout=30)
+        acme_first = keys.current("acme")
+        shared_second = keys.rotate()
+        acme_second = keys.rotate("acme")
+        a2 = await app.start("echo", "acme two", run_id="a2", tenant="acme")
+        n2 = await app.start("echo", "shared two", run_id="n2")
+        for r in (a2, n2):
+            await r.result(timeout=30)
+    assert shared_second == "k2" and acme_second != acme_first
+    stored = _stored_bytes(store_url)
+    for key_id in ("k1", "k2", acme_first, acme_second, keys.current("beta")):
+        assert f"~e1:{key_id}:".encode() in stored, key_id
+    # written under old and new keys alike, all of it reads
+    for run_id, text in (("a1", "acme one"), ("a2", "acme two"), ("n1", "shared one")):
+        assert (await app.get(run_id)).input == f'{{"args":["{text}"],"kwargs":{{}}}}'
+
+    gone = keys.shred("acme")
+    assert sorted(gone) == sorted([acme_first, acme_second])
+    for run_id in ("a1", "a2"):
+        with pytest.raises(KeyUnavailableError) as err:
+            await app.get(run_id)
+        assert err.value.destroyed and "tenant 'acme' erased" in str(err.value)
+        assert f"run {run_id!r}" in str(err.value)
+    # another process's keyring sees the shred too
+    fresh = FileKeyring(tmp_path / "keys.json")
+    with pytest.raises(KeyUnavailableError):
+        fresh.key(acme_first)
+    assert (await app.get("b1")).input == '{"args":["beta one"],"kwargs":{}}'
+    assert (await app.get("n2")).output == f'"SHARED TWO {CANARY}"'
+    app.store.close_sync()  # type: ignore[attr-defined]
+
+
+def test_a_sealed_value_is_authenticated_and_compressed_when_that_pays() -> None:
+    key = base64.b64decode(new_key())
+    sealer = Sealer(StaticKeyring({"main": key}, "main"))
+    text = '{"text": "' + "abc " * 1000 + '"}'
+    sealed = sealer.seal(text)
+    assert sealed.startswith("~e1:main:z:") and len(sealed) < len(text) / 4
+    assert sealer.open(sealed) == text
+    small = sealer.seal('"hi"')
+    assert small.startswith("~e1:main:n:") and sealer.open(small) == '"hi"'
+    # the key id and flag are authenticated: changing them is an error, never a value
+    with pytest.raises(KeyUnavailableError):
+        sealer.open(sealed.replace(":z:", ":n:", 1))
+    body = base64.b64decode(small.rsplit(":", 1)[1])
+    flipped = bytes([body[0]]) + bytes([body[1] ^ 1]) + body[2:]
+    tampered = small.rsplit(":", 1)[0] + ":" + base64.b64encode(flipped).decode()
+    with pytest.raises(KeyUnavailableError):
+        sealer.open(tampered)
+    assert sealer.open('{"plain": 1}') == '{"plain": 1}'  # written before encryption: as is
+
+
+def test_keyring_configuration_errors_say_what_to_do(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(tether.ConfigurationError, match="tether keyring init"):
+        FileKeyring(tmp_path / "missing.json")
+    FileKeyring.create(tmp_path / "k.json")
+    with pytest.raises(tether.ConfigurationError, match="never overwritten"):
+        FileKeyring.create(tmp_path / "k.json")
+    assert oct(os.stat(tmp_path / "k.json").st_mode & 0o777) == "0o600"
+    with pytest.raises(tether.ConfigurationError, match="32"):
+        StaticKeyring({"k": b"short"}, "k")
+    with pytest.raises(tether.ConfigurationError, match="id=base64"):
+        StaticKeyring.parse("justtext")
+    parsed = StaticKeyring.parse(f"new={new_key()},old={new_key()}")
+    assert parsed.current(None) == "new"
+    monkeypatch.setenv("TETHER_ENCRYPTION_KEYS", f"k9={new_key()}")
+    from tether.encryption import keyring_from_env
+
+    found = keyring_from_env()
+    assert found is not None and found.current("anyone") == "k9"
+
+
+async def test_per_tenant_keys_are_made_once_by_concurrent_processes(tmp_path: Path) -> None:
+    FileKeyring.create(tmp_path / "keys.json", per_tenant=True)
+    rings = [FileKeyring(tmp_path / "keys.json") for _ in range(4)]
+    got = await asyncio.gather(*(asyncio.to_thread(r.current, "acme") for r in rings))
+    # the first to take the file's lock made the key; the others found it there
+    assert len(set(got)) == 1
+    assert len(FileKeyring(tmp_path / "keys.json").key(got[0])) == 32
+
+
+async def test_a_worker_without_the_key_leaves_the_run_intact_until_one_with_it_comes(
+    store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("TETHER_KEYRING", raising=False)
+    monkeypatch.delenv("TETHER_ENCRYPTION_KEYS", raising=False)
+    monkeypatch.setattr("tether._worker.KEY_HOLD", 0.3)
+    calls: list[str] = []
+
+    def build(app: tether.App) -> None:
+        @app.activity(queue="acts")
+        def double(x: str) -> str:
+            calls.append(x)
+            return x * 2
+
+        @app.workflow
+        async def wf(x: str) -> str:
+            return await double(x)
+
+    keyed = tether.App(store=store_url, encryption=_keyring(tmp_path))
+    keyless = tether.App(store=store_url)
+    build(keyed)
+    build(keyless)
+    # a workflow task it cannot read: a task error, the run left pending
+    await keyed.start("wf", "ab", run_id="r1")
+    async with keyless.worker(poll_interval=0.05):
+        for _ in range(100):
+            info = await keyed.get("r1")
+            if info.task_error:
+                break
+            await asyncio.sleep(0.05)
+    assert info.status is tether.RunStatus.PENDING and "'k1'" in (info.task_error or "")
+    # its workflow task done by a worker with the key, its activity is claimed by one
+    # without: held back again and again, never run, no attempt spent, no dead letter
+    async with keyed.worker(queues=["default"], poll_interval=0.05):
+        for _ in range(100):
+            if [e for e in await keyed.history("r1") if e.type is EventType.ACTIVITY_SCHEDULED]:
+                break
+            await asyncio.sleep(0.05)
+    async with keyless.worker(queues=["acts"], poll_interval=0.05) as w:
+        for _ in range(100):
+            if w.stats["held_unreadable"] >= 2:
+                break
+            await asyncio.sleep(0.05)
+    assert w.stats["held_unreadable"] >= 2 and calls == []
+    assert (await keyed.get("r1")).status is tether.RunStatus.RUNNING
+    assert await keyed.dead_letters() == []
+    async with keyed.worker(poll_interval=0.05):
+        assert await keyed.get_run("r1").result(timeout=30) == "abab"
+    assert calls == ["ab"]
+    starts = [e for e in await keyed.history("r1") if e.type is EventType.ACTIVITY_COMPLETED]
+    assert len(starts) == 1 and starts[0].data["attempt"] == 1
+    for a in (keyed, keyless):
+        a.store.close_sync()  # type: ignore[attr-defined]
+
+
+def _tether(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tether.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_the_keyring_commands_make_rotate_list_and_shred_keys(tmp_path: Path) -> None:
+    path = str(tmp_path / "keys.json")
+    made = _tether("keyring", "init", path, "--per-tenant")
+    assert made.returncode == 0, made.stderr
+    again = _tether("keyring", "init", path)
+    assert again.returncode == 2 and "never overwritten" in again.stderr
+    ring = FileKeyring(path)
+    acme = ring.current("acme")
+    env = {"TETHER_KEYRING": path}
+    assert _tether("keyring", "rotate", env=env).returncode == 0
+    rotated = _tether("keyring", "rotate", "--tenant", "acme", env=env)
+    assert rotated.returncode == 0 and "acme" in rotated.stderr
+    listed = json.loads(_tether("keyring", "list", env=env).stdout)
+    second = ring.current("acme")
+    assert second != acme and {k["key_id"] for k in listed} == {"k1", "k2", acme, second}
+    assert "key" not in listed[0]  # never the key bytes
+    refused = _tether("keyring", "shred", "acme", env=env)
+    assert refused.returncode == 2 and "--yes" in refused.stderr
+    shredded = _tether("keyring", "shred", "acme", "--yes", "--keyring", path)
+    assert shredded.returncode == 0
+    assert sorted(json.loads(shredded.stdout)["destroyed"]) == sorted([acme, second])
+    with pytest.raises(KeyUnavailableError, match="destroyed"):
+        FileKeyring(path).key(acme)
+    key = _tether("keyring", "new-key").stdout.strip()
+    assert len(base64.b64decode(key)) == 32
+    missing = _tether("keyring", "list", str(tmp_path / "nope.json"))
+    assert missing.returncode == 2 and "tether keyring init" in missing.stderr

@@ -1,0 +1,161 @@
+"""Payloads above a size go to the blob store by themselves (tether._codec): the history
+keeps a reference; a crash between the blob write and the commit leaves an orphan that
+is collected, never a reference to a missing blob; erasing a tenant removes its blobs."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import tether
+from tether.encryption import FileKeyring
+
+HERE = Path(__file__).parent
+BIG = 50 * 2**20
+
+
+async def _lengths(app: tether.App) -> dict[str, int]:
+    from tether.store.ops.overview import _PAYLOAD_COLUMNS
+
+    def read(tx: object) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for table, columns in _PAYLOAD_COLUMNS:
+            for column in columns:
+                sql = f"SELECT max(length({column})) FROM {table}"
+                row = tx.execute(sql).fetchone()  # type: ignore[attr-defined]
+                out[f"{table}.{column}"] = int(row[0] or 0)
+        return out
+
+    got: dict[str, int] = await app.store._do(read, write=False)  # type: ignore[attr-defined]
+    return got
+
+
+@pytest.mark.parametrize("encrypted", [False, True], ids=["plain", "encrypted"])
+async def test_a_50_mb_output_never_enters_the_events_table(
+    store_url: str, tmp_path: Path, encrypted: bool
+) -> None:
+    keys = FileKeyring.create(tmp_path / "keys.json") if encrypted else None
+    app = tether.App(store=store_url, blobs=str(tmp_path / "blobs"), encryption=keys)
+    marker = "MARKER-50MB-" + os.urandom(4).hex()
+
+    @app.activity
+    def render(n: int) -> str:
+        return marker + "x" * (n - len(marker))
+
+    @app.workflow
+    async def report(n: int) -> str:
+        text = await render(n)
+        return text[:100] + text[-100:]  # the workflow holds the text; its output is small
+
+    @app.workflow
+    async def echo(text: str) -> str:
+        return text  # a large input and output
+
+    async with app.worker(poll_interval=0.05):
+        run = await app.start(report, BIG)
+        short = await run.result(timeout=120)
+        assert short.startswith(marker) and len(short) == 200
+        big_input = "y" * (300 * 1024)
+        assert await (await app.start(echo, big_input)).result(timeout=60) == big_input
+    lengths = await _lengths(app)
+    assert max(lengths.values()) < 4_000, lengths  # references, never the payloads
+    history = await app.history(run.run_id)
+    done = [e for e in history if e.type.value == "ActivityCompleted"]
+    assert len(done) == 1  # read back through the reference, whole
+    blobs = [p for p in (tmp_path / "blobs").rglob("*") if p.is_file()]
+    assert blobs and max(p.stat().st_size for p in blobs) < BIG + 1_000
+    stored = b"".join(p.read_bytes()[:200] for p in blobs)
+    assert (marker.encode() in stored) is not encrypted  # sealed blobs when encrypted
+    app.store.close_sync()  # type: ignore[attr-defined]
+
+
+def test_a_crash_between_blob_write_and_commit_leaves_only_an_orphan(
+    store_url: str, tmp_path: Path
+) -> None:
+    blobs = tmp_path / "blobs"
+    mark = tmp_path / "crashed"
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{HERE.parent / 'src'}{os.pathsep}{HERE}",
+        "CRASH_MARK": str(mark),
+    }
+    sys.path.insert(0, str(HERE))
+    try:
+        import offload_app
+    finally:
+        sys.path.remove(str(HERE))
+    client = tether.App(store=store_url, blobs=str(blobs), offload_above=64 * 1024)
+    client._workflows = offload_app.app._workflows  # type: ignore[attr-defined]
+    run_id = asyncio.run(_start(client))
+    cmd = [sys.executable, str(HERE / "offload_app.py"), store_url, str(blobs)]
+    first = subprocess.Popen(cmd, env=env, stderr=subprocess.DEVNULL)
+    assert first.wait(60) == 9 and mark.exists()  # died after the write, before the commit
+    orphan = mark.read_text()
+    second = subprocess.Popen(cmd, env=env, stderr=subprocess.DEVNULL)
+    try:
+        assert asyncio.run(_result(client, run_id)) == 200_000
+    finally:
+        second.terminate()
+        second.wait(30)
+
+    async def check() -> None:
+        used = await client.store.blob_refs()
+        on_disk = {ref for ref, _ in client.store.blobs.refs()}  # type: ignore[union-attr]
+        assert used <= on_disk  # nothing refers to a missing blob
+        assert orphan in on_disk and orphan not in used
+        assert await client.gc_blobs(older_than=0) == {"kept": len(on_disk) - 1, "removed": 1}
+        # what the run refers to survived the collection and still reads
+        history = await client.history(run_id)
+        assert any(e.type.value == "ActivityCompleted" for e in history)
+        assert (await client.get(run_id)).output == "200000"
+
+    asyncio.run(check())
+    client.store.close_sync()  # type: ignore[attr-defined]
+
+
+async def _start(app: tether.App) -> str:
+    run = await app.start("report", 200_000, run_id="big")
+    return run.run_id
+
+
+async def _result(app: tether.App, run_id: str) -> int:
+    out: int = await app.get_run(run_id).result(timeout=60)
+    return out
+
+
+async def test_erasing_a_tenant_removes_its_offloaded_blobs_and_shreds_its_keys(
+    store_url: str, tmp_path: Path
+) -> None:
+    keys = FileKeyring.create(tmp_path / "keys.json", per_tenant=True)
+    app = tether.App(
+        store=store_url, blobs=str(tmp_path / "blobs"), encryption=keys, offload_above=1024
+    )
+
+    @app.workflow
+    async def keep(text: str) -> int:
+        return len(text)
+
+    async with app.worker(poll_interval=0.05):
+        for tenant in ("acme", "beta"):
+            for i in range(3):
+                run = await app.start(keep, tenant * 1000 + str(i), tenant=tenant)
+                await run.result(timeout=30)
+    before = {ref for ref, _ in app.store.blobs.refs()}  # type: ignore[union-attr]
+    acme = await app.store.blob_refs("acme")
+    beta = await app.store.blob_refs("beta")
+    assert acme and beta and not acme & beta and acme | beta <= before
+    counts = await app.erase_tenant("acme")
+    assert counts["runs"] == 3 and counts["blobs"] == len(acme)
+    assert counts["keys_destroyed"] == 1
+    after = {ref for ref, _ in app.store.blobs.refs()}  # type: ignore[union-attr]
+    assert after == before - acme and beta <= after
+    assert set((await app.store.orphans()).values()) == {0}
+    # the other tenant reads as before
+    for info in await app.list(tenant="beta"):
+        assert info.input.startswith('{"args":["betabeta')
+    app.store.close_sync()  # type: ignore[attr-defined]
