@@ -19,8 +19,6 @@ import argparse
 import asyncio
 import json
 import os
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -57,9 +55,9 @@ async def _w1(db: Path, runs_n: int, steps_n: int, mode: str) -> dict[str, Any]:
             wall = time.perf_counter() - t0
             cpu = time.process_time() - cpu0
         sealed = await app.store._do(  # type: ignore[attr-defined]
-            lambda tx: tx.execute("SELECT count(*) FROM events WHERE data LIKE '%~e1:%'").fetchone()[
-                0
-            ],
+            lambda tx: tx.execute(
+                "SELECT count(*) FROM events WHERE data LIKE '%~e1:%'"
+            ).fetchone()[0],
             write=False,
         )
     finally:
@@ -93,24 +91,6 @@ def _child(mode: str, runs_n: int, steps_n: int) -> None:
     print(json.dumps(out))
 
 
-def _limit(seconds: float = 2.0) -> float:
-    sys.path.insert(0, str(HERE))
-    import run as bench_run
-
-    with tempfile.TemporaryDirectory() as d:
-        sizes = bench_run.Sizes(
-            limit_seconds=seconds,
-            limit_commits=5_000,
-            w1_runs=0,
-            w1_steps=0,
-            w3_runs=0,
-            w3_warmup=0,
-            w6_steps=0,
-            w6_cold_repeats=0,
-        )
-        return float(bench_run.bench_limit(Path(d), sizes)["commits_per_s"])
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="50 runs instead of 500")
@@ -123,40 +103,16 @@ def main() -> int:
         return 0
     for name in ("TETHER_ENCRYPTION_KEYS", "TETHER_KEYRING"):
         os.environ.pop(name, None)  # the children set their own
-    limit = _limit(0.3 if args.quick else 2.0)
+    sys.path.insert(0, str(HERE))
+    import rounds
+
+    limit = rounds.raw_limit(0.3 if args.quick else 2.0)
     print(f"LIMIT (raw SQLite INSERT+COMMIT): {limit:,.0f} commits/s")
-    got: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
-    for r in range(args.repeat):
-        # interleaved (a machine slowing down hurts every mode alike), and in a rotated
-        # order each round (no mode always runs first or right after another)
-        for mode in MODES[r % len(MODES) :] + MODES[: r % len(MODES)]:
-            cmd = [sys.executable, __file__, "--child", mode]
-            if args.quick:
-                cmd.append("--quick")
-            res = subprocess.run(cmd, capture_output=True, text=True, check=False)
-            if res.returncode != 0:
-                print(res.stderr, file=sys.stderr)
-                return 1
-            one = json.loads(res.stdout.strip().splitlines()[-1])
-            got[mode].append(one)
-            print(
-                f"round {r + 1} {mode:10} {one['steps_per_s']:8,.0f} steps/s "
-                f"{one['cpu_us_per_step']:6.0f} us CPU/step"
-            )
-    base = statistics.median(x["steps_per_s"] for x in got["plain"])
-    base_cpu = statistics.median(x["cpu_us_per_step"] for x in got["plain"])
+    got = rounds.interleave(__file__, MODES, args.repeat, args.quick)
+    if got is None:
+        return 1
     print(f"\nW1 {runs_n} runs x {steps_n} steps, medians of {args.repeat}:")
-    print(
-        f"{'mode':10} {'steps/s':>9} {'/ plain':>8} {'/ LIMIT':>8} {'CPU us/step':>12} "
-        f"{'/ plain':>8}"
-    )
-    for mode in MODES:
-        sps = statistics.median(x["steps_per_s"] for x in got[mode])
-        cpu = statistics.median(x["cpu_us_per_step"] for x in got[mode])
-        print(
-            f"{mode:10} {sps:9,.0f} {sps / base:8.2f} {sps / limit:8.2f} {cpu:12.0f} "
-            f"{cpu / base_cpu:8.2f}"
-        )
+    rounds.medians(got, "plain", limit)
     return 0
 
 

@@ -27,8 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -139,24 +137,6 @@ def _child(mode: str, runs_n: int, steps_n: int) -> None:
     print(json.dumps(out))
 
 
-def _limit(seconds: float = 2.0) -> float:
-    sys.path.insert(0, str(HERE))
-    import run as bench_run
-
-    with tempfile.TemporaryDirectory() as d:
-        sizes = bench_run.Sizes(
-            limit_seconds=seconds,
-            limit_commits=5_000,
-            w1_runs=0,
-            w1_steps=0,
-            w3_runs=0,
-            w3_warmup=0,
-            w6_steps=0,
-            w6_cold_repeats=0,
-        )
-        return float(bench_run.bench_limit(Path(d), sizes)["commits_per_s"])
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="50 runs instead of 500")
@@ -168,38 +148,17 @@ def main() -> int:
     if args.child:
         _child(args.child, runs_n, steps_n)
         return 0
-    limit = _limit(0.3 if args.quick else 2.0)
+    sys.path.insert(0, str(HERE))
+    import rounds
+
+    limit = rounds.raw_limit(0.3 if args.quick else 2.0)
     print(f"LIMIT (raw SQLite INSERT+COMMIT): {limit:,.0f} commits/s")
     modes = tuple(args.modes.split(",")) if args.modes else MODES
-    got: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
-    for r in range(args.repeat):
-        for mode in modes:  # interleaved: a machine slowing down hurts every mode alike
-            cmd = [sys.executable, __file__, "--child", mode]
-            if args.quick:
-                cmd.append("--quick")
-            res = subprocess.run(cmd, capture_output=True, text=True, check=False)
-            if res.returncode != 0:
-                print(res.stderr, file=sys.stderr)
-                return 1
-            one = json.loads(res.stdout.strip().splitlines()[-1])
-            got[mode].append(one)
-            print(
-                f"round {r + 1} {mode:8} {one['steps_per_s']:8,.0f} steps/s "
-                f"{one['cpu_us_per_step']:6.0f} us CPU/step spans={one['spans']}"
-            )
-    base = statistics.median(x["steps_per_s"] for x in got["bare"])
-    base_cpu = statistics.median(x["cpu_us_per_step"] for x in got["bare"])
+    got = rounds.interleave(__file__, modes, args.repeat, args.quick)
+    if got is None:
+        return 1
     print(f"\nW1 {runs_n} runs x {steps_n} steps, medians of {args.repeat}:")
-    print(
-        f"{'mode':8} {'steps/s':>9} {'/ bare':>7} {'/ LIMIT':>8} {'CPU us/step':>12} {'/ bare':>7}"
-    )
-    for mode in modes:
-        sps = statistics.median(x["steps_per_s"] for x in got[mode])
-        cpu = statistics.median(x["cpu_us_per_step"] for x in got[mode])
-        print(
-            f"{mode:8} {sps:9,.0f} {sps / base:7.2f} {sps / limit:8.2f} {cpu:12.0f} "
-            f"{cpu / base_cpu:7.2f}"
-        )
+    rounds.medians(got, "bare" if "bare" in got else modes[0], limit)
     return 0
 
 
