@@ -323,6 +323,7 @@ def test_api_keys_scope_a_client_to_its_tenant(store_url: str) -> None:
     globex = _create_key(store_url, "--role", "operate", "--tenant", "globex")
     admin = _create_key(store_url, "--role", "admin")
     viewer = _create_key(store_url, "--role", "read", "--tenant", "acme")
+    monitor = _create_key(store_url, "--role", "monitor", "--tenant", "acme")
     server = Server(store_url, "--workers", "1")  # keys exist: required from start-up
     try:
         http = server.http
@@ -340,6 +341,25 @@ def test_api_keys_scope_a_client_to_its_tenant(store_url: str) -> None:
         got = http.get(f"{mine['links']['result']}?wait=20", headers=as_(acme)).json()
         assert got["result"]["total"] == 1100
         assert http.get(mine["links"]["self"], headers=as_(acme)).json()["tenant"] == "acme"
+        # a monitor key sees the run, its steps and times, never what it carries
+        seen = http.get(mine["links"]["self"], headers=as_(monitor)).json()
+        assert seen["status"] == "completed" and seen["result"] == "[withheld]"
+        for path in ("history", "events"):
+            full = http.get(f"{mine['links']['self']}/{path}", headers=as_(viewer)).text
+            bare = http.get(f"{mine['links']['self']}/{path}", headers=as_(monitor)).text
+            assert "A-1" in full and "1100" in full
+            assert "A-1" not in bare and "1100" not in bare and "[withheld]" in bare
+            assert "ActivityCompleted" in bare  # the steps are there
+        listed = http.get("/v1/runs", headers=as_(monitor)).json()["runs"]
+        assert [r["result"] for r in listed] == ["[withheld]"]
+        got_bare = http.get(mine["links"]["result"], headers=as_(monitor)).json()
+        assert got_bare["status"] == "completed" and got_bare["result"] == "[withheld]"
+        assert (
+            http.post("/v1/workflows/bill/runs", json=INVOICE, headers=as_(monitor)).status_code
+            == 403
+        )
+        console = http.post("/login", data={"key": monitor, "next": "/"})
+        assert console.status_code == 401 and "monitor key" in console.text.lower()
         # another tenant's key does not see it, cannot signal it, does not list it
         assert http.get(mine["links"]["self"], headers=as_(globex)).status_code == 404
         sig = http.post(f"/v1/runs/{mine['id']}/signals/x", json={}, headers=as_(globex))

@@ -6,11 +6,13 @@ again."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import sqlite3
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -282,3 +284,62 @@ def test_a_backup_taken_mid_flight_resumes_every_run_without_repeating_a_step(
             if s in at_backup[r]
         ]
     assert rerun == []  # no step recorded in the backup ran again after the restore
+
+
+async def test_workers_apply_a_tenant_s_retention_kept_in_the_store(app: tether.App) -> None:
+    """``app.configure_retention(tenant, ...)``: kept in the store, so every worker purges
+    that tenant's ended runs once older than it; other tenants' runs and its live runs
+    stay; ``None`` turns it off again."""
+
+    @app.workflow
+    async def quick(x: int) -> int:
+        return x
+
+    @app.workflow
+    async def waits() -> None:
+        await tether.wait_event("never")
+
+    with pytest.raises(tether.ConfigurationError, match="older_than"):
+        await app.configure_retention("acme", 0)
+    await app.configure_retention("acme", timedelta(hours=1))
+    await app.configure_retention("beta", timedelta(days=30))
+    await app.configure_retention("beta", None)  # off again
+    assert await app.retentions() == {"acme": 3600.0}
+    app.configure_admission("acme", max_running=50)  # its other limit stays apart
+    async with app.worker(poll_interval=0.05):
+        gone = [await app.start(quick, i, tenant="acme") for i in range(12)]
+        kept = [await app.start(quick, i, tenant="beta") for i in range(3)]
+        for r in gone + kept:
+            await r.result(timeout=20)
+        live = await app.start(waits, tenant="acme")
+    real = app.store.clock
+    app.store.clock = lambda: real() + 7200  # two hours later: past acme's retention
+    async with app.worker(poll_interval=0.05, retention_every=0.1):
+        deadline = time.monotonic() + 20
+        want = {r.run_id for r in kept} | {live.run_id}
+        while {r.run_id for r in await app.list(limit=100)} != want:
+            assert time.monotonic() < deadline, "the tenant's retention was never applied"
+            await asyncio.sleep(0.1)
+    with pytest.raises(tether.RunPurgedError):
+        await app.get(gone[0].run_id)
+    assert set((await app.store.orphans()).values()) == {0}
+
+
+def test_tether_retention_sets_and_lists_a_tenant_s_retention(tmp_path: Path) -> None:
+    db = tmp_path / "t.db"
+    tether.App(store=str(db)).store.close_sync()  # type: ignore[attr-defined]
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "tether.cli", "retention", *args, "--store", str(db)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    assert cli("set", "acme", "--older-than", "30d").returncode == 0
+    assert json.loads(cli("list").stdout) == {"acme": 30 * 86400.0}
+    both = cli("set", "acme", "--older-than", "1d", "--off")
+    assert both.returncode == 2 and "--older-than AGE or --off" in both.stderr
+    assert cli("set", "acme", "--off").returncode == 0
+    assert json.loads(cli("list").stdout) == {}

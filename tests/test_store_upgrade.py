@@ -64,6 +64,7 @@ async def test_a_version_1_sqlite_store_is_upgraded(tmp_path: Path) -> None:
     conn = sqlite3.connect(db)
     conn.execute("ALTER TABLE runs DROP COLUMN waiting_on")  # as version 1 made it
     conn.execute("ALTER TABLE runs DROP COLUMN attrs")
+    conn.execute("ALTER TABLE tenant_limits DROP COLUMN retention")  # added in version 9
     for table in NEWER_TABLES:
         conn.execute(f"DROP TABLE {table}")
     conn.execute("PRAGMA user_version = 1")
@@ -85,6 +86,7 @@ async def test_a_version_1_postgres_store_is_upgraded(pg_schema: str) -> None:
         conn.execute(f'SET search_path TO "{pg_schema}"')
         conn.execute("ALTER TABLE runs DROP COLUMN waiting_on")
         conn.execute("ALTER TABLE runs DROP COLUMN attrs")
+        conn.execute("ALTER TABLE tenant_limits DROP COLUMN retention")  # added in version 9
         for table in NEWER_TABLES:
             conn.execute(f"DROP TABLE {table}")
         conn.execute("UPDATE tether_meta SET version = 1")  # as version 1 left it

@@ -839,6 +839,24 @@ class App:
 
     # -- retention and erasure -----------------------------------------------------
 
+    async def configure_retention(self, tenant: str, older_than: float | timedelta | None) -> None:
+        """Keep ``tenant``'s ended runs for ``older_than`` (None: until purged by hand).
+
+        Kept in the store, shared by every process: each worker purges the tenant's runs
+        that ended longer ago in the background, as ``purge(older_than, tenant=)``
+        would (``Worker(retention_every=)``), alongside workflows' own ``retention``.
+        """
+        if not isinstance(tenant, str) or not tenant:
+            raise ConfigurationError(f"tenant must be a non-empty string (got {tenant!r})")
+        age = seconds(older_than, "older_than")
+        if age is not None and age <= 0:
+            raise ConfigurationError(f"older_than must be a duration > 0 (got {older_than!r})")
+        await self.store.configure_retention(tenant, age)
+
+    async def retentions(self) -> dict[str, float]:
+        """Every tenant's retention in seconds (``configure_retention``)."""
+        return await self.store.tenant_retentions()
+
     async def purge(
         self,
         older_than: float | timedelta,

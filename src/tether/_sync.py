@@ -184,6 +184,8 @@ class SyncClient:
     audit_log = _blocking(App.audit_log)
     audit = _blocking(App.audit)
     purge = _blocking(App.purge)
+    configure_retention = _blocking(App.configure_retention)
+    retentions = _blocking(App.retentions)
     erase_tenant = _blocking(App.erase_tenant)
     gc_blobs = _blocking(App.gc_blobs)
     query = _blocking(App.query)

@@ -194,13 +194,13 @@ class Worker:
                 log.info("worker %s took back %d task(s) of its predecessor", self.id, reclaimed)
         self._main = asyncio.create_task(self._serve(), name=f"tether-worker-{self.id}")
         self.app._local_workers.append(self)
-        if any(wf.retention is not None for wf in self.app.workflows()):
+        if self.retention_every > 0:  # workflows' retention, and tenants' (in the store)
             self._retention = Periodic(
                 f"tether-retention-{self.id}",
                 self._apply_retention,
                 lambda: self.retention_every,
                 log,
-                "applying workflow retention",
+                "applying retention",
             )
             self._retention.start()
 
@@ -271,23 +271,29 @@ class Worker:
         self._main = None
 
     async def _apply_retention(self) -> None:
-        """Purge the ended runs of each workflow with a ``retention`` that are older than
-        it, in batches (every worker may do it: a batch skips runs another one holds)."""
+        """Purge the ended runs of each workflow with a ``retention``, and of each tenant
+        with one (``app.configure_retention``), that are older than it, in batches
+        (every worker may do it: a batch skips runs another one holds)."""
         for wf in self.app.workflows():
-            if wf.retention is None:
-                continue
-            cutoff = self.app.store.clock() - wf.retention
-            removed = 0
-            while not self._stopping:
-                counts = await self.app.store.purge(
-                    cutoff, workflow=wf.name, tenant=None, limit=500, dry_run=False
-                )
-                removed += counts["runs"]
-                if counts["runs"] < 500:
-                    break
-            if removed:
-                count("tether_runs_purged", (wf.name,), removed)
-                log.info("retention: purged %d ended run(s) of %s", removed, wf.name)
+            if wf.retention is not None:
+                await self._purge_older(wf.retention, wf.name, None)
+        for tenant, keep in (await self.app.store.tenant_retentions()).items():
+            await self._purge_older(keep, None, tenant)
+
+    async def _purge_older(self, keep: float, workflow: str | None, tenant: str | None) -> None:
+        cutoff = self.app.store.clock() - keep
+        removed = 0
+        while not self._stopping:
+            counts = await self.app.store.purge(
+                cutoff, workflow=workflow, tenant=tenant, limit=500, dry_run=False
+            )
+            removed += counts["runs"]
+            if counts["runs"] < 500:
+                break
+        if removed:
+            label = workflow if workflow is not None else f"tenant:{tenant}"
+            count("tether_runs_purged", (label,), removed)
+            log.info("retention: purged %d ended run(s) of %s", removed, label)
 
     async def kill(self) -> None:
         """Die like a SIGKILLed process (for tests): drop everything, tell the store nothing.

@@ -24,6 +24,8 @@ from .keys import keys_create_command, keys_list_command, keys_revoke_command
 from .lifecycle import (
     erase_tenant_command,
     purge_command,
+    retention_list_command,
+    retention_set_command,
     store_backup_command,
     store_check_command,
     store_gc_blobs_command,
@@ -108,6 +110,13 @@ def _build() -> typer.Typer:
         create=keys_create_command,
         list=keys_list_command,
         revoke=keys_revoke_command,
+    )
+    _group(
+        cli,
+        "retention",
+        "How long each tenant's ended runs are kept (workers purge older ones).",
+        set=retention_set_command,
+        list=retention_list_command,
     )
     _group(
         cli,

@@ -29,8 +29,9 @@ def keys_create_command(
         str,
         typer.Option(
             "--role",
-            help="read (look), operate (also start, signal, cancel, decide) or admin (also "
-            "terminate, fork; may act for every tenant).",
+            help="monitor (look, payloads withheld), read (look), operate (also start, "
+            "signal, cancel, decide) or admin (also terminate, fork; may act for every "
+            "tenant).",
         ),
     ] = "operate",
     tenant: Annotated[

@@ -92,6 +92,44 @@ def erase_tenant_command(
     _dump(_run(go()))
 
 
+def retention_set_command(
+    tenant: Annotated[str, typer.Argument(metavar="TENANT", help="The tenant.")],
+    older_than: Annotated[
+        str | None,
+        typer.Option("--older-than", metavar="AGE", help="Keep ended runs this long: 30d."),
+    ] = None,
+    off: Annotated[bool, typer.Option("--off", help="Keep its runs until purged by hand.")] = False,
+    store: Annotated[str | None, _store_option()] = None,
+    app: Annotated[str | None, _app_option()] = None,
+) -> None:
+    """Set how long a tenant's ended runs are kept: every worker purges older ones in the
+    background (kept in the store, shared by every process)."""
+    if (older_than is None) == (not off):
+        _fail("give --older-than AGE or --off", EXIT_USAGE)
+    age = None if off else parse_age(older_than or "")
+
+    async def go() -> None:
+        async with _opened(_client_app(store, app)) as a:
+            await a.configure_retention(tenant, age)
+            await a.store.audit(cli_actor(), "retention", f"tenant:{tenant}", {"seconds": age})
+
+    _run(go())
+    _note(f"tenant {tenant!r}: " + ("runs kept" if off else f"ended runs kept {older_than}"))
+
+
+def retention_list_command(
+    store: Annotated[str | None, _store_option()] = None,
+    app: Annotated[str | None, _app_option()] = None,
+) -> None:
+    """Every tenant's retention, in seconds, as JSON."""
+
+    async def go() -> dict[str, float]:
+        async with _opened(_client_app(store, app)) as a:
+            return await a.retentions()
+
+    _dump(_run(go()))
+
+
 def store_gc_blobs_command(
     older_than: Annotated[
         str, typer.Option("--older-than", metavar="AGE", help="Grace period: 1h.")

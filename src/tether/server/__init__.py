@@ -53,6 +53,7 @@ from ._auth import AuthError, Principal, actor_of, authenticate
 from ._interact import install_interactions
 from ._limits import BodyLimit, RateLimiter
 from ._models import (
+    WITHHELD,
     HistoryPage,
     ResultView,
     RunPage,
@@ -182,6 +183,11 @@ def create_api(
             principal.require(role, action)
         return principal
 
+    def shows(request: Request) -> bool:
+        """Whether the caller may see payloads (a ``monitor`` key may not)."""
+        principal: Principal | None = request.state.principal
+        return principal is None or principal.sees_payloads
+
     def scope(request: Request) -> str | None:
         """The tenant the caller's queries are limited to (None: every tenant)."""
         principal: Principal | None = request.state.principal
@@ -304,7 +310,7 @@ def create_api(
 
     @api.get("/v1/runs/{run_id}", summary="A run's status resource", response_model=RunView)
     async def get_run(run_id: str, request: Request) -> RunView:
-        return run_view(await visible(request, run_id))
+        return run_view(await visible(request, run_id), shows(request))
 
     @api.get(
         "/v1/runs/{run_id}/result",
@@ -329,7 +335,7 @@ def create_api(
         except WorkflowFailedError:
             pass
         info = await app.get(run_id)
-        view = run_view(info)
+        view = run_view(info, shows(request))
         return ResultView(id=info.run_id, status=view.status, result=view.result, error=view.error)
 
     @api.get(
@@ -347,7 +353,7 @@ def create_api(
         more = len(events) > limit
         return HistoryPage(
             run_id=info.run_id,
-            events=[event_view(e) for e in page],
+            events=[event_view(e, shows(request)) for e in page],
             next_after=page[-1].seq if page and more else None,
         )
 
@@ -385,7 +391,7 @@ def create_api(
         )
         page = infos[:limit]
         nxt = _cursor(page[-1].created_at, page[-1].run_id) if len(infos) > limit else None
-        return RunPage(runs=[run_view(i) for i in page], next_cursor=nxt)
+        return RunPage(runs=[run_view(i, shows(request)) for i in page], next_cursor=nxt)
 
     @api.get(
         "/v1/runs/{run_id}/events",
@@ -401,7 +407,7 @@ def create_api(
         info = await visible(request, run_id, follow=False)  # 404 before the stream starts
         start = int(last_event_id) if last_event_id and last_event_id.isdigit() else after
         return StreamingResponse(
-            hub.stream(info.run_id, start, request),
+            hub.stream(info.run_id, start, request, shows(request)),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -464,11 +470,12 @@ def create_api(
             tenant=scope(request),
             limit=limit,
         )
-        return [dataclasses.asdict(r) for r in reviews]
+        return [_shown(dataclasses.asdict(r), shows(request), "proposal") for r in reviews]
 
     @api.get("/v1/approvals/{approval_id}", summary="One review, with its proposal and fingerprint")
     async def get_approval(approval_id: str, request: Request) -> dict[str, Any]:
-        return dataclasses.asdict(await review_of(request, approval_id))
+        review = dataclasses.asdict(await review_of(request, approval_id))
+        return _shown(review, shows(request), "proposal")
 
     @api.post(
         "/v1/approvals/{approval_id}/decision",
@@ -570,11 +577,15 @@ def create_api(
         letters = await app.dead_letters(
             include_resolved=include_resolved, run_id=run_id, limit=limit, tenant=scope(request)
         )
-        return [dataclasses.asdict(d) for d in letters]
+        return [
+            _shown(dataclasses.asdict(d), shows(request), "input", "error", "resolution")
+            for d in letters
+        ]
 
     @api.get("/v1/dead-letters/{letter_id}", summary="One dead letter, with its input and error")
     async def get_dead_letter(letter_id: int, request: Request) -> dict[str, Any]:
-        return dataclasses.asdict(await letter_of(request, letter_id))
+        letter = dataclasses.asdict(await letter_of(request, letter_id))
+        return _shown(letter, shows(request), "input", "error", "resolution")
 
     @api.post(
         "/v1/dead-letters/{letter_id}/replay",
@@ -589,6 +600,13 @@ def create_api(
         return {"id": letter_id, "replayed": True, "outcome": jsonable_encoder(outcome)}
 
     return api
+
+
+def _shown(item: dict[str, Any], payloads: bool, *keys: str) -> dict[str, Any]:
+    """``item`` with ``keys`` withheld unless the caller may see payloads."""
+    if payloads:
+        return item
+    return {k: WITHHELD if k in keys and v is not None else v for k, v in item.items()}
 
 
 def _delivery(row: tuple[Any, ...]) -> dict[str, Any]:

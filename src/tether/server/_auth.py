@@ -3,6 +3,10 @@
 A key is ``tether_<key id>.<secret>``; the store keeps only a SHA-256 of the secret
 (secrets are 256 random bits, so a fast hash is enough). Each key has a role:
 
+- ``monitor``: look at runs, histories and event streams without their payloads
+  (inputs, results, arguments, signals, custom status, proposals and error messages
+  are withheld; statuses, steps, times and error types are shown), for dashboards
+  and people who must not see the data;
 - ``read``: look at runs, histories, event streams, reviews and dead letters;
 - ``operate``: also start, signal, cancel, suspend, resume and retry runs, decide
   reviews and replay dead letters;
@@ -23,7 +27,7 @@ from dataclasses import dataclass
 
 from ..store.base import Store
 
-ROLES = ("read", "operate", "admin")
+ROLES = ("monitor", "read", "operate", "admin")
 #: the role keys created before roles were split were called (it operates)
 _LEGACY = {"client": "operate"}
 PREFIX = "tether_"
@@ -52,6 +56,11 @@ class Principal:
     def sees(self, tenant: str | None) -> bool:
         """Whether a run of ``tenant`` exists for this key."""
         return self.tenant is None or tenant == self.tenant
+
+    @property
+    def sees_payloads(self) -> bool:
+        """Whether this key may see what runs carry (every role but ``monitor``)."""
+        return self.role != "monitor"
 
     def require(self, role: str, action: str) -> None:
         """Raise 403 unless this key's role includes ``role``."""

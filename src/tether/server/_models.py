@@ -3,6 +3,7 @@ built from the workflow function's own annotations (so the OpenAPI document show
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import re
@@ -11,6 +12,7 @@ from urllib.parse import quote
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
+from .._codec import SECRET_KEYS
 from .._definitions import Workflow
 from .._history import Event, RunInfo
 
@@ -131,8 +133,43 @@ def links(run_id: str) -> Links:
     )
 
 
-def run_view(info: RunInfo) -> RunView:
-    """``RunInfo`` as the API shows it (the result decoded from its JSON)."""
+#: what a key that may not see payloads gets in their place (role ``monitor``)
+WITHHELD = "[withheld]"
+#: the keys of event data that hold payloads (besides the free-text SECRET_KEYS)
+PAYLOAD_KEYS = frozenset({"args", "kwargs", "result", "input", "output", "value", "payload"})
+
+
+def withhold(data: dict[str, Any]) -> dict[str, Any]:
+    """Event data with its payloads and free text replaced by ``WITHHELD``."""
+    return {k: WITHHELD if k in PAYLOAD_KEYS or k in SECRET_KEYS else v for k, v in data.items()}
+
+
+def _error_type(error: dict[str, Any] | None) -> dict[str, Any] | None:
+    """An error as a key without payloads sees it: its type (and the cause's)."""
+    if not error:
+        return error
+    out: dict[str, Any] = {"type": error.get("type"), "message": WITHHELD}
+    if isinstance(error.get("cause"), dict):
+        out["cause"] = _error_type(error["cause"])
+    return out
+
+
+def run_view(info: RunInfo, payloads: bool = True) -> RunView:
+    """``RunInfo`` as the API shows it (the result decoded from its JSON); without
+    ``payloads``, its result, custom status and error message withheld."""
+    if not payloads:
+        return run_view(
+            dataclasses.replace(
+                info,
+                output=json.dumps(WITHHELD) if info.output else None,
+                error=_error_type(info.error),
+                custom_status=(
+                    {"progress": info.custom_status["progress"]}
+                    if _progress(info.custom_status)
+                    else None
+                ),
+            )
+        )
     return RunView(
         id=info.run_id,
         workflow=info.workflow,
@@ -164,10 +201,14 @@ def _progress(status: Any) -> Progress | None:
     return None
 
 
-def event_view(e: Event) -> EventView:
-    """One event as the API shows it."""
+def event_view(e: Event, payloads: bool = True) -> EventView:
+    """One event as the API shows it (without ``payloads``: ``withhold``)."""
     return EventView(
-        seq=e.seq, type=e.type.value, step=e.step, data=e.data, created_at=e.created_at
+        seq=e.seq,
+        type=e.type.value,
+        step=e.step,
+        data=e.data if payloads else withhold(e.data),
+        created_at=e.created_at,
     )
 
 

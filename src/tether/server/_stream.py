@@ -70,9 +70,12 @@ class EventHub:
             for ev in self._following.get(run_id, ()):
                 ev.set()
 
-    async def stream(self, run_id: str, after: int, request: Request) -> AsyncIterator[str]:
+    async def stream(
+        self, run_id: str, after: int, request: Request, payloads: bool = True
+    ) -> AsyncIterator[str]:
         """The run's events after ``after`` as SSE messages (``id`` is the event's seq),
-        then new ones as they are committed, until the run has ended and all was sent."""
+        then new ones as they are committed, until the run has ended and all was sent
+        (without ``payloads``: events withheld as ``event_view`` does, no model tokens)."""
         woken = asyncio.Event()
         self._following.setdefault(run_id, set()).add(woken)
         loop = asyncio.get_running_loop()
@@ -81,11 +84,13 @@ class EventHub:
             while True:
                 woken.clear()  # before the read: a commit during it wakes the next wait
                 for item in self._tokens.pop(woken, ()):
+                    if not payloads:
+                        continue
                     yield f"event: token\ndata: {json.dumps(item, separators=(',', ':'))}\n\n"
                 events = await self._app.store.read_history(run_id, after)
                 for e in events:
                     after = e.seq
-                    yield _message(e)
+                    yield _message(e, payloads)
                 if events:
                     quiet_since = loop.time()
                 else:
@@ -95,7 +100,7 @@ class EventHub:
                         # read once more, so its last events are sent before the end
                         for e in await self._app.store.read_history(run_id, after):
                             after = e.seq
-                            yield _message(e)
+                            yield _message(e, payloads)
                         if info.continued_to:
                             nxt = json.dumps({"next": info.continued_to})
                             yield f"event: continued\ndata: {nxt}\n\n"
@@ -118,7 +123,7 @@ class EventHub:
                     del self._following[run_id]
 
 
-def _message(event: Event) -> str:
+def _message(event: Event, payloads: bool = True) -> str:
     """One history event as an SSE message (``id`` is its seq, for reconnects)."""
-    payload = json.dumps(event_view(event).model_dump(), separators=(",", ":"))
+    payload = json.dumps(event_view(event, payloads).model_dump(), separators=(",", ":"))
     return f"id: {event.seq}\nevent: {event.type.value}\ndata: {payload}\n\n"

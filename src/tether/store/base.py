@@ -363,6 +363,14 @@ class Store(abc.ABC):
         """(why, when) if the run was purged."""
 
     @abc.abstractmethod
+    async def configure_retention(self, tenant: str, seconds: float | None) -> None:
+        """Keep the tenant's ended runs ``seconds`` (None: until purged by hand)."""
+
+    @abc.abstractmethod
+    async def tenant_retentions(self) -> dict[str, float]:
+        """Every tenant with a retention, and its seconds."""
+
+    @abc.abstractmethod
     async def orphans(self) -> dict[str, int]:
         """Rows naming a run (or schedule) the store does not have, per table."""
 

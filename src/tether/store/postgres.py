@@ -66,7 +66,7 @@ from .ops.tasks import _heartbeat, _renew
 log = logging.getLogger("tether.store")
 
 
-_SCHEMA_VERSION = 8
+_SCHEMA_VERSION = 9
 #: statements that bring a store of the version before up to this one
 _UPGRADES: dict[int, tuple[str, ...]] = {
     2: ("ALTER TABLE runs ADD COLUMN IF NOT EXISTS waiting_on TEXT",),
@@ -125,6 +125,7 @@ _UPGRADES: dict[int, tuple[str, ...]] = {
         "reason TEXT NOT NULL, purged_at DOUBLE PRECISION NOT NULL)",
         "CREATE INDEX IF NOT EXISTS dead_letters_by_run ON dead_letters (run_id)",
     ),
+    9: ("ALTER TABLE tenant_limits ADD COLUMN IF NOT EXISTS retention DOUBLE PRECISION",),
 }
 #: task columns added during development, missing from schemas made by older builds
 _TASK_COLUMNS = ("priority", "limit_key", "heartbeat_timeout", "dependency", "batch_key")

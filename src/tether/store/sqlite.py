@@ -57,7 +57,7 @@ _OWN_TABLES = {
 }
 
 
-_SCHEMA_VERSION = 8
+_SCHEMA_VERSION = 9
 #: statements that bring a store of the version before up to this one
 _UPGRADES: dict[int, tuple[str, ...]] = {
     2: ("ALTER TABLE runs ADD COLUMN waiting_on TEXT",),
@@ -114,6 +114,7 @@ _UPGRADES: dict[int, tuple[str, ...]] = {
         "reason TEXT NOT NULL, purged_at REAL NOT NULL)",
         "CREATE INDEX IF NOT EXISTS dead_letters_by_run ON dead_letters (run_id)",
     ),
+    9: ("ALTER TABLE tenant_limits ADD COLUMN retention REAL",),
 }
 
 

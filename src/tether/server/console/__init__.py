@@ -56,7 +56,10 @@ def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
     cache: dict[str | None, tuple[float, dict[str, Any]]] = {}
 
     async def who(request: Request) -> Principal | None:
-        return await principal_of(request, app.store, auth)
+        principal = await principal_of(request, app.store, auth)
+        if principal is not None and not principal.sees_payloads:
+            raise AuthError(403, "Monitor key", "the console needs a read key or above")
+        return principal
 
     def page(request: Request, name: str, principal: Principal | None, **ctx: Any) -> Response:
         ctx |= {
@@ -104,7 +107,14 @@ def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
         if not nxt.startswith("/") or nxt.startswith("//"):
             nxt = "/"  # never redirect off this site
         try:
-            await authenticate(app.store, f"Bearer {key}")
+            principal = await authenticate(app.store, f"Bearer {key}")
+            if not principal.sees_payloads:
+                raise AuthError(
+                    403,
+                    "Monitor key",
+                    "a monitor key sees no payloads, and the console shows them: sign in "
+                    "with a read key or above (monitor keys are for the API and dashboards)",
+                )
         except AuthError as exc:
             return templates.TemplateResponse(
                 request,

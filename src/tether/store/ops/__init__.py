@@ -324,6 +324,13 @@ class OpsStore(Store):
         )
         return counts
 
+    async def configure_retention(self, tenant: str, seconds: float | None) -> None:
+        await self._do(_configure_retention, tenant, seconds)
+
+    async def tenant_retentions(self) -> dict[str, float]:
+        got: dict[str, float] = await self._do(_tenant_retentions, write=False)
+        return got
+
     async def purged_run(self, run_id: str) -> tuple[str, float] | None:
         got: tuple[str, float] | None = await self._do(_purged_run, run_id, write=False)
         return got
@@ -543,7 +550,14 @@ from .keys import (  # noqa: E402
 from .overview import _blob_refs, _open_counts, _run_counts, _run_outcomes, _spend_on  # noqa: E402
 from .queues import _configure_queue, _pause_queue, _queue_stats  # noqa: E402
 from .recovery import _claim_dead_letter, _dead_letters, _fork_run, _resolve_dead_letter, _retry_run  # noqa: E402
-from .retention import _erase_tenant_batch, _orphans, _purge_batch, _purged_run  # noqa: E402
+from .retention import (  # noqa: E402
+    _configure_retention,
+    _erase_tenant_batch,
+    _orphans,
+    _purge_batch,
+    _purged_run,
+    _tenant_retentions,
+)
 from .runs import _create_run, _get_run, _list_runs  # noqa: E402
 from .schedules import (  # noqa: E402
     _delete_schedule,

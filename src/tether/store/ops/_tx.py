@@ -73,14 +73,19 @@ class _Tx:
         return codec.encode(text, tenant)
 
     def seal_error(self, text: str | None, run_id: str | None = None) -> str | None:
-        """An error's JSON as stored: sealed except its type (runs are filtered by it)."""
+        """An error's JSON as stored: sealed except its type and its cause's type and
+        step name (runs are filtered by them)."""
         if self.codec is None or text is None:
             return text
         try:
-            kind = json.loads(text).get("type")
-        except (ValueError, AttributeError):
-            kind = None
-        return dumps({"type": kind, "sealed": self.seal(text, run_id)})
+            error = json.loads(text)
+        except ValueError:
+            error = None
+        shown: dict[str, Any] = {"type": error.get("type") if isinstance(error, dict) else None}
+        cause = error.get("cause") if isinstance(error, dict) else None
+        if isinstance(cause, dict):
+            shown["cause"] = {k: cause[k] for k in ("type", "activity") if k in cause}
+        return dumps({**shown, "sealed": self.seal(text, run_id)})
 
     def data(self, run_id: str, data: dict[str, Any], raw: dict[str, str] | None) -> str:
         """An event's data column: its JSON; offloaded whole when large, and with

@@ -117,6 +117,24 @@ def _deleted(tx: _Tx, from_where: str, args: Any) -> int:
     return len(tx.execute(f"DELETE {from_where} RETURNING 1", args).fetchall())
 
 
+def _configure_retention(tx: _Tx, tenant: str, seconds: float | None) -> None:
+    """Keep the tenant's ended runs ``seconds`` (None: for ever), in its limits row."""
+    tx.execute(
+        "INSERT INTO tenant_limits (tenant, max_running, updated_at, retention) "
+        "VALUES (?, NULL, ?, ?) ON CONFLICT (tenant) DO UPDATE SET "
+        "retention = excluded.retention, updated_at = excluded.updated_at",
+        (tenant, tx.now, seconds),
+    )
+
+
+def _tenant_retentions(tx: _Tx) -> dict[str, float]:
+    """Every tenant with a retention: how many seconds its ended runs are kept."""
+    rows = tx.execute(
+        "SELECT tenant, retention FROM tenant_limits WHERE retention IS NOT NULL AND tenant <> ''"
+    ).fetchall()
+    return {r[0]: float(r[1]) for r in rows}
+
+
 def _purged_run(tx: _Tx, run_id: str) -> tuple[str, float] | None:
     """(why, when) if the run was purged."""
     row = tx.execute(

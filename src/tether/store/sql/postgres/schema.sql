@@ -144,7 +144,8 @@ CREATE TABLE IF NOT EXISTS queue_limits (
 CREATE TABLE IF NOT EXISTS tenant_limits (
     tenant       TEXT PRIMARY KEY,
     max_running  INTEGER,
-    updated_at   DOUBLE PRECISION NOT NULL
+    updated_at   DOUBLE PRECISION NOT NULL,
+    retention    DOUBLE PRECISION  -- seconds an ended run of the tenant is kept (NULL: ever)
 );
 
 -- Debounced starts (app.start_debounced): one row per key holds the last input; a
