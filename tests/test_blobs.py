@@ -107,3 +107,20 @@ async def test_orphans_are_collected_after_the_grace_period(blob_app: tether.App
     assert app.read_blob(kept) and app.read_blob(fresh)
     with pytest.raises(tether.BlobError):
         app.read_blob(orphan)
+
+
+async def test_putting_bytes_already_stored_restarts_their_grace_period(
+    blob_app: tether.App,
+) -> None:
+    """An attempt that puts bytes another (since purged) run had put refers to the blob
+    it finds there: the put makes it young again, so gc cannot remove it between the
+    put and the commit that refers to it."""
+    app = blob_app
+    first = app.put_blob(b"the same document")
+    digest = first.ref.removeprefix("sha256:")
+    path = Path(app.store.blobs.root) / "sha256" / digest[:2] / digest[2:]  # type: ignore[union-attr]
+    old = time.time() - 7200
+    os.utime(path, (old, old))
+    again = app.put_blob(b"the same document")  # an attempt still running, not committed
+    assert again.ref == first.ref and path.stat().st_mtime > old + 3600
+    assert await app.gc_blobs(older_than=3600) == {"kept": 1, "removed": 0}

@@ -337,3 +337,65 @@ def test_the_keyring_commands_make_rotate_list_and_shred_keys(tmp_path: Path) ->
     assert len(base64.b64decode(key)) == 32
     missing = _tether("keyring", "list", str(tmp_path / "nope.json"))
     assert missing.returncode == 2 and "tether keyring init" in missing.stderr
+
+
+def _rows_text(store_url: str) -> str:
+    """Every row of every table, as text (not the file's free pages)."""
+    if store_url.startswith("sqlite:///"):
+        import sqlite3
+
+        conn = sqlite3.connect(store_url[len("sqlite:///") :])
+        try:
+            return "\n".join(conn.iterdump())
+        finally:
+            conn.close()
+    return _pg_text(store_url.rsplit("schema=", 1)[1])
+
+
+async def test_reseal_seals_old_plaintext_and_moves_everything_to_the_current_key(
+    store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("TETHER_KEYRING", raising=False)
+    monkeypatch.delenv("TETHER_ENCRYPTION_KEYS", raising=False)
+    plain = tether.App(store=store_url)  # before encryption was turned on
+    _register(plain)
+    async with plain.worker(poll_interval=0.05):
+        run = await plain.start("flow", f"hello {CANARY}", run_id="r1")
+        await plain.signal("r1", "note", {"text": f"signal {CANARY}"})
+        await run.result(timeout=30)
+        with pytest.raises(tether.WorkflowFailedError):
+            await (await plain.start("failing", f"input {CANARY}", run_id="r2")).result(30)
+    plain.store.close_sync()  # type: ignore[attr-defined]
+    assert CANARY in _rows_text(store_url)
+
+    keys = _keyring(tmp_path)
+    app = tether.App(store=store_url, encryption=keys)
+    _register(app)
+    first = await app.reseal(batch=3)  # small batches: the paging is exercised
+    assert first["runs"] and first["events"] and first["dead_letters"]
+    assert CANARY not in _rows_text(store_url)
+    assert await app.reseal() == dict.fromkeys(first, 0)  # nothing left to do
+    keys.rotate()  # k2: new data under it; reseal moves the old
+    moved = await app.reseal()
+    assert sum(moved.values()) == sum(first.values())
+    text = _rows_text(store_url)
+    assert "~e1:k1:" not in text and "~e1:k2:" in text
+    app.store.close_sync()  # type: ignore[attr-defined]
+    # k1 can go: everything reads with k2 alone
+    only_k2 = tether.App(store=store_url, encryption=StaticKeyring({"k2": keys.key("k2")}, "k2"))
+    assert CANARY in (await only_k2.get("r1")).input
+    assert any(CANARY in str(e.data) for e in await only_k2.history("r1"))
+    failed = await only_k2.get("r2")
+    assert failed.error is not None and CANARY in failed.error["message"]
+    assert [r.run_id for r in await only_k2.list(error_type=failed.error["type"])] == ["r2"]
+    only_k2.store.close_sync()  # type: ignore[attr-defined]
+    without = tether.App(store=store_url)
+    with pytest.raises(tether.ConfigurationError, match="keyring"):
+        await without.reseal()
+    without.store.close_sync()  # type: ignore[attr-defined]
+    # from a shell, with the keyring in the environment: nothing left to reseal
+    done = _tether("store", "reseal", "--store", store_url, env={"TETHER_KEYRING": str(keys.path)})
+    assert done.returncode == 0, done.stderr
+    assert set(json.loads(done.stdout).values()) == {0}
+    refused = _tether("store", "reseal", "--store", store_url)
+    assert refused.returncode == 2 and "keyring" in refused.stderr

@@ -839,6 +839,30 @@ class App:
 
     # -- retention and erasure -----------------------------------------------------
 
+    async def reseal(self, *, batch: int = 500) -> dict[str, int]:
+        """Seal every stored payload under the current keys: values sealed under an older
+        key (so it can be retired) and values written before encryption was on. A batch
+        per transaction, so workers go on meanwhile. Offloaded payloads stay as they are.
+        Returns the values rewritten per table."""
+        codec = self.store.codec
+        if codec is None or codec.sealer is None:
+            raise ConfigurationError(
+                "reseal needs a keyring: App(encryption=...), TETHER_KEYRING or "
+                "TETHER_ENCRYPTION_KEYS"
+            )
+        from .store.ops.reseal import TABLES
+
+        out: dict[str, int] = {}
+        for table in TABLES:
+            after: list[Any] | None = None
+            out[table] = 0
+            while True:
+                n, after = await self.store.reseal_batch(table, after, batch)
+                out[table] += n
+                if after is None:
+                    break
+        return out
+
     async def configure_retention(self, tenant: str, older_than: float | timedelta | None) -> None:
         """Keep ``tenant``'s ended runs for ``older_than`` (None: until purged by hand).
 

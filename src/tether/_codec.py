@@ -28,6 +28,8 @@ OFFLOAD_ABOVE = 256 * 1024
 SEALED_FIELD = "~"
 #: the keys of event data that may carry a user's words (besides the payloads): sealed
 SECRET_KEYS = frozenset({"error", "reason", "message", "traceback", "note", "detail", "decision"})
+#: the keys of event data that hold payloads (pre-encoded when written)
+PAYLOAD_KEYS = frozenset({"args", "kwargs", "result", "input", "output", "value", "payload"})
 #: the pre-encoded parts of event data that are tether's bookkeeping, not payloads
 PLAIN_RAW = frozenset({"through", "time"})
 

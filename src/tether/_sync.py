@@ -185,6 +185,7 @@ class SyncClient:
     audit = _blocking(App.audit)
     purge = _blocking(App.purge)
     configure_retention = _blocking(App.configure_retention)
+    reseal = _blocking(App.reseal)
     retentions = _blocking(App.retentions)
     erase_tenant = _blocking(App.erase_tenant)
     gc_blobs = _blocking(App.gc_blobs)

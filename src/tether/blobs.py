@@ -13,6 +13,7 @@ once it is older than a grace period (so blobs of attempts still running are kep
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import os
@@ -87,10 +88,18 @@ class BlobStore:
         if self.sealer is not None and not sealed:
             data = self.sealer.seal_bytes(data)
         path = self._path(digest)
+        # a blob that is there already gets a new modification time: a reference to it is
+        # about to be committed, and gc spares blobs younger than its grace period
         if self._fs is not None:
             if not self._fs.exists(path):
                 self._fs.pipe_file(path, data)
-        elif not os.path.exists(path):
+            else:
+                with contextlib.suppress(Exception):  # not every filesystem can touch
+                    self._fs.touch(path, truncate=False)
+        elif os.path.exists(path):
+            with contextlib.suppress(OSError):
+                os.utime(path)
+        else:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
             try:

@@ -29,6 +29,7 @@ from .lifecycle import (
     store_backup_command,
     store_check_command,
     store_gc_blobs_command,
+    store_reseal_command,
     store_restore_command,
 )
 from .queues import queues_command
@@ -92,6 +93,7 @@ def _build() -> typer.Typer:
         backup=store_backup_command,
         restore=store_restore_command,
         check=store_check_command,
+        reseal=store_reseal_command,
         **{"gc-blobs": store_gc_blobs_command},
     )
     cli.command("purge")(purge_command)

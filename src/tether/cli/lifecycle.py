@@ -10,8 +10,10 @@ from typing import Annotated, Any
 
 import typer
 
+from .._errors import ConfigurationError
 from ._common import (
     EXIT_USAGE,
+    UsageError,
     _app_option,
     _client_app,
     _dump,
@@ -128,6 +130,30 @@ def retention_list_command(
             return await a.retentions()
 
     _dump(_run(go()))
+
+
+def store_reseal_command(
+    batch: Annotated[int, typer.Option("--batch", help="Rows per transaction.")] = 500,
+    store: Annotated[str | None, _store_option()] = None,
+    app: Annotated[str | None, _app_option()] = None,
+) -> None:
+    """Seal every stored payload under the current keys (TETHER_KEYRING): what an older
+    key sealed, so that key can be retired, and what was written before encryption was
+    turned on. Workers may keep running. On SQLite, VACUUM afterwards so no old bytes
+    stay in the file's free pages."""
+
+    async def go() -> dict[str, int]:
+        async with _opened(_client_app(store, app)) as a:
+            try:
+                counts = await a.reseal(batch=batch)
+            except ConfigurationError as exc:
+                raise UsageError(str(exc)) from None
+            await a.store.audit(cli_actor(), "reseal", "store", counts)
+            return counts
+
+    counts = _run(go())
+    _dump(counts)
+    _note(f"resealed {sum(counts.values())} value(s)")
 
 
 def store_gc_blobs_command(

@@ -12,7 +12,7 @@ from urllib.parse import quote
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 
-from .._codec import SECRET_KEYS
+from .._codec import PAYLOAD_KEYS, SECRET_KEYS
 from .._definitions import Workflow
 from .._history import Event, RunInfo
 
@@ -135,8 +135,6 @@ def links(run_id: str) -> Links:
 
 #: what a key that may not see payloads gets in their place (role ``monitor``)
 WITHHELD = "[withheld]"
-#: the keys of event data that hold payloads (besides the free-text SECRET_KEYS)
-PAYLOAD_KEYS = frozenset({"args", "kwargs", "result", "input", "output", "value", "payload"})
 
 
 def withhold(data: dict[str, Any]) -> dict[str, Any]:

@@ -363,6 +363,13 @@ class Store(abc.ABC):
         """(why, when) if the run was purged."""
 
     @abc.abstractmethod
+    async def reseal_batch(
+        self, table: str, after: list[Any] | None, limit: int
+    ) -> tuple[int, list[Any] | None]:
+        """Seal up to ``limit`` rows' payloads of ``table`` (after key ``after``) under the
+        current keys; (values rewritten, the key to go on after, None when done)."""
+
+    @abc.abstractmethod
     async def configure_retention(self, tenant: str, seconds: float | None) -> None:
         """Keep the tenant's ended runs ``seconds`` (None: until purged by hand)."""
 

@@ -324,6 +324,12 @@ class OpsStore(Store):
         )
         return counts
 
+    async def reseal_batch(
+        self, table: str, after: list[Any] | None, limit: int
+    ) -> tuple[int, list[Any] | None]:
+        got: tuple[int, list[Any] | None] = await self._do(_reseal_batch, table, after, limit)
+        return got
+
     async def configure_retention(self, tenant: str, seconds: float | None) -> None:
         await self._do(_configure_retention, tenant, seconds)
 
@@ -550,6 +556,7 @@ from .keys import (  # noqa: E402
 from .overview import _blob_refs, _open_counts, _run_counts, _run_outcomes, _spend_on  # noqa: E402
 from .queues import _configure_queue, _pause_queue, _queue_stats  # noqa: E402
 from .recovery import _claim_dead_letter, _dead_letters, _fork_run, _resolve_dead_letter, _retry_run  # noqa: E402
+from .reseal import _reseal_batch  # noqa: E402
 from .retention import (  # noqa: E402
     _configure_retention,
     _erase_tenant_batch,

@@ -1,0 +1,122 @@
+"""Sealing stored payloads again under the current keys (``tether store reseal``).
+
+After a key rotation, data sealed under the old key stays readable as long as the
+key is kept; to retire the key, every value sealed under it is rewritten under the
+current one. The same pass seals values written before encryption was turned on. It
+walks one table at a time in primary-key order, a batch per transaction, and writes a
+value only if it is still what it read (a worker writing the row meanwhile wrote it
+sealed under the current key already). Offloaded payloads (``~b1:``) are left as they
+are: their blob would have to be written again under a new reference.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, cast
+
+from ..._codec import OFFLOADED, PAYLOAD_KEYS, SEALED_FIELD, SECRET_KEYS, decode_text
+from ...encryption import PREFIX as SEALED
+from ._tx import _json, _Tx
+
+#: each table with payload columns: its key columns and its payload columns
+TABLES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "runs": (("run_id",), ("input", "output", "error", "custom_status", "task_error")),
+    "events": (("run_id", "seq"), ("data",)),
+    "tasks": (("task_id",), ("payload", "heartbeat", "last_error")),
+    "dead_letters": (("id",), ("input", "error", "resolution")),
+    "approvals": (("approval_id",), ("proposal", "reason")),
+    "debounces": (("debounce_key",), ("input",)),
+    "schedules": (("schedule_id",), ("input",)),
+    "webhook_outbox": (("delivery_id",), ("output", "error")),
+    "ai_cache": (("cache_key",), ("value",)),
+}
+#: columns holding an error's JSON (sealed with its types outside: ``_Tx.seal_error``)
+_ERRORS = {("runs", "error"), ("tasks", "last_error"), ("dead_letters", "error")}
+_ERRORS.add(("webhook_outbox", "error"))
+#: tables whose rows name a run (sealed under the run's tenant's key)
+_BY_RUN = {"runs", "events", "tasks", "dead_letters", "approvals", "webhook_outbox"}
+
+
+def _reseal_batch(
+    tx: _Tx, table: str, after: list[Any] | None, limit: int
+) -> tuple[int, list[Any] | None]:
+    """Reseal up to ``limit`` rows of ``table`` after key ``after``; (values rewritten,
+    the last key seen, None when the table is done)."""
+    keys, columns = TABLES[table]
+    where, args = "", cast(tuple[Any, ...], ())
+    if after is not None:
+        if len(keys) == 1:
+            where, args = f" WHERE {keys[0]} > ?", (after[0],)
+        else:
+            where = f" WHERE ({keys[0]} > ? OR ({keys[0]} = ? AND {keys[1]} > ?))"
+            args = (after[0], after[0], after[1])
+    order = ", ".join(keys)
+    rows = tx.execute(
+        f"SELECT {order}, {', '.join(columns)}{', run_id' if table in _BY_RUN else ''} "
+        f"FROM {table}{where} ORDER BY {order} LIMIT ?",
+        (*args, limit),
+    ).fetchall()
+    rewritten = 0
+    for row in rows:
+        key = list(row[: len(keys)])
+        run_id = row[-1] if table in _BY_RUN else None
+        for i, column in enumerate(columns):
+            old = row[len(keys) + i]
+            if not isinstance(old, str):
+                continue
+            new = _resealed(tx, table, column, old, run_id)
+            if new is None or new == old:
+                continue
+            match = " AND ".join(f"{k} = ?" for k in keys)
+            tx.execute(
+                f"UPDATE {table} SET {column} = ? WHERE {match} AND {column} = ?",
+                (new, *key, old),
+            )
+            rewritten += 1
+    last = list(rows[-1][: len(keys)]) if len(rows) == limit else None
+    return rewritten, last
+
+
+def _stale(tx: _Tx, sealed: str, run_id: str | None) -> bool:
+    """Whether a sealed value's key is not the one new values of its run get."""
+    assert tx.codec is not None and tx.codec.sealer is not None
+    key_id = sealed[len(SEALED) :].split(":", 1)[0]
+    tenant = tx.tenant_of(run_id) if run_id is not None and tx.codec.per_tenant else None
+    return key_id != tx.codec.sealer.keyring.current(tenant)
+
+
+def _resealed(tx: _Tx, table: str, column: str, old: str, run_id: str | None) -> str | None:
+    """``old`` sealed under the current key, or None to leave it."""
+    where = f"{table}.{column} of run {run_id!r}" if run_id else f"{table}.{column}"
+    if old.startswith(OFFLOADED):
+        return None
+    if (table, column) in _ERRORS:
+        value = json.loads(old)
+        sealed = value.get("sealed") if isinstance(value, dict) else None
+        if isinstance(sealed, str):
+            if sealed.startswith(OFFLOADED) or not _stale(tx, sealed, run_id):
+                return None
+            return tx.seal_error(decode_text(tx.codec, sealed, where), run_id)
+        return tx.seal_error(old, run_id)
+    if table == "events":
+        return _resealed_event(tx, old, run_id or "", where)
+    if old.startswith(SEALED):
+        if not _stale(tx, old, run_id):
+            return None
+        return tx.seal(decode_text(tx.codec, old, where), run_id)
+    return tx.seal(old, run_id)
+
+
+def _resealed_event(tx: _Tx, old: str, run_id: str, where: str) -> str | None:
+    """An event's data with its payloads and free text sealed under the current key."""
+    data = json.loads(old)
+    sealed = data.pop(SEALED_FIELD, None)
+    if isinstance(sealed, str):
+        if sealed.startswith(OFFLOADED) or not _stale(tx, sealed, run_id):
+            return None
+        data.update(json.loads(decode_text(tx.codec, sealed, where)))
+    hidden = {k: data.pop(k) for k in list(data) if k in SECRET_KEYS or k in PAYLOAD_KEYS}
+    if not hidden:
+        return None
+    data[SEALED_FIELD] = tx.seal(_json(hidden), run_id)
+    return _json(data)
