@@ -26,6 +26,7 @@ import asyncio
 import json
 import multiprocessing
 import sqlite3
+import statistics
 import sys
 import tempfile
 import time
@@ -71,6 +72,7 @@ async def bare(base_url: str, calls: int) -> list[float]:
 
 
 async def recorded(workdir: Path, base_url: str, calls: int, mode: str) -> dict[str, Any]:
+    workdir.mkdir(exist_ok=True)
     db = workdir / f"{mode}.db"
     app = tether.App(store=f"sqlite:///{db}")
     gateway = ai.Gateway(app)
@@ -163,15 +165,23 @@ def _answer(body: dict[str, Any]) -> Any:
     return model_reply("greeting")
 
 
-async def measure(workdir: Path, calls: int) -> dict[str, Any]:
+async def measure(workdir: Path, calls: int, rounds: int) -> dict[str, Any]:
+    """Every mode ``rounds`` times, interleaved (the order rotated each round): each
+    round's p50 of a recorded mode is compared with the bare p50 of the same round."""
     parent, child = multiprocessing.Pipe()
     proc = multiprocessing.Process(target=_serve, args=(child,), daemon=True)
     proc.start()
     try:
         base_url = parent.recv()
-        out: dict[str, Any] = {"bare": {"gaps": await bare(base_url, calls)}}
-        for mode in ("complete", "structured"):
-            out[mode] = await recorded(workdir, base_url, calls, mode)
+        modes = ("bare", "complete", "structured")
+        out: dict[str, Any] = {m: {"rounds": []} for m in modes}
+        for r in range(rounds):
+            for mode in modes[r % 3 :] + modes[: r % 3]:
+                if mode == "bare":
+                    got: dict[str, Any] = {"gaps": await bare(base_url, calls)}
+                else:
+                    got = await recorded(workdir / f"r{r}", base_url, calls, mode)
+                out[mode]["rounds"].append(got)
         out["conversation"] = {
             "by reference": await conversation(workdir, base_url, 100, True),
             "full lists": await conversation(workdir, base_url, 100, False),
@@ -185,35 +195,44 @@ async def measure(workdir: Path, calls: int) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--calls", type=int, default=300)
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds of each mode")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="tether-ai-bench-") as tmp:
         workdir = Path(tmp)
         limit = bench_limit(workdir, FULL)
         t0 = time.perf_counter()
-        res = asyncio.run(measure(workdir, args.calls))
+        res = asyncio.run(measure(workdir, args.calls, args.rounds))
         elapsed = time.perf_counter() - t0
     per_commit = 1000 / limit["commits_per_s"]
-    base = _percentile(res["bare"]["gaps"], 50)
+    bare_p50 = [_percentile(g["gaps"], 50) for g in res["bare"]["rounds"]]
     print(f"LIMIT: {limit['commits_per_s']:,.0f} commits/s ({per_commit:.3f} ms/commit)")
+    print(f"{args.rounds} interleaved rounds of {args.calls} calls; per round, the p50 of a")
+    print("recorded mode minus the bare p50 of the same round; the median of the rounds:")
     print(
-        f"{'per call':<11} {'p50 ms':>7} {'p99 ms':>7} {'+p50 ms':>8} {'+/commit':>8} "
-        f"{'commits':>8} {'bytes':>7}"
+        f"{'per call':<11} {'p50 ms':>7} {'p99 ms':>7} {'+p50 ms':>8} {'rounds':>15} "
+        f"{'+/commit':>8} {'commits':>8} {'bytes':>7}"
     )
     summary: dict[str, Any] = {"limit": limit, "calls": args.calls, "seconds": elapsed}
     chats = res.pop("conversation")
     for mode, r in res.items():
-        p50, p99 = _percentile(r["gaps"], 50), _percentile(r["gaps"], 99)
-        extra = p50 - base
+        p50s = [_percentile(g["gaps"], 50) for g in r["rounds"]]
+        p99 = statistics.median(_percentile(g["gaps"], 99) for g in r["rounds"])
+        extras = [p - b for p, b in zip(p50s, bare_p50, strict=True)]
+        extra = statistics.median(extras)
+        last = r["rounds"][-1]
+        spread = f"{min(extras):+.2f}..{max(extras):+.2f}"
         print(
-            f"{mode:<11} {p50:7.2f} {p99:7.2f} {extra:8.2f} {extra / per_commit:8.2f} "
-            f"{r.get('commits_per_call', 0):8.2f} {r.get('bytes_per_call', 0):7.0f}"
+            f"{mode:<11} {statistics.median(p50s):7.2f} {p99:7.2f} {extra:8.2f} {spread:>15} "
+            f"{extra / per_commit:8.2f} {last.get('commits_per_call', 0):8.2f} "
+            f"{last.get('bytes_per_call', 0):7.0f}"
         )
         summary[mode] = {
-            "p50_ms": p50,
+            "p50_ms": statistics.median(p50s),
             "p99_ms": p99,
             "overhead_p50_ms": extra,
-            "commits_per_call": r.get("commits_per_call"),
-            "bytes_per_call": r.get("bytes_per_call"),
+            "overhead_p50_ms_rounds": extras,
+            "commits_per_call": last.get("commits_per_call"),
+            "bytes_per_call": last.get("bytes_per_call"),
         }
     print("history bytes per model step, one 100-turn conversation:")
     for how, c in chats.items():

@@ -15,36 +15,42 @@ import sys
 import tether
 from tether.blobs import Blob, BlobStore
 
-app = tether.App(store=sys.argv[1], blobs=sys.argv[2], offload_above=64 * 1024)
 
-_put = BlobStore.put
+def make_app(store: str, blobs: str) -> tether.App:
+    """The App, its workflow and its activity (the test's client registers the same)."""
+    app = tether.App(store=store, blobs=blobs, offload_above=64 * 1024)
 
+    @app.activity
+    def render(n: int) -> str:
+        return os.urandom(n // 2).hex()
 
-def _put_then_die(self: BlobStore, data: bytes, media_type: str | None = None, **kw: bool) -> Blob:
-    blob = _put(self, data, media_type, **kw)
-    mark = os.environ.get("CRASH_MARK")
-    if mark and not os.path.exists(mark):
-        with open(mark, "w") as f:
-            f.write(blob.ref)
-        os._exit(9)  # the blob is written; its commit never happens
-    return blob
+    @app.workflow
+    async def report(n: int) -> int:
+        return len(await render(n))
 
-
-BlobStore.put = _put_then_die  # type: ignore[method-assign]
+    return app
 
 
-@app.activity
-def render(n: int) -> str:
-    return os.urandom(n // 2).hex()
+def _die_after_the_first_put() -> None:
+    put = BlobStore.put
 
+    def put_then_die(
+        self: BlobStore, data: bytes, media_type: str | None = None, **kw: bool
+    ) -> Blob:
+        blob = put(self, data, media_type, **kw)
+        mark = os.environ.get("CRASH_MARK")
+        if mark and not os.path.exists(mark):
+            with open(mark, "w") as f:
+                f.write(blob.ref)
+            os._exit(9)  # the blob is written; its commit never happens
+        return blob
 
-@app.workflow
-async def report(n: int) -> int:
-    return len(await render(n))
+    BlobStore.put = put_then_die  # type: ignore[method-assign]
 
 
 async def main() -> None:
-    await app.worker(poll_interval=0.05, lease=2.0).run()
+    _die_after_the_first_put()
+    await make_app(sys.argv[1], sys.argv[2]).worker(poll_interval=0.05, lease=2.0).run()
 
 
 if __name__ == "__main__":

@@ -89,8 +89,7 @@ def test_a_crash_between_blob_write_and_commit_leaves_only_an_orphan(
         import offload_app
     finally:
         sys.path.remove(str(HERE))
-    client = tether.App(store=store_url, blobs=str(blobs), offload_above=64 * 1024)
-    client._workflows = offload_app.app._workflows  # type: ignore[attr-defined]
+    client = offload_app.make_app(store_url, str(blobs))  # the same workflow, no crash
     run_id = asyncio.run(_start(client))
     cmd = [sys.executable, str(HERE / "offload_app.py"), store_url, str(blobs)]
     first = subprocess.Popen(cmd, env=env, stderr=subprocess.DEVNULL)
