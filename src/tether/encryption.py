@@ -44,6 +44,8 @@ PREFIX = "~e1:"
 _KEY_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 #: payloads shorter than this are not worth compressing
 _COMPRESS_FROM = 512
+#: how much of a large payload is compressed first, to see whether the rest is worth it
+_SAMPLE = 64 * 1024
 
 
 class KeyUnavailableError(PayloadError):
@@ -395,10 +397,9 @@ class Sealer:
         """(head, nonce + ciphertext) of ``data`` under the tenant's current key."""
         key_id = self.keyring.current(tenant)
         flag = "n"
-        if len(data) >= _COMPRESS_FROM:
-            packed = zlib.compress(data, 1)
-            if len(packed) * 4 <= len(data) * 3:
-                data, flag = packed, "z"
+        packed = _compressed(data)
+        if packed is not None:
+            data, flag = packed, "z"
         nonce = self._nonces.next()
         head = f"{PREFIX}{key_id}:{flag}:".encode()
         return head, nonce + self._cipher(key_id).encrypt(nonce, data, head)
@@ -426,10 +427,9 @@ class Sealer:
         key_id = self.keyring.current(tenant)
         data = text.encode()
         flag = "n"
-        if len(data) >= _COMPRESS_FROM:
-            packed = zlib.compress(data, 1)
-            if len(packed) * 4 <= len(data) * 3:
-                data, flag = packed, "z"
+        packed = _compressed(data)
+        if packed is not None:
+            data, flag = packed, "z"
         head = self._heads.get((key_id, flag))
         if head is None:
             text_head = f"{PREFIX}{key_id}:{flag}:"
@@ -498,6 +498,20 @@ def _redraw_after_fork() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_redraw_after_fork)
+
+
+def _compressed(data: bytes) -> bytes | None:
+    """``data`` compressed with zlib if that saves a quarter or more, else None. A large
+    payload is judged by its first 64 KiB first: compressing 50 MB of random base64
+    takes seconds to save nothing."""
+    if len(data) < _COMPRESS_FROM:
+        return None
+    if len(data) > 4 * _SAMPLE:
+        sample = data[:_SAMPLE]
+        if len(zlib.compress(sample, 1)) * 4 > len(sample) * 3:
+            return None
+    packed = zlib.compress(data, 1)
+    return packed if len(packed) * 4 <= len(data) * 3 else None
 
 
 def _parts(text: str, where: str) -> tuple[str, str, str]:
