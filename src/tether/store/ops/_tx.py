@@ -74,8 +74,8 @@ class _Tx:
 
     def seal_error(self, text: str | None, run_id: str | None = None) -> str | None:
         """An error's JSON as stored: sealed except its type and its cause's type and
-        step name (runs are filtered by them)."""
-        if self.codec is None or text is None:
+        step name (runs are filtered by them). Never offloaded (tracebacks are capped)."""
+        if self.codec is None or self.codec.sealer is None or text is None:
             return text
         try:
             error = json.loads(text)
@@ -156,45 +156,48 @@ def _key_json(key: str) -> str:
     return known
 
 
-def _opened(codec: Codec | None, text: str | None, where: str, keep: bool = False) -> str | None:
+def _opened(
+    codec: Codec | None, text: str | None, run_id: str, what: str, keep: bool = False
+) -> str | None:
     """``text`` decoded if sealed or offloaded (``_codec``); with ``keep``, a value whose
     key or blob is missing stays as stored (a worker holds its task back and says why)."""
     if text is None or not text.startswith(MARKS):
         return text
     try:
-        return decode_text(codec, text, where)
+        return decode_text(codec, text, f"run {run_id!r}, {what}")
     except (KeyUnavailableError, BlobError):
         if keep:
             return text
         raise
 
 
-def _error_json(codec: Codec | None, text: str | None, where: str) -> Any:
+def _error_json(codec: Codec | None, text: str | None, run_id: str, what: str) -> Any:
     """A stored error as a dict (``seal_error`` kept its type outside the seal)."""
     if not text:
         return None
     error = json.loads(text)
     if isinstance(error, dict) and isinstance(error.get("sealed"), str):
-        error = json.loads(decode_text(codec, error["sealed"], where))
+        sealed = decode_text(codec, error["sealed"], f"run {run_id!r}, {what}")
+        error = json.loads(sealed)
     return error
 
 
 def _run_from_row(row: Sequence[Any], codec: Codec | None = None) -> RunInfo:
-    where = f"run {row[0]!r}"
+    rid = row[0]
     return RunInfo(
-        run_id=row[0],
+        run_id=rid,
         workflow=row[1],
         status=RunStatus(row[2]),
         queue=row[3],
-        input=_opened(codec, row[4], f"{where}, input") or "null",
-        output=_opened(codec, row[5], f"{where}, output"),
-        error=_error_json(codec, row[6], f"{where}, error"),
-        custom_status=json.loads(_opened(codec, row[7], f"{where}, status") or "null")
+        input=_opened(codec, row[4], rid, "input") or "null",
+        output=_opened(codec, row[5], rid, "output"),
+        error=_error_json(codec, row[6], rid, "error"),
+        custom_status=json.loads(_opened(codec, row[7], rid, "status") or "null")
         if row[7]
         else None,
         parent_run_id=row[8],
         continued_to=row[9],
-        task_error=_opened(codec, row[10], f"{where}, task error"),
+        task_error=_opened(codec, row[10], rid, "task error"),
         created_at=row[11],
         updated_at=row[12],
         completed_at=row[13],
@@ -216,7 +219,6 @@ def _compact(value: Any) -> str:
 
 
 def _task_from_row(row: Sequence[Any], codec: Codec | None = None) -> Task:
-    where = f"run {row[1]!r}, step {row[3]}"
     return Task(
         task_id=row[0],
         run_id=row[1],
@@ -224,11 +226,11 @@ def _task_from_row(row: Sequence[Any], codec: Codec | None = None) -> Task:
         step=row[3],
         queue=row[4],
         name=row[5],
-        payload=_opened(codec, row[6], f"{where}, arguments", keep=True),
+        payload=_opened(codec, row[6], row[1], f"step {row[3]}, arguments", keep=True),
         options=json.loads(row[7]) if row[7] else {},
         fence=row[8],
         attempt=row[9],
         lease_expires_at=row[10],
-        heartbeat=_opened(codec, row[11], f"{where}, heartbeat details", keep=True),
+        heartbeat=_opened(codec, row[11], row[1], f"step {row[3]}, heartbeat", keep=True),
         dependency=row[12],
     )
