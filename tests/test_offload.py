@@ -158,3 +158,23 @@ async def test_erasing_a_tenant_removes_its_offloaded_blobs_and_shreds_its_keys(
     for info in await app.list(tenant="beta"):
         assert info.input.startswith('{"args":["betabeta')
     app.store.close_sync()  # type: ignore[attr-defined]
+
+
+async def test_tether_blobs_in_the_environment_is_where_every_process_looks(
+    store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TETHER_BLOBS", str(tmp_path / "shared"))
+    writer = tether.App(store=store_url, offload_above=1024)
+
+    @writer.workflow
+    async def big(n: int) -> str:
+        return "z" * n
+
+    async with writer.worker(poll_interval=0.05):
+        run = await writer.start(big, 5000)
+        assert await run.result(timeout=30) == "z" * 5000
+    writer.store.close_sync()  # type: ignore[attr-defined]
+    assert [p for p in (tmp_path / "shared").rglob("*") if p.is_file()]
+    reader = tether.App(store=store_url)  # another process: no blobs= of its own
+    assert (await reader.get(run.run_id)).output == '"' + "z" * 5000 + '"'
+    reader.store.close_sync()  # type: ignore[attr-defined]

@@ -10,6 +10,7 @@ import dataclasses
 import datetime as _dt
 import json
 import logging
+import os
 import threading
 import time
 import uuid
@@ -185,7 +186,8 @@ class App:
         #: thresholds of the alert watcher (``tether.alerts``; None: its defaults)
         self.alert_rules = alert_rules
         #: where large payloads go (``tether.blobs``): a directory or an fsspec URL;
-        #: None: beside a SQLite file (``<file>.blobs``), else ``./tether-blobs``
+        #: None: ``TETHER_BLOBS`` if set (so the CLI and ``tether serve`` find them
+        #: too), else beside a SQLite file (``<file>.blobs``), else ``./tether-blobs``
         self._blobs_spec = blobs
         #: seals every payload the store keeps (``tether.encryption``); None: the keyring
         #: ``TETHER_KEYRING`` or ``TETHER_ENCRYPTION_KEYS`` names, if any
@@ -227,7 +229,9 @@ class App:
                 if self._store is None:
                     store = open_store(self._store_spec, keyring=self._keyring)
                     blobs = BlobStore(
-                        self._blobs_spec or default_root(getattr(store, "path", None))
+                        self._blobs_spec
+                        or os.environ.get("TETHER_BLOBS")
+                        or default_root(getattr(store, "path", None))
                     )
                     sealer = store.codec.sealer if store.codec is not None else None
                     blobs.sealer = sealer
