@@ -93,7 +93,7 @@ def decode_text(codec: Codec | None, text: str, where: str) -> str:
     sealer = codec.sealer if codec is not None else None
     if text.startswith(SEALED):
         if sealer is None:
-            raise no_keyring(text[len(SEALED) :].split(":", 1)[0], where)
+            raise no_keyring(text, where)
         text = sealer.open(text, where)
     if not text.startswith(OFFLOADED):
         return text
@@ -107,6 +107,6 @@ def decode_text(codec: Codec | None, text: str, where: str) -> str:
         raise BlobError(ref, f"{where}: {exc.problem}") from None
     if data.startswith(SEALED.encode()):
         if sealer is None:
-            raise no_keyring(data[len(SEALED) : 80].decode("ascii", "replace").split(":")[0], where)
+            raise no_keyring(data, where)
         data = sealer.open_bytes(data, where)
     return data.decode()

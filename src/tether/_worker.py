@@ -844,14 +844,13 @@ class Worker:
             await self._record_failure(task, exc, _Plan(Retry(attempts=1_000_000), opts), None)
             return
         plan = _Plan(Retry.from_json(opts.get("retry") or {}, act.opts.retry.non_retryable), opts)
-        if _sealed(task):
+        unread = _sealed(task)
+        if unread:
             # its arguments are sealed under a key this process lacks (or kept in a blob
             # it cannot read): the step waits for a worker that can read them, or for this
             # one to be given the key or blob; no attempt is spent
             try:
-                decode_text(
-                    store.codec, _sealed(task) or "", f"run {task.run_id!r}, step {task.step}"
-                )
+                decode_text(store.codec, unread, f"run {task.run_id!r}, step {task.step}")
             except (KeyUnavailableError, BlobError) as exc:
                 log.error("activity %r of run %r waits: %s", act.name, task.run_id, exc)
             self.stats["held_unreadable"] += 1

@@ -130,7 +130,7 @@ class BlobStore:
             raise BlobError(b.ref, f"missing from the blob store at {self.root!r}") from None
         if not sealed and data.startswith(SEALED):
             if self.sealer is None:
-                raise no_keyring(data[4:80].decode("ascii", "replace").split(":")[0], b.ref)
+                raise no_keyring(data, b.ref)
             data = self.sealer.open_bytes(data, f"blob {b.ref}")
         if len(data) != b.size or hashlib.sha256(data).hexdigest() != digest:
             raise BlobError(

@@ -524,10 +524,13 @@ def _parts(text: str, where: str) -> tuple[str, str, str]:
     return key_id, flag, body
 
 
-def no_keyring(key_id: str, where: str) -> KeyUnavailableError:
-    """The error for a sealed payload met by a process without a keyring."""
+def no_keyring(sealed: str | bytes, where: str) -> KeyUnavailableError:
+    """The error for a sealed payload (text or blob bytes) met by a process without a
+    keyring, naming the key it was sealed with."""
+    head = sealed[len(PREFIX) : len(PREFIX) + 80]
+    text = head.decode("ascii", "replace") if isinstance(head, bytes) else head
     return KeyUnavailableError(
-        key_id,
+        text.split(":", 1)[0],
         "this store is encrypted and this process has no keyring: set TETHER_KEYRING "
         "(a keyring file) or TETHER_ENCRYPTION_KEYS, or pass App(encryption=...)",
         where,
