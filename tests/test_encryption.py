@@ -399,3 +399,67 @@ async def test_reseal_seals_old_plaintext_and_moves_everything_to_the_current_ke
     assert set(json.loads(done.stdout).values()) == {0}
     refused = _tether("store", "reseal", "--store", store_url)
     assert refused.returncode == 2 and "keyring" in refused.stderr
+
+
+def test_a_steps_arguments_are_sealed_once_for_its_event_and_its_task_row() -> None:
+    from tether._codec import Codec, open_fields
+    from tether.store.ops._tx import _Tx
+
+    codec = Codec(Sealer(StaticKeyring({"k1": os.urandom(32)}, "k1")))
+    tx = _Tx(conn=None, now=0.0, codec=codec)
+    args = f'{{"args":["{CANARY}"],"kwargs":{{}}}}'
+    stored = tx.data("r1", {"name": "shout", "error": {"message": CANARY}}, {"args": args})
+    assert CANARY not in stored
+    event = json.loads(stored)
+    assert event["name"] == "shout" and event["~args"] == tx.seal(args, "r1")  # one seal
+    assert open_fields(codec, event, "here") == {
+        "name": "shout",
+        "args": {"args": [CANARY], "kwargs": {}},
+        "error": {"message": CANARY},
+    }
+    # another transaction seals afresh (a new nonce)
+    assert _Tx(conn=None, now=0.0, codec=codec).seal(args, "r1") != tx.seal(args, "r1")
+
+
+async def test_events_sealed_together_by_the_first_version_read_and_reseal_into_fields(
+    tmp_path: Path,
+) -> None:
+    import sqlite3
+
+    keys = _keyring(tmp_path)
+    db = tmp_path / "old.db"
+    url = f"sqlite:///{db}"
+    app = tether.App(store=url, encryption=keys)
+    _register(app)
+    async with app.worker(poll_interval=0.05):
+        await (await app.start("echo", f"old {CANARY}", run_id="r1")).result(timeout=30)
+    before = [e.data for e in await app.history("r1")]
+    app.store.close_sync()  # type: ignore[attr-defined]
+    # rewrite the events as the first encrypting version stored them: one "~" field
+    sealer = Sealer(keys)
+    conn = sqlite3.connect(db)
+    grouped = 0
+    rows = conn.execute("SELECT seq, data FROM events WHERE run_id = 'r1'").fetchall()
+    for seq, data in rows:
+        value = json.loads(data)
+        inner = {k[1:]: json.loads(sealer.open(v)) for k, v in value.items() if k[:1] == "~"}
+        if inner:
+            shown = {k: v for k, v in value.items() if k[:1] != "~"}
+            shown["~"] = sealer.seal(json.dumps(inner))
+            conn.execute(
+                "UPDATE events SET data = ? WHERE run_id = 'r1' AND seq = ?",
+                (json.dumps(shown), seq),
+            )
+            grouped += 1
+    conn.commit()
+    conn.close()
+    assert grouped >= 3 and '"~":' in _rows_text(url)
+
+    app = tether.App(store=url, encryption=keys)
+    assert [e.data for e in await app.history("r1")] == before
+    assert (await app.reseal())["events"] == grouped
+    text = _rows_text(url)
+    assert '"~":' not in text and '"~args":' in text and CANARY not in text
+    assert [e.data for e in await app.history("r1")] == before
+    assert (await app.reseal())["events"] == 0
+    app.store.close_sync()  # type: ignore[attr-defined]

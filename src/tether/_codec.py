@@ -23,15 +23,17 @@ OFFLOADED = "~b1:"
 MARKS = (SEALED, OFFLOADED)
 #: offload payloads larger than this by default (bytes of UTF-8)
 OFFLOAD_ABOVE = 256 * 1024
-#: the key of an event's data that holds its sealed part (tether's own keys never start
-#: with ``~``, so it cannot clash with one)
+#: what the keys of an event's sealed fields start with (``"~result"`` holds ``result``
+#: sealed; tether's own keys never start with ``~``, so it cannot clash with one). A
+#: field named ``"~"`` alone holds several sealed together (as the first encrypting
+#: version wrote them).
 SEALED_FIELD = "~"
 #: the keys of event data that may carry a user's words (besides the payloads): sealed
 SECRET_KEYS = frozenset({"error", "reason", "message", "traceback", "note", "detail", "decision"})
 #: the keys of event data that hold payloads (pre-encoded when written)
 PAYLOAD_KEYS = frozenset({"args", "kwargs", "result", "input", "output", "value", "payload"})
 #: the pre-encoded parts of event data that are tether's bookkeeping, not payloads
-PLAIN_RAW = frozenset({"through", "time"})
+PLAIN_RAW = frozenset({"through", "time", "attempt"})
 
 
 class Codec:
@@ -73,13 +75,19 @@ class Codec:
 
 
 def open_fields(codec: Codec | None, data: dict[str, Any], where: str) -> dict[str, Any]:
-    """Event data with its sealed part (``SEALED_FIELD``) opened and merged back."""
-    sealed = data.get(SEALED_FIELD)
-    if not isinstance(sealed, str):
-        return data
-    del data[SEALED_FIELD]
-    data.update(json.loads(decode_text(codec, sealed, where)))
+    """Event data with its sealed fields (``SEALED_FIELD``...) opened and put back."""
+    for key in [k for k, v in data.items() if k[:1] == SEALED_FIELD and isinstance(v, str)]:
+        value = json.loads(decode_text(codec, data.pop(key), where))
+        if key == SEALED_FIELD:  # several fields sealed together
+            data.update(value)
+        else:
+            data[key[1:]] = value
     return data
+
+
+def sealed_fields(data: dict[str, Any]) -> list[str]:
+    """The sealed values among an event's data (``open_fields`` opens them)."""
+    return [v for k, v in data.items() if k[:1] == SEALED_FIELD and isinstance(v, str)]
 
 
 def decode_text(codec: Codec | None, text: str, where: str) -> str:

@@ -80,7 +80,9 @@ class Keyring(abc.ABC):
         """The 32 key bytes of ``key_id``; raise ``KeyUnavailableError`` if there are none."""
 
     def generation(self) -> object:
-        """Changes whenever keys may have gone (a sealer then forgets the keys it holds)."""
+        """Changes whenever keys may have gone or a current key changed (a sealer then
+        forgets the keys it holds and asks ``current`` again). A keyring that keeps the
+        default (None) is taken to never change."""
         return None
 
     def shred(self, tenant: str) -> list[str]:
@@ -376,12 +378,16 @@ class Sealer:
         self._nonces = _Nonces()
         #: (key id, flag) -> the head as text and as bytes (authenticated with the data)
         self._heads: dict[tuple[str, str], tuple[str, bytes]] = {}
+        #: tenant -> (head as text, head as bytes, encrypt) for small payloads: the hot
+        #: path of ``seal`` (forgotten with the ciphers when the keyring changes)
+        self._small: dict[str | None, tuple[str, bytes, Any]] = {}
 
     def _cipher(self, key_id: str) -> Any:
         if self._dynamic:
             generation = self.keyring.generation()
             if generation != self._generation:  # keys may have been destroyed: ask again
                 self._ciphers.clear()
+                self._small.clear()
                 self._generation = generation
         cipher = self._ciphers.get(key_id)
         if cipher is None:
@@ -424,8 +430,17 @@ class Sealer:
 
     def seal(self, text: str, tenant: str | None = None) -> str:
         """``text`` sealed under the current key of ``tenant``, as text."""
-        key_id = self.keyring.current(tenant)
         data = text.encode()
+        if len(data) < _COMPRESS_FROM:  # most payloads: too small to compress
+            if self._dynamic and self.keyring.generation() != self._generation:
+                self._cipher(self.keyring.current(tenant))  # forgets what the keyring dropped
+            small = self._small.get(tenant)
+            if small is None:
+                small = self._small_entry(tenant)
+            nonce = self._nonces.next()
+            body = small[2](nonce, data, small[1])
+            return small[0] + binascii.b2a_base64(nonce + body, newline=False).decode()
+        key_id = self.keyring.current(tenant)
         flag = "n"
         packed = _compressed(data)
         if packed is not None:
@@ -437,6 +452,15 @@ class Sealer:
         nonce = self._nonces.next()
         body = self._cipher(key_id).encrypt(nonce, data, head[1])
         return head[0] + binascii.b2a_base64(nonce + body, newline=False).decode()
+
+    def _small_entry(self, tenant: str | None) -> tuple[str, bytes, Any]:
+        key_id = self.keyring.current(tenant)
+        cipher = self._cipher(key_id)
+        text_head = f"{PREFIX}{key_id}:n:"
+        if len(self._small) > 1024:
+            self._small.clear()
+        entry = self._small[tenant] = (text_head, text_head.encode(), cipher.encrypt)
+        return entry
 
     def open(self, text: str, where: str = "") -> str:
         """The text a sealed value holds; ``text`` itself if it is not sealed."""

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..._codec import MARKS, PLAIN_RAW, SEALED_FIELD, SECRET_KEYS, Codec, decode_text
+from ..._codec import MARKS, PLAIN_RAW, SECRET_KEYS, Codec, decode_text
 from ..._history import RunEnd, RunInfo, RunStatus, Task
 from ..._serde import dumps
 from ...blobs import BlobError
@@ -61,6 +61,10 @@ class _Tx:
     #: seals payloads as they are written (``tether.encryption``); None: stored as given
     codec: Codec | None = None
 
+    #: what this operation sealed, by the id of the text (kept, so the id stays its
+    #: own): a step's arguments go into its event and its task row as one sealed value
+    _sealed: dict[int, tuple[str, str | None, str]] | None = None
+
     def seal(self, text: str | None, run_id: str | None = None) -> str | None:
         """``text`` as the store keeps it: sealed under the run's tenant's key if
         encryption is on, else unchanged."""
@@ -70,7 +74,16 @@ class _Tx:
         tenant = None
         if codec.per_tenant and run_id is not None:
             tenant = self.tenant_of(run_id)
-        return codec.encode(text, tenant)
+        memo = self._sealed
+        if memo is None:
+            memo = self._sealed = {}
+        done = memo.get(id(text))
+        if done is not None and done[0] is text and done[1] == tenant:
+            return done[2]
+        out = codec.encode(text, tenant)
+        if len(memo) < 256:
+            memo[id(text)] = (text, tenant, out)
+        return out
 
     def seal_error(self, text: str | None, run_id: str | None = None) -> str | None:
         """An error's JSON as stored: sealed except its type and its cause's type and
@@ -89,22 +102,37 @@ class _Tx:
 
     def data(self, run_id: str, data: dict[str, Any], raw: dict[str, str] | None) -> str:
         """An event's data column: its JSON; offloaded whole when large, and with
-        encryption on, its payloads and free text sealed in one field (``SEALED_FIELD``),
-        the rest (names, steps, times, options) left readable."""
+        encryption on, each payload and free text sealed in a field of its own
+        (``"~args"`` for ``args``: the same sealed value as the step's task row), the
+        rest (names, steps, times, options) left readable."""
         codec = self.codec
         if codec is None:
             return _json(data, raw)
         if codec.sealer is None:
             return self.seal(_json(data, raw), run_id) or ""
-        secret = [k for k in data if k in SECRET_KEYS]
-        hidden = {k: v for k, v in raw.items() if k not in PLAIN_RAW} if raw else {}
-        if not hidden and not secret:
+        # sealed values and tether's raw keys need no JSON escaping
+        parts: list[str] = []
+        shown_raw = raw
+        if raw:
+            for k, v in raw.items():
+                if k not in PLAIN_RAW:
+                    parts.append(f'"~{k}":"{self.seal(v, run_id)}"')
+            if parts and len(parts) < len(raw):
+                shown_raw = {k: v for k, v in raw.items() if k in PLAIN_RAW}
+            elif parts:
+                shown_raw = None
+        shown = data
+        if not SECRET_KEYS.isdisjoint(data):
+            shown = {}
+            for k, v in data.items():
+                if k in SECRET_KEYS:
+                    parts.append(f'"~{k}":"{self.seal(dumps(v), run_id)}"')
+                else:
+                    shown[k] = v
+        if not parts:
             return _json(data, raw)  # tether's own bookkeeping only
-        inner = _json({k: data[k] for k in secret}, hidden)
-        outer = {k: v for k, v in data.items() if k not in secret}
-        outer[SEALED_FIELD] = self.seal(inner, run_id)
-        shown = {k: v for k, v in raw.items() if k in PLAIN_RAW} if raw else None
-        return _json(outer, shown)
+        text = _json(shown, shown_raw)
+        return f"{text[:-1]}{',' if len(text) > 2 else ''}{','.join(parts)}}}"
 
     def tenant_of(self, run_id: str) -> str | None:
         """A run's tenant (remembered by the codec: a run's tenant never changes)."""

@@ -81,7 +81,7 @@ def _read_history(tx: _Tx, run_id: str, after_seq: int) -> list[Event]:
 def _event(tx: _Tx, row: Any) -> Event:
     """An event from its row, its data opened if sealed."""
     data = row[4]
-    if not data or ('"~"' not in data and not data.startswith(MARKS)):
+    if not data or ('"~' not in data and not data.startswith(MARKS)):
         return Event.from_row(row)  # nothing sealed or offloaded
     where = f"run {row[0]!r}, event {row[1]}" + (f" (step {row[3]})" if row[3] else "")
     if data.startswith(MARKS):  # offloaded whole

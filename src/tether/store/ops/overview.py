@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any, cast
 
-from ..._codec import SEALED_FIELD
+from ..._codec import sealed_fields
 from ...blobs import REF, BlobError
 from ...encryption import KeyUnavailableError
 from ._tx import _Tx
@@ -123,11 +123,11 @@ def _blob_refs(tx: _Tx, tenant: str | None = None) -> set[str]:
 
 def _decoded(tx: _Tx, text: str, where: str) -> str:
     """A payload column's text decoded: fetched if offloaded, its sealed parts opened
-    (an error's ``sealed``, an event's ``SEALED_FIELD``)."""
+    (an error's ``sealed``, an event's sealed fields)."""
     text = tx.open(text, where) or ""
-    if text.startswith("{") and ('"sealed"' in text or '"~"' in text):
+    if text.startswith("{") and ('"sealed"' in text or '"~' in text):
         value = json.loads(text)
         if isinstance(value, dict):
-            parts = [value.get("sealed"), value.get(SEALED_FIELD)]
+            parts = [value.get("sealed"), *sealed_fields(value)]
             text += "".join(tx.open(p, where) or "" for p in parts if isinstance(p, str))
     return text

@@ -14,9 +14,18 @@ from __future__ import annotations
 import json
 from typing import Any, cast
 
-from ..._codec import OFFLOADED, PAYLOAD_KEYS, SEALED_FIELD, SECRET_KEYS, decode_text
+from ..._codec import (
+    OFFLOADED,
+    PAYLOAD_KEYS,
+    SEALED_FIELD,
+    SECRET_KEYS,
+    decode_text,
+    open_fields,
+    sealed_fields,
+)
+from ..._serde import dumps
 from ...encryption import PREFIX as SEALED
-from ._tx import _json, _Tx
+from ._tx import _Tx
 
 #: each table with payload columns: its key columns and its payload columns
 TABLES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -108,15 +117,17 @@ def _resealed(tx: _Tx, table: str, column: str, old: str, run_id: str | None) ->
 
 
 def _resealed_event(tx: _Tx, old: str, run_id: str, where: str) -> str | None:
-    """An event's data with its payloads and free text sealed under the current key."""
+    """An event's data with its payloads and free text sealed under the current key,
+    each in a field of its own (``_Tx.data``); None if it is so already."""
     data = json.loads(old)
-    sealed = data.pop(SEALED_FIELD, None)
-    if isinstance(sealed, str):
-        if sealed.startswith(OFFLOADED) or not _stale(tx, sealed, run_id):
-            return None
-        data.update(json.loads(decode_text(tx.codec, sealed, where)))
-    hidden = {k: data.pop(k) for k in list(data) if k in SECRET_KEYS or k in PAYLOAD_KEYS}
-    if not hidden:
+    sealed = sealed_fields(data)
+    plain = [k for k in data if k in SECRET_KEYS or k in PAYLOAD_KEYS]
+    if (
+        not plain
+        and all(s.startswith(OFFLOADED) or not _stale(tx, s, run_id) for s in sealed)
+        and SEALED_FIELD not in data
+    ):
         return None
-    data[SEALED_FIELD] = tx.seal(_json(hidden), run_id)
-    return _json(data)
+    open_fields(tx.codec, data, where)
+    raw = {k: dumps(data.pop(k)) for k in list(data) if k in PAYLOAD_KEYS}
+    return tx.data(run_id, data, raw)
