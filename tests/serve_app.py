@@ -151,8 +151,12 @@ if os.environ.get("TETHER_TEST_MODEL_URL"):  # a scripted model server the test 
         await tether.wait_event("go")  # the test follows the stream first
         return await ai.complete(storyteller, f"tell me about {topic}", stream=True)
 
+    write = gateway.prompt(
+        "write", {"v1": "write it from: {first}", "v2": "write an essay from: {first}"}
+    )
+
     @app.workflow
     async def two_answers(topic: str) -> str:
         """Two model steps, the second building on the first (forked in the tests)."""
         first = await ai.complete(storyteller, f"outline {topic}")
-        return await ai.complete(storyteller, f"write it from: {first}")
+        return await ai.complete(storyteller, write.render(first=first))

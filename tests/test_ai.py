@@ -602,6 +602,46 @@ async def test_a_worker_that_did_not_see_a_conversation_rebuilds_it_from_history
     assert all("base" in e.data["args"]["args"][-1]["messages"] for e in recorded)  # as stored
 
 
+async def test_a_conversation_replayed_after_its_prompt_changed_refers_to_what_was_sent(
+    store_url: str, server: ModelServer
+) -> None:
+    """Steps refer to earlier messages by hash; a replay after a deploy reworded the
+    first prompt must refer to what history holds, not to today's wording."""
+    from pydantic_ai.messages import ModelMessage, ModelRequest, UserPromptPart
+
+    server.default = lambda body: model_reply(f"reply {len(body['messages'])}")
+
+    def deploy(first: str) -> tether.App:
+        app = tether.App(store=store_url)
+        gw = ai.Gateway(app, retry=FAST)
+        model = gw.model("m", ai.openai_compatible("chat", base_url=server.base_url, api_key="k"))
+
+        @app.workflow
+        async def chat() -> str:
+            messages: list[ModelMessage] = [ModelRequest(parts=[UserPromptPart(first)])]
+            response, _call = await gw.request(model, messages)
+            await tether.wait_event("go")
+            messages += [response, ModelRequest(parts=[UserPromptPart("and then?")])]
+            response, _call = await gw.request(model, messages)
+            return str(response.parts[0].content)  # type: ignore[union-attr]
+
+        return app
+
+    old = deploy("the first wording")
+    async with old.worker(poll_interval=0.05):
+        await old.start("chat", run_id="c")
+        while not (await old.get("c")).waiting_on:
+            await asyncio.sleep(0.02)
+    await old.close()
+    new = deploy("the second wording")  # replays step 1 with other text than it sent
+    async with new.worker(poll_interval=0.05):
+        await new.signal("c", "go")
+        assert await new.get_run("c").result(timeout=30) == "reply 3"
+    await new.close()
+    last = json.dumps(server.calls("chat")[-1].body["messages"])
+    assert "the second wording" in last and "reply 1" in last and "and then?" in last
+
+
 class _ByPrompt(ai.ScriptedModel):
     """Answers each case by its prompt, and a repair by the number of requests so far:
     an attempt redelivered under load gets the same answer (a plain script would
@@ -787,6 +827,83 @@ async def test_a_run_keeps_the_model_it_started_with_across_a_deploy(
         }
     ]
     await new.close()
+
+
+async def test_a_run_keeps_its_prompt_version_across_deploys_and_a_fork_tries_another(
+    store_url: str, server: ModelServer
+) -> None:
+    server.default = lambda body: model_reply("re: " + body["messages"][-1]["content"])
+    v1, v2 = "Say {text}", "Please say {text}"
+
+    def deploy(versions: dict[str, str]) -> tuple[tether.App, ai.Prompt]:
+        app = tether.App(store=store_url)
+        gw = ai.Gateway(app, retry=FAST)
+        fast = gw.model("fast", ai.openai_compatible("m", base_url=server.base_url, api_key="k"))
+        ask = gw.prompt("ask", versions)  # the last version is the current one
+
+        @app.workflow
+        async def two(text: str) -> str:
+            first = await ai.complete(fast, ask.render(text=text))
+            await tether.wait_event("go")
+            return f"{first} | {await ai.complete(fast, ask.render(text=text))}"
+
+        return app, ask
+
+    async def waiting(app: tether.App, run_id: str) -> None:
+        for _ in range(1000):
+            if run_id in {r.run_id for r in await app.list(waiting_for="signal:go")}:
+                return
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"{await app.get(run_id)}")
+
+    def prompts_called(history: list[tether.Event]) -> list[str]:
+        return [
+            e.data["result"][CALL_KEY]["prompt_version"]
+            for e in history
+            if e.type is EventType.ACTIVITY_COMPLETED
+        ]
+
+    old, ask = deploy({"v1": v1, "v2": v2})
+    assert ask.versions == ("v1", "v2") and str(ask.render(text="hi")) == "Please say hi"
+    with pytest.raises(tether.ConfigurationError, match="needs a value for 'text'"):
+        ask.render()
+    async with old.worker(poll_interval=0.05):
+        for run_id in ("p", "q"):
+            await old.start("two", "x", run_id=run_id)
+            await waiting(old, run_id)
+    pins = (await old.get("p")).attrs["pins"]["tether.ai"]  # type: ignore[index]
+    assert pins["prompts"] == {"ask": "v2"}
+    await old.close()
+
+    new, _ = deploy({"v1": v1, "v2": v2, "v3": "Kindly say {text}"})  # v3 is current now
+    async with new.worker(poll_interval=0.05):
+        await new.signal("p", "go")
+        assert await new.get_run("p").result(timeout=30) == "re: Please say x | re: Please say x"
+        fresh = await new.start("two", "y")
+        await new.signal(fresh.run_id, "go")
+        assert await fresh.result(timeout=30) == "re: Kindly say y | re: Kindly say y"
+        # a fork runs the rest of a real run with another version of the prompt
+        with pytest.raises(tether.ConfigurationError, match="known: v1, v2, v3"):
+            await new.fork("p", at_step=1, prompts={"ask": "v9"})
+        forked = await new.fork("p", at_step=1, new_run_id="p-v1", prompts={"ask": "v1"})
+        # (the signal the run got is reused too: its first step was replayed with v2's
+        # text as recorded, so its conversation is the one its history holds)
+        assert await forked.result(timeout=30) == "re: Please say x | re: Say x"
+    assert prompts_called(await new.history("p")) == ["ask@v2", "ask@v2"]
+    assert prompts_called(await new.history("p-v1")) == ["ask@v2", "ask@v1"]
+    assert prompts_called(await new.history(fresh.run_id)) == ["ask@v3", "ask@v3"]
+    fork_pins = (await new.get("p-v1")).attrs["pins"]["tether.ai"]  # type: ignore[index]
+    assert fork_pins["prompts"] == {"ask": "v1"}
+    await new.close()
+
+    # a deploy that dropped the run's version: the current one, and the change recorded
+    last, _ = deploy({"v3": "Kindly say {text}"})
+    async with last.worker(poll_interval=0.05):
+        await last.signal("q", "go")
+        assert await last.get_run("q").result(timeout=30) == "re: Please say x | re: Kindly say x"
+    (change,) = markers(await last.history("q"), "prompt_repinned")
+    assert (change["prompt"], change["from"], change["to"]) == ("ask", "v2", "v3")
+    await last.close()
 
 
 class TicketV2(BaseModel):

@@ -263,6 +263,7 @@ def test_fork_with_another_model_and_compare_side_by_side(tmp_path: Path, browse
             # fork after the first step, the second calling pydantic-ai's test model
             page.fill("form.fork input[name=at_step]", "1")
             page.fill("form.fork input[name=models]", "storyteller=test")
+            page.fill("form.fork input[name=prompts]", "write=v1")
             page.click("form.fork button[type=submit]")
             page.wait_for_url(f"{base}/compare?*")
             assert models.count() == 2  # the fork reused step 1: no third request
@@ -277,6 +278,13 @@ def test_fork_with_another_model_and_compare_side_by_side(tmp_path: Path, browse
             assert "a short outline" in rows.nth(0).inner_text()
             assert "the essay" in rows.nth(1).inner_text()
             assert "success" in rows.nth(1).inner_text()  # what the test model answered
+            # each side names the prompt version its step rendered
+            assert rows.nth(1).locator("td").nth(1).locator(".prompt").inner_text() == (
+                "prompt write@v2"
+            )
+            assert rows.nth(1).locator("td").nth(3).locator(".prompt").inner_text() == (
+                "prompt write@v1"
+            )
             page.screenshot(path=str(ARTIFACTS / "console-compare.png"), full_page=True)
         finally:
             server.stop()

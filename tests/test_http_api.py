@@ -195,6 +195,11 @@ def test_signal_result_wait_and_run_control(server: Server) -> None:
     assert len(steps) == 1  # the reused step, not run again
     bad = server.http.post(f"/v1/runs/{done['id']}/fork", json={"at_step": -1})
     assert bad.status_code == 422
+    # a prompt version for a run no model gateway pinned: refused, saying why
+    no_prompts = server.http.post(
+        f"/v1/runs/{done['id']}/fork", json={"at_step": 1, "prompts": {"write": "v1"}}
+    )
+    assert no_prompts.status_code == 400 and "gateway" in no_prompts.json()["detail"]
 
 
 def test_list_pages_by_cursor_stable_while_runs_are_added(server: Server) -> None:

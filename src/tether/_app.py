@@ -206,6 +206,8 @@ class App:
         self._entities: dict[str, frozenset[str]] = {}
         #: what runs are pinned to at their start, by source (``tether.ai`` gateways)
         self._pin_sources: dict[str, Callable[[], dict[str, Any]]] = {}
+        #: the versions of each prompt registered by a ``tether.ai`` gateway (fork checks)
+        self._prompt_versions: dict[str, tuple[str, ...]] = {}
         self._activities: dict[str, Activity[Any, Any]] = {}
         self._waiters: dict[str, list[_Waiter]] = {}
         self._waiters_lock = threading.Lock()
@@ -1463,32 +1465,51 @@ class App:
         at_step: int,
         new_run_id: str | None = None,
         models: dict[str, str] | None = None,
+        prompts: dict[str, str] | None = None,
     ) -> Run[Any]:
         """Start a new run that reuses the first ``at_step`` recorded outcomes of ``run_id``
         and runs the rest with today's code (try a fix or a new prompt on a real run).
 
         ``models`` maps a model's name (as registered with a ``tether.ai`` gateway) to
-        the ``"provider:name"`` the fork calls instead, to compare models on a real run.
-        The fork keeps the run's tenant and its other pins and budget."""
+        the ``"provider:name"`` the fork calls instead, and ``prompts`` a prompt's name
+        (``gateway.prompt``) to the version its later steps render, to compare models
+        and prompts on a real run. The fork keeps the run's tenant and its other pins
+        and budget."""
         if at_step < 0:
             raise ConfigurationError("at_step must be 0 or more")
         if new_run_id is not None:
             check_run_id(new_run_id)
+        for name, version in (prompts or {}).items():
+            known = self._prompt_versions.get(name)
+            if not isinstance(version, str) or not version:
+                raise ConfigurationError(f"prompts[{name!r}] must be a version name")
+            if known is not None and version not in known:
+                raise ConfigurationError(
+                    f"prompt {name!r} has no version {version!r} (known: {', '.join(known)})"
+                )
         rid = new_run_id or f"{run_id}@fork-{uuid.uuid4().hex[:8]}"
         attrs = None
-        if models:
+        if models or prompts:
             attrs = dict((await self.get(run_id, follow=False)).attrs or {})
             pins = {gw: dict(p) for gw, p in (attrs.get("pins") or {}).items()}
+            if prompts and not (set(pins) | set(self._pin_sources)):
+                raise ConfigurationError(
+                    f"run {run_id!r} has no tether.ai gateway to pin prompts on (it was "
+                    "started by an app without one, and this app has none either)"
+                )
             for gw in set(pins) | set(self._pin_sources):
                 pinned = dict((pins.get(gw) or {}).get("models") or {})
-                for name, spec in models.items():
+                for name, spec in (models or {}).items():
                     if not isinstance(spec, str) or not spec:
                         raise ConfigurationError(
                             f"models[{name!r}] must be a 'provider:name' string (got {spec!r})"
                         )
                     # a version no deploy has: the gateway calls the spec instead
                     pinned[name] = {"version": f"fork:{spec}", "spec": spec}
+                texts = {**((pins.get(gw) or {}).get("prompts") or {}), **(prompts or {})}
                 pins[gw] = {**(pins.get(gw) or {}), "models": pinned}
+                if texts:
+                    pins[gw]["prompts"] = texts
             attrs["pins"] = pins
         await self.store.fork_run(run_id, rid, at_step, attrs)
         return self.get_run(rid)

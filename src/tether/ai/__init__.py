@@ -16,6 +16,7 @@ from ._errors import BudgetExceeded, ContentRefused, ModelConfigError, OutputInv
 from ._gateway import DEFAULT_MODEL_RETRY, Gateway, ModelRef, Price, expand_history
 from ._mapreduce import ChunkFailure, MapReduceError, MapReduceResult, chunk_text, map_reduce
 from ._models import anthropic, openai_compatible
+from ._prompts import Prompt, PromptText
 from ._scripted import ScriptedModel, ScriptExhausted
 from ._structured import complete, structured
 from ._untrusted import UNTRUSTED_RULE, untrusted
@@ -41,6 +42,8 @@ __all__ = [
     "ModelRef",
     "OutputInvalid",
     "Price",
+    "Prompt",
+    "PromptText",
     "RecordedModel",
     "ScriptExhausted",
     "ScriptedModel",

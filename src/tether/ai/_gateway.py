@@ -24,7 +24,7 @@ import math
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any, TypeVar, cast
@@ -44,6 +44,7 @@ from ..workflow._api import sleep
 from ..workflow._instance import WorkflowInstance, current_instance
 from ._errors import BudgetExceeded, ContentRefused, ModelConfigError
 from ._models import HeaderCapture, build, model_name_of, provider_of
+from ._prompts import Prompt, Template
 from ._wire import (
     canonical,
     dump_messages,
@@ -293,6 +294,8 @@ class Gateway:
         #: output types registered with ``output``: type -> (name, version, fingerprint)
         self._outputs: dict[Any, tuple[str, str, str]] = {}
         self._built: dict[str, Model] = {}
+        #: prompts registered with ``prompt``, by name
+        self._prompts: dict[str, Prompt] = {}
         #: followers of streamed output, per run: (their loop, their queue)
         self._followers: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Queue[Any]]]] = {}
         self._followers_lock = threading.Lock()
@@ -393,6 +396,20 @@ class Gateway:
         self._models[name] = ref
         return ref
 
+    def prompt(
+        self, name: str, versions: Mapping[str, Template], *, current: str | None = None
+    ) -> Prompt:
+        """Register a prompt's versions (``str.format`` templates or functions returning
+        the text); ``current`` (default: the last) is what runs started now are pinned
+        to. In a workflow, ``prompt.render(**values)`` gives the run's own version, and
+        ``ai.complete``/``ai.structured`` record ``name@version`` on the call."""
+        if name in self._prompts:
+            raise ConfigurationError(f"prompt {name!r} is already registered on this gateway")
+        made = Prompt(name, versions, current, lambda inst: _run_pins(inst, self.name), _note_repin)
+        self._prompts[name] = made
+        self.app._prompt_versions[name] = made.versions
+        return made
+
     def output(self, output: OutT, *, name: str | None = None, version: str | None = None) -> OutT:
         """Register an output type of ``ai.structured`` so runs are pinned to its schema.
 
@@ -423,8 +440,8 @@ class Gateway:
 
     def _pins(self) -> dict[str, Any]:
         """What a run started now is pinned to: each model's version (and its
-        ``"provider:name"`` when it has one, so a later deploy can still build it), and
-        each registered output type's schema version."""
+        ``"provider:name"`` when it has one, so a later deploy can still build it), each
+        prompt's current version, and each registered output type's schema version."""
         pins: dict[str, Any] = {
             "models": {
                 name: {
@@ -434,6 +451,8 @@ class Gateway:
                 for name, ref in self._models.items()
             }
         }
+        if self._prompts:
+            pins["prompts"] = {name: p.current for name, p in self._prompts.items()}
         if self._outputs:
             pins["outputs"] = {
                 label: {"version": version, "fingerprint": fingerprint}
@@ -920,6 +939,11 @@ class Gateway:
             # the conversation so far by one node, then only the messages after it
             packed, inline, tip = pack(body["messages"], seen.messages, seen.nodes)
             body = {**body, "messages": packed}
+            recorded = _recorded_pack(inst, self._activity.name)
+            if recorded is not None:
+                # a replayed step: what it sent is what its history holds (and what a
+                # worker rebuilds), even if today's code words the prompt otherwise
+                inline, tip = recorded
         tally.reserved_tokens += estimate["tokens"]
         tally.reserved_cost += Decimal(estimate["cost"] or 0)
         try:
@@ -1002,6 +1026,28 @@ def _lookup_price(model: str, provider: str | None) -> Any:
 
 #: failures the next model in a fallback chain would meet too
 _NO_FALLBACK = frozenset({"ContentRefused", "BudgetExceeded"})
+
+
+def _recorded_pack(inst: WorkflowInstance, activity: str) -> tuple[list[str], str] | None:
+    """For a step this run recorded already: the hashes it sent in full and the node of
+    its conversation, from its history (None: a new step, or not a packed model call)."""
+    recorded = inst.recorded_next()
+    if recorded is None or recorded.type is not EventType.ACTIVITY_SCHEDULED:
+        return None
+    if recorded.data.get("name") != activity:
+        return None
+    args = recorded.data.get("args")
+    request = (args.get("args") or [None])[-1] if isinstance(args, dict) else None
+    packed = request.get("messages") if isinstance(request, dict) else None
+    if not isinstance(packed, dict) or not is_packed(packed):
+        return None
+    node: str | None = packed.get("base")
+    inline = []
+    for entry in packed["new"]:
+        node = link(node, entry["h"])
+        if "m" in entry:
+            inline.append(entry["h"])
+    return inline, node or ""
 
 
 def _run_pins(inst: WorkflowInstance, gateway: str) -> dict[str, Any]:

@@ -35,6 +35,7 @@ from .._errors import ConfigurationError
 from ..workflow._instance import current_instance
 from ._errors import OutputInvalid
 from ._gateway import ModelRef, check_output_pin
+from ._prompts import version_of
 
 T = TypeVar("T")
 
@@ -143,6 +144,9 @@ async def structured(
 ) -> T:
     """Ask ``model`` for a value of type ``output``, validated before anything trusts it.
 
+    ``prompt_version`` labels the call (default: the ``name@version`` of a prompt
+    rendered by ``gateway.prompt``).
+
     ``validate`` (deterministic: it runs again on replay) returns None/True when
     the value is fine, or a problem (a string) or problems (a list) to send back.
     Up to ``max_repairs`` further attempts see the problems. When they are spent,
@@ -179,7 +183,7 @@ async def structured(
             messages,
             params=params,
             settings=settings,
-            prompt_version=prompt_version,
+            prompt_version=prompt_version or version_of(prompt, instructions),
             output_schema=schema_version,
         )
         value, problems, raw, tool_call = _parse(response, adapter, wrapped)
@@ -243,7 +247,7 @@ async def complete(
         model,
         _messages(prompt, instructions),
         settings=settings,
-        prompt_version=prompt_version,
+        prompt_version=prompt_version or version_of(prompt, instructions),
         stream=stream,
     )
     return "".join(p.content for p in response.parts if isinstance(p, TextPart))

@@ -106,6 +106,10 @@ class ForkBody(BaseModel):
         None,
         description="Models to call instead in the fork: {model name: 'provider:name'}.",
     )
+    prompts: dict[str, str] | None = Field(
+        None,
+        description="Prompt versions the fork's later steps render: {prompt name: version}.",
+    )
 
 
 class DecisionBody(BaseModel):
@@ -441,9 +445,15 @@ def create_api(
         may(request, "admin", "fork")
         await visible(request, run_id)
         new = await app.fork(
-            run_id, at_step=body.at_step, new_run_id=body.run_id, models=body.models
+            run_id,
+            at_step=body.at_step,
+            new_run_id=body.run_id,
+            models=body.models,
+            prompts=body.prompts,
         )
-        await audit(request, "fork", f"run:{run_id}", {"at_step": body.at_step, "new": new.run_id})
+        detail = {"at_step": body.at_step, "new": new.run_id}
+        detail.update({k: v for k, v in (("models", body.models), ("prompts", body.prompts)) if v})
+        await audit(request, "fork", f"run:{run_id}", detail)
         response.headers["Location"] = links(new.run_id).self
         return run_view(await app.get(new.run_id))
 

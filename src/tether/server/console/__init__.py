@@ -293,17 +293,17 @@ def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
         if principal is not None:
             principal.require("admin", "fork")
         info = await visible(principal, run_id)
-        models: dict[str, str] = {}
-        for pair in (fields.get("models") or "").split(","):
-            name, _, spec = pair.strip().partition("=")
-            if name and spec:
-                models[name.strip()] = spec.strip()
+        models, prompts = _pairs(fields.get("models")), _pairs(fields.get("prompts"))
         try:
             at_step = int(fields.get("at_step") or "0")
-            new = await app.fork(info.run_id, at_step=at_step, models=models or None)
+            new = await app.fork(
+                info.run_id, at_step=at_step, models=models or None, prompts=prompts or None
+            )
         except (ValueError, TetherError) as exc:
             return _back(run_id, f"not forked: {exc}")
         detail = {"at_step": at_step, "new": new.run_id, "models": models or None}
+        if prompts:
+            detail["prompts"] = prompts
         await audit(principal, "fork", f"run:{info.run_id}", detail)
         return RedirectResponse(f"/compare?{urlencode({'a': info.run_id, 'b': new.run_id})}", 303)
 
@@ -424,6 +424,16 @@ def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
 
 def _back(run_id: str, message: str) -> Response:
     return RedirectResponse(f"/runs/{run_id}?{urlencode({'message': message})}", 303)
+
+
+def _pairs(text: str | None) -> dict[str, str]:
+    """``"a=x, b=y"`` (a form field) as ``{"a": "x", "b": "y"}``."""
+    out: dict[str, str] = {}
+    for pair in (text or "").split(","):
+        name, _, value = pair.strip().partition("=")
+        if name.strip() and value.strip():
+            out[name.strip()] = value.strip()
+    return out
 
 
 async def _overview(app: App, tenant: str | None) -> dict[str, Any]:

@@ -23,6 +23,7 @@ class Step:
     tokens: int | None = None
     cost: Any = None
     model: str | None = None
+    prompt: str | None = None  #: the prompt version a model call rendered (name@version)
     reused: bool = False  #: copied from the run it was forked from (not run again)
 
 
@@ -54,6 +55,7 @@ def steps_of(history: list[Event]) -> dict[int, Step]:
             if isinstance(result, dict) and isinstance(call, dict):
                 # a model call: its text, not the whole response
                 step.model = f"{call.get('provider')}:{call.get('model_name')}"
+                step.prompt = call.get("prompt_version")
                 step.tokens = (call.get("input_tokens") or 0) + (call.get("output_tokens") or 0)
                 step.cost = call.get("cost")
                 result = _text_of(result.get("response"))
