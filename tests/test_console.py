@@ -4,6 +4,7 @@ and actions (signal, approve, cancel, replay a dead letter) with CSRF and roles.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -116,6 +117,30 @@ def test_sign_in_overview_runs_and_a_signal_from_the_browser(
     page.wait_for_selector("#status.completed", timeout=20_000)  # the page follows the run
     done = server.http.get(f"/v1/runs/{waiting['id']}", headers=auth).json()
     assert done["result"] == "contract: approved"
+
+
+def test_the_runs_list_refreshes_when_a_run_it_shows_changes_not_on_others(
+    served: tuple[Server, dict[str, str]], browser: Any
+) -> None:
+    server, keys = served
+    base = f"http://127.0.0.1:{server.port}"
+    page = browser.new_page()
+    _sign_in(page, base, keys["operate"])
+    refreshes: list[str] = []
+    page.on("request", lambda r: refreshes.append(r.url) if "partial=1" in r.url else None)
+    page.goto(f"{base}/runs")
+    page.wait_for_function("document.getElementById('runs').changes?.readyState === 1")
+    # another tenant's new run: nothing to show, no refresh (the list's poll is 10 s)
+    theirs = _start(server, keys["other"], "approve", {"input": {"doc": "theirs"}})
+    page.wait_for_timeout(1500)
+    assert refreshes == []
+    # one of this tenant's: the list shows it within moments, not at the next poll
+    mine = _start(server, keys["operate"], "approve", {"input": {"doc": "mine"}})
+    page.wait_for_function(
+        f"document.getElementById('runs').innerText.includes({json.dumps(mine['id'])})",
+        timeout=4000,
+    )
+    assert refreshes and theirs["id"] not in page.inner_text("#runs")
 
 
 def test_approve_cancel_and_replay_from_the_browser_with_roles_and_csrf(

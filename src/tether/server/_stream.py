@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import Request
@@ -29,6 +29,11 @@ from ._models import event_view
 SAFETY_READ = 2.0
 #: how long a quiet stream waits before it sends a keep-alive comment
 KEEPALIVE = 15.0
+#: the shortest time between two ``changed`` messages of a changes stream
+CHANGES_EVERY = 1.0
+#: run ids a changes stream keeps between two looks (a follower bound to a tenant looks
+#: them up; beyond, its page's slower poll shows the change)
+CHANGES_KEPT = 50
 
 
 class EventHub:
@@ -39,6 +44,8 @@ class EventHub:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._following: dict[str, set[asyncio.Event]] = {}
         self._tokens: dict[asyncio.Event, list[dict[str, Any]]] = {}
+        #: streams of "some run changed" (the console's runs list): the runs touched since
+        self._watching: dict[asyncio.Event, set[str]] = {}
 
     def start(self) -> None:
         """Begin listening (call on the service's event loop)."""
@@ -62,13 +69,45 @@ class EventHub:
 
     def _on_commit(self, runs: set[str]) -> None:
         # any thread: hand over to the loop, and only while some stream follows a run
-        if self._following and self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._wake, runs)
+        # (or watches for changes)
+        loop = self._loop
+        if (self._following or self._watching) and loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._wake, runs)
 
     def _wake(self, runs: set[str]) -> None:
         for run_id in runs:
             for ev in self._following.get(run_id, ()):
                 ev.set()
+        for ev, touched in self._watching.items():
+            if len(touched) < CHANGES_KEPT:
+                touched.update(runs)
+            ev.set()
+
+    async def changes(
+        self, request: Request, sees: Callable[[set[str]], Awaitable[bool]]
+    ) -> AsyncIterator[str]:
+        """``changed`` SSE messages, at most one per ``CHANGES_EVERY`` seconds, whenever a
+        commit appended to the history of a run that ``sees`` (given the run ids touched)
+        says the follower may see; keep-alive comments between."""
+        woken = asyncio.Event()
+        touched: set[str] = set()
+        self._watching[woken] = touched
+        try:
+            yield ": following\n\n"
+            while not await request.is_disconnected():
+                try:
+                    await asyncio.wait_for(woken.wait(), KEEPALIVE)
+                except TimeoutError:
+                    yield ": keep-alive\n\n"
+                    continue
+                woken.clear()
+                runs = set(touched)
+                touched.clear()
+                if await sees(runs):
+                    yield "event: changed\ndata: {}\n\n"
+                    await asyncio.sleep(CHANGES_EVERY)  # what commits meanwhile waits
+        finally:
+            self._watching.pop(woken, None)
 
     async def stream(
         self, run_id: str, after: int, request: Request, payloads: bool = True

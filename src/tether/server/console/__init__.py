@@ -17,7 +17,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlencode
 
 from fastapi import FastAPI, Request
-from fastapi.responses import RedirectResponse, Response
+from fastapi.responses import RedirectResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 
@@ -27,6 +27,7 @@ from ..._history import EventType, RunInfo, RunStatus
 from ...store.ops.switches import SWITCH_KINDS
 from .._auth import AuthError, Principal, actor_of, authenticate
 from .._models import run_view
+from .._stream import EventHub
 from ._charts import outcomes_svg
 from ._compare import compare
 from ._session import COOKIE, LoginRequired, check_csrf, csrf_token, principal_of
@@ -210,6 +211,32 @@ def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
             statuses=[s.value for s in RunStatus],
             workflows=sorted(app._workflows),
             problem=problem,
+        )
+
+    @api.get("/changes", include_in_schema=False)
+    async def changes(request: Request) -> Response:
+        """Server-Sent Events telling the runs list that a run it may show changed."""
+        principal = await who(request)
+        hub: EventHub | None = getattr(request.app.state, "hub", None)
+        if hub is None:
+            return Response(status_code=404)
+
+        async def sees(runs: set[str]) -> bool:
+            if principal is None or principal.tenant is None:
+                return bool(runs)
+            for run_id in runs:
+                try:
+                    info = await app.get(run_id, follow=False)
+                except TetherError:
+                    continue  # purged meanwhile
+                if principal.sees(info.tenant):
+                    return True
+            return False
+
+        return StreamingResponse(
+            hub.changes(request, sees),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
     @api.get("/runs/{run_id}", include_in_schema=False)

@@ -1,5 +1,6 @@
-// tether console: confirmations for actions, and a run page that refreshes itself
-// when its event stream reports a new event (no polling of finished runs).
+// tether console: confirmations for actions, a run page that refreshes itself when
+// its event stream reports a new event (no polling of finished runs), and a runs list
+// that refreshes when the changes stream says a run it may show changed.
 document.addEventListener("submit", (ev) => {
   const question = ev.target.getAttribute("data-confirm");
   if (question && !window.confirm(question)) ev.preventDefault();
@@ -30,4 +31,12 @@ document.addEventListener("DOMContentLoaded", () => {
     "Suspended", "Resumed", "CancelRequested", "WorkflowTaskCompleted"]) {
     source.addEventListener(type, onEvent);
   }
+});
+
+document.addEventListener("DOMContentLoaded", () => {
+  const list = document.getElementById("runs");
+  if (!list || !list.dataset.changes || !window.EventSource) return;
+  const source = new EventSource(list.dataset.changes);
+  source.addEventListener("changed", () => htmx.trigger(list, "tether-changed"));
+  list.changes = source;  // (tests wait until it is open)
 });
