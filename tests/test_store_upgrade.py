@@ -33,6 +33,18 @@ async def _roundtrip(url: str) -> None:
     await app.close()
 
 
+#: the run counters' tables (version 10)
+COUNTERS = ("run_count_deltas", "run_counts", "run_ends")
+
+
+async def _counted(url: str) -> None:
+    """The counters added by the upgrade hold the runs that were there before it."""
+    app = tether.App(store=url)
+    counts = await app.store.run_counts()
+    await app.close()
+    assert ("quick", "completed", 1) in counts and ("waits", "completed", 1) in counts
+
+
 #: tables added after version 1 (a version-1 store made by an old build lacks them)
 NEWER_TABLES = (
     "api_keys",
@@ -65,7 +77,9 @@ async def test_a_version_1_sqlite_store_is_upgraded(tmp_path: Path) -> None:
     conn.execute("ALTER TABLE runs DROP COLUMN waiting_on")  # as version 1 made it
     conn.execute("ALTER TABLE runs DROP COLUMN attrs")
     conn.execute("ALTER TABLE tenant_limits DROP COLUMN retention")  # added in version 9
-    for table in NEWER_TABLES:
+    for trigger in ("insert", "update", "delete"):  # the run counters came in version 10
+        conn.execute(f"DROP TRIGGER runs_counted_{trigger}")
+    for table in (*NEWER_TABLES, *COUNTERS):
         conn.execute(f"DROP TABLE {table}")
     conn.execute("PRAGMA user_version = 1")
     conn.commit()
@@ -75,6 +89,7 @@ async def test_a_version_1_sqlite_store_is_upgraded(tmp_path: Path) -> None:
     assert conn.execute("PRAGMA user_version").fetchone() == (_SCHEMA_VERSION,)
     assert conn.execute("SELECT count(*) FROM ai_spend").fetchone() == (0,)
     conn.close()
+    await _counted(f"sqlite:///{db}")
 
 
 async def test_a_version_1_postgres_store_is_upgraded(pg_schema: str) -> None:
@@ -87,7 +102,9 @@ async def test_a_version_1_postgres_store_is_upgraded(pg_schema: str) -> None:
         conn.execute("ALTER TABLE runs DROP COLUMN waiting_on")
         conn.execute("ALTER TABLE runs DROP COLUMN attrs")
         conn.execute("ALTER TABLE tenant_limits DROP COLUMN retention")  # added in version 9
-        for table in NEWER_TABLES:
+        for trigger in ("insert", "update", "delete"):  # the run counters came in version 10
+            conn.execute(f"DROP TRIGGER runs_counted_{trigger} ON runs")
+        for table in (*NEWER_TABLES, *COUNTERS):
             conn.execute(f"DROP TABLE {table}")
         conn.execute("UPDATE tether_meta SET version = 1")  # as version 1 left it
     await _roundtrip(url)
@@ -95,3 +112,4 @@ async def test_a_version_1_postgres_store_is_upgraded(pg_schema: str) -> None:
         conn.execute(f'SET search_path TO "{pg_schema}"')
         assert conn.execute("SELECT max(version) FROM tether_meta").fetchone() == (_SCHEMA_VERSION,)
         assert conn.execute("SELECT count(*) FROM ai_spend").fetchone() == (0,)
+    await _counted(url)

@@ -70,6 +70,8 @@ log = logging.getLogger("tether.worker")
 
 #: seconds an activity whose arguments this worker cannot read waits before a retry
 KEY_HOLD = 30.0
+#: how often a worker folds the run counters' appended changes (``store/_counters.py``)
+FOLD_EVERY = 10.0
 
 
 def _sealed(task: Task) -> str | None:
@@ -139,6 +141,7 @@ class Worker:
         #: how often the workflows' ``retention`` is applied (purging ended runs)
         self.retention_every = retention_every
         self._retention: Periodic | None = None
+        self._folding: Periodic | None = None
         self._threads = threads or min(32, concurrency)
         #: items of running batches beyond the first of each: a batch takes one slot
         self._batch_extra = 0
@@ -203,6 +206,15 @@ class Worker:
                 "applying retention",
             )
             self._retention.start()
+        # the run counters' appended changes, folded often enough to stay a few rows
+        self._folding = Periodic(
+            f"tether-counters-{self.id}",
+            self.app.store.fold_run_counts,
+            lambda: FOLD_EVERY,
+            log,
+            "folding the run counters",
+        )
+        self._folding.start()
 
     async def run(self) -> None:
         """Serve until ``stop()`` is called (or the task is cancelled)."""
@@ -257,9 +269,10 @@ class Worker:
         if self._switcher is not None:
             self._switcher.cancel()
             self._switcher = None
-        if self._retention is not None:
-            await self._retention.stop()
-            self._retention = None
+        for periodic in (self._retention, self._folding):
+            if periodic is not None:
+                await periodic.stop()
+        self._retention = self._folding = None
         self.app.store.remove_listener(self._on_commit)
         while self._cache:
             _, inst = self._cache.popitem()
@@ -318,9 +331,10 @@ class Worker:
         for t in (*tasks, self._main):
             t.cancel()
         await asyncio.gather(*tasks, self._main, return_exceptions=True)
-        if self._retention is not None:
-            await self._retention.stop()
-            self._retention = None
+        for periodic in (self._retention, self._folding):
+            if periodic is not None:
+                await periodic.stop()
+        self._retention = self._folding = None
         self._inflight.clear()
         self._unstarted = []
         self.app.store.remove_listener(self._on_commit)

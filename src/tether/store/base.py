@@ -323,6 +323,10 @@ class Store(abc.ABC):
         """(workflow, status, runs) of every pair that has runs."""
 
     @abc.abstractmethod
+    async def fold_run_counts(self) -> None:
+        """Fold the run counters' appended changes (workers do it now and then)."""
+
+    @abc.abstractmethod
     async def run_outcomes(
         self, since: float, bucket: float, tenant: str | None = None
     ) -> list[tuple[int, str, int]]:

@@ -54,6 +54,7 @@ from psycopg import sql
 
 from .._errors import ConfigurationError, StoreError
 from .._history import Task
+from . import _counters
 from ._clock import ServerClock
 from ._handoff import LoopFuture, Outcome, deliver
 from ._pg_session import _ID_BLOCK, _Session
@@ -66,7 +67,7 @@ from .ops.tasks import _heartbeat, _renew
 log = logging.getLogger("tether.store")
 
 
-_SCHEMA_VERSION = 9
+_SCHEMA_VERSION = 10
 #: statements that bring a store of the version before up to this one
 _UPGRADES: dict[int, tuple[str, ...]] = {
     2: ("ALTER TABLE runs ADD COLUMN IF NOT EXISTS waiting_on TEXT",),
@@ -126,6 +127,7 @@ _UPGRADES: dict[int, tuple[str, ...]] = {
         "CREATE INDEX IF NOT EXISTS dead_letters_by_run ON dead_letters (run_id)",
     ),
     9: ("ALTER TABLE tenant_limits ADD COLUMN IF NOT EXISTS retention DOUBLE PRECISION",),
+    10: _counters.POSTGRES,  # run counters kept by triggers
 }
 #: task columns added during development, missing from schemas made by older builds
 _TASK_COLUMNS = ("priority", "limit_key", "heartbeat_timeout", "dependency", "batch_key")
@@ -302,6 +304,8 @@ class PostgresStore(OpsStore):
                     for statement in code.split(";"):
                         if statement.strip():
                             conn.execute(statement)
+                    for statement in _counters.POSTGRES:  # (a function body holds semicolons)
+                        conn.execute(statement)
                 else:
                     for step in range(version + 1, _SCHEMA_VERSION + 1):
                         for statement in _UPGRADES[step]:

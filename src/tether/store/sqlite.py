@@ -31,6 +31,7 @@ except ImportError:  # pragma: no cover - not POSIX: worker ids are not held
 
 from .._errors import ConfigurationError, StoreError
 from .._history import RunInfo, Task
+from . import _counters
 from ._handoff import LoopFuture, deliver
 from .base import Finished, HistoryListener, Listener, StreamListener, worker_id_in_use
 from .ops import OpsStore
@@ -54,10 +55,11 @@ _OWN_TABLES = {
     "ai_spend",
     "ai_budgets",
     "approvals",
+    *_counters.COUNT_TABLES,
 }
 
 
-_SCHEMA_VERSION = 9
+_SCHEMA_VERSION = 10
 #: statements that bring a store of the version before up to this one
 _UPGRADES: dict[int, tuple[str, ...]] = {
     2: ("ALTER TABLE runs ADD COLUMN waiting_on TEXT",),
@@ -115,6 +117,7 @@ _UPGRADES: dict[int, tuple[str, ...]] = {
         "CREATE INDEX IF NOT EXISTS dead_letters_by_run ON dead_letters (run_id)",
     ),
     9: ("ALTER TABLE tenant_limits ADD COLUMN retention REAL",),
+    10: _counters.SQLITE,  # run counters kept by triggers
 }
 
 
@@ -246,6 +249,8 @@ class SqliteStore(OpsStore):
             for statement in code.split(";"):
                 if statement.strip():
                     self._conn.execute(statement)
+            for statement in _counters.SQLITE:  # (trigger bodies hold semicolons)
+                self._conn.execute(statement)
         else:
             for step in range(version + 1, _SCHEMA_VERSION + 1):
                 for statement in _UPGRADES[step]:

@@ -464,7 +464,7 @@ def _pairs(text: str | None) -> dict[str, str]:
 
 
 async def _overview(app: App, tenant: str | None) -> dict[str, Any]:
-    """The overview's figures (reused for a few seconds: they scan the runs table)."""
+    """The overview's figures (reused for a few seconds)."""
     store = app.store
     now = store.clock()
     counts = await store.run_counts(tenant)
@@ -474,7 +474,7 @@ async def _overview(app: App, tenant: str | None) -> dict[str, Any]:
         by_status[status] = by_status.get(status, 0) + n
         by_workflow.setdefault(wf, {})[status] = n
     hours = 24
-    since = now - hours * 3600
+    since = (int(now // 3600) - hours + 1) * 3600  # whole hours: read from the counters
     outcomes = await store.run_outcomes(since, 3600, tenant)
     ended = sum(n for _, _, n in outcomes)
     failed = sum(n for _, s, n in outcomes if s != "completed")

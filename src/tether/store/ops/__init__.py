@@ -280,8 +280,11 @@ class OpsStore(Store):
         return counts
 
     async def run_counts(self, tenant: str | None = None) -> list[tuple[str, str, int]]:
-        out: list[tuple[str, str, int]] = await self._do(_run_counts, tenant, write=False)
+        out: list[tuple[str, str, int]] = await self._do(_run_counts, tenant)
         return out
+
+    async def fold_run_counts(self) -> None:
+        await self._do(_fold_run_counts)
 
     async def run_outcomes(
         self, since: float, bucket: float, tenant: str | None = None
@@ -553,7 +556,14 @@ from .keys import (  # noqa: E402
     _list_api_keys,
     _revoke_api_key,
 )
-from .overview import _blob_refs, _open_counts, _run_counts, _run_outcomes, _spend_on  # noqa: E402
+from .overview import (  # noqa: E402
+    _blob_refs,
+    _fold_run_counts,
+    _open_counts,
+    _run_counts,
+    _run_outcomes,
+    _spend_on,
+)
 from .queues import _configure_queue, _pause_queue, _queue_stats  # noqa: E402
 from .recovery import _claim_dead_letter, _dead_letters, _fork_run, _resolve_dead_letter, _retry_run  # noqa: E402
 from .reseal import _reseal_batch  # noqa: E402

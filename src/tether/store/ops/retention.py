@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..._history import RunStatus
+from .._counters import COUNT_TABLES
 from ._tx import _Tx
 
 #: tables whose rows belong to one run (by ``run_id``)
@@ -66,7 +67,10 @@ def _erase_tenant_batch(tx: _Tx, tenant: str, limit: int, dry_run: bool) -> dict
     ]
     counts = _remove(tx, ids, dry_run, "tenant erased")
     if not ids:
+        if not dry_run:
+            _fold_run_counts(tx)  # its runs are gone: its counters hold zeros only
         for table, column in (
+            *((t, "tenant") for t in COUNT_TABLES),
             ("tenant_limits", "tenant"),
             ("api_keys", "tenant"),
             ("switches", "name"),
@@ -160,3 +164,7 @@ def _orphans(tx: _Tx) -> dict[str, int]:
     ).fetchone()
     out["schedule tasks"] = int(n)
     return out
+
+
+# operations of other concerns (imported last: see the package docstring)
+from .overview import _fold_run_counts  # noqa: E402
