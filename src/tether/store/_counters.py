@@ -61,7 +61,9 @@ SQLITE = (
 #: the counters of a PostgreSQL store (the function lives in the store's schema)
 POSTGRES = (
     *_TABLES,
-    "CREATE OR REPLACE FUNCTION tether_count_runs() RETURNS trigger LANGUAGE plpgsql AS $$ "
+    # (its search path is the store's schema, whoever changes a run: psql included)
+    "CREATE OR REPLACE FUNCTION tether_count_runs() RETURNS trigger LANGUAGE plpgsql "
+    "SET search_path FROM CURRENT AS $$ "
     "BEGIN "
     f"IF TG_OP <> 'INSERT' THEN {_INSERT}{_row('OLD', -1, _PG_HOUR)}; END IF; "
     f"IF TG_OP <> 'DELETE' THEN {_INSERT}{_row('NEW', 1, _PG_HOUR)}; END IF; "
