@@ -115,6 +115,12 @@ async def test_nothing_of_inputs_outputs_signals_or_errors_is_readable_in_the_st
     raw = _stored_bytes(store_url)
     assert raw and CANARY.encode() not in raw
     assert CANARY.upper().encode() not in raw
+    # without the keyring, a sealed dead letter says which one, naming its run once
+    bare = tether.App(store=store_url, encryption=StaticKeyring({"k0": os.urandom(32)}, "k0"))
+    with pytest.raises(KeyUnavailableError) as err:
+        await bare.dead_letters()
+    assert str(err.value).count("run 'r2'") == 1 and "dead letter" in str(err.value)
+    bare.store.close_sync()  # type: ignore[attr-defined]
 
 
 async def test_a_store_sealed_under_a_key_says_so_to_a_process_without_it(

@@ -70,7 +70,7 @@ def _letter(tx: _Tx, row: Any) -> DeadLetter:
     ):
         return DeadLetter.from_row(row)
     where = f"dead letter {row[0]} (run {row[1]!r}, step {row[2]})"
-    error = _error_json(tx.codec, row[6], row[1], f"{where}, error")
+    error = _error_json(tx.codec, row[6], row[1], f"dead letter {row[0]}, step {row[2]}, error")
     return DeadLetter.from_row(
         (
             *row[:5],

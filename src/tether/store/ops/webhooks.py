@@ -108,7 +108,7 @@ def _opened(tx: _Tx, found: Any) -> tuple[Any, ...]:
     ):
         return row
     where = f"webhook delivery {row[0]} (run {row[1]!r})"
-    error = _error_json(tx.codec, row[6], row[1], f"{where}, error")
+    error = _error_json(tx.codec, row[6], row[1], f"webhook delivery {row[0]}, error")
     return (
         *row[:5],
         tx.open(row[5], f"{where}, output"),
