@@ -906,6 +906,47 @@ async def test_a_run_keeps_its_prompt_version_across_deploys_and_a_fork_tries_an
     await last.close()
 
 
+async def test_the_usage_ledger_counts_each_model_call_once_per_tenant_and_day(
+    store_url: str, server: ModelServer
+) -> None:
+    server.default = lambda body: model_reply("ok", input_tokens=100, output_tokens=20)
+
+    def deploy() -> tether.App:
+        app = tether.App(store=store_url)
+        _gw, primary = gateway(app, server)
+
+        @app.workflow
+        async def chat(n: int) -> int:
+            await ai.complete(primary, f"one {n}")
+            await tether.wait_event("go")  # a new worker replays the first call
+            await ai.complete(primary, f"two {n}")
+            return n
+
+        return app
+
+    app = deploy()
+    runs = {"a": "acme", "b": "globex", "c": None}
+    async with app.worker(poll_interval=0.05):
+        for run_id, tenant in runs.items():
+            await app.start("chat", 1, run_id=run_id, tenant=tenant)
+        while len(await app.list(waiting_for="signal:go")) < 3:
+            await asyncio.sleep(0.02)
+    await app.close()
+    app = deploy()
+    async with app.worker(poll_interval=0.05):
+        for run_id in runs:
+            await app.signal(run_id, "go")
+            await app.get_run(run_id).result(timeout=30)
+    assert server.count("gpt-4o-mini") == 6
+    day = time.strftime("%Y-%m-%d", time.gmtime())
+    ledger = await app.store.usage_on(day)
+    assert [(t, n) for t, n, _cost in ledger] == [("", 240), ("acme", 240), ("globex", 240)]
+    for (tenant, _n, cost), run_id in zip(ledger, ("c", "a", "b"), strict=True):
+        assert Decimal(cost) == (await app.usage(run_id)).cost, tenant  # exact, once each
+    assert await app.store.usage_on(day, "acme") == [ledger[1]]
+    await app.close()
+
+
 class TicketV2(BaseModel):
     category: str
     priority: int

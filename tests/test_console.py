@@ -311,6 +311,12 @@ def test_fork_with_another_model_and_compare_side_by_side(tmp_path: Path, browse
                 "prompt write@v1"
             )
             page.screenshot(path=str(ARTIFACTS / "console-compare.png"), full_page=True)
+            # the overview's ledger: every model call of today, once (the fork's two
+            # steps count one: its first was reused)
+            page.goto(f"{base}/")
+            usage = page.locator("table.usage tbody tr")
+            assert usage.count() == 1 and "(no tenant)" in usage.nth(0).inner_text()
+            assert usage.nth(0).locator("td").nth(1).inner_text() == "90"  # 15 + 15 + 60
         finally:
             server.stop()
 

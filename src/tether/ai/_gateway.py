@@ -946,6 +946,7 @@ class Gateway:
                 inline, tip = recorded
         tally.reserved_tokens += estimate["tokens"]
         tally.reserved_cost += Decimal(estimate["cost"] or 0)
+        step = inst.step + 1  # the step the call is about to be
         try:
             out: dict[str, Any] = await ref.activity(ref.name, body)
         except ActivityError as exc:
@@ -972,7 +973,10 @@ class Gateway:
         call = out[CALL_KEY]
         tally.tokens += int(call.get("input_tokens") or 0) + int(call.get("output_tokens") or 0)
         tally.cost += Decimal(call["cost"]) if call.get("cost") is not None else Decimal(0)
-        # counted once, when the run first meets the answer (never on replay)
+        # counted once, when the run first meets the answer (never on replay, nor for an
+        # answer kept from the run a retry or fork came from: that run counted it)
+        if inst.reused(step):
+            return out
         labels = (inst.workflow.name, ref.name, tenant or "")
         inst.count("tether_ai_calls", (*labels, "cache" if call.get("cache_hit") else "model"))
         if not call.get("cache_hit"):
@@ -980,6 +984,9 @@ class Gateway:
             inst.count("tether_ai_tokens", (*labels, "output"), int(call.get("output_tokens") or 0))
             if call.get("cost") is not None:
                 inst.count("tether_ai_cost", labels, float(call["cost"]))
+            tokens = int(call.get("input_tokens") or 0) + int(call.get("output_tokens") or 0)
+            cost = Decimal(call["cost"]) if call.get("cost") is not None else None
+            inst.tally_usage(tokens, cost)
         return out
 
 

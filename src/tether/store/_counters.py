@@ -1,6 +1,6 @@
 """Run counters: runs per (tenant, workflow, status) and ended runs per hour, kept by
 triggers on the runs table, so the console's overview and ``/metrics`` read a few
-rows instead of counting a million.
+rows instead of counting a million; and the model usage ledger per tenant and day.
 
 Every change of a run's status or end time (and every new or deleted run) appends a
 row to ``run_count_deltas`` in the same transaction: +1 for the run as it is now, -1
@@ -19,6 +19,12 @@ _TABLES = (
     "status TEXT NOT NULL, n BIGINT NOT NULL, PRIMARY KEY (tenant, workflow, status))",
     "CREATE TABLE IF NOT EXISTS run_ends (tenant TEXT NOT NULL, hour BIGINT NOT NULL, "
     "status TEXT NOT NULL, n BIGINT NOT NULL, PRIMARY KEY (tenant, hour, status))",
+    # model tokens and cost per tenant and day (UTC): a workflow task's commit appends
+    # what its run's model calls used (``WorkflowTaskResult.usage``), folded like the rest
+    "CREATE TABLE IF NOT EXISTS usage_deltas (tenant TEXT NOT NULL, day TEXT NOT NULL, "
+    "tokens BIGINT NOT NULL, cost TEXT NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS usage_days (tenant TEXT NOT NULL, day TEXT NOT NULL, "
+    "tokens BIGINT NOT NULL, cost TEXT NOT NULL, PRIMARY KEY (tenant, day))",
 )
 
 
@@ -82,4 +88,4 @@ POSTGRES = (
 )
 
 #: the tables that hold counts (``erase_tenant`` removes a tenant's rows)
-COUNT_TABLES = ("run_count_deltas", "run_counts", "run_ends")
+COUNT_TABLES = ("run_count_deltas", "run_counts", "run_ends", "usage_deltas", "usage_days")

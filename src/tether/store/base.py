@@ -44,6 +44,9 @@ class WorkflowTaskResult:
     children: bool = True
     #: what the run waits for after this task (``RunInfo.waiting_on``); None: unknown
     waiting_on: list[dict[str, Any]] | None = None
+    #: (tokens, cost) of the model calls whose answers this task met first: the store
+    #: adds them to its run's tenant's ledger in the same commit (exactly once)
+    usage: tuple[int, str] | None = None
 
 
 #: what ``list_runs(waiting_for=)`` may name (optionally ``kind:name``: ``signal:review``)
@@ -325,6 +328,11 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def fold_run_counts(self) -> None:
         """Fold the run counters' appended changes (workers do it now and then)."""
+
+    @abc.abstractmethod
+    async def usage_on(self, day: str, tenant: str | None = None) -> list[tuple[str, int, str]]:
+        """(tenant, tokens, cost) of the model calls recorded on ``day`` (YYYY-MM-DD, UTC)
+        per tenant ('' for runs without one), or of one ``tenant``: exact, once per call."""
 
     @abc.abstractmethod
     async def run_outcomes(

@@ -21,6 +21,7 @@ import weakref
 from asyncio import events as asyncio_events
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any
 
 from .._definitions import CHAIN_SEPARATOR, Activity, Workflow, chain_of, running
@@ -122,6 +123,10 @@ class WorkflowInstance:
         #: counters noted by code that ran for the first time (``count``), flushed by the
         #: worker once the task that ran it commits
         self._counts: list[tuple[str, tuple[str, ...], float]] = []
+        #: model tokens and cost met first by the task being computed (``tally_usage``)
+        self._usage: tuple[int, Decimal] | None = None
+        #: steps whose outcome was kept from before a retry or fork (not run again)
+        self._reused: set[int] = set()
         #: read-only handlers by name (``tether.on_query``): answered by replaying, never
         #: recorded
         self.queries: dict[str, Callable[..., Any]] = {}
@@ -219,12 +224,14 @@ class WorkflowInstance:
         # what remains is new
         self.now = now
         self._new = []
+        self._usage = None
         through = self.through
         if incoming:
             through = incoming[-1].seq
         self._activate(incoming)
         self.through = through
         commands, self._new = self._new, []
+        usage, self._usage = self._usage, None
         return WorkflowTaskResult(
             commands=commands,
             through=through,
@@ -232,6 +239,7 @@ class WorkflowInstance:
             version=self.workflow.version,
             children=self.started_children > 0,
             waiting_on=None if self.finished else self.waiting_on(),
+            usage=(usage[0], str(usage[1])) if usage is not None else None,
         )
 
     def close(self) -> None:
@@ -520,6 +528,21 @@ class WorkflowInstance:
         if not self.replaying:
             self._counts.append((name, labels, n))
 
+    def reused(self, step: int) -> bool:
+        """Whether ``step``'s outcome was kept from before a retry or a fork (its work,
+        a model call's cost included, was done and counted by the run it came from)."""
+        forked = self.started.data.get("forked_from") if self.started is not None else None
+        if isinstance(forked, dict) and step <= int(forked.get("at_step") or 0):
+            return True  # copied from the run it was forked from
+        return step in self._reused
+
+    def tally_usage(self, tokens: int, cost: Decimal | None) -> None:
+        """Add a model call's tokens and cost to the ledger of the run's tenant, with the
+        commit of the task that first met its answer (never on replay)."""
+        if not self.replaying:
+            before = self._usage or (0, Decimal(0))
+            self._usage = (before[0] + tokens, before[1] + (cost or Decimal(0)))
+
     def take_counts(self) -> list[tuple[str, tuple[str, ...], float]]:
         """The counters noted since the last call."""
         counts, self._counts = self._counts, []
@@ -563,6 +586,8 @@ class WorkflowInstance:
             data["reused"] = True
             raw["result"] = encode(kept[2], "reused result")
         step = self._command(EventType.ACTIVITY_SCHEDULED, data, raw)
+        if data.get("reused"):
+            self._reused.add(step)
         fut = self.loop.create_future()
         self._pending[step] = _Pending(
             fut,

@@ -492,6 +492,7 @@ async def _overview(app: App, tenant: str | None) -> dict[str, Any]:
         "dead_letters": len(letters),
         "intervention": by_status.get("needs_intervention", 0) + by_status.get("failed", 0),
         "oldest_review": oldest[0] if oldest else None,
+        "usage": await store.usage_on(day, tenant),
         "spend": await store.spend_on(day) if tenant is None else [],
         "now": now,
     }

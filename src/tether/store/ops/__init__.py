@@ -286,6 +286,10 @@ class OpsStore(Store):
     async def fold_run_counts(self) -> None:
         await self._do(_fold_run_counts)
 
+    async def usage_on(self, day: str, tenant: str | None = None) -> list[tuple[str, int, str]]:
+        out: list[tuple[str, int, str]] = await self._do(_usage_on, day, tenant)
+        return out
+
     async def run_outcomes(
         self, since: float, bucket: float, tenant: str | None = None
     ) -> list[tuple[int, str, int]]:
@@ -563,6 +567,7 @@ from .overview import (  # noqa: E402
     _run_counts,
     _run_outcomes,
     _spend_on,
+    _usage_on,
 )
 from .queues import _configure_queue, _pause_queue, _queue_stats  # noqa: E402
 from .recovery import _claim_dead_letter, _dead_letters, _fork_run, _resolve_dead_letter, _retry_run  # noqa: E402

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from decimal import Decimal
 from typing import Any, cast
 
 from ..._codec import sealed_fields
@@ -44,6 +45,42 @@ def _fold_run_counts(tx: _Tx) -> None:
         )
     tx.execute("DELETE FROM run_counts WHERE n = 0")
     tx.execute("DELETE FROM run_ends WHERE n = 0")
+    _fold_usage(tx)
+
+
+def _fold_usage(tx: _Tx) -> None:
+    """Fold the model usage appended by workflow tasks into ``usage_days`` (costs are
+    decimal text: added here, exactly). Runs inside ``_fold_run_counts``'s lock."""
+    taken = tx.execute("DELETE FROM usage_deltas RETURNING tenant, day, tokens, cost").fetchall()
+    sums: dict[tuple[str, str], tuple[int, Decimal]] = {}
+    for tenant, day, tokens, cost in taken:
+        before = sums.get((tenant, day), (0, Decimal(0)))
+        sums[(tenant, day)] = (before[0] + int(tokens), before[1] + Decimal(cost))
+    for (tenant, day), (tokens, cost) in sorted(sums.items()):
+        row = tx.execute(
+            "SELECT tokens, cost FROM usage_days WHERE tenant = ? AND day = ?", (tenant, day)
+        ).fetchone()
+        if row is not None:
+            tokens, cost = tokens + int(row[0]), cost + Decimal(row[1])
+        tx.execute(
+            "INSERT INTO usage_days (tenant, day, tokens, cost) VALUES (?, ?, ?, ?) "
+            "ON CONFLICT (tenant, day) DO UPDATE SET tokens = excluded.tokens, "
+            "cost = excluded.cost",
+            (tenant, day, tokens, str(cost)),
+        )
+
+
+def _usage_on(tx: _Tx, day: str, tenant: str | None) -> list[tuple[str, int, str]]:
+    """(tenant, tokens, cost) of the model calls recorded on ``day`` (UTC), per tenant
+    ('' for runs without one), or of one ``tenant``."""
+    _fold_run_counts(tx)
+    where, args = (
+        ("day = ?", (day,)) if tenant is None else ("day = ? AND tenant = ?", (day, tenant))
+    )
+    rows = tx.execute(
+        f"SELECT tenant, tokens, cost FROM usage_days WHERE {where} ORDER BY tenant", args
+    ).fetchall()
+    return [(r[0], int(r[1]), str(r[2])) for r in rows]
 
 
 def _run_counts(tx: _Tx, tenant: str | None) -> list[tuple[str, str, int]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import time
 from typing import Any
 
 from ..._errors import LeaseLostError, RunFinishedError, RunNotFoundError
@@ -118,6 +119,11 @@ def _marker(result: WorkflowTaskResult) -> _Pending:
     return (EventType.WORKFLOW_TASK_COMPLETED, None, {}, raw)
 
 
+def _day(at: float) -> str:
+    """The UTC date of ``at`` (YYYY-MM-DD)."""
+    return time.strftime("%Y-%m-%d", time.gmtime(at))
+
+
 def _apply_workflow_result(
     tx: _Tx,
     run_id: str,
@@ -142,6 +148,11 @@ def _apply_workflow_result(
     Returns (marker seq, activity tasks leased to ``lease_to``, run ended).
     """
     status, run_queue, parent_run_id, parent_step, workflow, tenant = run
+    if result.usage is not None:  # the model calls this task met first: exactly once
+        tx.execute(
+            "INSERT INTO usage_deltas (tenant, day, tokens, cost) VALUES (?, ?, ?, ?)",
+            (tenant or "", _day(result.time), result.usage[0], result.usage[1]),
+        )
     if status == RunStatus.SUSPENDED.value:
         lease_to = None  # suspended while this task ran: dispatch nothing locally
     leased: list[Task] = []
