@@ -54,8 +54,8 @@ from psycopg import sql
 
 from .._errors import ConfigurationError, StoreError
 from .._history import Task
-from . import _counters
 from ._clock import ServerClock
+from ._counters import POSTGRES as COUNTERS
 from ._handoff import LoopFuture, Outcome, deliver
 from ._pg_session import _ID_BLOCK, _Session
 from .base import Finished, HistoryListener, Listener, StreamListener, worker_id_in_use
@@ -127,7 +127,7 @@ _UPGRADES: dict[int, tuple[str, ...]] = {
         "CREATE INDEX IF NOT EXISTS dead_letters_by_run ON dead_letters (run_id)",
     ),
     9: ("ALTER TABLE tenant_limits ADD COLUMN IF NOT EXISTS retention DOUBLE PRECISION",),
-    10: _counters.POSTGRES,  # run counters kept by triggers
+    10: COUNTERS,  # run counters kept by triggers
 }
 #: task columns added during development, missing from schemas made by older builds
 _TASK_COLUMNS = ("priority", "limit_key", "heartbeat_timeout", "dependency", "batch_key")
@@ -304,7 +304,7 @@ class PostgresStore(OpsStore):
                     for statement in code.split(";"):
                         if statement.strip():
                             conn.execute(statement)
-                    for statement in _counters.POSTGRES:  # (a function body holds semicolons)
+                    for statement in COUNTERS:  # (a function body holds semicolons)
                         conn.execute(statement)
                 else:
                     for step in range(version + 1, _SCHEMA_VERSION + 1):

@@ -31,7 +31,8 @@ except ImportError:  # pragma: no cover - not POSIX: worker ids are not held
 
 from .._errors import ConfigurationError, StoreError
 from .._history import RunInfo, Task
-from . import _counters
+from ._counters import COUNT_TABLES
+from ._counters import SQLITE as COUNTERS
 from ._handoff import LoopFuture, deliver
 from .base import Finished, HistoryListener, Listener, StreamListener, worker_id_in_use
 from .ops import OpsStore
@@ -55,7 +56,7 @@ _OWN_TABLES = {
     "ai_spend",
     "ai_budgets",
     "approvals",
-    *_counters.COUNT_TABLES,
+    *COUNT_TABLES,
 }
 
 
@@ -117,7 +118,7 @@ _UPGRADES: dict[int, tuple[str, ...]] = {
         "CREATE INDEX IF NOT EXISTS dead_letters_by_run ON dead_letters (run_id)",
     ),
     9: ("ALTER TABLE tenant_limits ADD COLUMN retention REAL",),
-    10: _counters.SQLITE,  # run counters kept by triggers
+    10: COUNTERS,  # run counters kept by triggers
 }
 
 
@@ -249,7 +250,7 @@ class SqliteStore(OpsStore):
             for statement in code.split(";"):
                 if statement.strip():
                     self._conn.execute(statement)
-            for statement in _counters.SQLITE:  # (trigger bodies hold semicolons)
+            for statement in COUNTERS:  # (trigger bodies hold semicolons)
                 self._conn.execute(statement)
         else:
             for step in range(version + 1, _SCHEMA_VERSION + 1):
