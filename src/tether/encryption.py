@@ -376,8 +376,6 @@ class Sealer:
         #: whether the keyring's keys can change under us (a file): asked before each use
         self._dynamic = type(keyring).generation is not Keyring.generation
         self._nonces = _Nonces()
-        #: (key id, flag) -> the head as text and as bytes (authenticated with the data)
-        self._heads: dict[tuple[str, str], tuple[str, bytes]] = {}
         #: tenant -> (head as text, head as bytes, encrypt) for small payloads: the hot
         #: path of ``seal`` (forgotten with the ciphers when the keyring changes)
         self._small: dict[str | None, tuple[str, bytes, Any]] = {}
@@ -440,18 +438,8 @@ class Sealer:
             nonce = self._nonces.next()
             body = small[2](nonce, data, small[1])
             return small[0] + binascii.b2a_base64(nonce + body, newline=False).decode()
-        key_id = self.keyring.current(tenant)
-        flag = "n"
-        packed = _compressed(data)
-        if packed is not None:
-            data, flag = packed, "z"
-        head = self._heads.get((key_id, flag))
-        if head is None:
-            text_head = f"{PREFIX}{key_id}:{flag}:"
-            head = self._heads[(key_id, flag)] = (text_head, text_head.encode())
-        nonce = self._nonces.next()
-        body = self._cipher(key_id).encrypt(nonce, data, head[1])
-        return head[0] + binascii.b2a_base64(nonce + body, newline=False).decode()
+        head, body = self._seal(data, tenant)
+        return head.decode() + binascii.b2a_base64(body, newline=False).decode()
 
     def _small_entry(self, tenant: str | None) -> tuple[str, bytes, Any]:
         key_id = self.keyring.current(tenant)

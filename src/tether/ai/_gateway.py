@@ -145,11 +145,8 @@ class _Rebuilt:
         for ev in events:
             self.after = max(self.after, ev.seq)
             if ev.type is EventType.ACTIVITY_SCHEDULED and ev.data.get("name") == activity:
-                args = ev.data.get("args") or {}
-                request = (args.get("args") or [None, {}])[-1] if isinstance(args, dict) else None
-                packed = request.get("messages") if isinstance(request, dict) else None
-                if is_packed(packed) and ev.step is not None:
-                    assert isinstance(packed, dict)
+                packed = _packed_of(ev)
+                if packed is not None and ev.step is not None:
                     node = packed.get("base")
                     for e in packed["new"]:
                         child = link(node, e["h"])
@@ -971,8 +968,10 @@ class Gateway:
             seen.messages.add(answer)
             seen.nodes.update((tip, link(tip, answer)))
         call = out[CALL_KEY]
-        tally.tokens += int(call.get("input_tokens") or 0) + int(call.get("output_tokens") or 0)
-        tally.cost += Decimal(call["cost"]) if call.get("cost") is not None else Decimal(0)
+        inputs, outputs = int(call.get("input_tokens") or 0), int(call.get("output_tokens") or 0)
+        cost = Decimal(call["cost"]) if call.get("cost") is not None else None
+        tally.tokens += inputs + outputs
+        tally.cost += cost or Decimal(0)
         # counted once, when the run first meets the answer (never on replay, nor for an
         # answer kept from the run a retry or fork came from: that run counted it)
         if inst.reused(step):
@@ -980,13 +979,11 @@ class Gateway:
         labels = (inst.workflow.name, ref.name, tenant or "")
         inst.count("tether_ai_calls", (*labels, "cache" if call.get("cache_hit") else "model"))
         if not call.get("cache_hit"):
-            inst.count("tether_ai_tokens", (*labels, "input"), int(call.get("input_tokens") or 0))
-            inst.count("tether_ai_tokens", (*labels, "output"), int(call.get("output_tokens") or 0))
-            if call.get("cost") is not None:
-                inst.count("tether_ai_cost", labels, float(call["cost"]))
-            tokens = int(call.get("input_tokens") or 0) + int(call.get("output_tokens") or 0)
-            cost = Decimal(call["cost"]) if call.get("cost") is not None else None
-            inst.tally_usage(tokens, cost)
+            inst.count("tether_ai_tokens", (*labels, "input"), inputs)
+            inst.count("tether_ai_tokens", (*labels, "output"), outputs)
+            if cost is not None:
+                inst.count("tether_ai_cost", labels, float(cost))
+            inst.tally_usage(inputs + outputs, cost)
         return out
 
 
@@ -1035,18 +1032,23 @@ def _lookup_price(model: str, provider: str | None) -> Any:
 _NO_FALLBACK = frozenset({"ContentRefused", "BudgetExceeded"})
 
 
+def _packed_of(scheduled: Event) -> dict[str, Any] | None:
+    """The conversation a model step's recorded arguments hold in ``pack`` form (None:
+    full messages, or not a model step's arguments)."""
+    args = scheduled.data.get("args")
+    request = (args.get("args") or [None])[-1] if isinstance(args, dict) else None
+    packed = request.get("messages") if isinstance(request, dict) else None
+    return packed if isinstance(packed, dict) and is_packed(packed) else None
+
+
 def _recorded_pack(inst: WorkflowInstance, activity: str) -> tuple[list[str], str] | None:
     """For a step this run recorded already: the hashes it sent in full and the node of
     its conversation, from its history (None: a new step, or not a packed model call)."""
     recorded = inst.recorded_next()
     if recorded is None or recorded.type is not EventType.ACTIVITY_SCHEDULED:
         return None
-    if recorded.data.get("name") != activity:
-        return None
-    args = recorded.data.get("args")
-    request = (args.get("args") or [None])[-1] if isinstance(args, dict) else None
-    packed = request.get("messages") if isinstance(request, dict) else None
-    if not isinstance(packed, dict) or not is_packed(packed):
+    packed = _packed_of(recorded) if recorded.data.get("name") == activity else None
+    if packed is None:
         return None
     node: str | None = packed.get("base")
     inline = []
