@@ -178,3 +178,38 @@ async def test_tether_blobs_in_the_environment_is_where_every_process_looks(
     reader = tether.App(store=store_url)  # another process: no blobs= of its own
     assert (await reader.get(run.run_id)).output == '"' + "z" * 5000 + '"'
     reader.store.close_sync()  # type: ignore[attr-defined]
+
+
+async def test_purge_removes_the_blobs_only_its_runs_referred_to(
+    store_url: str, tmp_path: Path
+) -> None:
+    app = tether.App(store=store_url, blobs=str(tmp_path / "blobs"), offload_above=1024)
+
+    @app.workflow
+    async def keep(text: str) -> int:
+        return len(text)
+
+    async with app.worker(poll_interval=0.05):
+        for tenant, texts in (("acme", ("a", "b", "shared")), ("beta", ("shared",))):
+            for text in texts:
+                run = await app.start(keep, text * 2000, tenant=tenant)
+                await run.result(timeout=30)
+    blobs = app.store.blobs
+    assert blobs is not None
+    acme, beta = await app.store.blob_refs("acme"), await app.store.blob_refs("beta")
+    assert acme & beta and len(acme - beta) >= 2  # "shared" is one blob for both tenants
+    for ref in acme:  # written long ago, as the blobs of runs old enough to purge are
+        path = blobs._path(ref.removeprefix("sha256:"))
+        os.utime(path, (1_000_000, 1_000_000))
+    fresh = sorted(acme - beta)[0]
+    os.utime(blobs._path(fresh.removeprefix("sha256:")))  # put again just now: spared
+    counts = await app.purge(0, tenant="acme")
+    assert counts["runs"] == 3 and counts["blobs"] == len(acme - beta) - 1
+    left = {ref for ref, _ in blobs.refs()}
+    assert left == beta | {fresh}  # the shared blob stays: beta's run refers to it
+    assert set((await app.store.orphans()).values()) == {0}
+    for info in await app.list(tenant="beta"):
+        assert await app.get_run(info.run_id).result() == len("shared" * 2000)
+    # the spared one goes to gc once nothing refers to it
+    assert (await app.gc_blobs(older_than=0))["removed"] == 1
+    app.store.close_sync()  # type: ignore[attr-defined]

@@ -93,6 +93,9 @@ R = TypeVar("R")
 T = TypeVar("T")
 C = TypeVar("C", bound=type)
 
+#: seconds a blob put again is spared by purge (a commit referring to it may be in flight)
+PURGE_BLOB_GRACE = 60.0
+
 
 class Run(Generic[R]):
     """A handle on one run: await its result, read its state, signal or cancel it."""
@@ -899,24 +902,63 @@ class App:
         """Remove runs that ended more than ``older_than`` ago (of one ``workflow`` or
         ``tenant`` if given): their history, tasks, dead letters, reviews, webhook
         deliveries and audit entries, in transactions of ``batch`` runs so workers are
-        never held up. Their ids answer ``RunPurgedError``. Live runs are never touched.
-        Returns the rows removed per table (``dry_run``: what the first batch would
-        remove, nothing removed)."""
+        never held up; then the blobs only they referred to. Their ids answer
+        ``RunPurgedError``. Live runs are never touched. Returns the rows removed per
+        table, and ``blobs`` (``dry_run``: what the first batch would remove, nothing
+        removed)."""
         age = seconds(older_than, "older_than")
         if age is None or age < 0:
             raise ConfigurationError(f"older_than must be a duration >= 0 (got {older_than!r})")
         if batch < 1:
             raise ConfigurationError(f"batch must be >= 1 (got {batch})")
-        cutoff = self.store.clock() - age
+        return await self._purge_before(
+            self.store.clock() - age, workflow, tenant, dry_run=dry_run, batch=batch
+        )
+
+    async def _purge_before(
+        self,
+        cutoff: float,
+        workflow: str | None,
+        tenant: str | None,
+        *,
+        dry_run: bool = False,
+        batch: int = 500,
+        stopping: Callable[[], bool] = lambda: False,
+    ) -> dict[str, int]:
+        """``purge`` by a cutoff time (workers' retention too): batches until one comes
+        back short, then the removed runs' blobs that nothing else refers to."""
+        started = time.time()
         total: dict[str, int] = {"runs": 0}
+        refs: set[str] = set()
         while True:
-            counts = await self.store.purge(
+            counts, theirs = await self.store.purge(
                 cutoff, workflow=workflow, tenant=tenant, limit=batch, dry_run=dry_run
             )
+            refs |= theirs
             for table, n in counts.items():
                 total[table] = total.get(table, 0) + n
-            if dry_run or counts["runs"] < batch:
-                return total
+            if dry_run or counts["runs"] < batch or stopping():
+                break
+        if refs:
+            # a blob put again in the last minute may be about to be referred to by a
+            # commit still in flight (blobs are shared by content): gc_blobs judges it later
+            total["blobs"] = await self._drop_blobs(refs, started - PURGE_BLOB_GRACE)
+        return total
+
+    async def _drop_blobs(self, refs: set[str], written_before: float) -> int:
+        """Delete the blobs of ``refs`` that no stored payload refers to any more (the
+        rows that did were just removed) and that were not put since ``written_before``;
+        how many went."""
+        blobs = self.store.blobs
+        if blobs is None:
+            return 0
+        removed = 0
+        for ref in refs - await self.store.blob_refs():
+            modified = blobs.modified(ref)
+            if modified is not None and modified < written_before:
+                blobs.delete(ref)
+                removed += 1
+        return removed
 
     async def erase_tenant(
         self, tenant: str, *, dry_run: bool = False, batch: int = 500
@@ -947,21 +989,22 @@ class App:
                 for r in live:
                     with contextlib.suppress(RunFinishedError, RunNotFoundError):
                         await self.store.terminate(r.run_id, "tenant erased")
+        started = time.time()
         total: dict[str, int] = {"runs": 0}
         # the blobs its payloads refer to (or were offloaded to): removed after its rows
         # unless another tenant's payload refers to the same bytes
-        theirs = set() if dry_run else await self.store.blob_refs(tenant)
+        refs: set[str] = set()
         while True:
-            counts = await self.store.erase_tenant_batch(tenant, limit=batch, dry_run=dry_run)
+            counts, theirs = await self.store.erase_tenant_batch(
+                tenant, limit=batch, dry_run=dry_run
+            )
+            refs |= theirs
             for table, n in counts.items():
                 total[table] = total.get(table, 0) + n
             if dry_run or counts["runs"] == 0:
                 break
-        if theirs and self.store.blobs is not None:
-            gone = theirs - await self.store.blob_refs()
-            for ref in gone:
-                self.store.blobs.delete(ref)
-            total["blobs"] = len(gone)
+        if refs:
+            total["blobs"] = await self._drop_blobs(refs, started)
         codec = self.store.codec
         if not dry_run and codec is not None and codec.sealer is not None:
             total["keys_destroyed"] = len(codec.sealer.keyring.shred(tenant))

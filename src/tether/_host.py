@@ -3,6 +3,7 @@ never imports the client layer (``_app`` imports ``_worker``, not the other way)
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from ._definitions import Activity, Workflow
@@ -41,3 +42,14 @@ class WorkerApp(Protocol):
     def _note_running_here(self, run_id: str) -> None: ...
 
     def _alert(self, run_id: str, error: dict[str, Any]) -> None: ...
+
+    async def _purge_before(
+        self,
+        cutoff: float,
+        workflow: str | None,
+        tenant: str | None,
+        *,
+        dry_run: bool = False,
+        batch: int = 500,
+        stopping: Callable[[], bool] = ...,
+    ) -> dict[str, int]: ...

@@ -294,15 +294,12 @@ class Worker:
             await self._purge_older(keep, None, tenant)
 
     async def _purge_older(self, keep: float, workflow: str | None, tenant: str | None) -> None:
-        cutoff = self.app.store.clock() - keep
-        removed = 0
-        while not self._stopping:
-            counts = await self.app.store.purge(
-                cutoff, workflow=workflow, tenant=tenant, limit=500, dry_run=False
-            )
-            removed += counts["runs"]
-            if counts["runs"] < 500:
-                break
+        if self._stopping:
+            return
+        counts = await self.app._purge_before(
+            self.app.store.clock() - keep, workflow, tenant, stopping=lambda: self._stopping
+        )
+        removed = counts["runs"]
         if removed:
             label = workflow if workflow is not None else f"tenant:{tenant}"
             count("tether_runs_purged", (label,), removed)

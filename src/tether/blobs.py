@@ -158,6 +158,16 @@ class BlobStore:
                     continue
                 yield f"sha256:{prefix}{name}", os.path.getmtime(os.path.join(folder, name))
 
+    def modified(self, ref: str) -> float | None:
+        """When the blob was written or last put again (None: not stored)."""
+        path = self._path(ref.removeprefix("sha256:"))
+        try:
+            if self._fs is not None:
+                return float(self._fs.info(path).get("mtime") or time.time())
+            return os.path.getmtime(path)
+        except (FileNotFoundError, OSError):
+            return None
+
     def delete(self, ref: str) -> None:
         """Remove one blob (orphans only: see ``gc``)."""
         path = self._path(ref.removeprefix("sha256:"))

@@ -360,15 +360,16 @@ class Store(abc.ABC):
         limit: int = 500,
         dry_run: bool = False,
         reason: str = "retention",
-    ) -> dict[str, int]:
-        """Remove up to ``limit`` runs that ended before ``cutoff`` (one transaction);
-        rows removed per table."""
+    ) -> tuple[dict[str, int], set[str]]:
+        """Remove up to ``limit`` runs that ended before ``cutoff`` (one transaction):
+        rows removed per table, and the blobs the removed runs referred to."""
 
     @abc.abstractmethod
     async def erase_tenant_batch(
         self, tenant: str, *, limit: int = 500, dry_run: bool = False
-    ) -> dict[str, int]:
-        """Remove up to ``limit`` runs of a tenant, then its own rows; counts per table."""
+    ) -> tuple[dict[str, int], set[str]]:
+        """Remove up to ``limit`` runs of a tenant, then its own rows: counts per table,
+        and the blobs the removed runs referred to."""
 
     @abc.abstractmethod
     async def purged_run(self, run_id: str) -> tuple[str, float] | None:

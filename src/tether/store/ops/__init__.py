@@ -317,19 +317,19 @@ class OpsStore(Store):
         limit: int = 500,
         dry_run: bool = False,
         reason: str = "retention",
-    ) -> dict[str, int]:
-        counts: dict[str, int] = await self._do(
+    ) -> tuple[dict[str, int], set[str]]:
+        got: tuple[dict[str, int], set[str]] = await self._do(
             _purge_batch, cutoff, workflow, tenant, limit, dry_run, reason, write=not dry_run
         )
-        return counts
+        return got
 
     async def erase_tenant_batch(
         self, tenant: str, *, limit: int = 500, dry_run: bool = False
-    ) -> dict[str, int]:
-        counts: dict[str, int] = await self._do(
+    ) -> tuple[dict[str, int], set[str]]:
+        got: tuple[dict[str, int], set[str]] = await self._do(
             _erase_tenant_batch, tenant, limit, dry_run, write=not dry_run
         )
-        return counts
+        return got
 
     async def reseal_batch(
         self, table: str, after: list[Any] | None, limit: int

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from decimal import Decimal
 from typing import Any, cast
 
@@ -188,13 +189,23 @@ _PAYLOAD_COLUMNS = (
 _BY_RUN = {"events", "tasks", "dead_letters", "approvals", "webhook_outbox"}
 
 
-def _blob_refs(tx: _Tx, tenant: str | None = None) -> set[str]:
+def _blob_refs(
+    tx: _Tx, tenant: str | None = None, run_ids: Sequence[str] | None = None
+) -> set[str]:
     """Every blob reference (``sha256:<hex>``) the store's payloads hold (only those of
-    ``tenant``'s runs if given): the ones written into them, and payloads offloaded."""
+    ``tenant``'s runs, or of the runs ``run_ids``, if given): the ones written into
+    them, and payloads offloaded."""
     found: set[str] = set()
+    if run_ids is not None and not run_ids:
+        return found
     for table, columns in _PAYLOAD_COLUMNS:
         scope, args = "", cast(tuple[str, ...], ())
-        if tenant is not None:
+        if run_ids is not None:
+            if table not in _BY_RUN and table != "runs":
+                continue
+            scope = f" AND run_id IN ({','.join('?' * len(run_ids))})"
+            args = tuple(run_ids)
+        elif tenant is not None:
             if table == "runs":
                 scope, args = " AND tenant = ?", (tenant,)
             elif table in _BY_RUN:

@@ -29,10 +29,11 @@ def _purge_batch(
     limit: int,
     dry_run: bool,
     reason: str,
-) -> dict[str, int]:
-    """Remove up to ``limit`` runs that ended before ``cutoff`` (and match the filters);
-    the rows removed per table. With ``dry_run`` nothing is removed: the counts are
-    what one batch would remove."""
+) -> tuple[dict[str, int], set[str]]:
+    """Remove up to ``limit`` runs that ended before ``cutoff`` (and match the filters):
+    the rows removed per table, and the blobs the removed runs' payloads referred to
+    (the caller deletes those no other payload refers to). With ``dry_run`` nothing is
+    removed: the counts are what one batch would remove."""
     ids: list[str] = []
     for status in _ENDED:  # by (status, created_at): an index, never a scan of runs
         where = "status = ? AND created_at < ? AND completed_at < ?"
@@ -55,9 +56,12 @@ def _purge_batch(
     return _remove(tx, ids, dry_run, reason)
 
 
-def _erase_tenant_batch(tx: _Tx, tenant: str, limit: int, dry_run: bool) -> dict[str, int]:
+def _erase_tenant_batch(
+    tx: _Tx, tenant: str, limit: int, dry_run: bool
+) -> tuple[dict[str, int], set[str]]:
     """Remove up to ``limit`` runs of ``tenant`` whatever their status (the caller ended
-    the live ones first), then, when none is left, the tenant's own rows."""
+    the live ones first), then, when none is left, the tenant's own rows. Returns the
+    counts and blobs as ``_purge_batch`` does."""
     ids = [
         r[0]
         for r in tx.execute(
@@ -65,7 +69,7 @@ def _erase_tenant_batch(tx: _Tx, tenant: str, limit: int, dry_run: bool) -> dict
             (tenant, limit),
         ).fetchall()
     ]
-    counts = _remove(tx, ids, dry_run, "tenant erased")
+    counts, refs = _remove(tx, ids, dry_run, "tenant erased")
     if not ids:
         if not dry_run:
             _fold_run_counts(tx)  # its runs are gone: its counters hold zeros only
@@ -86,13 +90,14 @@ def _erase_tenant_batch(tx: _Tx, tenant: str, limit: int, dry_run: bool) -> dict
                 n = _deleted(tx, sql, (value,))
             if n:
                 counts[table] = n
-    return counts
+    return counts, refs
 
 
-def _remove(tx: _Tx, ids: list[str], dry_run: bool, reason: str) -> dict[str, int]:
+def _remove(tx: _Tx, ids: list[str], dry_run: bool, reason: str) -> tuple[dict[str, int], set[str]]:
     counts: dict[str, int] = {"runs": len(ids)}
     if not ids:
-        return counts
+        return counts, set()
+    refs = set() if dry_run else _blob_refs(tx, run_ids=ids)
     marks = ",".join("?" * len(ids))
     targets = [f"run:{i}" for i in ids]
     for table in RUN_TABLES:
@@ -104,7 +109,7 @@ def _remove(tx: _Tx, ids: list[str], dry_run: bool, reason: str) -> dict[str, in
     sql = f"FROM audit_log WHERE target IN ({marks})"
     if dry_run:
         counts["audit_log"] = int(tx.execute(f"SELECT COUNT(*) {sql}", targets).fetchone()[0])
-        return counts
+        return counts, refs
     counts["audit_log"] = _deleted(tx, sql, targets)
     tx.execute(
         "INSERT INTO purged_runs (run_id, workflow, reason, purged_at) "
@@ -113,7 +118,7 @@ def _remove(tx: _Tx, ids: list[str], dry_run: bool, reason: str) -> dict[str, in
         (reason, tx.now, *ids),
     )
     tx.execute(f"DELETE FROM runs WHERE run_id IN ({marks})", ids)
-    return counts
+    return counts, refs
 
 
 def _deleted(tx: _Tx, from_where: str, args: Any) -> int:
@@ -167,4 +172,4 @@ def _orphans(tx: _Tx) -> dict[str, int]:
 
 
 # operations of other concerns (imported last: see the package docstring)
-from .overview import _fold_run_counts  # noqa: E402
+from .overview import _blob_refs, _fold_run_counts  # noqa: E402
