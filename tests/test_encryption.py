@@ -469,3 +469,55 @@ async def test_events_sealed_together_by_the_first_version_read_and_reseal_into_
     assert [e.data for e in await app.history("r1")] == before
     assert (await app.reseal())["events"] == 0
     app.store.close_sync()  # type: ignore[attr-defined]
+
+
+async def test_reseal_moves_offloaded_payloads_to_new_blobs_under_the_current_key(
+    store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("TETHER_KEYRING", raising=False)
+    monkeypatch.delenv("TETHER_ENCRYPTION_KEYS", raising=False)
+    blobs = tmp_path / "blobs"
+    big = f"{CANARY} " * 400  # above offload_above: input, step result, signal, output
+
+    def kept() -> dict[str, bytes]:
+        return {p.name: p.read_bytes()[:16] for p in blobs.rglob("*") if p.is_file()}
+
+    plain = tether.App(store=store_url, blobs=str(blobs), offload_above=1024)
+    _register(plain)
+    async with plain.worker(poll_interval=0.05):
+        run = await plain.start("flow", big, run_id="r1")
+        await plain.signal("r1", "note", {"text": big})
+        await run.result(timeout=30)
+    plain.store.close_sync()  # type: ignore[attr-defined]
+    written = kept()
+    assert written and all(
+        CANARY.encode()[:8] in b or b.startswith(b'{"') for b in written.values()
+    )
+
+    keys = _keyring(tmp_path)
+    app = tether.App(store=store_url, blobs=str(blobs), offload_above=1024, encryption=keys)
+    _register(app)
+    first = await app.reseal(batch=2)
+    assert first["blobs"] == len(written)  # every plain blob was replaced, then deleted
+    now = kept()
+    assert now and not set(now) & set(written)
+    assert all(b.startswith(b"~e1:k1:") for b in now.values())
+    assert CANARY not in _rows_text(store_url)
+    assert (await app.reseal()).get("blobs", 0) == 0  # nothing left to do
+    keys.rotate()
+    moved = await app.reseal()
+    assert moved["blobs"] == len(now)
+    assert all(b.startswith(b"~e1:k2:") for b in kept().values())
+    app.store.close_sync()  # type: ignore[attr-defined]
+    # k1 can go: the run, its history and its blobs read with k2 alone
+    only_k2 = tether.App(
+        store=store_url, blobs=str(blobs), encryption=StaticKeyring({"k2": keys.key("k2")}, "k2")
+    )
+    info = await only_k2.get("r1")
+    assert CANARY in info.input and info.output is not None and CANARY in info.output
+    assert sum(CANARY in str(e.data) for e in await only_k2.history("r1")) >= 3
+    assert set((await only_k2.store.orphans()).values()) == {0}
+    assert await only_k2.store.blob_refs() == {
+        f"sha256:{p.parent.name}{p.name}" for p in blobs.rglob("*") if p.is_file()
+    }
+    only_k2.store.close_sync()  # type: ignore[attr-defined]

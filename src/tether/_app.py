@@ -851,8 +851,9 @@ class App:
     async def reseal(self, *, batch: int = 500) -> dict[str, int]:
         """Seal every stored payload under the current keys: values sealed under an older
         key (so it can be retired) and values written before encryption was on. A batch
-        per transaction, so workers go on meanwhile. Offloaded payloads stay as they are.
-        Returns the values rewritten per table."""
+        per transaction, so workers go on meanwhile. An offloaded payload goes to a new
+        blob; the old blobs nothing refers to then are deleted. Returns the values
+        rewritten per table, and ``blobs`` deleted."""
         codec = self.store.codec
         if codec is None or codec.sealer is None:
             raise ConfigurationError(
@@ -861,6 +862,8 @@ class App:
             )
         from .store.ops.reseal import TABLES
 
+        started = time.time()
+        before = await self.store.blob_refs() if self.store.blobs is not None else set()
         out: dict[str, int] = {}
         for table in TABLES:
             after: list[Any] | None = None
@@ -870,6 +873,8 @@ class App:
                 out[table] += n
                 if after is None:
                     break
+        if before:
+            out["blobs"] = await self._drop_blobs(before, started)
         return out
 
     async def configure_retention(self, tenant: str, older_than: float | timedelta | None) -> None:

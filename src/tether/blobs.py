@@ -158,6 +158,19 @@ class BlobStore:
                     continue
                 yield f"sha256:{prefix}{name}", os.path.getmtime(os.path.join(folder, name))
 
+    def head(self, ref: str, size: int = 64) -> bytes:
+        """The first ``size`` bytes of a blob as kept (whether and under which key it is
+        sealed, without reading all of it); ``BlobError`` if missing."""
+        path = self._path(ref.removeprefix("sha256:"))
+        try:
+            if self._fs is not None:
+                with self._fs.open(path, "rb") as f:
+                    return bytes(f.read(size))
+            with open(path, "rb") as f:
+                return f.read(size)
+        except FileNotFoundError:
+            raise BlobError(ref, f"missing from the blob store at {self.root!r}") from None
+
     def modified(self, ref: str) -> float | None:
         """When the blob was written or last put again (None: not stored)."""
         path = self._path(ref.removeprefix("sha256:"))

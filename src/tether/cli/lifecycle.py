@@ -139,8 +139,9 @@ def store_reseal_command(
 ) -> None:
     """Seal every stored payload under the current keys (TETHER_KEYRING): what an older
     key sealed, so that key can be retired, and what was written before encryption was
-    turned on. Workers may keep running. On SQLite, VACUUM afterwards so no old bytes
-    stay in the file's free pages."""
+    turned on; offloaded payloads go to new blobs and the old blobs are deleted. Workers
+    may keep running. On SQLite, VACUUM afterwards so no old bytes stay in the file's
+    free pages."""
 
     async def go() -> dict[str, int]:
         async with _opened(_client_app(store, app)) as a:
@@ -153,7 +154,9 @@ def store_reseal_command(
 
     counts = _run(go())
     _dump(counts)
-    _note(f"resealed {sum(counts.values())} value(s)")
+    blobs = counts.get("blobs", 0)
+    values = sum(counts.values()) - blobs
+    _note(f"resealed {values} value(s), {blobs} old blob(s) deleted")
 
 
 def store_gc_blobs_command(

@@ -5,8 +5,9 @@ key is kept; to retire the key, every value sealed under it is rewritten under t
 current one. The same pass seals values written before encryption was turned on. It
 walks one table at a time in primary-key order, a batch per transaction, and writes a
 value only if it is still what it read (a worker writing the row meanwhile wrote it
-sealed under the current key already). Offloaded payloads (``~b1:``) are left as they
-are: their blob would have to be written again under a new reference.
+sealed under the current key already). An offloaded payload (``~b1:``) whose blob is
+sealed under an older key (or not at all) is written again, to a new blob under a new
+reference; the caller deletes the old blobs nothing refers to any more.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import json
 from typing import Any, cast
 
 from ..._codec import (
+    MARKS,
     OFFLOADED,
     PAYLOAD_KEYS,
     SEALED_FIELD,
@@ -24,6 +26,7 @@ from ..._codec import (
     sealed_fields,
 )
 from ..._serde import dumps
+from ...blobs import BlobError
 from ...encryption import PREFIX as SEALED
 from ._tx import _Tx
 
@@ -87,44 +90,59 @@ def _reseal_batch(
 
 
 def _stale(tx: _Tx, sealed: str, run_id: str | None) -> bool:
-    """Whether a sealed value's key is not the one new values of its run get."""
-    assert tx.codec is not None and tx.codec.sealer is not None
+    """Whether a sealed (or offloaded) value's key is not the one new values of its run
+    get: an offloaded value by the head of its blob (a plain blob is stale too)."""
+    codec = tx.codec
+    assert codec is not None and codec.sealer is not None
+    if sealed.startswith(OFFLOADED):
+        if codec.blobs is None:
+            return False  # no blob store opened here: left as it is
+        ref = sealed[len(OFFLOADED) :].rpartition(":")[0]
+        try:
+            head = codec.blobs.head(ref).decode("ascii", "replace")
+        except BlobError:
+            return False  # gone already: nothing to rewrite it from
+        if not head.startswith(SEALED):
+            return True
+        sealed = head
     key_id = sealed[len(SEALED) :].split(":", 1)[0]
-    tenant = tx.tenant_of(run_id) if run_id is not None and tx.codec.per_tenant else None
-    return key_id != tx.codec.sealer.keyring.current(tenant)
+    tenant = tx.tenant_of(run_id) if run_id is not None and codec.per_tenant else None
+    return key_id != codec.sealer.keyring.current(tenant)
 
 
 def _resealed(tx: _Tx, table: str, column: str, old: str, run_id: str | None) -> str | None:
     """``old`` sealed under the current key, or None to leave it."""
     where = f"{table}.{column} of run {run_id!r}" if run_id else f"{table}.{column}"
-    if old.startswith(OFFLOADED):
-        return None
+    if table == "events":
+        return _resealed_event(tx, old, run_id or "", where)
+    if old.startswith(MARKS):
+        if not _stale(tx, old, run_id):
+            return None
+        old = decode_text(tx.codec, old, where)
+        if (table, column) not in _ERRORS:
+            return tx.seal(old, run_id)
     if (table, column) in _ERRORS:
         value = json.loads(old)
         sealed = value.get("sealed") if isinstance(value, dict) else None
         if isinstance(sealed, str):
-            if sealed.startswith(OFFLOADED) or not _stale(tx, sealed, run_id):
+            if not _stale(tx, sealed, run_id):
                 return None
             return tx.seal_error(decode_text(tx.codec, sealed, where), run_id)
         return tx.seal_error(old, run_id)
-    if table == "events":
-        return _resealed_event(tx, old, run_id or "", where)
-    if old.startswith(SEALED):
-        if not _stale(tx, old, run_id):
-            return None
-        return tx.seal(decode_text(tx.codec, old, where), run_id)
     return tx.seal(old, run_id)
 
 
 def _resealed_event(tx: _Tx, old: str, run_id: str, where: str) -> str | None:
     """An event's data with its payloads and free text sealed under the current key,
     each in a field of its own (``_Tx.data``); None if it is so already."""
-    data = json.loads(old)
+    whole = old.startswith(MARKS)  # offloaded (or sealed) whole: written without a keyring
+    data = json.loads(decode_text(tx.codec, old, where) if whole else old)
     sealed = sealed_fields(data)
     plain = [k for k in data if k in SECRET_KEYS or k in PAYLOAD_KEYS]
     if (
-        not plain
-        and all(s.startswith(OFFLOADED) or not _stale(tx, s, run_id) for s in sealed)
+        not whole
+        and not plain
+        and all(not _stale(tx, s, run_id) for s in sealed)
         and SEALED_FIELD not in data
     ):
         return None
