@@ -521,3 +521,20 @@ async def test_reseal_moves_offloaded_payloads_to_new_blobs_under_the_current_ke
         f"sha256:{p.parent.name}{p.name}" for p in blobs.rglob("*") if p.is_file()
     }
     only_k2.store.close_sync()  # type: ignore[attr-defined]
+
+
+def test_a_value_sealed_here_opens_from_memory_until_its_key_is_destroyed(
+    tmp_path: Path,
+) -> None:
+    keys = _keyring(tmp_path, per_tenant=True)
+    sealer = Sealer(keys)
+    sealed = sealer.seal('{"args":[1]}', "acme")
+    assert sealed in sealer._recent  # the step's worker opens it without decrypting
+    assert sealer.open(sealed) == '{"args":[1]}'
+    i = len(sealed) - 10  # a character of the tag: the value no longer authenticates
+    tampered = sealed[:i] + ("B" if sealed[i] == "A" else "A") + sealed[i + 1 :]
+    with pytest.raises(KeyUnavailableError):
+        sealer.open(tampered)  # another text: not remembered, and it does not open
+    keys.shred("acme")
+    with pytest.raises(KeyUnavailableError, match="destroyed"):
+        sealer.open(sealed)  # forgotten with the key

@@ -44,6 +44,8 @@ PREFIX = "~e1:"
 _KEY_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 #: payloads shorter than this are not worth compressing
 _COMPRESS_FROM = 512
+#: how many recently sealed small values a sealer remembers the text of
+_RECENT = 4096
 #: how much of a large payload is compressed first, to see whether the rest is worth it
 _SAMPLE = 64 * 1024
 
@@ -379,6 +381,12 @@ class Sealer:
         #: tenant -> (head as text, head as bytes, encrypt) for small payloads: the hot
         #: path of ``seal`` (forgotten with the ciphers when the keyring changes)
         self._small: dict[str | None, tuple[str, bytes, Any]] = {}
+        #: small values this process sealed lately -> their text: a step's arguments are
+        #: opened by the worker that runs it right after its workflow task sealed them.
+        #: Keyed by the whole sealed text (a changed value misses and fails to open);
+        #: forgotten with the ciphers when the keyring changes (a destroyed key's values
+        #: must not open from here)
+        self._recent: dict[str, str] = {}
 
     def _cipher(self, key_id: str) -> Any:
         if self._dynamic:
@@ -386,6 +394,7 @@ class Sealer:
             if generation != self._generation:  # keys may have been destroyed: ask again
                 self._ciphers.clear()
                 self._small.clear()
+                self._recent.clear()
                 self._generation = generation
         cipher = self._ciphers.get(key_id)
         if cipher is None:
@@ -437,7 +446,12 @@ class Sealer:
                 small = self._small_entry(tenant)
             nonce = self._nonces.next()
             body = small[2](nonce, data, small[1])
-            return small[0] + binascii.b2a_base64(nonce + body, newline=False).decode()
+            out = small[0] + binascii.b2a_base64(nonce + body, newline=False).decode()
+            recent = self._recent
+            if len(recent) >= _RECENT:
+                recent.clear()
+            recent[out] = text
+            return out
         head, body = self._seal(data, tenant)
         return head.decode() + binascii.b2a_base64(body, newline=False).decode()
 
@@ -454,6 +468,11 @@ class Sealer:
         """The text a sealed value holds; ``text`` itself if it is not sealed."""
         if not text.startswith(PREFIX):
             return text
+        plain = self._recent.get(text)
+        if plain is not None:
+            if not self._dynamic or self.keyring.generation() == self._generation:
+                return plain
+            self._recent.clear()
         key_id, flag, body = _parts(text, where)
         try:
             raw = binascii.a2b_base64(body)
