@@ -17,7 +17,9 @@ repeated, against the raw commit rate (LIMIT) of the same machine in the same ru
 * ``sdk-slow``: every run traced, but only attempts of 5 ms or more (or failed) get a
   span of their own (``TETHER_TRACE_MIN_ATTEMPT_MS=5``), no scrape.
 
-Targets (issue #19): ``sdk`` within 15% of ``bare``'s steps/s, ``api`` within 3%.
+Targets (issue #19): ``sdk`` within 15% of ``bare``'s steps/s, ``api`` within 3%. The
+``sdk-trace`` children also time the SDK's own cost per span, and the summary prints the
+best ratio any engine could reach with that SDK and that many spans per step.
 
     .venv/bin/python bench/observability.py [--quick] [--repeat N]
 """
@@ -130,10 +132,30 @@ async def _w1(db: Path, runs_n: int, steps_n: int, mode: str, exporter: Any) -> 
     }
 
 
+def _span_cost(exporter: Any, n: int = 5000) -> float:
+    """Microseconds of CPU the configured SDK takes to make and end one span with an
+    attempt's attributes (what tether hands it), measured in this process."""
+    from opentelemetry import trace
+
+    tracer = trace.get_tracer("bench")
+    parent = trace.set_span_in_context(tracer.start_span("parent"))
+    attributes = {"tether.run_id": "w1-1", "tether.step": 3, "tether.attempt": 1}
+    attributes["tether.queue"] = "default"
+    cpu0 = time.process_time()
+    for _ in range(n):
+        tracer.start_span("tether.activity noop", context=parent, attributes=attributes).end()
+    cost = 1e6 * (time.process_time() - cpu0) / n
+    exporter.clear()
+    return cost
+
+
 def _child(mode: str, runs_n: int, steps_n: int) -> None:
     exporter = _mode_setup(mode)
+    span_us = _span_cost(exporter) if mode == "sdk-trace" else None
     with tempfile.TemporaryDirectory() as d:
         out = asyncio.run(_w1(Path(d) / "w1.db", runs_n, steps_n, mode, exporter))
+    if span_us is not None:
+        out["span_us"] = span_us
     print(json.dumps(out))
 
 
@@ -159,6 +181,20 @@ def main() -> int:
         return 1
     print(f"\nW1 {runs_n} runs x {steps_n} steps, medians of {args.repeat}:")
     rounds.medians(got, "bare" if "bare" in got else modes[0], limit)
+    if "sdk-trace" in got and "bare" in got:
+        # the floor the SDK itself sets: its CPU per span times the spans per step, on
+        # top of bare's CPU per step, if tether spent nothing else on tracing
+        import statistics
+
+        span_us = statistics.median(x["span_us"] for x in got["sdk-trace"])
+        per_step = statistics.median(x["spans"] for x in got["sdk-trace"]) / (runs_n * steps_n)
+        bare_cpu = statistics.median(x["cpu_us_per_step"] for x in got["bare"])
+        floor = bare_cpu / (bare_cpu + per_step * span_us)
+        print(
+            f"SDK span: {span_us:.1f} us CPU each, {per_step:.2f} spans per step (sdk-trace); "
+            f"bare {bare_cpu:.0f} us CPU/step -> at best {floor:.2f} of bare with every "
+            "attempt a span"
+        )
     return 0
 
 

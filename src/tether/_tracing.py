@@ -138,12 +138,30 @@ def activity_span(
         kind=trace.SpanKind.CONSUMER,
         attributes=_attempt_attributes(*about),
     )
+    # how it ended is noted in ``pending`` (``mark_ok``/``mark_failed``) and set on the
+    # span as it ends: no lookup of the current span per attempt
+    pending: dict[str, Any] = {}
+    marks = _pending.set(pending)
     token = otel_context.attach(trace.set_span_in_context(span))
     try:
         yield span
     finally:
         otel_context.detach(token)
+        _pending.reset(marks)
+        _mark(span, pending)
         span.end()
+
+
+def _mark(span: Any, pending: dict[str, Any]) -> None:
+    """Set an attempt's outcome (and error type) on its span."""
+    failed = pending.get("error_type")
+    if failed is not None:
+        span.set_attributes(
+            {"tether.outcome": "retry" if pending["retrying"] else "failed", "error.type": failed}
+        )
+        span.set_status(trace.Status(trace.StatusCode.ERROR, failed))
+    elif pending.get("ok"):
+        span.set_attribute("tether.outcome", "ok")
 
 
 def _attempt_attributes(
@@ -184,42 +202,23 @@ def _decided_at_end(name: str, carrier: Any, about: tuple[Any, ...]) -> Iterator
                 attributes=_attempt_attributes(*about),
                 start_time=began,
             )
-            if failed is not None:
-                span.set_attribute("tether.outcome", "retry" if pending["retrying"] else "failed")
-                span.set_attribute("error.type", failed)
-                span.set_status(trace.Status(trace.StatusCode.ERROR, failed))
-            elif pending.get("ok"):
-                span.set_attribute("tether.outcome", "ok")
+            _mark(span, pending)
             span.end(end_time=ended)
 
 
 def mark_failed(error_type: str, retrying: bool) -> None:
-    """On the current attempt's span: how it failed (the type only)."""
-    if trace is None:
-        return
+    """For the current attempt's span: how it failed (the type only). Nothing when the
+    attempt has no span (its run is not traced)."""
     pending = _pending.get()
     if pending is not None:
         pending.update(error_type=error_type, retrying=retrying)
-        return
-    span = trace.get_current_span()
-    if not span.is_recording():
-        return
-    span.set_attribute("tether.outcome", "retry" if retrying else "failed")
-    span.set_attribute("error.type", error_type)
-    span.set_status(trace.Status(trace.StatusCode.ERROR, error_type))
 
 
 def mark_ok() -> None:
-    """On the current attempt's span: it succeeded."""
-    if trace is None:
-        return
+    """For the current attempt's span: it succeeded."""
     pending = _pending.get()
     if pending is not None:
         pending.update(ok=True, returned_at=time.time_ns())
-        return
-    span = trace.get_current_span()
-    if span.is_recording():
-        span.set_attribute("tether.outcome", "ok")
 
 
 @contextlib.contextmanager
