@@ -1,13 +1,16 @@
 """Provider batch jobs (``tether.ai.batch``) against the fake batch API of
 ``ModelServer``: the batch id is recorded, a worker killed between submit and completion
 does not submit again, failed and missing items are resubmitted alone, unknown ids are
-reported, usage is billed to the run, and a deadline fails the job."""
+reported, usage is billed to the run (and to the tenant's day and the counters, once),
+and a deadline fails the job."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from collections.abc import Iterator
+from decimal import Decimal
 from typing import Any
 
 import pytest
@@ -15,6 +18,7 @@ import pytest
 import tether
 from helpers import eventually
 from tether import EventType, ai
+from tether._telemetry import RECORDER
 from tether.testing import ModelServer, model_reply
 
 
@@ -49,6 +53,7 @@ async def test_a_batch_survives_a_worker_killed_mid_job_and_resubmits_only_failu
     fake.fail_once = {"c"}
     fake.drop_once = {"d"}
     fake.unknown = ["zzz"]
+    RECORDER.reset()
     first = app.worker(poll_interval=0.05, lease=1.0)
     await first.start()
     run = await app.start(nightly, list("abcde"), run_id="nightly-1")
@@ -77,6 +82,15 @@ async def test_a_batch_survives_a_worker_killed_mid_job_and_resubmits_only_failu
     assert sorted(json.loads(x)["custom_id"] for x in resubmitted) == ["c", "d"]
     usage = await app.usage(run.run_id)
     assert usage.tokens == 15 * 5  # five answers of 10 + 5 tokens, billed to the run
+    # and to the day's ledger and the counters, once (the killed worker fetched nothing)
+    day = time.strftime("%Y-%m-%d", time.gmtime())
+    assert [(t, n, Decimal(c)) for t, n, c in await app.store.usage_on(day)] == [
+        ("", 75, usage.cost)
+    ]
+    labels = ("nightly", "m", "")
+    assert RECORDER.counter("tether_ai_calls", (*labels, "batch")) == 5
+    assert RECORDER.counter("tether_ai_tokens", (*labels, "input")) == 50
+    assert RECORDER.counter("tether_ai_tokens", (*labels, "output")) == 25
     history = await app.history(run.run_id)
     timers = [e for e in history if e.type is EventType.TIMER_STARTED]
     assert timers  # polled on durable timers

@@ -108,7 +108,7 @@ SPECS: dict[str, Spec] = {
     ),
     "tether_ai_calls": Spec(
         "counter",
-        "Model calls answered, by source (model or cache)",
+        "Model calls answered, by source (model, cache or batch)",
         ("workflow", "model", "tenant", "source"),
     ),
     "tether_ai_tokens": Spec(

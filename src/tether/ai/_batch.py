@@ -7,8 +7,9 @@ provider accepted it: a worker restarted between submit and completion polls the
 batch, never a second one. A submit whose answer was lost (the worker died after the
 provider created the batch) finds its batch again by the step's idempotency key,
 kept in the batch's metadata. The results' usage is recorded as the run's model usage
-(``app.usage``). Works with OpenAI's batch API and servers that copy it, through the
-model's own OpenAI SDK client (SDK retries off: tether retries).
+(``app.usage``) and added to the tenant's daily ledger and the ``tether_ai_*``
+counters. Works with OpenAI's batch API and servers that copy it, through the model's
+own OpenAI SDK client (SDK retries off: tether retries).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import dataclasses
 import json
 from collections.abc import Mapping
 from datetime import timedelta
+from decimal import Decimal
 from typing import Any
 
 from .._activity_context import activity_context
@@ -212,7 +214,9 @@ async def batch(
             await sleep(wait)
             wait = min(wait * 2, longest)
         files = [state.get("output_file_id"), state.get("error_file_id")]
+        step = inst.step + 1  # the fetch's step
         got = await jobs.fetch(model.name, bid, files, sorted(todo))
+        _account(inst, step, model, got[CALL_KEY])
         results.update(got["results"])
         unknown.extend(u for u in got["unknown"] if u not in unknown)
         failed = {
@@ -224,6 +228,25 @@ async def batch(
         if not todo:
             break
     return BatchResult(results=results, failed=failed, unknown=unknown, batches=ids)
+
+
+def _account(inst: Any, step: int, model: ModelRef, call: dict[str, Any]) -> None:
+    """A fetched batch's tokens and cost: in the tenant's daily ledger and the
+    ``tether_ai_*`` counters, as a single call's are (once, when the run first meets the
+    fetch's result: never on replay, nor for a result kept from before a retry or fork)."""
+    if inst.reused(step):
+        return
+    started = inst.started
+    tenant = (started.data if started is not None else {}).get("tenant")
+    labels = (inst.workflow.name, model.name, tenant or "")
+    inputs, outputs = int(call.get("input_tokens") or 0), int(call.get("output_tokens") or 0)
+    cost = Decimal(call["cost"]) if call.get("cost") is not None else None
+    inst.count("tether_ai_calls", (*labels, "batch"), int(call.get("items") or 0))
+    inst.count("tether_ai_tokens", (*labels, "input"), inputs)
+    inst.count("tether_ai_tokens", (*labels, "output"), outputs)
+    if cost is not None:
+        inst.count("tether_ai_cost", labels, float(cost))
+    inst.tally_usage(inputs + outputs, cost)
 
 
 def _register(gateway: Gateway) -> None:
