@@ -18,7 +18,15 @@ import pytest
 import tether
 from conftest import PG_URL
 from tether._history import EventType
-from tether.encryption import FileKeyring, KeyUnavailableError, Sealer, StaticKeyring, new_key
+from tether.encryption import (
+    FileKeyring,
+    KeyUnavailableError,
+    KeyWrapper,
+    LocalKeyWrapper,
+    Sealer,
+    StaticKeyring,
+    new_key,
+)
 
 CANARY = "CANARY-7f3c2a-secret"
 
@@ -538,3 +546,103 @@ def test_a_value_sealed_here_opens_from_memory_until_its_key_is_destroyed(
     keys.shred("acme")
     with pytest.raises(KeyUnavailableError, match="destroyed"):
         sealer.open(sealed)  # forgotten with the key
+
+
+class _FakeKms(KeyWrapper):
+    """A KMS stand-in: wraps under a master key, counts calls, can be told to refuse."""
+
+    def __init__(self, master: bytes, name: str = "kms-key-1") -> None:
+        self.inner = LocalKeyWrapper(master, name)
+        self.name = name
+        self.unwraps = 0
+        self.down = False
+
+    def wrap(self, key: bytes) -> bytes:
+        return self.inner.wrap(key)
+
+    def unwrap(self, wrapped: bytes) -> bytes:
+        if self.down:
+            raise ConnectionError("kms unreachable")
+        self.unwraps += 1
+        return self.inner.unwrap(wrapped)
+
+
+async def test_a_wrapped_keyring_keeps_no_key_in_the_clear_and_needs_its_wrapper(
+    store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    master = os.urandom(32)
+    kms = _FakeKms(master)
+    ring = FileKeyring.create(tmp_path / "keys.json", per_tenant=True, wrapper=kms)
+    app = tether.App(store=store_url, encryption=ring)
+    _register(app)
+    async with app.worker(poll_interval=0.05):
+        out = await (await app.start("echo", f"hi {CANARY}", tenant="acme")).result(timeout=30)
+    assert CANARY in out and CANARY not in _rows_text(store_url)
+    app.store.close_sync()  # type: ignore[attr-defined]
+    stored = json.loads((tmp_path / "keys.json").read_text())
+    assert stored["wrapped_by"] == "kms-key-1"
+    entries = list(stored["keys"].values())
+    assert len(entries) == 2 and all("key" not in e and "wrapped" in e for e in entries)
+    assert kms.unwraps == 1  # acme's key, once for the process (not once per value)
+
+    # another process: the keyring file alone opens nothing, and says what is missing
+    monkeypatch.setenv("TETHER_KEYRING", str(tmp_path / "keys.json"))
+    monkeypatch.delenv("TETHER_KEY_WRAPPER", raising=False)
+    with pytest.raises(tether.ConfigurationError, match="TETHER_KEY_WRAPPER"):
+        await tether.App(store=store_url).list()  # the store opens on first use
+    bare = FileKeyring(tmp_path / "keys.json")  # listing and shredding need no wrapper
+    assert {k["key_id"] for k in bare.listing()} == set(stored["keys"])
+    with pytest.raises(KeyUnavailableError, match="no wrapper"):
+        bare.key("k1")
+    wrong = _FakeKms(os.urandom(32))  # the same name, another master key
+    with pytest.raises(KeyUnavailableError, match="did not unwrap"):
+        FileKeyring(tmp_path / "keys.json", wrapper=wrong).key("k1")
+    down = _FakeKms(master)
+    down.down = True
+    with pytest.raises(KeyUnavailableError, match="ConnectionError"):
+        FileKeyring(tmp_path / "keys.json", wrapper=down).key("k1")
+    with pytest.raises(tether.ConfigurationError, match="wrapped by 'kms-key-1', not 'other'"):
+        FileKeyring(tmp_path / "keys.json", wrapper=_FakeKms(master, "other"))
+
+    # with the wrapper named in the environment, a process reads everything back
+    name = f"kms_{os.urandom(4).hex()}"  # a module of its own per test (imports are cached)
+    (tmp_path / f"{name}.py").write_text(
+        "from tether.encryption import LocalKeyWrapper\n"
+        f"wrapper = LocalKeyWrapper(bytes.fromhex({master.hex()!r}), 'kms-key-1')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("TETHER_KEY_WRAPPER", f"{name}:wrapper")
+    reader = tether.App(store=store_url)
+    (info,) = await reader.list(tenant="acme")
+    assert CANARY in info.input
+    reader.store.close_sync()  # type: ignore[attr-defined]
+
+
+def test_keyring_wrap_wraps_the_keys_of_a_plain_keyring_in_place(tmp_path: Path) -> None:
+    path = str(tmp_path / "keys.json")
+    assert _tether("keyring", "init", path).returncode == 0
+    plain = FileKeyring(path)
+    sealed = Sealer(plain).seal(f"before {CANARY}")
+    master = os.urandom(32)
+    (tmp_path / "kms_wrapper.py").write_text(
+        "from tether.encryption import LocalKeyWrapper\n"
+        f"wrapper = LocalKeyWrapper(bytes.fromhex({master.hex()!r}), 'kms-key-1')\n"
+    )
+    env = {"TETHER_KEYRING": path, "PYTHONPATH": str(tmp_path)}
+    refused = _tether("keyring", "wrap", env=env)
+    assert refused.returncode == 2 and "--wrapper" in refused.stderr
+    done = _tether("keyring", "wrap", "--wrapper", "kms_wrapper:wrapper", env=env)
+    assert done.returncode == 0, done.stderr
+    assert "wrapped 1 key(s)" in done.stderr
+    text = (tmp_path / "keys.json").read_text()
+    assert '"key":' not in text and '"wrapped_by": "kms-key-1"' in text
+    kms = _FakeKms(master)
+    wrapped = FileKeyring(path, wrapper=kms)
+    assert Sealer(wrapped).open(sealed) == f"before {CANARY}"  # data sealed before reads
+    rotated = _tether("keyring", "rotate", env={**env, "TETHER_KEY_WRAPPER": "kms_wrapper:wrapper"})
+    assert rotated.returncode == 0, rotated.stderr
+    assert all("wrapped" in e for e in json.loads(Path(path).read_text())["keys"].values())
+    no_wrapper = _tether("keyring", "rotate", env=env)  # a new key must be wrapped too
+    assert no_wrapper.returncode == 2 and "TETHER_KEY_WRAPPER" in no_wrapper.stderr
+    bad = _tether("keyring", "init", str(tmp_path / "k2.json"), "--wrapper", "nope:thing")
+    assert bad.returncode == 2 and "cannot load it" in bad.stderr

@@ -143,20 +143,100 @@ def _check_key(key_id: str, key: bytes) -> None:
         raise ConfigurationError(f"key {key_id!r} has {len(key)} bytes; AES-256 needs 32")
 
 
+class KeyWrapper(abc.ABC):
+    """Wraps the data keys a ``FileKeyring`` keeps under a master key held elsewhere (a
+    KMS, an HSM, a secrets manager), so the keyring file, and every copy of it, opens
+    nothing by itself. A process unwraps each key once, when it first needs it."""
+
+    #: names the master key (a KMS key ARN, say): the keyring file records it and
+    #: refuses a wrapper of another name
+    name: str = "wrapper"
+
+    @abc.abstractmethod
+    def wrap(self, key: bytes) -> bytes:
+        """``key`` sealed under the master key."""
+
+    @abc.abstractmethod
+    def unwrap(self, wrapped: bytes) -> bytes:
+        """The key ``wrap`` sealed (raise if the master key refuses)."""
+
+
+class LocalKeyWrapper(KeyWrapper):
+    """Wraps keys with AES-256-GCM under a master key this process is given (from a
+    secrets manager, say, kept apart from the keyring file). A KMS wrapper does the
+    same through the KMS's encrypt and decrypt calls, so the master key never leaves
+    it."""
+
+    def __init__(self, master: bytes, name: str = "local") -> None:
+        if len(master) != 32:
+            raise ConfigurationError(f"master key {name!r} has {len(master)} bytes; needs 32")
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+        self.name = name
+        self._cipher = AESGCM(master)
+
+    def wrap(self, key: bytes) -> bytes:
+        nonce = secrets.token_bytes(12)
+        return nonce + self._cipher.encrypt(nonce, key, self.name.encode())
+
+    def unwrap(self, wrapped: bytes) -> bytes:
+        data: bytes = self._cipher.decrypt(wrapped[:12], wrapped[12:], self.name.encode())
+        return data
+
+
+def wrapper_from_env() -> KeyWrapper | None:
+    """The key wrapper ``TETHER_KEY_WRAPPER`` names, if set (``load_wrapper``)."""
+    spec = os.environ.get("TETHER_KEY_WRAPPER")
+    return load_wrapper(spec) if spec else None
+
+
+def load_wrapper(spec: str) -> KeyWrapper:
+    """The key wrapper ``spec`` names: ``module:attribute``, a ``KeyWrapper`` or a
+    callable that returns one."""
+    module_name, _, attr = spec.partition(":")
+    try:
+        import importlib
+
+        found: Any = getattr(importlib.import_module(module_name), attr or "wrapper")
+    except (ImportError, AttributeError) as exc:
+        raise ConfigurationError(
+            f"key wrapper {spec!r}: cannot load it ({exc}); name a module and an "
+            "attribute, module:attribute, holding a tether.encryption.KeyWrapper"
+        ) from None
+    wrapper = found if isinstance(found, KeyWrapper) else found()
+    if not isinstance(wrapper, KeyWrapper):
+        raise ConfigurationError(
+            f"key wrapper {spec!r} is a {type(wrapper).__name__}, not a "
+            "tether.encryption.KeyWrapper"
+        )
+    return wrapper
+
+
 class FileKeyring(Keyring):
     """Keys in a JSON file (mode 0600) that ``tether keys`` manages.
 
     ``per_tenant=True`` gives each tenant its own key, made the first time a payload
     of the tenant is sealed; ``shred(tenant)`` destroys the tenant's keys. Processes
-    sharing the file see a rotation or a shred within a second.
+    sharing the file see a rotation or a shred within a second. With a ``wrapper``
+    (a KMS's, ``KeyWrapper``) the file holds each key wrapped under the wrapper's
+    master key, never in the clear; every process that seals or opens payloads needs
+    the wrapper (``TETHER_KEY_WRAPPER``), listing and shredding do not.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, per_tenant: bool | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        per_tenant: bool | None = None,
+        wrapper: KeyWrapper | None = None,
+    ) -> None:
         self.path = os.fspath(path)
         self._lock = threading.Lock()
         self._data: dict[str, Any] = {}
         self._stamp: tuple[int, int] | None = None
         self._checked = 0.0
+        #: unwrapped keys by id (a wrapped keyring asks its wrapper once per key)
+        self._unwrapped: dict[str, bytes] = {}
         if not os.path.exists(self.path):
             raise ConfigurationError(
                 f"keyring {self.path!r} does not exist; make one with: "
@@ -164,24 +244,56 @@ class FileKeyring(Keyring):
             )
         self._load()
         self.per_tenant = bool(self._data.get("per_tenant")) if per_tenant is None else per_tenant
+        self.wrapped_by: str | None = self._data.get("wrapped_by")
+        if wrapper is not None and wrapper.name != self.wrapped_by:
+            raise ConfigurationError(
+                f"keyring {self.path!r} "
+                + (
+                    f"keeps its keys wrapped by {self.wrapped_by!r}, not {wrapper.name!r}"
+                    if self.wrapped_by
+                    else "keeps its keys unwrapped; wrap them first with: "
+                    f"tether keyring wrap {self.path}"
+                )
+            )
+        self.wrapper = wrapper
 
     @classmethod
-    def create(cls, path: str | os.PathLike[str], *, per_tenant: bool = False) -> FileKeyring:
-        """Write a new keyring file with one key (refuses to overwrite one)."""
+    def create(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        per_tenant: bool = False,
+        wrapper: KeyWrapper | None = None,
+    ) -> FileKeyring:
+        """Write a new keyring file with one key (refuses to overwrite one); with a
+        ``wrapper``, its keys are kept wrapped under the wrapper's master key."""
         path = os.fspath(path)
         if os.path.exists(path):
             raise ConfigurationError(f"{path!r} exists; a keyring is never overwritten")
         key_id = "k1"
-        data = {
+        data: dict[str, Any] = {
             "version": 1,
             "per_tenant": per_tenant,
             "current": key_id,
-            "keys": {key_id: _entry(None)},
+            "keys": {key_id: _entry(None, wrapper)},
             "tenants": {},
             "destroyed": {},
         }
+        if wrapper is not None:
+            data["wrapped_by"] = wrapper.name
         _write(path, data)
-        return cls(path)
+        return cls(path, wrapper=wrapper)
+
+    def _wrapper(self) -> KeyWrapper | None:
+        """The wrapper new keys are wrapped with (None: kept unwrapped); refuses a
+        wrapped keyring opened without one."""
+        if self.wrapped_by is not None and self.wrapper is None:
+            raise ConfigurationError(
+                f"keyring {self.path!r} keeps its keys wrapped by {self.wrapped_by!r}: set "
+                "TETHER_KEY_WRAPPER=module:attribute (a tether.encryption.KeyWrapper) or "
+                "pass FileKeyring(..., wrapper=)"
+            )
+        return self.wrapper
 
     # reading ------------------------------------------------------------------------
 
@@ -227,7 +339,28 @@ class FileKeyring(Keyring):
             raise KeyUnavailableError(
                 key_id, f"keyring {self.path!r} has no such key (is it the right keyring?)"
             )
-        return base64.b64decode(entry["key"])
+        if "wrapped" not in entry:
+            return base64.b64decode(entry["key"])
+        key = self._unwrapped.get(key_id)
+        if key is None:
+            if self.wrapper is None:
+                raise KeyUnavailableError(
+                    key_id,
+                    f"keyring {self.path!r} keeps it wrapped by {self.wrapped_by!r} and this "
+                    "process has no wrapper (set TETHER_KEY_WRAPPER)",
+                )
+            try:
+                key = self.wrapper.unwrap(base64.b64decode(entry["wrapped"]))
+            except Exception as exc:
+                raise KeyUnavailableError(
+                    key_id,
+                    f"the key wrapper {self.wrapper.name!r} did not unwrap it "
+                    f"({type(exc).__name__}: {str(exc)[:200]}); check the wrapper's access "
+                    "to its master key",
+                ) from None
+            _check_key(key_id, key)
+            self._unwrapped[key_id] = key
+        return key
 
     def current(self, tenant: str | None) -> str:
         data = self._fresh()
@@ -273,9 +406,10 @@ class FileKeyring(Keyring):
         """Make a new key current (for ``tenant``, or the shared one); old keys stay."""
         if tenant is not None:
             return self._tenant_key(tenant, new=True)
+        wrapper = self._wrapper()
         with self._changing() as data:
             key_id = _next_id(data, "k")
-            data["keys"][key_id] = _entry(None)
+            data["keys"][key_id] = _entry(None, wrapper)
             data["current"] = key_id
         return key_id
 
@@ -286,12 +420,13 @@ class FileKeyring(Keyring):
             raise ConfigurationError(
                 f"keyring {self.path!r} has no per-tenant keys (tether keyring init --per-tenant)"
             )
+        wrapper = self._wrapper()
         with self._changing() as data:
             key_id = data["tenants"].get(tenant)
             if new or key_id is None:
                 stem = "t" + hashlib.sha256(tenant.encode()).hexdigest()[:12] + "-"
                 key_id = _next_id(data, stem)
-                data["keys"][key_id] = _entry(tenant)
+                data["keys"][key_id] = _entry(tenant, wrapper)
                 data["tenants"][tenant] = key_id
         return str(key_id)
 
@@ -301,9 +436,28 @@ class FileKeyring(Keyring):
             gone = [k for k, e in data["keys"].items() if e.get("tenant") == tenant]
             for key_id in gone:
                 del data["keys"][key_id]
+                self._unwrapped.pop(key_id, None)
                 data.setdefault("destroyed", {})[key_id] = {"tenant": tenant, "at": time.time()}
             data["tenants"].pop(tenant, None)
         return gone
+
+    def wrap_keys(self, wrapper: KeyWrapper) -> int:
+        """Wrap every key the file keeps in the clear under ``wrapper``'s master key, in
+        place; later keys are made wrapped. How many were wrapped."""
+        if self.wrapped_by is not None and self.wrapped_by != wrapper.name:
+            raise ConfigurationError(
+                f"keyring {self.path!r} is wrapped by {self.wrapped_by!r} already"
+            )
+        n = 0
+        with self._changing() as data:
+            for entry in data["keys"].values():
+                if "key" in entry:
+                    raw = base64.b64decode(entry.pop("key"))
+                    entry["wrapped"] = base64.b64encode(wrapper.wrap(raw)).decode()
+                    n += 1
+            data["wrapped_by"] = wrapper.name
+        self.wrapped_by, self.wrapper = wrapper.name, wrapper
+        return n
 
     @contextlib.contextmanager
     def _changing(self) -> Iterator[dict[str, Any]]:
@@ -316,8 +470,12 @@ class FileKeyring(Keyring):
             self._load()
 
 
-def _entry(tenant: str | None) -> dict[str, Any]:
-    return {"key": new_key(), "tenant": tenant, "created_at": time.time()}
+def _entry(tenant: str | None, wrapper: KeyWrapper | None) -> dict[str, Any]:
+    """A new key's entry: the key in base64, or wrapped under ``wrapper``."""
+    if wrapper is None:
+        return {"key": new_key(), "tenant": tenant, "created_at": time.time()}
+    wrapped = base64.b64encode(wrapper.wrap(secrets.token_bytes(32))).decode()
+    return {"wrapped": wrapped, "tenant": tenant, "created_at": time.time()}
 
 
 def _next_id(data: dict[str, Any], stem: str) -> str:
@@ -572,7 +730,9 @@ def keyring_from_env() -> Keyring | None:
     """The keyring ``TETHER_KEYRING`` (a file) or ``TETHER_ENCRYPTION_KEYS`` names, if any."""
     path = os.environ.get("TETHER_KEYRING")
     if path:
-        return FileKeyring(path)
+        ring = FileKeyring(path, wrapper=wrapper_from_env())
+        ring._wrapper()  # a wrapped keyring without its wrapper: say so now, not per value
+        return ring
     keys = os.environ.get("TETHER_ENCRYPTION_KEYS")
     if keys:
         return StaticKeyring.parse(keys)
@@ -582,9 +742,13 @@ def keyring_from_env() -> Keyring | None:
 __all__ = [
     "FileKeyring",
     "KeyUnavailableError",
+    "KeyWrapper",
     "Keyring",
+    "LocalKeyWrapper",
     "Sealer",
     "StaticKeyring",
     "keyring_from_env",
+    "load_wrapper",
     "new_key",
+    "wrapper_from_env",
 ]

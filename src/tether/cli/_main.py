@@ -19,6 +19,7 @@ from .keyring import (
     keyring_new_key_command,
     keyring_rotate_command,
     keyring_shred_command,
+    keyring_wrap_command,
 )
 from .keys import keys_create_command, keys_list_command, keys_revoke_command
 from .lifecycle import (
@@ -128,6 +129,7 @@ def _build() -> typer.Typer:
         list=keyring_list_command,
         rotate=keyring_rotate_command,
         shred=keyring_shred_command,
+        wrap=keyring_wrap_command,
         **{"new-key": keyring_new_key_command},
     )
     _group(

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from .._errors import ConfigurationError
-from ..encryption import FileKeyring, new_key
+from ..encryption import FileKeyring, KeyWrapper, load_wrapper, new_key, wrapper_from_env
 from ._common import EXIT_USAGE, _dump, _fail, _note
 
 
@@ -26,7 +26,24 @@ def _ring(path: str | None) -> FileKeyring:
     if not path:
         _fail("name the keyring file, or set TETHER_KEYRING", EXIT_USAGE)
     try:
-        return FileKeyring(path)
+        return FileKeyring(path, wrapper=wrapper_from_env())
+    except ConfigurationError as exc:
+        _fail(str(exc), EXIT_USAGE)
+
+
+def _wrapper_option() -> typer.models.OptionInfo:
+    return typer.Option(  # type: ignore[no-any-return]
+        "--wrapper",
+        metavar="MODULE:ATTR",
+        help="A tether.encryption.KeyWrapper (a KMS's) to keep the keys wrapped with "
+        "(default: $TETHER_KEY_WRAPPER).",
+        show_default=False,
+    )
+
+
+def _load_wrapper(spec: str | None) -> KeyWrapper | None:
+    try:
+        return load_wrapper(spec) if spec else wrapper_from_env()
     except ConfigurationError as exc:
         _fail(str(exc), EXIT_USAGE)
 
@@ -40,14 +57,39 @@ def keyring_init_command(
             help="Give each tenant a key of its own (erasing a tenant destroys its keys).",
         ),
     ] = False,
+    wrapper: Annotated[str | None, _wrapper_option()] = None,
 ) -> None:
     """Create a keyring file (mode 0600) with one key; point TETHER_KEYRING at it in
-    every process that opens the store (workers, tether serve, the CLI)."""
+    every process that opens the store (workers, tether serve, the CLI). With a wrapper
+    the file keeps its keys wrapped under the wrapper's master key (set
+    TETHER_KEY_WRAPPER in those processes too)."""
+    wrap = _load_wrapper(wrapper)
     try:
-        FileKeyring.create(path, per_tenant=per_tenant)
+        FileKeyring.create(path, per_tenant=per_tenant, wrapper=wrap)
     except ConfigurationError as exc:
         _fail(str(exc), EXIT_USAGE)
-    _note(f"created {path}: new payloads are sealed with key k1; keep a copy somewhere safe")
+    kept = f"wrapped by {wrap.name!r}" if wrap is not None else "keep a copy somewhere safe"
+    _note(f"created {path}: new payloads are sealed with key k1; {kept}")
+
+
+def keyring_wrap_command(
+    path: Annotated[str | None, _path_argument()] = None,
+    wrapper: Annotated[str | None, _wrapper_option()] = None,
+) -> None:
+    """Wrap every key the file keeps in the clear under a wrapper's master key (a KMS),
+    in place; keys made later are wrapped too. Every process that seals or opens
+    payloads then needs TETHER_KEY_WRAPPER."""
+    wrap = _load_wrapper(wrapper)
+    if wrap is None:
+        _fail("name the wrapper: --wrapper MODULE:ATTR or TETHER_KEY_WRAPPER", EXIT_USAGE)
+    path = path or os.environ.get("TETHER_KEYRING")
+    if not path:
+        _fail("name the keyring file, or set TETHER_KEYRING", EXIT_USAGE)
+    try:
+        n = FileKeyring(path).wrap_keys(wrap)
+    except ConfigurationError as exc:
+        _fail(str(exc), EXIT_USAGE)
+    _note(f"wrapped {n} key(s) of {path} by {wrap.name!r}")
 
 
 def keyring_list_command(path: Annotated[str | None, _path_argument()] = None) -> None:
