@@ -211,23 +211,36 @@ def test_a_backup_taken_mid_flight_resumes_every_run_without_repeating_a_step(
             await app.close()
 
     asyncio.run(start_all())
+    cli = [sys.executable, "-m", "tether.cli"]
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent / "src")}
+    # `tether store backup`, its imports done before the runs start, run on a signal: so
+    # a slow start of the process on a busy machine cannot let every run end first
+    go = tmp_path / "go"
+    waiting = (
+        "import os, sys, time\n"
+        "import tether.cli, tether.cli._main\n"
+        f"while not os.path.exists({str(go)!r}):\n"
+        "    time.sleep(0.005)\n"
+        "tether.cli.main(sys.argv[1:])\n"
+    )
+    backup_cli = subprocess.Popen(
+        [sys.executable, "-c", waiting, "store", "backup", str(backup), "--store", str(db)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     worker = _spawn(db, tmp_path / "effects1.db")
     try:
         deadline = time.monotonic() + 60
         while _executed(tmp_path / "effects1.db") < 200:  # mid-flight: a fifth of the steps
             assert time.monotonic() < deadline, "the worker never got going"
             time.sleep(0.02)
-        cli = [sys.executable, "-m", "tether.cli"]
-        env = {**os.environ, "PYTHONPATH": str(HERE.parent / "src")}
-        out = subprocess.run(
-            [*cli, "store", "backup", str(backup), "--store", str(db)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert out.returncode == 0, out.stderr
+        go.touch()
+        _, err = backup_cli.communicate(timeout=120)
+        assert backup_cli.returncode == 0, err
     finally:
+        backup_cli.kill()
         worker.kill()
         worker.wait(30)
     out = subprocess.run(

@@ -929,9 +929,12 @@ class App:
         dry_run: bool = False,
         batch: int = 500,
         stopping: Callable[[], bool] = lambda: False,
+        blobs: bool = True,
     ) -> dict[str, int]:
         """``purge`` by a cutoff time (workers' retention too): batches until one comes
-        back short, then the removed runs' blobs that nothing else refers to."""
+        back short, then (``blobs``) the removed runs' blobs that nothing else refers to.
+        That check reads every stored payload, as ``gc_blobs`` does, so workers' periodic
+        retention leaves it to ``gc_blobs``."""
         started = time.time()
         total: dict[str, int] = {"runs": 0}
         refs: set[str] = set()
@@ -944,7 +947,7 @@ class App:
                 total[table] = total.get(table, 0) + n
             if dry_run or counts["runs"] < batch or stopping():
                 break
-        if refs:
+        if refs and blobs:
             # a blob put again in the last minute may be about to be referred to by a
             # commit still in flight (blobs are shared by content): gc_blobs judges it later
             total["blobs"] = await self._drop_blobs(refs, started - PURGE_BLOB_GRACE)

@@ -52,4 +52,5 @@ class WorkerApp(Protocol):
         dry_run: bool = False,
         batch: int = 500,
         stopping: Callable[[], bool] = ...,
+        blobs: bool = ...,
     ) -> dict[str, int]: ...

@@ -296,8 +296,13 @@ class Worker:
     async def _purge_older(self, keep: float, workflow: str | None, tenant: str | None) -> None:
         if self._stopping:
             return
+        # their blobs are left to gc_blobs: telling which are unused reads every payload
         counts = await self.app._purge_before(
-            self.app.store.clock() - keep, workflow, tenant, stopping=lambda: self._stopping
+            self.app.store.clock() - keep,
+            workflow,
+            tenant,
+            stopping=lambda: self._stopping,
+            blobs=False,
         )
         removed = counts["runs"]
         if removed:
