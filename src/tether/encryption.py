@@ -244,7 +244,6 @@ class FileKeyring(Keyring):
             )
         self._load()
         self.per_tenant = bool(self._data.get("per_tenant")) if per_tenant is None else per_tenant
-        self.wrapped_by: str | None = self._data.get("wrapped_by")
         if wrapper is not None and wrapper.name != self.wrapped_by:
             raise ConfigurationError(
                 f"keyring {self.path!r} "
@@ -283,6 +282,12 @@ class FileKeyring(Keyring):
             data["wrapped_by"] = wrapper.name
         _write(path, data)
         return cls(path, wrapper=wrapper)
+
+    @property
+    def wrapped_by(self) -> str | None:
+        """The name of the wrapper the file's keys are wrapped by (None: in the clear)."""
+        name: str | None = self._fresh().get("wrapped_by")
+        return name
 
     def _wrapper(self) -> KeyWrapper | None:
         """The wrapper new keys are wrapped with (None: kept unwrapped); refuses a
@@ -444,7 +449,7 @@ class FileKeyring(Keyring):
     def wrap_keys(self, wrapper: KeyWrapper) -> int:
         """Wrap every key the file keeps in the clear under ``wrapper``'s master key, in
         place; later keys are made wrapped. How many were wrapped."""
-        if self.wrapped_by is not None and self.wrapped_by != wrapper.name:
+        if self.wrapped_by not in (None, wrapper.name):
             raise ConfigurationError(
                 f"keyring {self.path!r} is wrapped by {self.wrapped_by!r} already"
             )
@@ -456,7 +461,7 @@ class FileKeyring(Keyring):
                     entry["wrapped"] = base64.b64encode(wrapper.wrap(raw)).decode()
                     n += 1
             data["wrapped_by"] = wrapper.name
-        self.wrapped_by, self.wrapper = wrapper.name, wrapper
+        self.wrapper = wrapper
         return n
 
     @contextlib.contextmanager
