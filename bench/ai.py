@@ -8,7 +8,7 @@
 * ``structured``: the same with ``tether.ai.structured`` (output tool + validation);
 * a 100-turn conversation in one run, with message references (the default: each
   step records only its new messages) and with full message lists, for the history
-  bytes per step (flat vs growing).
+  bytes per step (flat vs growing) and the time of a step early and late in it.
 
 The server runs in a child process (in this one it would compete for the GIL).
 The per-call time of the bare loop is each call's duration; of a recorded run, the
@@ -149,13 +149,24 @@ async def conversation(workdir: Path, base_url: str, calls: int, refs: bool) -> 
                 "AND type IN ('ActivityScheduled', 'ActivityCompleted') ORDER BY seq"
             )
         ]
+        done = [
+            t
+            for (t,) in conn.execute(
+                "SELECT created_at FROM events WHERE run_id = 'chat' "
+                "AND type = 'ActivityCompleted' ORDER BY seq"
+            )
+        ]
     finally:
         conn.close()
     steps = [a + b for a, b in zip(per_call[::2], per_call[1::2], strict=True)]
+    gaps = [(b - a) * 1000 for a, b in itertools.pairwise(done)]
     return {
         "first10": sum(steps[:10]) / 10,
         "last10": sum(steps[-10:]) / 10,
         "total": sum(steps),
+        # a step's time early and late in the conversation (it grows with its length)
+        "ms_first10": statistics.median(gaps[:10]),
+        "ms_last10": statistics.median(gaps[-10:]),
     }
 
 
@@ -239,7 +250,8 @@ def main() -> None:
         growth = c["last10"] / c["first10"]
         print(
             f"  {how:<13} first 10: {c['first10']:8.0f}  last 10: {c['last10']:8.0f}  "
-            f"(x{growth:.2f})  total: {c['total'] / 1024:8.0f} KiB"
+            f"(x{growth:.2f})  total: {c['total'] / 1024:8.0f} KiB  "
+            f"ms a step: {c['ms_first10']:.2f} -> {c['ms_last10']:.2f}"
         )
     summary["conversation"] = chats
     print(json.dumps(summary, indent=2))
