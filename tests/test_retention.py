@@ -218,10 +218,11 @@ def test_a_backup_taken_mid_flight_resumes_every_run_without_repeating_a_step(
     go = tmp_path / "go"
     waiting = (
         "import os, sys, time\n"
-        "import tether.cli, tether.cli._main\n"
+        "from tether.cli._main import _build\n"
+        "cli = _build()  # the `tether` command, built\n"
         f"while not os.path.exists({str(go)!r}):\n"
         "    time.sleep(0.005)\n"
-        "tether.cli.main(sys.argv[1:])\n"
+        "cli(args=sys.argv[1:], prog_name='tether')\n"
     )
     backup_cli = subprocess.Popen(
         [sys.executable, "-c", waiting, "store", "backup", str(backup), "--store", str(db)],
