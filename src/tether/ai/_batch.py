@@ -28,7 +28,7 @@ from .._usage import CALL_KEY
 from ..workflow._api import sleep
 from ..workflow._instance import current_instance
 from ._errors import ModelConfigError
-from ._gateway import EXTENSIONS, Gateway, ModelRef
+from ._gateway import EXTENSIONS, Gateway, ModelRef, count_usage
 
 #: batch statuses after which polling stops
 _DONE = frozenset({"completed", "failed", "expired", "cancelled"})
@@ -242,11 +242,7 @@ def _account(inst: Any, step: int, model: ModelRef, call: dict[str, Any]) -> Non
     inputs, outputs = int(call.get("input_tokens") or 0), int(call.get("output_tokens") or 0)
     cost = Decimal(call["cost"]) if call.get("cost") is not None else None
     inst.count("tether_ai_calls", (*labels, "batch"), int(call.get("items") or 0))
-    inst.count("tether_ai_tokens", (*labels, "input"), inputs)
-    inst.count("tether_ai_tokens", (*labels, "output"), outputs)
-    if cost is not None:
-        inst.count("tether_ai_cost", labels, float(cost))
-    inst.tally_usage(inputs + outputs, cost)
+    count_usage(inst, labels, inputs, outputs, cost)
 
 
 def _register(gateway: Gateway) -> None:

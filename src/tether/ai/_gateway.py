@@ -979,12 +979,24 @@ class Gateway:
         labels = (inst.workflow.name, ref.name, tenant or "")
         inst.count("tether_ai_calls", (*labels, "cache" if call.get("cache_hit") else "model"))
         if not call.get("cache_hit"):
-            inst.count("tether_ai_tokens", (*labels, "input"), inputs)
-            inst.count("tether_ai_tokens", (*labels, "output"), outputs)
-            if cost is not None:
-                inst.count("tether_ai_cost", labels, float(cost))
-            inst.tally_usage(inputs + outputs, cost)
+            count_usage(inst, labels, inputs, outputs, cost)
         return out
+
+
+def count_usage(
+    inst: WorkflowInstance,
+    labels: tuple[str, str, str],
+    inputs: int,
+    outputs: int,
+    cost: Decimal | None,
+) -> None:
+    """A model call's tokens and cost, met by the run for the first time: into the
+    ``tether_ai_*`` counters (``labels``: workflow, model, tenant) and the tenant's ledger."""
+    inst.count("tether_ai_tokens", (*labels, "input"), inputs)
+    inst.count("tether_ai_tokens", (*labels, "output"), outputs)
+    if cost is not None:
+        inst.count("tether_ai_cost", labels, float(cost))
+    inst.tally_usage(inputs + outputs, cost)
 
 
 #: runs whose conversations a worker keeps in memory
