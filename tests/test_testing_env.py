@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -32,6 +34,41 @@ async def test_env_sleep_of_30_days_finishes_in_under_a_second(mem_app: tether.A
     assert time.monotonic() - t0 < 1.0
     assert elapsed >= 30 * DAY
     assert env.skipped >= 30 * DAY
+
+
+async def test_env_never_jumps_past_a_lease_its_own_worker_holds(app: tether.App) -> None:
+    """A task leased to the Env's worker but not started yet (a claim or a commit
+    returned it a moment ago; on a slow machine that moment is long) keeps the clock
+    still: jumping to the lease's expiry would shift everything after by a lease.
+    (Both stores: the Env asks the store which due task is its worker's lease.)"""
+
+    @app.activity
+    def prepare() -> str:
+        return "ready"
+
+    @app.workflow
+    async def later() -> str:
+        await prepare()
+        await tether.sleep(100)
+        return "done"
+
+    async with Env(app) as env:
+        assert env.worker is not None
+        spawn, loop = env.worker._spawn, asyncio.get_running_loop()
+        held: list[int] = []
+
+        def slow_spawn(task: Any) -> None:  # the worker takes 0.3 s to start the step
+            if task.kind == "activity" and not held:
+                held.append(task.task_id)
+                loop.call_later(0.3, spawn, task)
+            else:
+                spawn(task)
+
+        env.worker._spawn = slow_spawn  # type: ignore[method-assign]
+        run = await app.start(later)
+        assert await run.result(timeout=10) == "done"
+    assert held  # the step was held back
+    assert env.skipped == 100.0  # the sleep, not the sleep plus a lease
 
 
 async def test_env_retry_delays_follow_the_policy_exactly(mem_app: tether.App) -> None:

@@ -506,8 +506,12 @@ class Store(abc.ABC):
         its cause) has that type; ``search`` runs whose id contains it."""
 
     @abc.abstractmethod
-    async def next_due(self, queues: Sequence[str]) -> float | None:
-        """The earliest ``available_at`` among tasks on ``queues``, or None."""
+    async def next_due(
+        self, queues: Sequence[str], *, exclude_owner: str | None = None
+    ) -> float | None:
+        """The earliest ``available_at`` among tasks on ``queues``, or None; with
+        ``exclude_owner``, tasks leased to that worker are left out (a test clock
+        must not jump past a lease its own live worker holds)."""
 
     @abc.abstractmethod
     async def claim_with_wake(

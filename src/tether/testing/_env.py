@@ -10,6 +10,10 @@ from .._app import App
 from .._policy import seconds
 from .._worker import Worker
 
+#: skip-loop rounds (5 ms each) a lease held by the Env's own worker must outlast before
+#: the clock may jump to its expiry (the worker lost track of the task)
+OWN_LEASE_ROUNDS = 200
+
 
 class SimulatedCrash(BaseException):
     """Raised by the store of a worker that has 'died'; nothing it asks for is written."""
@@ -88,23 +92,40 @@ class Env:
     async def _skip_loop(self) -> None:
         store = self.app.store
         assert self.worker is not None
-        idle_rounds = 0
+        idle_rounds = own_rounds = 0
         while True:
             await asyncio.sleep(0.005)
             if self.worker._inflight:
                 idle_rounds = 0
                 continue
+            worker = self.worker
             try:
-                due = await store.next_due(self.worker.queues)
+                due = await store.next_due(worker.queues)
+                others = (
+                    None
+                    if due is None or due <= self.clock.now
+                    else await store.next_due(worker.queues, exclude_owner=worker.id)
+                )
             except (Exception, SimulatedCrash):
                 continue  # the store is briefly unavailable (or a test crashed it)
-            if due is None or due <= self.clock.now:
-                idle_rounds = 0
+            if due is None or due <= self.clock.now or worker._inflight:
+                idle_rounds = own_rounds = 0
                 continue
+            if others is not None and others <= due:
+                own_rounds = 0
+            else:
+                # the next thing due is the lease of a task our live worker holds but
+                # has not started yet (claimed, or leased by a commit, a moment ago):
+                # jumping there would take it from the worker. Wait; only a lease it
+                # still holds after a second of real time is treated as lost.
+                own_rounds += 1
+                if own_rounds < OWN_LEASE_ROUNDS:
+                    idle_rounds = 0
+                    continue
             idle_rounds += 1
             if idle_rounds < 2:  # idle twice in a row: nothing is about to become ready
                 continue
             self.skipped += due - self.clock.now
             self.clock.now = due
-            idle_rounds = 0
+            idle_rounds = own_rounds = 0
             self._wake()

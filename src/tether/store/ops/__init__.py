@@ -513,8 +513,10 @@ class OpsStore(Store):
     ) -> None:
         await self._do(_fork_run, run_id, new_run_id, at_step, attrs)
 
-    async def next_due(self, queues: Sequence[str]) -> float | None:
-        out: float | None = await self._do(_next_due, tuple(queues), write=False)
+    async def next_due(
+        self, queues: Sequence[str], *, exclude_owner: str | None = None
+    ) -> float | None:
+        out: float | None = await self._do(_next_due, tuple(queues), exclude_owner, write=False)
         return out
 
     async def claim_with_wake(

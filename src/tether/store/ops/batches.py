@@ -115,15 +115,21 @@ def _batch_allowed(tx: _Tx, queue: str) -> tuple[bool, float | None]:
     return True, None
 
 
-def _batch_due(tx: _Tx, queues: tuple[str, ...]) -> float | None:
+def _batch_due(tx: _Tx, queues: tuple[str, ...], exclude_owner: str | None = None) -> float | None:
     """When a batched task on ``queues`` is next due: a waiting one when its batch is
-    flushed (ready since ``available_at``, plus ``batch_wait``), others at ``available_at``."""
+    flushed (ready since ``available_at``, plus ``batch_wait``), others at ``available_at``;
+    tasks leased to ``exclude_owner`` left out (see ``_next_due``)."""
     marks = ",".join("?" * len(queues))
+    mine = (
+        ""
+        if exclude_owner is None
+        else " AND (lease_owner IS NULL OR lease_owner <> ? OR available_at <= ?)"
+    )
     row = tx.execute(
         "SELECT min(CASE WHEN available_at > ? THEN available_at "
         "ELSE available_at + batch_wait END) FROM tasks "
-        f"WHERE batch_key IS NOT NULL AND queue IN ({marks})",
-        (tx.now, *queues),
+        f"WHERE batch_key IS NOT NULL AND queue IN ({marks}){mine}",
+        (tx.now, *queues) if exclude_owner is None else (tx.now, *queues, exclude_owner, tx.now),
     ).fetchone()
     return None if row is None or row[0] is None else float(row[0])
 
