@@ -4,17 +4,23 @@
 (``tether.testing.ModelServer``, answering at once) and, in one process and one run:
 
 * ``bare``: ``pydantic_ai.direct.model_request`` in a loop, N calls;
+* ``bare-structured``: the same with the output tool a structured step sends, its
+  arguments validated into the output type (the baseline of ``structured``);
 * ``complete``: one workflow making N sequential ``tether.ai.complete`` steps;
 * ``structured``: the same with ``tether.ai.structured`` (output tool + validation);
 * a 100-turn conversation in one run, with message references (the default: each
   step records only its new messages) and with full message lists, for the history
-  bytes per step (flat vs growing) and the time of a step early and late in it.
+  bytes per step (flat vs growing) and the time of a step early and late in it;
+* ``phases``: one more ``complete`` run with timers around the stages of a step
+  (the model call as the worker makes it, the gateway around it, the workflow's
+  advance, the store operation, its commit and the two thread hand-offs), so the
+  overhead is read off stage by stage instead of guessed.
 
 The server runs in a child process (in this one it would compete for the GIL).
 The per-call time of the bare loop is each call's duration; of a recorded run, the
 gap between consecutive ``ActivityCompleted`` events of its history (the step
 before ends, the next is scheduled, run and recorded). The overhead is the p50
-minus the bare p50. It also prints stored bytes per call
+minus the p50 of the bare loop doing the same work. It also prints stored bytes per call
 (history rows of the run), commits per call, and the raw commit rate of the same
 disk (LIMIT, as in ``bench/run.py``) to put the overhead in commits.
 """
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing
 import sqlite3
@@ -30,6 +37,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +47,9 @@ import itertools
 
 from pydantic import BaseModel
 from pydantic_ai.direct import model_request
-from pydantic_ai.messages import ModelRequest, UserPromptPart
+from pydantic_ai.messages import ModelRequest, ToolCallPart, UserPromptPart
+from pydantic_ai.models import ModelRequestParameters
+from pydantic_ai.tools import ToolDefinition
 from run import FULL, _percentile, bench_limit, check
 
 import tether
@@ -60,13 +70,28 @@ def _serve(conn: Any) -> None:
         conn.recv()  # until the parent is done
 
 
-async def bare(base_url: str, calls: int) -> list[float]:
+async def bare(base_url: str, calls: int, structured: bool = False) -> list[float]:
+    """Bare pydantic-ai calls; ``structured``: with the output tool a structured step
+    sends, its arguments validated into ``Label`` (what ``structured`` is compared to)."""
     model = ai.openai_compatible("bare", base_url=base_url, api_key="k")
     msgs = [ModelRequest(parts=[UserPromptPart("classify: hello")])]
+    params = ModelRequestParameters(
+        output_mode="tool",
+        output_tools=[
+            ToolDefinition(name="final_result", parameters_json_schema=Label.model_json_schema())
+        ],
+        allow_text_output=False,
+    )
     out = []
     for _ in range(calls + 1):
         t0 = time.perf_counter()
-        await model_request(model, msgs)
+        if structured:
+            response = await model_request(model, msgs, model_request_parameters=params)
+            call = response.parts[0]
+            assert isinstance(call, ToolCallPart)
+            Label.model_validate(call.args_as_dict())
+        else:
+            await model_request(model, msgs)
         out.append((time.perf_counter() - t0) * 1000)
     return out[1:]
 
@@ -170,6 +195,112 @@ async def conversation(workdir: Path, base_url: str, calls: int, refs: bool) -> 
     }
 
 
+@contextlib.contextmanager
+def _stage_timers() -> Iterator[dict[str, list[float]]]:
+    """Time a recorded step's stages (ms) by wrapping them; every wrapper is undone
+    on exit. Internal names: this is a benchmark's probe, not an API."""
+    import pydantic_ai.direct as direct
+
+    from tether import _worker
+    from tether.ai import _gateway
+    from tether.store import _handoff, ops, sqlite
+    from tether.workflow import _instance
+
+    times: dict[str, list[float]] = {}
+    marks: dict[str, float] = {}
+    undo: list[tuple[Any, str, Any]] = []
+
+    def patch(obj: Any, name: str, new: Any) -> None:
+        undo.append((obj, name, getattr(obj, name)))
+        setattr(obj, name, new)
+
+    def timed_async(obj: Any, name: str, label: str) -> None:
+        orig = getattr(obj, name)
+
+        async def wrapper(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return await orig(*a, **k)
+            finally:
+                times.setdefault(label, []).append((time.perf_counter() - t0) * 1000)
+
+        patch(obj, name, wrapper)
+
+    timed_async(direct, "model_request", "model call (in the worker)")
+    timed_async(_gateway.Gateway, "_call", "gateway step (call included)")
+    timed_async(_worker.Worker, "_record_result", "record result (advance + commit)")
+    advance = _instance.WorkflowInstance.advance
+
+    def timed_advance(self: Any, *a: Any, **k: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return advance(self, *a, **k)
+        finally:
+            times.setdefault("workflow advance", []).append((time.perf_counter() - t0) * 1000)
+
+    patch(_instance.WorkflowInstance, "advance", timed_advance)
+    op = ops._complete_activity_fast
+
+    def timed_op(*a: Any, **k: Any) -> Any:
+        marks["begin"] = marks.get("pending_begin", time.perf_counter())
+        t0 = time.perf_counter()
+        try:
+            return op(*a, **k)
+        finally:
+            times.setdefault("store operation", []).append((time.perf_counter() - t0) * 1000)
+
+    patch(ops, "_complete_activity_fast", timed_op)
+    attempt = sqlite.SqliteStore._attempt
+
+    def timed_attempt(self: Any, conn: Any, live: Any, *, savepoints: bool) -> Any:
+        marks["pending_begin"] = time.perf_counter()
+        try:
+            return attempt(self, conn, live, savepoints=savepoints)
+        finally:
+            marks["end"] = time.perf_counter()
+            marks.pop("pending_begin", None)
+
+    patch(sqlite.SqliteStore, "_attempt", timed_attempt)
+    resolve = _handoff._resolve
+
+    def timed_resolve(items: Any) -> None:
+        marks["resolved"] = time.perf_counter()
+        resolve(items)
+
+    patch(_handoff, "_resolve", timed_resolve)
+    do = sqlite.SqliteStore._do
+
+    async def timed_do(self: Any, fn: Any, *args: Any, write: bool = True) -> Any:
+        if fn is not timed_op:
+            return await do(self, fn, *args, write=write)
+        t0 = time.perf_counter()
+        out = await do(self, fn, *args, write=write)
+        t1 = time.perf_counter()
+        for label, ms in (
+            ("hand-off to the writer thread", marks["begin"] - t0),
+            ("transaction + commit (fsync)", marks["end"] - marks["begin"]),
+            ("hand-back to the event loop", t1 - marks["end"]),
+        ):
+            times.setdefault(label, []).append(ms * 1000)
+        return out
+
+    patch(sqlite.SqliteStore, "_do", timed_do)
+    try:
+        yield times
+    finally:
+        for obj, name, orig in reversed(undo):
+            setattr(obj, name, orig)
+
+
+async def phases(workdir: Path, base_url: str, calls: int) -> dict[str, float]:
+    """p50 (ms) of each stage of a ``complete`` step, from one timed run."""
+    with _stage_timers() as times:
+        got = await recorded(workdir / "phases", base_url, calls, "complete")
+    out = {label: statistics.median(v[5:]) for label, v in times.items() if len(v) > 5}
+    out["step (gap between completions)"] = statistics.median(got["gaps"])
+    return out
+
+
 def _answer(body: dict[str, Any]) -> Any:
     if body.get("tools"):
         return model_reply(tool=("final_result", {"label": "greeting", "score": 0.9}))
@@ -184,12 +315,14 @@ async def measure(workdir: Path, calls: int, rounds: int) -> dict[str, Any]:
     proc.start()
     try:
         base_url = parent.recv()
-        modes = ("bare", "complete", "structured")
+        modes = ("bare", "bare-structured", "complete", "structured")
         out: dict[str, Any] = {m: {"rounds": []} for m in modes}
         for r in range(rounds):
-            for mode in modes[r % 3 :] + modes[: r % 3]:
-                if mode == "bare":
-                    got: dict[str, Any] = {"gaps": await bare(base_url, calls)}
+            for mode in modes[r % 4 :] + modes[: r % 4]:
+                if mode.startswith("bare"):
+                    got: dict[str, Any] = {
+                        "gaps": await bare(base_url, calls, structured=mode != "bare")
+                    }
                 else:
                     got = await recorded(workdir / f"r{r}", base_url, calls, mode)
                 out[mode]["rounds"].append(got)
@@ -197,6 +330,7 @@ async def measure(workdir: Path, calls: int, rounds: int) -> dict[str, Any]:
             "by reference": await conversation(workdir, base_url, 100, True),
             "full lists": await conversation(workdir, base_url, 100, False),
         }
+        out["phases"] = await phases(workdir, base_url, calls)
     finally:
         parent.send("stop")
         proc.join(10)
@@ -215,25 +349,33 @@ def main() -> None:
         res = asyncio.run(measure(workdir, args.calls, args.rounds))
         elapsed = time.perf_counter() - t0
     per_commit = 1000 / limit["commits_per_s"]
-    bare_p50 = [_percentile(g["gaps"], 50) for g in res["bare"]["rounds"]]
+    bare_p50 = {
+        mode: [_percentile(g["gaps"], 50) for g in res[mode]["rounds"]]
+        for mode in ("bare", "bare-structured")
+    }
+    #: each recorded mode against the bare call that does the same work
+    baseline = {"complete": "bare", "structured": "bare-structured"}
     print(f"LIMIT: {limit['commits_per_s']:,.0f} commits/s ({per_commit:.3f} ms/commit)")
     print(f"{args.rounds} interleaved rounds of {args.calls} calls; per round, the p50 of a")
-    print("recorded mode minus the bare p50 of the same round; the median of the rounds:")
+    print("recorded mode minus the p50 of the same round's bare call doing the same work")
+    print("(complete: a text call; structured: the output tool, validated); the median:")
     print(
-        f"{'per call':<11} {'p50 ms':>7} {'p99 ms':>7} {'+p50 ms':>8} {'rounds':>15} "
+        f"{'per call':<15} {'p50 ms':>7} {'p99 ms':>7} {'+p50 ms':>8} {'rounds':>15} "
         f"{'+/commit':>8} {'commits':>8} {'bytes':>7}"
     )
     summary: dict[str, Any] = {"limit": limit, "calls": args.calls, "seconds": elapsed}
     chats = res.pop("conversation")
+    res_phases = res.pop("phases")
     for mode, r in res.items():
         p50s = [_percentile(g["gaps"], 50) for g in r["rounds"]]
         p99 = statistics.median(_percentile(g["gaps"], 99) for g in r["rounds"])
-        extras = [p - b for p, b in zip(p50s, bare_p50, strict=True)]
+        base = bare_p50[baseline.get(mode, mode)]
+        extras = [p - b for p, b in zip(p50s, base, strict=True)]
         extra = statistics.median(extras)
         last = r["rounds"][-1]
         spread = f"{min(extras):+.2f}..{max(extras):+.2f}"
         print(
-            f"{mode:<11} {statistics.median(p50s):7.2f} {p99:7.2f} {extra:8.2f} {spread:>15} "
+            f"{mode:<15} {statistics.median(p50s):7.2f} {p99:7.2f} {extra:8.2f} {spread:>15} "
             f"{extra / per_commit:8.2f} {last.get('commits_per_call', 0):8.2f} "
             f"{last.get('bytes_per_call', 0):7.0f}"
         )
@@ -254,6 +396,11 @@ def main() -> None:
             f"ms a step: {c['ms_first10']:.2f} -> {c['ms_last10']:.2f}"
         )
     summary["conversation"] = chats
+    stages = res_phases
+    print("where a complete step's time goes (p50 ms, one timed run; stages nest):")
+    for label, ms in stages.items():
+        print(f"  {label:<36} {ms:7.3f}")
+    summary["phases"] = stages
     print(json.dumps(summary, indent=2))
 
 

@@ -1153,3 +1153,30 @@ async def test_model_calls_tokens_cost_repairs_routes_and_429s_are_counted(
     assert RECORDER.counter("tether_decisions", ("triage", "route")) == 1
     assert RECORDER.counter("tether_routes", ("triage", "route", "billing", "allowed")) == 1
     assert RECORDER.counter("tether_rate_limited", (primary.activity.name,)) == 1
+
+
+def test_an_output_types_tool_schema_is_built_once_and_any_type_expression_works() -> None:
+    """A structured step's tool schema is made once per output type (it costs more than
+    the rest of the step's bookkeeping); a type expression that cannot be a cache key
+    (unhashable metadata) is still served, built each time."""
+    from typing import Annotated
+
+    from tether.ai._structured import _schema
+
+    class Verdict(BaseModel):
+        ok: bool
+
+    first, wrapped = _schema(Verdict)
+    assert not wrapped and first["properties"]["ok"]["type"] == "boolean"
+    assert _schema(Verdict)[0] is first  # the same object: made once
+    listed, wrapped = _schema(list[Verdict])
+    assert wrapped and listed["properties"]["response"]["type"] == "array"
+    odd = Annotated[str, {"unhashable": "metadata"}]
+    assert _schema(odd) == (
+        {
+            "type": "object",
+            "properties": {"response": {"type": "string"}},
+            "required": ["response"],
+        },
+        True,
+    )
