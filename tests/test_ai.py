@@ -1180,3 +1180,135 @@ def test_an_output_types_tool_schema_is_built_once_and_any_type_expression_works
         },
         True,
     )
+
+
+def test_a_messages_address_ignores_only_the_timestamps_pydantic_ai_sets() -> None:
+    """Two copies of a message (made at different times, by different agent runs) have
+    one address; a field named ``timestamp`` inside content is the caller's data: it
+    changes the address and is never dropped from what the model is sent."""
+    from pydantic_ai.messages import ModelRequest, ToolReturnPart, UserPromptPart
+
+    from tether.ai._wire import canonical, dump_messages, pack
+
+    def request(when: str, content: Any) -> dict[str, Any]:
+        (msg,) = dump_messages(
+            [
+                ModelRequest(
+                    parts=[
+                        UserPromptPart("what time is it?"),
+                        ToolReturnPart("clock", content, tool_call_id="c1"),
+                    ],
+                    run_id=f"agent-run-{when}",
+                )
+            ]
+        )
+        return msg
+
+    a, b = (
+        request("a", {"timestamp": "10:00", "tz": "UTC"}),
+        request("b", {"timestamp": "10:00", "tz": "UTC"}),
+    )
+    assert a != b  # made at other times, by other agent runs
+    assert canonical(a)[0] == canonical(b)[0]  # the same content: one address
+    later = request("c", {"timestamp": "11:00", "tz": "UTC"})
+    assert canonical(later)[0] != canonical(a)[0]  # content that differs: two addresses
+    packed, _inline, _tip = pack([later], set(), set())
+    assert packed["new"][0]["m"]["parts"][1]["content"] == {"timestamp": "11:00", "tz": "UTC"}
+
+
+async def test_a_tool_result_with_a_timestamp_reaches_the_model_whole_by_reference(
+    app: tether.App, server: ModelServer
+) -> None:
+    """The content of a tool's return travels to the model as it is, on the step that
+    sends it in full and on later steps that refer to it by its address."""
+    from pydantic_ai.messages import ModelMessage, ModelRequest, ToolReturnPart, UserPromptPart
+
+    gw = ai.Gateway(app, retry=FAST)
+    model = gw.model("m", ai.openai_compatible("chat", base_url=server.base_url, api_key="k"))
+    server.default = lambda body: model_reply(f"reply {len(body['messages'])}")
+
+    @app.workflow
+    async def chat() -> int:
+        messages: list[ModelMessage] = []
+        for i in range(3):
+            parts: list[Any] = [UserPromptPart(f"q{i}")]
+            if i == 0:
+                parts.append(
+                    ToolReturnPart("clock", {"timestamp": "2026-12-05T10:00Z"}, tool_call_id="c1")
+                )
+            messages.append(ModelRequest(parts=parts))
+            response, _call = await gw.request(model, messages)
+            messages.append(response)
+        return len(messages)
+
+    async with app.worker(poll_interval=0.05):
+        run = await app.start(chat)
+        assert await run.result(timeout=30) == 6
+    bodies = [json.dumps(r.body["messages"]) for r in server.calls("chat")]
+    assert len(bodies) == 3
+    assert all("2026-12-05T10:00Z" in body for body in bodies), bodies
+
+
+def test_a_worker_finds_an_answer_by_the_address_the_previous_version_gave_it() -> None:
+    """A workflow process of the previous version (which left ``timestamp`` fields out at
+    any depth) refers to an answer by that address; the worker indexes both."""
+    from pydantic_ai.messages import ModelResponse, ToolCallPart
+
+    from tether.ai._gateway import _Rebuilt
+    from tether.ai._wire import canonical, dump_response, legacy_digest, link
+
+    answer = dump_response(
+        ModelResponse(parts=[ToolCallPart("book", {"timestamp": "2027-01-01"}, tool_call_id="c9")])
+    )
+    scheduled = tether.Event(
+        run_id="r",
+        seq=2,
+        type=EventType.ACTIVITY_SCHEDULED,
+        step=1,
+        data={"name": "g.call", "args": {"args": ["m", {"messages": {"base": None, "new": []}}]}},
+        created_at=0.0,
+    )
+    completed = tether.Event(
+        run_id="r",
+        seq=3,
+        type=EventType.ACTIVITY_COMPLETED,
+        step=1,
+        data={"result": {"response": answer}},
+        created_at=0.0,
+    )
+    rebuilt = _Rebuilt()
+    rebuilt.apply([scheduled, completed], "g.call")
+    new, old = canonical(answer)[0], legacy_digest(answer)
+    assert new != old  # the tool's argument named timestamp: the two versions differ
+    for digest in (new, old):
+        full = rebuilt.full({"base": link(None, digest), "new": []})
+        assert full is not None and full[0]["parts"][0]["args"] == {"timestamp": "2027-01-01"}
+
+
+def test_the_answer_cache_tells_apart_requests_that_differ_in_a_timestamp_of_content() -> None:
+    """Two questions that differ only in a tool result's ``timestamp`` field are two
+    questions (never one cached answer for both); the same question asked again, its
+    messages made anew, is one."""
+    from pydantic_ai.messages import ModelRequest, ToolReturnPart, UserPromptPart
+
+    from tether.ai._gateway import _cache_key
+    from tether.ai._wire import dump_messages
+
+    gw = ai.Gateway(tether.App(store=":memory:"))
+    ref = gw.model("m", ai.openai_compatible("chat", base_url="http://127.0.0.1:9", api_key="k"))
+
+    def key(at: str) -> str:
+        messages = dump_messages(
+            [
+                ModelRequest(
+                    parts=[
+                        UserPromptPart("is it late?"),
+                        ToolReturnPart("clock", {"timestamp": at}, tool_call_id="c1"),
+                    ]
+                )
+            ]
+        )
+        return _cache_key(ref, {"messages": messages, "params": {}, "settings": None})
+
+    assert key("10:00") == key("10:00")  # made twice, at two times: the same question
+    assert key("10:00") != key("23:00")

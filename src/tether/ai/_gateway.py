@@ -51,12 +51,13 @@ from ._wire import (
     dump_params,
     dump_response,
     is_packed,
+    legacy_digest,
     link,
     load_messages,
     load_params,
     load_response,
     pack,
-    without,
+    stable,
 )
 
 if TYPE_CHECKING:
@@ -159,9 +160,15 @@ class _Rebuilt:
                 tip = self.tips.pop(ev.step)
                 result = ev.data.get("result")
                 if isinstance(result, dict) and isinstance(result.get("response"), dict):
-                    digest, stable = canonical(result["response"])
-                    self.messages[digest] = stable
+                    digest, content = canonical(result["response"])
+                    self.messages[digest] = content
                     self.parents[link(tip, digest)] = (tip or None, digest)
+                    # a workflow process of the previous version refers to it by the
+                    # address it gave it (the same, unless its content has a timestamp)
+                    legacy = legacy_digest(result["response"])
+                    if legacy != digest:
+                        self.messages.setdefault(legacy, content)
+                        self.parents.setdefault(link(tip, legacy), (tip or None, legacy))
 
     def full(self, packed: dict[str, Any]) -> list[Any] | None:
         """The full messages of a step's packed conversation (None: not all known)."""
@@ -1003,8 +1010,6 @@ def count_usage(
 _THREADS_CACHED = 256
 #: how long a worker trusts its list of scopes with a daily budget
 _BUDGETS_TTL = 2.0
-#: request fields that differ between identical questions (left out of cache keys)
-_VOLATILE = frozenset({"timestamp", "run_id", "conversation_id", "provider_response_id"})
 
 
 class DailyBudgetExceeded(NonRetryable):
@@ -1022,7 +1027,12 @@ def _cache_key(ref: ModelRef, request: dict[str, Any]) -> str:
     material = {
         "model": ref.name,
         "model_name": ref.model_name,
-        "messages": without(request["messages"], _VOLATILE),
+        # as a message's address (``stable``), and without the id a provider gave an
+        # earlier answer: the same conversation asked again is the same question
+        "messages": [
+            {k: v for k, v in stable(m).items() if k != "provider_response_id"}
+            for m in request["messages"]
+        ],
         "params": request["params"],
         "settings": settings,
     }

@@ -49,31 +49,50 @@ def load_params(data: dict[str, Any]) -> ModelRequestParameters:
     return _PARAMS.validate_python(data)
 
 
-#: fields that differ between two copies of the same message (left out of its content)
-_VOLATILE = frozenset({"timestamp"})
+#: a message's own fields that differ between two copies of it: when it was made, and
+#: the ids of the agent run that made it (new on every replay)
+_MESSAGE_VOLATILE = frozenset({"timestamp", "run_id", "conversation_id"})
 
 
-def without(value: Any, keys: frozenset[str] = _VOLATILE) -> Any:
-    """``value`` (JSON) with the fields named ``keys`` left out, at every depth."""
-    if isinstance(value, dict):
-        return {k: without(v, keys) for k, v in value.items() if k not in keys}
-    if isinstance(value, list):
-        return [without(v, keys) for v in value]
-    return value
-
-
-#: a message's own fields that name the agent run that made it (new on every replay)
-_PER_RUN = ("run_id", "conversation_id")
+def stable(message: dict[str, Any]) -> dict[str, Any]:
+    """A message (JSON) without the fields pydantic-ai sets anew for the same content:
+    the message's and each part's ``timestamp``, and the agent run's ids. Only there:
+    a field of that name inside content (a tool's return value, its arguments) is the
+    caller's data and goes to the model as it is."""
+    out = {k: v for k, v in message.items() if k not in _MESSAGE_VOLATILE}
+    parts = out.get("parts")
+    if isinstance(parts, list):
+        out["parts"] = [
+            {k: v for k, v in p.items() if k != "timestamp"} if isinstance(p, dict) else p
+            for p in parts
+        ]
+    return out
 
 
 def canonical(message: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """A message's content address (SHA-256 of its JSON without timestamps, nor the ids
-    of the agent run that made it) and that JSON."""
-    stable: dict[str, Any] = without(message)
-    for key in _PER_RUN:
-        stable.pop(key, None)
-    text = json.dumps(stable, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()[:32], stable
+    """A message's content address (SHA-256 of its ``stable`` JSON) and that JSON."""
+    content = stable(message)
+    text = json.dumps(content, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:32], content
+
+
+def legacy_digest(message: dict[str, Any]) -> str:
+    """The address tether 0.x before 2026-12-05 gave a message: with every ``timestamp``
+    field left out at any depth, content included. A worker indexes answers under it
+    too, so a workflow process of that version still finds what it refers to."""
+
+    def strip(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: strip(v) for k, v in value.items() if k != "timestamp"}
+        if isinstance(value, list):
+            return [strip(v) for v in value]
+        return value
+
+    content = strip(message)
+    for key in ("run_id", "conversation_id"):
+        content.pop(key, None)
+    text = json.dumps(content, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
 def link(parent: str | None, message: str) -> str:
