@@ -558,14 +558,21 @@ async def test_a_long_conversation_stores_flat_bytes_per_call(
     assert sorted(sizes) == sorted([2 * i + 1 for i in range(40)] * 2)
 
 
+def _counting_chat(app: tether.App, server: ModelServer) -> tuple[ai.Gateway, ai.ModelRef]:
+    """A gateway and its model ``m`` on the test server, which answers each request with
+    ``reply N`` (N: how many messages it was sent)."""
+    gw = ai.Gateway(app, retry=FAST)
+    model = gw.model("m", ai.openai_compatible("chat", base_url=server.base_url, api_key="k"))
+    server.default = lambda body: model_reply(f"reply {len(body['messages'])}")
+    return gw, model
+
+
 async def test_a_worker_that_did_not_see_a_conversation_rebuilds_it_from_history(
     app: tether.App, server: ModelServer
 ) -> None:
     from pydantic_ai.messages import ModelMessage, ModelRequest, UserPromptPart
 
-    gw = ai.Gateway(app, retry=FAST)
-    model = gw.model("m", ai.openai_compatible("chat", base_url=server.base_url, api_key="k"))
-    server.default = lambda body: model_reply(f"reply {len(body['messages'])}")
+    gw, model = _counting_chat(app, server)
 
     @app.workflow
     async def chat() -> str:
@@ -1223,9 +1230,7 @@ async def test_a_tool_result_with_a_timestamp_reaches_the_model_whole_by_referen
     sends it in full and on later steps that refer to it by its address."""
     from pydantic_ai.messages import ModelMessage, ModelRequest, ToolReturnPart, UserPromptPart
 
-    gw = ai.Gateway(app, retry=FAST)
-    model = gw.model("m", ai.openai_compatible("chat", base_url=server.base_url, api_key="k"))
-    server.default = lambda body: model_reply(f"reply {len(body['messages'])}")
+    gw, model = _counting_chat(app, server)
 
     @app.workflow
     async def chat() -> int:
