@@ -1317,3 +1317,48 @@ def test_the_answer_cache_tells_apart_requests_that_differ_in_a_timestamp_of_con
 
     assert key("10:00") == key("10:00")  # made twice, at two times: the same question
     assert key("10:00") != key("23:00")
+
+
+async def test_a_credential_in_a_calls_settings_is_refused_and_headers_on_the_model_are_sent(
+    app: tether.App, server: ModelServer
+) -> None:
+    """A step's settings are recorded: a header that looks like a credential is refused
+    there with where to put it; headers set on the model reach the provider, are never
+    recorded, and an ordinary per-call header still goes through."""
+    gw = ai.Gateway(app, retry=FAST)
+    keyed = gw.model(
+        "keyed",
+        ai.openai_compatible(
+            "gpt-4o-mini",
+            base_url=server.base_url,
+            api_key="k",
+            headers={"X-Gateway-Key": "gk-on-the-model"},
+        ),
+    )
+    server.default = lambda body: model_reply("ok")
+
+    @app.workflow
+    async def ask(header: str) -> str:
+        try:
+            return await ai.complete(
+                keyed, "q", settings={"extra_headers": {header: "pk-per-call-secret"}}
+            )
+        except tether.ConfigurationError as exc:
+            return f"refused: {exc}"
+
+    async with app.worker(poll_interval=0.05):
+        refused = await app.start(ask, "X-Portkey-Api-Key")
+        allowed = await app.start(ask, "X-Request-Source")
+        out = await refused.result(timeout=30)
+        assert await allowed.result(timeout=30) == "ok"
+    assert out.startswith("refused: model 'keyed': settings extra_headers 'X-Portkey-Api-Key'")
+    assert "ai.openai_compatible(..., headers={...})" in out
+    (call,) = server.calls("gpt-4o-mini")
+    assert call.headers["x-gateway-key"] == "gk-on-the-model"
+    assert call.headers["x-request-source"] == "pk-per-call-secret"
+    for run in (refused, allowed):
+        text = json.dumps([e.data for e in await app.history(run.run_id)])
+        assert "gk-on-the-model" not in text
+    assert "pk-per-call-secret" not in json.dumps(
+        [e.data for e in await app.history(refused.run_id)]
+    )

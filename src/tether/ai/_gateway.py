@@ -21,6 +21,7 @@ import hashlib
 import json
 import logging
 import math
+import re
 import threading
 import time
 import weakref
@@ -852,6 +853,7 @@ class Gateway:
         """
         if ref.gateway is not self:
             raise ConfigurationError(f"{ref!r} is a model of another gateway")
+        _refuse_recorded_credentials(ref, settings)
         body: dict[str, Any] = {
             "messages": dump_messages(messages),
             "params": dump_params(params or ModelRequestParameters()),
@@ -1019,6 +1021,26 @@ class DailyBudgetExceeded(NonRetryable):
 def _day(ts: float) -> str:
     """The UTC day of a timestamp, as daily budgets count it."""
     return datetime.fromtimestamp(ts, UTC).date().isoformat()
+
+
+#: header names that carry credentials (matched anywhere in the name, any case)
+_CREDENTIAL_HEADER = re.compile(r"auth|key|token|secret|password|cookie|signature", re.IGNORECASE)
+
+
+def _refuse_recorded_credentials(ref: ModelRef, settings: ModelSettings | None) -> None:
+    """A step's settings are recorded in its run's history (the worker that makes the
+    call reads them there): a header that looks like a credential is refused before it
+    is written, with where it belongs instead."""
+    headers = (settings or {}).get("extra_headers") or {}
+    for name in headers:
+        if name.lower() != "idempotency-key" and _CREDENTIAL_HEADER.search(name):
+            raise ConfigurationError(
+                f"model {ref.name!r}: settings extra_headers {name!r} looks like a "
+                "credential, and a step's settings are recorded in its run's history; set "
+                "it on the model the worker builds instead (ai.openai_compatible(..., "
+                "headers={...}) or ai.anthropic(..., headers={...})), where it is never "
+                "recorded"
+            )
 
 
 def _cache_key(ref: ModelRef, request: dict[str, Any]) -> str:

@@ -63,11 +63,13 @@ def openai_compatible(
     base_url: str | None = None,
     api_key: str | None = None,
     timeout: float | None = None,
+    headers: dict[str, str] | None = None,
 ) -> Model:
     """An OpenAI chat model, or any OpenAI-compatible server's (vLLM, Ollama, LM Studio...).
 
     SDK retries are off. ``api_key`` defaults to ``OPENAI_API_KEY``; a local
-    server that needs none gets a placeholder.
+    server that needs none gets a placeholder. ``headers`` go with every request (a
+    proxy's or gateway's own key: set here, in the worker, they are never recorded).
     """
     try:
         from openai import AsyncOpenAI
@@ -89,6 +91,7 @@ def openai_compatible(
         api_key=key,
         base_url=base_url or os.environ.get("OPENAI_BASE_URL"),
         max_retries=0,
+        default_headers=headers,
         http_client=http_client(timeout, lib=_sdk_http(AsyncOpenAI)),
     )
     return OpenAIChatModel(model_name, provider=OpenAIProvider(openai_client=client))
@@ -100,9 +103,11 @@ def anthropic(
     api_key: str | None = None,
     base_url: str | None = None,
     timeout: float | None = None,
+    headers: dict[str, str] | None = None,
 ) -> Model:
     """An Anthropic model with SDK retries off (``api_key`` defaults to ``ANTHROPIC_API_KEY``;
-    ``base_url`` to ``ANTHROPIC_BASE_URL`` or Anthropic's own, e.g. for a proxy)."""
+    ``base_url`` to ``ANTHROPIC_BASE_URL`` or Anthropic's own, e.g. for a proxy; ``headers``
+    go with every request and are never recorded)."""
     try:
         from anthropic import AsyncAnthropic
         from pydantic_ai.models.anthropic import AnthropicModel
@@ -122,6 +127,7 @@ def anthropic(
         api_key=key,
         base_url=base_url or os.environ.get("ANTHROPIC_BASE_URL"),
         max_retries=0,
+        default_headers=headers,
         http_client=http_client(timeout, lib=_sdk_http(AsyncAnthropic)),
     )
     return AnthropicModel(model_name, provider=AnthropicProvider(anthropic_client=client))
