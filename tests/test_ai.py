@@ -1362,3 +1362,37 @@ async def test_a_credential_in_a_calls_settings_is_refused_and_headers_on_the_mo
     assert "pk-per-call-secret" not in json.dumps(
         [e.data for e in await app.history(refused.run_id)]
     )
+
+
+async def test_a_route_never_lets_an_odd_score_through_its_bar_and_never_raises() -> None:
+    """A proposer's score that is not a number in 0..1 (NaN, text, a bool, a percentage)
+    fails a confidence bar closed: the default, with the reason recorded, no error; the
+    recorded decision stays JSON (NaN is not)."""
+    app = tether.App(store=":memory:")
+
+    @app.workflow
+    async def pick(score: Any) -> str:
+        return tether.route(
+            "billing", ["billing", "tech"], default="human", confidence=score, min_confidence=0.8
+        )
+
+    async with app.worker(poll_interval=0.02):
+        got = {}
+        for score in (0.9, 0.5, None, float("nan"), "0.95", True, 95, float("inf"), 1):
+            run = await app.start(pick, score)
+            got[repr(score)] = await run.result(timeout=10)
+            (decision,) = markers(await app.history(run.run_id), "route")
+            json.dumps(decision, allow_nan=False)  # plain JSON: an API or console reads it
+            if got[repr(score)] == "human" and score not in (None, 0.5):
+                assert decision["reason"] == "confidence not a score", decision
+    assert got == {
+        "0.9": "billing",
+        "0.5": "human",
+        "None": "human",
+        "nan": "human",
+        "'0.95'": "human",
+        "True": "human",
+        "95": "human",
+        "inf": "human",
+        "1": "billing",
+    }
