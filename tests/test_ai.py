@@ -1396,3 +1396,42 @@ async def test_a_route_never_lets_an_odd_score_through_its_bar_and_never_raises(
         "inf": "human",
         "1": "billing",
     }
+
+
+async def test_a_cost_budget_refuses_a_model_without_a_price_before_calling_it(
+    app: tether.App, server: ModelServer
+) -> None:
+    """A model genai-prices does not know (a local one) could spend anything: under a
+    run's or a tenant's daily cost budget it is refused before the call, saying how to
+    price it; priced at zero it goes through; a tokens-only budget never needed a price."""
+    gw = ai.Gateway(app, retry=FAST)
+    url = server.base_url
+    local = gw.model("local", ai.openai_compatible("llama-local-7b", base_url=url, api_key="k"))
+    free = gw.model(
+        "free",
+        ai.openai_compatible("llama-local-7b", base_url=url, api_key="k"),
+        price=ai.Price(input_per_mtok=0, output_per_mtok=0),
+    )
+    server.default = lambda body: model_reply("ok")
+
+    @app.workflow
+    async def ask(which: str) -> str:
+        try:
+            return await ai.complete(local if which == "local" else free, "q")
+        except ai.BudgetExceeded as exc:
+            return f"refused ({exc.scope}): {exc}"
+
+    async with app.worker(poll_interval=0.05):
+        by_run = await app.start(ask, "local", budget=tether.Budget(cost="0.50"))
+        priced = await app.start(ask, "free", budget=tether.Budget(cost="0.50"))
+        tokens_only = await app.start(ask, "local", budget=tether.Budget(tokens=10_000))
+        out = await by_run.result(timeout=30)
+        assert await priced.result(timeout=30) == "ok"
+        assert await tokens_only.result(timeout=30) == "ok"
+        await gw.set_budget(tenant="acme", cost="1.00")
+        daily = await app.start(ask, "local", tenant="acme")
+        out_daily = await daily.result(timeout=30)
+    assert out.startswith("refused (run): model 'local' has no price"), out
+    assert "Price(input_per_mtok=0, output_per_mtok=0)" in out
+    assert out_daily.startswith("refused (tenant:acme): model 'local' has no price"), out_daily
+    assert server.count("llama-local-7b") == 2  # the priced call and the tokens-only one

@@ -55,6 +55,15 @@ class BudgetExceeded(TetherError):
         self.estimate = estimate
         self.scope = scope  #: "run", "tenant:<name>" (daily) or "global" (daily)
         whose = "the run's" if scope == "run" else f"the daily ({scope})"
+        if estimate.get(what) is None:  # only a cost: the model has no price
+            super().__init__(
+                f"model {model!r} has no price, so a call to it could exceed {whose} cost "
+                f"budget of {limit} by any amount; give it one (gateway.model(..., "
+                "price=tether.ai.Price(...)), or Gateway(prices=...); a free local model: "
+                "Price(input_per_mtok=0, output_per_mtok=0)), or catch tether.ai.BudgetExceeded "
+                "to fall back to a priced model"
+            )
+            return
         super().__init__(
             f"a call to model {model!r} would exceed {whose} {what} budget of {limit} "
             f"(spent {spent[what]}, this call's estimate {estimate[what]}); "

@@ -1220,8 +1220,10 @@ def _over(
     """Which limit (``("tokens" | "cost", the limit)``) a call of ``estimate`` would pass."""
     if tokens is not None and spent_tokens + estimate["tokens"] > tokens:
         return ("tokens", str(tokens))
-    if cost is not None and Decimal(spent_cost) + Decimal(estimate["cost"] or 0) > Decimal(
-        str(cost)
+    if cost is not None and (
+        # a model without a price could spend anything: a cost budget refuses it
+        estimate["cost"] is None
+        or Decimal(spent_cost) + Decimal(estimate["cost"]) > Decimal(str(cost))
     ):
         return ("cost", str(cost))
     return None
