@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 import tether
-from tether._classify import parse_reset, ratelimit_pause
+from tether._classify import classify, parse_reset, ratelimit_pause
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
@@ -333,6 +333,19 @@ def test_ratelimit_header_parsing() -> None:
         }
     )
     assert ratelimit_pause(exc) == 3.0
+    # a wait that is not a finite number is garbage, never a pause that lasts for ever
+    for garbage in ("inf", "Infinity", "nan", "1e400"):
+        assert parse_reset(garbage) is None
+        assert classify(RateLimited({"retry-after": garbage})).retry_after is None
+        assert (
+            ratelimit_pause(
+                RateLimited(
+                    {"x-ratelimit-remaining-tokens": "0", "x-ratelimit-reset-tokens": garbage}
+                )
+            )
+            is None
+        )
+    assert classify(RateLimited({"retry-after": "2"})).retry_after == 2.0
     assert (
         ratelimit_pause(
             RateLimited({"x-ratelimit-remaining-requests": "5", "x-ratelimit-reset-requests": "2s"})

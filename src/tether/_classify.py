@@ -17,6 +17,7 @@ One function decides for every activity failure, so the rules are in one place:
 from __future__ import annotations
 
 import email.utils
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -58,15 +59,21 @@ def http_status(exc: BaseException) -> int | None:
     return None
 
 
+def _seconds(value: float) -> float | None:
+    """A wait a server asked for, or None when it is not a finite number (``inf``,
+    ``nan``, ``1e400``: garbage, never a pause that would last for ever)."""
+    return max(0.0, value) if math.isfinite(value) else None
+
+
 def parse_retry_after(value: Any, now: float | None = None) -> float | None:
     """Seconds to wait from a Retry-After value: a number of seconds or an HTTP date."""
     if value is None:
         return None
     if isinstance(value, int | float):
-        return max(0.0, float(value))
+        return _seconds(float(value))
     text = str(value).strip()
     try:
-        return max(0.0, float(text))
+        return _seconds(float(text))
     except ValueError:
         pass
     try:
@@ -143,10 +150,10 @@ def parse_reset(value: Any) -> float | None:
     if value is None:
         return None
     if isinstance(value, int | float):
-        return max(0.0, float(value))
+        return _seconds(float(value))
     text = str(value).strip().lower()
     try:
-        return max(0.0, float(text))
+        return _seconds(float(text))
     except ValueError:
         pass
     total, num, i = 0.0, "", 0
@@ -166,7 +173,7 @@ def parse_reset(value: Any) -> float | None:
         num, i = "", i + len(unit)
     if num:  # trailing bare number: seconds
         return None
-    return total
+    return _seconds(total)
 
 
 def _headers(obj: Any) -> Any:
