@@ -1435,3 +1435,14 @@ async def test_a_cost_budget_refuses_a_model_without_a_price_before_calling_it(
     assert "Price(input_per_mtok=0, output_per_mtok=0)" in out
     assert out_daily.startswith("refused (tenant:acme): model 'local' has no price"), out_daily
     assert server.count("llama-local-7b") == 2  # the priced call and the tokens-only one
+
+
+@pytest.mark.parametrize("bad", ["abc", -1, float("nan"), "inf", True])
+def test_a_price_that_is_not_a_number_of_zero_or_more_is_refused_where_it_is_written(
+    bad: Any,
+) -> None:
+    """A bad price is a clear error when the price is made, not a failure of every call
+    of the model in a worker later (nor, negative, spend undone)."""
+    with pytest.raises(tether.ConfigurationError, match="input_per_mtok must be a number >= 0"):
+        ai.Price(input_per_mtok=bad, output_per_mtok=1)
+    assert ai.Price(input_per_mtok=0, output_per_mtok="0.6").cost(1_000_000, 0) == 0

@@ -100,6 +100,23 @@ class Price:
     output_per_mtok: Decimal | float | str
     cache_read_per_mtok: Decimal | float | str | None = None
 
+    def __post_init__(self) -> None:
+        # checked where it is written: a bad price found by a worker mid-call would
+        # fail every call of the model, and a negative one would undo spend
+        for name in ("input_per_mtok", "output_per_mtok", "cache_read_per_mtok"):
+            value = getattr(self, name)
+            if value is None and name == "cache_read_per_mtok":
+                continue
+            try:
+                amount = Decimal(str(value)) if not isinstance(value, bool) else None
+            except ArithmeticError:
+                amount = None
+            if amount is None or not amount.is_finite() or amount < 0:
+                raise ConfigurationError(
+                    f"Price {name} must be a number >= 0 in currency per million tokens "
+                    f"(got {value!r})"
+                )
+
     def cost(self, input_tokens: int, output_tokens: int, cache_read_tokens: int = 0) -> Decimal:
         """The exact cost of one call's tokens."""
         million = Decimal(1_000_000)
