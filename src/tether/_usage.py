@@ -116,7 +116,10 @@ class Budget:
     cost: Decimal | float | str | None = None
 
     def __post_init__(self) -> None:
-        if self.tokens is not None and (not isinstance(self.tokens, int) or self.tokens < 0):
+        tokens = self.tokens
+        if tokens is not None and (
+            isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0
+        ):
             raise ConfigurationError(
                 f"Budget tokens must be a whole number >= 0 (got {self.tokens!r})"
             )
@@ -128,7 +131,9 @@ class Budget:
                     f"Budget cost must be a number (got {self.cost!r})"
                 ) from None
             if not value.is_finite() or value < 0:
-                raise ConfigurationError(f"Budget cost must be >= 0 (got {self.cost!r})")
+                raise ConfigurationError(
+                    f"Budget cost must be a finite number >= 0 (got {self.cost!r})"
+                )
             object.__setattr__(self, "cost", value)
         if self.tokens is None and self.cost is None:
             raise ConfigurationError("a Budget needs tokens=, cost= or both")
