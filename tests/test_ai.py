@@ -257,7 +257,7 @@ async def test_a_budget_stops_the_run_before_the_call_that_would_exceed_it(
     with pytest.raises(tether.ConfigurationError):
         tether.Budget()
     for bad in ({"tokens": True}, {"tokens": -1}, {"cost": float("nan")}, {"cost": "abc"}):
-        with pytest.raises(tether.ConfigurationError, match="Budget (tokens|cost) must be"):
+        with pytest.raises(tether.ConfigurationError, match=r"Budget (tokens|cost) must be"):
             tether.Budget(**bad)
 
 
