@@ -282,8 +282,10 @@ async def test_hedged_call_takes_the_first_answer_and_records_the_winner(
     async with app.worker(poll_interval=0.05):
         run = await app.start(ask, "x")
         assert await run.result(timeout=30) == "fast answer"
-    hedge = markers(await app.history(run.run_id), "model_hedge")
-    assert hedge == [{"asked": ["slow", "fast"], "won": "fast"}]
+    (hedge,) = markers(await app.history(run.run_id), "model_hedge")
+    assert {k: hedge[k] for k in ("asked", "won")} == {"asked": ["slow", "fast"], "won": "fast"}
+    # the loser was still running when it was cancelled: what it may have used is noted
+    assert hedge["abandoned"]["model"] == "slow" and hedge["abandoned"]["tokens"] > 0
 
 
 async def test_bad_configuration_fails_the_step_with_a_clear_message_and_no_secret(
@@ -1449,3 +1451,48 @@ def test_a_price_that_is_not_a_number_of_zero_or_more_is_refused_where_it_is_wri
     with pytest.raises(tether.ConfigurationError, match="input_per_mtok must be a number >= 0"):
         ai.Price(input_per_mtok=bad, output_per_mtok=1)
     assert ai.Price(input_per_mtok=0, output_per_mtok="0.6").cost(1_000_000, 0) == 0
+
+
+async def test_a_hedges_loser_counts_against_the_run_budget_by_its_estimate(
+    app: tether.App, server: ModelServer
+) -> None:
+    """The provider may have billed a hedge's cancelled loser already; what it used is
+    unknown to the run, so its estimate counts as spent. A run that hedges cannot go
+    over its budget by the calls it abandoned."""
+    gw = ai.Gateway(app, retry=FAST, timeout=10)
+    url = server.base_url
+    fast = gw.model("fast", ai.openai_compatible("gpt-4o", base_url=url, api_key="k"))
+    slow = gw.model(
+        "slow", ai.openai_compatible("gpt-4o-mini", base_url=url, api_key="k"), hedge=(fast, 0.3)
+    )
+    settings: Any = {"max_tokens": 100}
+
+    @app.workflow
+    async def probe() -> str:
+        try:
+            return await ai.complete(fast, "same prompt", settings=settings)
+        except ai.BudgetExceeded:
+            return "refused"
+
+    @app.workflow
+    async def ask() -> str:
+        first = await ai.complete(slow, "same prompt", settings=settings)
+        await tether.sleep(1.5)  # the loser's own step has ended by now
+        try:
+            return first + " / " + await ai.complete(fast, "same prompt", settings=settings)
+        except ai.BudgetExceeded:
+            return first + " / refused"
+
+    server.script("gpt-4o-mini", model_reply("slow", delay=1, input_tokens=10, output_tokens=5))
+    server.default = lambda body: model_reply("fast", input_tokens=10, output_tokens=5)
+    async with app.worker(poll_interval=0.05):
+        sized = await app.start(probe, budget=tether.Budget(tokens=1))
+        assert await sized.result(timeout=30) == "refused"  # its marker says the estimate
+        (marker,) = markers(await app.history(sized.run_id), "budget_exceeded")
+        estimate = marker["estimate"]["tokens"]
+        # the winner used 15; the loser's estimate counts too, so the next call is over
+        run = await app.start(ask, budget=tether.Budget(tokens=15 + 2 * estimate - 1))
+        out = await run.result(timeout=30)
+    assert out == "fast / refused", out
+    (refused,) = markers(await app.history(run.run_id), "budget_exceeded")
+    assert refused["spent"]["tokens"] == 15 + estimate

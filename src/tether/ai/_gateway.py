@@ -926,8 +926,8 @@ class Gateway:
                         loser.cancel()
                     inst = current_instance()
                     if inst is not None:
-                        winner = ref.name if fut is first else other.name
-                        inst.record("model_hedge", {"asked": [ref.name, other.name], "won": winner})
+                        won, lost = (ref, other) if fut is first else (other, ref)
+                        _record_hedge(inst, (ref, other), won, lost, body, settings, pending)
                     result: dict[str, Any] = fut.result()
                     return result
                 failure = failure or fut.exception()
@@ -1185,6 +1185,38 @@ def _pinned(inst: WorkflowInstance, gateway: str, ref: ModelRef) -> str | None:
         },
     )
     return None
+
+
+def _record_hedge(
+    inst: WorkflowInstance,
+    asked: tuple[ModelRef, ModelRef],
+    won: ModelRef,
+    lost: ModelRef,
+    body: dict[str, Any],
+    settings: ModelSettings | None,
+    unfinished: set[Any],
+) -> None:
+    """Record which deployment won a hedge. The loser, cancelled, may have been answered
+    and billed already; what it used is unknown to the run, so its estimate counts as
+    spent (a run that hedges stays within its budget) and is recorded with the marker,
+    which replay reads rather than pricing it again."""
+    recorded = inst.recorded_next()
+    value = recorded.data.get("value") if recorded is not None else None
+    if not (isinstance(value, dict) and recorded is not None and _is_hedge(recorded)):
+        value = {"asked": [r.name for r in asked], "won": won.name}
+        if unfinished:  # the loser was still running: it may have been billed
+            estimate = lost.estimate(body["messages"], settings)
+            value["abandoned"] = {"model": lost.name, **estimate}
+    inst.record("model_hedge", value)
+    abandoned = value.get("abandoned")
+    if abandoned:
+        tally = _tallies.setdefault(inst, _Tally())
+        tally.tokens += int(abandoned.get("tokens") or 0)
+        tally.cost += Decimal(abandoned.get("cost") or 0)
+
+
+def _is_hedge(event: Event) -> bool:
+    return event.type is EventType.MARKER and event.data.get("marker") == "model_hedge"
 
 
 def _check_budget(
