@@ -1475,15 +1475,18 @@ async def test_a_hedges_loser_counts_against_the_run_budget_by_its_estimate(
             return "refused"
 
     @app.workflow
-    async def ask() -> str:
+    async def ask(wait: bool) -> str:
         first = await ai.complete(slow, "same prompt", settings=settings)
-        await tether.sleep(1.5)  # the loser's own step has ended by now
+        if wait:
+            await tether.sleep(1.5)  # the loser's own step has ended by now
         try:
             return first + " / " + await ai.complete(fast, "same prompt", settings=settings)
         except ai.BudgetExceeded:
             return first + " / refused"
 
-    server.script("gpt-4o-mini", model_reply("slow", delay=1, input_tokens=10, output_tokens=5))
+    server.script(
+        "gpt-4o-mini", *[model_reply("slow", delay=1, input_tokens=10, output_tokens=5)] * 2
+    )
     server.default = lambda body: model_reply("fast", input_tokens=10, output_tokens=5)
     async with app.worker(poll_interval=0.05):
         sized = await app.start(probe, budget=tether.Budget(tokens=1))
@@ -1491,8 +1494,13 @@ async def test_a_hedges_loser_counts_against_the_run_budget_by_its_estimate(
         (marker,) = markers(await app.history(sized.run_id), "budget_exceeded")
         estimate = marker["estimate"]["tokens"]
         # the winner used 15; the loser's estimate counts too, so the next call is over
-        run = await app.start(ask, budget=tether.Budget(tokens=15 + 2 * estimate - 1))
-        out = await run.result(timeout=30)
-    assert out == "fast / refused", out
-    (refused,) = markers(await app.history(run.run_id), "budget_exceeded")
-    assert refused["spent"]["tokens"] == 15 + estimate
+        # the next call at once (the loser's cancellation not yet through) and after it
+        runs = [
+            await app.start(ask, wait, budget=tether.Budget(tokens=15 + 2 * estimate - 1))
+            for wait in (False, True)
+        ]
+        outs = [await run.result(timeout=30) for run in runs]
+    assert outs == ["fast / refused"] * 2, outs
+    for run in runs:
+        (refused,) = markers(await app.history(run.run_id), "budget_exceeded")
+        assert refused["spent"]["tokens"] == 15 + estimate  # counted once, never twice

@@ -909,13 +909,16 @@ class Gateway:
         if ref.hedge is None or current_instance() is None:
             return await self._one(ref, body, settings)
         other, after = ref.hedge
-        first = asyncio.ensure_future(self._one(ref, body, settings))
+        # what each call holds reserved of the run's budget (a loser's is taken over
+        # when the hedge is decided: see _record_hedge)
+        holds: dict[str, dict[str, Any]] = {"first": {}, "second": {}}
+        first = asyncio.ensure_future(self._one(ref, body, settings, holds["first"]))
         timer = asyncio.ensure_future(sleep(after))
         await asyncio.wait({first, timer}, return_when=asyncio.FIRST_COMPLETED)
         if first.done():
             timer.cancel()
             return first.result()
-        second = asyncio.ensure_future(self._one(other, body, settings))
+        second = asyncio.ensure_future(self._one(other, body, settings, holds["second"]))
         pending = {first, second}
         failure: BaseException | None = None
         while pending:
@@ -927,7 +930,8 @@ class Gateway:
                     inst = current_instance()
                     if inst is not None:
                         won, lost = (ref, other) if fut is first else (other, ref)
-                        _record_hedge(inst, (ref, other), won, lost, body, settings, pending)
+                        hold = holds["second" if fut is first else "first"]
+                        _record_hedge(inst, (ref, other), won, lost, body, settings, hold)
                     result: dict[str, Any] = fut.result()
                     return result
                 failure = failure or fut.exception()
@@ -935,7 +939,11 @@ class Gateway:
         raise failure
 
     async def _one(
-        self, ref: ModelRef, body: dict[str, Any], settings: ModelSettings | None
+        self,
+        ref: ModelRef,
+        body: dict[str, Any],
+        settings: ModelSettings | None,
+        hold: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         inst = current_instance()
         if inst is None:
@@ -967,8 +975,10 @@ class Gateway:
                 # a replayed step: what it sent is what its history holds (and what a
                 # worker rebuilds), even if today's code words the prompt otherwise
                 inline, tip = recorded
-        tally.reserved_tokens += estimate["tokens"]
-        tally.reserved_cost += Decimal(estimate["cost"] or 0)
+        hold = {} if hold is None else hold
+        hold.update(tokens=estimate["tokens"], cost=Decimal(estimate["cost"] or 0), held=True)
+        tally.reserved_tokens += hold["tokens"]
+        tally.reserved_cost += hold["cost"]
         step = inst.step + 1  # the step the call is about to be
         try:
             out: dict[str, Any] = await ref.activity(ref.name, body)
@@ -985,8 +995,7 @@ class Gateway:
                 scope=info["scope"],
             ) from None
         finally:
-            tally.reserved_tokens -= estimate["tokens"]
-            tally.reserved_cost -= Decimal(estimate["cost"] or 0)
+            _release(tally, hold)
         if self.message_refs:
             # the worker kept them (and the answer), so later steps may refer to them
             answer = canonical(out["response"])[0]
@@ -1194,28 +1203,40 @@ def _record_hedge(
     lost: ModelRef,
     body: dict[str, Any],
     settings: ModelSettings | None,
-    unfinished: set[Any],
+    lost_hold: dict[str, Any],
 ) -> None:
     """Record which deployment won a hedge. The loser, cancelled, may have been answered
     and billed already; what it used is unknown to the run, so its estimate counts as
     spent (a run that hedges stays within its budget) and is recorded with the marker,
     which replay reads rather than pricing it again."""
+    tally = _tallies.setdefault(inst, _Tally())
+    still_running = _release(tally, lost_hold)  # its reservation becomes spend below
     recorded = inst.recorded_next()
     value = recorded.data.get("value") if recorded is not None else None
     if not (isinstance(value, dict) and recorded is not None and _is_hedge(recorded)):
         value = {"asked": [r.name for r in asked], "won": won.name}
-        if unfinished:  # the loser was still running: it may have been billed
+        if still_running:  # it may have been answered, and billed, already
             estimate = lost.estimate(body["messages"], settings)
             value["abandoned"] = {"model": lost.name, **estimate}
     inst.record("model_hedge", value)
     abandoned = value.get("abandoned")
     if abandoned:
-        tally = _tallies.setdefault(inst, _Tally())
         tally.tokens += int(abandoned.get("tokens") or 0)
         tally.cost += Decimal(abandoned.get("cost") or 0)
 
 
+def _release(tally: _Tally, hold: dict[str, Any]) -> bool:
+    """Give back what a call holds reserved of its run's budget, once (True: it held it,
+    that is, the call had not ended yet)."""
+    if not hold.pop("held", False):
+        return False
+    tally.reserved_tokens -= hold["tokens"]
+    tally.reserved_cost -= hold["cost"]
+    return True
+
+
 def _is_hedge(event: Event) -> bool:
+    """Whether ``event`` is a hedge's recorded decision (``model_hedge``)."""
     return event.type is EventType.MARKER and event.data.get("marker") == "model_hedge"
 
 
