@@ -21,6 +21,18 @@ from ._history import Event, EventType
 CALL_KEY = "tether.ai.call"
 
 
+def amount(value: Any, what: str) -> Decimal:
+    """``value`` as an amount of money (a budget, a price): a finite number >= 0, or a
+    ``ConfigurationError`` naming ``what``, raised where the amount is written."""
+    try:
+        out = None if isinstance(value, bool) else Decimal(str(value))
+    except ArithmeticError:
+        out = None
+    if out is None or not out.is_finite() or out < 0:
+        raise ConfigurationError(f"{what} must be a number >= 0 (got {value!r})")
+    return out
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Usage:
     """Tokens and cost of a set of model calls (a run, a tenant, a day)."""
@@ -124,17 +136,7 @@ class Budget:
                 f"Budget tokens must be a whole number >= 0 (got {self.tokens!r})"
             )
         if self.cost is not None:
-            try:
-                value = Decimal(str(self.cost))
-            except ArithmeticError:
-                raise ConfigurationError(
-                    f"Budget cost must be a number (got {self.cost!r})"
-                ) from None
-            if not value.is_finite() or value < 0:
-                raise ConfigurationError(
-                    f"Budget cost must be a finite number >= 0 (got {self.cost!r})"
-                )
-            object.__setattr__(self, "cost", value)
+            object.__setattr__(self, "cost", amount(self.cost, "Budget cost"))
         if self.tokens is None and self.cost is None:
             raise ConfigurationError("a Budget needs tokens=, cost= or both")
 

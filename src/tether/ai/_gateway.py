@@ -40,7 +40,7 @@ from .._errors import ActivityError, ConfigurationError, NonRetryable
 from .._history import Event, EventType
 from .._policy import Retry, seconds
 from .._queues import Dependency
-from .._usage import CALL_KEY, Budget
+from .._usage import CALL_KEY, Budget, amount
 from ..workflow._api import sleep
 from ..workflow._instance import WorkflowInstance, current_instance
 from ._errors import BudgetExceeded, ContentRefused, ModelConfigError
@@ -105,17 +105,8 @@ class Price:
         # fail every call of the model, and a negative one would undo spend
         for name in ("input_per_mtok", "output_per_mtok", "cache_read_per_mtok"):
             value = getattr(self, name)
-            if value is None and name == "cache_read_per_mtok":
-                continue
-            try:
-                amount = Decimal(str(value)) if not isinstance(value, bool) else None
-            except ArithmeticError:
-                amount = None
-            if amount is None or not amount.is_finite() or amount < 0:
-                raise ConfigurationError(
-                    f"Price {name} must be a number >= 0 in currency per million tokens "
-                    f"(got {value!r})"
-                )
+            if value is not None or name != "cache_read_per_mtok":
+                amount(value, f"Price {name}")
 
     def cost(self, input_tokens: int, output_tokens: int, cache_read_tokens: int = 0) -> Decimal:
         """The exact cost of one call's tokens."""
@@ -1212,8 +1203,8 @@ def _record_hedge(
     tally = _tallies.setdefault(inst, _Tally())
     still_running = _release(tally, lost_hold)  # its reservation becomes spend below
     recorded = inst.recorded_next()
-    value = recorded.data.get("value") if recorded is not None else None
-    if not (isinstance(value, dict) and recorded is not None and _is_hedge(recorded)):
+    value = recorded.data.get("value") if recorded is not None and _is_hedge(recorded) else None
+    if not isinstance(value, dict):
         value = {"asked": [r.name for r in asked], "won": won.name}
         if still_running:  # it may have been answered, and billed, already
             estimate = lost.estimate(body["messages"], settings)

@@ -115,16 +115,16 @@ def _batch_allowed(tx: _Tx, queue: str) -> tuple[bool, float | None]:
     return True, None
 
 
+#: a task not under a live lease of one worker (parameters: the worker, now)
+NOT_LEASED_TO = " AND (lease_owner IS NULL OR lease_owner <> ? OR available_at <= ?)"
+
+
 def _batch_due(tx: _Tx, queues: tuple[str, ...], exclude_owner: str | None = None) -> float | None:
     """When a batched task on ``queues`` is next due: a waiting one when its batch is
     flushed (ready since ``available_at``, plus ``batch_wait``), others at ``available_at``;
     tasks leased to ``exclude_owner`` left out (see ``_next_due``)."""
     marks = ",".join("?" * len(queues))
-    mine = (
-        ""
-        if exclude_owner is None
-        else " AND (lease_owner IS NULL OR lease_owner <> ? OR available_at <= ?)"
-    )
+    mine = "" if exclude_owner is None else NOT_LEASED_TO
     row = tx.execute(
         "SELECT min(CASE WHEN available_at > ? THEN available_at "
         "ELSE available_at + batch_wait END) FROM tasks "
