@@ -25,7 +25,7 @@ import tether
 from helpers import eventually, has_event
 from tether import EventType, ai
 from tether._usage import CALL_KEY
-from tether.testing import ModelServer, model_error, model_reply
+from tether.testing import ModelServer, model_error, model_garbage, model_reply
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -1504,3 +1504,66 @@ async def test_a_hedges_loser_counts_against_the_run_budget_by_its_estimate(
     for run in runs:
         (refused,) = markers(await app.history(run.run_id), "budget_exceeded")
         assert refused["spent"]["tokens"] == 15 + estimate  # counted once, never twice
+
+
+# pydantic-ai warns of a negative count it cannot price and reports no usage instead
+@pytest.mark.filterwarnings("ignore::pydantic_ai.UsageExtractionFailedWarning")
+async def test_usage_a_provider_reports_falsely_or_not_at_all_counts_at_the_estimate(
+    app: tether.App, server: ModelServer
+) -> None:
+    """A provider's usage is the only measure of spend after the call. A negative count
+    (a broken proxy) would undo spend, and no usage at all (a server that leaves it out)
+    would make every call free: either way a budget would never stop the run. Such a
+    call counts at its estimate, and its record says so and keeps what was reported."""
+    _gw, primary = gateway(app, server)
+    settings: Any = {"max_tokens": 100}
+
+    @app.workflow
+    async def chain(n: int) -> list[str]:
+        out = []
+        for i in range(n):
+            try:
+                out.append(await ai.complete(primary, f"step {i}", settings=settings))
+            except ai.BudgetExceeded as exc:
+                out.append(f"stopped: {exc.what}")
+                break
+        return out
+
+    no_usage = json.dumps(
+        {
+            "id": "c",
+            "object": "chat.completion",
+            "created": 0,
+            "model": "gpt-4o-mini",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "ok"},
+                    "finish_reason": "stop",
+                }
+            ],
+        }
+    )
+    for answer in (
+        model_reply("ok", input_tokens=-100_000, output_tokens=30),
+        model_garbage(no_usage),
+    ):
+        before = server.count()
+        server.default = lambda body, answer=answer: answer
+        async with app.worker(poll_interval=0.05):
+            # estimated at ~40 prompt tokens + max_tokens 100 each: two fit in 300
+            run = await app.start(chain, 5, budget=tether.Budget(tokens=300))
+            assert await run.result(timeout=30) == ["ok", "ok", "stopped: tokens"]
+        assert server.count() - before == 2
+        calls = [
+            e.data["result"][CALL_KEY]
+            for e in await app.history(run.run_id)
+            if e.type is EventType.ACTIVITY_COMPLETED
+        ]
+        for call in calls:
+            assert call["usage"] == "estimated", call
+            assert call["output_tokens"] == 100 and call["input_tokens"] > 0
+            assert call["reported_usage"]["input_tokens"] in (-100_000, 0)
+            assert Decimal(call["cost"]) > 0  # priced from the estimate
+        usage = await app.usage(run.run_id)
+        assert usage.tokens == sum(c["input_tokens"] + c["output_tokens"] for c in calls)

@@ -254,11 +254,19 @@ class ModelRef:
 
     def estimate(self, messages_json: list[Any], settings: ModelSettings | None) -> dict[str, Any]:
         """Tokens and cost this call may use: prompt size / 4 plus its output cap."""
-        tokens_in = math.ceil(len(json.dumps(messages_json)) / 4)
-        cap = (settings or {}).get("max_tokens") or self.output_estimate
-        tokens_out = int(cap)
+        tokens_in, tokens_out = self.estimated_tokens(messages_json, settings)
         cost = self.gateway.price_of(self, tokens_in, tokens_out, 0, None, None)
         return {"tokens": tokens_in + tokens_out, "cost": cost}
+
+    def estimated_tokens(
+        self, messages_json: list[Any], settings: ModelSettings | None
+    ) -> tuple[int, int]:
+        """(input, output) tokens a call may use: prompt size / 4, and its ``max_tokens``
+        if that is a whole number > 0 (else the model's ``output_estimate``)."""
+        cap = (settings or {}).get("max_tokens")
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap <= 0:
+            cap = self.output_estimate
+        return math.ceil(len(json.dumps(messages_json)) / 4), cap
 
 
 log = logging.getLogger("tether.ai")
@@ -593,27 +601,25 @@ class Gateway:
                 f"model {ref.name!r} ({ref.model_name}) refused the request on content policy; "
                 "retrying would get the same answer: change the input or route it to a human"
             )
-        usage = response.usage
+        tokens_in, tokens_out, cache_read, reported = _usage(ref, request, settings, response)
         call = {
             "model": ref.name,
             "model_name": response.model_name or ref.model_name,
             "provider": response.provider_name or ref.provider,
-            "input_tokens": usage.input_tokens,
-            "output_tokens": usage.output_tokens,
-            "cache_read_tokens": usage.cache_read_tokens,
+            "input_tokens": tokens_in,
+            "output_tokens": tokens_out,
+            "cache_read_tokens": cache_read,
             "cost": self.price_of(
-                ref,
-                usage.input_tokens,
-                usage.output_tokens,
-                usage.cache_read_tokens,
-                response.model_name,
-                response.provider_name,
+                ref, tokens_in, tokens_out, cache_read, response.model_name, response.provider_name
             ),
             "latency_ms": round(latency * 1000, 3),
             "finish_reason": response.finish_reason,
             "attempt": attempt,
             "prompt_version": request.get("prompt_version"),
         }
+        if reported is not None:
+            call["usage"] = "estimated"
+            call["reported_usage"] = reported
         if request.get("output_schema"):
             call["output_schema"] = request["output_schema"]
         if pinned and pinned != ref.spec:
@@ -624,7 +630,7 @@ class Gateway:
             await self._step_store().add_model_spend(
                 scopes,
                 _day(self._step_store().clock()),
-                usage.input_tokens + usage.output_tokens,
+                tokens_in + tokens_out,
                 str(call["cost"] or "0"),
             )
         if cache_key is not None:
@@ -1007,6 +1013,43 @@ class Gateway:
         if not call.get("cache_hit"):
             count_usage(inst, labels, inputs, outputs, cost)
         return out
+
+
+def _usage(
+    ref: ModelRef, request: dict[str, Any], settings: ModelSettings | None, response: Any
+) -> tuple[int, int, int, dict[str, Any] | None]:
+    """(input, output, cache-read tokens, None) of an answer as its provider reported
+    them; or, when the report cannot be true (no input tokens, a count that is not a
+    whole number >= 0: a server that leaves usage out, a broken proxy), the call's
+    estimate and the report as it came. Counting such a call as free would let a run
+    spend past its budget: the estimate fails closed."""
+    usage = response.usage
+    counts = (usage.input_tokens, usage.output_tokens, usage.cache_read_tokens)
+    if all(type(n) is int and n >= 0 for n in counts) and counts[0] > 0:
+        return (*counts, None)
+    tokens_in, tokens_out = ref.estimated_tokens(request["messages"], settings)
+    reported = {
+        name: n if type(n) is int else repr(n)
+        for name, n in zip(
+            ("input_tokens", "output_tokens", "cache_read_tokens"), counts, strict=True
+        )
+    }
+    if ref.name not in _WARNED:  # once per model and process: a server that never reports
+        _WARNED.add(ref.name)
+        log.warning(
+            "model %r (%s) reported usage that cannot be true (%s); its calls count at their "
+            "estimate (here %d input, %d output tokens)",
+            ref.name,
+            ref.model_name,
+            reported,
+            tokens_in,
+            tokens_out,
+        )
+    return tokens_in, tokens_out, 0, reported
+
+
+#: models whose untrue usage this process has warned of
+_WARNED: set[str] = set()
 
 
 def count_usage(
