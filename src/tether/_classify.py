@@ -59,10 +59,15 @@ def http_status(exc: BaseException) -> int | None:
     return None
 
 
+#: the longest wait tether takes from what a server says (a day): a date in the year 9999
+#: or a reset a million hours away would pause a step, or every call of a model, for ever
+MAX_WAIT = 86_400.0
+
+
 def _seconds(value: float) -> float | None:
-    """A wait a server asked for, or None when it is not a finite number (``inf``,
-    ``nan``, ``1e400``: garbage, never a pause that would last for ever)."""
-    return max(0.0, value) if math.isfinite(value) else None
+    """A wait a server asked for, held to 0..MAX_WAIT; None when it is not a finite
+    number (``inf``, ``nan``, ``1e400``: garbage, never a pause that would last for ever)."""
+    return min(MAX_WAIT, max(0.0, value)) if math.isfinite(value) else None
 
 
 def parse_retry_after(value: Any, now: float | None = None) -> float | None:
@@ -80,7 +85,7 @@ def parse_retry_after(value: Any, now: float | None = None) -> float | None:
         when = email.utils.parsedate_to_datetime(text)
     except (TypeError, ValueError):
         return None
-    return max(0.0, when.timestamp() - (now if now is not None else time.time()))
+    return _seconds(when.timestamp() - (now if now is not None else time.time()))
 
 
 def _retry_after(exc: BaseException, now: float | None) -> float | None:
@@ -120,7 +125,10 @@ def classify(
     if non_retryable and isinstance(exc, non_retryable):
         return Verdict(False, f"{type(exc).__name__} is listed as non-retryable")
     if isinstance(exc, RetryAfter):
-        return Verdict(True, str(exc), exc.retry_after)
+        # the activity's own word, taken as asked (even beyond MAX_WAIT); not a number
+        # (nan, inf) falls back to the backoff, as a server's would
+        asked = exc.retry_after
+        return Verdict(True, str(exc), max(0.0, asked) if math.isfinite(asked) else None)
     status = http_status(exc)
     if status is not None:
         after = _retry_after(exc, now)
