@@ -1567,3 +1567,14 @@ async def test_usage_a_provider_reports_falsely_or_not_at_all_counts_at_the_esti
             assert Decimal(call["cost"]) > 0  # priced from the estimate
         usage = await app.usage(run.run_id)
         assert usage.tokens == sum(c["input_tokens"] + c["output_tokens"] for c in calls)
+
+
+@pytest.mark.parametrize("bad", [0, -100, 1.5, "1024", True])
+def test_an_output_estimate_that_is_not_a_positive_token_count_is_refused(
+    app: tether.App, bad: Any
+) -> None:
+    """A budget estimates a call without ``max_tokens`` by the model's output_estimate:
+    zero or less would let any call through, text would fail every budgeted call."""
+    gw = ai.Gateway(app)
+    with pytest.raises(tether.ConfigurationError, match="output_estimate of model 'm' must be"):
+        gw.model("m", "openai:gpt-4o-mini", output_estimate=bad)

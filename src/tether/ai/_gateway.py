@@ -399,6 +399,16 @@ class Gateway:
             if not after:
                 raise ConfigurationError(f"hedge delay of model {name!r} must be positive")
             hedge_pair = (hedge[0], after)
+        if (
+            isinstance(output_estimate, bool)
+            or not isinstance(output_estimate, int)
+            or output_estimate <= 0
+        ):
+            # a budget's estimate of a call without max_tokens: zero would let any call in
+            raise ConfigurationError(
+                f"output_estimate of model {name!r} must be a whole number of tokens > 0 "
+                f"(got {output_estimate!r})"
+            )
         ttl = seconds(cache_ttl, f"cache_ttl of model {name!r}")
         if ttl is not None and not ttl:
             raise ConfigurationError(f"cache_ttl of model {name!r} must be positive")
