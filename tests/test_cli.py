@@ -564,6 +564,31 @@ def test_schedules_create_list_pause_trigger_delete(
     assert_one_line_error(missing, 1, "no schedule 'hi'")
 
 
+def test_backup_restore_and_check_refuse_a_file_that_is_not_a_store(project: Project) -> None:
+    """Bad input gets one clear line and writes nothing: a file that is not an SQLite
+    database (or has no tether schema) is neither backed up, restored nor checked with a
+    traceback, and no half-made target file is left behind."""
+    garbage = project.root / "notes.db"
+    garbage.write_text("this is not a database\n" * 100)
+    empty = project.root / "empty.db"
+    empty.touch()  # a valid (empty) SQLite file without tether's schema
+    target = project.root / "restored.db"
+    for source in (garbage, empty):
+        res = project.cli("store", "restore", str(source), "--to", str(target))
+        assert_one_line_error(res, 1, "not a tether backup", "nothing was restored")
+        assert not target.exists()
+    backup = project.root / "copy.db"
+    res = project.cli("store", "backup", str(backup), "--store", str(garbage))
+    assert_one_line_error(res, 1, "not a database", "nothing was written")
+    assert not backup.exists()
+    res = project.cli("store", "check", "--store", str(garbage))
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+    assert "not an SQLite database" in json.loads(res.stdout)["problems"][0]
+    missing = project.cli("store", "check", "--store", str(project.root / "nowhere.db"))
+    assert_one_line_error(missing, 2, "no tether store")
+    assert not (project.root / "nowhere.db").exists()  # checking never creates a store
+
+
 def test_purge_erase_tenant_backup_restore_and_check(
     project: Project, start_worker: Callable[..., WorkerProc]
 ) -> None:

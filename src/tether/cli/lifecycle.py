@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sqlite3
@@ -187,13 +188,7 @@ def store_backup_command(
     src = _local_store(store)
     if os.path.exists(path):
         _fail(f"{path!r} exists: choose a new file for the backup", EXIT_USAGE)
-    source = sqlite3.connect(f"file:{src}?mode=ro", uri=True, timeout=30)
-    target = sqlite3.connect(path)
-    try:
-        source.backup(target)  # all pages in one step: a single consistent read
-    finally:
-        target.close()
-        source.close()
+    _copy_database(src, path, "the store", timeout=30)  # one step: one consistent read
     _note(f"backed up {src} to {path} ({os.path.getsize(path):,} bytes)")
 
 
@@ -207,15 +202,10 @@ def store_restore_command(
         _fail(f"no backup at {backup!r}", EXIT_USAGE)
     if os.path.exists(target):
         _fail(f"{target!r} exists: restore into a new file (or move it away first)", EXIT_USAGE)
-    _refuse_foreign_database(backup)
-    source = sqlite3.connect(f"file:{backup}?mode=ro", uri=True)
-    dest = sqlite3.connect(target)
-    try:
-        source.backup(dest)
-        (ok,) = dest.execute("PRAGMA integrity_check").fetchone()
-    finally:
-        dest.close()
-        source.close()
+    problem = _not_a_store(backup)
+    if problem is not None:
+        _fail(f"{backup!r} is not a tether backup: {problem}; nothing was restored", 1)
+    ok = _copy_database(backup, target, "the backup", check=True)
     if ok != "ok":
         os.remove(target)
         _fail(f"the backup {backup!r} is damaged ({ok}); nothing was restored", 1)
@@ -235,9 +225,17 @@ def store_check_command(
     problems: list[str] = []
     path = _sqlite_path(store) if store else None
     if path is not None:
+        if not os.path.exists(path):
+            _fail(f"no tether store at {path!r}", EXIT_USAGE)
+        problem = _not_a_store(path)
+        if problem is not None:  # nothing more can be read from it
+            _dump({"problems": [problem], "replayed": 0, "orphans": {}})
+            _fail(f"{path!r} is not a tether store: {problem}", 1)
         conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
         try:
             (ok,) = conn.execute("PRAGMA integrity_check").fetchone()
+        except sqlite3.DatabaseError as exc:  # damaged past what the check can walk
+            ok = str(exc)
         finally:
             conn.close()
         if ok != "ok":
@@ -274,6 +272,44 @@ def store_check_command(
     if problems:
         raise typer.Exit(1)
     _note("the store is sound")
+
+
+def _not_a_store(path: str) -> str | None:
+    """Why the file at ``path`` is no tether SQLite store (None when it is one)."""
+    try:
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            (version,) = conn.execute("PRAGMA user_version").fetchone()
+            conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
+        finally:
+            conn.close()
+    except sqlite3.Error as exc:
+        return f"not an SQLite database ({exc})"
+    return None if version else "an SQLite database without tether's schema"
+
+
+def _copy_database(
+    src: str, dest: str, what: str, *, timeout: float = 5.0, check: bool = False
+) -> str:
+    """Copy the SQLite database ``src`` into the new file ``dest`` with SQLite's online
+    backup; with ``check``, return the copy's integrity check. On an error ``dest`` is
+    removed and the command fails with one line naming ``what`` was being read."""
+    ok = "ok"
+    try:
+        source = sqlite3.connect(f"file:{src}?mode=ro", uri=True, timeout=timeout)
+        target = sqlite3.connect(dest)
+        try:
+            source.backup(target)  # all pages in one step: a single consistent read
+            if check:
+                (ok,) = target.execute("PRAGMA integrity_check").fetchone()
+        finally:
+            target.close()
+            source.close()
+    except sqlite3.Error as exc:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(dest)
+        _fail(f"could not copy {what} {src!r} to {dest!r}: {exc}; nothing was written", 1)
+    return str(ok)
 
 
 def _local_store(store: str | None) -> str:
