@@ -135,6 +135,33 @@ def test_bad_input_is_a_problem_document_naming_the_field(server: Server) -> Non
     assert unknown.status_code in (404, 405)
 
 
+def test_an_id_or_sequence_too_large_for_the_store_is_a_422_not_a_500(server: Server) -> None:
+    """Integers the store cannot hold (above 2**63 - 1) are refused at the edge, naming
+    the field; before, they reached the store and came back as a 500."""
+    huge = 10**23
+    r = server.http.post("/v1/workflows/bill/runs", json=INVOICE)
+    run = r.json()["id"]
+    for method, url, body in (
+        ("GET", f"/v1/dead-letters/{huge}", None),
+        ("POST", f"/v1/dead-letters/{huge}/replay", None),
+        ("GET", f"/v1/runs/{run}/history?after={huge}", None),
+        ("GET", f"/v1/runs/{run}/events?after={huge}", None),
+        ("POST", f"/v1/runs/{run}/fork", {"at_step": huge}),
+    ):
+        res = server.http.request(method, url, json=body)
+        assert res.status_code == 422, (url, res.status_code, res.text)
+        assert res.headers["content-type"].startswith("application/problem+json")
+        assert ("letter_id" if "dead" in url else "after" if "after" in url else "at_step") in (
+            res.json()["detail"]
+        )
+    assert server.http.get("/v1/dead-letters/7").status_code == 404  # in range: not found
+    # a resumed event stream with a Last-Event-ID past any seq just waits for newer events
+    with server.http.stream(
+        "GET", f"/v1/runs/{run}/events", headers={"Last-Event-ID": str(huge)}, timeout=5
+    ) as stream:
+        assert stream.status_code == 200
+
+
 def test_openapi_shows_each_workflows_input_schema(server: Server) -> None:
     doc = server.http.get("/openapi.json").json()
     assert "/v1/workflows/bill/runs" in doc["paths"]

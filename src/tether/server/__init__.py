@@ -21,7 +21,7 @@ import os
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
-from fastapi import Body, Depends, FastAPI, Header, Query, Request, Response
+from fastapi import Body, Depends, FastAPI, Header, Path, Query, Request, Response
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -53,6 +53,7 @@ from ._auth import AuthError, Principal, actor_of, authenticate
 from ._interact import install_interactions
 from ._limits import BodyLimit, RateLimiter
 from ._models import (
+    MAX_STORED_INT,
     WITHHELD,
     HistoryPage,
     ResultView,
@@ -97,10 +98,14 @@ def _uncursor(cursor: str) -> tuple[float, str]:
         ) from exc
 
 
+#: a dead letter's id in a path: a 64-bit row id (422 beyond, never a store error)
+LetterId = Annotated[int, Path(ge=1, le=MAX_STORED_INT)]
+
+
 class ForkBody(BaseModel):
     """Where to fork a run: the outcomes of its first ``at_step`` steps are reused."""
 
-    at_step: int = Field(ge=0, description="Steps of the original run to reuse.")
+    at_step: int = Field(ge=0, le=MAX_STORED_INT, description="Steps of the original run to reuse.")
     run_id: str | None = Field(None, description="The new run's id (made up when absent).")
     models: dict[str, str] | None = Field(
         None,
@@ -348,7 +353,7 @@ def create_api(
     async def get_history(
         run_id: str,
         request: Request,
-        after: Annotated[int, Query(ge=0)] = 0,
+        after: Annotated[int, Query(ge=0, le=MAX_STORED_INT)] = 0,
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     ) -> HistoryPage:
         info = await visible(request, run_id, follow=False)
@@ -406,10 +411,12 @@ def create_api(
         run_id: str,
         request: Request,
         last_event_id: Annotated[str | None, Header()] = None,
-        after: Annotated[int, Query(ge=0)] = 0,
+        after: Annotated[int, Query(ge=0, le=MAX_STORED_INT)] = 0,
     ) -> StreamingResponse:
         info = await visible(request, run_id, follow=False)  # 404 before the stream starts
-        start = int(last_event_id) if last_event_id and last_event_id.isdigit() else after
+        start = after
+        if last_event_id and last_event_id.isdigit():
+            start = min(int(last_event_id), MAX_STORED_INT)  # a resumed stream's last seq
         return StreamingResponse(
             hub.stream(info.run_id, start, request, shows(request)),
             media_type="text/event-stream",
@@ -593,7 +600,7 @@ def create_api(
         ]
 
     @api.get("/v1/dead-letters/{letter_id}", summary="One dead letter, with its input and error")
-    async def get_dead_letter(letter_id: int, request: Request) -> dict[str, Any]:
+    async def get_dead_letter(letter_id: LetterId, request: Request) -> dict[str, Any]:
         letter = dataclasses.asdict(await letter_of(request, letter_id))
         return _shown(letter, shows(request), "input", "error", "resolution")
 
@@ -601,7 +608,7 @@ def create_api(
         "/v1/dead-letters/{letter_id}/replay",
         summary="Run a dead letter's step again with today's code; its outcome resolves it",
     )
-    async def replay_dead_letter(letter_id: int, request: Request) -> dict[str, Any]:
+    async def replay_dead_letter(letter_id: LetterId, request: Request) -> dict[str, Any]:
         may(request, "operate", "replaying a dead letter")
         await letter_of(request, letter_id)
         outcome = await app.replay_dead_letter(letter_id)

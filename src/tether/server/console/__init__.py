@@ -13,10 +13,11 @@ import json
 import time
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 from urllib.parse import parse_qs, urlencode
 
 from fastapi import FastAPI, Request
+from fastapi import Path as PathParam
 from fastapi.responses import RedirectResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
@@ -26,7 +27,7 @@ from ..._errors import RunNotFoundError, TetherError
 from ..._history import EventType, RunInfo, RunStatus
 from ...store.ops.switches import SWITCH_KINDS
 from .._auth import AuthError, Principal, actor_of, authenticate
-from .._models import run_view
+from .._models import MAX_STORED_INT, run_view
 from .._stream import EventHub
 from ._charts import outcomes_svg
 from ._compare import compare
@@ -430,7 +431,9 @@ def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
         return page(request, "dead_letters.html", principal, letters=letters)
 
     @api.post("/dead-letters/{letter_id}/replay", include_in_schema=False)
-    async def replay(request: Request, letter_id: int) -> Response:
+    async def replay(
+        request: Request, letter_id: Annotated[int, PathParam(ge=1, le=MAX_STORED_INT)]
+    ) -> Response:
         principal = await who(request)
         await form(request)
         if principal is not None:
