@@ -564,6 +564,33 @@ def test_schedules_create_list_pause_trigger_delete(
     assert_one_line_error(missing, 1, "no schedule 'hi'")
 
 
+def test_numbers_out_of_range_are_refused_by_the_command_line(project: Project) -> None:
+    """Numeric options out of range get a usage error naming the option, never a
+    traceback (before: an OverflowError from the store or from bind(), or a worker whose
+    every claim failed with a NaN lease)."""
+    huge = str(10**23)
+    for args in (
+        ("runs", "--limit", huge),
+        ("approvals", "list", "--limit", huge),
+        ("purge", "--older-than", "1d", "--batch", "0"),
+        ("store", "reseal", "--batch", huge),
+        ("worker", "flows:app", "--concurrency", huge),
+        ("worker", "flows:app", "--metrics-port", "99999"),
+        ("serve", "flows:app", "--port", "99999"),
+        ("serve", "flows:app", "--grace", "nan"),
+    ):
+        res = project.cli(*args)
+        assert res.returncode == 2, (args, res.returncode, res.stderr)
+        assert "Traceback" not in res.stderr and "Invalid value" in res.stderr, (args, res.stderr)
+        assert args[-2] in res.stderr, (args, res.stderr)
+    for lease in ("nan", "inf", "-1"):
+        res = project.cli("worker", "flows:app", "--lease", lease)
+        assert_one_line_error(res, 2, "--lease must be positive", "finite")
+    # a usage error raised before any store is opened is one line too
+    nothing = project.cli("replay", "--app", "flows:app")
+    assert_one_line_error(nothing, 2, "nothing to replay")
+
+
 def test_backup_restore_and_check_refuse_a_file_that_is_not_a_store(project: Project) -> None:
     """Bad input gets one clear line and writes nothing: a file that is not an SQLite
     database (or has no tether schema) is neither backed up, restored nor checked with a

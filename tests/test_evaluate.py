@@ -60,6 +60,10 @@ def test_unknown_thresholds_and_bad_cases_are_refused() -> None:
         evaluate(eval_app.sentiment, CASES, thresholds={"acc": 0.5})
     with pytest.raises(tether.ConfigurationError, match="case 0"):
         evaluate(eval_app.sentiment, [("only input",)])
+    # NaN compares false with everything: as a threshold it would pass any result
+    for bad in (float("nan"), "0.9", True):
+        with pytest.raises(tether.ConfigurationError, match="'accuracy' must be a number"):
+            evaluate(eval_app.sentiment, CASES, thresholds={"accuracy": bad})
 
 
 def test_costs_and_key_extract_the_prediction() -> None:

@@ -582,3 +582,25 @@ async def test_cli_queues(app: tether.App, store_url: str) -> None:
     done = await asyncio.to_thread(_cli, "queues", "--store", store_url)
     assert done.returncode == 0, done.stderr
     assert "llm" in done.stdout and "max 4" in done.stdout and "fair" in done.stdout
+
+
+def test_worker_options_that_would_break_claims_are_refused() -> None:
+    """A NaN lease made every claim fail (NOT NULL on the lease's expiry), an infinite
+    one would never let a crashed worker's tasks be taken over, and a concurrency past
+    what a claim's LIMIT carries overflowed the store; each is refused when made."""
+    app = tether.App(store=":memory:")
+    for bad in (
+        {"lease": float("nan")},
+        {"lease": float("inf")},
+        {"lease": 0},
+        {"poll_interval": float("nan")},
+        {"poll_interval": -1},
+        {"retention_every": float("inf")},
+        {"workflow_retry_delay": float("nan")},
+        {"concurrency": 0},
+        {"concurrency": 10**20},
+    ):
+        (name,) = bad
+        with pytest.raises(tether.ConfigurationError, match=name):
+            app.worker(**bad)
+    assert app.worker(lease=0.5, poll_interval=0.01, concurrency=100_000).lease == 0.5

@@ -32,6 +32,7 @@ from ._breaker import CircuitOpenError
 from ._classify import classify, http_status, ratelimit_pause
 from ._codec import MARKS, decode_text
 from ._errors import (
+    ConfigurationError,
     LeaseLostError,
     NonDeterminismError,
     NonRetryable,
@@ -72,6 +73,8 @@ log = logging.getLogger("tether.worker")
 KEY_HOLD = 30.0
 #: how often a worker folds the run counters' appended changes (``store/_counters.py``)
 FOLD_EVERY = 10.0
+#: the most tasks one worker may hold at once (a bound its claims' LIMIT can carry)
+MAX_CONCURRENCY = 100_000
 
 
 def _sealed(task: Task) -> str | None:
@@ -117,10 +120,22 @@ class Worker:
         worker_id: str | None = None,
         retention_every: float = 300.0,
     ) -> None:
-        if concurrency < 1:
-            raise ValueError("concurrency must be at least 1")
-        if lease <= 0:
-            raise ValueError("lease must be positive")
+        if not 1 <= concurrency <= MAX_CONCURRENCY:
+            raise ConfigurationError(
+                f"concurrency must be a whole number from 1 to {MAX_CONCURRENCY:,} "
+                f"(got {concurrency!r}): it is how many tasks this worker holds at once"
+            )
+        for what, value in (
+            ("lease", lease),
+            ("poll_interval", poll_interval),
+            ("retention_every", retention_every),
+        ):
+            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+                # a NaN lease made every claim fail; an infinite one never ends, so a
+                # crashed worker's tasks would never be taken over
+                raise ConfigurationError(f"{what} must be a finite number of seconds > 0")
+        if not (math.isfinite(workflow_retry_delay) and workflow_retry_delay >= 0):
+            raise ConfigurationError("workflow_retry_delay must be a finite number of seconds >= 0")
         self.app = app
         self.queues = tuple(queues or app.queues())
         self.concurrency = concurrency

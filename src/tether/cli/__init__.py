@@ -30,6 +30,13 @@ def main(argv: list[str] | None = None) -> None:
             file=sys.stderr,
         )
         raise SystemExit(_EXIT_USAGE)
+    from .._errors import TetherError
+    from ._common import EXIT_ERROR, EXIT_USAGE, UsageError, _fail
     from ._main import _build  # the command modules import typer and rich
 
-    _build()(args=argv, prog_name="tether")
+    try:
+        _build()(args=argv, prog_name="tether")
+    except UsageError as exc:  # raised outside a command's store call: still one line
+        _fail(str(exc), EXIT_USAGE)
+    except TetherError as exc:
+        _fail(str(exc), EXIT_ERROR)

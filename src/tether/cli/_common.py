@@ -37,6 +37,11 @@ EXIT_ERROR = 1
 
 
 EXIT_USAGE = 2
+#: the most rows one listing asks the store for (``--limit``)
+MAX_LIMIT = 1_000_000
+#: the most rows one transaction of a bulk command touches (``--batch``): more would
+#: hold the store's writer long enough to stall workers
+MAX_BATCH = 100_000
 
 
 DEFAULT_STORE = "./tether.db"

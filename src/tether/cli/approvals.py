@@ -11,6 +11,7 @@ from rich.text import Text
 
 from .._history import Approval
 from ._common import (
+    MAX_LIMIT,
     _app_option,
     _client_app,
     _console,
@@ -47,7 +48,9 @@ def approvals_list_command(
         ),
     ] = "open",
     run_id: Annotated[str | None, typer.Option("--run", help="Only this run's reviews.")] = None,
-    limit: Annotated[int, typer.Option("--limit", "-n", min=1, help="At most N reviews.")] = 50,
+    limit: Annotated[
+        int, typer.Option("--limit", "-n", min=1, max=MAX_LIMIT, help="At most N reviews.")
+    ] = 50,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
     """List reviews, oldest first (open ones by default)."""

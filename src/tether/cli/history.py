@@ -10,6 +10,7 @@ from typing import Annotated, Any
 import typer
 
 from ._common import (
+    MAX_LIMIT,
     UsageError,
     _app_option,
     _client_app,
@@ -75,7 +76,9 @@ def replay_command(
     since: Annotated[
         str | None, typer.Option("--since", help="With --store: runs created within (7d, 12h).")
     ] = None,
-    limit: Annotated[int, typer.Option("--limit", help="With --store: at most N runs.")] = 1000,
+    limit: Annotated[
+        int, typer.Option("--limit", min=1, max=MAX_LIMIT, help="With --store: at most N runs.")
+    ] = 1000,
 ) -> None:
     """Replay recorded histories against today's code; exit 1 on any non-determinism."""
     from ..testing import check_history, load_files

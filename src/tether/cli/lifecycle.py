@@ -14,6 +14,7 @@ import typer
 from .._errors import ConfigurationError
 from ._common import (
     EXIT_USAGE,
+    MAX_BATCH,
     UsageError,
     _app_option,
     _client_app,
@@ -49,7 +50,9 @@ def purge_command(
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Count what the first batch would remove.")
     ] = False,
-    batch: Annotated[int, typer.Option("--batch", help="Runs per transaction.")] = 500,
+    batch: Annotated[
+        int, typer.Option("--batch", min=1, max=MAX_BATCH, help="Runs per transaction.")
+    ] = 500,
     store: Annotated[str | None, _store_option()] = None,
     app: Annotated[str | None, _app_option()] = None,
 ) -> None:
@@ -134,7 +137,9 @@ def retention_list_command(
 
 
 def store_reseal_command(
-    batch: Annotated[int, typer.Option("--batch", help="Rows per transaction.")] = 500,
+    batch: Annotated[
+        int, typer.Option("--batch", min=1, max=MAX_BATCH, help="Rows per transaction.")
+    ] = 500,
     store: Annotated[str | None, _store_option()] = None,
     app: Annotated[str | None, _app_option()] = None,
 ) -> None:

@@ -18,6 +18,7 @@ from .._history import RunInfo, RunStatus, describe_waiting
 from .._serde import encode
 from ._common import (
     EXIT_USAGE,
+    MAX_LIMIT,
     UsageError,
     _app_option,
     _client_app,
@@ -49,7 +50,9 @@ def runs_command(
     workflow: Annotated[
         str | None, typer.Option("--workflow", "-w", help="Only runs of this workflow.")
     ] = None,
-    limit: Annotated[int, typer.Option("--limit", "-n", min=1, help="Show at most N runs.")] = 50,
+    limit: Annotated[
+        int, typer.Option("--limit", "-n", min=1, max=MAX_LIMIT, help="Show at most N runs.")
+    ] = 50,
     waiting_for: Annotated[
         str | None,
         typer.Option(

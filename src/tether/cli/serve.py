@@ -25,7 +25,9 @@ def serve_command(
         typer.Argument(metavar="MODULE:ATTR", help="The tether.App to serve, e.g. flows:app."),
     ],
     host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option("--port", "-p", help="Port to listen on.")] = 8000,
+    port: Annotated[
+        int, typer.Option("--port", "-p", min=0, max=65_535, help="Port to listen on.")
+    ] = 8000,
     workers: Annotated[
         int,
         typer.Option(
@@ -38,7 +40,12 @@ def serve_command(
     ] = 0,
     grace: Annotated[
         float,
-        typer.Option("--grace", help="Seconds in-flight work may take to finish on SIGTERM."),
+        typer.Option(
+            "--grace",
+            min=0.0,
+            max=86_400.0,
+            help="Seconds in-flight work may take to finish on SIGTERM.",
+        ),
     ] = 10.0,
     log_level: Annotated[str, _log_level_option()] = "info",
     log_format: Annotated[str, _log_format_option()] = "text",
@@ -77,6 +84,7 @@ def serve_command(
         typer.Option(
             "--max-wait",
             min=0.1,
+            max=86_400.0,
             help="Longest a GET .../result?wait= holds its connection, in seconds (keep it "
             "under your proxies' idle timeout).",
         ),
@@ -86,6 +94,7 @@ def serve_command(
         typer.Option(
             "--webhook-max-backoff",
             min=0.1,
+            max=86_400.0,
             help="Longest wait in seconds between attempts to post one webhook (exponential "
             "from 1 s; deliveries are given up 3 days after the run ended).",
         ),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.util
+import math
 import os
 import signal
 from collections.abc import Callable
@@ -13,7 +14,7 @@ from typing import Annotated, Any
 import typer
 
 from .._app import App
-from .._worker import Worker
+from .._worker import MAX_CONCURRENCY, Worker
 from ._common import (
     EXIT_ERROR,
     EXIT_USAGE,
@@ -48,7 +49,10 @@ def worker_command(
         ),
     ] = None,
     concurrency: Annotated[
-        int, typer.Option("--concurrency", "-c", min=1, help="Tasks run at once, at most.")
+        int,
+        typer.Option(
+            "--concurrency", "-c", min=1, max=MAX_CONCURRENCY, help="Tasks run at once, at most."
+        ),
     ] = 100,
     lease: Annotated[
         float,
@@ -64,6 +68,7 @@ def worker_command(
             "--grace",
             metavar="SECONDS",
             min=0.0,
+            max=86_400.0,
             help="On SIGTERM/Ctrl+C, how long in-flight work may take to finish.",
         ),
     ] = 10.0,
@@ -91,13 +96,18 @@ def worker_command(
         typer.Option(
             "--metrics-port",
             metavar="PORT",
+            min=0,
+            max=65_535,
             help="Serve Prometheus metrics on this port (GET /metrics); needs prometheus-client.",
         ),
     ] = None,
 ) -> None:
     """Serve MODULE:ATTR's workflows and activities until SIGTERM or Ctrl+C."""
-    if lease <= 0:
-        _fail("--lease must be positive", EXIT_USAGE)
+    if not (math.isfinite(lease) and 0 < lease <= 86_400):
+        _fail(
+            f"--lease must be positive, a finite number of seconds up to a day (got {lease})",
+            EXIT_USAGE,
+        )
     _setup_logging(log_level, log_format)
     if metrics_port is not None and importlib.util.find_spec("prometheus_client") is None:
         _fail("--metrics-port needs prometheus-client: pip install 'tether[server]'", EXIT_USAGE)

@@ -402,11 +402,14 @@ async def aevaluate(
 ) -> EvalReport:
     """The async form of ``evaluate`` (use it inside a running event loop)."""
     limits = dict(thresholds or {})
-    for limit in limits:
+    for limit, value in limits.items():
         if limit not in THRESHOLDS:
             raise ConfigurationError(
                 f"unknown threshold {limit!r}; use {', '.join(sorted(THRESHOLDS))}"
             )
+        if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
+            # NaN compares false with everything: the gate would pass whatever happened
+            raise ConfigurationError(f"threshold {limit!r} must be a number (got {value!r})")
     items = [_case(c, i) for i, c in enumerate(cases)]
     label = str(getattr(target, "name", None) or getattr(target, "__name__", repr(target)))
     results: list[CaseResult] = []
