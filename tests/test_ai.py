@@ -256,9 +256,17 @@ async def test_a_budget_stops_the_run_before_the_call_that_would_exceed_it(
     assert refused[0]["spent"]["tokens"] == 300 and refused[0]["limit"] == "400"
     with pytest.raises(tether.ConfigurationError):
         tether.Budget()
-    for bad in ({"tokens": True}, {"tokens": -1}, {"cost": float("nan")}, {"cost": "abc"}):
+    for bad in (
+        {"tokens": True},
+        {"tokens": -1},
+        {"tokens": 2**63},  # more than a store's 64-bit column holds
+        {"cost": float("nan")},
+        {"cost": "abc"},
+    ):
         with pytest.raises(tether.ConfigurationError, match=r"Budget (tokens|cost) must be"):
             tether.Budget(**bad)
+    with pytest.raises(tether.ConfigurationError, match="Budget tokens must be"):
+        await ai.Gateway(app, name="other").set_budget(tenant="t", tokens=10**30)
 
 
 async def test_hedged_call_takes_the_first_answer_and_records_the_winner(

@@ -130,10 +130,11 @@ class Budget:
     def __post_init__(self) -> None:
         tokens = self.tokens
         if tokens is not None and (
-            isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0
+            isinstance(tokens, bool) or not isinstance(tokens, int) or not 0 <= tokens < 2**63
         ):
+            # a store keeps token counts in 64-bit integer columns
             raise ConfigurationError(
-                f"Budget tokens must be a whole number >= 0 (got {self.tokens!r})"
+                f"Budget tokens must be a whole number from 0 to 2**63 - 1 (got {self.tokens!r})"
             )
         if self.cost is not None:
             object.__setattr__(self, "cost", amount(self.cost, "Budget cost"))
