@@ -471,6 +471,7 @@ async def test_a_claim_with_an_older_clock_cannot_mint_extra_tokens(store_url: s
         ({"max_concurrency": 0}, "max_concurrency"),
         ({"max_concurrency": 2.5}, "max_concurrency"),
         ({"max_concurrency": True}, "max_concurrency"),
+        ({"max_concurrency": 2**31}, "max_concurrency"),  # a 32-bit column on PostgreSQL
         ({"rate": 0}, "rate"),
         ({"rate": -1}, "rate"),
         ({"rate": float("nan")}, "rate"),
@@ -480,6 +481,7 @@ async def test_a_claim_with_an_older_clock_cannot_mint_extra_tokens(store_url: s
         ({"burst": 5}, "burst"),  # no rate
         ({"rate": 10, "burst": 0.5}, "burst"),
         ({"key_concurrency": 0}, "key_concurrency"),
+        ({"key_concurrency": 10**23}, "key_concurrency"),
         ({"fair": "yes"}, "fair"),
         ({"pause_on_429": 1}, "pause_on_429"),
     ],

@@ -26,6 +26,8 @@ def _positive_int(value: Any, what: str) -> int | None:
         raise ConfigurationError(f"{what} must be a positive integer (got {value!r})")
     if value < 1:
         raise ConfigurationError(f"{what} must be at least 1 (got {value!r})")
+    if value > PRIORITY_MAX:  # kept in a 32-bit column (PostgreSQL INTEGER)
+        raise ConfigurationError(f"{what} must be at most {PRIORITY_MAX:,} (got {value!r})")
     return value
 
 
