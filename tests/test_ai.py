@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from decimal import Decimal
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -1409,6 +1410,55 @@ async def test_a_route_never_lets_an_odd_score_through_its_bar_and_never_raises(
         "inf": "human",
         "1": "billing",
     }
+
+
+class Kind(Enum):  # a plain Enum: its members never equal the text a model answers
+    INVOICE = "invoice"
+    MEMO = "memo"
+
+
+async def test_a_route_answers_with_the_allow_lists_member_and_a_replay_keeps_it() -> None:
+    """The chosen branch is the allow-list's own member (an enum member for its value,
+    ``1`` for ``1.0``), a bool is never taken for a number, and a replayed run follows
+    the decision it recorded even after a deploy raised the bar it passed."""
+    assert tether.route("invoice", [Kind.INVOICE, Kind.MEMO], default=None) is Kind.INVOICE
+    assert tether.route("INVOICE", [Kind.INVOICE], default=None) is None
+    assert tether.route(True, [1, 2], default=0) == 0  # a model's true is not branch 1
+    assert tether.route(1, [True, False], default=None) is None
+    one = tether.route(1.0, [1, 2], default=0)
+    assert one == 1 and type(one) is int
+    app = tether.App(store=":memory:")
+    deploy: dict[str, Any] = {"bar": None}
+
+    @app.workflow
+    async def pick(label: str, score: float) -> str:
+        chosen = tether.route(
+            label,
+            ["billing", "tech"],
+            default="human",
+            confidence=score,
+            min_confidence=deploy["bar"],
+        )
+        await tether.wait_event("go", timeout=60)
+        return chosen
+
+    async with app.worker(poll_interval=0.02):
+        run = await app.start(pick, "tech", 0.5)
+        for _ in range(500):  # until it waits for "go", its route recorded
+            info = await app.get(run.run_id)
+            if info.waiting_on:
+                break
+            await asyncio.sleep(0.02)
+        assert info.waiting_on, info
+    deploy["bar"] = 0.9  # a new deploy: 0.5 no longer passes, but this run passed then
+    async with app.worker(poll_interval=0.02):  # a new worker: the run is replayed
+        await app.signal(run.run_id, "go", None)
+        assert await run.result(timeout=10) == "tech"
+        fresh = await app.start(pick, "tech", 0.5)
+        await app.signal(fresh.run_id, "go", None)
+        assert await fresh.result(timeout=10) == "human"  # new runs meet the new bar
+    decisions = markers(await app.history(run.run_id), "route")
+    assert [d["chosen"] for d in decisions] == ["tech"]
 
 
 async def test_a_cost_budget_refuses_a_model_without_a_price_before_calling_it(

@@ -10,7 +10,8 @@ a router (``tether.testing.evaluate``).
 from __future__ import annotations
 
 from collections.abc import Collection
-from typing import Any, TypeVar
+from enum import Enum
+from typing import Any, TypeVar, cast
 
 from .._errors import ConfigurationError
 from ._instance import current_instance
@@ -28,7 +29,8 @@ def route(
     name: str = "route",
     evidence: Any = None,
 ) -> T:
-    """The branch to take: ``value`` if allowed (and confident enough), else ``default``.
+    """The branch to take: the member of ``allowed`` equal to ``value`` (and confident
+    enough), else ``default``. A replayed run follows the decision it recorded.
 
     ``confidence`` is the proposer's own score (e.g. a classifier's), compared
     with ``min_confidence``; a missing score passes only when no bar is set.
@@ -43,11 +45,8 @@ def route(
     if min_confidence is not None and not 0.0 <= min_confidence <= 1.0:
         raise ConfigurationError(f"min_confidence of {name!r} must be within 0..1")
     score = _score(confidence)
-    try:
-        known = value in choices
-    except TypeError:  # unhashable or incomparable: a model answered something odd
-        known = False
-    if not known:
+    member = _member(value, choices)
+    if member is _NONE:
         chosen, reason = default, "not allowed" if value is not None else "missing"
     elif min_confidence is not None and (score is None or score < min_confidence):
         chosen = default
@@ -58,9 +57,13 @@ def route(
         else:
             reason = "low confidence"
     else:
-        chosen, reason = value, "allowed"
+        chosen, reason = member, "allowed"
     inst = current_instance()
     if inst is not None:
+        replayed = _replayed(inst, name, choices)
+        if replayed is not None:
+            inst.record("route", replayed[1])
+            return cast(T, replayed[0])
         inst.record(
             "route",
             {
@@ -81,6 +84,48 @@ def route(
             "tether_routes", (inst.workflow.name, str(name), str(_plain(chosen))[:64], reason)
         )
     return chosen
+
+
+_NONE: Any = object()  #: no member of the allow-list matched
+
+
+def _member(value: Any, choices: list[Any]) -> Any:
+    """The allow-list's own member equal to ``value`` (``_NONE`` if none is).
+
+    The member, not the value: ``"invoice"`` proposed for ``[Kind.INVOICE]`` routes to
+    the enum member the code compares with (an ``Enum`` member matches its value), and
+    ``1.0`` for ``[1]`` to ``1``. A bool is
+    never taken for the number it equals (``True == 1``): a model that answered ``true``
+    did not choose branch 1.
+    """
+    for choice in choices:
+        if isinstance(choice, bool) != isinstance(value, bool):
+            continue
+        try:
+            if choice == value or (isinstance(choice, Enum) and choice.value == value):
+                return choice
+        except Exception:  # an odd answer that cannot even be compared: not allowed
+            continue
+    return _NONE
+
+
+def _replayed(inst: Any, name: str, choices: list[Any]) -> tuple[Any, dict[str, Any]] | None:
+    """The member this run chose here before, and that decision as recorded, when its
+    history holds one (a deploy that changed the allow-list or the bar since does not
+    change where a run in flight went); None for a new decision."""
+    recorded = inst.recorded_next()
+    if recorded is None or recorded.data.get("marker") != "route":
+        return None
+    was = recorded.data.get("value")
+    if not isinstance(was, dict) or was.get("name") != name:
+        return None
+    for choice in choices:
+        plain = _plain(choice)
+        if isinstance(plain, bool) == isinstance(was.get("chosen"), bool) and plain == was.get(
+            "chosen"
+        ):
+            return choice, was
+    return None  # that branch is gone from the code: decide again (replay will tell)
 
 
 def _score(confidence: Any) -> float | None:
