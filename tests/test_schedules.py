@@ -96,6 +96,7 @@ async def test_bad_input_is_refused_naming_the_field_and_nothing_is_stored(
     cases = [
         ({"cron": "61 * * * *"}, "cron="),
         ({"cron": "every day"}, "cron="),
+        ({"cron": "0 0 31 2 *"}, "never fires"),  # valid fields, no such date
         ({"cron": "0 2 * * *", "tz": "Mars/Olympus"}, "tz="),
         ({"cron": "0 2 * * *", "every": 60}, "exactly one"),
         ({}, "exactly one"),

@@ -246,6 +246,12 @@ def _check_cron(expr: str) -> None:
             f"cron= {expr!r} is not a valid five-field cron expression "
             "(minute hour day-of-month month day-of-week, e.g. '0 2 * * *')"
         )
+    try:  # valid fields can still name no date at all (the 31st of February)
+        croniter(expr, datetime.now(UTC)).get_next(datetime)
+    except Exception:
+        raise ConfigurationError(
+            f"cron= {expr!r} never fires: no date matches it (a day its month does not have?)"
+        ) from None
 
 
 def _next_cron(expr: str, zone: ZoneInfo, after: float) -> float:
