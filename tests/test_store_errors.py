@@ -113,3 +113,20 @@ def test_a_file_system_that_refuses_wal_is_a_clear_error(
     )
     with pytest.raises(tether.StoreError, match=r"refused WAL mode.*'delete'"):
         SqliteStore(str(tmp_path / "t.db"))
+
+
+async def test_a_number_too_large_for_the_store_is_a_configuration_error(tmp_path: Path) -> None:
+    """A caller's integer past 64 bits (a limit, an id, a sequence number) is refused as
+    bad input naming the store's limit, not an OverflowError from the SQLite binding;
+    the store goes on serving the next operation."""
+    app = tether.App(store=f"sqlite:///{tmp_path / 't.db'}")
+    huge = 10**23
+    for call in (
+        lambda: app.list(limit=huge),
+        lambda: app.store.read_history("r", huge),
+        lambda: app.dead_letters(letter_id=huge),
+    ):
+        with pytest.raises(tether.ConfigurationError, match="64-bit"):
+            await call()
+    assert await app.list(limit=10) == []
+    await app.close()

@@ -357,6 +357,11 @@ class SqliteStore(OpsStore):
                     conn.execute("RELEASE op")
                 if isinstance(exc, sqlite3.DatabaseError):
                     exc = StoreError(_explain(self.path, exc))
+                elif isinstance(exc, OverflowError):  # a caller's number past 64 bits
+                    exc = ConfigurationError(
+                        f"a number passed to the store is too large for it ({exc}): ids, "
+                        "limits and counts are 64-bit integers"
+                    )
                 results.append((fut, None, exc))
                 continue
             if savepoints and write:
