@@ -1461,6 +1461,24 @@ async def test_a_route_answers_with_the_allow_lists_member_and_a_replay_keeps_it
     assert [d["chosen"] for d in decisions] == ["tech"]
 
 
+def test_a_route_recorded_by_an_older_version_replays_down_the_branch_it_took() -> None:
+    """A version that took a bool for a number recorded ``chosen: true`` for the list
+    ``[1, 2]``; today's code never makes that choice, but a replay follows the record
+    (branch ``1``, which ``True`` equalled) instead of moving the run to the default."""
+    from types import SimpleNamespace
+
+    from tether.workflow._route import _replayed
+
+    def history_holds(chosen: Any, name: str = "route") -> Any:
+        event = SimpleNamespace(data={"marker": "route", "value": {"name": name, "chosen": chosen}})
+        return SimpleNamespace(recorded_next=lambda: event)
+
+    assert _replayed(history_holds(True), "route", [1, 2, 0])[0] == 1  # type: ignore[index]
+    assert _replayed(history_holds(True), "route", [True, 1])[0] is True  # type: ignore[index]
+    assert _replayed(history_holds("tech"), "other", ["tech"]) is None  # another router
+    assert _replayed(history_holds("gone"), "route", ["tech", "human"]) is None  # decide again
+
+
 async def test_a_cost_budget_refuses_a_model_without_a_price_before_calling_it(
     app: tether.App, server: ModelServer
 ) -> None:

@@ -119,12 +119,15 @@ def _replayed(inst: Any, name: str, choices: list[Any]) -> tuple[Any, dict[str, 
     was = recorded.data.get("value")
     if not isinstance(was, dict) or was.get("name") != name:
         return None
-    for choice in choices:
-        plain = _plain(choice)
-        if isinstance(plain, bool) == isinstance(was.get("chosen"), bool) and plain == was.get(
-            "chosen"
-        ):
-            return choice, was
+    chosen = was.get("chosen")
+    # the same kind first; then by equality alone, so a run recorded by a version that
+    # took a bool for a number (``True`` for ``1``) replays down the branch it took
+    for strict in (True, False):
+        for choice in choices:
+            plain = _plain(choice)
+            same_kind = isinstance(plain, bool) == isinstance(chosen, bool)
+            if (same_kind or not strict) and plain == chosen:
+                return choice, was
     return None  # that branch is gone from the code: decide again (replay will tell)
 
 
