@@ -502,3 +502,22 @@ async def test_a_user_run_id_with_the_chain_separator_is_refused(app: tether.App
     with pytest.raises(tether.ConfigurationError, match="~"):
         nightly.options(run_id="kid~2")
     assert await app.list() == []
+
+
+async def test_a_signal_name_no_workflow_could_wait_for_is_refused_and_nothing_is_stored(
+    app: tether.App, worker: tether.Worker
+) -> None:
+    """Empty, non-text, overlong or control-character names were stored (and PostgreSQL
+    refuses NUL in text mid-commit); each is refused before the store, the run untouched."""
+
+    @app.workflow
+    async def waits() -> Any:
+        return await tether.wait_event("go", timeout=30)
+
+    run = await app.start(waits, run_id="named")
+    for bad in ("", None, 5, "x" * 201, "a\x00b", "line\nbreak"):
+        with pytest.raises(tether.ConfigurationError, match="signal name"):
+            await app.signal("named", bad, 1)  # type: ignore[arg-type]
+    assert EventType.SIGNAL_RECEIVED not in await event_types(app, "named")
+    await app.signal("named", "go", {"ok": True})
+    assert await run.result(timeout=10) == {"ok": True}

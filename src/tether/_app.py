@@ -31,6 +31,7 @@ from ._definitions import (
     Workflow,
     chain_of,
     check_run_id,
+    check_signal_name,
 )
 from ._entities import PREFIX as ENTITY_PREFIX
 from ._entities import EntityRef, entity_workflow, list_entities
@@ -1180,6 +1181,7 @@ class App:
 
     async def signal(self, run_id: str, name: str, payload: Any = None) -> None:
         """Deliver the signal ``name``; durable when this returns, buffered until waited for."""
+        check_signal_name(name)
         await self.store.signal(run_id, name, encode(payload, f"payload of signal {name!r}"))
 
     # -- queries and updates -----------------------------------------------------

@@ -250,6 +250,22 @@ def chain_of(run_id: str) -> tuple[str, int]:
 MAX_RUN_ID = 200
 
 
+#: the longest signal name (a column of the store and a path segment of the HTTP API)
+MAX_SIGNAL_NAME = 200
+
+
+def check_signal_name(name: str) -> None:
+    """Refuse a signal name no workflow could wait for: not text, empty, over
+    ``MAX_SIGNAL_NAME`` characters, or with control characters (PostgreSQL refuses NUL)."""
+    if not isinstance(name, str) or not name:
+        raise ConfigurationError(f"a signal name must be a non-empty string (got {name!r})")
+    if len(name) > MAX_SIGNAL_NAME or not name.isprintable():
+        raise ConfigurationError(
+            f"signal name {name[:80]!r} must be at most {MAX_SIGNAL_NAME} printable characters "
+            "(no control characters, line breaks or unpaired surrogates)"
+        )
+
+
 def check_run_id(run_id: str) -> None:
     """Refuse a run id a user may not choose (empty, or in the chains' namespace)."""
     if not isinstance(run_id, str) or not run_id:
