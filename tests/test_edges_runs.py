@@ -521,3 +521,11 @@ async def test_a_signal_name_no_workflow_could_wait_for_is_refused_and_nothing_i
     assert EventType.SIGNAL_RECEIVED not in await event_types(app, "named")
     await app.signal("named", "go", {"ok": True})
     assert await run.result(timeout=10) == {"ok": True}
+
+    @app.workflow
+    async def waits_for_nothing() -> Any:
+        return await tether.wait_event("", timeout=30)  # no sender could ever match it
+
+    bad = await app.start(waits_for_nothing)
+    with pytest.raises(tether.WorkflowFailedError, match="signal name"):
+        await bad.result(timeout=10)

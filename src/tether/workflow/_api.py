@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from datetime import timedelta
 from typing import Any, Generic, TypeVar
 
-from .._definitions import chain_of
+from .._definitions import chain_of, check_signal_name
 from .._errors import TetherError
 from .._policy import seconds
 from .._serde import convert
@@ -144,6 +144,7 @@ async def wait_event(
     ``type=`` to decode the payload into a dataclass or pydantic model.
     """
     inst = _instance("wait_event")
+    check_signal_name(name)  # a name no sender may use would wait for ever
     delay = None if timeout is None else seconds(timeout, "wait_event timeout") or 0.0
     got, payload = await signal_until(inst, name, None if delay is None else inst.now + delay)
     return convert(payload, type) if got else None
