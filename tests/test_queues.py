@@ -606,3 +606,34 @@ def test_worker_options_that_would_break_claims_are_refused() -> None:
         with pytest.raises(tether.ConfigurationError, match=name):
             app.worker(**bad)
     assert app.worker(lease=0.5, poll_interval=0.01, concurrency=100_000).lease == 0.5
+
+
+def test_names_and_queues_no_worker_could_serve_are_refused_at_registration() -> None:
+    """A queue given as a number was stored as one and never matched the text a worker
+    serves (its runs waited for ever); a worker given one queue name as a string served
+    its letters; NUL and line breaks in names fail on PostgreSQL mid-commit. Each is
+    refused where it is written, naming the field."""
+    app = tether.App(store=":memory:")
+
+    async def f(x: int) -> int:
+        return x
+
+    for register, bad, field in (
+        (app.workflow, {"queue": 5}, "queue of workflow 'f'"),
+        (app.activity, {"queue": 5}, "queue of activity 'f'"),
+        (app.workflow, {"queue": "a\nb"}, "queue of workflow"),
+        (app.workflow, {"name": "a\x00b"}, "workflow name"),
+        (app.activity, {"name": "x" * 201}, "activity name"),
+        (app.workflow, {"name": ""}, "workflow name"),
+    ):
+        with pytest.raises(tether.ConfigurationError, match=field):
+            register(**bad)(f)  # type: ignore[operator]
+    with pytest.raises(tether.ConfigurationError, match="queue name"):
+        app.configure_queue("q\x00", max_concurrency=1)
+    with pytest.raises(tether.ConfigurationError, match="list of queue names"):
+        app.worker(queues="default")  # type: ignore[arg-type]
+    with pytest.raises(tether.ConfigurationError, match="queue of the worker"):
+        app.worker(queues=["default", 5])  # type: ignore[list-item]
+    with pytest.raises(tether.ConfigurationError, match="default queue"):
+        tether.App(store=":memory:", queue="")
+    assert app.workflows() == [] and app.worker(queues=["default"]).queues == ("default",)

@@ -66,7 +66,7 @@ from ._history import (
     RunStatus,
 )
 from ._policy import DEFAULT_RETRY, Retry, seconds
-from ._queues import Dependency, QueueLimits, QueueStats
+from ._queues import Dependency, QueueLimits, QueueStats, check_name
 from ._redact import redact
 from ._schedules import ScheduleInfo, check_schedule_id, make_spec
 from ._serde import decode_raw, encode
@@ -202,7 +202,7 @@ class App:
         self._store_spec = store
         self._store: Store | None = None
         self._store_lock = threading.Lock()
-        self.default_queue = queue
+        self.default_queue = check_name(queue, "default queue of the App")
         self._workflows: dict[str, Workflow[Any, Any]] = {}
         #: callers waiting on update outcomes, one history reader per run
         self._updates = UpdateOutcomes(self)
@@ -335,8 +335,13 @@ class App:
         if keep is not None and keep <= 0:
             raise ConfigurationError(f"retention must be a duration > 0 (got {retention!r})")
 
+        if name is not None:
+            check_name(name, "workflow name")
+
         def wrap(f: Callable[P, Awaitable[R]]) -> Workflow[P, R]:
             wname = name or f.__name__
+            if queue is not None:
+                check_name(queue, f"queue of workflow {wname!r}")
             if wname in self._workflows and self._workflows[wname].fn is not f:
                 raise ConfigurationError(f"a workflow named {wname!r} is already registered")
             wf = Workflow(
@@ -417,6 +422,8 @@ class App:
                 f"tether.Batch, got {type(batch).__name__}"
             )
         base = ActivityOptions(retry=DEFAULT_RETRY, queue=self.default_queue)
+        if name is not None:
+            check_name(name, "activity name")
 
         def wrap(f: Callable[P, Any]) -> Activity[P, Any]:
             aname = name or f.__name__

@@ -14,7 +14,7 @@ from ._batching import Batch
 from ._breaker import CircuitBreaker
 from ._errors import ConfigurationError
 from ._policy import DEFAULT_RETRY, Retry, seconds
-from ._queues import Dependency, check_priority
+from ._queues import Dependency, check_name, check_priority
 from ._serde import Signature
 
 P = ParamSpec("P")
@@ -142,9 +142,7 @@ class ActivityOptions:
                     raise ConfigurationError(f"{field} of {what} must be positive")
                 changes[field] = s
         if queue is not None:
-            if not queue:
-                raise ConfigurationError(f"queue of {what} must be a non-empty name")
-            changes["queue"] = queue
+            changes["queue"] = check_name(queue, f"queue of {what}")
         return dataclasses.replace(self, **changes)
 
 

@@ -19,6 +19,24 @@ from ._policy import seconds
 PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1
 
 
+#: the longest name of a queue, workflow or activity (a column and an HTTP path segment)
+MAX_NAME = 200
+
+
+def check_name(value: Any, what: str) -> str:
+    """A queue, workflow or activity name: 1-``MAX_NAME`` printable characters. A number
+    would be stored as one and never match the text a worker serves (its runs would wait
+    for ever); NUL is refused by PostgreSQL mid-commit."""
+    if not isinstance(value, str) or not value:
+        raise ConfigurationError(f"{what} must be a non-empty string (got {value!r})")
+    if len(value) > MAX_NAME or not value.isprintable():
+        raise ConfigurationError(
+            f"{what} {value[:80]!r} must be at most {MAX_NAME} printable characters "
+            "(no control characters or line breaks)"
+        )
+    return value
+
+
 def _positive_int(value: Any, what: str) -> int | None:
     if value is None:
         return None
@@ -78,8 +96,7 @@ class QueueLimits:
         pause_on_429: Any = True,
     ) -> QueueLimits:
         """Validate ``app.configure_queue`` arguments; errors name the field."""
-        if not isinstance(name, str) or not name:
-            raise ConfigurationError(f"queue name must be a non-empty string (got {name!r})")
+        check_name(name, "queue name")
         what = f"queue {name!r}"
         cap = _positive_int(max_concurrency, f"max_concurrency of {what}")
         per_s = seconds(per, f"per of {what}")

@@ -44,6 +44,7 @@ from ._history import REPLAY_CHANGING, Event, EventType, Task
 from ._host import WorkerApp
 from ._periodic import Periodic
 from ._policy import Retry
+from ._queues import check_name
 from ._redact import redact
 from ._serde import encode
 from ._switches import HOLD as SWITCH_HOLD
@@ -137,7 +138,9 @@ class Worker:
         if not (math.isfinite(workflow_retry_delay) and workflow_retry_delay >= 0):
             raise ConfigurationError("workflow_retry_delay must be a finite number of seconds >= 0")
         self.app = app
-        self.queues = tuple(queues or app.queues())
+        if isinstance(queues, str):  # one name given as a string: not its letters
+            raise ConfigurationError(f"queues takes a list of queue names (got {queues!r})")
+        self.queues = tuple(check_name(q, "queue of the worker") for q in queues or app.queues())
         self.concurrency = concurrency
         self.lease = lease
         self.poll_interval = poll_interval
