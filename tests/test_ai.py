@@ -1654,3 +1654,15 @@ def test_an_output_estimate_that_is_not_a_positive_token_count_is_refused(
     gw = ai.Gateway(app)
     with pytest.raises(tether.ConfigurationError, match="output_estimate of model 'm' must be"):
         gw.model("m", "openai:gpt-4o-mini", output_estimate=bad)
+
+
+@pytest.mark.parametrize("bad", ["", "m\x00", "x" * 201, "two\nlines", 5])
+def test_a_gateway_or_model_name_that_cannot_be_stored_or_shown_is_refused(
+    app: tether.App, bad: Any
+) -> None:
+    """Names go into call records, metrics labels and the CLI's tables; NUL fails on
+    PostgreSQL. A model or gateway name must be 1-200 printable characters."""
+    with pytest.raises(tether.ConfigurationError, match="model name"):
+        ai.Gateway(app).model(bad, "openai:gpt-4o-mini")
+    with pytest.raises(tether.ConfigurationError, match="gateway name"):
+        ai.Gateway(app, name=bad)

@@ -39,7 +39,7 @@ from .._activity_context import NotInActivityError, activity_context
 from .._errors import ActivityError, ConfigurationError, NonRetryable
 from .._history import Event, EventType
 from .._policy import Retry, seconds
-from .._queues import Dependency
+from .._queues import Dependency, check_name
 from .._usage import CALL_KEY, Budget, amount
 from ..workflow._api import sleep
 from ..workflow._instance import WorkflowInstance, current_instance
@@ -309,7 +309,7 @@ class Gateway:
         self.app = app
         #: steps record only the messages new to their run (the rest by content hash)
         self.message_refs = message_refs
-        self.name = name
+        self.name = check_name(name, "gateway name")
         self.prices = dict(prices or {})
         self._models: dict[str, ModelRef] = {}
         #: output types registered with ``output``: type -> (name, version, fingerprint)
@@ -368,8 +368,7 @@ class Gateway:
         from there, in any run: for deterministic prompts (temperature 0) only.
         ``version`` names what runs are pinned to (see ``Gateway``).
         """
-        if not isinstance(name, str) or not name:
-            raise ConfigurationError(f"a model needs a non-empty name (got {name!r})")
+        check_name(name, "model name")  # it names the model in records, metrics and the CLI
         if name in self._models:
             raise ConfigurationError(f"model {name!r} is already registered on this gateway")
         if not (isinstance(model, Model | str) or callable(model)):
