@@ -248,31 +248,14 @@ def chain_of(run_id: str) -> tuple[str, int]:
 MAX_RUN_ID = 200
 
 
-#: the longest signal name (a column of the store and a path segment of the HTTP API)
-MAX_SIGNAL_NAME = 200
-
-
 def check_signal_name(name: str) -> None:
-    """Refuse a signal name no workflow could wait for: not text, empty, over
-    ``MAX_SIGNAL_NAME`` characters, or with control characters (PostgreSQL refuses NUL)."""
-    if not isinstance(name, str) or not name:
-        raise ConfigurationError(f"a signal name must be a non-empty string (got {name!r})")
-    if len(name) > MAX_SIGNAL_NAME or not name.isprintable():
-        raise ConfigurationError(
-            f"signal name {name[:80]!r} must be at most {MAX_SIGNAL_NAME} printable characters "
-            "(no control characters, line breaks or unpaired surrogates)"
-        )
+    """Refuse a signal name no workflow could wait for (``check_name``'s rules)."""
+    check_name(name, "signal name")
 
 
 def check_run_id(run_id: str) -> None:
     """Refuse a run id a user may not choose (empty, or in the chains' namespace)."""
-    if not isinstance(run_id, str) or not run_id:
-        raise ConfigurationError(f"a run id must be a non-empty string (got {run_id!r})")
-    if len(run_id) > MAX_RUN_ID or not run_id.isprintable():
-        raise ConfigurationError(
-            f"run id {run_id[:80]!r} must be at most {MAX_RUN_ID} printable characters "
-            "(no control characters, line breaks or unpaired surrogates)"
-        )
+    check_name(run_id, "run id", MAX_RUN_ID)
     if CHAIN_SEPARATOR in run_id:
         raise ConfigurationError(
             f"run id {run_id!r} contains {CHAIN_SEPARATOR!r}, which tether reserves for the "

@@ -23,16 +23,16 @@ PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1
 MAX_NAME = 200
 
 
-def check_name(value: Any, what: str) -> str:
-    """A queue, workflow or activity name: 1-``MAX_NAME`` printable characters. A number
-    would be stored as one and never match the text a worker serves (its runs would wait
-    for ever); NUL is refused by PostgreSQL mid-commit."""
+def check_name(value: Any, what: str, longest: int = MAX_NAME) -> str:
+    """A name (of a queue, workflow, activity, signal, run...): 1-``longest`` printable
+    characters. A number would be stored as one and never match the text a worker serves
+    (its runs would wait for ever); NUL is refused by PostgreSQL mid-commit."""
     if not isinstance(value, str) or not value:
         raise ConfigurationError(f"{what} must be a non-empty string (got {value!r})")
-    if len(value) > MAX_NAME or not value.isprintable():
+    if len(value) > longest or not value.isprintable():
         raise ConfigurationError(
-            f"{what} {value[:80]!r} must be at most {MAX_NAME} printable characters "
-            "(no control characters or line breaks)"
+            f"{what} {value[:80]!r} must be at most {longest} printable characters "
+            "(no control characters, line breaks or unpaired surrogates)"
         )
     return value
 
