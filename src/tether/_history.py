@@ -113,6 +113,11 @@ OUTCOMES = frozenset(
 
 
 #: the signal a decision of ``tether.approval`` is delivered as: this prefix + the approval id
+#: the largest integers a store column holds: INTEGER on PostgreSQL (priorities, caps),
+#: and the 64-bit integers of both stores (ids, sequence numbers, counts)
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+
 APPROVAL_SIGNAL = "tether.approval:"
 #: an update request is a signal named this prefix + the update's name, its payload
 #: ``{"id": ..., "args": [...]}``; its outcome a Marker ``update`` with the same id

@@ -13,10 +13,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._errors import ConfigurationError
+from ._history import INT32_MAX
 from ._policy import seconds
 
 #: priorities are stored as 32-bit integers (PostgreSQL INTEGER)
-PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1
+PRIORITY_MIN, PRIORITY_MAX = -INT32_MAX - 1, INT32_MAX
 
 
 #: the longest name of a queue, workflow or activity (a column and an HTTP path segment)
@@ -44,8 +45,8 @@ def _positive_int(value: Any, what: str) -> int | None:
         raise ConfigurationError(f"{what} must be a positive integer (got {value!r})")
     if value < 1:
         raise ConfigurationError(f"{what} must be at least 1 (got {value!r})")
-    if value > PRIORITY_MAX:  # kept in a 32-bit column (PostgreSQL INTEGER)
-        raise ConfigurationError(f"{what} must be at most {PRIORITY_MAX:,} (got {value!r})")
+    if value > INT32_MAX:  # kept in a 32-bit column (PostgreSQL INTEGER)
+        raise ConfigurationError(f"{what} must be at most {INT32_MAX:,} (got {value!r})")
     return value
 
 

@@ -15,7 +15,7 @@ from decimal import Decimal
 from typing import Any
 
 from ._errors import ConfigurationError
-from ._history import Event, EventType
+from ._history import INT64_MAX, Event, EventType
 
 #: the key of a model call's record inside its activity result
 CALL_KEY = "tether.ai.call"
@@ -130,7 +130,7 @@ class Budget:
     def __post_init__(self) -> None:
         tokens = self.tokens
         if tokens is not None and (
-            isinstance(tokens, bool) or not isinstance(tokens, int) or not 0 <= tokens < 2**63
+            isinstance(tokens, bool) or not isinstance(tokens, int) or not 0 <= tokens <= INT64_MAX
         ):
             # a store keeps token counts in 64-bit integer columns
             raise ConfigurationError(

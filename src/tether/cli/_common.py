@@ -186,15 +186,22 @@ def _client_app(store: str | None, app_spec: str | None) -> App:
     return App(store=spec)
 
 
+def _schema_of(path: str) -> tuple[int, int]:
+    """(tether schema version, tables) of the SQLite file at ``path``, read-only;
+    ``sqlite3.Error`` when it is not an SQLite database."""
+    conn = sqlite3.connect(f"file:{urllib.parse.quote(path)}?mode=ro", uri=True)
+    try:
+        (version,) = conn.execute("PRAGMA user_version").fetchone()
+        (tables,) = conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
+    finally:
+        conn.close()
+    return int(version), int(tables)
+
+
 def _refuse_foreign_database(path: str) -> None:
     """Refuse an SQLite file without tether's schema: opening it would add tether's tables."""
     try:
-        conn = sqlite3.connect(f"file:{urllib.parse.quote(path)}?mode=ro", uri=True)
-        try:
-            (version,) = conn.execute("PRAGMA user_version").fetchone()
-            tables = conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]
-        finally:
-            conn.close()
+        version, tables = _schema_of(path)
     except sqlite3.Error:
         return  # not readable as SQLite: the store reports it (and leaves it alone)
     if version == 0 and tables:

@@ -24,6 +24,7 @@ from ._common import (
     _opened,
     _refuse_foreign_database,
     _run,
+    _schema_of,
     _sqlite_path,
     _store_option,
     cli_actor,
@@ -282,12 +283,7 @@ def store_check_command(
 def _not_a_store(path: str) -> str | None:
     """Why the file at ``path`` is no tether SQLite store (None when it is one)."""
     try:
-        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
-        try:
-            (version,) = conn.execute("PRAGMA user_version").fetchone()
-            conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
-        finally:
-            conn.close()
+        version, _tables = _schema_of(path)
     except sqlite3.Error as exc:
         return f"not an SQLite database ({exc})"
     return None if version else "an SQLite database without tether's schema"

@@ -43,7 +43,7 @@ from .._errors import (
     TetherError,
     WorkflowFailedError,
 )
-from .._history import Approval, DeadLetter, RunInfo, RunStatus
+from .._history import INT64_MAX, Approval, DeadLetter, RunInfo, RunStatus
 from .._tracing import joined
 from .._worker import Worker
 from ..alerts import AlertWatcher
@@ -53,7 +53,6 @@ from ._auth import AuthError, Principal, actor_of, authenticate
 from ._interact import install_interactions
 from ._limits import BodyLimit, RateLimiter
 from ._models import (
-    MAX_STORED_INT,
     WITHHELD,
     HistoryPage,
     ResultView,
@@ -98,14 +97,15 @@ def _uncursor(cursor: str) -> tuple[float, str]:
         ) from exc
 
 
-#: a dead letter's id in a path: a 64-bit row id (422 beyond, never a store error)
-LetterId = Annotated[int, Path(ge=1, le=MAX_STORED_INT)]
+#: a dead letter's id in a path: a 64-bit row id (422 beyond, never a store error); ids,
+#: positions and step counts in requests are bounded by INT64_MAX the same way
+LetterId = Annotated[int, Path(ge=1, le=INT64_MAX)]
 
 
 class ForkBody(BaseModel):
     """Where to fork a run: the outcomes of its first ``at_step`` steps are reused."""
 
-    at_step: int = Field(ge=0, le=MAX_STORED_INT, description="Steps of the original run to reuse.")
+    at_step: int = Field(ge=0, le=INT64_MAX, description="Steps of the original run to reuse.")
     run_id: str | None = Field(None, description="The new run's id (made up when absent).")
     models: dict[str, str] | None = Field(
         None,
@@ -353,7 +353,7 @@ def create_api(
     async def get_history(
         run_id: str,
         request: Request,
-        after: Annotated[int, Query(ge=0, le=MAX_STORED_INT)] = 0,
+        after: Annotated[int, Query(ge=0, le=INT64_MAX)] = 0,
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     ) -> HistoryPage:
         info = await visible(request, run_id, follow=False)
@@ -411,12 +411,12 @@ def create_api(
         run_id: str,
         request: Request,
         last_event_id: Annotated[str | None, Header()] = None,
-        after: Annotated[int, Query(ge=0, le=MAX_STORED_INT)] = 0,
+        after: Annotated[int, Query(ge=0, le=INT64_MAX)] = 0,
     ) -> StreamingResponse:
         info = await visible(request, run_id, follow=False)  # 404 before the stream starts
         start = after
         if last_event_id and last_event_id.isdigit():
-            start = min(int(last_event_id), MAX_STORED_INT)  # a resumed stream's last seq
+            start = min(int(last_event_id), INT64_MAX)  # a resumed stream's last seq
         return StreamingResponse(
             hub.stream(info.run_id, start, request, shows(request)),
             media_type="text/event-stream",

@@ -16,10 +16,6 @@ from .._codec import PAYLOAD_KEYS, SECRET_KEYS
 from .._definitions import Workflow
 from .._history import Event, RunInfo
 
-#: the largest integer a store column holds (SQLite's and PostgreSQL's 64-bit signed):
-#: an id or sequence number in a request above it is refused (422), not sent to the store
-MAX_STORED_INT = 2**63 - 1
-
 
 class Links(BaseModel):
     """Where to follow a run."""

@@ -44,6 +44,12 @@ def route(
         choices.append(default)
     if min_confidence is not None and not 0.0 <= min_confidence <= 1.0:
         raise ConfigurationError(f"min_confidence of {name!r} must be within 0..1")
+    inst = current_instance()
+    if inst is not None:
+        replayed = _replayed(inst, name, choices)
+        if replayed is not None:  # decided before this replay: follow the record
+            inst.record("route", replayed[1])
+            return cast(T, replayed[0])
     score = _score(confidence)
     member = _member(value, choices)
     if member is _NONE:
@@ -58,12 +64,7 @@ def route(
             reason = "low confidence"
     else:
         chosen, reason = member, "allowed"
-    inst = current_instance()
     if inst is not None:
-        replayed = _replayed(inst, name, choices)
-        if replayed is not None:
-            inst.record("route", replayed[1])
-            return cast(T, replayed[0])
         inst.record(
             "route",
             {
@@ -94,9 +95,8 @@ def _member(value: Any, choices: list[Any]) -> Any:
 
     The member, not the value: ``"invoice"`` proposed for ``[Kind.INVOICE]`` routes to
     the enum member the code compares with (an ``Enum`` member matches its value), and
-    ``1.0`` for ``[1]`` to ``1``. A bool is
-    never taken for the number it equals (``True == 1``): a model that answered ``true``
-    did not choose branch 1.
+    ``1.0`` for ``[1]`` to ``1``. A bool is never taken for the number it equals
+    (``True == 1``): a model that answered ``true`` did not choose branch 1.
     """
     for choice in choices:
         if isinstance(choice, bool) != isinstance(value, bool):

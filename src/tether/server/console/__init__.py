@@ -24,10 +24,10 @@ from fastapi.templating import Jinja2Templates
 
 from ..._app import App
 from ..._errors import RunNotFoundError, TetherError
-from ..._history import EventType, RunInfo, RunStatus
+from ..._history import INT64_MAX, EventType, RunInfo, RunStatus
 from ...store.ops.switches import SWITCH_KINDS
 from .._auth import AuthError, Principal, actor_of, authenticate
-from .._models import MAX_STORED_INT, run_view
+from .._models import run_view
 from .._stream import EventHub
 from ._charts import outcomes_svg
 from ._compare import compare
@@ -432,7 +432,7 @@ def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
 
     @api.post("/dead-letters/{letter_id}/replay", include_in_schema=False)
     async def replay(
-        request: Request, letter_id: Annotated[int, PathParam(ge=1, le=MAX_STORED_INT)]
+        request: Request, letter_id: Annotated[int, PathParam(ge=1, le=INT64_MAX)]
     ) -> Response:
         principal = await who(request)
         await form(request)
