@@ -26,6 +26,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "tether._serde",
             "tether._policy",
             "tether._history",
+            "tether._paging",
             "tether._classify",
             "tether._breaker",
             "tether._queues",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sqlite3
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -122,11 +123,52 @@ async def test_a_number_too_large_for_the_store_is_a_configuration_error(tmp_pat
     app = tether.App(store=f"sqlite:///{tmp_path / 't.db'}")
     huge = 10**23
     for call in (
-        lambda: app.list(limit=huge),
+        lambda: app.store.list_runs(limit=huge),
         lambda: app.store.read_history("r", huge),
         lambda: app.dead_letters(letter_id=huge),
     ):
         with pytest.raises(tether.ConfigurationError, match="64-bit"):
             await call()
     assert await app.list(limit=10) == []
+    await app.close()
+
+
+async def test_listing_calls_refuse_a_bad_page_or_time_floor(tmp_path: Path) -> None:
+    """A negative or fractional limit, a negative offset, a NaN cursor or floor, a naive
+    datetime: one error naming the value, where before a negative limit listed every
+    run (SQLite: no limit) or none, a NaN floor silently matched nothing, a float
+    limit failed in the store ("datatype mismatch") and a naive datetime was read in
+    this machine's time zone."""
+    app = tether.App(store=f"sqlite:///{tmp_path / 't.db'}")
+
+    @app.workflow
+    async def wf(x: int) -> int:
+        return x
+
+    await app.start(wf, 1, run_id="kept")
+    nan = float("nan")
+    for call, named in (
+        (lambda: app.list(limit=-1), "limit"),
+        (lambda: app.list(limit=1.5), "limit"),
+        (lambda: app.list(limit=True), "limit"),
+        (lambda: app.list(limit=10**23), "limit"),
+        (lambda: app.list(offset=-5), "offset"),
+        (lambda: app.list(since=nan), "since"),
+        (lambda: app.list(before=(nan, "kept")), "created_at"),
+        (lambda: app.list(before="kept"), "before"),
+        (lambda: app.usage(since=float("inf")), "since"),
+        (lambda: app.usage(since=datetime(2020, 1, 1)), "time zone"),
+        (lambda: app.usage(since="yesterday"), "since"),
+        (lambda: app.dead_letters(limit=-1), "limit"),
+        (lambda: app.approvals(limit=-1), "limit"),
+        (lambda: app.schedules(limit=-1), "limit"),
+        (lambda: app.audit_log(limit=-1), "limit"),
+    ):
+        with pytest.raises(tether.ConfigurationError, match=named):
+            await call()
+    assert [r.run_id for r in await app.list(limit=0)] == []
+    since = datetime(2020, 1, 1, tzinfo=UTC)
+    assert [r.run_id for r in await app.list(since=since)] == ["kept"]
+    page = await app.list(limit=1)
+    assert await app.list(before=(page[0].created_at, page[0].run_id)) == []
     await app.close()

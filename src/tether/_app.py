@@ -65,6 +65,7 @@ from ._history import (
     RunInfo,
     RunStatus,
 )
+from ._paging import check_cursor, check_limit, check_offset, check_time
 from ._policy import DEFAULT_RETRY, Retry, seconds
 from ._queues import Dependency, QueueLimits, QueueStats, check_name
 from ._redact import redact
@@ -1036,7 +1037,7 @@ class App:
         waiting_for: str | None = None,
         before: tuple[float, str] | None = None,
         tenant: str | None = None,
-        since: float | None = None,
+        since: float | _dt.datetime | None = None,
         error_type: str | None = None,
         search: str | None = None,
     ) -> builtins.list[RunInfo]:
@@ -1046,9 +1047,9 @@ class App:
         ``"signal:review"`` for one signal), ``"timer"``, ``"activity"``, ``"child"``,
         or ``"admission"`` (queued for a tenant's slot). ``before`` pages by keyset:
         pass the ``(created_at, run_id)`` of the previous page's last run. ``tenant``
-        keeps one tenant's runs; ``since`` (epoch seconds) runs created since then;
-        ``error_type`` runs whose error, or its cause, is of that type (class name);
-        ``search`` runs whose id contains that text.
+        keeps one tenant's runs; ``since`` (epoch seconds or an aware datetime) runs
+        created since then; ``error_type`` runs whose error, or its cause, is of that
+        type (class name); ``search`` runs whose id contains that text.
         """
         if waiting_for is not None and waiting_for.partition(":")[0] not in WAITING_KINDS:
             raise ConfigurationError(
@@ -1059,12 +1060,12 @@ class App:
         return await self.store.list_runs(
             status=st,
             workflow=workflow,
-            limit=limit,
-            offset=offset,
+            limit=check_limit(limit),
+            offset=check_offset(offset),
             waiting_for=waiting_for,
-            before=before,
+            before=check_cursor(before),
             tenant=tenant,
-            since=since,
+            since=check_time(since, "since"),
             error_type=error_type,
             search=search,
         )
@@ -1090,6 +1091,7 @@ class App:
         Totals come from the recorded results, so they are exact and count every
         attempt and repair. Reads each run's history: O(events) per run.
         """
+        floor = check_time(since, "since")
         if run_id is not None:
             latest = await self.get(run_id)
             first, n = chain_of(latest.run_id)
@@ -1098,7 +1100,6 @@ class App:
             for rid in ids:
                 total = total + usage_of(await self.store.read_history(rid, 0))
             return total
-        floor = since.timestamp() if isinstance(since, _dt.datetime) else since
         total = Usage()
         before: tuple[float, str] | None = None
         while True:
@@ -1128,7 +1129,7 @@ class App:
         anyone included).
         """
         rows = await self.store.list_approvals(
-            status=status, run_id=run_id, tenant=tenant, limit=limit
+            status=status, run_id=run_id, tenant=tenant, limit=check_limit(limit)
         )
         out = [Approval.from_row(r) for r in rows]
         if approver is not None:
@@ -1328,7 +1329,7 @@ class App:
     async def entities(self, entity: type | str, *, limit: int = 1000) -> builtins.list[str]:
         """The keys of the live entities of a class, newest first."""
         ename = entity if isinstance(entity, str) else entity.__name__
-        return await list_entities(self, ename, limit)
+        return await list_entities(self, ename, check_limit(limit))
 
     # -- schedules --------------------------------------------------------------------
 
@@ -1385,7 +1386,7 @@ class App:
 
     async def schedules(self, *, limit: int = 1000) -> builtins.list[ScheduleInfo]:
         """Every schedule, by id: its spec, next tick, last run, runs fired and skipped."""
-        return await self.store.list_schedules(limit)
+        return await self.store.list_schedules(check_limit(limit))
 
     async def get_schedule(self, schedule_id: str) -> ScheduleInfo:
         """One schedule (``ScheduleNotFoundError`` if there is none)."""
@@ -1461,7 +1462,7 @@ class App:
                 "detail": json.loads(detail) if detail else None,
             }
             for i, at, actor, action, tgt, detail in await self.store.audit_log(
-                target=target, limit=limit
+                target=target, limit=check_limit(limit)
             )
         ]
 
@@ -1503,7 +1504,7 @@ class App:
         return await self.store.dead_letters(
             include_resolved=include_resolved,
             run_id=run_id,
-            limit=limit,
+            limit=check_limit(limit),
             letter_id=letter_id,
             tenant=tenant,
         )

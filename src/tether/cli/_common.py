@@ -28,6 +28,7 @@ from rich.text import Text
 from .._app import App
 from .._errors import ConfigurationError, StoreError, TetherError
 from .._history import RunInfo, RunStatus
+from .._paging import MAX_PAGE
 from ..store.base import Store
 
 T = TypeVar("T")
@@ -38,7 +39,7 @@ EXIT_ERROR = 1
 
 EXIT_USAGE = 2
 #: the most rows one listing asks the store for (``--limit``)
-MAX_LIMIT = 1_000_000
+MAX_LIMIT = MAX_PAGE
 #: the most rows one transaction of a bulk command touches (``--batch``): more would
 #: hold the store's writer long enough to stall workers
 MAX_BATCH = 100_000
