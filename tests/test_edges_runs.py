@@ -266,7 +266,7 @@ async def test_a_signal_racing_a_continue_as_new_lands_on_the_next_run(
     app: tether.App, worker: tether.Worker
 ) -> None:
     """The signal commits between the task's read and its continue-as-new: the task runs
-    again with it (here it is buffered and carried... by the code, which waits for it)."""
+    again with it, and as the code did not take it, it is carried to the next run."""
 
     @app.workflow
     async def once(n: int) -> Any:
@@ -282,8 +282,41 @@ async def test_a_signal_racing_a_continue_as_new_lands_on_the_next_run(
     history = await app.history("r", follow=False)
     sig = next(e.seq for e in history if e.type is EventType.SIGNAL_RECEIVED)
     assert await last_marker_through(app, "r") >= sig
-    await app.signal("r", "go", "second")
-    assert await run.result(timeout=10) == "second"
+    # ... and the next run got it: the first "go" answers its wait
+    assert await run.result(timeout=10) == "early"
+    carried = [
+        e for e in await app.history("r~1", follow=False) if e.type is EventType.SIGNAL_RECEIVED
+    ]
+    assert [(e.data["name"], e.data["carried_from"]) for e in carried] == [("go", "r")]
+
+
+async def test_signals_a_run_never_took_are_carried_across_continue_as_new(
+    app: tether.App,
+) -> None:
+    """Five ticks reach a counter that takes one tick per run and continues as new,
+    before any worker ran it: every tick is counted, in order, along the chain. Before,
+    the first run received all five, took one, and the four it never took were dropped:
+    the chain waited for ever."""
+
+    @app.workflow
+    async def counter(seen: list[int], remaining: int) -> list[int]:
+        if remaining == 0:
+            return seen
+        tick = await tether.wait_event("tick")
+        tether.continue_as_new([*seen, tick], remaining - 1)
+
+    run = await app.start(counter, [], 5, run_id="c")
+    for i in range(1, 6):
+        await app.signal("c", "tick", i)
+    async with app.worker(lease=5.0, poll_interval=0.05):
+        assert await run.result(timeout=20) == [1, 2, 3, 4, 5]
+    first = await app.history("c", follow=False)
+    ended = next(e for e in first if e.type is EventType.CONTINUED_AS_NEW)
+    assert ended.data["carried_signals"] == 4
+    # each link received what was left, in order, marked with where it came from
+    second = await app.history("c~1", follow=False)
+    carried = [e.data for e in second if e.type is EventType.SIGNAL_RECEIVED]
+    assert [(d["payload"], d["carried_from"]) for d in carried] == [(i, "c") for i in (2, 3, 4, 5)]
 
 
 # -- defect 3: operators never overwrite a run that finished concurrently (PostgreSQL) ---------

@@ -144,7 +144,8 @@ class WorkflowInstance:
         #: the custom status last set by this run's code (the same on every replay)
         self.last_status: Any = None
         self._pending: dict[int, _Pending] = {}
-        self._buffers: dict[str, collections.deque[Any]] = collections.defaultdict(
+        #: signals no code has taken yet, by name: (seq, payload), oldest first
+        self._buffers: dict[str, collections.deque[tuple[int, Any]]] = collections.defaultdict(
             collections.deque
         )
         self._waiters: dict[str, collections.deque[asyncio.Future[Any]]] = collections.defaultdict(
@@ -318,10 +319,16 @@ class WorkflowInstance:
                     return
                 self._command(EventType.WORKFLOW_COMPLETED, {}, {"result": text})
             elif isinstance(exc, ContinueAsNew):
+                raw = {"input": exc.input_json}
+                carried = self.untaken_signals()
+                if carried:  # a signal sent to the chain reaches the chain
+                    raw["signals"] = encode(carried, "signals carried to the next run")
                 self._command(
                     EventType.CONTINUED_AS_NEW,
-                    {"next_run_id": _next_run_id(self.run_id)},
-                    {"input": exc.input_json},
+                    {"next_run_id": _next_run_id(self.run_id), "carried_signals": len(carried)}
+                    if carried
+                    else {"next_run_id": _next_run_id(self.run_id)},
+                    raw,
                 )
             elif isinstance(exc, asyncio.CancelledError) and self.cancel_requested:
                 self._command(EventType.WORKFLOW_CANCELLED, {"error": None})
@@ -357,7 +364,7 @@ class WorkflowInstance:
                         self._waits.append((kind, label, since, ev.created_at))
                     fut.set_result(ev.data.get("payload"))
                     return
-            self._buffers[name].append(ev.data.get("payload"))
+            self._buffers[name].append((ev.seq, ev.data.get("payload")))
             return
         if t is EventType.CANCEL_REQUESTED:
             self.cancel_requested = True
@@ -720,8 +727,19 @@ class WorkflowInstance:
         """Pop the oldest buffered signal ``name``, if any."""
         buf = self._buffers.get(name)
         if buf:
-            return True, buf.popleft()
+            return True, buf.popleft()[1]
         return False, None
+
+    def untaken_signals(self) -> list[dict[str, Any]]:
+        """The signals this run received and its code never took, in arrival order
+        (approval decisions left out: they answer this run's own reviews)."""
+        waiting = sorted(
+            (seq, name, payload)
+            for name, buf in self._buffers.items()
+            if not name.startswith(APPROVAL_SIGNAL)
+            for seq, payload in buf
+        )
+        return [{"name": name, "payload": payload} for _seq, name, payload in waiting]
 
     def wait_signal(self, name: str, until: float | None = None) -> asyncio.Future[Any]:
         """A future resolved by the next signal ``name`` to arrive (awaited ``until``)."""

@@ -339,6 +339,17 @@ def _apply_workflow_result(
         if status == RunStatus.SUSPENDED.value:
             _append(tx, nxt, EventType.SUSPENDED, None, {"carried_from": run_id})
             tx.execute("UPDATE runs SET status = 'suspended' WHERE run_id = ?", (nxt,))
+        # signals the run received and its code never took go on to the next run, in
+        # the order they came: a signal sent to a chain is never dropped at a link
+        for signal in json.loads(ending.raw.get("signals") or "[]"):
+            _append(
+                tx,
+                nxt,
+                EventType.SIGNAL_RECEIVED,
+                None,
+                {"name": signal["name"], "carried_from": run_id},
+                {"payload": dumps(signal["payload"])},
+            )
     return marker, [], True
 
 
