@@ -389,6 +389,31 @@ async def test_start_same_run_id_different_input_conflicts(
     assert len(await app.list()) == 1
 
 
+async def test_start_same_run_id_equal_input_in_another_form_joins_the_run(
+    app: tether.App,
+) -> None:
+    """A client retrying a start with its object's keys in another order, or ``100.0``
+    for ``100``, gets the run it started (before: RunIdConflictError "different input");
+    ``true`` is still not ``1``, nor ``"1"``."""
+
+    @app.workflow
+    async def bill(order: dict[str, Any]) -> None:
+        return None
+
+    run = await app.start(bill, {"id": 7, "amount": 100, "tags": [1.5, True]}, run_id="o7")
+    again = await app.start(bill, {"tags": [1.5, True], "amount": 100.0, "id": 7}, run_id="o7")
+    assert again.run_id == run.run_id == "o7"
+    for other in (
+        {"id": 7, "amount": 100, "tags": [1.5, 1]},
+        {"id": 7, "amount": "100", "tags": [1.5, True]},
+        {"id": 7, "amount": 100, "tags": [1.5, True], "note": None},
+        {"id": 7, "amount": 100, "tags": [True, 1.5]},
+    ):
+        with pytest.raises(tether.RunIdConflictError, match="different input"):
+            await app.start(bill, other, run_id="o7")
+    assert len(await app.list()) == 1
+
+
 # -- errors for unknown / finished runs ---------------------------------------------------------
 
 

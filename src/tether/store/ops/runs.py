@@ -108,6 +108,29 @@ def _start_event(
     return (EventType.WORKFLOW_STARTED, None, data, {"input": input})
 
 
+def _same_input(stored: str | None, given: str) -> bool:
+    """Whether a start's input equals a run's, as values: a client that retries with
+    its object's keys in another order, or ``100.0`` for ``100``, starts the same run."""
+    if stored == given:
+        return True
+    try:
+        return _equal(json.loads(stored or "null"), json.loads(given))
+    except ValueError:
+        return False
+
+
+def _equal(a: Any, b: Any) -> bool:
+    """JSON values equal as values: objects whatever their key order, ``1`` and ``1.0``
+    alike, but never ``true`` for ``1`` (Python's ``==`` says ``True == 1``)."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return isinstance(b, list) and len(a) == len(b) and all(map(_equal, a, b))
+    return bool(a == b)
+
+
 def _create_run(
     tx: _Tx,
     run_id: str,
@@ -137,7 +160,7 @@ def _create_run(
         if if_exists == "reject":
             raise RunIdConflictError(run_id, "a run (this start refuses to join it)")
         if if_exists == "same_input" and signal is None:
-            if existing.input != input:
+            if not _same_input(existing.input, input):
                 raise RunIdConflictError(run_id, "different input")
             if existing.tenant != tenant:
                 raise RunIdConflictError(run_id, f"tenant {existing.tenant!r}")
