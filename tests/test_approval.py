@@ -104,10 +104,12 @@ async def test_a_decision_must_name_the_proposal_and_come_from_an_approver(
         # another fingerprint: recorded, refused, and the caller is told
         with pytest.raises(tether.ApprovalError, match="fingerprint does not match"):
             await app.decide(review.approval_id, approve=True, by="alice", fingerprint="0" * 32)
-        # the right fingerprint from someone not asked: recorded and refused
-        await app.decide(
-            review.approval_id, approve=True, by="mallory", fingerprint=review.fingerprint
-        )
+        # the right fingerprint from someone not asked: recorded, refused, and the
+        # caller is told (before, it was accepted silently: HTTP 202 "accepted")
+        with pytest.raises(tether.ApprovalError, match="'mallory' is not among its approvers"):
+            await app.decide(
+                review.approval_id, approve=True, by="mallory", fingerprint=review.fingerprint
+            )
         refused = await waits(app, "post-1", "approval_refused", 2)
         assert "fingerprint" in refused[0]["reason"]
         assert "'mallory' is not an approver" in refused[1]["reason"]
@@ -172,7 +174,10 @@ async def test_no_decision_reminds_escalates_then_fails_closed(app: tether.App) 
         assert escalated[0]["approvers"] == ["bob"]
         now = await app.get_approval(review.approval_id)
         assert (now.level, now.approvers) == (1, ["bob"])
-        await app.decide(review.approval_id, approve=True, by="alice", fingerprint=now.fingerprint)
+        with pytest.raises(tether.ApprovalError, match="'alice' is not among its approvers"):
+            await app.decide(
+                review.approval_id, approve=True, by="alice", fingerprint=now.fingerprint
+            )
         await waits(app, "post-3", "approval_refused")  # alice may no longer decide
         await env.advance(2 * HOUR - 600 + 1)
         await waits(app, "post-3", "approval_reminder", 2)

@@ -330,6 +330,9 @@ def test_approvals_are_listed_and_decided_over_http(server: Server) -> None:
     assert wrong.status_code == 409 and "fingerprint" in wrong.json()["detail"]
     missing = http.post(decide, json={"approve": True, "fingerprint": review["fingerprint"]})
     assert missing.status_code == 422 and "by" in str(missing.json())
+    stranger = {"approve": True, "by": "mallory", "fingerprint": review["fingerprint"]}
+    refused = http.post(decide, json=stranger)  # recorded and refused: the caller is told
+    assert refused.status_code == 409 and "not among its approvers" in refused.json()["detail"]
     ok = http.post(
         decide,
         json={

@@ -1159,8 +1159,9 @@ class App:
         by the run before it continues with it. The run records every decision it
         receives; one it refuses (another fingerprint, someone not asked, an
         invalid edit) changes nothing. A fingerprint that does not match the
-        review's is delivered (so the attempt is on record) and then raises
-        ``ApprovalError``, as does a review that is no longer open.
+        review's, or a ``by`` not among its approvers, is delivered (so the attempt
+        is on record) and then raises ``ApprovalError``, as does a review that is no
+        longer open.
         """
         if not isinstance(by, str) or not by:
             raise ConfigurationError("a decision needs by= (who decides)")
@@ -1185,6 +1186,12 @@ class App:
                 approval_id,
                 "the fingerprint does not match the proposal under review (the proposal "
                 "changed, or another review was meant); the attempt is recorded and refused",
+            )
+        if review.approvers and by not in review.approvers:
+            raise ApprovalError(
+                approval_id,
+                f"{by!r} is not among its approvers now ({', '.join(review.approvers)}); "
+                "the attempt is recorded and refused",
             )
 
     async def signal(self, run_id: str, name: str, payload: Any = None) -> None:
