@@ -172,6 +172,35 @@ async def test_erasing_a_tenant_leaves_nothing_of_it_and_spares_the_others(
     assert len(await app.store.list_api_keys()) == 1  # globex keeps its key
 
 
+async def test_a_child_run_belongs_to_its_parents_tenant(app: tether.App) -> None:
+    """A child run carries its parent's tenant (before: none), so a tenant sees its
+    children, its erasure removes them (nothing of the tenant is left behind), and
+    admission still counts top-level runs only (a child never waits for a slot its
+    parent holds)."""
+
+    @app.workflow
+    async def leaf(x: int) -> int:
+        return x + 1
+
+    @app.workflow
+    async def parent(x: int) -> int:
+        return await leaf(x) + await leaf(x + 10)
+
+    app.configure_admission("acme", max_running=1)
+    async with app.worker(poll_interval=0.05):
+        run = await app.start(parent, 1, tenant="acme", run_id="p")
+        assert await run.result(timeout=20) == 14
+    kids = [r for r in await app.list(tenant="acme") if r.parent_run_id == "p"]
+    assert sorted(k.run_id for k in kids) == ["p/1", "p/2"]
+    assert {k.tenant for k in kids} == {"acme"}
+    counts = await app.erase_tenant("acme")
+    assert counts["runs"] == 3
+    assert await app.list() == []
+    with pytest.raises(tether.RunPurgedError, match="tenant erased"):
+        await app.get("p/1")
+    assert set((await app.store.orphans()).values()) == {0}
+
+
 def _spawn(db: Path, effects: Path) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [sys.executable, str(HERE / "crash_app.py"), str(db), str(effects)],

@@ -23,8 +23,12 @@ def _admission(tx: _Tx, tenant: str) -> tuple[int | None, int]:
         limit = default[0] if default is not None else None
     if limit is None:
         return None, 0
+    # top-level runs only: a child is admitted with its parent (it may not wait for a
+    # slot its own parent holds)
     (running,) = tx.execute(
-        f"SELECT count(*) FROM runs WHERE tenant = ? AND status IN {_LIVE}", (tenant,)
+        f"SELECT count(*) FROM runs WHERE tenant = ? AND status IN {_LIVE} "
+        "AND parent_run_id IS NULL",
+        (tenant,),
     ).fetchone()
     return int(limit), int(running)
 

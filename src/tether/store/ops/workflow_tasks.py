@@ -251,6 +251,9 @@ def _apply_workflow_result(
                     cmd.raw["input"],
                     run_id,
                     cmd.step,
+                    # the parent's tenant: its keys see the child, its key seals it, its
+                    # retention and erasure reach it (admission counts top-level runs)
+                    tenant=tenant,
                     # a traced parent's context: the child's spans join its trace
                     attrs={"trace": cmd.data["trace"]} if "trace" in cmd.data else None,
                 )
