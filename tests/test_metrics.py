@@ -4,6 +4,10 @@ histograms count every attempt, run and wait."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,6 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 import tether
 from tether._telemetry import RECORDER
 from tether.metrics import Metrics
+
+SRC = Path(__file__).parent.parent / "src"
 
 
 def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -197,4 +203,39 @@ async def test_the_same_figures_reach_opentelemetry_metrics(app: tether.App) -> 
     ended = points["tether_runs_ended"]
     assert [(dict(p.attributes or {}), p.value) for p in ended] == [
         ({"workflow": "once", "status": "completed"}, 1)
+    ]
+
+
+@pytest.mark.parametrize("value", ["abc", "nan", "inf", "-1", "0"])
+def test_a_bad_interval_in_the_environment_is_one_clear_error(
+    value: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``TETHER_METRICS_REFRESH=abc`` was a ValueError from ``float()`` and ``0`` made
+    the metrics loop read the store without pause; a bad ``TETHER_TRACE_MIN_ATTEMPT_MS``
+    failed ``import tether`` with a ValueError. Each is a ConfigurationError naming the
+    variable; ``tether worker --metrics-port`` says so in one line before any work."""
+    monkeypatch.setenv("TETHER_METRICS_REFRESH", value)
+    app = tether.App(store=":memory:")
+    with pytest.raises(tether.ConfigurationError, match="TETHER_METRICS_REFRESH="):
+        Metrics(app, [])
+    if value != "0":  # 0 ms is valid there: every attempt gets a span
+        env = {**os.environ, "TETHER_TRACE_MIN_ATTEMPT_MS": value}
+        got = subprocess.run(
+            [sys.executable, "-c", "import tether"], env=env, capture_output=True, text=True
+        )
+        assert got.returncode != 0
+        assert "ConfigurationError: TETHER_TRACE_MIN_ATTEMPT_MS=" in got.stderr.splitlines()[-1]
+    (tmp_path / "flows.py").write_text("import tether\napp = tether.App(store='x.db')\n")
+    got = subprocess.run(
+        [sys.executable, "-m", "tether.cli", "worker", "flows:app", "--metrics-port", "0"],
+        env={**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{tmp_path}"},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert got.returncode != 0
+    assert got.stderr.strip().splitlines() == [
+        f"error: TETHER_METRICS_REFRESH={value!r}: must be a number of seconds, at least 0.1 "
+        "(unset it for the default, 5)"
     ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import random
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -26,6 +27,26 @@ def seconds(value: float | timedelta | None, what: str) -> float | None:
     if s < 0:
         raise ConfigurationError(f"{what} must not be negative (got {value!r})")
     return s
+
+
+def env_number(name: str, default: float, *, least: float = 0.0, unit: str = "seconds") -> float:
+    """A number from the environment variable ``name`` (``default`` when unset or empty):
+    finite and at least ``least``. Anything else is a ``ConfigurationError`` naming the
+    variable, not a ``ValueError`` from ``float()`` (nor a zero interval that would make
+    a background loop spin)."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < least:
+        raise ConfigurationError(
+            f"{name}={text!r}: must be a number of {unit}, at least {least:g} "
+            f"(unset it for the default, {default:g})"
+        )
+    return value
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import os
 import time
 from collections.abc import Iterator
 from typing import Any
+
+from ._policy import env_number
 
 try:
     from opentelemetry import context as otel_context
@@ -33,7 +34,7 @@ SCOPE = "tether"
 _TRACER: Any = None
 #: attempts that take less than this (ns) and succeed get no span of their own
 #: (``TETHER_TRACE_MIN_ATTEMPT_MS``); 0: every attempt gets one
-_MIN_ATTEMPT_NS = int(float(os.environ.get("TETHER_TRACE_MIN_ATTEMPT_MS") or 0) * 1e6)
+_MIN_ATTEMPT_NS = int(env_number("TETHER_TRACE_MIN_ATTEMPT_MS", 0.0, unit="milliseconds") * 1e6)
 #: the attempt running in this context when its span is decided at its end
 _pending: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
     "tether_attempt_span", default=None

@@ -23,13 +23,13 @@ scrape never waits on the store:
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ._app import App
 from ._periodic import Periodic
+from ._policy import env_number
 from ._telemetry import DURATION_BUCKETS, RECORDER, SPECS
 from ._worker import Worker
 
@@ -51,7 +51,7 @@ class Metrics:
         self.workers = workers
         #: seconds between reads (``TETHER_METRICS_REFRESH``, default 5); runs by status
         #: every 12 times that
-        self.refresh = refresh or float(os.environ.get("TETHER_METRICS_REFRESH") or 5.0)
+        self.refresh = refresh or env_number("TETHER_METRICS_REFRESH", 5.0, least=0.1)
         self.slow_refresh = slow_refresh or 12 * self.refresh
         self._fast: dict[str, Any] = {}
         self._runs: list[tuple[str, str, int]] = []

@@ -14,6 +14,7 @@ from typing import Annotated, Any
 import typer
 
 from .._app import App
+from .._policy import env_number
 from .._worker import MAX_CONCURRENCY, Worker
 from ._common import (
     EXIT_ERROR,
@@ -183,6 +184,8 @@ async def _serve(
     metrics_port: int | None = None,
 ) -> int:
     app = load_app(app_spec)
+    if metrics_port is not None:  # a bad refresh interval is one line, before any work
+        env_number("TETHER_METRICS_REFRESH", 5.0, least=0.1)
     async with _opened(app):
         w = app.worker(
             queues=queues,

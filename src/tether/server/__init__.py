@@ -17,7 +17,6 @@ import hashlib
 import importlib.util
 import json
 import math
-import os
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
@@ -44,6 +43,7 @@ from .._errors import (
     WorkflowFailedError,
 )
 from .._history import INT64_MAX, Approval, DeadLetter, RunInfo, RunStatus
+from .._policy import env_number
 from .._tracing import joined
 from .._worker import Worker
 from ..alerts import AlertWatcher
@@ -222,6 +222,8 @@ def create_api(
         return info
 
     metrics = Metrics(app, running) if importlib.util.find_spec("prometheus_client") else None
+    # read when the API is built, so a bad value is one line before the server starts
+    alert_interval = env_number("TETHER_ALERT_INTERVAL", 30.0, least=0.1)
 
     @contextlib.asynccontextmanager
     async def lifespan(_api: FastAPI) -> AsyncIterator[None]:
@@ -236,7 +238,7 @@ def create_api(
             await metrics.update()
             metrics.start()
         # the conditions of tether.alerts, told to the App's on_alert hook (or the log)
-        watcher = AlertWatcher(app, interval=float(os.environ.get("TETHER_ALERT_INTERVAL") or 30))
+        watcher = AlertWatcher(app, interval=alert_interval)
         watcher.start()
         try:
             yield
