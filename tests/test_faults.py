@@ -228,6 +228,21 @@ def test_inject_refuses_unknown_activities_and_empty_fault_lists(mem_app: tether
     assert mem_app._activities["known"] is known
 
 
+@pytest.mark.parametrize("times", [-1, float("nan"), 1.5, True, "2"])
+def test_a_fault_refuses_times_that_is_not_a_count(times: Any) -> None:
+    """``Fail(times=nan)`` passed the ``< 0`` check and then acted on every call for
+    ever; ``1.5`` or ``True`` were taken as counts. Each is a ConfigurationError."""
+    with pytest.raises(tether.ConfigurationError, match="times= of Fail must be a whole"):
+        Fail(times=times)
+    assert Fail(times=None).times is None and Fail(times=0).times == 0
+
+
+@pytest.mark.parametrize("start", [float("nan"), float("inf"), "now", True])
+def test_a_virtual_clock_refuses_a_start_that_is_not_a_time(start: Any) -> None:
+    with pytest.raises(tether.ConfigurationError, match="start= must be epoch seconds"):
+        Env(tether.App(store=":memory:"), start=start)
+
+
 async def test_crash_after_writes_then_recover_in_process(mem_app: tether.App) -> None:
     ran: list[int] = []
 

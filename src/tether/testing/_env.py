@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from typing import Any
 
 from .._app import App
+from .._errors import ConfigurationError
 from .._policy import seconds
 from .._worker import Worker
 
@@ -23,7 +25,15 @@ class VirtualClock:
     """A clock that only moves when told to (or when the Env skips ahead)."""
 
     def __init__(self, start: float | None = None) -> None:
-        self.now = time.time() if start is None else start
+        if start is not None and (
+            isinstance(start, bool)
+            or not isinstance(start, int | float)
+            or not math.isfinite(start)
+        ):
+            raise ConfigurationError(
+                f"start= must be epoch seconds, a finite number (got {start!r})"
+            )
+        self.now = time.time() if start is None else float(start)
 
     def __call__(self) -> float:
         return self.now

@@ -74,8 +74,14 @@ class Fault:
     _released: threading.Event = field(default_factory=threading.Event, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.times is not None and self.times < 0:
-            raise ConfigurationError(f"times= of {type(self).__name__} must be 0 or more")
+        times = self.times
+        if times is not None and (
+            isinstance(times, bool) or not isinstance(times, int) or times < 0
+        ):
+            raise ConfigurationError(
+                f"times= of {type(self).__name__} must be a whole number, 0 or more, or None "
+                f"for every call (got {times!r})"
+            )
 
     @property
     def exhausted(self) -> bool:
