@@ -555,3 +555,105 @@ async def test_a_stream_sends_the_events_committed_between_its_read_and_the_run_
         "event: ActivityCompleted",
         "event: WorkflowCompleted",
     ]
+
+
+class Tenants:
+    """A ``tether serve`` with keys: acme (operate, read, monitor), globex (operate, and
+    an admin bound to globex), and an unbound admin."""
+
+    def __init__(self, store: str) -> None:
+        import tether
+
+        tether.App(store=store).store.close_sync()  # type: ignore[attr-defined]  # the store
+        self.keys = {
+            "acme": _create_key(store, "--role", "operate", "--tenant", "acme"),
+            "acme_read": _create_key(store, "--role", "read", "--tenant", "acme"),
+            "acme_monitor": _create_key(store, "--role", "monitor", "--tenant", "acme"),
+            "globex": _create_key(store, "--role", "operate", "--tenant", "globex"),
+            "globex_admin": _create_key(store, "--role", "admin", "--tenant", "globex"),
+            "admin": _create_key(store, "--role", "admin"),
+        }
+        self.server = Server(store, "--workers", "1")
+        self.http = self.server.http
+
+    def as_(self, who: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.keys[who]}"}
+
+    def start(self, who: str, workflow: str, body: dict[str, Any], **headers: str) -> Any:
+        return self.http.post(
+            f"/v1/workflows/{workflow}/runs", json=body, headers={**self.as_(who), **headers}
+        )
+
+
+@pytest.fixture
+def tenants(store_url: str) -> Iterator[Tenants]:
+    t = Tenants(store_url)
+    yield t
+    t.server.stop()
+
+
+def test_a_start_never_reaches_or_reveals_another_tenants_run(tenants: Tenants) -> None:
+    """A tenant's key starting with another tenant's run id (or Idempotency-Key) neither
+    signals that run nor learns its status, tenant or workflow; before, signal-with-start
+    delivered the signal and answered 200 with the run's status."""
+    t = tenants
+    acme = t.start("acme", "approve", {"input": {"doc": "private"}, "run_id": "job-1"})
+    assert acme.status_code == 202, acme.text
+    for extra in (
+        {"if_running": "signal", "signal": {"name": "review", "payload": {"verdict": "x"}}},
+        {"if_running": "return"},
+        {"if_running": "reject"},
+        {},
+    ):
+        body = {"input": {"doc": "private"}, "run_id": "job-1", **extra}
+        clash = t.start("globex", "approve", body)
+        assert clash.status_code == 409, (extra, clash.text)
+        detail = clash.json()["detail"]
+        assert "acme" not in detail and "approve" not in detail and "private" not in detail
+        assert "job-1" in detail
+        other_wf = t.start("globex", "bill", {**INVOICE, "run_id": "job-1", **extra})
+        if other_wf.status_code != 422:  # bill has no signal named review: still a clash
+            assert other_wf.status_code == 409, other_wf.text
+            assert "approve" not in other_wf.json()["detail"]
+            assert "acme" not in other_wf.json()["detail"]
+    # nothing reached acme's run: it still waits for its review
+    history = t.http.get("/v1/runs/job-1/history", headers=t.as_("acme")).json()["events"]
+    assert not any(e["type"] == "SignalReceived" for e in history), history
+    assert t.http.get("/v1/runs/job-1", headers=t.as_("acme")).json()["status"] != "completed"
+    # acme's own signal-with-start still reaches it; the admin still learns what clashed
+    own = t.start(
+        "acme",
+        "approve",
+        {
+            "input": {"doc": "private"},
+            "run_id": "job-1",
+            "if_running": "signal",
+            "signal": {"name": "review", "payload": {"verdict": "ok"}},
+        },
+    )
+    assert own.status_code == 200, own.text
+    done = t.http.get("/v1/runs/job-1/result?wait=20", headers=t.as_("acme")).json()
+    assert done["result"] == "private: ok"
+    admin = t.start("admin", "bill", {**INVOICE, "run_id": "job-1"})
+    assert admin.status_code == 409 and "approve" in admin.json()["detail"]
+    # Idempotency-Keys are per tenant: the same key makes each tenant its own run
+    key = {"Idempotency-Key": "order-9"}
+    first = t.start("acme", "bill", INVOICE, **key)
+    again = t.start("acme", "bill", INVOICE, **key)
+    assert first.status_code == 202 and again.status_code == 200
+    assert again.json()["id"] == first.json()["id"]
+    theirs = t.start("globex", "bill", INVOICE, **key)
+    assert theirs.status_code == 202, theirs.text
+    assert theirs.json()["id"] != first.json()["id"]
+    other = t.start("globex", "bill", {"input": {"invoice": {"number": "B", "cents": 1}}}, **key)
+    assert other.status_code == 409 and first.json()["id"] not in other.json()["detail"]
+    assert "acme" not in other.json()["detail"]
+    # a run without a tenant keeps the id its key always gave (runs started before)
+    from tether.server import _idempotent_run_id
+
+    untenanted = t.start("admin", "bill", INVOICE, **key)
+    assert untenanted.json()["id"] == _idempotent_run_id("bill", "order-9", None)
+    assert (
+        untenanted.json()["id"]
+        == "idem-" + __import__("hashlib").sha256(b"bill\0order-9").hexdigest()[:32]
+    )

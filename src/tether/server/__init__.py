@@ -77,9 +77,11 @@ MAX_WAIT = 60.0
 MAX_BODY = 4 * 1024 * 1024
 
 
-def _idempotent_run_id(workflow: str, key: str) -> str:
-    """The run id an ``Idempotency-Key`` stands for (per workflow)."""
-    digest = hashlib.sha256(f"{workflow}\0{key}".encode()).hexdigest()[:32]
+def _idempotent_run_id(workflow: str, key: str, tenant: str | None) -> str:
+    """The run id an ``Idempotency-Key`` stands for (per workflow and tenant: each
+    tenant has its own keys). Without a tenant, the id keys were always given."""
+    basis = f"{workflow}\0{key}" if tenant is None else f"{workflow}\0{key}\0tenant:{tenant}"
+    digest = hashlib.sha256(basis.encode()).hexdigest()[:32]
     return f"idem-{digest}"
 
 
@@ -671,7 +673,7 @@ def _add_start_route(api: FastAPI, app: App, wf: Workflow[Any, Any], who: Any) -
         kwargs = dict(body.input)  # type: ignore[attr-defined]
         run_id = data.get("run_id")
         if run_id is None and idempotency_key:
-            run_id = _idempotent_run_id(wf.name, idempotency_key)
+            run_id = _idempotent_run_id(wf.name, idempotency_key, data.get("tenant"))
         try:
             run = await app.start(
                 wf,
@@ -686,17 +688,23 @@ def _add_start_route(api: FastAPI, app: App, wf: Workflow[Any, Any], who: Any) -
                 if data.get("signal") is None
                 else (data["signal"]["name"], data["signal"].get("payload")),
             )
-        except TetherError as exc:
-            if (
-                isinstance(exc, RunIdConflictError)
-                and idempotency_key
-                and data.get("run_id") is None
-            ):
+        except RunIdConflictError:
+            assert run_id is not None
+            if idempotency_key and data.get("run_id") is None:
                 return _problems.problem(
                     409,
                     "Idempotency-Key reused with another body",
                     f"Idempotency-Key {idempotency_key!r} already started run {run_id} of "
                     f"{wf.name!r} with other input; use a new key for new input",
+                )
+            if not await _seen_by(app, principal, run_id):
+                # another tenant's run: this key learns nothing of it (tenant, workflow,
+                # status), and nothing reaches it
+                return _problems.problem(
+                    409,
+                    "Run id already used",
+                    f"run id {run_id!r} is already used by a run this key cannot see: "
+                    "pick a new run id",
                 )
             raise
         info = run.started or await app.get(run.run_id, follow=False)
@@ -745,6 +753,17 @@ def _add_start_route(api: FastAPI, app: App, wf: Workflow[Any, Any], who: Any) -
     api.router.routes.insert(
         0, Route(f"/v1/workflows/{wf.name}/runs", fast_start, methods=["POST"])
     )
+
+
+async def _seen_by(app: App, principal: Principal | None, run_id: str) -> bool:
+    """Whether the run ``run_id`` (which exists, or did) is one ``principal`` may see."""
+    if principal is None or principal.tenant is None:
+        return True
+    try:
+        info = await app.get(run_id, follow=False)
+    except TetherError:  # purged (or gone): whose it was is not this key's to know
+        return False
+    return principal.sees(info.tenant)
 
 
 def _add_action(
