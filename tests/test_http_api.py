@@ -565,6 +565,7 @@ class Tenants:
         import tether
 
         tether.App(store=store).store.close_sync()  # type: ignore[attr-defined]  # the store
+        self.store = store
         self.keys = {
             "acme": _create_key(store, "--role", "operate", "--tenant", "acme"),
             "acme_read": _create_key(store, "--role", "read", "--tenant", "acme"),
@@ -657,3 +658,135 @@ def test_a_start_never_reaches_or_reveals_another_tenants_run(tenants: Tenants) 
         untenanted.json()["id"]
         == "idem-" + __import__("hashlib").sha256(b"bill\0order-9").hexdigest()[:32]
     )
+
+
+def _wait_until(check: Any, what: str, seconds: float = 20) -> Any:
+    deadline = time.monotonic() + seconds
+    while not (value := check()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+    return value
+
+
+def test_tenant_keys_see_only_their_own_letters_switches_audit_schedules_and_reasons(
+    tenants: Tenants, tmp_path: Path
+) -> None:
+    """What belongs to no tenant (switches, the global audit log, schedules, entities) is
+    for admin keys bound to no tenant; another tenant's dead letter is as missing as one
+    that never was; a monitor key never sees a review's free-text reason. Before, tenant
+    keys read the global audit log and every tenant's switch reasons, steered schedules,
+    and learnt another tenant's run id from a dead letter's 404."""
+    t, http = tenants, tenants.http
+    flag = tmp_path / "flag"
+    flag.write_text("up")
+    run = t.start("acme", "fragile", {"input": {"flag": str(flag)}}).json()
+    failed = http.get(f"{run['links']['result']}?wait=20", headers=t.as_("acme")).json()
+    assert failed["status"] == "failed"
+    letter = http.get(f"/v1/dead-letters?run_id={run['id']}", headers=t.as_("acme")).json()[0]
+    missing = http.get("/v1/dead-letters/999999", headers=t.as_("globex"))
+    for r in (
+        http.get(f"/v1/dead-letters/{letter['id']}", headers=t.as_("globex")),
+        http.post(f"/v1/dead-letters/{letter['id']}/replay", headers=t.as_("globex")),
+    ):
+        assert r.status_code == 404 and r.json()["title"] == missing.json()["title"]
+        assert run["id"] not in r.text
+        assert r.json()["detail"] == missing.json()["detail"].replace("999999", str(letter["id"]))
+    assert http.get(f"/v1/dead-letters/{letter['id']}", headers=t.as_("acme")).status_code == 200
+    # switches: each tenant's key sees its own tenant's switch only; flipping is global
+    for tenant in ("acme", "initech"):
+        off = http.put(
+            f"/v1/switches/tenant/{tenant}",
+            json={"reason": f"{tenant} unpaid invoice"},
+            headers=t.as_("admin"),
+        )
+        assert off.status_code == 200, off.text
+    assert {s["name"] for s in http.get("/v1/switches", headers=t.as_("admin")).json()} == {
+        "acme",
+        "initech",
+    }
+    seen = http.get("/v1/switches", headers=t.as_("acme_read")).json()
+    assert [(s["name"], s["reason"]) for s in seen] == [("acme", "acme unpaid invoice")]
+    bare = http.get("/v1/switches", headers=t.as_("acme_monitor")).json()
+    assert [(s["name"], s["reason"]) for s in bare] == [("acme", "[withheld]")]
+    assert http.get("/v1/switches", headers=t.as_("globex")).json() == []
+    for who in ("acme", "globex_admin"):
+        for method, path in (
+            ("PUT", "/v1/switches/tenant/acme"),
+            ("DELETE", "/v1/switches/tenant/initech"),
+            ("PUT", "/v1/switches/tenant/globex"),
+            ("GET", "/v1/audit"),
+        ):
+            refused = http.request(method, path, json={}, headers=t.as_(who))
+            assert refused.status_code == 403, (who, path, refused.text)
+    assert "not bound to a tenant" in refused.json()["detail"]
+    audit = http.get("/v1/audit", headers=t.as_("admin"))
+    assert audit.status_code == 200 and "unpaid" in audit.text
+    for tenant in ("acme", "initech"):
+        http.delete(f"/v1/switches/tenant/{tenant}", headers=t.as_("admin"))
+    # the console's switches page: the same rule (no global audit log for a tenant key)
+    with httpx.Client(base_url=str(http.base_url), timeout=30) as console:
+        assert console.post("/login", data={"key": t.keys["acme"]}).status_code in (200, 303)
+        page = console.get("/switches")
+        assert page.status_code == 200 and "initech" not in page.text
+    # schedules belong to no tenant: admin keys bound to no tenant
+    created = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tether.cli",
+            "schedules",
+            "create",
+            "nightly",
+            "serve_app:app",
+            "bill",
+            '{"number": "S-1", "cents": 5}',
+            "0.1",
+            "--cron",
+            "0 2 * * *",
+        ],
+        cwd=HERE,
+        env={
+            **os.environ,
+            "TETHER_TEST_STORE": t.store,
+            "PYTHONPATH": f"{HERE.parent / 'src'}{os.pathsep}{HERE}",
+        },
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert created.returncode == 0, created.stderr
+    for who in ("acme_read", "acme", "globex_admin"):
+        for method, path in (
+            ("GET", "/v1/schedules"),
+            ("GET", "/v1/schedules/nightly"),
+            ("POST", "/v1/schedules/nightly/pause"),
+            ("POST", "/v1/schedules/nightly/trigger"),
+            ("GET", "/v1/entities/Tally"),
+        ):
+            refused = http.request(method, path, headers=t.as_(who))
+            assert refused.status_code == 403, (who, path, refused.text)
+            assert "S-1" not in refused.text
+    assert http.get("/v1/schedules/nightly", headers=t.as_("admin")).json()["paused"] is False
+    assert http.post("/v1/schedules/nightly/pause", headers=t.as_("admin")).status_code == 200
+    # a review's free-text reason is withheld from a monitor key, like its proposal
+    review = t.start("acme", "review", {"input": {"title": "Q3"}}).json()
+    opened = _wait_until(
+        lambda: http.get("/v1/approvals", headers=t.as_("acme")).json(), "the review"
+    )[0]
+    decided = http.post(
+        f"/v1/approvals/{opened['approval_id']}/decision",
+        json={
+            "approve": False,
+            "by": "ann",
+            "fingerprint": opened["fingerprint"],
+            "reason": "private: budget cut",
+        },
+        headers=t.as_("acme"),
+    )
+    assert decided.status_code == 202, decided.text
+    http.get(f"{review['links']['result']}?wait=20", headers=t.as_("acme"))
+    one = f"/v1/approvals/{opened['approval_id']}"
+    assert http.get(one, headers=t.as_("acme_read")).json()["reason"] == "private: budget cut"
+    assert http.get(one, headers=t.as_("acme_monitor")).json()["reason"] == "[withheld]"
+    listed = http.get("/v1/approvals?status=all", headers=t.as_("acme_monitor")).json()
+    assert [r["reason"] for r in listed] == ["[withheld]"]

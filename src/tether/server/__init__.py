@@ -194,6 +194,19 @@ def create_api(
             principal.require(role, action)
         return principal
 
+    def unbound(request: Request, action: str) -> Principal | None:
+        """The caller, if it is an admin key bound to no tenant (403 otherwise): what
+        belongs to no tenant (switches, the global audit log, schedules, entities)."""
+        principal = may(request, "admin", action)
+        if principal is not None and principal.tenant is not None:
+            raise AuthError(
+                403,
+                "Admin key for every tenant required",
+                f"{action} needs an admin key not bound to a tenant "
+                f"(this key acts for {principal.tenant!r})",
+            )
+        return principal
+
     def shows(request: Request) -> bool:
         """Whether the caller may see payloads (a ``monitor`` key may not)."""
         principal: Principal | None = request.state.principal
@@ -435,7 +448,9 @@ def create_api(
         await audit(request, "signal", f"run:{run_id}", {"signal": name})
         return {"id": run_id, "signal": name, "accepted": True, "links": links(run_id)}
 
-    install_interactions(api, app, visible=visible, may=may, audit=audit, max_wait=max_wait)
+    install_interactions(
+        api, app, visible=visible, may=may, unbound=unbound, audit=audit, max_wait=max_wait
+    )
 
     for action, role in (
         ("cancel", "operate"),
@@ -489,12 +504,14 @@ def create_api(
             tenant=scope(request),
             limit=limit,
         )
-        return [_shown(dataclasses.asdict(r), shows(request), "proposal") for r in reviews]
+        return [
+            _shown(dataclasses.asdict(r), shows(request), "proposal", "reason") for r in reviews
+        ]
 
     @api.get("/v1/approvals/{approval_id}", summary="One review, with its proposal and fingerprint")
     async def get_approval(approval_id: str, request: Request) -> dict[str, Any]:
         review = dataclasses.asdict(await review_of(request, approval_id))
-        return _shown(review, shows(request), "proposal")
+        return _shown(review, shows(request), "proposal", "reason")
 
     @api.post(
         "/v1/approvals/{approval_id}/decision",
@@ -532,9 +549,17 @@ def create_api(
         await audit(request, "retry", f"run:{run_id}")
         return run_view(await app.get(run_id))
 
-    @api.get("/v1/switches", summary="Kill switches that are off")
-    async def list_switches() -> list[dict[str, Any]]:
-        return await app.switches()
+    @api.get(
+        "/v1/switches",
+        summary="Kill switches that are off (a tenant's key: its own tenant's switch only)",
+    )
+    async def list_switches(request: Request) -> list[dict[str, Any]]:
+        mine = scope(request)
+        return [
+            _shown(s, shows(request), "reason")
+            for s in await app.switches()
+            if mine is None or (s["kind"] == "tenant" and s["name"] == mine)
+        ]
 
     @api.put(
         "/v1/switches/{kind}/{name}",
@@ -543,7 +568,7 @@ def create_api(
     async def switch_off(
         kind: str, name: str, request: Request, body: Reason | None = None
     ) -> dict[str, Any]:
-        principal = may(request, "admin", "switching off")
+        principal = unbound(request, "switching off")
         changed = await app.disable(
             kind, name, reason=body.reason if body else None, by=actor_of(principal, "api")
         )
@@ -551,7 +576,7 @@ def create_api(
 
     @api.delete("/v1/switches/{kind}/{name}", summary="Switch it back on (admin)")
     async def switch_on(kind: str, name: str, request: Request) -> dict[str, Any]:
-        principal = may(request, "admin", "switching on")
+        principal = unbound(request, "switching on")
         changed = await app.enable(kind, name, by=actor_of(principal, "api"))
         return {"kind": kind, "name": name, "off": False, "changed": changed}
 
@@ -561,7 +586,7 @@ def create_api(
         target: str | None = None,
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     ) -> list[dict[str, Any]]:
-        may(request, "admin", "reading the audit log")
+        unbound(request, "reading the audit log")
         return await app.audit_log(target=target, limit=limit)
 
     @api.get("/v1/runs/{run_id}/audit", summary="Who started and acted on the run, oldest first")
@@ -583,7 +608,11 @@ def create_api(
         letters = await app.dead_letters(include_resolved=True, letter_id=letter_id, limit=1)
         if not letters:
             raise DeadLetterNotFoundError(letter_id)
-        await visible(request, letters[0].run_id, follow=False)  # 404 for another tenant's
+        try:
+            await visible(request, letters[0].run_id, follow=False)
+        except (RunNotFoundError, RunPurgedError):
+            # another tenant's letter is as missing as one that never was
+            raise DeadLetterNotFoundError(letter_id) from None
         return letters[0]
 
     @api.get("/v1/dead-letters", summary="Steps and runs that exhausted their failure policy")

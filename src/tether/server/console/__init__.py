@@ -396,14 +396,20 @@ def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
     @api.get("/switches", include_in_schema=False)
     async def switches(request: Request) -> Response:
         principal = await who(request)
+        mine = principal.tenant if principal else None
+        if mine is None:
+            shown, log = await app.switches(), await app.audit_log(limit=30)
+        else:  # a tenant's key: its own tenant's switch, never the global audit log
+            shown = [s for s in await app.switches() if (s["kind"], s["name"]) == ("tenant", mine)]
+            log = await app.audit_log(target=f"tenant:{mine}", limit=30)
         return page(
             request,
             "switches.html",
             principal,
-            switches=await app.switches(),
+            switches=shown,
             kinds=SWITCH_KINDS,
             message=request.query_params.get("message"),
-            log=await app.audit_log(limit=30),
+            log=log,
         )
 
     @api.post("/switches", include_in_schema=False)
@@ -412,6 +418,12 @@ def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
         fields = await form(request)
         if principal is not None:
             principal.require("admin", "flipping a kill switch")
+            if principal.tenant is not None:
+                raise AuthError(
+                    403,
+                    "Admin key for every tenant required",
+                    "flipping a kill switch needs an admin key not bound to a tenant",
+                )
         kind, name = fields.get("kind", ""), fields.get("name", "").strip()
         try:
             if fields.get("off") == "1":
@@ -439,9 +451,13 @@ def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
         if principal is not None:
             principal.require("operate", "replaying a dead letter")
         letters = await app.dead_letters(include_resolved=True, letter_id=letter_id, limit=1)
+        try:
+            if letters:
+                await visible(principal, letters[0].run_id)
+        except RunNotFoundError:
+            letters = []  # another tenant's letter is as missing as one that never was
         if not letters:
             return page(request, "missing.html", principal, what=f"dead letter {letter_id}")
-        await visible(principal, letters[0].run_id)
         try:
             await app.replay_dead_letter(letter_id)
             message = f"dead letter {letter_id} replayed by {actor(principal)}"
