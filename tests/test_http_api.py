@@ -4,6 +4,7 @@ a real socket, on both stores."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -171,6 +172,7 @@ def test_openapi_shows_each_workflows_input_schema(server: Server) -> None:
     listed = server.http.get("/v1/workflows").json()
     assert {w["name"] for w in listed} == {
         "bill",
+        "batch",
         "approve",
         "slow",
         "review",
@@ -790,3 +792,51 @@ def test_tenant_keys_see_only_their_own_letters_switches_audit_schedules_and_rea
     assert http.get(one, headers=t.as_("acme_monitor")).json()["reason"] == "[withheld]"
     listed = http.get("/v1/approvals?status=all", headers=t.as_("acme_monitor")).json()
     assert [r["reason"] for r in listed] == ["[withheld]"]
+
+
+def test_a_child_run_is_reached_by_its_links_in_the_api_and_the_console(server: Server) -> None:
+    """A child's id holds a slash (``parent/1``); before, every route of such a run was a
+    route 404 (its own ``links.self`` too) and the console's link to it 404ed."""
+    http = server.http
+    parent = http.post("/v1/workflows/batch/runs", json={"input": {"number": "C-1"}}).json()
+    done = http.get(f"{parent['links']['result']}?wait=20").json()
+    assert done["result"] == {"number": "C-1", "total": 100}, done
+    history = http.get(parent["links"]["history"]).json()["events"]
+    child_id = next(e["data"]["child_run_id"] for e in history if e["type"] == "ChildStarted")
+    assert child_id == f"{parent['id']}/1"
+    listed = http.get("/v1/runs", params={"workflow": "bill"}).json()["runs"]
+    child = next(r for r in listed if r["id"] == child_id)
+    for url in (child["links"]["self"], f"/v1/runs/{child_id}"):  # %2F or a plain slash
+        got = http.get(url)
+        assert got.status_code == 200, (url, got.text)
+        assert got.json()["id"] == child_id and got.json()["parent_run_id"] == parent["id"]
+    result = http.get(child["links"]["result"]).json()
+    assert result["id"] == child_id and result["result"] == {"number": "C-1", "total": 100}
+    assert http.get(child["links"]["history"]).json()["run_id"] == child_id
+    assert "WorkflowCompleted" in http.get(child["links"]["events"]).text
+    assert http.get(f"/v1/runs/{child_id}/audit").status_code == 200
+    assert http.get(f"/v1/runs/{child_id}/webhooks").json() == []
+    # a suffix route still wins over a longer run id: a signal to the (ended) child
+    ended = http.post(f"/v1/runs/{child_id}/signals/go", json={})
+    assert ended.status_code == 409 and "finished" in ended.json()["detail"], ended.text
+    cancel = http.post(f"{child['links']['self']}/cancel", json={})
+    assert cancel.status_code in (202, 409) and child_id in cancel.text, cancel.text
+    assert http.get(f"/v1/runs/{child_id}/nope").status_code == 404
+    # the console: the parent's page links the child, whose page shows it
+    page = http.get(f"/runs/{parent['id']}")
+    assert page.status_code == 200 and f'href="/runs/{child_id}"' in page.text
+    child_page = http.get(f"/runs/{child_id}")
+    assert child_page.status_code == 200 and "C-1" in child_page.text
+    assert f'Parent: <a href="/runs/{parent["id"]}">' in child_page.text
+    csrf = re.search(r'name="csrf" value="([^"]+)"', child_page.text)
+    assert csrf is not None
+    acted = http.post(
+        f"/runs/{child_id}/act",
+        data={"csrf": csrf.group(1), "action": "cancel"},
+        follow_redirects=False,
+    )
+    assert acted.status_code in (303, 409), acted.text  # the child's action, not a miss
+    if acted.status_code == 303:
+        assert acted.headers["location"].startswith(f"/runs/{child_id}?")
+    else:
+        assert child_id in acted.json()["detail"]

@@ -332,12 +332,12 @@ def create_api(
             for wf in startable
         ]
 
-    @api.get("/v1/runs/{run_id}", summary="A run's status resource", response_model=RunView)
+    @api.get("/v1/runs/{run_id:path}", summary="A run's status resource", response_model=RunView)
     async def get_run(run_id: str, request: Request) -> RunView:
         return run_view(await visible(request, run_id), shows(request))
 
     @api.get(
-        "/v1/runs/{run_id}/result",
+        "/v1/runs/{run_id:path}/result",
         summary="Wait up to `wait` seconds for the run's outcome (202 + Retry-After if not yet)",
         response_model=ResultView,
         responses={202: {"description": "still running: ask again after Retry-After"}},
@@ -363,7 +363,9 @@ def create_api(
         return ResultView(id=info.run_id, status=view.status, result=view.result, error=view.error)
 
     @api.get(
-        "/v1/runs/{run_id}/history", summary="A run's events, paged", response_model=HistoryPage
+        "/v1/runs/{run_id:path}/history",
+        summary="A run's events, paged",
+        response_model=HistoryPage,
     )
     async def get_history(
         run_id: str,
@@ -418,7 +420,7 @@ def create_api(
         return RunPage(runs=[run_view(i, shows(request)) for i in page], next_cursor=nxt)
 
     @api.get(
-        "/v1/runs/{run_id}/events",
+        "/v1/runs/{run_id:path}/events",
         summary="A run's events as Server-Sent Events (resumable with Last-Event-ID)",
         response_class=StreamingResponse,
     )
@@ -438,7 +440,7 @@ def create_api(
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
-    @api.post("/v1/runs/{run_id}/signals/{name}", status_code=202, summary="Send a signal")
+    @api.post("/v1/runs/{run_id:path}/signals/{name}", status_code=202, summary="Send a signal")
     async def send_signal(
         run_id: str, name: str, request: Request, payload: Annotated[Any, Body()] = None
     ) -> dict[str, Any]:
@@ -461,7 +463,7 @@ def create_api(
         _add_action(api, app, action, role, visible, may, audit)
 
     @api.post(
-        "/v1/runs/{run_id}/fork",
+        "/v1/runs/{run_id:path}/fork",
         status_code=202,
         summary="Start a new run reusing a run's first recorded steps, the rest with today's code",
     )
@@ -538,7 +540,7 @@ def create_api(
         return {"approval_id": approval_id, "accepted": True, "links": links(review.run_id)}
 
     @api.post(
-        "/v1/runs/{run_id}/retry",
+        "/v1/runs/{run_id:path}/retry",
         status_code=202,
         summary="Retry a failed run from its failed step",
     )
@@ -589,14 +591,16 @@ def create_api(
         unbound(request, "reading the audit log")
         return await app.audit_log(target=target, limit=limit)
 
-    @api.get("/v1/runs/{run_id}/audit", summary="Who started and acted on the run, oldest first")
+    @api.get(
+        "/v1/runs/{run_id:path}/audit", summary="Who started and acted on the run, oldest first"
+    )
     async def run_audit(run_id: str, request: Request) -> list[dict[str, Any]]:
         may(request, "read", "reading a run's audit trail")
         await visible(request, run_id, follow=False)
         return await app.audit(run_id)
 
     @api.get(
-        "/v1/runs/{run_id}/webhooks",
+        "/v1/runs/{run_id:path}/webhooks",
         summary="The run's webhook deliveries: state, attempts, last error",
     )
     async def run_webhooks(run_id: str, request: Request) -> list[dict[str, Any]]:
@@ -647,7 +651,21 @@ def create_api(
         await audit(request, "replay dead letter", f"run:{letter.run_id}", {"letter": letter_id})
         return {"id": letter_id, "replayed": True, "outcome": jsonable_encoder(outcome)}
 
+    longest_suffix_first(api, "/v1/runs/{run_id:path}")
+    longest_suffix_first(api, "/runs/{run_id:path}")  # the console's
     return api
+
+
+def longest_suffix_first(api: FastAPI, prefix: str) -> None:
+    """Order the routes under ``prefix`` (a ``{run_id:path}``: a child's id holds a
+    slash, ``parent/1``) so that the one with the most segments after the run id is
+    tried first: ``/v1/runs/a/1/history`` is run ``a/1``'s history, not run
+    ``a/1/history``, and ``/signals/{name}`` wins over a one-segment suffix."""
+    routes = api.router.routes
+    places = [i for i, r in enumerate(routes) if getattr(r, "path", "").startswith(prefix)]
+    ordered = sorted((routes[i] for i in places), key=lambda r: -getattr(r, "path", "").count("/"))
+    for i, route in zip(places, ordered, strict=True):
+        routes[i] = route
 
 
 def _shown(item: dict[str, Any], payloads: bool, *keys: str) -> dict[str, Any]:
@@ -811,7 +829,7 @@ def _add_action(
         return run_view(await app.get(run_id))
 
     api.add_api_route(
-        f"/v1/runs/{{run_id}}/{action}",
+        f"/v1/runs/{{run_id:path}}/{action}",
         act,
         methods=["POST"],
         status_code=202,

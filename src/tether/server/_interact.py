@@ -46,13 +46,13 @@ def install_interactions(
 ) -> None:
     """Add the routes above to ``api``."""
 
-    @api.post("/v1/runs/{run_id}/queries/{name}", summary="Ask a run's query handler")
+    @api.post("/v1/runs/{run_id:path}/queries/{name}", summary="Ask a run's query handler")
     async def query(run_id: str, name: str, body: ArgsBody, request: Request) -> dict[str, Any]:
         may(request, "read", "query")
         info = await visible(request, run_id)
         return {"id": info.run_id, "result": await app.query(info.run_id, name, *body.args)}
 
-    @api.post("/v1/runs/{run_id}/updates/{name}", summary="Run an update in a run")
+    @api.post("/v1/runs/{run_id:path}/updates/{name}", summary="Run an update in a run")
     async def update(run_id: str, name: str, body: ArgsBody, request: Request) -> Any:
         may(request, "operate", "update")
         info = await visible(request, run_id)

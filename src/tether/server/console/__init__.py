@@ -14,7 +14,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any
-from urllib.parse import parse_qs, urlencode
+from urllib.parse import parse_qs, quote, urlencode
 
 from fastapi import FastAPI, Request
 from fastapi import Path as PathParam
@@ -169,7 +169,7 @@ def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
         if q:
             try:
                 info = await visible(principal, q.strip())
-                return RedirectResponse(f"/runs/{info.run_id}", 303)
+                return RedirectResponse(f"/runs/{quote(info.run_id, safe='/@:')}", 303)
             except TetherError:
                 pass
         before = None
@@ -240,7 +240,7 @@ def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
-    @api.get("/runs/{run_id}", include_in_schema=False)
+    @api.get("/runs/{run_id:path}", include_in_schema=False)
     async def run_detail(
         request: Request, run_id: str, partial: bool = False, before: int | None = None
     ) -> Response:
@@ -278,7 +278,7 @@ def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
         name = "_run_live.html" if partial else "run.html"
         return page(request, name, principal, **ctx)
 
-    @api.post("/runs/{run_id}/act", include_in_schema=False)
+    @api.post("/runs/{run_id:path}/act", include_in_schema=False)
     async def act(request: Request, run_id: str) -> Response:
         principal = await who(request)
         fields = await form(request)
@@ -296,7 +296,7 @@ def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
         await audit(principal, action, f"run:{info.run_id}", {"reason": fields.get("reason")})
         return _back(run_id, f"{action} requested by {actor(principal)}")
 
-    @api.post("/runs/{run_id}/signal", include_in_schema=False)
+    @api.post("/runs/{run_id:path}/signal", include_in_schema=False)
     async def signal(request: Request, run_id: str) -> Response:
         principal = await who(request)
         fields = await form(request)
@@ -314,7 +314,7 @@ def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
         await audit(principal, "signal", f"run:{info.run_id}", {"signal": name})
         return _back(run_id, f"signal {name!r} sent by {actor(principal)}")
 
-    @api.post("/runs/{run_id}/fork", include_in_schema=False)
+    @api.post("/runs/{run_id:path}/fork", include_in_schema=False)
     async def fork(request: Request, run_id: str) -> Response:
         principal = await who(request)
         fields = await form(request)
@@ -469,7 +469,8 @@ def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
 
 
 def _back(run_id: str, message: str) -> Response:
-    return RedirectResponse(f"/runs/{run_id}?{urlencode({'message': message})}", 303)
+    where = quote(run_id, safe="/@:")  # a child's id holds a slash: kept, the route takes it
+    return RedirectResponse(f"/runs/{where}?{urlencode({'message': message})}", 303)
 
 
 def _pairs(text: str | None) -> dict[str, str]:
