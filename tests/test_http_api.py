@@ -840,3 +840,21 @@ def test_a_child_run_is_reached_by_its_links_in_the_api_and_the_console(server: 
         assert acted.headers["location"].startswith(f"/runs/{child_id}?")
     else:
         assert child_id in acted.json()["detail"]
+
+
+def test_odd_headers_cursors_and_form_bodies_are_4xx_not_500(server: Server) -> None:
+    """A Last-Event-ID that str.isdigit() takes but int() refuses, a console cursor that
+    is not one it gave out, and a sign-in or sign-out form that is not UTF-8 were 500s."""
+    http = server.http
+    run = http.post("/v1/workflows/bill/runs", json=INVOICE).json()
+    http.get(f"{run['links']['result']}?wait=20")
+    odd = http.get(run["links"]["events"], headers={"Last-Event-ID": b"\xb2"})  # ² in Latin-1
+    assert odd.status_code == 400, odd.text
+    assert "Last-Event-ID" in odd.json()["detail"]
+    page = http.get("/runs", params={"cursor": "garbage"})
+    assert page.status_code == 200 and "not one this page gave out" in page.text
+    form = {"Content-Type": "application/x-www-form-urlencoded"}
+    for path in ("/login", "/logout"):
+        bad = http.post(path, content=b"key=\xff\xfe", headers=form)
+        assert bad.status_code == 400, (path, bad.status_code, bad.text)
+        assert "UTF-8" in bad.text

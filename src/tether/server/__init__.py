@@ -432,7 +432,12 @@ def create_api(
     ) -> StreamingResponse:
         info = await visible(request, run_id, follow=False)  # 404 before the stream starts
         start = after
-        if last_event_id and last_event_id.isdigit():
+        if last_event_id:
+            if not (last_event_id.isascii() and last_event_id.isdigit()):
+                raise ConfigurationError(
+                    f"Last-Event-ID {last_event_id[:40]!r} is not an event's id (a seq, "
+                    "0-9 only): send back the id of the last event received"
+                )
             start = min(int(last_event_id), INT64_MAX)  # a resumed stream's last seq
         return StreamingResponse(
             hub.stream(info.run_id, start, request, shows(request)),

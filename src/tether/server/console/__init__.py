@@ -80,7 +80,7 @@ def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
 
     async def form(request: Request) -> dict[str, str]:
         """An urlencoded form (no multipart parser needed), CSRF checked."""
-        fields = {k: v[-1] for k, v in parse_qs((await request.body()).decode()).items()}
+        fields = await _fields(request)
         check_csrf(request, fields.get("csrf"))
         return fields
 
@@ -104,7 +104,7 @@ def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
 
     @api.post("/login", include_in_schema=False)
     async def login(request: Request) -> Response:
-        fields = {k: v[-1] for k, v in parse_qs((await request.body()).decode()).items()}
+        fields = await _fields(request)
         key, nxt = fields.get("key", "").strip(), fields.get("next", "/")
         if not nxt.startswith("/") or nxt.startswith("//"):
             nxt = "/"  # never redirect off this site
@@ -173,12 +173,18 @@ def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
             except TetherError:
                 pass
         before = None
-        if cursor:
-            created, _, rid = cursor.partition("|")
-            before = (float(created), rid)
         infos: list[RunInfo] = []
         problem = None
         try:
+            if cursor:
+                created, _, rid = cursor.partition("|")
+                try:
+                    before = (float(created), rid)
+                except ValueError:
+                    raise ValueError(
+                        f"cursor {cursor[:40]!r} is not one this page gave out: "
+                        "follow its 'older runs' link"
+                    ) from None
             infos = await app.list(
                 workflow=workflow or None,
                 status=RunStatus(status) if status else None,
@@ -466,6 +472,17 @@ def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
         except Exception as exc:  # the replay's own failure is the operator's answer
             message = f"replay of dead letter {letter_id} failed: {type(exc).__name__}: {exc}"
         return _back(letters[0].run_id, message)
+
+
+async def _fields(request: Request) -> dict[str, str]:
+    """An urlencoded form's fields (400 when the body is not UTF-8)."""
+    try:
+        text = (await request.body()).decode()
+    except UnicodeDecodeError:
+        raise AuthError(
+            400, "Malformed form", "the form's body is not UTF-8 urlencoded text"
+        ) from None
+    return {k: v[-1] for k, v in parse_qs(text).items()}
 
 
 def _back(run_id: str, message: str) -> Response:
