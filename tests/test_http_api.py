@@ -324,6 +324,8 @@ def test_approvals_are_listed_and_decided_over_http(server: Server) -> None:
     review = listed[0]
     assert review["run_id"] == run["id"] and review["proposal"] == {"title": "Q3"}
     assert http.get("/v1/approvals", params={"approver": "bo"}).json() == []
+    bogus = http.get("/v1/approvals", params={"status": "bogus"})
+    assert bogus.status_code == 400 and "expired_rejected" in bogus.json()["detail"]
     one = http.get(f"/v1/approvals/{review['approval_id']}").json()
     assert one["fingerprint"] == review["fingerprint"]
     assert http.get("/v1/approvals/nope:1").status_code == 404

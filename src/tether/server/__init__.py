@@ -504,6 +504,11 @@ def create_api(
         run_id: str | None = None,
         limit: Annotated[int, Query(ge=1, le=500)] = 100,
     ) -> list[dict[str, Any]]:
+        if status not in _REVIEW_STATUSES:
+            raise ConfigurationError(
+                f"status {status[:40]!r} is not a review's status: one of "
+                + ", ".join(_REVIEW_STATUSES)
+            )
         reviews = await app.approvals(
             status=None if status == "all" else status,
             approver=approver,
@@ -671,6 +676,18 @@ def longest_suffix_first(api: FastAPI, prefix: str) -> None:
     ordered = sorted((routes[i] for i in places), key=lambda r: -getattr(r, "path", "").count("/"))
     for i, route in zip(places, ordered, strict=True):
         routes[i] = route
+
+
+#: what ``GET /v1/approvals?status=`` takes (``all``: every review)
+_REVIEW_STATUSES = (
+    "open",
+    "approved",
+    "rejected",
+    "expired_rejected",
+    "expired_approved",
+    "closed",
+    "all",
+)
 
 
 def _shown(item: dict[str, Any], payloads: bool, *keys: str) -> dict[str, Any]:
