@@ -57,6 +57,12 @@ async def fragile(flag: str) -> str:
 
 
 @app.workflow
+async def batch(number: str) -> dict[str, int | str]:
+    """Bills one invoice in a child run (its id: ``<this run's id>/1``)."""
+    return await bill(Invoice(number=number, cents=100), 0.0)
+
+
+@app.workflow
 async def counted(items: int) -> int:
     """Reports progress by item."""
     for i in range(items):

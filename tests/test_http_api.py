@@ -4,6 +4,7 @@ a real socket, on both stores."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -171,6 +172,7 @@ def test_openapi_shows_each_workflows_input_schema(server: Server) -> None:
     listed = server.http.get("/v1/workflows").json()
     assert {w["name"] for w in listed} == {
         "bill",
+        "batch",
         "approve",
         "slow",
         "review",
@@ -322,6 +324,8 @@ def test_approvals_are_listed_and_decided_over_http(server: Server) -> None:
     review = listed[0]
     assert review["run_id"] == run["id"] and review["proposal"] == {"title": "Q3"}
     assert http.get("/v1/approvals", params={"approver": "bo"}).json() == []
+    bogus = http.get("/v1/approvals", params={"status": "bogus"})
+    assert bogus.status_code == 400 and "expired_rejected" in bogus.json()["detail"]
     one = http.get(f"/v1/approvals/{review['approval_id']}").json()
     assert one["fingerprint"] == review["fingerprint"]
     assert http.get("/v1/approvals/nope:1").status_code == 404
@@ -558,3 +562,304 @@ async def test_a_stream_sends_the_events_committed_between_its_read_and_the_run_
         "event: ActivityCompleted",
         "event: WorkflowCompleted",
     ]
+
+
+class Tenants:
+    """A ``tether serve`` with keys: acme (operate, read, monitor), globex (operate, and
+    an admin bound to globex), and an unbound admin."""
+
+    def __init__(self, store: str) -> None:
+        import tether
+
+        tether.App(store=store).store.close_sync()  # type: ignore[attr-defined]  # the store
+        self.store = store
+        self.keys = {
+            "acme": _create_key(store, "--role", "operate", "--tenant", "acme"),
+            "acme_read": _create_key(store, "--role", "read", "--tenant", "acme"),
+            "acme_monitor": _create_key(store, "--role", "monitor", "--tenant", "acme"),
+            "globex": _create_key(store, "--role", "operate", "--tenant", "globex"),
+            "globex_admin": _create_key(store, "--role", "admin", "--tenant", "globex"),
+            "admin": _create_key(store, "--role", "admin"),
+        }
+        self.server = Server(store, "--workers", "1")
+        self.http = self.server.http
+
+    def as_(self, who: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.keys[who]}"}
+
+    def start(self, who: str, workflow: str, body: dict[str, Any], **headers: str) -> Any:
+        return self.http.post(
+            f"/v1/workflows/{workflow}/runs", json=body, headers={**self.as_(who), **headers}
+        )
+
+
+@pytest.fixture
+def tenants(store_url: str) -> Iterator[Tenants]:
+    t = Tenants(store_url)
+    yield t
+    t.server.stop()
+
+
+def test_a_start_never_reaches_or_reveals_another_tenants_run(tenants: Tenants) -> None:
+    """A tenant's key starting with another tenant's run id (or Idempotency-Key) neither
+    signals that run nor learns its status, tenant or workflow; before, signal-with-start
+    delivered the signal and answered 200 with the run's status."""
+    t = tenants
+    acme = t.start("acme", "approve", {"input": {"doc": "private"}, "run_id": "job-1"})
+    assert acme.status_code == 202, acme.text
+    for extra in (
+        {"if_running": "signal", "signal": {"name": "review", "payload": {"verdict": "x"}}},
+        {"if_running": "return"},
+        {"if_running": "reject"},
+        {},
+    ):
+        body = {"input": {"doc": "private"}, "run_id": "job-1", **extra}
+        clash = t.start("globex", "approve", body)
+        assert clash.status_code == 409, (extra, clash.text)
+        detail = clash.json()["detail"]
+        assert "acme" not in detail and "approve" not in detail and "private" not in detail
+        assert "job-1" in detail
+        other_wf = t.start("globex", "bill", {**INVOICE, "run_id": "job-1", **extra})
+        if other_wf.status_code != 422:  # bill has no signal named review: still a clash
+            assert other_wf.status_code == 409, other_wf.text
+            assert "approve" not in other_wf.json()["detail"]
+            assert "acme" not in other_wf.json()["detail"]
+    # nothing reached acme's run: it still waits for its review
+    history = t.http.get("/v1/runs/job-1/history", headers=t.as_("acme")).json()["events"]
+    assert not any(e["type"] == "SignalReceived" for e in history), history
+    assert t.http.get("/v1/runs/job-1", headers=t.as_("acme")).json()["status"] != "completed"
+    # acme's own signal-with-start still reaches it; the admin still learns what clashed
+    own = t.start(
+        "acme",
+        "approve",
+        {
+            "input": {"doc": "private"},
+            "run_id": "job-1",
+            "if_running": "signal",
+            "signal": {"name": "review", "payload": {"verdict": "ok"}},
+        },
+    )
+    assert own.status_code == 200, own.text
+    done = t.http.get("/v1/runs/job-1/result?wait=20", headers=t.as_("acme")).json()
+    assert done["result"] == "private: ok"
+    admin = t.start("admin", "bill", {**INVOICE, "run_id": "job-1"})
+    assert admin.status_code == 409 and "approve" in admin.json()["detail"]
+    # Idempotency-Keys are per tenant: the same key makes each tenant its own run
+    key = {"Idempotency-Key": "order-9"}
+    first = t.start("acme", "bill", INVOICE, **key)
+    again = t.start("acme", "bill", INVOICE, **key)
+    assert first.status_code == 202 and again.status_code == 200
+    assert again.json()["id"] == first.json()["id"]
+    theirs = t.start("globex", "bill", INVOICE, **key)
+    assert theirs.status_code == 202, theirs.text
+    assert theirs.json()["id"] != first.json()["id"]
+    other = t.start("globex", "bill", {"input": {"invoice": {"number": "B", "cents": 1}}}, **key)
+    assert other.status_code == 409 and first.json()["id"] not in other.json()["detail"]
+    assert "acme" not in other.json()["detail"]
+    # a run without a tenant keeps the id its key always gave (runs started before)
+    from tether.server import _idempotent_run_id
+
+    untenanted = t.start("admin", "bill", INVOICE, **key)
+    assert untenanted.json()["id"] == _idempotent_run_id("bill", "order-9", None)
+    assert (
+        untenanted.json()["id"]
+        == "idem-" + __import__("hashlib").sha256(b"bill\0order-9").hexdigest()[:32]
+    )
+
+
+def _wait_until(check: Any, what: str, seconds: float = 20) -> Any:
+    deadline = time.monotonic() + seconds
+    while not (value := check()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+    return value
+
+
+def test_tenant_keys_see_only_their_own_letters_switches_audit_schedules_and_reasons(
+    tenants: Tenants, tmp_path: Path
+) -> None:
+    """What belongs to no tenant (switches, the global audit log, schedules, entities) is
+    for admin keys bound to no tenant; another tenant's dead letter is as missing as one
+    that never was; a monitor key never sees a review's free-text reason. Before, tenant
+    keys read the global audit log and every tenant's switch reasons, steered schedules,
+    and learnt another tenant's run id from a dead letter's 404."""
+    t, http = tenants, tenants.http
+    flag = tmp_path / "flag"
+    flag.write_text("up")
+    run = t.start("acme", "fragile", {"input": {"flag": str(flag)}}).json()
+    failed = http.get(f"{run['links']['result']}?wait=20", headers=t.as_("acme")).json()
+    assert failed["status"] == "failed"
+    letter = http.get(f"/v1/dead-letters?run_id={run['id']}", headers=t.as_("acme")).json()[0]
+    missing = http.get("/v1/dead-letters/999999", headers=t.as_("globex"))
+    for r in (
+        http.get(f"/v1/dead-letters/{letter['id']}", headers=t.as_("globex")),
+        http.post(f"/v1/dead-letters/{letter['id']}/replay", headers=t.as_("globex")),
+    ):
+        assert r.status_code == 404 and r.json()["title"] == missing.json()["title"]
+        assert run["id"] not in r.text
+        assert r.json()["detail"] == missing.json()["detail"].replace("999999", str(letter["id"]))
+    assert http.get(f"/v1/dead-letters/{letter['id']}", headers=t.as_("acme")).status_code == 200
+    # switches: each tenant's key sees its own tenant's switch only; flipping is global
+    for tenant in ("acme", "initech"):
+        off = http.put(
+            f"/v1/switches/tenant/{tenant}",
+            json={"reason": f"{tenant} unpaid invoice"},
+            headers=t.as_("admin"),
+        )
+        assert off.status_code == 200, off.text
+    assert {s["name"] for s in http.get("/v1/switches", headers=t.as_("admin")).json()} == {
+        "acme",
+        "initech",
+    }
+    seen = http.get("/v1/switches", headers=t.as_("acme_read")).json()
+    assert [(s["name"], s["reason"]) for s in seen] == [("acme", "acme unpaid invoice")]
+    bare = http.get("/v1/switches", headers=t.as_("acme_monitor")).json()
+    assert [(s["name"], s["reason"]) for s in bare] == [("acme", "[withheld]")]
+    assert http.get("/v1/switches", headers=t.as_("globex")).json() == []
+    for who in ("acme", "globex_admin"):
+        for method, path in (
+            ("PUT", "/v1/switches/tenant/acme"),
+            ("DELETE", "/v1/switches/tenant/initech"),
+            ("PUT", "/v1/switches/tenant/globex"),
+            ("GET", "/v1/audit"),
+        ):
+            refused = http.request(method, path, json={}, headers=t.as_(who))
+            assert refused.status_code == 403, (who, path, refused.text)
+    assert "not bound to a tenant" in refused.json()["detail"]
+    audit = http.get("/v1/audit", headers=t.as_("admin"))
+    assert audit.status_code == 200 and "unpaid" in audit.text
+    for tenant in ("acme", "initech"):
+        http.delete(f"/v1/switches/tenant/{tenant}", headers=t.as_("admin"))
+    # the console's switches page: the same rule (no global audit log for a tenant key)
+    with httpx.Client(base_url=str(http.base_url), timeout=30) as console:
+        assert console.post("/login", data={"key": t.keys["acme"]}).status_code in (200, 303)
+        page = console.get("/switches")
+        assert page.status_code == 200 and "initech" not in page.text
+    # schedules belong to no tenant: admin keys bound to no tenant
+    created = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tether.cli",
+            "schedules",
+            "create",
+            "nightly",
+            "serve_app:app",
+            "bill",
+            '{"number": "S-1", "cents": 5}',
+            "0.1",
+            "--cron",
+            "0 2 * * *",
+        ],
+        cwd=HERE,
+        env={
+            **os.environ,
+            "TETHER_TEST_STORE": t.store,
+            "PYTHONPATH": f"{HERE.parent / 'src'}{os.pathsep}{HERE}",
+        },
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert created.returncode == 0, created.stderr
+    for who in ("acme_read", "acme", "globex_admin"):
+        for method, path in (
+            ("GET", "/v1/schedules"),
+            ("GET", "/v1/schedules/nightly"),
+            ("POST", "/v1/schedules/nightly/pause"),
+            ("POST", "/v1/schedules/nightly/trigger"),
+            ("GET", "/v1/entities/Tally"),
+        ):
+            refused = http.request(method, path, headers=t.as_(who))
+            assert refused.status_code == 403, (who, path, refused.text)
+            assert "S-1" not in refused.text
+    assert http.get("/v1/schedules/nightly", headers=t.as_("admin")).json()["paused"] is False
+    assert http.post("/v1/schedules/nightly/pause", headers=t.as_("admin")).status_code == 200
+    # a review's free-text reason is withheld from a monitor key, like its proposal
+    review = t.start("acme", "review", {"input": {"title": "Q3"}}).json()
+    opened = _wait_until(
+        lambda: http.get("/v1/approvals", headers=t.as_("acme")).json(), "the review"
+    )[0]
+    decided = http.post(
+        f"/v1/approvals/{opened['approval_id']}/decision",
+        json={
+            "approve": False,
+            "by": "ann",
+            "fingerprint": opened["fingerprint"],
+            "reason": "private: budget cut",
+        },
+        headers=t.as_("acme"),
+    )
+    assert decided.status_code == 202, decided.text
+    http.get(f"{review['links']['result']}?wait=20", headers=t.as_("acme"))
+    one = f"/v1/approvals/{opened['approval_id']}"
+    assert http.get(one, headers=t.as_("acme_read")).json()["reason"] == "private: budget cut"
+    assert http.get(one, headers=t.as_("acme_monitor")).json()["reason"] == "[withheld]"
+    listed = http.get("/v1/approvals?status=all", headers=t.as_("acme_monitor")).json()
+    assert [r["reason"] for r in listed] == ["[withheld]"]
+
+
+def test_a_child_run_is_reached_by_its_links_in_the_api_and_the_console(server: Server) -> None:
+    """A child's id holds a slash (``parent/1``); before, every route of such a run was a
+    route 404 (its own ``links.self`` too) and the console's link to it 404ed."""
+    http = server.http
+    parent = http.post("/v1/workflows/batch/runs", json={"input": {"number": "C-1"}}).json()
+    done = http.get(f"{parent['links']['result']}?wait=20").json()
+    assert done["result"] == {"number": "C-1", "total": 100}, done
+    history = http.get(parent["links"]["history"]).json()["events"]
+    child_id = next(e["data"]["child_run_id"] for e in history if e["type"] == "ChildStarted")
+    assert child_id == f"{parent['id']}/1"
+    listed = http.get("/v1/runs", params={"workflow": "bill"}).json()["runs"]
+    child = next(r for r in listed if r["id"] == child_id)
+    for url in (child["links"]["self"], f"/v1/runs/{child_id}"):  # %2F or a plain slash
+        got = http.get(url)
+        assert got.status_code == 200, (url, got.text)
+        assert got.json()["id"] == child_id and got.json()["parent_run_id"] == parent["id"]
+    result = http.get(child["links"]["result"]).json()
+    assert result["id"] == child_id and result["result"] == {"number": "C-1", "total": 100}
+    assert http.get(child["links"]["history"]).json()["run_id"] == child_id
+    assert "WorkflowCompleted" in http.get(child["links"]["events"]).text
+    assert http.get(f"/v1/runs/{child_id}/audit").status_code == 200
+    assert http.get(f"/v1/runs/{child_id}/webhooks").json() == []
+    # a suffix route still wins over a longer run id: a signal to the (ended) child
+    ended = http.post(f"/v1/runs/{child_id}/signals/go", json={})
+    assert ended.status_code == 409 and "finished" in ended.json()["detail"], ended.text
+    cancel = http.post(f"{child['links']['self']}/cancel", json={})
+    assert cancel.status_code in (202, 409) and child_id in cancel.text, cancel.text
+    assert http.get(f"/v1/runs/{child_id}/nope").status_code == 404
+    # the console: the parent's page links the child, whose page shows it
+    page = http.get(f"/runs/{parent['id']}")
+    assert page.status_code == 200 and f'href="/runs/{child_id}"' in page.text
+    child_page = http.get(f"/runs/{child_id}")
+    assert child_page.status_code == 200 and "C-1" in child_page.text
+    assert f'Parent: <a href="/runs/{parent["id"]}">' in child_page.text
+    csrf = re.search(r'name="csrf" value="([^"]+)"', child_page.text)
+    assert csrf is not None
+    acted = http.post(
+        f"/runs/{child_id}/act",
+        data={"csrf": csrf.group(1), "action": "cancel"},
+        follow_redirects=False,
+    )
+    assert acted.status_code in (303, 409), acted.text  # the child's action, not a miss
+    if acted.status_code == 303:
+        assert acted.headers["location"].startswith(f"/runs/{child_id}?")
+    else:
+        assert child_id in acted.json()["detail"]
+
+
+def test_odd_headers_cursors_and_form_bodies_are_4xx_not_500(server: Server) -> None:
+    """A Last-Event-ID that str.isdigit() takes but int() refuses, a console cursor that
+    is not one it gave out, and a sign-in or sign-out form that is not UTF-8 were 500s."""
+    http = server.http
+    run = http.post("/v1/workflows/bill/runs", json=INVOICE).json()
+    http.get(f"{run['links']['result']}?wait=20")
+    odd = http.get(run["links"]["events"], headers={"Last-Event-ID": b"\xb2"})  # ² in Latin-1
+    assert odd.status_code == 400, odd.text
+    assert "Last-Event-ID" in odd.json()["detail"]
+    page = http.get("/runs", params={"cursor": "garbage"})
+    assert page.status_code == 200 and "not one this page gave out" in page.text
+    form = {"Content-Type": "application/x-www-form-urlencoded"}
+    for path in ("/login", "/logout"):
+        bad = http.post(path, content=b"key=\xff\xfe", headers=form)
+        assert bad.status_code == 400, (path, bad.status_code, bad.text)
+        assert "UTF-8" in bad.text

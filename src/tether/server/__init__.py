@@ -77,9 +77,11 @@ MAX_WAIT = 60.0
 MAX_BODY = 4 * 1024 * 1024
 
 
-def _idempotent_run_id(workflow: str, key: str) -> str:
-    """The run id an ``Idempotency-Key`` stands for (per workflow)."""
-    digest = hashlib.sha256(f"{workflow}\0{key}".encode()).hexdigest()[:32]
+def _idempotent_run_id(workflow: str, key: str, tenant: str | None) -> str:
+    """The run id an ``Idempotency-Key`` stands for (per workflow and tenant: each
+    tenant has its own keys). Without a tenant, the id keys were always given."""
+    basis = f"{workflow}\0{key}" if tenant is None else f"{workflow}\0{key}\0tenant:{tenant}"
+    digest = hashlib.sha256(basis.encode()).hexdigest()[:32]
     return f"idem-{digest}"
 
 
@@ -190,6 +192,19 @@ def create_api(
         principal: Principal | None = request.state.principal
         if principal is not None:
             principal.require(role, action)
+        return principal
+
+    def unbound(request: Request, action: str) -> Principal | None:
+        """The caller, if it is an admin key bound to no tenant (403 otherwise): what
+        belongs to no tenant (switches, the global audit log, schedules, entities)."""
+        principal = may(request, "admin", action)
+        if principal is not None and principal.tenant is not None:
+            raise AuthError(
+                403,
+                "Admin key for every tenant required",
+                f"{action} needs an admin key not bound to a tenant "
+                f"(this key acts for {principal.tenant!r})",
+            )
         return principal
 
     def shows(request: Request) -> bool:
@@ -319,12 +334,12 @@ def create_api(
             for wf in startable
         ]
 
-    @api.get("/v1/runs/{run_id}", summary="A run's status resource", response_model=RunView)
+    @api.get("/v1/runs/{run_id:path}", summary="A run's status resource", response_model=RunView)
     async def get_run(run_id: str, request: Request) -> RunView:
         return run_view(await visible(request, run_id), shows(request))
 
     @api.get(
-        "/v1/runs/{run_id}/result",
+        "/v1/runs/{run_id:path}/result",
         summary="Wait up to `wait` seconds for the run's outcome (202 + Retry-After if not yet)",
         response_model=ResultView,
         responses={202: {"description": "still running: ask again after Retry-After"}},
@@ -350,7 +365,9 @@ def create_api(
         return ResultView(id=info.run_id, status=view.status, result=view.result, error=view.error)
 
     @api.get(
-        "/v1/runs/{run_id}/history", summary="A run's events, paged", response_model=HistoryPage
+        "/v1/runs/{run_id:path}/history",
+        summary="A run's events, paged",
+        response_model=HistoryPage,
     )
     async def get_history(
         run_id: str,
@@ -405,7 +422,7 @@ def create_api(
         return RunPage(runs=[run_view(i, shows(request)) for i in page], next_cursor=nxt)
 
     @api.get(
-        "/v1/runs/{run_id}/events",
+        "/v1/runs/{run_id:path}/events",
         summary="A run's events as Server-Sent Events (resumable with Last-Event-ID)",
         response_class=StreamingResponse,
     )
@@ -417,7 +434,12 @@ def create_api(
     ) -> StreamingResponse:
         info = await visible(request, run_id, follow=False)  # 404 before the stream starts
         start = after
-        if last_event_id and last_event_id.isdigit():
+        if last_event_id:
+            if not (last_event_id.isascii() and last_event_id.isdigit()):
+                raise ConfigurationError(
+                    f"Last-Event-ID {last_event_id[:40]!r} is not an event's id (a seq, "
+                    "0-9 only): send back the id of the last event received"
+                )
             start = min(int(last_event_id), INT64_MAX)  # a resumed stream's last seq
         return StreamingResponse(
             hub.stream(info.run_id, start, request, shows(request)),
@@ -425,7 +447,7 @@ def create_api(
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
-    @api.post("/v1/runs/{run_id}/signals/{name}", status_code=202, summary="Send a signal")
+    @api.post("/v1/runs/{run_id:path}/signals/{name}", status_code=202, summary="Send a signal")
     async def send_signal(
         run_id: str, name: str, request: Request, payload: Annotated[Any, Body()] = None
     ) -> dict[str, Any]:
@@ -435,7 +457,9 @@ def create_api(
         await audit(request, "signal", f"run:{run_id}", {"signal": name})
         return {"id": run_id, "signal": name, "accepted": True, "links": links(run_id)}
 
-    install_interactions(api, app, visible=visible, may=may, audit=audit, max_wait=max_wait)
+    install_interactions(
+        api, app, visible=visible, may=may, unbound=unbound, audit=audit, max_wait=max_wait
+    )
 
     for action, role in (
         ("cancel", "operate"),
@@ -446,7 +470,7 @@ def create_api(
         _add_action(api, app, action, role, visible, may, audit)
 
     @api.post(
-        "/v1/runs/{run_id}/fork",
+        "/v1/runs/{run_id:path}/fork",
         status_code=202,
         summary="Start a new run reusing a run's first recorded steps, the rest with today's code",
     )
@@ -482,6 +506,11 @@ def create_api(
         run_id: str | None = None,
         limit: Annotated[int, Query(ge=1, le=500)] = 100,
     ) -> list[dict[str, Any]]:
+        if status not in _REVIEW_STATUSES:
+            raise ConfigurationError(
+                f"status {status[:40]!r} is not a review's status: one of "
+                + ", ".join(_REVIEW_STATUSES)
+            )
         reviews = await app.approvals(
             status=None if status == "all" else status,
             approver=approver,
@@ -489,12 +518,14 @@ def create_api(
             tenant=scope(request),
             limit=limit,
         )
-        return [_shown(dataclasses.asdict(r), shows(request), "proposal") for r in reviews]
+        return [
+            _shown(dataclasses.asdict(r), shows(request), "proposal", "reason") for r in reviews
+        ]
 
     @api.get("/v1/approvals/{approval_id}", summary="One review, with its proposal and fingerprint")
     async def get_approval(approval_id: str, request: Request) -> dict[str, Any]:
         review = dataclasses.asdict(await review_of(request, approval_id))
-        return _shown(review, shows(request), "proposal")
+        return _shown(review, shows(request), "proposal", "reason")
 
     @api.post(
         "/v1/approvals/{approval_id}/decision",
@@ -521,7 +552,7 @@ def create_api(
         return {"approval_id": approval_id, "accepted": True, "links": links(review.run_id)}
 
     @api.post(
-        "/v1/runs/{run_id}/retry",
+        "/v1/runs/{run_id:path}/retry",
         status_code=202,
         summary="Retry a failed run from its failed step",
     )
@@ -532,9 +563,17 @@ def create_api(
         await audit(request, "retry", f"run:{run_id}")
         return run_view(await app.get(run_id))
 
-    @api.get("/v1/switches", summary="Kill switches that are off")
-    async def list_switches() -> list[dict[str, Any]]:
-        return await app.switches()
+    @api.get(
+        "/v1/switches",
+        summary="Kill switches that are off (a tenant's key: its own tenant's switch only)",
+    )
+    async def list_switches(request: Request) -> list[dict[str, Any]]:
+        mine = scope(request)
+        return [
+            _shown(s, shows(request), "reason")
+            for s in await app.switches()
+            if mine is None or (s["kind"] == "tenant" and s["name"] == mine)
+        ]
 
     @api.put(
         "/v1/switches/{kind}/{name}",
@@ -543,7 +582,7 @@ def create_api(
     async def switch_off(
         kind: str, name: str, request: Request, body: Reason | None = None
     ) -> dict[str, Any]:
-        principal = may(request, "admin", "switching off")
+        principal = unbound(request, "switching off")
         changed = await app.disable(
             kind, name, reason=body.reason if body else None, by=actor_of(principal, "api")
         )
@@ -551,7 +590,7 @@ def create_api(
 
     @api.delete("/v1/switches/{kind}/{name}", summary="Switch it back on (admin)")
     async def switch_on(kind: str, name: str, request: Request) -> dict[str, Any]:
-        principal = may(request, "admin", "switching on")
+        principal = unbound(request, "switching on")
         changed = await app.enable(kind, name, by=actor_of(principal, "api"))
         return {"kind": kind, "name": name, "off": False, "changed": changed}
 
@@ -561,17 +600,19 @@ def create_api(
         target: str | None = None,
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     ) -> list[dict[str, Any]]:
-        may(request, "admin", "reading the audit log")
+        unbound(request, "reading the audit log")
         return await app.audit_log(target=target, limit=limit)
 
-    @api.get("/v1/runs/{run_id}/audit", summary="Who started and acted on the run, oldest first")
+    @api.get(
+        "/v1/runs/{run_id:path}/audit", summary="Who started and acted on the run, oldest first"
+    )
     async def run_audit(run_id: str, request: Request) -> list[dict[str, Any]]:
         may(request, "read", "reading a run's audit trail")
         await visible(request, run_id, follow=False)
         return await app.audit(run_id)
 
     @api.get(
-        "/v1/runs/{run_id}/webhooks",
+        "/v1/runs/{run_id:path}/webhooks",
         summary="The run's webhook deliveries: state, attempts, last error",
     )
     async def run_webhooks(run_id: str, request: Request) -> list[dict[str, Any]]:
@@ -583,7 +624,11 @@ def create_api(
         letters = await app.dead_letters(include_resolved=True, letter_id=letter_id, limit=1)
         if not letters:
             raise DeadLetterNotFoundError(letter_id)
-        await visible(request, letters[0].run_id, follow=False)  # 404 for another tenant's
+        try:
+            await visible(request, letters[0].run_id, follow=False)
+        except (RunNotFoundError, RunPurgedError):
+            # another tenant's letter is as missing as one that never was
+            raise DeadLetterNotFoundError(letter_id) from None
         return letters[0]
 
     @api.get("/v1/dead-letters", summary="Steps and runs that exhausted their failure policy")
@@ -618,7 +663,33 @@ def create_api(
         await audit(request, "replay dead letter", f"run:{letter.run_id}", {"letter": letter_id})
         return {"id": letter_id, "replayed": True, "outcome": jsonable_encoder(outcome)}
 
+    longest_suffix_first(api, "/v1/runs/{run_id:path}")
+    longest_suffix_first(api, "/runs/{run_id:path}")  # the console's
     return api
+
+
+def longest_suffix_first(api: FastAPI, prefix: str) -> None:
+    """Order the routes under ``prefix`` (a ``{run_id:path}``: a child's id holds a
+    slash, ``parent/1``) so that the one with the most segments after the run id is
+    tried first: ``/v1/runs/a/1/history`` is run ``a/1``'s history, not run
+    ``a/1/history``, and ``/signals/{name}`` wins over a one-segment suffix."""
+    routes = api.router.routes
+    places = [i for i, r in enumerate(routes) if getattr(r, "path", "").startswith(prefix)]
+    ordered = sorted((routes[i] for i in places), key=lambda r: -getattr(r, "path", "").count("/"))
+    for i, route in zip(places, ordered, strict=True):
+        routes[i] = route
+
+
+#: what ``GET /v1/approvals?status=`` takes (``all``: every review)
+_REVIEW_STATUSES = (
+    "open",
+    "approved",
+    "rejected",
+    "expired_rejected",
+    "expired_approved",
+    "closed",
+    "all",
+)
 
 
 def _shown(item: dict[str, Any], payloads: bool, *keys: str) -> dict[str, Any]:
@@ -673,7 +744,7 @@ def _add_start_route(api: FastAPI, app: App, wf: Workflow[Any, Any], who: Any) -
         kwargs = dict(body.input)  # type: ignore[attr-defined]
         run_id = data.get("run_id")
         if run_id is None and idempotency_key:
-            run_id = _idempotent_run_id(wf.name, idempotency_key)
+            run_id = _idempotent_run_id(wf.name, idempotency_key, data.get("tenant"))
         try:
             run = await app.start(
                 wf,
@@ -688,17 +759,23 @@ def _add_start_route(api: FastAPI, app: App, wf: Workflow[Any, Any], who: Any) -
                 if data.get("signal") is None
                 else (data["signal"]["name"], data["signal"].get("payload")),
             )
-        except TetherError as exc:
-            if (
-                isinstance(exc, RunIdConflictError)
-                and idempotency_key
-                and data.get("run_id") is None
-            ):
+        except RunIdConflictError:
+            assert run_id is not None
+            if idempotency_key and data.get("run_id") is None:
                 return _problems.problem(
                     409,
                     "Idempotency-Key reused with another body",
                     f"Idempotency-Key {idempotency_key!r} already started run {run_id} of "
                     f"{wf.name!r} with other input; use a new key for new input",
+                )
+            if not await _seen_by(app, principal, run_id):
+                # another tenant's run: this key learns nothing of it (tenant, workflow,
+                # status), and nothing reaches it
+                return _problems.problem(
+                    409,
+                    "Run id already used",
+                    f"run id {run_id!r} is already used by a run this key cannot see: "
+                    "pick a new run id",
                 )
             raise
         info = run.started or await app.get(run.run_id, follow=False)
@@ -749,6 +826,17 @@ def _add_start_route(api: FastAPI, app: App, wf: Workflow[Any, Any], who: Any) -
     )
 
 
+async def _seen_by(app: App, principal: Principal | None, run_id: str) -> bool:
+    """Whether the run ``run_id`` (which exists, or did) is one ``principal`` may see."""
+    if principal is None or principal.tenant is None:
+        return True
+    try:
+        info = await app.get(run_id, follow=False)
+    except TetherError:  # purged (or gone): whose it was is not this key's to know
+        return False
+    return principal.sees(info.tenant)
+
+
 def _add_action(
     api: FastAPI, app: App, action: str, role: str, visible: Any, may: Any, audit: Any
 ) -> None:
@@ -765,7 +853,7 @@ def _add_action(
         return run_view(await app.get(run_id))
 
     api.add_api_route(
-        f"/v1/runs/{{run_id}}/{action}",
+        f"/v1/runs/{{run_id:path}}/{action}",
         act,
         methods=["POST"],
         status_code=202,

@@ -4,11 +4,13 @@
 - ``POST /v1/runs/{id}/updates/{name}`` ``{"args": [...], "timeout": 30}``: the update's
   result (operate); ``202`` when it is recorded but not applied within the wait;
 - ``POST /v1/entities/{entity}/{key}/operations/{op}`` and ``GET /v1/entities/{entity}/{key}``
-  (an entity's state), ``GET /v1/entities/{entity}`` (its keys): entities have no
-  tenant, so these need a key that sees every tenant (admin);
+  (an entity's state), ``GET /v1/entities/{entity}`` (its keys);
 - ``GET /v1/schedules``, ``GET /v1/schedules/{id}``, ``POST .../pause|resume|trigger``
-  (operate) and ``DELETE /v1/schedules/{id}`` (admin). Schedules are declared in code
-  or with ``tether schedules create``.
+  and ``DELETE /v1/schedules/{id}``. Schedules are declared in code or with
+  ``tether schedules create``.
+
+Entities and schedules belong to no tenant, so their routes need an admin key bound to
+no tenant (``unbound``).
 """
 
 from __future__ import annotations
@@ -33,17 +35,24 @@ class ArgsBody(BaseModel):
 
 
 def install_interactions(
-    api: FastAPI, app: App, *, visible: Any, may: Any, audit: Any, max_wait: float
+    api: FastAPI,
+    app: App,
+    *,
+    visible: Any,
+    may: Any,
+    unbound: Any,
+    audit: Any,
+    max_wait: float,
 ) -> None:
     """Add the routes above to ``api``."""
 
-    @api.post("/v1/runs/{run_id}/queries/{name}", summary="Ask a run's query handler")
+    @api.post("/v1/runs/{run_id:path}/queries/{name}", summary="Ask a run's query handler")
     async def query(run_id: str, name: str, body: ArgsBody, request: Request) -> dict[str, Any]:
         may(request, "read", "query")
         info = await visible(request, run_id)
         return {"id": info.run_id, "result": await app.query(info.run_id, name, *body.args)}
 
-    @api.post("/v1/runs/{run_id}/updates/{name}", summary="Run an update in a run")
+    @api.post("/v1/runs/{run_id:path}/updates/{name}", summary="Run an update in a run")
     async def update(run_id: str, name: str, body: ArgsBody, request: Request) -> Any:
         may(request, "operate", "update")
         info = await visible(request, run_id)
@@ -62,20 +71,20 @@ def install_interactions(
 
     @api.get("/v1/entities/{entity}", summary="The keys of an entity class's live entities")
     async def entity_keys(entity: str, request: Request) -> list[str]:
-        may(request, "admin", "listing entities")
+        unbound(request, "listing entities")
         app.entity_ref(entity, "-")  # unknown class: 400 naming the known ones
         return await app.entities(entity)
 
     @api.get("/v1/entities/{entity}/{key}", summary="An entity's state")
     async def entity_state(entity: str, key: str, request: Request) -> dict[str, Any]:
-        may(request, "admin", "reading entities")
+        unbound(request, "reading entities")
         return await app.entity_ref(entity, key).state()
 
     @api.post("/v1/entities/{entity}/{key}/operations/{op}", summary="Apply an entity operation")
     async def entity_call(
         entity: str, key: str, op: str, body: ArgsBody, request: Request
     ) -> dict[str, Any]:
-        may(request, "admin", "calling entities")
+        unbound(request, "calling entities")
         ref = app.entity_ref(entity, key)
         result = await ref.call(op, *body.args, timeout=min(body.timeout or 30.0, max_wait))
         await audit(request, f"entity {op}", f"run:{ref.run_id}", None)
@@ -83,17 +92,17 @@ def install_interactions(
 
     @api.get("/v1/schedules", summary="Every schedule")
     async def schedules(request: Request) -> list[dict[str, Any]]:
-        may(request, "read", "listing schedules")
+        unbound(request, "listing schedules")
         return [s.to_json() for s in await app.schedules()]
 
     @api.get("/v1/schedules/{schedule_id}", summary="One schedule")
     async def schedule(schedule_id: str, request: Request) -> dict[str, Any]:
-        may(request, "read", "reading schedules")
+        unbound(request, "reading schedules")
         return (await app.get_schedule(schedule_id)).to_json()
 
     @api.post("/v1/schedules/{schedule_id}/{action}", summary="Pause, resume or trigger")
     async def schedule_action(schedule_id: str, action: str, request: Request) -> Any:
-        may(request, "operate", f"{action} a schedule")
+        unbound(request, f"{action} a schedule")
         if action == "pause":
             await app.pause_schedule(schedule_id, note="paused over HTTP")
         elif action == "resume":
@@ -113,7 +122,7 @@ def install_interactions(
 
     @api.delete("/v1/schedules/{schedule_id}", summary="Delete a schedule (its runs stay)")
     async def delete_schedule(schedule_id: str, request: Request) -> dict[str, Any]:
-        may(request, "admin", "deleting a schedule")
+        unbound(request, "deleting a schedule")
         await app.delete_schedule(schedule_id)
         await audit(request, "schedule delete", f"schedule:{schedule_id}", None)
         return {"id": schedule_id, "deleted": True}

@@ -145,10 +145,11 @@ class Store(abc.ABC):
 
         ``if_exists``: ``same_input`` (the existing run if its workflow, input and tenant
         match, else ``RunIdConflictError``), ``return`` (the existing run whatever its
-        input) or ``reject`` (``RunIdConflictError``). With ``signal`` (name, encoded
-        payload), the signal goes to the run in the same commit: to the existing run
-        (its live run if it continued as new; ``RunFinishedError`` if it ended), or to
-        the new one before its code first runs (signal-with-start).
+        input) or ``reject`` (``RunIdConflictError``); a run of another workflow or
+        tenant is a ``RunIdConflictError`` whatever ``if_exists`` says. With ``signal``
+        (name, encoded payload), the signal goes to the run in the same commit: to the
+        existing run (its live run if it continued as new; ``RunFinishedError`` if it
+        ended), or to the new one before its code first runs (signal-with-start).
 
         With ``lease_to`` (an in-process worker serving the run's queue), the first
         workflow task is leased to it in the same commit and returned, saving a claim.

@@ -14,7 +14,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any
-from urllib.parse import parse_qs, urlencode
+from urllib.parse import parse_qs, quote, urlencode
 
 from fastapi import FastAPI, Request
 from fastapi import Path as PathParam
@@ -80,7 +80,7 @@ def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
 
     async def form(request: Request) -> dict[str, str]:
         """An urlencoded form (no multipart parser needed), CSRF checked."""
-        fields = {k: v[-1] for k, v in parse_qs((await request.body()).decode()).items()}
+        fields = await _fields(request)
         check_csrf(request, fields.get("csrf"))
         return fields
 
@@ -104,7 +104,7 @@ def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
 
     @api.post("/login", include_in_schema=False)
     async def login(request: Request) -> Response:
-        fields = {k: v[-1] for k, v in parse_qs((await request.body()).decode()).items()}
+        fields = await _fields(request)
         key, nxt = fields.get("key", "").strip(), fields.get("next", "/")
         if not nxt.startswith("/") or nxt.startswith("//"):
             nxt = "/"  # never redirect off this site
@@ -169,16 +169,22 @@ def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
         if q:
             try:
                 info = await visible(principal, q.strip())
-                return RedirectResponse(f"/runs/{info.run_id}", 303)
+                return RedirectResponse(f"/runs/{quote(info.run_id, safe='/@:')}", 303)
             except TetherError:
                 pass
         before = None
-        if cursor:
-            created, _, rid = cursor.partition("|")
-            before = (float(created), rid)
         infos: list[RunInfo] = []
         problem = None
         try:
+            if cursor:
+                created, _, rid = cursor.partition("|")
+                try:
+                    before = (float(created), rid)
+                except ValueError:
+                    raise ValueError(
+                        f"cursor {cursor[:40]!r} is not one this page gave out: "
+                        "follow its 'older runs' link"
+                    ) from None
             infos = await app.list(
                 workflow=workflow or None,
                 status=RunStatus(status) if status else None,
@@ -240,7 +246,7 @@ def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
-    @api.get("/runs/{run_id}", include_in_schema=False)
+    @api.get("/runs/{run_id:path}", include_in_schema=False)
     async def run_detail(
         request: Request, run_id: str, partial: bool = False, before: int | None = None
     ) -> Response:
@@ -278,7 +284,7 @@ def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
         name = "_run_live.html" if partial else "run.html"
         return page(request, name, principal, **ctx)
 
-    @api.post("/runs/{run_id}/act", include_in_schema=False)
+    @api.post("/runs/{run_id:path}/act", include_in_schema=False)
     async def act(request: Request, run_id: str) -> Response:
         principal = await who(request)
         fields = await form(request)
@@ -296,7 +302,7 @@ def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
         await audit(principal, action, f"run:{info.run_id}", {"reason": fields.get("reason")})
         return _back(run_id, f"{action} requested by {actor(principal)}")
 
-    @api.post("/runs/{run_id}/signal", include_in_schema=False)
+    @api.post("/runs/{run_id:path}/signal", include_in_schema=False)
     async def signal(request: Request, run_id: str) -> Response:
         principal = await who(request)
         fields = await form(request)
@@ -314,7 +320,7 @@ def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
         await audit(principal, "signal", f"run:{info.run_id}", {"signal": name})
         return _back(run_id, f"signal {name!r} sent by {actor(principal)}")
 
-    @api.post("/runs/{run_id}/fork", include_in_schema=False)
+    @api.post("/runs/{run_id:path}/fork", include_in_schema=False)
     async def fork(request: Request, run_id: str) -> Response:
         principal = await who(request)
         fields = await form(request)
@@ -396,14 +402,20 @@ def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
     @api.get("/switches", include_in_schema=False)
     async def switches(request: Request) -> Response:
         principal = await who(request)
+        mine = principal.tenant if principal else None
+        if mine is None:
+            shown, log = await app.switches(), await app.audit_log(limit=30)
+        else:  # a tenant's key: its own tenant's switch, never the global audit log
+            shown = [s for s in await app.switches() if (s["kind"], s["name"]) == ("tenant", mine)]
+            log = await app.audit_log(target=f"tenant:{mine}", limit=30)
         return page(
             request,
             "switches.html",
             principal,
-            switches=await app.switches(),
+            switches=shown,
             kinds=SWITCH_KINDS,
             message=request.query_params.get("message"),
-            log=await app.audit_log(limit=30),
+            log=log,
         )
 
     @api.post("/switches", include_in_schema=False)
@@ -412,6 +424,12 @@ def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
         fields = await form(request)
         if principal is not None:
             principal.require("admin", "flipping a kill switch")
+            if principal.tenant is not None:
+                raise AuthError(
+                    403,
+                    "Admin key for every tenant required",
+                    "flipping a kill switch needs an admin key not bound to a tenant",
+                )
         kind, name = fields.get("kind", ""), fields.get("name", "").strip()
         try:
             if fields.get("off") == "1":
@@ -439,9 +457,13 @@ def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
         if principal is not None:
             principal.require("operate", "replaying a dead letter")
         letters = await app.dead_letters(include_resolved=True, letter_id=letter_id, limit=1)
+        try:
+            if letters:
+                await visible(principal, letters[0].run_id)
+        except RunNotFoundError:
+            letters = []  # another tenant's letter is as missing as one that never was
         if not letters:
             return page(request, "missing.html", principal, what=f"dead letter {letter_id}")
-        await visible(principal, letters[0].run_id)
         try:
             await app.replay_dead_letter(letter_id)
             message = f"dead letter {letter_id} replayed by {actor(principal)}"
@@ -452,8 +474,20 @@ def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
         return _back(letters[0].run_id, message)
 
 
+async def _fields(request: Request) -> dict[str, str]:
+    """An urlencoded form's fields (400 when the body is not UTF-8)."""
+    try:
+        text = (await request.body()).decode()
+    except UnicodeDecodeError:
+        raise AuthError(
+            400, "Malformed form", "the form's body is not UTF-8 urlencoded text"
+        ) from None
+    return {k: v[-1] for k, v in parse_qs(text).items()}
+
+
 def _back(run_id: str, message: str) -> Response:
-    return RedirectResponse(f"/runs/{run_id}?{urlencode({'message': message})}", 303)
+    where = quote(run_id, safe="/@:")  # a child's id holds a slash: kept, the route takes it
+    return RedirectResponse(f"/runs/{where}?{urlencode({'message': message})}", 303)
 
 
 def _pairs(text: str | None) -> dict[str, str]:

@@ -157,13 +157,12 @@ def _create_run(
         existing = _run_from_row(row, tx.codec)
         if existing.workflow != workflow:
             raise RunIdConflictError(run_id, f"workflow {existing.workflow!r}")
+        if existing.tenant != tenant:  # another tenant's run: never returned nor signalled
+            raise RunIdConflictError(run_id, f"tenant {existing.tenant!r}")
         if if_exists == "reject":
             raise RunIdConflictError(run_id, "a run (this start refuses to join it)")
-        if if_exists == "same_input" and signal is None:
-            if not _same_input(existing.input, input):
-                raise RunIdConflictError(run_id, "different input")
-            if existing.tenant != tenant:
-                raise RunIdConflictError(run_id, f"tenant {existing.tenant!r}")
+        if if_exists == "same_input" and signal is None and not _same_input(existing.input, input):
+            raise RunIdConflictError(run_id, "different input")
         got = None
         if signal is not None:  # to the run (its live run, if it continued as new)
             got = _signal(tx, run_id, signal[0], signal[1])
