@@ -530,6 +530,22 @@ def test_a_start_with_a_traceparent_joins_the_callers_trace(store_url: str) -> N
         server.stop()
 
 
+def test_an_entity_operation_not_applied_within_the_wait_is_a_202(store_url: str) -> None:
+    """No worker runs: the operation is recorded and still applies later, so the answer
+    is 202 with Retry-After (as for an update), not the 500 a client would retry (and so
+    apply the operation twice)."""
+    server = Server(store_url, "--no-auth", "--max-wait", "1")
+    try:
+        got = server.http.post(
+            "/v1/entities/Tally/t9/operations/add", json={"args": [1], "timeout": 0.3}
+        )
+        assert got.status_code == 202, got.text
+        assert got.headers["Retry-After"] == "1"
+        assert got.json()["status"] == "accepted" and "still applies" in got.json()["detail"]
+    finally:
+        server.stop()
+
+
 def test_queries_updates_signal_with_start_entities_and_schedules_over_http(
     store_url: str,
 ) -> None:

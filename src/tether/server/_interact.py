@@ -81,12 +81,19 @@ def install_interactions(
         return await app.entity_ref(entity, key).state()
 
     @api.post("/v1/entities/{entity}/{key}/operations/{op}", summary="Apply an entity operation")
-    async def entity_call(
-        entity: str, key: str, op: str, body: ArgsBody, request: Request
-    ) -> dict[str, Any]:
+    async def entity_call(entity: str, key: str, op: str, body: ArgsBody, request: Request) -> Any:
         unbound(request, "calling entities")
         ref = app.entity_ref(entity, key)
-        result = await ref.call(op, *body.args, timeout=min(body.timeout or 30.0, max_wait))
+        try:
+            result = await ref.call(op, *body.args, timeout=min(body.timeout or 30.0, max_wait))
+        except ResultTimeoutError as exc:
+            # recorded, and it still applies: a 202, so a client does not send it again
+            await audit(request, f"entity {op}", f"run:{ref.run_id}", None)
+            return JSONResponse(
+                {"entity": entity, "key": key, "status": "accepted", "detail": str(exc)},
+                status_code=202,
+                headers={"Retry-After": "1"},
+            )
         await audit(request, f"entity {op}", f"run:{ref.run_id}", None)
         return {"entity": entity, "key": key, "result": result}
 
