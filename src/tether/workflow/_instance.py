@@ -50,6 +50,12 @@ def current_instance() -> WorkflowInstance | None:
     return inst if isinstance(inst, WorkflowInstance) else None
 
 
+#: the patch marker a run records the first time a cancel request or its deadline comes
+#: while its code already handles one (not delivered again); runs whose history passed
+#: such a repeat without it replay the old way (delivered again)
+ONE_INTERRUPT = "tether.cancel-once"
+
+
 class ContinueAsNew(BaseException):
     """Raised by ``tether.continue_as_new``; a BaseException so ``except Exception``
     in workflow code cannot swallow it."""
@@ -359,15 +365,8 @@ class WorkflowInstance:
                     return
             self._buffers[name].append(ev.data.get("payload"))
             return
-        if t is EventType.CANCEL_REQUESTED:
-            self.cancel_requested = True
-            if self.main is not None and not self.main.done():
-                self.main.cancel(ev.data.get("reason"))
-            return
-        if t is EventType.DEADLINE_EXCEEDED:
-            self.deadline_exceeded = True
-            if self.main is not None and not self.main.done():
-                self.main.cancel("the run's deadline passed")
+        if t is EventType.CANCEL_REQUESTED or t is EventType.DEADLINE_EXCEEDED:
+            self._interrupt(t is EventType.DEADLINE_EXCEEDED, ev.data.get("reason"))
             return
         assert ev.step is not None
         p = self._pending.pop(ev.step, None)
@@ -400,6 +399,34 @@ class WorkflowInstance:
             p.future.set_exception(
                 ChildWorkflowError(ev.data.get("child_run_id", ""), ev.data.get("status", ""), msg)
             )
+
+    def _interrupt(self, deadline: bool, reason: str | None) -> None:
+        """A cancel request or the run's deadline: cancel the workflow's code, once.
+
+        The code sees ``CancelledError`` at its current await and may clean up (a saga
+        compensates). A further cancel request, or the deadline passing, while it does
+        is recorded in history but not delivered: cancelling again would abort the
+        cleanup at its next await (the remaining undos of a saga). The first one decides
+        how the run ends (``cancelled`` or ``timed_out``). Histories written before this
+        rule delivered every one: the first repeat consults ``ONE_INTERRUPT`` (a patch
+        marker), so they replay as they ran.
+        """
+        main = self.main
+        live = main is not None and not main.done()
+        if (
+            live
+            and (self.cancel_requested or self.deadline_exceeded)
+            and self.patched(ONE_INTERRUPT)
+        ):
+            if not deadline:
+                self.cancel_requested = True
+            return  # recorded, not delivered: the code is already handling one
+        if deadline:
+            self.deadline_exceeded = True
+        else:
+            self.cancel_requested = True
+        if main is not None and live:
+            main.cancel("the run's deadline passed" if deadline else reason)
 
     async def _run_main(self, args: list[Any], kwargs: dict[str, Any]) -> Any:
         return await self.workflow.fn(*args, **kwargs)
