@@ -56,6 +56,12 @@ def current_instance() -> WorkflowInstance | None:
 ONE_INTERRUPT = "tether.cancel-once"
 
 
+#: the patch marker a run records the first time it stops waiting for a child started
+#: with ``parent_close="abandon"`` (the child is left running); runs whose history asked
+#: such a child to cancel without it replay the old way
+ABANDON_RUNS_ON = "tether.abandon-runs-on"
+
+
 class ContinueAsNew(BaseException):
     """Raised by ``tether.continue_as_new``; a BaseException so ``except Exception``
     in workflow code cannot swallow it."""
@@ -657,10 +663,34 @@ class WorkflowInstance:
             workflow.sig.return_type,
             {"kind": "child", "workflow": workflow.name, "run_id": child_id},
         )
-        self._watch_cancel(
-            step, EventType.CHILD_CANCEL_REQUESTED, "child_step", child_run_id=child_id
-        )
+        if parent_close == "abandon":
+            self._watch_abandoned(step, child_id)
+        else:
+            self._watch_cancel(
+                step, EventType.CHILD_CANCEL_REQUESTED, "child_step", child_run_id=child_id
+            )
         return fut
+
+    def _watch_abandoned(self, step: int, child_id: str) -> None:
+        """A child started with ``parent_close="abandon"`` lives on its own: when the
+        parent stops waiting for it (the parent is cancelled, or the child lost a race)
+        only the parent's await is cancelled, never the child. Histories written before
+        this rule asked it to cancel: the first such stop consults ``ABANDON_RUNS_ON``
+        (a patch marker), so they replay as they ran."""
+        fut = self._pending[step].future
+
+        def on_done(f: asyncio.Future[Any]) -> None:
+            if (
+                f.cancelled()
+                and self._pending.pop(step, None) is not None
+                and not self.finished
+                and not self.patched(ABANDON_RUNS_ON)  # histories of the older code
+            ):
+                self._command(
+                    EventType.CHILD_CANCEL_REQUESTED, {"child_step": step, "child_run_id": child_id}
+                )
+
+        fut.add_done_callback(on_done)
 
     def start_timer(self, delay: float, *, shown: bool = True) -> asyncio.Future[Any]:
         """Issue a TimerStarted command; the future resolves when it fires.
