@@ -197,3 +197,136 @@ async def test_a_worker_id_held_by_a_live_worker_is_refused(store_url: str) -> N
     finally:
         await first.close()
         await second.close()
+
+
+def _child_app(app: tether.App) -> tuple[dict[str, bool], list[str]]:
+    """``parent(doc)`` awaits ``child(doc)``, whose one step fails until it is fixed."""
+    fixed = {"on": False}
+    calls: list[str] = []
+
+    @app.activity(retry=FAST1)
+    def parse(doc: str) -> str:
+        calls.append(doc)
+        if not fixed["on"]:
+            raise ValueError("parser bug")
+        return doc.upper()
+
+    @app.workflow
+    async def child(doc: str) -> str:
+        return await parse(doc)
+
+    @app.workflow
+    async def parent(doc: str) -> str:
+        return "parent got " + await child(doc)
+
+    return fixed, calls
+
+
+async def test_retrying_a_parent_retries_its_failed_child_from_the_failed_step(
+    app: tether.App, worker: tether.Worker
+) -> None:
+    fixed, calls = _child_app(app)
+    run = await app.start(app.get_workflow("parent"), "doc", run_id="P")
+    with pytest.raises(tether.WorkflowFailedError, match="parser bug"):
+        await run.result(timeout=10)
+    assert (await app.get("P/1")).status is tether.RunStatus.FAILED
+    fixed["on"] = True  # the fix is deployed
+    await app.retry("P")
+    assert await run.result(timeout=10) == "parent got DOC"
+    assert calls == ["doc", "doc"]  # the child's failed step ran again, once
+    child = await app.get("P/1")
+    assert child.status is tether.RunStatus.COMPLETED
+    types = [e.type for e in await app.history("P/1")]
+    assert tether.EventType.RUN_RETRIED in types  # the child resumed, it did not start over
+    assert await app.dead_letters() == []  # both runs' letters are resolved
+
+
+async def test_retrying_a_parent_whose_child_was_terminated_is_refused_with_a_way_out(
+    app: tether.App, worker: tether.Worker
+) -> None:
+    @app.workflow
+    async def child() -> str:
+        await tether.wait_event("never")
+        return "child"
+
+    @app.workflow
+    async def parent() -> str:
+        return await child()
+
+    run = await app.start(parent, run_id="P")
+
+    async def child_running() -> bool:
+        try:
+            return (await app.get("P/1")).status is tether.RunStatus.RUNNING
+        except tether.RunNotFoundError:
+            return False
+
+    await eventually(child_running, what="the child running")
+    await app.terminate("P/1", "operator")
+    with pytest.raises(tether.WorkflowFailedError):
+        await run.result(timeout=10)
+    with pytest.raises(tether.RecoveryError, match=r"terminated.*app\.fork\('P', at_step=0\)"):
+        await app.retry("P")
+    assert (await app.get("P")).status is tether.RunStatus.FAILED  # nothing was changed
+
+
+async def test_retrying_a_parent_waits_for_a_child_that_continued_as_new(
+    app: tether.App, worker: tether.Worker
+) -> None:
+    state = {"fail": True}
+
+    @app.activity(retry=FAST1)
+    def boom() -> None:
+        if state["fail"]:
+            raise tether.NonRetryable("down")
+
+    @app.workflow
+    async def looper(n: int) -> str:
+        if n < 2:
+            tether.continue_as_new(n + 1)
+        await tether.wait_event("go")
+        return f"looped {n}"
+
+    @app.workflow
+    async def parent() -> str:
+        pending = looper.options(run_id="kid", parent_close="abandon")(0)
+        await tether.sleep(0.3)
+        await boom()
+        return await pending
+
+    run = await app.start(parent, run_id="P")
+    with pytest.raises(tether.WorkflowFailedError):
+        await run.result(timeout=10)
+    state["fail"] = False
+    await app.retry("P")  # the child's chain runs on (kid~2): no failure is made up for it
+    await asyncio.sleep(0.3)
+    assert not (await app.get("P")).is_finished
+    await app.signal("kid", "go")
+    assert await run.result(timeout=10) == "looped 2"
+
+
+async def test_retrying_a_parent_ignores_a_child_it_gave_up_on(
+    app: tether.App, worker: tether.Worker
+) -> None:
+    state = {"fail": True}
+
+    @app.workflow
+    async def slow() -> str:
+        await tether.wait_event("never")
+        return "slow"
+
+    @app.workflow
+    async def parent() -> str:
+        winner = await tether.first(slow.options(run_id="kid")(), tether.sleep(0.05))
+        await tether.sleep(0.3)  # the given-up child ends cancelled meanwhile
+        if state["fail"]:
+            raise ValueError("parent bug")
+        return "gave up" if winner is None else "got it"
+
+    run = await app.start(parent, run_id="P")
+    with pytest.raises(tether.WorkflowFailedError, match="parent bug"):
+        await run.result(timeout=10)
+    assert (await app.get("kid")).status is tether.RunStatus.CANCELLED
+    state["fail"] = False
+    await app.retry("P")  # the cancelled child is not the failed step: no refusal
+    assert await run.result(timeout=10) == "gave up"

@@ -17,6 +17,7 @@ import pytest
 import tether
 from helpers import event_types, eventually, has_event
 from tether import EventType, RunStatus
+from tether.testing import check_history
 
 ENDINGS = {
     EventType.WORKFLOW_COMPLETED,
@@ -562,3 +563,80 @@ async def test_a_signal_name_no_workflow_could_wait_for_is_refused_and_nothing_i
     bad = await app.start(waits_for_nothing)
     with pytest.raises(tether.WorkflowFailedError, match="signal name"):
         await bad.result(timeout=10)
+
+
+@pytest.mark.parametrize("how", ["parent cancelled", "race lost"])
+async def test_an_abandoned_child_runs_on_when_its_parent_stops_awaiting_it(
+    app: tether.App, worker: tether.Worker, how: str
+) -> None:
+    @app.workflow
+    async def report() -> str:
+        await tether.wait_event("go")
+        return "report"
+
+    @app.workflow
+    async def parent() -> str:
+        child = report.options(run_id="kid", parent_close="abandon")()
+        if how == "race lost":
+            winner = await tether.first(child, tether.sleep(0.1))
+            return "gave up" if winner is None else "got it"
+        return await child
+
+    run = await app.start(parent, run_id="p")
+    if how == "parent cancelled":
+        await eventually(lambda: _live_status(app, "kid", RunStatus.RUNNING), what="the kid")
+        await app.cancel("p", "operator")
+        with pytest.raises(tether.RunCancelledError):
+            await run.result(timeout=10)
+    else:
+        assert await run.result(timeout=10) == "gave up"
+    await asyncio.sleep(0.3)
+    assert (await app.get("kid")).status is RunStatus.RUNNING  # neither cancelled nor ended
+    history = await app.history("p")
+    assert EventType.CHILD_CANCEL_REQUESTED not in [e.type for e in history]
+    assert check_history(app, history).ok
+    await app.signal("kid", "go")
+    assert await app.get_run("kid").result(timeout=10) == "report"
+
+
+async def test_an_old_history_that_cancelled_an_abandoned_child_replays_as_recorded(
+    db_path: Any,
+) -> None:
+    app = tether.App(store=f"sqlite:///{db_path}")
+
+    @app.workflow
+    async def report() -> str:
+        await tether.wait_event("go")
+        return "report"
+
+    @app.workflow
+    async def parent() -> str:
+        return await report.options(run_id="kid", parent_close="abandon")()
+
+    # written by the older code, which asked an abandoned child to cancel with its parent
+    recorded: list[tuple[str, int | None, dict[str, Any]]] = [
+        ("WorkflowStarted", None, {"workflow": "parent", "input": {"args": [], "kwargs": {}}}),
+        (
+            "ChildStarted",
+            1,
+            {"workflow": "report", "child_run_id": "kid", "parent_close": "abandon"},
+        ),
+        ("WorkflowTaskCompleted", None, {"through": 1, "time": 10.0}),
+        ("CancelRequested", None, {"reason": "operator"}),
+        ("ChildCancelRequested", 2, {"child_step": 1, "child_run_id": "kid"}),
+        ("WorkflowCancelled", 3, {"error": None}),
+        ("WorkflowTaskCompleted", None, {"through": 4, "time": 10.3}),
+    ]
+    history = [
+        tether.Event(
+            run_id="p",
+            seq=seq,
+            type=EventType(type_),
+            step=step,
+            data=data,
+            created_at=10.0 + seq / 10,
+        )
+        for seq, (type_, step, data) in enumerate(recorded, start=1)
+    ]
+    report_ = check_history(app, history)
+    assert report_.ok, report_.diff()

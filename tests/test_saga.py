@@ -17,6 +17,8 @@ import pytest
 import tether
 from helpers import eventually
 from tether import EventType, RunStatus
+from tether._history import Event
+from tether.testing import check_history
 
 HERE = Path(__file__).parent
 
@@ -287,3 +289,121 @@ async def test_saga_retry_after_fixing_undo_finishes_rollback_without_repeating_
     assert "warehouse on fire" in (ei.value.error or "")
     # only the failed undo ran again: the successful ones are recorded outcomes
     assert undo_runs == ["invoice", "charge", "reserve", "charge"]
+
+
+def _rollback_app(app: tether.App) -> tuple[list[str], list[tuple[str, bool]], asyncio.Event]:
+    """``book(n)``: a saga that reserves r0..r(n-1), then sleeps; each undo waits for the
+    returned gate, then reports whether it was told to stop (heartbeat)."""
+    started: list[str] = []
+    undone: list[tuple[str, bool]] = []
+    gate = asyncio.Event()
+
+    @app.activity
+    async def reserve(x: str) -> str:
+        return x
+
+    @app.activity(retry=ONCE)
+    async def undo(x: str) -> None:
+        started.append(x)
+        await gate.wait()
+        ctx = tether.activity_context()
+        ctx.heartbeat()  # a cancel request flagged on this task would answer True here
+        await asyncio.sleep(0.1)
+        undone.append((x, ctx.is_cancelled))
+
+    @app.workflow
+    async def book(n: int) -> str:
+        async with tether.saga() as saga:
+            for i in range(n):
+                await saga.step(reserve(f"r{i}"), undo=undo)
+            await tether.sleep(100)
+        return "ok"
+
+    return started, undone, gate
+
+
+@pytest.mark.parametrize("order", ["cancel-cancel", "cancel-deadline", "deadline-cancel"])
+async def test_saga_second_cancel_or_deadline_during_rollback_lets_every_undo_run(
+    app: tether.App, worker: tether.Worker, order: str
+) -> None:
+    started, undone, gate = _rollback_app(app)
+    first, second = order.split("-")
+    deadline = {"cancel-deadline": 1.0, "deadline-cancel": 0.5}.get(order)
+    run = await app.start(app.get_workflow("book"), 3, deadline=deadline)
+
+    async def has(type_: EventType) -> bool:
+        return any(e.type is type_ for e in await app.history(run.run_id))
+
+    await eventually(lambda: has(EventType.TIMER_STARTED), what="the saga's sleep")
+    if first == "cancel":
+        await app.cancel(run.run_id, "first click")
+
+    async def rolling_back() -> bool:
+        return bool(started)
+
+    await eventually(rolling_back, what="the first undo running")
+    if second == "cancel":
+        await app.cancel(run.run_id, "second click")
+        await eventually(
+            lambda: _count_events(
+                app, run.run_id, EventType.CANCEL_REQUESTED, 2 if first == "cancel" else 1
+            ),
+            what="the second cancel recorded",
+        )
+    else:
+        await eventually(lambda: has(EventType.DEADLINE_EXCEEDED), what="the deadline")
+    gate.set()
+    # the first interruption decides how the run ends; the second is recorded, no more
+    expected = tether.RunCancelledError if first == "cancel" else tether.RunTimedOutError
+    with pytest.raises(expected):
+        await run.result(timeout=10)
+    # every undo ran, newest first, none of them told to stop
+    assert undone == [("r2", False), ("r1", False), ("r0", False)]
+    history = await app.history(run.run_id)
+    assert EventType.ACTIVITY_CANCEL_REQUESTED not in [e.type for e in history]
+    assert check_history(app, history).ok  # the new decision replays as recorded
+
+
+async def _count_events(app: tether.App, run_id: str, type_: EventType, n: int) -> bool:
+    return sum(e.type is type_ for e in await app.history(run_id)) >= n
+
+
+#: a history written before a repeated cancel stopped being delivered: the second
+#: CancelRequested interrupted the undo of r1 and the run ended cancelled
+_OLD_TWO_CANCELS: list[tuple[str, int | None, dict[str, Any]]] = [
+    ("WorkflowStarted", None, {"workflow": "book", "input": {"args": [2], "kwargs": {}}}),
+    ("ActivityScheduled", 1, {"name": "reserve", "queue": "default"}),
+    ("WorkflowTaskCompleted", None, {"through": 1, "time": 10.0}),
+    ("ActivityCompleted", 1, {"attempt": 1, "result": "r0"}),
+    ("ActivityScheduled", 2, {"name": "reserve", "queue": "default"}),
+    ("WorkflowTaskCompleted", None, {"through": 4, "time": 10.1}),
+    ("ActivityCompleted", 2, {"attempt": 1, "result": "r1"}),
+    ("TimerStarted", 3, {"fire_at": 110.2}),
+    ("WorkflowTaskCompleted", None, {"through": 7, "time": 10.2}),
+    ("CancelRequested", None, {"reason": "first"}),
+    ("TimerCancelled", 4, {"timer_step": 3}),
+    ("ActivityScheduled", 5, {"name": "undo", "queue": "default"}),
+    ("WorkflowTaskCompleted", None, {"through": 10, "time": 10.3}),
+    ("CancelRequested", None, {"reason": "second"}),
+    ("ActivityCancelRequested", 6, {"activity_step": 5}),
+    ("WorkflowCancelled", 7, {"error": None}),
+    ("WorkflowTaskCompleted", None, {"through": 14, "time": 10.4}),
+]
+
+
+async def test_saga_history_of_an_old_second_cancel_replays_as_recorded(db_path: Path) -> None:
+    app = tether.App(store=f"sqlite:///{db_path}")
+    _rollback_app(app)
+    history = [
+        Event(
+            run_id="old",
+            seq=seq,
+            type=EventType(type_),
+            step=step,
+            data=data,
+            created_at=10.0 + seq / 100,
+        )
+        for seq, (type_, step, data) in enumerate(_OLD_TWO_CANCELS, start=1)
+    ]
+    report = check_history(app, history)
+    assert report.ok, report.diff()

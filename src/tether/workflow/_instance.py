@@ -50,6 +50,18 @@ def current_instance() -> WorkflowInstance | None:
     return inst if isinstance(inst, WorkflowInstance) else None
 
 
+#: the patch marker a run records the first time a cancel request or its deadline comes
+#: while its code already handles one (not delivered again); runs whose history passed
+#: such a repeat without it replay the old way (delivered again)
+ONE_INTERRUPT = "tether.cancel-once"
+
+
+#: the patch marker a run records the first time it stops waiting for a child started
+#: with ``parent_close="abandon"`` (the child is left running); runs whose history asked
+#: such a child to cancel without it replay the old way
+ABANDON_RUNS_ON = "tether.abandon-runs-on"
+
+
 class ContinueAsNew(BaseException):
     """Raised by ``tether.continue_as_new``; a BaseException so ``except Exception``
     in workflow code cannot swallow it."""
@@ -366,15 +378,8 @@ class WorkflowInstance:
                     return
             self._buffers[name].append((ev.seq, ev.data.get("payload")))
             return
-        if t is EventType.CANCEL_REQUESTED:
-            self.cancel_requested = True
-            if self.main is not None and not self.main.done():
-                self.main.cancel(ev.data.get("reason"))
-            return
-        if t is EventType.DEADLINE_EXCEEDED:
-            self.deadline_exceeded = True
-            if self.main is not None and not self.main.done():
-                self.main.cancel("the run's deadline passed")
+        if t is EventType.CANCEL_REQUESTED or t is EventType.DEADLINE_EXCEEDED:
+            self._interrupt(t is EventType.DEADLINE_EXCEEDED, ev.data.get("reason"))
             return
         assert ev.step is not None
         p = self._pending.pop(ev.step, None)
@@ -407,6 +412,34 @@ class WorkflowInstance:
             p.future.set_exception(
                 ChildWorkflowError(ev.data.get("child_run_id", ""), ev.data.get("status", ""), msg)
             )
+
+    def _interrupt(self, deadline: bool, reason: str | None) -> None:
+        """A cancel request or the run's deadline: cancel the workflow's code, once.
+
+        The code sees ``CancelledError`` at its current await and may clean up (a saga
+        compensates). A further cancel request, or the deadline passing, while it does
+        is recorded in history but not delivered: cancelling again would abort the
+        cleanup at its next await (the remaining undos of a saga). The first one decides
+        how the run ends (``cancelled`` or ``timed_out``). Histories written before this
+        rule delivered every one: the first repeat consults ``ONE_INTERRUPT`` (a patch
+        marker), so they replay as they ran.
+        """
+        main = self.main
+        live = main is not None and not main.done()
+        if (
+            live
+            and (self.cancel_requested or self.deadline_exceeded)
+            and self.patched(ONE_INTERRUPT)
+        ):
+            if not deadline:
+                self.cancel_requested = True
+            return  # recorded, not delivered: the code is already handling one
+        if deadline:
+            self.deadline_exceeded = True
+        else:
+            self.cancel_requested = True
+        if main is not None and live:
+            main.cancel("the run's deadline passed" if deadline else reason)
 
     async def _run_main(self, args: list[Any], kwargs: dict[str, Any]) -> Any:
         return await self.workflow.fn(*args, **kwargs)
@@ -637,10 +670,34 @@ class WorkflowInstance:
             workflow.sig.return_type,
             {"kind": "child", "workflow": workflow.name, "run_id": child_id},
         )
-        self._watch_cancel(
-            step, EventType.CHILD_CANCEL_REQUESTED, "child_step", child_run_id=child_id
-        )
+        if parent_close == "abandon":
+            self._watch_abandoned(step, child_id)
+        else:
+            self._watch_cancel(
+                step, EventType.CHILD_CANCEL_REQUESTED, "child_step", child_run_id=child_id
+            )
         return fut
+
+    def _watch_abandoned(self, step: int, child_id: str) -> None:
+        """A child started with ``parent_close="abandon"`` lives on its own: when the
+        parent stops waiting for it (the parent is cancelled, or the child lost a race)
+        only the parent's await is cancelled, never the child. Histories written before
+        this rule asked it to cancel: the first such stop consults ``ABANDON_RUNS_ON``
+        (a patch marker), so they replay as they ran."""
+        fut = self._pending[step].future
+
+        def on_done(f: asyncio.Future[Any]) -> None:
+            if (
+                f.cancelled()
+                and self._pending.pop(step, None) is not None
+                and not self.finished
+                and not self.patched(ABANDON_RUNS_ON)  # histories of the older code
+            ):
+                self._command(
+                    EventType.CHILD_CANCEL_REQUESTED, {"child_step": step, "child_run_id": child_id}
+                )
+
+        fut.add_done_callback(on_done)
 
     def start_timer(self, delay: float, *, shown: bool = True) -> asyncio.Future[Any]:
         """Issue a TimerStarted command; the future resolves when it fires.

@@ -52,15 +52,26 @@ def _signal(tx: _Tx, run_id: str, name: str, payload: str) -> tuple[str, int]:
 
 def _cancel(tx: _Tx, run_id: str, reason: str | None) -> None:
     rid, (status, run_queue, _p, _s, workflow, _t) = _live_run(tx, run_id, "cancel")
+    # a run already cancelled (or past its deadline) is cleaning up: a repeat is recorded,
+    # but neither its code (WorkflowInstance._interrupt) nor the steps of its cleanup are
+    # told to stop again
+    repeat = (
+        tx.execute(
+            "SELECT 1 FROM events WHERE run_id = ? AND type IN (?, ?) LIMIT 1",
+            (rid, EventType.CANCEL_REQUESTED.value, EventType.DEADLINE_EXCEEDED.value),
+        ).fetchone()
+        is not None
+    )
     _append(tx, rid, EventType.CANCEL_REQUESTED, None, {"reason": reason})
     if status == RunStatus.QUEUED.value:  # never admitted: no code ran, nothing to undo
         error = {"type": "CancelledError", "message": reason or "cancelled before admission"}
         _finish(tx, rid, RunStatus.CANCELLED, error=error)
         return
     _ensure_workflow_task(tx, rid, run_queue, workflow)
-    tx.execute(
-        "UPDATE tasks SET cancel_requested = 1 WHERE run_id = ? AND kind = 'activity'", (rid,)
-    )
+    if not repeat:
+        tx.execute(
+            "UPDATE tasks SET cancel_requested = 1 WHERE run_id = ? AND kind = 'activity'", (rid,)
+        )
 
 
 def _terminate(tx: _Tx, run_id: str, reason: str | None) -> None:

@@ -157,32 +157,11 @@ def _pending_work(tx: _Tx, run_id: str, kept: list[Event], run_queue: str, fork:
                     e.step,
                 )
                 continue
-            row = tx.execute(
-                "SELECT status, output, error FROM runs WHERE run_id = ?", (child,)
-            ).fetchone()
-            if row is None or not RunStatus(row[0]).is_terminal:
-                continue  # still running: its completion will reach this run
-            if row[0] == RunStatus.COMPLETED.value:
-                _append(
-                    tx,
-                    run_id,
-                    EventType.CHILD_COMPLETED,
-                    e.step,
-                    {"child_run_id": child},
-                    {"result": row[1] or "null"},
-                )
-            else:
-                _append(
-                    tx,
-                    run_id,
-                    EventType.CHILD_FAILED,
-                    e.step,
-                    {
-                        "child_run_id": child,
-                        "status": row[0],
-                        "error": json.loads(row[2]) if row[2] else None,
-                    },
-                )
+            # the child's outcome (its chain followed to its last run), or None while it
+            # runs: its completion will reach this run
+            outcome = _child_outcome(tx, child, e.step)
+            if outcome is not None:
+                _append(tx, run_id, *outcome)
 
 
 def _retry_run(tx: _Tx, run_id: str) -> None:
@@ -204,6 +183,15 @@ def _retry_run(tx: _Tx, run_id: str) -> None:
         and (terminal is None or e.seq < terminal)
     ]
     cut = failures[-1].seq if failures else (terminal or events[-1].seq)
+    given_up = {
+        e.data.get("child_step") for e in events if e.type is EventType.CHILD_CANCEL_REQUESTED
+    }
+    if (
+        failures
+        and failures[-1].type is EventType.CHILD_FAILED
+        and failures[-1].step not in given_up  # not a child the code stopped waiting for
+    ):
+        _retry_child(tx, run_id, failures[-1])  # before any write: it may refuse
     voided_cmd_steps = {
         e.step for e in events if e.seq > cut and e.type in COMMANDS and e.step is not None
     }
@@ -254,6 +242,25 @@ def _retry_run(tx: _Tx, run_id: str) -> None:
         (tx.now, json.dumps({"state": "retried"}), run_id),
     )
     _ensure_workflow_task(tx, run_id, run_queue, workflow)
+
+
+def _retry_child(tx: _Tx, run_id: str, failed: Event) -> None:
+    """The step a retry runs again is a child run: retry that child (its own failed step
+    runs again, recursively down to a failed grandchild), so its new outcome reaches
+    this run. A child that ended otherwise cannot run again: the retry is refused."""
+    child = str(failed.data.get("child_run_id") or "")
+    info = _get_run(tx, child, True) if child else None
+    if info is None or not info.status.is_terminal or info.status is RunStatus.COMPLETED:
+        return  # its outcome (a retry of the child by hand, say) reaches this run as it is
+    if info.status in (RunStatus.FAILED, RunStatus.NEEDS_INTERVENTION):
+        _retry_run(tx, info.run_id)
+        return
+    at_step = (failed.step or 1) - 1
+    raise RecoveryError(
+        f"run {run_id!r} failed because its child run {info.run_id!r} ended "
+        f"{info.status.value}, and a {info.status.value} run cannot run again; to start "
+        f"the child anew, fork the parent before it: app.fork({run_id!r}, at_step={at_step})"
+    )
 
 
 def _fork_run(
@@ -328,6 +335,6 @@ def _fork_run(
 from .batches import _batch_cols  # noqa: E402
 from .dependencies import _ensure_dependency  # noqa: E402
 from .history import _append, _live_history  # noqa: E402
-from .runs import _insert_run, _run_row  # noqa: E402
+from .runs import _child_outcome, _get_run, _insert_run, _run_row  # noqa: E402
 from .tasks import _ensure_workflow_task  # noqa: E402
 from .workflow_tasks import _ENDINGS  # noqa: E402
