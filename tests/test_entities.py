@@ -186,3 +186,14 @@ def test_out_of_order_duplicated_revisions_never_overwrite_a_newer_one(
         (final,) = conn.execute("SELECT revision FROM docs WHERE doc = 'doc-9'").fetchone()
     assert final == 30
     assert written == sorted(set(written))  # strictly increasing: never an older one
+
+
+async def test_a_key_with_the_chain_separator_is_refused(entity_app: Any) -> None:
+    """'x~1' would name key x's next run (continue-as-new): acting on x's chain, or
+    wedging x when used first. Such keys are refused before anything is recorded."""
+    app: tether.App = entity_app.app
+    for key in ("x~1", "x~", "~"):
+        with pytest.raises(tether.ConfigurationError, match="'~'") as caught:
+            app.entity_ref(entity_app.Counter, key)
+        assert "\n" not in str(caught.value)
+    assert await app.list() == []

@@ -26,7 +26,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ._definitions import chain_of
+from ._definitions import CHAIN_SEPARATOR, chain_of
 from ._errors import ConfigurationError, UpdateRejectedError
 from ._history import UPDATE_SIGNAL, RunInfo
 from ._serde import encode
@@ -101,9 +101,15 @@ def entity_workflow(cls: type, ops_per_run: int) -> Callable[..., Any]:
 
 
 def check_key(key: str) -> None:
-    """Entity keys name runs: short and printable."""
+    """Entity keys name runs: short, printable, and without the continue-as-new chain
+    separator (``k~1`` names key ``k``'s next run)."""
     if not isinstance(key, str) or not key or len(key) > MAX_KEY or not key.isprintable():
         raise ConfigurationError(f"entity key must be 1-{MAX_KEY} printable characters")
+    if CHAIN_SEPARATOR in key:
+        raise ConfigurationError(
+            f"entity key {key!r} contains {CHAIN_SEPARATOR!r}, which tether reserves for the "
+            f"runs of a continue-as-new chain (an entity's next run): choose a key without it"
+        )
 
 
 class EntityRef:
