@@ -197,3 +197,47 @@ async def test_a_key_with_the_chain_separator_is_refused(entity_app: Any) -> Non
             app.entity_ref(entity_app.Counter, key)
         assert "\n" not in str(caught.value)
     assert await app.list() == []
+
+
+async def test_state_that_would_not_survive_continue_as_new_fails_its_operation(
+    entity_app: Any,
+) -> None:
+    """A set (or tuple) in the state came back as a list at continue-as-new, and the
+    entity broke there. The operation that leaves such a state fails, naming the
+    attribute and its type; the run never continues as new with it."""
+    app: tether.App = entity_app.app
+
+    @app.entity(ops_per_run=2)
+    class Tags:
+        def __init__(self) -> None:
+            self.tags: list[str] = []
+            self.pair: list[int] = [0, 0]
+
+        def add(self, tag: str) -> int:
+            if tag not in self.tags:
+                self.tags.append(tag)
+            return len(self.tags)
+
+        def as_set(self) -> None:
+            self.tags = set(self.tags)  # type: ignore[assignment]
+
+        def nested(self) -> None:
+            self.pair = [0, {"at": (1, 2)}]  # type: ignore[list-item]
+
+        def undo(self) -> None:
+            self.tags = sorted(self.tags)
+            self.pair = [0, 0]
+
+    async with app.worker(poll_interval=0.05):
+        ref = app.entity_ref(Tags, "t")
+        assert await ref.call("add", "a") == 1
+        with pytest.raises(tether.UpdateFailedError, match=r"'tags'.*\bset\b"):
+            await ref.call("as_set")
+        await ref.call("undo")
+        with pytest.raises(tether.UpdateFailedError, match=r"'pair'.*\btuple\b"):
+            await ref.call("nested")
+        await ref.call("undo")
+        for tag in "bcdb":  # across continue-as-new boundaries
+            await ref.call("add", tag)
+        assert await ref.call("add", "e") == 5
+        assert await ref.call("add", "a") == 5  # the list came through as a list

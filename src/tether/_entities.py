@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import math
 import uuid
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ._definitions import CHAIN_SEPARATOR, chain_of
-from ._errors import ConfigurationError, UpdateRejectedError
+from ._errors import ConfigurationError, PayloadError, UpdateRejectedError
 from ._history import UPDATE_SIGNAL, RunInfo
 from ._serde import encode
 from .workflow._api import continue_as_new, on_query, on_update
@@ -81,6 +82,7 @@ def entity_workflow(cls: type, ops_per_run: int) -> Callable[..., Any]:
             def apply(*args: Any) -> Any:
                 nonlocal applied
                 out = method(obj, *args)
+                check_state(cls.__name__, name, obj.__dict__)
                 applied += 1
                 if applied >= ops_per_run and not full.done():
                     full.set_result(None)
@@ -98,6 +100,50 @@ def entity_workflow(cls: type, ops_per_run: int) -> Callable[..., Any]:
     entity.__name__ = entity.__qualname__ = f"entity_{cls.__name__}"
     entity.__doc__ = cls.__doc__
     return entity
+
+
+#: the types an entity's state may hold: they come back as themselves from JSON
+_PLAIN = (str, int, float, bool, type(None))
+
+
+def _not_plain(value: Any, path: str) -> tuple[str, str] | None:
+    """The path and type name of the first part of ``value`` that JSON would not give
+    back as itself (a set or tuple comes back a list, an int key a str...), or None."""
+    kind = type(value)
+    if kind is dict:
+        for k, v in value.items():
+            if type(k) is not str:
+                return f"{path} (key {k!r})", f"{type(k).__name__} key"
+            found = _not_plain(v, f"{path}[{k!r}]")
+            if found:
+                return found
+        return None
+    if kind is list:
+        for i, v in enumerate(value):
+            found = _not_plain(v, f"{path}[{i}]")
+            if found:
+                return found
+        return None
+    if kind in _PLAIN:
+        if kind is float and not math.isfinite(value):
+            return path, f"non-finite float {value!r}"
+        return None
+    return path, kind.__name__
+
+
+def check_state(entity: str, op: str, state: dict[str, Any]) -> None:
+    """Refuse a state that would not come back as itself when the run continues as new
+    (its input is JSON): the operation that left it fails, naming the attribute."""
+    for attr, value in state.items():
+        found = _not_plain(value, attr)
+        if found is not None:
+            where, kind = found
+            raise PayloadError(
+                f"entity {entity}: operation {op!r} left attribute {attr!r} holding a {kind} "
+                f"(at {where}), which would not come back as itself from the stored state; "
+                "keep only JSON values in an entity (dict with str keys, list, str, int, "
+                "float, bool, None), e.g. a sorted list for a set"
+            )
 
 
 def check_key(key: str) -> None:
