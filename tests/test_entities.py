@@ -241,3 +241,25 @@ async def test_state_that_would_not_survive_continue_as_new_fails_its_operation(
             await ref.call("add", tag)
         assert await ref.call("add", "e") == 5
         assert await ref.call("add", "a") == 5  # the list came through as a list
+
+
+async def test_state_right_after_continue_as_new_is_the_new_runs_input(entity_app: Any) -> None:
+    """The operation that made the run continue as new returned, and the new run's code
+    had not run yet: state() failed with 'its code has not run yet'. It answers with the
+    state the run continued with (its input)."""
+    app: tether.App = entity_app.app
+    counter = app.entity_ref(entity_app.Counter, "can")
+    async with app.worker(poll_interval=0.05):
+        for _ in range(7):  # ops_per_run=7: the seventh continues as new
+            await counter.call("add", 1)
+        for _ in range(200):  # wait for the link, not for the next run's code
+            if (await app.get(counter.run_id)).run_id != counter.run_id:
+                break
+            await asyncio.sleep(0.02)
+    live = await app.get(counter.run_id)
+    assert live.run_id == f"{counter.run_id}~1"
+    assert await counter.state() == {"value": 7}
+    fresh = await app.start(entity_app.publish, "d", 1, "b")  # no worker: never ran
+    with pytest.raises(tether.QueryError) as caught:  # a query says so, once
+        await app.query(fresh.run_id, "state")
+    assert str(caught.value).count("query") == 1 and "not run yet" in str(caught.value)

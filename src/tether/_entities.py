@@ -28,7 +28,13 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ._definitions import CHAIN_SEPARATOR, chain_of
-from ._errors import ConfigurationError, PayloadError, UpdateRejectedError
+from ._errors import (
+    NOT_RUN_YET,
+    ConfigurationError,
+    PayloadError,
+    QueryError,
+    UpdateRejectedError,
+)
 from ._history import UPDATE_SIGNAL, RunInfo
 from ._serde import encode
 from .workflow._api import continue_as_new, on_query, on_update
@@ -181,8 +187,19 @@ class EntityRef:
 
     async def state(self) -> dict[str, Any]:
         """The entity's state now (its object's attributes), from its replayed history."""
-        answer: dict[str, Any] = await self.app.query(self.run_id, "state")
-        return answer
+        try:
+            answer: dict[str, Any] = await self.app.query(self.run_id, "state")
+            return answer
+        except QueryError as exc:
+            if not exc.problem.startswith(NOT_RUN_YET):
+                raise
+            # its live run has not run its code yet: the state is what it continued with
+            info = await self.app.get(self.run_id)
+            args, kwargs = self.app.get_workflow(info.workflow).sig.decode_args(info.input)
+            state = args[0] if args else kwargs.get("state")
+            if state is None:  # the first run, before its first operation
+                raise
+            return dict(state)
 
     async def _send(self, op: str, args: tuple[Any, ...]) -> tuple[str, tuple[str, int]]:
         if op not in self.ops:
