@@ -263,3 +263,16 @@ async def test_state_right_after_continue_as_new_is_the_new_runs_input(entity_ap
     with pytest.raises(tether.QueryError) as caught:  # a query says so, once
         await app.query(fresh.run_id, "state")
     assert str(caught.value).count("query") == 1 and "not run yet" in str(caught.value)
+
+
+async def test_the_limit_of_entities_counts_live_keys(entity_app: Any) -> None:
+    """app.entities(limit=N) applied N to every run of the class, the finished links of
+    continue-as-new chains too, and then dropped those: live keys went missing."""
+    app: tether.App = entity_app.app
+    async with app.worker(poll_interval=0.05):
+        for key in ("k0", "k1", "k2"):
+            for _ in range(8):  # ops_per_run=7: two runs per key, the first finished
+                await app.entity_ref(entity_app.Counter, key).call("add", 1)
+    assert sorted(await app.entities(entity_app.Counter, limit=3)) == ["k0", "k1", "k2"]
+    assert len(await app.entities(entity_app.Counter, limit=2)) == 2
+    assert await app.entities(entity_app.Counter, limit=0) == []

@@ -221,13 +221,22 @@ class EntityRef:
 
 
 async def list_entities(app: Any, name: str, limit: int) -> list[str]:
-    """Keys of the live entities of one class, newest first."""
-    runs: list[RunInfo] = await app.list(workflow=PREFIX + name, limit=limit)
+    """Keys of the live entities of one class, newest first: up to ``limit`` of them
+    (pages of runs are read until that many live ones, past finished chain links)."""
     keys: list[str] = []
     prefix = f"{PREFIX}{name}:"
-    for r in runs:
-        if r.is_finished:  # ended, or continued as new (its live run is listed)
-            continue
-        first, _n = chain_of(r.run_id)  # a continued run: its chain's first id
-        keys.append(first[len(prefix) :] if first.startswith(prefix) else first)
+    page = min(max(limit, 100), 1000)
+    before: tuple[float, str] | None = None
+    while len(keys) < limit:
+        runs: list[RunInfo] = await app.list(workflow=PREFIX + name, limit=page, before=before)
+        for r in runs:
+            if r.is_finished:  # ended, or continued as new (its live run is listed)
+                continue
+            first, _n = chain_of(r.run_id)  # a continued run: its chain's first id
+            keys.append(first[len(prefix) :] if first.startswith(prefix) else first)
+            if len(keys) == limit:
+                break
+        if len(runs) < page:
+            break
+        before = (runs[-1].created_at, runs[-1].run_id)
     return keys
