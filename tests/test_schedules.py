@@ -324,3 +324,33 @@ def test_three_worker_processes_fire_each_tick_exactly_once(
         rows = conn.execute("SELECT run_id, count(*) FROM effects GROUP BY run_id").fetchall()
     assert sorted(r[0] for r in rows) == expected and all(r[1] == 1 for r in rows)
     assert datetime.fromtimestamp(last, UTC) > datetime.fromtimestamp(began, UTC)
+
+
+@pytest.mark.parametrize("overlap", ["skip", "cancel_previous"])
+async def test_a_trigger_does_not_hide_the_running_tick_from_the_overlap_policy(
+    app: tether.App, overlap: str
+) -> None:
+    """A trigger replaced the schedule's last run with its own: once the triggered run
+    ended, the next tick saw nothing running, so 'skip' started a second run beside the
+    tick's (and 'cancel_previous' cancelled nothing)."""
+
+    @app.workflow
+    async def job() -> None:
+        if "@trigger-" not in tether.info().run_id:
+            await tether.sleep(150)  # ticks run long, triggers end at once
+
+    async with Env(app, start=T0, skip_time=False) as env:
+        await app.schedule("s", job, every=60, overlap=overlap)
+        await env.advance(60)
+        await asyncio.sleep(0.3)
+        triggered = await app.trigger_schedule("s")
+        await triggered.result(timeout=5)
+        await env.advance(60)
+        await asyncio.sleep(0.3)
+        runs = {r.run_id: r for r in await app.list(workflow="job")}
+    first, second = tick_run_id("s", T0 + 60), tick_run_id("s", T0 + 120)
+    if overlap == "skip":
+        assert second not in runs and not runs[first].is_finished
+    else:
+        assert runs[first].status is tether.RunStatus.CANCELLED and second in runs
+    assert sum(1 for r in runs.values() if not r.is_finished) == 1

@@ -2,10 +2,11 @@
 
 A schedule's task (kind ``schedule``, run id ``schedule:<id>``, name ``<id>``) is due at
 its next tick plus jitter. Firing reads the schedule under a row lock, plans from the
-time of the commit (``_schedules.plan``), applies the overlap policy against the last
-run, starts the tick's run (its id ``<id>@<tick>`` exists at most once) and moves the
-task to the next tick, all in one transaction: whichever worker fires, a tick starts at
-most one run, and a change made meanwhile (pause, new spec) is what the firing sees.
+time of the commit (``_schedules.plan``), applies the overlap policy against the
+schedule's live runs (the last tick's and any triggered by hand), starts the tick's run
+(its id ``<id>@<tick>`` exists at most once) and moves the task to the next tick, all in
+one transaction: whichever worker fires, a tick starts at most one run, and a change
+made meanwhile (pause, new spec) is what the firing sees.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import json
 from typing import Any
 
 from ..._errors import RunFinishedError, RunNotFoundError, ScheduleNotFoundError
-from ..._history import Task
+from ..._history import RunStatus, Task
 from ..._schedules import (
     BUFFER_RECHECK,
     ScheduleInfo,
@@ -224,10 +225,10 @@ def _trigger_schedule(tx: _Tx, schedule_id: str) -> str:
     info = _info(row)
     run_id = tick_run_id(schedule_id, tx.now).replace("@", "@trigger-", 1)
     _start(tx, info, run_id, tx.now, row[16], row[14])
+    # last_run_id stays the last tick's run: a firing finds triggered runs by their ids
     tx.execute(
-        "UPDATE schedules SET last_run_id = ?, fired = fired + 1, updated_at = ? "
-        "WHERE schedule_id = ?",
-        (run_id, tx.now, schedule_id),
+        "UPDATE schedules SET fired = fired + 1, updated_at = ? WHERE schedule_id = ?",
+        (tx.now, schedule_id),
     )
     return run_id
 
@@ -242,7 +243,8 @@ def _fire_schedule(tx: _Tx, task: Task) -> None:
         return
     info = _info(row)
     tenant, input_text = row[16], row[14]
-    previous_live = info.last_run_id is not None and _is_live(tx, info.last_run_id)
+    live = _live_runs(tx, info)
+    previous_live = bool(live)
     if info.buffered is not None and not previous_live:
         # the run that held the buffered tick back has ended: that tick goes first
         run_id = tick_run_id(schedule_id, info.buffered)
@@ -268,8 +270,8 @@ def _fire_schedule(tx: _Tx, task: Task) -> None:
             else:
                 skipped += 1  # one tick is held back already: later ones are dropped
         elif policy == "cancel_previous":
-            assert info.last_run_id is not None
-            _cancel(tx, info.last_run_id, f"schedule {schedule_id!r} fired its next tick")
+            for run_id in live:
+                _cancel(tx, run_id, f"schedule {schedule_id!r} fired its next tick")
     last_run, fired = info.last_run_id, 0
     if fire and tick is not None:
         last_run = tick_run_id(schedule_id, tick)
@@ -299,6 +301,21 @@ def _move(tx: _Tx, task: Task, nxt: float | None, info: ScheduleInfo) -> None:
         (due, task.task_id),
     )
     tx.ready.add(task.queue)
+
+
+def _live_runs(tx: _Tx, info: ScheduleInfo) -> list[str]:
+    """The schedule's runs still going, which its overlap policy looks at: its last
+    tick's run and any run triggered by hand (``<id>@trigger-...``; few, found by id)."""
+    live = [info.last_run_id] if info.last_run_id and _is_live(tx, info.last_run_id) else []
+    prefix = f"{info.schedule_id}@trigger-"
+    rows = tx.execute(
+        "SELECT run_id, status FROM runs WHERE run_id >= ? AND run_id < ? ORDER BY run_id",
+        (prefix, prefix[:-1] + chr(ord("-") + 1)),
+    ).fetchall()
+    for run_id, status in rows:
+        if not RunStatus(status).is_terminal and run_id not in live:
+            live.append(run_id)
+    return live
 
 
 def _is_live(tx: _Tx, run_id: str) -> bool:
