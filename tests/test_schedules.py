@@ -19,7 +19,15 @@ from zoneinfo import ZoneInfo
 import pytest
 
 import tether
-from tether._schedules import ScheduleSpec, make_spec, next_tick, plan, tick_run_id
+from tether._schedules import (
+    CLAIM_GRACE,
+    ScheduleSpec,
+    jittered,
+    make_spec,
+    next_tick,
+    plan,
+    tick_run_id,
+)
 from tether.testing import Env
 from tether.testing._env import VirtualClock
 
@@ -354,3 +362,21 @@ async def test_a_trigger_does_not_hide_the_running_tick_from_the_overlap_policy(
     else:
         assert runs[first].status is tether.RunStatus.CANCELLED and second in runs
     assert sum(1 for r in runs.values() if not r.is_finished) == 1
+
+
+def test_a_tick_claimed_on_time_fires_whatever_the_window_and_jitter() -> None:
+    """catchup_window=0 skipped every tick (a claim is never at the tick's exact instant)
+    and a jitter longer than the window skipped most jittered ticks: lateness is now
+    measured from the tick's due time (with its jitter), with a grace for the claim."""
+    no_catchup = _spec(every=2, catchup_window=0)
+    assert plan(no_catchup, T0 + 2, T0 + 2.3, "s") == (T0 + 2, 0, T0 + 4)
+    tick, skipped, _after = plan(no_catchup, T0 + 2, T0 + 600, "s")  # after downtime
+    assert tick is None or tick >= T0 + 600 - CLAIM_GRACE
+    assert skipped >= (600 - CLAIM_GRACE) // 2 - 1
+    jittery = _spec(every=2, jitter=10, catchup_window=5)
+    for n in range(1, 50):
+        due = jittered("s", jittery, T0 + 2 * n)
+        assert plan(jittery, T0 + 2 * n, due + 0.5, "s")[0] == T0 + 2 * n
+    # the window still bounds late firings: two days late is skipped, one day is not
+    daily = _spec(every=86_400, start_at=T0)
+    assert plan(daily, T0, T0 + 2 * 86_400, "s")[:2] == (T0 + 86_400, 1)

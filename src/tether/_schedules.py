@@ -29,6 +29,9 @@ from ._policy import seconds
 OVERLAP_POLICIES = ("skip", "buffer_one", "allow_all", "cancel_previous")
 #: how long after a tick it may still fire (e.g. after downtime), by default
 DEFAULT_CATCHUP = 86_400.0
+#: a tick claimed this long (seconds) after it was due is still on time, whatever the
+#: catch-up window: a worker takes a moment (its poll interval, a commit) to claim it
+CLAIM_GRACE = 10.0
 #: a tick held back by ``buffer_one`` is looked at again this often (seconds)
 BUFFER_RECHECK = 5.0
 #: at most this many missed ticks are stepped over one by one before jumping
@@ -177,17 +180,30 @@ def next_tick(spec: ScheduleSpec, after: float) -> float | None:
     return tick
 
 
-def plan(spec: ScheduleSpec, next_at: float, now: float) -> tuple[float | None, int, float | None]:
+def plan(
+    spec: ScheduleSpec, next_at: float, now: float, schedule_id: str | None = None
+) -> tuple[float | None, int, float | None]:
     """What firing at ``now`` does: (the tick to fire, or None when ``next_at`` is not
-    due; ticks skipped for being older than the catch-up window; the tick after)."""
+    due; ticks skipped for being older than the catch-up window; the tick after).
+
+    A tick is late by ``now`` minus its due time (the tick plus its jitter, given the
+    schedule's id) and is skipped when that exceeds ``catchup_window`` plus
+    ``CLAIM_GRACE`` (the time a worker may take to claim a due task): a window of 0
+    means no catch-up after downtime, not that a tick must be claimed at its instant."""
     if next_at > now:
         return None, 0, next_at
+    allowed = spec.catchup_window + CLAIM_GRACE
+
+    def late(t: float) -> bool:
+        due = t if schedule_id is None else jittered(schedule_id, spec, t)
+        return now - due > allowed
+
     tick: float | None = next_at
     skipped = 0
-    while tick is not None and now - tick > spec.catchup_window:
+    while tick is not None and late(tick):
         if spec.every is not None and skipped == 0:
-            # jump straight to the last tick before the window opens
-            missed = math.floor((now - spec.catchup_window - tick) / spec.every)
+            # jump straight to the last tick surely late (whatever its jitter)
+            missed = math.floor((now - allowed - spec.jitter - tick) / spec.every)
             if missed > 1:
                 tick += (missed - 1) * spec.every
                 skipped += missed - 1
@@ -195,7 +211,7 @@ def plan(spec: ScheduleSpec, next_at: float, now: float) -> tuple[float | None, 
         tick = next_tick(spec, tick)
         skipped += 1
         if skipped >= _MAX_STEPS:
-            tick = next_tick(spec, now - spec.catchup_window)
+            tick = next_tick(spec, now - allowed - spec.jitter)
             break
     if tick is None or tick > now:
         return None, skipped, tick

@@ -256,7 +256,7 @@ def _fire_schedule(tx: _Tx, task: Task) -> None:
         )
         _move(tx, task, info.next_at if info.next_at is not None else tx.now, info)
         return
-    tick, skipped, after = plan(info.spec, info.next_at or tx.now, tx.now)
+    tick, skipped, after = plan(info.spec, info.next_at or tx.now, tx.now, schedule_id)
     fire = tick is not None
     buffered = info.buffered
     if tick is not None and previous_live:
