@@ -380,3 +380,30 @@ def test_a_tick_claimed_on_time_fires_whatever_the_window_and_jitter() -> None:
     # the window still bounds late firings: two days late is skipped, one day is not
     daily = _spec(every=86_400, start_at=T0)
     assert plan(daily, T0, T0 + 2 * 86_400, "s")[:2] == (T0 + 86_400, 1)
+
+
+async def test_a_redeclaration_keeps_an_operators_pause_and_stores_a_new_note(
+    app: tether.App,
+) -> None:
+    """Each deploy's unchanged declaration un-paused a schedule an operator had paused,
+    a changed note alone was ignored, and resume wiped the note."""
+
+    @app.workflow
+    async def job() -> None:
+        return None
+
+    async with Env(app, start=T0, skip_time=False):
+        first = await app.schedule("job", job, cron="0 * * * *", note="hourly")
+        assert first.note == "hourly"
+        assert await app.pause_schedule("job", note="maintenance") is True
+        again = await app.schedule("job", job, cron="0 * * * *", note="hourly")  # deploy
+        assert again.paused and again.next_at is None and again.note == "maintenance"
+        assert await app.resume_schedule("job") is True
+        resumed = await app.get_schedule("job")
+        assert not resumed.paused and resumed.next_at == T0 + 3600
+        assert resumed.note == "maintenance"  # resume does not wipe it
+        noted = await app.schedule("job", job, cron="0 * * * *", note="hourly, v2")
+        assert noted.note == "hourly, v2" and noted.next_at == T0 + 3600
+        assert (await app.get_schedule("job")).note == "hourly, v2"
+        paused = await app.schedule("job", job, cron="0 * * * *", paused=True, note="off")
+        assert paused.paused and paused.next_at is None and paused.note == "off"

@@ -107,9 +107,14 @@ def _put_schedule(
     note: str | None,
 ) -> tuple[ScheduleInfo, bool]:
     """Create or change a schedule; (the schedule, whether anything changed). The same
-    declaration again (a redeploy) changes nothing, so its next tick stays."""
+    declaration again (a redeploy) changes nothing, so its next tick stays. A
+    declaration never resumes a paused schedule (``paused=True`` pauses it; only a
+    resume un-pauses), and while it is paused its note is the pause's: an operator's
+    pause and its reason survive deploys. Otherwise a new note is stored alone."""
     spec_text = dumps(spec.to_json())
     old = _row(tx, schedule_id, lock=True)
+    if old is not None and old[4]:
+        paused, note = True, old[10]
     if old is not None and (old[1], old[2], old[3], old[14], bool(old[4]), old[16]) == (
         workflow,
         queue,
@@ -118,7 +123,13 @@ def _put_schedule(
         paused,
         tenant,
     ):
-        return _info(old), False
+        if note == old[10]:
+            return _info(old), False
+        tx.execute(  # the note alone: no new version, the next tick stays
+            "UPDATE schedules SET note = ?, updated_at = ? WHERE schedule_id = ?",
+            (note, tx.now, schedule_id),
+        )
+        return _info(_row(tx, schedule_id)), True
     nxt = None if paused else next_tick(spec, tx.now)
     if old is None:
         tx.execute(
@@ -183,7 +194,11 @@ def _pause_schedule(tx: _Tx, schedule_id: str, paused: bool, note: str | None) -
     if info.paused == paused:
         return False
     nxt = None if paused else next_tick(info.spec, tx.now)
-    _new_version(tx, schedule_id, {"paused": int(paused), "note": note}, info.queue, info.spec, nxt)
+    # a pause's note replaces the schedule's (its reason); a resume leaves it as it is
+    changes: dict[str, Any] = {"paused": int(paused)}
+    if paused and note is not None:
+        changes["note"] = note
+    _new_version(tx, schedule_id, changes, info.queue, info.spec, nxt)
     return True
 
 
