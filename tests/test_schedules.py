@@ -111,6 +111,15 @@ async def test_bad_input_is_refused_naming_the_field_and_nothing_is_stored(
         ({"every": 0.5}, "every="),
         ({"every": 60, "overlap": "queue"}, "overlap="),
         ({"every": 60, "jitter": -1}, "jitter"),
+        # absurd values: stored, they crashed `tether schedules list` for every schedule
+        ({"every": 1e300}, "every="),
+        ({"every": 60, "start_at": float("nan")}, "start_at="),
+        ({"every": 60, "start_at": 1e20}, "start_at="),
+        ({"every": 60, "end_at": float("inf")}, "end_at="),
+        ({"every": 60, "tz": 5}, "tz="),
+        ({"every": 60, "jitter": 1e300}, "jitter="),
+        ({"every": 60, "catchup_window": 1e300}, "catchup_window="),
+        ({"every": 60, "catchup_window": -1}, "catchup_window="),
     ]
     for kw, needle in cases:
         with pytest.raises(tether.ConfigurationError, match=needle):

@@ -36,6 +36,10 @@ CLAIM_GRACE = 10.0
 BUFFER_RECHECK = 5.0
 #: at most this many missed ticks are stepped over one by one before jumping
 _MAX_STEPS = 100_000
+#: the longest ``every``, ``jitter`` and ``catchup_window`` (seconds): about 100 years
+MAX_SPAN = 100 * 365.25 * 86_400
+#: the last instant a tick, ``start_at`` or ``end_at`` may be: the end of year 9999
+MAX_EPOCH = 253_402_300_799
 #: schedule ids are at most this long (a run id adds the tick)
 MAX_ID = 150
 
@@ -117,9 +121,13 @@ def make_spec(
         raise ConfigurationError("a schedule needs exactly one of cron= or every=")
     interval = None
     if every is not None:
-        interval = seconds(every, "every")
-        if interval is None or interval < 1:
-            raise ConfigurationError(f"every= must be at least 1 second (got {every!r})")
+        interval = seconds(every, "every=")
+        if interval is None or not 1 <= interval <= MAX_SPAN:
+            raise ConfigurationError(
+                f"every= must be from 1 second to {MAX_SPAN:.0f} (about 100 years; got {every!r})"
+            )
+    if tz is not None and not isinstance(tz, str):
+        raise ConfigurationError(f"tz= takes a time zone name such as 'Europe/Paris' (got {tz!r})")
     zone = tz or "UTC"
     _zone(zone)
     if cron is not None:
@@ -128,12 +136,16 @@ def make_spec(
         raise ConfigurationError(
             f"overlap= must be one of {', '.join(OVERLAP_POLICIES)} (got {overlap!r})"
         )
-    spread = seconds(jitter, "jitter") or 0.0
-    if spread < 0:
-        raise ConfigurationError(f"jitter= must be >= 0 (got {jitter!r})")
-    window = DEFAULT_CATCHUP if catchup_window is None else seconds(catchup_window, "catchup")
-    if window is None or window < 0:
-        raise ConfigurationError(f"catchup_window= must be >= 0 (got {catchup_window!r})")
+    spread = seconds(jitter, "jitter=") or 0.0
+    if not 0 <= spread <= MAX_SPAN:
+        raise ConfigurationError(f"jitter= must be from 0 to {MAX_SPAN:.0f} s (got {jitter!r})")
+    window = (
+        DEFAULT_CATCHUP if catchup_window is None else seconds(catchup_window, "catchup_window=")
+    )
+    if window is None or not 0 <= window <= MAX_SPAN:
+        raise ConfigurationError(
+            f"catchup_window= must be from 0 to {MAX_SPAN:.0f} s (got {catchup_window!r})"
+        )
     first, last = _epoch(start_at, "start_at"), _epoch(end_at, "end_at")
     if first is not None and last is not None and last <= first:
         raise ConfigurationError("end_at= must be after start_at=")
@@ -175,7 +187,7 @@ def next_tick(spec: ScheduleSpec, after: float) -> float | None:
     else:
         assert spec.cron is not None
         tick = _next_cron(spec.cron, _zone(spec.tz), after)
-    if spec.end_at is not None and tick > spec.end_at:
+    if (spec.end_at is not None and tick > spec.end_at) or tick > MAX_EPOCH:
         return None
     return tick
 
@@ -291,7 +303,14 @@ def _epoch(value: float | datetime | None, field: str) -> float | None:
     if isinstance(value, datetime):
         if value.tzinfo is None:
             raise ConfigurationError(f"{field}= needs a timezone-aware datetime")
-        return value.timestamp()
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        return float(value)
-    raise ConfigurationError(f"{field}= takes epoch seconds or an aware datetime")
+        seconds_ = value.timestamp()
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        seconds_ = float(value)
+    else:
+        raise ConfigurationError(f"{field}= takes epoch seconds or an aware datetime")
+    if not 0 <= seconds_ <= MAX_EPOCH:  # also NaN
+        raise ConfigurationError(
+            f"{field}= must be a time from 1970 to the end of year 9999 "
+            f"(epoch seconds 0 to {MAX_EPOCH}; got {value!r})"
+        )
+    return seconds_
