@@ -276,3 +276,20 @@ async def test_the_limit_of_entities_counts_live_keys(entity_app: Any) -> None:
     assert sorted(await app.entities(entity_app.Counter, limit=3)) == ["k0", "k1", "k2"]
     assert len(await app.entities(entity_app.Counter, limit=2)) == 2
     assert await app.entities(entity_app.Counter, limit=0) == []
+
+
+def test_a_class_that_cannot_be_made_without_arguments_is_refused(entity_app: Any) -> None:
+    """Its first operation failed the key's run for good, with a message that hid why."""
+    app: tether.App = entity_app.app
+
+    class NeedsArg:
+        def __init__(self, start: int) -> None:
+            self.value = start
+
+        def get(self) -> int:
+            return self.value
+
+    with pytest.raises(tether.ConfigurationError, match=r"NeedsArg.*__init__.*start"):
+        app.entity(NeedsArg)
+    with pytest.raises(tether.ConfigurationError, match="no entity 'NeedsArg'"):
+        app.entity_ref("NeedsArg", "k")

@@ -49,7 +49,18 @@ MAX_KEY = 150
 
 
 def operations(cls: type) -> dict[str, Callable[..., Any]]:
-    """An entity class's operations: its public, synchronous methods."""
+    """An entity class's operations: its public, synchronous methods. The class must be
+    made with no arguments (its first operation makes it so)."""
+    try:
+        inspect.signature(cls).bind()
+    except TypeError as exc:
+        raise ConfigurationError(
+            f"entity {cls.__name__}: __init__ must take no arguments (an entity is made "
+            f"with none at its first operation; {exc}): give its parameters defaults, or "
+            "set them with an operation"
+        ) from None
+    except ValueError:  # no signature to read (a builtin base): made at run time
+        pass
     ops: dict[str, Callable[..., Any]] = {}
     for name, member in inspect.getmembers(cls, inspect.isfunction):
         if name.startswith("_"):
