@@ -293,3 +293,31 @@ def test_a_class_that_cannot_be_made_without_arguments_is_refused(entity_app: An
         app.entity(NeedsArg)
     with pytest.raises(tether.ConfigurationError, match="no entity 'NeedsArg'"):
         app.entity_ref("NeedsArg", "k")
+
+
+async def test_unknown_entities_and_static_or_class_methods_are_refused(entity_app: Any) -> None:
+    """app.entities('Unknown') answered [] where entity_ref raises; a @staticmethod was
+    an operation that always failed and a @classmethod was silently no operation."""
+    app: tether.App = entity_app.app
+    with pytest.raises(tether.ConfigurationError, match="no entity 'Nope'"):
+        await app.entities("Nope")
+
+    class WithStatic:
+        @staticmethod
+        def helper(x: int) -> int:
+            return x
+
+        def get(self) -> int:
+            return 1
+
+    class WithClass:
+        @classmethod
+        def make(cls) -> str:
+            return cls.__name__
+
+        def get(self) -> int:
+            return 1
+
+    for cls in (WithStatic, WithClass):
+        with pytest.raises(tether.ConfigurationError, match=r"helper|make"):
+            app.entity(cls)

@@ -1329,7 +1329,7 @@ class App:
 
     async def entities(self, entity: type | str, *, limit: int = 1000) -> builtins.list[str]:
         """The keys of the live entities of a class, newest first."""
-        ename = entity if isinstance(entity, str) else entity.__name__
+        ename = self.entity_ref(entity, "-").name  # an unknown class: ConfigurationError
         return await list_entities(self, ename, check_limit(limit))
 
     # -- schedules --------------------------------------------------------------------

@@ -62,6 +62,14 @@ def operations(cls: type) -> dict[str, Callable[..., Any]]:
     except ValueError:  # no signature to read (a builtin base): made at run time
         pass
     ops: dict[str, Callable[..., Any]] = {}
+    for name in dir(cls):
+        kind = inspect.getattr_static(cls, name, None)
+        if not name.startswith("_") and isinstance(kind, staticmethod | classmethod):
+            raise ConfigurationError(
+                f"entity {cls.__name__}: {name!r} is a {type(kind).__name__}; operations "
+                "are plain methods of the object: make it one, or a private helper "
+                "(a name starting with '_')"
+            )
     for name, member in inspect.getmembers(cls, inspect.isfunction):
         if name.startswith("_"):
             continue
