@@ -649,3 +649,13 @@ def test_purge_erase_tenant_backup_restore_and_check(
     refused = project.cli("erase-tenant", "acme", *store)
     assert_one_line_error(refused, 2, "--yes")
     assert json.loads(project.ok("erase-tenant", "acme", "--yes", *store))["runs"] == 0
+
+
+def test_time_formatting_never_crashes_on_a_stored_value() -> None:
+    """A schedule stored with an absurd time (every=1e300) crashed every `tether
+    schedules list` with an OverflowError from the time formatting."""
+    from tether.cli._common import _ts
+
+    assert _ts(None) == "-" and _ts(0.0).startswith("19")
+    for value in (1e300, -1e300, float("nan"), float("inf")):
+        assert isinstance(_ts(value), str)

@@ -186,3 +186,138 @@ def test_out_of_order_duplicated_revisions_never_overwrite_a_newer_one(
         (final,) = conn.execute("SELECT revision FROM docs WHERE doc = 'doc-9'").fetchone()
     assert final == 30
     assert written == sorted(set(written))  # strictly increasing: never an older one
+
+
+async def test_a_key_with_the_chain_separator_is_refused(entity_app: Any) -> None:
+    """'x~1' would name key x's next run (continue-as-new): acting on x's chain, or
+    wedging x when used first. Such keys are refused before anything is recorded."""
+    app: tether.App = entity_app.app
+    for key in ("x~1", "x~", "~"):
+        with pytest.raises(tether.ConfigurationError, match="'~'") as caught:
+            app.entity_ref(entity_app.Counter, key)
+        assert "\n" not in str(caught.value)
+    assert await app.list() == []
+
+
+async def test_state_that_would_not_survive_continue_as_new_fails_its_operation(
+    entity_app: Any,
+) -> None:
+    """A set (or tuple) in the state came back as a list at continue-as-new, and the
+    entity broke there. The operation that leaves such a state fails, naming the
+    attribute and its type; the run never continues as new with it."""
+    app: tether.App = entity_app.app
+
+    @app.entity(ops_per_run=2)
+    class Tags:
+        def __init__(self) -> None:
+            self.tags: list[str] = []
+            self.pair: list[int] = [0, 0]
+
+        def add(self, tag: str) -> int:
+            if tag not in self.tags:
+                self.tags.append(tag)
+            return len(self.tags)
+
+        def as_set(self) -> None:
+            self.tags = set(self.tags)  # type: ignore[assignment]
+
+        def nested(self) -> None:
+            self.pair = [0, {"at": (1, 2)}]  # type: ignore[list-item]
+
+        def undo(self) -> None:
+            self.tags = sorted(self.tags)
+            self.pair = [0, 0]
+
+    async with app.worker(poll_interval=0.05):
+        ref = app.entity_ref(Tags, "t")
+        assert await ref.call("add", "a") == 1
+        with pytest.raises(tether.UpdateFailedError, match=r"'tags'.*\bset\b"):
+            await ref.call("as_set")
+        await ref.call("undo")
+        with pytest.raises(tether.UpdateFailedError, match=r"'pair'.*\btuple\b"):
+            await ref.call("nested")
+        await ref.call("undo")
+        for tag in "bcdb":  # across continue-as-new boundaries
+            await ref.call("add", tag)
+        assert await ref.call("add", "e") == 5
+        assert await ref.call("add", "a") == 5  # the list came through as a list
+
+
+async def test_state_right_after_continue_as_new_is_the_new_runs_input(entity_app: Any) -> None:
+    """The operation that made the run continue as new returned, and the new run's code
+    had not run yet: state() failed with 'its code has not run yet'. It answers with the
+    state the run continued with (its input)."""
+    app: tether.App = entity_app.app
+    counter = app.entity_ref(entity_app.Counter, "can")
+    async with app.worker(poll_interval=0.05):
+        for _ in range(7):  # ops_per_run=7: the seventh continues as new
+            await counter.call("add", 1)
+        for _ in range(200):  # wait for the link, not for the next run's code
+            if (await app.get(counter.run_id)).run_id != counter.run_id:
+                break
+            await asyncio.sleep(0.02)
+    live = await app.get(counter.run_id)
+    assert live.run_id == f"{counter.run_id}~1"
+    assert await counter.state() == {"value": 7}
+    fresh = await app.start(entity_app.publish, "d", 1, "b")  # no worker: never ran
+    with pytest.raises(tether.QueryError) as caught:  # a query says so, once
+        await app.query(fresh.run_id, "state")
+    assert str(caught.value).count("query") == 1 and "not run yet" in str(caught.value)
+
+
+async def test_the_limit_of_entities_counts_live_keys(entity_app: Any) -> None:
+    """app.entities(limit=N) applied N to every run of the class, the finished links of
+    continue-as-new chains too, and then dropped those: live keys went missing."""
+    app: tether.App = entity_app.app
+    async with app.worker(poll_interval=0.05):
+        for key in ("k0", "k1", "k2"):
+            for _ in range(8):  # ops_per_run=7: two runs per key, the first finished
+                await app.entity_ref(entity_app.Counter, key).call("add", 1)
+    assert sorted(await app.entities(entity_app.Counter, limit=3)) == ["k0", "k1", "k2"]
+    assert len(await app.entities(entity_app.Counter, limit=2)) == 2
+    assert await app.entities(entity_app.Counter, limit=0) == []
+
+
+def test_a_class_that_cannot_be_made_without_arguments_is_refused(entity_app: Any) -> None:
+    """Its first operation failed the key's run for good, with a message that hid why."""
+    app: tether.App = entity_app.app
+
+    class NeedsArg:
+        def __init__(self, start: int) -> None:
+            self.value = start
+
+        def get(self) -> int:
+            return self.value
+
+    with pytest.raises(tether.ConfigurationError, match=r"NeedsArg.*__init__.*start"):
+        app.entity(NeedsArg)
+    with pytest.raises(tether.ConfigurationError, match="no entity 'NeedsArg'"):
+        app.entity_ref("NeedsArg", "k")
+
+
+async def test_unknown_entities_and_static_or_class_methods_are_refused(entity_app: Any) -> None:
+    """app.entities('Unknown') answered [] where entity_ref raises; a @staticmethod was
+    an operation that always failed and a @classmethod was silently no operation."""
+    app: tether.App = entity_app.app
+    with pytest.raises(tether.ConfigurationError, match="no entity 'Nope'"):
+        await app.entities("Nope")
+
+    class WithStatic:
+        @staticmethod
+        def helper(x: int) -> int:
+            return x
+
+        def get(self) -> int:
+            return 1
+
+    class WithClass:
+        @classmethod
+        def make(cls) -> str:
+            return cls.__name__
+
+        def get(self) -> int:
+            return 1
+
+    for cls in (WithStatic, WithClass):
+        with pytest.raises(tether.ConfigurationError, match=r"helper|make"):
+            app.entity(cls)

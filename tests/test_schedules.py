@@ -19,7 +19,15 @@ from zoneinfo import ZoneInfo
 import pytest
 
 import tether
-from tether._schedules import ScheduleSpec, make_spec, next_tick, plan, tick_run_id
+from tether._schedules import (
+    CLAIM_GRACE,
+    ScheduleSpec,
+    jittered,
+    make_spec,
+    next_tick,
+    plan,
+    tick_run_id,
+)
 from tether.testing import Env
 from tether.testing._env import VirtualClock
 
@@ -103,6 +111,15 @@ async def test_bad_input_is_refused_naming_the_field_and_nothing_is_stored(
         ({"every": 0.5}, "every="),
         ({"every": 60, "overlap": "queue"}, "overlap="),
         ({"every": 60, "jitter": -1}, "jitter"),
+        # absurd values: stored, they crashed `tether schedules list` for every schedule
+        ({"every": 1e300}, "every="),
+        ({"every": 60, "start_at": float("nan")}, "start_at="),
+        ({"every": 60, "start_at": 1e20}, "start_at="),
+        ({"every": 60, "end_at": float("inf")}, "end_at="),
+        ({"every": 60, "tz": 5}, "tz="),
+        ({"every": 60, "jitter": 1e300}, "jitter="),
+        ({"every": 60, "catchup_window": 1e300}, "catchup_window="),
+        ({"every": 60, "catchup_window": -1}, "catchup_window="),
     ]
     for kw, needle in cases:
         with pytest.raises(tether.ConfigurationError, match=needle):
@@ -324,3 +341,78 @@ def test_three_worker_processes_fire_each_tick_exactly_once(
         rows = conn.execute("SELECT run_id, count(*) FROM effects GROUP BY run_id").fetchall()
     assert sorted(r[0] for r in rows) == expected and all(r[1] == 1 for r in rows)
     assert datetime.fromtimestamp(last, UTC) > datetime.fromtimestamp(began, UTC)
+
+
+@pytest.mark.parametrize("overlap", ["skip", "cancel_previous"])
+async def test_a_trigger_does_not_hide_the_running_tick_from_the_overlap_policy(
+    app: tether.App, overlap: str
+) -> None:
+    """A trigger replaced the schedule's last run with its own: once the triggered run
+    ended, the next tick saw nothing running, so 'skip' started a second run beside the
+    tick's (and 'cancel_previous' cancelled nothing)."""
+
+    @app.workflow
+    async def job() -> None:
+        if "@trigger-" not in tether.info().run_id:
+            await tether.sleep(150)  # ticks run long, triggers end at once
+
+    async with Env(app, start=T0, skip_time=False) as env:
+        await app.schedule("s", job, every=60, overlap=overlap)
+        await env.advance(60)
+        await asyncio.sleep(0.3)
+        triggered = await app.trigger_schedule("s")
+        await triggered.result(timeout=5)
+        await env.advance(60)
+        await asyncio.sleep(0.3)
+        runs = {r.run_id: r for r in await app.list(workflow="job")}
+    first, second = tick_run_id("s", T0 + 60), tick_run_id("s", T0 + 120)
+    if overlap == "skip":
+        assert second not in runs and not runs[first].is_finished
+    else:
+        assert runs[first].status is tether.RunStatus.CANCELLED and second in runs
+    assert sum(1 for r in runs.values() if not r.is_finished) == 1
+
+
+def test_a_tick_claimed_on_time_fires_whatever_the_window_and_jitter() -> None:
+    """catchup_window=0 skipped every tick (a claim is never at the tick's exact instant)
+    and a jitter longer than the window skipped most jittered ticks: lateness is now
+    measured from the tick's due time (with its jitter), with a grace for the claim."""
+    no_catchup = _spec(every=2, catchup_window=0)
+    assert plan(no_catchup, T0 + 2, T0 + 2.3, "s") == (T0 + 2, 0, T0 + 4)
+    tick, skipped, _after = plan(no_catchup, T0 + 2, T0 + 600, "s")  # after downtime
+    assert tick is None or tick >= T0 + 600 - CLAIM_GRACE
+    assert skipped >= (600 - CLAIM_GRACE) // 2 - 1
+    jittery = _spec(every=2, jitter=10, catchup_window=5)
+    for n in range(1, 50):
+        due = jittered("s", jittery, T0 + 2 * n)
+        assert plan(jittery, T0 + 2 * n, due + 0.5, "s")[0] == T0 + 2 * n
+    # the window still bounds late firings: two days late is skipped, one day is not
+    daily = _spec(every=86_400, start_at=T0)
+    assert plan(daily, T0, T0 + 2 * 86_400, "s")[:2] == (T0 + 86_400, 1)
+
+
+async def test_a_redeclaration_keeps_an_operators_pause_and_stores_a_new_note(
+    app: tether.App,
+) -> None:
+    """Each deploy's unchanged declaration un-paused a schedule an operator had paused,
+    a changed note alone was ignored, and resume wiped the note."""
+
+    @app.workflow
+    async def job() -> None:
+        return None
+
+    async with Env(app, start=T0, skip_time=False):
+        first = await app.schedule("job", job, cron="0 * * * *", note="hourly")
+        assert first.note == "hourly"
+        assert await app.pause_schedule("job", note="maintenance") is True
+        again = await app.schedule("job", job, cron="0 * * * *", note="hourly")  # deploy
+        assert again.paused and again.next_at is None and again.note == "maintenance"
+        assert await app.resume_schedule("job") is True
+        resumed = await app.get_schedule("job")
+        assert not resumed.paused and resumed.next_at == T0 + 3600
+        assert resumed.note == "maintenance"  # resume does not wipe it
+        noted = await app.schedule("job", job, cron="0 * * * *", note="hourly, v2")
+        assert noted.note == "hourly, v2" and noted.next_at == T0 + 3600
+        assert (await app.get_schedule("job")).note == "hourly, v2"
+        paused = await app.schedule("job", job, cron="0 * * * *", paused=True, note="off")
+        assert paused.paused and paused.next_at is None and paused.note == "off"

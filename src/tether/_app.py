@@ -37,6 +37,7 @@ from ._entities import PREFIX as ENTITY_PREFIX
 from ._entities import EntityRef, entity_workflow, list_entities
 from ._entities import operations as entity_operations
 from ._errors import (
+    NOT_RUN_YET,
     ApprovalError,
     ApprovalNotFoundError,
     ConfigurationError,
@@ -1206,7 +1207,7 @@ class App:
         here by replaying its history (the workflow must be registered on this App). No
         event is recorded and no worker is asked; a finished run answers from its final
         state. ``QueryError`` if the run has no such handler or it raised."""
-        inst = await self._replayed(run_id, f"query {name!r}")
+        inst = await self._replayed(run_id, name)
         try:
             handler = inst.queries.get(name)
             if handler is None:
@@ -1261,7 +1262,7 @@ class App:
             default=None,
         )
         if last is None:
-            raise QueryError(info.run_id, what, "its code has not run yet: try again shortly")
+            raise QueryError(info.run_id, what, f"{NOT_RUN_YET}: try again shortly")
         inst = WorkflowInstance(info.run_id, self.get_workflow(info.workflow))
         try:
             inst.advance(events[: last + 1], self.store.clock())
@@ -1335,7 +1336,7 @@ class App:
 
     async def entities(self, entity: type | str, *, limit: int = 1000) -> builtins.list[str]:
         """The keys of the live entities of a class, newest first."""
-        ename = entity if isinstance(entity, str) else entity.__name__
+        ename = self.entity_ref(entity, "-").name  # an unknown class: ConfigurationError
         return await list_entities(self, ename, check_limit(limit))
 
     # -- schedules --------------------------------------------------------------------

@@ -22,12 +22,19 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import math
 import uuid
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ._definitions import chain_of
-from ._errors import ConfigurationError, UpdateRejectedError
+from ._definitions import CHAIN_SEPARATOR, chain_of
+from ._errors import (
+    NOT_RUN_YET,
+    ConfigurationError,
+    PayloadError,
+    QueryError,
+    UpdateRejectedError,
+)
 from ._history import UPDATE_SIGNAL, RunInfo
 from ._serde import encode
 from .workflow._api import continue_as_new, on_query, on_update
@@ -42,8 +49,27 @@ MAX_KEY = 150
 
 
 def operations(cls: type) -> dict[str, Callable[..., Any]]:
-    """An entity class's operations: its public, synchronous methods."""
+    """An entity class's operations: its public, synchronous methods. The class must be
+    made with no arguments (its first operation makes it so)."""
+    try:
+        inspect.signature(cls).bind()
+    except TypeError as exc:
+        raise ConfigurationError(
+            f"entity {cls.__name__}: __init__ must take no arguments (an entity is made "
+            f"with none at its first operation; {exc}): give its parameters defaults, or "
+            "set them with an operation"
+        ) from None
+    except ValueError:  # no signature to read (a builtin base): made at run time
+        pass
     ops: dict[str, Callable[..., Any]] = {}
+    for name in dir(cls):
+        kind = inspect.getattr_static(cls, name, None)
+        if not name.startswith("_") and isinstance(kind, staticmethod | classmethod):
+            raise ConfigurationError(
+                f"entity {cls.__name__}: {name!r} is a {type(kind).__name__}; operations "
+                "are plain methods of the object: make it one, or a private helper "
+                "(a name starting with '_')"
+            )
     for name, member in inspect.getmembers(cls, inspect.isfunction):
         if name.startswith("_"):
             continue
@@ -81,6 +107,7 @@ def entity_workflow(cls: type, ops_per_run: int) -> Callable[..., Any]:
             def apply(*args: Any) -> Any:
                 nonlocal applied
                 out = method(obj, *args)
+                check_state(cls.__name__, name, obj.__dict__)
                 applied += 1
                 if applied >= ops_per_run and not full.done():
                     full.set_result(None)
@@ -100,10 +127,60 @@ def entity_workflow(cls: type, ops_per_run: int) -> Callable[..., Any]:
     return entity
 
 
+#: the types an entity's state may hold: they come back as themselves from JSON
+_PLAIN = (str, int, float, bool, type(None))
+
+
+def _not_plain(value: Any, path: str) -> tuple[str, str] | None:
+    """The path and type name of the first part of ``value`` that JSON would not give
+    back as itself (a set or tuple comes back a list, an int key a str...), or None."""
+    kind = type(value)
+    if kind is dict:
+        for k, v in value.items():
+            if type(k) is not str:
+                return f"{path} (key {k!r})", f"{type(k).__name__} key"
+            found = _not_plain(v, f"{path}[{k!r}]")
+            if found:
+                return found
+        return None
+    if kind is list:
+        for i, v in enumerate(value):
+            found = _not_plain(v, f"{path}[{i}]")
+            if found:
+                return found
+        return None
+    if kind in _PLAIN:
+        if kind is float and not math.isfinite(value):
+            return path, f"non-finite float {value!r}"
+        return None
+    return path, kind.__name__
+
+
+def check_state(entity: str, op: str, state: dict[str, Any]) -> None:
+    """Refuse a state that would not come back as itself when the run continues as new
+    (its input is JSON): the operation that left it fails, naming the attribute."""
+    for attr, value in state.items():
+        found = _not_plain(value, attr)
+        if found is not None:
+            where, kind = found
+            raise PayloadError(
+                f"entity {entity}: operation {op!r} left attribute {attr!r} holding a {kind} "
+                f"(at {where}), which would not come back as itself from the stored state; "
+                "keep only JSON values in an entity (dict with str keys, list, str, int, "
+                "float, bool, None), e.g. a sorted list for a set"
+            )
+
+
 def check_key(key: str) -> None:
-    """Entity keys name runs: short and printable."""
+    """Entity keys name runs: short, printable, and without the continue-as-new chain
+    separator (``k~1`` names key ``k``'s next run)."""
     if not isinstance(key, str) or not key or len(key) > MAX_KEY or not key.isprintable():
         raise ConfigurationError(f"entity key must be 1-{MAX_KEY} printable characters")
+    if CHAIN_SEPARATOR in key:
+        raise ConfigurationError(
+            f"entity key {key!r} contains {CHAIN_SEPARATOR!r}, which tether reserves for the "
+            f"runs of a continue-as-new chain (an entity's next run): choose a key without it"
+        )
 
 
 class EntityRef:
@@ -129,8 +206,19 @@ class EntityRef:
 
     async def state(self) -> dict[str, Any]:
         """The entity's state now (its object's attributes), from its replayed history."""
-        answer: dict[str, Any] = await self.app.query(self.run_id, "state")
-        return answer
+        try:
+            answer: dict[str, Any] = await self.app.query(self.run_id, "state")
+            return answer
+        except QueryError as exc:
+            if not exc.problem.startswith(NOT_RUN_YET):
+                raise
+            # its live run has not run its code yet: the state is what it continued with
+            info = await self.app.get(self.run_id)
+            args, kwargs = self.app.get_workflow(info.workflow).sig.decode_args(info.input)
+            state = args[0] if args else kwargs.get("state")
+            if state is None:  # the first run, before its first operation
+                raise
+            return dict(state)
 
     async def _send(self, op: str, args: tuple[Any, ...]) -> tuple[str, tuple[str, int]]:
         if op not in self.ops:
@@ -152,13 +240,22 @@ class EntityRef:
 
 
 async def list_entities(app: Any, name: str, limit: int) -> list[str]:
-    """Keys of the live entities of one class, newest first."""
-    runs: list[RunInfo] = await app.list(workflow=PREFIX + name, limit=limit)
+    """Keys of the live entities of one class, newest first: up to ``limit`` of them
+    (pages of runs are read until that many live ones, past finished chain links)."""
     keys: list[str] = []
     prefix = f"{PREFIX}{name}:"
-    for r in runs:
-        if r.is_finished:  # ended, or continued as new (its live run is listed)
-            continue
-        first, _n = chain_of(r.run_id)  # a continued run: its chain's first id
-        keys.append(first[len(prefix) :] if first.startswith(prefix) else first)
+    page = min(max(limit, 100), 1000)
+    before: tuple[float, str] | None = None
+    while len(keys) < limit:
+        runs: list[RunInfo] = await app.list(workflow=PREFIX + name, limit=page, before=before)
+        for r in runs:
+            if r.is_finished:  # ended, or continued as new (its live run is listed)
+                continue
+            first, _n = chain_of(r.run_id)  # a continued run: its chain's first id
+            keys.append(first[len(prefix) :] if first.startswith(prefix) else first)
+            if len(keys) == limit:
+                break
+        if len(runs) < page:
+            break
+        before = (runs[-1].created_at, runs[-1].run_id)
     return keys

@@ -74,6 +74,10 @@ class DeadLetterNotFoundError(TetherError, LookupError):
         self.letter_id = letter_id
 
 
+#: how a ``QueryError`` begins for a run whose code has not run yet (nothing to replay)
+NOT_RUN_YET = "its code has not run yet"
+
+
 class QueryError(TetherError):
     """A query could not be answered: no such handler in the run, or it failed."""
 

@@ -29,10 +29,17 @@ from ._policy import seconds
 OVERLAP_POLICIES = ("skip", "buffer_one", "allow_all", "cancel_previous")
 #: how long after a tick it may still fire (e.g. after downtime), by default
 DEFAULT_CATCHUP = 86_400.0
+#: a tick claimed this long (seconds) after it was due is still on time, whatever the
+#: catch-up window: a worker takes a moment (its poll interval, a commit) to claim it
+CLAIM_GRACE = 10.0
 #: a tick held back by ``buffer_one`` is looked at again this often (seconds)
 BUFFER_RECHECK = 5.0
 #: at most this many missed ticks are stepped over one by one before jumping
 _MAX_STEPS = 100_000
+#: the longest ``every``, ``jitter`` and ``catchup_window`` (seconds): about 100 years
+MAX_SPAN = 100 * 365.25 * 86_400
+#: the last instant a tick, ``start_at`` or ``end_at`` may be: the end of year 9999
+MAX_EPOCH = 253_402_300_799
 #: schedule ids are at most this long (a run id adds the tick)
 MAX_ID = 150
 
@@ -114,9 +121,13 @@ def make_spec(
         raise ConfigurationError("a schedule needs exactly one of cron= or every=")
     interval = None
     if every is not None:
-        interval = seconds(every, "every")
-        if interval is None or interval < 1:
-            raise ConfigurationError(f"every= must be at least 1 second (got {every!r})")
+        interval = seconds(every, "every=")
+        if interval is None or not 1 <= interval <= MAX_SPAN:
+            raise ConfigurationError(
+                f"every= must be from 1 second to {MAX_SPAN:.0f} (about 100 years; got {every!r})"
+            )
+    if tz is not None and not isinstance(tz, str):
+        raise ConfigurationError(f"tz= takes a time zone name such as 'Europe/Paris' (got {tz!r})")
     zone = tz or "UTC"
     _zone(zone)
     if cron is not None:
@@ -125,12 +136,16 @@ def make_spec(
         raise ConfigurationError(
             f"overlap= must be one of {', '.join(OVERLAP_POLICIES)} (got {overlap!r})"
         )
-    spread = seconds(jitter, "jitter") or 0.0
-    if spread < 0:
-        raise ConfigurationError(f"jitter= must be >= 0 (got {jitter!r})")
-    window = DEFAULT_CATCHUP if catchup_window is None else seconds(catchup_window, "catchup")
-    if window is None or window < 0:
-        raise ConfigurationError(f"catchup_window= must be >= 0 (got {catchup_window!r})")
+    spread = seconds(jitter, "jitter=") or 0.0
+    if not 0 <= spread <= MAX_SPAN:
+        raise ConfigurationError(f"jitter= must be from 0 to {MAX_SPAN:.0f} s (got {jitter!r})")
+    window = (
+        DEFAULT_CATCHUP if catchup_window is None else seconds(catchup_window, "catchup_window=")
+    )
+    if window is None or not 0 <= window <= MAX_SPAN:
+        raise ConfigurationError(
+            f"catchup_window= must be from 0 to {MAX_SPAN:.0f} s (got {catchup_window!r})"
+        )
     first, last = _epoch(start_at, "start_at"), _epoch(end_at, "end_at")
     if first is not None and last is not None and last <= first:
         raise ConfigurationError("end_at= must be after start_at=")
@@ -172,22 +187,35 @@ def next_tick(spec: ScheduleSpec, after: float) -> float | None:
     else:
         assert spec.cron is not None
         tick = _next_cron(spec.cron, _zone(spec.tz), after)
-    if spec.end_at is not None and tick > spec.end_at:
+    if (spec.end_at is not None and tick > spec.end_at) or tick > MAX_EPOCH:
         return None
     return tick
 
 
-def plan(spec: ScheduleSpec, next_at: float, now: float) -> tuple[float | None, int, float | None]:
+def plan(
+    spec: ScheduleSpec, next_at: float, now: float, schedule_id: str | None = None
+) -> tuple[float | None, int, float | None]:
     """What firing at ``now`` does: (the tick to fire, or None when ``next_at`` is not
-    due; ticks skipped for being older than the catch-up window; the tick after)."""
+    due; ticks skipped for being older than the catch-up window; the tick after).
+
+    A tick is late by ``now`` minus its due time (the tick plus its jitter, given the
+    schedule's id) and is skipped when that exceeds ``catchup_window`` plus
+    ``CLAIM_GRACE`` (the time a worker may take to claim a due task): a window of 0
+    means no catch-up after downtime, not that a tick must be claimed at its instant."""
     if next_at > now:
         return None, 0, next_at
+    allowed = spec.catchup_window + CLAIM_GRACE
+
+    def late(t: float) -> bool:
+        due = t if schedule_id is None else jittered(schedule_id, spec, t)
+        return now - due > allowed
+
     tick: float | None = next_at
     skipped = 0
-    while tick is not None and now - tick > spec.catchup_window:
+    while tick is not None and late(tick):
         if spec.every is not None and skipped == 0:
-            # jump straight to the last tick before the window opens
-            missed = math.floor((now - spec.catchup_window - tick) / spec.every)
+            # jump straight to the last tick surely late (whatever its jitter)
+            missed = math.floor((now - allowed - spec.jitter - tick) / spec.every)
             if missed > 1:
                 tick += (missed - 1) * spec.every
                 skipped += missed - 1
@@ -195,7 +223,7 @@ def plan(spec: ScheduleSpec, next_at: float, now: float) -> tuple[float | None, 
         tick = next_tick(spec, tick)
         skipped += 1
         if skipped >= _MAX_STEPS:
-            tick = next_tick(spec, now - spec.catchup_window)
+            tick = next_tick(spec, now - allowed - spec.jitter)
             break
     if tick is None or tick > now:
         return None, skipped, tick
@@ -275,7 +303,14 @@ def _epoch(value: float | datetime | None, field: str) -> float | None:
     if isinstance(value, datetime):
         if value.tzinfo is None:
             raise ConfigurationError(f"{field}= needs a timezone-aware datetime")
-        return value.timestamp()
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        return float(value)
-    raise ConfigurationError(f"{field}= takes epoch seconds or an aware datetime")
+        seconds_ = value.timestamp()
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        seconds_ = float(value)
+    else:
+        raise ConfigurationError(f"{field}= takes epoch seconds or an aware datetime")
+    if not 0 <= seconds_ <= MAX_EPOCH:  # also NaN
+        raise ConfigurationError(
+            f"{field}= must be a time from 1970 to the end of year 9999 "
+            f"(epoch seconds 0 to {MAX_EPOCH}; got {value!r})"
+        )
+    return seconds_

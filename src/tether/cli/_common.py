@@ -265,7 +265,10 @@ def _dump(value: Any) -> None:
 def _ts(value: float | None) -> str:
     if value is None:
         return "-"
-    return datetime.datetime.fromtimestamp(value).strftime("%Y-%m-%d %H:%M:%S")
+    try:
+        return datetime.datetime.fromtimestamp(value).strftime("%Y-%m-%d %H:%M:%S")
+    except (OverflowError, ValueError, OSError):  # a stored time no calendar shows
+        return repr(value)
 
 
 def _short_json(value: Any, limit: int = 60) -> str:

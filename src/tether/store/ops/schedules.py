@@ -2,10 +2,11 @@
 
 A schedule's task (kind ``schedule``, run id ``schedule:<id>``, name ``<id>``) is due at
 its next tick plus jitter. Firing reads the schedule under a row lock, plans from the
-time of the commit (``_schedules.plan``), applies the overlap policy against the last
-run, starts the tick's run (its id ``<id>@<tick>`` exists at most once) and moves the
-task to the next tick, all in one transaction: whichever worker fires, a tick starts at
-most one run, and a change made meanwhile (pause, new spec) is what the firing sees.
+time of the commit (``_schedules.plan``), applies the overlap policy against the
+schedule's live runs (the last tick's and any triggered by hand), starts the tick's run
+(its id ``<id>@<tick>`` exists at most once) and moves the task to the next tick, all in
+one transaction: whichever worker fires, a tick starts at most one run, and a change
+made meanwhile (pause, new spec) is what the firing sees.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import json
 from typing import Any
 
 from ..._errors import RunFinishedError, RunNotFoundError, ScheduleNotFoundError
-from ..._history import Task
+from ..._history import RunStatus, Task
 from ..._schedules import (
     BUFFER_RECHECK,
     ScheduleInfo,
@@ -106,9 +107,14 @@ def _put_schedule(
     note: str | None,
 ) -> tuple[ScheduleInfo, bool]:
     """Create or change a schedule; (the schedule, whether anything changed). The same
-    declaration again (a redeploy) changes nothing, so its next tick stays."""
+    declaration again (a redeploy) changes nothing, so its next tick stays. A
+    declaration never resumes a paused schedule (``paused=True`` pauses it; only a
+    resume un-pauses), and while it is paused its note is the pause's: an operator's
+    pause and its reason survive deploys. Otherwise a new note is stored alone."""
     spec_text = dumps(spec.to_json())
     old = _row(tx, schedule_id, lock=True)
+    if old is not None and old[4]:
+        paused, note = True, old[10]
     if old is not None and (old[1], old[2], old[3], old[14], bool(old[4]), old[16]) == (
         workflow,
         queue,
@@ -117,7 +123,13 @@ def _put_schedule(
         paused,
         tenant,
     ):
-        return _info(old), False
+        if note == old[10]:
+            return _info(old), False
+        tx.execute(  # the note alone: no new version, the next tick stays
+            "UPDATE schedules SET note = ?, updated_at = ? WHERE schedule_id = ?",
+            (note, tx.now, schedule_id),
+        )
+        return _info(_row(tx, schedule_id)), True
     nxt = None if paused else next_tick(spec, tx.now)
     if old is None:
         tx.execute(
@@ -182,7 +194,11 @@ def _pause_schedule(tx: _Tx, schedule_id: str, paused: bool, note: str | None) -
     if info.paused == paused:
         return False
     nxt = None if paused else next_tick(info.spec, tx.now)
-    _new_version(tx, schedule_id, {"paused": int(paused), "note": note}, info.queue, info.spec, nxt)
+    # a pause's note replaces the schedule's (its reason); a resume leaves it as it is
+    changes: dict[str, Any] = {"paused": int(paused)}
+    if paused and note is not None:
+        changes["note"] = note
+    _new_version(tx, schedule_id, changes, info.queue, info.spec, nxt)
     return True
 
 
@@ -224,10 +240,10 @@ def _trigger_schedule(tx: _Tx, schedule_id: str) -> str:
     info = _info(row)
     run_id = tick_run_id(schedule_id, tx.now).replace("@", "@trigger-", 1)
     _start(tx, info, run_id, tx.now, row[16], row[14])
+    # last_run_id stays the last tick's run: a firing finds triggered runs by their ids
     tx.execute(
-        "UPDATE schedules SET last_run_id = ?, fired = fired + 1, updated_at = ? "
-        "WHERE schedule_id = ?",
-        (run_id, tx.now, schedule_id),
+        "UPDATE schedules SET fired = fired + 1, updated_at = ? WHERE schedule_id = ?",
+        (tx.now, schedule_id),
     )
     return run_id
 
@@ -242,7 +258,8 @@ def _fire_schedule(tx: _Tx, task: Task) -> None:
         return
     info = _info(row)
     tenant, input_text = row[16], row[14]
-    previous_live = info.last_run_id is not None and _is_live(tx, info.last_run_id)
+    live = _live_runs(tx, info)
+    previous_live = bool(live)
     if info.buffered is not None and not previous_live:
         # the run that held the buffered tick back has ended: that tick goes first
         run_id = tick_run_id(schedule_id, info.buffered)
@@ -254,7 +271,7 @@ def _fire_schedule(tx: _Tx, task: Task) -> None:
         )
         _move(tx, task, info.next_at if info.next_at is not None else tx.now, info)
         return
-    tick, skipped, after = plan(info.spec, info.next_at or tx.now, tx.now)
+    tick, skipped, after = plan(info.spec, info.next_at or tx.now, tx.now, schedule_id)
     fire = tick is not None
     buffered = info.buffered
     if tick is not None and previous_live:
@@ -268,8 +285,8 @@ def _fire_schedule(tx: _Tx, task: Task) -> None:
             else:
                 skipped += 1  # one tick is held back already: later ones are dropped
         elif policy == "cancel_previous":
-            assert info.last_run_id is not None
-            _cancel(tx, info.last_run_id, f"schedule {schedule_id!r} fired its next tick")
+            for run_id in live:
+                _cancel(tx, run_id, f"schedule {schedule_id!r} fired its next tick")
     last_run, fired = info.last_run_id, 0
     if fire and tick is not None:
         last_run = tick_run_id(schedule_id, tick)
@@ -299,6 +316,21 @@ def _move(tx: _Tx, task: Task, nxt: float | None, info: ScheduleInfo) -> None:
         (due, task.task_id),
     )
     tx.ready.add(task.queue)
+
+
+def _live_runs(tx: _Tx, info: ScheduleInfo) -> list[str]:
+    """The schedule's runs still going, which its overlap policy looks at: its last
+    tick's run and any run triggered by hand (``<id>@trigger-...``; few, found by id)."""
+    live = [info.last_run_id] if info.last_run_id and _is_live(tx, info.last_run_id) else []
+    prefix = f"{info.schedule_id}@trigger-"
+    rows = tx.execute(
+        "SELECT run_id, status FROM runs WHERE run_id >= ? AND run_id < ? ORDER BY run_id",
+        (prefix, prefix[:-1] + chr(ord("-") + 1)),
+    ).fetchall()
+    for run_id, status in rows:
+        if not RunStatus(status).is_terminal and run_id not in live:
+            live.append(run_id)
+    return live
 
 
 def _is_live(tx: _Tx, run_id: str) -> bool:
