@@ -780,6 +780,20 @@ def test_tenant_keys_see_only_their_own_letters_switches_audit_schedules_and_rea
     opened = _wait_until(
         lambda: http.get("/v1/approvals", headers=t.as_("acme")).json(), "the review"
     )[0]
+    # another tenant deciding it in the console learns nothing of it (before: a 404
+    # naming acme's run id)
+    with httpx.Client(base_url=str(http.base_url), timeout=30) as console:
+        console.post("/login", data={"key": t.keys["globex"]})
+        token = re.search(r'name="csrf" value="([^"]+)"', console.get("/").text)
+        assert token is not None
+        foreign = console.post(
+            f"/approvals/{opened['approval_id']}",
+            data={"csrf": token.group(1), "decision": "approve", "by": "ann"},
+        )
+        assert foreign.status_code == 404
+        # as for a review that never was (its id is the caller's own words)
+        assert foreign.json()["title"] == "No such review"
+        assert foreign.json()["detail"] == f"approval {opened['approval_id']!r}: no such review"
     decided = http.post(
         f"/v1/approvals/{opened['approval_id']}/decision",
         json={

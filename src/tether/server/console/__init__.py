@@ -23,7 +23,7 @@ from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 
 from ..._app import App
-from ..._errors import RunNotFoundError, TetherError
+from ..._errors import ApprovalNotFoundError, RunNotFoundError, TetherError
 from ..._history import INT64_MAX, EventType, RunInfo, RunStatus
 from ...store.ops.switches import SWITCH_KINDS
 from .._auth import AuthError, Principal, actor_of, authenticate
@@ -376,7 +376,10 @@ def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
         if principal is not None:
             principal.require("operate", "deciding a review")
         review = await app.get_approval(approval_id)
-        await visible(principal, review.run_id)
+        try:
+            await visible(principal, review.run_id)
+        except RunNotFoundError:  # another tenant's review does not exist for this key
+            raise ApprovalNotFoundError(approval_id, "no such review") from None
         value = None
         if fields.get("value"):
             try:
