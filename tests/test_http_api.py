@@ -118,6 +118,14 @@ def test_idempotency_key_same_body_same_run_other_body_409(server: Server) -> No
     assert clash.status_code == 409
     assert clash.headers["content-type"].startswith("application/problem+json")
     assert "order-77" in clash.json()["detail"]
+    assert clash.json()["title"] == "Idempotency-Key reused with another body"
+    # the same body with if_running=reject: refused for that, not for "other input"
+    rejected = server.http.post(
+        "/v1/workflows/bill/runs", json={**INVOICE, "if_running": "reject"}, headers=headers
+    )
+    assert rejected.status_code == 409
+    assert rejected.json()["title"] == "Idempotency-Key already used"
+    assert "if_running='reject'" in rejected.json()["detail"]
     chosen = server.http.post("/v1/workflows/bill/runs", json={**INVOICE, "run_id": "inv-a1"})
     assert chosen.status_code == 202 and chosen.json()["id"] == "inv-a1"
 

@@ -762,6 +762,13 @@ def _add_start_route(api: FastAPI, app: App, wf: Workflow[Any, Any], who: Any) -
         except RunIdConflictError:
             assert run_id is not None
             if idempotency_key and data.get("run_id") is None:
+                if data.get("if_running") == "reject":  # refused to join, whatever the body
+                    return _problems.problem(
+                        409,
+                        "Idempotency-Key already used",
+                        f"Idempotency-Key {idempotency_key!r} already started run {run_id} of "
+                        f"{wf.name!r}, and if_running='reject' refuses to join it",
+                    )
                 return _problems.problem(
                     409,
                     "Idempotency-Key reused with another body",
