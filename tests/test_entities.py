@@ -321,3 +321,23 @@ async def test_unknown_entities_and_static_or_class_methods_are_refused(entity_a
     for cls in (WithStatic, WithClass):
         with pytest.raises(tether.ConfigurationError, match=r"helper|make"):
             app.entity(cls)
+
+
+async def test_an_init_that_raises_is_named_by_the_operation_that_met_it(
+    entity_app: Any,
+) -> None:
+    """An ``__init__`` that raised at run time ended the key's run; the operation waiting
+    on it said only "the run ended without a handler", hiding why."""
+    app: tether.App = entity_app.app
+
+    class Broken:
+        def __init__(self) -> None:
+            raise RuntimeError("config missing")
+
+        def get(self) -> int:
+            return 1
+
+    app.entity(Broken)
+    async with app.worker(poll_interval=0.05):
+        with pytest.raises(tether.UpdateRejectedError, match="RuntimeError: config missing"):
+            await app.entity_ref(Broken, "k").call("get", timeout=20)

@@ -304,7 +304,7 @@ class WorkflowInstance:
     def _finish(self, main: asyncio.Task[Any]) -> None:
         token = _current.set(self)
         try:
-            self.refuse_early_updates()
+            self.refuse_early_updates(None if main.cancelled() else main.exception())
         finally:
             _current.reset(token)
         self.finished = True
@@ -553,11 +553,17 @@ class WorkflowInstance:
             }
         self.record(UPDATE_MARKER, outcome)
 
-    def refuse_early_updates(self) -> None:
-        """At the run's end: requests whose handler was never registered are answered."""
+    def refuse_early_updates(self, failure: BaseException | None = None) -> None:
+        """At the run's end: requests whose handler was never registered are answered
+        (naming ``failure``, the error that ended the run, when it failed)."""
+        why = (
+            f" (its code failed first: {type(failure).__name__}: {failure})"
+            if isinstance(failure, Exception)  # not a continue-as-new, nor a cancel
+            else ""
+        )
         for name, requests in list(self._early_updates.items()):
             for request in requests:
-                err = LookupError(f"the run ended without a handler for update {name!r}")
+                err = LookupError(f"the run ended without a handler for update {name!r}{why}")
                 self._update_done(request.get("id"), name, error=err, rejected=True)
         self._early_updates.clear()
 
