@@ -84,6 +84,26 @@ async def test_a_damaged_or_missing_blob_fails_the_step_naming_it(
         app.read_blob(blob)
 
 
+async def test_putting_the_bytes_again_restores_a_damaged_blob(
+    blob_app: tether.App, tmp_path: Path
+) -> None:
+    """A put of bytes whose blob is stored but damaged kept the damaged file (it only
+    touched it), so every new run with that content failed; the documented way back,
+    providing the bytes again, did nothing. It is now written anew."""
+    app = blob_app
+    blob = app.put_blob(b"the contract, version 3")
+    digest = blob.ref.removeprefix("sha256:")
+    path = tmp_path / "blobs" / "sha256" / digest[:2] / digest[2:]
+    path.write_bytes(b"XXe contract, version 3")  # bit rot
+    with pytest.raises(tether.BlobError, match="do not match the hash"):
+        app.read_blob(blob)
+    assert app.put_blob(b"the contract, version 3") == blob
+    assert app.read_blob(blob) == b"the contract, version 3"
+    path.unlink()  # and a missing one, as before
+    assert app.put_blob(b"the contract, version 3") == blob
+    assert app.read_blob(blob) == b"the contract, version 3"
+
+
 async def test_orphans_are_collected_after_the_grace_period(blob_app: tether.App) -> None:
     app = blob_app
 

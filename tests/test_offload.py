@@ -74,6 +74,26 @@ async def test_a_50_mb_output_never_enters_the_events_table(
     app.store.close_sync()  # type: ignore[attr-defined]
 
 
+async def test_the_offload_threshold_counts_bytes_of_utf8(store_url: str, tmp_path: Path) -> None:
+    """200,000 x "é" is 400,000 bytes, above the 256 KiB threshold, yet it stayed inline
+    (the check counted characters); 262,000 x "a" (just under it, in JSON) stays."""
+    app = tether.App(store=store_url, blobs=str(tmp_path / "blobs"))
+
+    @app.workflow
+    async def echo(text: str) -> int:
+        return len(text)
+
+    async with app.worker(poll_interval=0.05):
+        for text in ("é" * 200_000, "a" * 262_000):
+            assert await (await app.start(echo, text)).result(timeout=60) == len(text)
+    lengths = await _lengths(app)
+    assert 262_000 < lengths["runs.input"] <= 262_144, lengths  # the "a"s, inline
+    assert lengths["events.data"] <= 262_144, lengths  # never the 400,000 bytes of "é"
+    blobs = [p for p in (tmp_path / "blobs").rglob("*") if p.is_file()]
+    assert blobs and all(p.stat().st_size > 400_000 for p in blobs)  # the "é"s only
+    app.store.close_sync()  # type: ignore[attr-defined]
+
+
 def test_a_crash_between_blob_write_and_commit_leaves_only_an_orphan(
     store_url: str, tmp_path: Path
 ) -> None:

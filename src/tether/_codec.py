@@ -61,7 +61,9 @@ class Codec:
 
     def encode(self, text: str, tenant: str | None = None) -> str:
         """``text`` as the store keeps it."""
-        if self.offload_above is not None and len(text) > self.offload_above:
+        # the bound is in bytes of UTF-8 (up to 4 a character): text of more than a
+        # quarter of it may be over, so it is encoded to be sure
+        if self.offload_above is not None and len(text) * 4 > self.offload_above:
             assert self.blobs is not None
             data = text.encode()
             if len(data) > self.offload_above:

@@ -88,15 +88,17 @@ class BlobStore:
         if self.sealer is not None and not sealed:
             data = self.sealer.seal_bytes(data)
         path = self._path(digest)
-        # a blob that is there already gets a new modification time: a reference to it is
-        # about to be committed, and gc spares blobs younger than its grace period
+        blob = Blob(ref=f"sha256:{digest}", size=size, media_type=media_type)
+        # a blob that is there already, intact, gets a new modification time: a reference
+        # to it is about to be committed, and gc spares blobs younger than its grace
+        # period. A damaged one is written anew: putting the bytes again restores it.
         if self._fs is not None:
-            if not self._fs.exists(path):
+            if not self._fs.exists(path) or not self._intact(blob, sealed):
                 self._fs.pipe_file(path, data)
             else:
                 with contextlib.suppress(Exception):  # not every filesystem can touch
                     self._fs.touch(path, truncate=False)
-        elif os.path.exists(path):
+        elif os.path.exists(path) and self._intact(blob, sealed):
             with contextlib.suppress(OSError):
                 os.utime(path)
         else:
@@ -112,7 +114,15 @@ class BlobStore:
                 if os.path.exists(tmp):
                     os.remove(tmp)
                 raise
-        return Blob(ref=f"sha256:{digest}", size=size, media_type=media_type)
+        return blob
+
+    def _intact(self, blob: Blob, sealed: bool) -> bool:
+        """Whether the stored bytes of ``blob`` still match its hash (read in full)."""
+        try:
+            self.get(blob, sealed=sealed)
+        except Exception:  # damaged, truncated, a header no key opens: write it anew
+            return False
+        return True
 
     def get(self, blob: Blob | dict[str, Any], *, sealed: bool = False) -> bytes:
         """The bytes of ``blob``, checked against its hash and size (opened first if
