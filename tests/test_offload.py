@@ -8,6 +8,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -222,7 +223,11 @@ async def test_purge_removes_the_blobs_only_its_runs_referred_to(
         path = blobs._path(ref.removeprefix("sha256:"))
         os.utime(path, (1_000_000, 1_000_000))
     fresh = sorted(acme - beta)[0]
-    os.utime(blobs._path(fresh.removeprefix("sha256:")))  # put again just now: spared
+    # put again 2 minutes ago by an attempt still running (its commit will refer to it):
+    # spared. Before, only a put in the last minute was, so an activity that put the
+    # same document and worked on for over a minute committed a reference to nothing.
+    ago = time.time() - 120
+    os.utime(blobs._path(fresh.removeprefix("sha256:")), (ago, ago))
     counts = await app.purge(0, tenant="acme")
     assert counts["runs"] == 3 and counts["blobs"] == len(acme - beta) - 1
     left = {ref for ref, _ in blobs.refs()}

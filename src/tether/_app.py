@@ -96,8 +96,10 @@ R = TypeVar("R")
 T = TypeVar("T")
 C = TypeVar("C", bound=type)
 
-#: seconds a blob put again is spared by purge (a commit referring to it may be in flight)
-PURGE_BLOB_GRACE = 60.0
+#: seconds a blob put again is spared by purge: an attempt that put it (blobs are shared
+#: by content) may still be working before the commit that refers to it. The same as
+#: gc_blobs' default grace; gc collects what purge spared once nothing refers to it.
+PURGE_BLOB_GRACE = 3600.0
 
 
 class Run(Generic[R]):
@@ -958,7 +960,7 @@ class App:
             if dry_run or counts["runs"] < batch or stopping():
                 break
         if refs and blobs:
-            # a blob put again in the last minute may be about to be referred to by a
+            # a blob put again in the last hour may be about to be referred to by a
             # commit still in flight (blobs are shared by content): gc_blobs judges it later
             total["blobs"] = await self._drop_blobs(refs, started - PURGE_BLOB_GRACE)
         return total
