@@ -364,6 +364,113 @@ async def test_saga_second_cancel_or_deadline_during_rollback_lets_every_undo_ru
     assert check_history(app, history).ok  # the new decision replays as recorded
 
 
+def _failing_trip(app: tether.App) -> tuple[list[str], list[tuple[str, bool]], asyncio.Event]:
+    """``trip(n)``: a saga that holds r0..r(n-1), then fails; each undo (``release``)
+    waits for the returned gate, then reports whether it was told to stop."""
+    started: list[str] = []
+    undone: list[tuple[str, bool]] = []
+    gate = asyncio.Event()
+
+    @app.activity
+    async def hold(x: str) -> str:
+        return x
+
+    @app.activity(retry=ONCE)
+    async def overbook(n: int) -> None:
+        raise RuntimeError("no seats left")
+
+    @app.activity(retry=ONCE)
+    async def release(x: str) -> None:
+        started.append(x)
+        await gate.wait()
+        ctx = tether.activity_context()
+        ctx.heartbeat()
+        await asyncio.sleep(0.1)
+        undone.append((x, ctx.is_cancelled))
+
+    @app.workflow
+    async def trip(n: int) -> str:
+        async with tether.saga() as saga:
+            for i in range(n):
+                await saga.step(hold(f"r{i}"), undo=release)
+            await overbook(n)
+        return "ok"
+
+    return started, undone, gate
+
+
+async def test_saga_a_cancel_during_a_rollback_after_a_failure_lets_every_undo_run(
+    app: tether.App, worker: tether.Worker
+) -> None:
+    """A step fails, the rollback begins, and an operator cancels the run meanwhile:
+    before, the cancel cut the undo in flight (its activity told to stop) and the older
+    undos never ran; now the rollback finishes, newest first, and the run ends
+    cancelled."""
+    started, undone, gate = _failing_trip(app)
+    run = await app.start(app.get_workflow("trip"), 3)
+
+    async def rolling_back() -> bool:
+        return bool(started)
+
+    await eventually(rolling_back, what="the first undo running")
+    await app.cancel(run.run_id, "operator gave up")
+    await eventually(
+        lambda: _count_events(app, run.run_id, EventType.CANCEL_REQUESTED, 1),
+        what="the cancel recorded",
+    )
+    gate.set()
+    with pytest.raises(tether.RunCancelledError):
+        await run.result(timeout=10)
+    # every undo ran to its end, newest first; the one in flight when the cancel came
+    # was flagged by it (is_cancelled: a cancel flags every running step at once), the
+    # code did not cancel it
+    assert [x for x, _ in undone] == ["r2", "r1", "r0"]
+    assert [told for _, told in undone] == [True, False, False]
+    history = await app.history(run.run_id)
+    assert EventType.ACTIVITY_CANCEL_REQUESTED not in [e.type for e in history]
+    assert check_history(app, history).ok
+
+
+#: a history written before a rollback went on through a cancel: the cancel stopped the
+#: undo of r1 (ActivityCancelRequested) and r0 was never undone
+_OLD_CUT_ROLLBACK: list[tuple[str, int | None, dict[str, Any]]] = [
+    ("WorkflowStarted", None, {"workflow": "trip", "input": {"args": [2], "kwargs": {}}}),
+    ("ActivityScheduled", 1, {"name": "hold", "queue": "default"}),
+    ("WorkflowTaskCompleted", None, {"through": 1, "time": 10.0}),
+    ("ActivityCompleted", 1, {"attempt": 1, "result": "r0"}),
+    ("ActivityScheduled", 2, {"name": "hold", "queue": "default"}),
+    ("WorkflowTaskCompleted", None, {"through": 4, "time": 10.1}),
+    ("ActivityCompleted", 2, {"attempt": 1, "result": "r1"}),
+    ("ActivityScheduled", 3, {"name": "overbook", "queue": "default"}),
+    ("WorkflowTaskCompleted", None, {"through": 7, "time": 10.2}),
+    (
+        "ActivityFailed",
+        3,
+        {
+            "attempt": 1,
+            "error": {"type": "RuntimeError", "message": "no seats left", "retryable": False},
+        },
+    ),
+    ("ActivityScheduled", 4, {"name": "release", "queue": "default"}),
+    ("WorkflowTaskCompleted", None, {"through": 10, "time": 10.3}),
+    ("CancelRequested", None, {"reason": "gave up"}),
+    ("ActivityCancelRequested", 5, {"activity_step": 4}),
+    ("WorkflowCancelled", 6, {"error": None}),
+    ("WorkflowTaskCompleted", None, {"through": 13, "time": 10.4}),
+]
+
+
+async def test_saga_history_of_an_old_cut_rollback_replays_as_recorded(db_path: Path) -> None:
+    app = tether.App(store=f"sqlite:///{db_path}")
+    _failing_trip(app)
+    history = [
+        Event(run_id="old", seq=seq, type=EventType(t), step=step, data=data, created_at=10.0)
+        for seq, (t, step, data) in enumerate(_OLD_CUT_ROLLBACK, start=1)
+    ]
+    report = check_history(app, history)
+    assert report.ok, report.diff()
+
+
 async def _count_events(app: tether.App, run_id: str, type_: EventType, n: int) -> bool:
     return sum(e.type is type_ for e in await app.history(run_id)) >= n
 

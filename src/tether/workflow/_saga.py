@@ -6,7 +6,8 @@
         await book(hold)
 
 If anything in the block raises (including the run's cancellation or deadline),
-the undos registered so far run newest first, each awaited in turn (undos are
+the undos registered so far run newest first, each awaited in turn, to the end even
+if a cancel or the deadline comes during the rollback (undos are
 normally activities, so each has its own retries and idempotency key, and the
 rollback is recorded in history: a crash mid-rollback resumes it). If every undo
 succeeds the original error propagates; if any undo fails, the remaining undos
@@ -17,6 +18,7 @@ alert hook.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import Any, TypeVar
@@ -25,6 +27,11 @@ from .._definitions import running
 from .._errors import TetherError
 
 T = TypeVar("T")
+
+#: the patch marker a saga records when its rollback begins: the rollback then runs to
+#: its end whatever cancel or deadline comes meanwhile (histories whose rollback began
+#: without it replay the old way: a cancel then cut the undo in flight)
+SHIELDED_ROLLBACK = "tether.saga-rollback-shielded"
 
 
 class CompensationFailed(TetherError):
@@ -49,6 +56,9 @@ class Saga:
     def __init__(self) -> None:
         self._undos: list[tuple[str, Callable[[], Awaitable[Any]]]] = []
         self.compensated: list[str] = []  #: undo names that ran successfully, in order
+        #: the cancellation (a cancel request, the deadline) that came during the
+        #: rollback: raised once every undo has run
+        self.interrupted: asyncio.CancelledError | None = None
 
     async def step(
         self,
@@ -70,12 +80,21 @@ class Saga:
         self._undos.append((str(label), undo))
 
     async def compensate(self) -> list[dict[str, str]]:
-        """Run every registered undo, newest first; return the failures."""
+        """Run every registered undo, newest first; return the failures.
+
+        A cancel or the deadline arriving meanwhile does not cut the rollback short (it
+        is the cleanup they ask for): the undo in flight finishes and the rest run; the
+        cancellation is kept in ``interrupted``."""
         failures: list[dict[str, str]] = []
+        inst: Any = running.get()
+        shielded = inst is not None and hasattr(inst, "patched") and inst.patched(SHIELDED_ROLLBACK)
         while self._undos:
             label, undo = self._undos.pop()
             try:
-                await undo()
+                if shielded:
+                    await self._through_cancels(undo())
+                else:
+                    await undo()
             except Exception as exc:
                 failures.append({"undo": label, "error": f"{type(exc).__name__}: {exc}"})
                 _count(label, "failed")
@@ -83,6 +102,18 @@ class Saga:
                 self.compensated.append(label)
                 _count(label, "ok")
         return failures
+
+    async def _through_cancels(self, undo: Awaitable[Any]) -> Any:
+        """Await ``undo`` to its end: a cancellation of the run's code is kept, not passed
+        on to the undo (its activity is not told to stop)."""
+        step = asyncio.ensure_future(undo)
+        while True:
+            try:
+                return await asyncio.shield(step)
+            except asyncio.CancelledError as exc:
+                if step.cancelled():
+                    raise
+                self.interrupted = self.interrupted or exc
 
     async def __aenter__(self) -> Saga:
         return self
@@ -100,6 +131,8 @@ class Saga:
         if failures:
             original = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             raise CompensationFailed(original, failures) from exc
+        if self.interrupted is not None and not isinstance(exc, asyncio.CancelledError):
+            raise self.interrupted  # the run was cancelled while it rolled back: it ends so
         return False
 
 
