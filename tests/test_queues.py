@@ -398,6 +398,69 @@ async def test_pause_and_resume_queue_and_stats(app: tether.App) -> None:
     assert jobs.tokens == pytest.approx(1, abs=0.1)  # 3 of 4 tokens spent (1 a minute back)
 
 
+@pytest.mark.parametrize(
+    "limits", [{}, {"max_concurrency": 5, "rate": 100}], ids=["open_dependency", "limited"]
+)
+async def test_a_paused_queue_holds_its_dependency_work(
+    app: tether.App, limits: dict[str, Any]
+) -> None:
+    # every tether.ai model call carries a dependency: pausing its queue must hold it
+    svc = tether.Dependency("svc", **limits)
+    ran: list[str] = []
+
+    @app.activity(queue="llm", dependency=svc)
+    async def call(i: int) -> int:
+        ran.append(f"call{i}")
+        return i
+
+    @app.activity(queue="llm")
+    async def plain(i: int) -> int:
+        ran.append(f"plain{i}")
+        return i
+
+    @app.workflow
+    async def flow() -> int:
+        return sum(await tether.gather(plain(0), *(call(i) for i in range(3))))
+
+    async with app.worker(poll_interval=0.05, concurrency=8):
+        await app.pause_queue("llm", 60)
+        run = await app.start(flow)
+
+        async def queued() -> bool:
+            return any(s.queue == "llm" and s.ready == 4 for s in await app.queue_stats())
+
+        await _until(queued, 10, "4 queued calls")
+        await asyncio.sleep(0.5)
+        assert ran == []  # paused: neither the plain call nor the dependency's start
+        await app.resume_queue("llm")
+        assert await run.result(timeout=10) == 3
+    assert sorted(ran) == ["call0", "call1", "call2", "plain0"]
+
+
+async def test_a_queue_rate_limit_holds_for_dependency_work(app: tether.App) -> None:
+    # both limits apply: the queue's bucket (2 tokens, then 2 a minute) binds first
+    app.configure_queue("metered", rate=2, per=60, burst=2)
+    svc = tether.Dependency("svc", max_concurrency=10)
+    ran: list[int] = []
+
+    @app.activity(queue="metered", dependency=svc)
+    async def call(i: int) -> int:
+        ran.append(i)
+        return i
+
+    @app.workflow
+    async def flow() -> int:
+        return sum(await tether.gather(*(call(i) for i in range(5))))
+
+    async with app.worker(poll_interval=0.05, concurrency=8):
+        await app.start(flow)
+        await _until(lambda: len(ran) >= 2, 10, "the first 2 calls")
+        await asyncio.sleep(0.5)
+        assert len(ran) == 2
+        metered = {s.queue: s for s in await app.queue_stats()}["metered"]
+        assert metered.ready == 3 and metered.tokens is not None and metered.tokens < 0.1
+
+
 async def test_reconfiguring_keeps_the_live_token_bucket(store_url: str) -> None:
     a = tether.App(store=store_url)
     a.configure_queue("q", rate=1, per=60, burst=10)  # refills 1 a minute: stays put

@@ -9,18 +9,53 @@ from ..._queues import DEPENDENCY_PREFIX, QueueStats
 from ._tx import _TASK_COLS, _task_from_row, _Tx
 
 
-def _spend_tokens(tx: _Tx, queue: str, n: int) -> None:
-    """Take ``n`` tokens from the bucket of ``queue``, if it has a rate limit."""
+def _spend_tokens(tx: _Tx, queue: str, n: int) -> float | None:
+    """Take ``n`` tokens from the bucket of ``queue``, if it has a rate limit.
+
+    Returns when the bucket next holds a whole token, if it is short of one now.
+    """
     row = tx.execute(
         "SELECT rate, burst, tokens, refilled_at FROM queue_limits WHERE queue = ?", (queue,)
     ).fetchone()
     if row is None or row[0] is None or n <= 0:
-        return
+        return None
     left = _tokens_now(tx, row[0], row[1], row[2], row[3]) - n
     tx.execute(
         "UPDATE queue_limits SET tokens = ?, refilled_at = ? WHERE queue = ?",
         (left, _refill_mark(tx, row[3]), queue),
     )
+    if left < 1.0 - 1e-9:
+        return tx.now + (1.0 - left) / float(row[0])
+    return None
+
+
+def _queue_room(tx: _Tx, queue: str) -> tuple[int, float | None]:
+    """How many more activity calls the limited ``queue`` may start now (its row is
+    locked by this claim): 0 while paused, else what its cap and bucket leave; and
+    when a pause or an empty bucket lifts."""
+    row = tx.execute(
+        "SELECT max_concurrency, rate, burst, tokens, refilled_at, paused_until "
+        "FROM queue_limits WHERE queue = ?",
+        (queue,),
+    ).fetchone()
+    if row is None:
+        return 0, None
+    cap, rate, burst, tokens, refilled_at, paused_until = row
+    if paused_until is not None and float(paused_until) > tx.now:
+        return 0, float(paused_until)
+    room = 2**31
+    if cap is not None:
+        (running,) = tx.execute(
+            f"SELECT {_CALLS} FROM tasks WHERE queue = ? AND kind = 'activity' AND {_RUNNING}",
+            (queue, tx.now),
+        ).fetchone()
+        room = min(room, int(cap) - int(running))
+    if rate is not None:
+        have = _tokens_now(tx, rate, burst, tokens, refilled_at)
+        room = min(room, int(have + 1e-9))
+        if have < 1.0 - 1e-9:
+            return 0, tx.now + (1.0 - have) / float(rate)
+    return max(0, room), None
 
 
 _QL_COLS = (
@@ -72,11 +107,13 @@ def _claim_limited(
     limit: int,
     lease: float,
     served: tuple[str, ...] | None = None,
+    room: dict[str, int | None] | None = None,
 ) -> tuple[list[Task], float | None]:
     """Activity tasks of one limited queue, within its caps; and when a gate lifts.
 
     With ``served``, ``row`` is a dependency limiter: its tasks are those with that
-    ``dependency``, from the ``served`` queues.
+    ``dependency``, from the ``served`` queues, at most ``room[queue]`` from a queue
+    with limits of its own (None: no limit).
     """
     q, cap, rate, burst, tokens, refilled_at, key_cap, fair, _p429, paused_until, cursor = row
     if paused_until is not None and float(paused_until) > tx.now:
@@ -98,18 +135,35 @@ def _claim_limited(
             return [], tx.now + (1.0 - have) / float(rate)  # the next token
         return [], None  # at its concurrency cap: a completion wakes the workers
     ready = f"t.{col} = ? AND t.kind = 'activity' AND t.available_at <= ? AND " + _NOT_SUSPENDED
-    if served is not None:
-        ready += f" AND t.queue IN ({','.join('?' * len(served))})"
-    else:
+    if served is None:
         # claimed under their dependency's limiter, or as batches (_claim_batches)
         ready += " AND t.dependency IS NULL AND t.batch_key IS NULL"
-    if (key_cap is None and not fair) or served is not None:
+    if served is not None:
+        # the queues without limits together; each limited queue up to its room; the
+        # best ``budget`` of those in claim order
+        free = room or {}
+        plain = tuple(s for s in served if free.get(s) is None)
+        groups = [(plain, budget)] if plain else []
+        groups += [((s,), min(budget, n)) for s in served if (n := free.get(s)) is not None]
+        found: list[tuple[Any, ...]] = []
+        for qs, n in groups:
+            if n <= 0:
+                continue
+            found += tx.execute(
+                "SELECT t.task_id, t.priority, t.available_at FROM tasks t WHERE "
+                f"{ready} AND t.queue IN ({','.join('?' * len(qs))}) "
+                "ORDER BY t.priority DESC, t.available_at, t.task_id LIMIT ?",
+                (q, tx.now, *qs, n),
+            ).fetchall()
+        found.sort(key=lambda r: (-int(r[1]), float(r[2]), r[0]))
+        ids = [r[0] for r in found[:budget]]
+    elif key_cap is None and not fair:
         ids = [
             r[0]
             for r in tx.execute(
                 f"SELECT t.task_id FROM tasks t WHERE {ready} "
                 "ORDER BY t.priority DESC, t.available_at, t.task_id LIMIT ?",
-                (q, tx.now, *(served or ()), budget),
+                (q, tx.now, budget),
             ).fetchall()
         ]
     else:
