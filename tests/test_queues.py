@@ -23,6 +23,7 @@ import pytest
 
 import tether
 from tether._queues import QueueLimits
+from tether.store.ops import queues as ops_queues
 from tether.store.ops._tx import _Tx
 
 HERE = Path(__file__).parent
@@ -525,6 +526,51 @@ async def test_a_claim_with_an_older_clock_cannot_mint_extra_tokens(store_url: s
     await app.close()
 
 
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"rate": float("inf"), "burst": float("inf"), "tokens": float("inf")},
+        {"rate": 0.0, "tokens": 0.0},
+    ],
+    ids=["inf", "zero"],
+)
+async def test_a_bad_stored_limits_row_skips_only_its_queue(
+    app: tether.App, caplog: pytest.LogCaptureFixture, bad: dict[str, float]
+) -> None:
+    # a row written by an older version (rate=1e308/1e-308 was stored as inf) or by hand:
+    # the claim skips that queue, logging why, and keeps serving the others
+    ops_queues._bad_logged.clear()  # logged once a minute per limits row
+    app.configure_queue("fast", rate=5)
+
+    @app.activity(queue="fast")
+    async def fast() -> int:
+        return 1
+
+    @app.activity
+    async def other() -> int:
+        return 2
+
+    @app.workflow
+    async def wf_fast() -> int:
+        return await fast()
+
+    @app.workflow
+    async def wf_other() -> int:
+        return await other()
+
+    def corrupt(tx: _Tx) -> None:
+        sets = ", ".join(f"{c} = ?" for c in bad)
+        tx.execute(f"UPDATE queue_limits SET {sets} WHERE queue = 'fast'", tuple(bad.values()))
+
+    async with app.worker(poll_interval=0.05):  # writes the configured row at start
+        await app.store._do(corrupt)  # type: ignore[attr-defined]
+        stuck = await app.start(wf_fast)
+        await asyncio.sleep(0.3)  # several claims meet the bad row first
+        assert await (await app.start(wf_other)).result(timeout=10) == 2
+        assert (await app.get(stuck.run_id)).status is tether.RunStatus.RUNNING
+    assert "queue 'fast'" in caplog.text and "rate" in caplog.text
+
+
 # -- configuration errors ------------------------------------------------------------
 
 
@@ -541,6 +587,9 @@ async def test_a_claim_with_an_older_clock_cannot_mint_extra_tokens(store_url: s
         ({"rate": "10"}, "rate"),
         ({"rate": 10, "per": 0}, "per"),
         ({"rate": 10, "per": -5}, "per"),
+        ({"rate": 1e308, "per": 1e-308}, "rate"),  # inf per second
+        ({"rate": 1e300}, "rate"),
+        ({"rate": 5, "per": 1e300}, "rate"),  # a token every 6e291 years
         ({"burst": 5}, "burst"),  # no rate
         ({"rate": 10, "burst": 0.5}, "burst"),
         ({"key_concurrency": 0}, "key_concurrency"),

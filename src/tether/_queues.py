@@ -20,6 +20,11 @@ from ._policy import seconds
 PRIORITY_MIN, PRIORITY_MAX = -INT32_MAX - 1, INT32_MAX
 
 
+#: the bounds of a rate in tokens per second (``rate / per``): one a ~30 years to a
+#: billion a second; beyond them the bucket's arithmetic overflows or never refills
+RATE_MIN, RATE_MAX = 1e-9, 1e9
+
+
 #: the longest name of a queue, workflow or activity (a column and an HTTP path segment)
 MAX_NAME = 200
 
@@ -113,6 +118,11 @@ class QueueLimits:
                 f"lets a task through), got {burst!r}"
             )
         per_second = None if r is None else r / per_s
+        if per_second is not None and not RATE_MIN <= per_second <= RATE_MAX:
+            raise ConfigurationError(
+                f"rate of {what} must be between {RATE_MIN:g} and {RATE_MAX:g} per second "
+                f"(rate / per), got {rate!r} per {per!r}s = {per_second:g}/s"
+            )
         if per_second is not None and b is None:
             b = max(1.0, per_second)
         keys = _positive_int(key_concurrency, f"key_concurrency of {what}")

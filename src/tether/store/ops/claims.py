@@ -30,6 +30,8 @@ def _claim_with_wake(
     for row in limited:
         if len(tasks) >= limit:
             break
+        if not _usable(row):
+            continue  # its activity tasks wait (the plain path skips them too)
         got, gate = _claim_limited(tx, worker_id, row, limit - len(tasks), lease)
         tasks += got
         if gate is not None:
@@ -106,6 +108,8 @@ def _claim_dependencies(
     for row in rows:
         if len(tasks) >= limit or not open_queues:
             break
+        if not _usable(row):
+            continue
         got, gate = _claim_limited(tx, worker_id, row, limit - len(tasks), lease, open_queues, room)
         tasks += got
         if gate is not None:
@@ -182,4 +186,5 @@ from .queues import (  # noqa: E402
     _lock_queue_limits,
     _queue_room,
     _spend_tokens,
+    _usable,
 )

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import math
+import time
 from typing import Any
 
 from ..._history import Task
@@ -33,14 +36,10 @@ def _queue_room(tx: _Tx, queue: str) -> tuple[int, float | None]:
     """How many more activity calls the limited ``queue`` may start now (its row is
     locked by this claim): 0 while paused, else what its cap and bucket leave; and
     when a pause or an empty bucket lifts."""
-    row = tx.execute(
-        "SELECT max_concurrency, rate, burst, tokens, refilled_at, paused_until "
-        "FROM queue_limits WHERE queue = ?",
-        (queue,),
-    ).fetchone()
-    if row is None:
+    row = tx.execute(f"SELECT {_QL_COLS} FROM queue_limits WHERE queue = ?", (queue,)).fetchone()
+    if row is None or not _usable(tuple(row)):
         return 0, None
-    cap, rate, burst, tokens, refilled_at, paused_until = row
+    _q, cap, rate, burst, tokens, refilled_at, _k, _f, _p, paused_until, _c = row
     if paused_until is not None and float(paused_until) > tx.now:
         return 0, float(paused_until)
     room = 2**31
@@ -69,6 +68,66 @@ _RUNNING = "lease_owner IS NOT NULL AND available_at > ?"  #: a live lease
 
 #: running activity calls among the selected tasks: a batch (tether.Batch) is one call
 _CALLS = "count(DISTINCT COALESCE(batch_id, task_id))"
+
+
+log = logging.getLogger("tether.store")
+
+#: limits row -> when its problem was last logged (monotonic): once a minute, not per claim
+_bad_logged: dict[str, float] = {}
+
+
+def _bad_limits(row: tuple[Any, ...]) -> str | None:
+    """What makes a ``queue_limits`` row (``_QL_COLS``) unusable by a claim, or None.
+
+    ``configure_queue`` refuses such values; a row written by an older version (a
+    rate of 1e308 per 1e-308 s was stored as inf) or by hand could still hold one,
+    and its arithmetic would fail every claim of every queue the worker serves.
+    """
+    _q, cap, rate, burst, tokens, refilled_at, key_cap, _fair, _p429, paused_until, _c = row
+    try:
+        for name, value in (("max_concurrency", cap), ("key_concurrency", key_cap)):
+            if value is not None and not 1 <= int(value) < 2**63:
+                return f"{name}={value!r}"
+        if rate is not None:
+            if not (math.isfinite(float(rate)) and float(rate) > 0):
+                return f"rate={rate!r}"
+            if burst is None or not (math.isfinite(float(burst)) and float(burst) > 0):
+                return f"rate={rate!r} with burst={burst!r}"
+        for name, value in (
+            ("tokens", tokens),
+            ("refilled_at", refilled_at),
+            ("paused_until", paused_until),
+        ):
+            if value is not None and math.isnan(float(value)):
+                return f"{name}={value!r}"
+        if tokens is not None and not math.isfinite(float(tokens)):
+            return f"tokens={tokens!r}"
+    except (TypeError, ValueError, OverflowError):
+        return "a value that is not a number"
+    return None
+
+
+def _usable(row: tuple[Any, ...]) -> bool:
+    """Whether a claim may use this limits row; if not, log why (at most once a minute)."""
+    problem = _bad_limits(row)
+    if problem is None:
+        return True
+    name = str(row[0])
+    now = time.monotonic()
+    if now - _bad_logged.get(name, -math.inf) >= 60.0:
+        _bad_logged[name] = now
+        what = (
+            f"dependency limiter {name!r}"
+            if name.startswith(DEPENDENCY_PREFIX)
+            else f"queue {name!r}"
+        )
+        log.error(
+            "the limits of %s are unusable (%s): its activity tasks are not claimed until "
+            "it is configured again (app.configure_queue, or the Dependency's limits)",
+            what,
+            problem,
+        )
+    return False
 
 
 def _lock_queue_limits(tx: _Tx, queues: tuple[str, ...]) -> list[tuple[Any, ...]]:
