@@ -52,6 +52,39 @@ async def test_a_stuck_queue_alerts_once_until_it_clears(app: tether.App) -> Non
     assert [s for s, _ in got] == ["queue:nightly", "queue:nightly"]
 
 
+async def test_a_suspended_runs_task_is_not_ready_work(app: tether.App) -> None:
+    # it waits for an operator, not for a worker: no ready count, no age, no alert
+    got = _hooked(app)
+
+    @app.activity(queue="work")
+    async def step() -> int:
+        return 1
+
+    @app.workflow
+    async def flow() -> int:
+        return await step()
+
+    run = await app.start(flow)
+    async with app.worker(queues=["default"], poll_interval=0.05):
+
+        async def scheduled() -> bool:
+            return any(q.queue == "work" and q.ready == 1 for q in await app.queue_stats())
+
+        for _ in range(200):
+            if await scheduled():
+                break
+            await asyncio.sleep(0.02)
+    await app.suspend(run.run_id)
+    await asyncio.sleep(0.3)
+    watcher = AlertWatcher(app, AlertRules(**{**OFF, "queue_age": 0.2}))
+    assert await watcher.check() == [] and got == []
+    (work,) = [q for q in await app.queue_stats() if q.queue == "work"]
+    assert work.ready == 0 and work.oldest_ready_age is None
+    await app.resume(run.run_id)
+    (work,) = [q for q in await app.queue_stats() if q.queue == "work"]
+    assert work.ready == 1 and work.oldest_ready_age is not None
+
+
 async def test_runs_over_their_expected_duration(app: tether.App) -> None:
     got = _hooked(app)
 

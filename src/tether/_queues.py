@@ -156,7 +156,7 @@ class QueueStats:
     """What one queue holds now, from ``app.queue_stats()`` or ``tether queues``."""
 
     queue: str
-    ready: int  #: tasks due now and not leased (all kinds)
+    ready: int  #: tasks due now and not leased (all kinds; not those of a suspended run)
     oldest_ready_age: float | None  #: seconds the oldest ready task has waited
     running: int  #: tasks leased to a worker, lease not expired
     running_by_key: dict[str, int] = field(default_factory=dict)  #: running activities

@@ -373,13 +373,16 @@ def _pause_queue(tx: _Tx, queue: str, until: float | None) -> None:
 def _queue_stats(tx: _Tx) -> list[QueueStats]:
     now = tx.now
     counts: dict[str, list[Any]] = {}
+    # ready: what a claim could take now (not a suspended run's task: it waits for an
+    # operator, and an alert on its age would send one to idle workers)
+    due = f"t.available_at <= ? AND {_NOT_SUSPENDED}"
     for q, ready, oldest, running, later in tx.execute(
-        "SELECT queue, "
-        "sum(CASE WHEN available_at <= ? THEN 1 ELSE 0 END), "
-        "min(CASE WHEN available_at <= ? THEN available_at END), "
+        "SELECT t.queue, "
+        f"sum(CASE WHEN {due} THEN 1 ELSE 0 END), "
+        f"min(CASE WHEN {due} THEN t.available_at END), "
         f"sum(CASE WHEN {_RUNNING} THEN 1 ELSE 0 END), "
-        "sum(CASE WHEN lease_owner IS NULL AND available_at > ? THEN 1 ELSE 0 END) "
-        "FROM tasks GROUP BY queue",
+        "sum(CASE WHEN t.lease_owner IS NULL AND t.available_at > ? THEN 1 ELSE 0 END) "
+        "FROM tasks t GROUP BY t.queue",
         (now, now, now, now),
     ).fetchall():
         counts[q] = [int(ready or 0), oldest, int(running or 0), int(later or 0), {}]
