@@ -605,6 +605,22 @@ def test_configure_queue_validates_each_field(kwargs: dict[str, Any], field: str
     assert app._queue_limits == {}  # nothing half-configured
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"max_concurrency": 0}, "max_concurrency"),
+        ({"rate": float("nan")}, "rate"),
+        ({"rate": 1e308, "per": 1e-308}, "rate"),
+        ({"rate": 1, "per": 0}, "per"),
+        ({"burst": 5}, "burst"),
+    ],
+)
+def test_dependency_errors_name_the_dependency(kwargs: dict[str, Any], field: str) -> None:
+    with pytest.raises(tether.ConfigurationError, match=f"{field} of dependency 'svc'") as err:
+        tether.Dependency("svc", **kwargs)
+    assert "dep:" not in str(err.value) and "queue" not in str(err.value)
+
+
 def test_configure_queue_defaults() -> None:
     app = tether.App(store=":memory:")
     with pytest.raises(tether.ConfigurationError, match="queue name"):

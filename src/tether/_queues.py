@@ -100,10 +100,12 @@ class QueueLimits:
         key_concurrency: Any = None,
         fair: Any = False,
         pause_on_429: Any = True,
+        what: str | None = None,
     ) -> QueueLimits:
-        """Validate ``app.configure_queue`` arguments; errors name the field."""
+        """Validate ``app.configure_queue`` arguments; errors name the field (of
+        ``what``: the queue, or the ``Dependency`` whose hidden row this is)."""
         check_name(name, "queue name")
-        what = f"queue {name!r}"
+        what = what or f"queue {name!r}"
         cap = _positive_int(max_concurrency, f"max_concurrency of {what}")
         per_s = seconds(per, f"per of {what}")
         if per_s is None or per_s <= 0:
@@ -217,6 +219,7 @@ class Dependency:
             rate=rate,
             per=per,
             burst=burst,
+            what=f"dependency {name!r}",
         )
 
     def __repr__(self) -> str:
