@@ -19,12 +19,17 @@ import tether
 
 DEP_CAP = 3  #: max_concurrency of the "llm" dependency, per model
 ADMIT = 2  #: admission limit of tenant "t1" (configured by the test)
+QCAP = 2  #: max_concurrency of queue "qcap", below its dependency's cap
 
 _side: dict[str, str] = {}
 _local = threading.local()
 
 #: one limiter per model, shared by activities in two different queues
 LLM = tether.Dependency("llm", key=lambda model, i: model, max_concurrency=DEP_CAP)
+
+
+#: a looser limiter on calls that also go through the capped queue "qcap"
+SVC = tether.Dependency("svc", max_concurrency=5)
 
 
 def _conn() -> sqlite3.Connection:
@@ -60,6 +65,7 @@ def _record(kind: str, i: int, key: str, hold: float) -> None:
 def register(app: tether.App, side: str) -> dict[str, tether.Workflow[..., int]]:
     """Register the activities and workflows on ``app``."""
     _side["path"] = side
+    app.configure_queue("qcap", max_concurrency=QCAP)
 
     @app.activity(queue="qa", dependency=LLM)
     def llm_a(model: str, i: int) -> int:
@@ -69,6 +75,11 @@ def register(app: tether.App, side: str) -> dict[str, tether.Workflow[..., int]]
     @app.activity(queue="qb", dependency=LLM)
     def llm_b(model: str, i: int) -> int:
         _record("llm", i, model, 0.15)
+        return i
+
+    @app.activity(queue="qcap", dependency=SVC)
+    def svc_call(i: int) -> int:
+        _record("svc", i, "", 0.15)
         return i
 
     @app.activity
@@ -82,10 +93,14 @@ def register(app: tether.App, side: str) -> dict[str, tether.Workflow[..., int]]
         return await step(model, i)
 
     @app.workflow
+    async def svc_flow(n: int) -> int:
+        return sum(await tether.gather(*(svc_call(i) for i in range(n))))
+
+    @app.workflow
     async def admit_flow(i: int) -> int:
         return await admitted_step(i)
 
-    return {"llm": llm_flow, "admit": admit_flow}
+    return {"llm": llm_flow, "admit": admit_flow, "svc": svc_flow}
 
 
 async def main(store: str, side: str) -> None:

@@ -305,6 +305,22 @@ async def test_dependency_limit_is_shared_by_two_queues_and_processes(
     assert steps == {"llm_a", "llm_b"}
 
 
+async def test_queue_cap_holds_for_dependency_work_across_processes(
+    app: tether.App, side: Path, spawn: Callable[[int], list[subprocess.Popen[bytes]]]
+) -> None:
+    # both limits apply: the queue's cap (2) binds below the dependency's (5)
+    flows = limits_app.register(app, str(side))
+    run = await app.start(flows["svc"], 12)
+    await _start_workers(spawn, side, 2)
+    assert await run.result(timeout=60) == sum(range(12))
+    execs = _execs(side, "svc")
+    assert sorted(e[0] for e in execs) == list(range(12))
+    peak = peak_overlap([(s, e) for _, _, _, s, e in execs])
+    pids = {e[2] for e in execs}
+    print(f"peak {peak} (queue cap {limits_app.QCAP}, dependency cap 5) over {len(pids)} pids")
+    assert peak == limits_app.QCAP
+
+
 # -- dependency feedback -------------------------------------------------------------
 
 

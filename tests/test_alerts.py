@@ -5,7 +5,10 @@ retry spike; a run needing an operator is an alert of its own kind."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
+
+import pytest
 
 import tether
 from tether._telemetry import RECORDER
@@ -50,6 +53,84 @@ async def test_a_stuck_queue_alerts_once_until_it_clears(app: tether.App) -> Non
     await asyncio.sleep(0.3)
     await watcher.check()  # holds again: told again
     assert [s for s, _ in got] == ["queue:nightly", "queue:nightly"]
+
+
+async def test_a_suspended_runs_task_is_not_ready_work(app: tether.App) -> None:
+    # it waits for an operator, not for a worker: no ready count, no age, no alert
+    got = _hooked(app)
+
+    @app.activity(queue="work")
+    async def step() -> int:
+        return 1
+
+    @app.workflow
+    async def flow() -> int:
+        return await step()
+
+    run = await app.start(flow)
+    async with app.worker(queues=["default"], poll_interval=0.05):
+
+        async def scheduled() -> bool:
+            return any(q.queue == "work" and q.ready == 1 for q in await app.queue_stats())
+
+        for _ in range(200):
+            if await scheduled():
+                break
+            await asyncio.sleep(0.02)
+    await app.suspend(run.run_id)
+    await asyncio.sleep(0.3)
+    watcher = AlertWatcher(app, AlertRules(**{**OFF, "queue_age": 0.2}))
+    assert await watcher.check() == [] and got == []
+    (work,) = [q for q in await app.queue_stats() if q.queue == "work"]
+    assert work.ready == 0 and work.oldest_ready_age is None
+    await app.resume(run.run_id)
+    (work,) = [q for q in await app.queue_stats() if q.queue == "work"]
+    assert work.ready == 1 and work.oldest_ready_age is not None
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+async def test_a_failed_hook_is_logged_and_told_again_at_the_next_check(
+    app: tether.App, caplog: pytest.LogCaptureFixture, kind: str
+) -> None:
+    calls: list[str] = []
+    down = [True]
+
+    def told(subject: str) -> None:
+        calls.append(subject)
+        if down[0]:
+            raise RuntimeError("pager down")
+
+    async def async_hook(subject: str, details: dict[str, Any]) -> None:
+        await asyncio.sleep(0)
+        told(subject)
+
+    def sync_hook(subject: str, details: dict[str, Any]) -> None:
+        told(subject)
+
+    app.on_alert = async_hook if kind == "async" else sync_hook
+
+    @app.workflow(queue="nightly")
+    async def batch() -> int:
+        return 1
+
+    watcher = AlertWatcher(app, AlertRules(**{**OFF, "queue_age": 0.2}))
+    await app.start(batch)  # no worker serves "nightly"
+    await asyncio.sleep(0.3)
+    with caplog.at_level(logging.ERROR, logger="tether"):
+        await watcher.check()
+        await asyncio.sleep(0.05)  # an async hook runs as a task
+        assert calls == ["queue:nightly"]
+        failed = [r for r in caplog.records if "the on_alert hook failed" in r.getMessage()]
+        assert len(failed) == 1 and "queue:nightly" in failed[0].getMessage()
+        assert failed[0].exc_info is not None and "pager down" in str(failed[0].exc_info[1])
+        assert "never retrieved" not in caplog.text
+        down[0] = False
+        await watcher.check()  # not told yet: tried again
+        await asyncio.sleep(0.05)
+        assert calls == ["queue:nightly", "queue:nightly"]
+        await watcher.check()  # told: not again while it holds
+        await asyncio.sleep(0.05)
+        assert calls == ["queue:nightly", "queue:nightly"]
 
 
 async def test_runs_over_their_expected_duration(app: tether.App) -> None:

@@ -23,6 +23,7 @@ import pytest
 
 import tether
 from tether._queues import QueueLimits
+from tether.store.ops import queues as ops_queues
 from tether.store.ops._tx import _Tx
 
 HERE = Path(__file__).parent
@@ -398,6 +399,69 @@ async def test_pause_and_resume_queue_and_stats(app: tether.App) -> None:
     assert jobs.tokens == pytest.approx(1, abs=0.1)  # 3 of 4 tokens spent (1 a minute back)
 
 
+@pytest.mark.parametrize(
+    "limits", [{}, {"max_concurrency": 5, "rate": 100}], ids=["open_dependency", "limited"]
+)
+async def test_a_paused_queue_holds_its_dependency_work(
+    app: tether.App, limits: dict[str, Any]
+) -> None:
+    # every tether.ai model call carries a dependency: pausing its queue must hold it
+    svc = tether.Dependency("svc", **limits)
+    ran: list[str] = []
+
+    @app.activity(queue="llm", dependency=svc)
+    async def call(i: int) -> int:
+        ran.append(f"call{i}")
+        return i
+
+    @app.activity(queue="llm")
+    async def plain(i: int) -> int:
+        ran.append(f"plain{i}")
+        return i
+
+    @app.workflow
+    async def flow() -> int:
+        return sum(await tether.gather(plain(0), *(call(i) for i in range(3))))
+
+    async with app.worker(poll_interval=0.05, concurrency=8):
+        await app.pause_queue("llm", 60)
+        run = await app.start(flow)
+
+        async def queued() -> bool:
+            return any(s.queue == "llm" and s.ready == 4 for s in await app.queue_stats())
+
+        await _until(queued, 10, "4 queued calls")
+        await asyncio.sleep(0.5)
+        assert ran == []  # paused: neither the plain call nor the dependency's start
+        await app.resume_queue("llm")
+        assert await run.result(timeout=10) == 3
+    assert sorted(ran) == ["call0", "call1", "call2", "plain0"]
+
+
+async def test_a_queue_rate_limit_holds_for_dependency_work(app: tether.App) -> None:
+    # both limits apply: the queue's bucket (2 tokens, then 2 a minute) binds first
+    app.configure_queue("metered", rate=2, per=60, burst=2)
+    svc = tether.Dependency("svc", max_concurrency=10)
+    ran: list[int] = []
+
+    @app.activity(queue="metered", dependency=svc)
+    async def call(i: int) -> int:
+        ran.append(i)
+        return i
+
+    @app.workflow
+    async def flow() -> int:
+        return sum(await tether.gather(*(call(i) for i in range(5))))
+
+    async with app.worker(poll_interval=0.05, concurrency=8):
+        await app.start(flow)
+        await _until(lambda: len(ran) >= 2, 10, "the first 2 calls")
+        await asyncio.sleep(0.5)
+        assert len(ran) == 2
+        metered = {s.queue: s for s in await app.queue_stats()}["metered"]
+        assert metered.ready == 3 and metered.tokens is not None and metered.tokens < 0.1
+
+
 async def test_reconfiguring_keeps_the_live_token_bucket(store_url: str) -> None:
     a = tether.App(store=store_url)
     a.configure_queue("q", rate=1, per=60, burst=10)  # refills 1 a minute: stays put
@@ -462,6 +526,51 @@ async def test_a_claim_with_an_older_clock_cannot_mint_extra_tokens(store_url: s
     await app.close()
 
 
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"rate": float("inf"), "burst": float("inf"), "tokens": float("inf")},
+        {"rate": 0.0, "tokens": 0.0},
+    ],
+    ids=["inf", "zero"],
+)
+async def test_a_bad_stored_limits_row_skips_only_its_queue(
+    app: tether.App, caplog: pytest.LogCaptureFixture, bad: dict[str, float]
+) -> None:
+    # a row written by an older version (rate=1e308/1e-308 was stored as inf) or by hand:
+    # the claim skips that queue, logging why, and keeps serving the others
+    ops_queues._bad_logged.clear()  # logged once a minute per limits row
+    app.configure_queue("fast", rate=5)
+
+    @app.activity(queue="fast")
+    async def fast() -> int:
+        return 1
+
+    @app.activity
+    async def other() -> int:
+        return 2
+
+    @app.workflow
+    async def wf_fast() -> int:
+        return await fast()
+
+    @app.workflow
+    async def wf_other() -> int:
+        return await other()
+
+    def corrupt(tx: _Tx) -> None:
+        sets = ", ".join(f"{c} = ?" for c in bad)
+        tx.execute(f"UPDATE queue_limits SET {sets} WHERE queue = 'fast'", tuple(bad.values()))
+
+    async with app.worker(poll_interval=0.05):  # writes the configured row at start
+        await app.store._do(corrupt)  # type: ignore[attr-defined]
+        stuck = await app.start(wf_fast)
+        await asyncio.sleep(0.3)  # several claims meet the bad row first
+        assert await (await app.start(wf_other)).result(timeout=10) == 2
+        assert (await app.get(stuck.run_id)).status is tether.RunStatus.RUNNING
+    assert "queue 'fast'" in caplog.text and "rate" in caplog.text
+
+
 # -- configuration errors ------------------------------------------------------------
 
 
@@ -478,6 +587,9 @@ async def test_a_claim_with_an_older_clock_cannot_mint_extra_tokens(store_url: s
         ({"rate": "10"}, "rate"),
         ({"rate": 10, "per": 0}, "per"),
         ({"rate": 10, "per": -5}, "per"),
+        ({"rate": 1e308, "per": 1e-308}, "rate"),  # inf per second
+        ({"rate": 1e300}, "rate"),
+        ({"rate": 5, "per": 1e300}, "rate"),  # a token every 6e291 years
         ({"burst": 5}, "burst"),  # no rate
         ({"rate": 10, "burst": 0.5}, "burst"),
         ({"key_concurrency": 0}, "key_concurrency"),
@@ -491,6 +603,22 @@ def test_configure_queue_validates_each_field(kwargs: dict[str, Any], field: str
     with pytest.raises(tether.ConfigurationError, match=field):
         app.configure_queue("q", **kwargs)
     assert app._queue_limits == {}  # nothing half-configured
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"max_concurrency": 0}, "max_concurrency"),
+        ({"rate": float("nan")}, "rate"),
+        ({"rate": 1e308, "per": 1e-308}, "rate"),
+        ({"rate": 1, "per": 0}, "per"),
+        ({"burst": 5}, "burst"),
+    ],
+)
+def test_dependency_errors_name_the_dependency(kwargs: dict[str, Any], field: str) -> None:
+    with pytest.raises(tether.ConfigurationError, match=f"{field} of dependency 'svc'") as err:
+        tether.Dependency("svc", **kwargs)
+    assert "dep:" not in str(err.value) and "queue" not in str(err.value)
 
 
 def test_configure_queue_defaults() -> None:

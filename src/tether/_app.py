@@ -1636,10 +1636,13 @@ class App:
         )
         return value
 
-    def _alert(self, subject: str, details: dict[str, Any]) -> None:
+    def _alert(self, subject: str, details: dict[str, Any]) -> bool | asyncio.Future[Any]:
         """Tell the alert hook (or the log): ``subject`` is a run id for a run that needs
         an operator (``details`` is its error), else what the alert is about
-        (``queue:<name>``, ``workflow:<name>``, ``dead_letters``, ``process``)."""
+        (``queue:<name>``, ``workflow:<name>``, ``dead_letters``, ``process``).
+
+        Returns whether it was told; for an async hook, the task telling it (done with
+        an exception if the hook raised). A failure is logged the same way for both."""
         details = {"alert": "needs_intervention", **details}
         hook = self.on_alert
         if hook is None:
@@ -1652,15 +1655,25 @@ class App:
                 )
             else:  # the watcher's own words: names and figures, no payload
                 log.warning("alert %s on %s: %s", details["alert"], subject, details["message"])
-            return
+            return True
         try:
             out = hook(subject, details)
-            if asyncio.iscoroutine(out):
-                task = asyncio.ensure_future(out)
-                self._alerts.add(task)
-                task.add_done_callback(self._alerts.discard)
         except Exception:
             log.exception("the on_alert hook failed for %r", subject)
+            return False
+        if not asyncio.iscoroutine(out):
+            return True
+        task = asyncio.ensure_future(out)
+        self._alerts.add(task)
+
+        def done(t: asyncio.Future[Any]) -> None:
+            self._alerts.discard(t)
+            exc = None if t.cancelled() else t.exception()  # retrieved: logged here
+            if exc is not None:
+                log.error("the on_alert hook failed for %r", subject, exc_info=exc)
+
+        task.add_done_callback(done)
+        return task
 
     async def _wait_finished(
         self, run_id: str, deadline: float | None, may_not_exist: bool = False

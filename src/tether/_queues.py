@@ -20,6 +20,11 @@ from ._policy import seconds
 PRIORITY_MIN, PRIORITY_MAX = -INT32_MAX - 1, INT32_MAX
 
 
+#: the bounds of a rate in tokens per second (``rate / per``): one a ~30 years to a
+#: billion a second; beyond them the bucket's arithmetic overflows or never refills
+RATE_MIN, RATE_MAX = 1e-9, 1e9
+
+
 #: the longest name of a queue, workflow or activity (a column and an HTTP path segment)
 MAX_NAME = 200
 
@@ -95,10 +100,12 @@ class QueueLimits:
         key_concurrency: Any = None,
         fair: Any = False,
         pause_on_429: Any = True,
+        what: str | None = None,
     ) -> QueueLimits:
-        """Validate ``app.configure_queue`` arguments; errors name the field."""
+        """Validate ``app.configure_queue`` arguments; errors name the field (of
+        ``what``: the queue, or the ``Dependency`` whose hidden row this is)."""
         check_name(name, "queue name")
-        what = f"queue {name!r}"
+        what = what or f"queue {name!r}"
         cap = _positive_int(max_concurrency, f"max_concurrency of {what}")
         per_s = seconds(per, f"per of {what}")
         if per_s is None or per_s <= 0:
@@ -113,6 +120,11 @@ class QueueLimits:
                 f"lets a task through), got {burst!r}"
             )
         per_second = None if r is None else r / per_s
+        if per_second is not None and not RATE_MIN <= per_second <= RATE_MAX:
+            raise ConfigurationError(
+                f"rate of {what} must be between {RATE_MIN:g} and {RATE_MAX:g} per second "
+                f"(rate / per), got {rate!r} per {per!r}s = {per_second:g}/s"
+            )
         if per_second is not None and b is None:
             b = max(1.0, per_second)
         keys = _positive_int(key_concurrency, f"key_concurrency of {what}")
@@ -146,7 +158,7 @@ class QueueStats:
     """What one queue holds now, from ``app.queue_stats()`` or ``tether queues``."""
 
     queue: str
-    ready: int  #: tasks due now and not leased (all kinds)
+    ready: int  #: tasks due now and not leased (all kinds; not those of a suspended run)
     oldest_ready_age: float | None  #: seconds the oldest ready task has waited
     running: int  #: tasks leased to a worker, lease not expired
     running_by_key: dict[str, int] = field(default_factory=dict)  #: running activities
@@ -207,6 +219,7 @@ class Dependency:
             rate=rate,
             per=per,
             burst=burst,
+            what=f"dependency {name!r}",
         )
 
     def __repr__(self) -> str:

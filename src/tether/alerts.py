@@ -7,7 +7,9 @@ the store (queue age, dead letters, runs over their expected duration) and this
 process's counters (retries, 429s, breaker refusals, invalid model outputs, budget
 stops, orphaned tasks taken back: ``tether._telemetry``) over the last ``window``. A
 condition calls the hook once when it starts to hold (``on_alert(subject, details)``,
-``details["alert"]`` naming it) and again only after it has cleared. The counters cover
+``details["alert"]`` naming it) and again only after it has cleared; a hook that raised
+(sync or async: logged as "the on_alert hook failed") is called again at the next check
+while the condition holds. The counters cover
 only the process the watcher runs in: for fleet-wide spikes use the Prometheus rules in
 docs/observability.md on the same counters.
 """
@@ -50,7 +52,8 @@ class AlertWatcher:
         self.app = app
         self.rules = rules or getattr(app, "alert_rules", None) or AlertRules()
         self.interval = interval
-        self._firing: set[str] = set()
+        #: conditions told (True) or being told by an async hook (its task), by key
+        self._firing: dict[str, bool | asyncio.Future[Any]] = {}
         #: (monotonic time, counter totals, open dead letters) of earlier checks
         self._history: collections.deque[tuple[float, dict[str, float], int]] = collections.deque()
         self._periodic = Periodic(
@@ -66,15 +69,22 @@ class AlertWatcher:
         await self._periodic.stop()
 
     async def check(self, now: float | None = None) -> list[tuple[str, dict[str, Any]]]:
-        """Evaluate every rule now; return (and send) the alerts that started to hold."""
+        """Evaluate every rule now; return (and send) the alerts that started to hold,
+        and those still holding whose hook failed when they were sent."""
         loop_now = asyncio.get_running_loop().time() if now is None else now
         holding = await self._conditions(loop_now)
         fired: list[tuple[str, dict[str, Any]]] = []
+        firing: dict[str, bool | asyncio.Future[Any]] = {}
         for key, (subject, details) in holding.items():
-            if key not in self._firing:
+            told = self._firing.get(key, False)
+            if isinstance(told, asyncio.Future) and told.done():
+                told = not told.cancelled() and told.exception() is None
+            if told is False:
                 fired.append((subject, details))
-                self.app._alert(subject, details)
-        self._firing = set(holding)
+                told = self.app._alert(subject, details)
+            if told is not False:
+                firing[key] = told
+        self._firing = firing
         return fired
 
     async def _conditions(self, now: float) -> dict[str, tuple[str, dict[str, Any]]]:

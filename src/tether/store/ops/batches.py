@@ -98,6 +98,8 @@ def _batch_allowed(tx: _Tx, queue: str) -> tuple[bool, float | None]:
     ).fetchone()
     if row is None:
         return True, None
+    if not _usable(tuple(row)):
+        return False, None
     _q, cap, rate, burst, tokens, refilled_at, _k, _f, _p, paused_until, _c = row
     if paused_until is not None and float(paused_until) > tx.now:
         return False, float(paused_until)
@@ -136,4 +138,11 @@ def _batch_due(tx: _Tx, queues: tuple[str, ...], exclude_owner: str | None = Non
 
 # operations of other concerns (imported last: see the package docstring)
 from .claims import _NOT_SUSPENDED  # noqa: E402
-from .queues import _CALLS, _QL_COLS, _RUNNING, _spend_tokens, _tokens_now  # noqa: E402
+from .queues import (  # noqa: E402
+    _CALLS,
+    _QL_COLS,
+    _RUNNING,
+    _spend_tokens,
+    _tokens_now,
+    _usable,
+)

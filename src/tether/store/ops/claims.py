@@ -30,6 +30,8 @@ def _claim_with_wake(
     for row in limited:
         if len(tasks) >= limit:
             break
+        if not _usable(row):
+            continue  # its activity tasks wait (the plain path skips them too)
         got, gate = _claim_limited(tx, worker_id, row, limit - len(tasks), lease)
         tasks += got
         if gate is not None:
@@ -42,7 +44,14 @@ def _claim_with_wake(
         if gate is not None:
             wake = gate if wake is None else min(wake, gate)
     if len(tasks) - batched < limit and queues:
-        got, gate = _claim_dependencies(tx, worker_id, queues, limit - len(tasks) + batched, lease)
+        got, gate = _claim_dependencies(
+            tx,
+            worker_id,
+            queues,
+            tuple(r[0] for r in limited),
+            limit - len(tasks) + batched,
+            lease,
+        )
         tasks += got
         if gate is not None:
             wake = gate if wake is None else min(wake, gate)
@@ -59,29 +68,60 @@ def _claim_with_wake(
 
 
 def _claim_dependencies(
-    tx: _Tx, worker_id: str, queues: tuple[str, ...], limit: int, lease: float
+    tx: _Tx,
+    worker_id: str,
+    queues: tuple[str, ...],
+    limited: tuple[str, ...],
+    limit: int,
+    lease: float,
 ) -> tuple[list[Task], float | None]:
     """Activity tasks under a ``tether.Dependency``: each limiter row is locked (in
-    name order) and obeyed like a queue's limits, over every served queue."""
-    marks = ",".join("?" * len(queues))
+    name order) and obeyed like a queue's limits, over every served queue.
+
+    The limits of their own queue hold too: a task of one of the ``limited`` queues
+    (rows already locked by the caller) is taken only while that queue is not paused,
+    is under its ``max_concurrency`` and has a token, which it spends.
+    """
+    wake: float | None = None
+    room: dict[str, int | None] = dict.fromkeys(queues)
+    for q in limited:
+        room[q], gate = _queue_room(tx, q)
+        if gate is not None:
+            wake = gate if wake is None else min(wake, gate)
+    open_queues = tuple(q for q in queues if room[q] is None or (room[q] or 0) > 0)
+    if not open_queues:
+        return [], wake
+    marks = ",".join("?" * len(open_queues))
     deps = [
         r[0]
         for r in tx.execute(
             "SELECT DISTINCT dependency FROM tasks WHERE dependency IS NOT NULL "
             f"AND available_at <= ? AND queue IN ({marks})",
-            (tx.now, *queues),
+            (tx.now, *open_queues),
         ).fetchall()
     ]
     if not deps:
-        return [], None
+        return [], wake
     rows = _lock_queue_limits(tx, tuple(sorted(deps)))
     tasks: list[Task] = []
-    wake: float | None = None
+    spent: dict[str, int] = {}
     for row in rows:
-        if len(tasks) >= limit:
+        if len(tasks) >= limit or not open_queues:
             break
-        got, gate = _claim_limited(tx, worker_id, row, limit - len(tasks), lease, queues)
+        if not _usable(row):
+            continue
+        got, gate = _claim_limited(tx, worker_id, row, limit - len(tasks), lease, open_queues, room)
         tasks += got
+        if gate is not None:
+            wake = gate if wake is None else min(wake, gate)
+        for t in got:
+            left = room.get(t.queue)
+            if left is not None:
+                room[t.queue] = left - 1
+                spent[t.queue] = spent.get(t.queue, 0) + 1
+        open_queues = tuple(q for q in open_queues if room[q] is None or (room[q] or 0) > 0)
+    for q, n in spent.items():
+        gate = _spend_tokens(tx, q, n)
         if gate is not None:
             wake = gate if wake is None else min(wake, gate)
     return tasks, wake
@@ -141,4 +181,10 @@ def _claim_plain(
 
 # operations of other concerns (imported last: see the package docstring)
 from .batches import _claim_batches  # noqa: E402
-from .queues import _claim_limited, _lock_queue_limits  # noqa: E402
+from .queues import (  # noqa: E402
+    _claim_limited,
+    _lock_queue_limits,
+    _queue_room,
+    _spend_tokens,
+    _usable,
+)

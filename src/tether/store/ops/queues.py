@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import math
+import time
 from typing import Any
 
 from ..._history import Task
@@ -9,18 +12,49 @@ from ..._queues import DEPENDENCY_PREFIX, QueueStats
 from ._tx import _TASK_COLS, _task_from_row, _Tx
 
 
-def _spend_tokens(tx: _Tx, queue: str, n: int) -> None:
-    """Take ``n`` tokens from the bucket of ``queue``, if it has a rate limit."""
+def _spend_tokens(tx: _Tx, queue: str, n: int) -> float | None:
+    """Take ``n`` tokens from the bucket of ``queue``, if it has a rate limit.
+
+    Returns when the bucket next holds a whole token, if it is short of one now.
+    """
     row = tx.execute(
         "SELECT rate, burst, tokens, refilled_at FROM queue_limits WHERE queue = ?", (queue,)
     ).fetchone()
     if row is None or row[0] is None or n <= 0:
-        return
+        return None
     left = _tokens_now(tx, row[0], row[1], row[2], row[3]) - n
     tx.execute(
         "UPDATE queue_limits SET tokens = ?, refilled_at = ? WHERE queue = ?",
         (left, _refill_mark(tx, row[3]), queue),
     )
+    if left < 1.0 - 1e-9:
+        return tx.now + (1.0 - left) / float(row[0])
+    return None
+
+
+def _queue_room(tx: _Tx, queue: str) -> tuple[int, float | None]:
+    """How many more activity calls the limited ``queue`` may start now (its row is
+    locked by this claim): 0 while paused, else what its cap and bucket leave; and
+    when a pause or an empty bucket lifts."""
+    row = tx.execute(f"SELECT {_QL_COLS} FROM queue_limits WHERE queue = ?", (queue,)).fetchone()
+    if row is None or not _usable(tuple(row)):
+        return 0, None
+    _q, cap, rate, burst, tokens, refilled_at, _k, _f, _p, paused_until, _c = row
+    if paused_until is not None and float(paused_until) > tx.now:
+        return 0, float(paused_until)
+    room = 2**31
+    if cap is not None:
+        (running,) = tx.execute(
+            f"SELECT {_CALLS} FROM tasks WHERE queue = ? AND kind = 'activity' AND {_RUNNING}",
+            (queue, tx.now),
+        ).fetchone()
+        room = min(room, int(cap) - int(running))
+    if rate is not None:
+        have = _tokens_now(tx, rate, burst, tokens, refilled_at)
+        room = min(room, int(have + 1e-9))
+        if have < 1.0 - 1e-9:
+            return 0, tx.now + (1.0 - have) / float(rate)
+    return max(0, room), None
 
 
 _QL_COLS = (
@@ -34,6 +68,66 @@ _RUNNING = "lease_owner IS NOT NULL AND available_at > ?"  #: a live lease
 
 #: running activity calls among the selected tasks: a batch (tether.Batch) is one call
 _CALLS = "count(DISTINCT COALESCE(batch_id, task_id))"
+
+
+log = logging.getLogger("tether.store")
+
+#: limits row -> when its problem was last logged (monotonic): once a minute, not per claim
+_bad_logged: dict[str, float] = {}
+
+
+def _bad_limits(row: tuple[Any, ...]) -> str | None:
+    """What makes a ``queue_limits`` row (``_QL_COLS``) unusable by a claim, or None.
+
+    ``configure_queue`` refuses such values; a row written by an older version (a
+    rate of 1e308 per 1e-308 s was stored as inf) or by hand could still hold one,
+    and its arithmetic would fail every claim of every queue the worker serves.
+    """
+    _q, cap, rate, burst, tokens, refilled_at, key_cap, _fair, _p429, paused_until, _c = row
+    try:
+        for name, value in (("max_concurrency", cap), ("key_concurrency", key_cap)):
+            if value is not None and not 1 <= int(value) < 2**63:
+                return f"{name}={value!r}"
+        if rate is not None:
+            if not (math.isfinite(float(rate)) and float(rate) > 0):
+                return f"rate={rate!r}"
+            if burst is None or not (math.isfinite(float(burst)) and float(burst) > 0):
+                return f"rate={rate!r} with burst={burst!r}"
+        for name, value in (
+            ("tokens", tokens),
+            ("refilled_at", refilled_at),
+            ("paused_until", paused_until),
+        ):
+            if value is not None and math.isnan(float(value)):
+                return f"{name}={value!r}"
+        if tokens is not None and not math.isfinite(float(tokens)):
+            return f"tokens={tokens!r}"
+    except (TypeError, ValueError, OverflowError):
+        return "a value that is not a number"
+    return None
+
+
+def _usable(row: tuple[Any, ...]) -> bool:
+    """Whether a claim may use this limits row; if not, log why (at most once a minute)."""
+    problem = _bad_limits(row)
+    if problem is None:
+        return True
+    name = str(row[0])
+    now = time.monotonic()
+    if now - _bad_logged.get(name, -math.inf) >= 60.0:
+        _bad_logged[name] = now
+        what = (
+            f"dependency limiter {name!r}"
+            if name.startswith(DEPENDENCY_PREFIX)
+            else f"queue {name!r}"
+        )
+        log.error(
+            "the limits of %s are unusable (%s): its activity tasks are not claimed until "
+            "it is configured again (app.configure_queue, or the Dependency's limits)",
+            what,
+            problem,
+        )
+    return False
 
 
 def _lock_queue_limits(tx: _Tx, queues: tuple[str, ...]) -> list[tuple[Any, ...]]:
@@ -72,11 +166,13 @@ def _claim_limited(
     limit: int,
     lease: float,
     served: tuple[str, ...] | None = None,
+    room: dict[str, int | None] | None = None,
 ) -> tuple[list[Task], float | None]:
     """Activity tasks of one limited queue, within its caps; and when a gate lifts.
 
     With ``served``, ``row`` is a dependency limiter: its tasks are those with that
-    ``dependency``, from the ``served`` queues.
+    ``dependency``, from the ``served`` queues, at most ``room[queue]`` from a queue
+    with limits of its own (None: no limit).
     """
     q, cap, rate, burst, tokens, refilled_at, key_cap, fair, _p429, paused_until, cursor = row
     if paused_until is not None and float(paused_until) > tx.now:
@@ -98,18 +194,35 @@ def _claim_limited(
             return [], tx.now + (1.0 - have) / float(rate)  # the next token
         return [], None  # at its concurrency cap: a completion wakes the workers
     ready = f"t.{col} = ? AND t.kind = 'activity' AND t.available_at <= ? AND " + _NOT_SUSPENDED
-    if served is not None:
-        ready += f" AND t.queue IN ({','.join('?' * len(served))})"
-    else:
+    if served is None:
         # claimed under their dependency's limiter, or as batches (_claim_batches)
         ready += " AND t.dependency IS NULL AND t.batch_key IS NULL"
-    if (key_cap is None and not fair) or served is not None:
+    if served is not None:
+        # the queues without limits together; each limited queue up to its room; the
+        # best ``budget`` of those in claim order
+        free = room or {}
+        plain = tuple(s for s in served if free.get(s) is None)
+        groups = [(plain, budget)] if plain else []
+        groups += [((s,), min(budget, n)) for s in served if (n := free.get(s)) is not None]
+        found: list[tuple[Any, ...]] = []
+        for qs, n in groups:
+            if n <= 0:
+                continue
+            found += tx.execute(
+                "SELECT t.task_id, t.priority, t.available_at FROM tasks t WHERE "
+                f"{ready} AND t.queue IN ({','.join('?' * len(qs))}) "
+                "ORDER BY t.priority DESC, t.available_at, t.task_id LIMIT ?",
+                (q, tx.now, *qs, n),
+            ).fetchall()
+        found.sort(key=lambda r: (-int(r[1]), float(r[2]), r[0]))
+        ids = [r[0] for r in found[:budget]]
+    elif key_cap is None and not fair:
         ids = [
             r[0]
             for r in tx.execute(
                 f"SELECT t.task_id FROM tasks t WHERE {ready} "
                 "ORDER BY t.priority DESC, t.available_at, t.task_id LIMIT ?",
-                (q, tx.now, *(served or ()), budget),
+                (q, tx.now, budget),
             ).fetchall()
         ]
     else:
@@ -260,13 +373,16 @@ def _pause_queue(tx: _Tx, queue: str, until: float | None) -> None:
 def _queue_stats(tx: _Tx) -> list[QueueStats]:
     now = tx.now
     counts: dict[str, list[Any]] = {}
+    # ready: what a claim could take now (not a suspended run's task: it waits for an
+    # operator, and an alert on its age would send one to idle workers)
+    due = f"t.available_at <= ? AND {_NOT_SUSPENDED}"
     for q, ready, oldest, running, later in tx.execute(
-        "SELECT queue, "
-        "sum(CASE WHEN available_at <= ? THEN 1 ELSE 0 END), "
-        "min(CASE WHEN available_at <= ? THEN available_at END), "
+        "SELECT t.queue, "
+        f"sum(CASE WHEN {due} THEN 1 ELSE 0 END), "
+        f"min(CASE WHEN {due} THEN t.available_at END), "
         f"sum(CASE WHEN {_RUNNING} THEN 1 ELSE 0 END), "
-        "sum(CASE WHEN lease_owner IS NULL AND available_at > ? THEN 1 ELSE 0 END) "
-        "FROM tasks GROUP BY queue",
+        "sum(CASE WHEN t.lease_owner IS NULL AND t.available_at > ? THEN 1 ELSE 0 END) "
+        "FROM tasks t GROUP BY t.queue",
         (now, now, now, now),
     ).fetchall():
         counts[q] = [int(ready or 0), oldest, int(running or 0), int(later or 0), {}]
