@@ -5,6 +5,7 @@ progress, and a schemathesis run against the served OpenAPI document."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -21,25 +22,50 @@ from typing import Any
 import httpx
 import pytest
 
+import tether
+import tether._app
 from test_http_api import INVOICE, Server, _free_port
+from tether import ConfigurationError
+from tether.server._relay import WebhookRelay
 from tether.webhooks import WebhookError, new_secret, verify
 
 HERE = Path(__file__).parent
 
 
 class Receiver:
-    """A webhook receiver on ``port`` that records every post and answers 200."""
+    """A webhook receiver on ``port`` that records every post and answers 200.
+
+    Posts to ``/drip-head`` get a status line and then a header line every 0.3 s; posts
+    to ``/drip-body`` get a 200 and then one byte of the body every 0.3 s (receivers too
+    slow to ever end their answer), until ``close``."""
 
     def __init__(self, port: int) -> None:
         self.posts: list[tuple[dict[str, str], bytes]] = []
-        posts = self.posts
+        self.paths: list[str] = []
+        posts, paths = self.posts, self.paths
+        self.closing = closing = threading.Event()
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers["content-length"]))
                 posts.append(({k.lower(): v for k, v in self.headers.items()}, body))
-                self.send_response(200)
-                self.end_headers()
+                paths.append(self.path)
+                try:
+                    if self.path == "/drip-head":
+                        self.wfile.write(b"HTTP/1.1 200 OK\r\n")
+                        while not closing.wait(0.3):
+                            self.wfile.write(b"x-drip: 1\r\n")
+                            self.wfile.flush()
+                    elif self.path == "/drip-body":
+                        self.wfile.write(b"HTTP/1.1 200 OK\r\ncontent-length: 1000\r\n\r\n")
+                        while not closing.wait(0.3):
+                            self.wfile.write(b"x")
+                            self.wfile.flush()
+                    else:
+                        self.send_response(200)
+                        self.end_headers()
+                except OSError:  # the relay hung up
+                    pass
 
             def log_message(self, *args: Any) -> None:
                 pass
@@ -49,6 +75,7 @@ class Receiver:
         self.thread.start()
 
     def close(self) -> None:
+        self.closing.set()
         self.http.shutdown()
         self.http.server_close()
 
@@ -164,6 +191,88 @@ def test_a_callback_url_without_a_signing_secret_is_refused(store_url: str) -> N
         assert bad.status_code in (400, 422)
     finally:
         server.stop()
+
+
+async def _deliveries(app: tether.App, run_id: str) -> list[tuple[Any, ...]]:
+    return await app.store.webhook_deliveries(run_id=run_id)
+
+
+async def _until(check: Any, seconds: float, what: str) -> Any:
+    """``check()``'s answer once it is truthy (``check`` is a coroutine function)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        value = await check()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)
+
+
+async def test_a_delivery_that_cannot_be_posted_fails_alone_and_the_relay_goes_on(
+    app: tether.App, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run id that is not ASCII went into the webhook-id header as is (the post raised
+    UnicodeEncodeError), a port above 65535 raised OverflowError: either ended the relay,
+    and every restarted relay on the same row, so no webhook was posted again."""
+
+    @app.workflow
+    async def echo(x: str) -> str:
+        return x
+
+    secret = new_secret()
+    port = _free_port()
+    hook = f"http://127.0.0.1:{port}/hook"
+    receiver = Receiver(port)
+    relays: list[WebhookRelay] = []
+    try:
+        async with app.worker(poll_interval=0.05):
+            # a URL queued before start checked ports (the check is bypassed here)
+            monkeypatch.setattr(tether._app, "check_webhook_url", lambda url: url)
+            odd = await app.start(
+                echo, "p", run_id="bad-port", webhook="http://127.0.0.1:99999/hook"
+            )
+            monkeypatch.undo()
+            accented = await app.start(echo, "u", run_id="facture-é 1", webhook=hook)
+            for run in (odd, accented):
+                await run.result(timeout=20)
+            for attempt in range(2):  # a relay, then a restarted one
+                relay = WebhookRelay(app, secret, backoff=0.1, max_backoff=0.2, poll=0.05)
+                relays.append(relay)
+                relay.start()
+                plain = await app.start(echo, "g", run_id=f"good-{attempt}", webhook=hook)
+                await plain.result(timeout=20)
+
+                async def delivered(rid: str = plain.run_id) -> bool:
+                    rows = await _deliveries(app, rid)
+                    return bool(rows) and rows[0][10] == "delivered"
+
+                await _until(delivered, 20, "the later run's delivery")
+                assert relay._task is not None and not relay._task.done()
+                await relay.stop()
+        rows = await _deliveries(app, accented.run_id)
+        assert rows[0][10] == "delivered", rows
+        # a URL no retry can post to is given up at once, saying why
+        (bad,) = await _deliveries(app, odd.run_id)
+        assert bad[10] == "failed" and bad[9] == 1 and "port" in bad[11], bad
+        ids = {}
+        for headers, body in receiver.posts:
+            outcome = verify(secret, body, headers)  # the id as sent is the id signed
+            ids[outcome["run"]["id"]] = headers["webhook-id"]
+        assert ids["facture-é 1"] == f"facture-%C3%A9%201:{rows[0][0]}"
+        assert set(ids) == {"facture-é 1", "good-0", "good-1"}
+        # and start refuses such a URL now
+        for url in (
+            "http://127.0.0.1:99999/h",
+            "http://127.0.0.1:0/h",
+            "http://h:x/",
+            "http://a/\n",
+        ):
+            with pytest.raises(ConfigurationError, match="webhook"):
+                await app.start(echo, "x", webhook=url)
+    finally:
+        for relay in relays:
+            await relay.stop()
+        receiver.close()
 
 
 def test_sigkill_with_in_process_workers_loses_no_accepted_run_or_delivery(

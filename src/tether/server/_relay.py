@@ -4,7 +4,9 @@ Deliveries are written to the store's outbox in the commit that ends a run
 (``store/ops/webhooks.py``). The relay leases due ones, posts each signed
 (``tether.webhooks.sign``), and records the answer: a 2xx is delivered; anything else,
 a timeout or a refused connection is tried again with exponential backoff until
-``give_up_after`` seconds have passed since the run ended (410 Gone gives up at once).
+``give_up_after`` seconds have passed since the run ended (410 Gone, or a URL no client
+can post to, gives up at once). Whatever goes wrong with one delivery is that delivery's
+failed attempt, never the relay's end.
 A relay that dies mid-post leaves its lease to expire; the next one posts again, so
 receivers dedupe by the ``webhook-id`` header.
 """
@@ -21,8 +23,10 @@ from typing import Any
 import httpx
 
 from .._app import App
+from .._errors import ConfigurationError
 from ..store.base import Finished
-from ..webhooks import sign
+from ..webhooks import _delivery_id, check_webhook_url, sign
+from ._models import links
 
 log = logging.getLogger("tether.webhooks")
 
@@ -92,8 +96,44 @@ class WebhookRelay:
                     await asyncio.wait_for(self._wake.wait(), self._poll)
 
     async def _deliver(self, client: httpx.AsyncClient, row: tuple[Any, ...]) -> None:
-        (delivery_id, run_id, url, workflow, status, output, error, tenant, ended_at) = row[:9]
-        attempts = row[9]
+        """Post one delivery and record the answer. Whatever goes wrong with it (a URL no
+        client can post to, a payload that cannot be read) is this delivery's failed
+        attempt, recorded like a refused connection: never the relay's end."""
+        delivery_id, run_id, url, ended_at, attempts = row[0], row[1], row[2], row[8], row[9]
+        wid = f"{run_id!r}:{delivery_id}"
+        problem: str | None
+        final = False  # no retry can help: give up now
+        try:
+            wid = _delivery_id(run_id, delivery_id)
+            problem, final = await self._post(client, row, wid)
+        except Exception as exc:
+            problem = f"{type(exc).__name__}: {exc}"[:500]
+        store = self._app.store
+        try:
+            if problem is None:
+                await store.finish_webhook(delivery_id, True, None, None)
+                self.delivered += 1
+                return
+            self.failed_attempts += 1
+            now = store.clock()
+            wait = min(self._backoff * 2 ** (attempts - 1), self._max_backoff)
+            retry_at: float | None = now + wait * random.uniform(0.8, 1.2)
+            if final or (ended_at is not None and now - ended_at > self._give_up_after):
+                retry_at = None
+                log.warning("webhook %s to %s given up: %s", wid, url, problem)
+            await store.finish_webhook(delivery_id, False, problem, retry_at)
+        except Exception:
+            log.exception("webhook relay: recording delivery %s failed (posted again later)", wid)
+
+    async def _post(
+        self, client: httpx.AsyncClient, row: tuple[Any, ...], wid: str
+    ) -> tuple[str | None, bool]:
+        """Post ``row`` as ``wid``: None or what went wrong, and whether that is final."""
+        (_, run_id, url, workflow, status, output, error, tenant, ended_at) = row[:9]
+        try:
+            check_webhook_url(url)
+        except ConfigurationError as exc:  # queued before start checked this
+            return str(exc)[:500], True
         body = json.dumps(
             {
                 "type": f"run.{status}",
@@ -106,33 +146,17 @@ class WebhookRelay:
                     "error": json.loads(error) if error else None,
                     "ended_at": ended_at,
                 },
-                "links": {"self": f"/v1/runs/{run_id}"},
+                "links": {"self": links(run_id).self},
             },
             separators=(",", ":"),
         ).encode()
-        wid = f"{run_id}:{delivery_id}"
         headers = {"content-type": "application/json", **sign(self._secret, wid, body)}
-        problem: str | None
-        gone = False
         try:
             resp = await client.post(url, content=body, headers=headers)
-            problem = None if 200 <= resp.status_code < 300 else f"HTTP {resp.status_code}"
-            gone = resp.status_code == 410
+        except httpx.InvalidURL as exc:
+            return f"{type(exc).__name__}: {exc}"[:500], True
         except httpx.HTTPError as exc:
-            problem = f"{type(exc).__name__}: {exc}"[:500]
-        store = self._app.store
-        try:
-            if problem is None:
-                await store.finish_webhook(delivery_id, True, None, None)
-                self.delivered += 1
-                return
-            self.failed_attempts += 1
-            now = store.clock()
-            wait = min(self._backoff * 2 ** (attempts - 1), self._max_backoff)
-            retry_at: float | None = now + wait * random.uniform(0.8, 1.2)
-            if gone or (ended_at is not None and now - ended_at > self._give_up_after):
-                retry_at = None
-                log.warning("webhook %s to %s given up: %s", wid, url, problem)
-            await store.finish_webhook(delivery_id, False, problem, retry_at)
-        except Exception:
-            log.exception("webhook relay: recording delivery %s failed (posted again later)", wid)
+            return f"{type(exc).__name__}: {exc}"[:500], False
+        if 200 <= resp.status_code < 300:
+            return None, False
+        return f"HTTP {resp.status_code}", resp.status_code == 410
