@@ -275,6 +275,49 @@ async def test_a_delivery_that_cannot_be_posted_fails_alone_and_the_relay_goes_o
         receiver.close()
 
 
+async def test_a_delivery_whose_output_cannot_be_read_fails_alone(
+    store_url: str, tmp_path: Path
+) -> None:
+    """A pending delivery whose run's output was offloaded to a blob that is gone made
+    every claim fail: no webhook was posted, no attempt counted, none given up."""
+    app = tether.App(store=store_url, blobs=str(tmp_path / "blobs"), offload_above=1000)
+
+    @app.workflow
+    async def big(n: int) -> str:
+        return "y" * n
+
+    secret = new_secret()
+    port = _free_port()
+    hook = f"http://127.0.0.1:{port}/hook"
+    receiver = Receiver(port)
+    relay = WebhookRelay(app, secret, backoff=0.1, max_backoff=0.2, poll=0.05, give_up_after=1)
+    try:
+        async with app.worker(poll_interval=0.05):
+            lost = await app.start(big, 5000, run_id="lost", webhook=hook)
+            await lost.result(timeout=20)
+            blobs = [f for f in (tmp_path / "blobs").rglob("*") if f.is_file()]
+            assert blobs
+            for f in blobs:  # the disk lost it, or a careless cleanup
+                f.unlink()
+            small = await app.start(big, 10, run_id="small", webhook=hook)
+            await small.result(timeout=20)
+            relay.start()
+
+            async def settled() -> bool:
+                rows = [await _deliveries(app, rid) for rid in ("lost", "small")]
+                return rows[0][0][10] == "failed" and rows[1][0][10] == "delivered"
+
+            await _until(settled, 20, "one delivery given up, the other delivered")
+            assert relay._task is not None and not relay._task.done()
+        (row,) = await _deliveries(app, "lost")
+        assert row[9] >= 2 and "output" in row[11] and "lost" in row[11], row
+        assert [json.loads(b)["run"]["id"] for _, b in receiver.posts] == ["small"]
+    finally:
+        await relay.stop()
+        receiver.close()
+        app.store.close_sync()  # type: ignore[attr-defined]
+
+
 def test_sigkill_with_in_process_workers_loses_no_accepted_run_or_delivery(
     tmp_path: Path,
 ) -> None:

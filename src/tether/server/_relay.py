@@ -130,6 +130,8 @@ class WebhookRelay:
     ) -> tuple[str | None, bool]:
         """Post ``row`` as ``wid``: None or what went wrong, and whether that is final."""
         (_, run_id, url, workflow, status, output, error, tenant, ended_at) = row[:9]
+        if len(row) > 15 and row[15] is not None:  # its payload could not be read
+            return str(row[15])[:500], False
         try:
             check_webhook_url(url)
         except ConfigurationError as exc:  # queued before start checked this
