@@ -318,6 +318,61 @@ async def test_a_delivery_whose_output_cannot_be_read_fails_alone(
         app.store.close_sync()  # type: ignore[attr-defined]
 
 
+async def test_a_slow_receiver_holds_up_no_other_delivery(app: tether.App) -> None:
+    """A receiver that sent its answer a line or a byte at a time (never idle as long as
+    httpx's read timeout) held the relay's whole batch: no other webhook was posted, and
+    the lease ran out meanwhile (another replica could post it again)."""
+
+    @app.workflow
+    async def echo(x: str) -> str:
+        return x
+
+    secret = new_secret()
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    receiver = Receiver(port)
+    relay = WebhookRelay(app, secret, timeout=1.5, backoff=60, poll=0.05)
+
+    async def state(rid: str) -> tuple[Any, ...]:
+        return (await _deliveries(app, rid))[0]
+
+    try:
+        async with app.worker(poll_interval=0.05):
+            for rid in ("drip-head", "drip-body"):
+                run = await app.start(echo, rid, run_id=rid, webhook=f"{base}/{rid}")
+                await run.result(timeout=20)
+            relay.start()
+
+            async def both_posted() -> bool:
+                return {"/drip-head", "/drip-body"} <= set(receiver.paths)
+
+            await _until(both_posted, 10, "both slow posts")
+            fast = await app.start(echo, "fast", run_id="fast", webhook=f"{base}/hook")
+            await fast.result(timeout=20)
+            ended = time.monotonic()
+
+            async def fast_delivered() -> bool:
+                return bool((await state("fast"))[10] == "delivered")
+
+            await _until(fast_delivered, 5, "the fast receiver's delivery")
+            assert time.monotonic() - ended < 1.0  # not after the slow ones
+            # a 200 counts once its status line and headers are in: the body is not read
+            assert (await state("drip-body"))[10] == "delivered"
+
+            async def head_failed() -> bool:
+                return bool((await state("drip-head"))[11])
+
+            # the whole post has a deadline (1.5 s here), shorter than the lease
+            await _until(head_failed, 3, "the endless answer's deadline")
+            row = await state("drip-head")
+            assert row[10] == "pending" and row[9] == 1 and "1.5 s" in row[11], row
+        assert receiver.paths.count("/drip-head") == 1
+        assert receiver.paths.count("/drip-body") == 1
+    finally:
+        await relay.stop()
+        receiver.close()
+
+
 def test_sigkill_with_in_process_workers_loses_no_accepted_run_or_delivery(
     tmp_path: Path,
 ) -> None:
