@@ -5,6 +5,7 @@ progress, and a schemathesis run against the served OpenAPI document."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -21,25 +22,50 @@ from typing import Any
 import httpx
 import pytest
 
+import tether
+import tether._app
 from test_http_api import INVOICE, Server, _free_port
+from tether import ConfigurationError
+from tether.server._relay import WebhookRelay
 from tether.webhooks import WebhookError, new_secret, verify
 
 HERE = Path(__file__).parent
 
 
 class Receiver:
-    """A webhook receiver on ``port`` that records every post and answers 200."""
+    """A webhook receiver on ``port`` that records every post and answers 200.
+
+    Posts to ``/drip-head`` get a status line and then a header line every 0.3 s; posts
+    to ``/drip-body`` get a 200 and then one byte of the body every 0.3 s (receivers too
+    slow to ever end their answer), until ``close``."""
 
     def __init__(self, port: int) -> None:
         self.posts: list[tuple[dict[str, str], bytes]] = []
-        posts = self.posts
+        self.paths: list[str] = []
+        posts, paths = self.posts, self.paths
+        self.closing = closing = threading.Event()
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers["content-length"]))
                 posts.append(({k.lower(): v for k, v in self.headers.items()}, body))
-                self.send_response(200)
-                self.end_headers()
+                paths.append(self.path)
+                try:
+                    if self.path == "/drip-head":
+                        self.wfile.write(b"HTTP/1.1 200 OK\r\n")
+                        while not closing.wait(0.3):
+                            self.wfile.write(b"x-drip: 1\r\n")
+                            self.wfile.flush()
+                    elif self.path == "/drip-body":
+                        self.wfile.write(b"HTTP/1.1 200 OK\r\ncontent-length: 1000\r\n\r\n")
+                        while not closing.wait(0.3):
+                            self.wfile.write(b"x")
+                            self.wfile.flush()
+                    else:
+                        self.send_response(200)
+                        self.end_headers()
+                except OSError:  # the relay hung up
+                    pass
 
             def log_message(self, *args: Any) -> None:
                 pass
@@ -49,6 +75,7 @@ class Receiver:
         self.thread.start()
 
     def close(self) -> None:
+        self.closing.set()
         self.http.shutdown()
         self.http.server_close()
 
@@ -164,6 +191,186 @@ def test_a_callback_url_without_a_signing_secret_is_refused(store_url: str) -> N
         assert bad.status_code in (400, 422)
     finally:
         server.stop()
+
+
+async def _deliveries(app: tether.App, run_id: str) -> list[tuple[Any, ...]]:
+    return await app.store.webhook_deliveries(run_id=run_id)
+
+
+async def _until(check: Any, seconds: float, what: str) -> Any:
+    """``check()``'s answer once it is truthy (``check`` is a coroutine function)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        value = await check()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)
+
+
+async def test_a_delivery_that_cannot_be_posted_fails_alone_and_the_relay_goes_on(
+    app: tether.App, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run id that is not ASCII went into the webhook-id header as is (the post raised
+    UnicodeEncodeError), a port above 65535 raised OverflowError: either ended the relay,
+    and every restarted relay on the same row, so no webhook was posted again."""
+
+    @app.workflow
+    async def echo(x: str) -> str:
+        return x
+
+    secret = new_secret()
+    port = _free_port()
+    hook = f"http://127.0.0.1:{port}/hook"
+    receiver = Receiver(port)
+    relays: list[WebhookRelay] = []
+    try:
+        async with app.worker(poll_interval=0.05):
+            # a URL queued before start checked ports (the check is bypassed here)
+            monkeypatch.setattr(tether._app, "check_webhook_url", lambda url: url)
+            odd = await app.start(
+                echo, "p", run_id="bad-port", webhook="http://127.0.0.1:99999/hook"
+            )
+            monkeypatch.undo()
+            accented = await app.start(echo, "u", run_id="facture-é 1", webhook=hook)
+            for run in (odd, accented):
+                await run.result(timeout=20)
+            for attempt in range(2):  # a relay, then a restarted one
+                relay = WebhookRelay(app, secret, backoff=0.1, max_backoff=0.2, poll=0.05)
+                relays.append(relay)
+                relay.start()
+                plain = await app.start(echo, "g", run_id=f"good-{attempt}", webhook=hook)
+                await plain.result(timeout=20)
+
+                async def delivered(rid: str = plain.run_id) -> bool:
+                    rows = await _deliveries(app, rid)
+                    return bool(rows) and rows[0][10] == "delivered"
+
+                await _until(delivered, 20, "the later run's delivery")
+                assert relay._task is not None and not relay._task.done()
+                await relay.stop()
+        rows = await _deliveries(app, accented.run_id)
+        assert rows[0][10] == "delivered", rows
+        # a URL no retry can post to is given up at once, saying why
+        (bad,) = await _deliveries(app, odd.run_id)
+        assert bad[10] == "failed" and bad[9] == 1 and "port" in bad[11], bad
+        ids = {}
+        for headers, body in receiver.posts:
+            outcome = verify(secret, body, headers)  # the id as sent is the id signed
+            ids[outcome["run"]["id"]] = headers["webhook-id"]
+        assert ids["facture-é 1"] == f"facture-%C3%A9%201:{rows[0][0]}"
+        assert set(ids) == {"facture-é 1", "good-0", "good-1"}
+        # and start refuses such a URL now
+        for url in (
+            "http://127.0.0.1:99999/h",
+            "http://127.0.0.1:0/h",
+            "http://h:x/",
+            "http://a/\n",
+        ):
+            with pytest.raises(ConfigurationError, match="webhook"):
+                await app.start(echo, "x", webhook=url)
+    finally:
+        for relay in relays:
+            await relay.stop()
+        receiver.close()
+
+
+async def test_a_delivery_whose_output_cannot_be_read_fails_alone(
+    store_url: str, tmp_path: Path
+) -> None:
+    """A pending delivery whose run's output was offloaded to a blob that is gone made
+    every claim fail: no webhook was posted, no attempt counted, none given up."""
+    app = tether.App(store=store_url, blobs=str(tmp_path / "blobs"), offload_above=1000)
+
+    @app.workflow
+    async def big(n: int) -> str:
+        return "y" * n
+
+    secret = new_secret()
+    port = _free_port()
+    hook = f"http://127.0.0.1:{port}/hook"
+    receiver = Receiver(port)
+    relay = WebhookRelay(app, secret, backoff=0.1, max_backoff=0.2, poll=0.05, give_up_after=1)
+    try:
+        async with app.worker(poll_interval=0.05):
+            lost = await app.start(big, 5000, run_id="lost", webhook=hook)
+            await lost.result(timeout=20)
+            blobs = [f for f in (tmp_path / "blobs").rglob("*") if f.is_file()]
+            assert blobs
+            for f in blobs:  # the disk lost it, or a careless cleanup
+                f.unlink()
+            small = await app.start(big, 10, run_id="small", webhook=hook)
+            await small.result(timeout=20)
+            relay.start()
+
+            async def settled() -> bool:
+                rows = [await _deliveries(app, rid) for rid in ("lost", "small")]
+                return rows[0][0][10] == "failed" and rows[1][0][10] == "delivered"
+
+            await _until(settled, 20, "one delivery given up, the other delivered")
+            assert relay._task is not None and not relay._task.done()
+        (row,) = await _deliveries(app, "lost")
+        assert row[9] >= 2 and "output" in row[11] and "lost" in row[11], row
+        assert [json.loads(b)["run"]["id"] for _, b in receiver.posts] == ["small"]
+    finally:
+        await relay.stop()
+        receiver.close()
+        app.store.close_sync()  # type: ignore[attr-defined]
+
+
+async def test_a_slow_receiver_holds_up_no_other_delivery(app: tether.App) -> None:
+    """A receiver that sent its answer a line or a byte at a time (never idle as long as
+    httpx's read timeout) held the relay's whole batch: no other webhook was posted, and
+    the lease ran out meanwhile (another replica could post it again)."""
+
+    @app.workflow
+    async def echo(x: str) -> str:
+        return x
+
+    secret = new_secret()
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    receiver = Receiver(port)
+    relay = WebhookRelay(app, secret, timeout=1.5, backoff=60, poll=0.05)
+
+    async def state(rid: str) -> tuple[Any, ...]:
+        return (await _deliveries(app, rid))[0]
+
+    try:
+        async with app.worker(poll_interval=0.05):
+            for rid in ("drip-head", "drip-body"):
+                run = await app.start(echo, rid, run_id=rid, webhook=f"{base}/{rid}")
+                await run.result(timeout=20)
+            relay.start()
+
+            async def both_posted() -> bool:
+                return {"/drip-head", "/drip-body"} <= set(receiver.paths)
+
+            await _until(both_posted, 10, "both slow posts")
+            fast = await app.start(echo, "fast", run_id="fast", webhook=f"{base}/hook")
+            await fast.result(timeout=20)
+            ended = time.monotonic()
+
+            async def fast_delivered() -> bool:
+                return bool((await state("fast"))[10] == "delivered")
+
+            await _until(fast_delivered, 5, "the fast receiver's delivery")
+            assert time.monotonic() - ended < 1.0  # not after the slow ones
+            # a 200 counts once its status line and headers are in: the body is not read
+            assert (await state("drip-body"))[10] == "delivered"
+
+            async def head_failed() -> bool:
+                return bool((await state("drip-head"))[11])
+
+            # the whole post has a deadline (1.5 s here), shorter than the lease
+            await _until(head_failed, 3, "the endless answer's deadline")
+            row = await state("drip-head")
+            assert row[10] == "pending" and row[9] == 1 and "1.5 s" in row[11], row
+        assert receiver.paths.count("/drip-head") == 1
+        assert receiver.paths.count("/drip-body") == 1
+    finally:
+        await relay.stop()
+        receiver.close()
 
 
 def test_sigkill_with_in_process_workers_loses_no_accepted_run_or_delivery(

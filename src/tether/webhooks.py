@@ -3,9 +3,10 @@
 A run started with a webhook URL gets one POST of its outcome when it ends. The
 delivery is queued in the commit that ends the run and posted at least once, so a
 receiver must dedupe by the ``webhook-id`` header (the same for every retry of one
-delivery). Each post is signed with HMAC-SHA256 over ``"{id}.{timestamp}.{body}"``
-under a shared secret (the Standard Webhooks scheme, so receivers in other languages
-can use that ecosystem's libraries)::
+delivery: ``"{run id}:{delivery number}"``, the run id percent-encoded so the header
+is ASCII). Each post is signed with HMAC-SHA256 over ``"{id}.{timestamp}.{body}"``
+(the id as the header carries it) under a shared secret (the Standard Webhooks
+scheme, so receivers in other languages can use that ecosystem's libraries)::
 
     from tether.webhooks import verify, WebhookError
 
@@ -27,7 +28,7 @@ import secrets
 import time
 from collections.abc import Mapping
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 from ._errors import ConfigurationError
 
@@ -36,6 +37,8 @@ __all__ = ["WebhookError", "check_webhook_url", "new_secret", "sign", "verify"]
 #: how far a delivery's timestamp may be from the receiver's clock (replayed posts fail)
 TOLERANCE = 300.0
 _PREFIX = "whsec_"
+#: what a run id keeps unencoded in ``webhook-id`` (besides letters, digits and ``_.-~``)
+_ID_SAFE = "/:@!$&'()*+,;="
 
 
 class WebhookError(Exception):
@@ -113,11 +116,40 @@ def verify(
     return out
 
 
+def _delivery_id(run_id: str, number: int) -> str:
+    """The ``webhook-id`` of a run's delivery: ``"{run id}:{number}"``, the run id
+    percent-encoded (as UTF-8) where it is not plain ASCII or would not be one token:
+    a header carries ASCII only, and ``verify`` checks the id as the header carries it."""
+    return f"{quote(run_id, safe=_ID_SAFE)}:{number}"
+
+
 def check_webhook_url(url: str) -> str:
-    """``url`` if it is an absolute http(s) URL with a host, else ``ConfigurationError``."""
-    parts = urlsplit(url) if isinstance(url, str) else None
+    """``url`` if an absolute http(s) URL with a host and a port in 1-65535 that an HTTP
+    client can post to, else ``ConfigurationError`` saying why."""
+    try:
+        parts = urlsplit(url) if isinstance(url, str) else None
+        port = None if parts is None else parts.port
+    except ValueError as exc:  # a port that is no number or above 65535, a bad IPv6 host
+        raise ConfigurationError(
+            f"webhook must be an http(s) URL with a port in 1-65535 ({exc}; got {url!r})"
+        ) from None
     if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
         raise ConfigurationError(
             f"webhook must be an absolute http:// or https:// URL with a host (got {url!r})"
         )
+    if port == 0:
+        raise ConfigurationError(f"webhook URL's port must be in 1-65535 (got {url!r})")
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in url) or any(
+        c.isspace() for c in parts.hostname
+    ):
+        raise ConfigurationError(
+            f"webhook URL holds a control character or a space in its host (got {url!r})"
+        )
+    if not parts.hostname.isascii():
+        try:
+            parts.hostname.encode("idna")
+        except UnicodeError as exc:
+            raise ConfigurationError(
+                f"webhook URL's host is no valid domain name ({exc}; got {url!r})"
+            ) from None
     return url

@@ -48,6 +48,7 @@ from .._tracing import joined
 from .._worker import Worker
 from ..alerts import AlertWatcher
 from ..metrics import Metrics
+from ..webhooks import _delivery_id
 from . import _problems
 from ._auth import AuthError, Principal, actor_of, authenticate
 from ._interact import install_interactions
@@ -702,7 +703,7 @@ def _shown(item: dict[str, Any], payloads: bool, *keys: str) -> dict[str, Any]:
 def _delivery(row: tuple[Any, ...]) -> dict[str, Any]:
     """A webhook delivery row as the API shows it."""
     return {
-        "delivery_id": f"{row[1]}:{row[0]}",
+        "delivery_id": _delivery_id(row[1], row[0]),  # the webhook-id header
         "url": row[2],
         "status": row[4],
         "attempts": row[9],

@@ -2,9 +2,12 @@
 
 Deliveries are written to the store's outbox in the commit that ends a run
 (``store/ops/webhooks.py``). The relay leases due ones, posts each signed
-(``tether.webhooks.sign``), and records the answer: a 2xx is delivered; anything else,
-a timeout or a refused connection is tried again with exponential backoff until
-``give_up_after`` seconds have passed since the run ended (410 Gone gives up at once).
+(``tether.webhooks.sign``) in its own task, up to ``batch`` at once, under one
+``timeout`` deadline for the whole post (shorter than the lease), and records the
+answer: a 2xx is delivered; anything else, a timeout or a refused connection is tried
+again with exponential backoff until ``give_up_after`` seconds have passed since the
+run ended (410 Gone, or a URL no client can post to, gives up at once). Whatever goes
+wrong with one delivery is that delivery's failed attempt, never the relay's end.
 A relay that dies mid-post leaves its lease to expire; the next one posts again, so
 receivers dedupe by the ``webhook-id`` header.
 """
@@ -21,8 +24,10 @@ from typing import Any
 import httpx
 
 from .._app import App
+from .._errors import ConfigurationError
 from ..store.base import Finished
-from ..webhooks import sign
+from ..webhooks import _delivery_id, check_webhook_url, sign
+from ._models import links
 
 log = logging.getLogger("tether.webhooks")
 
@@ -77,23 +82,96 @@ class WebhookRelay:
             self._loop.call_soon_threadsafe(self._wake.set)
 
     async def _run(self) -> None:
+        # deliveries run side by side, at most ``batch`` at once, none waiting for another:
+        # a receiver slow to answer holds its own post (until the deadline), not the rest
+        inflight: dict[asyncio.Task[None], int] = {}
+        lease = self._timeout + 5  # a post ends by its deadline, well before its lease
         async with httpx.AsyncClient(timeout=self._timeout, follow_redirects=False) as client:
-            while True:
-                self._wake.clear()
-                try:
-                    due = await self._app.store.claim_webhooks(self._batch, self._timeout + 5)
-                except Exception:  # a store hiccup must not end delivery for good
-                    log.exception("webhook relay: claiming deliveries failed; trying again")
-                    due = []
-                if due:
-                    await asyncio.gather(*(self._deliver(client, row) for row in due))
-                    continue
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), self._poll)
+            try:
+                while True:
+                    self._wake.clear()
+                    room = self._batch - len(inflight)
+                    full = False  # the claim took all it could: more may be due at once
+                    if room > 0:
+                        try:
+                            due = await self._app.store.claim_webhooks(room, lease)
+                        except Exception:  # a store hiccup must not end delivery for good
+                            log.exception("webhook relay: claiming deliveries failed; trying again")
+                            due = []
+                        full = len(due) >= room
+                        busy = set(inflight.values())
+                        for row in due:
+                            if row[0] in busy:  # its lease ran out while it is still posted
+                                continue
+                            task = asyncio.create_task(self._deliver(client, row))
+                            inflight[task] = row[0]
+                    if full and len(inflight) < self._batch:
+                        continue
+                    # wait for a wake-up, the poll, or (when the claim was full) a free slot
+                    waiter = asyncio.ensure_future(self._wake.wait())
+                    watched: set[asyncio.Future[Any]] = {waiter}
+                    if full or room <= 0:
+                        watched.update(inflight)
+                    try:
+                        await asyncio.wait(
+                            watched, timeout=self._poll, return_when=asyncio.FIRST_COMPLETED
+                        )
+                    finally:
+                        waiter.cancel()
+                    for task in [t for t in inflight if t.done()]:
+                        delivery_id = inflight.pop(task)
+                        if not task.cancelled() and task.exception() is not None:
+                            log.error(
+                                "webhook relay: delivery %s failed",
+                                delivery_id,
+                                exc_info=task.exception(),
+                            )
+            finally:  # stopped: deliveries in flight are left to their leases
+                for task in inflight:
+                    task.cancel()
+                await asyncio.gather(*inflight, return_exceptions=True)
 
     async def _deliver(self, client: httpx.AsyncClient, row: tuple[Any, ...]) -> None:
-        (delivery_id, run_id, url, workflow, status, output, error, tenant, ended_at) = row[:9]
-        attempts = row[9]
+        """Post one delivery and record the answer. Whatever goes wrong with it (a URL no
+        client can post to, a payload that cannot be read) is this delivery's failed
+        attempt, recorded like a refused connection: never the relay's end."""
+        delivery_id, run_id, url, ended_at, attempts = row[0], row[1], row[2], row[8], row[9]
+        wid = f"{run_id!r}:{delivery_id}"
+        problem: str | None
+        final = False  # no retry can help: give up now
+        try:
+            wid = _delivery_id(run_id, delivery_id)
+            problem, final = await self._post(client, row, wid)
+        except Exception as exc:
+            problem = f"{type(exc).__name__}: {exc}"[:500]
+        store = self._app.store
+        try:
+            if problem is None:
+                await store.finish_webhook(delivery_id, True, None, None)
+                self.delivered += 1
+                return
+            self.failed_attempts += 1
+            now = store.clock()
+            wait = min(self._backoff * 2 ** (attempts - 1), self._max_backoff)
+            retry_at: float | None = now + wait * random.uniform(0.8, 1.2)
+            if final or (ended_at is not None and now - ended_at > self._give_up_after):
+                retry_at = None
+                log.warning("webhook %s to %s given up: %s", wid, url, problem)
+            await store.finish_webhook(delivery_id, False, problem, retry_at)
+        except Exception:
+            log.exception("webhook relay: recording delivery %s failed (posted again later)", wid)
+
+    async def _post(
+        self, client: httpx.AsyncClient, row: tuple[Any, ...], wid: str
+    ) -> tuple[str | None, bool]:
+        """Post ``row`` as ``wid``: None or what went wrong, and whether that is final."""
+        (_, run_id, url, workflow, status, output, error, tenant, ended_at) = row[:9]
+        if len(row) > 15 and row[15] is not None:  # its payload could not be read
+            return str(row[15])[:500], False
+        try:
+            check_webhook_url(url)
+        except ConfigurationError as exc:  # queued before start checked this
+            return str(exc)[:500], True
         body = json.dumps(
             {
                 "type": f"run.{status}",
@@ -106,33 +184,26 @@ class WebhookRelay:
                     "error": json.loads(error) if error else None,
                     "ended_at": ended_at,
                 },
-                "links": {"self": f"/v1/runs/{run_id}"},
+                "links": {"self": links(run_id).self},
             },
             separators=(",", ":"),
         ).encode()
-        wid = f"{run_id}:{delivery_id}"
         headers = {"content-type": "application/json", **sign(self._secret, wid, body)}
-        problem: str | None
-        gone = False
         try:
-            resp = await client.post(url, content=body, headers=headers)
-            problem = None if 200 <= resp.status_code < 300 else f"HTTP {resp.status_code}"
-            gone = resp.status_code == 410
+            # one deadline for the whole post (httpx's timeouts are per read: a receiver
+            # sending a byte at a time never trips them); the answer's status line and
+            # headers decide, its body is never read
+            async with (
+                asyncio.timeout(self._timeout),
+                client.stream("POST", url, content=body, headers=headers) as resp,
+            ):
+                code = resp.status_code
+        except TimeoutError:
+            return f"no answer within {self._timeout:g} s (the deadline of a post)", False
+        except httpx.InvalidURL as exc:
+            return f"{type(exc).__name__}: {exc}"[:500], True
         except httpx.HTTPError as exc:
-            problem = f"{type(exc).__name__}: {exc}"[:500]
-        store = self._app.store
-        try:
-            if problem is None:
-                await store.finish_webhook(delivery_id, True, None, None)
-                self.delivered += 1
-                return
-            self.failed_attempts += 1
-            now = store.clock()
-            wait = min(self._backoff * 2 ** (attempts - 1), self._max_backoff)
-            retry_at: float | None = now + wait * random.uniform(0.8, 1.2)
-            if gone or (ended_at is not None and now - ended_at > self._give_up_after):
-                retry_at = None
-                log.warning("webhook %s to %s given up: %s", wid, url, problem)
-            await store.finish_webhook(delivery_id, False, problem, retry_at)
-        except Exception:
-            log.exception("webhook relay: recording delivery %s failed (posted again later)", wid)
+            return f"{type(exc).__name__}: {exc}"[:500], False
+        if 200 <= code < 300:
+            return None, False
+        return f"HTTP {code}", code == 410

@@ -299,7 +299,8 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     async def claim_webhooks(self, limit: int, lease: float) -> list[tuple[Any, ...]]:
-        """Lease up to ``limit`` due webhook deliveries for ``lease`` seconds."""
+        """Lease up to ``limit`` due webhook deliveries for ``lease`` seconds: each row
+        ends with None, or why its payload cannot be read (that delivery's failure)."""
 
     @abc.abstractmethod
     async def finish_webhook(

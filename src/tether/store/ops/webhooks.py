@@ -44,7 +44,11 @@ def _queue_webhook(tx: _Tx, run_id: str) -> None:
 
 def _claim_webhooks(tx: _Tx, limit: int, lease: float) -> list[tuple[Any, ...]]:
     """Lease up to ``limit`` due deliveries for ``lease`` seconds (they come due again
-    then, should this relay die while posting)."""
+    then, should this relay die while posting).
+
+    Each row comes with one more column: None, or why the run's output or error cannot
+    be read (a missing blob, an unavailable key); such a row is as stored, for the relay
+    to record as that delivery's failed attempt: it never fails the others' claim."""
     rows = tx.execute(
         f"SELECT {_DELIVERY_COLS} FROM webhook_outbox WHERE state = 'pending' AND next_at <= ? "
         f"ORDER BY next_at LIMIT ?{tx.skip_locked}",
@@ -55,7 +59,14 @@ def _claim_webhooks(tx: _Tx, limit: int, lease: float) -> list[tuple[Any, ...]]:
             "UPDATE webhook_outbox SET next_at = ?, attempts = attempts + 1 WHERE delivery_id = ?",
             (tx.now + lease, row[0]),
         )
-    return [_opened(tx, (*row[:9], row[9] + 1, *row[10:])) for row in rows]
+    out = []
+    for row in rows:
+        leased = (*row[:9], row[9] + 1, *row[10:])
+        try:
+            out.append((*_opened(tx, leased), None))
+        except Exception as exc:  # this row's payload alone: a missing blob, a lost key
+            out.append((*leased, f"cannot read the run's outcome: {type(exc).__name__}: {exc}"))
+    return out
 
 
 def _finish_webhook(
@@ -95,12 +106,18 @@ def _webhook_deliveries(
     if where:
         sql += " WHERE " + " AND ".join(where)
     rows = tx.execute(f"{sql} ORDER BY delivery_id DESC LIMIT ?", (*params, limit)).fetchall()
-    return [_opened(tx, r) for r in rows]
+    return [_opened(tx, r, keep=True) for r in rows]
 
 
-def _opened(tx: _Tx, found: Any) -> tuple[Any, ...]:
-    """A delivery's row with the run's output and error opened if sealed."""
+def _opened(tx: _Tx, found: Any, keep: bool = False) -> tuple[Any, ...]:
+    """A delivery's row with the run's output and error opened if sealed; with ``keep``,
+    as stored if they cannot be (a missing blob, an unavailable key) instead of raising."""
     row: tuple[Any, ...] = tuple(found)
+    if keep:
+        try:
+            return _opened(tx, row)
+        except Exception:
+            return row
     if (
         tx.codec is None
         and not (row[5] or "").startswith(MARKS)
