@@ -25,6 +25,7 @@ def _claim_with_wake(
     a pause can let work through (None when nothing was held back that way).
     """
     limited = _lock_queue_limits(tx, queues) if queues else []
+    limited_queues = tuple(r[0] for r in limited)
     tasks: list[Task] = []
     wake: float | None = None
     for row in limited:
@@ -48,7 +49,7 @@ def _claim_with_wake(
             tx,
             worker_id,
             queues,
-            tuple(r[0] for r in limited),
+            limited_queues,
             limit - len(tasks) + batched,
             lease,
         )
@@ -60,7 +61,7 @@ def _claim_with_wake(
             tx,
             worker_id,
             queues,
-            tuple(r[0] for r in limited),
+            limited_queues,
             limit - len(tasks) + batched,
             lease,
         )

@@ -39,22 +39,32 @@ def _queue_room(tx: _Tx, queue: str) -> tuple[int, float | None]:
     row = tx.execute(f"SELECT {_QL_COLS} FROM queue_limits WHERE queue = ?", (queue,)).fetchone()
     if row is None or not _usable(tuple(row)):
         return 0, None
-    _q, cap, rate, burst, tokens, refilled_at, _k, _f, _p, paused_until, _c = row
+    room, gate, _have = _room(tx, tuple(row), "queue", 2**31)
+    return max(0, room), gate
+
+
+def _room(tx: _Tx, row: tuple[Any, ...], col: str, most: int) -> tuple[int, float | None, float]:
+    """What a limits row (``_QL_COLS``) lets start now, at most ``most``: (that many,
+    which is <= 0 while paused or full; when a pause or an empty bucket lifts, if that
+    is what holds it; the tokens in its bucket). ``col``: the tasks' column the row
+    limits (``queue``, or ``dependency`` for a limiter)."""
+    q, cap, rate, burst, tokens, refilled_at, _k, _f, _p, paused_until, _c = row
     if paused_until is not None and float(paused_until) > tx.now:
-        return 0, float(paused_until)
-    room = 2**31
+        return 0, float(paused_until), 0.0
+    budget = most
     if cap is not None:
         (running,) = tx.execute(
-            f"SELECT {_CALLS} FROM tasks WHERE queue = ? AND kind = 'activity' AND {_RUNNING}",
-            (queue, tx.now),
+            f"SELECT {_CALLS} FROM tasks WHERE {col} = ? AND kind = 'activity' AND {_RUNNING}",
+            (q, tx.now),
         ).fetchone()
-        room = min(room, int(cap) - int(running))
+        budget = min(budget, int(cap) - int(running))
+    have = 0.0
     if rate is not None:
         have = _tokens_now(tx, rate, burst, tokens, refilled_at)
-        room = min(room, int(have + 1e-9))
+        budget = min(budget, int(have + 1e-9))
         if have < 1.0 - 1e-9:
-            return 0, tx.now + (1.0 - have) / float(rate)
-    return max(0, room), None
+            return min(budget, 0), tx.now + (1.0 - have) / float(rate), have  # the next token
+    return budget, None, have
 
 
 _QL_COLS = (
@@ -174,25 +184,12 @@ def _claim_limited(
     ``dependency``, from the ``served`` queues, at most ``room[queue]`` from a queue
     with limits of its own (None: no limit).
     """
-    q, cap, rate, burst, tokens, refilled_at, key_cap, fair, _p429, paused_until, cursor = row
-    if paused_until is not None and float(paused_until) > tx.now:
-        return [], float(paused_until)
+    q, _cap, rate, _burst, _tokens, refilled_at, key_cap, fair, _p429, _paused, cursor = row
     col = "queue" if served is None else "dependency"
-    budget = limit
-    if cap is not None:
-        (running,) = tx.execute(
-            f"SELECT {_CALLS} FROM tasks WHERE {col} = ? AND kind = 'activity' AND {_RUNNING}",
-            (q, tx.now),
-        ).fetchone()
-        budget = min(budget, int(cap) - int(running))
-    have = 0.0
-    if rate is not None:
-        have = _tokens_now(tx, rate, burst, tokens, refilled_at)
-        budget = min(budget, int(have + 1e-9))
+    budget, gate, have = _room(tx, row, col, limit)
     if budget <= 0:
-        if rate is not None and have < 1.0 - 1e-9:
-            return [], tx.now + (1.0 - have) / float(rate)  # the next token
-        return [], None  # at its concurrency cap: a completion wakes the workers
+        # paused, out of tokens, or at its concurrency cap (a completion wakes the workers)
+        return [], gate
     ready = f"t.{col} = ? AND t.kind = 'activity' AND t.available_at <= ? AND " + _NOT_SUSPENDED
     if served is None:
         # claimed under their dependency's limiter, or as batches (_claim_batches)
