@@ -131,3 +131,23 @@ async def test_a_query_before_the_code_ran_is_refused(app: tether.App) -> None:
     run = await app.start(cart, "di")  # no worker: its code has not run
     with pytest.raises(tether.QueryError, match="not run yet"):
         await app.query(run.run_id, "stage")
+
+
+async def test_an_update_sent_before_the_code_ran_waits_for_the_run(app: tether.App) -> None:
+    """Right after ``start``, with no worker yet: the update is recorded, not refused;
+    the run checks it (validator, handler) when its code reaches the handler."""
+    cart = _cart(app)
+    run = await app.start(cart, "ed")  # no worker: its code has not run
+    first = asyncio.create_task(app.update(run.run_id, "add", "pen", timeout=30))
+    await asyncio.sleep(0.2)
+    assert not first.done()
+    # sent before the run's code ran too: its validator runs in the run, and refuses
+    again = asyncio.create_task(app.update(run.run_id, "add", "pen", timeout=30))
+    await asyncio.sleep(0.2)
+    async with app.worker(poll_interval=0.05):
+        assert await first == 1
+        with pytest.raises(tether.UpdateRejectedError, match="in the cart already"):
+            await again
+        assert await app.query(run.run_id, "items") == ["pen"]
+        await app.signal(run.run_id, "checkout")
+        assert (await run.result(timeout=20))["items"] == ["pen"]

@@ -1233,8 +1233,15 @@ class App:
         ``UpdateRejectedError`` and records nothing. An accepted update is recorded (a
         request, then a Marker with its outcome) and applied when the run reaches it;
         ``UpdateFailedError`` if its handler raised. Waits up to ``timeout`` seconds for
-        the outcome (``ResultTimeoutError``; the update still applies)."""
-        inst = await self._replayed(run_id, f"update {name!r}")
+        the outcome (``ResultTimeoutError``; the update still applies). Sent before
+        the run's code first ran, it is recorded unchecked: the run checks it (its
+        validator, whether it has such a handler) when its code gets there."""
+        try:
+            inst = await self._replayed(run_id, f"update {name!r}")
+        except QueryError as exc:
+            if not exc.problem.startswith(NOT_RUN_YET):
+                raise
+            return await self._send_update(exc.run_id, name, args, timeout)
         try:
             entry = inst.updates.get(name)
             if entry is None:
@@ -1250,9 +1257,15 @@ class App:
             live = inst.run_id
         finally:
             inst.close()
+        return await self._send_update(live, name, args, timeout)
+
+    async def _send_update(
+        self, run_id: str, name: str, args: tuple[Any, ...], timeout: float | None
+    ) -> Any:
+        """Record the update request in the run's history and wait for its outcome."""
         update_id = uuid.uuid4().hex
         payload = encode({"id": update_id, "args": list(args)}, f"arguments of update {name!r}")
-        target, seq = await self.store.signal(live, UPDATE_SIGNAL + name, payload)
+        target, seq = await self.store.signal(run_id, UPDATE_SIGNAL + name, payload)
         return await self._update_outcome(target, update_id, name, timeout, seq)
 
     async def _replayed(self, run_id: str, what: str) -> WorkflowInstance:
