@@ -885,3 +885,38 @@ def test_odd_headers_cursors_and_form_bodies_are_4xx_not_500(server: Server) -> 
         bad = http.post(path, content=b"key=\xff\xfe", headers=form)
         assert bad.status_code == 400, (path, bad.status_code, bad.text)
         assert "UTF-8" in bad.text
+
+
+def test_a_body_that_is_not_utf8_json_is_refused_clearly_and_records_nothing(
+    server: Server,
+) -> None:
+    """``curl -d '{...}'`` sends JSON as a form: a signal recorded the raw bytes' failure
+    as "does not match the workflow's parameters"; a non-UTF-8 body got "There was an
+    error parsing the body". Both now name what to send; nothing is recorded."""
+    http = server.http
+    run = http.post("/v1/workflows/approve/runs", json={"input": {"doc": "memo"}}).json()
+    deadline = time.monotonic() + 20
+    while not http.get(run["links"]["self"]).json()["waiting_on"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    signal_path = f"/v1/runs/{run['id']}/signals/review"
+    recorded = len(http.get(f"/v1/runs/{run['id']}/history").json()["events"])
+    form = {"Content-Type": "application/x-www-form-urlencoded"}
+    as_form = http.post(signal_path, content=b'{"verdict": "approved"}', headers=form)
+    assert as_form.status_code == 415, as_form.text
+    assert "Content-Type: application/json" in as_form.json()["detail"]
+    start_as_form = http.post(
+        "/v1/workflows/approve/runs", content=b'{"input": {"doc": "x"}}', headers=form
+    )
+    assert start_as_form.status_code == 415, start_as_form.text
+    not_utf8 = http.post(
+        signal_path, content=b'{"verdict": "\xff"}', headers={"Content-Type": "application/json"}
+    )
+    assert not_utf8.status_code == 400, not_utf8.text
+    assert "UTF-8" in not_utf8.json()["detail"]
+    assert len(http.get(f"/v1/runs/{run['id']}/history").json()["events"]) == recorded
+    typed = {"Content-Type": "application/merge-patch+json; charset=utf-8"}
+    sent = http.post(signal_path, content=b'{"verdict": "approved"}', headers=typed)
+    assert sent.status_code == 202, sent.text
+    done = http.get(f"{run['links']['result']}?wait=20").json()
+    assert done["result"] == "memo: approved"

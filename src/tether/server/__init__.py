@@ -20,7 +20,7 @@ import math
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
-from fastapi import Body, Depends, FastAPI, Header, Path, Query, Request, Response
+from fastapi import Body, Depends, FastAPI, Header, HTTPException, Path, Query, Request, Response
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -76,6 +76,20 @@ __all__ = ["create_api"]
 MAX_WAIT = 60.0
 #: the largest request body by default (bytes): big documents go by reference
 MAX_BODY = 4 * 1024 * 1024
+
+
+#: the methods whose bodies the API reads (as JSON)
+_WRITES = frozenset({"POST", "PUT", "PATCH"})
+
+
+def _json_typed(content_type: str | None) -> bool:
+    """Whether a request's Content-Type says JSON (or says nothing: read as JSON)."""
+    if content_type is None:
+        return True
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (
+        media.startswith("application/") and media.endswith("+json")
+    )
 
 
 def _idempotent_run_id(workflow: str, key: str, tenant: str | None) -> str:
@@ -176,6 +190,15 @@ def create_api(
             authorization = f"Bearer {cookie}" if cookie else None
         principal = await authenticate(app.store, authorization) if auth else None
         request.state.principal = principal
+        ctype = request.headers.get("content-type")
+        # a body the routes would take as raw bytes
+        if request.method in _WRITES and not _json_typed(ctype) and await request.body():
+            raise HTTPException(
+                415,
+                f"the body is sent as {ctype!r}; send it as "
+                "JSON with Content-Type: application/json (curl: add -H "
+                "'Content-Type: application/json' to -d)",
+            )
         if limiter is not None:
             client = request.client.host if request.client else "?"
             wait = limiter.take(principal.key_id if principal else f"addr:{client}")

@@ -63,8 +63,13 @@ _HTTP_TITLES = {
     404: "Not found",
     405: "Method not allowed",
     413: "Request body too large",
+    415: "Send JSON",
     429: "Too many requests",
 }
+
+
+#: what FastAPI says of a JSON body it could not decode (not UTF-8, say)
+_UNPARSED = "There was an error parsing the body"
 
 
 def problem(status: int, title: str, detail: str, **extra: Any) -> JSONResponse:
@@ -118,6 +123,9 @@ def install(api: FastAPI) -> None:
         assert isinstance(exc, StarletteHTTPException)
         title = _HTTP_TITLES.get(exc.status_code, "HTTP error")
         detail = exc.detail if isinstance(exc.detail, str) else title
+        if exc.status_code == 400 and detail == _UNPARSED:  # not UTF-8, or not text
+            title = "Malformed JSON"
+            detail = "the request body is not JSON text: send JSON encoded as UTF-8"
         response = problem(exc.status_code, title, detail)
         response.headers.update(exc.headers or {})
         return response
