@@ -371,6 +371,7 @@ def test_api_keys_scope_a_client_to_its_tenant(store_url: str) -> None:
     admin = _create_key(store_url, "--role", "admin")
     viewer = _create_key(store_url, "--role", "read", "--tenant", "acme")
     monitor = _create_key(store_url, "--role", "monitor", "--tenant", "acme")
+    watcher = _create_key(store_url, "--role", "monitor")  # scrapes the metrics
     server = Server(store_url, "--workers", "1")  # keys exist: required from start-up
     try:
         http = server.http
@@ -441,6 +442,18 @@ def test_api_keys_scope_a_client_to_its_tenant(store_url: str) -> None:
         assert http.post(f"{run_url}/cancel", headers=as_(globex)).status_code == 404
         assert len(http.get("/v1/runs", headers=as_(admin)).json()["runs"]) == 2
         assert http.get("/v1/runs?tenant=globex", headers=as_(acme)).json()["runs"] == []
+        # the metrics name every tenant (runs, model spend): a tenant's keys may not scrape
+        for key in (monitor, acme):
+            scrape = http.get("/metrics", headers=as_(key))
+            assert scrape.status_code == 403, scrape.text
+            assert "bound to no tenant" in scrape.json()["detail"]
+        for key in (watcher, admin):  # any role, bound to no tenant
+            scrape = http.get("/metrics", headers=as_(key))
+            assert scrape.status_code == 200 and "tether_runs" in scrape.text
+        # a monitor key for every tenant sees every run, never what it carries
+        overview = http.get("/v1/runs", headers=as_(watcher)).json()["runs"]
+        assert len(overview) == 2 and {r["result"] for r in overview} == {"[withheld]", None}
+        assert http.post(f"{run_url}/cancel", headers=as_(watcher)).status_code == 403
         # a revoked key is refused at once
         key_id = acme[len("tether_") :].split(".")[0]
         res = subprocess.run(

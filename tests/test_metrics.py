@@ -5,6 +5,7 @@ histograms count every attempt, run and wait."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -239,3 +240,38 @@ def test_a_bad_interval_in_the_environment_is_one_clear_error(
         f"error: TETHER_METRICS_REFRESH={value!r}: must be a number of seconds, at least 0.1 "
         "(unset it for the default, 5)"
     ]
+
+
+def test_a_worker_serves_its_metrics_on_loopback_unless_told(tmp_path: Path) -> None:
+    """The worker's metrics port asks for no key and names every tenant: it listened on
+    every address. It now listens on 127.0.0.1 unless ``--metrics-host`` says otherwise,
+    and an address it cannot listen on is one line, not a traceback."""
+    (tmp_path / "flows.py").write_text("import tether\napp = tether.App(store='x.db')\n")
+    env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{tmp_path}"}
+    cmd = [sys.executable, "-m", "tether.cli", "worker", "flows:app", "--metrics-port", "0"]
+    bad = subprocess.run(
+        [*cmd, "--metrics-host", "192.0.2.1"],  # TEST-NET-1: never this machine's
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode != 0
+    assert (
+        bad.stderr.strip()
+        .splitlines()[-1]
+        .startswith("error: --metrics-host '192.0.2.1' --metrics-port 0: cannot listen there")
+    )
+    proc = subprocess.Popen(
+        cmd, env=env, cwd=tmp_path, stderr=subprocess.PIPE, text=True, stdout=subprocess.DEVNULL
+    )
+    try:
+        assert proc.stderr is not None
+        line = proc.stderr.readline()
+        assert line.startswith("tether worker ") and "metrics on http://127.0.0.1:" in line
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+        if proc.stderr is not None:
+            proc.stderr.close()

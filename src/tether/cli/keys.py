@@ -29,14 +29,17 @@ def keys_create_command(
         str,
         typer.Option(
             "--role",
-            help="monitor (look, payloads withheld), read (look), operate (also start, "
-            "signal, cancel, decide) or admin (also terminate, fork; may act for every "
-            "tenant).",
+            help="monitor (look, payloads withheld; may act for every tenant: dashboards, "
+            "a Prometheus scraper), read (look), operate (also start, signal, cancel, "
+            "decide) or admin (also terminate, fork; may act for every tenant).",
         ),
     ] = "operate",
     tenant: Annotated[
         str | None,
-        typer.Option("--tenant", help="The tenant the key acts for (required but for admin keys)."),
+        typer.Option(
+            "--tenant",
+            help="The tenant the key acts for (required but for admin and monitor keys).",
+        ),
     ] = None,
     name: Annotated[str | None, typer.Option("--name", help="What the key is for.")] = None,
 ) -> None:

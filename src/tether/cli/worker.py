@@ -14,6 +14,7 @@ from typing import Annotated, Any
 import typer
 
 from .._app import App
+from .._errors import ConfigurationError
 from .._policy import env_number
 from .._worker import MAX_CONCURRENCY, Worker
 from ._common import (
@@ -99,9 +100,19 @@ def worker_command(
             metavar="PORT",
             min=0,
             max=65_535,
-            help="Serve Prometheus metrics on this port (GET /metrics); needs prometheus-client.",
+            help="Serve Prometheus metrics on this port (GET /metrics, no key asked: they "
+            "name every tenant); needs prometheus-client.",
         ),
     ] = None,
+    metrics_host: Annotated[
+        str,
+        typer.Option(
+            "--metrics-host",
+            metavar="HOST",
+            help="Address the metrics port listens on; 0.0.0.0 lets other machines scrape "
+            "it (only on a private network).",
+        ),
+    ] = "127.0.0.1",
 ) -> None:
     """Serve MODULE:ATTR's workflows and activities until SIGTERM or Ctrl+C."""
     if not (math.isfinite(lease) and 0 < lease <= 86_400):
@@ -122,6 +133,7 @@ def worker_command(
             worker_id,
             version or None,
             metrics_port,
+            metrics_host,
         )
     )
     raise SystemExit(code)
@@ -158,8 +170,9 @@ async def _hint_foreign_leases(app: App, w: Worker) -> None:
         )
 
 
-async def _serve_metrics(app: App, w: Worker, port: int) -> Any:
-    """Prometheus metrics of this worker and its store on ``port`` (a daemon thread)."""
+async def _serve_metrics(app: App, w: Worker, port: int, host: str) -> Any:
+    """Prometheus metrics of this worker and its store on ``host:port`` (a daemon
+    thread; no key is asked, so only loopback unless told otherwise)."""
     from prometheus_client import REGISTRY, start_http_server
 
     from ..metrics import Metrics
@@ -168,8 +181,17 @@ async def _serve_metrics(app: App, w: Worker, port: int) -> Any:
     await metrics.update()
     metrics.start()
     REGISTRY.register(metrics)
-    start_http_server(port)
-    _note(f"tether worker {w.id}: metrics on http://0.0.0.0:{port}/metrics")
+    try:
+        server, _thread = start_http_server(port, addr=host)
+    except OSError as exc:
+        REGISTRY.unregister(metrics)
+        await metrics.stop()
+        raise ConfigurationError(
+            f"--metrics-host {host!r} --metrics-port {port}: cannot listen there ({exc}); "
+            "pick a free port and an address of this machine"
+        ) from None
+    bound = server.server_address[1]
+    _note(f"tether worker {w.id}: metrics on http://{host}:{bound}/metrics")
     return metrics
 
 
@@ -182,6 +204,7 @@ async def _serve(
     worker_id: str | None = None,
     versions: list[str] | None = None,
     metrics_port: int | None = None,
+    metrics_host: str = "127.0.0.1",
 ) -> int:
     app = load_app(app_spec)
     if metrics_port is not None:  # a bad refresh interval is one line, before any work
@@ -212,7 +235,7 @@ async def _serve(
         try:
             await w.start()
             if metrics_port is not None:
-                metrics = await _serve_metrics(app, w, metrics_port)
+                metrics = await _serve_metrics(app, w, metrics_port, metrics_host)
             _note(
                 f"tether worker {w.id} serving queues {', '.join(w.queues)} on store "
                 f"{_describe_store(app.store)} (concurrency {concurrency}, lease {lease:g}s)"

@@ -308,13 +308,21 @@ def create_api(
 
     @api.get(
         "/metrics",
-        summary="Prometheus metrics (a key of any role when keys are required)",
+        summary="Prometheus metrics (a key of any role bound to no tenant, when keys are required)",
         tags=["health"],
         response_class=Response,
     )
     async def prometheus(request: Request) -> Response:
         if auth:
-            await authenticate(app.store, request.headers.get("authorization"))
+            principal = await authenticate(app.store, request.headers.get("authorization"))
+            if principal.tenant is not None:  # the figures name every tenant
+                raise AuthError(
+                    403,
+                    "Key for every tenant required",
+                    "the metrics cover every tenant (their names, runs and model spend): "
+                    f"scrape with a key bound to no tenant (this key acts for "
+                    f"{principal.tenant!r}; a monitor key is enough)",
+                )
         if metrics is None:
             return _problems.problem(
                 501, "Metrics need prometheus-client", "pip install 'tether[server]'"
