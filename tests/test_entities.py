@@ -502,3 +502,83 @@ async def test_an_entity_history_from_before_rollback_replays_as_it_ran(
     state = await ref.state()
     assert [e["who"] for e in state["entries"]] == ["a", "b", "c", "d", "e", "g"]
     assert state["totals"]["sum"] == 95
+
+
+def _register(app: tether.App, ops_per_run: int) -> type:
+    @app.entity(ops_per_run=ops_per_run)
+    class Register:
+        def __init__(self) -> None:
+            self.log: list[str] = []
+
+        def put(self, v: str) -> int:  # named to sort after "add"
+            self.log = [v]
+            return len(self.log)
+
+        def add(self, v: str) -> int:
+            self.log.append(v)
+            return len(self.log)
+
+    return Register
+
+
+async def test_operations_recorded_before_the_run_starts_apply_in_arrival_order(
+    entity_app: Any,
+) -> None:
+    """Operations recorded before a run's code first ran (a key's first ones, sent while
+    no worker ran, and those carried into each continued run) were applied grouped by
+    operation name, alphabetically: put("a"), add("b") left ["a"] where the order the
+    store received them leaves ["a", "b"]."""
+    app: tether.App = entity_app.app
+    reg = _register(app, ops_per_run=3)
+    ref = app.entity_ref(reg, "r")
+    sent = [("put", "a"), ("add", "b"), ("put", "c"), ("add", "d"), ("add", "e")]
+    sent += [("put", "f"), ("add", "g")]
+    for op, v in sent:
+        await ref.signal(op, v)
+    want: list[str] = []
+    for op, v in sent:
+        want = [v] if op == "put" else [*want, v]
+    async with app.worker(poll_interval=0.05):
+        for _ in range(300):
+            with contextlib.suppress(tether.QueryError):
+                if await ref.state() == {"log": want}:
+                    break
+            await asyncio.sleep(0.02)
+    assert await ref.state() == {"log": want}
+    assert (await app.get(ref.run_id)).run_id != ref.run_id  # it continued as new
+
+
+async def test_an_entity_history_from_before_arrival_order_replays_as_it_ran(
+    entity_app: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run whose first operations were applied grouped by name (the older code)
+    replays the same, and later runs apply in arrival order."""
+    from tether.testing import check_history
+    from tether.workflow._instance import WorkflowInstance
+
+    app: tether.App = entity_app.app
+    reg = _register(app, ops_per_run=4)
+    ref = app.entity_ref(reg, "old")
+
+    def one_by_one(self: WorkflowInstance, handlers: dict[str, Any]) -> None:
+        for name, handler in handlers.items():  # what the older code did
+            self.register_update(name, handler, None)
+
+    register_updates = WorkflowInstance.register_updates
+    monkeypatch.setattr(WorkflowInstance, "register_updates", one_by_one)
+    for op, v in (("put", "a"), ("add", "b"), ("add", "c")):
+        await ref.signal(op, v)  # recorded before the run's code first runs
+    async with app.worker(poll_interval=0.05):
+        for _ in range(300):  # applied add b, add c, then put a
+            with contextlib.suppress(tether.QueryError):
+                if await ref.state() == {"log": ["a"]}:
+                    break
+            await asyncio.sleep(0.02)
+    monkeypatch.setattr(WorkflowInstance, "register_updates", register_updates)
+    assert await ref.state() == {"log": ["a"]}  # replayed with the new code, as it ran
+    report = check_history(app, await app.history(ref.run_id, follow=False))
+    assert report.ok, report.diff()
+    async with app.worker(poll_interval=0.05):
+        assert await ref.call("add", "d") == 2  # fills the run: continues as new
+    assert (await app.get(ref.run_id)).run_id == f"{ref.run_id}~1"
+    assert await ref.state() == {"log": ["a", "d"]}

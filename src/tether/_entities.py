@@ -143,8 +143,12 @@ def entity_workflow(cls: type, ops_per_run: int) -> Callable[..., Any]:
 
             return apply
 
-        for name in ops:
-            on_update(name, bind(name))
+        handlers = {name: bind(name) for name in ops}
+        if inst is not None:  # operations that came first: applied in arrival order
+            inst.register_updates(handlers)
+        else:
+            for name, handler in handlers.items():
+                on_update(name, handler)
         on_query("state", lambda: dict(obj.__dict__))
         await full
         # every update that came with the last ones was applied (synchronously) first
