@@ -428,6 +428,10 @@ async def test_an_operation_that_raises_changes_nothing(entity_app: Any) -> None
         if ev.type is tether.EventType.PATCH_MARKER
     ]
     assert patches == ["tether.entity-rollback"]
+    from tether.testing import check_history
+
+    report = check_history(app, await app.history(ref.run_id, follow=False))
+    assert report.ok, report.diff()  # and it replays as it ran
 
 
 async def test_operations_that_raise_across_continue_as_new_keep_the_right_state(

@@ -12,9 +12,10 @@ continues as new with the object's state, so histories stay short.
 
 Operations are plain (synchronous) methods: deterministic code on the object's state.
 An operation that raises changes nothing: the state goes back to exactly what it was
-before it (a copy taken by the walk that checks the state after each operation), and
-its error is its recorded outcome. To start work from one, start a workflow without waiting:
-``some_workflow.options(parent_close="abandon", run_id=...)(args)``. The limit: an
+before it (a copy made by the walk that checks the state after each operation), and
+its error is its recorded outcome. Operations recorded before the run's code first ran
+are applied in the order they arrived. To start work from one, start a workflow without
+waiting: ``some_workflow.options(parent_close="abandon", run_id=...)(args)``. The limit: an
 entity serialises its own operations, not the effects they cause elsewhere (a
 workflow it starts, a payment a caller makes after reading it); those still need
 idempotency keys or a destination that rejects stale writes.
