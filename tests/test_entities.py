@@ -5,6 +5,7 @@ mid-operation, continue-as-new boundaries and concurrent callers."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import os
 import random
@@ -341,3 +342,247 @@ async def test_an_init_that_raises_is_named_by_the_operation_that_met_it(
     async with app.worker(poll_interval=0.05):
         with pytest.raises(tether.UpdateRejectedError, match="RuntimeError: config missing"):
             await app.entity_ref(Broken, "k").call("get", timeout=20)
+
+
+def _ledger(app: tether.App, ops_per_run: int) -> type:
+    """An entity whose state nests lists and dicts, with operations that change them in
+    place and then raise (``fail``), or leave a value JSON would not give back."""
+
+    @app.entity(ops_per_run=ops_per_run)
+    class Ledger:
+        def __init__(self) -> None:
+            self.entries: list[dict[str, Any]] = []
+            self.totals: dict[str, Any] = {"sum": 0, "by": {}}
+
+        def add(self, who: str, n: int, fail: bool = False) -> int:
+            self.entries.append({"who": who, "n": n})
+            self.totals["sum"] += n
+            self.totals["by"].setdefault(who, []).append(n)
+            if fail:
+                self.entries[0]["n"] = -1  # deeper still: an entry that was there before
+                self.note = "half done"  # a new attribute
+                raise ValueError(f"refused {who} after changing the state")
+            return int(self.totals["sum"])
+
+        def leave_a_set(self) -> None:
+            self.entries.append({"who": "x", "n": 0})
+            self.totals["by"] = {"x": {1, 2}}
+
+        def get(self) -> dict[str, Any]:
+            return {"entries": self.entries, "totals": self.totals}
+
+    return Ledger
+
+
+def _ledger_state(*adds: tuple[str, int]) -> dict[str, Any]:
+    by: dict[str, list[int]] = {}
+    for who, n in adds:
+        by.setdefault(who, []).append(n)
+    return {
+        "entries": [{"who": who, "n": n} for who, n in adds],
+        "totals": {"sum": sum(n for _, n in adds), "by": by},
+    }
+
+
+async def _update_errors(app: tether.App, run_id: str) -> list[str]:
+    """The errors recorded for the operations of one run (its ``update`` Markers)."""
+    return [
+        f"{ev.data['value']['error']['type']}: {ev.data['value']['error']['message']}"
+        for ev in await app.history(run_id, follow=False)
+        if ev.type is tether.EventType.MARKER
+        and ev.data.get("marker") == "update"
+        and "error" in ev.data["value"]
+    ]
+
+
+async def test_an_operation_that_raises_changes_nothing(entity_app: Any) -> None:
+    """An operation that raised kept every change it made before raising (nested lists and
+    dicts changed in place, a new attribute): the caller got the error, and the entity
+    went on from a state no operation had left. Now the state is exactly as it was before
+    the operation, for call() and signal(), and for an operation that leaves a value JSON
+    would not give back (later ones no longer fail until one undoes it)."""
+    app: tether.App = entity_app.app
+    ledger = _ledger(app, ops_per_run=500)
+    ref = app.entity_ref(ledger, "l1")
+    async with app.worker(poll_interval=0.05):
+        assert await ref.call("add", "ann", 2) == 2
+        with pytest.raises(tether.UpdateFailedError, match=r"ValueError.*refused bob"):
+            await ref.call("add", "bob", 5, True)
+        assert await ref.state() == _ledger_state(("ann", 2))
+        assert await ref.call("add", "ann", 1) == 3  # from the state before the failure
+        await ref.signal("add", "cid", 7, True)
+        # applied in order: this call sees what the signalled operation left
+        assert await ref.call("get") == _ledger_state(("ann", 2), ("ann", 1))
+        with pytest.raises(tether.UpdateFailedError, match=r"'totals'.*\bset\b"):
+            await ref.call("leave_a_set")
+        assert await ref.call("add", "dan", 4) == 7  # no operation needed to undo it
+        assert await ref.state() == _ledger_state(("ann", 2), ("ann", 1), ("dan", 4))
+    # the signalled operation's error is not lost: its run's history records it
+    errors = await _update_errors(app, ref.run_id)
+    assert len(errors) == 3
+    assert errors[1] == "ValueError: refused cid after changing the state"
+    # the run says once that it undoes failed operations (a patch marker, for replays)
+    patches = [
+        ev.data["patch_id"]
+        for ev in await app.history(ref.run_id, follow=False)
+        if ev.type is tether.EventType.PATCH_MARKER
+    ]
+    assert patches == ["tether.entity-rollback"]
+    from tether.testing import check_history
+
+    report = check_history(app, await app.history(ref.run_id, follow=False))
+    assert report.ok, report.diff()  # and it replays as it ran
+
+
+async def test_operations_that_raise_across_continue_as_new_keep_the_right_state(
+    entity_app: Any,
+) -> None:
+    """Failed operations around continue-as-new boundaries: each run continues with the
+    state the successful operations left, also when a failing one came in the same batch
+    as the operation that filled the run (applied before it continued as new)."""
+    app: tether.App = entity_app.app
+    ledger = _ledger(app, ops_per_run=3)
+    ref = app.entity_ref(ledger, "l2")
+    # recorded before any worker runs: applied in one batch by the first workflow task
+    ops = [("a", 1, False), ("b", 2, False), ("c", 3, True), ("d", 4, False), ("e", 5, True)]
+    ops += [("f", 6, False), ("g", 7, True)]
+    for who, n, fail in ops:
+        await ref.signal("add", who, n, fail)
+    done = [(who, n) for who, n, fail in ops if not fail]
+    async with app.worker(poll_interval=0.05):
+        for _ in range(300):
+            with contextlib.suppress(tether.QueryError):
+                if await ref.state() == _ledger_state(*done):
+                    break
+            await asyncio.sleep(0.02)
+        assert await ref.state() == _ledger_state(*done)
+        for i in range(8):  # one at a time: every other one fails
+            fail = i % 2 == 1
+            if fail:
+                with pytest.raises(tether.UpdateFailedError, match="ValueError"):
+                    await ref.call("add", f"x{i}", i, True)
+            else:
+                await ref.call("add", f"x{i}", i)
+                done.append((f"x{i}", i))
+            assert await ref.call("get") == _ledger_state(*done)
+    chain = [r.run_id for r in await app.list(workflow="entity:Ledger")]
+    assert len(chain) >= 3  # crossed continue-as-new boundaries
+    assert await ref.state() == _ledger_state(*done)
+
+
+async def test_an_entity_history_from_before_rollback_replays_as_it_ran(
+    entity_app: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run recorded by the older code (a failed operation kept its changes, and later
+    results were computed from them) replays the same with the new code, and keeps that
+    behaviour until it continues as new; its next run rolls failed operations back."""
+    from tether._entities import _rolls_back
+    from tether.testing import check_history
+
+    app: tether.App = entity_app.app
+    ledger = _ledger(app, ops_per_run=3)  # successful operations fill a run
+    ref = app.entity_ref(ledger, "old")
+    monkeypatch.setattr("tether._entities._rolls_back", lambda inst: False)  # the old code
+    async with app.worker(poll_interval=0.05):
+        assert await ref.call("add", "a", 1) == 1
+        with pytest.raises(tether.UpdateFailedError, match="ValueError"):
+            await ref.call("add", "b", 2, True)
+        assert await ref.call("add", "c", 4) == 7  # computed from b's partial changes
+    old = _ledger_state(("a", 1), ("b", 2), ("c", 4))
+    old["entries"][0]["n"] = -1
+    old["note"] = "half done"
+    monkeypatch.setattr("tether._entities._rolls_back", _rolls_back)  # the new code
+    assert await ref.state() == old  # replayed by this caller with the new code
+    report = check_history(app, await app.history(ref.run_id, follow=False))
+    assert report.ok, report.diff()
+    async with app.worker(poll_interval=0.05):  # a new worker: replays the run first
+        with pytest.raises(tether.UpdateFailedError, match="ValueError"):
+            await ref.call("add", "d", 8, True)  # the same run: kept, as it ran before
+        assert await ref.call("add", "e", 16) == 31  # fills the run: continues as new
+        with pytest.raises(tether.UpdateFailedError, match="ValueError"):
+            await ref.call("add", "f", 32, True)  # the next run: rolled back
+        assert await ref.call("add", "g", 64) == 95
+    assert (await app.get(ref.run_id)).run_id == f"{ref.run_id}~1"
+    state = await ref.state()
+    assert [e["who"] for e in state["entries"]] == ["a", "b", "c", "d", "e", "g"]
+    assert state["totals"]["sum"] == 95
+
+
+def _register(app: tether.App, ops_per_run: int) -> type:
+    @app.entity(ops_per_run=ops_per_run)
+    class Register:
+        def __init__(self) -> None:
+            self.log: list[str] = []
+
+        def put(self, v: str) -> int:  # named to sort after "add"
+            self.log = [v]
+            return len(self.log)
+
+        def add(self, v: str) -> int:
+            self.log.append(v)
+            return len(self.log)
+
+    return Register
+
+
+async def test_operations_recorded_before_the_run_starts_apply_in_arrival_order(
+    entity_app: Any,
+) -> None:
+    """Operations recorded before a run's code first ran (a key's first ones, sent while
+    no worker ran, and those carried into each continued run) were applied grouped by
+    operation name, alphabetically: put("a"), add("b") left ["a"] where the order the
+    store received them leaves ["a", "b"]."""
+    app: tether.App = entity_app.app
+    reg = _register(app, ops_per_run=3)
+    ref = app.entity_ref(reg, "r")
+    sent = [("put", "a"), ("add", "b"), ("put", "c"), ("add", "d"), ("add", "e")]
+    sent += [("put", "f"), ("add", "g")]
+    for op, v in sent:
+        await ref.signal(op, v)
+    want: list[str] = []
+    for op, v in sent:
+        want = [v] if op == "put" else [*want, v]
+    async with app.worker(poll_interval=0.05):
+        for _ in range(300):
+            with contextlib.suppress(tether.QueryError):
+                if await ref.state() == {"log": want}:
+                    break
+            await asyncio.sleep(0.02)
+    assert await ref.state() == {"log": want}
+    assert (await app.get(ref.run_id)).run_id != ref.run_id  # it continued as new
+
+
+async def test_an_entity_history_from_before_arrival_order_replays_as_it_ran(
+    entity_app: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run whose first operations were applied grouped by name (the older code)
+    replays the same, and later runs apply in arrival order."""
+    from tether.testing import check_history
+    from tether.workflow._instance import WorkflowInstance
+
+    app: tether.App = entity_app.app
+    reg = _register(app, ops_per_run=4)
+    ref = app.entity_ref(reg, "old")
+
+    def one_by_one(self: WorkflowInstance, handlers: dict[str, Any]) -> None:
+        for name, handler in handlers.items():  # what the older code did
+            self.register_update(name, handler, None)
+
+    register_updates = WorkflowInstance.register_updates
+    monkeypatch.setattr(WorkflowInstance, "register_updates", one_by_one)
+    for op, v in (("put", "a"), ("add", "b"), ("add", "c")):
+        await ref.signal(op, v)  # recorded before the run's code first runs
+    async with app.worker(poll_interval=0.05):
+        for _ in range(300):  # applied add b, add c, then put a
+            with contextlib.suppress(tether.QueryError):
+                if await ref.state() == {"log": ["a"]}:
+                    break
+            await asyncio.sleep(0.02)
+    monkeypatch.setattr(WorkflowInstance, "register_updates", register_updates)
+    assert await ref.state() == {"log": ["a"]}  # replayed with the new code, as it ran
+    report = check_history(app, await app.history(ref.run_id, follow=False))
+    assert report.ok, report.diff()
+    async with app.worker(poll_interval=0.05):
+        assert await ref.call("add", "d") == 2  # fills the run: continues as new
+    assert (await app.get(ref.run_id)).run_id == f"{ref.run_id}~1"
+    assert await ref.state() == {"log": ["a", "d"]}

@@ -11,8 +11,11 @@ so concurrent first calls make one entity). Every ``ops_per_run`` operations the
 continues as new with the object's state, so histories stay short.
 
 Operations are plain (synchronous) methods: deterministic code on the object's state.
-To start work from one, start a workflow without waiting:
-``some_workflow.options(parent_close="abandon", run_id=...)(args)``. The limit: an
+An operation that raises changes nothing: the state goes back to exactly what it was
+before it (a copy made by the walk that checks the state after each operation), and
+its error is its recorded outcome. Operations recorded before the run's code first ran
+are applied in the order they arrived. To start work from one, start a workflow without
+waiting: ``some_workflow.options(parent_close="abandon", run_id=...)(args)``. The limit: an
 entity serialises its own operations, not the effects they cause elsewhere (a
 workflow it starts, a payment a caller makes after reading it); those still need
 idempotency keys or a destination that rejects stale writes.
@@ -21,6 +24,7 @@ idempotency keys or a destination that rejects stale writes.
 from __future__ import annotations
 
 import asyncio
+import copy
 import inspect
 import math
 import uuid
@@ -38,7 +42,7 @@ from ._errors import (
 from ._history import UPDATE_SIGNAL, RunInfo
 from ._serde import encode
 from .workflow._api import continue_as_new, on_query, on_update
-from .workflow._instance import current_instance
+from .workflow._instance import WorkflowInstance, current_instance
 
 C = TypeVar("C", bound=type)
 
@@ -46,6 +50,15 @@ C = TypeVar("C", bound=type)
 PREFIX = "entity:"
 #: keys are at most this long
 MAX_KEY = 150
+#: the patch marker a run records the first time one of its operations raises (its
+#: changes are undone); runs whose history passed such a failure without it replay the
+#: old way (the failed operation's changes kept) until they continue as new
+ATOMIC_OPERATIONS = "tether.entity-rollback"
+
+
+def _rolls_back(inst: WorkflowInstance | None) -> bool:
+    """Whether an operation that raised in this run is undone (see ATOMIC_OPERATIONS)."""
+    return inst is None or inst.patched(ATOMIC_OPERATIONS)
 
 
 def operations(cls: type) -> dict[str, Callable[..., Any]]:
@@ -98,6 +111,10 @@ def entity_workflow(cls: type, ops_per_run: int) -> Callable[..., Any]:
             obj.__init__()
         else:
             obj.__dict__.update(state)
+        # the state before the next operation, put back if it raises: a copy, as nested
+        # lists and dicts are changed in place (plain JSON values: made by the walk that
+        # checks them after each operation; anything else, as __init__ may leave: deep)
+        saved = _snapshot(obj.__dict__)
         applied = 0
         full = asyncio.get_running_loop().create_future()
 
@@ -105,9 +122,21 @@ def entity_workflow(cls: type, ops_per_run: int) -> Callable[..., Any]:
             method = ops[name]
 
             def apply(*args: Any) -> Any:
-                nonlocal applied
-                out = method(obj, *args)
-                check_state(cls.__name__, name, obj.__dict__)
+                nonlocal applied, saved
+                try:
+                    out = method(obj, *args)
+                    after = _plain_copy(obj.__dict__)
+                    if after is None:
+                        check_state(cls.__name__, name, obj.__dict__)  # raises, naming it
+                        after = copy.deepcopy(obj.__dict__)  # (not reached)
+                except Exception:
+                    if _rolls_back(inst):
+                        obj.__dict__.clear()
+                        obj.__dict__.update(_snapshot(saved))  # saved stays apart
+                    else:  # a run recorded before operations were undone: kept
+                        saved = _snapshot(obj.__dict__)
+                    raise
+                saved = after
                 applied += 1
                 if applied >= ops_per_run and not full.done():
                     full.set_result(None)
@@ -115,8 +144,12 @@ def entity_workflow(cls: type, ops_per_run: int) -> Callable[..., Any]:
 
             return apply
 
-        for name in ops:
-            on_update(name, bind(name))
+        handlers = {name: bind(name) for name in ops}
+        if inst is not None:  # operations that came first: applied in arrival order
+            inst.register_updates(handlers)
+        else:
+            for name, handler in handlers.items():
+                on_update(name, handler)
         on_query("state", lambda: dict(obj.__dict__))
         await full
         # every update that came with the last ones was applied (synchronously) first
@@ -129,6 +162,47 @@ def entity_workflow(cls: type, ops_per_run: int) -> Callable[..., Any]:
 
 #: the types an entity's state may hold: they come back as themselves from JSON
 _PLAIN = (str, int, float, bool, type(None))
+
+
+class _NotPlain(Exception):
+    """A value JSON would not give back as itself (``_plain_copy``)."""
+
+
+def _copy(value: Any) -> Any:
+    kind = type(value)
+    if kind is dict:
+        out = {}
+        for k, v in value.items():
+            if type(k) is not str:
+                raise _NotPlain
+            out[k] = _copy(v)
+        return out
+    if kind is list:
+        return [_copy(v) for v in value]
+    if kind is float:
+        if math.isfinite(value):
+            return value
+        raise _NotPlain
+    if kind in _PLAIN:
+        return value  # immutable: shared
+    raise _NotPlain
+
+
+def _plain_copy(state: dict[str, Any]) -> dict[str, Any] | None:
+    """A copy of ``state`` (new dicts and lists, the same immutable leaves) when it holds
+    only values JSON gives back as themselves, else None: the check of ``check_state``
+    and the copy in one walk, cheaper than that check alone (it names no paths)."""
+    try:
+        copied: dict[str, Any] = _copy(state)
+    except _NotPlain:
+        return None
+    return copied
+
+
+def _snapshot(state: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``state`` that its owner's changes cannot reach."""
+    plain = _plain_copy(state)
+    return plain if plain is not None else copy.deepcopy(state)
 
 
 def _not_plain(value: Any, path: str) -> tuple[str, str] | None:

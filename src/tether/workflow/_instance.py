@@ -56,6 +56,12 @@ def current_instance() -> WorkflowInstance | None:
 ONE_INTERRUPT = "tether.cancel-once"
 
 
+#: the patch marker a run records when update requests that came before their handlers
+#: (``register_updates``) are applied in the order they arrived, which the older code
+#: did not (grouped by name); runs whose history applied them the old way replay so
+ARRIVAL_ORDER = "tether.updates-arrival-order"
+
+
 #: the patch marker a run records the first time it stops waiting for a child started
 #: with ``parent_close="abandon"`` (the child is left running); runs whose history asked
 #: such a child to cancel without it replay the old way
@@ -147,8 +153,12 @@ class WorkflowInstance:
         #: kept in a worker's cache while it waits for signals (an entity: each of its
         #: operations would otherwise cost a replay of its whole run)
         self.hot = False
-        #: update requests that arrived before their handler was registered
-        self._early_updates: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
+        #: update requests that arrived before their handler was registered, by name:
+        #: (arrival number, request)
+        self._early_updates: dict[str, list[tuple[int, dict[str, Any]]]] = collections.defaultdict(
+            list
+        )
+        self._arrivals = 0
         self.main: asyncio.Task[Any] | None = None
         self._new: list[Command] = []
         self._recorded: dict[int, Event] = {}
@@ -496,14 +506,28 @@ class WorkflowInstance:
     ) -> None:
         """Register an update handler; requests that came before it are handled now."""
         self.updates[name] = (handler, validator)
-        for request in self._early_updates.pop(name, []):
+        for _n, request in self._early_updates.pop(name, []):
+            self._deliver_update(name, request)
+
+    def register_updates(self, handlers: dict[str, Callable[..., Any]]) -> None:
+        """Register several update handlers (no validators) at once: the requests that
+        came before them are handled now, in the order they arrived (an entity's
+        operations), not grouped by name as one ``register_update`` each would."""
+        early = [(n, name, r) for name in handlers for n, r in self._early_updates.pop(name, [])]
+        for name, handler in handlers.items():
+            self.updates[name] = (handler, None)
+        arrived = sorted(early)
+        if arrived != early and not self.patched(ARRIVAL_ORDER):
+            arrived = early  # a history of the older code: grouped by name, as it ran
+        for _n, name, request in arrived:
             self._deliver_update(name, request)
 
     def _deliver_update(self, name: str, request: dict[str, Any]) -> None:
         """Apply one update request: validate, run the handler, record its outcome as a
         Marker (the same on every replay: the request is an event in history)."""
         if name not in self.updates:
-            self._early_updates[name].append(request)  # its handler is not registered yet
+            self._arrivals += 1  # its handler is not registered yet
+            self._early_updates[name].append((self._arrivals, request))
             return
         handler, validator = self.updates[name]
         update_id, args = request.get("id"), list(request.get("args") or [])
@@ -562,7 +586,7 @@ class WorkflowInstance:
             else ""
         )
         for name, requests in list(self._early_updates.items()):
-            for request in requests:
+            for _n, request in requests:
                 err = LookupError(f"the run ended without a handler for update {name!r}{why}")
                 self._update_done(request.get("id"), name, error=err, rejected=True)
         self._early_updates.clear()
