@@ -107,6 +107,10 @@ async def test_bad_input_is_refused_naming_the_field_and_nothing_is_stored(
         ({"cron": "61 * * * *"}, "cron="),
         ({"cron": "every day"}, "cron="),
         ({"cron": "0 0 31 2 *"}, "never fires"),  # valid fields, no such date
+        # croniter's random fields: a new time at each look, so ticks came at random
+        ({"cron": "R * * * *"}, "random"),
+        ({"cron": "0 r(1-5) * * *"}, "random"),
+        ({"cron": "0 0 * * R/2"}, "random"),
         ({"cron": "0 2 * * *", "tz": "Mars/Olympus"}, "tz="),
         ({"cron": "0 2 * * *", "every": 60}, "exactly one"),
         ({}, "exactly one"),

@@ -20,6 +20,7 @@ import calendar
 import functools
 import hashlib
 import math
+import re
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
 from typing import Any
@@ -501,12 +502,21 @@ def _croniter() -> Any:
     return croniter
 
 
+#: croniter's random field (``R``, ``R(0-30)``, ``R/5``): another value each time it is read
+_RANDOM = re.compile(r"[rR](\(\d+-\d+\))?(/\d+)?")
+
+
 def _check_cron(expr: str) -> None:
     croniter = _croniter()
     if not isinstance(expr, str) or len(expr.split()) != 5 or not croniter.is_valid(expr):
         raise ConfigurationError(
             f"cron= {expr!r} is not a valid five-field cron expression "
             "(minute hour day-of-month month day-of-week, e.g. '0 2 * * *')"
+        )
+    if any(_RANDOM.fullmatch(f) for f in expr.split()):
+        raise ConfigurationError(
+            f"cron= {expr!r} has a random field (R): it would name another time at each "
+            "look, so a schedule's ticks would come at random; write the minute or hour"
         )
     try:  # valid fields can still name no date at all (the 31st of February)
         croniter(expr, datetime.now(UTC)).get_next(datetime)
