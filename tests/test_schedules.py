@@ -6,6 +6,7 @@ and bad input refused with nothing stored. Simulated hours run on the time-skipp
 from __future__ import annotations
 
 import asyncio
+import bisect
 import importlib
 import os
 import sqlite3
@@ -22,6 +23,7 @@ import tether
 from tether._schedules import (
     CLAIM_GRACE,
     ScheduleSpec,
+    count_ticks,
     jittered,
     make_spec,
     next_tick,
@@ -105,6 +107,10 @@ async def test_bad_input_is_refused_naming_the_field_and_nothing_is_stored(
         ({"cron": "61 * * * *"}, "cron="),
         ({"cron": "every day"}, "cron="),
         ({"cron": "0 0 31 2 *"}, "never fires"),  # valid fields, no such date
+        # croniter's random fields: a new time at each look, so ticks came at random
+        ({"cron": "R * * * *"}, "random"),
+        ({"cron": "0 r(1-5) * * *"}, "random"),
+        ({"cron": "0 0 * * R/2"}, "random"),
         ({"cron": "0 2 * * *", "tz": "Mars/Olympus"}, "tz="),
         ({"cron": "0 2 * * *", "every": 60}, "exactly one"),
         ({}, "exactly one"),
@@ -416,3 +422,163 @@ async def test_a_redeclaration_keeps_an_operators_pause_and_stores_a_new_note(
         assert (await app.get_schedule("job")).note == "hourly, v2"
         paused = await app.schedule("job", job, cron="0 * * * *", paused=True, note="off")
         assert paused.paused and paused.next_at is None and paused.note == "off"
+
+
+# -- catch-up after a long downtime: bounded work inside the firing's transaction --------
+
+DAY = 86_400.0
+
+
+class _CronSteps:
+    """Counts croniter steps (``get_next``/``get_prev`` calls) while ``active``."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from croniter import croniter  # type: ignore[import-untyped]
+
+        self.steps = 0
+        self.active = True
+        for name in ("get_next", "get_prev"):
+            original = getattr(croniter, name)
+
+            def counted(it: object, *args: object, _original: object = original, **kw: object):  # type: ignore[no-untyped-def]
+                if self.active:
+                    self.steps += 1
+                return _original(it, *args, **kw)  # type: ignore[operator]
+
+            monkeypatch.setattr(croniter, name, counted)
+
+
+def test_a_cron_back_from_30_days_of_downtime_plans_in_a_few_steps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A per-minute cron back after 30 days stepped croniter over each of its ~43,000
+    missed ticks (seconds of CPU inside the firing's write transaction); now the ticks
+    surely too late are jumped over and counted by arithmetic, with the same result."""
+    counter = _CronSteps(monkeypatch)
+    every_minute = _spec(cron="* * * * *")  # catch-up window: a day
+    now = T0 + 30 * DAY
+    tick, skipped, after = plan(every_minute, T0 + 60, now, "s")
+    # late by more than the window plus the claim grace (86,410 s): skipped
+    assert tick == now - DAY and after == now - DAY + 60
+    assert skipped == round((now - DAY - (T0 + 60)) / 60)  # T0+60 ... now-DAY-60
+    assert counter.steps <= 50
+    # the same with a window of 5 minutes and jitter, in a time zone with clock changes
+    counter.steps = 0
+    berlin = _spec(cron="*/5 * * * *", tz="Europe/Berlin", catchup_window=300, jitter=20)
+    start, now = _at("2026-03-01T00:05:00+01:00"), _at("2026-04-30T12:00:00+02:00")
+    tick, skipped, _after = plan(berlin, start, now, "s")
+    assert counter.steps <= 50
+    counter.active = False  # the check below steps through every tick
+    assert tick is not None and now - 300 - 10 - 20 <= tick <= now
+    late = _ticks(berlin, start, tick)
+    assert skipped == len(late) and all(now - jittered("s", berlin, t) > 310 for t in late)
+    assert now - jittered("s", berlin, tick) <= 310
+
+
+def _ticks(spec: ScheduleSpec, start: float, stop: float) -> list[float]:
+    """Every tick from ``start`` (a tick) up to ``stop``, excluded, by stepping."""
+    out: list[float] = []
+    t: float | None = start
+    while t is not None and t < stop:
+        out.append(t)
+        t = next_tick(spec, t)
+    return out
+
+
+async def test_a_firing_after_30_days_of_downtime_holds_its_transaction_briefly(
+    app: tether.App, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On both stores: the firing after a month of downtime fires the right ticks and
+    counts the rest as skipped, with a few croniter steps inside its transaction."""
+    from tether.store.ops import timers
+
+    @app.workflow
+    async def job() -> None:
+        return None
+
+    counter = _CronSteps(monkeypatch)
+    counter.active = False
+    worst: list[int] = []
+    fire = timers._fire_schedule
+
+    def measured(tx: object, task: object) -> None:
+        counter.steps, counter.active = 0, True
+        try:
+            fire(tx, task)  # type: ignore[arg-type]
+        finally:
+            counter.active = False
+            worst.append(counter.steps)
+
+    monkeypatch.setattr(timers, "_fire_schedule", measured)
+    app.store.clock = VirtualClock(T0)  # declared, then no worker for 30 days
+    await app.schedule("minutely", job, cron="* * * * *", catchup_window=300, overlap="allow_all")
+    back = T0 + 30 * DAY
+    async with Env(app, start=back, skip_time=False):
+        for _ in range(500):
+            info = await app.get_schedule("minutely")
+            if info.last_tick == back:
+                break
+            await asyncio.sleep(0.02)
+    ids = sorted(r.run_id for r in await app.list(workflow="job"))
+    # late by up to 310 s (window plus claim grace) fires: the last 5 minutes and now
+    assert ids == [tick_run_id("minutely", back - s) for s in (300, 240, 180, 120, 60, 0)]
+    assert info.skipped == round((back - 360 - T0) / 60)  # T0+60 ... back-360
+    assert info.fired == 6
+    assert worst and max(worst) <= 50
+
+
+def test_an_ended_interval_schedule_counts_only_its_own_ticks_as_skipped() -> None:
+    """An interval schedule whose end passed during downtime counted as skipped every
+    interval up to the catch-up window, far past its last tick."""
+    hourly = _spec(every=60, start_at=T0, end_at=T0 + 3600)  # ticks T0 ... T0+3600
+    assert plan(hourly, T0, T0 + 10 * DAY, "s") == (None, 61, None)
+    cron = _spec(cron="* * * * *", start_at=T0, end_at=T0 + 3600)
+    assert plan(cron, T0, T0 + 10 * DAY, "s") == (None, 61, None)
+
+
+# (cron, time zone, from, to): dense and sparse expressions, L/W/# days, over clock
+# changes (Lord Howe's are half an hour; Samoa skipped a whole day in December 2011)
+COUNTED = [
+    ("* * * * *", "UTC", "2026-02-27T22:00", "2026-03-02T01:00"),
+    ("* * * * *", "Europe/Berlin", "2026-03-28T00:00", "2026-03-30T00:00"),
+    ("* * * * *", "Europe/Berlin", "2026-10-24T12:00", "2026-10-26T00:00"),
+    ("*/7 1-3 * * *", "Europe/Berlin", "2026-10-20T00:00", "2026-11-02T00:00"),
+    ("30 2 * * *", "America/New_York", "2026-03-01T00:00", "2026-11-30T00:00"),
+    ("30 1 * * *", "America/New_York", "2026-10-30T00:00", "2026-11-03T00:00"),
+    ("*/10 * * * *", "Australia/Lord_Howe", "2026-04-04T00:00", "2026-04-06T00:00"),
+    ("*/10 * * * *", "Australia/Lord_Howe", "2026-10-03T00:00", "2026-10-05T00:00"),
+    ("0 * * * *", "Pacific/Apia", "2011-12-28T00:00", "2012-01-02T00:00"),
+    ("0 9 * * 1-5", "Europe/Paris", "2025-12-20T00:00", "2026-04-10T00:00"),
+    ("0 0 1,15 * 1", "UTC", "2024-01-01T00:00", "2026-01-01T00:00"),
+    ("0 0 29 2 *", "UTC", "2001-01-01T00:00", "2030-01-01T00:00"),
+    ("0 12 L * *", "Europe/London", "2025-01-01T00:00", "2027-01-01T00:00"),
+    ("0 0 * * 5#2", "UTC", "2025-01-01T00:00", "2027-01-01T00:00"),
+    ("5 1 15W * *", "America/Sao_Paulo", "2016-01-01T00:00", "2019-01-01T00:00"),
+    ("0 2 * * L6", "Europe/Berlin", "2025-01-01T00:00", "2027-01-01T00:00"),
+]
+
+
+@pytest.mark.parametrize(("cron", "tz", "first", "last"), COUNTED)
+def test_skipped_cron_ticks_are_counted_as_stepping_would(
+    cron: str, tz: str, first: str, last: str
+) -> None:
+    """The count of passed ticks is exact: the same as stepping through them, from any
+    tick (one planned inside a repeated hour included) to any instant."""
+    spec = _spec(cron=cron, tz=tz)
+    zone = ZoneInfo(tz)
+    lo = datetime.fromisoformat(first).replace(tzinfo=zone).timestamp()
+    hi = datetime.fromisoformat(last).replace(tzinfo=zone).timestamp()
+    ticks = _ticks(spec, next_tick(spec, lo) or hi, hi)
+    assert ticks
+    for start in (ticks[0], ticks[len(ticks) // 3], ticks[-1]):
+        for stop in (hi, hi - 1234.5, ticks[-1], (ticks[0] + hi) / 2):
+            expected = bisect.bisect_left(ticks, stop) - bisect.bisect_left(ticks, start)
+            assert count_ticks(spec, start, stop) == max(0, expected), (start, stop)
+    if tz == "America/New_York" and cron.startswith("30 1"):
+        # a tick planned in the repeated hour (declared then): the next ones follow it
+        second = datetime(2026, 11, 1, 1, 10, fold=1, tzinfo=zone).timestamp()
+        ticks = _ticks(spec, next_tick(spec, second) or hi, hi)
+        assert datetime.fromtimestamp(ticks[0], zone).fold == 1
+        for stop in (hi, ticks[1] + 1, ticks[0] + 1):
+            expected = bisect.bisect_left(ticks, stop)
+            assert count_ticks(spec, ticks[0], stop) == expected

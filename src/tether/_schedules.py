@@ -15,10 +15,14 @@ occurrence. Interval schedules count seconds and ignore time zones.
 
 from __future__ import annotations
 
+import bisect
+import calendar
+import functools
 import hashlib
 import math
-from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+import re
+from dataclasses import dataclass, field
+from datetime import UTC, date, datetime, timedelta
 from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
@@ -34,8 +38,9 @@ DEFAULT_CATCHUP = 86_400.0
 CLAIM_GRACE = 10.0
 #: a tick held back by ``buffer_one`` is looked at again this often (seconds)
 BUFFER_RECHECK = 5.0
-#: at most this many missed ticks are stepped over one by one before jumping
-_MAX_STEPS = 100_000
+#: at most this many ticks near the catch-up window's edge (late or not by their jitter)
+#: are looked at one by one; past them, firing jumps to the first tick after the edge
+_MAX_STEPS = 1_000
 #: the longest ``every``, ``jitter`` and ``catchup_window`` (seconds): about 100 years
 MAX_SPAN = 100 * 365.25 * 86_400
 #: the last instant a tick, ``start_at`` or ``end_at`` may be: the end of year 9999
@@ -201,7 +206,12 @@ def plan(
     A tick is late by ``now`` minus its due time (the tick plus its jitter, given the
     schedule's id) and is skipped when that exceeds ``catchup_window`` plus
     ``CLAIM_GRACE`` (the time a worker may take to claim a due task): a window of 0
-    means no catch-up after downtime, not that a tick must be claimed at its instant."""
+    means no catch-up after downtime, not that a tick must be claimed at its instant.
+
+    The work is bounded whatever the downtime (it runs inside the firing's write
+    transaction): the ticks surely late whatever their jitter are jumped over at once and
+    counted by arithmetic (``count_ticks``), and only the few near the window's edge are
+    looked at one by one."""
     if next_at > now:
         return None, 0, next_at
     allowed = spec.catchup_window + CLAIM_GRACE
@@ -212,22 +222,247 @@ def plan(
 
     tick: float | None = next_at
     skipped = 0
+    # a tick up to a second before this one is late, whatever its share of jitter
+    surely = now - allowed - spec.jitter - 1.0
+    if next_at <= surely:
+        tick, skipped = _pass(spec, next_at, surely)
+    steps = 0
     while tick is not None and late(tick):
-        if spec.every is not None and skipped == 0:
-            # jump straight to the last tick surely late (whatever its jitter)
-            missed = math.floor((now - allowed - spec.jitter - tick) / spec.every)
-            if missed > 1:
-                tick += (missed - 1) * spec.every
-                skipped += missed - 1
-                continue
-        tick = next_tick(spec, tick)
-        skipped += 1
-        if skipped >= _MAX_STEPS:
-            tick = next_tick(spec, now - allowed - spec.jitter)
-            break
+        if steps == _MAX_STEPS:
+            # a jitter spanning very many ticks: on to the first a second before the
+            # ticks no jitter can make late
+            tick, passed = _pass(spec, tick, now - allowed - 1.0)
+            skipped += passed
+        else:
+            tick = next_tick(spec, tick)
+            skipped += 1
+        steps += 1
     if tick is None or tick > now:
         return None, skipped, tick
     return tick, skipped, next_tick(spec, tick)
+
+
+def _pass(spec: ScheduleSpec, tick: float, until: float) -> tuple[float | None, int]:
+    """Go from ``tick`` past every tick up to ``until``, as stepping from ``tick`` would:
+    (the first tick after ``until``, None if the schedule ends first; how many passed)."""
+    if spec.cron is not None:
+        until = _first_pass(_zone(spec.tz), tick, until)
+    target = next_tick(spec, until)
+    if target is None:  # ended: every tick left is passed
+        end = MAX_EPOCH if spec.end_at is None else min(spec.end_at, MAX_EPOCH)
+        # cron ticks are whole seconds (and a local time's float can round up to it)
+        stop = math.nextafter(end, math.inf) if spec.cron is None else math.floor(end) + 1.0
+        return None, count_ticks(spec, tick, stop)
+    return target, count_ticks(spec, tick, target)
+
+
+def _first_pass(zone: ZoneInfo, tick: float, until: float) -> float:
+    """``until``, or the end of the repeated hour it falls in (clocks turned back) when
+    ``tick`` is before that hour: stepping from ``tick`` fires each of its local times
+    at their first pass, never in the second, so the next tick is after it."""
+    if datetime.fromtimestamp(until, zone).fold == 0:
+        return until
+    for change, old, new in _offset_changes(zone, until - 2 * 86_400, until + 1):
+        if new < old and change <= until < change + old - new and tick < change:
+            return change + old - new - 0.5
+    return until
+
+
+def count_ticks(spec: ScheduleSpec, start: float, stop: float) -> int:
+    """How many ticks stepping from ``start`` (a tick) meets before ``stop``, without
+    stepping through them: by arithmetic for intervals; for cron, by counting the
+    matching local minutes (the matching days times the minutes a day that fire),
+    stepping only across the minutes around each clock change, so the cost grows with
+    the days spanned (and the months, for days croniter must find), not the ticks."""
+    if stop <= start:
+        return 0
+    if spec.every is not None:
+        anchor = spec.start_at or 0.0
+        first = round((start - anchor) / spec.every)
+        n = math.ceil((stop - anchor) / spec.every)  # the first tick at or after stop
+        while n > first and anchor + (n - 1) * spec.every >= stop:
+            n -= 1
+        while anchor + n * spec.every < stop:
+            n += 1
+        return max(0, n - first)
+    assert spec.cron is not None
+    zone, fields = _zone(spec.tz), _cron_fields(spec.cron)
+
+    def stepped(lo: float, hi: float) -> int:  # the ticks from lo up to hi, one by one
+        count, t = 0, next_tick(spec, lo - 0.5)
+        while t is not None and t < hi:
+            count, t = count + (t >= lo), next_tick(spec, t)
+        return count
+
+    total, at = 0, start
+    for change, old, new in _offset_changes(zone, start - 2 * 86_400, stop + 2 * 86_400):
+        if new < old:  # clocks turned back: local times from new to old pass twice
+            end = change + old - new
+            if end <= at or change >= stop:
+                continue
+            if at < change:
+                # from before, the second pass never fires: each local minute once
+                if stop < end:
+                    total += fields.minutes(_wall(at, zone), _local(change, old))
+                    return total
+                continue
+            # from within the second pass (a tick planned there): step to its end
+            hi = min(end + 60.0, stop)
+            total, at = total + stepped(at, hi), hi
+        else:  # clocks turned forward: a skipped time fires at the end of the gap
+            lo, hi = max(change - 60.0, at), min(change + 60.0, stop)
+            if lo >= hi:
+                continue
+            total += fields.minutes(_wall(at, zone), _wall(lo, zone)) + stepped(lo, hi)
+            at = hi
+    if at < stop:
+        total += fields.minutes(_wall(at, zone), _wall(stop, zone))
+    return total
+
+
+def _wall(instant: float, zone: ZoneInfo) -> datetime:
+    """The local time of ``instant`` in ``zone``, naive."""
+    return datetime.fromtimestamp(instant, zone).replace(tzinfo=None)
+
+
+def _local(instant: float, offset: float) -> datetime:
+    """The local time of ``instant`` at a UTC ``offset`` (seconds), naive."""
+    return datetime.fromtimestamp(instant, UTC).replace(tzinfo=None) + timedelta(seconds=offset)
+
+
+def _offset_changes(zone: ZoneInfo, lo: float, hi: float) -> list[tuple[float, float, float]]:
+    """The instants from ``lo`` to ``hi`` at which ``zone``'s UTC offset changes, each
+    with the offsets before and after (seconds): sampled every 6 hours, bisected to
+    the second (time zone rules change offsets months apart)."""
+
+    def offset(t: float) -> float:
+        delta = datetime.fromtimestamp(t, zone).utcoffset()
+        return 0.0 if delta is None else delta.total_seconds()
+
+    changes = []
+    t = math.floor(lo)
+    before = offset(t)
+    while t < hi:
+        u = t + 6 * 3600
+        after = offset(u)
+        if after != before:
+            a, b = t, u
+            while b - a > 1:
+                mid = (a + b) // 2
+                a, b = (mid, b) if offset(mid) == before else (a, mid)
+            after = offset(b)
+            changes.append((float(b), before, after))
+            u = b
+        t, before = u, after
+    return changes
+
+
+@dataclass(frozen=True)
+class _CronFields:
+    """A cron expression's times of day and a test of its days, for counting ticks."""
+
+    expr: str
+    day_minutes: tuple[int, ...]  #: sorted minutes after midnight that fire
+    #: plain fields (numbers, ranges, steps, names) are tested here; days with L, W or #
+    #: are found by croniter, a month at a time (cached by the month's shape)
+    plain: bool
+    months: frozenset[int] | None  #: None: any
+    days: frozenset[int] | None
+    weekdays: frozenset[int] | None  #: 0 is Sunday
+    shapes: dict[tuple[int, int, int], tuple[int, ...]] = field(default_factory=dict, compare=False)
+
+    def minutes(self, start: datetime, stop: datetime) -> int:
+        """How many local minutes from ``start`` up to ``stop`` (excluded) fire."""
+        if stop <= start:
+            return 0
+
+        def index(moment: datetime) -> int:  # minutes that fire in its day before it
+            minute = moment.hour * 60 + moment.minute + bool(moment.second or moment.microsecond)
+            return bisect.bisect_left(self.day_minutes, minute)
+
+        first, last = start.date(), stop.date()
+        if first == last:
+            return self.days_between(first, first + _DAY) * (index(stop) - index(start))
+        return (
+            self.days_between(first, first + _DAY) * (len(self.day_minutes) - index(start))
+            + self.days_between(first + _DAY, last) * len(self.day_minutes)
+            + self.days_between(last, last + _DAY) * index(stop)
+        )
+
+    def days_between(self, first: date, last: date) -> int:
+        """How many days from ``first`` up to ``last`` (excluded) fire."""
+        count = 0
+        while first < last:
+            month_end = (first.replace(day=28) + timedelta(days=4)).replace(day=1)
+            upto = min(last, month_end)
+            if self.plain:
+                count += sum(
+                    self._plain(first + timedelta(days=i)) for i in range((upto - first).days)
+                )
+            else:
+                days = self._month(first.year, first.month)
+                stop_day = (upto - first).days + first.day
+                count += bisect.bisect_left(days, stop_day) - bisect.bisect_left(days, first.day)
+            first = upto
+        return count
+
+    def _plain(self, day: date) -> bool:
+        if self.months is not None and day.month not in self.months:
+            return False
+        dom = self.days is None or day.day in self.days
+        dow = self.weekdays is None or day.isoweekday() % 7 in self.weekdays
+        if self.days is not None and self.weekdays is not None:
+            return dom or dow  # both restricted: either one (cron's rule)
+        return dom and dow
+
+    def _month(self, year: int, month: int) -> tuple[int, ...]:
+        """The days of a month that fire, by croniter; the same for every month of the
+        same shape (the month, its length, the weekday of its first)."""
+        first_weekday, length = calendar.monthrange(year, month)
+        shape = (month, length, first_weekday)
+        if shape not in self.shapes:
+            _, _, dom, mon, dow = self.expr.split()
+            it = _croniter()(f"0 0 {dom} {mon} {dow}", datetime(year, month, 1) - _MINUTE)
+            days = []
+            while (day := it.get_next(datetime)).month == month and day.year == year:
+                days.append(day.day)
+            self.shapes[shape] = tuple(days)
+        return self.shapes[shape]
+
+
+_DAY = timedelta(days=1)
+_MINUTE = timedelta(minutes=1)
+
+
+@functools.lru_cache(maxsize=128)
+def _cron_fields(expr: str) -> _CronFields:
+    it = _croniter()(expr, datetime(2000, 1, 1))
+    minutes, hours, days, months, weekdays = it.expanded
+    plain = (
+        not it.nth_weekday_of_month
+        and not getattr(it, "nearest_weekday", None)
+        and all(isinstance(v, int) for f in (days, months, weekdays) for v in f if v != "*")
+    )
+
+    def values(field_: list[Any], modulo: int = 0) -> frozenset[int] | None:
+        if field_ == ["*"] or not plain:
+            return None
+        return frozenset(int(v) % modulo if modulo else int(v) for v in field_)
+
+    return _CronFields(
+        expr=expr,
+        day_minutes=tuple(
+            sorted(
+                h * 60 + m
+                for h in (range(24) if hours == ["*"] else hours)
+                for m in (range(60) if minutes == ["*"] else minutes)
+            )
+        ),
+        plain=plain,
+        months=values(months),
+        days=values(days),
+        weekdays=values(weekdays, 7),
+    )
 
 
 def jittered(schedule_id: str, spec: ScheduleSpec, tick: float) -> float:
@@ -267,12 +502,21 @@ def _croniter() -> Any:
     return croniter
 
 
+#: croniter's random field (``R``, ``R(0-30)``, ``R/5``): another value each time it is read
+_RANDOM = re.compile(r"[rR](\(\d+-\d+\))?(/\d+)?")
+
+
 def _check_cron(expr: str) -> None:
     croniter = _croniter()
     if not isinstance(expr, str) or len(expr.split()) != 5 or not croniter.is_valid(expr):
         raise ConfigurationError(
             f"cron= {expr!r} is not a valid five-field cron expression "
             "(minute hour day-of-month month day-of-week, e.g. '0 2 * * *')"
+        )
+    if any(_RANDOM.fullmatch(f) for f in expr.split()):
+        raise ConfigurationError(
+            f"cron= {expr!r} has a random field (R): it would name another time at each "
+            "look, so a schedule's ticks would come at random; write the minute or hour"
         )
     try:  # valid fields can still name no date at all (the 31st of February)
         croniter(expr, datetime.now(UTC)).get_next(datetime)
