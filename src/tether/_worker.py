@@ -54,6 +54,7 @@ from ._telemetry import count, observe
 from ._tracing import (
     activity_span,
     mark_failed,
+    mark_lease_lost,
     mark_ok,
     run_span,
     wait_spans,
@@ -749,7 +750,7 @@ class Worker:
             if fresh is not None:
                 fresh.close()
             if isinstance(exc, LeaseLostError):
-                self.stats["lease_lost"] += 1
+                self._lease_lost()
             else:
                 log.warning(
                     "could not commit workflow task of %r: %s",
@@ -1007,11 +1008,16 @@ class Worker:
                 read_after=self._cached_through(task.run_id),
             )
         except LeaseLostError:
-            self.stats["lease_lost"] += 1
-            count("tether_lease_lost")
+            self._lease_lost()
             return
         if wt is not None:
             self._spawn(wt)
+
+    def _lease_lost(self) -> None:
+        """A result (or failure) this worker offered was refused: its lease had passed."""
+        self.stats["lease_lost"] += 1
+        count("tether_lease_lost")
+        mark_lease_lost()  # on the attempt's span, when it has one
 
     async def _complete_fast(
         self, task: Task, result: str, value: Any = _UNSET, inline: bool = False
@@ -1066,7 +1072,7 @@ class Worker:
             )
         except LeaseLostError:
             inst.close()
-            self.stats["lease_lost"] += 1
+            self._lease_lost()
             return True
         except StoreError as exc:
             inst.close()
@@ -1095,8 +1101,15 @@ class Worker:
         return True
 
     async def _record_failure(
-        self, task: Task, exc: BaseException, plan: _Plan, ctx: ActivityContext | None
+        self,
+        task: Task,
+        exc: BaseException,
+        plan: _Plan,
+        ctx: ActivityContext | None,
+        began: float | None = None,
     ) -> None:
+        """Record a failed attempt (a retry or the step's end). ``began`` is when the
+        attempt's call began (perf_counter) when ``ctx`` cannot say: a batch's items."""
         store = self.app.store
         now = store.clock()
         error, retry_at = plan.decide(task.attempt, exc, now, ctx is not None and ctx.is_cancelled)
@@ -1105,8 +1118,10 @@ class Worker:
         mark_failed(error_type, retry_at is not None)
         name = task.name or ""
         if ctx is not None and ctx._began:
+            began = ctx._began
+        if began:
             outcome = "retry" if retry_at is not None else "failed"
-            observe("tether_activity_duration", (name, outcome), time.perf_counter() - ctx._began)
+            observe("tether_activity_duration", (name, outcome), time.perf_counter() - began)
         if isinstance(exc, TimeoutError):
             count("tether_activity_timeouts", (name,))
         elif http_status(exc) == 429:
@@ -1134,6 +1149,7 @@ class Worker:
                 read_after=self._cached_through(task.run_id),
             )
         except LeaseLostError:
+            self._lease_lost()
             return
         if wt is not None:
             self._spawn(wt)
