@@ -514,3 +514,78 @@ async def test_batched_attempts_get_spans_and_metrics_like_single_ones(
         (mine,) = [s for s in attempts if s.context.trace_id == caller.get_span_context().trace_id]
         assert mine.parent is not None and mine.parent.span_id == caller.get_span_context().span_id
         assert mine.attributes["tether.outcome"] == "ok"
+
+
+async def test_a_first_task_run_by_app_start_gets_its_spans_and_metrics(
+    app: tether.App, spans: InMemorySpanExporter
+) -> None:
+    """With an in-process worker, ``app.start`` runs the first workflow task itself (as
+    every HTTP start of ``tether serve --workers N``). A run that ends in that task gets
+    its lifetime span and run duration, the task its span, and a child it starts is
+    counted as started, as on the ordinary path."""
+    from tether._telemetry import RECORDER
+
+    @app.workflow
+    async def quick(x: int) -> int:
+        return x * 2
+
+    @app.workflow
+    async def broken(x: int) -> int:
+        raise ValueError("bad")
+
+    @app.workflow
+    async def kid() -> int:
+        return 5
+
+    @app.workflow
+    async def parent() -> int:
+        return await kid()
+
+    names = ("quick", "broken", "parent", "kid")
+    durations = {
+        (n, s): _histogram_count("tether_run_duration", (n, s))
+        for n in names
+        for s in ("completed", "failed")
+    }
+    started = {n: RECORDER.counter("tether_runs_started", (n,)) for n in names}
+    tracer = trace.get_tracer("test")
+    async with app.worker(poll_interval=0.05) as w:
+        with tracer.start_as_current_span("caller") as caller:
+            runs = [await app.start(quick, 1), await app.start(broken, 1), await app.start(parent)]
+        assert w.stats["eager_starts"] == 3  # each first task ran in app.start
+        assert await runs[0].result(timeout=20) == 2
+        with pytest.raises(tether.WorkflowFailedError):
+            await runs[1].result(timeout=20)
+        assert await runs[2].result(timeout=20) == 5
+    got = {
+        (n, s): _histogram_count("tether_run_duration", (n, s)) - durations[(n, s)]
+        for n, s in durations
+    }
+    assert {k: v for k, v in got.items() if v} == {
+        ("quick", "completed"): 1,
+        ("broken", "failed"): 1,
+        ("parent", "completed"): 1,
+        ("kid", "completed"): 1,
+    }
+    assert {n: RECORDER.counter("tether_runs_started", (n,)) - started[n] for n in names} == {
+        n: 1 for n in names
+    }
+    mine = [
+        s
+        for s in spans.get_finished_spans()
+        if s.context is not None and s.context.trace_id == caller.get_span_context().trace_id
+    ]
+    lifetimes = sorted(
+        (s.name, s.attributes["tether.outcome"])
+        for s in mine
+        if s.name.startswith("tether.lifetime")
+    )
+    assert lifetimes == [
+        ("tether.lifetime broken", "failed"),
+        ("tether.lifetime kid", "completed"),
+        ("tether.lifetime parent", "completed"),
+        ("tether.lifetime quick", "completed"),
+    ]
+    tasks = [s.name for s in mine if s.name.startswith("tether.workflow_task")]
+    for n in ("quick", "broken", "parent"):  # the first (eager) task has its span
+        assert f"tether.workflow_task {n}" in tasks

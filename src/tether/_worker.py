@@ -612,16 +612,18 @@ class Worker:
 
     def eager_start(
         self, wf: Workflow[Any, Any], run_id: str, input_text: str, data: dict[str, Any], now: float
-    ) -> tuple[WorkflowInstance, WorkflowTaskResult] | None:
+    ) -> tuple[WorkflowInstance, WorkflowTaskResult, float] | None:
         """Run a new run's first workflow task before the run is stored.
 
         ``app.start`` then records the run and this task's commands in one commit
         (the activities it schedules leased to us), instead of one commit to create
         the run and another to complete its first task. ``data`` is the start
-        event's data as the store will record it. None: take the ordinary path.
+        event's data as the store will record it. Returns the instance, the task's
+        result and when it began (for ``adopt_start``); None: take the ordinary path.
         """
         if self._stopping or wf.name in self._switches.off.get("workflow", ()):
             return None
+        began = time.time()
         start = Event(
             run_id=run_id,
             seq=1,
@@ -636,10 +638,15 @@ class Worker:
         except Exception:  # a bug in the code: the ordinary path records the failure
             inst.close()
             return None
-        return inst, result
+        return inst, result, began
 
-    def adopt_start(self, inst: WorkflowInstance, res: StartResult) -> None:
-        """Take over what ``create_run`` did with an eager first task (or drop it)."""
+    def adopt_start(
+        self, eager: tuple[WorkflowInstance, WorkflowTaskResult, float], res: StartResult
+    ) -> None:
+        """Take over what ``create_run`` did with an eager first task (or drop it): once
+        committed, the task is followed up as any other (``_committed``: its counts,
+        spans and, when it ended the run, the run's duration and lifetime span)."""
+        inst, result, began = eager
         if res.first_marker is None:  # the run existed already or was queued
             inst.close()
             if res.leased is not None:
@@ -649,8 +656,7 @@ class Worker:
         self.stats["eager_starts"] += 1
         observe("tether_queue_wait", (res.run.queue, "workflow"), 0.0)  # it never waited
         inst.committed(res.first_marker)
-        for name, labels, n in inst.take_counts():  # what its first task noted
-            count(name, labels, n)
+        self._committed(res.run.run_id, inst, result, began, False)
         self._keep(res.run.run_id, inst)
         for t in res.first_leased:
             self._spawn(t)
