@@ -756,7 +756,7 @@ class Worker:
             if fresh is not None:
                 fresh.close()
             if isinstance(exc, LeaseLostError):
-                self._lease_lost()
+                self._lease_lost(attempt=False)  # a workflow task's
             else:
                 log.warning(
                     "could not commit workflow task of %r: %s",
@@ -1019,11 +1019,13 @@ class Worker:
         if wt is not None:
             self._spawn(wt)
 
-    def _lease_lost(self) -> None:
-        """A result (or failure) this worker offered was refused: its lease had passed."""
+    def _lease_lost(self, attempt: bool = True) -> None:
+        """A result (or failure) this worker offered was refused: its lease had passed.
+        ``attempt``: an activity attempt's, marked on its span when it has one."""
         self.stats["lease_lost"] += 1
         count("tether_lease_lost")
-        mark_lease_lost()  # on the attempt's span, when it has one
+        if attempt:
+            mark_lease_lost()
 
     async def _complete_fast(
         self, task: Task, result: str, value: Any = _UNSET, inline: bool = False
