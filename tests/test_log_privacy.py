@@ -149,3 +149,28 @@ async def test_records_carry_the_run_and_the_json_line_too(app: tether.App) -> N
     line, step = (json.loads(x) for x in json_stream.getvalue().splitlines()[:2])
     assert line["run_id"] == run.run_id and line["tenant"] == "acme"
     assert step["activity"] == "chatty" and step["tenant"] == "acme" and step["attempt"] == 1
+
+
+def test_the_context_filter_gives_every_field_outside_a_run() -> None:
+    """A line logged outside any run, with a format using any documented field, is
+    written with None for each field: not dropped with a formatting error."""
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    fields = ("run_id", "workflow", "step", "activity", "attempt", "tenant", "trace_id", "span_id")
+    handler.setFormatter(
+        logging.Formatter(" ".join(f"{f}=%({f})s" for f in fields) + " %(message)s")
+    )
+    handler.addFilter(logs.ContextFilter())
+    user = logging.getLogger("user.outside")
+    user.addHandler(handler)
+    user.setLevel(logging.INFO)
+    user.propagate = False
+    try:
+        user.info("outside any run")
+        user.info("mine", extra={"step": "kept"})
+    finally:
+        user.removeHandler(handler)
+        user.propagate = True
+    lines = stream.getvalue().splitlines()
+    assert lines[0] == " ".join(f"{f}=None" for f in fields) + " outside any run"
+    assert "step=kept" in lines[1]

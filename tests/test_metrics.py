@@ -171,6 +171,8 @@ async def test_the_same_figures_reach_opentelemetry_metrics(app: tether.App) -> 
     provider = MeterProvider(metric_readers=[reader])
     before = list(RECORDER.sinks)
     to_opentelemetry(provider)
+    to_opentelemetry(provider)  # a second call (a reloader, two Apps) counts nothing twice
+    assert len(RECORDER.sinks) == len(before) + 1
     try:
         tries = {"n": 0}
 
@@ -275,3 +277,25 @@ def test_a_worker_serves_its_metrics_on_loopback_unless_told(tmp_path: Path) -> 
         proc.wait(30)
         if proc.stderr is not None:
             proc.stderr.close()
+
+
+def test_a_child_started_by_an_http_runs_first_task_is_counted(store_url: str) -> None:
+    """``tether serve --workers 1`` runs an HTTP start's first workflow task in the
+    request; a child run started there is counted in ``tether_runs_started_total``, so
+    started minus ended never goes below zero."""
+    from test_http_api import Server
+
+    server = Server(store_url, "--workers", "1", "--no-auth")
+    try:
+        r = server.http.post("/v1/workflows/batch/runs", json={"input": {"number": "B-1"}})
+        assert r.status_code == 202, r.text
+        done = server.http.get(f"{r.json()['links']['result']}?wait=20")
+        assert done.json()["status"] == "completed", done.text
+        s = _samples(server.http.get("/metrics").text)
+    finally:
+        server.stop()
+    for workflow in ("batch", "bill"):
+        labels = (("workflow", workflow),)
+        assert s[("tether_runs_started_total", labels)] == 1, workflow
+        ended = (("status", "completed"), ("workflow", workflow))
+        assert s[("tether_runs_ended_total", ended)] == 1, workflow

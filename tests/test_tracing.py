@@ -339,3 +339,253 @@ async def test_with_a_threshold_only_slow_or_failed_attempts_get_a_span(
     assert all(s.context is not None and s.context.trace_id == trace_id for s in attempts)
     with pytest.raises(ValueError):
         _tracing.set_min_attempt_ms(-1)
+
+
+async def test_with_a_threshold_spans_made_in_fast_attempts_hang_from_the_run(
+    app: tether.App, spans: InMemorySpanExporter
+) -> None:
+    """An attempt without a span of its own (faster than the threshold) runs with the
+    run's stored context current: a span its code makes (async or in a thread) is in the
+    run's trace, a child of the caller, not the root of a new trace."""
+    from tether import _tracing
+
+    tracer = trace.get_tracer("test")
+
+    @app.activity
+    async def in_loop() -> int:
+        with tracer.start_as_current_span("user async"):
+            pass
+        return 1
+
+    @app.activity
+    def in_thread() -> int:
+        with tracer.start_as_current_span("user sync"):
+            pass
+        return 2
+
+    @app.workflow
+    async def quick() -> int:
+        return await in_loop() + await in_thread()
+
+    _tracing.set_min_attempt_ms(50)
+    try:
+        with tracer.start_as_current_span("caller") as caller:
+            run = await app.start(quick)
+        async with app.worker(poll_interval=0.05):
+            assert await run.result(timeout=20) == 3
+    finally:
+        _tracing.set_min_attempt_ms(0)
+    assert _attempts(spans) == []  # both fast: no attempt span
+    mine = {s.name: s for s in spans.get_finished_spans() if s.name.startswith("user ")}
+    assert set(mine) == {"user async", "user sync"}
+    for s in mine.values():
+        assert s.context is not None and s.context.trace_id == caller.get_span_context().trace_id
+        assert s.parent is not None and s.parent.span_id == caller.get_span_context().span_id
+
+
+async def test_a_result_refused_for_a_lost_lease_is_counted_and_marked(
+    app: tether.App, spans: InMemorySpanExporter
+) -> None:
+    """Attempt 1's lease passes to attempt 2 while it runs (here: it gives its task back
+    and the worker claims it again); attempt 1's late result, offered on the one-commit
+    path, is refused: ``tether_lease_lost_total`` counts it and its span says so."""
+    import asyncio
+
+    from tether._telemetry import RECORDER
+
+    second = asyncio.Event()
+
+    @app.activity(retry=tether.Retry(attempts=3, initial=0.01))
+    async def contested() -> str:
+        ctx = tether.activity_context()
+        if ctx.attempt == 1:
+            assert ctx.task is not None
+            await app.store.release([ctx.task])  # the lease passes on
+            await asyncio.wait_for(second.wait(), 10)
+            return "late"
+        second.set()
+        await asyncio.sleep(0.3)  # still running when attempt 1 offers its result
+        return f"attempt {ctx.attempt}"
+
+    @app.workflow
+    async def alone() -> str:
+        return await contested()
+
+    before = RECORDER.counter("tether_lease_lost")
+    with trace.get_tracer("test").start_as_current_span("caller"):
+        run = await app.start(alone)
+    async with app.worker(poll_interval=0.05) as w:
+        assert await run.result(timeout=20) == "attempt 2"
+    assert w.stats["lease_lost"] == 1
+    assert RECORDER.counter("tether_lease_lost") - before == 1
+    outcomes = sorted(
+        (s.attributes["tether.attempt"], s.attributes["tether.outcome"]) for s in _attempts(spans)
+    )
+    assert outcomes == [(1, "lease_lost"), (2, "ok")]
+
+
+async def test_a_workflow_task_commit_refused_for_a_lost_lease_is_counted(
+    app: tether.App,
+) -> None:
+    """A workflow task whose lease passed to another worker before its commit: the
+    refused commit is counted in ``tether_lease_lost_total``, as an activity's is."""
+    from tether._telemetry import RECORDER
+
+    @app.workflow
+    async def short() -> int:
+        return 1
+
+    store = app.store
+    await app.start(short, run_id="lost-wt")
+    (stale,) = await store.claim(worker_id="A", queues=["default"], limit=1, lease=-1)
+    (fresh,) = await store.claim(worker_id="B", queues=["default"], limit=1, lease=30)
+    assert fresh.fence == stale.fence + 1
+    worker = app.worker(poll_interval=0.05)
+    before = RECORDER.counter("tether_lease_lost")
+    await worker._advance_and_commit(stale, None, [])
+    assert worker.stats["lease_lost"] == 1
+    assert RECORDER.counter("tether_lease_lost") - before == 1
+    assert len(await store.read_history("lost-wt")) == 1  # nothing was written
+
+
+def _histogram_count(name: str, labels: tuple[str, ...]) -> int:
+    from tether._telemetry import RECORDER
+
+    return sum(n for got, lbl, _, _, n in RECORDER.histograms() if (got, lbl) == (name, labels))
+
+
+async def test_batched_attempts_get_spans_and_metrics_like_single_ones(
+    app: tether.App, spans: InMemorySpanExporter
+) -> None:
+    """A batched call (``tether.Batch``) is an attempt of its own step: each item gets
+    its span in its own run's trace with its outcome, its duration and queue wait are
+    observed, and a breaker that refuses the batch counts each item as a rejection."""
+    from tether._telemetry import RECORDER
+
+    down = {"now": False}
+    breaker = tether.CircuitBreaker("vec", failure_ratio=0.5, min_calls=2, window=60, cooldown=60)
+
+    @app.activity(
+        batch=tether.Batch(max_items=8, max_wait=0.05),
+        retry=tether.Retry(attempts=1),
+        breaker=breaker,
+    )
+    async def embed(texts: list[str]) -> list[int]:
+        if down["now"]:
+            raise ConnectionError("down")
+        return [len(t) for t in texts]
+
+    @app.workflow
+    async def one(text: str) -> int:
+        return await embed(text)
+
+    tracer = trace.get_tracer("test")
+    ok_wait = _histogram_count("tether_queue_wait", ("default", "activity"))
+    durations = {
+        o: _histogram_count("tether_activity_duration", ("embed", o)) for o in ("ok", "failed")
+    }
+    rejected = RECORDER.counter("tether_breaker_rejections", ("embed",))
+    callers = []
+    async with app.worker(poll_interval=0.05) as w:
+        runs = []
+        for text in ("a", "bb", "ccc"):
+            with tracer.start_as_current_span("caller") as caller:
+                runs.append(await app.start(one, text))
+            callers.append(caller)
+        assert [await r.result(timeout=20) for r in runs] == [1, 2, 3]
+        down["now"] = True
+        for _ in range(2):  # failures open the breaker, then it refuses the batch
+            runs = [await app.start(one, "x") for _ in range(3)]
+            for r in runs:
+                with pytest.raises(tether.WorkflowFailedError):
+                    await r.result(timeout=20)
+    assert w.stats["batches"] >= 2 and w.stats["breaker_rejections"] == 3
+    assert RECORDER.counter("tether_breaker_rejections", ("embed",)) - rejected == 3
+    assert _histogram_count("tether_queue_wait", ("default", "activity")) - ok_wait == 9
+    assert _histogram_count("tether_activity_duration", ("embed", "ok")) - durations["ok"] == 3
+    assert (
+        _histogram_count("tether_activity_duration", ("embed", "failed")) - durations["failed"] == 3
+    )
+    attempts = _attempts(spans)
+    assert len(attempts) == 9  # one per item attempt, rejected ones too
+    outcomes = sorted(str(s.attributes["tether.outcome"]) for s in attempts)
+    assert outcomes == ["failed"] * 6 + ["ok"] * 3
+    for caller in callers:  # each item's span is in its own run's trace
+        (mine,) = [s for s in attempts if s.context.trace_id == caller.get_span_context().trace_id]
+        assert mine.parent is not None and mine.parent.span_id == caller.get_span_context().span_id
+        assert mine.attributes["tether.outcome"] == "ok"
+
+
+async def test_a_first_task_run_by_app_start_gets_its_spans_and_metrics(
+    app: tether.App, spans: InMemorySpanExporter
+) -> None:
+    """With an in-process worker, ``app.start`` runs the first workflow task itself (as
+    every HTTP start of ``tether serve --workers N``). A run that ends in that task gets
+    its lifetime span and run duration, the task its span, and a child it starts is
+    counted as started, as on the ordinary path."""
+    from tether._telemetry import RECORDER
+
+    @app.workflow
+    async def quick(x: int) -> int:
+        return x * 2
+
+    @app.workflow
+    async def broken(x: int) -> int:
+        raise ValueError("bad")
+
+    @app.workflow
+    async def kid() -> int:
+        return 5
+
+    @app.workflow
+    async def parent() -> int:
+        return await kid()
+
+    names = ("quick", "broken", "parent", "kid")
+    durations = {
+        (n, s): _histogram_count("tether_run_duration", (n, s))
+        for n in names
+        for s in ("completed", "failed")
+    }
+    started = {n: RECORDER.counter("tether_runs_started", (n,)) for n in names}
+    tracer = trace.get_tracer("test")
+    async with app.worker(poll_interval=0.05) as w:
+        with tracer.start_as_current_span("caller") as caller:
+            runs = [await app.start(quick, 1), await app.start(broken, 1), await app.start(parent)]
+        assert w.stats["eager_starts"] == 3  # each first task ran in app.start
+        assert await runs[0].result(timeout=20) == 2
+        with pytest.raises(tether.WorkflowFailedError):
+            await runs[1].result(timeout=20)
+        assert await runs[2].result(timeout=20) == 5
+    got = {
+        (n, s): _histogram_count("tether_run_duration", (n, s)) - durations[(n, s)]
+        for n, s in durations
+    }
+    assert {k: v for k, v in got.items() if v} == {
+        ("quick", "completed"): 1,
+        ("broken", "failed"): 1,
+        ("parent", "completed"): 1,
+        ("kid", "completed"): 1,
+    }
+    assert {n: RECORDER.counter("tether_runs_started", (n,)) - started[n] for n in names} == {
+        n: 1 for n in names
+    }
+    mine = [
+        s
+        for s in spans.get_finished_spans()
+        if s.context is not None and s.context.trace_id == caller.get_span_context().trace_id
+    ]
+    lifetimes = sorted(
+        (s.name, s.attributes["tether.outcome"])
+        for s in mine
+        if s.name.startswith("tether.lifetime")
+    )
+    assert lifetimes == [
+        ("tether.lifetime broken", "failed"),
+        ("tether.lifetime kid", "completed"),
+        ("tether.lifetime parent", "completed"),
+        ("tether.lifetime quick", "completed"),
+    ]
+    tasks = [s.name for s in mine if s.name.startswith("tether.workflow_task")]
+    for n in ("quick", "broken", "parent"):  # the first (eager) task has its span
+        assert f"tether.workflow_task {n}" in tasks

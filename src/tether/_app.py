@@ -721,7 +721,7 @@ class App:
             if eager is not None:
                 if res.first_marker is not None and not res.run.is_finished:
                     self._note_running_here(res.run.run_id)
-                local.adopt_start(eager[0], res)
+                local.adopt_start(eager, res)
             elif res.leased is not None:
                 local._spawn(res.leased)  # no claim round trip for a run started in-process
         if res.created:

@@ -13,6 +13,7 @@ import concurrent.futures
 import contextvars
 import functools
 import logging
+import time
 from collections.abc import Awaitable, Coroutine
 from typing import Any, Protocol
 
@@ -26,6 +27,8 @@ from ._history import Task
 from ._host import WorkerApp
 from ._policy import Retry
 from ._serde import encode
+from ._telemetry import count, observe
+from ._tracing import activity_span, mark_ok
 
 log = logging.getLogger("tether.worker")
 
@@ -47,7 +50,12 @@ class BatchHost(Protocol):
     ) -> None: ...
 
     async def _record_failure(
-        self, task: Task, exc: BaseException, plan: _Plan, ctx: ActivityContext | None
+        self,
+        task: Task,
+        exc: BaseException,
+        plan: _Plan,
+        ctx: ActivityContext | None,
+        began: float | None = None,
     ) -> None: ...
 
     async def _breaker_record(self, cfg: dict[str, Any], ok: bool) -> None: ...
@@ -115,13 +123,16 @@ async def run_batch(w: BatchHost, tasks: list[Task]) -> None:
                 "attempts were lost (worker crash or heartbeat timeout)"
             )
         else:
+            scheduled_at = opts.get("scheduled_at")
+            if task.attempt == 1 and scheduled_at is not None:
+                observe("tether_queue_wait", (task.queue, "activity"), max(0.0, now - scheduled_at))
             try:
                 args, kwargs = act.sig.decode_args(task.payload or "{}")
                 live.append((task, plan, args[0] if args else next(iter(kwargs.values()))))
                 continue
             except PayloadError as exc:
                 early = NonRetryable(str(exc))
-        outcomes.append(w._record_failure(task, early, plan, None))
+        outcomes.append(_attempt(task, w._record_failure(task, early, plan, None)))
     if outcomes:
         await _settle(w, outcomes, tasks)  # recorded now: the batch may run a long time
         outcomes = []
@@ -132,8 +143,11 @@ async def run_batch(w: BatchHost, tasks: list[Task]) -> None:
         wait = await store.breaker_admit(breaker)
         if wait is not None:  # open: fail fast, never touching the dependency
             w.stats["breaker_rejections"] += len(live)
+            count("tether_breaker_rejections", (act.name,), len(live))
             err = CircuitOpenError(breaker["name"], wait)
-            await _settle(w, [w._record_failure(t, err, p, None) for t, p, _ in live], tasks)
+            await _settle(
+                w, [_attempt(t, w._record_failure(t, err, p, None)) for t, p, _ in live], tasks
+            )
             return
     first = live[0][0]
     ctx = BatchActivityContext(
@@ -154,6 +168,7 @@ async def run_batch(w: BatchHost, tasks: list[Task]) -> None:
     items = [item for _, _, item in live]
     error: BaseException | None = None
     results: list[Any] = []
+    began, began_ns = time.perf_counter(), time.time_ns()  # every item's attempt begins
     try:
         cv = contextvars.copy_context()
         cv.run(set_context, ctx)
@@ -176,6 +191,7 @@ async def run_batch(w: BatchHost, tasks: list[Task]) -> None:
         )
     except Exception as exc:
         error = exc
+    ran = time.perf_counter() - began
     w.stats["batches"] += 1
     w.stats["batch_items"] += len(live)
     for i, (task, plan, _) in enumerate(live):
@@ -191,14 +207,38 @@ async def run_batch(w: BatchHost, tasks: list[Task]) -> None:
                 outcome = NonRetryable(str(exc))
         if isinstance(outcome, str):
             w.stats["activities"] += 1
-            outcomes.append(_complete(w, task, outcome, breaker))
+            observe("tether_activity_duration", (act.name, "ok"), ran)
+            work = _complete(w, task, outcome, breaker)
         else:
-            outcomes.append(w._record_failure(task, outcome, plan, None))
+            work = w._record_failure(task, outcome, plan, None, began)
+        outcomes.append(_attempt(task, work, began_ns))
     await _settle(w, outcomes, tasks)
+
+
+async def _attempt(task: Task, work: Awaitable[None], began: int | None = None) -> None:
+    """Record one item's outcome as its own attempt: in a span of its run's trace (when
+    the run is traced) from ``began`` (epoch ns; None: now) to its recording."""
+    opts = task.options or {}
+    carrier = opts.get("trace")
+    if carrier is None:
+        await work
+        return
+    with activity_span(
+        task.name or "",
+        task.run_id,
+        task.step,
+        task.attempt,
+        task.queue,
+        carrier,
+        opts.get("tenant"),
+        began=began,
+    ):
+        await work
 
 
 async def _complete(w: BatchHost, task: Task, result: str, breaker: dict[str, Any] | None) -> None:
     """Record one item's result (the one-commit path when the worker can take it)."""
+    mark_ok()
     if breaker:
         await w._breaker_record(breaker, True)
     await w._record_result(task, result)

@@ -47,8 +47,8 @@ def set_min_attempt_ms(ms: float) -> None:
     The Python SDK costs tens of microseconds per span, a large share of a short step:
     with a threshold every run stays traced (its start, waits, workflow tasks and life,
     and every slow or failed attempt) while the many fast steps cost almost nothing.
-    An attempt without a span of its own has no current span while it runs, so spans
-    its own code makes nest under the run's context instead."""
+    An attempt without a span of its own runs with the run's stored context current,
+    so spans its own code makes nest under the run's context instead."""
     global _MIN_ATTEMPT_NS
     if ms < 0:
         raise ValueError(f"min_attempt_ms must be >= 0 (got {ms!r})")
@@ -120,9 +120,11 @@ def activity_span(
     queue: str,
     carrier: Any,
     tenant: str | None = None,
+    began: int | None = None,
 ) -> Iterator[Any]:
     """A span for one activity attempt, a child of the run's stored context, current
     while the attempt runs (so the activity's own instrumentation nests under it).
+    ``began`` (epoch ns) is when the attempt began, if before now (a batch's items).
 
     Exceptions are not recorded on it: their messages may hold data (``mark_failed``
     sets the type)."""
@@ -131,13 +133,14 @@ def activity_span(
         return
     about = (run_id, step, attempt, queue, tenant)
     if _MIN_ATTEMPT_NS:
-        yield from _decided_at_end(f"tether.activity {name}", carrier, about)
+        yield from _decided_at_end(f"tether.activity {name}", carrier, about, began)
         return
     span = _tracer().start_span(
         f"tether.activity {name}",
         context=_extract(carrier),
         kind=trace.SpanKind.CONSUMER,
         attributes=_attempt_attributes(*about),
+        start_time=began,
     )
     # how it ended is noted in ``pending`` (``mark_ok``/``mark_failed``) and set on the
     # span as it ends: no lookup of the current span per attempt
@@ -163,6 +166,8 @@ def _mark(span: Any, pending: dict[str, Any]) -> None:
         span.set_status(trace.Status(trace.StatusCode.ERROR, failed))
     elif pending.get("ok"):
         span.set_attribute("tether.outcome", "ok")
+    if pending.get("lease_lost"):  # its result (or failure) was refused: not recorded
+        span.set_attribute("tether.outcome", "lease_lost")
 
 
 def _attempt_attributes(
@@ -179,26 +184,33 @@ def _attempt_attributes(
     return attributes
 
 
-def _decided_at_end(name: str, carrier: Any, about: tuple[Any, ...]) -> Iterator[None]:
+def _decided_at_end(
+    name: str, carrier: Any, about: tuple[Any, ...], began: int | None = None
+) -> Iterator[None]:
     """An attempt whose span is made at its end, if it was slow or failed (its
-    attributes are built only then)."""
+    attributes are built only then). While it runs, the run's stored context is current,
+    so spans its code makes (in this task or a thread it starts) join the run's trace."""
     assert trace is not None
     pending: dict[str, Any] = {}
     token = _pending.set(pending)
-    began = time.time_ns()
+    context = _extract(carrier)
+    attached = otel_context.attach(context)
+    if began is None:
+        began = time.time_ns()
     try:
         yield None
     finally:
+        otel_context.detach(attached)
         _pending.reset(token)
         ended = time.time_ns()
         failed = pending.get("error_type")
         # the attempt's own run time decides (until it returned), not the wait for the
         # commit that records it, which group commit makes longer under load
         ran = pending.get("returned_at", ended) - began
-        if failed is not None or ran >= _MIN_ATTEMPT_NS:
+        if failed is not None or ran >= _MIN_ATTEMPT_NS or pending.get("lease_lost"):
             span = _tracer().start_span(
                 name,
-                context=_extract(carrier),
+                context=context,
                 kind=trace.SpanKind.CONSUMER,
                 attributes=_attempt_attributes(*about),
                 start_time=began,
@@ -220,6 +232,14 @@ def mark_ok() -> None:
     pending = _pending.get()
     if pending is not None:
         pending.update(ok=True, returned_at=time.time_ns())
+
+
+def mark_lease_lost() -> None:
+    """For the current attempt's span: its lease had passed to another worker, so what
+    it reported was refused (another attempt's result counts)."""
+    pending = _pending.get()
+    if pending is not None:
+        pending["lease_lost"] = True
 
 
 @contextlib.contextmanager

@@ -54,6 +54,7 @@ from ._telemetry import count, observe
 from ._tracing import (
     activity_span,
     mark_failed,
+    mark_lease_lost,
     mark_ok,
     run_span,
     wait_spans,
@@ -611,16 +612,18 @@ class Worker:
 
     def eager_start(
         self, wf: Workflow[Any, Any], run_id: str, input_text: str, data: dict[str, Any], now: float
-    ) -> tuple[WorkflowInstance, WorkflowTaskResult] | None:
+    ) -> tuple[WorkflowInstance, WorkflowTaskResult, float] | None:
         """Run a new run's first workflow task before the run is stored.
 
         ``app.start`` then records the run and this task's commands in one commit
         (the activities it schedules leased to us), instead of one commit to create
         the run and another to complete its first task. ``data`` is the start
-        event's data as the store will record it. None: take the ordinary path.
+        event's data as the store will record it. Returns the instance, the task's
+        result and when it began (for ``adopt_start``); None: take the ordinary path.
         """
         if self._stopping or wf.name in self._switches.off.get("workflow", ()):
             return None
+        began = time.time()
         start = Event(
             run_id=run_id,
             seq=1,
@@ -635,10 +638,15 @@ class Worker:
         except Exception:  # a bug in the code: the ordinary path records the failure
             inst.close()
             return None
-        return inst, result
+        return inst, result, began
 
-    def adopt_start(self, inst: WorkflowInstance, res: StartResult) -> None:
-        """Take over what ``create_run`` did with an eager first task (or drop it)."""
+    def adopt_start(
+        self, eager: tuple[WorkflowInstance, WorkflowTaskResult, float], res: StartResult
+    ) -> None:
+        """Take over what ``create_run`` did with an eager first task (or drop it): once
+        committed, the task is followed up as any other (``_committed``: its counts,
+        spans and, when it ended the run, the run's duration and lifetime span)."""
+        inst, result, began = eager
         if res.first_marker is None:  # the run existed already or was queued
             inst.close()
             if res.leased is not None:
@@ -648,8 +656,7 @@ class Worker:
         self.stats["eager_starts"] += 1
         observe("tether_queue_wait", (res.run.queue, "workflow"), 0.0)  # it never waited
         inst.committed(res.first_marker)
-        for name, labels, n in inst.take_counts():  # what its first task noted
-            count(name, labels, n)
+        self._committed(res.run.run_id, inst, result, began, False)
         self._keep(res.run.run_id, inst)
         for t in res.first_leased:
             self._spawn(t)
@@ -749,7 +756,7 @@ class Worker:
             if fresh is not None:
                 fresh.close()
             if isinstance(exc, LeaseLostError):
-                self.stats["lease_lost"] += 1
+                self._lease_lost(attempt=False)  # a workflow task's
             else:
                 log.warning(
                     "could not commit workflow task of %r: %s",
@@ -1007,11 +1014,18 @@ class Worker:
                 read_after=self._cached_through(task.run_id),
             )
         except LeaseLostError:
-            self.stats["lease_lost"] += 1
-            count("tether_lease_lost")
+            self._lease_lost()
             return
         if wt is not None:
             self._spawn(wt)
+
+    def _lease_lost(self, attempt: bool = True) -> None:
+        """A result (or failure) this worker offered was refused: its lease had passed.
+        ``attempt``: an activity attempt's, marked on its span when it has one."""
+        self.stats["lease_lost"] += 1
+        count("tether_lease_lost")
+        if attempt:
+            mark_lease_lost()
 
     async def _complete_fast(
         self, task: Task, result: str, value: Any = _UNSET, inline: bool = False
@@ -1066,7 +1080,7 @@ class Worker:
             )
         except LeaseLostError:
             inst.close()
-            self.stats["lease_lost"] += 1
+            self._lease_lost()
             return True
         except StoreError as exc:
             inst.close()
@@ -1095,8 +1109,15 @@ class Worker:
         return True
 
     async def _record_failure(
-        self, task: Task, exc: BaseException, plan: _Plan, ctx: ActivityContext | None
+        self,
+        task: Task,
+        exc: BaseException,
+        plan: _Plan,
+        ctx: ActivityContext | None,
+        began: float | None = None,
     ) -> None:
+        """Record a failed attempt (a retry or the step's end). ``began`` is when the
+        attempt's call began (perf_counter) when ``ctx`` cannot say: a batch's items."""
         store = self.app.store
         now = store.clock()
         error, retry_at = plan.decide(task.attempt, exc, now, ctx is not None and ctx.is_cancelled)
@@ -1105,8 +1126,10 @@ class Worker:
         mark_failed(error_type, retry_at is not None)
         name = task.name or ""
         if ctx is not None and ctx._began:
+            began = ctx._began
+        if began:
             outcome = "retry" if retry_at is not None else "failed"
-            observe("tether_activity_duration", (name, outcome), time.perf_counter() - ctx._began)
+            observe("tether_activity_duration", (name, outcome), time.perf_counter() - began)
         if isinstance(exc, TimeoutError):
             count("tether_activity_timeouts", (name,))
         elif http_status(exc) == 429:
@@ -1134,6 +1157,7 @@ class Worker:
                 read_after=self._cached_through(task.run_id),
             )
         except LeaseLostError:
+            self._lease_lost()
             return
         if wt is not None:
             self._spawn(wt)

@@ -89,15 +89,31 @@ def context() -> dict[str, Any]:
     return out
 
 
+#: the fields ``context()`` may give: ``ContextFilter`` sets each one on every record
+_FIELDS = (
+    "run_id",
+    "workflow",
+    "step",
+    "activity",
+    "attempt",
+    "tenant",
+    "trace_id",
+    "span_id",
+)
+
+
 class ContextFilter(logging.Filter):
     """Adds ``context()`` to every record as attributes (``%(run_id)s``...), so plain
-    formatters can show them; records outside any run get ``run_id`` None."""
+    formatters can show them; a field the record's context lacks (every one outside a
+    run, ``activity`` in workflow code...) is None unless ``extra=`` gave it."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         ctx = context()
-        record.run_id = ctx.get("run_id")
-        for key, value in ctx.items():
-            setattr(record, key, value)
+        for key in _FIELDS:
+            if key in ctx:
+                setattr(record, key, ctx[key])
+            elif not hasattr(record, key):
+                setattr(record, key, None)
         return True
 
 

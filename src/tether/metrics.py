@@ -195,10 +195,18 @@ def _recorded() -> Iterator[Any]:
 def to_opentelemetry(meter_provider: Any = None) -> None:
     """Also record the engine's counters and histograms as OpenTelemetry metrics
     (instruments of meter ``tether``, same names and labels as attributes), from now on,
-    for the meter provider you configured (``opentelemetry-sdk`` and an exporter)."""
+    for the meter provider you configured (``opentelemetry-sdk`` and an exporter).
+
+    Calling it again with the same provider changes nothing (nothing is counted twice);
+    with another provider, the figures go to that one instead."""
     from opentelemetry import metrics as otel_metrics
 
     provider = meter_provider or otel_metrics.get_meter_provider()
+    for old in list(RECORDER.sinks):
+        if isinstance(old, _OtelSink):
+            if old.provider is provider:
+                return
+            RECORDER.sinks.remove(old)
     meter = provider.get_meter("tether")
     instruments: dict[str, Any] = {}
     for name, spec in SPECS.items():
@@ -212,8 +220,18 @@ def to_opentelemetry(meter_provider: Any = None) -> None:
                 explicit_bucket_boundaries_advisory=list(DURATION_BUCKETS),
             )
 
-    def sink(name: str, labels: tuple[str, ...], value: float, histogram: bool) -> None:
-        instrument = instruments.get(name)
+    RECORDER.sinks.append(_OtelSink(provider, instruments))
+
+
+class _OtelSink:
+    """Sends each observation to its OpenTelemetry instrument (one per provider)."""
+
+    def __init__(self, provider: Any, instruments: dict[str, Any]) -> None:
+        self.provider = provider
+        self.instruments = instruments
+
+    def __call__(self, name: str, labels: tuple[str, ...], value: float, histogram: bool) -> None:
+        instrument = self.instruments.get(name)
         if instrument is None:
             return
         attributes = dict(zip(SPECS[name].labels, labels, strict=False))
@@ -221,5 +239,3 @@ def to_opentelemetry(meter_provider: Any = None) -> None:
             instrument.record(value, attributes)
         else:
             instrument.add(value, attributes)
-
-    RECORDER.sinks.append(sink)
