@@ -125,6 +125,7 @@ async def test_saga_failing_undo_needs_intervention_other_undos_run_alert_once(
     assert info.error["type"] == "CompensationFailed"
     assert "warehouse on fire" in info.error["message"]
     assert "refund API rejected the refund" in info.error["message"]
+    await asyncio.gather(*app._alerts)  # the hook runs in a thread: it has returned
     await asyncio.sleep(0.2)  # a second alert would have arrived by now
     assert len(alerts) == 1
     assert alerts[0][0] == run.run_id

@@ -8,6 +8,7 @@ import contextlib
 import contextvars
 import dataclasses
 import datetime as _dt
+import inspect
 import json
 import logging
 import os
@@ -100,6 +101,8 @@ C = TypeVar("C", bound=type)
 #: by content) may still be working before the commit that refers to it. The same as
 #: gc_blobs' default grace; gc collects what purge spared once nothing refers to it.
 PURGE_BLOB_GRACE = 3600.0
+#: seconds ``App.close`` waits for alert hooks still running before it abandons them
+ALERT_CLOSE_WAIT = 10.0
 
 
 class Run(Generic[R]):
@@ -187,9 +190,11 @@ class App:
         encryption: Keyring | None = None,
         offload_above: int | None = OFFLOAD_ABOVE,
     ) -> None:
-        #: called as ``on_alert(subject, details)`` (sync or async): when a run needs an
-        #: operator (subject: its id; details: its error) and for the conditions of
-        #: ``tether.alerts`` (``details["alert"]`` names which)
+        #: called as ``on_alert(subject, details)`` (sync: in a thread of its own; or
+        #: async: as a task), never holding up work: when a run needs an operator
+        #: (subject: its id; details: its error; told again by ``tether.alerts`` until
+        #: the hook returns) and for the conditions of ``tether.alerts``
+        #: (``details["alert"]`` names which)
         self.on_alert = on_alert
         #: thresholds of the alert watcher (``tether.alerts``; None: its defaults)
         self.alert_rules = alert_rules
@@ -222,7 +227,13 @@ class App:
         #: runs this process started and runs in an in-process worker, not yet seen ending:
         #: their end will be announced here, so ``result()`` need not read them first
         self._running_here: set[str] = set()
-        self._alerts: set[asyncio.Future[Any]] = set()
+        #: alert hooks being told (``_alert``), with their subjects; and of them, those
+        #: telling that a run needs an operator, by run id (the watcher leaves those be)
+        self._alerts: dict[asyncio.Future[Any], str] = {}
+        self._telling: dict[str, asyncio.Future[Any]] = {}
+        #: runs whose operator this process failed to tell (the hook raised or was
+        #: abandoned): the watcher tells them again without waiting its grace
+        self._untold: set[str] = set()
         #: workers running in this process, which app.start may hand a new run to
         self._local_workers: list[Worker] = []
         self._queue_limits: dict[str, QueueLimits] = {}
@@ -301,7 +312,11 @@ class App:
                 w.loop.call_soon_threadsafe(w.event.set)
 
     async def close(self) -> None:
-        """Close the store (waits for pending writes)."""
+        """Close the store (waits for pending writes), after the alert hooks still
+        running (up to ``ALERT_CLOSE_WAIT`` seconds: those still running then are
+        cancelled and logged; a run they were telling about is told again by an
+        ``AlertWatcher``)."""
+        await self._settle_alerts(ALERT_CLOSE_WAIT)
         if self._store is not None:
             await self._store.close()
             self._store = None
@@ -1649,17 +1664,48 @@ class App:
         )
         return value
 
-    def _alert(self, subject: str, details: dict[str, Any]) -> bool | asyncio.Future[Any]:
+    def _alert(self, subject: str, details: dict[str, Any]) -> asyncio.Future[Any]:
         """Tell the alert hook (or the log): ``subject`` is a run id for a run that needs
         an operator (``details`` is its error), else what the alert is about
         (``queue:<name>``, ``workflow:<name>``, ``dead_letters``, ``process``).
 
-        Returns whether it was told; for an async hook, the task telling it (done with
-        an exception if the hook raised). A failure is logged the same way for both."""
+        Never blocks the calling loop: an async hook runs as a task, a sync one in a
+        thread of its own. Returns the task telling it, done with an exception if the
+        hook raised (logged here, sync or async alike). For a run, being told is then
+        recorded in the store (an ``alerted`` audit entry), which is how the alert
+        watcher knows whom nobody told (``tether.alerts``); ``close`` waits a while for
+        the tasks still running."""
         details = {"alert": "needs_intervention", **details}
-        hook = self.on_alert
+        run = details["alert"] == "needs_intervention"
+        task = asyncio.ensure_future(self._tell(self.on_alert, subject, details, run))
+        self._alerts[task] = subject
+        if run:
+            self._telling[subject] = task
+
+        def done(t: asyncio.Future[Any]) -> None:
+            self._alerts.pop(t, None)
+            exc = None if t.cancelled() else t.exception()  # retrieved: logged here
+            if self._telling.get(subject) is t:
+                del self._telling[subject]
+                if exc is None and not t.cancelled():
+                    self._untold.discard(subject)
+                else:  # the watcher need not give this process's hook time: it is over
+                    self._untold.add(subject)
+            if exc is not None:
+                log.error("the on_alert hook failed for %r", subject, exc_info=exc)
+
+        task.add_done_callback(done)
+        return task
+
+    async def _tell(
+        self,
+        hook: Callable[[str, dict[str, Any]], Any] | None,
+        subject: str,
+        details: dict[str, Any],
+        run: bool,
+    ) -> None:
         if hook is None:
-            if details["alert"] == "needs_intervention":
+            if run:
                 log.error(
                     "run %r needs intervention: %s: %s",
                     subject,
@@ -1668,25 +1714,52 @@ class App:
                 )
             else:  # the watcher's own words: names and figures, no payload
                 log.warning("alert %s on %s: %s", details["alert"], subject, details["message"])
-            return True
+        elif _is_async(hook):
+            await hook(subject, details)
+        else:
+            out = await _in_thread(hook, subject, details)
+            if inspect.isawaitable(out):  # a sync callable that returned a coroutine
+                await out
+        if not run or self._store is None:  # closed meanwhile: a watcher tells it again
+            return
         try:
-            out = hook(subject, details)
-        except Exception:
-            log.exception("the on_alert hook failed for %r", subject)
-            return False
-        if not asyncio.iscoroutine(out):
-            return True
-        task = asyncio.ensure_future(out)
-        self._alerts.add(task)
+            await self._store.audit(
+                "on_alert" if hook is not None else "log",
+                "alerted",
+                f"run:{subject}",
+                {"alert": "needs_intervention"},
+            )
+        except Exception as exc:
+            log.warning(
+                "run %r: its operator was told, but that could not be recorded (%s: %s); "
+                "an alert watcher may tell it again",
+                subject,
+                type(exc).__name__,
+                exc,
+            )
 
-        def done(t: asyncio.Future[Any]) -> None:
-            self._alerts.discard(t)
-            exc = None if t.cancelled() else t.exception()  # retrieved: logged here
-            if exc is not None:
-                log.error("the on_alert hook failed for %r", subject, exc_info=exc)
-
-        task.add_done_callback(done)
-        return task
+    async def _settle_alerts(self, wait: float) -> None:
+        """Wait up to ``wait`` seconds for the alert hooks still running on this loop;
+        cancel (and log) those that do not finish by then."""
+        loop = asyncio.get_running_loop()
+        pending = [t for t in self._alerts if not t.done() and t.get_loop() is loop]
+        if not pending:
+            return
+        _, late = await asyncio.wait(pending, timeout=wait)
+        for task in late:
+            subject = self._alerts.get(task, "?")
+            log.warning(
+                "the on_alert hook for %r did not finish within %gs of the App closing: "
+                "abandoned%s",
+                subject,
+                wait,
+                " (not told: an alert watcher tells the run again)"
+                if subject in self._telling
+                else "",
+            )
+            task.cancel()
+        if late:  # let them take their cancellation (a sync hook's thread runs on)
+            await asyncio.wait(late, timeout=1.0)
 
     async def _wait_finished(
         self, run_id: str, deadline: float | None, may_not_exist: bool = False
@@ -1802,6 +1875,47 @@ def run_sync(coro: Coroutine[Any, Any, T]) -> T:
         raise box["error"]
     value: T = box["value"]
     return value
+
+
+def _is_async(fn: Callable[..., Any]) -> bool:
+    """Whether calling ``fn`` gives a coroutine (an async function, or an object whose
+    ``__call__`` is one, also behind ``functools.partial``)."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        type(fn).__call__  # an object whose __call__ is async
+    )
+
+
+async def _in_thread(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` in a daemon thread of its own (in a copy of this context): the loop
+    goes on meanwhile, and a call that never returns holds up neither the default
+    executor's threads nor the interpreter's exit."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[T] = loop.create_future()
+    ctx = contextvars.copy_context()
+
+    def settle(value: Any, exc: BaseException | None) -> None:
+        if fut.done():  # cancelled meanwhile (the App closing)
+            return
+        if exc is not None:
+            fut.set_exception(exc)
+        else:
+            fut.set_result(value)
+
+    def call() -> None:
+        try:
+            value, exc = ctx.run(fn, *args), None
+        except Exception as e:
+            value, exc = None, e
+        except BaseException as e:  # SystemExit and the like: not the loop's to raise
+            value, exc = None, RuntimeError(f"{type(e).__name__} raised: {e}")
+        try:
+            loop.call_soon_threadsafe(settle, value, exc)
+        except RuntimeError:  # the loop is closed: nobody is waiting any more
+            pass
+
+    name = getattr(fn, "__name__", "hook")
+    threading.Thread(target=call, name=f"tether-alert-{name}", daemon=True).start()
+    return await fut
 
 
 def _check_switch(kind: str, name: str) -> None:

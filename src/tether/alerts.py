@@ -1,17 +1,24 @@
 """Alerts as hooks: conditions an operator must hear about, sent to ``App(on_alert=...)``.
 
-``tether serve`` watches them when the App has an ``on_alert`` hook (rules from
-``App(alert_rules=AlertRules(...))``, else the defaults below); elsewhere start an
-``AlertWatcher`` yourself, in one process per store. Every ``interval`` seconds it reads
-the store (queue age, dead letters, runs over their expected duration) and this
-process's counters (retries, 429s, breaker refusals, invalid model outputs, budget
-stops, orphaned tasks taken back: ``tether._telemetry``) over the last ``window``. A
-condition calls the hook once when it starts to hold (``on_alert(subject, details)``,
-``details["alert"]`` naming it) and again only after it has cleared; a hook that raised
-(sync or async: logged as "the on_alert hook failed") is called again at the next check
-while the condition holds. The counters cover
-only the process the watcher runs in: for fleet-wide spikes use the Prometheus rules in
-docs/observability.md on the same counters.
+``tether serve`` watches them (rules from ``App(alert_rules=AlertRules(...))``, else the
+defaults below; without a hook they are logged); elsewhere start an ``AlertWatcher``
+yourself, in one process per store. Every ``interval`` seconds it reads the store (queue
+age, dead letters, runs over their expected duration, runs in ``needs_intervention``
+nobody was told about) and this process's counters (retries, 429s, breaker refusals,
+invalid model outputs, budget stops, orphaned tasks taken back: ``tether._telemetry``)
+over the last ``window``. A condition calls the hook once when it starts to hold
+(``on_alert(subject, details)``, ``details["alert"]`` naming it) and again only after it
+has cleared; a hook that raised (sync or async: logged as "the on_alert hook failed") is
+called again at the next check while the condition holds.
+
+A run that needs an operator is told by its worker as it ends; being told is recorded
+in the store (an ``alerted`` entry in the run's audit log), and the watcher tells the
+runs without one (the hook raised, the worker died or closed first) at every check
+until told, once they ended ``AlertRules.needs_intervention`` seconds ago (at once when
+the hook failed in this process): once per run ending when the hook succeeds.
+
+The counters cover only the process the watcher runs in: for fleet-wide spikes use the
+Prometheus rules in docs/observability.md on the same counters.
 """
 
 from __future__ import annotations
@@ -19,9 +26,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import math
 from typing import TYPE_CHECKING, Any
 
 from ._alert_rules import AlertRules
+from ._errors import ConfigurationError, RunNotFoundError
 from ._history import RunStatus
 from ._periodic import Periodic
 from ._telemetry import RECORDER
@@ -49,10 +58,19 @@ class AlertWatcher:
     """Checks ``rules`` every ``interval`` seconds and tells ``app``'s alert hook."""
 
     def __init__(self, app: App, rules: AlertRules | None = None, *, interval: float = 30.0):
+        if (
+            isinstance(interval, bool)
+            or not isinstance(interval, int | float)
+            or not math.isfinite(interval)
+            or interval <= 0
+        ):
+            raise ConfigurationError(
+                f"AlertWatcher interval must be a finite number of seconds > 0 (got {interval!r})"
+            )
         self.app = app
         self.rules = rules or getattr(app, "alert_rules", None) or AlertRules()
         self.interval = interval
-        #: conditions told (True) or being told by an async hook (its task), by key
+        #: conditions told (True) or being told by the hook (its task), by key
         self._firing: dict[str, bool | asyncio.Future[Any]] = {}
         #: (monotonic time, counter totals, open dead letters) of earlier checks
         self._history: collections.deque[tuple[float, dict[str, float], int]] = collections.deque()
@@ -82,8 +100,7 @@ class AlertWatcher:
             if told is False:
                 fired.append((subject, details))
                 told = self.app._alert(subject, details)
-            if told is not False:
-                firing[key] = told
+            firing[key] = told
         self._firing = firing
         return fired
 
@@ -95,6 +112,24 @@ class AlertWatcher:
             details = {"alert": alert, "value": value, "threshold": limit, "message": msg}
             out[key] = (subject, details)
 
+        if rules.needs_intervention is not None:
+            # runs nobody was told about: their worker's hook raised, or the worker died
+            # or closed before it returned (those it is telling now are left to it)
+            clock = app.store.clock()
+            for run_id, ended in await app.store.untold_interventions(clock):
+                if run_id in app._telling:
+                    continue
+                if ended > clock - rules.needs_intervention and run_id not in app._untold:
+                    continue  # its worker may be telling it now (in another process)
+                try:
+                    info = await app.get(run_id, follow=False)
+                except RunNotFoundError:  # purged meanwhile
+                    continue
+                if info.status is RunStatus.NEEDS_INTERVENTION:
+                    out[f"needs_intervention:{run_id}"] = (
+                        run_id,
+                        {"alert": "needs_intervention", **(info.error or {})},
+                    )
         if rules.queue_age is not None:
             for q in await app.queue_stats():
                 age = q.oldest_ready_age or 0.0

@@ -447,6 +447,14 @@ class Store(abc.ABC):
         """(id, at, actor, action, target, detail) entries, newest first."""
 
     @abc.abstractmethod
+    async def untold_interventions(
+        self, ended_before: float, limit: int = 20
+    ) -> list[tuple[str, float]]:
+        """(run id, completed_at) of runs that ended ``needs_intervention`` before
+        ``ended_before`` whose operator was not told since (no ``alerted`` audit entry
+        on ``run:<id>`` from then on), oldest end first."""
+
+    @abc.abstractmethod
     async def reclaim(self, worker_id: str) -> int:
         """Make every task leased to ``worker_id`` claimable now; return how many."""
 

@@ -402,6 +402,14 @@ class OpsStore(Store):
         out: list[tuple[Any, ...]] = await self._do(_audit_log, target, limit, write=False)
         return out
 
+    async def untold_interventions(
+        self, ended_before: float, limit: int = 20
+    ) -> list[tuple[str, float]]:
+        out: list[tuple[str, float]] = await self._do(
+            _untold_interventions, ended_before, limit, write=False
+        )
+        return out
+
     async def reclaim(self, worker_id: str) -> int:
         out: int = await self._do(_reclaim, worker_id)
         return out
@@ -591,7 +599,13 @@ from .schedules import (  # noqa: E402
     _put_schedule,
     _trigger_schedule,
 )
-from .switches import _audit, _audit_log, _set_switch, _switches  # noqa: E402
+from .switches import (  # noqa: E402
+    _audit,
+    _audit_log,
+    _set_switch,
+    _switches,
+    _untold_interventions,
+)
 from .tasks import _foreign_leases, _heartbeat, _next_due, _reclaim, _release, _renew  # noqa: E402
 from .timers import _fire_timer  # noqa: E402
 from .webhooks import _claim_webhooks, _finish_webhook, _webhook_deliveries  # noqa: E402

@@ -4,7 +4,9 @@ A switch disables a workflow, an activity, a model or a tenant for every worker 
 the store until it is removed; workers read the table every second or two and hold
 the matching tasks back (``_worker.py``), each looked at again every few seconds, so
 a switch turned back on takes effect within that time. The audit log records who did what to which
-run or switch, from the API, the console or the CLI.
+run or switch, from the API, the console or the CLI, and when an operator was told that a
+run needs intervention (``alerted``: the App's ``on_alert`` hook returned, or it was
+logged), which is how the alert watcher finds the runs nobody was told about.
 """
 
 from __future__ import annotations
@@ -56,3 +58,17 @@ def _audit_log(tx: _Tx, target: str | None, limit: int) -> list[tuple[Any, ...]]
         (*args, limit),
     ).fetchall()
     return [tuple(r) for r in rows]
+
+
+def _untold_interventions(tx: _Tx, ended_before: float, limit: int) -> list[tuple[str, float]]:
+    """(run id, completed_at) of up to ``limit`` runs that ended ``needs_intervention``
+    before ``ended_before`` and were not told since (no ``alerted`` entry at or after
+    that end: a run retried that ends again is untold again), oldest end first."""
+    rows = tx.execute(
+        "SELECT r.run_id, r.completed_at FROM runs r WHERE r.status = 'needs_intervention' "
+        "AND r.completed_at < ? AND NOT EXISTS (SELECT 1 FROM audit_log a WHERE "
+        "a.target = 'run:' || r.run_id AND a.action = 'alerted' AND a.at >= r.completed_at) "
+        "ORDER BY r.completed_at, r.run_id LIMIT ?",
+        (ended_before, limit),
+    ).fetchall()
+    return [(r[0], r[1]) for r in rows]
