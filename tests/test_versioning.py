@@ -231,3 +231,62 @@ async def test_worker_versions_serves_only_runs_recorded_by_its_versions(db_path
         assert await v1.get_run("old").result(timeout=10) == "v1"
     assert v1_calls == ["v1"]
     await v1.close()
+
+
+async def test_a_deploy_missing_an_activity_spends_none_of_its_attempts(
+    store_url: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A worker that claims a step whose activity it does not register (a deploy that
+    forgot an import) gives it back unstarted: the step waits, no attempt is spent, the
+    run says why, and the fixed deploy runs it as its first attempt."""
+    monkeypatch.setattr("tether._worker.UNKNOWN_HOLD", 0.05, raising=False)
+    calls: list[int] = []
+
+    def build(with_enrich: bool) -> tether.App:
+        app = tether.App(store=store_url)
+        if with_enrich:
+
+            @app.activity(queue="enrich", retry=tether.Retry(attempts=2, initial=0.05))
+            def enrich(x: int) -> int:
+                calls.append(x)
+                return x * 10
+
+        @app.workflow
+        async def flow(x: int) -> int:
+            if with_enrich:
+                return int(await app.get_activity("enrich")(x))
+            return 0
+
+        return app
+
+    v1, v2 = build(True), build(False)
+    async with v1.worker(queues=["default"], poll_interval=0.05):
+        await v1.start(v1.get_workflow("flow"), 7, run_id="r")
+        for _ in range(200):
+            types = [e.type for e in await v1.history("r")]
+            if tether.EventType.ACTIVITY_SCHEDULED in types:
+                break
+            await asyncio.sleep(0.02)
+    caplog.set_level("WARNING", logger="tether.worker")
+    async with v2.worker(queues=["enrich"], poll_interval=0.02) as w:
+        for _ in range(200):
+            if w.stats["held_unknown"] >= 4:
+                break
+            await asyncio.sleep(0.02)
+    assert w.stats["held_unknown"] >= 4
+    types = [e.type for e in await v1.history("r")]
+    assert tether.EventType.ACTIVITY_ATTEMPT_FAILED not in types, types
+    info = await v1.get("r")
+    assert info.status is tether.RunStatus.RUNNING
+    assert info.task_error is not None and "'enrich'" in info.task_error, info.task_error
+    assert [r.run_id for r in await v1.list(stuck=True)] == ["r"]
+    said = [r for r in caplog.records if "'enrich'" in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in said]  # once per interval, not per claim
+    async with v1.worker(poll_interval=0.05):
+        assert await v1.get_run("r").result(timeout=15) == 70
+    assert calls == [7]
+    done = [e for e in await v1.history("r") if e.type is tether.EventType.ACTIVITY_COMPLETED]
+    assert done[0].data["attempt"] == 1
+    assert (await v1.get("r")).task_error is None
+    for a in (v1, v2):
+        await a.close()
