@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -186,6 +187,88 @@ def test_cli_replay_fails_on_unpatched_change_and_passes_patched(tmp_path: Path)
     assert good.returncode == 0, good.stdout + good.stderr
     from_store = cli("replay", "--app", "v3:app", "--store", str(db), "--since", "1h")
     assert from_store.returncode == 0 and "ok    r" in from_store.stdout, from_store.stdout
+
+
+def test_cli_replay_store_checks_every_unfinished_run_however_old(tmp_path: Path) -> None:
+    """`tether replay --store` is the pre-deploy check of runs in flight: an old run
+    waiting on a signal is replayed whatever --limit and --since say (they pick the
+    finished runs), and finished runs are replayed only when asked."""
+    db = tmp_path / "t.db"
+    code = textwrap.dedent(
+        f"""
+        import tether
+        app = tether.App(store={f"sqlite:///{db}"!r})
+
+        @app.activity
+        def a() -> str:
+            return "a"
+
+        @app.activity
+        def b() -> str:
+            return "b"
+
+        @app.workflow
+        async def flow() -> str:
+            await a()
+            if {{KEEP_B}}:
+                await b()
+            await tether.wait_event("go")
+            return "done"
+
+        @app.workflow
+        async def ping() -> str:
+            return "pong"
+        """
+    )
+    (tmp_path / "before_deploy.py").write_text(code.replace("{KEEP_B}", "True"))
+    (tmp_path / "after_deploy.py").write_text(code.replace("{KEEP_B}", "False"))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent / "src")}
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "tether.cli", "replay", "--store", str(db), *args],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import before_deploy as v1  # type: ignore[import-not-found]
+    finally:
+        sys.path.remove(str(tmp_path))
+
+    async def make_runs() -> None:
+        async with v1.app.worker(poll_interval=0.05):
+            await v1.app.start(v1.flow, run_id="old")
+            for _ in range(250):
+                if (await v1.app.get("old")).waiting_on:
+                    break
+                await asyncio.sleep(0.02)
+            for i in range(3):  # newer runs, finished
+                await v1.app.start(v1.ping, run_id=f"ping-{i}")
+                assert await v1.app.get_run(f"ping-{i}").result(timeout=10) == "pong"
+        await v1.app.close()
+
+    asyncio.run(make_runs())
+    with sqlite3.connect(db) as conn:  # it has waited for a month
+        conn.execute("UPDATE runs SET created_at = created_at - 30 * 86400 WHERE run_id = 'old'")
+    for args in ([], ["--limit", "2"], ["--since", "7d"], ["--finished", "--limit", "1"]):
+        out = cli("--app", "after_deploy:app", *args)
+        assert out.returncode == 1, (args, out.stdout + out.stderr)
+        assert "FAIL  old (flow)" in out.stdout, (args, out.stdout)
+    plain = cli("--app", "before_deploy:app")
+    assert plain.returncode == 0, plain.stdout + plain.stderr
+    assert "ok    old" in plain.stdout and "ping-" not in plain.stdout, plain.stdout
+    assert "1 passed, 0 failed" in plain.stdout
+    some = cli("--app", "before_deploy:app", "--finished", "--limit", "2")
+    assert some.returncode == 0, some.stdout + some.stderr
+    assert "ok    ping-2" in some.stdout and "ok    ping-1" in some.stdout
+    assert "ping-0" not in some.stdout and "3 passed, 0 failed" in some.stdout
+    every = cli("--app", "before_deploy:app", "--finished")
+    assert "4 passed, 0 failed" in every.stdout, every.stdout
 
 
 async def test_worker_versions_serves_only_runs_recorded_by_its_versions(db_path: Path) -> None:
