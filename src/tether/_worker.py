@@ -45,7 +45,7 @@ from ._host import WorkerApp
 from ._periodic import Periodic
 from ._policy import Retry
 from ._queues import check_name
-from ._redact import redact
+from ._redact import redact_error
 from ._serde import encode
 from ._switches import HOLD as SWITCH_HOLD
 from ._switches import REFRESH as SWITCH_REFRESH
@@ -718,11 +718,12 @@ class Worker:
                 count("tether_nondeterminism_errors", (wf_name,))
             count("tether_workflow_task_failures", (wf_name, type(exc).__name__))
             # the message may hold the run's data: logged only as the redaction hook allows
+            # (an engine-made one, from names alone, is logged whole)
             log.error(
                 "workflow task for run %r failed: %s: %s",
                 task.run_id,
                 type(exc).__name__,
-                redact(str(exc)),
+                redact_error(type(exc).__name__, str(exc)),
                 extra={"run_id": task.run_id, "workflow": wf_name},
             )
             self.stats["workflow_task_failures"] += 1
