@@ -659,3 +659,61 @@ def test_time_formatting_never_crashes_on_a_stored_value() -> None:
     assert _ts(None) == "-" and _ts(0.0).startswith("19")
     for value in (1e300, -1e300, float("nan"), float("inf")):
         assert isinstance(_ts(value), str)
+
+
+def test_runs_marks_a_stuck_run_and_stuck_lists_only_those(project: Project) -> None:
+    """`tether runs` says which live runs cannot move on (their task error's type) and
+    `--stuck` lists only them: the runs a deploy broke."""
+    import asyncio
+
+    import tether
+
+    def build(first: bool) -> tether.App:
+        app = tether.App(store=f"sqlite:///{project.db}")
+
+        @app.activity
+        def a() -> str:
+            return "a"
+
+        @app.workflow
+        async def flow() -> str:
+            if first:
+                await a()
+            await tether.wait_event("go")
+            return "done"
+
+        @app.workflow
+        async def ping() -> str:
+            return "pong"
+
+        return app
+
+    async def go() -> None:
+        old, new = build(True), build(False)
+        async with old.worker(poll_interval=0.05):
+            await old.start(old.get_workflow("flow"), run_id="stuck-1")
+            await old.start(old.get_workflow("ping"), run_id="fine-1")
+            assert await old.get_run("fine-1").result(timeout=10) == "pong"
+            for _ in range(250):
+                if (await old.get("stuck-1")).waiting_on:
+                    break
+                await asyncio.sleep(0.02)
+        await old.signal("stuck-1", "go", None)
+        async with new.worker(poll_interval=0.05):
+            for _ in range(250):
+                if (await new.get("stuck-1")).task_error:
+                    break
+                await asyncio.sleep(0.02)
+        for app in (old, new):
+            await app.close()
+
+    asyncio.run(go())
+    table = project.ok("runs", "--store", str(project.db))
+    row = next(line for line in table.splitlines() if "stuck-1" in line)
+    assert "NonDeterminismError" in row, table
+    assert "NonDeterminism" not in next(line for line in table.splitlines() if "fine-1" in line)
+    stuck = project.ok("runs", "--store", str(project.db), "--stuck")
+    assert "stuck-1" in stuck and "fine-1" not in stuck, stuck
+    listed = json.loads(project.ok("runs", "--store", str(project.db), "--stuck", "--json"))
+    assert [r["run_id"] for r in listed] == ["stuck-1"]
+    assert listed[0]["task_error"].startswith("NonDeterminismError: ")

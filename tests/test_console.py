@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from test_http_api import INVOICE, Server, _create_key
+from test_http_api import INVOICE, Server, _create_key, _waiting_under_old_code
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 #: where the pages' screenshots go (test artefacts; docs/img keeps current ones)
@@ -349,6 +349,61 @@ def test_pages_read_with_javascript_off_with_landmarks_and_labels(
     page.goto(f"{base}/runs")
     assert run["id"] in page.inner_text("#runs")
     context.close()
+
+
+def test_a_run_stuck_on_non_determinism_says_so_on_its_page_and_in_the_list(
+    tmp_path: Path, browser: Any
+) -> None:
+    """A deploy that cannot replay a run: its page shows the task error at the top,
+    the runs list marks it, and the "stuck only" filter finds it."""
+    store = f"sqlite:///{tmp_path / 't.db'}"
+    import tether
+
+    tether.App(store=store).store.close_sync()  # type: ignore[attr-defined]
+    key = _create_key(store, "--role", "operate", "--tenant", "acme")
+    _waiting_under_old_code(store, "stuck-1", tenant="acme")
+    server = Server(store, "--workers", "1")
+    try:
+        base = f"http://127.0.0.1:{server.port}"
+        auth = {"Authorization": f"Bearer {key}"}
+        fine = _start(server, key, "bill", INVOICE)
+        server.http.get(f"/v1/runs/{fine['id']}/result?wait=20", headers=auth)
+        sent = server.http.post(
+            "/v1/runs/stuck-1/signals/review", json={"verdict": "ok"}, headers=auth
+        )
+        assert sent.status_code == 202, sent.text
+        deadline = time.monotonic() + 20
+        while not server.http.get("/v1/runs/stuck-1", headers=auth).json().get("task_error"):
+            assert time.monotonic() < deadline, "the run never failed its workflow task"
+            time.sleep(0.1)
+        page = browser.new_page()
+        _sign_in(page, base, key)
+        page.goto(f"{base}/runs/stuck-1")
+        box = page.locator("#task-error")
+        assert box.count() == 1 and box.get_attribute("role") == "alert"
+        text = box.inner_text()
+        assert "NonDeterminismError" in text and "ActivityScheduled('precheck')" in text
+        # it comes before the timeline, where an operator looks first
+        assert page.evaluate(
+            "document.getElementById('task-error').compareDocumentPosition("
+            "document.querySelector('svg.timeline')) & Node.DOCUMENT_POSITION_FOLLOWING"
+        )
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "console-run-stuck.png"), full_page=True)
+        page.goto(f"{base}/runs/{fine['id']}")
+        assert page.locator("#task-error").count() == 0
+        page.goto(f"{base}/runs")
+        row = page.locator("#runs tr", has_text="stuck-1")
+        assert row.locator(".badge.stuck").count() == 1
+        assert "NonDeterminismError" in (row.locator(".badge.stuck").get_attribute("title") or "")
+        assert page.locator("#runs tr", has_text=fine["id"]).locator(".badge.stuck").count() == 0
+        page.check("input[name=stuck]")
+        page.click("form.filters button[type=submit]")
+        page.wait_for_url("**stuck=1**")
+        shown = page.inner_text("#runs")
+        assert "stuck-1" in shown and fine["id"] not in shown
+    finally:
+        server.stop()
 
 
 def test_a_shared_console_secret_makes_replicas_accept_each_others_forms(

@@ -937,3 +937,109 @@ def test_a_body_that_is_not_utf8_json_is_refused_clearly_and_records_nothing(
     assert sent.status_code == 202, sent.text
     done = http.get(f"{run['links']['result']}?wait=20").json()
     assert done["result"] == "memo: approved"
+
+
+def _waiting_under_old_code(store: str, run_id: str, tenant: str | None = None) -> None:
+    """A run of ``approve`` (serve_app's) started by an older deploy whose code ran a step
+    before waiting for the review: today's code (no such step) cannot replay it."""
+    import asyncio
+    import concurrent.futures
+
+    import tether
+
+    old = tether.App(store=store)
+
+    @old.activity
+    def precheck(doc: str) -> str:
+        return doc
+
+    @old.workflow(name="approve")
+    async def approve(doc: str) -> str:
+        await precheck(doc)
+        await tether.wait_event("review", timeout=3600)
+        return doc
+
+    async def go() -> None:
+        async with old.worker(poll_interval=0.05):
+            await old.start(approve, "contract", run_id=run_id, tenant=tenant)
+            for _ in range(250):
+                if (await old.get(run_id)).waiting_on:
+                    break
+                await asyncio.sleep(0.02)
+        await old.close()
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # callers may run a loop
+        pool.submit(asyncio.run, go()).result()
+
+
+def test_a_run_stuck_on_non_determinism_shows_its_task_error_and_is_listed(
+    store_url: str,
+) -> None:
+    """GET /v1/runs/{id} carries the run's task_error (a monitor key sees an engine-made
+    one, never a payload), and ?stuck=true lists the live runs that have one."""
+    import tether
+
+    tether.App(store=store_url).store.close_sync()  # type: ignore[attr-defined]  # the store
+    admin = _create_key(store_url, "--role", "admin")
+    monitor = _create_key(store_url, "--role", "monitor", "--tenant", "acme")
+    _waiting_under_old_code(store_url, "stuck-1", tenant="acme")
+    server = Server(store_url, "--workers", "1")
+    try:
+        http = server.http
+
+        def as_(key: str) -> dict[str, str]:
+            return {"Authorization": f"Bearer {key}"}
+
+        body = {**INVOICE, "tenant": "acme"}
+        fine = http.post("/v1/workflows/bill/runs", json=body, headers=as_(admin)).json()
+        assert http.get(f"{fine['links']['result']}?wait=20", headers=as_(admin)).status_code == 200
+        sent = http.post(
+            "/v1/runs/stuck-1/signals/review", json={"verdict": "ok"}, headers=as_(admin)
+        )
+        assert sent.status_code == 202, sent.text
+        deadline = time.monotonic() + 20
+        while not (seen := http.get("/v1/runs/stuck-1", headers=as_(admin)).json()).get(
+            "task_error"
+        ):
+            assert time.monotonic() < deadline, f"no task_error shown: {seen}"
+            time.sleep(0.1)
+        assert seen["status"] == "running"
+        assert seen["task_error"].startswith("NonDeterminismError: ")
+        assert "history recorded ActivityScheduled('precheck')" in seen["task_error"]
+        bare = http.get("/v1/runs/stuck-1", headers=as_(monitor)).json()
+        assert bare["task_error"] == seen["task_error"]  # names only: shown to a monitor key
+        assert http.get(fine["links"]["self"], headers=as_(admin)).json()["task_error"] is None
+        stuck = http.get("/v1/runs?stuck=true", headers=as_(monitor)).json()["runs"]
+        assert [r["id"] for r in stuck] == ["stuck-1"]
+        every = http.get("/v1/runs", headers=as_(admin)).json()["runs"]
+        assert {r["id"] for r in every} == {"stuck-1", fine["id"]}
+    finally:
+        server.stop()
+
+
+def test_a_task_error_that_may_hold_a_payload_is_withheld_from_a_monitor_key() -> None:
+    import dataclasses
+
+    from tether._history import RunInfo, RunStatus
+    from tether.server._models import run_view
+
+    info = RunInfo(
+        run_id="r",
+        workflow="w",
+        status=RunStatus.RUNNING,
+        queue="default",
+        input="{}",
+        output=None,
+        error=None,
+        custom_status=None,
+        parent_run_id=None,
+        continued_to=None,
+        task_error="PayloadError: input does not match: 'ssn-078-05-1120' is not an int",
+        created_at=1.0,
+        updated_at=1.0,
+        completed_at=None,
+    )
+    assert run_view(info).task_error == info.task_error
+    assert run_view(info, payloads=False).task_error == "PayloadError: [withheld]"
+    nd = dataclasses.replace(info, task_error=None)
+    assert run_view(nd, payloads=False).task_error is None

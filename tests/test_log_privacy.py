@@ -4,6 +4,7 @@ the redaction hook lets it; the context filter and JSON lines carry run and trac
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import logging
@@ -174,3 +175,45 @@ def test_the_context_filter_gives_every_field_outside_a_run() -> None:
     lines = stream.getvalue().splitlines()
     assert lines[0] == " ".join(f"{f}=None" for f in fields) + " outside any run"
     assert "step=kept" in lines[1]
+
+
+async def test_a_non_determinism_error_is_logged_whole_it_holds_only_names(
+    store_url: str, records: list[logging.LogRecord]
+) -> None:
+    """The engine writes a NonDeterminismError's text from command types, names and a
+    step number: an operator reading the worker log sees which step diverged how."""
+
+    def build(first: bool) -> tether.App:
+        app = tether.App(store=store_url)
+
+        @app.activity
+        def a(text: str) -> str:
+            return text
+
+        @app.workflow
+        async def flow(text: str) -> str:
+            if first:
+                await a(text)
+            await tether.wait_event("go")
+            return text
+
+        return app
+
+    old, new = build(True), build(False)
+    async with old.worker(poll_interval=0.05):
+        await old.start(old.get_workflow("flow"), CANARY, run_id="nd")
+        for _ in range(200):
+            if (await old.get("nd")).waiting_on:
+                break
+            await asyncio.sleep(0.02)
+    await old.signal("nd", "go", CANARY)
+    async with new.worker(poll_interval=0.05):
+        for _ in range(200):
+            if (await new.get("nd")).task_error:
+                break
+            await asyncio.sleep(0.02)
+    text = _text(records)
+    assert CANARY not in text
+    assert "at step 1: history recorded ActivityScheduled('a'), but the code now" in text
+    for app in (old, new):
+        await app.close()

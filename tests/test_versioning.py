@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -188,6 +189,88 @@ def test_cli_replay_fails_on_unpatched_change_and_passes_patched(tmp_path: Path)
     assert from_store.returncode == 0 and "ok    r" in from_store.stdout, from_store.stdout
 
 
+def test_cli_replay_store_checks_every_unfinished_run_however_old(tmp_path: Path) -> None:
+    """`tether replay --store` is the pre-deploy check of runs in flight: an old run
+    waiting on a signal is replayed whatever --limit and --since say (they pick the
+    finished runs), and finished runs are replayed only when asked."""
+    db = tmp_path / "t.db"
+    code = textwrap.dedent(
+        f"""
+        import tether
+        app = tether.App(store={f"sqlite:///{db}"!r})
+
+        @app.activity
+        def a() -> str:
+            return "a"
+
+        @app.activity
+        def b() -> str:
+            return "b"
+
+        @app.workflow
+        async def flow() -> str:
+            await a()
+            if {{KEEP_B}}:
+                await b()
+            await tether.wait_event("go")
+            return "done"
+
+        @app.workflow
+        async def ping() -> str:
+            return "pong"
+        """
+    )
+    (tmp_path / "before_deploy.py").write_text(code.replace("{KEEP_B}", "True"))
+    (tmp_path / "after_deploy.py").write_text(code.replace("{KEEP_B}", "False"))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent / "src")}
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "tether.cli", "replay", "--store", str(db), *args],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import before_deploy as v1  # type: ignore[import-not-found]
+    finally:
+        sys.path.remove(str(tmp_path))
+
+    async def make_runs() -> None:
+        async with v1.app.worker(poll_interval=0.05):
+            await v1.app.start(v1.flow, run_id="old")
+            for _ in range(250):
+                if (await v1.app.get("old")).waiting_on:
+                    break
+                await asyncio.sleep(0.02)
+            for i in range(3):  # newer runs, finished
+                await v1.app.start(v1.ping, run_id=f"ping-{i}")
+                assert await v1.app.get_run(f"ping-{i}").result(timeout=10) == "pong"
+        await v1.app.close()
+
+    asyncio.run(make_runs())
+    with sqlite3.connect(db) as conn:  # it has waited for a month
+        conn.execute("UPDATE runs SET created_at = created_at - 30 * 86400 WHERE run_id = 'old'")
+    for args in ([], ["--limit", "2"], ["--since", "7d"], ["--finished", "--limit", "1"]):
+        out = cli("--app", "after_deploy:app", *args)
+        assert out.returncode == 1, (args, out.stdout + out.stderr)
+        assert "FAIL  old (flow)" in out.stdout, (args, out.stdout)
+    plain = cli("--app", "before_deploy:app")
+    assert plain.returncode == 0, plain.stdout + plain.stderr
+    assert "ok    old" in plain.stdout and "ping-" not in plain.stdout, plain.stdout
+    assert "1 passed, 0 failed" in plain.stdout
+    some = cli("--app", "before_deploy:app", "--finished", "--limit", "2")
+    assert some.returncode == 0, some.stdout + some.stderr
+    assert "ok    ping-2" in some.stdout and "ok    ping-1" in some.stdout
+    assert "ping-0" not in some.stdout and "3 passed, 0 failed" in some.stdout
+    every = cli("--app", "before_deploy:app", "--finished")
+    assert "4 passed, 0 failed" in every.stdout, every.stdout
+
+
 async def test_worker_versions_serves_only_runs_recorded_by_its_versions(db_path: Path) -> None:
     def build(version: str, calls: list[str]) -> tether.App:
         app = tether.App(store=f"sqlite:///{db_path}")
@@ -231,3 +314,62 @@ async def test_worker_versions_serves_only_runs_recorded_by_its_versions(db_path
         assert await v1.get_run("old").result(timeout=10) == "v1"
     assert v1_calls == ["v1"]
     await v1.close()
+
+
+async def test_a_deploy_missing_an_activity_spends_none_of_its_attempts(
+    store_url: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A worker that claims a step whose activity it does not register (a deploy that
+    forgot an import) gives it back unstarted: the step waits, no attempt is spent, the
+    run says why, and the fixed deploy runs it as its first attempt."""
+    monkeypatch.setattr("tether._worker.UNKNOWN_HOLD", 0.05, raising=False)
+    calls: list[int] = []
+
+    def build(with_enrich: bool) -> tether.App:
+        app = tether.App(store=store_url)
+        if with_enrich:
+
+            @app.activity(queue="enrich", retry=tether.Retry(attempts=2, initial=0.05))
+            def enrich(x: int) -> int:
+                calls.append(x)
+                return x * 10
+
+        @app.workflow
+        async def flow(x: int) -> int:
+            if with_enrich:
+                return int(await app.get_activity("enrich")(x))
+            return 0
+
+        return app
+
+    v1, v2 = build(True), build(False)
+    async with v1.worker(queues=["default"], poll_interval=0.05):
+        await v1.start(v1.get_workflow("flow"), 7, run_id="r")
+        for _ in range(200):
+            types = [e.type for e in await v1.history("r")]
+            if tether.EventType.ACTIVITY_SCHEDULED in types:
+                break
+            await asyncio.sleep(0.02)
+    caplog.set_level("WARNING", logger="tether.worker")
+    async with v2.worker(queues=["enrich"], poll_interval=0.02) as w:
+        for _ in range(200):
+            if w.stats["held_unknown"] >= 4:
+                break
+            await asyncio.sleep(0.02)
+    assert w.stats["held_unknown"] >= 4
+    types = [e.type for e in await v1.history("r")]
+    assert tether.EventType.ACTIVITY_ATTEMPT_FAILED not in types, types
+    info = await v1.get("r")
+    assert info.status is tether.RunStatus.RUNNING
+    assert info.task_error is not None and "'enrich'" in info.task_error, info.task_error
+    assert [r.run_id for r in await v1.list(stuck=True)] == ["r"]
+    said = [r for r in caplog.records if "'enrich'" in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in said]  # once per interval, not per claim
+    async with v1.worker(poll_interval=0.05):
+        assert await v1.get_run("r").result(timeout=15) == 70
+    assert calls == [7]
+    done = [e for e in await v1.history("r") if e.type is tether.EventType.ACTIVITY_COMPLETED]
+    assert done[0].data["attempt"] == 1
+    assert (await v1.get("r")).task_error is None
+    for a in (v1, v2):
+        await a.close()

@@ -1058,6 +1058,7 @@ class App:
         since: float | _dt.datetime | None = None,
         error_type: str | None = None,
         search: str | None = None,
+        stuck: bool = False,
     ) -> builtins.list[RunInfo]:
         """Runs, newest first, filtered by status, workflow name and what they wait for.
 
@@ -1067,7 +1068,10 @@ class App:
         pass the ``(created_at, run_id)`` of the previous page's last run. ``tenant``
         keeps one tenant's runs; ``since`` (epoch seconds or an aware datetime) runs
         created since then; ``error_type`` runs whose error, or its cause, is of that
-        type (class name); ``search`` runs whose id contains that text.
+        type (class name); ``search`` runs whose id contains that text; ``stuck`` live
+        runs that cannot move on: their ``task_error`` is set (their workflow task fails,
+        e.g. non-determinism after a deploy, or a step waits for a worker that registers
+        its activity).
         """
         if waiting_for is not None and waiting_for.partition(":")[0] not in WAITING_KINDS:
             raise ConfigurationError(
@@ -1086,6 +1090,7 @@ class App:
             since=check_time(since, "since"),
             error_type=error_type,
             search=search,
+            stuck=stuck,
         )
 
     async def history(self, run_id: str, *, follow: bool = True) -> builtins.list[Event]:

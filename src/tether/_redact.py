@@ -6,6 +6,7 @@ a hook that returns what may be shown (a masked copy, or the text itself).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 #: decides what of a payload-bearing text may be logged (None: nothing)
@@ -31,3 +32,30 @@ def redact(text: str) -> str:
         if shown is not None:
             return shown
     return f"<{len(text)} characters redacted>" if text else ""
+
+
+#: a NonDeterminismError's parts the engine writes: a command as ``Type('name')`` or
+#: ``Type``, or "no command" with the engine's reason
+_ND_PART = r"(?:no command(?: \([a-z ]+\))?|[A-Za-z]+(?:\('[^']*'\)|\(\"[^\"]*\"\))?)"
+#: the task errors the engine writes from names and step numbers alone (no payload)
+_ENGINE_MADE = re.compile(
+    r"NonDeterminismError: non-deterministic workflow code in run '[^']*' at step \d+: "
+    rf"history recorded {_ND_PART}, but the code now produced {_ND_PART}\. The run is left "
+    r"as it was and will be retried: [a-z ,.()]*tether\.patched\) and it will continue"
+    r"|UnknownActivityError: step \d+ \(activity '[^']*', queue '[^']*'\) waits for a "
+    r"worker that registers '[^']*'; worker \S+ does not",
+    re.DOTALL,
+)
+
+
+def engine_made(task_error: str) -> bool:
+    """Whether a run's ``task_error`` (``"Type: message"``) is one the engine writes from
+    names and step numbers alone, so it holds no payload: a ``NonDeterminismError``'s
+    text, or the note on a step whose activity the worker lacks."""
+    return _ENGINE_MADE.fullmatch(task_error) is not None
+
+
+def redact_error(type_name: str, text: str) -> str:
+    """What the engine logs of an error's message: all of it when the engine made it
+    from names alone (``engine_made``), else what ``redact`` allows."""
+    return text if engine_made(f"{type_name}: {text}") else redact(text)

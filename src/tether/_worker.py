@@ -45,7 +45,7 @@ from ._host import WorkerApp
 from ._periodic import Periodic
 from ._policy import Retry
 from ._queues import check_name
-from ._redact import redact
+from ._redact import redact_error
 from ._serde import encode
 from ._switches import HOLD as SWITCH_HOLD
 from ._switches import REFRESH as SWITCH_REFRESH
@@ -73,6 +73,11 @@ log = logging.getLogger("tether.worker")
 
 #: seconds an activity whose arguments this worker cannot read waits before a retry
 KEY_HOLD = 30.0
+#: seconds a step of an activity this worker does not register waits before any worker
+#: may claim it again (a deploy that forgot an import, or a rolling deploy's new code)
+UNKNOWN_HOLD = 10.0
+#: a worker logs an activity it does not register at most once per this many seconds
+UNKNOWN_LOG_EVERY = 60.0
 #: how often a worker folds the run counters' appended changes (``store/_counters.py``)
 FOLD_EVERY = 10.0
 #: the most tasks one worker may hold at once (a bound its claims' LIMIT can carry)
@@ -170,6 +175,8 @@ class Worker:
         self._follow: dict[int, Task] = {}
         self._stopping = False
         self._unstarted: list[Task] = []
+        #: when this worker last logged each activity it does not register
+        self._unknown_said: dict[str, float] = {}
         self._renewer: asyncio.Task[None] | None = None
         self._switcher: asyncio.Task[None] | None = None
         #: the kill switches that are off (``_switches.py``), read every REFRESH seconds
@@ -718,11 +725,12 @@ class Worker:
                 count("tether_nondeterminism_errors", (wf_name,))
             count("tether_workflow_task_failures", (wf_name, type(exc).__name__))
             # the message may hold the run's data: logged only as the redaction hook allows
+            # (an engine-made one, from names alone, is logged whole)
             log.error(
                 "workflow task for run %r failed: %s: %s",
                 task.run_id,
                 type(exc).__name__,
-                redact(str(exc)),
+                redact_error(type(exc).__name__, str(exc)),
                 extra={"run_id": task.run_id, "workflow": wf_name},
             )
             self.stats["workflow_task_failures"] += 1
@@ -880,9 +888,10 @@ class Worker:
         opts = task.options or {}
         try:
             act = self.app.get_activity(task.name or "")
-        except TetherError as exc:
-            # another deploy may know it: keep retrying slowly, never lose the step
-            await self._record_failure(task, exc, _Plan(Retry(attempts=1_000_000), opts), None)
+        except TetherError:
+            # another deploy may know it: the step waits for a worker that does, spending
+            # no attempt (a bad deploy must not use up its retries), and the run says why
+            await self._hold_unknown(task)
             return
         plan = _Plan(Retry.from_json(opts.get("retry") or {}, act.opts.retry.non_retryable), opts)
         unread = _sealed(task)
@@ -992,6 +1001,30 @@ class Worker:
                 except StoreError as exc:
                     log.warning("could not pause dependency %r: %s", task.dependency, exc)
         await self._record_result(task, result, value, inline)
+
+    async def _hold_unknown(self, task: Task) -> None:
+        """Give back unstarted a step whose activity this worker does not register."""
+        name = task.name or ""
+        self.stats["held_unknown"] += 1
+        now = time.monotonic()
+        said = self._unknown_said.get(name)
+        if said is None or now - said >= UNKNOWN_LOG_EVERY:
+            self._unknown_said[name] = now
+            log.error(
+                "no activity named %r is registered with this worker's App: its steps (queue "
+                "%r) are given back unstarted, spending no attempt, for a worker that "
+                "imports the module defining it (logged at most every %.0f s)",
+                name,
+                task.queue,
+                UNKNOWN_LOG_EVERY,
+                extra={"run_id": task.run_id},
+            )
+        note = (
+            f"UnknownActivityError: step {task.step} (activity {name!r}, queue "
+            f"{task.queue!r}) waits for a worker that registers {name!r}; worker "
+            f"{self.id} does not"
+        )
+        await self.app.store.release([task], delay=UNKNOWN_HOLD, unstarted=True, note=note)
 
     async def _record_result(
         self, task: Task, result: str, value: Any = _UNSET, inline: bool = False

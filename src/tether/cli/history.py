@@ -9,6 +9,7 @@ from typing import Annotated, Any
 
 import typer
 
+from .._errors import RunNotFoundError
 from ._common import (
     MAX_LIMIT,
     UsageError,
@@ -16,6 +17,7 @@ from ._common import (
     _client_app,
     _dump,
     _info_dict,
+    _note,
     _opened,
     _run,
     _run_id_argument,
@@ -61,6 +63,12 @@ def _parse_age(text: str) -> float:
         raise UsageError(f"--since takes an age like 30m, 12h or 7d (got {text!r})") from None
 
 
+#: statuses of runs that may still run code: ``tether replay --store`` checks every one
+_UNFINISHED = ("pending", "running", "suspended", "queued")
+#: runs read per page from the store
+_PAGE = 500
+
+
 def replay_command(
     files: Annotated[
         list[str] | None,
@@ -73,42 +81,104 @@ def replay_command(
     workflow: Annotated[
         str | None, typer.Option("--workflow", help="With --store: only this workflow.")
     ] = None,
+    finished: Annotated[
+        bool,
+        typer.Option(
+            "--finished",
+            help="With --store: also replay finished runs (the newest --limit of them).",
+        ),
+    ] = False,
     since: Annotated[
-        str | None, typer.Option("--since", help="With --store: runs created within (7d, 12h).")
+        str | None,
+        typer.Option(
+            "--since",
+            help="With --store: also replay the finished runs created within AGE (7d, 12h).",
+        ),
     ] = None,
     limit: Annotated[
-        int, typer.Option("--limit", min=1, max=MAX_LIMIT, help="With --store: at most N runs.")
+        int,
+        typer.Option(
+            "--limit",
+            min=1,
+            max=MAX_LIMIT,
+            help="With --finished or --since: at most N finished runs, newest first.",
+        ),
     ] = 1000,
 ) -> None:
-    """Replay recorded histories against today's code; exit 1 on any non-determinism."""
+    """Replay recorded histories against today's code; exit 1 on any non-determinism.
+    With --store: every unfinished run (pending, running, suspended, queued), however
+    old, and finished runs only with --finished or --since."""
     from ..testing import check_history, load_files
 
     if not app:
         raise UsageError("--app MODULE:ATTR is required: it names the code to check")
     code = load_app(app)
     histories = load_files(files or [])
+    if store is None and not histories:
+        raise UsageError("nothing to replay: pass exported files or --store")
+    counts = {"passed": 0, "failed": 0}
+
+    def check(events: list[Any]) -> None:
+        report = check_history(code, events)
+        if report.ok:
+            counts["passed"] += 1
+            print(f"ok    {report.run_id} ({report.workflow}, {len(report.recorded)} commands)")
+            return
+        counts["failed"] += 1
+        print(f"FAIL  {report.run_id} ({report.workflow}): {report.error}")
+        print(report.diff())
+
+    for events in histories:
+        check(events)
     if store is not None:
         age = _parse_age(since) if since else None
 
-        async def fetch() -> list[list[Any]]:
+        async def walk() -> None:
             async with _opened(_client_app(store, None)) as a:
-                runs = await a.list(workflow=workflow, limit=limit)
-                now = a.store.clock()
-                picked = [r for r in runs if age is None or now - r.created_at <= age]
-                return [await a.history(r.run_id) for r in picked]
 
-        histories += _run(fetch())
-    if not histories:
-        raise UsageError("nothing to replay: pass exported files or --store")
-    failed = 0
-    for events in histories:
-        report = check_history(code, events)
-        if report.ok:
-            print(f"ok    {report.run_id} ({report.workflow}, {len(report.recorded)} commands)")
-            continue
-        failed += 1
-        print(f"FAIL  {report.run_id} ({report.workflow}): {report.error}")
-        print(report.diff())
-    print(f"{len(histories) - failed} passed, {failed} failed")
+                async def replay(run_id: str) -> None:
+                    try:
+                        events = await a.history(run_id, follow=False)
+                    except RunNotFoundError:
+                        return  # purged since it was listed
+                    check(events)
+
+                unfinished = 0
+                for status in _UNFINISHED:
+                    # a page at a time: a million live runs never sit in memory
+                    before: tuple[float, str] | None = None
+                    while True:
+                        page = await a.list(
+                            status=status, workflow=workflow, limit=_PAGE, before=before
+                        )
+                        for run in page:
+                            await replay(run.run_id)
+                        unfinished += len(page)
+                        if len(page) < _PAGE:
+                            break
+                        before = (page[-1].created_at, page[-1].run_id)
+                if not (finished or since):
+                    if not unfinished:
+                        _note("no unfinished runs in the store (--finished replays ended ones)")
+                    return
+                cutoff = a.store.clock() - age if age is not None else None
+                taken = 0
+                before = None
+                while taken < limit:
+                    page = await a.list(workflow=workflow, limit=_PAGE, before=before, since=cutoff)
+                    for run in page:
+                        if run.status.value in _UNFINISHED:
+                            continue  # replayed above
+                        await replay(run.run_id)
+                        taken += 1
+                        if taken >= limit:
+                            break
+                    if len(page) < _PAGE:
+                        break
+                    before = (page[-1].created_at, page[-1].run_id)
+
+        _run(walk())
+    failed = counts["failed"]
+    print(f"{counts['passed']} passed, {failed} failed")
     if failed:
         raise SystemExit(1)

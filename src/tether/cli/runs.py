@@ -62,14 +62,28 @@ def runs_command(
             "child, admission.",
         ),
     ] = None,
+    stuck: Annotated[
+        bool,
+        typer.Option(
+            "--stuck",
+            help="Only live runs that cannot move on: their workflow task fails "
+            "(non-determinism after a deploy, ...) or a step waits for a worker that "
+            "registers its activity.",
+        ),
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
-    """List runs, newest first, with what each live run waits for."""
+    """List runs, newest first, with what each live run waits for (and, for a run that
+    cannot move on, the type of its task error: `tether get` shows it whole)."""
 
     async def go() -> list[RunInfo]:
         async with _opened(_client_app(store, app)) as a:
             return await a.list(
-                status=status, workflow=workflow, limit=limit, waiting_for=waiting_for
+                status=status,
+                workflow=workflow,
+                limit=limit,
+                waiting_for=waiting_for,
+                stuck=stuck,
             )
 
     infos = _run(go())
@@ -85,6 +99,10 @@ def runs_command(
     table.add_column("status", no_wrap=True)
     table.add_column("custom status")
     table.add_column("waiting for")
+    # a column only when a run shown cannot move on (its task error's type)
+    stuck_types = {i.run_id: _task_error_type(i) for i in infos}
+    if any(stuck_types.values()):
+        table.add_column("task error", style="red")
     table.add_column("created", no_wrap=True)
     table.add_column("updated", no_wrap=True)
     for info in infos:
@@ -94,10 +112,18 @@ def runs_command(
             _status_text(info.status),
             Text(_short_json(info.custom_status)),
             Text(describe_waiting(info.waiting_on)),
+            *([Text(stuck_types[info.run_id])] if any(stuck_types.values()) else []),
             _ts(info.created_at),
             _ts(info.updated_at),
         )
     _console().print(table)
+
+
+def _task_error_type(info: RunInfo) -> str:
+    """The type of a live run's task error ("" when it has none or has ended)."""
+    if not info.task_error or info.is_finished:
+        return ""
+    return info.task_error.partition(": ")[0]
 
 
 def get_command(

@@ -432,6 +432,9 @@ def create_api(
         error_type: Annotated[
             str | None, Query(description="only runs whose error (or its cause) has this type")
         ] = None,
+        stuck: Annotated[
+            bool, Query(description="only live runs that cannot move on (task_error set)")
+        ] = False,
         limit: Annotated[int, Query(ge=1, le=500)] = 50,
         cursor: str | None = None,
     ) -> RunPage:
@@ -448,6 +451,7 @@ def create_api(
             before=before,
             since=app.store.clock() - age if age else None,
             error_type=error_type,
+            stuck=stuck,
         )
         page = infos[:limit]
         nxt = _cursor(page[-1].created_at, page[-1].run_id) if len(infos) > limit else None

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model
 from .._codec import PAYLOAD_KEYS, SECRET_KEYS
 from .._definitions import Workflow
 from .._history import Event, RunInfo
+from .._redact import engine_made
 
 
 class Links(BaseModel):
@@ -53,6 +54,14 @@ class RunView(BaseModel):
     completed_at: float | None = None
     result: Any = Field(None, description="the run's result, once it completed")
     error: dict[str, Any] | None = None
+    task_error: str | None = Field(
+        None,
+        description=(
+            'why a live run cannot move on ("Type: message"): its workflow task fails '
+            "(non-determinism after a deploy, ...) or a step waits for a worker that "
+            "registers its activity; cleared once the run moves on"
+        ),
+    )
     attrs: dict[str, Any] | None = Field(
         None, description="what the run was started with: its model budget, model pins"
     )
@@ -152,9 +161,19 @@ def _error_type(error: dict[str, Any] | None) -> dict[str, Any] | None:
     return out
 
 
+def _task_error_type(text: str | None) -> str | None:
+    """A task error as a key without payloads sees it: whole when the engine made it
+    from names alone (a ``NonDeterminismError``), else its type."""
+    if not text or engine_made(text):
+        return text
+    kind, sep, _message = text.partition(": ")
+    return f"{kind}: {WITHHELD}" if sep and kind.isidentifier() else WITHHELD
+
+
 def run_view(info: RunInfo, payloads: bool = True) -> RunView:
     """``RunInfo`` as the API shows it (the result decoded from its JSON); without
-    ``payloads``, its result, custom status and error message withheld."""
+    ``payloads``, its result, custom status and error message withheld, and its task
+    error's message unless the engine made it from names alone."""
     if not payloads:
         return run_view(
             dataclasses.replace(
@@ -166,6 +185,7 @@ def run_view(info: RunInfo, payloads: bool = True) -> RunView:
                     if _progress(info.custom_status)
                     else None
                 ),
+                task_error=_task_error_type(info.task_error),
             )
         )
     return RunView(
@@ -183,6 +203,7 @@ def run_view(info: RunInfo, payloads: bool = True) -> RunView:
         completed_at=info.completed_at,
         result=json.loads(info.output) if info.output else None,
         error=info.error,
+        task_error=info.task_error,
         attrs=info.attrs,
         links=links(info.run_id),
     )

@@ -460,11 +460,18 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     async def release(
-        self, tasks: Sequence[Task], delay: float = 0.0, *, unstarted: bool = False
+        self,
+        tasks: Sequence[Task],
+        delay: float = 0.0,
+        *,
+        unstarted: bool = False,
+        note: str | None = None,
     ) -> None:
         """Give back leased tasks (a worker stopping, or one that does not serve a run's
         version) so any worker can claim them after ``delay`` seconds; ``unstarted``
-        ones never ran, so the attempt their claim counted is taken back."""
+        ones never ran, so the attempt their claim counted is taken back. A ``note``
+        becomes the ``task_error`` of each task's live run that has none (why its step
+        waits); the run's next completed workflow task clears it."""
 
     @abc.abstractmethod
     async def heartbeat(self, task: Task, lease: float, details: str | None) -> bool:
@@ -509,11 +516,13 @@ class Store(abc.ABC):
         since: float | None = None,
         error_type: str | None = None,
         search: str | None = None,
+        stuck: bool = False,
     ) -> list[RunInfo]:
         """Runs, newest first, optionally filtered (``waiting_for``: see ``App.list``);
         ``before`` is the (created_at, run_id) of the last run of the previous page;
         ``since`` keeps runs created at or after it; ``error_type`` runs whose error (or
-        its cause) has that type; ``search`` runs whose id contains it."""
+        its cause) has that type; ``search`` runs whose id contains it; ``stuck`` live
+        runs with a ``task_error``."""
 
     @abc.abstractmethod
     async def next_due(

@@ -158,9 +158,10 @@ def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
         workflow: str | None = None,
         status: str | None = None,
         tenant: str | None = None,
-        age: float | None = None,
+        age: str | None = None,  # the form sends an empty field as ""
         error_type: str | None = None,
         q: str | None = None,
+        stuck: bool = False,
         cursor: str | None = None,
         partial: bool = False,
     ) -> Response:
@@ -185,13 +186,18 @@ def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
                         f"cursor {cursor[:40]!r} is not one this page gave out: "
                         "follow its 'older runs' link"
                     ) from None
+            try:
+                seconds = float(age) if age else None
+            except ValueError:
+                raise ValueError(f"age {(age or '')[:40]!r} is not a number of seconds") from None
             infos = await app.list(
                 workflow=workflow or None,
                 status=RunStatus(status) if status else None,
                 tenant=mine or tenant or None,
-                since=app.store.clock() - age if age else None,
+                since=app.store.clock() - seconds if seconds else None,
                 error_type=error_type or None,
                 search=q.strip() if q else None,
+                stuck=stuck,
                 limit=51,
                 before=before,
             )
@@ -206,6 +212,7 @@ def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
             "age": age or "",
             "error_type": error_type or "",
             "q": q or "",
+            "stuck": "1" if stuck else "",
         }
         return page(
             request,

@@ -237,6 +237,7 @@ class OpsStore(Store):
         since: float | None = None,
         error_type: str | None = None,
         search: str | None = None,
+        stuck: bool = False,
     ) -> list[RunInfo]:
         out: list[RunInfo] = await self._do(
             _list_runs,
@@ -250,6 +251,7 @@ class OpsStore(Store):
             since,
             error_type,
             search,
+            stuck,
             write=False,
         )
         return out
@@ -425,9 +427,14 @@ class OpsStore(Store):
         return out
 
     async def release(
-        self, tasks: Sequence[Task], delay: float = 0.0, *, unstarted: bool = False
+        self,
+        tasks: Sequence[Task],
+        delay: float = 0.0,
+        *,
+        unstarted: bool = False,
+        note: str | None = None,
     ) -> None:
-        await self._do(_release, tuple(tasks), delay, unstarted)
+        await self._do(_release, tuple(tasks), delay, unstarted, note)
 
     async def breaker_admit(self, cfg: dict[str, Any]) -> float | None:
         out: float | None = await self._do(_breaker_admit, cfg)

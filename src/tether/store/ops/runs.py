@@ -287,8 +287,10 @@ def _finish(
     known: tuple[Any, ...] | None = None,
     next_seq: int | None = None,
     children: bool = False,
+    ran: bool = False,
 ) -> None:
     """End a run: its status and outcome, its tasks gone, its parent and tenant told.
+    With ``ran`` (its own code ended it), a failed workflow task's error is cleared.
 
     ``known`` is the run's (parent_run_id, parent_step, workflow, tenant) when the
     caller read them already in this transaction (saving a read); ``next_seq`` a
@@ -307,7 +309,7 @@ def _finish(
         tx.codec.remember(run_id, tenant)
     tx.execute(
         "UPDATE runs SET status = ?, output = ?, error = ?, continued_to = ?, completed_at = ?, "
-        "waiting_on = NULL, "
+        f"waiting_on = NULL{', task_error = NULL' if ran else ''}, "
         f"updated_at = ?{', next_seq = ?' if next_seq is not None else ''} WHERE run_id = ?",
         (
             status.value,
@@ -430,9 +432,13 @@ def _list_runs(
     since: float | None = None,
     error_type: str | None = None,
     search: str | None = None,
+    stuck: bool = False,
 ) -> list[RunInfo]:
     where: list[str] = []
     args: list[Any] = []
+    if stuck:
+        # live runs only: through the runs_by_status index, never a scan of ended runs
+        where.append("status IN ('pending', 'running', 'suspended') AND task_error IS NOT NULL")
     if tenant is not None:
         where.append("tenant = ?")
         args.append(tenant)

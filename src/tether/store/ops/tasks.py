@@ -202,9 +202,16 @@ def _foreign_leases(tx: _Tx, queues: tuple[str, ...], worker_id: str) -> tuple[i
     return (int(row[0]), row[1]) if row else (0, None)
 
 
-def _release(tx: _Tx, tasks: tuple[Task, ...], delay: float = 0.0, unstarted: bool = False) -> None:
+def _release(
+    tx: _Tx,
+    tasks: tuple[Task, ...],
+    delay: float = 0.0,
+    unstarted: bool = False,
+    note: str | None = None,
+) -> None:
     """Give leased tasks back; ``unstarted`` ones never ran, so their claim's attempt
-    is taken back too (a graceful stop must not use up a step's retries)."""
+    is taken back too (a graceful stop must not use up a step's retries). A ``note``
+    says on each live run without a ``task_error`` why its step waits."""
     undo = (
         ", attempt = CASE WHEN kind = 'activity' AND attempt > 0 THEN attempt - 1 ELSE attempt END"
         if unstarted
@@ -217,6 +224,12 @@ def _release(tx: _Tx, tasks: tuple[Task, ...], delay: float = 0.0, unstarted: bo
             (tx.now + delay, t.task_id, t.fence),
         )
         tx.ready.add(t.queue)
+        if note is not None:
+            tx.execute(
+                "UPDATE runs SET task_error = ? WHERE run_id = ? AND task_error IS NULL "
+                "AND status IN ('pending', 'running')",
+                (note, t.run_id),  # names only, never a payload: kept as it is
+            )
 
 
 def _heartbeat(tx: _Tx, task: Task, lease: float, details: str | None) -> bool:

@@ -306,7 +306,13 @@ def _apply_workflow_result(
     known = (parent_run_id, parent_step, workflow, tenant)
     # the counter is written by the end's update
     end = functools.partial(
-        _finish, tx, run_id, known=known, next_seq=marker + 1, children=result.children
+        _finish,
+        tx,
+        run_id,
+        known=known,
+        next_seq=marker + 1,
+        children=result.children,
+        ran=True,
     )
     if ending.type is EventType.WORKFLOW_COMPLETED:
         end(RunStatus.COMPLETED, output=ending.raw.get("result", "null"))
