@@ -425,6 +425,51 @@ def test_a_start_handed_to_a_worker_that_stops_meanwhile_completes(
         client.close()
 
 
+@pytest.mark.parametrize("via", ["client", "other_loop"])
+def test_a_handed_start_cut_short_by_its_loop_is_a_clear_error(
+    store_url: str, via: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a worker that stops without waiting for a start it was handed (its grace passed:
+    # a store slower than that) lets the start be cancelled with its loop
+    app = tether.App(store=store_url)
+    double = _double(app)
+    client = tether.SyncClient(app)
+    store = app.store
+    create_run = store.create_run
+    in_flight, release = threading.Event(), threading.Event()
+
+    async def slow_create_run(**kw: Any) -> Any:
+        if kw["run_id"] == "late":
+            in_flight.set()
+            await asyncio.to_thread(release.wait, 60)
+        return await create_run(**kw)
+
+    async def gave_up(self: tether.App, worker: tether.Worker, grace: float) -> None:
+        pass
+
+    monkeypatch.setattr(store, "create_run", slow_create_run)
+    monkeypatch.setattr(tether.App, "_loans_repaid", gave_up)
+
+    def start_late() -> str:
+        if via == "client":
+            return client.start(double, 4, run_id="late").run_id
+        return asyncio.run(app.start(double, 4, run_id="late")).run_id
+
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            held, gate, _ = _hold_a_run_in_another_thread(app, pool)
+            late = pool.submit(start_late)
+            _wait_until(in_flight.is_set, "the late start to reach the store")
+            gate.set()
+            with pytest.raises(tether.StoreError, match="start it again with the same run_id"):
+                late.result()
+            release.set()
+            assert held.result() == "held"
+    finally:
+        release.set()
+        client.close()
+
+
 def test_a_sync_result_outlives_the_app_run_of_another_thread(store_url: str) -> None:
     app = tether.App(store=store_url)
 
