@@ -10,8 +10,10 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -318,3 +320,195 @@ async def test_waiting_on_shows_what_each_live_run_waits_for(
     await app.signal("a", "review", {"ok": True})
     assert await app.get_run("a").result(timeout=10) == {"ok": True}
     assert (await app.get("a")).waiting_on is None  # a finished run waits for nothing
+
+
+# -- the sync facade from many threads at once ------------------------------------------------
+
+
+def _wait_until(check: Any, what: str, limit: float = 30.0) -> None:
+    """Poll ``check()`` until true (the limit only bounds a broken run, it is not timed)."""
+    deadline = time.monotonic() + limit
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def test_app_run_from_a_thread_pool_completes_every_call(store_url: str) -> None:
+    app = tether.App(store=store_url)
+
+    @app.activity
+    def label(doc: str) -> str:
+        return "label:" + doc
+
+    @app.workflow
+    async def triage(doc: str) -> str:
+        return await label(doc)
+
+    docs = [f"doc{i}" for i in range(12)]
+    client = tether.SyncClient(app)
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda d: app.run(triage, d, run_id=d, timeout=60), docs))
+        assert got == ["label:" + d for d in docs]
+        assert {i.run_id: i.status.value for i in client.list(limit=50)} == {
+            d: "completed" for d in docs
+        }
+    finally:
+        client.close()
+
+
+def _hold_a_run_in_another_thread(
+    app: tether.App, pool: ThreadPoolExecutor
+) -> tuple[Future[str], threading.Event, tether.Worker]:
+    """``app.run`` of a run that holds its worker (on that thread's loop) until the
+    returned event is set; returns its future, that event and its worker."""
+    holding, gate = threading.Event(), threading.Event()
+
+    @app.activity
+    def hold() -> str:
+        holding.set()
+        gate.wait(60)
+        return "held"
+
+    @app.workflow
+    async def holder() -> str:
+        return await hold()
+
+    ran = pool.submit(app.run, holder, run_id="holder", timeout=60)
+    _wait_until(holding.is_set, "the held run to start")
+    (worker,) = app._local_workers
+    return ran, gate, worker
+
+
+@pytest.mark.parametrize("via", ["client", "other_loop"])
+def test_a_start_handed_to_a_worker_that_stops_meanwhile_completes(
+    store_url: str, via: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app = tether.App(store=store_url)
+    double = _double(app)
+    client = tether.SyncClient(app)
+    store = app.store
+    create_run = store.create_run
+    in_flight, release = threading.Event(), threading.Event()
+
+    async def slow_create_run(**kw: Any) -> Any:
+        if kw["run_id"] == "late":  # held until the worker that took the start stops
+            in_flight.set()
+            await asyncio.to_thread(release.wait, 60)
+        return await create_run(**kw)
+
+    monkeypatch.setattr(store, "create_run", slow_create_run)
+
+    def start_late() -> str:
+        if via == "client":
+            return client.start(double, 4, run_id="late").run_id
+
+        async def main() -> str:
+            return (await app.start(double, 4, run_id="late")).run_id
+
+        return asyncio.run(main())
+
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            held, gate, worker = _hold_a_run_in_another_thread(app, pool)
+            late = pool.submit(start_late)
+            _wait_until(in_flight.is_set, "the late start to reach the store")
+            gate.set()  # the held run ends, so its app.run stops its worker
+            _wait_until(lambda: worker._stopping, "the worker to stop")
+            release.set()
+            assert held.result() == "held"
+            assert late.result() == "late"  # stored (its first step handed back on stop)
+        assert client.get("late").status.value == "running"
+        assert app.run(double, 4, run_id="late", timeout=60) == 8  # a worker finishes it
+    finally:
+        release.set()
+        client.close()
+
+
+@pytest.mark.parametrize("via", ["client", "other_loop"])
+def test_a_handed_start_cut_short_by_its_loop_is_a_clear_error(
+    store_url: str, via: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a worker that stops without waiting for a start it was handed (its grace passed:
+    # a store slower than that) lets the start be cancelled with its loop
+    app = tether.App(store=store_url)
+    double = _double(app)
+    client = tether.SyncClient(app)
+    store = app.store
+    create_run = store.create_run
+    in_flight, release = threading.Event(), threading.Event()
+
+    async def slow_create_run(**kw: Any) -> Any:
+        if kw["run_id"] == "late":
+            in_flight.set()
+            await asyncio.to_thread(release.wait, 60)
+        return await create_run(**kw)
+
+    async def gave_up(self: tether.App, worker: tether.Worker, grace: float) -> None:
+        pass
+
+    monkeypatch.setattr(store, "create_run", slow_create_run)
+    monkeypatch.setattr(tether.App, "_loans_repaid", gave_up)
+
+    def start_late() -> str:
+        if via == "client":
+            return client.start(double, 4, run_id="late").run_id
+        return asyncio.run(app.start(double, 4, run_id="late")).run_id
+
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            held, gate, _ = _hold_a_run_in_another_thread(app, pool)
+            late = pool.submit(start_late)
+            _wait_until(in_flight.is_set, "the late start to reach the store")
+            gate.set()
+            with pytest.raises(tether.StoreError, match="start it again with the same run_id"):
+                late.result()
+            release.set()
+            assert held.result() == "held"
+    finally:
+        release.set()
+        client.close()
+
+
+def test_a_sync_result_outlives_the_app_run_of_another_thread(store_url: str) -> None:
+    app = tether.App(store=store_url)
+
+    @app.workflow
+    async def review() -> Any:
+        return await tether.wait_event("ok")
+
+    client = tether.SyncClient(app)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            held, gate, _ = _hold_a_run_in_another_thread(app, pool)
+            run = client.start(review, run_id="review")
+            waiting = pool.submit(run.result, 60)
+            _wait_until(lambda: "review" in app._waiters, "the result to wait")
+            gate.set()
+            assert held.result() == "held"  # its worker and loop are gone
+            assert not waiting.done()
+            client.terminate("review", "enough")
+            with pytest.raises(tether.RunTerminatedError, match="enough"):
+                waiting.result()
+    finally:
+        client.close()
+
+
+def test_a_worker_whose_loop_ended_without_stop_is_not_handed_starts(store_url: str) -> None:
+    app = tether.App(store=store_url)
+    double = _double(app)
+
+    async def abandon() -> None:
+        await app.worker(poll_interval=0.05).start()  # never stopped: its loop just ends
+
+    asyncio.run(abandon())
+
+    async def start() -> str:
+        return (await app.start(double, 3, run_id="after")).run_id
+
+    try:
+        assert asyncio.run(start()) == "after"  # started here, not on the closed loop
+        assert app.run(double, 3, run_id="after", timeout=60) == 6
+    finally:
+        app._local_workers.clear()
+        asyncio.run(app.close())

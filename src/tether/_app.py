@@ -51,6 +51,7 @@ from ._errors import (
     RunPurgedError,
     RunTerminatedError,
     RunTimedOutError,
+    StoreError,
     UnknownActivityError,
     UnknownWorkflowError,
     UpdateRejectedError,
@@ -236,6 +237,10 @@ class App:
         self._untold: set[str] = set()
         #: workers running in this process, which app.start may hand a new run to
         self._local_workers: list[Worker] = []
+        #: starts other threads run on a worker's loop, not yet done (``_borrow_worker``)
+        self._loans: dict[Worker, int] = {}
+        self._loans_done: dict[Worker, tuple[asyncio.AbstractEventLoop, asyncio.Event]] = {}
+        self._loans_lock = threading.Lock()
         self._queue_limits: dict[str, QueueLimits] = {}
         self._admission: dict[str, int | None] = {}  #: tenant ('' = default) -> max_running
         self._limits_dirty = False
@@ -672,30 +677,52 @@ class App:
             carrier = start_carrier(wf.name, rid) or {}
         if carrier:
             attrs = {**(attrs or {}), "trace": carrier}
-        elsewhere = self._worker_loop_elsewhere(wf.queue)
-        if elsewhere is not None:
+        loan = self._borrow_worker(wf.queue)
+        if loan is not None:
             # an in-process worker serves this queue on another loop (a web server's
-            # thread, a sync client): start there, so the run is stored with its first
-            # step in one commit
-            started = asyncio.run_coroutine_threadsafe(
-                self.start(
-                    workflow,
-                    *args,
-                    run_id=rid,
-                    kwargs=kwargs,
-                    deadline=deadline,
-                    tenant=tenant,
-                    on_limit=on_limit,
-                    budget=budget,
-                    webhook=webhook,
-                    by=by,
-                    if_running=if_running,
-                    signal=signal,
-                    _trace=carrier or {},  # this thread's trace context, not that loop's
-                ),
-                elsewhere,
-            )
-            return await asyncio.wrap_future(started)
+            # thread, a sync client's caller): start there, so the run is stored with its
+            # first step in one commit. The worker does not stop before the start is done
+            # (``_loans_repaid``), so its loop cannot close with the start pending.
+            lender, loop = loan
+
+            async def lent() -> Run[R]:
+                try:
+                    return await self.start(
+                        workflow,
+                        *args,
+                        run_id=rid,
+                        kwargs=kwargs,
+                        deadline=deadline,
+                        tenant=tenant,
+                        on_limit=on_limit,
+                        budget=budget,
+                        webhook=webhook,
+                        by=by,
+                        if_running=if_running,
+                        signal=signal,
+                        _trace=carrier or {},  # this thread's trace context, not that loop's
+                    )
+                finally:
+                    self._repay(lender)
+
+            coro = lent()
+            try:
+                started = asyncio.run_coroutine_threadsafe(coro, loop)
+            except RuntimeError:  # its loop closed (a worker torn down without stop())
+                coro.close()  # never ran: start here instead
+                self._repay(lender)
+            else:
+                try:
+                    return await asyncio.wrap_future(started)
+                except asyncio.CancelledError:
+                    me = asyncio.current_task()
+                    if not started.cancelled() or (me is not None and me.cancelling()):
+                        raise  # this caller was cancelled
+                    raise StoreError(
+                        f"the start of run {rid!r} was handed to an in-process worker whose "
+                        "event loop stopped before it finished: the run may or may not "
+                        "exist; start it again with the same run_id (starts are idempotent)"
+                    ) from None
         kw = kwargs or {}
         text = wf.sig.encode_args(args, kw)
         wf.sig.decode_args(text)  # wrong argument types fail here, not in the worker
@@ -754,18 +781,66 @@ class App:
                 self._running_here.clear()
             self._running_here.add(run_id)
 
-    def _worker_loop_elsewhere(self, queue: str) -> asyncio.AbstractEventLoop | None:
-        """The loop of an in-process worker that would take a start of ``queue``, when
-        it is not the caller's loop (None: there is none, or it is this loop)."""
+    def _borrow_worker(self, queue: str) -> tuple[Worker, asyncio.AbstractEventLoop] | None:
+        """An in-process worker serving ``queue`` on a loop other than the caller's, to
+        run a start on, lent until ``_repay``: its ``stop()`` waits for what it lent
+        (``_loans_repaid``). None: there is none, or one serves the queue on this loop
+        (``app.run`` in many threads: each start goes to its own thread's worker)."""
         try:
             here: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
             here = None
-        for w in self._local_workers:
-            loop = w.running_loop()
-            if loop is not None and loop is not here and w.accepts_local_start(queue, loop):
-                return loop
+        workers = list(self._local_workers)
+        if here is not None and any(
+            w.running_loop() is here and queue in w.queues for w in workers
+        ):
+            return None
+        with self._loans_lock:
+            # under the lock the stopping worker takes to see what it lent, after it is
+            # marked stopping: either it sees this loan or this sees it stopping
+            for w in workers:
+                loop = w.running_loop()
+                if (
+                    loop is not None
+                    and loop is not here
+                    and loop.is_running()
+                    and w.accepts_local_start(queue, loop)
+                ):
+                    self._loans[w] = self._loans.get(w, 0) + 1
+                    return w, loop
         return None
+
+    def _repay(self, worker: Worker) -> None:
+        """A start run on ``worker``'s loop is done (on that loop, or it never ran)."""
+        with self._loans_lock:
+            left = self._loans.get(worker, 0) - 1
+            if left > 0:
+                self._loans[worker] = left
+                return
+            self._loans.pop(worker, None)
+            done = self._loans_done.pop(worker, None)
+        if done is not None:
+            with contextlib.suppress(RuntimeError):  # its loop closed: nobody waits
+                done[0].call_soon_threadsafe(done[1].set)
+
+    async def _loans_repaid(self, worker: Worker, grace: float) -> None:
+        """Wait (on ``worker``'s loop, once it is stopping) for the starts it runs for
+        other threads (``_borrow_worker``): at most ``grace`` seconds."""
+        with self._loans_lock:
+            if not self._loans.get(worker):
+                return
+            done = asyncio.Event()
+            self._loans_done[worker] = (asyncio.get_running_loop(), done)
+        try:
+            async with asyncio.timeout(grace):
+                await done.wait()
+        except TimeoutError:
+            log.warning("worker %s stops with a start of another thread unfinished", worker.id)
+        finally:
+            with self._loans_lock:
+                entry = self._loans_done.get(worker)
+                if entry is not None and entry[1] is done:
+                    del self._loans_done[worker]
 
     def _local_worker(self, queue: str) -> Worker | None:
         """A running in-process worker on this loop that serves ``queue`` and has room."""

@@ -41,6 +41,10 @@ class WorkerApp(Protocol):
 
     def _note_running_here(self, run_id: str) -> None: ...
 
+    async def _loans_repaid(self, worker: Any, grace: float) -> None:
+        """Wait for the starts other threads run on ``worker``'s loop (it is stopping)."""
+        ...
+
     def _alert(self, run_id: str, error: dict[str, Any]) -> object: ...
 
     async def _purge_before(

@@ -6,11 +6,12 @@ operation of the async App under the same name, blocking. Each method is derived
 one (``_blocking(App.get)``), so the two sides cannot drift; a test pins that both
 expose the same operations.
 
-A call runs its coroutine on the loop of a running in-process worker when there is
-one (so a start takes the fast path: the run is stored with its first step), else
-on a small private loop thread the client starts on first use and stops on
-``close()``. It works from any thread without a running event loop, including a
-thread pool under one (``run_in_executor``, FastAPI's sync routes).
+A call runs its coroutine on a small private loop thread the client starts on first
+use and stops on ``close()``. A start still takes the fast path when an in-process
+worker serves the run's queue (the run is stored with its first step): ``app.start``
+hands it to that worker's loop, which the worker keeps running until the start is done
+(``App._borrow_worker``). It works from any thread without a running event loop,
+including a thread pool under one (``run_in_executor``, FastAPI's sync routes).
 """
 
 from __future__ import annotations
@@ -123,11 +124,8 @@ class SyncClient:
         return f"<SyncClient of {self._app!r}>"
 
     def _loop(self) -> asyncio.AbstractEventLoop:
-        """Where calls run: a running in-process worker's loop, else the private one."""
-        for w in list(self._app._local_workers):
-            loop = w.running_loop()
-            if loop is not None and loop.is_running():
-                return loop
+        """Where calls run: the private loop. Not a worker's: it may stop (an ``app.run``
+        in another thread ends) with a call pending, such as a ``result()`` wait."""
         with self._lock:
             if self._portal is None:
                 self._portal = _Portal()

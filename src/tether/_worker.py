@@ -258,6 +258,7 @@ class Worker:
         assert self._wake is not None and self._slot is not None
         self._wake.set()
         self._slot.set()
+        await self.app._loans_repaid(self, max(1.0, grace))  # starts of other threads here
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace
         # first let the claim loop end, so nothing is claimed after we decide what to
@@ -377,7 +378,8 @@ class Worker:
 
     def running_loop(self) -> asyncio.AbstractEventLoop | None:
         """The event loop this worker serves on, while it serves (None otherwise)."""
-        return self._loop if self._main is not None and not self._stopping else None
+        main = self._main
+        return self._loop if main is not None and not main.done() and not self._stopping else None
 
     def accepts_local_start(self, queue: str, loop: asyncio.AbstractEventLoop) -> bool:
         """Whether a run started in this process on ``loop`` may be handed to us directly."""
