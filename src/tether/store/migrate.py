@@ -32,15 +32,43 @@ if TYPE_CHECKING:
     from .._app import App
 
 #: tables copied per run, in order (every one has a ``run_id`` column)
-_RUN_TABLES = ("runs", "events", "tasks", "dead_letters")
-#: shared tables copied by key when the target lacks the key
-_SHARED_TABLES = {
-    "breakers": "name",
-    "queue_limits": "queue",  # dependency limiters too (rows named "dep:...")
-    "tenant_limits": "tenant",
+_RUN_TABLES = ("runs", "events", "tasks", "dead_letters", "approvals", "webhook_outbox")
+#: tables copied whole, row by row, where the target lacks the row's key
+_SHARED_TABLES: dict[str, tuple[str, ...]] = {
+    "breakers": ("name",),
+    "queue_limits": ("queue",),  # dependency limiters too (rows named "dep:...")
+    "tenant_limits": ("tenant",),  # admission limits and retentions
+    "debounces": ("debounce_key",),  # (their tasks name no run yet: copied as loose tasks)
+    "schedules": ("schedule_id",),  # (their tasks too)
+    "api_keys": ("key_id",),
+    "switches": ("kind", "name"),
+    "purged_runs": ("run_id",),
+    "ai_cache": ("cache_key",),
+    "ai_budgets": ("scope",),
+    "ai_spend": ("scope", "day"),
+    "usage_days": ("tenant", "day"),
+}
+#: tables of rows with no key of their own: copied whole into a target that has none
+_LOG_TABLES = ("audit_log", "usage_deltas")
+#: tables not copied, and why: the target keeps them itself
+NOT_COPIED = {
+    "run_count_deltas": "counters kept by triggers as the runs are inserted",
+    "run_counts": "counters kept by triggers as the runs are inserted",
+    "run_ends": "counters kept by triggers as the runs are inserted",
+    "tether_meta": "the target's own schema version",
 }
 #: columns the target assigns itself
-_FRESH_IDS = {"tasks": "task_id", "dead_letters": "id"}
+_FRESH_IDS = {
+    "tasks": "task_id",
+    "dead_letters": "id",
+    "webhook_outbox": "delivery_id",
+    "audit_log": "id",
+}
+
+
+def copied_tables() -> set[str]:
+    """Every table ``migrate`` copies (with ``NOT_COPIED``: every table of a store)."""
+    return {*_RUN_TABLES, *_SHARED_TABLES, *_LOG_TABLES}
 
 
 class MigrationError(TetherError):
@@ -56,7 +84,7 @@ class MigrationReport:
     events: int = 0
     tasks: int = 0
     dead_letters: int = 0
-    shared: dict[str, int] = field(default_factory=dict)
+    shared: dict[str, int] = field(default_factory=dict)  # and reviews, deliveries, logs
     replayed: int = 0
     problems: list[str] = field(default_factory=list)
 
@@ -100,7 +128,13 @@ def _rows(
     tx: _Tx, table: str, cols: tuple[str, ...], run_ids: tuple[str, ...]
 ) -> list[tuple[Any, ...]]:
     marks = ",".join("?" * len(run_ids))
-    order = {"events": "run_id, seq", "tasks": "run_id, task_id", "dead_letters": "id"}
+    order = {
+        "events": "run_id, seq",
+        "tasks": "run_id, task_id",
+        "dead_letters": "id",
+        "approvals": "approval_id",
+        "webhook_outbox": "delivery_id",
+    }
     rows = tx.execute(
         f"SELECT {', '.join(cols)} FROM {table} WHERE run_id IN ({marks}) "
         f"ORDER BY {order.get(table, 'run_id')}",
@@ -132,14 +166,38 @@ def _insert(
         tx.conn.cursor().executemany(text, rows)
 
 
+def _loose_tasks(tx: _Tx, cols: tuple[str, ...]) -> list[tuple[Any, ...]]:
+    """Tasks that name no run: a schedule's next tick, a debounce's pending start."""
+    rows = tx.execute(
+        f"SELECT {', '.join(cols)} FROM tasks t WHERE NOT EXISTS "
+        "(SELECT 1 FROM runs r WHERE r.run_id = t.run_id) ORDER BY task_id"
+    ).fetchall()
+    return [tuple(r) for r in rows]
+
+
+def _count(tx: _Tx, table: str) -> int:
+    return int(tx.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0])
+
+
+def _insert_all(tx: _Tx, table: str, cols: tuple[str, ...], rows: list[tuple[Any, ...]]) -> int:
+    """Insert rows as they are (the target has none of them)."""
+    text = f"INSERT INTO {table} ({', '.join(cols)}) VALUES ({','.join('?' * len(cols))})"
+    if tx.paramstyle != "qmark":
+        text = text.replace("?", "%s")
+    if rows:
+        tx.conn.cursor().executemany(text, rows)
+    return len(rows)
+
+
 def _insert_shared(
-    tx: _Tx, table: str, key: str, cols: tuple[str, ...], rows: list[tuple[Any, ...]]
+    tx: _Tx, table: str, key: tuple[str, ...], cols: tuple[str, ...], rows: list[tuple[Any, ...]]
 ) -> int:
     """Insert rows of a shared table whose key the target does not have yet."""
-    k = cols.index(key)
+    at = [cols.index(k) for k in key]
+    where = " AND ".join(f"{k} = ?" for k in key)
     added = 0
     for row in rows:
-        if tx.execute(f"SELECT 1 FROM {table} WHERE {key} = ?", (row[k],)).fetchone():
+        if tx.execute(f"SELECT 1 FROM {table} WHERE {where}", [row[i] for i in at]).fetchone():
             continue
         tx.execute(
             f"INSERT INTO {table} ({', '.join(cols)}) VALUES ({','.join('?' * len(cols))})", row
@@ -234,20 +292,15 @@ async def migrate(
             report.events += len(plan[1][2])
             report.tasks += len(plan[2][2])
             report.dead_letters += len(plan[3][2])
+            for table, _cols, rows in plan[4:]:
+                report.shared[table] = report.shared.get(table, 0) + len(rows)
             note(f"copied {min(i + batch, len(runs))}/{len(runs)} runs")
         report.runs = len(runs)
         report.in_flight = sum(1 for _, s in runs if not RunStatus(s).is_terminal)
 
-        for table, key in _SHARED_TABLES.items():
-            have = await _table_columns(src, table)
-            want = await _table_columns(dst, table)
-            if have is None or want is None:
-                continue
-            shared_cols = tuple(c for c in have if c in want)
-            rows = await src._do(_all_rows, table, shared_cols, write=False)
-            report.shared[table] = await dst._do(_insert_shared, table, key, shared_cols, rows)
-
+        shared = await _copy_shared(src, dst, lease_cols, now, report)
         await _verify(src, dst, runs, cols, app, report, note)
+        await _verify_shared(src, dst, shared, report)
     finally:
         if not isinstance(source, Store):
             await src.close()
@@ -258,6 +311,60 @@ async def migrate(
         more = f" (and {len(report.problems) - 5} more)" if len(report.problems) > 5 else ""
         raise MigrationError(f"the copy does not match its source: {shown}{more}")
     return report
+
+
+async def _copy_shared(
+    src: OpsStore,
+    dst: OpsStore,
+    task_cols: tuple[str, ...],
+    now: float,
+    report: MigrationReport,
+) -> dict[str, tuple[str, ...]]:
+    """Copy the tables that belong to no run, and the tasks that name none; the columns
+    copied per table (for the verification)."""
+    done: dict[str, tuple[str, ...]] = {}
+    for table, key in _SHARED_TABLES.items():
+        have = await _table_columns(src, table)
+        want = await _table_columns(dst, table)
+        if have is None or want is None:
+            continue
+        shared_cols = done[table] = tuple(c for c in have if c in want)
+        rows = await src._do(_all_rows, table, shared_cols, write=False)
+        report.shared[table] = await dst._do(_insert_shared, table, key, shared_cols, rows)
+    for table in _LOG_TABLES:
+        have = await _table_columns(src, table)
+        want = await _table_columns(dst, table)
+        if have is None or want is None:
+            continue
+        if await dst._do(_count, table, write=False):
+            continue  # copied before (a log has no key to tell its rows apart)
+        log_cols = done[table] = tuple(c for c in have if c in want and c != _FRESH_IDS.get(table))
+        rows = await src._do(_all_rows, table, log_cols, write=False)
+        report.shared[table] = await dst._do(_insert_all, table, log_cols, rows)
+    owner_at, avail_at = task_cols.index("lease_owner"), task_cols.index("available_at")
+    loose = [
+        _released(r, owner_at, avail_at, now)
+        for r in await src._do(_loose_tasks, task_cols, write=False)
+    ]
+    rid, kind = task_cols.index("run_id"), task_cols.index("kind")
+    there = {(r[rid], r[kind]) for r in await dst._do(_loose_tasks, task_cols, write=False)}
+    loose = [r for r in loose if (r[rid], r[kind]) not in there]  # copied before
+    if loose:
+        await dst._do(_insert_all, "tasks", task_cols, loose)
+        report.tasks += len(loose)
+    return done
+
+
+async def _verify_shared(
+    src: OpsStore, dst: OpsStore, done: dict[str, tuple[str, ...]], report: MigrationReport
+) -> None:
+    """Every row of the tables that belong to no run is in the target."""
+    for table, cols in done.items():
+        a = await src._do(_all_rows, table, cols, write=False)
+        b = set(await dst._do(_all_rows, table, cols, write=False))
+        missing = [r for r in a if r not in b]
+        if missing:
+            report.problems.append(f"{table}: {len(missing)} row(s) not in the target")
 
 
 def _released(row: tuple[Any, ...], owner_at: int, avail_at: int, now: float) -> tuple[Any, ...]:
@@ -284,7 +391,7 @@ async def _verify(
     task_key = tuple(task_cols.index(c) for c in ("run_id", "kind", "step", "queue", "fence"))
     for i in range(0, len(runs), 200):
         ids = tuple(r for r, _ in runs[i : i + 200])
-        for table in ("runs", "events", "dead_letters", "tasks"):
+        for table in _RUN_TABLES:
             a = await src._do(_rows, table, cols[table], ids, write=False)
             b = await dst._do(_rows, table, cols[table], ids, write=False)
             if table == "tasks":
