@@ -18,6 +18,7 @@ import pytest
 import tether
 from conftest import PG_URL, drop_schema, require_pg, with_schema
 from tether import EventType, RunStatus
+from tether.blobs import BlobStore
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
@@ -287,3 +288,69 @@ async def _rows_in_store(app: tether.App, table: str) -> int:
         return int(tx.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0])
 
     return int(await app.store._do(count, write=False))  # type: ignore[attr-defined]
+
+
+def _blobby(store: str, blobs: str | None = None) -> tether.App:
+    app = tether.App(store=store, blobs=blobs, offload_above=1024)
+
+    @app.activity
+    async def grow(s: str) -> str:
+        return s + "!" * 3000  # offloaded: over 1024 bytes
+
+    @app.activity
+    def fetch() -> tether.Blob:
+        return tether.put_blob(b"report " * 1000)
+
+    @app.activity
+    def size(b: tether.Blob) -> int:
+        return len(tether.read_blob(b))
+
+    @app.workflow
+    async def flow(s: str) -> str:
+        a = await grow(s)
+        b = await fetch()
+        await tether.wait_event("go")
+        return f"{len(a)} {await size(b)}"
+
+    return app
+
+
+async def test_migrate_copies_the_blobs_runs_refer_to(tmp_path: Path, store_url: str) -> None:
+    """Offloaded payloads and ``put_blob`` blobs go to the target's blob store, and the
+    verification reads them: a run in flight finishes on the target."""
+    from tether.store.migrate import MigrationError, migrate
+
+    source_url = f"sqlite:///{tmp_path / 'source.db'}"
+    src = _blobby(source_url)
+    async with src.worker(lease=5.0, poll_interval=0.05):
+        await src.start("flow", "x" * 2000, run_id="inflight")
+
+        async def waiting() -> bool:
+            h = await src.history("inflight")
+            done = [e for e in h if e.type is EventType.ACTIVITY_COMPLETED]
+            return len(done) == 2 and h[-1].type is EventType.WORKFLOW_TASK_COMPLETED
+
+        await _until(waiting, "the run to wait for its signal")
+    await src.close()
+    target_blobs = str(tmp_path / "target-blobs")
+    kept = tmp_path / "source.db.blobs"
+    kept.rename(tmp_path / "away")  # its blobs lost: refused before anything is written
+    with pytest.raises(MigrationError, match="missing from its blob store"):
+        await migrate(source_url, store_url, target_blobs=target_blobs)
+    (tmp_path / "away").rename(kept)
+    empty = tether.App(store=store_url)
+    assert await empty.list() == []
+    await empty.close()
+    report = await migrate(
+        source_url, store_url, app=_blobby(":memory:"), target_blobs=target_blobs
+    )
+    stored = {r for r, _ in BlobStore(f"{tmp_path / 'source.db'}.blobs").refs()}
+    assert report.blobs == len(stored) > 2 and report.replayed == 1  # offloaded + put_blob
+    assert {r for r, _ in BlobStore(target_blobs).refs()} == stored
+    dst = _blobby(store_url, target_blobs)
+    try:
+        async with dst.worker(lease=5.0, poll_interval=0.05):
+            await dst.signal("inflight", "go", 1)
+            assert await dst.get_run("inflight").result(timeout=15) == "5000 7000"
+    finally:
+        await dst.close()

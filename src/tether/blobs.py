@@ -102,19 +102,41 @@ class BlobStore:
             with contextlib.suppress(OSError):
                 os.utime(path)
         else:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, path)  # whole or not at all, whoever writes it first
-            except BaseException:
-                if os.path.exists(tmp):
-                    os.remove(tmp)
-                raise
+            self._write(path, data)
         return blob
+
+    def _write(self, path: str, data: bytes) -> None:
+        if self._fs is not None:
+            self._fs.pipe_file(path, data)
+            return
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)  # whole or not at all, whoever writes it first
+        except BaseException:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
+
+    def kept(self, ref: str) -> bytes:
+        """A blob's bytes as kept (sealed or not, unchecked): to copy it to another blob
+        store (``tether store migrate``). ``BlobError`` if missing."""
+        path = self._path(ref.removeprefix("sha256:"))
+        try:
+            if self._fs is not None:
+                return bytes(self._fs.cat_file(path))
+            with open(path, "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            raise BlobError(ref, f"missing from the blob store at {self.root!r}") from None
+
+    def keep(self, ref: str, data: bytes) -> None:
+        """Store bytes as ``kept`` read them from another blob store, under ``ref``."""
+        self._write(self._path(ref.removeprefix("sha256:")), data)
 
     def _intact(self, blob: Blob, sealed: bool) -> bool:
         """Whether the stored bytes of ``blob`` still match its hash (read in full)."""

@@ -3,7 +3,8 @@
 ``migrate(source, target)`` copies runs (in flight or finished, with their ids),
 their histories, their tasks (timers keep their fire time; leased work is released
 so the target's workers can claim it at once), dead letters, circuit breakers and
-queue limits, from any tether store to any other (SQLite to PostgreSQL first of
+queue limits, every table that belongs to no run, and the blobs payloads refer to
+(copied first), from any tether store to any other (SQLite to PostgreSQL first of
 all). It refuses to start when any of the source's run ids already exists in the
 target, so it never overwrites or merges a run. Then it verifies: every run's row
 and history are identical in both stores, every run has the same tasks, and, given
@@ -16,13 +17,15 @@ target).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .._codec import decode_text, open_fields
+from .._codec import Codec, decode_text, open_fields
 from .._errors import StoreError, TetherError
 from .._history import Event, RunStatus
+from ..blobs import BlobError, BlobStore, default_root
 from ._open import open_store
 from .base import Store
 from .ops import OpsStore
@@ -84,6 +87,7 @@ class MigrationReport:
     events: int = 0
     tasks: int = 0
     dead_letters: int = 0
+    blobs: int = 0  # copied to the target's blob store (those it had already too)
     shared: dict[str, int] = field(default_factory=dict)  # and reviews, deliveries, logs
     replayed: int = 0
     problems: list[str] = field(default_factory=list)
@@ -93,7 +97,7 @@ class MigrationReport:
         text = (
             f"copied {self.runs} runs ({self.runs - self.in_flight} finished, "
             f"{self.in_flight} in flight), {self.events} events, {self.tasks} tasks, "
-            f"{self.dead_letters} dead letters"
+            f"{self.dead_letters} dead letters, {self.blobs} blobs"
         )
         if shared:
             text += f", {shared}"
@@ -223,6 +227,22 @@ async def _table_columns(store: OpsStore, table: str) -> list[str] | None:
     return cols
 
 
+def _with_blobs(store: OpsStore, root: str | None) -> BlobStore:
+    """The store's blob store: ``root``, the one an App gave it, else where an App would
+    put it (``TETHER_BLOBS``, or the store's default); its codec then reads offloaded
+    payloads from it."""
+    if root is None and store.blobs is not None:
+        return store.blobs
+    blobs = BlobStore(
+        root or os.environ.get("TETHER_BLOBS") or default_root(getattr(store, "path", None))
+    )
+    sealer = store.codec.sealer if store.codec is not None else None
+    blobs.sealer = sealer
+    store.blobs = blobs
+    store.codec = Codec(sealer, blobs, None)
+    return blobs
+
+
 async def migrate(
     source: Store | str,
     target: Store | str,
@@ -230,15 +250,22 @@ async def migrate(
     app: App | None = None,
     batch: int = 200,
     progress: Callable[[str], None] | None = None,
+    source_blobs: str | None = None,
+    target_blobs: str | None = None,
 ) -> MigrationReport:
     """Copy every run of ``source`` into ``target`` and verify the copy.
 
-    Raises ``MigrationError`` (having written nothing) when a run id already exists
-    in the target, and after copying when verification finds a difference; the
-    report of a successful migration says what was copied.
+    The blobs the source's payloads refer to (offloaded payloads, ``put_blob``) are
+    copied from ``source_blobs`` to ``target_blobs`` (by default each store's own blob
+    store, where an App on it would look) before any row. Raises ``MigrationError``
+    (having written nothing) when a run id already exists in the target or a blob is
+    missing, and after copying when verification finds a difference; the report of a
+    successful migration says what was copied.
     """
     src = _ops_store(open_store(source), "source")
     dst = _ops_store(open_store(target), "target")
+    from_blobs = _with_blobs(src, source_blobs)
+    to_blobs = _with_blobs(dst, target_blobs)
     note = progress or (lambda _msg: None)
     report = MigrationReport()
     try:
@@ -273,6 +300,25 @@ async def migrate(
                 f"{', '.join(repr(r) for r in taken[:3])}); nothing was copied. Migrate into "
                 "an empty store (or a fresh PostgreSQL schema)"
             )
+        # the blobs first: a run copied without them could never read its payloads
+        refs = sorted(await src.blob_refs())
+        lost = [r for r in refs if from_blobs.modified(r) is None]
+        if lost:
+            raise MigrationError(
+                f"{len(lost)} blob(s) the source's payloads refer to are missing from its "
+                f"blob store at {from_blobs.root!r} (e.g. {lost[0]}); nothing was copied. "
+                "Name the right one (source_blobs=, TETHER_BLOBS)"
+            )
+        note(f"copying {len(refs)} blobs")
+        for ref in refs:
+            data = from_blobs.kept(ref)
+            try:
+                if to_blobs.kept(ref) == data:
+                    continue  # the same blob store, or copied before
+            except BlobError:
+                pass
+            to_blobs.keep(ref, data)
+        report.blobs = len(refs)
         note(f"copying {len(runs)} runs")
 
         lease_cols = cols["tasks"]
@@ -301,6 +347,13 @@ async def migrate(
         shared = await _copy_shared(src, dst, lease_cols, now, report)
         await _verify(src, dst, runs, cols, app, report, note)
         await _verify_shared(src, dst, shared, report)
+        for ref in refs:  # every blob reads back in the target as it is in the source
+            try:
+                same = to_blobs.kept(ref) == from_blobs.kept(ref)
+            except BlobError:
+                same = False
+            if not same:
+                report.problems.append(f"blob {ref} differs in the target's blob store")
     finally:
         if not isinstance(source, Store):
             await src.close()
