@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from typing import Any
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -144,3 +145,25 @@ async def test_putting_bytes_already_stored_restarts_their_grace_period(
     again = app.put_blob(b"the same document")  # an attempt still running, not committed
     assert again.ref == first.ref and path.stat().st_mtime > old + 3600
     assert await app.gc_blobs(older_than=3600) == {"kept": 1, "removed": 0}
+
+
+async def test_a_blob_put_again_while_gc_scans_the_store_stays(blob_app: tether.App) -> None:
+    """gc lists the blobs, then reads every payload (minutes on a big store): a blob an
+    attempt puts again meanwhile (its reference about to be committed) is young again
+    when gc comes to it, so it stays."""
+    app = blob_app
+    orphan = app.put_blob(b"last month's report")
+    digest = orphan.ref.removeprefix("sha256:")
+    path = Path(app.store.blobs.root) / "sha256" / digest[:2] / digest[2:]  # type: ignore[union-attr]
+    old = time.time() - 7200
+    os.utime(path, (old, old))
+    scan = app.store.blob_refs
+
+    async def slow_scan(*args: Any, **kwargs: Any) -> set[str]:
+        used = await scan(*args, **kwargs)
+        assert app.put_blob(b"last month's report") == orphan  # this month's run
+        return used
+
+    app.store.blob_refs = slow_scan  # type: ignore[method-assign]
+    assert await app.gc_blobs(older_than=3600) == {"kept": 1, "removed": 0}
+    assert app.read_blob(orphan) == b"last month's report"

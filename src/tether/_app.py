@@ -854,8 +854,12 @@ class App:
         removed = 0
         for ref, mtime in stored:
             if ref not in used and mtime < cutoff:
-                blobs.delete(ref)
-                removed += 1
+                # read again: put since the listing (a reference about to be committed,
+                # during the long scan above), a blob is young again and stays
+                modified = blobs.modified(ref)
+                if modified is not None and modified < cutoff:
+                    blobs.delete(ref)
+                    removed += 1
         return {"kept": len(stored) - removed, "removed": removed}
 
     # -- retention and erasure -----------------------------------------------------
