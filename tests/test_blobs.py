@@ -8,9 +8,9 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
