@@ -78,7 +78,7 @@ from ._tracing import start_carrier
 from ._update_wait import UpdateOutcomes
 from ._usage import Budget, Usage, usage_of
 from ._worker import Worker
-from .blobs import Blob, BlobStore, default_root
+from .blobs import SHARED_ROOT, Blob, BlobStore, default_root
 from .encryption import Keyring
 from .store._open import open_store
 from .store.base import WAITING_KINDS, Finished, Store, start_event_data
@@ -238,13 +238,12 @@ class App:
             with self._store_lock:
                 if self._store is None:
                     store = open_store(self._store_spec, keyring=self._keyring)
-                    blobs = BlobStore(
-                        self._blobs_spec
-                        or os.environ.get("TETHER_BLOBS")
-                        or default_root(getattr(store, "path", None))
-                    )
+                    named = self._blobs_spec or os.environ.get("TETHER_BLOBS")
+                    path = getattr(store, "path", None)
+                    blobs = BlobStore(named or default_root(path))
                     sealer = store.codec.sealer if store.codec is not None else None
                     blobs.sealer = sealer
+                    blobs.shared = not named and path is None  # SHARED_ROOT
                     store.blobs = blobs
                     store.codec = Codec(sealer, blobs, self._offload_above)
                     store.add_listener(self._on_commit)
@@ -848,6 +847,13 @@ class App:
         grace = seconds(older_than, "older_than") or 0.0
         blobs = self.store.blobs
         assert blobs is not None
+        if blobs.shared:
+            raise ConfigurationError(
+                f"this store's blob store is the default {SHARED_ROOT!r}, shared by every "
+                "PostgreSQL store whose processes start in this folder: what this store's "
+                "payloads do not refer to, another's may. Give each store its own: "
+                "App(blobs=...) or TETHER_BLOBS"
+            )
         stored = list(blobs.refs())  # listed first: a blob written after is not judged
         used = await self.store.blob_refs()
         cutoff = time.time() - grace
@@ -974,7 +980,7 @@ class App:
         rows that did were just removed) and that were not put since ``written_before``;
         how many went."""
         blobs = self.store.blobs
-        if blobs is None:
+        if blobs is None or blobs.shared:  # (another store's runs may refer to them)
             return 0
         removed = 0
         for ref in refs - await self.store.blob_refs():

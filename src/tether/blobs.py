@@ -59,6 +59,9 @@ class BlobStore:
     def __init__(self, root: str) -> None:
         #: seals the bytes of blobs put from now on (``tether.encryption``); None: plain
         self.sealer: Sealer | None = None
+        #: the default of a store with no file of its own (``./tether-blobs``): maybe
+        #: other stores' blobs too, so nothing is deleted from it (``default_root``)
+        self.shared = False
         self.root = root.rstrip("/")
         self._fs: Any = None
         if "://" in root and not root.startswith("file://"):
@@ -222,10 +225,15 @@ class BlobStore:
             os.remove(path)
 
 
+#: the default blob store of a PostgreSQL store: shared by every store whose processes
+#: start in the same folder, so blobs are never deleted from it (name one per store)
+SHARED_ROOT = "./tether-blobs"
+
+
 def default_root(store_path: str | None) -> str:
-    """Beside a SQLite file (``<file>.blobs``); else ``./tether-blobs``."""
+    """Beside a SQLite file (``<file>.blobs``); else ``SHARED_ROOT``."""
     if store_path and store_path != ":memory:":
         return f"{store_path}.blobs"
     if store_path == ":memory:":
         return tempfile.mkdtemp(prefix="tether-blobs-")
-    return "./tether-blobs"
+    return SHARED_ROOT
