@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -744,3 +745,74 @@ def test_a_plain_blob_sealed_in_place_still_reads_as_an_offloaded_payload(tmp_pa
     assert store.head(blob.ref).startswith(b"~e1:k1:")
     assert store.get(blob, sealed=True) == b'"a payload offloaded before encryption"'
     assert store.get(blob) == b'"a payload offloaded before encryption"'
+
+
+_RESEAL_KILLED = """
+import asyncio, base64, os, sys
+import tether
+from tether.encryption import StaticKeyring
+
+keys = StaticKeyring({"k1": base64.b64decode(sys.argv[3])}, "k1")
+app = tether.App(store=sys.argv[1], blobs=sys.argv[2], offload_above=1024, encryption=keys)
+batches = 0
+real = app.store.reseal_batch
+
+
+async def dies(*args, **kwargs):
+    global batches
+    batches += 1
+    if batches == 3:  # some payloads moved to new blobs, their old ones not deleted yet
+        os._exit(9)
+    return await real(*args, **kwargs)
+
+
+app.store.reseal_batch = dies
+asyncio.run(app.reseal(batch=2))
+"""
+
+
+async def test_a_reseal_killed_half_way_and_run_again_leaves_no_old_blob(
+    store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reseal killed after moving some offloaded payloads to new blobs, run again to
+    its end, leaves on disk only blobs a payload refers to, none of them plain."""
+    monkeypatch.delenv("TETHER_KEYRING", raising=False)
+    monkeypatch.delenv("TETHER_ENCRYPTION_KEYS", raising=False)
+    blobs = tmp_path / "blobs"
+    plain = tether.App(store=store_url, blobs=str(blobs), offload_above=1024)
+    _register(plain)
+    async with plain.worker(poll_interval=0.05):
+        for i in range(6):
+            assert await (await plain.start("echo", f"{CANARY}-{i} " * 100)).result(timeout=30)
+    plain.store.close_sync()  # type: ignore[attr-defined]
+    old = time.time() - 7200  # written long before the reseal
+    for p in blobs.rglob("*"):
+        if p.is_file():
+            os.utime(p, (old, old))
+    key = os.urandom(32)
+    killed = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _RESEAL_KILLED,
+            store_url,
+            str(blobs),
+            base64.b64encode(key).decode(),
+        ],
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent / "src")},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert killed.returncode == 9, killed.stderr
+    app = tether.App(
+        store=store_url,
+        blobs=str(blobs),
+        offload_above=1024,
+        encryption=StaticKeyring({"k1": key}, "k1"),
+    )
+    await app.reseal()
+    stored = {f"sha256:{p.parent.name}{p.name}" for p in blobs.rglob("*") if p.is_file()}
+    assert stored == await app.store.blob_refs()
+    assert all(p.read_bytes().startswith(b"~e1:k1:") for p in blobs.rglob("*") if p.is_file())
+    app.store.close_sync()  # type: ignore[attr-defined]

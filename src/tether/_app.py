@@ -78,6 +78,7 @@ from ._tracing import start_carrier
 from ._update_wait import UpdateOutcomes
 from ._usage import Budget, Usage, usage_of
 from ._worker import Worker
+from .blobs import SEALED as SEALED_BLOB
 from .blobs import SHARED_ROOT, Blob, BlobError, BlobStore, default_root
 from .encryption import Keyring
 from .store._open import open_store
@@ -897,13 +898,26 @@ class App:
                     break
         if before:
             out["blobs"] = await self._drop_blobs(before, started)
-        # then put_blob's blobs, in place (and plain ones: every offloaded payload is
-        # sealed by now); not in the shared default, where others' keys may seal them
+        # then every blob stored: put_blob's are sealed again in place (and plain ones:
+        # every offloaded payload is sealed by now). One nothing refers to that a pass
+        # stopped before its end left goes: a sealed payload's, and a plain one older
+        # than gc's grace (a younger one may be an attempt's, its commit in flight). Not
+        # in the shared default, where other stores' keys and payloads may differ
         out["blobs_resealed"] = 0
         blobs = self.store.blobs
         if blobs is not None and not blobs.shared:
+            used = await self.store.blob_refs()
             for ref, _ in list(blobs.refs()):
                 with contextlib.suppress(BlobError):  # gone meanwhile, damaged
+                    modified = blobs.modified(ref)
+                    if ref not in used and modified is not None and modified < started:
+                        plain = not blobs.head(ref, len(SEALED_BLOB)).startswith(SEALED_BLOB)
+                        if (plain and modified < started - PURGE_BLOB_GRACE) or (
+                            not plain and blobs.sealed_payload(ref)
+                        ):
+                            blobs.delete(ref)
+                            out["blobs"] = out.get("blobs", 0) + 1
+                            continue
                     out["blobs_resealed"] += blobs.reseal(ref)
         return out
 
@@ -1029,20 +1043,27 @@ class App:
                         await self.store.terminate(r.run_id, "tenant erased")
         started = time.time()
         total: dict[str, int] = {"runs": 0}
-        # the blobs its payloads refer to (or were offloaded to): removed after its rows
-        # unless another tenant's payload refers to the same bytes
-        refs: set[str] = set()
+        blobs = self.store.blobs
+        if not dry_run and blobs is not None and not blobs.shared:
+            # the blobs its payloads refer to (or were offloaded to), unless another
+            # tenant's payload refers to the same bytes: removed first, while every row
+            # that names them is there, so an erasure stopped half way and run again
+            # still finds them all (its rows go next)
+            mine = await self.store.blob_refs(tenant)
+            if mine:
+                mine -= await self.store.blob_refs(other_than=tenant)
+            total["blobs"] = 0
+            for ref in mine:
+                modified = blobs.modified(ref)
+                if modified is not None and modified < started:
+                    blobs.delete(ref)
+                    total["blobs"] += 1
         while True:
-            counts, theirs = await self.store.erase_tenant_batch(
-                tenant, limit=batch, dry_run=dry_run
-            )
-            refs |= theirs
+            counts, _ = await self.store.erase_tenant_batch(tenant, limit=batch, dry_run=dry_run)
             for table, n in counts.items():
                 total[table] = total.get(table, 0) + n
             if dry_run or counts["runs"] == 0:
                 break
-        if refs:
-            total["blobs"] = await self._drop_blobs(refs, started)
         codec = self.store.codec
         if not dry_run and codec is not None and codec.sealer is not None:
             total["keys_destroyed"] = len(codec.sealer.keyring.shred(tenant))

@@ -146,6 +146,13 @@ class BlobStore:
         self._write(self._path(digest), self.sealer.seal_bytes(plain))
         return True
 
+    def sealed_payload(self, ref: str) -> bool:
+        """Whether the blob is a sealed offloaded payload (named by its bytes as kept,
+        which ``put_blob``'s sealed blobs never are)."""
+        if not self.head(ref, len(SEALED)).startswith(SEALED):
+            return False
+        return hashlib.sha256(self.kept(ref)).hexdigest() == ref.removeprefix("sha256:")
+
     def kept(self, ref: str) -> bytes:
         """A blob's bytes as kept (sealed or not, unchecked): to copy it to another blob
         store (``tether store migrate``). ``BlobError`` if missing."""
