@@ -10,6 +10,7 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -144,3 +145,57 @@ async def test_putting_bytes_already_stored_restarts_their_grace_period(
     again = app.put_blob(b"the same document")  # an attempt still running, not committed
     assert again.ref == first.ref and path.stat().st_mtime > old + 3600
     assert await app.gc_blobs(older_than=3600) == {"kept": 1, "removed": 0}
+
+
+async def test_a_blob_put_again_while_gc_scans_the_store_stays(blob_app: tether.App) -> None:
+    """gc lists the blobs, then reads every payload (minutes on a big store): a blob an
+    attempt puts again meanwhile (its reference about to be committed) is young again
+    when gc comes to it, so it stays."""
+    app = blob_app
+    orphan = app.put_blob(b"last month's report")
+    digest = orphan.ref.removeprefix("sha256:")
+    path = Path(app.store.blobs.root) / "sha256" / digest[:2] / digest[2:]  # type: ignore[union-attr]
+    old = time.time() - 7200
+    os.utime(path, (old, old))
+    scan = app.store.blob_refs
+
+    async def slow_scan(*args: Any, **kwargs: Any) -> set[str]:
+        used = await scan(*args, **kwargs)
+        assert app.put_blob(b"last month's report") == orphan  # this month's run
+        return used
+
+    app.store.blob_refs = slow_scan  # type: ignore[method-assign]
+    assert await app.gc_blobs(older_than=3600) == {"kept": 1, "removed": 0}
+    assert app.read_blob(orphan) == b"last month's report"
+
+
+async def test_gc_refuses_the_blob_folder_every_postgres_store_shares(
+    tmp_path: Path, pg_schema: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A PostgreSQL store named no blob store uses ``./tether-blobs``, which every such
+    store started in that folder shares: gc (or a purge) on one would delete blobs the
+    others' runs refer to. gc refuses, a purge leaves the blobs; a named one works."""
+    from conftest import require_pg, with_schema
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("TETHER_BLOBS", raising=False)
+    url = with_schema(require_pg(), pg_schema)
+    app = tether.App(store=url)
+
+    @app.workflow
+    async def keep(doc: tether.Blob) -> int:
+        return doc.size
+
+    other = app.put_blob(b"another store's document")  # no payload of this store has it
+    run = await app.start(keep, app.put_blob(b"this store's document"))
+    async with app.worker(poll_interval=0.05):
+        assert await run.result(timeout=20) > 0
+    with pytest.raises(tether.ConfigurationError, match="shared"):
+        await app.gc_blobs(older_than=0)
+    counts = await app.purge(0)
+    assert counts["runs"] == 1 and counts.get("blobs", 0) == 0
+    assert app.read_blob(other)
+    await app.close()
+    named = tether.App(store=url, blobs=str(tmp_path / "own"))
+    assert (await named.gc_blobs(older_than=0))["removed"] == 0
+    await named.close()

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -646,3 +647,172 @@ def test_keyring_wrap_wraps_the_keys_of_a_plain_keyring_in_place(tmp_path: Path)
     assert no_wrapper.returncode == 2 and "TETHER_KEY_WRAPPER" in no_wrapper.stderr
     bad = _tether("keyring", "init", str(tmp_path / "k2.json"), "--wrapper", "nope:thing")
     assert bad.returncode == 2 and "cannot load it" in bad.stderr
+
+
+async def test_reseal_seals_put_blob_blobs_so_the_old_key_can_go(
+    store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Blobs from ``put_blob`` keep their reference (the hash of their bytes): reseal
+    seals them again in place under the current key, and seals those put before
+    encryption was on. A blob under a key the keyring lacks fails the step's attempt
+    retryably: given the key back, the run goes on."""
+    monkeypatch.delenv("TETHER_KEYRING", raising=False)
+    monkeypatch.delenv("TETHER_ENCRYPTION_KEYS", raising=False)
+    blobs = tmp_path / "blobs"
+    k1, k2 = os.urandom(32), os.urandom(32)
+
+    def build(keys: StaticKeyring | None) -> tether.App:
+        app = tether.App(store=store_url, blobs=str(blobs), encryption=keys)
+
+        @app.activity
+        def fetch(text: str) -> tether.Blob:
+            return tether.put_blob(text.encode() * 100)
+
+        @app.activity(retry=tether.Retry(attempts=50, initial=0.05, max_interval=0.05))
+        def size(b: tether.Blob) -> int:
+            return len(tether.read_blob(b))
+
+        @app.workflow
+        async def flow() -> int:
+            old = await fetch("before encryption ")
+            await tether.wait_event("on")
+            new = await fetch("contract text ")
+            await tether.wait_event("go")
+            return await size(old) + await size(new)
+
+        return app
+
+    def heads() -> list[bytes]:
+        return sorted(p.read_bytes()[:8] for p in blobs.rglob("*") if p.is_file())
+
+    plain = build(None)
+    async with plain.worker(poll_interval=0.05):
+        await plain.start("flow", run_id="r1")
+        await _until_waiting(plain, "r1", 1)
+    plain.store.close_sync()  # type: ignore[attr-defined]
+    sealed = build(StaticKeyring({"k1": k1}, "k1"))
+    async with sealed.worker(poll_interval=0.05):
+        await sealed.signal("r1", "on", 1)
+        await _until_waiting(sealed, "r1", 2)
+    sealed.store.close_sync()  # type: ignore[attr-defined]
+    assert heads() == sorted([b"before e", b"~e1:k1:z"])
+    rotated = build(StaticKeyring({"k2": k2, "k1": k1}, "k2"))
+    assert (await rotated.reseal())["blobs_resealed"] == 2
+    assert heads() == [b"~e1:k2:z"] * 2
+    assert (await rotated.reseal())["blobs_resealed"] == 0  # nothing left to do
+    rotated.store.close_sync()  # type: ignore[attr-defined]
+    retired = build(StaticKeyring({"k2": k2}, "k2"))  # k1 retired: everything reads
+    async with retired.worker(poll_interval=0.05):
+        await retired.signal("r1", "go", 1)
+        assert await retired.get_run("r1").result(timeout=20) == 18 * 100 + 14 * 100
+    retired.store.close_sync()  # type: ignore[attr-defined]
+
+
+def test_a_blob_under_a_key_this_keyring_lacks_is_a_retryable_blob_error(
+    tmp_path: Path,
+) -> None:
+    from tether.blobs import BlobError, BlobStore
+    from tether.encryption import Sealer
+
+    store = BlobStore(str(tmp_path))
+    store.sealer = Sealer(StaticKeyring({"k1": os.urandom(32)}, "k1"))
+    blob = store.put(b"the contract")
+    store.sealer = Sealer(StaticKeyring({"k2": os.urandom(32)}, "k2"))
+    with pytest.raises(BlobError, match="k1"):  # not a PayloadError: retried
+        store.get(blob)
+
+
+async def _until_waiting(app: tether.App, run_id: str, fetched: int) -> None:
+    for _ in range(400):
+        h = await app.history(run_id)
+        done = [e for e in h if e.type is tether.EventType.ACTIVITY_COMPLETED]
+        if len(done) == fetched and h[-1].type is tether.EventType.WORKFLOW_TASK_COMPLETED:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("the run did not come to wait")
+
+
+def test_a_plain_blob_sealed_in_place_still_reads_as_an_offloaded_payload(tmp_path: Path) -> None:
+    """Reseal seals every plain blob in place; one an offloaded payload still names (its
+    row not yet rewritten) reads back as the plain bytes it was."""
+    from tether.blobs import BlobStore
+    from tether.encryption import Sealer
+
+    store = BlobStore(str(tmp_path))
+    blob = store.put(b'"a payload offloaded before encryption"', sealed=True)
+    store.sealer = Sealer(StaticKeyring({"k1": os.urandom(32)}, "k1"))
+    assert store.reseal(blob.ref) and not store.reseal(blob.ref)
+    assert store.head(blob.ref).startswith(b"~e1:k1:")
+    assert store.get(blob, sealed=True) == b'"a payload offloaded before encryption"'
+    assert store.get(blob) == b'"a payload offloaded before encryption"'
+
+
+_RESEAL_KILLED = """
+import asyncio, base64, os, sys
+import tether
+from tether.encryption import StaticKeyring
+
+keys = StaticKeyring({"k1": base64.b64decode(sys.argv[3])}, "k1")
+app = tether.App(store=sys.argv[1], blobs=sys.argv[2], offload_above=1024, encryption=keys)
+batches = 0
+real = app.store.reseal_batch
+
+
+async def dies(*args, **kwargs):
+    global batches
+    batches += 1
+    if batches == 3:  # some payloads moved to new blobs, their old ones not deleted yet
+        os._exit(9)
+    return await real(*args, **kwargs)
+
+
+app.store.reseal_batch = dies
+asyncio.run(app.reseal(batch=2))
+"""
+
+
+async def test_a_reseal_killed_half_way_and_run_again_leaves_no_old_blob(
+    store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reseal killed after moving some offloaded payloads to new blobs, run again to
+    its end, leaves on disk only blobs a payload refers to, none of them plain."""
+    monkeypatch.delenv("TETHER_KEYRING", raising=False)
+    monkeypatch.delenv("TETHER_ENCRYPTION_KEYS", raising=False)
+    blobs = tmp_path / "blobs"
+    plain = tether.App(store=store_url, blobs=str(blobs), offload_above=1024)
+    _register(plain)
+    async with plain.worker(poll_interval=0.05):
+        for i in range(6):
+            assert await (await plain.start("echo", f"{CANARY}-{i} " * 100)).result(timeout=30)
+    plain.store.close_sync()  # type: ignore[attr-defined]
+    old = time.time() - 7200  # written long before the reseal
+    for p in blobs.rglob("*"):
+        if p.is_file():
+            os.utime(p, (old, old))
+    key = os.urandom(32)
+    killed = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _RESEAL_KILLED,
+            store_url,
+            str(blobs),
+            base64.b64encode(key).decode(),
+        ],
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent / "src")},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert killed.returncode == 9, killed.stderr
+    app = tether.App(
+        store=store_url,
+        blobs=str(blobs),
+        offload_above=1024,
+        encryption=StaticKeyring({"k1": key}, "k1"),
+    )
+    await app.reseal()
+    stored = {f"sha256:{p.parent.name}{p.name}" for p in blobs.rglob("*") if p.is_file()}
+    assert stored == await app.store.blob_refs()
+    assert all(p.read_bytes().startswith(b"~e1:k1:") for p in blobs.rglob("*") if p.is_file())
+    app.store.close_sync()  # type: ignore[attr-defined]

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -238,3 +239,70 @@ async def test_purge_removes_the_blobs_only_its_runs_referred_to(
     # the spared one goes to gc once nothing refers to it
     assert (await app.gc_blobs(older_than=0))["removed"] == 1
     app.store.close_sync()  # type: ignore[attr-defined]
+
+
+_ERASE_KILLED = """
+import asyncio, os, sys
+import tether
+
+app = tether.App(store=sys.argv[1], blobs=sys.argv[2], offload_above=1024)
+batches = 0
+real = app.store.erase_tenant_batch
+
+
+async def dies(*args, **kwargs):
+    global batches
+    batches += 1
+    if batches == 3:  # two batches of its runs removed: the process is killed
+        os._exit(9)
+    return await real(*args, **kwargs)
+
+
+app.store.erase_tenant_batch = dies
+asyncio.run(app.erase_tenant("acme", batch=2))
+"""
+
+
+async def test_an_erasure_killed_half_way_and_run_again_leaves_none_of_its_blobs(
+    store_url: str, tmp_path: Path
+) -> None:
+    """The blobs of a tenant go before its rows: an erasure killed after removing some
+    of its runs, run again to the end, leaves none of the tenant's bytes on disk."""
+    blobs = tmp_path / "blobs"
+    app = tether.App(store=store_url, blobs=str(blobs), offload_above=1024)
+
+    @app.workflow
+    async def keep(text: str) -> int:
+        return len(text)
+
+    async with app.worker(poll_interval=0.05):
+        for tenant in ("acme", "beta"):
+            for i in range(6):
+                run = await app.start(keep, f"{tenant}-secret-{i} " * 200, tenant=tenant)
+                await run.result(timeout=30)
+    app.store.close_sync()  # type: ignore[attr-defined]
+
+    def holding(word: bytes) -> int:
+        return sum(word in p.read_bytes() for p in blobs.rglob("*") if p.is_file())
+
+    theirs = holding(b"beta-secret")
+    assert holding(b"acme-secret") >= 6 and theirs >= 6
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent / "src")}
+    killed = subprocess.run(
+        [sys.executable, "-c", _ERASE_KILLED, store_url, str(blobs)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert killed.returncode == 9, killed.stderr
+    again = tether.App(store=store_url, blobs=str(blobs), offload_above=1024)
+
+    def acme_runs(tx: Any) -> int:
+        return int(tx.execute("SELECT COUNT(*) FROM runs WHERE tenant = 'acme'").fetchone()[0])
+
+    assert 0 < await again.store._do(acme_runs, write=False) < 6  # type: ignore[attr-defined]
+    await again.erase_tenant("acme", batch=2)
+    assert await again.store._do(acme_runs, write=False) == 0  # type: ignore[attr-defined]
+    assert holding(b"acme-secret") == 0 and holding(b"beta-secret") == theirs
+    again.store.close_sync()  # type: ignore[attr-defined]

@@ -386,3 +386,97 @@ def test_tether_retention_sets_and_lists_a_tenant_s_retention(tmp_path: Path) ->
     assert both.returncode == 2 and "--older-than AGE or --off" in both.stderr
     assert cli("set", "acme", "--off").returncode == 0
     assert json.loads(cli("list").stdout) == {}
+
+
+async def test_purge_spares_a_live_chain_and_removes_an_ended_one_whole(app: tether.App) -> None:
+    """A run that continued as new is purged with its chain, when the chain's last run
+    ended long enough ago: an entity (a chain that never ends) keeps every run, so its
+    first id still leads to its state, and the next operation builds on it."""
+
+    @app.entity(ops_per_run=2)
+    class Counter:
+        def __init__(self) -> None:
+            self.n = 0
+
+        def add(self, k: int) -> int:
+            self.n += k
+            return self.n
+
+    @app.workflow
+    async def loop(n: int) -> int:
+        if n < 2:
+            tether.continue_as_new(n + 1)
+        return n
+
+    async with app.worker(poll_interval=0.05):
+        c = app.entity_ref(Counter, "c1")
+        for _ in range(3):
+            await c.call("add", 1)
+        ended = await app.start(loop, 0, run_id="loop-1")
+        assert await ended.result(timeout=20) == 2
+        counts = await app.purge(0)
+        assert counts["runs"] == 3  # the ended chain: loop-1, loop-1~1, loop-1~2
+        for rid in ("loop-1", "loop-1~1", "loop-1~2"):
+            with pytest.raises(tether.RunPurgedError):
+                await app.get(rid, follow=False)
+        assert (await c.state())["n"] == 3
+        assert await c.call("add", 1) == 4
+    runs = [r for r in await app.list() if r.run_id.startswith("entity:")]
+    live = [r for r in runs if r.status is not tether.RunStatus.CONTINUED_AS_NEW]
+    assert len(live) == 1 and not live[0].status.is_terminal  # one live run, one chain
+    assert live[0].run_id == f"entity:Counter:c1~{len(runs) - 1}"
+
+
+async def test_a_purged_run_id_is_never_started_again(app: tether.App) -> None:
+    """A run id names one run ever: once purged, starting it again (a client retrying
+    its start, signal-with-start) raises ``RunPurgedError`` and runs nothing."""
+    charged: list[str] = []
+
+    @app.activity
+    async def charge(order: str) -> str:
+        charged.append(order)
+        return f"charged {order}"
+
+    @app.workflow
+    async def pay(order: str) -> str:
+        return await charge(order)
+
+    async with app.worker(poll_interval=0.05):
+        r = await app.start(pay, "o-1", run_id="pay:o-1")
+        assert await r.result(timeout=20) == "charged o-1"
+        assert (await app.purge(0))["runs"] == 1
+        with pytest.raises(tether.RunPurgedError):
+            await app.start(pay, "o-1", run_id="pay:o-1")
+        with pytest.raises(tether.RunPurgedError):
+            await app.start(pay, "o-1", run_id="pay:o-1", if_running="reject")
+        with pytest.raises(tether.RunPurgedError):
+            await app.start(pay, "o-1", run_id="pay:o-1", if_running="signal", signal=("go", 1))
+        other = await app.start(pay, "o-2", run_id="pay:o-2")  # other ids start as before
+        assert await other.result(timeout=20) == "charged o-2"
+    assert charged == ["o-1", "o-2"]
+    assert [r.run_id for r in await app.list()] == ["pay:o-2"]
+
+
+async def test_an_ended_entity_s_key_stays_purged(app: tether.App) -> None:
+    """An entity whose chain was ended by hand and then purged is not created afresh
+    under its key: the key answers ``RunPurgedError``."""
+
+    @app.entity(ops_per_run=2)
+    class Tally:
+        def __init__(self) -> None:
+            self.n = 0
+
+        def add(self, k: int) -> int:
+            self.n += k
+            return self.n
+
+    async with app.worker(poll_interval=0.05):
+        t = app.entity_ref(Tally, "t1")
+        for _ in range(3):
+            await t.call("add", 1)
+        await app.terminate((await app.get("entity:Tally:t1")).run_id, "done with it")
+        chain = await app.list()
+        assert (await app.purge(0))["runs"] == len(chain) == 2
+        with pytest.raises(tether.RunPurgedError):
+            await t.call("add", 1)
+    assert await app.list() == []

@@ -80,7 +80,8 @@ from ._tracing import start_carrier
 from ._update_wait import UpdateOutcomes
 from ._usage import Budget, Usage, usage_of
 from ._worker import Worker
-from .blobs import Blob, BlobStore, default_root
+from .blobs import SEALED as SEALED_BLOB
+from .blobs import SHARED_ROOT, Blob, BlobError, BlobStore, default_root
 from .encryption import Keyring
 from .store._open import open_store
 from .store.base import WAITING_KINDS, Finished, Store, start_event_data
@@ -254,13 +255,12 @@ class App:
             with self._store_lock:
                 if self._store is None:
                     store = open_store(self._store_spec, keyring=self._keyring)
-                    blobs = BlobStore(
-                        self._blobs_spec
-                        or os.environ.get("TETHER_BLOBS")
-                        or default_root(getattr(store, "path", None))
-                    )
+                    named = self._blobs_spec or os.environ.get("TETHER_BLOBS")
+                    path = getattr(store, "path", None)
+                    blobs = BlobStore(named or default_root(path))
                     sealer = store.codec.sealer if store.codec is not None else None
                     blobs.sealer = sealer
+                    blobs.shared = not named and path is None  # SHARED_ROOT
                     store.blobs = blobs
                     store.codec = Codec(sealer, blobs, self._offload_above)
                     store.add_listener(self._on_commit)
@@ -938,14 +938,25 @@ class App:
         grace = seconds(older_than, "older_than") or 0.0
         blobs = self.store.blobs
         assert blobs is not None
+        if blobs.shared:
+            raise ConfigurationError(
+                f"this store's blob store is the default {SHARED_ROOT!r}, shared by every "
+                "PostgreSQL store whose processes start in this folder: what this store's "
+                "payloads do not refer to, another's may. Give each store its own: "
+                "App(blobs=...) or TETHER_BLOBS"
+            )
         stored = list(blobs.refs())  # listed first: a blob written after is not judged
         used = await self.store.blob_refs()
         cutoff = time.time() - grace
         removed = 0
         for ref, mtime in stored:
             if ref not in used and mtime < cutoff:
-                blobs.delete(ref)
-                removed += 1
+                # read again: put since the listing (a reference about to be committed,
+                # during the long scan above), a blob is young again and stays
+                modified = blobs.modified(ref)
+                if modified is not None and modified < cutoff:
+                    blobs.delete(ref)
+                    removed += 1
         return {"kept": len(stored) - removed, "removed": removed}
 
     # -- retention and erasure -----------------------------------------------------
@@ -977,6 +988,27 @@ class App:
                     break
         if before:
             out["blobs"] = await self._drop_blobs(before, started)
+        # then every blob stored: put_blob's are sealed again in place (and plain ones:
+        # every offloaded payload is sealed by now). One nothing refers to that a pass
+        # stopped before its end left goes: a sealed payload's, and a plain one older
+        # than gc's grace (a younger one may be an attempt's, its commit in flight). Not
+        # in the shared default, where other stores' keys and payloads may differ
+        out["blobs_resealed"] = 0
+        blobs = self.store.blobs
+        if blobs is not None and not blobs.shared:
+            used = await self.store.blob_refs()
+            for ref, _ in list(blobs.refs()):
+                with contextlib.suppress(BlobError):  # gone meanwhile, damaged
+                    modified = blobs.modified(ref)
+                    if ref not in used and modified is not None and modified < started:
+                        plain = not blobs.head(ref, len(SEALED_BLOB)).startswith(SEALED_BLOB)
+                        if (plain and modified < started - PURGE_BLOB_GRACE) or (
+                            not plain and blobs.sealed_payload(ref)
+                        ):
+                            blobs.delete(ref)
+                            out["blobs"] = out.get("blobs", 0) + 1
+                            continue
+                    out["blobs_resealed"] += blobs.reseal(ref)
         return out
 
     async def configure_retention(self, tenant: str, older_than: float | timedelta | None) -> None:
@@ -1060,7 +1092,7 @@ class App:
         rows that did were just removed) and that were not put since ``written_before``;
         how many went."""
         blobs = self.store.blobs
-        if blobs is None:
+        if blobs is None or blobs.shared:  # (another store's runs may refer to them)
             return 0
         removed = 0
         for ref in refs - await self.store.blob_refs():
@@ -1101,20 +1133,27 @@ class App:
                         await self.store.terminate(r.run_id, "tenant erased")
         started = time.time()
         total: dict[str, int] = {"runs": 0}
-        # the blobs its payloads refer to (or were offloaded to): removed after its rows
-        # unless another tenant's payload refers to the same bytes
-        refs: set[str] = set()
+        blobs = self.store.blobs
+        if not dry_run and blobs is not None and not blobs.shared:
+            # the blobs its payloads refer to (or were offloaded to), unless another
+            # tenant's payload refers to the same bytes: removed first, while every row
+            # that names them is there, so an erasure stopped half way and run again
+            # still finds them all (its rows go next)
+            mine = await self.store.blob_refs(tenant)
+            if mine:
+                mine -= await self.store.blob_refs(other_than=tenant)
+            total["blobs"] = 0
+            for ref in mine:
+                modified = blobs.modified(ref)
+                if modified is not None and modified < started:
+                    blobs.delete(ref)
+                    total["blobs"] += 1
         while True:
-            counts, theirs = await self.store.erase_tenant_batch(
-                tenant, limit=batch, dry_run=dry_run
-            )
-            refs |= theirs
+            counts, _ = await self.store.erase_tenant_batch(tenant, limit=batch, dry_run=dry_run)
             for table, n in counts.items():
                 total[table] = total.get(table, 0) + n
             if dry_run or counts["runs"] == 0:
                 break
-        if refs:
-            total["blobs"] = await self._drop_blobs(refs, started)
         codec = self.store.codec
         if not dry_run and codec is not None and codec.sealer is not None:
             total["keys_destroyed"] = len(codec.sealer.keyring.shred(tenant))

@@ -17,8 +17,9 @@ def put_blob(data: bytes, media_type: str | None = None) -> Blob:
 
 
 def read_blob(blob: Blob | dict[str, Any]) -> bytes:
-    """Inside an activity: the bytes of ``blob`` (``BlobError`` if missing or damaged:
-    the step fails and retries, so restoring the blob lets the run go on)."""
+    """Inside an activity: the bytes of ``blob`` (``BlobError`` if missing, damaged or
+    sealed under a key this keyring lacks: the step fails and retries, so restoring the
+    blob or the key lets the run go on)."""
     return _blobs().get(blob)
 
 

@@ -315,9 +315,11 @@ class Store(abc.ABC):
         """Webhook deliveries, newest first."""
 
     @abc.abstractmethod
-    async def blob_refs(self, tenant: str | None = None) -> set[str]:
+    async def blob_refs(
+        self, tenant: str | None = None, *, other_than: str | None = None
+    ) -> set[str]:
         """Every blob reference the store's payloads hold (for ``gc_blobs``), or those of
-        ``tenant``'s runs."""
+        ``tenant``'s runs, or those of all but ``other_than``'s runs."""
 
     @abc.abstractmethod
     async def open_counts(self) -> dict[str, int]:

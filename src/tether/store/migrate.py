@@ -3,7 +3,8 @@
 ``migrate(source, target)`` copies runs (in flight or finished, with their ids),
 their histories, their tasks (timers keep their fire time; leased work is released
 so the target's workers can claim it at once), dead letters, circuit breakers and
-queue limits, from any tether store to any other (SQLite to PostgreSQL first of
+queue limits, every table that belongs to no run, and the blobs payloads refer to
+(copied first), from any tether store to any other (SQLite to PostgreSQL first of
 all). It refuses to start when any of the source's run ids already exists in the
 target, so it never overwrites or merges a run. Then it verifies: every run's row
 and history are identical in both stores, every run has the same tasks, and, given
@@ -16,13 +17,15 @@ target).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .._codec import decode_text, open_fields
+from .._codec import Codec, decode_text, open_fields
 from .._errors import StoreError, TetherError
 from .._history import Event, RunStatus
+from ..blobs import BlobError, BlobStore, default_root
 from ._open import open_store
 from .base import Store
 from .ops import OpsStore
@@ -32,15 +35,43 @@ if TYPE_CHECKING:
     from .._app import App
 
 #: tables copied per run, in order (every one has a ``run_id`` column)
-_RUN_TABLES = ("runs", "events", "tasks", "dead_letters")
-#: shared tables copied by key when the target lacks the key
-_SHARED_TABLES = {
-    "breakers": "name",
-    "queue_limits": "queue",  # dependency limiters too (rows named "dep:...")
-    "tenant_limits": "tenant",
+_RUN_TABLES = ("runs", "events", "tasks", "dead_letters", "approvals", "webhook_outbox")
+#: tables copied whole, row by row, where the target lacks the row's key
+_SHARED_TABLES: dict[str, tuple[str, ...]] = {
+    "breakers": ("name",),
+    "queue_limits": ("queue",),  # dependency limiters too (rows named "dep:...")
+    "tenant_limits": ("tenant",),  # admission limits and retentions
+    "debounces": ("debounce_key",),  # (their tasks name no run yet: copied as loose tasks)
+    "schedules": ("schedule_id",),  # (their tasks too)
+    "api_keys": ("key_id",),
+    "switches": ("kind", "name"),
+    "purged_runs": ("run_id",),
+    "ai_cache": ("cache_key",),
+    "ai_budgets": ("scope",),
+    "ai_spend": ("scope", "day"),
+    "usage_days": ("tenant", "day"),
+}
+#: tables of rows with no key of their own: copied whole into a target that has none
+_LOG_TABLES = ("audit_log", "usage_deltas")
+#: tables not copied, and why: the target keeps them itself
+NOT_COPIED = {
+    "run_count_deltas": "counters kept by triggers as the runs are inserted",
+    "run_counts": "counters kept by triggers as the runs are inserted",
+    "run_ends": "counters kept by triggers as the runs are inserted",
+    "tether_meta": "the target's own schema version",
 }
 #: columns the target assigns itself
-_FRESH_IDS = {"tasks": "task_id", "dead_letters": "id"}
+_FRESH_IDS = {
+    "tasks": "task_id",
+    "dead_letters": "id",
+    "webhook_outbox": "delivery_id",
+    "audit_log": "id",
+}
+
+
+def copied_tables() -> set[str]:
+    """Every table ``migrate`` copies (with ``NOT_COPIED``: every table of a store)."""
+    return {*_RUN_TABLES, *_SHARED_TABLES, *_LOG_TABLES}
 
 
 class MigrationError(TetherError):
@@ -56,7 +87,8 @@ class MigrationReport:
     events: int = 0
     tasks: int = 0
     dead_letters: int = 0
-    shared: dict[str, int] = field(default_factory=dict)
+    blobs: int = 0  # copied to the target's blob store (those it had already too)
+    shared: dict[str, int] = field(default_factory=dict)  # and reviews, deliveries, logs
     replayed: int = 0
     problems: list[str] = field(default_factory=list)
 
@@ -65,7 +97,7 @@ class MigrationReport:
         text = (
             f"copied {self.runs} runs ({self.runs - self.in_flight} finished, "
             f"{self.in_flight} in flight), {self.events} events, {self.tasks} tasks, "
-            f"{self.dead_letters} dead letters"
+            f"{self.dead_letters} dead letters, {self.blobs} blobs"
         )
         if shared:
             text += f", {shared}"
@@ -100,7 +132,13 @@ def _rows(
     tx: _Tx, table: str, cols: tuple[str, ...], run_ids: tuple[str, ...]
 ) -> list[tuple[Any, ...]]:
     marks = ",".join("?" * len(run_ids))
-    order = {"events": "run_id, seq", "tasks": "run_id, task_id", "dead_letters": "id"}
+    order = {
+        "events": "run_id, seq",
+        "tasks": "run_id, task_id",
+        "dead_letters": "id",
+        "approvals": "approval_id",
+        "webhook_outbox": "delivery_id",
+    }
     rows = tx.execute(
         f"SELECT {', '.join(cols)} FROM {table} WHERE run_id IN ({marks}) "
         f"ORDER BY {order.get(table, 'run_id')}",
@@ -132,14 +170,38 @@ def _insert(
         tx.conn.cursor().executemany(text, rows)
 
 
+def _loose_tasks(tx: _Tx, cols: tuple[str, ...]) -> list[tuple[Any, ...]]:
+    """Tasks that name no run: a schedule's next tick, a debounce's pending start."""
+    rows = tx.execute(
+        f"SELECT {', '.join(cols)} FROM tasks t WHERE NOT EXISTS "
+        "(SELECT 1 FROM runs r WHERE r.run_id = t.run_id) ORDER BY task_id"
+    ).fetchall()
+    return [tuple(r) for r in rows]
+
+
+def _count(tx: _Tx, table: str) -> int:
+    return int(tx.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0])
+
+
+def _insert_all(tx: _Tx, table: str, cols: tuple[str, ...], rows: list[tuple[Any, ...]]) -> int:
+    """Insert rows as they are (the target has none of them)."""
+    text = f"INSERT INTO {table} ({', '.join(cols)}) VALUES ({','.join('?' * len(cols))})"
+    if tx.paramstyle != "qmark":
+        text = text.replace("?", "%s")
+    if rows:
+        tx.conn.cursor().executemany(text, rows)
+    return len(rows)
+
+
 def _insert_shared(
-    tx: _Tx, table: str, key: str, cols: tuple[str, ...], rows: list[tuple[Any, ...]]
+    tx: _Tx, table: str, key: tuple[str, ...], cols: tuple[str, ...], rows: list[tuple[Any, ...]]
 ) -> int:
     """Insert rows of a shared table whose key the target does not have yet."""
-    k = cols.index(key)
+    at = [cols.index(k) for k in key]
+    where = " AND ".join(f"{k} = ?" for k in key)
     added = 0
     for row in rows:
-        if tx.execute(f"SELECT 1 FROM {table} WHERE {key} = ?", (row[k],)).fetchone():
+        if tx.execute(f"SELECT 1 FROM {table} WHERE {where}", [row[i] for i in at]).fetchone():
             continue
         tx.execute(
             f"INSERT INTO {table} ({', '.join(cols)}) VALUES ({','.join('?' * len(cols))})", row
@@ -165,6 +227,22 @@ async def _table_columns(store: OpsStore, table: str) -> list[str] | None:
     return cols
 
 
+def _with_blobs(store: OpsStore, root: str | None) -> BlobStore:
+    """The store's blob store: ``root``, the one an App gave it, else where an App would
+    put it (``TETHER_BLOBS``, or the store's default); its codec then reads offloaded
+    payloads from it."""
+    if root is None and store.blobs is not None:
+        return store.blobs
+    blobs = BlobStore(
+        root or os.environ.get("TETHER_BLOBS") or default_root(getattr(store, "path", None))
+    )
+    sealer = store.codec.sealer if store.codec is not None else None
+    blobs.sealer = sealer
+    store.blobs = blobs
+    store.codec = Codec(sealer, blobs, None)
+    return blobs
+
+
 async def migrate(
     source: Store | str,
     target: Store | str,
@@ -172,15 +250,22 @@ async def migrate(
     app: App | None = None,
     batch: int = 200,
     progress: Callable[[str], None] | None = None,
+    source_blobs: str | None = None,
+    target_blobs: str | None = None,
 ) -> MigrationReport:
     """Copy every run of ``source`` into ``target`` and verify the copy.
 
-    Raises ``MigrationError`` (having written nothing) when a run id already exists
-    in the target, and after copying when verification finds a difference; the
-    report of a successful migration says what was copied.
+    The blobs the source's payloads refer to (offloaded payloads, ``put_blob``) are
+    copied from ``source_blobs`` to ``target_blobs`` (by default each store's own blob
+    store, where an App on it would look) before any row. Raises ``MigrationError``
+    (having written nothing) when a run id already exists in the target or a blob is
+    missing, and after copying when verification finds a difference; the report of a
+    successful migration says what was copied.
     """
     src = _ops_store(open_store(source), "source")
     dst = _ops_store(open_store(target), "target")
+    from_blobs = _with_blobs(src, source_blobs)
+    to_blobs = _with_blobs(dst, target_blobs)
     note = progress or (lambda _msg: None)
     report = MigrationReport()
     try:
@@ -215,6 +300,25 @@ async def migrate(
                 f"{', '.join(repr(r) for r in taken[:3])}); nothing was copied. Migrate into "
                 "an empty store (or a fresh PostgreSQL schema)"
             )
+        # the blobs first: a run copied without them could never read its payloads
+        refs = sorted(await src.blob_refs())
+        lost = [r for r in refs if from_blobs.modified(r) is None]
+        if lost:
+            raise MigrationError(
+                f"{len(lost)} blob(s) the source's payloads refer to are missing from its "
+                f"blob store at {from_blobs.root!r} (e.g. {lost[0]}); nothing was copied. "
+                "Name the right one (source_blobs=, TETHER_BLOBS)"
+            )
+        note(f"copying {len(refs)} blobs")
+        for ref in refs:
+            data = from_blobs.kept(ref)
+            try:
+                if to_blobs.kept(ref) == data:
+                    continue  # the same blob store, or copied before
+            except BlobError:
+                pass
+            to_blobs.keep(ref, data)
+        report.blobs = len(refs)
         note(f"copying {len(runs)} runs")
 
         lease_cols = cols["tasks"]
@@ -234,20 +338,22 @@ async def migrate(
             report.events += len(plan[1][2])
             report.tasks += len(plan[2][2])
             report.dead_letters += len(plan[3][2])
+            for table, _cols, rows in plan[4:]:
+                report.shared[table] = report.shared.get(table, 0) + len(rows)
             note(f"copied {min(i + batch, len(runs))}/{len(runs)} runs")
         report.runs = len(runs)
         report.in_flight = sum(1 for _, s in runs if not RunStatus(s).is_terminal)
 
-        for table, key in _SHARED_TABLES.items():
-            have = await _table_columns(src, table)
-            want = await _table_columns(dst, table)
-            if have is None or want is None:
-                continue
-            shared_cols = tuple(c for c in have if c in want)
-            rows = await src._do(_all_rows, table, shared_cols, write=False)
-            report.shared[table] = await dst._do(_insert_shared, table, key, shared_cols, rows)
-
+        shared = await _copy_shared(src, dst, lease_cols, now, report)
         await _verify(src, dst, runs, cols, app, report, note)
+        await _verify_shared(src, dst, shared, report)
+        for ref in refs:  # every blob reads back in the target as it is in the source
+            try:
+                same = to_blobs.kept(ref) == from_blobs.kept(ref)
+            except BlobError:
+                same = False
+            if not same:
+                report.problems.append(f"blob {ref} differs in the target's blob store")
     finally:
         if not isinstance(source, Store):
             await src.close()
@@ -258,6 +364,60 @@ async def migrate(
         more = f" (and {len(report.problems) - 5} more)" if len(report.problems) > 5 else ""
         raise MigrationError(f"the copy does not match its source: {shown}{more}")
     return report
+
+
+async def _copy_shared(
+    src: OpsStore,
+    dst: OpsStore,
+    task_cols: tuple[str, ...],
+    now: float,
+    report: MigrationReport,
+) -> dict[str, tuple[str, ...]]:
+    """Copy the tables that belong to no run, and the tasks that name none; the columns
+    copied per table (for the verification)."""
+    done: dict[str, tuple[str, ...]] = {}
+    for table, key in _SHARED_TABLES.items():
+        have = await _table_columns(src, table)
+        want = await _table_columns(dst, table)
+        if have is None or want is None:
+            continue
+        shared_cols = done[table] = tuple(c for c in have if c in want)
+        rows = await src._do(_all_rows, table, shared_cols, write=False)
+        report.shared[table] = await dst._do(_insert_shared, table, key, shared_cols, rows)
+    for table in _LOG_TABLES:
+        have = await _table_columns(src, table)
+        want = await _table_columns(dst, table)
+        if have is None or want is None:
+            continue
+        if await dst._do(_count, table, write=False):
+            continue  # copied before (a log has no key to tell its rows apart)
+        log_cols = done[table] = tuple(c for c in have if c in want and c != _FRESH_IDS.get(table))
+        rows = await src._do(_all_rows, table, log_cols, write=False)
+        report.shared[table] = await dst._do(_insert_all, table, log_cols, rows)
+    owner_at, avail_at = task_cols.index("lease_owner"), task_cols.index("available_at")
+    loose = [
+        _released(r, owner_at, avail_at, now)
+        for r in await src._do(_loose_tasks, task_cols, write=False)
+    ]
+    rid, kind = task_cols.index("run_id"), task_cols.index("kind")
+    there = {(r[rid], r[kind]) for r in await dst._do(_loose_tasks, task_cols, write=False)}
+    loose = [r for r in loose if (r[rid], r[kind]) not in there]  # copied before
+    if loose:
+        await dst._do(_insert_all, "tasks", task_cols, loose)
+        report.tasks += len(loose)
+    return done
+
+
+async def _verify_shared(
+    src: OpsStore, dst: OpsStore, done: dict[str, tuple[str, ...]], report: MigrationReport
+) -> None:
+    """Every row of the tables that belong to no run is in the target."""
+    for table, cols in done.items():
+        a = await src._do(_all_rows, table, cols, write=False)
+        b = set(await dst._do(_all_rows, table, cols, write=False))
+        missing = [r for r in a if r not in b]
+        if missing:
+            report.problems.append(f"{table}: {len(missing)} row(s) not in the target")
 
 
 def _released(row: tuple[Any, ...], owner_at: int, avail_at: int, now: float) -> tuple[Any, ...]:
@@ -284,7 +444,7 @@ async def _verify(
     task_key = tuple(task_cols.index(c) for c in ("run_id", "kind", "step", "queue", "fence"))
     for i in range(0, len(runs), 200):
         ids = tuple(r for r, _ in runs[i : i + 200])
-        for table in ("runs", "events", "dead_letters", "tasks"):
+        for table in _RUN_TABLES:
             a = await src._do(_rows, table, cols[table], ids, write=False)
             b = await dst._do(_rows, table, cols[table], ids, write=False)
             if table == "tasks":

@@ -273,8 +273,10 @@ class OpsStore(Store):
         )
         return out
 
-    async def blob_refs(self, tenant: str | None = None) -> set[str]:
-        refs: set[str] = await self._do(_blob_refs, tenant, write=False)
+    async def blob_refs(
+        self, tenant: str | None = None, *, other_than: str | None = None
+    ) -> set[str]:
+        refs: set[str] = await self._do(_blob_refs, tenant, None, other_than, write=False)
         return refs
 
     async def open_counts(self) -> dict[str, int]:

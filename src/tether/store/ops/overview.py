@@ -190,11 +190,14 @@ _BY_RUN = {"events", "tasks", "dead_letters", "approvals", "webhook_outbox"}
 
 
 def _blob_refs(
-    tx: _Tx, tenant: str | None = None, run_ids: Sequence[str] | None = None
+    tx: _Tx,
+    tenant: str | None = None,
+    run_ids: Sequence[str] | None = None,
+    other_than: str | None = None,
 ) -> set[str]:
     """Every blob reference (``sha256:<hex>``) the store's payloads hold (only those of
-    ``tenant``'s runs, or of the runs ``run_ids``, if given): the ones written into
-    them, and payloads offloaded."""
+    ``tenant``'s runs, or of the runs ``run_ids``, or of everything but ``other_than``'s
+    runs, if given): the ones written into them, and payloads offloaded."""
     found: set[str] = set()
     if run_ids is not None and not run_ids:
         return found
@@ -213,6 +216,12 @@ def _blob_refs(
                 args = (tenant,)
             else:
                 continue
+        elif other_than is not None:
+            if table == "runs":
+                scope, args = " AND (tenant IS NULL OR tenant <> ?)", (other_than,)
+            elif table in _BY_RUN:
+                scope = " AND run_id NOT IN (SELECT run_id FROM runs WHERE tenant = ?)"
+                args = (other_than,)
         for column in columns:
             # sealed or offloaded payloads hide what they hold: those rows are decoded
             rows = tx.execute(

@@ -11,14 +11,17 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..._definitions import CHAIN_SEPARATOR, chain_of
 from ..._history import RunStatus
 from .._counters import COUNT_TABLES
 from ._tx import _Tx
 
 #: tables whose rows belong to one run (by ``run_id``)
 RUN_TABLES = ("events", "tasks", "dead_letters", "approvals", "webhook_outbox")
-#: statuses a run can be purged in (it has ended)
-_ENDED = tuple(s.value for s in RunStatus if s.is_terminal)
+#: statuses a run can be purged in (it has ended); a run that continued as new goes with
+#: its chain, when the chain's last run is purged (a live chain's runs all stay: lookups
+#: follow it from its first id, and an entity's state lives along it)
+_ENDED = tuple(s.value for s in RunStatus if s.is_terminal and s is not RunStatus.CONTINUED_AS_NEW)
 
 
 def _purge_batch(
@@ -53,7 +56,37 @@ def _purge_batch(
         ids.extend(r[0] for r in rows)
         if len(ids) >= limit:
             break
-    return _remove(tx, ids, dry_run, reason)
+    return _remove(tx, [*ids, *_chains_before(tx, ids)], dry_run, reason)
+
+
+def _chains_before(tx: _Tx, ends: list[str]) -> list[str]:
+    """The runs that continued as new into each of ``ends`` (the last runs of their
+    chains), back to each chain's first: found by id (a chain's ids are its first id
+    with ``~1``, ``~2``, ...), each checked to name the next as ``continued_to``. A chain
+    goes whole in the batch of its last run."""
+    out: list[str] = []
+    for end in ends:
+        first, n = chain_of(end)
+        if n == 0:
+            continue
+        links: dict[str, str] = {}
+        names = [first, *(f"{first}{CHAIN_SEPARATOR}{k}" for k in range(1, n))]
+        for i in range(0, len(names), 500):
+            part = names[i : i + 500]
+            links.update(
+                tx.execute(
+                    "SELECT run_id, continued_to FROM runs WHERE status = 'continued_as_new' "
+                    f"AND run_id IN ({','.join('?' * len(part))})",
+                    part,
+                ).fetchall()
+            )
+        nxt = end
+        for name in reversed(names):  # back from the end while the links hold
+            if links.get(name) != nxt:
+                break
+            out.append(name)
+            nxt = name
+    return out
 
 
 def _erase_tenant_batch(

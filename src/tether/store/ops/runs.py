@@ -10,6 +10,7 @@ from ..._errors import (
     AdmissionLimitError,
     RunIdConflictError,
     RunNotFoundError,
+    RunPurgedError,
     StoreError,
     SwitchedOffError,
 )
@@ -167,6 +168,13 @@ def _create_run(
         if signal is not None:  # to the run (its live run, if it continued as new)
             got = _signal(tx, run_id, signal[0], signal[1])
         return StartResult(run=existing, created=False, signalled=got)
+    # a run id names one run ever: a purged one is not started again
+    if tx.optimistic:  # PostgreSQL, no wait: the guard fails the batch, run again safely
+        tx.guard("SELECT 1 / (1 - count(*)::int) FROM purged_runs WHERE run_id = ?", (run_id,))
+    else:
+        purged = _purged_run(tx, run_id)
+        if purged is not None:
+            raise RunPurgedError(run_id, *purged)
     if signal is not None:
         first = None  # the first workflow task must see the signal: no eager task
     queued = False
@@ -482,6 +490,7 @@ def _list_runs(
 from .admission import _admission, _admit_queued, _promote  # noqa: E402
 from .control import _MAX_CHAIN, _close_children, _signal  # noqa: E402
 from .history import _append, _Pending, _read_history  # noqa: E402
+from .retention import _purged_run  # noqa: E402
 from .tasks import _ensure_workflow_task  # noqa: E402
 from .webhooks import _queue_webhook  # noqa: E402
 from .workflow_tasks import _apply_workflow_result  # noqa: E402
