@@ -635,3 +635,30 @@ async def test_divergence_messages_name_their_cause_and_the_ways_out(db_path: Pa
     assert "tether terminate" in msg and "app.fork('r1', at_step=1)" in msg, msg
     for x in (app, v2, v3):
         await x.close()
+
+
+async def test_a_child_started_under_another_run_id_is_a_divergence(db_path: Path) -> None:
+    def register(app: tether.App, child_id: str) -> tether.Workflow[[], Any]:
+        @app.workflow(name="kid")
+        async def kid() -> int:
+            return 1
+
+        @app.workflow(name="parent")
+        async def parent() -> Any:
+            n = await kid.options(run_id=child_id)()
+            await tether.wait_event("go")
+            return n
+
+        return parent
+
+    app = tether.App(store=f"sqlite:///{db_path}")
+    history = await _record(app, register(app, "k-1"))
+    v2 = tether.App(store=f"sqlite:///{db_path}")
+    register(v2, "k-2")
+    msg = check_history(v2, history).error or ""
+    assert "'k-1'" in msg and "'k-2'" in msg, msg
+    same = tether.App(store=f"sqlite:///{db_path}")
+    register(same, "k-1")
+    assert check_history(same, history).ok
+    for a in (app, v2, same):
+        await a.close()
