@@ -662,3 +662,31 @@ async def test_a_child_started_under_another_run_id_is_a_divergence(db_path: Pat
     assert check_history(same, history).ok
     for a in (app, v2, same):
         await a.close()
+
+
+async def test_a_fork_replays_steps_whose_arguments_name_the_original_run(db_path: Path) -> None:
+    """A fork's copied steps were recorded by the run it came from: arguments made from
+    the run's id (an idempotency key) differ in the fork and are not a divergence."""
+    app = tether.App(store=f"sqlite:///{db_path}")
+
+    @app.activity
+    def charge(key: str) -> str:
+        return key
+
+    @app.activity
+    def ship(key: str) -> str:
+        return key
+
+    @app.workflow
+    async def order() -> list[str]:
+        charged = await charge(tether.idempotency_key("charge"))
+        await tether.wait_event("go")
+        return [charged, await ship(tether.idempotency_key("ship"))]
+
+    async with app.worker(poll_interval=0.02):
+        run = await app.start(order, run_id="r")
+        await app.signal("r", "go")
+        assert await run.result(timeout=10) == ["r:charge", "r:ship"]
+        fork = await app.fork("r", at_step=1, new_run_id="f")
+        assert await fork.result(timeout=10) == ["r:charge", "f:ship"]
+    await app.close()

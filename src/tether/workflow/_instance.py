@@ -529,7 +529,7 @@ class WorkflowInstance:
                 expected = _describe(rec.type, rec.data, detail=True) if rec else "no command"
                 produced = _describe(type_, data, detail=True)
                 self._diverged(NonDeterminismError(self.run_id, step, expected, produced))
-            if inputs is not None and raw:
+            if inputs is not None and raw and not self._copied(step):
                 differs = _inputs_differ(rec.data.get(inputs[0]), raw[inputs[0]], *inputs[1:])
                 if differs is not None:
                     what = "arguments" if inputs[0] == "args" else "input"
@@ -544,7 +544,7 @@ class WorkflowInstance:
             if (
                 type_ is EventType.CHILD_STARTED
                 and rec.data.get("child_run_id") != data.get("child_run_id")
-                and not self._forked()  # a fork's recorded children carry the original's ids
+                and not self._copied(step)
             ):
                 self._diverged(
                     NonDeterminismError(
@@ -574,9 +574,12 @@ class WorkflowInstance:
             self._nd_error = err
         raise err
 
-    def _forked(self) -> bool:
-        """Whether this run was forked from another (its early steps were recorded there)."""
-        return self.started is not None and bool(self.started.data.get("forked_from"))
+    def _copied(self, step: int) -> bool:
+        """Whether ``step`` was recorded by the run this one was forked from: its inputs
+        may name that run (its id, an idempotency key, a child's run id) and are not
+        compared."""
+        forked = self.started.data.get("forked_from") if self.started is not None else None
+        return isinstance(forked, dict) and step <= int(forked.get("at_step") or 0)
 
     def _watch_cancel(self, step: int, cancel_type: EventType, field: str, **extra: Any) -> None:
         fut = self._pending[step].future
