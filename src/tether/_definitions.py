@@ -191,6 +191,10 @@ class Activity(Generic[P, R]):
         self.is_async = inspect.iscoroutinefunction(fn)
         #: ``options.to_json(name)``, made once: recorded with every call (never mutated)
         self.options_json: dict[str, Any] = options.to_json(name)
+        #: parameters replay does not compare with the recorded call (context a wrapped
+        #: library makes anew on every run, such as an agent framework's run context);
+        #: every other argument must equal the recorded one
+        self.replay_unchecked: frozenset[str] = frozenset()
         self.__doc__ = fn.__doc__
         self.__wrapped__: Callable[..., Any] = fn  #: the registered function
 
@@ -219,6 +223,7 @@ class Activity(Generic[P, R]):
             dependency=dependency,
         )
         copy: Activity[P, R] = Activity(self.fn, name=self.name, options=opts)
+        copy.replay_unchecked = self.replay_unchecked
         return copy
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> Awaitable[R]:

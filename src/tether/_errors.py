@@ -229,11 +229,23 @@ class NonDeterminismError(TetherError):
         self.step = step
         self.expected = expected
         self.produced = produced
+        if expected.startswith("PatchMarker(") and not expected.startswith("PatchMarker('tether."):
+            how = (
+                "the code no longer calls tether.patched at this point for a patch this run "
+                "recorded: keep the call while such runs are in flight (once the old branch "
+                "is gone, tether.deprecate_patch with the same id)"
+            )
+        else:
+            how = (
+                "deploy code that makes the same calls, with the same arguments, for runs "
+                "in flight (guard a change with tether.patched)"
+            )
         super().__init__(
             f"non-deterministic workflow code in run {run_id!r} at step {step}: history "
             f"recorded {expected}, but the code now produced {produced}. The run is left as "
-            "it was and will be retried: deploy code that makes the same calls for runs in "
-            "flight (guard new behaviour with tether.patched) and it will continue"
+            f"it was and will be retried: {how} and it will continue. A run that should "
+            "not continue can be ended (tether terminate), or forked from the step before "
+            f"(app.fork({run_id!r}, at_step={max(step - 1, 0)})) to run today's code from there"
         )
 
     def __reduce__(self) -> tuple[Any, ...]:

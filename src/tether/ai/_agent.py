@@ -239,6 +239,9 @@ class DurableAgent(Generic[DepsT, OutputT]):
         self.list_step = gateway.app.activity(
             name=f"{gateway.name}.agent.{name}.tools", retry=tool_retry, timeout=tool_timeout
         )(self._list_tools)
+        # the agent's run context (its run id, usage so far) is made anew by every
+        # replay: replay compares the other arguments (the tool, its arguments, deps)
+        self.tool_step.replay_unchecked = self.list_step.replay_unchecked = frozenset({"context"})
 
     async def run(
         self,

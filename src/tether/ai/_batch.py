@@ -61,6 +61,8 @@ class BatchJobs:
         self.submit = app.activity(name=f"{gateway.name}.batch.submit", **opts)(self._submit)
         self.poll = app.activity(name=f"{gateway.name}.batch.poll", **opts)(self._poll)
         self.fetch = app.activity(name=f"{gateway.name}.batch.fetch", **opts)(self._fetch)
+        for step in (self.submit, self.poll, self.fetch):  # as a model step (``_gateway``)
+            step.replay_unchecked = frozenset(step.sig.sig.parameters)
 
     def _client(self, model: str) -> tuple[ModelRef, Any]:
         ref = self.gateway._models.get(model)

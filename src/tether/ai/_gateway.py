@@ -331,6 +331,9 @@ class Gateway:
         self._activity = app.activity(
             name=f"{name}.call", retry=retry, timeout=timeout, queue=queue
         )(self._call)
+        # a model step replays what its history recorded, not what today's code would
+        # send (a reworded prompt): its request is not compared with the recorded one
+        self._activity.replay_unchecked = frozenset(self._activity.sig.sig.parameters)
         #: what other modules registered on this gateway (``EXTENSIONS``), by name
         self.extensions: dict[str, Any] = {}
         for extend in EXTENSIONS:  # e.g. the batch activities (``_batch.py``)

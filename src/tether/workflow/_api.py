@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import datetime as _dt
 import logging
+import random as _random
 import uuid as _uuid
 from collections.abc import Awaitable, Callable, Iterable
 from datetime import timedelta
@@ -108,14 +109,21 @@ def now() -> _dt.datetime:
 
 
 def uuid() -> _uuid.UUID:
-    """A UUID4 that is the same on every replay of this run."""
+    """A UUID4 recorded in the run's history: the same on every replay of this run (and
+    in a fork of it from a later step); a replay that asks for one where the history
+    has none is a divergence."""
     inst = _instance("uuid")
-    return _uuid.UUID(int=inst.rng.getrandbits(128), version=4)
+    return _uuid.UUID(inst.draw("uuid", _new_uuid))
+
+
+def _new_uuid(rng: _random.Random) -> str:
+    return str(_uuid.UUID(int=rng.getrandbits(128), version=4))
 
 
 def random() -> float:
-    """A float in [0, 1) that is the same on every replay of this run."""
-    return _instance("random").rng.random()
+    """A float in [0, 1) recorded in the run's history: the same on every replay of this
+    run (and in a fork of it from a later step)."""
+    return float(_instance("random").draw("random", _random.Random.random))
 
 
 def set_status(value: Any) -> None:

@@ -22,7 +22,9 @@ from asyncio import events as asyncio_events
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
-from typing import Any
+from typing import Any, NoReturn
+
+import pydantic
 
 from .._definitions import CHAIN_SEPARATOR, Activity, Workflow, chain_of, running
 from .._errors import ActivityError, ChildWorkflowError, NonDeterminismError, PayloadError
@@ -35,7 +37,7 @@ from .._history import (
     Event,
     EventType,
 )
-from .._serde import convert, encode
+from .._serde import Signature, convert, encode
 from ..store.base import Command, WorkflowTaskResult
 from ._loop import DeterministicLoop
 from ._saga import CompensationFailed
@@ -66,6 +68,16 @@ ARRIVAL_ORDER = "tether.updates-arrival-order"
 #: with ``parent_close="abandon"`` (the child is left running); runs whose history asked
 #: such a child to cancel without it replay the old way
 ABANDON_RUNS_ON = "tether.abandon-runs-on"
+
+
+#: the patch marker a run records the first time its code asks for a random value or an
+#: id (``tether.random``, ``tether.uuid``): each value is then recorded (a Marker named
+#: ``VALUE_MARKERS[kind]``) and replayed from history. Runs whose history drew values
+#: without it replay the old way: derived from a seed (the run id) and the call order
+RECORDED_VALUES = "tether.recorded-values"
+
+#: the Marker recording each value drawn by ``WorkflowInstance.draw``, by kind
+VALUE_MARKERS = {"uuid": "tether.uuid", "random": "tether.random"}
 
 
 class ContinueAsNew(BaseException):
@@ -104,9 +116,18 @@ def _error_dict(exc: BaseException) -> dict[str, Any]:
     return out
 
 
-def _describe(type_: EventType | str, data: dict[str, Any]) -> str:
-    name = data.get("name") or data.get("workflow") or data.get("marker")
-    return f"{type_}({name!r})" if name else str(type_)
+def _describe(type_: EventType | str, data: dict[str, Any], detail: bool = False) -> str:
+    """A command as replay checks name it; ``detail`` adds why a run ended failing (its
+    error's type and message), for the message of a divergence."""
+    name = data.get("name") or data.get("workflow") or data.get("marker") or data.get("patch_id")
+    text = f"{type_}({name!r})" if name else str(type_)
+    err = data.get("error")
+    if detail and isinstance(err, dict) and err.get("type"):
+        message = str(err.get("message") or "")
+        if len(message) > 300:
+            message = message[:300] + "..."
+        text += f" ({err['type']}: {message})" if message else f" ({err['type']})"
+    return text
 
 
 class WorkflowInstance:
@@ -188,11 +209,35 @@ class WorkflowInstance:
 
     @property
     def rng(self) -> random.Random:
-        """The run's deterministic random generator (seeded by its id), made on first use."""
+        """The run's deterministic random generator, made on first use: seeded by its id,
+        or, for a run whose values are not recorded (``RECORDED_VALUES``), by the id of
+        the run it was forked from, so a fork draws the values its history drew."""
         if self._rng is None:
-            seed = int.from_bytes(hashlib.sha256(self.run_id.encode()).digest()[:8])
+            source = self.run_id
+            if not self._patches.get(RECORDED_VALUES) and self.started is not None:
+                source = str(self.started.data.get("seed") or self.run_id)
+            seed = int.from_bytes(hashlib.sha256(source.encode()).digest()[:8])
             self._rng = random.Random(seed)
         return self._rng
+
+    def draw(self, kind: str, make: Callable[[random.Random], Any]) -> Any:
+        """A value for ``tether.uuid``/``tether.random`` (``kind``): ``make(rng)``, recorded
+        as a Marker and read back from history on replay, so neither a code change
+        above the call nor a fork changes it (a call history does not hold where the code
+        now makes one is a divergence). Drawn on replay too: the generator then stands
+        where it stood, and a new value never repeats an earlier one."""
+        if not self.patched(RECORDED_VALUES):  # decided first: it chooses the seed
+            return make(self.rng)  # a run recorded before values were: derived as then
+        value = make(self.rng)
+        replayed = self.step + 1 <= self._max_recorded
+        step = self._command(
+            EventType.MARKER, {"marker": VALUE_MARKERS[kind]}, {"value": encode(value, kind)}
+        )
+        if replayed:
+            recorded = self._recorded[step].data.get("value")
+            # a history exported without its payloads ("[withheld]") replays a stand-in
+            return recorded if isinstance(recorded, type(value)) else value
+        return value
 
     # -- driving -----------------------------------------------------------
 
@@ -238,7 +283,7 @@ class WorkflowInstance:
                     raise NonDeterminismError(
                         self.run_id,
                         self.step + 1,
-                        _describe(missing.type, missing.data),
+                        _describe(missing.type, missing.data, detail=True),
                         "no command (the code now waits or ends earlier)",
                     )
                 self._new.clear()
@@ -399,8 +444,18 @@ class WorkflowInstance:
             try:
                 value = convert(ev.data.get("result"), p.result_type, f"result of {p.name}")
             except PayloadError as exc:
-                p.future.set_exception(exc)
-                return
+                # the code's type does not take what the step returned (a deploy made a
+                # field required since): a divergence, whether the result is replayed or
+                # new, never a failure of the run: it waits for code that reads it
+                self._diverged(
+                    NonDeterminismError(
+                        self.run_id,
+                        ev.step,
+                        f"{_describe(t, {'name': p.name})} with a result",
+                        f"code whose return type {_type_name(p.result_type)} no longer "
+                        f"accepts that result ({_invalid_fields(exc)})",
+                    )
+                )
             p.future.set_result(value)
         elif t is EventType.TIMER_FIRED:
             if not self.replaying and p.shown is not None:
@@ -457,8 +512,20 @@ class WorkflowInstance:
     # -- commands ----------------------------------------------------------
 
     def _command(
-        self, type_: EventType, data: dict[str, Any], raw: dict[str, str] | None = None
+        self,
+        type_: EventType,
+        data: dict[str, Any],
+        raw: dict[str, str] | None = None,
+        *,
+        inputs: tuple[str, Signature, frozenset[str]] | None = None,
     ) -> int:
+        """Issue one command (checked against history when it replays a recorded step).
+
+        ``inputs`` names the field of ``raw`` that holds what the command asks for (a
+        step's arguments, a child's input), the signature they bind to and the
+        parameters not compared: on replay they must equal the recorded ones, or the
+        recorded outcome would answer another call.
+        """
         if self._closed:
             raise InstanceClosed(self.run_id)
         self.step += 1
@@ -469,21 +536,60 @@ class WorkflowInstance:
             rec = self._recorded.get(step)
             produced = _describe(type_, data)
             if rec is None or rec.type is not type_ or _key(rec.data) != _key(data):
-                expected = _describe(rec.type, rec.data) if rec else "no command"
-                err = NonDeterminismError(self.run_id, step, expected, produced)
-                if self._nd_error is None:
-                    self._nd_error = err
-                raise err
+                expected = _describe(rec.type, rec.data, detail=True) if rec else "no command"
+                produced = _describe(type_, data, detail=True)
+                self._diverged(NonDeterminismError(self.run_id, step, expected, produced))
+            if inputs is not None and raw and not self._copied(step):
+                differs = _inputs_differ(rec.data.get(inputs[0]), raw[inputs[0]], *inputs[1:])
+                if differs is not None:
+                    what = "arguments" if inputs[0] == "args" else "input"
+                    self._diverged(
+                        NonDeterminismError(
+                            self.run_id,
+                            step,
+                            f"{produced} called with other {what}",
+                            f"the same call with {differs} different (values not shown)",
+                        )
+                    )
+            if (
+                type_ is EventType.CHILD_STARTED
+                and rec.data.get("child_run_id") != data.get("child_run_id")
+                and not self._copied(step)
+            ):
+                self._diverged(
+                    NonDeterminismError(
+                        self.run_id,
+                        step,
+                        f"{produced} as child run {rec.data.get('child_run_id')!r}",
+                        f"the same child start as run {data.get('child_run_id')!r}",
+                    )
+                )
         elif self.replaying:
-            err = NonDeterminismError(
-                self.run_id, step, "no command (the task ended here)", _describe(type_, data)
+            self._diverged(
+                NonDeterminismError(
+                    self.run_id,
+                    step,
+                    "no command (the task ended here)",
+                    _describe(type_, data, detail=True),
+                )
             )
-            if self._nd_error is None:
-                self._nd_error = err
-            raise err
         else:
             self._new.append(Command(type=type_, step=step, data=data, raw=raw or {}))
         return step
+
+    def _diverged(self, err: NonDeterminismError) -> NoReturn:
+        """Raise ``err``, kept as the task's outcome (the first one wins) whatever the
+        code does with the exception."""
+        if self._nd_error is None:
+            self._nd_error = err
+        raise err
+
+    def _copied(self, step: int) -> bool:
+        """Whether ``step`` was recorded by the run this one was forked from: its inputs
+        may name that run (its id, an idempotency key, a child's run id) and are not
+        compared."""
+        forked = self.started.data.get("forked_from") if self.started is not None else None
+        return isinstance(forked, dict) and step <= int(forked.get("at_step") or 0)
 
     def _watch_cancel(self, step: int, cancel_type: EventType, field: str, **extra: Any) -> None:
         fut = self._pending[step].future
@@ -655,7 +761,12 @@ class WorkflowInstance:
             del self._reuse[self.step + 1]
             data["reused"] = True
             raw["result"] = encode(kept[2], "reused result")
-        step = self._command(EventType.ACTIVITY_SCHEDULED, data, raw)
+        step = self._command(
+            EventType.ACTIVITY_SCHEDULED,
+            data,
+            raw,
+            inputs=("args", activity.sig, activity.replay_unchecked),
+        )
         if data.get("reused"):
             self._reused.add(step)
         fut = self.loop.create_future()
@@ -691,7 +802,12 @@ class WorkflowInstance:
         if parent_close != "terminate":  # the default is not written: histories stay as before
             data["parent_close"] = parent_close
         self.started_children += 1
-        step = self._command(EventType.CHILD_STARTED, data, {"input": input_json})
+        step = self._command(
+            EventType.CHILD_STARTED,
+            data,
+            {"input": input_json},
+            inputs=("input", workflow.sig, frozenset()),
+        )
         fut = self.loop.create_future()
         self._pending[step] = _Pending(
             fut,
@@ -862,6 +978,77 @@ def _key(data: dict[str, Any]) -> tuple[Any, ...]:
         data.get("patch_id"),
         data.get("marker"),
     )
+
+
+def _inputs_differ(
+    recorded: Any, text: str, sig: Signature, unchecked: frozenset[str]
+) -> str | None:
+    """What differs between a recorded call's arguments (decoded JSON, opened if sealed,
+    fetched if offloaded) and those the code passes now (``text``, JSON): None if they
+    are the same values. Compared as values (a dict's key order, a keyword written for a
+    positional argument, a default written out do not count), never as text; the answer
+    names parameters, never values. A call recorded without its arguments (a history
+    written by hand) is not checked, nor are the ``unchecked`` parameters."""
+    if not isinstance(recorded, dict):
+        return None
+    now = json.loads(text)
+    if now == recorded:
+        return None  # the common case: the same JSON
+    was_bound, now_bound = _bound(sig, recorded), _bound(sig, now)
+    if was_bound is None or now_bound is None:
+        if _canonical(recorded) == _canonical(now):
+            return None
+        return "the arguments"
+    names = [
+        name
+        for name in dict.fromkeys([*was_bound, *now_bound])
+        if name not in unchecked
+        and (
+            name not in was_bound
+            or name not in now_bound
+            or (
+                was_bound[name] != now_bound[name]
+                and _canonical(was_bound[name]) != _canonical(now_bound[name])  # NaN == NaN
+            )
+        )
+    ]
+    if not names:
+        return None
+    return ("arguments " if len(names) > 1 else "argument ") + ", ".join(map(repr, names))
+
+
+def _bound(sig: Signature, value: dict[str, Any]) -> dict[str, Any] | None:
+    """Recorded or new arguments by parameter name, defaults filled in (JSON values)."""
+    args, kwargs = value.get("args") or [], value.get("kwargs") or {}
+    if not isinstance(args, list) or not isinstance(kwargs, dict):
+        return None
+    try:
+        bound = sig.sig.bind(*args, **kwargs)
+        bound.apply_defaults()
+        plain: dict[str, Any] = json.loads(encode(dict(bound.arguments), "arguments"))
+    except (TypeError, ValueError):  # PayloadError is a TypeError
+        return None
+    return plain
+
+
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, default=str)
+
+
+def _type_name(tp: Any) -> str:
+    return str(getattr(tp, "__qualname__", None) or tp)
+
+
+def _invalid_fields(exc: PayloadError) -> str:
+    """What a validation error says is wrong, by field, without the values it saw."""
+    cause = exc.__cause__
+    if not isinstance(cause, pydantic.ValidationError):
+        return "it does not validate"
+    parts = [
+        f"{'.'.join(map(str, e['loc'])) or 'value'}: {e['msg']}"
+        for e in cause.errors(include_input=False, include_url=False, include_context=False)
+    ]
+    return "; ".join(parts[:5]) + ("; ..." if len(parts) > 5 else "")
 
 
 def _next_run_id(run_id: str) -> str:

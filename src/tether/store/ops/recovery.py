@@ -322,6 +322,8 @@ def _fork_run(
         data = dict(e.data)
         if e.type is EventType.WORKFLOW_STARTED:
             data["forked_from"] = {"run_id": run_id, "at_step": at_step}
+            # what seeds the values its code derives (tether.uuid/random, unless recorded)
+            data["seed"] = e.data.get("seed") or run_id
             if new_attrs:
                 data["attrs"] = new_attrs
             else:
