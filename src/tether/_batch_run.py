@@ -112,7 +112,8 @@ async def run_batch(w: BatchHost, tasks: list[Task]) -> None:
         elif task.attempt > plan.retry.attempts:
             early = TimeoutError(
                 f"attempt {task.attempt} exceeds the {plan.retry.attempts} allowed: earlier "
-                "attempts were lost (worker crash or heartbeat timeout)"
+                "attempts were lost (a worker was killed or lost its lease, or a heartbeat "
+                "timed out)"
             )
         else:
             try:

@@ -32,6 +32,9 @@ from ._common import (
     load_app,
 )
 
+#: the shortest ``--lease`` accepted (seconds)
+MIN_LEASE = 1.0
+
 
 def worker_command(
     app_spec: Annotated[
@@ -61,7 +64,7 @@ def worker_command(
         typer.Option(
             "--lease",
             metavar="SECONDS",
-            help="How long a claimed task stays ours without renewal.",
+            help="How long a claimed task stays ours without renewal (at least 1).",
         ),
     ] = 15.0,
     grace: Annotated[
@@ -118,6 +121,14 @@ def worker_command(
     if not (math.isfinite(lease) and 0 < lease <= 86_400):
         _fail(
             f"--lease must be positive, a finite number of seconds up to a day (got {lease})",
+            EXIT_USAGE,
+        )
+    if lease < MIN_LEASE:
+        # renewed every lease/3 seconds: a store round trip or a busy loop longer than
+        # that lets the lease run out under work that still runs, which then runs twice
+        _fail(
+            f"--lease must be at least {MIN_LEASE:g} second (got {lease:g}): a shorter "
+            "lease runs out between renewals and the same work runs twice",
             EXIT_USAGE,
         )
     _setup_logging(log_level, log_format)
@@ -232,6 +243,7 @@ async def _serve(
 
         installed = _add_signal_handlers(loop, on_signal)
         metrics = None
+        stopped = False
         try:
             await w.start()
             if metrics_port is not None:
@@ -252,6 +264,7 @@ async def _serve(
                 _note(f"error: tether worker {w.id} crashed: {_describe_exception(exc)}")
                 code = EXIT_ERROR
             try:
+                stopped = True
                 await w.stop(grace=grace)
             except Exception as exc:
                 if code == 0:
@@ -261,6 +274,13 @@ async def _serve(
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await serving
         finally:
+            if not stopped:
+                # something after start() raised (e.g. the metrics port is taken): hand
+                # the work this worker already holds back, never leave it to asyncio.run's
+                # cancellation; the error itself is reported by the caller
+                stopped = True
+                with contextlib.suppress(Exception):
+                    await w.stop(grace=grace)
             if metrics is not None:
                 await metrics.stop()
             for sig in installed:

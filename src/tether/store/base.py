@@ -456,7 +456,8 @@ class Store(abc.ABC):
     ) -> None:
         """Give back leased tasks (a worker stopping, or one that does not serve a run's
         version) so any worker can claim them after ``delay`` seconds; ``unstarted``
-        ones never ran, so the attempt their claim counted is taken back."""
+        ones never ran (or a stopping worker interrupted them), so the attempt their
+        claim counted is taken back."""
 
     @abc.abstractmethod
     async def heartbeat(self, task: Task, lease: float, details: str | None) -> bool:

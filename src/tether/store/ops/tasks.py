@@ -203,8 +203,9 @@ def _foreign_leases(tx: _Tx, queues: tuple[str, ...], worker_id: str) -> tuple[i
 
 
 def _release(tx: _Tx, tasks: tuple[Task, ...], delay: float = 0.0, unstarted: bool = False) -> None:
-    """Give leased tasks back; ``unstarted`` ones never ran, so their claim's attempt
-    is taken back too (a graceful stop must not use up a step's retries)."""
+    """Give leased tasks back; ``unstarted`` ones never ran, or a stopping worker
+    interrupted them, so their claim's attempt is taken back too (a graceful stop must
+    not use up a step's retries)."""
     undo = (
         ", attempt = CASE WHEN kind = 'activity' AND attempt > 0 THEN attempt - 1 ELSE attempt END"
         if unstarted
