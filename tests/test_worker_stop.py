@@ -37,6 +37,17 @@ import tether
 app = tether.App(store={store!r})
 HERE = os.path.dirname(os.path.abspath(__file__))
 
+if os.environ.get("SLOW_METRICS"):  # the worker claims and starts work before it fails
+    import tether.metrics
+
+    _update = tether.metrics.Metrics.update
+
+    async def _slow_update(self):
+        await asyncio.sleep(float(os.environ["SLOW_METRICS"]))
+        await _update(self)
+
+    tether.metrics.Metrics.update = _slow_update
+
 
 def note(what: str) -> None:
     with open(os.path.join(HERE, "log.txt"), "a") as f:
@@ -167,7 +178,14 @@ def test_worker_failing_after_start_hands_its_runs_to_the_next_worker(project: P
     port = busy.getsockname()[1]
     try:
         res = project.cli(
-            "worker", "flows:app", "--metrics-port", str(port), "--grace", "0", NAP="30"
+            "worker",
+            "flows:app",
+            "--metrics-port",
+            str(port),
+            "--grace",
+            "0",
+            NAP="30",
+            SLOW_METRICS="2",
         )
     finally:
         busy.close()
@@ -176,7 +194,7 @@ def test_worker_failing_after_start_hands_its_runs_to_the_next_worker(project: P
     assert len(errors) == 1 and "--metrics-port" in errors[0], res.stderr
     assert "Traceback" not in res.stderr
     started = [x for x in project.log() if "start" in x]
-    assert started, "the worker should have claimed and started some work"
+    assert len(started) == 3, "the worker should have claimed and started the work"
     for run_id in runs:
         assert project.status(run_id)["status"] == "running", project.status(run_id)
     proc, _lines = project.worker("--lease", "5", NAP="0.1")
@@ -363,3 +381,77 @@ def test_sigterm_with_a_sync_activity_running_waits_for_its_thread(project: Proj
         stop(first)
         if second is not None:
             stop(second)
+
+
+def test_loop_teardown_hands_a_batch_back_too(store_url: str) -> None:
+    """The same for a batched activity: every item is handed back, none failed."""
+    app = tether.App(store=store_url)
+    pause = [30.0]
+    calls: list[list[int]] = []
+
+    @app.activity(batch=tether.Batch(max_items=3, max_wait=0.2))
+    async def double(xs: list[int]) -> list[int]:
+        calls.append(xs)
+        await asyncio.sleep(pause[0])
+        return [2 * x for x in xs]
+
+    @app.workflow
+    async def doubles(n: int) -> list[int]:
+        return list(await tether.gather(*(double(i) for i in range(n))))
+
+    async def service() -> None:
+        w = app.worker(lease=30.0, poll_interval=0.05)
+        task = asyncio.create_task(w.run())
+        await app.start(doubles, 3, run_id="b-1")
+        for _ in range(200):
+            if calls:
+                break
+            await asyncio.sleep(0.05)
+        assert calls and not task.done()
+        raise RuntimeError("the service died")
+
+    with pytest.raises(RuntimeError, match="service died"):
+        asyncio.run(service())
+
+    async def check() -> None:
+        types = [e.type for e in await app.history("b-1")]
+        assert EventType.ACTIVITY_FAILED not in types, types
+        pause[0] = 0.0
+        async with app.worker(lease=30.0, poll_interval=0.05):
+            assert await app.get_run("b-1").result(timeout=10) == [0, 2, 4]
+        await app.close()
+
+    asyncio.run(check())
+
+
+async def test_a_graceful_stop_waits_for_a_sync_batch_thread(app: tether.App) -> None:
+    """A sync batch function runs in a thread too: the stop waits for it and records
+    its results instead of releasing its items under it."""
+    gate = threading.Event()
+    calls: list[list[int]] = []
+
+    @app.activity(batch=tether.Batch(max_items=3, max_wait=0.2))
+    def triple(xs: list[int]) -> list[int]:
+        calls.append(xs)
+        gate.wait(10)
+        return [3 * x for x in xs]
+
+    @app.workflow
+    async def triples(n: int) -> list[int]:
+        return list(await tether.gather(*(triple(i) for i in range(n))))
+
+    w = app.worker(lease=2.0, poll_interval=0.05)
+    await w.start()
+    run = await app.start(triples, 3)
+    for _ in range(200):
+        if calls:
+            break
+        await asyncio.sleep(0.05)
+    assert calls
+    asyncio.get_running_loop().call_later(1.5, gate.set)
+    await w.stop(grace=0.2)
+    completed = [e for e in await app.history(run.run_id) if e.type is EventType.ACTIVITY_COMPLETED]
+    assert len(completed) == 3  # recorded by the stopping worker, after its thread
+    async with app.worker(poll_interval=0.05):
+        assert await run.result(timeout=10) == [0, 3, 6]
+    assert len(calls) == 1
