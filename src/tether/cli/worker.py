@@ -74,7 +74,8 @@ def worker_command(
             metavar="SECONDS",
             min=0.0,
             max=86_400.0,
-            help="On SIGTERM/Ctrl+C, how long in-flight work may take to finish.",
+            help="On SIGTERM/Ctrl+C, how long in-flight work may take to finish (a sync "
+            "activity still running is waited for: its thread cannot be interrupted).",
         ),
     ] = 10.0,
     log_level: Annotated[str, _log_level_option()] = "info",
