@@ -42,6 +42,7 @@ class BatchHost(Protocol):
     _loop: asyncio.AbstractEventLoop | None
     _pool: concurrent.futures.ThreadPoolExecutor | None
     _stopping: bool
+    _in_thread: set[asyncio.Task[Any]]
 
     async def _run_activity(self, task: Task, inline: bool = False) -> None: ...
 
@@ -120,7 +121,8 @@ async def run_batch(w: BatchHost, tasks: list[Task]) -> None:
         elif task.attempt > plan.retry.attempts:
             early = TimeoutError(
                 f"attempt {task.attempt} exceeds the {plan.retry.attempts} allowed: earlier "
-                "attempts were lost (worker crash or heartbeat timeout)"
+                "attempts were lost (a worker was killed or lost its lease, or a heartbeat "
+                "timed out)"
             )
         else:
             scheduled_at = opts.get("scheduled_at")
@@ -177,11 +179,27 @@ async def run_batch(w: BatchHost, tasks: list[Task]) -> None:
             fut = asyncio.ensure_future(w._loop.create_task(act.batch_fn(items), context=cv))
         else:
             fut = w._loop.run_in_executor(w._pool, functools.partial(cv.run, act.batch_fn, items))
-        value = await asyncio.wait_for(fut, timeout) if timeout else await fut
+        me = asyncio.current_task()
+        if me is not None and not act.is_async:
+            w._in_thread.add(me)  # a graceful stop waits for the thread (Worker.stop)
+        try:
+            value = await asyncio.wait_for(fut, timeout) if timeout else await fut
+        finally:
+            if me is not None:
+                w._in_thread.discard(me)
         ctx._returned = True
         results = split_results(act.name, value, len(items))
     except asyncio.CancelledError:
         if w._stopping:
+            raise
+        me = asyncio.current_task()
+        if me is not None and me.cancelling():
+            # nothing cancels a batch for one run's sake: our asyncio task was cancelled
+            # from outside (a loop torn down without stop()), so the items go back unfailed
+            try:
+                await store.release([t for t, _, _ in live], unstarted=True)
+            except Exception as exc:  # their leases expire instead
+                log.warning("could not release an interrupted batch: %s", exc)
             raise
         error = asyncio.CancelledError("activity cancelled")
     except TimeoutError as exc:

@@ -173,6 +173,8 @@ class Worker:
         self._inflight: dict[int, tuple[Task, asyncio.Task[None], ActivityContext | None]] = {}
         #: the activity a finished one leads to, run next in the same asyncio task
         self._follow: dict[int, Task] = {}
+        #: asyncio tasks awaiting a sync activity's thread (which nothing can interrupt)
+        self._in_thread: set[asyncio.Task[Any]] = set()
         self._stopping = False
         self._unstarted: list[Task] = []
         #: when this worker last logged each activity it does not register
@@ -249,7 +251,11 @@ class Worker:
         await asyncio.shield(self._main)
 
     async def stop(self, grace: float = 10.0) -> None:
-        """Stop claiming, give in-flight work ``grace`` seconds to finish, then cancel it."""
+        """Stop claiming, give in-flight work ``grace`` seconds to finish, then cancel it.
+
+        What was cancelled is released with its attempt given back (the worker stopped
+        it; it did not fail). A sync activity's thread cannot be cancelled: its task is
+        kept, lease renewed, until the thread returns, and this waits for it."""
         if self._main is None:
             return
         self._stopping = True
@@ -270,21 +276,44 @@ class Worker:
             inflight = [t for _, t, _ in self._inflight.values()]
             await asyncio.wait(inflight, timeout=deadline - loop.time())
         leftover = list(self._inflight.values())
+        # a sync activity's thread cannot be interrupted: its task stays ours (renewed)
+        # until the thread ends, never handed to another worker under code still running
+        threads = [e for e in leftover if e[1] in self._in_thread]
+        leftover = [e for e in leftover if e[1] not in self._in_thread]
         for _, t, _ in leftover:
             t.cancel()
         if leftover:
             await asyncio.wait([t for _, t, _ in leftover], timeout=1.0)
-        # hand back what this worker still holds so others need not wait for leases
-        # work claimed but never started gives its attempt back; work interrupted
-        # mid-run keeps it (it did run)
+        # hand back what this worker still holds so others need not wait for leases.
+        # Work claimed but never started gives its attempt back, and so does work this
+        # stop interrupted: the worker stopped it, the activity did not fail, so deploys
+        # never use up a step's retries (its side effects may have happened: at least
+        # once, as ever). A crash cannot tell, and its lost attempt still counts.
         unstarted, self._unstarted = self._unstarted, []
-        interrupted = [task for task, _, _ in leftover]
-        for tasks, fresh in ((unstarted, True), (interrupted, False)):
-            if tasks:
+        tasks = unstarted + [task for task, _, _ in leftover]
+        if tasks:
+            try:
+                await self.app.store.release(tasks, unstarted=True)
+            except StoreError as exc:
+                log.warning("could not release %d task(s) on stop: %s", len(tasks), exc)
+        if threads:
+            names = sorted({task.name or "?" for task, _, _ in threads})
+            log.warning(
+                "worker %s: waiting for %d sync activity thread(s) (%s) to end after the "
+                "%gs grace: a thread cannot be interrupted, so its task stays leased to this "
+                "worker (and its result is recorded) until it returns",
+                self.id,
+                len(threads),
+                ", ".join(names),
+                grace,
+            )
+            await asyncio.wait([t for _, t, _ in threads])
+            late, self._unstarted = self._unstarted, []
+            if late:
                 try:
-                    await self.app.store.release(tasks, unstarted=fresh)
+                    await self.app.store.release(late, unstarted=True)
                 except StoreError as exc:
-                    log.warning("could not release %d task(s) on stop: %s", len(tasks), exc)
+                    log.warning("could not release %d task(s) on stop: %s", len(late), exc)
         self._main.cancel()
         try:
             await self._main
@@ -473,6 +502,8 @@ class Worker:
         tasks = [t for t in tasks if not self._held(t)]
         if not tasks:
             return
+        for task in tasks:
+            self._supersede(task)
         t = asyncio.create_task(run_batch(self, tasks))
         self._batch_extra += len(tasks) - 1
         t.add_done_callback(functools.partial(self._batch_done, len(tasks) - 1))
@@ -517,9 +548,23 @@ class Worker:
             coro = self._fire_timer(task)
         if task.kind != "timer" and self._switches.off.get("tenant"):
             coro = self._tenant_gate(task, coro)  # only while some tenant is switched off
+        self._supersede(task)  # first, so a stale attempt unwinds before this one starts
         t = asyncio.create_task(coro)
         self._inflight[task.task_id] = (task, t, None)
         t.add_done_callback(functools.partial(self._done, current))
+
+    def _supersede(self, task: Task) -> None:
+        """``task`` was claimed again (by us: our lease on it expired while an attempt
+        still ran, e.g. renewals failed): the stale attempt can record nothing, so it is
+        stopped like one whose lease was lost, and its entry is the new attempt's now."""
+        entry = self._inflight.get(task.task_id)
+        if entry is None or entry[0].fence == task.fence:
+            return
+        old, atask, ctx = entry
+        if ctx is not None:
+            ctx._cancelled = True
+        if old.kind == "activity" and old.batch_id is None and not (ctx and ctx._returned):
+            atask.cancel()
 
     async def _tenant_gate(self, task: Task, coro: Coroutine[Any, Any, None]) -> None:
         """Run ``coro`` unless the run's tenant is switched off (then hold the task)."""
@@ -533,7 +578,11 @@ class Worker:
 
     def _done(self, current: list[int], t: asyncio.Task[None] | None = None) -> None:
         task_id = current[0]
-        entry = self._inflight.pop(task_id, None)
+        entry = self._inflight.get(task_id)
+        if entry is not None and (t is None or entry[1] is t):
+            del self._inflight[task_id]
+        else:  # the task was claimed again meanwhile: that entry is the new attempt's
+            entry = None
         if t is not None and not t.cancelled():
             exc = t.exception()  # retrieved, so it is never lost in a warning
             if isinstance(exc, Exception):
@@ -569,7 +618,7 @@ class Worker:
                 continue
             for t in held:
                 entry = self._inflight.get(t.task_id)
-                if entry is None:
+                if entry is None or entry[0] is not t:  # ended, or claimed again since
                     continue
                 _, atask, ctx = entry
                 cancelled = alive.get(t.task_id)
@@ -874,13 +923,16 @@ class Worker:
             if follow is None:
                 return
             # the slot passes to the next step of the run: renewed and cancelled as its own
-            self._inflight.pop(task.task_id, None)
+            entry = self._inflight.get(task.task_id)
+            if entry is not None and entry[1] is me:
+                del self._inflight[task.task_id]
             if self._stopping:
                 self._unstarted.append(follow)
                 return
             if self._held(follow):
                 return
             current[0] = follow.task_id
+            self._supersede(follow)
             self._inflight[follow.task_id] = (follow, me, None)
             task = follow
 
@@ -924,7 +976,7 @@ class Worker:
             _lease=self.lease,
         )
         entry = self._inflight.get(task.task_id)
-        if entry is not None:
+        if entry is not None and entry[0] is task:  # (not a newer attempt's)
             self._inflight[task.task_id] = (entry[0], entry[1], ctx)
         now = store.clock()
         if plan.deadline is not None and now >= plan.deadline:
@@ -933,7 +985,8 @@ class Worker:
         if task.attempt > plan.retry.attempts:
             err = TimeoutError(
                 f"attempt {task.attempt} exceeds the {plan.retry.attempts} allowed: earlier "
-                "attempts were lost (worker crash or heartbeat timeout)"
+                "attempts were lost (a worker was killed or lost its lease, or a heartbeat "
+                "timed out)"
             )
             await self._record_failure(task, err, plan, ctx)
             return
@@ -969,11 +1022,27 @@ class Worker:
                 fut = self._loop.run_in_executor(
                     self._pool, functools.partial(cv.run, act.fn, *args, **kwargs)
                 )
-                value = await asyncio.wait_for(fut, timeout) if timeout else await fut
+                me = asyncio.current_task()
+                assert me is not None
+                self._in_thread.add(me)  # a graceful stop waits for it (see stop)
+                try:
+                    value = await asyncio.wait_for(fut, timeout) if timeout else await fut
+                finally:
+                    self._in_thread.discard(me)
             ctx._returned = True
             result = encode(value, f"result of activity {act.name!r}")
         except asyncio.CancelledError:
             if self._stopping:
+                raise
+            me = asyncio.current_task()
+            if not ctx._cancelled and me is not None and me.cancelling():
+                # not a cancel of the run or step (the store said nothing: the renewer and
+                # heartbeats set ctx._cancelled first) but of our own asyncio task, e.g. the
+                # loop torn down without stop(): the attempt did not fail, it is handed back
+                try:
+                    await store.release([task], unstarted=True)
+                except Exception as exc:  # its lease expires instead
+                    log.warning("could not release interrupted task %d: %s", task.task_id, exc)
                 raise
             ctx._cancelled = True
             await self._record_failure(

@@ -32,6 +32,9 @@ from ._common import (
     load_app,
 )
 
+#: the shortest ``--lease`` accepted (seconds)
+MIN_LEASE = 1.0
+
 
 def worker_command(
     app_spec: Annotated[
@@ -61,7 +64,7 @@ def worker_command(
         typer.Option(
             "--lease",
             metavar="SECONDS",
-            help="How long a claimed task stays ours without renewal.",
+            help="How long a claimed task stays ours without renewal (at least 1).",
         ),
     ] = 15.0,
     grace: Annotated[
@@ -71,7 +74,8 @@ def worker_command(
             metavar="SECONDS",
             min=0.0,
             max=86_400.0,
-            help="On SIGTERM/Ctrl+C, how long in-flight work may take to finish.",
+            help="On SIGTERM/Ctrl+C, how long in-flight work may take to finish (a sync "
+            "activity still running is waited for: its thread cannot be interrupted).",
         ),
     ] = 10.0,
     log_level: Annotated[str, _log_level_option()] = "info",
@@ -118,6 +122,14 @@ def worker_command(
     if not (math.isfinite(lease) and 0 < lease <= 86_400):
         _fail(
             f"--lease must be positive, a finite number of seconds up to a day (got {lease})",
+            EXIT_USAGE,
+        )
+    if lease < MIN_LEASE:
+        # renewed every lease/3 seconds: a store round trip or a busy loop longer than
+        # that lets the lease run out under work that still runs, which then runs twice
+        _fail(
+            f"--lease must be at least {MIN_LEASE:g} second (got {lease:g}): a shorter "
+            "lease runs out between renewals and the same work runs twice",
             EXIT_USAGE,
         )
     _setup_logging(log_level, log_format)
@@ -232,6 +244,7 @@ async def _serve(
 
         installed = _add_signal_handlers(loop, on_signal)
         metrics = None
+        stopped = False
         try:
             await w.start()
             if metrics_port is not None:
@@ -252,6 +265,7 @@ async def _serve(
                 _note(f"error: tether worker {w.id} crashed: {_describe_exception(exc)}")
                 code = EXIT_ERROR
             try:
+                stopped = True
                 await w.stop(grace=grace)
             except Exception as exc:
                 if code == 0:
@@ -261,6 +275,13 @@ async def _serve(
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await serving
         finally:
+            if not stopped:
+                # something after start() raised (e.g. the metrics port is taken): hand
+                # the work this worker already holds back, never leave it to asyncio.run's
+                # cancellation; the error itself is reported by the caller
+                stopped = True
+                with contextlib.suppress(Exception):
+                    await w.stop(grace=grace)
             if metrics is not None:
                 await metrics.stop()
             for sig in installed:

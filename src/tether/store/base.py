@@ -471,9 +471,10 @@ class Store(abc.ABC):
     ) -> None:
         """Give back leased tasks (a worker stopping, or one that does not serve a run's
         version) so any worker can claim them after ``delay`` seconds; ``unstarted``
-        ones never ran, so the attempt their claim counted is taken back. A ``note``
-        becomes the ``task_error`` of each task's live run that has none (why its step
-        waits); the run's next completed workflow task clears it."""
+        ones never ran (or a stopping worker interrupted them), so the attempt their
+        claim counted is taken back. A ``note`` becomes the ``task_error`` of each
+        task's live run that has none (why its step waits); the run's next completed
+        workflow task clears it."""
 
     @abc.abstractmethod
     async def heartbeat(self, task: Task, lease: float, details: str | None) -> bool:

@@ -209,9 +209,10 @@ def _release(
     unstarted: bool = False,
     note: str | None = None,
 ) -> None:
-    """Give leased tasks back; ``unstarted`` ones never ran, so their claim's attempt
-    is taken back too (a graceful stop must not use up a step's retries). A ``note``
-    says on each live run without a ``task_error`` why its step waits."""
+    """Give leased tasks back; ``unstarted`` ones never ran, or a stopping worker
+    interrupted them, so their claim's attempt is taken back too (a graceful stop must
+    not use up a step's retries). A ``note`` says on each live run without a
+    ``task_error`` why its step waits."""
     undo = (
         ", attempt = CASE WHEN kind = 'activity' AND attempt > 0 THEN attempt - 1 ELSE attempt END"
         if unstarted
