@@ -95,7 +95,10 @@ def info() -> WorkflowInfo:
         tenant=data.get("tenant"),
         parent_run_id=data.get("parent_run_id"),
         started_at=_dt.datetime.fromtimestamp(
-            started.created_at if started is not None else inst.now, _dt.UTC
+            inst.eager_time  # what the first task saw when it ran before the run was stored
+            if inst.eager_time is not None
+            else (started.created_at if started is not None else inst.now),
+            _dt.UTC,
         ),
     )
 

@@ -148,6 +148,9 @@ class WorkflowInstance:
         self.deadline_exceeded = False
         self.started_children = 0  #: children this run started (replayed ones included)
         self.started: Event | None = None  #: the run's WorkflowStarted event, once applied
+        #: the time the run's first task ran with, when it was recorded in the commit that
+        #: created the run (an eager start ran it before the store stamped the run)
+        self.eager_time: float | None = None
         #: how long each signal wait lasts (None: no timeout)
         self._signal_until: weakref.WeakKeyDictionary[asyncio.Future[Any], float | None] = (
             weakref.WeakKeyDictionary()
@@ -274,6 +277,13 @@ class WorkflowInstance:
                 incoming = [e for e in incoming if e.seq > through]
                 self.replaying = True
                 self.now = float(ev.data["time"])
+                if (
+                    self.started is None
+                    and batch
+                    and batch[0].type is EventType.WORKFLOW_STARTED
+                    and batch[0].created_at == ev.created_at  # one commit: an eager start
+                ):
+                    self.eager_time = self.now
                 try:
                     self._activate(batch)
                 finally:
