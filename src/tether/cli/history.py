@@ -81,12 +81,16 @@ def replay_command(
     ] = 1000,
 ) -> None:
     """Replay recorded histories against today's code; exit 1 on any non-determinism."""
+    from .._errors import ConfigurationError
     from ..testing import check_history, load_files
 
     if not app:
         raise UsageError("--app MODULE:ATTR is required: it names the code to check")
     code = load_app(app)
-    histories = load_files(files or [])
+    try:
+        histories = load_files(files or [])
+    except ConfigurationError as exc:  # missing, a directory, not JSON, not a history
+        raise UsageError(str(exc)) from None
     if store is not None:
         age = _parse_age(since) if since else None
 
