@@ -263,3 +263,24 @@ def test_start_refuses_a_bad_timeout_before_starting_the_run(project: Path) -> N
         one_line_error(res, 2, "--timeout")
         assert res.stdout == ""
     assert not (project / "tether.db").exists()  # not even the store was opened
+
+
+def test_names_and_values_nothing_uses_are_refused(project: Path) -> None:
+    res = cli(project, "start", "flows:app", "hello", '"x"')  # creates the store
+    assert res.returncode == 0, res.stderr
+    db = str(project / "tether.db")
+    # with --app the workflows and activities are known: a typo is refused, listing them
+    res = cli(project, "switch", "off", "workflow", "helo", "--app", "flows:app")
+    one_line_error(res, 2, "'helo'", "hello")
+    res = cli(project, "switch", "off", "activity", "shoutt", "--app", "flows:app")
+    one_line_error(res, 2, "'shoutt'", "shout")
+    assert cli(project, "switch", "list", "--store", db).stdout.strip() == "[]"
+    res = cli(project, "switch", "off", "workflow", "hello", "--app", "flows:app")
+    assert res.returncode == 0, res.stderr
+    res = cli(project, "approvals", "list", "--status", "bogus", "--store", db)
+    one_line_error(res, 2, "'bogus'", "expired_rejected", "closed")
+    res = cli(project, "approvals", "list", "--status", "closed", "--store", db)
+    assert res.returncode == 0 and "no reviews found" in res.stderr, res.stderr
+    for worker_id in ("", " "):
+        res = cli(project, "worker", "flows:app", "--id", worker_id)
+        one_line_error(res, 2, "--id")
