@@ -196,7 +196,7 @@ def _refuse_missing_pg_store(url: str) -> None:
     try:
         import psycopg
 
-        from ..store.postgres import _redact, _split_url
+        from ..store.postgres import _cannot_connect, _redact, _split_url
     except ImportError:
         return  # opening the store explains what to install
     try:
@@ -204,7 +204,11 @@ def _refuse_missing_pg_store(url: str) -> None:
     except ValueError:
         return  # opening the store reports the bad URL
     try:
-        with psycopg.connect(conninfo, autocommit=True, connect_timeout=10) as conn:
+        conn = psycopg.connect(conninfo, autocommit=True, connect_timeout=10)
+    except psycopg.Error as exc:  # said now: the store would wait for the same again
+        raise StoreError(_cannot_connect(conninfo, exc)) from None
+    try:
+        with conn:
             if schema is None:
                 row = conn.execute("SELECT to_regclass('tether_meta'), current_schema()")
             else:
@@ -212,13 +216,13 @@ def _refuse_missing_pg_store(url: str) -> None:
                     "SELECT to_regclass(quote_ident(%s::text) || '.tether_meta'), %s::text",
                     (schema, schema),
                 )
-            found, where = row.fetchone() or (None, schema)
+            found, where = row.fetchone() or (None, None)
     except psycopg.Error:
-        return  # not reachable: opening the store reports why, with its advice
+        return  # opening the store reports why, with its advice
     if found is None:
         raise StoreError(
-            f"no tether store in PostgreSQL {_redact(conninfo)} (schema {where!r}): it has no "
-            "tether tables, and this command does not create them; point --store at the "
+            f"no tether store in PostgreSQL {_redact(conninfo)} (schema {where or 'public'!r}): "
+            "it has no tether tables, and this command does not create them; point --store at the "
             "database (and ?schema=) your workers use. A store is created by the first "
             "worker or App that opens it (e.g. `tether worker MODULE:ATTR`)"
         )

@@ -47,7 +47,7 @@ import time
 from collections.abc import Callable, Iterator
 from importlib import resources
 from typing import Any
-from urllib.parse import parse_qsl, unquote_plus, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, unquote, unquote_plus, urlencode, urlsplit, urlunsplit
 
 import psycopg
 from psycopg import errors as pg_errors
@@ -244,11 +244,7 @@ class PostgresStore(OpsStore):
                 application_name=f"tether:{self.schema}"[:63] if self.schema else "tether",
             )
         except psycopg.Error as exc:
-            raise StoreError(
-                f"cannot connect to PostgreSQL store {self.url}: {_first_line(exc)}. Check that "
-                "the server is running and reachable and that the URL's host, port, user, "
-                "password and database are right (e.g. `pg_isready -h HOST -p PORT`)."
-            ) from exc
+            raise StoreError(_cannot_connect(self._conninfo, exc)) from exc
         try:
             if self.schema is not None:
                 conn.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(self.schema)))
@@ -947,6 +943,34 @@ def _redact(url: str) -> str:
             masked.append(f"{name}=***" if sep and _secret_param(name) else item)
         parts = parts._replace(query="&".join(masked))
     return urlunsplit(parts)
+
+
+def _secrets(url: str) -> list[str]:
+    """The password and secret parameter values in ``url``, as written and decoded."""
+    found: set[str] = set()
+    try:
+        parts = urlsplit(url)
+        if parts.password:
+            found |= {parts.password, unquote(parts.password)}
+    except ValueError:
+        return []
+    for item in parts.query.split("&"):
+        name, sep, value = item.partition("=")
+        if sep and value and _secret_param(name):
+            found |= {value, unquote_plus(value)}
+    return sorted(found, key=len, reverse=True)
+
+
+def _cannot_connect(url: str, exc: BaseException) -> str:
+    """Why connecting to ``url`` failed (libpq may quote a secret: masked) and what to check."""
+    why = _first_line(exc)
+    for secret in _secrets(url):
+        why = why.replace(secret, "***")
+    return (
+        f"cannot connect to PostgreSQL store {_redact(url)}: {why}. Check that the server "
+        "is running and reachable and that the URL's host, port, user, password and "
+        "database are right (e.g. `pg_isready -h HOST -p PORT`)."
+    )
 
 
 def _first_line(exc: BaseException) -> str:
