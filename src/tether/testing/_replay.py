@@ -60,6 +60,10 @@ def events_from_json(doc: Any, run_id: str | None = None) -> list[Event]:
         )
     out = []
     for n, e in enumerate(items):
+        if not isinstance(e, dict):
+            raise ConfigurationError(
+                f"not a history: event {n} is {type(e).__name__}, not an event object"
+            )
         try:
             out.append(
                 Event(
