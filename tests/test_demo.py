@@ -133,3 +133,21 @@ def test_a_person_at_the_terminal_rejects_one_document_and_edits_another(
     with sqlite3.connect(f"{store}.side.db") as conn:
         (body,) = conn.execute("SELECT body FROM published WHERE doc_id = 'tkt-0003'").fetchone()
     assert '"kind":"contract"' in body  # the reviewer's edit is what was published
+
+
+def test_the_demo_replaces_only_a_store_it_made(tmp_path: Path) -> None:
+    """A second demo on the same --store starts afresh; a file the demo did not make is
+    refused and left as it was (tests/test_cli_inputs.py covers a real tether store)."""
+    store = tmp_path / "demo.db"
+    args = [*TETHER, "demo", "--auto-approve", "--fast", "--no-crash", "--store", str(store)]
+    for _ in range(2):
+        out = subprocess.run(args, env=_env(), capture_output=True, text=True, timeout=150)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    other = tmp_path / "notes.db"
+    with sqlite3.connect(other) as conn:
+        conn.execute("CREATE TABLE notes (body TEXT)")
+    content = other.read_bytes()
+    args[-1] = str(other)
+    out = subprocess.run(args, env=_env(), capture_output=True, text=True, timeout=150)
+    assert out.returncode == 1 and "tether did not modify it" in out.stderr, out.stderr
+    assert other.read_bytes() == content

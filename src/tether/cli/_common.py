@@ -29,6 +29,7 @@ from .._app import App
 from .._errors import ConfigurationError, StoreError, TetherError
 from .._history import RunInfo, RunStatus
 from .._paging import MAX_PAGE
+from ..store._open import _PG_SCHEMES
 from ..store.base import Store
 
 T = TypeVar("T")
@@ -184,7 +185,47 @@ def _client_app(store: str | None, app_spec: str | None) -> App:
         )
     if path is not None:
         _refuse_foreign_database(path)
+    elif spec.startswith(_PG_SCHEMES):
+        _refuse_missing_pg_store(spec)
     return App(store=spec)
+
+
+def _refuse_missing_pg_store(url: str) -> None:
+    """Refuse a PostgreSQL database or schema without tether's tables: opening it would
+    create them (a mistyped ``?schema=``, an application's own database)."""
+    try:
+        import psycopg
+
+        from ..store.postgres import _cannot_connect, _redact, _split_url
+    except ImportError:
+        return  # opening the store explains what to install
+    try:
+        conninfo, schema = _split_url("postgresql://" + url.split("://", 1)[1])
+    except ValueError:
+        return  # opening the store reports the bad URL
+    try:
+        conn = psycopg.connect(conninfo, autocommit=True, connect_timeout=10)
+    except psycopg.Error as exc:  # said now: the store would wait for the same again
+        raise StoreError(_cannot_connect(conninfo, exc)) from None
+    try:
+        with conn:
+            if schema is None:
+                row = conn.execute("SELECT to_regclass('tether_meta'), current_schema()")
+            else:
+                row = conn.execute(
+                    "SELECT to_regclass(quote_ident(%s::text) || '.tether_meta'), %s::text",
+                    (schema, schema),
+                )
+            found, where = row.fetchone() or (None, None)
+    except psycopg.Error:
+        return  # opening the store reports why, with its advice
+    if found is None:
+        raise StoreError(
+            f"no tether store in PostgreSQL {_redact(conninfo)} (schema {where or 'public'!r}): "
+            "it has no tether tables, and this command does not create them; point --store at the "
+            "database (and ?schema=) your workers use. A store is created by the first "
+            "worker or App that opens it (e.g. `tether worker MODULE:ATTR`)"
+        )
 
 
 def _schema_of(path: str) -> tuple[int, int]:

@@ -11,11 +11,13 @@ from rich.text import Text
 
 from .._history import Approval
 from ._common import (
+    EXIT_USAGE,
     MAX_LIMIT,
     _app_option,
     _client_app,
     _console,
     _dump,
+    _fail,
     _note,
     _opened,
     _parse_json,
@@ -34,6 +36,18 @@ def _as_dict(review: Approval) -> dict[str, Any]:
     return out
 
 
+#: what ``--status`` takes (``all``: every review)
+_STATUSES = (
+    "open",
+    "all",
+    "approved",
+    "rejected",
+    "expired_rejected",
+    "expired_approved",
+    "closed",
+)
+
+
 def approvals_list_command(
     store: Annotated[str | None, _store_option()] = None,
     app: Annotated[str | None, _app_option()] = None,
@@ -44,7 +58,8 @@ def approvals_list_command(
         str,
         typer.Option(
             "--status",
-            help="open (default), all, approved, rejected, expired_rejected, expired_approved.",
+            help="open (default), all, approved, rejected, expired_rejected, expired_approved, "
+            "closed (the run ended undecided).",
         ),
     ] = "open",
     run_id: Annotated[str | None, typer.Option("--run", help="Only this run's reviews.")] = None,
@@ -54,6 +69,8 @@ def approvals_list_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
     """List reviews, oldest first (open ones by default)."""
+    if status not in _STATUSES:
+        _fail(f"--status {status!r} is none of {', '.join(_STATUSES)}", EXIT_USAGE)
 
     async def go() -> list[Approval]:
         async with _opened(_client_app(store, app)) as a:

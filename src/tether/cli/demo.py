@@ -11,7 +11,11 @@ import typer
 def demo_command(
     store: Annotated[
         Path,
-        typer.Option("--store", help="The SQLite file the demo writes (started afresh)."),
+        typer.Option(
+            "--store",
+            help="The SQLite file the demo writes (started afresh; a file the demo did not "
+            "make is refused).",
+        ),
     ] = Path("tether-demo.db"),
     auto_approve: Annotated[
         bool,

@@ -108,12 +108,16 @@ def replay_command(
     """Replay recorded histories against today's code; exit 1 on any non-determinism.
     With --store: every unfinished run (pending, running, suspended, queued), however
     old, and finished runs only with --finished or --since."""
+    from .._errors import ConfigurationError
     from ..testing import check_history, load_files
 
     if not app:
         raise UsageError("--app MODULE:ATTR is required: it names the code to check")
     code = load_app(app)
-    histories = load_files(files or [])
+    try:
+        histories = load_files(files or [])
+    except ConfigurationError as exc:  # missing, a directory, not JSON, not a history
+        raise UsageError(str(exc)) from None
     if store is None and not histories:
         raise UsageError("nothing to replay: pass exported files or --store")
     counts = {"passed": 0, "failed": 0}

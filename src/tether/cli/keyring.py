@@ -10,7 +10,7 @@ import typer
 
 from .._errors import ConfigurationError
 from ..encryption import FileKeyring, KeyWrapper, load_wrapper, new_key, wrapper_from_env
-from ._common import EXIT_USAGE, _dump, _fail, _note
+from ._common import EXIT_ERROR, EXIT_USAGE, _dump, _fail, _note
 
 
 def _path_argument() -> typer.models.ArgumentInfo:
@@ -68,6 +68,8 @@ def keyring_init_command(
         FileKeyring.create(path, per_tenant=per_tenant, wrapper=wrap)
     except ConfigurationError as exc:
         _fail(str(exc), EXIT_USAGE)
+    except OSError as exc:  # a missing directory, no permission
+        _fail(f"cannot create keyring file {path!r}: {exc.strerror}", EXIT_ERROR)
     kept = f"wrapped by {wrap.name!r}" if wrap is not None else "keep a copy somewhere safe"
     _note(f"created {path}: new payloads are sealed with key k1; {kept}")
 

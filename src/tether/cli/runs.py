@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Coroutine
 from typing import Annotated, Any
 
@@ -355,11 +356,21 @@ def start_command(
         typer.Option(
             "--timeout",
             metavar="SECONDS",
-            help="With --wait: give up waiting after this long (the run goes on).",
+            help="With --wait (refused without it): give up waiting after this long (the run "
+            "goes on).",
         ),
     ] = None,
 ) -> None:
     """Start a run of WORKFLOW and print its id (and its result with --wait)."""
+    # checked before the run starts: an error after it would invite a duplicate retry
+    if timeout is not None and not wait:
+        _fail("--timeout applies only with --wait (it bounds the wait for the result)", EXIT_USAGE)
+    if timeout is not None and not (math.isfinite(timeout) and timeout >= 0):
+        _fail(
+            f"--timeout must be a number of seconds, 0 or more (got {timeout}); leave it out "
+            "to wait until the run ends",
+            EXIT_USAGE,
+        )
     try:
         values = [_parse_json(a, f"argument {i}") for i, a in enumerate(args or [], 1)]
     except UsageError as exc:

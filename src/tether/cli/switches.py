@@ -7,7 +7,9 @@ from typing import Annotated, Any
 
 import typer
 
+from .._app import App
 from ._common import (
+    UsageError,
     _app_option,
     _client_app,
     _dump,
@@ -22,6 +24,20 @@ _KIND = typer.Argument(help="workflow, activity, model or tenant.")
 _NAME = typer.Argument(help="Its name (a model as registered with the gateway).")
 
 
+def _refuse_unknown(a: App, spec: str, kind: str, name: str) -> None:
+    """With --app the workflows and activities are known: a name none has is a typo
+    (a switch on it would stop nothing)."""
+    known = {
+        "workflow": list(a._workflows),
+        "activity": list(a._activities),
+    }.get(kind)
+    if known is not None and name not in known:
+        raise UsageError(
+            f"{spec} has no {kind} {name!r} (a switch on it would stop nothing); its {kind} "
+            f"names: {', '.join(sorted(known)) or 'none'}"
+        )
+
+
 def switch_off_command(
     kind: Annotated[str, _KIND],
     name: Annotated[str, _NAME],
@@ -33,6 +49,8 @@ def switch_off_command(
 
     async def go() -> bool:
         async with _opened(_client_app(store, app)) as a:
+            if app is not None:
+                _refuse_unknown(a, app, kind, name)
             return await a.disable(kind, name, reason=reason, by=cli_actor())
 
     changed = _run(go())

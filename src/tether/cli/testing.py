@@ -118,12 +118,16 @@ def eval_command(
         thresholds["error_rate"] = max_error_rate
     if not os.path.exists(cases):
         _fail(f"no cases file at {cases!r}", EXIT_USAGE)
+    try:
+        loaded = load_cases(cases)
+    except ConfigurationError as exc:  # a directory, not text, not JSON Lines of cases
+        _fail(str(exc), EXIT_USAGE)
 
     async def go() -> Any:
         fn, owner = _load_target(target)
         code = load_app(app) if app else owner
         try:
-            return await aevaluate(fn, load_cases(cases), app=code, thresholds=thresholds)
+            return await aevaluate(fn, loaded, app=code, thresholds=thresholds)
         except EvaluationFailed as exc:
             return exc.report
 

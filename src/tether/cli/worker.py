@@ -132,6 +132,8 @@ def worker_command(
             "lease runs out between renewals and the same work runs twice",
             EXIT_USAGE,
         )
+    if worker_id is not None and not worker_id.strip():
+        _fail("--id needs a name (got an empty one); leave it out for a random id", EXIT_USAGE)
     _setup_logging(log_level, log_format)
     if metrics_port is not None and importlib.util.find_spec("prometheus_client") is None:
         _fail("--metrics-port needs prometheus-client: pip install 'tether[server]'", EXIT_USAGE)

@@ -14,9 +14,11 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
+import urllib.parse
 from dataclasses import dataclass, field
 from decimal import Decimal
 from pathlib import Path
@@ -56,13 +58,57 @@ def main(options: Options, console: Console | None = None) -> int:
     """Run the demo; 0 when every self-check passed."""
     # a log or a pipe gets a wide table, not one cut to 80 columns
     console = console or Console(width=None if sys.stdout.isatty() else 120)
+    refused = _not_the_demos(options.store)
+    if refused is not None:
+        print(f"error: {refused}", file=sys.stderr)
+        return 1
     for suffix in ("", "-wal", "-shm", ".side.db", ".side.db-wal", ".side.db-shm"):
         Path(f"{options.store}{suffix}").unlink(missing_ok=True)  # a demo starts afresh
     os.environ["TETHER_DEMO_STORE"] = str(options.store)
     os.environ["TETHER_DEMO_PACE"] = "0.05" if options.fast else "1.0"
     os.environ["TETHER_DEMO_MODEL"] = options.model or ""
     os.environ["TETHER_DEMO_BASE_URL"] = options.base_url or ""
+    from .pipeline import side_table
+
+    with side_table():  # made before the store: it marks the store as the demo's to replace
+        pass
     return asyncio.run(_main(options, console))
+
+
+#: the tables of the demo's side table (``<store>.side.db``), which marks its store
+_SIDE_TABLES = {"executions", "published"}
+
+
+def _side_tables(path: Path) -> set[str] | None:
+    """The tables of the SQLite file at ``path`` (read-only); None if it is not one."""
+    try:
+        conn = sqlite3.connect(f"file:{urllib.parse.quote(str(path))}?mode=ro", uri=True)
+        try:
+            return {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        finally:
+            conn.close()
+    except sqlite3.Error:
+        return None
+
+
+def _not_the_demos(store: Path) -> str | None:
+    """Why the demo must not start afresh at ``store`` (deleting what is there), or None.
+
+    The demo replaces only a store it made: one with its side table beside it (made
+    first, see ``main``).
+    """
+    side = Path(f"{store}.side.db")
+    if side.exists() and _side_tables(side) != _SIDE_TABLES:
+        return (
+            f"{str(side)!r} is not the side table of a demo store; tether did not modify it: "
+            "pass another --store"
+        )
+    if store.exists() and not side.exists():
+        return (
+            f"{str(store)!r} exists and is not a store the demo made (the demo starts afresh "
+            "by deleting its own store); tether did not modify it: pass another --store"
+        )
+    return None
 
 
 async def _main(options: Options, console: Console) -> int:

@@ -41,12 +41,13 @@ import json
 import logging
 import queue
 import random
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
 from importlib import resources
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, unquote, unquote_plus, urlencode, urlsplit, urlunsplit
 
 import psycopg
 from psycopg import errors as pg_errors
@@ -161,7 +162,13 @@ class PostgresStore(OpsStore):
         max_batch: int = 256,
         connect_timeout: float = 10.0,
     ) -> None:
-        conninfo, url_schema = _split_url(url)
+        try:
+            conninfo, url_schema = _split_url(url)
+        except ValueError as exc:  # e.g. an unclosed "[" of an IPv6 host
+            raise StoreError(
+                f"invalid store URL {_redact(url)}: {exc}; the form is "
+                "postgresql://user:password@host:port/dbname"
+            ) from None
         if schema is not None and url_schema is not None and schema != url_schema:
             raise StoreError(
                 f"conflicting schemas for store {_redact(url)}: {url_schema!r} in the URL and "
@@ -237,11 +244,7 @@ class PostgresStore(OpsStore):
                 application_name=f"tether:{self.schema}"[:63] if self.schema else "tether",
             )
         except psycopg.Error as exc:
-            raise StoreError(
-                f"cannot connect to PostgreSQL store {self.url}: {_first_line(exc)}. Check that "
-                "the server is running and reachable and that the URL's host, port, user, "
-                "password and database are right (e.g. `pg_isready -h HOST -p PORT`)."
-            ) from exc
+            raise StoreError(_cannot_connect(self._conninfo, exc)) from exc
         try:
             if self.schema is not None:
                 conn.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(self.schema)))
@@ -909,14 +912,65 @@ def _split_url(url: str) -> tuple[str, str | None]:
     return urlunsplit(parts._replace(query=urlencode(rest))), schema
 
 
+#: parts of query parameter names whose values are secret (libpq's ``password`` and
+#: ``sslpassword``, and whatever a pooler or driver adds: tokens, keys, secrets)
+_SECRET_PARAMS = ("pass", "pwd", "secret", "token", "key")
+
+
+def _secret_param(name: str) -> bool:
+    name = unquote_plus(name).lower()
+    if name in ("sslkey", "sslrootcert", "sslcert", "sslcrl", "passfile"):
+        return False  # file paths, not secrets
+    return any(part in name for part in _SECRET_PARAMS)
+
+
 def _redact(url: str) -> str:
-    """The URL without its password, for messages."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rsplit("@", 1)
-    user = netloc[0].split(":", 1)[0]
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc[1]}"))
+    """The URL without its password or any secret query parameter, for messages
+    (also when the URL does not parse: then everything that might be one is masked)."""
+    try:
+        parts = urlsplit(url)
+        password = parts.password
+    except ValueError:  # malformed: mask the user info and every parameter's value
+        url = re.sub(r"(://[^:/@?#]*):.*@", r"\1:***@", url)  # up to the last "@"
+        return re.sub(r"([?&][^=&#]*=)[^&#]*", r"\1***", url)
+    if password is not None:
+        user = parts.netloc.rsplit("@", 1)[0].split(":", 1)[0]
+        parts = parts._replace(netloc=f"{user}:***@{parts.netloc.rsplit('@', 1)[1]}")
+    if parts.query:
+        masked = []
+        for item in parts.query.split("&"):
+            name, sep, _ = item.partition("=")
+            masked.append(f"{name}=***" if sep and _secret_param(name) else item)
+        parts = parts._replace(query="&".join(masked))
+    return urlunsplit(parts)
+
+
+def _secrets(url: str) -> list[str]:
+    """The password and secret parameter values in ``url``, as written and decoded."""
+    found: set[str] = set()
+    try:
+        parts = urlsplit(url)
+        if parts.password:
+            found |= {parts.password, unquote(parts.password)}
+    except ValueError:
+        return []
+    for item in parts.query.split("&"):
+        name, sep, value = item.partition("=")
+        if sep and value and _secret_param(name):
+            found |= {value, unquote_plus(value)}
+    return sorted(found, key=len, reverse=True)
+
+
+def _cannot_connect(url: str, exc: BaseException) -> str:
+    """Why connecting to ``url`` failed (libpq may quote a secret: masked) and what to check."""
+    why = _first_line(exc)
+    for secret in _secrets(url):
+        why = why.replace(secret, "***")
+    return (
+        f"cannot connect to PostgreSQL store {_redact(url)}: {why}. Check that the server "
+        "is running and reachable and that the URL's host, port, user, password and "
+        "database are right (e.g. `pg_isready -h HOST -p PORT`)."
+    )
 
 
 def _first_line(exc: BaseException) -> str:

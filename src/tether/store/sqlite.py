@@ -59,6 +59,8 @@ _OWN_TABLES = {
     *COUNT_TABLES,
 }
 
+#: tables every tether store has had since its first schema version
+_CORE_TABLES = {"runs", "events", "tasks"}
 
 _SCHEMA_VERSION = 10
 #: statements that bring a store of the version before up to this one
@@ -158,6 +160,11 @@ class SqliteStore(OpsStore):
                     f"cannot open store {path!r}: directory {parent!r} does not exist; "
                     "create it or choose another path"
                 )
+            if os.path.isdir(path):
+                raise StoreError(
+                    f"cannot open store {path!r}: it is a directory; name a file in it "
+                    f"(e.g. {os.path.join(path, 'tether.db')!r})"
+                )
         try:
             self._conn = sqlite3.connect(
                 path,
@@ -168,6 +175,12 @@ class SqliteStore(OpsStore):
                 # them all prepared (the default is 128)
                 cached_statements=512,
             )
+        except sqlite3.Error as exc:
+            raise StoreError(
+                f"cannot create or open store {path!r} ({exc}): check that this user may "
+                "read and write the file and its directory, or choose another path"
+            ) from exc
+        try:
             self._conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
             self._refuse_foreign()
             if path != ":memory:":
@@ -212,21 +225,24 @@ class SqliteStore(OpsStore):
             )
 
     def _refuse_foreign(self) -> None:
-        """Never write tether's schema into another program's database."""
+        """Never write tether's schema into another program's database (nor switch it
+        to WAL): a file with tables must be tether's, whatever its ``user_version``."""
         (version,) = self._conn.execute("PRAGMA user_version").fetchone()
-        if version != 0:
-            return
         tables = {
             r[0]
             for r in self._conn.execute(
                 "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'"
             )
         }
-        if tables - _OWN_TABLES:
+        # a new file (no tables, version 0) becomes a store; a store of any version has
+        # these; anything else belongs to another program
+        foreign = tables - _OWN_TABLES
+        if (version == 0 and foreign) or (version != 0 and not tables >= _CORE_TABLES):
+            listed = ", ".join(sorted(foreign)) or "none"
             raise StoreError(
-                f"store {self.path!r} is a SQLite database of another program (it has tables "
-                f"{', '.join(sorted(tables - _OWN_TABLES))}); tether left it untouched: point "
-                "tether at a new file"
+                f"store {self.path!r} is a SQLite database of another program (user_version "
+                f"{version}, tables: {listed}; not tether's schema); tether left it "
+                "untouched: point tether at a new file"
             )
 
     def _migrate(self) -> None:

@@ -358,19 +358,30 @@ def _case(raw: Any, index: int) -> Case:
 def load_cases(path: str | Path) -> list[Case]:
     """Cases from a JSON Lines file, one dict per line (blank lines and # comments skipped)."""
     out: list[Case] = []
-    with open(path, encoding="utf-8") as fh:
-        for n, line in enumerate(fh, 1):
-            text = line.strip()
-            if not text or text.startswith("#"):
-                continue
-            try:
-                doc = json.loads(text)
-            except json.JSONDecodeError as exc:
-                raise ConfigurationError(f"{path}:{n} is not valid JSON ({exc.msg})") from None
-            case = _case(doc, len(out))
-            if "id" not in doc:
-                case.id = f"line {n}"
-            out.append(case)
+    try:
+        lines = Path(path).read_text(encoding="utf-8").split("\n")
+    except FileNotFoundError:
+        raise ConfigurationError(f"cases file {str(path)!r} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigurationError(
+            f"cases file {str(path)!r} is a directory; pass a JSON Lines file"
+        ) from None
+    except OSError as exc:
+        raise ConfigurationError(f"cannot read cases file {str(path)!r}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigurationError(f"cases file {str(path)!r} is not text ({exc.reason})") from None
+    for n, line in enumerate(lines, 1):
+        text = line.strip()
+        if not text or text.startswith("#"):
+            continue
+        try:
+            doc = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigurationError(f"{path}:{n} is not valid JSON ({exc.msg})") from None
+        case = _case(doc, len(out))
+        if "id" not in doc:
+            case.id = f"line {n}"
+        out.append(case)
     return out
 
 

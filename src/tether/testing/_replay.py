@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .._errors import NonDeterminismError, TetherError
+from .._errors import ConfigurationError, NonDeterminismError, TetherError
 from .._history import COMMANDS, Event, EventType
 from ..workflow._instance import WorkflowInstance, _describe
 
@@ -46,20 +46,41 @@ class ReplayReport:
 
 
 def events_from_json(doc: Any, run_id: str | None = None) -> list[Event]:
-    """Events from ``tether history export`` output (or a bare list of events)."""
+    """Events from ``tether history export`` output (or a bare list of events).
+
+    Raises ``ConfigurationError`` naming what is wrong when ``doc`` is not a history.
+    """
     items = doc.get("events", []) if isinstance(doc, dict) else doc
-    rid = run_id or (doc.get("run", {}).get("run_id") if isinstance(doc, dict) else None) or "?"
-    return [
-        Event(
-            run_id=rid,
-            seq=int(e["seq"]),
-            type=EventType(e["type"]),
-            step=e.get("step"),
-            data=e.get("data") or {},
-            created_at=float(e.get("created_at", 0.0)),
+    run = doc.get("run") if isinstance(doc, dict) else None
+    rid = run_id or (run.get("run_id") if isinstance(run, dict) else None) or "?"
+    if not isinstance(items, list):
+        raise ConfigurationError(
+            "not a history: expected `tether history export` output (an object with an "
+            f"'events' list) or a list of events, got {type(items).__name__}"
         )
-        for e in items
-    ]
+    out = []
+    for n, e in enumerate(items):
+        if not isinstance(e, dict):
+            raise ConfigurationError(
+                f"not a history: event {n} is {type(e).__name__}, not an event object"
+            )
+        try:
+            out.append(
+                Event(
+                    run_id=str(rid),
+                    seq=int(e["seq"]),
+                    type=EventType(e["type"]),
+                    step=None if e.get("step") is None else int(e["step"]),
+                    data=e.get("data") or {},
+                    created_at=float(e.get("created_at", 0.0)),
+                )
+            )
+        except (TypeError, KeyError, ValueError, AttributeError) as exc:
+            what = f"missing {exc}" if isinstance(exc, KeyError) else str(exc)
+            raise ConfigurationError(
+                f"not a history: event {n} is not an event of `tether history export` ({what})"
+            ) from None
+    return out
 
 
 def check_history(app: App, events: Sequence[Event]) -> ReplayReport:
@@ -91,9 +112,27 @@ def check_history(app: App, events: Sequence[Event]) -> ReplayReport:
 
 
 def load_files(paths: Iterable[str]) -> list[list[Event]]:
-    """Histories from exported JSON files."""
+    """Histories from exported JSON files; ``ConfigurationError`` naming the file when
+    one is missing, unreadable, not JSON or not a history."""
     out = []
     for path in paths:
-        with open(path, encoding="utf-8") as fh:
-            out.append(events_from_json(json.load(fh)))
+        try:
+            with open(path, encoding="utf-8") as fh:
+                doc = json.load(fh)
+        except FileNotFoundError:
+            hint = " (an unexpanded shell pattern: nothing matched it)" if "*" in path else ""
+            raise ConfigurationError(f"history file {path!r} does not exist{hint}") from None
+        except IsADirectoryError:
+            raise ConfigurationError(
+                f"history file {path!r} is a directory; pass the JSON files in it"
+            ) from None
+        except OSError as exc:
+            raise ConfigurationError(f"cannot read history file {path!r}: {exc.strerror}") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            why = exc.msg if isinstance(exc, json.JSONDecodeError) else exc.reason
+            raise ConfigurationError(f"history file {path!r} is not valid JSON ({why})") from None
+        try:
+            out.append(events_from_json(doc))
+        except ConfigurationError as exc:
+            raise ConfigurationError(f"history file {path!r} is {exc}") from None
     return out
