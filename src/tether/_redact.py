@@ -42,6 +42,9 @@ _ENGINE_MADE = re.compile(
     r"NonDeterminismError: non-deterministic workflow code in run '[^']*' at step \d+: "
     rf"history recorded {_ND_PART}, but the code now produced {_ND_PART}\. The run is left "
     r"as it was and will be retried: [a-z ,.()]*tether\.patched\) and it will continue"
+    r"(?:\. A run that should not continue can be ended \(tether terminate\), or forked "
+    r"from the step before \(app\.fork\('[^']*', at_step=\d+\)\) to run today's code "
+    r"from there)?"
     r"|UnknownActivityError: step \d+ \(activity '[^']*', queue '[^']*'\) waits for a "
     r"worker that registers '[^']*'; worker \S+ does not",
     re.DOTALL,
