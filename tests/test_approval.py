@@ -188,6 +188,47 @@ async def test_no_decision_reminds_escalates_then_fails_closed(app: tether.App) 
     assert events == ["opened", "reminder", "escalated", "reminder"]
 
 
+async def test_a_reminder_due_while_notify_still_ran_is_sent_late(app: tether.App) -> None:
+    """A slow ``notify`` (here: the "opened" message retried after 51 minutes) used to
+    swallow the reminder that fell due meanwhile; the reviewer is now reminded late."""
+    notes: list[str] = []
+    failed: list[str] = []
+
+    @app.activity(retry=tether.Retry(attempts=2, initial=3060, max_interval=3060, jitter=0))
+    async def notify(review: dict[str, Any]) -> None:
+        if review["event"] == "opened" and not failed:
+            failed.append("once")
+            raise ConnectionError("mail server down")
+        notes.append(review["event"])
+
+    @app.workflow
+    async def ask(post: Post) -> bool:
+        d = await tether.approval(
+            post, approvers=["alice"], deadline=HOUR, remind_before=600, notify=notify
+        )
+        return d.approved
+
+    async with Env(app, skip_time=False) as env:
+        run = await app.start(ask, Post(title="t", words=5), run_id="post-late")
+        review = await open_review(app, "post-late")
+        for _ in range(250):  # the first "opened" message failed; its retry waits
+            if failed:
+                break
+            await asyncio.sleep(0.02)
+        await env.advance(3060 + 1)  # past the reminder's moment, before the deadline
+        reminded = await waits(app, "post-late", "approval_reminder")
+        assert reminded[0]["level"] == 0
+        await app.decide(
+            review.approval_id, approve=True, by="alice", fingerprint=review.fingerprint
+        )
+        assert await run.result(timeout=10) is True
+    assert notes == ["opened", "reminder"]
+    history = await app.history("post-late")
+    assert [e.data["patch_id"] for e in history if e.type is EventType.PATCH_MARKER] == [
+        "tether.approval-late-reminder"
+    ]
+
+
 async def test_a_decision_recorded_before_the_deadline_wins(app: tether.App) -> None:
     publish = register(app)
     async with Env(app, skip_time=False) as env:

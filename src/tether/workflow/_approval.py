@@ -69,6 +69,11 @@ def _level(spec: Any, what: str) -> tuple[list[str], float]:
     return people, limit
 
 
+#: the patch marker of a run that reminds late when its reminder fell due while
+#: ``notify`` (the opened or escalated message) still ran; older runs skipped it
+LATE_REMINDER = "tether.approval-late-reminder"
+
+
 async def approval(
     proposal: T,
     *,
@@ -106,7 +111,8 @@ async def approval(
     approval_id = f"{inst.run_id}:{inst.step + 1}"
     fp = fingerprint_of(proposal)
     signal = f"{APPROVAL_SIGNAL}{approval_id}"
-    deadline_at = inst.now + levels[0][1]
+    requested_at = inst.now
+    deadline_at = requested_at + levels[0][1]
     review = {
         "approval_id": approval_id,
         "name": name,
@@ -140,10 +146,15 @@ async def approval(
             )
 
     for level, (people, duration) in enumerate(levels):
-        until = inst.now + duration if level else deadline_at
+        opened_at = inst.now if level else requested_at
+        until = opened_at + duration
         if level:
             await announce("escalated", level, people, until)
         reminded = remind is None or until - remind <= inst.now
+        if not reminded or remind is None or until - remind <= opened_at:
+            pass  # due later, or never (the level is shorter than remind_before)
+        elif inst.patched(LATE_REMINDER):
+            reminded = False  # its moment passed while ``notify`` ran: remind now, late
         while True:
             wake = until if reminded else until - (remind or 0.0)
             payload = await _next_decision(inst, signal, wake)
