@@ -1,4 +1,5 @@
-"""The failure policy of one activity attempt: retries, layered timeouts, the step's deadline.
+"""The failure policy of one activity attempt: retries, layered timeouts, the step's deadline;
+and the attempt's span in its run's trace.
 
 Used by the worker for every attempt and by batch runs for every item.
 """
@@ -6,10 +7,32 @@ Used by the worker for every attempt and by batch runs for every item.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 from ._classify import classify, ratelimit_pause
+from ._history import Task
 from ._policy import Retry
+from ._tracing import activity_span
+
+
+def attempt_span(task: Task, began: int | None = None) -> contextlib.AbstractContextManager[Any]:
+    """The span of one attempt of ``task`` in its run's trace, from ``began`` (epoch ns;
+    None: now); nothing when the run is not traced (the common, cheap case)."""
+    opts = task.options or {}
+    carrier = opts.get("trace")
+    if carrier is None:
+        return contextlib.nullcontext()
+    return activity_span(
+        task.name or "",
+        task.run_id,
+        task.step,
+        task.attempt,
+        task.queue,
+        carrier,
+        opts.get("tenant"),
+        began=began,
+    )
 
 
 class _StepTimeout(TimeoutError):

@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Coroutine
 from typing import Any, Protocol
 
 from ._activity_context import ActivityContext, set_context
-from ._attempts import _Plan, _StepTimeout
+from ._attempts import _Plan, _StepTimeout, attempt_span
 from ._batch import BatchActivity, split_results
 from ._breaker import CircuitOpenError
 from ._definitions import Activity
@@ -28,7 +28,7 @@ from ._host import WorkerApp
 from ._policy import Retry
 from ._serde import encode
 from ._telemetry import count, observe
-from ._tracing import activity_span, mark_ok
+from ._tracing import mark_ok
 
 log = logging.getLogger("tether.worker")
 
@@ -236,21 +236,7 @@ async def run_batch(w: BatchHost, tasks: list[Task]) -> None:
 async def _attempt(task: Task, work: Awaitable[None], began: int | None = None) -> None:
     """Record one item's outcome as its own attempt: in a span of its run's trace (when
     the run is traced) from ``began`` (epoch ns; None: now) to its recording."""
-    opts = task.options or {}
-    carrier = opts.get("trace")
-    if carrier is None:
-        await work
-        return
-    with activity_span(
-        task.name or "",
-        task.run_id,
-        task.step,
-        task.attempt,
-        task.queue,
-        carrier,
-        opts.get("tenant"),
-        began=began,
-    ):
+    with attempt_span(task, began):
         await work
 
 

@@ -26,7 +26,7 @@ from collections.abc import Callable, Collection, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ._activity_context import ActivityContext, reset_context, set_context
-from ._attempts import _Plan, _StepTimeout
+from ._attempts import _Plan, _StepTimeout, attempt_span
 from ._batch_run import run_batch
 from ._breaker import CircuitOpenError
 from ._classify import classify, http_status, ratelimit_pause
@@ -52,7 +52,6 @@ from ._switches import REFRESH as SWITCH_REFRESH
 from ._switches import Switches
 from ._telemetry import count, observe
 from ._tracing import (
-    activity_span,
     mark_failed,
     mark_lease_lost,
     mark_ok,
@@ -900,20 +899,8 @@ class Worker:
         assert me is not None
         while True:
             try:
-                carrier = (task.options or {}).get("trace")
-                if carrier is None:
+                with attempt_span(task):  # a span of its run's trace, when traced
                     await self._run_activity(task, inline=True)
-                else:  # the run is traced: this attempt is a span of its trace
-                    with activity_span(
-                        task.name or "",
-                        task.run_id,
-                        task.step,
-                        task.attempt,
-                        task.queue,
-                        carrier,
-                        (task.options or {}).get("tenant"),
-                    ):
-                        await self._run_activity(task, inline=True)
             except BaseException:
                 left = self._follow.pop(task.task_id, None)
                 if left is not None:

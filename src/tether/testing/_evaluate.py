@@ -37,6 +37,7 @@ from .._errors import ConfigurationError, TetherError, WorkflowFailedError
 from .._history import Event, EventType
 from .._usage import usage_of
 from ._env import Env
+from ._files import read_text
 
 #: the thresholds ``evaluate`` understands: name -> (metric, direction)
 THRESHOLDS = {
@@ -358,18 +359,7 @@ def _case(raw: Any, index: int) -> Case:
 def load_cases(path: str | Path) -> list[Case]:
     """Cases from a JSON Lines file, one dict per line (blank lines and # comments skipped)."""
     out: list[Case] = []
-    try:
-        lines = Path(path).read_text(encoding="utf-8").split("\n")
-    except FileNotFoundError:
-        raise ConfigurationError(f"cases file {str(path)!r} does not exist") from None
-    except IsADirectoryError:
-        raise ConfigurationError(
-            f"cases file {str(path)!r} is a directory; pass a JSON Lines file"
-        ) from None
-    except OSError as exc:
-        raise ConfigurationError(f"cannot read cases file {str(path)!r}: {exc.strerror}") from None
-    except UnicodeDecodeError as exc:
-        raise ConfigurationError(f"cases file {str(path)!r} is not text ({exc.reason})") from None
+    lines = read_text(path, "cases file", "pass a JSON Lines file").split("\n")
     for n, line in enumerate(lines, 1):
         text = line.strip()
         if not text or text.startswith("#"):

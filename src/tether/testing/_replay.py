@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from .._errors import ConfigurationError, NonDeterminismError, TetherError
 from .._history import COMMANDS, Event, EventType
 from ..workflow._instance import WorkflowInstance, _describe
+from ._files import read_text
 
 if TYPE_CHECKING:
     from .._app import App
@@ -116,21 +117,13 @@ def load_files(paths: Iterable[str]) -> list[list[Event]]:
     one is missing, unreadable, not JSON or not a history."""
     out = []
     for path in paths:
+        text = read_text(path, "history file", "pass the JSON files in it")
         try:
-            with open(path, encoding="utf-8") as fh:
-                doc = json.load(fh)
-        except FileNotFoundError:
-            hint = " (an unexpanded shell pattern: nothing matched it)" if "*" in path else ""
-            raise ConfigurationError(f"history file {path!r} does not exist{hint}") from None
-        except IsADirectoryError:
+            doc = json.loads(text)
+        except json.JSONDecodeError as exc:
             raise ConfigurationError(
-                f"history file {path!r} is a directory; pass the JSON files in it"
+                f"history file {path!r} is not valid JSON ({exc.msg})"
             ) from None
-        except OSError as exc:
-            raise ConfigurationError(f"cannot read history file {path!r}: {exc.strerror}") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            why = exc.msg if isinstance(exc, json.JSONDecodeError) else exc.reason
-            raise ConfigurationError(f"history file {path!r} is not valid JSON ({why})") from None
         try:
             out.append(events_from_json(doc))
         except ConfigurationError as exc:
