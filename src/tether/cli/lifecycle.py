@@ -161,9 +161,17 @@ def store_reseal_command(
 
     counts = _run(go())
     _dump(counts)
-    blobs = counts.get("blobs", 0)
-    values = sum(counts.values()) - blobs
-    _note(f"resealed {values} value(s), {blobs} old blob(s) deleted")
+    _note(reseal_summary(counts))
+
+
+def reseal_summary(counts: dict[str, int]) -> str:
+    """One line for what ``App.reseal`` did: values by table, blobs sealed again in
+    place (``blobs_resealed``), old blobs deleted (``blobs``)."""
+    blobs, resealed = counts.get("blobs", 0), counts.get("blobs_resealed", 0)
+    values = sum(counts.values()) - blobs - resealed
+    return (
+        f"resealed {values} value(s) and {resealed} blob(s) in place, {blobs} old blob(s) deleted"
+    )
 
 
 def store_gc_blobs_command(
