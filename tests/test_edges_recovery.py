@@ -188,6 +188,9 @@ async def test_a_worker_id_held_by_a_live_worker_is_refused(store_url: str) -> N
         b = second.worker(worker_id="ingest-1")
         with pytest.raises(tether.ConfigurationError, match="in use by a live worker"):
             await b.start()
+        for blank in ("", "  "):  # not a stable id, nor silently a random one
+            with pytest.raises(tether.ConfigurationError, match="worker_id needs a name"):
+                second.worker(worker_id=blank)
         other = second.worker(worker_id="ingest-2")  # another id is fine
         await other.start()
         await other.stop()

@@ -142,6 +142,11 @@ class Worker:
                 raise ConfigurationError(f"{what} must be a finite number of seconds > 0")
         if not (math.isfinite(workflow_retry_delay) and workflow_retry_delay >= 0):
             raise ConfigurationError("workflow_retry_delay must be a finite number of seconds >= 0")
+        if worker_id is not None and not (isinstance(worker_id, str) and worker_id.strip()):
+            # "" took a random id yet counted as stable: a restart took nothing back
+            raise ConfigurationError(
+                f"worker_id needs a name (got {worker_id!r}); leave it out for a random id"
+            )
         self.app = app
         if isinstance(queues, str):  # one name given as a string: not its letters
             raise ConfigurationError(f"queues takes a list of queue names (got {queues!r})")
