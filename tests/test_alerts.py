@@ -82,7 +82,7 @@ async def test_a_suspended_runs_task_is_not_ready_work(app: tether.App) -> None:
         async def scheduled() -> bool:
             return any(q.queue == "work" and q.ready == 1 for q in await app.queue_stats())
 
-        for _ in range(200):
+        for _ in range(1000):
             if await scheduled():
                 break
             await asyncio.sleep(0.02)

@@ -28,6 +28,9 @@ from tether.workflow._approval import fingerprint_of
 
 HOUR = 3600.0
 HERE = Path(__file__).parent
+#: polls of 0.02 s: 20 s for what takes several commits on a loaded PostgreSQL (CI's
+#: 2-core VM at half speed); a poll returns as soon as its condition holds
+POLLS = 1000
 
 
 class Post(BaseModel):
@@ -44,7 +47,7 @@ def markers(history: list[tether.Event], name: str) -> list[dict[str, Any]]:
 
 
 async def open_review(app: tether.App, run_id: str) -> tether.Approval:
-    for _ in range(200):
+    for _ in range(POLLS):
         reviews = await app.approvals(run_id=run_id)
         if reviews:
             return reviews[0]
@@ -53,7 +56,7 @@ async def open_review(app: tether.App, run_id: str) -> tether.Approval:
 
 
 async def waits(app: tether.App, run_id: str, marker: str, n: int = 1) -> list[dict[str, Any]]:
-    for _ in range(250):
+    for _ in range(POLLS):
         found = markers(await app.history(run_id), marker)
         if len(found) >= n:
             return found
@@ -211,10 +214,16 @@ async def test_a_reminder_due_while_notify_still_ran_is_sent_late(app: tether.Ap
     async with Env(app, skip_time=False) as env:
         run = await app.start(ask, Post(title="t", words=5), run_id="post-late")
         review = await open_review(app, "post-late")
-        for _ in range(250):  # the first "opened" message failed; its retry waits
-            if failed:
+        # the first "opened" message failed and its retry is due in 51 minutes: moving
+        # the clock before the failure was recorded would put the retry 51 minutes
+        # after the new time (seen by the history's ActivityAttemptFailed, not by the
+        # activity's own ``failed``, which is set before the worker records anything)
+        for _ in range(POLLS):
+            history = await app.history("post-late")
+            if any(e.type is EventType.ACTIVITY_ATTEMPT_FAILED for e in history):
                 break
             await asyncio.sleep(0.02)
+        assert failed
         await env.advance(3060 + 1)  # past the reminder's moment, before the deadline
         reminded = await waits(app, "post-late", "approval_reminder")
         assert reminded[0]["level"] == 0
@@ -302,7 +311,7 @@ async def test_invoice_review_one_of_eight_waits_while_the_others_finish(
         for run_id in ("early", "late"):
             review = await open_review(app, f"{run_id}/8")
             # the seven others finish while the review is open
-            for _ in range(250):
+            for _ in range(POLLS):
                 children = [await app.get(f"{run_id}/{k}") for k in range(1, 9)]
                 done = [c for c in children if c.status is tether.RunStatus.COMPLETED]
                 if len(done) == 7:

@@ -376,26 +376,27 @@ def test_sigterm_lets_in_flight_work_finish_and_exits_zero(
 def test_graceful_stop_does_not_strand_the_next_workflow_task(
     project: Project, start_worker: Callable[..., WorkerProc]
 ) -> None:
-    w = start_worker("--grace", "20", "--lease", "15")
+    w = start_worker("--grace", "20", "--lease", "60")
     marker = project.root / "in-flight"
     project.ok("start", "flows:app", "slow", json.dumps(str(marker)), "1", "--run-id", "s")
     wait_until(marker.exists, CMD_TIMEOUT, "the activity to start")
     w.proc.send_signal(signal.SIGTERM)
     assert w.proc.wait(timeout=20) == 0, w.stderr
-    start_worker("--lease", "15")
-    # far less than the 15 s lease: the new worker should continue the run at once
-    wait_until(lambda: project.run_info("s")["status"] == "completed", 6.0, "completion")
+    start_worker("--lease", "60")
+    # far less than the 60 s lease: the new worker should continue the run at once (each
+    # look is a CLI process: seconds on a loaded machine, so the budget is generous)
+    wait_until(lambda: project.run_info("s")["status"] == "completed", 30.0, "completion")
 
 
 def test_sigint_stops_an_idle_worker_quickly(
     project: Project, start_worker: Callable[..., WorkerProc]
 ) -> None:
-    w = start_worker("-q", "default", "-q", "extra")
+    w = start_worker("-q", "default", "-q", "extra", "--grace", "60")
     assert "serving queues default, extra" in w.stderr
     t0 = time.monotonic()
     w.proc.send_signal(signal.SIGINT)
-    assert w.proc.wait(timeout=10) == 0, w.stderr
-    assert time.monotonic() - t0 < 5
+    assert w.proc.wait(timeout=40) == 0, w.stderr
+    assert time.monotonic() - t0 < 30  # idle: it does not wait out its 60 s grace
     assert "Traceback" not in w.stderr and "KeyboardInterrupt" not in w.stderr
 
 
@@ -694,13 +695,13 @@ def test_runs_marks_a_stuck_run_and_stuck_lists_only_those(project: Project) -> 
             await old.start(old.get_workflow("flow"), run_id="stuck-1")
             await old.start(old.get_workflow("ping"), run_id="fine-1")
             assert await old.get_run("fine-1").result(timeout=10) == "pong"
-            for _ in range(250):
+            for _ in range(1000):
                 if (await old.get("stuck-1")).waiting_on:
                     break
                 await asyncio.sleep(0.02)
         await old.signal("stuck-1", "go", None)
         async with new.worker(poll_interval=0.05):
-            for _ in range(250):
+            for _ in range(1000):
                 if (await new.get("stuck-1")).task_error:
                     break
                 await asyncio.sleep(0.02)

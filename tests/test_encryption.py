@@ -286,7 +286,7 @@ async def test_a_worker_without_the_key_leaves_the_run_intact_until_one_with_it_
     # a workflow task it cannot read: a task error, the run left pending
     await keyed.start("wf", "ab", run_id="r1")
     async with keyless.worker(poll_interval=0.05):
-        for _ in range(100):
+        for _ in range(400):
             info = await keyed.get("r1")
             if info.task_error:
                 break
@@ -295,12 +295,12 @@ async def test_a_worker_without_the_key_leaves_the_run_intact_until_one_with_it_
     # its workflow task done by a worker with the key, its activity is claimed by one
     # without: held back again and again, never run, no attempt spent, no dead letter
     async with keyed.worker(queues=["default"], poll_interval=0.05):
-        for _ in range(100):
+        for _ in range(400):
             if [e for e in await keyed.history("r1") if e.type is EventType.ACTIVITY_SCHEDULED]:
                 break
             await asyncio.sleep(0.05)
     async with keyless.worker(queues=["acts"], poll_interval=0.05) as w:
-        for _ in range(100):
+        for _ in range(400):
             if w.stats["held_unreadable"] >= 2:
                 break
             await asyncio.sleep(0.05)

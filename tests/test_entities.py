@@ -52,7 +52,7 @@ async def test_operations_state_and_listing(entity_app: Any) -> None:
         assert [await counter.call("add", 2) for _ in range(10)] == list(range(2, 22, 2))
         assert await counter.call("get") == 20
         await counter.signal("add", 1)
-        for _ in range(200):
+        for _ in range(1000):
             if (await counter.state())["value"] == 21:
                 break
             await asyncio.sleep(0.02)
@@ -253,7 +253,7 @@ async def test_state_right_after_continue_as_new_is_the_new_runs_input(entity_ap
     async with app.worker(poll_interval=0.05):
         for _ in range(7):  # ops_per_run=7: the seventh continues as new
             await counter.call("add", 1)
-        for _ in range(200):  # wait for the link, not for the next run's code
+        for _ in range(1000):  # wait for the link, not for the next run's code
             if (await app.get(counter.run_id)).run_id != counter.run_id:
                 break
             await asyncio.sleep(0.02)
@@ -450,7 +450,7 @@ async def test_operations_that_raise_across_continue_as_new_keep_the_right_state
         await ref.signal("add", who, n, fail)
     done = [(who, n) for who, n, fail in ops if not fail]
     async with app.worker(poll_interval=0.05):
-        for _ in range(300):
+        for _ in range(1000):
             with contextlib.suppress(tether.QueryError):
                 if await ref.state() == _ledger_state(*done):
                     break
@@ -543,7 +543,7 @@ async def test_operations_recorded_before_the_run_starts_apply_in_arrival_order(
     for op, v in sent:
         want = [v] if op == "put" else [*want, v]
     async with app.worker(poll_interval=0.05):
-        for _ in range(300):
+        for _ in range(1000):
             with contextlib.suppress(tether.QueryError):
                 if await ref.state() == {"log": want}:
                     break
@@ -573,7 +573,7 @@ async def test_an_entity_history_from_before_arrival_order_replays_as_it_ran(
     for op, v in (("put", "a"), ("add", "b"), ("add", "c")):
         await ref.signal(op, v)  # recorded before the run's code first runs
     async with app.worker(poll_interval=0.05):
-        for _ in range(300):  # applied add b, add c, then put a
+        for _ in range(1000):  # applied add b, add c, then put a
             with contextlib.suppress(tether.QueryError):
                 if await ref.state() == {"log": ["a"]}:
                     break

@@ -390,8 +390,8 @@ async def test_schedule_timeout_bounds_a_hanging_attempt(
 
     t0 = time.monotonic()
     run = await app.start(wf)
-    out = await run.result(timeout=10)
-    assert time.monotonic() - t0 < 3
+    out = await run.result(timeout=20)
+    assert time.monotonic() - t0 < 15  # bounded at 0.3 s, not the 30 s hang (loaded CI)
     assert out["attempts"] == 1
     (final,) = await events_of(app, run.run_id, EventType.ACTIVITY_FAILED)
     assert "schedule-to-close" in final.data["error"]["reason"]
@@ -485,8 +485,8 @@ async def test_deadline_ends_run_timed_out_after_saga_compensation(
     t0 = time.monotonic()
     run = await app.start(trip, deadline=0.5)
     with pytest.raises(tether.RunTimedOutError) as ei:
-        await run.result(timeout=10)
-    assert 0.4 < time.monotonic() - t0 < 5
+        await run.result(timeout=20)
+    assert 0.4 < time.monotonic() - t0 < 15  # the 0.5 s deadline; loaded CI is slow
     assert ei.value.status == "timed_out"
     assert log == ["reserve", "charge", "refund charge", "release reserve", "saw cancellation"]
     info = await app.get(run.run_id)
@@ -586,7 +586,7 @@ async def test_heartbeat_cancellation_reaches_sync_activity_which_cleans_up(
         ctx = tether.activity_context()
         started.set()
         i = 0
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60
         while not ctx.is_cancelled and time.monotonic() < deadline:
             i += 1
             ctx.heartbeat({"i": i})
@@ -605,7 +605,7 @@ async def test_heartbeat_cancellation_reaches_sync_activity_which_cleans_up(
     with pytest.raises(tether.RunCancelledError):
         await run.result(timeout=10)
     await eventually(holds(lambda: cleaned), what="activity cleaned up")
-    assert time.monotonic() - t0 < 3  # it saw the cancellation, not its 10 s deadline
+    assert time.monotonic() - t0 < 20  # it saw the cancellation, not its 60 s deadline
     assert (await app.get(run.run_id)).status is RunStatus.CANCELLED
 
 

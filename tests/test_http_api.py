@@ -962,7 +962,7 @@ def _waiting_under_old_code(store: str, run_id: str, tenant: str | None = None) 
     async def go() -> None:
         async with old.worker(poll_interval=0.05):
             await old.start(approve, "contract", run_id=run_id, tenant=tenant)
-            for _ in range(250):
+            for _ in range(1000):
                 if (await old.get(run_id)).waiting_on:
                     break
                 await asyncio.sleep(0.02)

@@ -202,13 +202,13 @@ async def test_a_non_determinism_error_is_logged_whole_it_holds_only_names(
     old, new = build(True), build(False)
     async with old.worker(poll_interval=0.05):
         await old.start(old.get_workflow("flow"), CANARY, run_id="nd")
-        for _ in range(200):
+        for _ in range(1000):
             if (await old.get("nd")).waiting_on:
                 break
             await asyncio.sleep(0.02)
     await old.signal("nd", "go", CANARY)
     async with new.worker(poll_interval=0.05):
-        for _ in range(200):
+        for _ in range(1000):
             if (await new.get("nd")).task_error:
                 break
             await asyncio.sleep(0.02)

@@ -54,7 +54,7 @@ def _cart(app: tether.App) -> tether.Workflow:
 
 
 async def _running(app: tether.App, run_id: str) -> None:
-    for _ in range(500):
+    for _ in range(2000):
         if (await app.get(run_id)).waiting_on:
             return
         await asyncio.sleep(0.01)

@@ -261,7 +261,7 @@ async def main():
     async with app.worker(poll_interval=0.02, workflow_retry_delay=0.1):
         if sys.argv[2] == "start":
             await app.start(wf.review, ["a", "bb", "ccc", "dddd", "eeeee"], run_id="r")
-            for _ in range(300):
+            for _ in range(1000):
                 info = await app.get("r")
                 if info.waiting_on:
                     break
@@ -269,7 +269,7 @@ async def main():
         else:
             if sys.argv[2] == "signal":
                 await app.signal("r", "go")
-            for _ in range(100):
+            for _ in range(400):
                 info = await app.get("r")
                 if info.status.value != "running" or (info.task_error and sys.argv[2] == "signal"):
                     break

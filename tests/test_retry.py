@@ -247,8 +247,8 @@ async def test_activity_timeout_fails_after_attempts(
 
     t0 = time.monotonic()
     run = await app.start(wf)
-    assert await run.result(timeout=10) == {"type": "TimeoutError", "attempts": 2}
-    assert time.monotonic() - t0 < 5
+    assert await run.result(timeout=20) == {"type": "TimeoutError", "attempts": 2}
+    assert time.monotonic() - t0 < 20  # two 0.1 s timeouts, not a 30 s hang (loaded CI)
     assert attempts == [1, 2]
 
 

@@ -62,7 +62,7 @@ async def _waiting_run(app: tether.App, run_id: str) -> None:
     """Start ``flow`` and return once it waits for its event (two workflow tasks done)."""
     async with app.worker(poll_interval=0.05):
         await app.start(app.get_workflow("flow"), run_id=run_id)
-        for _ in range(250):
+        for _ in range(1000):
             types = [e.type for e in await app.history(run_id)]
             if types.count(tether.EventType.WORKFLOW_TASK_COMPLETED) >= 2:
                 return
@@ -167,7 +167,7 @@ def test_cli_replay_fails_on_unpatched_change_and_passes_patched(tmp_path: Path)
     async def make_run() -> None:
         async with v1.app.worker(poll_interval=0.05):
             await v1.app.start(v1.flow, run_id="r")
-            for _ in range(200):
+            for _ in range(1000):
                 hist = await v1.app.history("r")
                 if [e.type for e in hist].count(tether.EventType.WORKFLOW_TASK_COMPLETED) >= 2:
                     break
@@ -243,7 +243,7 @@ def test_cli_replay_store_checks_every_unfinished_run_however_old(tmp_path: Path
     async def make_runs() -> None:
         async with v1.app.worker(poll_interval=0.05):
             await v1.app.start(v1.flow, run_id="old")
-            for _ in range(250):
+            for _ in range(1000):
                 if (await v1.app.get("old")).waiting_on:
                     break
                 await asyncio.sleep(0.02)
@@ -291,7 +291,7 @@ async def test_worker_versions_serves_only_runs_recorded_by_its_versions(db_path
     v1 = build("v1", v1_calls)
     async with v1.worker(poll_interval=0.05):
         await v1.start(v1.get_workflow("flow"), run_id="old")
-        for _ in range(250):
+        for _ in range(1000):
             hist = await v1.history("old")
             if any(e.type is tether.EventType.WORKFLOW_TASK_COMPLETED for e in hist):
                 break
@@ -345,14 +345,14 @@ async def test_a_deploy_missing_an_activity_spends_none_of_its_attempts(
     v1, v2 = build(True), build(False)
     async with v1.worker(queues=["default"], poll_interval=0.05):
         await v1.start(v1.get_workflow("flow"), 7, run_id="r")
-        for _ in range(200):
+        for _ in range(1000):
             types = [e.type for e in await v1.history("r")]
             if tether.EventType.ACTIVITY_SCHEDULED in types:
                 break
             await asyncio.sleep(0.02)
     caplog.set_level("WARNING", logger="tether.worker")
     async with v2.worker(queues=["enrich"], poll_interval=0.02) as w:
-        for _ in range(200):
+        for _ in range(1000):
             if w.stats["held_unknown"] >= 4:
                 break
             await asyncio.sleep(0.02)

@@ -338,7 +338,7 @@ async def test_graceful_stops_during_an_activity_do_not_use_up_its_retries(
     for restart in range(3):
         w = app.worker(worker_id="w1", poll_interval=0.05)
         await w.start()
-        for _ in range(100):
+        for _ in range(400):
             if len(seen) > restart:
                 break
             await asyncio.sleep(0.05)
