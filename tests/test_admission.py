@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
-import math
 import sqlite3
 import subprocess
 import sys
@@ -503,23 +502,32 @@ async def test_debounce_collapses_20_triggers_into_one_run_with_the_last_input(
 
 
 async def test_debounce_max_wait_bounds_a_steady_stream(app: tether.App) -> None:
+    """On a virtual clock moved by hand (wall-clock pacing made the burst's edges
+    depend on the machine's speed): a trigger every second with a 4 s window never
+    leaves a quiet window, yet the run starts 8 s (``max_wait``) after the first
+    trigger, with the last input before then; the next trigger opens a new burst."""
+    from tether.testing import Env
+
     @app.workflow
     async def flush(n: int) -> int:
         return n
 
-    async with app.worker(poll_interval=0.05):
-        t0 = time.monotonic()
-        first = await app.start_debounced(flush, 0, key="k", window=0.4, max_wait=0.8)
-        i = 0
-        while time.monotonic() - t0 < 2.0:  # a trigger every 0.1 s, never a quiet window
-            i += 1
-            await app.start_debounced(flush, i, key="k", window=0.4, max_wait=0.8)
-            await asyncio.sleep(0.1)
-        got = await first.result(timeout=30)
-    # the first burst started within max_wait although triggers never stopped
-    assert 0 < got < i
-    runs = await app.list(workflow="flush", limit=100)
-    assert 2 <= len(runs) <= math.ceil(2.0 / 0.8) + 2
+    async def trigger(n: int) -> tether.Run[int]:
+        return await app.start_debounced(flush, n, key="k", window=4, max_wait=8)
+
+    async with Env(app, skip_time=False) as env:
+        first = await trigger(0)
+        for i in range(1, 8):  # t = 1 .. 7: each trigger pushes the window on
+            await env.advance(1)
+            assert (await trigger(i)).run_id == first.run_id
+            assert await app.list(workflow="flush") == []  # best effort: not yet due
+        await env.advance(1)  # t = 8: max_wait since the first trigger
+        assert await first.result(timeout=30) == 7
+        second = await trigger(8)  # a trigger after the run started: a new burst
+        assert second.run_id != first.run_id
+        await env.advance(4)
+        assert await second.result(timeout=30) == 8
+    assert len(await app.list(workflow="flush")) == 2
 
 
 def test_debounce_validates() -> None:

@@ -37,7 +37,7 @@ def test_activity_accuracy_confusion_and_failures() -> None:
     (failure,) = report.failures
     assert failure.case.id == "empty" and failure.error == "ValueError: empty text"
     assert report.error_rate == pytest.approx(0.2)
-    assert 0 <= report.p50_ms <= report.p95_ms < 1000
+    assert 0 <= report.p50_ms <= report.p95_ms < 30_000  # sane, not a speed claim
     assert report.total_cost is None
     text = report.table()
     assert "accuracy" in text and "0.600 (3/5)" in text
@@ -78,8 +78,8 @@ def test_costs_and_key_extract_the_prediction() -> None:
 async def test_workflow_cases_run_through_a_time_skipping_env() -> None:
     report = await aevaluate(eval_app.review, CASES, app=eval_app.app)
     assert report.correct == 3 and report.total == 5
-    # the hour-long sleep was skipped: every case took well under a second
-    assert report.p95_ms < 5000
+    # the hour-long sleep was skipped: every case took far less than the hour
+    assert report.p95_ms < 60_000
     (failure,) = report.failures
     # the run failed with the ActivityError the code let through; the cause is in the text
     assert failure.error_type == "ActivityError"
