@@ -502,15 +502,27 @@ class Gateway:
         model_name: str | None,
         provider: str | None,
     ) -> str | None:
-        """The cost of tokens on ``ref`` as a decimal string (None: no price known)."""
+        """The cost of tokens on ``ref`` as a decimal string (None: no price known).
+
+        ``model_name`` and ``provider`` are what the answer names, which a proxy
+        (LiteLLM, vLLM, Azure) sets to the upstream model: the model's own ``price=``
+        comes first, then the gateway's ``prices`` by the answer's name and by the
+        registered name, then genai-prices by the answer's name and by the registered
+        name. The estimate before the call is priced by the registered name, so an
+        answer found under another name is priced as its estimate was."""
         name = model_name or ref.model_name
-        price = ref.price or self.prices.get(name)
+        price = ref.price or self.prices.get(name) or self.prices.get(ref.model_name)
         if price is not None:
             return str(price.cost(tokens_in, tokens_out, cache_read))
-        key = (name, provider or ref.provider)
-        if key not in self._price_table:
-            self._price_table[key] = _lookup_price(*key)
-        model_price = self._price_table[key]
+        model_price = None
+        for key in dict.fromkeys(
+            ((name, provider or ref.provider), (ref.model_name, ref.provider))
+        ):
+            if key not in self._price_table:
+                self._price_table[key] = _lookup_price(*key)
+            model_price = self._price_table[key]
+            if model_price is not None:
+                break
         if model_price is None:  # unknown model or provider: the call is recorded unpriced
             return None
         from genai_prices import Usage as PriceUsage
@@ -632,6 +644,12 @@ class Gateway:
         if reported is not None:
             call["usage"] = "estimated"
             call["reported_usage"] = reported
+        estimate = request.get("estimate") or {}
+        if call["cost"] is None and estimate.get("cost") is not None:
+            # no price for the answer, though its estimate had one: it is not free. It
+            # counts at its estimate against the run's and the day's cost budgets (and
+            # stays unpriced in usage, whose cost is what prices say)
+            call["estimated_cost"] = str(estimate["cost"])
         if request.get("output_schema"):
             call["output_schema"] = request["output_schema"]
         if pinned and pinned != ref.spec:
@@ -643,7 +661,7 @@ class Gateway:
                 scopes,
                 _day(self._step_store().clock()),
                 tokens_in + tokens_out,
-                str(call["cost"] or "0"),
+                str(_budget_cost(call)),
             )
         if cache_key is not None:
             await self._step_store().ai_cache_put(cache_key, json.dumps(out), ref.cache_ttl or 0.0)
@@ -1015,7 +1033,7 @@ class Gateway:
         inputs, outputs = int(call.get("input_tokens") or 0), int(call.get("output_tokens") or 0)
         cost = Decimal(call["cost"]) if call.get("cost") is not None else None
         tally.tokens += inputs + outputs
-        tally.cost += cost or Decimal(0)
+        tally.cost += _budget_cost(call)
         # counted once, when the run first meets the answer (never on replay, nor for an
         # answer kept from the run a retry or fork came from: that run counted it)
         if inst.reused(step):
@@ -1058,6 +1076,16 @@ def _usage(
             tokens_out,
         )
     return tokens_in, tokens_out, 0, reported
+
+
+def _budget_cost(call: Mapping[str, Any]) -> Decimal:
+    """What a recorded call counts against a cost budget: its cost, or, unpriced, the
+    cost of its estimate (``estimated_cost``; zero only when that had no price either,
+    and then no cost budget let the call through)."""
+    cost = call.get("cost")
+    if cost is None:
+        cost = call.get("estimated_cost")
+    return Decimal(str(cost)) if cost is not None else Decimal(0)
 
 
 #: models whose untrue usage this process has warned of

@@ -1,0 +1,134 @@
+"""Budgets at their edges: answers that name another model than the priced one (a
+proxy), batch jobs, child runs, tool schemas in the estimate, hedges' losers, and
+output schema changes on replay (both stores, no network: FunctionModel and
+``tether.testing.ModelServer``)."""
+
+from __future__ import annotations
+
+from decimal import Decimal
+from typing import Any
+
+import pytest
+from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart
+from pydantic_ai.models.function import AgentInfo, FunctionModel
+from pydantic_ai.usage import RequestUsage
+
+import tether
+from tether import EventType, ai
+from tether._usage import CALL_KEY
+
+pytestmark = pytest.mark.timeout(120)
+
+ONE = tether.Retry(attempts=1)
+UPSTREAM = "hosted_vllm/meta-llama/Llama-3-8B-Instruct"
+
+
+class ProxiedModel(FunctionModel):
+    """Answers as LiteLLM, vLLM or Azure do: the response names the upstream model,
+    not the name the model was registered (and priced) under."""
+
+    async def request(self, *args: Any, **kwargs: Any) -> ModelResponse:
+        response = await super().request(*args, **kwargs)
+        response.model_name = UPSTREAM
+        return response
+
+
+def _answer(calls: list[int]) -> Any:
+    def answer(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        calls.append(1)
+        return ModelResponse(
+            parts=[TextPart("ok")], usage=RequestUsage(input_tokens=10_000, output_tokens=1000)
+        )
+
+    return answer
+
+
+def _calls(history: list[tether.Event]) -> list[dict[str, Any]]:
+    return [
+        e.data["result"][CALL_KEY]
+        for e in history
+        if e.type is EventType.ACTIVITY_COMPLETED and CALL_KEY in (e.data.get("result") or {})
+    ]
+
+
+async def test_a_cost_budget_holds_when_answers_name_another_model_than_the_priced_one(
+    app: tether.App,
+) -> None:
+    """A model priced under its registered name (``Gateway(prices=)``) whose answers
+    name the upstream model (a proxy) is priced by the registered name: the run's cost
+    budget stops it, usage shows the cost, and the tenant's daily spend grows."""
+    calls: list[int] = []
+    gw = ai.Gateway(app, retry=ONE, prices={"my-llama": ai.Price(1, 2)})  # $0.012 a call
+    m = gw.model("m", ProxiedModel(_answer(calls), model_name="my-llama"))
+
+    @app.workflow
+    async def loop(n: int) -> int:
+        done = 0
+        for i in range(n):
+            try:
+                await ai.complete(m, f"q{i}", settings={"max_tokens": 1000})
+            except ai.BudgetExceeded:
+                return done
+            done += 1
+        return done
+
+    async with app.worker(poll_interval=0.02):
+        run = await app.start(loop, 20, budget=tether.Budget(cost="0.05"))
+        done = await run.result(timeout=60)
+        await gw.set_budget(tenant="acme", cost="0.05")
+        daily = await app.start(loop, 20, tenant="acme")
+        done_daily = await daily.result(timeout=60)
+    # each call costs $0.012 and is estimated at about that: 4 fit in $0.05
+    assert done == 4 and done_daily <= 5, (done, done_daily)
+    usage = await app.usage(run.run_id)
+    assert usage.unpriced_calls == 0 and usage.cost == Decimal("0.048")
+    recorded = _calls(await app.history(run.run_id))
+    assert {c["model_name"] for c in recorded} == {UPSTREAM}  # the answer's own name stays
+    (budget,) = await gw.budgets()
+    assert Decimal(budget["spent_cost"]) == Decimal("0.012") * done_daily
+    assert len(calls) == done + done_daily
+
+
+async def test_an_unpriced_answer_counts_at_its_estimate_against_a_cost_budget(
+    app: tether.App,
+) -> None:
+    """An answer no price is found for (the estimate was priced, the answer is not: a
+    price table that changed, a lookup that failed) is never counted as free: it counts
+    at its estimate against the run's and the day's cost budget, and stays flagged
+    unpriced in usage."""
+    calls: list[int] = []
+    gw = ai.Gateway(app, retry=ONE, prices={"my-llama": ai.Price(1, 2)})
+    m = gw.model("m", ProxiedModel(_answer(calls), model_name="my-llama"))
+    real_price_of = gw.price_of
+
+    def price_of(ref: Any, *args: Any) -> str | None:
+        model_name = args[3]
+        return None if model_name == UPSTREAM else real_price_of(ref, *args)
+
+    gw.price_of = price_of  # type: ignore[method-assign]
+
+    @app.workflow
+    async def loop(n: int) -> int:
+        done = 0
+        for i in range(n):
+            try:
+                await ai.complete(m, f"q{i}", settings={"max_tokens": 1000})
+            except ai.BudgetExceeded:
+                return done
+            done += 1
+        return done
+
+    async with app.worker(poll_interval=0.02):
+        # the estimate: 1000 output tokens, a few input ones: ~$0.002 a call
+        run = await app.start(loop, 50, budget=tether.Budget(cost="0.01"))
+        done = await run.result(timeout=60)
+        await gw.set_budget(tenant="acme", cost="0.01")
+        daily = await app.start(loop, 50, tenant="acme")
+        done_daily = await daily.result(timeout=60)
+    assert 0 < done < 6 and 0 < done_daily < 7, (done, done_daily)
+    usage = await app.usage(run.run_id)
+    assert usage.unpriced_calls == done and usage.cost == 0
+    recorded = _calls(await app.history(run.run_id))
+    assert all(c["cost"] is None and Decimal(c["estimated_cost"]) > 0 for c in recorded)
+    (budget,) = await gw.budgets()
+    assert Decimal(budget["spent_cost"]) > 0
