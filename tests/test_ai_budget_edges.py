@@ -132,3 +132,62 @@ async def test_an_unpriced_answer_counts_at_its_estimate_against_a_cost_budget(
     assert all(c["cost"] is None and Decimal(c["estimated_cost"]) > 0 for c in recorded)
     (budget,) = await gw.budgets()
     assert Decimal(budget["spent_cost"]) > 0
+
+
+async def test_a_batch_is_checked_against_the_run_and_daily_budgets_and_charged_to_them(
+    app: tether.App,
+) -> None:
+    """``ai.batch``: the whole batch's estimate is checked against the run's budget and
+    the tenant's daily one before it is submitted (``BudgetExceeded``, nothing sent),
+    and what it used is charged to both, so a later call sees it."""
+    from tether.testing import ModelServer, model_reply
+
+    with ModelServer() as server:
+        server.default = lambda body: model_reply("a", input_tokens=1000, output_tokens=1000)
+        server.batches.complete_after = 0.1
+        gw = ai.Gateway(app, retry=tether.Retry(attempts=2, initial=0.05), timeout=10)
+        m = gw.model(
+            "m", ai.openai_compatible("gpt-4o-mini", base_url=server.base_url, api_key="k")
+        )
+
+        @app.workflow
+        async def nightly(n: int) -> dict[str, Any]:
+            out: dict[str, Any] = {}
+            try:
+                res = await ai.batch(
+                    m, {f"k{i}": f"q{i}" for i in range(n)}, poll=0.1, max_poll=0.1, max_tokens=100
+                )
+                out["results"] = len(res.results)
+            except ai.BudgetExceeded as exc:
+                out["batch"] = f"{exc.scope} {exc.what} {exc.estimate['tokens']}"
+            try:
+                out["after"] = await ai.complete(m, "one more", settings={"max_tokens": 100})
+            except ai.BudgetExceeded as exc:
+                out["after"] = f"refused {exc.scope} spent {exc.spent['tokens']}"
+            return out
+
+        async with app.worker(poll_interval=0.05):
+            # 10 items of ~103 tokens' estimate: 1030 > 1000, refused before submitting
+            too_big = await app.start(nightly, 10, budget=tether.Budget(tokens=1000))
+            out = await too_big.result(timeout=60)
+            assert out["batch"].startswith("run tokens "), out
+            assert server.batches.created == 0
+            # 2 items pass the estimate (~206) but use 4000: the next call is refused
+            used = await app.start(nightly, 2, budget=tether.Budget(tokens=4100))
+            out = await used.result(timeout=60)
+            assert out == {"results": 2, "after": "refused run spent 4000"}, out
+            # the tenant's day: the batch's 4000 tokens are spent there too
+            await gw.set_budget(tenant="acme", tokens=4100)
+            daily = await app.start(nightly, 2, tenant="acme")
+            out = await daily.result(timeout=60)
+            assert out == {"results": 2, "after": "refused tenant:acme spent 4000"}, out
+            refused = await app.start(nightly, 2, tenant="acme")
+            out = await refused.result(timeout=60)
+            assert out["batch"].startswith("tenant:acme tokens "), out
+            assert server.batches.created == 2
+        (budget,) = await gw.budgets()
+        assert budget["spent_tokens"] == 4000
+        history = await app.history(too_big.run_id)
+        assert [e.data["marker"] for e in history if e.type is EventType.MARKER][:1] == [
+            "budget_exceeded"
+        ]

@@ -656,13 +656,7 @@ class Gateway:
             call["pinned"] = pinned
         out = _CallResult({"response": dump_response(response), CALL_KEY: call})
         out.headers = cap.headers
-        if scopes:
-            await self._step_store().add_model_spend(
-                scopes,
-                _day(self._step_store().clock()),
-                tokens_in + tokens_out,
-                str(_budget_cost(call)),
-            )
+        await self.add_daily_spend(scopes, tokens_in + tokens_out, _budget_cost(call))
         if cache_key is not None:
             await self._step_store().ai_cache_put(cache_key, json.dumps(out), ref.cache_ttl or 0.0)
         return out
@@ -840,20 +834,33 @@ class Gateway:
             for scope, tokens, cost, spent_tokens, spent_cost in rows
         ]
 
-    async def _check_daily_budgets(self, ref: ModelRef, request: dict[str, Any]) -> tuple[str, ...]:
-        """The scopes with a daily budget this call counts against; raise when one is spent."""
+    async def daily_scopes(
+        self, tenant: str | None
+    ) -> tuple[tuple[str, ...], list[dict[str, Any]] | None]:
+        """The scopes with a daily budget a call of ``tenant`` counts against, and the
+        budgets when this read them (the list of scopes is re-read every few seconds)."""
         now = self.app.store.clock()
         rows: list[dict[str, Any]] | None = None
         if now - self._budgets_read_at > _BUDGETS_TTL:
             rows = await self.budgets()
             self._budget_scopes = {b["scope"] for b in rows}
             self._budgets_read_at = now
-        tenant = request.get("tenant")
         scopes = tuple(
             s
             for s in (f"tenant:{tenant}" if tenant else None, "global")
             if s in self._budget_scopes
         )
+        return scopes, rows
+
+    async def add_daily_spend(self, scopes: tuple[str, ...], tokens: int, cost: Decimal) -> None:
+        """Add what a call (or a batch) used to today's spend of ``scopes``."""
+        if scopes:
+            store = self._step_store()
+            await store.add_model_spend(scopes, _day(store.clock()), tokens, str(cost))
+
+    async def _check_daily_budgets(self, ref: ModelRef, request: dict[str, Any]) -> tuple[str, ...]:
+        """The scopes with a daily budget this call counts against; raise when one is spent."""
+        scopes, rows = await self.daily_scopes(request.get("tenant"))
         if not scopes:
             return ()
         estimate = request.get("estimate") or {"tokens": 0, "cost": None}
@@ -977,7 +984,7 @@ class Gateway:
             direct: dict[str, Any] = await ref.activity(ref.name, body)
             return direct
         tally = _tallies.setdefault(inst, _Tally())
-        estimate = _check_budget(inst, tally, ref, body, settings)
+        estimate = _check_budget(inst, tally, ref, lambda: ref.estimate(body["messages"], settings))
         started = inst.started
         tenant = (started.data if started is not None else {}).get("tenant")
         if tenant is not None:
@@ -1012,15 +1019,7 @@ class Gateway:
         except ActivityError as exc:
             if exc.error_type != "DailyBudgetExceeded":
                 raise
-            info = json.loads(exc.message)
-            raise BudgetExceeded(
-                ref.name,
-                info["what"],
-                info["limit"],
-                info["spent"],
-                info["estimate"],
-                scope=info["scope"],
-            ) from None
+            raise daily_refusal(ref, exc) from None
         finally:
             _release(tally, hold)
         if self.message_refs:
@@ -1116,6 +1115,15 @@ _BUDGETS_TTL = 2.0
 
 class DailyBudgetExceeded(NonRetryable):
     """A tenant's (or the global) daily model budget would be exceeded (worker side)."""
+
+
+def daily_refusal(ref: ModelRef, exc: ActivityError) -> BudgetExceeded:
+    """A step refused by a daily budget (``DailyBudgetExceeded`` on the worker) as the
+    ``BudgetExceeded`` the workflow sees."""
+    info = json.loads(exc.message)
+    return BudgetExceeded(
+        ref.name, info["what"], info["limit"], info["spent"], info["estimate"], scope=info["scope"]
+    )
 
 
 def _day(ts: float) -> str:
@@ -1318,10 +1326,10 @@ def _check_budget(
     inst: WorkflowInstance,
     tally: _Tally,
     ref: ModelRef,
-    body: dict[str, Any],
-    settings: ModelSettings | None,
+    estimated: Callable[[], dict[str, Any]],
 ) -> dict[str, Any]:
-    """Refuse a call that would go over the run's budget (deterministically on replay)."""
+    """Refuse a call (or a batch) that would go over the run's budget, ``estimated()``
+    being what it may use (deterministically on replay: a call made then passed)."""
     started = inst.started
     raw = ((started.data if started is not None else {}).get("attrs") or {}).get("budget")
     if raw is None:
@@ -1337,7 +1345,7 @@ def _check_budget(
             )
         return {"tokens": 0, "cost": None}  # the call was made: it passed then
     budget = Budget.from_json(raw)
-    estimate = ref.estimate(body["messages"], settings)
+    estimate = estimated()
     spent_tokens = tally.tokens + tally.reserved_tokens
     spent_cost = tally.cost + tally.reserved_cost
     over = _over(budget.tokens, budget.cost, spent_tokens, spent_cost, estimate)
