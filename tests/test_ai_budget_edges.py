@@ -5,6 +5,7 @@ output schema changes on replay (both stores, no network: FunctionModel and
 
 from __future__ import annotations
 
+import json
 from decimal import Decimal
 from typing import Any
 
@@ -191,3 +192,93 @@ async def test_a_batch_is_checked_against_the_run_and_daily_budgets_and_charged_
         assert [e.data["marker"] for e in history if e.type is EventType.MARKER][:1] == [
             "budget_exceeded"
         ]
+
+
+def _fixed(calls: list[int]) -> Any:
+    def answer(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        calls.append(1)
+        return ModelResponse(
+            parts=[TextPart("ok")], usage=RequestUsage(input_tokens=300, output_tokens=30)
+        )
+
+    return answer
+
+
+async def test_a_child_draws_from_its_parents_budget_or_gets_its_own(app: tether.App) -> None:
+    """A child started by a run with a budget gets what the parent has left as its
+    budget, held against the parent while it runs; when it ends, what it spent counts
+    against the parent. ``wf.options(budget=)`` gives a child its own (never more than
+    the parent has left), and a run without a budget can give its child one."""
+    calls: list[int] = []
+    gw = ai.Gateway(app, retry=ONE)
+    m = gw.model("m", FunctionModel(_fixed(calls), model_name="fm"), price=ai.Price(1, 1))
+
+    @app.workflow
+    async def child(n: int) -> int:
+        done = 0
+        for i in range(n):
+            try:
+                await ai.complete(m, f"child call {i}", settings={"max_tokens": 30})
+            except ai.BudgetExceeded:
+                break
+            done += 1
+        return done
+
+    @app.workflow
+    async def parent(n: int, limit: int | None) -> list[int | str]:
+        budget = tether.Budget(tokens=limit) if limit is not None else None
+        first = await child.options(budget=budget)(n)
+        second = await child(n)
+        try:
+            await ai.complete(m, "parent call", settings={"max_tokens": 30})
+            third: int | str = "ok"
+        except ai.BudgetExceeded as exc:
+            third = f"refused spent {exc.spent['tokens']}"
+        return [first, second, third]
+
+    async with app.worker(poll_interval=0.02):
+        # 330 tokens a call: the parent's 1000 cover 3 calls in all
+        shared = await app.start(parent, 5, None, budget=tether.Budget(tokens=1000))
+        assert await shared.result(timeout=60) == [3, 0, "refused spent 990"]
+        # a child's own budget of 350: one call; then the second child has 670 left
+        own = await app.start(parent, 5, 350, budget=tether.Budget(tokens=1000))
+        assert await own.result(timeout=60) == [1, 2, "refused spent 990"]
+        # no budget on the parent: its child's own budget still holds
+        alone = await app.start(parent, 2, 350)
+        assert await alone.result(timeout=60) == [1, 2, "ok"]
+    assert len(calls) == 3 + 3 + 4
+    kids = [e for e in await app.history(own.run_id) if e.type is EventType.CHILD_STARTED]
+    assert [k.data.get("budget") for k in kids] == [
+        {"tokens": 350, "cost": None},
+        {"tokens": 670, "cost": None},
+    ]
+
+
+async def test_the_estimate_before_a_call_counts_the_tools_schemas_it_sends(
+    app: tether.App,
+) -> None:
+    """A structured call sends its output type's JSON schema (an output tool) with the
+    prompt, and providers bill it as input: the budget's estimate counts it."""
+    from pydantic import BaseModel, Field, create_model
+
+    fields: dict[str, Any] = {
+        f"field_{i}": (str, Field(description=f"what field {i} of the report holds, in words"))
+        for i in range(40)
+    }
+    Wide: type[BaseModel] = create_model("Wide", **fields)
+    schema_tokens = len(json.dumps(Wide.model_json_schema())) // 4
+    gw = ai.Gateway(app, retry=ONE)
+    m = gw.model("m", FunctionModel(_fixed([]), model_name="fm"), price=ai.Price(1, 1))
+
+    @app.workflow
+    async def ask() -> dict[str, Any]:
+        try:
+            await ai.structured(m, "x", output=Wide, settings={"max_tokens": 10})
+        except ai.BudgetExceeded as exc:
+            return exc.estimate
+        return {}
+
+    async with app.worker(poll_interval=0.02):
+        run = await app.start(ask, budget=tether.Budget(tokens=1))
+        estimate = await run.result(timeout=60)
+    assert estimate["tokens"] > schema_tokens + 10, (estimate, schema_tokens)

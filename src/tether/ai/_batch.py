@@ -40,7 +40,6 @@ from ._gateway import (
     _check_budget,
     _over,
     _release,
-    _tallies,
     _Tally,
     count_usage,
     daily_refusal,
@@ -249,7 +248,7 @@ async def batch(
     ids: list[str] = []
     started = inst.started
     tenant = (started.data if started is not None else {}).get("tenant")
-    tally = _tallies.setdefault(inst, _Tally())
+    tally = inst.spend
     for _round in range(resubmits + 1):
         # the whole batch is checked against the run's budget (and, on the worker, the
         # daily ones) before it is submitted, and holds its estimate until it is fetched

@@ -40,7 +40,7 @@ from .._errors import ActivityError, ConfigurationError, NonRetryable
 from .._history import Event, EventType
 from .._policy import Retry, seconds
 from .._queues import Dependency, check_name
-from .._usage import CALL_KEY, Budget, amount
+from .._usage import CALL_KEY, Budget, Spend, amount
 from ..workflow._api import sleep
 from ..workflow._instance import WorkflowInstance, current_instance
 from ._errors import BudgetExceeded, ContentRefused, ModelConfigError
@@ -127,17 +127,8 @@ class _CallResult(dict[str, Any]):
     headers: dict[str, str]
 
 
-@dataclasses.dataclass
-class _Tally:
-    """A run's model spend as its workflow code has seen it (rebuilt on replay)."""
-
-    tokens: int = 0
-    cost: Decimal = Decimal(0)
-    reserved_tokens: int = 0  # estimates of calls in flight
-    reserved_cost: Decimal = Decimal(0)
-
-
-_tallies: weakref.WeakKeyDictionary[WorkflowInstance, _Tally] = weakref.WeakKeyDictionary()
+#: a run's model spend as its workflow code has seen it: ``WorkflowInstance.spend``
+_Tally = Spend
 
 
 @dataclasses.dataclass
@@ -252,21 +243,38 @@ class ModelRef:
     def __repr__(self) -> str:
         return f"<tether.ai model {self.name} ({self.model_name})>"
 
-    def estimate(self, messages_json: list[Any], settings: ModelSettings | None) -> dict[str, Any]:
-        """Tokens and cost this call may use: prompt size / 4 plus its output cap."""
-        tokens_in, tokens_out = self.estimated_tokens(messages_json, settings)
+    def estimate(
+        self,
+        messages_json: list[Any],
+        settings: ModelSettings | None,
+        params_json: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Tokens and cost this call may use: prompt and tool schemas' size / 4 plus its
+        output cap."""
+        tokens_in, tokens_out = self.estimated_tokens(messages_json, settings, params_json)
         cost = self.gateway.price_of(self, tokens_in, tokens_out, 0, None, None)
         return {"tokens": tokens_in + tokens_out, "cost": cost}
 
     def estimated_tokens(
-        self, messages_json: list[Any], settings: ModelSettings | None
+        self,
+        messages_json: list[Any],
+        settings: ModelSettings | None,
+        params_json: dict[str, Any] | None = None,
     ) -> tuple[int, int]:
-        """(input, output) tokens a call may use: prompt size / 4, and its ``max_tokens``
-        if that is a whole number > 0 (else the model's ``output_estimate``)."""
+        """(input, output) tokens a call may use: the size / 4 of its prompt and of the
+        tools it sends (their JSON schemas, which providers bill as input: an output
+        type's tool, an agent's tools), and its ``max_tokens`` if that is a whole number
+        > 0 (else the model's ``output_estimate``)."""
         cap = (settings or {}).get("max_tokens")
         if isinstance(cap, bool) or not isinstance(cap, int) or cap <= 0:
             cap = self.output_estimate
-        return math.ceil(len(json.dumps(messages_json)) / 4), cap
+        tools = [
+            t
+            for key in ("function_tools", "output_tools", "builtin_tools")
+            for t in (params_json or {}).get(key) or ()
+        ]
+        size = len(json.dumps(messages_json)) + (len(json.dumps(tools)) if tools else 0)
+        return math.ceil(size / 4), cap
 
 
 log = logging.getLogger("tether.ai")
@@ -983,8 +991,10 @@ class Gateway:
         if inst is None:
             direct: dict[str, Any] = await ref.activity(ref.name, body)
             return direct
-        tally = _tallies.setdefault(inst, _Tally())
-        estimate = _check_budget(inst, tally, ref, lambda: ref.estimate(body["messages"], settings))
+        tally = inst.spend
+        estimate = _check_budget(
+            inst, tally, ref, lambda: ref.estimate(body["messages"], settings, body["params"])
+        )
         started = inst.started
         tenant = (started.data if started is not None else {}).get("tenant")
         if tenant is not None:
@@ -992,7 +1002,7 @@ class Gateway:
         if estimate["tokens"] or estimate["cost"]:
             body = {**body, "estimate": estimate}
         elif tenant is not None:
-            body = {**body, "estimate": ref.estimate(body["messages"], settings)}
+            body = {**body, "estimate": ref.estimate(body["messages"], settings, body["params"])}
         # the step names the model it calls, so a worker of a later deploy calls the same
         spec = _pinned(inst, self.name, ref) or (ref.spec if isinstance(ref.spec, str) else None)
         if spec is not None:
@@ -1056,7 +1066,9 @@ def _usage(
     counts = (usage.input_tokens, usage.output_tokens, usage.cache_read_tokens)
     if all(type(n) is int and n >= 0 for n in counts) and counts[0] > 0:
         return (*counts, None)
-    tokens_in, tokens_out = ref.estimated_tokens(request["messages"], settings)
+    tokens_in, tokens_out = ref.estimated_tokens(
+        request["messages"], settings, request.get("params")
+    )
     reported = {
         name: n if type(n) is int else repr(n)
         for name, n in zip(
@@ -1291,14 +1303,14 @@ def _record_hedge(
     and billed already; what it used is unknown to the run, so its estimate counts as
     spent (a run that hedges stays within its budget) and is recorded with the marker,
     which replay reads rather than pricing it again."""
-    tally = _tallies.setdefault(inst, _Tally())
+    tally = inst.spend
     still_running = _release(tally, lost_hold)  # its reservation becomes spend below
     recorded = inst.recorded_next()
     value = recorded.data.get("value") if recorded is not None and _is_hedge(recorded) else None
     if not isinstance(value, dict):
         value = {"asked": [r.name for r in asked], "won": won.name}
         if still_running:  # it may have been answered, and billed, already
-            estimate = lost.estimate(body["messages"], settings)
+            estimate = lost.estimate(body["messages"], settings, body["params"])
             value["abandoned"] = {"model": lost.name, **estimate}
     inst.record("model_hedge", value)
     abandoned = value.get("abandoned")
@@ -1330,9 +1342,8 @@ def _check_budget(
 ) -> dict[str, Any]:
     """Refuse a call (or a batch) that would go over the run's budget, ``estimated()``
     being what it may use (deterministically on replay: a call made then passed)."""
-    started = inst.started
-    raw = ((started.data if started is not None else {}).get("attrs") or {}).get("budget")
-    if raw is None:
+    budget = inst.budget()
+    if budget is None:
         return {"tokens": 0, "cost": None}
     recorded = inst.recorded_next()
     if recorded is not None:
@@ -1344,10 +1355,8 @@ def _check_budget(
                 ref.name, value["what"], value["limit"], value["spent"], value["estimate"]
             )
         return {"tokens": 0, "cost": None}  # the call was made: it passed then
-    budget = Budget.from_json(raw)
     estimate = estimated()
-    spent_tokens = tally.tokens + tally.reserved_tokens
-    spent_cost = tally.cost + tally.reserved_cost
+    spent_tokens, spent_cost = tally.committed()  # children's shares included
     over = _over(budget.tokens, budget.cost, spent_tokens, spent_cost, estimate)
     if over is not None:
         value = {
