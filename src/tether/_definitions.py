@@ -16,6 +16,7 @@ from ._errors import ConfigurationError
 from ._policy import DEFAULT_RETRY, Retry, seconds
 from ._queues import Dependency, check_name, check_priority
 from ._serde import Signature
+from ._usage import Budget
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -160,6 +161,7 @@ class WorkflowSide(Protocol):
         kwargs: dict[str, Any],
         run_id: str | None,
         parent_close: str = "terminate",
+        budget: Budget | None = None,
     ) -> asyncio.Future[Any]: ...
 
 
@@ -286,6 +288,7 @@ class Workflow(Generic[P, R]):
         child_run_id: str | None = None,
         parent_close: str = "terminate",
         retention: float | None = None,
+        child_budget: Budget | None = None,
     ) -> None:
         if not inspect.iscoroutinefunction(fn):
             raise ConfigurationError(
@@ -300,6 +303,7 @@ class Workflow(Generic[P, R]):
         self.sig = Signature(fn)
         self._child_run_id = child_run_id
         self._parent_close = parent_close
+        self._child_budget = child_budget
         self.__doc__ = fn.__doc__
         self.__wrapped__ = fn
 
@@ -309,16 +313,24 @@ class Workflow(Generic[P, R]):
         run_id: str | None = None,
         queue: str | None = None,
         parent_close: str | None = None,
+        budget: Budget | None = None,
     ) -> Workflow[P, R]:
-        """A copy for starting a child with a chosen run id, queue or parent-close policy.
+        """A copy for starting a child with a chosen run id, queue, parent-close policy
+        or model budget.
 
         ``parent_close`` says what happens to the child when its parent run ends first:
         ``"terminate"`` (the default: it ends at once, running none of its code),
         ``"cancel"`` (it sees CancelledError and may clean up) or ``"abandon"`` (it runs
-        on by itself).
+        on by itself). ``budget`` (a ``tether.Budget``) bounds the child's model calls;
+        a parent with a budget gives its child what it has left, or ``budget`` when
+        that is less, and counts what the child spent.
         """
         if run_id is not None:
             check_run_id(run_id)
+        if budget is not None and not isinstance(budget, Budget):
+            raise ConfigurationError(
+                f"budget must be a tether.Budget(tokens=, cost=) (got {type(budget).__name__})"
+            )
         if parent_close is not None and parent_close not in PARENT_CLOSE:
             raise ConfigurationError(
                 f"parent_close must be one of {', '.join(map(repr, PARENT_CLOSE))} "
@@ -332,13 +344,16 @@ class Workflow(Generic[P, R]):
             child_run_id=run_id,
             parent_close=parent_close or self._parent_close,
             retention=self.retention,
+            child_budget=budget or self._child_budget,
         )
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> Awaitable[R]:
         inst = _current()
         if inst is None:
             return self.fn(*args, **kwargs)
-        return inst.start_child(self, args, kwargs, self._child_run_id, self._parent_close)
+        return inst.start_child(
+            self, args, kwargs, self._child_run_id, self._parent_close, self._child_budget
+        )
 
     def __repr__(self) -> str:
         return f"<tether workflow {self.name}>"

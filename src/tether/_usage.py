@@ -149,3 +149,61 @@ class Budget:
     def from_json(cls, data: dict[str, Any]) -> Budget:
         """Back from ``to_json``."""
         return cls(tokens=data.get("tokens"), cost=data.get("cost"))
+
+
+@dataclasses.dataclass
+class Spend:
+    """A run's model spend as its workflow code has met it (rebuilt on replay), which
+    its budget is checked against: its calls' tokens and cost, the estimates of calls
+    in flight, and its children's shares of its budget."""
+
+    tokens: int = 0
+    cost: Decimal = Decimal(0)
+    #: estimates of calls (and batches) in flight
+    reserved_tokens: int = 0
+    reserved_cost: Decimal = Decimal(0)
+    #: children started with a share of this run's budget: step -> the share (Budget JSON)
+    shares: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    #: what those that ended reported spending (None: nothing reported, the share counts)
+    reported: dict[int, dict[str, Any] | None] = dataclasses.field(default_factory=dict)
+
+    def children(self) -> tuple[int, Decimal]:
+        """What the children started with a share count: a running child its whole
+        share, an ended one what it reported (its share when it reported nothing: it
+        was terminated, or ended before it could say)."""
+        tokens, cost = 0, Decimal(0)
+        for step, share in self.shares.items():
+            got = self.reported.get(step)
+            if got is not None:
+                tokens += int(got.get("tokens") or 0)
+                cost += Decimal(str(got.get("cost") or 0))
+            else:
+                tokens += int(share.get("tokens") or 0)
+                cost += Decimal(str(share.get("cost") or 0))
+        return tokens, cost
+
+    def spent(self) -> tuple[int, Decimal]:
+        """Tokens and cost spent: the run's own calls and its children's."""
+        tokens, cost = self.children()
+        return self.tokens + tokens, self.cost + cost
+
+    def committed(self) -> tuple[int, Decimal]:
+        """What a budget check counts as gone: spent plus the calls in flight."""
+        tokens, cost = self.spent()
+        return tokens + self.reserved_tokens, cost + self.reserved_cost
+
+    def share(self, budget: Budget, asked: Budget | None) -> Budget:
+        """A child's budget out of ``budget``: what is left of it, or ``asked`` when
+        that is less (each limit on its own; a limit only ``asked`` has is kept)."""
+        tokens, cost = self.committed()
+        left_tokens = None if budget.tokens is None else max(0, budget.tokens - tokens)
+        left_cost = None if budget.cost is None else max(Decimal(0), Decimal(budget.cost) - cost)
+        if asked is not None:
+            if asked.tokens is not None:
+                left_tokens = (
+                    asked.tokens if left_tokens is None else min(left_tokens, asked.tokens)
+                )
+            if asked.cost is not None:
+                mine = Decimal(asked.cost)
+                left_cost = mine if left_cost is None else min(left_cost, mine)
+        return Budget(tokens=left_tokens, cost=left_cost)

@@ -6,8 +6,10 @@ Each provider call is a recorded activity of the gateway (``<gateway>.batch.subm
 provider accepted it: a worker restarted between submit and completion polls the same
 batch, never a second one. A submit whose answer was lost (the worker died after the
 provider created the batch) finds its batch again by the step's idempotency key,
-kept in the batch's metadata. The results' usage is recorded as the run's model usage
-(``app.usage``) and added to the tenant's daily ledger and the ``tether_ai_*``
+kept in the batch's metadata. The whole batch's estimate is checked against the run's
+budget and the daily ones before each submit, as a single call's is, and what it used
+is recorded as the run's model usage (``app.usage``), counted against the run's budget
+and the daily ones, and added to the tenant's daily ledger and the ``tether_ai_*``
 counters. Works with OpenAI's batch API and servers that copy it, through the model's
 own OpenAI SDK client (SDK retries off: tether retries).
 """
@@ -15,6 +17,7 @@ own OpenAI SDK client (SDK retries off: tether retries).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Mapping
 from datetime import timedelta
@@ -22,13 +25,25 @@ from decimal import Decimal
 from typing import Any
 
 from .._activity_context import activity_context
-from .._errors import ConfigurationError
+from .._errors import ActivityError, ConfigurationError
 from .._policy import Retry, seconds
 from .._usage import CALL_KEY
 from ..workflow._api import sleep
 from ..workflow._instance import current_instance
 from ._errors import ModelConfigError
-from ._gateway import EXTENSIONS, Gateway, ModelRef, count_usage
+from ._gateway import (
+    EXTENSIONS,
+    DailyBudgetExceeded,
+    Gateway,
+    ModelRef,
+    _budget_cost,
+    _check_budget,
+    _over,
+    _release,
+    _Tally,
+    count_usage,
+    daily_refusal,
+)
 
 #: batch statuses after which polling stops
 _DONE = frozenset({"completed", "failed", "expired", "cancelled"})
@@ -86,6 +101,7 @@ class BatchJobs:
         for b in page.data:
             if (b.metadata or {}).get("tether_key") == key:
                 return {"batch_id": b.id, "found_again": True}
+        await self._check_daily(options)
         lines = []
         for cid, prompt in items.items():
             body: dict[str, Any] = {
@@ -108,6 +124,30 @@ class BatchJobs:
         )
         return {"batch_id": batch.id, "found_again": False}
 
+    async def _check_daily(self, options: dict[str, Any]) -> None:
+        """Refuse a batch whose whole estimate would pass a daily budget of its run's
+        tenant (or the global one), as a single call's is (``_check_daily_budgets``)."""
+        estimate = options.get("estimate")
+        scopes, rows = await self.gateway.daily_scopes(options.get("tenant"))
+        if not scopes or not estimate:
+            return
+        for b in rows if rows is not None else await self.gateway.budgets():
+            if b["scope"] not in scopes:
+                continue
+            over = _over(b["tokens"], b["cost"], b["spent_tokens"], b["spent_cost"], estimate)
+            if over is not None:
+                raise DailyBudgetExceeded(
+                    json.dumps(
+                        {
+                            "scope": b["scope"],
+                            "what": over[0],
+                            "limit": over[1],
+                            "spent": {"tokens": b["spent_tokens"], "cost": b["spent_cost"]},
+                            "estimate": estimate,
+                        }
+                    )
+                )
+
     async def _poll(self, model: str, batch_id: str) -> dict[str, Any]:
         _ref, client = self._client(model)
         b = await client.batches.retrieve(batch_id)
@@ -120,7 +160,12 @@ class BatchJobs:
         }
 
     async def _fetch(
-        self, model: str, batch_id: str, files: list[str | None], asked: list[str]
+        self,
+        model: str,
+        batch_id: str,
+        files: list[str | None],
+        asked: list[str],
+        options: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         ref, client = self._client(model)
         wanted = set(asked)
@@ -163,6 +208,9 @@ class BatchJobs:
             "batch_id": batch_id,
             "items": len(results),
         }
+        # what the batch used, to its tenant's day (and the global one), as a call's is
+        scopes, _rows = await self.gateway.daily_scopes((options or {}).get("tenant"))
+        await self.gateway.add_daily_spend(scopes, tokens_in + tokens_out, _budget_cost(call))
         return {"results": results, "errors": errors, "unknown": unknown, CALL_KEY: call}
 
 
@@ -198,27 +246,47 @@ async def batch(
     failed: dict[str, str] = {}
     unknown: list[str] = []
     ids: list[str] = []
-    options = {"max_tokens": max_tokens, "window": window}
+    started = inst.started
+    tenant = (started.data if started is not None else {}).get("tenant")
+    tally = inst.spend
     for _round in range(resubmits + 1):
-        sub = await jobs.submit(model.name, todo, options)
-        bid = sub["batch_id"]
-        ids.append(bid)
-        wait = first_wait
-        while True:
-            state = await jobs.poll(model.name, bid)
-            if state["status"] in _DONE:
-                break
-            if inst.now + wait > give_up:
-                raise BatchError(
-                    f"batch {bid} of model {model.name!r} is still {state['status']} at its "
-                    "deadline; its results, if any come, are not collected"
-                )
-            await sleep(wait)
-            wait = min(wait * 2, longest)
-        files = [state.get("output_file_id"), state.get("error_file_id")]
-        step = inst.step + 1  # the fetch's step
-        got = await jobs.fetch(model.name, bid, files, sorted(todo))
-        _account(inst, step, model, got[CALL_KEY])
+        # the whole batch is checked against the run's budget (and, on the worker, the
+        # daily ones) before it is submitted, and holds its estimate until it is fetched
+        estimate = _estimate(model, todo, max_tokens)
+        checked = _check_budget(inst, tally, model, functools.partial(dict, estimate))
+        options: dict[str, Any] = {"max_tokens": max_tokens, "window": window}
+        if tenant is not None:
+            options.update(tenant=tenant, estimate=estimate)
+        hold = {"tokens": checked["tokens"], "cost": Decimal(checked["cost"] or 0), "held": True}
+        tally.reserved_tokens += hold["tokens"]
+        tally.reserved_cost += hold["cost"]
+        try:
+            try:
+                sub = await jobs.submit(model.name, todo, options)
+            except ActivityError as exc:
+                if exc.error_type != "DailyBudgetExceeded":
+                    raise
+                raise daily_refusal(model, exc) from None
+            bid = sub["batch_id"]
+            ids.append(bid)
+            wait = first_wait
+            while True:
+                state = await jobs.poll(model.name, bid)
+                if state["status"] in _DONE:
+                    break
+                if inst.now + wait > give_up:
+                    raise BatchError(
+                        f"batch {bid} of model {model.name!r} is still {state['status']} at "
+                        "its deadline; its results, if any come, are not collected"
+                    )
+                await sleep(wait)
+                wait = min(wait * 2, longest)
+            files = [state.get("output_file_id"), state.get("error_file_id")]
+            step = inst.step + 1  # the fetch's step
+            got = await jobs.fetch(model.name, bid, files, sorted(todo), {"tenant": tenant})
+        finally:
+            _release(tally, hold)
+        _account(inst, step, model, got[CALL_KEY], tally)
         results.update(got["results"])
         unknown.extend(u for u in got["unknown"] if u not in unknown)
         failed = {
@@ -232,16 +300,30 @@ async def batch(
     return BatchResult(results=results, failed=failed, unknown=unknown, batches=ids)
 
 
-def _account(inst: Any, step: int, model: ModelRef, call: dict[str, Any]) -> None:
-    """A fetched batch's tokens and cost: in the tenant's daily ledger and the
-    ``tether_ai_*`` counters, as a single call's are (once, when the run first meets the
-    fetch's result: never on replay, nor for a result kept from before a retry or fork)."""
+def _estimate(model: ModelRef, items: Mapping[str, str], max_tokens: int | None) -> dict[str, Any]:
+    """Tokens and cost a batch of ``items`` may use: each item's estimate, summed."""
+    settings: Any = {"max_tokens": max_tokens} if max_tokens else None
+    tokens_in = tokens_out = 0
+    for prompt in items.values():
+        i, o = model.estimated_tokens([{"role": "user", "content": prompt}], settings)
+        tokens_in, tokens_out = tokens_in + i, tokens_out + o
+    cost = model.gateway.price_of(model, tokens_in, tokens_out, 0, None, None)
+    return {"tokens": tokens_in + tokens_out, "cost": cost}
+
+
+def _account(inst: Any, step: int, model: ModelRef, call: dict[str, Any], tally: _Tally) -> None:
+    """A fetched batch's tokens and cost: in the run's budget tally (on replay too, as a
+    call's are), and in the tenant's daily ledger and the ``tether_ai_*`` counters, as a
+    single call's are (once, when the run first meets the fetch's result: never on
+    replay, nor for a result kept from before a retry or fork)."""
+    inputs, outputs = int(call.get("input_tokens") or 0), int(call.get("output_tokens") or 0)
+    tally.tokens += inputs + outputs
+    tally.cost += _budget_cost(call)
     if inst.reused(step):
         return
     started = inst.started
     tenant = (started.data if started is not None else {}).get("tenant")
     labels = (inst.workflow.name, model.name, tenant or "")
-    inputs, outputs = int(call.get("input_tokens") or 0), int(call.get("output_tokens") or 0)
     cost = Decimal(call["cost"]) if call.get("cost") is not None else None
     inst.count("tether_ai_calls", (*labels, "batch"), int(call.get("items") or 0))
     count_usage(inst, labels, inputs, outputs, cost)

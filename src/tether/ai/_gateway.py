@@ -40,7 +40,7 @@ from .._errors import ActivityError, ConfigurationError, NonRetryable
 from .._history import Event, EventType
 from .._policy import Retry, seconds
 from .._queues import Dependency, check_name
-from .._usage import CALL_KEY, Budget, amount
+from .._usage import CALL_KEY, Budget, Spend, amount
 from ..workflow._api import sleep
 from ..workflow._instance import WorkflowInstance, current_instance
 from ._errors import BudgetExceeded, ContentRefused, ModelConfigError
@@ -127,17 +127,8 @@ class _CallResult(dict[str, Any]):
     headers: dict[str, str]
 
 
-@dataclasses.dataclass
-class _Tally:
-    """A run's model spend as its workflow code has seen it (rebuilt on replay)."""
-
-    tokens: int = 0
-    cost: Decimal = Decimal(0)
-    reserved_tokens: int = 0  # estimates of calls in flight
-    reserved_cost: Decimal = Decimal(0)
-
-
-_tallies: weakref.WeakKeyDictionary[WorkflowInstance, _Tally] = weakref.WeakKeyDictionary()
+#: a run's model spend as its workflow code has seen it: ``WorkflowInstance.spend``
+_Tally = Spend
 
 
 @dataclasses.dataclass
@@ -252,21 +243,38 @@ class ModelRef:
     def __repr__(self) -> str:
         return f"<tether.ai model {self.name} ({self.model_name})>"
 
-    def estimate(self, messages_json: list[Any], settings: ModelSettings | None) -> dict[str, Any]:
-        """Tokens and cost this call may use: prompt size / 4 plus its output cap."""
-        tokens_in, tokens_out = self.estimated_tokens(messages_json, settings)
+    def estimate(
+        self,
+        messages_json: list[Any],
+        settings: ModelSettings | None,
+        params_json: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Tokens and cost this call may use: prompt and tool schemas' size / 4 plus its
+        output cap."""
+        tokens_in, tokens_out = self.estimated_tokens(messages_json, settings, params_json)
         cost = self.gateway.price_of(self, tokens_in, tokens_out, 0, None, None)
         return {"tokens": tokens_in + tokens_out, "cost": cost}
 
     def estimated_tokens(
-        self, messages_json: list[Any], settings: ModelSettings | None
+        self,
+        messages_json: list[Any],
+        settings: ModelSettings | None,
+        params_json: dict[str, Any] | None = None,
     ) -> tuple[int, int]:
-        """(input, output) tokens a call may use: prompt size / 4, and its ``max_tokens``
-        if that is a whole number > 0 (else the model's ``output_estimate``)."""
+        """(input, output) tokens a call may use: the size / 4 of its prompt and of the
+        tools it sends (their JSON schemas, which providers bill as input: an output
+        type's tool, an agent's tools), and its ``max_tokens`` if that is a whole number
+        > 0 (else the model's ``output_estimate``)."""
         cap = (settings or {}).get("max_tokens")
         if isinstance(cap, bool) or not isinstance(cap, int) or cap <= 0:
             cap = self.output_estimate
-        return math.ceil(len(json.dumps(messages_json)) / 4), cap
+        tools = [
+            t
+            for key in ("function_tools", "output_tools", "builtin_tools")
+            for t in (params_json or {}).get(key) or ()
+        ]
+        size = len(json.dumps(messages_json)) + (len(json.dumps(tools)) if tools else 0)
+        return math.ceil(size / 4), cap
 
 
 log = logging.getLogger("tether.ai")
@@ -502,15 +510,27 @@ class Gateway:
         model_name: str | None,
         provider: str | None,
     ) -> str | None:
-        """The cost of tokens on ``ref`` as a decimal string (None: no price known)."""
+        """The cost of tokens on ``ref`` as a decimal string (None: no price known).
+
+        ``model_name`` and ``provider`` are what the answer names, which a proxy
+        (LiteLLM, vLLM, Azure) sets to the upstream model: the model's own ``price=``
+        comes first, then the gateway's ``prices`` by the answer's name and by the
+        registered name, then genai-prices by the answer's name and by the registered
+        name. The estimate before the call is priced by the registered name, so an
+        answer found under another name is priced as its estimate was."""
         name = model_name or ref.model_name
-        price = ref.price or self.prices.get(name)
+        price = ref.price or self.prices.get(name) or self.prices.get(ref.model_name)
         if price is not None:
             return str(price.cost(tokens_in, tokens_out, cache_read))
-        key = (name, provider or ref.provider)
-        if key not in self._price_table:
-            self._price_table[key] = _lookup_price(*key)
-        model_price = self._price_table[key]
+        model_price = None
+        for key in dict.fromkeys(
+            ((name, provider or ref.provider), (ref.model_name, ref.provider))
+        ):
+            if key not in self._price_table:
+                self._price_table[key] = _lookup_price(*key)
+            model_price = self._price_table[key]
+            if model_price is not None:
+                break
         if model_price is None:  # unknown model or provider: the call is recorded unpriced
             return None
         from genai_prices import Usage as PriceUsage
@@ -632,19 +652,19 @@ class Gateway:
         if reported is not None:
             call["usage"] = "estimated"
             call["reported_usage"] = reported
+        estimate = request.get("estimate") or {}
+        if call["cost"] is None and estimate.get("cost") is not None:
+            # no price for the answer, though its estimate had one: it is not free. It
+            # counts at its estimate against the run's and the day's cost budgets (and
+            # stays unpriced in usage, whose cost is what prices say)
+            call["estimated_cost"] = str(estimate["cost"])
         if request.get("output_schema"):
             call["output_schema"] = request["output_schema"]
         if pinned and pinned != ref.spec:
             call["pinned"] = pinned
         out = _CallResult({"response": dump_response(response), CALL_KEY: call})
         out.headers = cap.headers
-        if scopes:
-            await self._step_store().add_model_spend(
-                scopes,
-                _day(self._step_store().clock()),
-                tokens_in + tokens_out,
-                str(call["cost"] or "0"),
-            )
+        await self.add_daily_spend(scopes, tokens_in + tokens_out, _budget_cost(call))
         if cache_key is not None:
             await self._step_store().ai_cache_put(cache_key, json.dumps(out), ref.cache_ttl or 0.0)
         return out
@@ -822,20 +842,33 @@ class Gateway:
             for scope, tokens, cost, spent_tokens, spent_cost in rows
         ]
 
-    async def _check_daily_budgets(self, ref: ModelRef, request: dict[str, Any]) -> tuple[str, ...]:
-        """The scopes with a daily budget this call counts against; raise when one is spent."""
+    async def daily_scopes(
+        self, tenant: str | None
+    ) -> tuple[tuple[str, ...], list[dict[str, Any]] | None]:
+        """The scopes with a daily budget a call of ``tenant`` counts against, and the
+        budgets when this read them (the list of scopes is re-read every few seconds)."""
         now = self.app.store.clock()
         rows: list[dict[str, Any]] | None = None
         if now - self._budgets_read_at > _BUDGETS_TTL:
             rows = await self.budgets()
             self._budget_scopes = {b["scope"] for b in rows}
             self._budgets_read_at = now
-        tenant = request.get("tenant")
         scopes = tuple(
             s
             for s in (f"tenant:{tenant}" if tenant else None, "global")
             if s in self._budget_scopes
         )
+        return scopes, rows
+
+    async def add_daily_spend(self, scopes: tuple[str, ...], tokens: int, cost: Decimal) -> None:
+        """Add what a call (or a batch) used to today's spend of ``scopes``."""
+        if scopes:
+            store = self._step_store()
+            await store.add_model_spend(scopes, _day(store.clock()), tokens, str(cost))
+
+    async def _check_daily_budgets(self, ref: ModelRef, request: dict[str, Any]) -> tuple[str, ...]:
+        """The scopes with a daily budget this call counts against; raise when one is spent."""
+        scopes, rows = await self.daily_scopes(request.get("tenant"))
         if not scopes:
             return ()
         estimate = request.get("estimate") or {"tokens": 0, "cost": None}
@@ -958,8 +991,10 @@ class Gateway:
         if inst is None:
             direct: dict[str, Any] = await ref.activity(ref.name, body)
             return direct
-        tally = _tallies.setdefault(inst, _Tally())
-        estimate = _check_budget(inst, tally, ref, body, settings)
+        tally = inst.spend
+        estimate = _check_budget(
+            inst, tally, ref, lambda: ref.estimate(body["messages"], settings, body["params"])
+        )
         started = inst.started
         tenant = (started.data if started is not None else {}).get("tenant")
         if tenant is not None:
@@ -967,7 +1002,7 @@ class Gateway:
         if estimate["tokens"] or estimate["cost"]:
             body = {**body, "estimate": estimate}
         elif tenant is not None:
-            body = {**body, "estimate": ref.estimate(body["messages"], settings)}
+            body = {**body, "estimate": ref.estimate(body["messages"], settings, body["params"])}
         # the step names the model it calls, so a worker of a later deploy calls the same
         spec = _pinned(inst, self.name, ref) or (ref.spec if isinstance(ref.spec, str) else None)
         if spec is not None:
@@ -994,15 +1029,7 @@ class Gateway:
         except ActivityError as exc:
             if exc.error_type != "DailyBudgetExceeded":
                 raise
-            info = json.loads(exc.message)
-            raise BudgetExceeded(
-                ref.name,
-                info["what"],
-                info["limit"],
-                info["spent"],
-                info["estimate"],
-                scope=info["scope"],
-            ) from None
+            raise daily_refusal(ref, exc) from None
         finally:
             _release(tally, hold)
         if self.message_refs:
@@ -1015,7 +1042,7 @@ class Gateway:
         inputs, outputs = int(call.get("input_tokens") or 0), int(call.get("output_tokens") or 0)
         cost = Decimal(call["cost"]) if call.get("cost") is not None else None
         tally.tokens += inputs + outputs
-        tally.cost += cost or Decimal(0)
+        tally.cost += _budget_cost(call)
         # counted once, when the run first meets the answer (never on replay, nor for an
         # answer kept from the run a retry or fork came from: that run counted it)
         if inst.reused(step):
@@ -1039,7 +1066,9 @@ def _usage(
     counts = (usage.input_tokens, usage.output_tokens, usage.cache_read_tokens)
     if all(type(n) is int and n >= 0 for n in counts) and counts[0] > 0:
         return (*counts, None)
-    tokens_in, tokens_out = ref.estimated_tokens(request["messages"], settings)
+    tokens_in, tokens_out = ref.estimated_tokens(
+        request["messages"], settings, request.get("params")
+    )
     reported = {
         name: n if type(n) is int else repr(n)
         for name, n in zip(
@@ -1058,6 +1087,16 @@ def _usage(
             tokens_out,
         )
     return tokens_in, tokens_out, 0, reported
+
+
+def _budget_cost(call: Mapping[str, Any]) -> Decimal:
+    """What a recorded call counts against a cost budget: its cost, or, unpriced, the
+    cost of its estimate (``estimated_cost``; zero only when that had no price either,
+    and then no cost budget let the call through)."""
+    cost = call.get("cost")
+    if cost is None:
+        cost = call.get("estimated_cost")
+    return Decimal(str(cost)) if cost is not None else Decimal(0)
 
 
 #: models whose untrue usage this process has warned of
@@ -1088,6 +1127,15 @@ _BUDGETS_TTL = 2.0
 
 class DailyBudgetExceeded(NonRetryable):
     """A tenant's (or the global) daily model budget would be exceeded (worker side)."""
+
+
+def daily_refusal(ref: ModelRef, exc: ActivityError) -> BudgetExceeded:
+    """A step refused by a daily budget (``DailyBudgetExceeded`` on the worker) as the
+    ``BudgetExceeded`` the workflow sees."""
+    info = json.loads(exc.message)
+    return BudgetExceeded(
+        ref.name, info["what"], info["limit"], info["spent"], info["estimate"], scope=info["scope"]
+    )
 
 
 def _day(ts: float) -> str:
@@ -1255,14 +1303,14 @@ def _record_hedge(
     and billed already; what it used is unknown to the run, so its estimate counts as
     spent (a run that hedges stays within its budget) and is recorded with the marker,
     which replay reads rather than pricing it again."""
-    tally = _tallies.setdefault(inst, _Tally())
+    tally = inst.spend
     still_running = _release(tally, lost_hold)  # its reservation becomes spend below
     recorded = inst.recorded_next()
     value = recorded.data.get("value") if recorded is not None and _is_hedge(recorded) else None
     if not isinstance(value, dict):
         value = {"asked": [r.name for r in asked], "won": won.name}
         if still_running:  # it may have been answered, and billed, already
-            estimate = lost.estimate(body["messages"], settings)
+            estimate = lost.estimate(body["messages"], settings, body["params"])
             value["abandoned"] = {"model": lost.name, **estimate}
     inst.record("model_hedge", value)
     abandoned = value.get("abandoned")
@@ -1290,13 +1338,12 @@ def _check_budget(
     inst: WorkflowInstance,
     tally: _Tally,
     ref: ModelRef,
-    body: dict[str, Any],
-    settings: ModelSettings | None,
+    estimated: Callable[[], dict[str, Any]],
 ) -> dict[str, Any]:
-    """Refuse a call that would go over the run's budget (deterministically on replay)."""
-    started = inst.started
-    raw = ((started.data if started is not None else {}).get("attrs") or {}).get("budget")
-    if raw is None:
+    """Refuse a call (or a batch) that would go over the run's budget, ``estimated()``
+    being what it may use (deterministically on replay: a call made then passed)."""
+    budget = inst.budget()
+    if budget is None:
         return {"tokens": 0, "cost": None}
     recorded = inst.recorded_next()
     if recorded is not None:
@@ -1308,10 +1355,8 @@ def _check_budget(
                 ref.name, value["what"], value["limit"], value["spent"], value["estimate"]
             )
         return {"tokens": 0, "cost": None}  # the call was made: it passed then
-    budget = Budget.from_json(raw)
-    estimate = ref.estimate(body["messages"], settings)
-    spent_tokens = tally.tokens + tally.reserved_tokens
-    spent_cost = tally.cost + tally.reserved_cost
+    estimate = estimated()
+    spent_tokens, spent_cost = tally.committed()  # children's shares included
     over = _over(budget.tokens, budget.cost, spent_tokens, spent_cost, estimate)
     if over is not None:
         value = {

@@ -38,6 +38,7 @@ from .._history import (
     EventType,
 )
 from .._serde import Signature, convert, encode
+from .._usage import Budget, Spend
 from ..store.base import Command, WorkflowTaskResult
 from ._loop import DeterministicLoop
 from ._saga import CompensationFailed
@@ -167,6 +168,8 @@ class WorkflowInstance:
         self._counts: list[tuple[str, tuple[str, ...], float]] = []
         #: model tokens and cost met first by the task being computed (``tally_usage``)
         self._usage: tuple[int, Decimal] | None = None
+        #: model spend as this run's code met it (replay included), for its budget
+        self.spend = Spend()
         #: steps whose outcome was kept from before a retry or fork (not run again)
         self._reused: set[int] = set()
         #: read-only handlers by name (``tether.on_query``): answered by replaying, never
@@ -383,18 +386,20 @@ class WorkflowInstance:
                 error = {"type": "DeadlineExceeded", "message": "the run's deadline passed"}
                 if exc is not None and not isinstance(exc, asyncio.CancelledError):
                     error = _error_dict(exc)
-                self._command(EventType.WORKFLOW_TIMED_OUT, {"error": error})
+                self._command(EventType.WORKFLOW_TIMED_OUT, self._ending({"error": error}))
                 return
             if main.cancelled():
-                self._command(EventType.WORKFLOW_CANCELLED, {"error": None})
+                self._command(EventType.WORKFLOW_CANCELLED, self._ending({"error": None}))
                 return
             if exc is None:
                 try:
                     text = encode(main.result(), f"result of workflow {self.workflow.name!r}")
                 except PayloadError as err:
-                    self._command(EventType.WORKFLOW_FAILED, {"error": _error_dict(err)})
+                    self._command(
+                        EventType.WORKFLOW_FAILED, self._ending({"error": _error_dict(err)})
+                    )
                     return
-                self._command(EventType.WORKFLOW_COMPLETED, {}, {"result": text})
+                self._command(EventType.WORKFLOW_COMPLETED, self._ending({}), {"result": text})
             elif isinstance(exc, ContinueAsNew):
                 raw = {"input": exc.input_json}
                 carried = self.untaken_signals()
@@ -408,11 +413,11 @@ class WorkflowInstance:
                     raw,
                 )
             elif isinstance(exc, asyncio.CancelledError) and self.cancel_requested:
-                self._command(EventType.WORKFLOW_CANCELLED, {"error": None})
+                self._command(EventType.WORKFLOW_CANCELLED, self._ending({"error": None}))
             elif isinstance(exc, NonDeterminismError):
                 raise exc
             else:
-                self._command(EventType.WORKFLOW_FAILED, {"error": _error_dict(exc)})
+                self._command(EventType.WORKFLOW_FAILED, self._ending({"error": _error_dict(exc)}))
         finally:
             _current.reset(token)
         if self._nd_error is not None:
@@ -447,6 +452,10 @@ class WorkflowInstance:
             self._interrupt(t is EventType.DEADLINE_EXCEEDED, ev.data.get("reason"))
             return
         assert ev.step is not None
+        ended = t is EventType.CHILD_COMPLETED or t is EventType.CHILD_FAILED
+        if ended and ev.step in self.spend.shares:
+            # a child with a share of this run's budget ended: what it spent counts
+            self.spend.reported[ev.step] = ev.data.get("model_spend")
         p = self._pending.pop(ev.step, None)
         if p is None or p.future.done():
             return  # the code stopped waiting (cancelled, lost a race): the outcome is ignored
@@ -797,15 +806,28 @@ class WorkflowInstance:
         kwargs: dict[str, Any],
         run_id: str | None,
         parent_close: str = "terminate",
+        budget: Budget | None = None,
     ) -> asyncio.Future[Any]:
         """Issue a ChildStarted command; the future resolves with the child's result.
 
         ``parent_close`` is what happens to the child if this run ends first
         (terminate, cancel or abandon); recorded with the start, applied by the store.
+        ``budget`` is the child's model budget; a run with a budget gives its child a
+        share of what it has left (``budget`` when less), held while the child runs.
         """
         input_json = workflow.sig.encode_args(args, kwargs)
         child_id = run_id or f"{self.run_id}/{self.step + 1}"
         data = {"workflow": workflow.name, "child_run_id": child_id, "queue": workflow.queue}
+        own = self.budget()
+        recorded = self.recorded_next()
+        if recorded is not None and recorded.type is EventType.CHILD_STARTED:
+            share = recorded.data.get("budget")  # as decided then (or none: older code)
+        elif own is not None:
+            share = self.spend.share(own, budget).to_json()
+        else:
+            share = budget.to_json() if budget is not None else None
+        if share is not None:
+            data["budget"] = share
         trace = self.trace_context()
         if trace is not None:  # the child continues its parent's trace
             data["trace"] = trace
@@ -818,6 +840,8 @@ class WorkflowInstance:
             {"input": input_json},
             inputs=("input", workflow.sig, frozenset()),
         )
+        if share is not None and own is not None:
+            self.spend.shares[step] = share
         fut = self.loop.create_future()
         self._pending[step] = _Pending(
             fut,
@@ -878,6 +902,21 @@ class WorkflowInstance:
         """Issue a StatusSet command."""
         self.last_status = value
         self._command(EventType.STATUS_SET, {}, {"value": encode(value, "status")})
+
+    def budget(self) -> Budget | None:
+        """The model budget this run was started with (``app.start(budget=)``, or its
+        parent's share), or None."""
+        started = self.started
+        raw = ((started.data if started is not None else {}).get("attrs") or {}).get("budget")
+        return Budget.from_json(raw) if raw is not None else None
+
+    def _ending(self, data: dict[str, Any]) -> dict[str, Any]:
+        """An ending command's data, with what the run spent when it has a budget (a
+        parent that gave it a share of its own counts that, not the whole share)."""
+        if self.started is None or self.budget() is None:
+            return data
+        tokens, cost = self.spend.spent()
+        return {**data, "model_spend": {"tokens": tokens, "cost": str(cost)}}
 
     def recorded_next(self) -> Event | None:
         """The command history holds for the next step, when this run already got there.

@@ -296,9 +296,11 @@ def _finish(
     next_seq: int | None = None,
     children: bool = False,
     ran: bool = False,
+    spend: dict[str, Any] | None = None,
 ) -> None:
     """End a run: its status and outcome, its tasks gone, its parent and tenant told.
-    With ``ran`` (its own code ended it), a failed workflow task's error is cleared.
+    With ``ran`` (its own code ended it), a failed workflow task's error is cleared;
+    ``spend`` (its model spend, when it had a budget) goes to its parent with its end.
 
     ``known`` is the run's (parent_run_id, parent_step, workflow, tenant) when the
     caller read them already in this transaction (saving a read); ``next_seq`` a
@@ -363,13 +365,14 @@ def _finish(
     pstatus, pqueue, _pp, _ps, pworkflow, _pt = _run_row(tx, parent_run_id)
     if RunStatus(pstatus).is_terminal:
         return
+    told = {"model_spend": spend} if spend is not None else {}
     if status is RunStatus.COMPLETED:
         _append(
             tx,
             parent_run_id,
             EventType.CHILD_COMPLETED,
             parent_step,
-            {"child_run_id": run_id},
+            {"child_run_id": run_id, **told},
             {"result": output or "null"},
         )
     else:
@@ -378,7 +381,7 @@ def _finish(
             parent_run_id,
             EventType.CHILD_FAILED,
             parent_step,
-            {"child_run_id": run_id, "status": status.value, "error": error},
+            {"child_run_id": run_id, "status": status.value, "error": error, **told},
         )
     _ensure_workflow_task(tx, parent_run_id, pqueue, pworkflow)
 

@@ -254,8 +254,9 @@ def _apply_workflow_result(
                     # the parent's tenant: its keys see the child, its key seals it, its
                     # retention and erasure reach it (admission counts top-level runs)
                     tenant=tenant,
-                    # a traced parent's context: the child's spans join its trace
-                    attrs={"trace": cmd.data["trace"]} if "trace" in cmd.data else None,
+                    # a traced parent's context: the child's spans join its trace; and
+                    # its model budget (its own, or its share of the parent's)
+                    attrs={k: cmd.data[k] for k in ("trace", "budget") if k in cmd.data} or None,
                 )
             elif exists[0] == run_id:
                 # started again after an operator's retry voided its start: it may have
@@ -313,6 +314,8 @@ def _apply_workflow_result(
         next_seq=marker + 1,
         children=result.children,
         ran=True,
+        # what it spent on models, for a parent whose budget it had a share of
+        spend=ending.data.get("model_spend"),
     )
     if ending.type is EventType.WORKFLOW_COMPLETED:
         end(RunStatus.COMPLETED, output=ending.raw.get("result", "null"))

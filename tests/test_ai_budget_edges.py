@@ -1,0 +1,284 @@
+"""Budgets at their edges: answers that name another model than the priced one (a
+proxy), batch jobs, child runs, tool schemas in the estimate, hedges' losers, and
+output schema changes on replay (both stores, no network: FunctionModel and
+``tether.testing.ModelServer``)."""
+
+from __future__ import annotations
+
+import json
+from decimal import Decimal
+from typing import Any
+
+import pytest
+from pydantic_ai.messages import ModelMessage, ModelResponse, TextPart
+from pydantic_ai.models.function import AgentInfo, FunctionModel
+from pydantic_ai.usage import RequestUsage
+
+import tether
+from tether import EventType, ai
+from tether._usage import CALL_KEY
+
+pytestmark = pytest.mark.timeout(120)
+
+ONE = tether.Retry(attempts=1)
+UPSTREAM = "hosted_vllm/meta-llama/Llama-3-8B-Instruct"
+
+
+class ProxiedModel(FunctionModel):
+    """Answers as LiteLLM, vLLM or Azure do: the response names the upstream model,
+    not the name the model was registered (and priced) under."""
+
+    async def request(self, *args: Any, **kwargs: Any) -> ModelResponse:
+        response = await super().request(*args, **kwargs)
+        response.model_name = UPSTREAM
+        return response
+
+
+def _answer(calls: list[int]) -> Any:
+    def answer(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        calls.append(1)
+        return ModelResponse(
+            parts=[TextPart("ok")], usage=RequestUsage(input_tokens=10_000, output_tokens=1000)
+        )
+
+    return answer
+
+
+def _calls(history: list[tether.Event]) -> list[dict[str, Any]]:
+    return [
+        e.data["result"][CALL_KEY]
+        for e in history
+        if e.type is EventType.ACTIVITY_COMPLETED and CALL_KEY in (e.data.get("result") or {})
+    ]
+
+
+async def test_a_cost_budget_holds_when_answers_name_another_model_than_the_priced_one(
+    app: tether.App,
+) -> None:
+    """A model priced under its registered name (``Gateway(prices=)``) whose answers
+    name the upstream model (a proxy) is priced by the registered name: the run's cost
+    budget stops it, usage shows the cost, and the tenant's daily spend grows."""
+    calls: list[int] = []
+    gw = ai.Gateway(app, retry=ONE, prices={"my-llama": ai.Price(1, 2)})  # $0.012 a call
+    m = gw.model("m", ProxiedModel(_answer(calls), model_name="my-llama"))
+
+    @app.workflow
+    async def loop(n: int) -> int:
+        done = 0
+        for i in range(n):
+            try:
+                await ai.complete(m, f"q{i}", settings={"max_tokens": 1000})
+            except ai.BudgetExceeded:
+                return done
+            done += 1
+        return done
+
+    async with app.worker(poll_interval=0.02):
+        run = await app.start(loop, 20, budget=tether.Budget(cost="0.05"))
+        done = await run.result(timeout=60)
+        await gw.set_budget(tenant="acme", cost="0.05")
+        daily = await app.start(loop, 20, tenant="acme")
+        done_daily = await daily.result(timeout=60)
+    # each call costs $0.012 and is estimated at about that: 4 fit in $0.05
+    assert done == 4 and done_daily <= 5, (done, done_daily)
+    usage = await app.usage(run.run_id)
+    assert usage.unpriced_calls == 0 and usage.cost == Decimal("0.048")
+    recorded = _calls(await app.history(run.run_id))
+    assert {c["model_name"] for c in recorded} == {UPSTREAM}  # the answer's own name stays
+    (budget,) = await gw.budgets()
+    assert Decimal(budget["spent_cost"]) == Decimal("0.012") * done_daily
+    assert len(calls) == done + done_daily
+
+
+async def test_an_unpriced_answer_counts_at_its_estimate_against_a_cost_budget(
+    app: tether.App,
+) -> None:
+    """An answer no price is found for (the estimate was priced, the answer is not: a
+    price table that changed, a lookup that failed) is never counted as free: it counts
+    at its estimate against the run's and the day's cost budget, and stays flagged
+    unpriced in usage."""
+    calls: list[int] = []
+    gw = ai.Gateway(app, retry=ONE, prices={"my-llama": ai.Price(1, 2)})
+    m = gw.model("m", ProxiedModel(_answer(calls), model_name="my-llama"))
+    real_price_of = gw.price_of
+
+    def price_of(ref: Any, *args: Any) -> str | None:
+        model_name = args[3]
+        return None if model_name == UPSTREAM else real_price_of(ref, *args)
+
+    gw.price_of = price_of  # type: ignore[method-assign]
+
+    @app.workflow
+    async def loop(n: int) -> int:
+        done = 0
+        for i in range(n):
+            try:
+                await ai.complete(m, f"q{i}", settings={"max_tokens": 1000})
+            except ai.BudgetExceeded:
+                return done
+            done += 1
+        return done
+
+    async with app.worker(poll_interval=0.02):
+        # the estimate: 1000 output tokens, a few input ones: ~$0.002 a call
+        run = await app.start(loop, 50, budget=tether.Budget(cost="0.01"))
+        done = await run.result(timeout=60)
+        await gw.set_budget(tenant="acme", cost="0.01")
+        daily = await app.start(loop, 50, tenant="acme")
+        done_daily = await daily.result(timeout=60)
+    assert 0 < done < 6 and 0 < done_daily < 7, (done, done_daily)
+    usage = await app.usage(run.run_id)
+    assert usage.unpriced_calls == done and usage.cost == 0
+    recorded = _calls(await app.history(run.run_id))
+    assert all(c["cost"] is None and Decimal(c["estimated_cost"]) > 0 for c in recorded)
+    (budget,) = await gw.budgets()
+    assert Decimal(budget["spent_cost"]) > 0
+
+
+async def test_a_batch_is_checked_against_the_run_and_daily_budgets_and_charged_to_them(
+    app: tether.App,
+) -> None:
+    """``ai.batch``: the whole batch's estimate is checked against the run's budget and
+    the tenant's daily one before it is submitted (``BudgetExceeded``, nothing sent),
+    and what it used is charged to both, so a later call sees it."""
+    from tether.testing import ModelServer, model_reply
+
+    with ModelServer() as server:
+        server.default = lambda body: model_reply("a", input_tokens=1000, output_tokens=1000)
+        server.batches.complete_after = 0.1
+        gw = ai.Gateway(app, retry=tether.Retry(attempts=2, initial=0.05), timeout=10)
+        m = gw.model(
+            "m", ai.openai_compatible("gpt-4o-mini", base_url=server.base_url, api_key="k")
+        )
+
+        @app.workflow
+        async def nightly(n: int) -> dict[str, Any]:
+            out: dict[str, Any] = {}
+            try:
+                res = await ai.batch(
+                    m, {f"k{i}": f"q{i}" for i in range(n)}, poll=0.1, max_poll=0.1, max_tokens=100
+                )
+                out["results"] = len(res.results)
+            except ai.BudgetExceeded as exc:
+                out["batch"] = f"{exc.scope} {exc.what} {exc.estimate['tokens']}"
+            try:
+                out["after"] = await ai.complete(m, "one more", settings={"max_tokens": 100})
+            except ai.BudgetExceeded as exc:
+                out["after"] = f"refused {exc.scope} spent {exc.spent['tokens']}"
+            return out
+
+        async with app.worker(poll_interval=0.05):
+            # 10 items of ~103 tokens' estimate: 1030 > 1000, refused before submitting
+            too_big = await app.start(nightly, 10, budget=tether.Budget(tokens=1000))
+            out = await too_big.result(timeout=60)
+            assert out["batch"].startswith("run tokens "), out
+            assert server.batches.created == 0
+            # 2 items pass the estimate (~206) but use 4000: the next call is refused
+            used = await app.start(nightly, 2, budget=tether.Budget(tokens=4100))
+            out = await used.result(timeout=60)
+            assert out == {"results": 2, "after": "refused run spent 4000"}, out
+            # the tenant's day: the batch's 4000 tokens are spent there too
+            await gw.set_budget(tenant="acme", tokens=4100)
+            daily = await app.start(nightly, 2, tenant="acme")
+            out = await daily.result(timeout=60)
+            assert out == {"results": 2, "after": "refused tenant:acme spent 4000"}, out
+            refused = await app.start(nightly, 2, tenant="acme")
+            out = await refused.result(timeout=60)
+            assert out["batch"].startswith("tenant:acme tokens "), out
+            assert server.batches.created == 2
+        (budget,) = await gw.budgets()
+        assert budget["spent_tokens"] == 4000
+        history = await app.history(too_big.run_id)
+        assert [e.data["marker"] for e in history if e.type is EventType.MARKER][:1] == [
+            "budget_exceeded"
+        ]
+
+
+def _fixed(calls: list[int]) -> Any:
+    def answer(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        calls.append(1)
+        return ModelResponse(
+            parts=[TextPart("ok")], usage=RequestUsage(input_tokens=300, output_tokens=30)
+        )
+
+    return answer
+
+
+async def test_a_child_draws_from_its_parents_budget_or_gets_its_own(app: tether.App) -> None:
+    """A child started by a run with a budget gets what the parent has left as its
+    budget, held against the parent while it runs; when it ends, what it spent counts
+    against the parent. ``wf.options(budget=)`` gives a child its own (never more than
+    the parent has left), and a run without a budget can give its child one."""
+    calls: list[int] = []
+    gw = ai.Gateway(app, retry=ONE)
+    m = gw.model("m", FunctionModel(_fixed(calls), model_name="fm"), price=ai.Price(1, 1))
+
+    @app.workflow
+    async def child(n: int) -> int:
+        done = 0
+        for i in range(n):
+            try:
+                await ai.complete(m, f"child call {i}", settings={"max_tokens": 30})
+            except ai.BudgetExceeded:
+                break
+            done += 1
+        return done
+
+    @app.workflow
+    async def parent(n: int, limit: int | None) -> list[int | str]:
+        budget = tether.Budget(tokens=limit) if limit is not None else None
+        first = await child.options(budget=budget)(n)
+        second = await child(n)
+        try:
+            await ai.complete(m, "parent call", settings={"max_tokens": 30})
+            third: int | str = "ok"
+        except ai.BudgetExceeded as exc:
+            third = f"refused spent {exc.spent['tokens']}"
+        return [first, second, third]
+
+    async with app.worker(poll_interval=0.02):
+        # 330 tokens a call: the parent's 1000 cover 3 calls in all
+        shared = await app.start(parent, 5, None, budget=tether.Budget(tokens=1000))
+        assert await shared.result(timeout=60) == [3, 0, "refused spent 990"]
+        # a child's own budget of 350: one call; then the second child has 670 left
+        own = await app.start(parent, 5, 350, budget=tether.Budget(tokens=1000))
+        assert await own.result(timeout=60) == [1, 2, "refused spent 990"]
+        # no budget on the parent: its child's own budget still holds
+        alone = await app.start(parent, 2, 350)
+        assert await alone.result(timeout=60) == [1, 2, "ok"]
+    assert len(calls) == 3 + 3 + 4
+    kids = [e for e in await app.history(own.run_id) if e.type is EventType.CHILD_STARTED]
+    assert [k.data.get("budget") for k in kids] == [
+        {"tokens": 350, "cost": None},
+        {"tokens": 670, "cost": None},
+    ]
+
+
+async def test_the_estimate_before_a_call_counts_the_tools_schemas_it_sends(
+    app: tether.App,
+) -> None:
+    """A structured call sends its output type's JSON schema (an output tool) with the
+    prompt, and providers bill it as input: the budget's estimate counts it."""
+    from pydantic import BaseModel, Field, create_model
+
+    fields: dict[str, Any] = {
+        f"field_{i}": (str, Field(description=f"what field {i} of the report holds, in words"))
+        for i in range(40)
+    }
+    Wide: type[BaseModel] = create_model("Wide", **fields)
+    schema_tokens = len(json.dumps(Wide.model_json_schema())) // 4
+    gw = ai.Gateway(app, retry=ONE)
+    m = gw.model("m", FunctionModel(_fixed([]), model_name="fm"), price=ai.Price(1, 1))
+
+    @app.workflow
+    async def ask() -> dict[str, Any]:
+        try:
+            await ai.structured(m, "x", output=Wide, settings={"max_tokens": 10})
+        except ai.BudgetExceeded as exc:
+            return exc.estimate
+        return {}
+
+    async with app.worker(poll_interval=0.02):
+        run = await app.start(ask, budget=tether.Budget(tokens=1))
+        estimate = await run.result(timeout=60)
+    assert estimate["tokens"] > schema_tokens + 10, (estimate, schema_tokens)
