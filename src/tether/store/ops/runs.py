@@ -20,11 +20,15 @@ from ..base import StartResult, WorkflowTaskResult, start_event_data
 from ._tx import _RUN_COLS, _run_from_row, _Tx
 
 
-def _run_row(tx: _Tx, run_id: str) -> tuple[Any, ...]:
-    """(status, queue, parent_run_id, parent_step, workflow, tenant) of a run."""
+def _run_row(tx: _Tx, run_id: str, *, lock: bool = False) -> tuple[Any, ...]:
+    """(status, queue, parent_run_id, parent_step, workflow, tenant) of a run.
+
+    ``lock``: read it under a row lock (PostgreSQL; SQLite's write lock serialises
+    anyway), for an operation that changes the run by the status it reads here: one
+    running concurrently waits, then reads the status this one left."""
     row = tx.execute(
         "SELECT status, queue, parent_run_id, parent_step, workflow, tenant FROM runs "
-        "WHERE run_id = ?",
+        f"WHERE run_id = ?{tx.for_update if lock else ''}",
         (run_id,),
     ).fetchone()
     if row is None:
