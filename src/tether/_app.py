@@ -602,8 +602,9 @@ class App:
     ) -> Run[R]:
         """Start a run and return its handle; durable when this returns.
 
-        Idempotent by ``run_id``: starting again with the same workflow and input
-        returns the existing run; different input raises ``RunIdConflictError``.
+        Idempotent by ``run_id``: starting again with the same workflow, input,
+        ``deadline``, ``webhook`` and ``budget`` returns the existing run; any of them
+        different raises ``RunIdConflictError`` (its ``fields`` name which).
         ``deadline`` (seconds or a timedelta from now) bounds the whole run: when it
         passes, the code sees CancelledError (so saga compensations run) and the run
         ends ``timed_out``. ``tenant`` puts the run under that tenant's admission
@@ -667,6 +668,8 @@ class App:
         limit = seconds(deadline, "deadline")
         if deadline is not None and not limit:
             raise ConfigurationError("deadline must be positive")
+        if limit is not None:  # as asked (a repeated start must ask for the same)
+            attrs = {**(attrs or {}), "deadline": limit}
         wf = self.get_workflow(workflow) if isinstance(workflow, str) else workflow
         if wf.name not in self._workflows:
             raise UnknownWorkflowError(wf.name, list(self._workflows))
