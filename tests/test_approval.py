@@ -270,6 +270,83 @@ async def test_a_review_of_an_ended_run_is_closed(app: tether.App) -> None:
             )
 
 
+async def test_two_decisions_at_once_one_is_taken_the_other_refused(
+    app: tether.App, store_url: str
+) -> None:
+    """Two operators (two processes) decide one review at the same moment: the first
+    one recorded is taken; the other is refused (ApprovalError, 409 over HTTP) and
+    never reaches the run, so the run, the audit log and the caller all agree."""
+    publish = register(app)
+    other = tether.App(store=store_url)
+    worker = app.worker(lease=5.0, poll_interval=0.05)  # polls: sees other's commits
+    await worker.start()
+    try:
+        for trial in range(3):
+            run = await app.start(publish, Post(title="t", words=trial), run_id=f"race-{trial}")
+            review = await open_review(app, run.run_id)
+            got = await asyncio.gather(
+                app.decide(
+                    review.approval_id, approve=True, by="alice", fingerprint=review.fingerprint
+                ),
+                other.decide(
+                    review.approval_id,
+                    approve=False,
+                    by="alice",
+                    fingerprint=review.fingerprint,
+                ),
+                return_exceptions=True,
+            )
+            refused = [g for g in got if isinstance(g, BaseException)]
+            assert len(refused) == 1, got
+            assert isinstance(refused[0], tether.ApprovalError), refused
+            # refused while the first is on its way, or once the run took it
+            assert "another decision was recorded first" in str(
+                refused[0]
+            ) or "no longer open" in str(refused[0])
+            approved = got[0] is None
+            result = await run.result(timeout=10)
+            assert result == (f"published t ({trial}) by alice" if approved else "rejected (alice)")
+            signals = [
+                e for e in await app.history(run.run_id) if e.type is EventType.SIGNAL_RECEIVED
+            ]
+            assert len(signals) == 1
+            done = await app.get_approval(review.approval_id)
+            assert done.status == ("approved" if approved else "rejected")
+    finally:
+        await worker.stop(grace=2.0)
+        if other._store is not None:
+            other._store.close_sync()  # type: ignore[attr-defined]
+
+
+async def test_a_refused_edit_reopens_the_review_and_one_pending_blocks_others(
+    app: tether.App,
+) -> None:
+    """A decision on its way to the run holds the review (``deciding``): a second one
+    is refused meanwhile; if the run refuses the first (an invalid edit), the review
+    opens again for a valid decision."""
+    publish = register(app)
+    async with Env(app, skip_time=False):
+        run = await app.start(publish, Post(title="draft", words=10), run_id="post-6")
+        review = await open_review(app, "post-6")
+        await app.suspend("post-6")
+        fp = review.fingerprint
+        await app.decide(
+            review.approval_id, approve=True, by="alice", fingerprint=fp, value={"words": "x"}
+        )
+        pending = await app.get_approval(review.approval_id)
+        assert (pending.status, pending.decided_by) == ("deciding", "alice")
+        assert await app.approvals() == []  # no longer open to others
+        with pytest.raises(tether.ApprovalError, match="another decision was recorded first"):
+            await app.decide(review.approval_id, approve=False, by="alice", fingerprint=fp)
+        await app.resume("post-6")
+        refused = await waits(app, "post-6", "approval_refused")
+        assert "edited proposal is invalid" in refused[0]["reason"]
+        reopened = await app.get_approval(review.approval_id)
+        assert (reopened.status, reopened.decided_by) == ("open", None)
+        await app.decide(review.approval_id, approve=False, by="alice", fingerprint=fp)
+        assert await run.result(timeout=10) == "rejected (alice)"
+
+
 async def test_approval_outside_a_workflow_is_refused() -> None:
     with pytest.raises(tether.NotInWorkflowError):
         await tether.approval(Post(title="t", words=1), deadline=60)

@@ -119,6 +119,14 @@ def test_idempotency_key_same_body_same_run_other_body_409(server: Server) -> No
     assert clash.headers["content-type"].startswith("application/problem+json")
     assert "order-77" in clash.json()["detail"]
     assert clash.json()["title"] == "Idempotency-Key reused with another body"
+    assert "other input" in clash.json()["detail"]
+    # the same input with another deadline: a conflict too (it was 200, the deadline
+    # silently dropped), naming the field that differs
+    later = server.http.post(
+        "/v1/workflows/bill/runs", json={**INVOICE, "deadline": 30}, headers=headers
+    )
+    assert later.status_code == 409, later.text
+    assert "other deadline" in later.json()["detail"]
     # the same body with if_running=reject: refused for that, not for "other input"
     rejected = server.http.post(
         "/v1/workflows/bill/runs", json={**INVOICE, "if_running": "reject"}, headers=headers
@@ -623,6 +631,35 @@ def tenants(store_url: str) -> Iterator[Tenants]:
     t = Tenants(store_url)
     yield t
     t.server.stop()
+
+
+def test_a_start_naming_a_purged_run_id_tells_a_tenant_key_nothing(tenants: Tenants) -> None:
+    """A tenant's key starting with the id of a purged run (another tenant's, say) is
+    answered like a live run of another tenant: an opaque 409, not 410 "was purged at
+    <time>" (which told it that run existed and when it went). An unbound key still
+    learns it was purged."""
+    import asyncio
+
+    import tether
+
+    t = tenants
+    theirs = t.start("globex", "bill", {**INVOICE, "run_id": "secret-deal-42"})
+    assert theirs.status_code == 202, theirs.text
+    done = t.http.get("/v1/runs/secret-deal-42/result?wait=20", headers=t.as_("globex"))
+    assert done.status_code == 200, done.text
+    app = tether.App(store=t.store)
+    try:
+        asyncio.run(app.purge(0, tenant="globex"))
+    finally:
+        app.store.close_sync()  # type: ignore[attr-defined]
+    for who in ("acme", "globex"):
+        clash = t.start(who, "bill", {**INVOICE, "run_id": "secret-deal-42"})
+        assert clash.status_code == 409, clash.text
+        detail = clash.json()["detail"]
+        assert "purged" not in detail and "retention" not in detail and "globex" not in detail
+        assert "secret-deal-42" in detail
+    admin = t.start("admin", "bill", {**INVOICE, "run_id": "secret-deal-42"})
+    assert admin.status_code == 410 and "purged" in admin.json()["detail"]
 
 
 def test_a_start_never_reaches_or_reveals_another_tenants_run(tenants: Tenants) -> None:

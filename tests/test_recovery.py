@@ -332,3 +332,51 @@ async def test_idempotency_key_stable_across_replay_in_fresh_worker(
     assert "order-17" in out["before"]
     assert out["other"] != out["before"]
     assert charged == [out["before"]]  # the charge was not repeated by the replay
+
+
+# -- two operators at once -----------------------------------------------------------------------
+
+
+async def test_two_retries_of_one_failed_run_at_once_retry_it_once(
+    app: tether.App, store_url: str, worker: tether.Worker
+) -> None:
+    """Two processes retry the same failed runs at the same moment: each run is retried
+    once (one RunRetried, its failed step scheduled again once); the other call is
+    refused with RecoveryError (the run is running again), never a second retry that
+    deletes and re-creates the first one's tasks."""
+    broken = {"on": True}
+
+    @app.activity(retry=fast(1))
+    def flaky(i: int) -> int:
+        if broken["on"]:
+            raise ConnectionError("down")
+        return i
+
+    @app.workflow
+    async def one(i: int) -> int:
+        return await flaky(i)
+
+    runs = [await app.start(one, i) for i in range(6)]
+    for run in runs:
+        with pytest.raises(tether.WorkflowFailedError):
+            await run.result(timeout=10)
+    broken["on"] = False
+    others = [tether.App(store=store_url) for _ in range(2)]
+    try:
+        for i, run in enumerate(runs):
+            got = await asyncio.gather(
+                *(a.retry(run.run_id) for a in (app, *others)), return_exceptions=True
+            )
+            refused = [g for g in got if isinstance(g, BaseException)]
+            assert len(refused) == 2, got
+            for exc in refused:
+                assert isinstance(exc, tether.RecoveryError), refused
+                assert "only failed or needs_intervention runs can be retried" in str(exc)
+            assert await run.result(timeout=10) == i
+            types = [e.type for e in await app.history(run.run_id)]
+            assert types.count(EventType.RUN_RETRIED) == 1
+            assert types.count(EventType.ACTIVITY_COMPLETED) == 1
+    finally:
+        for other in others:
+            assert other._store is not None
+            other._store.close_sync()  # type: ignore[attr-defined]

@@ -414,6 +414,46 @@ async def test_start_same_run_id_equal_input_in_another_form_joins_the_run(
     assert len(await app.list()) == 1
 
 
+async def test_start_same_run_id_other_deadline_webhook_or_budget_is_a_conflict(
+    app: tether.App,
+) -> None:
+    """A start that repeats a run id (an Idempotency-Key over HTTP) with the same input
+    but another deadline, webhook or budget was answered with the existing run, the new
+    settings silently dropped; it is now a conflict naming the fields that differ (not
+    their values). The very same start again still joins the run."""
+
+    @app.workflow
+    async def bill(n: int) -> int:
+        return n
+
+    hook = "https://hooks.example/paid"
+    first = await app.start(
+        bill, 1, run_id="b1", deadline=60, webhook=hook, budget=tether.Budget(tokens=100)
+    )
+    again = await app.start(
+        bill, 1, run_id="b1", deadline=60, webhook=hook, budget=tether.Budget(tokens=100)
+    )
+    assert again.run_id == first.run_id and again.created is False
+    same = {"deadline": 60, "webhook": hook, "budget": tether.Budget(tokens=100)}
+    for change, fields in (
+        ({"webhook": None}, ("webhook",)),
+        ({"webhook": "https://hooks.example/other"}, ("webhook",)),
+        ({"deadline": 30}, ("deadline",)),
+        ({"deadline": None}, ("deadline",)),
+        ({"budget": tether.Budget(tokens=5)}, ("budget",)),
+        ({"deadline": None, "webhook": None, "budget": None}, ("budget", "deadline", "webhook")),
+    ):
+        with pytest.raises(tether.RunIdConflictError) as ei:
+            await app.start(bill, 1, run_id="b1", **{**same, **change})  # type: ignore[arg-type]
+        assert ei.value.fields == fields, change
+        assert f"different {', '.join(fields)}" in str(ei.value)
+        assert hook not in str(ei.value)  # names the fields, not their values
+    with pytest.raises(tether.RunIdConflictError) as ei:
+        await app.start(bill, 2, run_id="b1")
+    assert ei.value.fields == ("input", "budget", "deadline", "webhook")
+    assert len(await app.list()) == 1
+
+
 # -- errors for unknown / finished runs ---------------------------------------------------------
 
 

@@ -58,7 +58,6 @@ from ._errors import (
     WorkflowFailedError,
 )
 from ._history import (
-    APPROVAL_SIGNAL,
     UPDATE_SIGNAL,
     Approval,
     DeadLetter,
@@ -603,8 +602,9 @@ class App:
     ) -> Run[R]:
         """Start a run and return its handle; durable when this returns.
 
-        Idempotent by ``run_id``: starting again with the same workflow and input
-        returns the existing run; different input raises ``RunIdConflictError``.
+        Idempotent by ``run_id``: starting again with the same workflow, input,
+        ``deadline``, ``webhook`` and ``budget`` returns the existing run; any of them
+        different raises ``RunIdConflictError`` (its ``fields`` name which).
         ``deadline`` (seconds or a timedelta from now) bounds the whole run: when it
         passes, the code sees CancelledError (so saga compensations run) and the run
         ends ``timed_out``. ``tenant`` puts the run under that tenant's admission
@@ -668,6 +668,8 @@ class App:
         limit = seconds(deadline, "deadline")
         if deadline is not None and not limit:
             raise ConfigurationError("deadline must be positive")
+        if limit is not None:  # as asked (a repeated start must ask for the same)
+            attrs = {**(attrs or {}), "deadline": limit}
         wf = self.get_workflow(workflow) if isinstance(workflow, str) else workflow
         if wf.name not in self._workflows:
             raise UnknownWorkflowError(wf.name, list(self._workflows))
@@ -1298,14 +1300,28 @@ class App:
         invalid edit) changes nothing. A fingerprint that does not match the
         review's, or a ``by`` not among its approvers, is delivered (so the attempt
         is on record) and then raises ``ApprovalError``, as does a review that is no
-        longer open.
+        longer open. A decision delivered holds the review (``deciding``) until the run
+        takes it, or refuses it (an invalid edit: the review opens again); a second
+        decision meanwhile (two operators at once) raises ``ApprovalError`` and never
+        reaches the run.
         """
         if not isinstance(by, str) or not by:
             raise ConfigurationError("a decision needs by= (who decides)")
         review = await self.get_approval(approval_id)
         if review.status != "open":
-            raise ApprovalError(approval_id, f"it is {review.status}, no longer open")
-        payload = {
+            raise ApprovalError(approval_id, _not_open(review.status, review.decided_by))
+        problem = None
+        if fingerprint != review.fingerprint:
+            problem = (
+                "the fingerprint does not match the proposal under review (the proposal "
+                "changed, or another review was meant); the attempt is recorded and refused"
+            )
+        elif review.approvers and by not in review.approvers:
+            problem = (
+                f"{by!r} is not among its approvers now ({', '.join(review.approvers)}); "
+                "the attempt is recorded and refused"
+            )
+        payload: dict[str, Any] = {
             "approval_id": approval_id,
             "fingerprint": fingerprint,
             "decision": "approve" if approve else "reject",
@@ -1313,23 +1329,20 @@ class App:
             "reason": reason,
             "value": value,
         }
-        await self.store.signal(
-            review.run_id,
-            f"{APPROVAL_SIGNAL}{approval_id}",
+        if problem is None:
+            payload["held"] = True  # holds the review until the run takes or refuses it
+        refused = await self.store.deliver_decision(
+            approval_id,
             encode(payload, f"decision of approval {approval_id!r}"),
+            by,
+            problem is None,
         )
-        if fingerprint != review.fingerprint:
-            raise ApprovalError(
-                approval_id,
-                "the fingerprint does not match the proposal under review (the proposal "
-                "changed, or another review was meant); the attempt is recorded and refused",
-            )
-        if review.approvers and by not in review.approvers:
-            raise ApprovalError(
-                approval_id,
-                f"{by!r} is not among its approvers now ({', '.join(review.approvers)}); "
-                "the attempt is recorded and refused",
-            )
+        if refused is not None:
+            if refused[0] == "missing":
+                raise ApprovalNotFoundError(approval_id, "no such review (it was purged)")
+            raise ApprovalError(approval_id, _not_open(*refused))
+        if problem is not None:
+            raise ApprovalError(approval_id, problem)
 
     async def signal(self, run_id: str, name: str, payload: Any = None) -> None:
         """Deliver the signal ``name``; durable when this returns, buffered until waited for."""
@@ -2042,3 +2055,14 @@ def _check_switch(kind: str, name: str) -> None:
         raise ConfigurationError(f"a switch is one of {', '.join(SWITCH_KINDS)} (got {kind!r})")
     if not isinstance(name, str) or not name:
         raise ConfigurationError(f"a {kind} switch needs a name (got {name!r})")
+
+
+def _not_open(status: str, decided_by: str | None) -> str:
+    """Why a review takes no decision now (its status says)."""
+    if status == "deciding":
+        return (
+            f"another decision was recorded first (by {decided_by!r}) and is on its way to "
+            "the run; this one is refused (read the review again: it is decided, or open "
+            "again if the run refused that decision)"
+        )
+    return f"it is {status}, no longer open"

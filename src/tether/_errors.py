@@ -161,12 +161,15 @@ class RunPurgedError(RunNotFoundError):
 class RunIdConflictError(TetherError):
     """A run id is already in use by a run with different input or workflow."""
 
-    def __init__(self, run_id: str, detail: str) -> None:
+    def __init__(self, run_id: str, detail: str, *, fields: tuple[str, ...] = ()) -> None:
         self.run_id = run_id
+        #: what the start asked for differently (``input``, ``budget``, ``deadline``,
+        #: ``webhook``), when that is the conflict; their values are not repeated
+        self.fields = fields
         super().__init__(
             f"run id {run_id!r} is already used by a run with {detail}; starting with the same "
-            "run id is idempotent only for the same workflow and input: pick a new run id, "
-            "or fetch the existing run with app.get_run(run_id)"
+            "run id is idempotent only for the same workflow, input, deadline, webhook and "
+            "budget: pick a new run id, or fetch the existing run with app.get_run(run_id)"
         )
 
 

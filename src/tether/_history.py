@@ -138,8 +138,10 @@ class Approval:
     proposal: Any  #: the proposal as JSON
     approvers: list[str]  #: who may decide now (anyone when empty)
     deadline_at: float  #: of the current level; then escalation or the default
-    #: ``open``; ``approved`` / ``rejected``; ``expired_rejected`` / ``expired_approved``
-    #: (the default at the last deadline); ``closed`` (the run ended undecided)
+    #: ``open``; ``deciding`` (a decision is on its way to the run: others are refused
+    #: until it takes it, or refuses it and the review opens again); ``approved`` /
+    #: ``rejected``; ``expired_rejected`` / ``expired_approved`` (the default at the last
+    #: deadline); ``closed`` (the run ended undecided)
     status: str
     level: int  #: 0, then 1.. for each escalation
     allow_edit: bool
@@ -153,7 +155,7 @@ class Approval:
     def from_row(cls, row: tuple[Any, ...]) -> Approval:
         """Build from the store's row: its columns, then the run's tenant, status, workflow."""
         status = row[7]
-        if status == "open" and RunStatus(row[17]).is_terminal:
+        if status in ("open", "deciding") and RunStatus(row[17]).is_terminal:
             status = "closed"
         return cls(
             approval_id=row[0],

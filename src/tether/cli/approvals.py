@@ -40,6 +40,7 @@ def _as_dict(review: Approval) -> dict[str, Any]:
 _STATUSES = (
     "open",
     "all",
+    "deciding",
     "approved",
     "rejected",
     "expired_rejected",
@@ -58,8 +59,8 @@ def approvals_list_command(
         str,
         typer.Option(
             "--status",
-            help="open (default), all, approved, rejected, expired_rejected, expired_approved, "
-            "closed (the run ended undecided).",
+            help="open (default), all, deciding (a decision on its way to the run), approved, "
+            "rejected, expired_rejected, expired_approved, closed (the run ended undecided).",
         ),
     ] = "open",
     run_id: Annotated[str | None, typer.Option("--run", help="Only this run's reviews.")] = None,

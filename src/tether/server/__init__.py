@@ -795,7 +795,18 @@ def _add_start_route(api: FastAPI, app: App, wf: Workflow[Any, Any], who: Any) -
                 if data.get("signal") is None
                 else (data["signal"]["name"], data["signal"].get("payload")),
             )
-        except RunIdConflictError:
+        except RunPurgedError:
+            if principal is not None and principal.tenant is not None:
+                # whose the purged run was (and when it went) is not this key's to know:
+                # answered as a live run of another tenant is
+                return _problems.problem(
+                    409,
+                    "Run id already used",
+                    f"run id {run_id!r} is already used by a run this key cannot see: "
+                    "pick a new run id",
+                )
+            raise
+        except RunIdConflictError as exc:
             assert run_id is not None
             if idempotency_key and data.get("run_id") is None:
                 if data.get("if_running") == "reject":  # refused to join, whatever the body
@@ -805,11 +816,14 @@ def _add_start_route(api: FastAPI, app: App, wf: Workflow[Any, Any], who: Any) -
                         f"Idempotency-Key {idempotency_key!r} already started run {run_id} of "
                         f"{wf.name!r}, and if_running='reject' refuses to join it",
                     )
+                # the body's fields that differ (their values are not repeated)
+                differ = [_BODY_FIELD.get(f, f) for f in exc.fields] or ["input"]
                 return _problems.problem(
                     409,
                     "Idempotency-Key reused with another body",
                     f"Idempotency-Key {idempotency_key!r} already started run {run_id} of "
-                    f"{wf.name!r} with other input; use a new key for new input",
+                    f"{wf.name!r} with other {', '.join(differ)}; a retry sends the same "
+                    "body: use a new key for a new request",
                 )
             if not await _seen_by(app, principal, run_id):
                 # another tenant's run: this key learns nothing of it (tenant, workflow,
@@ -867,6 +881,10 @@ def _add_start_route(api: FastAPI, app: App, wf: Workflow[Any, Any], who: Any) -
     api.router.routes.insert(
         0, Route(f"/v1/workflows/{wf.name}/runs", fast_start, methods=["POST"])
     )
+
+
+#: a start's field as the request body names it (``RunIdConflictError.fields``)
+_BODY_FIELD = {"webhook": "callback_url"}
 
 
 async def _seen_by(app: App, principal: Principal | None, run_id: str) -> bool:

@@ -254,6 +254,14 @@ class Store(abc.ABC):
         """One review's row, or None."""
 
     @abc.abstractmethod
+    async def deliver_decision(
+        self, approval_id: str, payload: str, by: str, hold: bool
+    ) -> tuple[str, str | None] | None:
+        """Deliver a decision (the approval signal's payload) if the review is open, in
+        one commit; ``hold`` also marks it ``deciding`` until the run takes or refuses
+        it. None when delivered; else the (status, decided_by) that refused it."""
+
+    @abc.abstractmethod
     async def ai_cache_get(self, key: str) -> str | None:
         """A cached model answer (tether.ai) still within its TTL, or None."""
 

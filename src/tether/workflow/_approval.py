@@ -166,15 +166,15 @@ async def approval(
                 break  # this level's deadline passed
             verdict = _judge(payload, approval_id, fp, people, allow_edit, adapter)
             if isinstance(verdict, str):
-                inst.record(
-                    "approval_refused",
-                    {
-                        "approval_id": approval_id,
-                        "by": payload.get("by"),
-                        "reason": verdict,
-                        "level": level,
-                    },
-                )
+                refusal = {
+                    "approval_id": approval_id,
+                    "by": payload.get("by"),
+                    "reason": verdict,
+                    "level": level,
+                }
+                if payload.get("held") is True:
+                    refusal["held"] = True  # the store reopens the review it held
+                inst.record("approval_refused", refusal)
                 continue
             approved, value, edited = verdict
             if approved and not edited:

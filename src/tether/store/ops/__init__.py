@@ -463,6 +463,14 @@ class OpsStore(Store):
         out: tuple[Any, ...] | None = await self._do(_get_approval, approval_id, write=False)
         return out
 
+    async def deliver_decision(
+        self, approval_id: str, payload: str, by: str, hold: bool
+    ) -> tuple[str, str | None] | None:
+        out: tuple[str, str | None] | None = await self._do(
+            _deliver_decision, approval_id, payload, by, hold
+        )
+        return out
+
     async def ai_cache_get(self, key: str) -> str | None:
         out: str | None = await self._do(_cache_get, key, write=False)
         return out
@@ -565,7 +573,7 @@ from .ai import (  # noqa: E402
     _model_budgets,
     _set_model_budget,
 )
-from .approvals import _get_approval, _list_approvals  # noqa: E402
+from .approvals import _deliver_decision, _get_approval, _list_approvals  # noqa: E402
 from .breakers import _breaker_admit, _breaker_record  # noqa: E402
 from .claims import _claim, _claim_with_wake  # noqa: E402
 from .control import _cancel, _resume, _signal, _suspend, _terminate  # noqa: E402

@@ -11,12 +11,23 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from ..._history import APPROVAL_SIGNAL, RunStatus
 from ._tx import _Tx
 
 #: the markers that change a review's row
 APPROVAL_MARKERS = frozenset(
-    {"approval_requested", "approval_escalated", "approval_reminder", "approval_decided"}
+    {
+        "approval_requested",
+        "approval_escalated",
+        "approval_reminder",
+        "approval_refused",
+        "approval_decided",
+    }
 )
+
+#: the status of a review while a decision is on its way to the run (delivered, not yet
+#: taken or refused by it): further decisions are refused meanwhile
+DECIDING = "deciding"
 
 _COLS = (
     "a.approval_id, a.run_id, a.name, a.fingerprint, a.proposal, a.approvers, a.deadline_at, "
@@ -58,6 +69,13 @@ def _apply_approval_marker(tx: _Tx, run_id: str, marker: str, raw: str) -> None:
             "UPDATE approvals SET reminded_at = ?, updated_at = ? WHERE approval_id = ?",
             (tx.now, tx.now, aid),
         )
+    elif marker == "approval_refused":
+        if value.get("held"):  # the decision that held the review was refused: reopen it
+            tx.execute(
+                "UPDATE approvals SET status = 'open', decided_by = NULL, decided_at = NULL, "
+                "updated_at = ? WHERE approval_id = ? AND status = ?",
+                (tx.now, aid, DECIDING),
+            )
     elif marker == "approval_decided":
         status = "approved" if value["approved"] else "rejected"
         if value.get("timed_out"):
@@ -67,6 +85,45 @@ def _apply_approval_marker(tx: _Tx, run_id: str, marker: str, raw: str) -> None:
             "updated_at = ? WHERE approval_id = ?",
             (status, value.get("by"), tx.now, tx.seal(value.get("reason"), run_id), tx.now, aid),
         )
+
+
+def _deliver_decision(
+    tx: _Tx, approval_id: str, payload: str, by: str, hold: bool
+) -> tuple[str, str | None] | None:
+    """Deliver a decision to the review's run if the review is open, in one commit.
+
+    ``hold`` (a decision that names the proposal's fingerprint and comes from an
+    approver) also marks the review ``deciding`` until the run takes the decision or
+    refuses it (``approval_refused`` with ``held`` reopens it), so of two decisions at
+    once only the first reaches the run. None when delivered; else the review's
+    (status, decided_by) that refused it (``missing``: no such review).
+    """
+    row = tx.execute(
+        "SELECT run_id FROM approvals WHERE approval_id = ?", (approval_id,)
+    ).fetchone()
+    if row is None:
+        return ("missing", None)
+    run_id = row[0]
+    # the run's row first, locked (PostgreSQL): the order a workflow task's commit takes
+    # them in; then the review as it is after any commit that changed it
+    run = tx.execute(
+        f"SELECT status FROM runs WHERE run_id = ?{tx.for_update}", (run_id,)
+    ).fetchone()
+    status, decided_by = tx.execute(
+        "SELECT status, decided_by FROM approvals WHERE approval_id = ?", (approval_id,)
+    ).fetchone()
+    if run is None or (status in ("open", DECIDING) and RunStatus(run[0]).is_terminal):
+        return ("closed", None)
+    if status != "open":
+        return (status, decided_by)
+    if hold:
+        tx.execute(
+            "UPDATE approvals SET status = ?, decided_by = ?, decided_at = ?, updated_at = ? "
+            "WHERE approval_id = ?",
+            (DECIDING, by, tx.now, tx.now, approval_id),
+        )
+    _signal(tx, run_id, f"{APPROVAL_SIGNAL}{approval_id}", payload)
+    return None
 
 
 def _list_approvals(
@@ -120,3 +177,7 @@ def _get_approval(tx: _Tx, approval_id: str) -> tuple[Any, ...] | None:
         (approval_id,),
     ).fetchone()
     return _opened_row(tx, row) if row is not None else None
+
+
+# operations of other concerns (imported last: see the package docstring)
+from .control import _signal  # noqa: E402

@@ -165,7 +165,8 @@ def _pending_work(tx: _Tx, run_id: str, kept: list[Event], run_queue: str, fork:
 
 
 def _retry_run(tx: _Tx, run_id: str) -> None:
-    status, run_queue, _p, _s, workflow, _t = _run_row(tx, run_id)
+    # locked: a second retry at once waits, then finds the run running and is refused
+    status, run_queue, _p, _s, workflow, _t = _run_row(tx, run_id, lock=True)
     if status not in (RunStatus.FAILED.value, RunStatus.NEEDS_INTERVENTION.value):
         raise RecoveryError(
             f"run {run_id!r} is {status}: only failed or needs_intervention runs can be "

@@ -20,11 +20,15 @@ from ..base import StartResult, WorkflowTaskResult, start_event_data
 from ._tx import _RUN_COLS, _run_from_row, _Tx
 
 
-def _run_row(tx: _Tx, run_id: str) -> tuple[Any, ...]:
-    """(status, queue, parent_run_id, parent_step, workflow, tenant) of a run."""
+def _run_row(tx: _Tx, run_id: str, *, lock: bool = False) -> tuple[Any, ...]:
+    """(status, queue, parent_run_id, parent_step, workflow, tenant) of a run.
+
+    ``lock``: read it under a row lock (PostgreSQL; SQLite's write lock serialises
+    anyway), for an operation that changes the run by the status it reads here: one
+    running concurrently waits, then reads the status this one left."""
     row = tx.execute(
         "SELECT status, queue, parent_run_id, parent_step, workflow, tenant FROM runs "
-        "WHERE run_id = ?",
+        f"WHERE run_id = ?{tx.for_update if lock else ''}",
         (run_id,),
     ).fetchone()
     if row is None:
@@ -120,6 +124,22 @@ def _same_input(stored: str | None, given: str) -> bool:
         return False
 
 
+#: what a start is asked for besides its input, kept in the run's attrs: a start that
+#: repeats the run id asks for the same, or it is a conflict (not silently dropped)
+_START_ATTRS = ("budget", "deadline", "webhook")
+
+
+def _differences(existing: RunInfo, input: str, attrs: dict[str, Any] | None) -> tuple[str, ...]:
+    """What a start of an existing run asks for that the run was not started with: its
+    input, and each of ``_START_ATTRS`` (names, never values)."""
+    out = [] if _same_input(existing.input, input) else ["input"]
+    had, asked = existing.attrs or {}, attrs or {}
+    for key in _START_ATTRS:
+        if not _equal(json.loads(json.dumps(had.get(key))), json.loads(json.dumps(asked.get(key)))):
+            out.append(key)
+    return tuple(out)
+
+
 def _equal(a: Any, b: Any) -> bool:
     """JSON values equal as values: objects whatever their key order, ``1`` and ``1.0``
     alike, but never ``true`` for ``1`` (Python's ``==`` says ``True == 1``)."""
@@ -162,8 +182,10 @@ def _create_run(
             raise RunIdConflictError(run_id, f"tenant {existing.tenant!r}")
         if if_exists == "reject":
             raise RunIdConflictError(run_id, "a run (this start refuses to join it)")
-        if if_exists == "same_input" and signal is None and not _same_input(existing.input, input):
-            raise RunIdConflictError(run_id, "different input")
+        if if_exists == "same_input" and signal is None:
+            differ = _differences(existing, input, attrs)
+            if differ:
+                raise RunIdConflictError(run_id, f"different {', '.join(differ)}", fields=differ)
         got = None
         if signal is not None:  # to the run (its live run, if it continued as new)
             got = _signal(tx, run_id, signal[0], signal[1])
