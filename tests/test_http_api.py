@@ -342,6 +342,8 @@ def test_approvals_are_listed_and_decided_over_http(server: Server) -> None:
     assert http.get("/v1/approvals", params={"approver": "bo"}).json() == []
     bogus = http.get("/v1/approvals", params={"status": "bogus"})
     assert bogus.status_code == 400 and "expired_rejected" in bogus.json()["detail"]
+    # a review with a decision on its way to the run reads "deciding": listed by it too
+    assert http.get("/v1/approvals", params={"status": "deciding"}).json() == []
     one = http.get(f"/v1/approvals/{review['approval_id']}").json()
     assert one["fingerprint"] == review["fingerprint"]
     assert http.get("/v1/approvals/nope:1").status_code == 404

@@ -719,6 +719,7 @@ def longest_suffix_first(api: FastAPI, prefix: str) -> None:
 #: what ``GET /v1/approvals?status=`` takes (``all``: every review)
 _REVIEW_STATUSES = (
     "open",
+    "deciding",
     "approved",
     "rejected",
     "expired_rejected",
