@@ -369,8 +369,10 @@ def test_deadlocked_batch_is_rolled_back_and_retried(
     finally:
         t.join()
     assert failures == []
-    assert result == 2  # the whole batch ran again after the deadlock
-    assert s.stats()["retries"] == 1
+    # the whole batch ran again after the deadlock (on a loaded machine the retry may
+    # meet the other transaction's locks once more: more attempts, never a partial one)
+    assert result >= 2 and s.stats()["retries"] >= 1
+    # one attempt of each committed, whole: the rolled-back ones left nothing
     assert sorted(_query(pg_schema, "SELECT id, n FROM dl")) == [(1, 11), (2, 11)]
 
 
