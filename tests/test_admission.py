@@ -547,3 +547,48 @@ def test_debounce_validates() -> None:
     ):
         with pytest.raises(tether.ConfigurationError):
             asyncio.run(go(**kw))
+
+
+async def test_a_queued_run_cancelled_while_admission_waits_for_its_row_stays_cancelled(
+    pg_schema: str,
+) -> None:
+    """PostgreSQL: admission read the queued runs, then promoted each by id; a run
+    cancelled by a transaction that committed while admission waited for its row came
+    back as ``pending`` (and ran). It now stays cancelled; the next queued run is admitted."""
+    import psycopg
+
+    from conftest import PG_URL, with_schema
+
+    app = tether.App(store=with_schema(PG_URL, pg_schema))
+
+    @app.workflow
+    async def job(n: int) -> int:
+        return n
+
+    try:
+        app.configure_admission("acme", max_running=1)
+        await app.start(job, 0, tenant="acme", run_id="a")
+        for rid in ("b", "c"):
+            await app.start(job, 0, tenant="acme", run_id=rid, on_limit="queue")
+        with psycopg.connect(PG_URL) as other:  # another process cancelling "b"
+            other.execute(f'SET search_path TO "{pg_schema}"')
+            other.execute("UPDATE runs SET status = 'cancelled' WHERE run_id = 'b'")
+            room = asyncio.ensure_future(app.store.configure_admission("acme", 2))
+            with psycopg.connect(PG_URL, autocommit=True) as watch:
+                for _ in range(400):  # until admission waits for the row "b" is locked in
+                    (waiting,) = watch.execute(
+                        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                        "AND query LIKE %s",
+                        ("UPDATE runs SET status = 'pending'%",),
+                    ).fetchone()  # type: ignore[misc]
+                    if waiting:
+                        break
+                    await asyncio.sleep(0.05)
+                else:
+                    raise AssertionError("admission never waited for the row of run b")
+            other.commit()
+        await asyncio.wait_for(room, 30)
+        status = {rid: (await app.get(rid)).status.value for rid in ("a", "b", "c")}
+        assert status == {"a": "pending", "b": "cancelled", "c": "pending"}
+    finally:
+        await app.close()

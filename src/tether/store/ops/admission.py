@@ -34,18 +34,34 @@ def _admission(tx: _Tx, tenant: str) -> tuple[int | None, int]:
 
 
 def _admit_queued(tx: _Tx, tenant: str, n: int | None) -> int:
-    """Admit up to ``n`` (None: all) of the tenant's queued runs, oldest first."""
-    rows = tx.execute(
-        "SELECT run_id, queue, workflow FROM runs WHERE tenant = ? AND status = 'queued' "
-        "ORDER BY created_at, run_id LIMIT ?",
-        (tenant, n if n is not None else 2**62),
-    ).fetchall()
-    for run_id, queue, workflow in rows:
-        tx.execute(
-            "UPDATE runs SET status = 'pending', updated_at = ? WHERE run_id = ?", (tx.now, run_id)
-        )
-        _ensure_workflow_task(tx, run_id, queue, workflow)
-    return len(rows)
+    """Admit up to ``n`` (None: all) of the tenant's queued runs, oldest first.
+
+    Each is admitted only if it is still queued when its row is written: a run
+    cancelled by a transaction that committed while this one waited for its row
+    (PostgreSQL) stays cancelled, and the next queued run takes the room instead."""
+    admitted = 0
+    while n is None or admitted < n:
+        want = n - admitted if n is not None else 2**62
+        rows = tx.execute(
+            "SELECT run_id, queue, workflow FROM runs WHERE tenant = ? AND status = 'queued' "
+            "ORDER BY created_at, run_id LIMIT ?",
+            (tenant, want),
+        ).fetchall()
+        for run_id, queue, workflow in rows:
+            if (
+                tx.execute(
+                    "UPDATE runs SET status = 'pending', updated_at = ? "
+                    "WHERE run_id = ? AND status = 'queued' RETURNING run_id",
+                    (tx.now, run_id),
+                ).fetchone()
+                is None
+            ):
+                continue  # it ended meanwhile: not admitted
+            _ensure_workflow_task(tx, run_id, queue, workflow)
+            admitted += 1
+        if n is None or len(rows) < want:
+            break
+    return admitted
 
 
 def _promote(tx: _Tx, tenant: str) -> None:
