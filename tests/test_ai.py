@@ -788,6 +788,91 @@ async def test_a_streamed_step_reaches_followers_and_only_the_answer_is_recorded
     ]
 
 
+async def test_a_cut_off_stream_is_a_failed_attempt_and_followers_can_tell_attempts_apart(
+    app: tether.App, server: ModelServer
+) -> None:
+    """A stream a proxy cut off (no finish reason, no [DONE]) was recorded as a short,
+    complete answer; it is now an attempt that failed and is retried. Followers saw the
+    dead attempt's text glued to the next one's: items now carry their attempt and
+    offset, and a failing attempt says so."""
+    gw, primary = gateway(app, server)
+
+    @app.workflow
+    async def tell() -> str:
+        return await ai.complete(primary, "tell me", stream=True)
+
+    server.script(
+        "gpt-4o-mini",
+        model_reply("CUT alpha beta gamma", cut_after=2, chunk_delay=0.01),
+        model_reply("one two three", chunk_delay=0.01),
+    )
+    got: list[dict[str, Any]] = []
+
+    async def follow() -> None:
+        async for item in gw.follow("cut"):
+            got.append(item)
+            if item.get("done"):
+                return
+
+    async with app.worker(poll_interval=0.05):
+        follower = asyncio.create_task(follow())
+        await asyncio.sleep(0.01)
+        run = await app.start(tell, run_id="cut")
+        assert await run.result(timeout=30) == "one two three"
+        await asyncio.wait_for(follower, 30)
+    assert server.count() == 2  # the cut-off answer was not taken
+    first = [g for g in got if g.get("attempt") == 1]
+    assert "".join(g.get("delta", "") for g in first) == "CUT alpha "
+    assert first[-1]["failed"]  # the dead attempt says so
+    second = [g for g in got if g.get("attempt") == 2 and "delta" in g]
+    assert "".join(g["delta"] for g in second) == "one two three"
+    offsets = [g["offset"] for g in second]
+    assert offsets == sorted(offsets) and offsets[0] == 0  # each attempt from its start
+    assert got[-1]["done"] is True and got[-1]["attempt"] == 2
+
+
+async def test_a_big_streamed_piece_reaches_followers_in_other_processes(
+    pg_schema: str, server: ModelServer
+) -> None:
+    """A provider that sends its whole answer in one chunk (9,000 characters) made a
+    piece too big for a PostgreSQL notification: followers in other processes got none
+    of it, silently. Pieces are now at most STREAM_PIECE characters."""
+    from conftest import PG_URL, with_schema
+
+    store_url = with_schema(PG_URL, pg_schema)
+    app = tether.App(store=store_url)
+    watcher = tether.App(store=store_url)  # another process following the run
+    _gw, primary = gateway(app, server)
+
+    @app.workflow
+    async def tell() -> str:
+        return await ai.complete(primary, "tell me", stream=True)
+
+    text = "é" * 9000  # one word, one chunk; two bytes a character in UTF-8
+    server.script("gpt-4o-mini", model_reply(text))
+    heard: list[dict[str, Any]] = []
+    done = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def listen(run_id: str, item: dict[str, Any]) -> None:
+        heard.append(item)
+        if item.get("done"):
+            loop.call_soon_threadsafe(done.set)
+
+    try:
+        await watcher.list()  # opens its store (and its listener on PostgreSQL)
+        watcher.store.add_stream_listener(listen)
+        async with app.worker(poll_interval=0.05):
+            run = await app.start(tell, run_id="big")
+            assert await run.result(timeout=30) == text
+            await asyncio.wait_for(done.wait(), 30)
+        assert "".join(h.get("delta", "") for h in heard) == text
+        assert all(len(h.get("delta", "")) <= 1000 for h in heard)
+    finally:
+        await watcher.close()
+        await app.close()
+
+
 async def test_a_run_keeps_the_model_it_started_with_across_a_deploy(
     store_url: str, server: ModelServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:

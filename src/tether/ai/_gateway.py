@@ -285,6 +285,9 @@ EXTENSIONS: list[Callable[[Gateway], None]] = []
 
 #: the longest a streamed delta waits before it is published to other processes
 STREAM_FLUSH = 0.05
+#: the most characters of streamed text in one published piece (a PostgreSQL
+#: notification holds under 8,000 bytes; UTF-8 writes a character in at most four)
+STREAM_PIECE = 1000
 
 
 class Gateway:
@@ -684,38 +687,65 @@ class Gateway:
 
         try:
             ctx = activity_context()
-            where: dict[str, Any] = {"run_id": ctx.run_id, "step": ctx.step, "model": ref.name}
+            where: dict[str, Any] = {
+                "run_id": ctx.run_id,
+                "step": ctx.step,
+                "model": ref.name,
+                "attempt": ctx.attempt,
+            }
         except NotInActivityError:
-            where = {"run_id": None, "step": None, "model": ref.name}
+            where = {"run_id": None, "step": None, "model": ref.name, "attempt": 1}
         run_id = where["run_id"]
         # other processes (an SSE stream of tether serve) hear through the store, in
-        # pieces of at most STREAM_FLUSH seconds' text: one notification per piece
+        # pieces of at most STREAM_FLUSH seconds' text (and STREAM_PIECE characters, to
+        # fit a notification): one notification per piece. ``offset`` is where a delta
+        # starts in this attempt's text, so a follower can tell a gap from a restart
         store = self._step_store()
         clock = asyncio.get_running_loop().time
-        pending, flushed = "", clock()
-        async with model_request_stream(
-            built,
-            messages,
-            model_settings=settings,
-            model_request_parameters=params,
-            instrument=False,
-        ) as stream:
-            async for event in stream:
-                text = None
-                if isinstance(event, PartStartEvent) and isinstance(event.part, TextPart):
-                    text = event.part.content
-                elif isinstance(event, PartDeltaEvent) and isinstance(event.delta, TextPartDelta):
-                    text = event.delta.content_delta
-                if text and run_id is not None:
-                    self._publish(run_id, {**where, "delta": text})
-                    pending += text
-                    if clock() - flushed >= STREAM_FLUSH:
-                        await self._broadcast(store, run_id, {**where, "delta": pending})
-                        pending, flushed = "", clock()
-            response = stream.get()
+        pending, flushed, sent, heard = "", clock(), 0, 0
+
+        async def flush() -> None:
+            nonlocal pending, sent
+            while pending:
+                piece, pending = pending[:STREAM_PIECE], pending[STREAM_PIECE:]
+                await self._broadcast(store, run_id, {**where, "offset": sent, "delta": piece})
+                sent += len(piece)
+
+        try:
+            async with model_request_stream(
+                built,
+                messages,
+                model_settings=settings,
+                model_request_parameters=params,
+                instrument=False,
+            ) as stream:
+                async for event in stream:
+                    text = None
+                    if isinstance(event, PartStartEvent) and isinstance(event.part, TextPart):
+                        text = event.part.content
+                    elif isinstance(event, PartDeltaEvent) and isinstance(
+                        event.delta, TextPartDelta
+                    ):
+                        text = event.delta.content_delta
+                    if text and run_id is not None:
+                        self._publish(run_id, {**where, "offset": heard, "delta": text})
+                        heard += len(text)
+                        pending += text
+                        if clock() - flushed >= STREAM_FLUSH or len(pending) >= STREAM_PIECE:
+                            await flush()
+                            flushed = clock()
+                response = stream.get()
+        except BaseException as exc:
+            if run_id is not None:
+                # this attempt's text is void: a follower drops what it showed of it (a
+                # worker killed outright says nothing; the next attempt's number does)
+                failed = {**where, "failed": type(exc).__name__}
+                self._publish(run_id, failed)
+                if not isinstance(exc, asyncio.CancelledError):
+                    await self._broadcast(store, run_id, failed)
+            raise
         if run_id is not None:
-            if pending:
-                await self._broadcast(store, run_id, {**where, "delta": pending})
+            await flush()
             self._publish(run_id, {**where, "done": True})
             await self._broadcast(store, run_id, {**where, "done": True})
         return response
@@ -736,13 +766,15 @@ class Gateway:
 
     async def follow(self, run_id: str) -> AsyncIterator[dict[str, Any]]:
         """The streamed output of ``run_id``'s model steps, as it is produced, in this
-        process: ``{"run_id", "step", "model", "delta": text}`` items and a
-        ``{"done": True, ...}`` item when a step's answer is complete.
+        process: ``{"run_id", "step", "model", "attempt", "offset", "delta": text}``
+        items, ``{"failed": error type, "attempt": n, ...}`` when an attempt dies (its
+        text is void: show the latest attempt's), and ``{"done": True, ...}`` when a
+        step's answer is complete.
 
-        Only steps run after you start following, by a worker of this process, with
-        ``stream=True`` (``ai.complete(..., stream=True)``) stream; recorded answers
-        are never streamed again (a resumed run replays them silently). Stop by
-        breaking out of the loop.
+        What a worker of this process streams (``stream=True``) from when you start
+        following: a step under way streams on from there (its first ``offset`` says
+        what was missed); recorded answers are never streamed again (a resumed run
+        replays them silently). Stop by breaking out of the loop.
         """
         queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         entry = (asyncio.get_running_loop(), queue)

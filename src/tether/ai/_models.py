@@ -64,16 +64,21 @@ def openai_compatible(
     api_key: str | None = None,
     timeout: float | None = None,
     headers: dict[str, str] | None = None,
+    require_finish_reason: bool = True,
 ) -> Model:
     """An OpenAI chat model, or any OpenAI-compatible server's (vLLM, Ollama, LM Studio...).
 
     SDK retries are off. ``api_key`` defaults to ``OPENAI_API_KEY``; a local
     server that needs none gets a placeholder. ``headers`` go with every request (a
     proxy's or gateway's own key: set here, in the worker, they are never recorded).
+    A streamed answer that ends without a finish reason was cut off (an attempt that
+    failed, retried), never a short answer; ``require_finish_reason=False`` for a
+    server that never sends one.
     """
     try:
         from openai import AsyncOpenAI
         from pydantic_ai.models.openai import OpenAIChatModel
+        from pydantic_ai.profiles.openai import OpenAIModelProfile
         from pydantic_ai.providers.openai import OpenAIProvider
     except ImportError as exc:  # pragma: no cover - depends on the installed extras
         raise ModelConfigError(
@@ -94,7 +99,13 @@ def openai_compatible(
         default_headers=headers,
         http_client=http_client(timeout, lib=_sdk_http(AsyncOpenAI)),
     )
-    return OpenAIChatModel(model_name, provider=OpenAIProvider(openai_client=client))
+    return OpenAIChatModel(
+        model_name,
+        provider=OpenAIProvider(openai_client=client),
+        profile=OpenAIModelProfile(
+            openai_chat_streaming_requires_finish_reason=require_finish_reason
+        ),
+    )
 
 
 def anthropic(

@@ -759,7 +759,7 @@ class PostgresStore(OpsStore):
 
     async def publish(self, run_id: str, item: dict[str, Any]) -> None:
         self._hand_out(run_id, item)
-        payload = json.dumps({"r": run_id, "i": item}, separators=(",", ":"))
+        payload = json.dumps({"r": run_id, "i": item}, separators=(",", ":"), ensure_ascii=False)
         if len(payload.encode()) > _PAYLOAD_LIMIT:
             return  # too big for a notification: other processes' followers miss it
         await self._do(_notify, self._stream_channel, payload)

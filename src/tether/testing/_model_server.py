@@ -43,6 +43,9 @@ class Answer:
     delay: float = 0.0
     #: pause between streamed chunks (a request with ``"stream": true`` gets chunks)
     chunk_delay: float = 0.0
+    #: streamed: the connection closes after this many chunks, with no finish reason
+    #: and no ``[DONE]`` (a stream a proxy cut off)
+    cut_after: int | None = None
 
 
 def reply(
@@ -56,6 +59,7 @@ def reply(
     headers: dict[str, str] | None = None,
     delay: float = 0.0,
     chunk_delay: float = 0.0,
+    cut_after: int | None = None,
 ) -> Answer:
     """A completion with ``text`` or one tool call ``(name, arguments)``, and its usage.
 
@@ -70,6 +74,7 @@ def reply(
         headers=dict(headers or {}),
         delay=delay,
         chunk_delay=chunk_delay,
+        cut_after=cut_after,
     )
 
 
@@ -216,11 +221,17 @@ class ModelServer:
                     for k, v in answer.headers.items():
                         self.send_header(k, v)
                     self.end_headers()
-                    for chunk in _chunks(body, answer):
+                    chunks = _chunks(body, answer)
+                    if answer.cut_after is not None:
+                        chunks = chunks[: answer.cut_after]
+                    for chunk in chunks:
                         self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
                         self.wfile.flush()
                         if answer.chunk_delay:
                             time.sleep(answer.chunk_delay)
+                    if answer.cut_after is not None:
+                        self.close_connection = True
+                        return  # cut off: no finish, no [DONE]
                     self.wfile.write(b"data: [DONE]\n\n")
                     self.wfile.flush()
                 except (BrokenPipeError, ConnectionResetError):
