@@ -264,6 +264,16 @@ def create_api(
     # read when the API is built, so a bad value is one line before the server starts
     alert_interval = env_number("TETHER_ALERT_INTERVAL", 30.0, least=0.1)
 
+    stopping: list[asyncio.Future[Any]] = []
+
+    def begin_shutdown() -> None:
+        """The server begins to stop (on its loop, before it waits for connections to
+        close): event streams end now, their clients reconnect elsewhere; the workers
+        stop claiming and in-flight work has ``grace`` seconds from now."""
+        hub.close()
+        if not stopping:
+            stopping.append(asyncio.gather(*(w.stop(grace=grace) for w in running)))
+
     @contextlib.asynccontextmanager
     async def lifespan(_api: FastAPI) -> AsyncIterator[None]:
         hub.start()
@@ -282,13 +292,14 @@ def create_api(
         try:
             yield
         finally:
+            begin_shutdown()  # (done already when the server began to stop)
             await watcher.stop()
             if metrics is not None:
                 await metrics.stop()
             hub.stop()
             if relay is not None:
                 await relay.stop()
-            await asyncio.gather(*(w.stop(grace=grace) for w in running))
+            await stopping.pop()
             running.clear()
             await app.close()
 
@@ -303,6 +314,8 @@ def create_api(
     api.add_middleware(BodyLimit, max_bytes=max_body)
     api.state.relay = relay
     api.state.hub = hub
+    #: ``tether serve`` calls it when uvicorn begins a graceful shutdown
+    api.state.begin_shutdown = begin_shutdown
     if console:
         install_console(api, app, auth=auth)
 

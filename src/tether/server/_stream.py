@@ -10,6 +10,11 @@ Streamed model output (``ai.complete(..., stream=True)``) is not history: the st
 passes it on as it comes (``Store.publish``) and streams send it as ``token`` events
 without an ``id`` (a reconnect does not get them again; the final answer is in the
 history). On SQLite only a worker in the same process reaches the stream.
+
+When the server begins to stop (``EventHub.close``: SIGTERM), every open stream ends at
+once with a ``closing`` message (``retry:`` set), so no follower holds the process
+past its grace; the client reconnects, with ``Last-Event-ID``, to another replica or
+the restarted server and misses nothing.
 """
 
 from __future__ import annotations
@@ -34,6 +39,15 @@ CHANGES_EVERY = 1.0
 #: run ids a changes stream keeps between two looks (a follower bound to a tenant looks
 #: them up; beyond, its page's slower poll shows the change)
 CHANGES_KEPT = 50
+#: the last message of a stream the server ended because it is stopping
+CLOSING = (
+    "retry: 2000\nevent: closing\ndata: "
+    + json.dumps(
+        {"reason": "the server is stopping: reconnect (with Last-Event-ID) to resume"},
+        separators=(",", ":"),
+    )
+    + "\n\n"
+)
 
 
 class EventHub:
@@ -46,10 +60,13 @@ class EventHub:
         self._tokens: dict[asyncio.Event, list[dict[str, Any]]] = {}
         #: streams of "some run changed" (the console's runs list): the runs touched since
         self._watching: dict[asyncio.Event, set[str]] = {}
+        #: the server is stopping: streams end (with ``CLOSING``), new ones at once
+        self.closing = False
 
     def start(self) -> None:
         """Begin listening (call on the service's event loop)."""
         self._loop = asyncio.get_running_loop()
+        self.closing = False
         self._app.store.add_history_listener(self._on_commit)
         self._app.store.add_stream_listener(self._on_item)
 
@@ -57,6 +74,15 @@ class EventHub:
         """Stop listening."""
         self._app.store.remove_history_listener(self._on_commit)
         self._app.store.remove_stream_listener(self._on_item)
+
+    def close(self) -> None:
+        """The server is stopping: end every open stream now (call on the loop)."""
+        self.closing = True
+        for followers in self._following.values():
+            for ev in followers:
+                ev.set()
+        for ev in self._watching:
+            ev.set()
 
     def _on_item(self, run_id: str, item: dict[str, Any]) -> None:
         if self._following and self._loop is not None and not self._loop.is_closed():
@@ -95,6 +121,9 @@ class EventHub:
         try:
             yield ": following\n\n"
             while not await request.is_disconnected():
+                if self.closing:
+                    yield CLOSING
+                    return
                 try:
                     await asyncio.wait_for(woken.wait(), KEEPALIVE)
                 except TimeoutError:
@@ -103,6 +132,8 @@ class EventHub:
                 woken.clear()
                 runs = set(touched)
                 touched.clear()
+                if self.closing:
+                    continue
                 if await sees(runs):
                     yield "event: changed\ndata: {}\n\n"
                     await asyncio.sleep(CHANGES_EVERY)  # what commits meanwhile waits
@@ -148,6 +179,9 @@ class EventHub:
                         quiet_since = loop.time()
                         yield ": keep-alive\n\n"
                 if await request.is_disconnected():
+                    return
+                if self.closing:  # after what was committed so far was sent
+                    yield CLOSING
                     return
                 try:
                     await asyncio.wait_for(woken.wait(), SAFETY_READ)
