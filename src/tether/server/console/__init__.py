@@ -302,10 +302,13 @@ def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
             principal.require(_ACTIONS[action], action)
         info = await visible(principal, run_id)
         reason = f"{actor(principal)} via console: {fields.get('reason') or 'no reason given'}"
-        if action in ("cancel", "terminate"):
-            await getattr(app, action)(info.run_id, reason)
-        else:
-            await getattr(app, action)(info.run_id)
+        try:
+            if action in ("cancel", "terminate"):
+                await getattr(app, action)(info.run_id, reason)
+            else:
+                await getattr(app, action)(info.run_id)
+        except TetherError as exc:  # e.g. the run ended since the page was shown
+            return _back(run_id, f"{action} not done: {exc}")
         await audit(principal, action, f"run:{info.run_id}", {"reason": fields.get("reason")})
         return _back(run_id, f"{action} requested by {actor(principal)}")
 
@@ -323,7 +326,10 @@ def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
             return _back(run_id, f"signal not sent: the payload is not JSON ({exc})")
         if not name:
             return _back(run_id, "signal not sent: give it a name")
-        await app.signal(info.run_id, name, payload)
+        try:
+            await app.signal(info.run_id, name, payload)
+        except TetherError as exc:
+            return _back(run_id, f"signal not sent: {exc}")
         await audit(principal, "signal", f"run:{info.run_id}", {"signal": name})
         return _back(run_id, f"signal {name!r} sent by {actor(principal)}")
 

@@ -1,0 +1,106 @@
+"""The console in a real browser (Playwright driving Debian's Chromium) against a real
+``tether serve`` process, when things change under it: a run page stays live across a
+server restart (and says when it is not), and actions on a page gone stale answer with
+a message on the run's page, not an error document."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import test_http_api
+from test_console import CHROMIUM, _sign_in, _start, pytestmark  # noqa: F401 (skip mark)
+from test_http_api import Server, _create_key
+
+
+@pytest.fixture
+def browser() -> Iterator[Any]:
+    from playwright.sync_api import sync_playwright
+
+    assert CHROMIUM is not None, "CI needs chromium: ./scripts/setup-browser installs it"
+    with sync_playwright() as pw:
+        b = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        try:
+            yield b
+        finally:
+            b.close()
+
+
+@pytest.fixture
+def admin_served(tmp_path: Path) -> Iterator[tuple[Server, str]]:
+    store = f"sqlite:///{tmp_path / 't.db'}"
+    import tether
+
+    tether.App(store=store).store.close_sync()  # type: ignore[attr-defined]
+    admin = _create_key(store, "--role", "admin")
+    server = Server(store, "--workers", "1")
+    yield server, admin
+    server.stop()
+
+
+def _restart(server: Server, monkeypatch: pytest.MonkeyPatch) -> Server:
+    """Kill ``server`` (SIGKILL: connections drop) and start it again on the same port."""
+    server.proc.send_signal(signal.SIGKILL)
+    server.stop()
+    monkeypatch.setattr(test_http_api, "_free_port", lambda: server.port)
+    return Server(server.store, "--workers", "1")
+
+
+def test_a_run_page_says_it_is_not_live_and_follows_the_run_again_after_a_restart(
+    admin_served: tuple[Server, str], browser: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server, admin = admin_served
+    base = f"http://127.0.0.1:{server.port}"
+    run = _start(server, admin, "approve", {"input": {"doc": "memo"}})
+    page = browser.new_page()
+    _sign_in(page, base, admin)
+    with page.expect_response(lambda r: r.url.endswith("/events")):  # the page follows
+        page.goto(f"{base}/runs/{run['id']}")
+    assert page.locator("#live-state").is_hidden()
+    server = _restart(server, monkeypatch)
+    try:
+        # while the server was away the page said so; it is live again once it is back
+        # (the browser reconnects by itself, or the page makes a new stream)
+        page.wait_for_selector("#live-state", state="visible", timeout=20_000)
+        page.wait_for_selector("#live-state", state="hidden", timeout=30_000)
+        r = server.http.post(
+            f"/v1/runs/{run['id']}/signals/review",
+            json={"verdict": "approved"},
+            headers={"Authorization": f"Bearer {admin}"},
+        )
+        assert r.status_code == 202, r.text
+        page.wait_for_selector("#status.completed", timeout=20_000)  # followed, not reloaded
+        assert "memo: approved" in page.inner_text("#live")
+    finally:
+        server.stop()
+
+
+def test_an_action_on_a_run_that_ended_since_its_page_was_shown_says_why_on_the_page(
+    admin_served: tuple[Server, str], browser: Any
+) -> None:
+    server, admin = admin_served
+    base = f"http://127.0.0.1:{server.port}"
+    auth = {"Authorization": f"Bearer {admin}"}
+    page = browser.new_page()
+    page.on("dialog", lambda d: d.accept())
+    _sign_in(page, base, admin)
+    page.route("**/events*", lambda route: route.abort())  # pages that do not follow
+    for button in ("Cancel", "Terminate", "Suspend", "Send signal"):
+        run = _start(server, admin, "approve", {"input": {"doc": button}})
+        page.goto(f"{base}/runs/{run['id']}")
+        page.fill("form.signal input[name=name]", "review")
+        ended = {"verdict": "ok"}
+        server.http.post(f"/v1/runs/{run['id']}/signals/review", json=ended, headers=auth)
+        done = server.http.get(f"/v1/runs/{run['id']}/result?wait=20", headers=auth).json()
+        assert done["status"] == "completed"
+        with page.expect_navigation() as nav:
+            page.click(f"form button:has-text('{button}')")
+        assert nav.value.status == 200 and "text/html" in nav.value.headers["content-type"]
+        message = page.inner_text(".message")
+        assert "not done" in message or "not sent" in message, message
+        assert "completed" in message, message  # why: the run has ended
+        assert page.inner_text("#status") == "completed"
