@@ -104,3 +104,73 @@ def test_an_action_on_a_run_that_ended_since_its_page_was_shown_says_why_on_the_
         assert "not done" in message or "not sent" in message, message
         assert "completed" in message, message  # why: the run has ended
         assert page.inner_text("#status") == "completed"
+
+
+def _started_by_an_older_version(store: str, run_id: str) -> None:
+    """A run of ``approve`` whose id an older tether accepted ('.' and '..' parts)."""
+    import asyncio
+    import concurrent.futures
+
+    import tether
+    import tether._app
+
+    old = tether.App(store=store)
+
+    @old.workflow(name="approve")
+    async def approve(doc: str) -> str:
+        return doc
+
+    async def go() -> None:
+        await old.start(approve, "legacy", run_id=run_id)
+        await old.close()
+
+    unchecked = pytest.MonkeyPatch()
+    unchecked.setattr(tether._app, "check_run_id", lambda _run_id: None)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:  # (Playwright runs a loop)
+            pool.submit(asyncio.run, go()).result()
+    finally:
+        unchecked.undo()
+
+
+def test_run_ids_with_dot_parts_are_refused_and_older_ones_are_linked_to_themselves(
+    tmp_path: Path, browser: Any
+) -> None:
+    store = f"sqlite:///{tmp_path / 't.db'}"
+    import tether
+
+    tether.App(store=store).store.close_sync()  # type: ignore[attr-defined]
+    admin = _create_key(store, "--role", "admin")
+    _started_by_an_older_version(store, "a/../b")
+    server = Server(store, "--workers", "1")
+    try:
+        base = f"http://127.0.0.1:{server.port}"
+        auth = {"Authorization": f"Bearer {admin}"}
+        other = {"input": {"doc": "b"}, "run_id": "b"}
+        assert server.http.post("/v1/workflows/approve/runs", json=other, headers=auth).is_success
+        for bad in ("c/../d", "..", "./x", "a//b", "a/", "/a"):
+            body = {"input": {"doc": "x"}, "run_id": bad}
+            r = server.http.post("/v1/workflows/approve/runs", json=body, headers=auth)
+            assert r.status_code == 400, (bad, r.status_code, r.text)
+            assert "'..'" in r.json()["detail"] and repr(bad) in r.json()["detail"], r.text
+        # the run an older version accepted is still read, linked and steered as itself
+        r = server.http.get("/v1/runs", headers=auth)
+        (legacy,) = [x for x in r.json()["runs"] if x["id"] == "a/../b"]
+        r = server.http.get(legacy["links"]["self"], headers=auth)
+        assert r.status_code == 200 and r.json()["id"] == "a/../b"
+        page = browser.new_page()
+        page.on("dialog", lambda d: d.accept())
+        _sign_in(page, base, admin)
+        page.goto(f"{base}/runs")
+        page.click("#runs a:text-is('a/../b')")
+        assert page.inner_text("h1 code") == "a/../b"
+        page.click("form[action$='/act'] button:has-text('Cancel')")
+        assert "cancel requested" in page.inner_text(".message")
+        assert page.inner_text("h1 code") == "a/../b"
+        got = server.http.get("/v1/runs?limit=50", headers=auth).json()["runs"]
+        status = {x["id"]: x["status"] for x in got}
+        assert status["b"] in ("pending", "running"), status  # not the one cancelled
+        history = server.http.get(f"{legacy['links']['history']}", headers=auth).json()
+        assert "CancelRequested" in [e["type"] for e in history["events"]]
+    finally:
+        server.stop()

@@ -14,7 +14,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any
-from urllib.parse import parse_qs, quote, urlencode
+from urllib.parse import parse_qs, urlencode
 
 from fastapi import FastAPI, Request
 from fastapi import Path as PathParam
@@ -27,7 +27,7 @@ from ..._errors import ApprovalNotFoundError, RunNotFoundError, TetherError
 from ..._history import INT64_MAX, EventType, RunInfo, RunStatus
 from ...store.ops.switches import SWITCH_KINDS
 from .._auth import AuthError, Principal, actor_of, authenticate
-from .._models import run_view
+from .._models import path_quote, run_view
 from .._stream import EventHub
 from ._charts import outcomes_svg
 from ._compare import compare
@@ -54,6 +54,11 @@ def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
     templates = Jinja2Templates(directory=str(HERE / "templates"))
     templates.env.filters["when"] = _when
     templates.env.filters["pretty"] = _pretty
+    plain_urlencode = templates.env.filters["urlencode"]
+    # ids with '.', '..' or empty parts (accepted by older versions) are linked whole
+    templates.env.filters["urlencode"] = lambda value: (
+        path_quote(value, safe="/") if isinstance(value, str) else plain_urlencode(value)
+    )
     api.mount("/static", StaticFiles(directory=str(HERE / "static")), name="static")
     cache: dict[str | None, tuple[float, dict[str, Any]]] = {}
 
@@ -170,7 +175,7 @@ def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
         if q:
             try:
                 info = await visible(principal, q.strip())
-                return RedirectResponse(f"/runs/{quote(info.run_id, safe='/@:')}", 303)
+                return RedirectResponse(f"/runs/{path_quote(info.run_id)}", 303)
             except TetherError:
                 pass
         before = None
@@ -502,7 +507,7 @@ async def _fields(request: Request) -> dict[str, str]:
 
 
 def _back(run_id: str, message: str) -> Response:
-    where = quote(run_id, safe="/@:")  # a child's id holds a slash: kept, the route takes it
+    where = path_quote(run_id)  # a child's id holds a slash: kept, the route takes it
     return RedirectResponse(f"/runs/{where}?{urlencode({'message': message})}", 303)
 
 
