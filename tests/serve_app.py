@@ -182,3 +182,11 @@ async def hold(flag: str, log: str) -> str:
 @app.workflow
 async def holding(flag: str, log: str) -> str:
     return await hold(flag, log)
+
+
+@app.workflow
+async def again(left: int) -> int:
+    """Continues as new ``left`` times (a chain: ``<id>``, ``<id>~1``, ...)."""
+    if left > 0:
+        return tether.continue_as_new(left - 1)
+    return 0

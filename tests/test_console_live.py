@@ -174,3 +174,64 @@ def test_run_ids_with_dot_parts_are_refused_and_older_ones_are_linked_to_themsel
         assert "CancelRequested" in [e["type"] for e in history["events"]]
     finally:
         server.stop()
+
+
+def _cli(store: str, *args: str) -> str:
+    import os
+    import subprocess
+    import sys
+
+    res = subprocess.run(
+        [sys.executable, "-m", "tether.cli", *args, "--store", store],
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent / "src")},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 0, res.stderr
+    return res.stdout
+
+
+def test_a_continuation_links_back_and_a_purged_run_says_so_to_an_admin(
+    admin_served: tuple[Server, str], browser: Any, tmp_path: Path
+) -> None:
+    server, admin = admin_served
+    base = f"http://127.0.0.1:{server.port}"
+    auth = {"Authorization": f"Bearer {admin}"}
+    body = {"input": {"left": 2}, "run_id": "loop"}
+    assert server.http.post("/v1/workflows/again/runs", json=body, headers=auth).is_success
+    done = server.http.get("/v1/runs/loop/result?wait=20", headers=auth).json()
+    assert done["status"] == "completed", done
+    page = browser.new_page()
+    _sign_in(page, base, admin)
+    page.goto(f"{base}/runs/loop~2")  # the chain's last run: back to the one it continues
+    page.click("a:text-is('loop~1')")
+    assert page.inner_text("h1 code") == "loop~1"
+    assert page.locator("a:text-is('loop~2')").count() == 1  # and on, both ways
+    page.click("a:text-is('loop')")
+    assert page.inner_text("h1 code") == "loop"
+    assert page.locator("text=Continues").count() == 0  # the first run continues none
+    # purged: the admin is told so, as the API says (410), not "there is no run"
+    _cli(server.store, "purge", "--older-than", "0s")
+    assert server.http.get("/v1/runs/loop~1", headers=auth).status_code == 410
+    page.goto(f"{base}/runs/loop~1")
+    assert page.inner_text("h1") == "Purged"
+    assert "was purged at" in page.inner_text("main"), page.inner_text("main")
+
+
+def test_a_list_refreshed_after_its_key_was_revoked_goes_to_the_login_page(
+    admin_served: tuple[Server, str], browser: Any
+) -> None:
+    server, admin = admin_served
+    base = f"http://127.0.0.1:{server.port}"
+    operate = _create_key(server.store, "--role", "operate", "--tenant", "acme")
+    page = browser.new_page()
+    _sign_in(page, base, operate)
+    page.goto(f"{base}/runs?status=running")
+    page.wait_for_function("document.getElementById('runs').changes?.readyState === 1")
+    key_id = operate.split("_", 1)[1].split(".")[0]
+    _cli(server.store, "keys", "revoke", key_id)
+    _start(server, admin, "approve", {"input": {"doc": "wakes the list"}, "tenant": "acme"})
+    page.wait_for_url(f"{base}/login?*", timeout=20_000)  # not a login form in the table
+    assert "next=%2Fruns%3Fstatus%3Drunning" in page.url
+    assert page.locator("#runs").count() == 0 and page.locator("input[name=key]").count() == 1

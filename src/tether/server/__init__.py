@@ -379,6 +379,14 @@ def create_api(
             for wf in startable
         ]
 
+    @api.post("/v1/workflows/{name}/runs", include_in_schema=False)
+    async def start_unknown(name: str) -> None:
+        """A workflow this service does not start (its own are matched first)."""
+        known = ", ".join(sorted(wf.name for wf in startable)) or "none"
+        raise HTTPException(
+            404, f"this service starts no workflow {name!r} (it starts: {known}; GET /v1/workflows)"
+        )
+
     @api.get("/v1/runs/{run_id:path}", summary="A run's status resource", response_model=RunView)
     async def get_run(run_id: str, request: Request) -> RunView:
         return run_view(await visible(request, run_id), shows(request))

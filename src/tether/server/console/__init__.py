@@ -14,7 +14,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any
-from urllib.parse import parse_qs, urlencode
+from urllib.parse import parse_qs, urlencode, urlsplit
 
 from fastapi import FastAPI, Request
 from fastapi import Path as PathParam
@@ -23,7 +23,8 @@ from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 
 from ..._app import App
-from ..._errors import ApprovalNotFoundError, RunNotFoundError, TetherError
+from ..._definitions import CHAIN_SEPARATOR, chain_of
+from ..._errors import ApprovalNotFoundError, RunNotFoundError, RunPurgedError, TetherError
 from ..._history import INT64_MAX, EventType, RunInfo, RunStatus
 from ...store.ops.switches import SWITCH_KINDS
 from .._auth import AuthError, Principal, actor_of, authenticate
@@ -99,6 +100,14 @@ def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
 
     @api.exception_handler(LoginRequired)
     async def to_login(request: Request, _exc: Exception) -> Response:
+        if request.headers.get("hx-request"):
+            # a page's htmx refresh (the session ended, e.g. its key was revoked): the
+            # whole page goes to the login page, not a login form swapped into a table
+            shown = urlsplit(request.headers.get("hx-current-url", ""))
+            nxt = shown.path + (f"?{shown.query}" if shown.query else "")
+            if not nxt.startswith("/") or nxt.startswith("//"):
+                nxt = "/"
+            return Response(headers={"HX-Redirect": f"/login?{urlencode({'next': nxt})}"})
         return RedirectResponse(f"/login?{urlencode({'next': request.url.path})}", 303)
 
     @api.get("/login", include_in_schema=False)
@@ -265,6 +274,10 @@ def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
         principal = await who(request)
         try:
             info = await visible(principal, run_id)
+        except RunPurgedError as exc:
+            if principal is not None and principal.tenant is not None:  # as the API: whose
+                return page(request, "missing.html", principal, what=f"run {run_id}")
+            return page(request, "missing.html", principal, what=f"run {run_id}", gone=exc)
         except RunNotFoundError:
             return page(request, "missing.html", principal, what=f"run {run_id}")
         history = await app.store.read_history(info.run_id)
@@ -291,6 +304,7 @@ def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
             "letters": await app.dead_letters(run_id=info.run_id),
             "audit": (await app.audit(info.run_id))[-50:],
             "finished": info.is_finished,
+            "continues": await _continues(app, info.run_id),
             "message": request.query_params.get("message"),
         }
         name = "_run_live.html" if partial else "run.html"
@@ -504,6 +518,19 @@ async def _fields(request: Request) -> dict[str, str]:
             400, "Malformed form", "the form's body is not UTF-8 urlencoded text"
         ) from None
     return {k: v[-1] for k, v in parse_qs(text).items()}
+
+
+async def _continues(app: App, run_id: str) -> str | None:
+    """The run that ``run_id`` continued as new (``x`` for ``x~1``), if it did."""
+    first, n = chain_of(run_id)
+    if not n:
+        return None
+    previous = first if n == 1 else f"{first}{CHAIN_SEPARATOR}{n - 1}"
+    try:
+        info = await app.get(previous, follow=False)
+    except TetherError:  # purged meanwhile: still the run it continued
+        return previous
+    return previous if info.continued_to == run_id else None
 
 
 def _back(run_id: str, message: str) -> Response:

@@ -10,8 +10,10 @@ document.addEventListener("submit", (ev) => {
 // An event stream that outlives connection blips and server restarts: the browser's
 // EventSource reconnects by itself (resuming with Last-Event-ID); when it gives up (an
 // error answer, e.g. from a proxy while the server restarts) a new one is made, after
-// 1 s, 2 s, ... at most 30 s. onState(true/false) says whether the page is live.
-const follow = (url, onState, setup) => {
+// 1 s, 2 s, ... at most 30 s. onState(true/false) says whether the page is live;
+// onGiveUp() is told each time the browser gave up (the page may refresh: a session
+// that ended then goes to the login page).
+const follow = (url, onState, setup, onGiveUp = () => {}) => {
   let source = null, delay = 1000, timer = null, lastId = "", over = false, wasLive = true;
   const state = (isLive) => {
     if (isLive !== wasLive) onState(isLive);
@@ -28,6 +30,7 @@ const follow = (url, onState, setup) => {
       if (source.readyState === EventSource.CLOSED && !timer) {
         timer = setTimeout(connect, delay);
         delay = Math.min(delay * 2, 30000);
+        onGiveUp();
       }
     });
     setup(source, (e) => { if (e.lastEventId) lastId = e.lastEventId; });
@@ -77,17 +80,17 @@ document.addEventListener("DOMContentLoaded", () => {
       "ContinuedAsNew", "continued"]) {
       source.addEventListener(type, onEvent);
     }
-  });
+  }, soon);
   live.stream = stream;  // (tests look at it)
 });
 
 document.addEventListener("DOMContentLoaded", () => {
   const list = document.getElementById("runs");
   if (!list || !list.dataset.changes || !window.EventSource) return;
-  const stream = follow(list.dataset.changes, (isLive) => {
+  follow(list.dataset.changes, (isLive) => {
     if (isLive) htmx.trigger(list, "tether-changed");  // what changed while it was not live
   }, (source) => {
     source.addEventListener("changed", () => htmx.trigger(list, "tether-changed"));
     list.changes = source;  // (tests wait until it is open)
-  });
+  }, () => htmx.trigger(list, "tether-changed"));
 });
