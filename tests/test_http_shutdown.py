@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -87,6 +88,14 @@ def test_sigterm_ends_open_streams_releases_work_and_exits_0_within_grace(
         changes = _Follower(f"{base}/changes")  # the console's runs list
         _wait(lambda: any(m.get("event") == "StatusSet" for m in events.messages()), 20, "events")
         _wait(lambda: changes.lines, 20, "the changes stream to open")
+        # a long poll on the waiting run, sent on its own connection; a request on a
+        # later connection answered means the server has read it (accepted in order)
+        poll = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+        poll.sendall(
+            f"GET /v1/runs/{waiting}/result?wait=60 HTTP/1.1\r\n"
+            f"Host: 127.0.0.1\r\nConnection: close\r\n\r\n".encode()
+        )
+        assert httpx.get(f"{base}/healthz").status_code == 200
         server.proc.send_signal(signal.SIGTERM)
         try:
             rc = server.proc.wait(30)
@@ -94,6 +103,13 @@ def test_sigterm_ends_open_streams_releases_work_and_exits_0_within_grace(
             raise AssertionError("tether serve still runs 30 s after SIGTERM (--grace 2)") from None
         assert rc == 0
         assert events.ended.wait(10) and changes.ended.wait(10)
+        # the long poll open then is answered "not yet, ask again", not cut off
+        answer = b""
+        while chunk := poll.recv(65536):
+            answer += chunk
+        poll.close()
+        head = answer.decode().split("\r\n\r\n")[0].lower()
+        assert head.startswith("http/1.1 202") and "retry-after: 2" in head, answer
         # each stream ended with a message saying why, not by a dropped connection
         for follower in (events, changes):
             assert follower.error is None, follower.error

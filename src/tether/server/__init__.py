@@ -66,7 +66,7 @@ from ._models import (
     start_model,
 )
 from ._relay import WebhookRelay
-from ._stream import EventHub
+from ._stream import EventHub, ServerClosing
 from .console import install_console
 from .console._session import COOKIE as CONSOLE_COOKIE
 
@@ -405,8 +405,9 @@ def create_api(
     ) -> ResultView:
         await visible(request, run_id)
         try:
-            await app.get_run(run_id).result(timeout=min(wait, max_wait) or 0.001)
-        except ResultTimeoutError:
+            waited = app.get_run(run_id).result(timeout=min(wait, max_wait) or 0.001)
+            await (hub.unless_closing(waited) if wait else waited)
+        except (ResultTimeoutError, ServerClosing):  # not yet (or the server stops): again
             info = await app.get(run_id)
             response.status_code = 202
             response.headers["Retry-After"] = "1" if wait < 1 else "2"

@@ -22,13 +22,15 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
 
 from .._app import App
 from .._history import Event
 from ._models import event_view
+
+T = TypeVar("T")
 
 #: how often a stream re-reads without a wake-up (commits no notification reaches)
 SAFETY_READ = 2.0
@@ -50,6 +52,10 @@ CLOSING = (
 )
 
 
+class ServerClosing(Exception):
+    """The server began to stop while a request waited (``EventHub.unless_closing``)."""
+
+
 class EventHub:
     """Wakes the streams that follow a run when a commit appends to its history."""
 
@@ -62,11 +68,13 @@ class EventHub:
         self._watching: dict[asyncio.Event, set[str]] = {}
         #: the server is stopping: streams end (with ``CLOSING``), new ones at once
         self.closing = False
+        self._closed = asyncio.Event()
 
     def start(self) -> None:
         """Begin listening (call on the service's event loop)."""
         self._loop = asyncio.get_running_loop()
         self.closing = False
+        self._closed = asyncio.Event()
         self._app.store.add_history_listener(self._on_commit)
         self._app.store.add_stream_listener(self._on_item)
 
@@ -78,11 +86,28 @@ class EventHub:
     def close(self) -> None:
         """The server is stopping: end every open stream now (call on the loop)."""
         self.closing = True
+        self._closed.set()
         for followers in self._following.values():
             for ev in followers:
                 ev.set()
         for ev in self._watching:
             ev.set()
+
+    async def unless_closing(self, work: Awaitable[T]) -> T:
+        """``work``'s outcome, or ``ServerClosing`` (``work`` cancelled) once the server
+        is stopping: a long poll answers "not yet" at once, not holding the shutdown."""
+        task = asyncio.ensure_future(work)
+        closed = asyncio.ensure_future(self._closed.wait())
+        try:
+            await asyncio.wait({task, closed}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            closed.cancel()
+            if not task.done():
+                task.cancel()
+                await asyncio.wait({task})
+        if task.cancelled():
+            raise ServerClosing()
+        return task.result()
 
     def _on_item(self, run_id: str, item: dict[str, Any]) -> None:
         if self._following and self._loop is not None and not self._loop.is_closed():
