@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -166,3 +167,26 @@ if os.environ.get("TETHER_TEST_MODEL_URL"):  # a scripted model server the test 
         """Two model steps, the second building on the first (forked in the tests)."""
         first = await ai.complete(storyteller, f"outline {topic}")
         return await ai.complete(storyteller, write.render(first=first))
+
+
+@app.activity
+async def hold(flag: str, log: str) -> str:
+    """Waits (cancellably) while the file ``flag`` exists; notes each attempt in ``log``."""
+    with open(log, "a") as f:
+        f.write(f"{tether.activity_context().attempt}\n")
+    while os.path.exists(flag):
+        await asyncio.sleep(0.05)
+    return "held"
+
+
+@app.workflow
+async def holding(flag: str, log: str) -> str:
+    return await hold(flag, log)
+
+
+@app.workflow
+async def again(left: int) -> int:
+    """Continues as new ``left`` times (a chain: ``<id>``, ``<id>~1``, ...)."""
+    if left > 0:
+        return tether.continue_as_new(left - 1)
+    return 0

@@ -261,8 +261,16 @@ def check_signal_name(name: str) -> None:
 
 
 def check_run_id(run_id: str) -> None:
-    """Refuse a run id a user may not choose (empty, or in the chains' namespace)."""
+    """Refuse a run id a user may not choose (empty, in the chains' namespace, or with a
+    part between slashes that URLs resolve away). Only new ids are checked: runs an
+    older version accepted are read and steered as before."""
     check_name(run_id, "run id", MAX_RUN_ID)
+    if any(part in ("", ".", "..") for part in run_id.split("/")):
+        raise ConfigurationError(
+            f"run id {run_id!r} has an empty, '.' or '..' part between slashes, which URLs "
+            "resolve away (/runs/a/../b is /runs/b, another run): choose an id without "
+            "one (dots inside a part, as in 'a/v1.2', are fine)"
+        )
     if CHAIN_SEPARATOR in run_id:
         raise ConfigurationError(
             f"run id {run_id!r} contains {CHAIN_SEPARATOR!r}, which tether reserves for the "

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 import signal
-from typing import Annotated
+import socket
+from collections.abc import Callable
+from typing import Annotated, Any
 
 import typer
 
@@ -134,27 +137,40 @@ def serve_command(
         f"tether serve {app_spec} on http://{host}:{port} ({workers} in-process worker(s); "
         f"API docs at /docs)"
     )
-    # uvicorn stops on SIGTERM/SIGINT (the API's shutdown stops the workers with
-    # ``grace``), then raises the signal again for whoever handled it before: here, so a
-    # graceful stop exits 0
+    # uvicorn stops on SIGTERM/SIGINT: it stops accepting, tells the API (event streams
+    # end with a message to reconnect, the workers stop claiming and in-flight work gets
+    # ``grace``), waits at most ``grace`` for open requests (then cancels them), then the
+    # API's shutdown waits for the workers and releases what they still held. It raises
+    # the signal again for whoever handled it before: here, so a graceful stop exits 0
+    # uvicorn's loggers go through the root's JSON handler
+    logs: dict[str, Any] = {"log_config": None} if log_format == "json" else {}
+    config = uvicorn.Config(
+        api,
+        host=host,
+        port=port,
+        log_level=log_level.lower(),
+        lifespan="on",
+        timeout_graceful_shutdown=math.ceil(grace),
+        **logs,
+    )
+    begin: Callable[[], None] = api.state.begin_shutdown
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            begin()  # before uvicorn waits for open connections
+            await super().shutdown(sockets)
+
+    server = Server(config)
     previous = {sig: signal.signal(sig, _stopped) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        if log_format == "json":  # uvicorn's loggers go through the root's JSON handler
-            uvicorn.run(
-                api,
-                host=host,
-                port=port,
-                log_level=log_level.lower(),
-                lifespan="on",
-                log_config=None,
-            )
-        else:
-            uvicorn.run(api, host=host, port=port, log_level=log_level.lower(), lifespan="on")
+        server.run()
     except _Stopped:
         pass
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if not server.started:  # e.g. the port is taken (uvicorn logged why; its exit code)
+        raise typer.Exit(3)
     _note(f"tether serve {app_spec} stopped")
 
 

@@ -66,7 +66,7 @@ from ._models import (
     start_model,
 )
 from ._relay import WebhookRelay
-from ._stream import EventHub
+from ._stream import EventHub, ServerClosing
 from .console import install_console
 from .console._session import COOKIE as CONSOLE_COOKIE
 
@@ -264,6 +264,16 @@ def create_api(
     # read when the API is built, so a bad value is one line before the server starts
     alert_interval = env_number("TETHER_ALERT_INTERVAL", 30.0, least=0.1)
 
+    stopping: list[asyncio.Future[Any]] = []
+
+    def begin_shutdown() -> None:
+        """The server begins to stop (on its loop, before it waits for connections to
+        close): event streams end now, their clients reconnect elsewhere; the workers
+        stop claiming and in-flight work has ``grace`` seconds from now."""
+        hub.close()
+        if not stopping:
+            stopping.append(asyncio.gather(*(w.stop(grace=grace) for w in running)))
+
     @contextlib.asynccontextmanager
     async def lifespan(_api: FastAPI) -> AsyncIterator[None]:
         hub.start()
@@ -282,13 +292,14 @@ def create_api(
         try:
             yield
         finally:
+            begin_shutdown()  # (done already when the server began to stop)
             await watcher.stop()
             if metrics is not None:
                 await metrics.stop()
             hub.stop()
             if relay is not None:
                 await relay.stop()
-            await asyncio.gather(*(w.stop(grace=grace) for w in running))
+            await stopping.pop()
             running.clear()
             await app.close()
 
@@ -303,6 +314,8 @@ def create_api(
     api.add_middleware(BodyLimit, max_bytes=max_body)
     api.state.relay = relay
     api.state.hub = hub
+    #: ``tether serve`` calls it when uvicorn begins a graceful shutdown
+    api.state.begin_shutdown = begin_shutdown
     if console:
         install_console(api, app, auth=auth)
 
@@ -366,6 +379,14 @@ def create_api(
             for wf in startable
         ]
 
+    @api.post("/v1/workflows/{name}/runs", include_in_schema=False)
+    async def start_unknown(name: str) -> None:
+        """A workflow this service does not start (its own are matched first)."""
+        known = ", ".join(sorted(wf.name for wf in startable)) or "none"
+        raise HTTPException(
+            404, f"this service starts no workflow {name!r} (it starts: {known}; GET /v1/workflows)"
+        )
+
     @api.get("/v1/runs/{run_id:path}", summary="A run's status resource", response_model=RunView)
     async def get_run(run_id: str, request: Request) -> RunView:
         return run_view(await visible(request, run_id), shows(request))
@@ -384,8 +405,9 @@ def create_api(
     ) -> ResultView:
         await visible(request, run_id)
         try:
-            await app.get_run(run_id).result(timeout=min(wait, max_wait) or 0.001)
-        except ResultTimeoutError:
+            waited = app.get_run(run_id).result(timeout=min(wait, max_wait) or 0.001)
+            await (hub.unless_closing(waited) if wait else waited)
+        except (ResultTimeoutError, ServerClosing):  # not yet (or the server stops): again
             info = await app.get(run_id)
             response.status_code = 202
             response.headers["Retry-After"] = "1" if wait < 1 else "2"

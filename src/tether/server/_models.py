@@ -134,9 +134,21 @@ class StartOptions(BaseModel):
     )
 
 
+def path_quote(run_id: str, safe: str = "/@:") -> str:
+    """``run_id`` percent-encoded for a URL path, its slashes kept when ``safe`` has
+    '/', unless a part between them is empty, '.' or '..' (an id an older version
+    accepted): clients resolve those away (``/runs/a/../b`` is ``/runs/b``), so its
+    slashes are encoded too, and the dots of an id of dots only."""
+    if any(part in ("", ".", "..") for part in run_id.split("/")):
+        if not run_id.strip("."):
+            return run_id.replace(".", "%2E")
+        safe = safe.replace("/", "")
+    return quote(run_id, safe=safe)
+
+
 def links(run_id: str) -> Links:
     """The URLs of a run's resources (the id percent-encoded: ids may hold any text)."""
-    base = f"/v1/runs/{quote(run_id, safe='@:')}"
+    base = f"/v1/runs/{path_quote(run_id, safe='@:')}"
     return Links(
         self=base, result=f"{base}/result", history=f"{base}/history", events=f"{base}/events"
     )

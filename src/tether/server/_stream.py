@@ -10,6 +10,11 @@ Streamed model output (``ai.complete(..., stream=True)``) is not history: the st
 passes it on as it comes (``Store.publish``) and streams send it as ``token`` events
 without an ``id`` (a reconnect does not get them again; the final answer is in the
 history). On SQLite only a worker in the same process reaches the stream.
+
+When the server begins to stop (``EventHub.close``: SIGTERM), every open stream ends at
+once with a ``closing`` message (``retry:`` set), so no follower holds the process
+past its grace; the client reconnects, with ``Last-Event-ID``, to another replica or
+the restarted server and misses nothing.
 """
 
 from __future__ import annotations
@@ -17,13 +22,15 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
 
 from .._app import App
 from .._history import Event
 from ._models import event_view
+
+T = TypeVar("T")
 
 #: how often a stream re-reads without a wake-up (commits no notification reaches)
 SAFETY_READ = 2.0
@@ -34,6 +41,19 @@ CHANGES_EVERY = 1.0
 #: run ids a changes stream keeps between two looks (a follower bound to a tenant looks
 #: them up; beyond, its page's slower poll shows the change)
 CHANGES_KEPT = 50
+#: the last message of a stream the server ended because it is stopping
+CLOSING = (
+    "retry: 2000\nevent: closing\ndata: "
+    + json.dumps(
+        {"reason": "the server is stopping: reconnect (with Last-Event-ID) to resume"},
+        separators=(",", ":"),
+    )
+    + "\n\n"
+)
+
+
+class ServerClosing(Exception):
+    """The server began to stop while a request waited (``EventHub.unless_closing``)."""
 
 
 class EventHub:
@@ -46,10 +66,15 @@ class EventHub:
         self._tokens: dict[asyncio.Event, list[dict[str, Any]]] = {}
         #: streams of "some run changed" (the console's runs list): the runs touched since
         self._watching: dict[asyncio.Event, set[str]] = {}
+        #: the server is stopping: streams end (with ``CLOSING``), new ones at once
+        self.closing = False
+        self._closed = asyncio.Event()
 
     def start(self) -> None:
         """Begin listening (call on the service's event loop)."""
         self._loop = asyncio.get_running_loop()
+        self.closing = False
+        self._closed = asyncio.Event()
         self._app.store.add_history_listener(self._on_commit)
         self._app.store.add_stream_listener(self._on_item)
 
@@ -57,6 +82,32 @@ class EventHub:
         """Stop listening."""
         self._app.store.remove_history_listener(self._on_commit)
         self._app.store.remove_stream_listener(self._on_item)
+
+    def close(self) -> None:
+        """The server is stopping: end every open stream now (call on the loop)."""
+        self.closing = True
+        self._closed.set()
+        for followers in self._following.values():
+            for ev in followers:
+                ev.set()
+        for ev in self._watching:
+            ev.set()
+
+    async def unless_closing(self, work: Awaitable[T]) -> T:
+        """``work``'s outcome, or ``ServerClosing`` (``work`` cancelled) once the server
+        is stopping: a long poll answers "not yet" at once, not holding the shutdown."""
+        task = asyncio.ensure_future(work)
+        closed = asyncio.ensure_future(self._closed.wait())
+        try:
+            await asyncio.wait({task, closed}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            closed.cancel()
+            if not task.done():
+                task.cancel()
+                await asyncio.wait({task})
+        if task.cancelled():
+            raise ServerClosing()
+        return task.result()
 
     def _on_item(self, run_id: str, item: dict[str, Any]) -> None:
         if self._following and self._loop is not None and not self._loop.is_closed():
@@ -95,6 +146,9 @@ class EventHub:
         try:
             yield ": following\n\n"
             while not await request.is_disconnected():
+                if self.closing:
+                    yield CLOSING
+                    return
                 try:
                     await asyncio.wait_for(woken.wait(), KEEPALIVE)
                 except TimeoutError:
@@ -103,6 +157,8 @@ class EventHub:
                 woken.clear()
                 runs = set(touched)
                 touched.clear()
+                if self.closing:
+                    continue
                 if await sees(runs):
                     yield "event: changed\ndata: {}\n\n"
                     await asyncio.sleep(CHANGES_EVERY)  # what commits meanwhile waits
@@ -148,6 +204,9 @@ class EventHub:
                         quiet_since = loop.time()
                         yield ": keep-alive\n\n"
                 if await request.is_disconnected():
+                    return
+                if self.closing:  # after what was committed so far was sent
+                    yield CLOSING
                     return
                 try:
                     await asyncio.wait_for(woken.wait(), SAFETY_READ)

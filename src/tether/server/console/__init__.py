@@ -14,7 +14,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any
-from urllib.parse import parse_qs, quote, urlencode
+from urllib.parse import parse_qs, urlencode, urlsplit
 
 from fastapi import FastAPI, Request
 from fastapi import Path as PathParam
@@ -23,11 +23,12 @@ from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 
 from ..._app import App
-from ..._errors import ApprovalNotFoundError, RunNotFoundError, TetherError
+from ..._definitions import CHAIN_SEPARATOR, chain_of
+from ..._errors import ApprovalNotFoundError, RunNotFoundError, RunPurgedError, TetherError
 from ..._history import INT64_MAX, EventType, RunInfo, RunStatus
 from ...store.ops.switches import SWITCH_KINDS
 from .._auth import AuthError, Principal, actor_of, authenticate
-from .._models import run_view
+from .._models import path_quote, run_view
 from .._stream import EventHub
 from ._charts import outcomes_svg
 from ._compare import compare
@@ -54,6 +55,11 @@ def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
     templates = Jinja2Templates(directory=str(HERE / "templates"))
     templates.env.filters["when"] = _when
     templates.env.filters["pretty"] = _pretty
+    plain_urlencode = templates.env.filters["urlencode"]
+    # ids with '.', '..' or empty parts (accepted by older versions) are linked whole
+    templates.env.filters["urlencode"] = lambda value: (
+        path_quote(value, safe="/") if isinstance(value, str) else plain_urlencode(value)
+    )
     api.mount("/static", StaticFiles(directory=str(HERE / "static")), name="static")
     cache: dict[str | None, tuple[float, dict[str, Any]]] = {}
 
@@ -94,6 +100,14 @@ def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
 
     @api.exception_handler(LoginRequired)
     async def to_login(request: Request, _exc: Exception) -> Response:
+        if request.headers.get("hx-request"):
+            # a page's htmx refresh (the session ended, e.g. its key was revoked): the
+            # whole page goes to the login page, not a login form swapped into a table
+            shown = urlsplit(request.headers.get("hx-current-url", ""))
+            nxt = shown.path + (f"?{shown.query}" if shown.query else "")
+            if not nxt.startswith("/") or nxt.startswith("//"):
+                nxt = "/"
+            return Response(headers={"HX-Redirect": f"/login?{urlencode({'next': nxt})}"})
         return RedirectResponse(f"/login?{urlencode({'next': request.url.path})}", 303)
 
     @api.get("/login", include_in_schema=False)
@@ -170,7 +184,7 @@ def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
         if q:
             try:
                 info = await visible(principal, q.strip())
-                return RedirectResponse(f"/runs/{quote(info.run_id, safe='/@:')}", 303)
+                return RedirectResponse(f"/runs/{path_quote(info.run_id)}", 303)
             except TetherError:
                 pass
         before = None
@@ -260,6 +274,10 @@ def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
         principal = await who(request)
         try:
             info = await visible(principal, run_id)
+        except RunPurgedError as exc:
+            if principal is not None and principal.tenant is not None:  # as the API: whose
+                return page(request, "missing.html", principal, what=f"run {run_id}")
+            return page(request, "missing.html", principal, what=f"run {run_id}", gone=exc)
         except RunNotFoundError:
             return page(request, "missing.html", principal, what=f"run {run_id}")
         history = await app.store.read_history(info.run_id)
@@ -286,6 +304,7 @@ def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
             "letters": await app.dead_letters(run_id=info.run_id),
             "audit": (await app.audit(info.run_id))[-50:],
             "finished": info.is_finished,
+            "continues": await _continues(app, info.run_id),
             "message": request.query_params.get("message"),
         }
         name = "_run_live.html" if partial else "run.html"
@@ -302,10 +321,13 @@ def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
             principal.require(_ACTIONS[action], action)
         info = await visible(principal, run_id)
         reason = f"{actor(principal)} via console: {fields.get('reason') or 'no reason given'}"
-        if action in ("cancel", "terminate"):
-            await getattr(app, action)(info.run_id, reason)
-        else:
-            await getattr(app, action)(info.run_id)
+        try:
+            if action in ("cancel", "terminate"):
+                await getattr(app, action)(info.run_id, reason)
+            else:
+                await getattr(app, action)(info.run_id)
+        except TetherError as exc:  # e.g. the run ended since the page was shown
+            return _back(run_id, f"{action} not done: {exc}")
         await audit(principal, action, f"run:{info.run_id}", {"reason": fields.get("reason")})
         return _back(run_id, f"{action} requested by {actor(principal)}")
 
@@ -323,7 +345,10 @@ def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
             return _back(run_id, f"signal not sent: the payload is not JSON ({exc})")
         if not name:
             return _back(run_id, "signal not sent: give it a name")
-        await app.signal(info.run_id, name, payload)
+        try:
+            await app.signal(info.run_id, name, payload)
+        except TetherError as exc:
+            return _back(run_id, f"signal not sent: {exc}")
         await audit(principal, "signal", f"run:{info.run_id}", {"signal": name})
         return _back(run_id, f"signal {name!r} sent by {actor(principal)}")
 
@@ -495,8 +520,21 @@ async def _fields(request: Request) -> dict[str, str]:
     return {k: v[-1] for k, v in parse_qs(text).items()}
 
 
+async def _continues(app: App, run_id: str) -> str | None:
+    """The run that ``run_id`` continued as new (``x`` for ``x~1``), if it did."""
+    first, n = chain_of(run_id)
+    if not n:
+        return None
+    previous = first if n == 1 else f"{first}{CHAIN_SEPARATOR}{n - 1}"
+    try:
+        info = await app.get(previous, follow=False)
+    except TetherError:  # purged meanwhile: still the run it continued
+        return previous
+    return previous if info.continued_to == run_id else None
+
+
 def _back(run_id: str, message: str) -> Response:
-    where = quote(run_id, safe="/@:")  # a child's id holds a slash: kept, the route takes it
+    where = path_quote(run_id)  # a child's id holds a slash: kept, the route takes it
     return RedirectResponse(f"/runs/{where}?{urlencode({'message': message})}", 303)
 
 

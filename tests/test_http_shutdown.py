@@ -1,0 +1,140 @@
+"""``tether serve`` stopping on SIGTERM against a real server process: open event streams
+(an open console tab is enough) end with a message to reconnect instead of holding the
+process, in-flight work gets ``--grace`` seconds and is released, and the process exits 0;
+the streams' clients resume where they were on the next server with Last-Event-ID."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from test_http_api import Server
+
+
+class _Follower:
+    """Reads one SSE stream in a thread: its lines, then ``ended`` when it closes."""
+
+    def __init__(self, url: str, headers: dict[str, str] | None = None) -> None:
+        self.url = url
+        self.headers = headers or {}
+        self.lines: list[str] = []
+        self.status: int | None = None
+        self.error: str | None = None
+        self.ended = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            timeout = httpx.Timeout(10, read=120)
+            with httpx.stream("GET", self.url, headers=self.headers, timeout=timeout) as resp:
+                self.status = resp.status_code
+                for line in resp.iter_lines():
+                    self.lines.append(line)
+        except httpx.HTTPError as exc:
+            self.error = repr(exc)
+        finally:
+            self.ended.set()
+
+    def messages(self) -> list[dict[str, str]]:
+        """The SSE messages read so far (field -> value; comments left out)."""
+        out: list[dict[str, str]] = []
+        current: dict[str, str] = {}
+        for line in list(self.lines):
+            if not line:
+                if current:
+                    out.append(current)
+                current = {}
+            elif not line.startswith(":"):
+                field, _, value = line.partition(":")
+                current[field] = value.removeprefix(" ")
+        return out
+
+
+def _wait(check: Any, seconds: float, what: str) -> Any:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {seconds} s waiting for {what}")
+
+
+def test_sigterm_ends_open_streams_releases_work_and_exits_0_within_grace(
+    tmp_path: Path,
+) -> None:
+    store = f"sqlite:///{tmp_path / 't.db'}"
+    flag, log = tmp_path / "flag", tmp_path / "attempts"
+    flag.touch()
+    server = Server(store, "--workers", "1", "--grace", "2", "--no-auth")
+    base = f"http://127.0.0.1:{server.port}"
+    try:
+        r = server.http.post("/v1/workflows/approve/runs", json={"input": {"doc": "memo"}})
+        waiting = r.json()["id"]
+        r = server.http.post(
+            "/v1/workflows/holding/runs", json={"input": {"flag": str(flag), "log": str(log)}}
+        )
+        held = r.json()["id"]
+        _wait(lambda: log.exists() and log.read_text() == "1\n", 20, "the step to start")
+        events = _Follower(f"{base}/v1/runs/{waiting}/events")
+        changes = _Follower(f"{base}/changes")  # the console's runs list
+        _wait(lambda: any(m.get("event") == "StatusSet" for m in events.messages()), 20, "events")
+        _wait(lambda: changes.lines, 20, "the changes stream to open")
+        # a long poll on the waiting run, sent on its own connection; a request on a
+        # later connection answered means the server has read it (accepted in order)
+        poll = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+        poll.sendall(
+            f"GET /v1/runs/{waiting}/result?wait=60 HTTP/1.1\r\n"
+            f"Host: 127.0.0.1\r\nConnection: close\r\n\r\n".encode()
+        )
+        assert httpx.get(f"{base}/healthz").status_code == 200
+        server.proc.send_signal(signal.SIGTERM)
+        try:
+            rc = server.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("tether serve still runs 30 s after SIGTERM (--grace 2)") from None
+        assert rc == 0
+        assert events.ended.wait(10) and changes.ended.wait(10)
+        # the long poll open then is answered "not yet, ask again", not cut off
+        answer = b""
+        while chunk := poll.recv(65536):
+            answer += chunk
+        poll.close()
+        head = answer.decode().split("\r\n\r\n")[0].lower()
+        assert head.startswith("http/1.1 202") and "retry-after: 2" in head, answer
+        # each stream ended with a message saying why, not by a dropped connection
+        for follower in (events, changes):
+            assert follower.error is None, follower.error
+            last = follower.messages()[-1]
+            assert last.get("event") == "closing", follower.lines[-6:]
+            assert "reconnect" in json.loads(last["data"])["reason"]
+    finally:
+        server.stop()
+    seqs = [int(m["id"]) for m in events.messages() if "id" in m]
+    # the next server: the stream resumes after the last event received, the held step
+    # was handed back (its attempt given back, not used up) and runs again there
+    server = Server(store, "--workers", "1", "--grace", "2", "--no-auth")
+    base = f"http://127.0.0.1:{server.port}"
+    try:
+        resumed = _Follower(f"{base}/v1/runs/{waiting}/events", {"Last-Event-ID": str(seqs[-1])})
+        _wait(lambda: resumed.lines, 20, "the resumed stream")
+        r = server.http.post(f"/v1/runs/{waiting}/signals/review", json={"verdict": "approved"})
+        assert r.status_code == 202, r.text
+        assert resumed.ended.wait(30), resumed.lines[-6:]
+        more = [int(m["id"]) for m in resumed.messages() if "id" in m]
+        assert more and more[0] == seqs[-1] + 1 and more == sorted(set(more))
+        assert "WorkflowCompleted" in [m.get("event") for m in resumed.messages()]
+        flag.unlink()
+        r = server.http.get(f"/v1/runs/{held}/result?wait=30")
+        assert r.status_code == 200 and r.json()["result"] == "held", r.text
+        assert log.read_text() == "1\n1\n"  # released by the stop, not lost to a lease
+    finally:
+        assert server.stop() == 0
