@@ -33,12 +33,10 @@ from ..workflow._instance import current_instance
 from ._errors import ModelConfigError
 from ._gateway import (
     EXTENSIONS,
-    DailyBudgetExceeded,
     Gateway,
     ModelRef,
     _budget_cost,
     _check_budget,
-    _over,
     _release,
     _Tally,
     count_usage,
@@ -126,27 +124,10 @@ class BatchJobs:
 
     async def _check_daily(self, options: dict[str, Any]) -> None:
         """Refuse a batch whose whole estimate would pass a daily budget of its run's
-        tenant (or the global one), as a single call's is (``_check_daily_budgets``)."""
+        tenant (or the global one), as a single call's is."""
         estimate = options.get("estimate")
-        scopes, rows = await self.gateway.daily_scopes(options.get("tenant"))
-        if not scopes or not estimate:
-            return
-        for b in rows if rows is not None else await self.gateway.budgets():
-            if b["scope"] not in scopes:
-                continue
-            over = _over(b["tokens"], b["cost"], b["spent_tokens"], b["spent_cost"], estimate)
-            if over is not None:
-                raise DailyBudgetExceeded(
-                    json.dumps(
-                        {
-                            "scope": b["scope"],
-                            "what": over[0],
-                            "limit": over[1],
-                            "spent": {"tokens": b["spent_tokens"], "cost": b["spent_cost"]},
-                            "estimate": estimate,
-                        }
-                    )
-                )
+        if estimate:
+            await self.gateway.refuse_past_daily(options.get("tenant"), estimate)
 
     async def _poll(self, model: str, batch_id: str) -> dict[str, Any]:
         _ref, client = self._client(model)

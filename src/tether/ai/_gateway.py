@@ -900,10 +900,17 @@ class Gateway:
 
     async def _check_daily_budgets(self, ref: ModelRef, request: dict[str, Any]) -> tuple[str, ...]:
         """The scopes with a daily budget this call counts against; raise when one is spent."""
-        scopes, rows = await self.daily_scopes(request.get("tenant"))
+        estimate = request.get("estimate") or {"tokens": 0, "cost": None}
+        return await self.refuse_past_daily(request.get("tenant"), estimate)
+
+    async def refuse_past_daily(
+        self, tenant: str | None, estimate: dict[str, Any]
+    ) -> tuple[str, ...]:
+        """The scopes with a daily budget that spending ``estimate`` for ``tenant`` counts
+        against; ``DailyBudgetExceeded`` when it would pass one (a call, a whole batch)."""
+        scopes, rows = await self.daily_scopes(tenant)
         if not scopes:
             return ()
-        estimate = request.get("estimate") or {"tokens": 0, "cost": None}
         for b in rows if rows is not None else await self.budgets():
             if b["scope"] not in scopes:
                 continue

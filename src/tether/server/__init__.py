@@ -738,6 +738,16 @@ def longest_suffix_first(api: FastAPI, prefix: str) -> None:
         routes[i] = route
 
 
+def _unseen_run_id(run_id: str | None) -> JSONResponse:
+    """The answer to a start naming a run id this key may not see (another tenant's,
+    live or purged): it is taken, and nothing more."""
+    return _problems.problem(
+        409,
+        "Run id already used",
+        f"run id {run_id!r} is already used by a run this key cannot see: pick a new run id",
+    )
+
+
 #: what ``GET /v1/approvals?status=`` takes (``all``: every review)
 _REVIEW_STATUSES = (
     "open",
@@ -822,12 +832,7 @@ def _add_start_route(api: FastAPI, app: App, wf: Workflow[Any, Any], who: Any) -
             if principal is not None and principal.tenant is not None:
                 # whose the purged run was (and when it went) is not this key's to know:
                 # answered as a live run of another tenant is
-                return _problems.problem(
-                    409,
-                    "Run id already used",
-                    f"run id {run_id!r} is already used by a run this key cannot see: "
-                    "pick a new run id",
-                )
+                return _unseen_run_id(run_id)
             raise
         except RunIdConflictError as exc:
             assert run_id is not None
@@ -851,12 +856,7 @@ def _add_start_route(api: FastAPI, app: App, wf: Workflow[Any, Any], who: Any) -
             if not await _seen_by(app, principal, run_id):
                 # another tenant's run: this key learns nothing of it (tenant, workflow,
                 # status), and nothing reaches it
-                return _problems.problem(
-                    409,
-                    "Run id already used",
-                    f"run id {run_id!r} is already used by a run this key cannot see: "
-                    "pick a new run id",
-                )
+                return _unseen_run_id(run_id)
             raise
         info = run.started or await app.get(run.run_id, follow=False)
         where = links(info.run_id)  # the id percent-encoded: a header is Latin-1 only
