@@ -311,6 +311,12 @@ def test_fork_with_another_model_and_compare_side_by_side(tmp_path: Path, browse
                 "prompt write@v1"
             )
             page.screenshot(path=str(ARTIFACTS / "console-compare.png"), full_page=True)
+            # the fork's own page says what it was forked from, and links there
+            page.goto(f"{base}/runs/{fork_id}")
+            forked = page.locator("p.forked")
+            assert f"Forked from {run['id']} at step 1" in forked.inner_text()
+            forked.locator("a").click()
+            page.wait_for_url(f"{base}/runs/{run['id']}")
             # the overview's ledger: every model call of today, once (the fork's two
             # steps count one: its first was reused)
             page.goto(f"{base}/")

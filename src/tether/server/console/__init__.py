@@ -25,7 +25,7 @@ from fastapi.templating import Jinja2Templates
 from ..._app import App
 from ..._definitions import CHAIN_SEPARATOR, chain_of
 from ..._errors import ApprovalNotFoundError, RunNotFoundError, RunPurgedError, TetherError
-from ..._history import INT64_MAX, EventType, RunInfo, RunStatus
+from ..._history import INT64_MAX, Event, EventType, RunInfo, RunStatus
 from ...store.ops.switches import SWITCH_KINDS
 from .._auth import AuthError, Principal, actor_of, authenticate
 from .._models import path_quote, run_view
@@ -305,6 +305,7 @@ def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
             "audit": (await app.audit(info.run_id))[-50:],
             "finished": info.is_finished,
             "continues": await _continues(app, info.run_id),
+            "forked": _forked_from(history),
             "message": request.query_params.get("message"),
         }
         name = "_run_live.html" if partial else "run.html"
@@ -518,6 +519,14 @@ async def _fields(request: Request) -> dict[str, str]:
             400, "Malformed form", "the form's body is not UTF-8 urlencoded text"
         ) from None
     return {k: v[-1] for k, v in parse_qs(text).items()}
+
+
+def _forked_from(history: list[Event]) -> dict[str, Any] | None:
+    """``{"run_id", "at_step"}`` of the run this one was forked from, if it was."""
+    for e in history[:1]:
+        if e.type is EventType.WORKFLOW_STARTED and isinstance(e.data.get("forked_from"), dict):
+            return dict(e.data["forked_from"])
+    return None
 
 
 async def _continues(app: App, run_id: str) -> str | None:
