@@ -125,6 +125,19 @@ UPDATE_SIGNAL = "tether.update:"
 UPDATE_MARKER = "update"
 
 
+#: the statuses a review (``Approval.status``) can have; ``deciding``: a decision is on
+#: its way to the run
+REVIEW_STATUSES = (
+    "open",
+    "deciding",
+    "approved",
+    "rejected",
+    "expired_rejected",
+    "expired_approved",
+    "closed",
+)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Approval:
     """A review opened by ``tether.approval`` (``app.approvals()``, ``app.get_approval()``)."""

@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from .._history import Approval
+from .._history import REVIEW_STATUSES, Approval
 from ._common import (
     EXIT_USAGE,
     MAX_LIMIT,
@@ -37,16 +37,7 @@ def _as_dict(review: Approval) -> dict[str, Any]:
 
 
 #: what ``--status`` takes (``all``: every review)
-_STATUSES = (
-    "open",
-    "all",
-    "deciding",
-    "approved",
-    "rejected",
-    "expired_rejected",
-    "expired_approved",
-    "closed",
-)
+_STATUSES = ("open", "all", *(s for s in REVIEW_STATUSES if s != "open"))
 
 
 def approvals_list_command(

@@ -42,7 +42,7 @@ from .._errors import (
     TetherError,
     WorkflowFailedError,
 )
-from .._history import INT64_MAX, Approval, DeadLetter, RunInfo, RunStatus
+from .._history import INT64_MAX, REVIEW_STATUSES, Approval, DeadLetter, RunInfo, RunStatus
 from .._policy import env_number
 from .._tracing import joined
 from .._worker import Worker
@@ -749,16 +749,7 @@ def _unseen_run_id(run_id: str | None) -> JSONResponse:
 
 
 #: what ``GET /v1/approvals?status=`` takes (``all``: every review)
-_REVIEW_STATUSES = (
-    "open",
-    "deciding",
-    "approved",
-    "rejected",
-    "expired_rejected",
-    "expired_approved",
-    "closed",
-    "all",
-)
+_REVIEW_STATUSES = (*REVIEW_STATUSES, "all")
 
 
 def _shown(item: dict[str, Any], payloads: bool, *keys: str) -> dict[str, Any]:
