@@ -294,6 +294,23 @@ async def test_pause_resume_trigger_and_delete(app: tether.App) -> None:
 # -- once per tick across worker processes ----------------------------------------------
 
 
+async def pause_and_drain(store_url: str) -> None:
+    """Pause the every-second schedule, then wait until each tick run it fired has ended:
+    a tick fired just before the workers stop must still be run, not cut off by SIGTERM."""
+    app = tether.App(store=store_url)
+    try:
+        assert await app.pause_schedule("every-second") is True
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            runs = await app.list(workflow="tick", limit=1000)
+            if all(r.status == "completed" for r in runs):
+                return
+            await asyncio.sleep(0.1)
+        raise AssertionError(f"tick runs still open: {[r.run_id for r in runs]}")
+    finally:
+        await app.close()
+
+
 def test_three_worker_processes_fire_each_tick_exactly_once(
     store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -335,6 +352,7 @@ def test_three_worker_processes_fire_each_tick_exactly_once(
     ]
     try:
         time.sleep(8)
+        asyncio.run(pause_and_drain(store_url))  # the last tick's run ends before SIGTERM
     finally:
         for w in workers:
             w.terminate()
