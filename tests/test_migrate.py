@@ -149,7 +149,7 @@ async def test_migrate_reports_histories_that_do_not_replay(tmp_path: Path) -> N
 
 
 def test_migrate_any_to_any_sqlite_to_sqlite(tmp_path: Path) -> None:
-    from tether.store.migrate import migrate
+    from tether.store.migrate import MigrationError, migrate
 
     async def go() -> None:
         src = migrate_app.build(f"sqlite:///{tmp_path / 'a.db'}")
@@ -162,6 +162,16 @@ def test_migrate_any_to_any_sqlite_to_sqlite(tmp_path: Path) -> None:
         dst = tether.App(store=f"sqlite:///{tmp_path / 'b.db'}")
         assert await dst.get_run(run.run_id).result(timeout=5) == 4
         await dst.close()
+
+        # a target holding some of the source's runs (an interrupted migrate) is named so
+        src = migrate_app.build(f"sqlite:///{tmp_path / 'a.db'}")
+        async with src.worker(lease=5.0, poll_interval=0.05):
+            assert await (await src.start("quick", 3)).result(timeout=10) == 6
+        await src.close()
+        with pytest.raises(MigrationError) as err:
+            await migrate(f"sqlite:///{tmp_path / 'a.db'}", f"sqlite:///{tmp_path / 'b.db'}")
+        assert "1 of the 2 runs already exist in the target" in str(err.value)
+        assert "interrupted" in str(err.value) and "nothing was copied" in str(err.value)
 
     asyncio.run(go())
 

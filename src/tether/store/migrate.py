@@ -295,10 +295,17 @@ async def migrate(
             ids = tuple(r for r, _ in runs[i : i + 500])
             taken += await dst._do(_existing, ids, write=False)
         if taken:
+            partly = (
+                " (some but not all: an earlier migrate into it was probably interrupted; "
+                "it copies runs in batches and verifies at the end, so drop that target "
+                "and start again)"
+                if len(taken) < len(runs)
+                else ""
+            )
             raise MigrationError(
                 f"{len(taken)} of the {len(runs)} runs already exist in the target (e.g. "
-                f"{', '.join(repr(r) for r in taken[:3])}); nothing was copied. Migrate into "
-                "an empty store (or a fresh PostgreSQL schema)"
+                f"{', '.join(repr(r) for r in taken[:3])}){partly}; nothing was copied. "
+                "Migrate into an empty store (or a fresh PostgreSQL schema)"
             )
         # the blobs first: a run copied without them could never read its payloads
         refs = sorted(await src.blob_refs())
