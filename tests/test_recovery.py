@@ -86,6 +86,35 @@ async def test_dead_letter_records_exhausted_step_and_failed_run_then_retry_reru
         await app.retry(run.run_id)  # completed runs are not retried
 
 
+async def test_attempt_starts_again_at_one_after_an_operator_retry_with_the_same_key(
+    app: tether.App, worker: tether.Worker
+) -> None:
+    """As docs/activities.md says: ``attempt`` is not a "did an earlier try happen?" test
+    (a retry gives the step a fresh round of its policy); the idempotency key is."""
+    seen: list[tuple[int, str]] = []
+    broken = {"now": True}
+
+    @app.activity(retry=fast(2))
+    def charge(order: str) -> str:
+        ctx = tether.activity_context()
+        seen.append((ctx.attempt, ctx.idempotency_key))
+        if broken["now"]:
+            raise TimeoutError("provider timed out")
+        return "ch_1"
+
+    @app.workflow
+    async def pay(order: str) -> str:
+        return await charge(order)
+
+    run = await app.start(pay, "o-1")
+    with pytest.raises(tether.WorkflowFailedError):
+        await run.result(timeout=10)
+    broken["now"] = False
+    assert await (await app.retry(run.run_id)).result(timeout=10) == "ch_1"
+    key = f"{run.run_id}:1"
+    assert seen == [(1, key), (2, key), (1, key)]
+
+
 async def test_retry_rejects_running_run(app: tether.App, worker: tether.Worker) -> None:
     @app.workflow
     async def waits() -> None:
