@@ -239,6 +239,14 @@ def test_approve_cancel_and_replay_from_the_browser_with_roles_and_csrf(
     (entry,) = [e for e in trail if e["action"] == "resolve dead letter"]
     assert entry["actor"].startswith("key ")
     assert entry["detail"]["note"] == "customer told, nothing charged"
+    # the run's page has the same button, and comes back to the run
+    other = _start(server, keys["operate"], "careful", {"input": {"flag": str(flag)}})
+    server.http.get(f"/v1/runs/{other['id']}/result?wait=20", headers=auth)
+    page.goto(f"{base}/runs/{other['id']}")
+    page.fill("form.resolve input[name=note]", "duplicate order")
+    page.click("form.resolve button:has-text('Resolve')")
+    assert "resolved by key" in page.inner_text(".message")
+    assert f"/runs/{other['id']}" in page.url
 
     # a form posted without this session's CSRF token is refused, even with the cookie
     cookie = {c["name"]: c["value"] for c in page.context.cookies()}

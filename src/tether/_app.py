@@ -1824,6 +1824,7 @@ class App:
             ),
             0,
         )
+        seen = any(e.seq > failed and e.type is EventType.WORKFLOW_TASK_COMPLETED for e in events)
         later: builtins.list[str] = []
         for e in events:
             if e.seq > failed and e.type in (EventType.ACTIVITY_SCHEDULED, EventType.CHILD_STARTED):
@@ -1842,6 +1843,13 @@ class App:
         )
         if info.run_id != letter.run_id:
             state = f"continued as new (its latest run {info.run_id!r} {state})"
+        if not seen and not info.status.is_terminal:
+            raise RecoveryError(
+                f"dead letter {letter.id} is step {letter.step} ({letter.name}) of run "
+                f"{letter.run_id!r}, which {state} and has not yet handled the failure: if "
+                "the run fails for it, replaying the letter then retries the run; if its code "
+                "handles it, there is nothing to replay (resolve the letter)"
+            )
         raise RecoveryError(
             f"dead letter {letter.id} is step {letter.step} ({letter.name}) of run "
             f"{letter.run_id!r}, whose code caught the failure and went on: {did}, and the "

@@ -519,6 +519,8 @@ def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
             message = f"dead letter {letter_id} resolved by {actor(principal)}"
         except TetherError as exc:
             message = f"dead letter {letter_id} not resolved: {exc}"
+        if fields.get("back") == "run":  # the form on the run's page
+            return _back(letter.run_id, message)
         return RedirectResponse(f"/dead-letters?{urlencode({'message': message})}", 303)
 
     async def letter_for(
