@@ -195,3 +195,12 @@ async def again(left: int) -> int:
     if left > 0:
         return tether.continue_as_new(left - 1)
     return 0
+
+
+@app.workflow
+async def careful(flag: str) -> str:
+    """Catches its step's failure and goes on: that step's dead letter is not replayed."""
+    try:
+        return await flaky(flag)
+    except tether.ActivityError:
+        return "handled"

@@ -62,6 +62,19 @@ async def slow(marker: str, seconds: float) -> str:
     return await slow_step(marker, seconds)
 
 
+@app.activity(retry=tether.Retry(attempts=1))
+def charge(order: str) -> str:
+    raise tether.NonRetryable(f"card declined for {{order}}")
+
+
+@app.workflow
+async def careful(order: str) -> str:
+    try:
+        return await charge(order)
+    except tether.ActivityError:
+        return "cancelled"
+
+
 not_an_app = 42
 """
 
@@ -301,6 +314,34 @@ def test_approvals_list_show_and_decide(
     wait_until(lambda: project.run_info("r1")["status"] == "completed", CMD_TIMEOUT, "completion")
     assert project.run_info("r1")["output"] == "True ann {'title': 'Q3 final'}"
     assert json.loads(project.ok("approvals", "show", "r1:1", *store))["status"] == "approved"
+
+
+def test_dead_letters_list_replay_refused_and_resolve(
+    project: Project, start_worker: Callable[..., WorkerProc]
+) -> None:
+    start_worker()
+    store = ("--store", str(project.db))
+    project.ok("start", "flows:app", "careful", '"o-1"', "--run-id", "c1", "--wait")
+    (letter,) = json.loads(project.ok("dead-letters", "list", "--json", *store))
+    assert (letter["run_id"], letter["name"], letter["resolved_at"]) == ("c1", "charge", None)
+    assert "charge" in project.ok("dead-letters", "list", *store)
+    lid = str(letter["id"])
+    refused = project.cli("dead-letters", "replay", lid, *store)
+    assert_one_line_error(refused, 1, "caught the failure", "resolve_dead_letter", "force=True")
+    note = "order cancelled, no charge"
+    done = project.cli("dead-letters", "resolve", lid, "--note", note, *store)
+    assert done.returncode == 0 and "resolved" in done.stderr, done.stderr
+    assert json.loads(project.ok("dead-letters", "list", "--json", *store)) == []
+    (closed,) = json.loads(project.ok("dead-letters", "list", "--all", "--json", *store))
+    assert closed["resolution"]["state"] == "resolved"
+    assert closed["resolution"]["note"] == "order cancelled, no charge"
+    assert closed["resolution"]["by"].startswith("cli ")
+    trail = [json.loads(line) for line in project.ok("audit", "c1", "--json", *store).splitlines()]
+    assert [e["detail"]["note"] for e in trail if e["action"] == "resolve dead letter"] == [
+        "order cancelled, no charge"
+    ]
+    again = project.cli("dead-letters", "resolve", lid, "--note", "x", *store)
+    assert_one_line_error(again, 1, "already replayed or resolved")
 
 
 def test_suspend_resume_cancel_terminate(

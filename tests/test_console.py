@@ -209,10 +209,44 @@ def test_approve_cancel_and_replay_from_the_browser_with_roles_and_csrf(
     assert again["status"] == "failed"
     flag.unlink()
     page.goto(f"{base}/dead-letters")
-    page.locator("tr", has_text=fragile["id"]).filter(has_text="fragile").locator("button").click()
+    row = page.locator("tr", has_text=fragile["id"]).filter(has_text="fragile")
+    row.locator("button:has-text('Replay')").click()
     assert "replayed by key" in page.inner_text(".message")
     got = server.http.get(f"/v1/runs/{fragile['id']}/result?wait=20", headers=auth).json()
     assert got["status"] == "completed"
+    # a step its run handled is not replayed (it would charge twice): it is resolved
+    # with a note instead; a read key may not
+    flag.write_text("up")
+    careful = _start(server, keys["operate"], "careful", {"input": {"flag": str(flag)}})
+    handled = server.http.get(f"/v1/runs/{careful['id']}/result?wait=20", headers=auth).json()
+    assert handled["result"] == "handled"
+    page.goto(f"{base}/dead-letters")
+    row = page.locator("tr", has_text=careful["id"])
+    row.locator("button:has-text('Replay')").click()
+    assert "RecoveryError" in page.inner_text(".message")
+    reader.goto(f"{base}/dead-letters")
+    reader.locator("tr", has_text=careful["id"]).locator("input[name=note]").fill("mine")
+    with reader.expect_response(lambda r: r.url.endswith("/resolve")) as refused:
+        reader.locator("tr", has_text=careful["id"]).locator("button:has-text('Resolve')").click()
+    assert refused.value.status == 403
+    page.goto(f"{base}/dead-letters")
+    row = page.locator("tr", has_text=careful["id"])
+    row.locator("input[name=note]").fill("customer told, nothing charged")
+    row.locator("button:has-text('Resolve')").click()
+    assert "resolved by key" in page.inner_text(".message")
+    assert careful["id"] not in page.inner_text("table.grid")
+    trail = server.http.get(f"/v1/runs/{careful['id']}/audit", headers=auth).json()
+    (entry,) = [e for e in trail if e["action"] == "resolve dead letter"]
+    assert entry["actor"].startswith("key ")
+    assert entry["detail"]["note"] == "customer told, nothing charged"
+    # the run's page has the same button, and comes back to the run
+    other = _start(server, keys["operate"], "careful", {"input": {"flag": str(flag)}})
+    server.http.get(f"/v1/runs/{other['id']}/result?wait=20", headers=auth)
+    page.goto(f"{base}/runs/{other['id']}")
+    page.fill("form.resolve input[name=note]", "duplicate order")
+    page.click("form.resolve button:has-text('Resolve')")
+    assert "resolved by key" in page.inner_text(".message")
+    assert f"/runs/{other['id']}" in page.url
 
     # a form posted without this session's CSRF token is refused, even with the cookie
     cookie = {c["name"]: c["value"] for c in page.context.cookies()}

@@ -179,6 +179,50 @@ def test_an_id_or_sequence_too_large_for_the_store_is_a_422_not_a_500(server: Se
         assert stream.status_code == 200
 
 
+def test_a_handled_steps_letter_is_not_replayed_but_resolved_with_a_note(
+    server: Server, tmp_path: Path
+) -> None:
+    """A step whose run caught its failure and completed: replay answers 409 (it would
+    repeat the step's side effect) naming the way out; resolve closes it with a note,
+    recorded in the run's audit trail; ``?force=true`` runs it anyway."""
+    flag = tmp_path / "flag"
+    flag.write_text("up")
+    letters = []
+    for _ in range(2):
+        run = server.http.post("/v1/workflows/careful/runs", json={"input": {"flag": str(flag)}})
+        done = server.http.get(f"{run.json()['links']['result']}?wait=20").json()
+        assert done["result"] == "handled"
+        letters += server.http.get(f"/v1/dead-letters?run_id={run.json()['id']}").json()
+    first, second = letters
+    refused = server.http.post(f"/v1/dead-letters/{first['id']}/replay")
+    assert refused.status_code == 409, refused.text
+    assert "resolve" in refused.json()["detail"] and "force=True" in refused.json()["detail"]
+    assert server.http.post(f"/v1/dead-letters/{first['id']}/resolve", json={}).status_code == 422
+    closed = server.http.post(
+        f"/v1/dead-letters/{first['id']}/resolve", json={"note": "refunded by hand"}
+    )
+    assert closed.status_code == 200, closed.text
+    assert closed.json()["resolution"] == {
+        "state": "resolved",
+        "note": "refunded by hand",
+        "by": "api (no auth)",
+    }
+    assert closed.json()["resolved_at"] is not None
+    again = server.http.post(f"/v1/dead-letters/{first['id']}/resolve", json={"note": "x"})
+    assert again.status_code == 409
+    trail = server.http.get(f"/v1/runs/{first['run_id']}/audit").json()
+    assert [e["detail"] for e in trail if e["action"] == "resolve dead letter"] == [
+        {"letter": first["id"], "note": "refunded by hand"}
+    ]
+    missing = server.http.post("/v1/dead-letters/999999/resolve", json={"note": "x"})
+    assert missing.status_code == 404
+    flag.unlink()
+    forced = server.http.post(f"/v1/dead-letters/{second['id']}/replay?force=true")
+    assert forced.status_code == 200, forced.text
+    assert forced.json()["outcome"] == "fixed"
+    assert server.http.get("/v1/dead-letters").json() == []
+
+
 def test_openapi_shows_each_workflows_input_schema(server: Server) -> None:
     doc = server.http.get("/openapi.json").json()
     assert "/v1/workflows/bill/runs" in doc["paths"]
@@ -198,6 +242,7 @@ def test_openapi_shows_each_workflows_input_schema(server: Server) -> None:
         "counter",
         "holding",
         "again",
+        "careful",
     }  # the entity's workflow (entity:Tally) is reached through /v1/entities
 
 
@@ -760,11 +805,18 @@ def test_tenant_keys_see_only_their_own_letters_switches_audit_schedules_and_rea
     for r in (
         http.get(f"/v1/dead-letters/{letter['id']}", headers=t.as_("globex")),
         http.post(f"/v1/dead-letters/{letter['id']}/replay", headers=t.as_("globex")),
+        http.post(
+            f"/v1/dead-letters/{letter['id']}/resolve", json={"note": "x"}, headers=t.as_("globex")
+        ),
     ):
         assert r.status_code == 404 and r.json()["title"] == missing.json()["title"]
         assert run["id"] not in r.text
         assert r.json()["detail"] == missing.json()["detail"].replace("999999", str(letter["id"]))
     assert http.get(f"/v1/dead-letters/{letter['id']}", headers=t.as_("acme")).status_code == 200
+    read_only = http.post(
+        f"/v1/dead-letters/{letter['id']}/resolve", json={"note": "x"}, headers=t.as_("acme_read")
+    )
+    assert read_only.status_code == 403  # resolving is for operate keys and above
     # switches: each tenant's key sees its own tenant's switch only; flipping is global
     for tenant in ("acme", "initech"):
         off = http.put(

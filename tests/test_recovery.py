@@ -86,6 +86,35 @@ async def test_dead_letter_records_exhausted_step_and_failed_run_then_retry_reru
         await app.retry(run.run_id)  # completed runs are not retried
 
 
+async def test_attempt_starts_again_at_one_after_an_operator_retry_with_the_same_key(
+    app: tether.App, worker: tether.Worker
+) -> None:
+    """As docs/activities.md says: ``attempt`` is not a "did an earlier try happen?" test
+    (a retry gives the step a fresh round of its policy); the idempotency key is."""
+    seen: list[tuple[int, str]] = []
+    broken = {"now": True}
+
+    @app.activity(retry=fast(2))
+    def charge(order: str) -> str:
+        ctx = tether.activity_context()
+        seen.append((ctx.attempt, ctx.idempotency_key))
+        if broken["now"]:
+            raise TimeoutError("provider timed out")
+        return "ch_1"
+
+    @app.workflow
+    async def pay(order: str) -> str:
+        return await charge(order)
+
+    run = await app.start(pay, "o-1")
+    with pytest.raises(tether.WorkflowFailedError):
+        await run.result(timeout=10)
+    broken["now"] = False
+    assert await (await app.retry(run.run_id)).result(timeout=10) == "ch_1"
+    key = f"{run.run_id}:1"
+    assert seen == [(1, key), (2, key), (1, key)]
+
+
 async def test_retry_rejects_running_run(app: tether.App, worker: tether.Worker) -> None:
     @app.workflow
     async def waits() -> None:
@@ -162,6 +191,117 @@ async def test_replay_dead_letter_failing_again_reopens_letter(
     (again,) = await app.dead_letters()
     assert again.id == letter.id
     assert again.resolved_at is None
+
+
+async def test_replay_refuses_a_step_the_workflow_handled_and_resolve_closes_it(
+    app: tether.App, worker: tether.Worker
+) -> None:
+    """A charge that gave up in doubt, caught by the workflow (which cancelled the order),
+    is not charged again by a replay: the replay is refused, naming what the run did;
+    the operator closes the letter with a note instead (audited), or forces the replay."""
+    charges: list[str] = []
+
+    @app.activity(retry=fast(1))
+    def charge(order: str) -> str:
+        charges.append(tether.activity_context().idempotency_key)
+        if len(charges) == 1:
+            raise TimeoutError("provider timed out: outcome unknown")
+        return "ch_1"
+
+    @app.activity
+    def notify(msg: str) -> None:
+        pass
+
+    @app.workflow
+    async def checkout(order: str) -> str:
+        try:
+            await charge(order)
+        except tether.ActivityError:
+            await notify("payment failed; order cancelled")
+            return "cancelled"
+        return "paid"
+
+    run = await app.start(checkout, "o-1")
+    assert await run.result(timeout=10) == "cancelled"
+    (letter,) = await app.dead_letters(run_id=run.run_id)
+    with pytest.raises(tether.RecoveryError) as refused:
+        await app.replay_dead_letter(letter.id)
+    message = str(refused.value)
+    assert "completed" in message and "notify" in message
+    assert "resolve_dead_letter" in message and "force=True" in message
+    assert charges == [f"{run.run_id}:1"]  # nothing ran again
+    (still,) = await app.dead_letters(run_id=run.run_id)  # the letter stays open
+    assert still.id == letter.id and still.resolved_at is None
+
+    note = "checked with the provider: not charged"
+    await app.resolve_dead_letter(letter.id, note=note, by="ann")
+    assert await app.dead_letters(run_id=run.run_id) == []
+    (closed,) = await app.dead_letters(run_id=run.run_id, include_resolved=True)
+    assert closed.resolution == {"state": "resolved", "note": note, "by": "ann"}
+    assert closed.resolved_at is not None
+    (entry,) = [e for e in await app.audit(run.run_id) if e["action"] == "resolve dead letter"]
+    assert entry["actor"] == "ann"
+    assert entry["detail"] == {"letter": letter.id, "note": note}
+    with pytest.raises(tether.RecoveryError):  # closed: neither resolved nor replayed again
+        await app.resolve_dead_letter(letter.id, note="again")
+    with pytest.raises(tether.RecoveryError):
+        await app.replay_dead_letter(letter.id, force=True)
+    assert (await app.get(run.run_id)).status is RunStatus.COMPLETED
+
+
+async def test_replay_force_runs_a_handled_step_again(
+    app: tether.App, worker: tether.Worker
+) -> None:
+    ran: list[int] = []
+
+    @app.activity(retry=fast(1))
+    def fragile(i: int) -> int:
+        ran.append(i)
+        if len(ran) == 1:
+            raise tether.NonRetryable("bad")
+        return i * 2
+
+    @app.workflow
+    async def caught() -> str:
+        try:
+            await fragile(4)
+        except tether.ActivityError:
+            await tether.sleep(3600)  # still running, long after it handled the failure
+        return "done"
+
+    run = await app.start(caught)
+    (letter,) = await eventually(lambda: app.dead_letters(run_id=run.run_id))
+    with pytest.raises(tether.RecoveryError, match="running"):
+        await app.replay_dead_letter(letter.id)
+    assert await app.replay_dead_letter(letter.id, force=True) == 8
+    (closed,) = await app.dead_letters(run_id=run.run_id, include_resolved=True)
+    assert closed.resolution == {"state": "replayed", "result": 8, "forced": True}
+    await app.terminate(run.run_id)
+
+
+async def test_resolve_dead_letter_needs_a_note_and_an_open_letter(
+    app: tether.App, worker: tether.Worker
+) -> None:
+    @app.activity(retry=fast(1))
+    def poison(item: int) -> int:
+        raise tether.NonRetryable(f"bad {item}")
+
+    @app.workflow
+    async def batch() -> int:
+        outs = await tether.map(poison, [7])
+        return sum(1 for o in outs if not o.ok)
+
+    assert await (await app.start(batch)).result(timeout=10) == 1
+    (letter,) = await app.dead_letters()
+    with pytest.raises(tether.ConfigurationError):
+        await app.resolve_dead_letter(letter.id, note="  ")
+    with pytest.raises(tether.RecoveryError):
+        await app.resolve_dead_letter(letter.id + 1000, note="no such letter")
+    await app.resolve_dead_letter(letter.id, note="item 7 is junk: dropped")
+    (closed,) = await app.dead_letters(include_resolved=True)
+    assert closed.resolution == {"state": "resolved", "note": "item 7 is junk: dropped", "by": None}
+    (entry,) = await app.audit_log(target=f"run:{letter.run_id}")
+    assert entry["actor"] == "app" and entry["action"] == "resolve dead letter"
 
 
 # -- fork ----------------------------------------------------------------------------------------

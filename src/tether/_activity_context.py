@@ -32,6 +32,9 @@ class ActivityContext:
     run_id: str
     step: int
     name: str
+    #: 1, 2, ... within one run of the step's retry policy; not a "first time" test: a
+    #: graceful hand-off keeps the number and ``app.retry`` starts again at 1 (ask the
+    #: downstream system by ``idempotency_key`` instead)
     attempt: int
     #: stable across every attempt and redelivery of this step: ``run_id:step``
     idempotency_key: str

@@ -86,6 +86,7 @@ from .store._open import open_store
 from .store.base import WAITING_KINDS, Finished, Store, start_event_data
 from .store.ops.admission import _configure_admission
 from .store.ops.queues import _configure_queue
+from .store.ops.recovery import RecoveryError
 from .store.ops.switches import SWITCH_KINDS
 from .webhooks import check_webhook_url
 from .workflow._instance import WorkflowInstance
@@ -1745,27 +1746,35 @@ class App:
         await self.store.fork_run(run_id, rid, at_step, attrs)
         return self.get_run(rid)
 
-    async def replay_dead_letter(self, letter_id: int) -> Any:
+    async def replay_dead_letter(self, letter_id: int, *, force: bool = False) -> Any:
         """Replay one dead letter once, after a fix.
 
-        A failed run's letter retries the run (``app.retry``). A step whose run went
-        on (a poison item in ``tether.map``) is run again here with its recorded
-        input and original idempotency key; its result is stored on the letter and
-        returned. A replay that fails again reopens the letter and raises.
+        A failed (or needs_intervention) run's letter retries the run (``app.retry``).
+        A poison item of ``tether.map`` (its run went on without it) is run again here
+        with its recorded input and original idempotency key; its result is stored on
+        the letter and returned. A replay that fails again reopens the letter and raises.
+
+        Any other step's letter is refused with a ``RecoveryError`` naming what its run
+        did: its code caught the failure and went on (a cancelled order, a fallback), so
+        running the step outside the run would repeat its side effect for a result no
+        one reads. Close such a letter with ``resolve_dead_letter``; ``force=True`` runs
+        the step again anyway (it re-executes its side effect, once more).
         """
         letter = await self.store.claim_dead_letter(letter_id)
-        info = await self.get(letter.run_id)
-        if letter.kind == "run" or info.status in (
-            RunStatus.FAILED,
-            RunStatus.NEEDS_INTERVENTION,
-        ):
-            try:
+        try:
+            info = await self.get(letter.run_id)
+            if letter.kind == "run" or info.status in (
+                RunStatus.FAILED,
+                RunStatus.NEEDS_INTERVENTION,
+            ):
                 await self.store.retry_run(letter.run_id)
-            except Exception:
-                await self.store.resolve_dead_letter(letter_id, None)
-                raise
-            await self.store.resolve_dead_letter(letter_id, {"state": "retried"})
-            return None
+                await self.store.resolve_dead_letter(letter_id, {"state": "retried"})
+                return None
+            if not force:
+                await self._check_replayable(letter, info)
+        except Exception:
+            await self.store.resolve_dead_letter(letter_id, None)
+            raise
         act = self.get_activity(letter.name)
         ctx = ActivityContext(
             run_id=letter.run_id,
@@ -1791,10 +1800,88 @@ class App:
         except Exception:
             await self.store.resolve_dead_letter(letter_id, None)
             raise
-        await self.store.resolve_dead_letter(
-            letter_id, {"state": "replayed", "result": decode_raw(encoded)}
-        )
+        done = {"state": "replayed", "result": decode_raw(encoded)}
+        if force:
+            done["forced"] = True
+        await self.store.resolve_dead_letter(letter_id, done)
         return value
+
+    async def _check_replayable(self, letter: DeadLetter, info: RunInfo) -> None:
+        """Refuse the replay of a step whose run handled its failure (see
+        ``replay_dead_letter``): only a ``tether.map`` item is replayed on its own."""
+        events = await self.store.read_history(letter.run_id, 0)
+        scheduled = next(
+            (e for e in events if e.type is EventType.ACTIVITY_SCHEDULED and e.step == letter.step),
+            None,
+        )
+        if scheduled is not None and scheduled.data.get("map_item"):
+            return
+        failed = next(
+            (
+                e.seq
+                for e in events
+                if e.type is EventType.ACTIVITY_FAILED and e.step == letter.step
+            ),
+            0,
+        )
+        seen = any(e.seq > failed and e.type is EventType.WORKFLOW_TASK_COMPLETED for e in events)
+        later: builtins.list[str] = []
+        for e in events:
+            if e.seq > failed and e.type in (EventType.ACTIVITY_SCHEDULED, EventType.CHILD_STARTED):
+                what = str(e.data.get("name") or e.data.get("workflow"))
+                if what not in later:
+                    later.append(what)
+        did = (
+            f"it then called {', '.join(later[:3])}{' and more' if len(later) > 3 else ''}"
+            if later
+            else "it called no other step"
+        )
+        state = (
+            f"is still {info.status.value}"
+            if not info.status.is_terminal
+            else f"ended {info.status.value}"
+        )
+        if info.run_id != letter.run_id:
+            state = f"continued as new (its latest run {info.run_id!r} {state})"
+        if not seen and not info.status.is_terminal:
+            raise RecoveryError(
+                f"dead letter {letter.id} is step {letter.step} ({letter.name}) of run "
+                f"{letter.run_id!r}, which {state} and has not yet handled the failure: if "
+                "the run fails for it, replaying the letter then retries the run; if its code "
+                "handles it, there is nothing to replay (resolve the letter)"
+            )
+        raise RecoveryError(
+            f"dead letter {letter.id} is step {letter.step} ({letter.name}) of run "
+            f"{letter.run_id!r}, whose code caught the failure and went on: {did}, and the "
+            f"run {state}. A replay would run {letter.name} again outside the run (its "
+            "result reaches no one), repeating its side effect. If nothing is left to do, "
+            f"close the letter: app.resolve_dead_letter({letter.id}, note=...); to run the "
+            f"step again anyway: app.replay_dead_letter({letter.id}, force=True)"
+        )
+
+    async def resolve_dead_letter(
+        self, letter_id: int, *, note: str, by: str | None = None
+    ) -> DeadLetter:
+        """Close an open dead letter without running anything: the operator dealt with
+        it (checked the provider, the run's code handled the failure, the item is junk).
+        ``note`` says what was done; it and ``by`` are stored on the letter as its
+        resolution and written to the audit log (actor ``by``, or ``app``)."""
+        if not isinstance(note, str) or not note.strip():
+            raise ConfigurationError("resolve_dead_letter needs a note: what was done about it")
+        letter = await self.store.claim_dead_letter(letter_id)
+        await self.store.resolve_dead_letter(
+            letter_id, {"state": "resolved", "note": note, "by": by}
+        )
+        await self.store.audit(
+            by or "app",
+            "resolve dead letter",
+            f"run:{letter.run_id}",
+            {"letter": letter_id, "note": note},
+        )
+        (closed,) = await self.store.dead_letters(
+            include_resolved=True, run_id=None, limit=1, letter_id=letter_id, tenant=None
+        )
+        return closed
 
     def _alert(self, subject: str, details: dict[str, Any]) -> asyncio.Future[Any]:
         """Tell the alert hook (or the log): ``subject`` is a run id for a run that needs

@@ -169,6 +169,7 @@ class SyncClient:
     fork = _blocking_run(App.fork)
     dead_letters = _blocking(App.dead_letters)
     replay_dead_letter = _blocking(App.replay_dead_letter)
+    resolve_dead_letter = _blocking(App.resolve_dead_letter)
     pause_queue = _blocking(App.pause_queue)
     resume_queue = _blocking(App.resume_queue)
     queue_stats = _blocking(App.queue_stats)

@@ -11,6 +11,11 @@ from .approvals import (
     approvals_list_command,
     approvals_show_command,
 )
+from .dead_letters import (
+    dead_letters_list_command,
+    dead_letters_replay_command,
+    dead_letters_resolve_command,
+)
 from .demo import demo_command
 from .history import history_export_command, replay_command
 from .keyring import (
@@ -158,6 +163,14 @@ def _build() -> typer.Typer:
         off=switch_off_command,
         on=switch_on_command,
         list=switch_list_command,
+    )
+    _group(
+        cli,
+        "dead-letters",
+        "Steps and runs that exhausted their failure policy: list, replay, resolve.",
+        list=dead_letters_list_command,
+        replay=dead_letters_replay_command,
+        resolve=dead_letters_resolve_command,
     )
     return cli
 

@@ -150,6 +150,12 @@ class Reason(BaseModel):
     reason: str | None = None
 
 
+class Note(BaseModel):
+    """What an operator did about a dead letter (stored on it and in the audit log)."""
+
+    note: str = Field(min_length=1, max_length=10_000)
+
+
 def create_api(
     app: App,
     *,
@@ -713,13 +719,29 @@ def create_api(
         "/v1/dead-letters/{letter_id}/replay",
         summary="Run a dead letter's step again with today's code; its outcome resolves it",
     )
-    async def replay_dead_letter(letter_id: LetterId, request: Request) -> dict[str, Any]:
+    async def replay_dead_letter(
+        letter_id: LetterId, request: Request, force: bool = False
+    ) -> dict[str, Any]:
         may(request, "operate", "replaying a dead letter")
         await letter_of(request, letter_id)
-        outcome = await app.replay_dead_letter(letter_id)
+        outcome = await app.replay_dead_letter(letter_id, force=force)
         letter = await letter_of(request, letter_id)
-        await audit(request, "replay dead letter", f"run:{letter.run_id}", {"letter": letter_id})
+        detail: dict[str, Any] = {"letter": letter_id, **({"force": True} if force else {})}
+        await audit(request, "replay dead letter", f"run:{letter.run_id}", detail)
         return {"id": letter_id, "replayed": True, "outcome": jsonable_encoder(outcome)}
+
+    @api.post(
+        "/v1/dead-letters/{letter_id}/resolve",
+        summary="Close a dead letter with a note, running nothing (audited)",
+    )
+    async def resolve_dead_letter(
+        letter_id: LetterId, body: Note, request: Request
+    ) -> dict[str, Any]:
+        may(request, "operate", "resolving a dead letter")
+        await letter_of(request, letter_id)
+        by = actor_of(request.state.principal, "api")
+        letter = await app.resolve_dead_letter(letter_id, note=body.note, by=by)
+        return _shown(dataclasses.asdict(letter), shows(request), "input", "error", "resolution")
 
     longest_suffix_first(api, "/v1/runs/{run_id:path}")
     longest_suffix_first(api, "/runs/{run_id:path}")  # the console's

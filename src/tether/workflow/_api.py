@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from datetime import timedelta
 from typing import Any, Generic, TypeVar
 
-from .._definitions import chain_of, check_signal_name
+from .._definitions import Activity, chain_of, check_signal_name
 from .._errors import TetherError
 from .._policy import seconds
 from .._serde import convert
@@ -268,6 +268,11 @@ async def map(
     next_index = 0
 
     async def call(item: Any) -> T:
+        inst = current_instance()
+        if isinstance(fn, Activity) and inst is not None:
+            # marked as an item: its dead letter may be replayed on its own
+            value: T = await inst.schedule_activity(fn, (item,), {}, map_item=True)
+            return value
         return await fn(item)
 
     def launch() -> None:

@@ -749,9 +749,17 @@ class WorkflowInstance:
         return waits
 
     def schedule_activity(
-        self, activity: Activity[Any, Any], args: Sequence[Any], kwargs: dict[str, Any]
+        self,
+        activity: Activity[Any, Any],
+        args: Sequence[Any],
+        kwargs: dict[str, Any],
+        *,
+        map_item: bool = False,
     ) -> asyncio.Future[Any]:
-        """Issue an ActivityScheduled command; the future resolves with its outcome."""
+        """Issue an ActivityScheduled command; the future resolves with its outcome.
+
+        ``map_item``: an item of ``tether.map``, whose failure the run goes on without
+        (recorded, not compared on replay: its dead letter may be replayed alone)."""
         opts = activity.opts
         args_json = activity.sig.encode_args(args, kwargs)
         options = {**activity.options_json, "scheduled_at": self.now}
@@ -768,6 +776,8 @@ class WorkflowInstance:
             # evaluated now and recorded, so the task row never depends on today's code
             **opts.scheduling(activity.name, args, kwargs),
         }
+        if map_item:
+            data["map_item"] = True
         raw = {"args": args_json}
         kept = self._reuse.get(self.step + 1)
         if (

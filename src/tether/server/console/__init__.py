@@ -25,7 +25,7 @@ from fastapi.templating import Jinja2Templates
 from ..._app import App
 from ..._definitions import CHAIN_SEPARATOR, chain_of
 from ..._errors import ApprovalNotFoundError, RunNotFoundError, RunPurgedError, TetherError
-from ..._history import INT64_MAX, Event, EventType, RunInfo, RunStatus
+from ..._history import INT64_MAX, DeadLetter, Event, EventType, RunInfo, RunStatus
 from ...store.ops.switches import SWITCH_KINDS
 from .._auth import AuthError, Principal, actor_of, authenticate
 from .._models import path_quote, run_view
@@ -482,7 +482,8 @@ def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
     async def dead_letters(request: Request) -> Response:
         principal = await who(request)
         letters = await app.dead_letters(tenant=principal.tenant if principal else None, limit=500)
-        return page(request, "dead_letters.html", principal, letters=letters)
+        message = request.query_params.get("message")
+        return page(request, "dead_letters.html", principal, letters=letters, message=message)
 
     @api.post("/dead-letters/{letter_id}/replay", include_in_schema=False)
     async def replay(
@@ -490,24 +491,52 @@ def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
     ) -> Response:
         principal = await who(request)
         await form(request)
+        letter = await letter_for(principal, letter_id, "replaying a dead letter")
+        if letter is None:
+            return page(request, "missing.html", principal, what=f"dead letter {letter_id}")
+        try:
+            await app.replay_dead_letter(letter_id)
+            message = f"dead letter {letter_id} replayed by {actor(principal)}"
+            target = f"run:{letter.run_id}"
+            await audit(principal, "replay dead letter", target, {"letter": letter_id})
+        except Exception as exc:  # the replay's own failure is the operator's answer
+            message = f"replay of dead letter {letter_id} failed: {type(exc).__name__}: {exc}"
+        return _back(letter.run_id, message)
+
+    @api.post("/dead-letters/{letter_id}/resolve", include_in_schema=False)
+    async def resolve(
+        request: Request, letter_id: Annotated[int, PathParam(ge=1, le=INT64_MAX)]
+    ) -> Response:
+        principal = await who(request)
+        fields = await form(request)
+        letter = await letter_for(principal, letter_id, "resolving a dead letter")
+        if letter is None:
+            return page(request, "missing.html", principal, what=f"dead letter {letter_id}")
+        try:  # recorded in the audit log by the app, with this actor
+            await app.resolve_dead_letter(
+                letter_id, note=fields.get("note", ""), by=actor(principal)
+            )
+            message = f"dead letter {letter_id} resolved by {actor(principal)}"
+        except TetherError as exc:
+            message = f"dead letter {letter_id} not resolved: {exc}"
+        if fields.get("back") == "run":  # the form on the run's page
+            return _back(letter.run_id, message)
+        return RedirectResponse(f"/dead-letters?{urlencode({'message': message})}", 303)
+
+    async def letter_for(
+        principal: Principal | None, letter_id: int, doing: str
+    ) -> DeadLetter | None:
+        """The letter an operator acts on, or None when it is missing (or another
+        tenant's: as missing as one that never was)."""
         if principal is not None:
-            principal.require("operate", "replaying a dead letter")
+            principal.require("operate", doing)
         letters = await app.dead_letters(include_resolved=True, letter_id=letter_id, limit=1)
         try:
             if letters:
                 await visible(principal, letters[0].run_id)
         except RunNotFoundError:
-            letters = []  # another tenant's letter is as missing as one that never was
-        if not letters:
-            return page(request, "missing.html", principal, what=f"dead letter {letter_id}")
-        try:
-            await app.replay_dead_letter(letter_id)
-            message = f"dead letter {letter_id} replayed by {actor(principal)}"
-            target = f"run:{letters[0].run_id}"
-            await audit(principal, "replay dead letter", target, {"letter": letter_id})
-        except Exception as exc:  # the replay's own failure is the operator's answer
-            message = f"replay of dead letter {letter_id} failed: {type(exc).__name__}: {exc}"
-        return _back(letters[0].run_id, message)
+            return None
+        return letters[0] if letters else None
 
 
 async def _fields(request: Request) -> dict[str, str]:
