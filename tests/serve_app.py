@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import time
+from typing import Any
 
 from pydantic import BaseModel
 
@@ -190,3 +191,12 @@ async def again(left: int) -> int:
     if left > 0:
         return tether.continue_as_new(left - 1)
     return 0
+
+
+@app.workflow
+async def cart() -> list[Any]:
+    """Collects the payloads of ``add`` signals until one is null."""
+    items: list[Any] = []
+    while (item := await tether.wait_event("add")) is not None:
+        items.append(item)
+    return items
