@@ -7,6 +7,7 @@ import logging
 import os
 import tempfile
 import time
+from typing import Any
 
 from pydantic import BaseModel
 
@@ -204,3 +205,11 @@ async def careful(flag: str) -> str:
         return await flaky(flag)
     except tether.ActivityError:
         return "handled"
+
+
+async def cart() -> list[Any]:
+    """Collects the payloads of ``add`` signals until one is null."""
+    items: list[Any] = []
+    while (item := await tether.wait_event("add")) is not None:
+        items.append(item)
+    return items

@@ -276,6 +276,17 @@ def test_signal_a_waiting_run(project: Project, start_worker: Callable[..., Work
     assert_one_line_error(res, 1, "w1", "already finished")
 
 
+def test_a_signal_sent_again_with_its_id_is_not_sent_twice(project: Project) -> None:
+    store = ("--store", str(project.db))
+    project.ok("start", "flows:app", "waiter", '"w"', "--run-id", "w2")
+    assert "sent to run w2" in project.ok("signal", "w2", "go", "1", "--id", "s1", *store)
+    again = project.ok("signal", "w2", "go", "1", "--id", "s1", *store)
+    assert "already sent" in again and "not sent again" in again
+    events = json.loads(project.ok("history", "export", "w2", *store))["events"]
+    sent = [e["data"] for e in events if e["type"] == "SignalReceived"]
+    assert sent == [{"name": "go", "signal_id": "s1", "payload": 1}]
+
+
 def test_approvals_list_show_and_decide(
     project: Project, start_worker: Callable[..., WorkerProc]
 ) -> None:

@@ -28,7 +28,8 @@ async def _roundtrip(url: str) -> None:
         from helpers import eventually
 
         await eventually(waiting, what="waiting_on recorded")
-        await app.signal(run.run_id, "go", "x")
+        await app.signal(run.run_id, "go", "x", signal_id="s")
+        assert await app.signal(run.run_id, "go", "y", signal_id="s") is False  # (version 11)
         assert await run.result(timeout=10) == "x"
     await app.close()
 
@@ -55,6 +56,7 @@ NEWER_TABLES = (
     "webhook_outbox",
     "switches",
     "audit_log",
+    "signal_ids",  # version 11
 )
 
 

@@ -32,6 +32,7 @@ from ._definitions import (
     Workflow,
     chain_of,
     check_run_id,
+    check_signal_id,
     check_signal_name,
 )
 from ._entities import PREFIX as ENTITY_PREFIX
@@ -164,9 +165,9 @@ class Run(Generic[R]):
             raise RunNeedsInterventionError(run_id, info.status.value, msg)
         raise WorkflowFailedError(run_id, info.status.value, msg)
 
-    async def signal(self, name: str, payload: Any = None) -> None:
-        """Send the signal ``name`` to this run."""
-        await self.app.signal(self.run_id, name, payload)
+    async def signal(self, name: str, payload: Any = None, *, signal_id: str | None = None) -> bool:
+        """Send the signal ``name`` to this run (``App.signal``)."""
+        return await self.app.signal(self.run_id, name, payload, signal_id=signal_id)
 
     async def cancel(self, reason: str | None = None) -> None:
         """Ask this run to cancel."""
@@ -599,6 +600,7 @@ class App:
         by: str | None = None,
         if_running: str | None = None,
         signal: tuple[str, Any] | None = None,
+        signal_id: str | None = None,
         _trace: dict[str, str] | None = None,
     ) -> Run[R]:
         """Start a run and return its handle; durable when this returns.
@@ -628,7 +630,8 @@ class App:
         so concurrent starts make one run and every signal arrives, in one order. By
         default a start with the same input returns the existing run and other input is
         a conflict. A run id names one run ever: a signal-with-start to a run that ended
-        raises ``RunFinishedError``.
+        raises ``RunFinishedError``. ``signal_id`` gives the signal an id (see ``signal``):
+        a retried signal-with-start with the same one signals once.
         """
         if if_running not in (None, "return", "reject", "signal"):
             raise ConfigurationError(
@@ -640,6 +643,10 @@ class App:
             raise ConfigurationError("signal= is a signal-with-start: if_running='signal'")
         if (if_running is not None or signal is not None) and run_id is None:
             raise ConfigurationError("if_running= and signal= need the run's id: run_id=")
+        if signal_id is not None:
+            if signal is None:
+                raise ConfigurationError("signal_id= is the id of signal=: give both")
+            check_signal_id(signal_id)
         signal_wire = None
         if signal is not None:
             if not (isinstance(signal, tuple) and len(signal) == 2 and isinstance(signal[0], str)):
@@ -703,6 +710,7 @@ class App:
                         by=by,
                         if_running=if_running,
                         signal=signal,
+                        signal_id=signal_id,
                         _trace=carrier or {},  # this thread's trace context, not that loop's
                     )
                 finally:
@@ -757,6 +765,7 @@ class App:
                 attrs=attrs,
                 if_exists=if_exists,
                 signal=signal_wire,
+                signal_id=signal_id,
             )
         except BaseException:
             if eager is not None:
@@ -1345,10 +1354,21 @@ class App:
         if problem is not None:
             raise ApprovalError(approval_id, problem)
 
-    async def signal(self, run_id: str, name: str, payload: Any = None) -> None:
-        """Deliver the signal ``name``; durable when this returns, buffered until waited for."""
+    async def signal(
+        self, run_id: str, name: str, payload: Any = None, *, signal_id: str | None = None
+    ) -> bool:
+        """Deliver the signal ``name``; durable when this returns, buffered until waited for.
+
+        ``signal_id`` makes a retry safe: a signal whose id already arrived in the run
+        (or its continue-as-new chain, even if it has ended since) is not recorded
+        again, whatever its name and payload, and this returns False; True when the
+        signal was recorded. One id is one signal: concurrent sends record it once."""
         check_signal_name(name)
-        await self.store.signal(run_id, name, encode(payload, f"payload of signal {name!r}"))
+        if signal_id is not None:
+            check_signal_id(signal_id)
+        wire = encode(payload, f"payload of signal {name!r}")
+        _target, _seq, new = await self.store.signal(run_id, name, wire, signal_id)
+        return new
 
     # -- queries and updates -----------------------------------------------------
 
@@ -1374,7 +1394,14 @@ class App:
         finally:
             inst.close()
 
-    async def update(self, run_id: str, name: str, *args: Any, timeout: float | None = 60.0) -> Any:
+    async def update(
+        self,
+        run_id: str,
+        name: str,
+        *args: Any,
+        timeout: float | None = 60.0,
+        update_id: str | None = None,
+    ) -> Any:
         """Run the update ``name`` (``tether.on_update``) in the run and return its result.
 
         Its validator runs here first against the replayed state: a refusal raises
@@ -1383,13 +1410,23 @@ class App:
         ``UpdateFailedError`` if its handler raised. Waits up to ``timeout`` seconds for
         the outcome (``ResultTimeoutError``; the update still applies). Sent before
         the run's code first ran, it is recorded unchecked: the run checks it (its
-        validator, whether it has such a handler) when its code gets there."""
+        validator, whether it has such a handler) when its code gets there.
+
+        ``update_id`` makes a retry safe (after that timeout, a lost connection): an
+        update whose id already arrived in the run's continue-as-new chain is not
+        recorded or validated again; this waits for the first one's outcome instead.
+        One id is one update (its name and arguments are not compared)."""
+        if update_id is not None:
+            check_signal_id(update_id, "update_id")
+            seen = await self.store.signal_arrived(run_id, update_id)
+            if seen is not None:
+                return await self._update_outcome(seen[0], update_id, name, timeout, seen[1])
         try:
             inst = await self._replayed(run_id, f"update {name!r}")
         except QueryError as exc:
             if not exc.problem.startswith(NOT_RUN_YET):
                 raise
-            return await self._send_update(exc.run_id, name, args, timeout)
+            return await self._send_update(exc.run_id, name, args, timeout, update_id)
         try:
             entry = inst.updates.get(name)
             if entry is None:
@@ -1405,16 +1442,24 @@ class App:
             live = inst.run_id
         finally:
             inst.close()
-        return await self._send_update(live, name, args, timeout)
+        return await self._send_update(live, name, args, timeout, update_id)
 
     async def _send_update(
-        self, run_id: str, name: str, args: tuple[Any, ...], timeout: float | None
+        self,
+        run_id: str,
+        name: str,
+        args: tuple[Any, ...],
+        timeout: float | None,
+        update_id: str | None = None,
     ) -> Any:
-        """Record the update request in the run's history and wait for its outcome."""
-        update_id = uuid.uuid4().hex
-        payload = encode({"id": update_id, "args": list(args)}, f"arguments of update {name!r}")
-        target, seq = await self.store.signal(run_id, UPDATE_SIGNAL + name, payload)
-        return await self._update_outcome(target, update_id, name, timeout, seq)
+        """Record the update request in the run's history and wait for its outcome (with
+        an ``update_id`` that arrived meanwhile: the first request's)."""
+        uid = update_id or uuid.uuid4().hex
+        payload = encode({"id": uid, "args": list(args)}, f"arguments of update {name!r}")
+        target, seq, _new = await self.store.signal(
+            run_id, UPDATE_SIGNAL + name, payload, update_id
+        )
+        return await self._update_outcome(target, uid, name, timeout, seq)
 
     async def _replayed(self, run_id: str, what: str) -> WorkflowInstance:
         """The run's live instance rebuilt from its history, through its last task."""

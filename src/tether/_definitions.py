@@ -260,6 +260,23 @@ def check_signal_name(name: str) -> None:
     check_name(name, "signal name")
 
 
+#: the longest id a signal or update may carry (``check_signal_id``)
+MAX_SIGNAL_ID = 255
+
+
+def check_signal_id(signal_id: str, what: str = "signal_id") -> None:
+    """Refuse an id a signal or update cannot carry: 1-255 printable characters."""
+    if (
+        not isinstance(signal_id, str)
+        or not signal_id
+        or len(signal_id) > MAX_SIGNAL_ID
+        or not signal_id.isprintable()
+    ):
+        raise ConfigurationError(
+            f"{what} must be 1-{MAX_SIGNAL_ID} printable characters (got {signal_id!r:.80})"
+        )
+
+
 def check_run_id(run_id: str) -> None:
     """Refuse a run id a user may not choose (empty, in the chains' namespace, or with a
     part between slashes that URLs resolve away). Only new ids are checked: runs an

@@ -31,7 +31,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ._definitions import CHAIN_SEPARATOR, chain_of
+from ._definitions import CHAIN_SEPARATOR, chain_of, check_signal_id
 from ._errors import (
     NOT_RUN_YET,
     ConfigurationError,
@@ -268,15 +268,20 @@ class EntityRef:
         self.ops = ops
         self.run_id = f"{PREFIX}{name}:{key}"
 
-    async def call(self, op: str, *args: Any, timeout: float | None = 60.0) -> Any:
-        """Apply ``op(*args)`` and return its result (``UpdateFailedError`` if it raised)."""
-        update_id, (target, seq) = await self._send(op, args)
-        return await self.app._update_outcome(target, update_id, op, timeout, seq)
+    async def call(
+        self, op: str, *args: Any, timeout: float | None = 60.0, update_id: str | None = None
+    ) -> Any:
+        """Apply ``op(*args)`` and return its result (``UpdateFailedError`` if it raised).
+        With an ``update_id`` that already arrived for this entity, nothing is applied
+        again: this waits for the first one's outcome (``App.update``)."""
+        uid, (target, seq), _new = await self._send(op, args, update_id)
+        return await self.app._update_outcome(target, uid, op, timeout, seq)
 
-    async def signal(self, op: str, *args: Any) -> None:
+    async def signal(self, op: str, *args: Any, update_id: str | None = None) -> bool:
         """Ask for ``op(*args)`` without waiting: recorded when this returns, applied in
-        order with the entity's other operations."""
-        await self._send(op, args)
+        order with the entity's other operations. False (nothing recorded) when an
+        operation with this ``update_id`` already arrived for this entity."""
+        return (await self._send(op, args, update_id))[2]
 
     async def state(self) -> dict[str, Any]:
         """The entity's state now (its object's attributes), from its replayed history."""
@@ -294,11 +299,15 @@ class EntityRef:
                 raise
             return dict(state)
 
-    async def _send(self, op: str, args: tuple[Any, ...]) -> tuple[str, tuple[str, int]]:
+    async def _send(
+        self, op: str, args: tuple[Any, ...], given: str | None
+    ) -> tuple[str, tuple[str, int], bool]:
         if op not in self.ops:
             known = ", ".join(sorted(self.ops))
             raise UpdateRejectedError(self.run_id, op, f"no such operation (known: {known})")
-        update_id = uuid.uuid4().hex
+        if given is not None:
+            check_signal_id(given, "update_id")
+        update_id = given or uuid.uuid4().hex
         payload = encode({"id": update_id, "args": list(args)}, f"arguments of {op!r}")
         wf = self.app.get_workflow(PREFIX + self.name)
         res = await self.app.store.create_run(
@@ -308,9 +317,10 @@ class EntityRef:
             input=wf.sig.encode_args((), {}),
             if_exists="return",
             signal=(UPDATE_SIGNAL + op, payload),
+            signal_id=given,
         )
         assert res.signalled is not None  # create_run signals in the same commit
-        return update_id, res.signalled
+        return update_id, res.signalled, res.signal_new
 
 
 async def list_entities(app: Any, name: str, limit: int) -> list[str]:

@@ -54,9 +54,12 @@ class SyncRun(Generic[R]):
         """The run's current state (``RunInfo``)."""
         return self._client._run("info", self.run.info)
 
-    def signal(self, name: str, payload: Any = None) -> None:
-        """Send the signal ``name`` to this run."""
-        self._client._run("signal", lambda: self.run.signal(name, payload))
+    def signal(self, name: str, payload: Any = None, *, signal_id: str | None = None) -> bool:
+        """Send the signal ``name`` to this run (``App.signal``)."""
+        sent: bool = self._client._run(
+            "signal", lambda: self.run.signal(name, payload, signal_id=signal_id)
+        )
+        return sent
 
     def cancel(self, reason: str | None = None) -> None:
         """Ask this run to cancel."""

@@ -180,6 +180,14 @@ def signal_command(
         str | None,
         typer.Argument(metavar="JSON_PAYLOAD", help="The payload as JSON (default null)."),
     ] = None,
+    signal_id: Annotated[
+        str | None,
+        typer.Option(
+            "--id",
+            help="The signal's id: a signal of an id the run (or its continue-as-new "
+            "chain) already received is not sent again (a safe retry).",
+        ),
+    ] = None,
     store: Annotated[str | None, _store_option()] = None,
     app: Annotated[str | None, _app_option()] = None,
 ) -> None:
@@ -190,13 +198,22 @@ def signal_command(
             value = _parse_json(payload, "JSON_PAYLOAD")
         except UsageError as exc:
             _fail(str(exc), EXIT_USAGE)
+    sent: list[bool] = []
+
+    async def send(a: App) -> None:
+        sent.append(await a.signal(run_id, name, value, signal_id=signal_id))
 
     _act(
         store,
         app,
-        lambda a: a.signal(run_id, name, value),
-        f"signal {name!r} sent to run {run_id}",
+        send,
+        lambda: (
+            f"signal {name!r} sent to run {run_id}"
+            if sent[0]
+            else f"signal {signal_id!r} already sent to run {run_id}: not sent again"
+        ),
         ("signal", run_id, {"signal": name}),
+        skip_audit=lambda: not sent[0],
     )
 
 
@@ -204,20 +221,24 @@ def _act(
     store: str | None,
     app: str | None,
     action: Callable[[App], Coroutine[Any, Any, Any]],
-    done: str,
+    done: str | Callable[[], str],
     audit: tuple[str, str, dict[str, Any] | None],
+    skip_audit: Callable[[], bool] | None = None,
 ) -> None:
     """Open the store, do one thing to a run, record who did it (``audit``: the action,
-    the run id and details), say what was done."""
+    the run id and details; not when ``skip_audit()`` says nothing was done), say what
+    was done (``done``, or what it returns once the action ran)."""
 
     async def go() -> None:
         async with _opened(_client_app(store, app)) as a:
             await action(a)
+            if skip_audit is not None and skip_audit():
+                return
             what, run_id, detail = audit
             await a.store.audit(cli_actor(), what, f"run:{run_id}", detail)
 
     _run(go())
-    print(done)
+    print(done if isinstance(done, str) else done())
 
 
 def cancel_command(

@@ -100,6 +100,12 @@ def _idempotent_run_id(workflow: str, key: str, tenant: str | None) -> str:
     return f"idem-{digest}"
 
 
+def _start_signal_id(key: str) -> str:
+    """The id of the signal of a signal-with-start sent with an ``Idempotency-Key``
+    (``App.signal``'s ``signal_id``): the same key signals once."""
+    return "start-" + hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
 def _cursor(created_at: float, run_id: str) -> str:
     return base64.urlsafe_b64encode(json.dumps([created_at, run_id]).encode()).decode()
 
@@ -513,13 +519,29 @@ def create_api(
 
     @api.post("/v1/runs/{run_id:path}/signals/{name}", status_code=202, summary="Send a signal")
     async def send_signal(
-        run_id: str, name: str, request: Request, payload: Annotated[Any, Body()] = None
+        run_id: str,
+        name: str,
+        request: Request,
+        response: Response,
+        payload: Annotated[Any, Body()] = None,
+        idempotency_key: Annotated[str | None, Header()] = None,
     ) -> dict[str, Any]:
         may(request, "operate", "signal")
         await visible(request, run_id)
-        await app.signal(run_id, name, payload)
-        await audit(request, "signal", f"run:{run_id}", {"signal": name})
-        return {"id": run_id, "signal": name, "accepted": True, "links": links(run_id)}
+        # a retry with the same Idempotency-Key is the same signal: recorded once (a 200
+        # for the repeat, as for a repeated start)
+        new = await app.signal(run_id, name, payload, signal_id=idempotency_key or None)
+        if new:
+            await audit(request, "signal", f"run:{run_id}", {"signal": name})
+        else:
+            response.status_code = 200
+        return {
+            "id": run_id,
+            "signal": name,
+            "accepted": True,
+            "duplicate": not new,
+            "links": links(run_id),
+        }
 
     install_interactions(
         api, app, visible=visible, may=may, unbound=unbound, audit=audit, max_wait=max_wait
@@ -840,6 +862,10 @@ def _add_start_route(api: FastAPI, app: App, wf: Workflow[Any, Any], who: Any) -
                 signal=None
                 if data.get("signal") is None
                 else (data["signal"]["name"], data["signal"].get("payload")),
+                # a retried signal-with-start signals once
+                signal_id=_start_signal_id(idempotency_key)
+                if idempotency_key and data.get("signal") is not None
+                else None,
             )
         except RunPurgedError:
             if principal is not None and principal.tenant is not None:

@@ -15,9 +15,9 @@ no tenant (``unbound``).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Header, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
@@ -53,12 +53,22 @@ def install_interactions(
         return {"id": info.run_id, "result": await app.query(info.run_id, name, *body.args)}
 
     @api.post("/v1/runs/{run_id:path}/updates/{name}", summary="Run an update in a run")
-    async def update(run_id: str, name: str, body: ArgsBody, request: Request) -> Any:
+    async def update(
+        run_id: str,
+        name: str,
+        body: ArgsBody,
+        request: Request,
+        idempotency_key: Annotated[str | None, Header()] = None,
+    ) -> Any:
         may(request, "operate", "update")
         info = await visible(request, run_id)
         wait = min(body.timeout or 30.0, max_wait)
         try:
-            result = await app.update(info.run_id, name, *body.args, timeout=wait)
+            # a retry with the same Idempotency-Key is the same update: applied once, and
+            # answered with that one's outcome
+            result = await app.update(
+                info.run_id, name, *body.args, timeout=wait, update_id=idempotency_key or None
+            )
         except ResultTimeoutError as exc:
             await audit(request, "update", f"run:{info.run_id}", {"update": name})
             return JSONResponse(
@@ -81,11 +91,23 @@ def install_interactions(
         return await app.entity_ref(entity, key).state()
 
     @api.post("/v1/entities/{entity}/{key}/operations/{op}", summary="Apply an entity operation")
-    async def entity_call(entity: str, key: str, op: str, body: ArgsBody, request: Request) -> Any:
+    async def entity_call(
+        entity: str,
+        key: str,
+        op: str,
+        body: ArgsBody,
+        request: Request,
+        idempotency_key: Annotated[str | None, Header()] = None,
+    ) -> Any:
         unbound(request, "calling entities")
         ref = app.entity_ref(entity, key)
         try:
-            result = await ref.call(op, *body.args, timeout=min(body.timeout or 30.0, max_wait))
+            result = await ref.call(
+                op,
+                *body.args,
+                timeout=min(body.timeout or 30.0, max_wait),
+                update_id=idempotency_key or None,
+            )
         except ResultTimeoutError as exc:
             # recorded, and it still applies: a 202, so a client does not send it again
             await audit(request, f"entity {op}", f"run:{ref.run_id}", None)

@@ -106,8 +106,11 @@ class StartResult:
     first_marker: int | None = None
     #: with ``first``: the activity tasks it scheduled that were leased to ``lease_to``
     first_leased: tuple[Task, ...] = ()
-    #: with ``signal``: (the run it went to: the live run of a continued chain, its seq)
+    #: with ``signal``: (the run it went to: the live run of a continued chain, its seq);
+    #: with a ``signal_id`` that arrived before, where that first one went
     signalled: tuple[str, int] | None = None
+    #: with ``signal_id``: False when a signal of that id had arrived (none recorded)
+    signal_new: bool = True
 
 
 class Store(abc.ABC):
@@ -140,6 +143,7 @@ class Store(abc.ABC):
         attrs: dict[str, Any] | None = None,
         if_exists: str = "same_input",
         signal: tuple[str, str] | None = None,
+        signal_id: str | None = None,
     ) -> StartResult:
         """Create a run with its first workflow task, or return the existing identical one.
 
@@ -149,7 +153,9 @@ class Store(abc.ABC):
         tenant is a ``RunIdConflictError`` whatever ``if_exists`` says. With ``signal``
         (name, encoded payload), the signal goes to the run in the same commit: to the
         existing run (its live run if it continued as new; ``RunFinishedError`` if it
-        ended), or to the new one before its code first runs (signal-with-start).
+        ended), or to the new one before its code first runs (signal-with-start); with
+        ``signal_id`` too, only if no signal of that id arrived in the run's chain
+        before (``signal``'s dedup: ``StartResult.signalled`` then names the first).
 
         With ``lease_to`` (an in-process worker serving the run's queue), the first
         workflow task is leased to it in the same commit and returned, saving a claim.
@@ -489,9 +495,20 @@ class Store(abc.ABC):
         """Extend one activity's lease and record progress; return whether it was cancelled."""
 
     @abc.abstractmethod
-    async def signal(self, run_id: str, name: str, payload: str) -> tuple[str, int]:
+    async def signal(
+        self, run_id: str, name: str, payload: str, signal_id: str | None = None
+    ) -> tuple[str, int, bool]:
         """Append a signal to the run's history (its live run if it continued as new);
-        durable when this returns. (The run it went to, the signal's seq there.)"""
+        durable when this returns. (The run it went to, the signal's seq there, True.)
+
+        With a ``signal_id`` that already arrived in the run's continue-as-new chain,
+        nothing is recorded, even if the run has ended since: (the run the first went
+        to, its seq there, False). Concurrent sends of one id record it once."""
+
+    @abc.abstractmethod
+    async def signal_arrived(self, run_id: str, signal_id: str) -> tuple[str, int] | None:
+        """Where the signal ``signal_id`` of the run's continue-as-new chain went (run
+        id, seq), or None if none of that id arrived."""
 
     @abc.abstractmethod
     async def cancel(self, run_id: str, reason: str | None) -> None:

@@ -35,7 +35,15 @@ if TYPE_CHECKING:
     from .._app import App
 
 #: tables copied per run, in order (every one has a ``run_id`` column)
-_RUN_TABLES = ("runs", "events", "tasks", "dead_letters", "approvals", "webhook_outbox")
+_RUN_TABLES = (
+    "runs",
+    "events",
+    "tasks",
+    "dead_letters",
+    "approvals",
+    "webhook_outbox",
+    "signal_ids",
+)
 #: tables copied whole, row by row, where the target lacks the row's key
 _SHARED_TABLES: dict[str, tuple[str, ...]] = {
     "breakers": ("name",),
@@ -138,6 +146,7 @@ def _rows(
         "dead_letters": "id",
         "approvals": "approval_id",
         "webhook_outbox": "delivery_id",
+        "signal_ids": "chain_id, signal_id",
     }
     rows = tx.execute(
         f"SELECT {', '.join(cols)} FROM {table} WHERE run_id IN ({marks}) "

@@ -68,7 +68,7 @@ from .ops.tasks import _heartbeat, _renew
 log = logging.getLogger("tether.store")
 
 
-_SCHEMA_VERSION = 10
+_SCHEMA_VERSION = 11
 #: statements that bring a store of the version before up to this one
 _UPGRADES: dict[int, tuple[str, ...]] = {
     2: ("ALTER TABLE runs ADD COLUMN IF NOT EXISTS waiting_on TEXT",),
@@ -129,6 +129,12 @@ _UPGRADES: dict[int, tuple[str, ...]] = {
     ),
     9: ("ALTER TABLE tenant_limits ADD COLUMN IF NOT EXISTS retention DOUBLE PRECISION",),
     10: COUNTERS,  # run counters kept by triggers
+    11: (
+        "CREATE TABLE IF NOT EXISTS signal_ids (chain_id TEXT NOT NULL, signal_id TEXT NOT "
+        "NULL, run_id TEXT NOT NULL, seq BIGINT NOT NULL, created_at DOUBLE PRECISION NOT NULL, "
+        "PRIMARY KEY (chain_id, signal_id))",
+        "CREATE INDEX IF NOT EXISTS signal_ids_by_run ON signal_ids (run_id)",
+    ),
 }
 #: task columns added during development, missing from schemas made by older builds
 _TASK_COLUMNS = ("priority", "limit_key", "heartbeat_timeout", "dependency", "batch_key")

@@ -62,7 +62,7 @@ _OWN_TABLES = {
 #: tables every tether store has had since its first schema version
 _CORE_TABLES = {"runs", "events", "tasks"}
 
-_SCHEMA_VERSION = 10
+_SCHEMA_VERSION = 11
 #: statements that bring a store of the version before up to this one
 _UPGRADES: dict[int, tuple[str, ...]] = {
     2: ("ALTER TABLE runs ADD COLUMN waiting_on TEXT",),
@@ -121,6 +121,12 @@ _UPGRADES: dict[int, tuple[str, ...]] = {
     ),
     9: ("ALTER TABLE tenant_limits ADD COLUMN retention REAL",),
     10: COUNTERS,  # run counters kept by triggers
+    11: (
+        "CREATE TABLE IF NOT EXISTS signal_ids (chain_id TEXT NOT NULL, signal_id TEXT NOT "
+        "NULL, run_id TEXT NOT NULL, seq INTEGER NOT NULL, created_at REAL NOT NULL, "
+        "PRIMARY KEY (chain_id, signal_id))",
+        "CREATE INDEX IF NOT EXISTS signal_ids_by_run ON signal_ids (run_id)",
+    ),
 }
 
 

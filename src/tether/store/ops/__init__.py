@@ -50,6 +50,7 @@ class OpsStore(Store):
         attrs: dict[str, Any] | None = None,
         if_exists: str = "same_input",
         signal: tuple[str, str] | None = None,
+        signal_id: str | None = None,
     ) -> StartResult:
         result: StartResult = await self._do(
             _create_run,
@@ -68,6 +69,7 @@ class OpsStore(Store):
             attrs,
             if_exists,
             signal,
+            signal_id,
         )
         return result
 
@@ -204,8 +206,16 @@ class OpsStore(Store):
         out: bool = await self._do(_heartbeat, task, lease, details)
         return out
 
-    async def signal(self, run_id: str, name: str, payload: str) -> tuple[str, int]:
-        got: tuple[str, int] = await self._do(_signal, run_id, name, payload)
+    async def signal(
+        self, run_id: str, name: str, payload: str, signal_id: str | None = None
+    ) -> tuple[str, int, bool]:
+        got: tuple[str, int, bool] = await self._do(_signal, run_id, name, payload, signal_id)
+        return got
+
+    async def signal_arrived(self, run_id: str, signal_id: str) -> tuple[str, int] | None:
+        got: tuple[str, int] | None = await self._do(
+            _signal_arrived, run_id, signal_id, write=False
+        )
         return got
 
     async def cancel(self, run_id: str, reason: str | None) -> None:
@@ -576,7 +586,14 @@ from .ai import (  # noqa: E402
 from .approvals import _deliver_decision, _get_approval, _list_approvals  # noqa: E402
 from .breakers import _breaker_admit, _breaker_record  # noqa: E402
 from .claims import _claim, _claim_with_wake  # noqa: E402
-from .control import _cancel, _resume, _signal, _suspend, _terminate  # noqa: E402
+from .control import (  # noqa: E402
+    _cancel,
+    _resume,
+    _signal,
+    _signal_arrived,
+    _suspend,
+    _terminate,
+)
 from .debounce import _debounce  # noqa: E402
 from .dependencies import _dependency_feedback  # noqa: E402
 from .history import _read_history  # noqa: E402

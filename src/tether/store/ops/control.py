@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from ..._definitions import chain_of
 from ..._errors import RunFinishedError, RunNotFoundError, StoreError
 from ..._history import EventType, RunStatus
 from ._tx import _Tx
@@ -40,14 +41,51 @@ def _live_run(tx: _Tx, run_id: str, action: str) -> tuple[str, tuple[Any, ...]]:
     raise StoreError(f"run {run_id!r} continues as new in a cycle")  # pragma: no cover
 
 
-def _signal(tx: _Tx, run_id: str, name: str, payload: str) -> tuple[str, int]:
+def _signal(
+    tx: _Tx, run_id: str, name: str, payload: str, signal_id: str | None = None
+) -> tuple[str, int, bool]:
     """Append the signal to the run (its live run if it continued as new); (that run's
-    id, the signal's seq in its history)."""
-    rid, (status, run_queue, _p, _s, workflow, _t) = _live_run(tx, run_id, f"signal {name!r} to")
-    seq = _append(tx, rid, EventType.SIGNAL_RECEIVED, None, {"name": name}, {"payload": payload})
+    id, the signal's seq in its history, True).
+
+    With a ``signal_id`` that already arrived in the run's continue-as-new chain (in
+    ``signal_ids``), nothing is recorded: (the run it went to, its seq there, False),
+    also when the run has ended since. The live run's row lock (PostgreSQL) makes
+    concurrent sends of one id take turns: the second sees the first's row."""
+    try:
+        rid, (status, run_queue, _p, _s, workflow, _t) = _live_run(
+            tx, run_id, f"signal {name!r} to"
+        )
+    except RunFinishedError as exc:
+        seen = None if signal_id is None else _signal_arrived(tx, exc.run_id, signal_id)
+        if seen is None:
+            raise
+        return seen[0], seen[1], False
+    data: dict[str, Any] = {"name": name}
+    if signal_id is not None:
+        seen = _signal_arrived(tx, rid, signal_id)
+        if seen is not None:
+            return seen[0], seen[1], False
+        data["signal_id"] = signal_id
+    seq = _append(tx, rid, EventType.SIGNAL_RECEIVED, None, data, {"payload": payload})
+    if signal_id is not None:
+        tx.execute(
+            "INSERT INTO signal_ids (chain_id, signal_id, run_id, seq, created_at) "
+            "VALUES (?, ?, ?, ?, ?)",
+            (chain_of(rid)[0], signal_id, rid, seq, tx.now),
+        )
     if status != RunStatus.QUEUED.value:  # a queued run sees the signal when admitted
         _ensure_workflow_task(tx, rid, run_queue, workflow)
-    return rid, seq
+    return rid, seq, True
+
+
+def _signal_arrived(tx: _Tx, run_id: str, signal_id: str) -> tuple[str, int] | None:
+    """Where the signal ``signal_id`` of ``run_id``'s continue-as-new chain went: (run
+    id, seq), or None if no signal of that id arrived."""
+    row = tx.execute(
+        "SELECT run_id, seq FROM signal_ids WHERE chain_id = ? AND signal_id = ?",
+        (chain_of(run_id)[0], signal_id),
+    ).fetchone()
+    return None if row is None else (str(row[0]), int(row[1]))
 
 
 def _cancel(tx: _Tx, run_id: str, reason: str | None) -> None:

@@ -17,7 +17,7 @@ from .._counters import COUNT_TABLES
 from ._tx import _Tx
 
 #: tables whose rows belong to one run (by ``run_id``)
-RUN_TABLES = ("events", "tasks", "dead_letters", "approvals", "webhook_outbox")
+RUN_TABLES = ("events", "tasks", "dead_letters", "approvals", "webhook_outbox", "signal_ids")
 #: statuses a run can be purged in (it has ended); a run that continued as new goes with
 #: its chain, when the chain's last run is purged (a live chain's runs all stay: lookups
 #: follow it from its first id, and an entity's state lives along it)

@@ -169,6 +169,7 @@ def _create_run(
     attrs: dict[str, Any] | None = None,
     if_exists: str = "same_input",
     signal: tuple[str, str] | None = None,
+    signal_id: str | None = None,
 ) -> StartResult:
     # optimistic: no read; if the run exists, inserting it fails and the safe path reads
     row = None
@@ -186,10 +187,11 @@ def _create_run(
             differ = _differences(existing, input, attrs)
             if differ:
                 raise RunIdConflictError(run_id, f"different {', '.join(differ)}", fields=differ)
-        got = None
-        if signal is not None:  # to the run (its live run, if it continued as new)
-            got = _signal(tx, run_id, signal[0], signal[1])
-        return StartResult(run=existing, created=False, signalled=got)
+        if signal is None:
+            return StartResult(run=existing, created=False)
+        # to the run (its live run, if it continued as new)
+        rid, seq, new = _signal(tx, run_id, signal[0], signal[1], signal_id)
+        return StartResult(run=existing, created=False, signalled=(rid, seq), signal_new=new)
     # a run id names one run ever: a purged one is not started again
     if tx.optimistic:  # PostgreSQL, no wait: the guard fails the batch, run again safely
         tx.guard("SELECT 1 / (1 - count(*)::int) FROM purged_runs WHERE run_id = ?", (run_id,))
@@ -236,7 +238,7 @@ def _create_run(
     )
     signalled = None
     if signal is not None:  # right after the start event: the code's first task sees it
-        signalled = _signal(tx, run_id, signal[0], signal[1])
+        signalled = _signal(tx, run_id, signal[0], signal[1], signal_id)[:2]
     if eager:
         assert first is not None
         # the start event, the task's commands and its marker in one history write, the

@@ -306,3 +306,17 @@ CREATE TABLE IF NOT EXISTS purged_runs (
     purged_at  DOUBLE PRECISION NOT NULL
 );
 CREATE INDEX IF NOT EXISTS dead_letters_by_run ON dead_letters (run_id);
+
+-- Signals and updates sent with an id (app.signal(signal_id=), app.update(update_id=),
+-- an HTTP Idempotency-Key): one row per id and continue-as-new chain (named by its
+-- first run id), written in the commit that records the signal, so a repeat of the
+-- id is recognised and recorded nowhere. ``run_id`` and ``seq``: where it went.
+CREATE TABLE IF NOT EXISTS signal_ids (
+    chain_id    TEXT NOT NULL,
+    signal_id   TEXT NOT NULL,
+    run_id      TEXT NOT NULL,
+    seq         BIGINT NOT NULL,
+    created_at  DOUBLE PRECISION NOT NULL,
+    PRIMARY KEY (chain_id, signal_id)
+);
+CREATE INDEX IF NOT EXISTS signal_ids_by_run ON signal_ids (run_id);

@@ -1,0 +1,301 @@
+"""Signals and updates with an id (``signal_id=``, ``update_id=``, an HTTP
+``Idempotency-Key``): a retry is recorded once, along a continue-as-new chain and
+under concurrency, on both stores; over HTTP against ``tether serve``."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+import tether
+from helpers import eventually
+from test_http_api import Server
+from tether import EventType, RunStatus
+
+
+async def _signals(app: tether.App, run_id: str, follow: bool = False) -> list[tether.Event]:
+    return [
+        e for e in await app.history(run_id, follow=follow) if e.type is EventType.SIGNAL_RECEIVED
+    ]
+
+
+# -- the API, as a client meets it ------------------------------------------------------
+
+
+@pytest.fixture
+def server(store_url: str) -> Iterator[Server]:
+    s = Server(store_url, "--workers", "1", "--no-auth")
+    yield s
+    s.stop()
+
+
+def _result(server: Server, run_id: str) -> Any:
+    done = server.http.get(f"/v1/runs/{run_id}/result?wait=20")
+    assert done.status_code == 200, done.text
+    return done.json()["result"]
+
+
+def test_a_retried_signal_with_the_same_idempotency_key_is_delivered_once(
+    server: Server,
+) -> None:
+    r = server.http.post("/v1/workflows/cart/runs", json={"input": {}, "run_id": "cart-1"})
+    assert r.status_code == 202, r.text
+    headers = {"Idempotency-Key": "add-A-once"}
+    first = server.http.post("/v1/runs/cart-1/signals/add", json={"sku": "A"}, headers=headers)
+    again = server.http.post("/v1/runs/cart-1/signals/add", json={"sku": "A"}, headers=headers)
+    assert first.status_code == 202 and first.json()["duplicate"] is False
+    assert again.status_code == 200 and again.json()["duplicate"] is True
+    other = server.http.post(
+        "/v1/runs/cart-1/signals/add", json={"sku": "B"}, headers={"Idempotency-Key": "add-B"}
+    )
+    assert other.status_code == 202
+    assert server.http.post("/v1/runs/cart-1/signals/add", json=None).status_code == 202
+    assert _result(server, "cart-1") == [{"sku": "A"}, {"sku": "B"}]
+    # the run has ended: a retry of a signal it got is still answered as a duplicate,
+    # one it never got is refused as before
+    late = server.http.post("/v1/runs/cart-1/signals/add", json={"sku": "A"}, headers=headers)
+    assert late.status_code == 200 and late.json()["duplicate"] is True
+    new = server.http.post(
+        "/v1/runs/cart-1/signals/add", json={"sku": "C"}, headers={"Idempotency-Key": "add-C"}
+    )
+    assert new.status_code == 409
+    history = server.http.get("/v1/runs/cart-1/history").json()["events"]
+    ids = [e["data"].get("signal_id") for e in history if e["type"] == "SignalReceived"]
+    assert ids == ["add-A-once", "add-B", None]
+
+
+def test_concurrent_signals_with_one_idempotency_key_are_delivered_once(server: Server) -> None:
+    assert (
+        server.http.post(
+            "/v1/workflows/cart/runs", json={"input": {}, "run_id": "cart-2"}
+        ).status_code
+        == 202
+    )
+    codes: list[int] = []
+
+    def send() -> None:
+        with httpx_client(server) as http:
+            r = http.post(
+                "/v1/runs/cart-2/signals/add", json="once", headers={"Idempotency-Key": "k"}
+            )
+            codes.append(r.status_code)
+
+    threads = [threading.Thread(target=send) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(codes) == [200] * 7 + [202]
+    server.http.post("/v1/runs/cart-2/signals/add", json=None)
+    assert _result(server, "cart-2") == ["once"]
+
+
+def httpx_client(server: Server) -> Any:
+    import httpx
+
+    return httpx.Client(base_url=str(server.http.base_url), timeout=30)
+
+
+def test_a_retried_signal_with_start_signals_once(server: Server) -> None:
+    """The probe: the same Idempotency-Key and body return the run it started (200) with
+    nothing changed; before, the run got the signal again on each retry."""
+    body = {"input": {}, "if_running": "signal", "signal": {"name": "add", "payload": "A"}}
+    headers = {"Idempotency-Key": "order-77"}
+    first = server.http.post("/v1/workflows/cart/runs", json=body, headers=headers)
+    again = server.http.post("/v1/workflows/cart/runs", json=body, headers=headers)
+    assert (first.status_code, again.status_code) == (202, 200), again.text
+    run_id = first.json()["id"]
+    assert again.json()["id"] == run_id
+    # another key signals the same run again: a request of its own
+    more = server.http.post(
+        "/v1/workflows/cart/runs",
+        json={**body, "run_id": run_id, "signal": {"name": "add", "payload": "B"}},
+        headers={"Idempotency-Key": "order-78"},
+    )
+    assert more.status_code == 200, more.text
+    server.http.post(f"/v1/runs/{run_id}/signals/add", json=None)
+    assert _result(server, run_id) == ["A", "B"]
+
+
+def test_a_retried_update_with_the_same_idempotency_key_applies_once(server: Server) -> None:
+    r = server.http.post("/v1/workflows/counter/runs", json={"input": {"start": 0}})
+    run_id = r.json()["id"]
+    headers = {"Idempotency-Key": "add-5"}
+    url = f"/v1/runs/{run_id}/updates/add"
+    first = server.http.post(url, json={"args": [5]}, headers=headers)
+    assert first.status_code == 200, first.text
+    assert first.json()["result"] == 5
+    again = server.http.post(url, json={"args": [5]}, headers=headers)
+    assert again.status_code == 200 and again.json()["result"] == 5  # the first's outcome
+    assert server.http.post(url, json={"args": [1]}).json()["result"] == 6
+    total = server.http.post(f"/v1/runs/{run_id}/queries/total", json={"args": []})
+    assert total.json()["result"] == 6
+    # an update refused by its validator records nothing: its id stays free
+    refused = server.http.post(url, json={"args": [-1]}, headers={"Idempotency-Key": "bad"})
+    assert refused.status_code in (400, 409, 422), refused.text
+    ok = server.http.post(url, json={"args": [2]}, headers={"Idempotency-Key": "bad"})
+    assert ok.json()["result"] == 8
+
+
+def test_a_retried_entity_operation_with_the_same_idempotency_key_applies_once(
+    server: Server,
+) -> None:
+    url = "/v1/entities/Tally/t1/operations/add"
+    headers = {"Idempotency-Key": "op-1"}
+    assert server.http.post(url, json={"args": [3]}, headers=headers).json()["result"] == 3
+    assert server.http.post(url, json={"args": [3]}, headers=headers).json()["result"] == 3
+    assert server.http.post(url, json={"args": [4]}).json()["result"] == 7
+    assert server.http.get("/v1/entities/Tally/t1").json() == {"n": 7}
+
+
+# -- the store: chains, ended runs, concurrency --------------------------------------------
+
+
+async def test_an_id_is_one_signal_along_a_continue_as_new_chain(
+    app: tether.App, worker: tether.Worker
+) -> None:
+    @app.workflow
+    async def links(n: int) -> list[Any]:
+        got = await tether.wait_event("add")
+        if n == 0:
+            tether.continue_as_new(1)
+        return [got, await tether.wait_event("add")]
+
+    run = await app.start(links, 0, run_id="ch")
+    assert await app.signal("ch", "add", "a", signal_id="s1") is True
+    await eventually(lambda: _live(app, "ch~1"), what="the next run")
+    # the id went to the first run: a retry to the chain's first id or its live run's id
+    # is recognised there, and the live run gets nothing
+    assert await app.signal("ch", "add", "a", signal_id="s1") is False
+    assert await app.signal("ch~1", "add", "a", signal_id="s1") is False
+    assert await app.signal("ch", "add", "b", signal_id="s2") is True
+    assert await app.signal("ch", "add", "c", signal_id="s3") is True
+    assert await run.result(timeout=10) == ["b", "c"]
+    assert [e.data.get("signal_id") for e in await _signals(app, "ch~1")] == ["s2", "s3"]
+    # ended: a known id is a duplicate, an unknown one is refused as before
+    assert await app.signal("ch", "add", "b", signal_id="s2") is False
+    with pytest.raises(tether.RunFinishedError):
+        await app.signal("ch", "add", "d", signal_id="s4")
+
+
+async def _live(app: tether.App, run_id: str) -> bool:
+    try:
+        return (await app.get(run_id, follow=False)).status is RunStatus.RUNNING
+    except tether.RunNotFoundError:
+        return False
+
+
+async def test_update_ids_apply_an_update_once_and_answer_retries_with_its_outcome(
+    app: tether.App, worker: tether.Worker
+) -> None:
+    @app.workflow
+    async def account() -> int:
+        balance = {"n": 0}
+
+        def _positive(k: int) -> None:
+            if balance["n"] + k < 0:
+                raise ValueError("overdrawn")
+
+        @tether.on_update("add", validate=_positive)
+        def add(k: int) -> int:
+            balance["n"] += k
+            return balance["n"]
+
+        await tether.wait_event("stop")
+        return balance["n"]
+
+    run = await app.start(account, run_id="acct")
+    assert await app.update("acct", "add", 10, update_id="u1") == 10
+    assert await app.update("acct", "add", -10, update_id="u2") == 0
+    # the retry of u2 would now be refused by the validator (0 - 10 < 0): it is not
+    # validated again, and answers with the first one's outcome
+    assert await app.update("acct", "add", -10, update_id="u2") == 0
+    # two at once, one id: applied once, both told its outcome
+    both = await asyncio.gather(
+        app.update("acct", "add", 5, update_id="u3"),
+        app.update("acct", "add", 5, update_id="u3"),
+    )
+    assert both == [5, 5]
+    await app.signal("acct", "stop")
+    assert await run.result(timeout=10) == 5
+    assert len(await _signals(app, "acct")) == 4  # three updates and the stop
+
+
+async def test_concurrent_sends_of_one_id_from_two_processes_record_it_once(
+    store_url: str,
+) -> None:
+    """Two Apps (two connections: two processes, on PostgreSQL really concurrent) send
+    one id many times at once: exactly one is recorded."""
+    a, b = tether.App(store=store_url), tether.App(store=store_url)
+    for x in (a, b):
+
+        @x.workflow(name="waits")
+        async def waits() -> Any:
+            return await tether.wait_event("go")
+
+    try:
+        await a.start("waits", run_id="w")
+        sends = [x.signal("w", "go", i, signal_id="once") for i in range(10) for x in (a, b)]
+        got = await asyncio.gather(*sends)
+        assert sorted(got) == [False] * 19 + [True]
+        assert len(await _signals(a, "w")) == 1
+        # signal-with-start, concurrently, one id: one signal
+        starts = [
+            x.start("waits", run_id="w2", if_running="signal", signal=("go", i), signal_id="sws")
+            for i in range(5)
+            for x in (a, b)
+        ]
+        await asyncio.gather(*starts)
+        assert len(await _signals(a, "w2")) == 1
+    finally:
+        for x in (a, b):
+            await x.close()
+
+
+async def test_a_signal_id_must_be_printable_and_short(app: tether.App) -> None:
+    @app.workflow
+    async def idle() -> None:
+        await tether.wait_event("go")
+
+    await app.start(idle, run_id="i")
+    for bad in ("", "x" * 256, "a\nb"):
+        with pytest.raises(tether.ConfigurationError):
+            await app.signal("i", "go", signal_id=bad)
+    with pytest.raises(tether.ConfigurationError):
+        await app.start(idle, run_id="i", signal_id="s")  # no signal to give it to
+    assert await _signals(app, "i") == []
+
+
+async def test_signal_ids_are_copied_by_migrate_and_removed_with_their_runs(
+    store_url: str, tmp_path: Any
+) -> None:
+    from tether.store.migrate import migrate
+
+    app = tether.App(store=store_url)
+
+    @app.workflow
+    async def takes() -> Any:
+        return await tether.wait_event("go")
+
+    try:
+        async with app.worker(poll_interval=0.05):
+            run = await app.start(takes, run_id="t")
+            assert await app.signal("t", "go", 1, signal_id="g") is True
+            assert await run.result(timeout=10) == 1
+        copy = f"sqlite:///{tmp_path / 'copy.db'}"
+        report = await migrate(store_url, copy)
+        assert not report.problems
+        other = tether.App(store=copy)
+        try:  # the copy knows the id: a retry against it records nothing
+            assert await other.signal("t", "go", 1, signal_id="g") is False
+        finally:
+            await other.close()
+        counts = await app.purge(0)
+        assert counts["runs"] == 1 and counts["signal_ids"] == 1
+        assert await app.store.signal_arrived("t", "g") is None
+    finally:
+        await app.close()
