@@ -188,3 +188,32 @@ async def test_a_live_run_switched_off_stops_after_its_current_step_and_resumes_
 
 async def _waiting(app: tether.App, run_id: str) -> bool:
     return bool((await app.get(run_id)).waiting_on)
+
+
+async def test_switching_off_a_name_the_app_lacks_is_refused(app: tether.App) -> None:
+    # an App that registers nothing (a client of the store) cannot tell: any name goes
+    assert await app.disable("workflow", "made-up")
+    assert await app.enable("workflow", "made-up")
+
+    @app.activity
+    async def step() -> str:
+        return "done"
+
+    @app.workflow
+    async def flow() -> str:
+        return await step()
+
+    for kind, name in [("workflow", "flwo"), ("activity", "stpe"), ("workflow", " ")]:
+        with pytest.raises(tether.ConfigurationError, match="switch"):
+            await app.disable(kind, name)
+    with pytest.raises(tether.ConfigurationError, match="its workflow names: flow"):
+        await app.disable("workflow", "flwo")
+    assert await app.switches() == []  # nothing was written
+    assert await app.disable("model", "any")  # no gateway: models are not known here
+    gw = ai.Gateway(app)
+    gw.model("cheap", ai.ScriptedModel(["x"]))
+    with pytest.raises(tether.ConfigurationError, match=r"no model 'big'.*cheap"):
+        await app.disable("model", "big")
+    assert await app.disable("model", "cheap")
+    assert await app.disable("tenant", "anyone")  # a tenant is any name runs start with
+    assert await app.enable("model", "any")  # switching back on takes any name

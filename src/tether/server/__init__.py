@@ -634,7 +634,7 @@ def create_api(
         ]
 
     @api.put(
-        "/v1/switches/{kind}/{name}",
+        "/v1/switches/{kind}/{name:path}",
         summary="Switch a workflow, activity, model or tenant off for every worker (admin)",
     )
     async def switch_off(
@@ -646,7 +646,7 @@ def create_api(
         )
         return {"kind": kind, "name": name, "off": True, "changed": changed}
 
-    @api.delete("/v1/switches/{kind}/{name}", summary="Switch it back on (admin)")
+    @api.delete("/v1/switches/{kind}/{name:path}", summary="Switch it back on (admin)")
     async def switch_on(kind: str, name: str, request: Request) -> dict[str, Any]:
         principal = unbound(request, "switching on")
         changed = await app.enable(kind, name, by=actor_of(principal, "api"))
@@ -815,6 +815,7 @@ def _add_start_route(api: FastAPI, app: App, wf: Workflow[Any, Any], who: Any) -
                 webhook=data.get("callback_url"),
                 by=actor_of(principal, "api"),
                 if_running=data.get("if_running"),
+                on_limit=data.get("on_limit") or "raise",
                 signal=None
                 if data.get("signal") is None
                 else (data["signal"]["name"], data["signal"].get("payload")),
