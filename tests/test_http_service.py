@@ -475,6 +475,31 @@ def test_limits_health_and_problem_documents(store_url: str) -> None:
         server.stop()
 
 
+def test_failed_authentications_are_rate_limited_per_address(store_url: str) -> None:
+    server = Server(store_url, "--rate-limit", "1")  # keys required, none valid here
+    try:
+        http = server.http
+        wrong = {"Authorization": "Bearer tether_nokey.guess"}
+        time.sleep(1.2)  # (the fixture's keyless wait for the server took the token)
+        codes = [http.get("/v1/runs", headers=wrong) for _ in range(4)]
+        assert codes[0].status_code == 401, codes[0].text
+        limited = [c for c in codes if c.status_code == 429]
+        assert len(limited) >= 2, [c.status_code for c in codes]
+        assert int(limited[0].headers["retry-after"]) >= 1
+        assert "wrong or missing keys" in limited[0].json()["detail"]
+        assert http.get("/v1/runs").status_code == 429  # no key at all: the same bucket
+        assert http.get("/healthz").status_code == 200
+        # the console's sign-in shares it: a refused one is answered 429 too
+        signin = http.post("/login", data={"key": "tether_nokey.guess2", "next": "/"})
+        assert signin.status_code == 429 and signin.headers["retry-after"], signin.status_code
+        time.sleep(1.2)  # the bucket refills
+        assert http.get("/v1/runs", headers=wrong).status_code == 401
+        signin = http.post("/login", data={"key": "tether_nokey.guess3", "next": "/"})
+        assert signin.status_code == 429  # the last 401 took the token
+    finally:
+        server.stop()
+
+
 def test_dead_letters_are_listed_inspected_and_replayed(store_url: str, tmp_path: Path) -> None:
     flag = tmp_path / "flag"
     flag.write_text("up")
