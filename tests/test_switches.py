@@ -13,6 +13,7 @@ import pytest
 import tether
 from helpers import event_types, eventually
 from tether import EventType, ai
+from tether._redact import engine_made
 
 
 def held(w: tether.Worker, n: int) -> Any:
@@ -178,6 +179,7 @@ async def test_a_live_run_switched_off_stops_after_its_current_step_and_resumes_
         assert info.task_error is not None and f"{kind} {name!r} is switched off" in (
             info.task_error
         )
+        assert engine_made(info.task_error)  # names only: shown whole to monitor keys
         await app.enable(kind, name)
         assert await run.result(timeout=30) == sum(range(60))
     done = await _steps_done(app, run.run_id)
