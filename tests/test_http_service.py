@@ -475,6 +475,31 @@ def test_limits_health_and_problem_documents(store_url: str) -> None:
         server.stop()
 
 
+def test_failed_authentications_are_rate_limited_per_address(store_url: str) -> None:
+    server = Server(store_url, "--rate-limit", "1")  # keys required, none valid here
+    try:
+        http = server.http
+        wrong = {"Authorization": "Bearer tether_nokey.guess"}
+        time.sleep(1.2)  # (the fixture's keyless wait for the server took the token)
+        codes = [http.get("/v1/runs", headers=wrong) for _ in range(4)]
+        assert codes[0].status_code == 401, codes[0].text
+        limited = [c for c in codes if c.status_code == 429]
+        assert len(limited) >= 2, [c.status_code for c in codes]
+        assert int(limited[0].headers["retry-after"]) >= 1
+        assert "wrong or missing keys" in limited[0].json()["detail"]
+        assert http.get("/v1/runs").status_code == 429  # no key at all: the same bucket
+        assert http.get("/healthz").status_code == 200
+        # the console's sign-in shares it: a refused one is answered 429 too
+        signin = http.post("/login", data={"key": "tether_nokey.guess2", "next": "/"})
+        assert signin.status_code == 429 and signin.headers["retry-after"], signin.status_code
+        time.sleep(1.2)  # the bucket refills
+        assert http.get("/v1/runs", headers=wrong).status_code == 401
+        signin = http.post("/login", data={"key": "tether_nokey.guess3", "next": "/"})
+        assert signin.status_code == 429  # the last 401 took the token
+    finally:
+        server.stop()
+
+
 def test_dead_letters_are_listed_inspected_and_replayed(store_url: str, tmp_path: Path) -> None:
     flag = tmp_path / "flag"
     flag.write_text("up")
@@ -625,6 +650,51 @@ def test_a_kill_switch_flipped_over_http_holds_work_on_a_worker_in_another_proce
         server.stop()
         worker.terminate()
         worker.wait(30)
+
+
+def test_a_switch_on_a_name_the_app_lacks_is_refused_and_names_may_hold_slashes(
+    store_url: str,
+) -> None:
+    server = Server(store_url, "--no-auth")
+    try:
+        http = server.http
+        for path in ("workflow/nope", "activity/nope", "workflow/%20", "tenant/%20"):
+            r = http.put(f"/v1/switches/{path}", json={"reason": "typo"})
+            assert r.status_code == 400, (path, r.text)
+            assert r.headers["content-type"] == "application/problem+json"
+        detail = http.put("/v1/switches/workflow/nope").json()["detail"]
+        assert "no workflow 'nope'" in detail and "bill" in detail  # the names it has
+        assert http.get("/v1/switches").json() == []  # nothing was switched off
+        # a model's name may hold a slash (no gateway here: any model name goes)
+        off = http.put("/v1/switches/model/meta-llama/llama-3", json={"reason": "outage"})
+        assert off.status_code == 200 and off.json()["name"] == "meta-llama/llama-3", off.text
+        assert [s["name"] for s in http.get("/v1/switches").json()] == ["meta-llama/llama-3"]
+        on = http.delete("/v1/switches/model/meta-llama/llama-3")
+        assert on.status_code == 200 and on.json()["changed"] is True
+        assert http.put("/v1/switches/workflow/bill").json()["changed"] is True  # known
+    finally:
+        server.stop()
+
+
+def test_a_start_at_the_admission_limit_says_when_to_retry_or_queues(store_url: str) -> None:
+    admin = tether.App(store=store_url)
+    admin.configure_admission("acme", max_running=1)
+    admin.store.close_sync()  # type: ignore[attr-defined]  # (written as it opened)
+    server = Server(store_url, "--no-auth")  # no worker: the first run stays in flight
+    try:
+        http = server.http
+        body = {**INVOICE, "tenant": "acme"}
+        assert http.post("/v1/workflows/bill/runs", json=body).status_code == 202
+        refused = http.post("/v1/workflows/bill/runs", json=body)
+        assert refused.status_code == 429, refused.text
+        assert int(refused.headers["retry-after"]) >= 1
+        assert "admission limit" in refused.json()["detail"]
+        queued = http.post("/v1/workflows/bill/runs", json={**body, "on_limit": "queue"})
+        assert queued.status_code == 202 and queued.json()["status"] == "queued", queued.text
+        bad = http.post("/v1/workflows/bill/runs", json={**body, "on_limit": "wait"})
+        assert bad.status_code == 422
+    finally:
+        server.stop()
 
 
 def test_prometheus_metrics_from_the_server_and_from_a_worker(store_url: str) -> None:

@@ -240,7 +240,7 @@ async def test_migrate_copies_every_table_that_holds_state(tmp_path: Path, store
         await _until(lambda: _has_review(src), "the review to open")
         await src.schedule("hourly", "tick", every=3600)
         await src.start_debounced("tick", key="burst", window=3600)
-    await src.disable("workflow", "nothing", reason="test", by="ann")
+    await src.disable("tenant", "nothing", reason="test", by="ann")
     await src.store.create_api_key("k1", "hash", "ci", None, "admin")
     await src.store.set_model_budget("tenant:acme", 1000, None)
     await src.store.add_model_spend(("tenant:acme",), "2026-01-01", 10, "0.5")

@@ -4,6 +4,8 @@ back on lets held work go; held attempts are not used up. Every flip is audited.
 
 from __future__ import annotations
 
+import asyncio
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -11,6 +13,7 @@ import pytest
 import tether
 from helpers import event_types, eventually
 from tether import EventType, ai
+from tether._redact import engine_made
 
 
 def held(w: tether.Worker, n: int) -> Any:
@@ -132,5 +135,87 @@ async def test_a_tenant_switched_off_holds_its_live_runs_too(app: tether.App) ->
         assert await acme.result(timeout=20) == 1
 
 
+async def _steps_done(app: tether.App, run_id: str) -> Counter[int | None]:
+    """How many times each step of the run completed."""
+    return Counter(
+        e.step for e in await app.history(run_id) if e.type is EventType.ACTIVITY_COMPLETED
+    )
+
+
+@pytest.mark.parametrize("kind", ["workflow", "tenant"])
+async def test_a_live_run_switched_off_stops_after_its_current_step_and_resumes_once(
+    app: tether.App, kind: str
+) -> None:
+    # a run moving step to step on one worker rides the one-commit path (its next
+    # workflow task and step come with each result): the switch must stop it there too
+    @app.activity
+    async def step(i: int) -> int:
+        await asyncio.sleep(0.02)
+        return i
+
+    @app.workflow
+    async def many(n: int) -> int:
+        total = 0
+        for i in range(n):
+            total += await step(i)
+        return total
+
+    name = "many" if kind == "workflow" else "acme"
+    async with app.worker(poll_interval=0.05) as w:
+        run = await app.start(many, 60, tenant="acme")
+
+        async def some_done() -> bool:
+            return len(await _steps_done(app, run.run_id)) >= 3
+
+        await eventually(some_done, 15, "three steps done")
+        await app.disable(kind, name, reason="incident")
+        at_flip = len(await _steps_done(app, run.run_id))
+        await eventually(held(w, 1), 15, "the run held")
+        await asyncio.sleep(0.6)  # 30 steps' time: none may run
+        held_at = len(await _steps_done(app, run.run_id))
+        assert held_at <= at_flip + 1, (at_flip, held_at)  # the step in flight ends
+        info = await app.get(run.run_id)
+        assert info.status is tether.RunStatus.RUNNING
+        assert info.task_error is not None and f"{kind} {name!r} is switched off" in (
+            info.task_error
+        )
+        assert engine_made(info.task_error)  # names only: shown whole to monitor keys
+        await app.enable(kind, name)
+        assert await run.result(timeout=30) == sum(range(60))
+    done = await _steps_done(app, run.run_id)
+    assert len(done) == 60
+    assert set(done.values()) == {1}  # every step ran to completion exactly once
+    assert (await app.get(run.run_id)).task_error is None  # the note went with the hold
+
+
 async def _waiting(app: tether.App, run_id: str) -> bool:
     return bool((await app.get(run_id)).waiting_on)
+
+
+async def test_switching_off_a_name_the_app_lacks_is_refused(app: tether.App) -> None:
+    # an App that registers nothing (a client of the store) cannot tell: any name goes
+    assert await app.disable("workflow", "made-up")
+    assert await app.enable("workflow", "made-up")
+
+    @app.activity
+    async def step() -> str:
+        return "done"
+
+    @app.workflow
+    async def flow() -> str:
+        return await step()
+
+    for kind, name in [("workflow", "flwo"), ("activity", "stpe"), ("workflow", " ")]:
+        with pytest.raises(tether.ConfigurationError, match="switch"):
+            await app.disable(kind, name)
+    with pytest.raises(tether.ConfigurationError, match="its workflow names: flow"):
+        await app.disable("workflow", "flwo")
+    assert await app.switches() == []  # nothing was written
+    assert await app.disable("model", "any")  # no gateway: models are not known here
+    gw = ai.Gateway(app)
+    gw.model("cheap", ai.ScriptedModel(["x"]))
+    with pytest.raises(tether.ConfigurationError, match=r"no model 'big'.*cheap"):
+        await app.disable("model", "big")
+    assert await app.disable("model", "cheap")
+    assert await app.disable("tenant", "anyone")  # a tenant is any name runs start with
+    assert await app.enable("model", "any")  # switching back on takes any name

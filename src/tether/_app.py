@@ -15,7 +15,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from datetime import timedelta
 from typing import Any, Generic, ParamSpec, TypeVar, overload
 
@@ -1634,13 +1634,41 @@ class App:
         """Switch ``kind`` ("workflow", "activity", "model" or "tenant") ``name`` off for
         every worker on the store: its tasks are held back (a model's calls, a
         workflow's workflow tasks, an activity's attempts), a tenant's new runs are
-        refused; work in flight finishes. True if it was on. Recorded in the audit log."""
+        refused; work in flight finishes. True if it was on. Recorded in the audit log.
+
+        A name this App does not register is refused (``ConfigurationError``: a switch
+        on it would stop nothing) when the App registers any of that kind: a workflow
+        or activity, a model of a ``tether.ai`` gateway. A blank name is refused."""
         _check_switch(kind, name)
+        self._refuse_unknown_switch(kind, name)
         changed = await self.store.set_switch(kind, name, True, by, reason)
         await self._refresh_switches()
         if changed:
             await self.store.audit(by or "app", "switch off", f"{kind}:{name}", {"reason": reason})
         return changed
+
+    def _refuse_unknown_switch(self, kind: str, name: str) -> None:
+        """Refuse switching off a name that would stop nothing (see ``disable``)."""
+        if not name.strip():
+            raise ConfigurationError(f"a {kind} switch needs a name (got {name!r})")
+        known: Iterable[str]
+        if kind == "workflow":
+            known = self._workflows
+        elif kind == "activity":
+            known = self._activities
+        elif kind == "model":
+            known = {
+                model
+                for source in self._pin_sources.values()
+                for model in source().get("models") or {}
+            }
+        else:
+            return  # a tenant is any name runs are started with
+        if known and name not in known:
+            raise ConfigurationError(
+                f"this app has no {kind} {name!r} (a switch on it would stop nothing); its "
+                f"{kind} names: {', '.join(sorted(known))}"
+            )
 
     async def enable(self, kind: str, name: str, *, by: str | None = None) -> bool:
         """Switch ``kind`` ``name`` back on; held tasks go within a few seconds. True if

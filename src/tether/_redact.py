@@ -46,7 +46,9 @@ _ENGINE_MADE = re.compile(
     r"from the step before \(app\.fork\('[^']*', at_step=\d+\)\) to run today's code "
     r"from there)?"
     r"|UnknownActivityError: step \d+ \(activity '[^']*', queue '[^']*'\) waits for a "
-    r"worker that registers '[^']*'; worker \S+ does not",
+    r"worker that registers '[^']*'; worker \S+ does not"
+    r"|SwitchedOff: (?:workflow|activity|model|tenant) '[^']*' is switched off; the run's "
+    r"(?:workflow task|step \d+) waits \(no attempt spent\) until it is switched on",
     re.DOTALL,
 )
 
@@ -54,7 +56,7 @@ _ENGINE_MADE = re.compile(
 def engine_made(task_error: str) -> bool:
     """Whether a run's ``task_error`` (``"Type: message"``) is one the engine writes from
     names and step numbers alone, so it holds no payload: a ``NonDeterminismError``'s
-    text, or the note on a step whose activity the worker lacks."""
+    text, or the note on a step whose activity the worker lacks or a switch holds."""
     return _ENGINE_MADE.fullmatch(task_error) is not None
 
 

@@ -42,16 +42,36 @@ class Switches:
 
     def blocks(self, task: Task) -> bool:
         """Whether ``task`` must wait: its workflow, activity or model is off."""
+        return self.holder(task) is not None
+
+    def holder(self, task: Task) -> str | None:
+        """The switch that holds ``task`` back (``"workflow 'name'"``), or None."""
         if task.kind == "workflow":
-            return task.name in self.off.get("workflow", ())
+            return f"workflow {task.name!r}" if task.name in self.off.get("workflow", ()) else None
         if task.kind != "activity":
-            return False
+            return None
         if task.name in self.off.get("activity", ()):
-            return True
+            return f"activity {task.name!r}"
         models = self.off.get("model")
         if models and task.name == MODEL_ACTIVITY and task.payload:
             try:
-                return model_of_args(json.loads(task.payload)) in models
+                model = model_of_args(json.loads(task.payload))
             except ValueError:
-                return False
-        return False
+                return None
+            return f"model {model!r}" if model in models else None
+        return None
+
+    def stops_run(self, workflow: str, tenant: str | None) -> bool:
+        """Whether a run of ``workflow`` (of ``tenant``) may take no step now."""
+        return workflow in self.off.get("workflow", ()) or (
+            tenant is not None and tenant in self.off.get("tenant", ())
+        )
+
+
+def held_note(task: Task, switch: str) -> str:
+    """What a run held back by a switch says (its ``task_error`` until it moves on)."""
+    what = "workflow task" if task.kind == "workflow" else f"step {task.step}"
+    return (
+        f"SwitchedOff: {switch} is switched off; the run's {what} waits (no attempt "
+        "spent) until it is switched on"
+    )

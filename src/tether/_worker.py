@@ -49,7 +49,7 @@ from ._redact import redact_error
 from ._serde import encode
 from ._switches import HOLD as SWITCH_HOLD
 from ._switches import REFRESH as SWITCH_REFRESH
-from ._switches import Switches
+from ._switches import Switches, held_note
 from ._telemetry import count, observe
 from ._tracing import (
     mark_failed,
@@ -531,10 +531,14 @@ class Worker:
 
     def _held(self, task: Task) -> bool:
         """Give ``task`` back unstarted if a kill switch holds it (True)."""
-        if not self._switches or not self._switches.blocks(task):
+        if not self._switches:
+            return False
+        switch = self._switches.holder(task)
+        if switch is None:
             return False
         self.stats["held_by_switch"] += 1
-        self._fire(self.app.store.release([task], delay=SWITCH_HOLD, unstarted=True))
+        note = held_note(task, switch)
+        self._fire(self.app.store.release([task], delay=SWITCH_HOLD, unstarted=True, note=note))
         return True
 
     def _spawn(self, task: Task) -> None:
@@ -576,7 +580,8 @@ class Worker:
         if info is not None and info.tenant in self._switches.off.get("tenant", ()):
             coro.close()
             self.stats["held_by_switch"] += 1
-            await self.app.store.release([task], delay=SWITCH_HOLD, unstarted=True)
+            note = held_note(task, f"tenant {info.tenant!r}")
+            await self.app.store.release([task], delay=SWITCH_HOLD, unstarted=True, note=note)
             return
         await coro
 
@@ -923,6 +928,11 @@ class Worker:
                 return
             if self._held(follow):
                 return
+            if self._switches.off.get("tenant"):
+                # some tenant is off: the step starts through the tenant gate (_spawn),
+                # which reads its run's tenant
+                self._spawn(follow)
+                return
             current[0] = follow.task_id
             self._supersede(follow)
             self._inflight[follow.task_id] = (follow, me, None)
@@ -1123,6 +1133,13 @@ class Worker:
         if attempt:
             mark_lease_lost()
 
+    def _switched_off(self, inst: WorkflowInstance) -> bool:
+        """Whether a kill switch stops ``inst``'s run: its workflow or tenant is off."""
+        started = inst.started
+        if started is None:  # its tenant unknown here: the ordinary path reads it
+            return True
+        return self._switches.stops_run(inst.workflow.name, started.data.get("tenant"))
+
     async def _complete_fast(
         self, task: Task, result: str, value: Any = _UNSET, inline: bool = False
     ) -> bool:
@@ -1143,9 +1160,11 @@ class Worker:
             or task.step is None
             or inst.workflow.queue not in self.queues
             or not inst.only_waiting_on(task.step)
+            or (self._switches and self._switched_off(inst))
         ):
             # with other steps in flight, results race each other and a lost race
-            # would cost a full replay: take the ordinary path
+            # would cost a full replay: take the ordinary path. So too when the run's
+            # workflow or tenant is switched off: that path holds the workflow task
             return False
         del self._cache[task.run_id]  # ours alone while we speculate
         expected = inst.last_seq + 1

@@ -50,9 +50,9 @@ from ..alerts import AlertWatcher
 from ..metrics import Metrics
 from ..webhooks import _delivery_id
 from . import _problems
-from ._auth import AuthError, Principal, actor_of, authenticate
+from ._auth import AuthError, Principal, actor_of
 from ._interact import install_interactions
-from ._limits import BodyLimit, RateLimiter
+from ._limits import BodyLimit, RateLimiter, authenticate_limited
 from ._models import (
     WITHHELD,
     HistoryPage,
@@ -200,7 +200,10 @@ def create_api(
             # (SameSite=Strict: never sent by another site); only for reads
             cookie = request.cookies.get(CONSOLE_COOKIE)
             authorization = f"Bearer {cookie}" if cookie else None
-        principal = await authenticate(app.store, authorization) if auth else None
+        client = request.client.host if request.client else "?"
+        principal = (
+            await authenticate_limited(app.store, authorization, limiter, client) if auth else None
+        )
         request.state.principal = principal
         ctype = request.headers.get("content-type")
         # a body the routes would take as raw bytes
@@ -212,7 +215,6 @@ def create_api(
                 "'Content-Type: application/json' to -d)",
             )
         if limiter is not None:
-            client = request.client.host if request.client else "?"
             wait = limiter.take(principal.key_id if principal else f"addr:{client}")
             if wait:
                 raise AuthError(
@@ -329,7 +331,7 @@ def create_api(
     #: ``tether serve`` calls it when uvicorn begins a graceful shutdown
     api.state.begin_shutdown = begin_shutdown
     if console:
-        install_console(api, app, auth=auth)
+        install_console(api, app, auth=auth, limiter=limiter)
 
     @api.get(
         "/metrics",
@@ -339,7 +341,10 @@ def create_api(
     )
     async def prometheus(request: Request) -> Response:
         if auth:
-            principal = await authenticate(app.store, request.headers.get("authorization"))
+            client = request.client.host if request.client else "?"
+            principal = await authenticate_limited(
+                app.store, request.headers.get("authorization"), limiter, client
+            )
             if principal.tenant is not None:  # the figures name every tenant
                 raise AuthError(
                     403,
@@ -662,7 +667,7 @@ def create_api(
         ]
 
     @api.put(
-        "/v1/switches/{kind}/{name}",
+        "/v1/switches/{kind}/{name:path}",
         summary="Switch a workflow, activity, model or tenant off for every worker (admin)",
     )
     async def switch_off(
@@ -674,7 +679,7 @@ def create_api(
         )
         return {"kind": kind, "name": name, "off": True, "changed": changed}
 
-    @api.delete("/v1/switches/{kind}/{name}", summary="Switch it back on (admin)")
+    @api.delete("/v1/switches/{kind}/{name:path}", summary="Switch it back on (admin)")
     async def switch_on(kind: str, name: str, request: Request) -> dict[str, Any]:
         principal = unbound(request, "switching on")
         changed = await app.enable(kind, name, by=actor_of(principal, "api"))
@@ -859,6 +864,7 @@ def _add_start_route(api: FastAPI, app: App, wf: Workflow[Any, Any], who: Any) -
                 webhook=data.get("callback_url"),
                 by=actor_of(principal, "api"),
                 if_running=data.get("if_running"),
+                on_limit=data.get("on_limit") or "raise",
                 signal=None
                 if data.get("signal") is None
                 else (data["signal"]["name"], data["signal"].get("payload")),

@@ -2,7 +2,9 @@
 
 The rate limit is a token bucket per API key (per client address while auth is off),
 kept in this process: with several ``tether serve`` processes behind a balancer each
-enforces it on its own share of the traffic.
+enforces it on its own share of the traffic. Failed authentications (a wrong or missing
+key, a refused console sign-in) have a bucket per client address too, asked before the
+key is looked up in the store, so guessing keys costs no store read beyond the rate.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from typing import Any
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ..store.base import Store
+from ._auth import AuthError, Principal, authenticate
 from ._problems import PROBLEM
 
 
@@ -28,6 +32,15 @@ class RateLimiter:
         self.burst = float(burst if burst is not None else max(1, math.ceil(rate)))
         self._buckets: dict[str, tuple[float, float]] = {}  # key -> (tokens, at)
 
+    def waiting(self, key: str, now: float | None = None) -> float:
+        """Seconds until ``key`` has a token (0: it has one), taking none."""
+        entry = self._buckets.get(key)
+        if entry is None:
+            return 0.0
+        t = time.monotonic() if now is None else now
+        tokens = min(self.burst, entry[0] + (t - entry[1]) * self.rate)
+        return 0.0 if tokens >= 1 else (1 - tokens) / self.rate
+
     def take(self, key: str, now: float | None = None) -> float:
         """Take a token for ``key``: 0 if allowed, else seconds until one is free."""
         t = time.monotonic() if now is None else now
@@ -40,6 +53,32 @@ class RateLimiter:
         if len(self._buckets) > 100_000:  # forget idle keys (they are full again anyway)
             self._buckets = {k: v for k, v in self._buckets.items() if t - v[1] < 60}
         return (1 - tokens) / self.rate
+
+
+async def authenticate_limited(
+    store: Store, authorization: str | None, limiter: RateLimiter | None, client: str
+) -> Principal:
+    """``authenticate``, with failed attempts from ``client`` limited by ``limiter``
+    (``rate`` a second per address): beyond it, 429 without reading the store."""
+    if limiter is None:
+        return await authenticate(store, authorization)
+    bucket = f"failed:{client}"
+    wait = limiter.waiting(bucket)
+    if wait:
+        after = math.ceil(wait)
+        raise AuthError(
+            429,
+            "Too many failed authentications",
+            f"requests from {client} with wrong or missing keys are limited to "
+            f"{limiter.rate:g}/s; retry after {after} s",
+            retry_after=after,
+        )
+    try:
+        return await authenticate(store, authorization)
+    except AuthError as exc:
+        if exc.status == 401:
+            limiter.take(bucket)
+        raise
 
 
 class BodyLimit:

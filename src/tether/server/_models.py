@@ -132,6 +132,11 @@ class StartOptions(BaseModel):
     signal: SignalOption | None = Field(
         None, description="signal-with-start: delivered to the run, or first to a new one"
     )
+    on_limit: Literal["raise", "queue"] | None = Field(
+        None,
+        description="with a tenant at its admission limit: refuse the start (429, the "
+        "default) or create the run queued until one of the tenant's runs ends",
+    )
 
 
 def path_quote(run_id: str, safe: str = "/@:") -> str:

@@ -59,6 +59,9 @@ _MAP: list[tuple[type[BaseException], int, str]] = [
 ]
 
 
+#: seconds a start refused at a tenant's admission limit is told to wait (Retry-After)
+ADMISSION_RETRY_AFTER = 5
+
 _HTTP_TITLES = {
     404: "Not found",
     405: "Method not allowed",
@@ -84,7 +87,10 @@ def install(api: FastAPI) -> None:
     async def on_tether(_request: Request, exc: Exception) -> JSONResponse:
         for kind, status, title in _MAP:
             if isinstance(exc, kind):
-                return problem(status, title, str(exc))
+                response = problem(status, title, str(exc))
+                if isinstance(exc, AdmissionLimitError):
+                    response.headers["Retry-After"] = str(ADMISSION_RETRY_AFTER)
+                return response
         return problem(500, "tether error", str(exc))
 
     async def on_validation(_request: Request, exc: Exception) -> JSONResponse:

@@ -27,7 +27,8 @@ from ..._definitions import CHAIN_SEPARATOR, chain_of
 from ..._errors import ApprovalNotFoundError, RunNotFoundError, RunPurgedError, TetherError
 from ..._history import INT64_MAX, DeadLetter, Event, EventType, RunInfo, RunStatus
 from ...store.ops.switches import SWITCH_KINDS
-from .._auth import AuthError, Principal, actor_of, authenticate
+from .._auth import AuthError, Principal, actor_of
+from .._limits import RateLimiter, authenticate_limited
 from .._models import path_quote, run_view
 from .._stream import EventHub
 from ._charts import outcomes_svg
@@ -50,8 +51,11 @@ _EVENTS_PAGE = 500  #: history events on a run's page
 _BARS = 300  #: timeline bars on a run's page (the latest steps)
 
 
-def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
-    """Add the console's pages and static files to ``api``."""
+def install_console(
+    api: FastAPI, app: App, *, auth: bool, limiter: RateLimiter | None = None
+) -> None:
+    """Add the console's pages and static files to ``api``; ``limiter`` limits failed
+    sign-ins per client address (the service's ``--rate-limit``)."""
     templates = Jinja2Templates(directory=str(HERE / "templates"))
     templates.env.filters["when"] = _when
     templates.env.filters["pretty"] = _pretty
@@ -123,7 +127,8 @@ def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
         if not nxt.startswith("/") or nxt.startswith("//"):
             nxt = "/"  # never redirect off this site
         try:
-            principal = await authenticate(app.store, f"Bearer {key}")
+            client = request.client.host if request.client else "?"
+            principal = await authenticate_limited(app.store, f"Bearer {key}", limiter, client)
             if not principal.sees_payloads:
                 raise AuthError(
                     403,
@@ -136,7 +141,8 @@ def install_console(api: FastAPI, app: App, *, auth: bool) -> None:
                 request,
                 "login.html",
                 {"next": nxt, "error": exc.detail, "auth": auth},
-                status_code=401,
+                status_code=exc.status if exc.status == 429 else 401,
+                headers={"Retry-After": str(exc.retry_after)} if exc.retry_after else None,
             )
         response = RedirectResponse(nxt, 303)
         response.set_cookie(
