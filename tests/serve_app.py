@@ -207,6 +207,7 @@ async def careful(flag: str) -> str:
         return "handled"
 
 
+@app.workflow
 async def cart() -> list[Any]:
     """Collects the payloads of ``add`` signals until one is null."""
     items: list[Any] = []
