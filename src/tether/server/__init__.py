@@ -17,7 +17,9 @@ import hashlib
 import importlib.util
 import json
 import math
-from collections.abc import AsyncIterator
+import signal
+import sys
+from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any
 
 from fastapi import Body, Depends, FastAPI, Header, HTTPException, Path, Query, Request, Response
@@ -80,6 +82,8 @@ MAX_BODY = 4 * 1024 * 1024
 
 #: the methods whose bodies the API reads (as JSON)
 _WRITES = frozenset({"POST", "PUT", "PATCH"})
+#: how often the API looks whether plain uvicorn began to stop (``_notice``)
+NOTICE_EVERY = 0.1
 
 
 def _json_typed(content_type: str | None) -> bool:
@@ -289,9 +293,16 @@ def create_api(
         # the conditions of tether.alerts, told to the App's on_alert hook (or the log)
         watcher = AlertWatcher(app, interval=alert_interval)
         watcher.start()
+        # served by plain uvicorn (``uvicorn module:api``, not ``tether serve``), nothing
+        # tells the API the server begins to stop: uvicorn waits for open connections
+        # first, so an open event stream would hold it (and this shutdown) for ever
+        server = _uvicorn_server()
+        noticing = None if server is None else asyncio.create_task(_notice(server, begin_shutdown))
         try:
             yield
         finally:
+            if noticing is not None:
+                noticing.cancel()
             begin_shutdown()  # (done already when the server began to stop)
             await watcher.stop()
             if metrics is not None:
@@ -736,6 +747,28 @@ def longest_suffix_first(api: FastAPI, prefix: str) -> None:
     ordered = sorted((routes[i] for i in places), key=lambda r: -getattr(r, "path", "").count("/"))
     for i, route in zip(places, ordered, strict=True):
         routes[i] = route
+
+
+def _uvicorn_server() -> Any:
+    """The ``uvicorn.Server`` serving this process, or None: found by the handler it
+    installs for SIGTERM and SIGINT while it serves (uvicorn 0.29 and later always use
+    ``signal.signal``, on the main thread: ``uvicorn module:api``, ``uvicorn.run``)."""
+    uvicorn = sys.modules.get("uvicorn")  # not imported: not what serves this process
+    if uvicorn is None:
+        return None
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        owner = getattr(signal.getsignal(sig), "__self__", None)
+        if isinstance(owner, uvicorn.Server):
+            return owner
+    return None
+
+
+async def _notice(server: Any, begin: Callable[[], None]) -> None:
+    """Call ``begin`` once ``server`` begins to stop (a signal sets ``should_exit``;
+    uvicorn waits for open connections next): event streams end, the workers stop."""
+    while not (server.should_exit or server.force_exit):  # noqa: ASYNC110 (plain flags)
+        await asyncio.sleep(NOTICE_EVERY)
+    begin()
 
 
 def _unseen_run_id(run_id: str | None) -> JSONResponse:
