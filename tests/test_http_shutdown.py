@@ -232,3 +232,32 @@ def test_create_api_under_plain_uvicorn_ends_streams_and_closes_the_store_on_sig
             proc.wait(10)
         if proc.stderr is not None:
             proc.stderr.close()
+
+
+def test_tether_serve_exits_after_thread_grace_with_a_stuck_sync_activity(
+    store_url: str,
+) -> None:
+    """``tether serve --workers`` on SIGTERM waited for a sync activity's thread for as
+    long as it ran (its in-process workers' stop, then Python joining the thread at
+    exit). After ``--thread-grace`` it exits (0) without it, naming it; the step's
+    attempt is left to its lease for another worker."""
+    server = Server(
+        store_url, "--workers", "1", "--grace", "0.5", "--thread-grace", "0.5", "--no-auth"
+    )
+    try:
+        r = server.http.post(
+            "/v1/workflows/slow/runs", json={"input": {"seconds": 3600}, "run_id": "stuck"}
+        )
+        assert r.status_code == 202, r.text
+        _wait(lambda: server.http.get("/v1/runs/stuck").json()["waiting_on"], 20, "the activity")
+        time.sleep(1.0)  # its thread runs
+        began = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        code = server.proc.wait(30)
+        assert time.monotonic() - began < 20
+        err = server.proc.stderr.read() if server.proc.stderr else ""
+    finally:
+        server.stop()
+    assert code == 0, err
+    assert "sync activity 'slow_step' of run 'stuck'" in err, err
+    assert "exiting with 1 sync activity thread(s) still running (slow_step of run stuck)" in err

@@ -160,6 +160,7 @@ def create_api(
     workers: int = 0,
     worker_options: dict[str, Any] | None = None,
     grace: float = 30,
+    thread_grace: float | None = 60.0,
     auth: bool = True,
     rate_limit: float | None = None,
     max_body: int = MAX_BODY,
@@ -169,9 +170,10 @@ def create_api(
     console: bool = True,
 ) -> FastAPI:
     """The HTTP API of ``app``; with ``workers``, that many in-process workers serve its
-    queues while the API runs (stopped, with ``grace`` seconds for in-flight work, on
-    shutdown). ``auth=False`` serves without API keys (anyone who reaches the port acts
-    as admin: only for a private network or a test). ``rate_limit``: requests per second
+    queues while the API runs (stopped, with ``grace`` seconds for in-flight work and
+    ``thread_grace`` more for sync activity threads, on shutdown: ``Worker.stop``).
+    ``auth=False`` serves without API keys (anyone who reaches the port acts as admin:
+    only for a private network or a test). ``rate_limit``: requests per second
     per key (429 beyond, with Retry-After); ``max_body``: the largest request body in
     bytes (413 beyond). ``webhook_secret`` signs the outcomes posted to runs' callback
     URLs (the relay runs only with one; ``webhook_options`` tune its retries).
@@ -269,6 +271,8 @@ def create_api(
     alert_interval = env_number("TETHER_ALERT_INTERVAL", 30.0, least=0.1)
 
     stopping: list[asyncio.Future[Any]] = []
+    #: sync activities whose threads the workers' stop left running ("<name> of run <id>")
+    left_threads: list[str] = []
 
     def begin_shutdown() -> None:
         """The server begins to stop (on its loop, before it waits for connections to
@@ -276,7 +280,9 @@ def create_api(
         stop claiming and in-flight work has ``grace`` seconds from now."""
         hub.close()
         if not stopping:
-            stopping.append(asyncio.gather(*(w.stop(grace=grace) for w in running)))
+            stopping.append(
+                asyncio.gather(*(w.stop(grace=grace, thread_grace=thread_grace) for w in running))
+            )
 
     @contextlib.asynccontextmanager
     async def lifespan(_api: FastAPI) -> AsyncIterator[None]:
@@ -311,6 +317,8 @@ def create_api(
             if relay is not None:
                 await relay.stop()
             await stopping.pop()
+            for w in running:  # threads a stop left running: the process exits only after
+                left_threads.extend(w._left_threads)
             running.clear()
             await app.close()
 
@@ -327,6 +335,7 @@ def create_api(
     api.state.hub = hub
     #: ``tether serve`` calls it when uvicorn begins a graceful shutdown
     api.state.begin_shutdown = begin_shutdown
+    api.state.left_threads = left_threads
     if console:
         install_console(api, app, auth=auth)
 
