@@ -138,3 +138,126 @@ def test_sigterm_ends_open_streams_releases_work_and_exits_0_within_grace(
         assert log.read_text() == "1\n1\n"  # released by the stop, not lost to a lease
     finally:
         assert server.stop() == 0
+
+
+PLAIN_APP = """
+import os
+import sys
+
+import tether
+from tether.server import create_api
+
+app = tether.App(store=os.environ["TETHER_TEST_STORE"])
+
+
+@app.workflow
+async def waiter() -> str:
+    return await tether.wait_event("go")
+
+
+api = create_api(app, workers=1, auth=False, grace=1)
+_close = app.close
+
+
+async def close() -> None:
+    await _close()
+    print(f"app closed, store {app._store}", file=sys.stderr, flush=True)
+
+
+app.close = close  # type: ignore[method-assign]
+"""
+
+
+def test_create_api_under_plain_uvicorn_ends_streams_and_closes_the_store_on_sigterm(
+    store_url: str, tmp_path: Path
+) -> None:
+    """``create_api(...)`` served by plain ``uvicorn module:api`` (not ``tether serve``):
+    uvicorn waits for open connections before it runs the API's shutdown, and nothing
+    told the event streams to end, so one open stream (a console tab) held the process
+    on SIGTERM until the client left or the run ended, the workers ran on and the
+    store was never closed. The API now sees uvicorn begin to stop: streams end with a
+    message to reconnect, the workers stop, the App and its store are closed."""
+    import os
+    import sys
+
+    (tmp_path / "plain_app.py").write_text(PLAIN_APP)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    src = Path(__file__).parent.parent / "src"
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{src}{os.pathsep}{tmp_path}",
+        "TETHER_TEST_STORE": store_url,
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-W", "always", "-m", "uvicorn", "plain_app:api", "--port", str(port)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        with httpx.Client(base_url=base, timeout=30) as http:
+
+            def up() -> bool:
+                try:
+                    return http.get("/healthz").status_code == 200
+                except httpx.TransportError:
+                    assert proc.poll() is None, "uvicorn exited"
+                    return False
+
+            _wait(up, 30, "uvicorn")
+            r = http.post("/v1/workflows/waiter/runs", json={"input": {}, "run_id": "w"})
+            assert r.status_code == 202, r.text
+        stream = _Follower(f"{base}/v1/runs/w/events")
+        _wait(lambda: stream.lines, 20, "the event stream")
+        began = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(20)
+        assert time.monotonic() - began < 15
+        err = proc.stderr.read() if proc.stderr else ""
+        assert code == -signal.SIGTERM, (code, err)  # uvicorn raises the signal again
+        assert "app closed, store None" in err, err
+        assert "Application shutdown complete" in err, err
+        for bad in ("Traceback", "Warning", "Exception ignored", "Task was destroyed"):
+            assert bad not in err, err
+        assert stream.ended.wait(10) and stream.error is None, stream.error
+        assert stream.messages()[-1].get("event") == "closing", stream.lines[-6:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        if proc.stderr is not None:
+            proc.stderr.close()
+
+
+def test_tether_serve_exits_after_thread_grace_with_a_stuck_sync_activity(
+    store_url: str,
+) -> None:
+    """``tether serve --workers`` on SIGTERM waited for a sync activity's thread for as
+    long as it ran (its in-process workers' stop, then Python joining the thread at
+    exit). After ``--thread-grace`` it exits (0) without it, naming it; the step's
+    attempt is left to its lease for another worker."""
+    server = Server(
+        store_url, "--workers", "1", "--grace", "0.5", "--thread-grace", "0.5", "--no-auth"
+    )
+    try:
+        r = server.http.post(
+            "/v1/workflows/slow/runs", json={"input": {"seconds": 3600}, "run_id": "stuck"}
+        )
+        assert r.status_code == 202, r.text
+        _wait(lambda: server.http.get("/v1/runs/stuck").json()["waiting_on"], 20, "the activity")
+        time.sleep(1.0)  # its thread runs
+        began = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        code = server.proc.wait(30)
+        assert time.monotonic() - began < 20
+        err = server.proc.stderr.read() if server.proc.stderr else ""
+    finally:
+        server.stop()
+    assert code == 0, err
+    assert "sync activity 'slow_step' of run 'stuck'" in err, err
+    assert "exiting with 1 sync activity thread(s) still running (slow_step of run stuck)" in err

@@ -454,6 +454,53 @@ async def test_start_same_run_id_other_deadline_webhook_or_budget_is_a_conflict(
     assert len(await app.list()) == 1
 
 
+def _forget_deadlines(store_url: str) -> None:
+    """Make the store's runs look started before the requested deadline was kept in a
+    run's attrs (their start events keep ``deadline_at``, as they always did)."""
+    sql = "UPDATE runs SET attrs = NULL"
+    if store_url.startswith("sqlite:///"):
+        import sqlite3
+
+        with sqlite3.connect(store_url[len("sqlite:///") :]) as conn:
+            conn.execute(sql)
+        return
+    import psycopg
+
+    from conftest import PG_URL
+
+    with psycopg.connect(PG_URL, autocommit=True) as conn:
+        conn.execute(f'SET search_path TO "{store_url.rsplit("schema=", 1)[1]}"')
+        conn.execute(sql)
+
+
+async def test_start_same_run_id_of_a_run_that_did_not_record_its_deadline_joins_it(
+    app: tether.App, store_url: str
+) -> None:
+    """A run started before the requested deadline was kept in its attrs has none there:
+    a client retrying that very start (same deadline) after the upgrade got a conflict
+    naming ``deadline``. What a run did not record is unknown, not different: the retry
+    joins the run (its start event says it had a deadline, not how many seconds were
+    asked). A run that had no deadline at all still conflicts with a retry asking one."""
+
+    @app.workflow
+    async def bill(n: int) -> int:
+        return n
+
+    await app.start(bill, 1, run_id="old-dl", deadline=60)
+    await app.start(bill, 1, run_id="old-none")
+    _forget_deadlines(store_url)
+    assert (await app.get("old-dl")).attrs is None
+    again = await app.start(bill, 1, run_id="old-dl", deadline=60)
+    assert again.run_id == "old-dl" and again.created is False
+    assert (await app.start(bill, 1, run_id="old-dl", deadline=30)).created is False
+    assert (await app.start(bill, 1, run_id="old-dl")).created is False  # as before
+    with pytest.raises(tether.RunIdConflictError) as ei:
+        await app.start(bill, 1, run_id="old-none", deadline=60)
+    assert ei.value.fields == ("deadline",)
+    assert (await app.start(bill, 1, run_id="old-none")).created is False
+    assert len(await app.list()) == 2
+
+
 # -- errors for unknown / finished runs ---------------------------------------------------------
 
 

@@ -383,6 +383,40 @@ def test_sigterm_with_a_sync_activity_running_waits_for_its_thread(project: Proj
             stop(second)
 
 
+def test_sigterm_with_a_stuck_sync_activity_exits_after_thread_grace(project: Project) -> None:
+    """A sync activity that does not return held ``tether worker`` after SIGTERM for as
+    long as it ran (forever for a stuck one). After ``--thread-grace`` the worker exits
+    (0) without it, naming the activity and run; another worker retries the step once
+    the lease the first one no longer renews has expired."""
+    project.ok("start", "flows:app", "blocker", "3600", "--run-id", "stuck")
+    first, first_err = project.worker("--grace", "0.2", "--thread-grace", "1", "--lease", "2")
+    second = None
+    try:
+        wait_until(lambda: "block start" in " ".join(project.log()), CMD_TIMEOUT, "the thread")
+        began = time.monotonic()
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(timeout=30) == 0, "\n".join(first_err)
+        assert time.monotonic() - began < 15
+        err = "\n".join(first_err)
+        assert "sync activity 'block' of run 'stuck'" in err, err
+        assert "exiting with 1 sync activity thread(s) still running (block of run stuck)" in err
+        assert project.status("stuck")["status"] == "running"
+        second, second_err = project.worker("--grace", "0.2", "--thread-grace", "0", "--lease", "2")
+        wait_until(
+            lambda: len([x for x in project.log() if "block start" in x]) == 2,
+            CMD_TIMEOUT,
+            "the retry",
+        )
+        pids = {x.split()[0] for x in project.log() if "block start" in x}
+        assert pids == {str(first.pid), str(second.pid)}, project.log()
+        second.send_signal(signal.SIGTERM)
+        assert second.wait(timeout=30) == 0, "\n".join(second_err)
+    finally:
+        stop(first)
+        if second is not None:
+            stop(second)
+
+
 def test_loop_teardown_hands_a_batch_back_too(store_url: str) -> None:
     """The same for a batched activity: every item is handed back, none failed."""
     app = tether.App(store=store_url)
@@ -455,3 +489,55 @@ async def test_a_graceful_stop_waits_for_a_sync_batch_thread(app: tether.App) ->
     async with app.worker(poll_interval=0.05):
         assert await run.result(timeout=10) == [0, 3, 6]
     assert len(calls) == 1
+
+
+async def test_a_stop_waits_for_a_stuck_sync_thread_only_for_its_thread_grace(
+    app: tether.App, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A sync activity that never returns held ``stop()`` forever (its thread cannot be
+    killed). The wait for it is now bounded by ``thread_grace``: then the stop returns,
+    says which activity of which run it left, and leaves the attempt to its lease, so
+    another worker retries the step once the lease (no longer renewed) expires. What
+    the stuck thread returns at last is not recorded (the fence refuses it)."""
+    import logging
+
+    gate = threading.Event()
+    attempts: list[int] = []
+
+    @app.activity
+    def stuck() -> str:
+        attempts.append(tether.activity_context().attempt)
+        if len(attempts) == 1:
+            gate.wait(60)  # "never" returns while the test runs
+            return "late"
+        return "retried"
+
+    @app.workflow
+    async def wf() -> str:
+        return await stuck()
+
+    w = app.worker(lease=1.0, poll_interval=0.05)
+    await w.start()
+    run = await app.start(wf, run_id="s")
+    try:
+        for _ in range(200):
+            if attempts:
+                break
+            await asyncio.sleep(0.05)
+        assert attempts == [1]
+        began = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="tether"):
+            await asyncio.wait_for(w.stop(grace=0.2, thread_grace=0.5), 10)
+        took = time.monotonic() - began
+        assert 0.6 < took < 5, took
+        said = [r.getMessage() for r in caplog.records if "still runs after" in r.getMessage()]
+        assert len(said) == 1 and "'stuck'" in said[0] and "'s'" in said[0], said
+        async with app.worker(lease=1.0, poll_interval=0.05):
+            assert await run.result(timeout=20) == "retried"
+        assert attempts == [1, 2]
+    finally:
+        gate.set()
+    await asyncio.sleep(0.2)  # the stuck thread returns: nothing more is recorded
+    completed = [e for e in await app.history("s") if e.type is EventType.ACTIVITY_COMPLETED]
+    assert len(completed) == 1
+    assert (await app.get("s")).status is tether.RunStatus.COMPLETED

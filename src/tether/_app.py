@@ -34,6 +34,8 @@ from ._definitions import (
     check_run_id,
     check_signal_id,
     check_signal_name,
+    dot_parts,
+    dot_parts_error,
 )
 from ._entities import PREFIX as ENTITY_PREFIX
 from ._entities import EntityRef, entity_workflow, list_entities
@@ -52,6 +54,7 @@ from ._errors import (
     RunPurgedError,
     RunTerminatedError,
     RunTimedOutError,
+    ScheduleNotFoundError,
     StoreError,
     UnknownActivityError,
     UnknownWorkflowError,
@@ -1580,6 +1583,14 @@ class App:
         Time zones and clock changes: see ``tether._schedules``.
         """
         check_schedule_id(schedule_id)
+        if dot_parts(f"{schedule_id}@"):  # its runs' ids would have one: a new one is refused
+            try:
+                await self.store.get_schedule(schedule_id)  # an older version's: kept
+            except ScheduleNotFoundError:
+                raise dot_parts_error(
+                    f"schedule id {schedule_id!r} (its runs' ids {schedule_id + '@<tick>'!r})",
+                    "an id",
+                ) from None
         wf = self.get_workflow(workflow) if isinstance(workflow, str) else workflow
         if wf.name not in self._workflows:
             raise UnknownWorkflowError(wf.name, list(self._workflows))

@@ -277,17 +277,28 @@ def check_signal_id(signal_id: str, what: str = "signal_id") -> None:
         )
 
 
+def dot_parts_error(what: str, choose: str) -> ConfigurationError:
+    """The error for ``what`` (a run id, or what makes one) with a dot part."""
+    return ConfigurationError(
+        f"{what} has an empty, '.' or '..' part between slashes, which URLs resolve away "
+        f"(/runs/a/../b is /runs/b, another run): choose {choose} without one (dots "
+        "inside a part, as in 'a/v1.2', are fine)"
+    )
+
+
+def dot_parts(run_id: str) -> bool:
+    """Whether ``run_id`` has a part between slashes that is empty, '.' or '..': new
+    runs may not (entity keys and schedule ids make run ids too)."""
+    return any(part in ("", ".", "..") for part in run_id.split("/"))
+
+
 def check_run_id(run_id: str) -> None:
     """Refuse a run id a user may not choose (empty, in the chains' namespace, or with a
     part between slashes that URLs resolve away). Only new ids are checked: runs an
     older version accepted are read and steered as before."""
     check_name(run_id, "run id", MAX_RUN_ID)
-    if any(part in ("", ".", "..") for part in run_id.split("/")):
-        raise ConfigurationError(
-            f"run id {run_id!r} has an empty, '.' or '..' part between slashes, which URLs "
-            "resolve away (/runs/a/../b is /runs/b, another run): choose an id without "
-            "one (dots inside a part, as in 'a/v1.2', are fine)"
-        )
+    if dot_parts(run_id):
+        raise dot_parts_error(f"run id {run_id!r}", "an id")
     if CHAIN_SEPARATOR in run_id:
         raise ConfigurationError(
             f"run id {run_id!r} contains {CHAIN_SEPARATOR!r}, which tether reserves for the "

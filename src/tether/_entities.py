@@ -31,12 +31,13 @@ import uuid
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ._definitions import CHAIN_SEPARATOR, chain_of, check_signal_id
+from ._definitions import CHAIN_SEPARATOR, chain_of, check_signal_id, dot_parts, dot_parts_error
 from ._errors import (
     NOT_RUN_YET,
     ConfigurationError,
     PayloadError,
     QueryError,
+    RunNotFoundError,
     UpdateRejectedError,
 )
 from ._history import UPDATE_SIGNAL, RunInfo
@@ -307,6 +308,8 @@ class EntityRef:
             raise UpdateRejectedError(self.run_id, op, f"no such operation (known: {known})")
         if given is not None:
             check_signal_id(given, "update_id")
+        if dot_parts(self.run_id):
+            await self._check_dots()
         update_id = given or uuid.uuid4().hex
         payload = encode({"id": update_id, "args": list(args)}, f"arguments of {op!r}")
         wf = self.app.get_workflow(PREFIX + self.name)
@@ -321,6 +324,16 @@ class EntityRef:
         )
         assert res.signalled is not None  # create_run signals in the same commit
         return update_id, res.signalled, res.signal_new
+
+    async def _check_dots(self) -> None:
+        """Refuse to make an entity whose run id has an empty, '.' or '..' part between
+        slashes (a start refuses such ids); one an older version made is used as itself."""
+        try:
+            await self.app.get(self.run_id)
+        except RunNotFoundError:
+            raise dot_parts_error(
+                f"entity key {self.key!r} (its run id {self.run_id!r})", "a key"
+            ) from None
 
 
 async def list_entities(app: Any, name: str, limit: int) -> list[str]:

@@ -195,6 +195,9 @@ class Worker:
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         #: counters for tests and benchmarks
         self.stats: collections.Counter[str] = collections.Counter()
+        #: sync activities whose threads ``stop()`` left running after ``thread_grace``
+        #: ("<activity> of run <id>"): the process exits only when they end
+        self._left_threads: list[str] = []
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -254,12 +257,20 @@ class Worker:
         assert self._main is not None
         await asyncio.shield(self._main)
 
-    async def stop(self, grace: float = 10.0) -> None:
+    async def stop(self, grace: float = 10.0, thread_grace: float | None = 60.0) -> None:
         """Stop claiming, give in-flight work ``grace`` seconds to finish, then cancel it.
 
         What was cancelled is released with its attempt given back (the worker stopped
         it; it did not fail). A sync activity's thread cannot be cancelled: its task is
-        kept, lease renewed, until the thread returns, and this waits for it."""
+        kept, lease renewed, and this waits for the thread ``thread_grace`` seconds more
+        (None: until it returns), recording its result. A thread still running then is
+        left behind: this returns, logs a warning naming the activity and its run, and
+        no longer renews the task's lease, so once the lease expires another worker
+        retries the step (the attempt counts, as after a crash); what the thread returns
+        later is refused by the fence. The process exits only when such a thread ends
+        (Python joins it), or by ``os._exit`` (what ``tether worker`` does then)."""
+        if thread_grace is not None and not thread_grace >= 0:
+            raise ConfigurationError(f"thread_grace must be >= 0 or None (got {thread_grace!r})")
         if self._main is None:
             return
         self._stopping = True
@@ -305,13 +316,17 @@ class Worker:
             log.warning(
                 "worker %s: waiting for %d sync activity thread(s) (%s) to end after the "
                 "%gs grace: a thread cannot be interrupted, so its task stays leased to this "
-                "worker (and its result is recorded) until it returns",
+                "worker (and its result is recorded) until it returns, for up to %s",
                 self.id,
                 len(threads),
                 ", ".join(names),
                 grace,
+                "ever" if thread_grace is None else f"{thread_grace:g}s more (thread_grace)",
             )
-            await asyncio.wait([t for _, t, _ in threads])
+            _, stuck = await asyncio.wait([t for _, t, _ in threads], timeout=thread_grace)
+            if stuck:
+                self._leave_threads(stuck, thread_grace or 0.0)
+                await asyncio.wait(stuck, timeout=1.0)
             late, self._unstarted = self._unstarted, []
             if late:
                 try:
@@ -342,6 +357,33 @@ class Worker:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
         self._main = None
+
+    def _leave_threads(self, stuck: set[asyncio.Task[Any]], waited: float) -> None:
+        """Stop waiting for sync activity threads still running after ``thread_grace``:
+        their attempts are left to their leases (no longer renewed once stop returns)."""
+        for task, t, ctx in list(self._inflight.values()):
+            if t not in stuck:
+                continue
+            if ctx is not None:
+                ctx._cancelled = True  # a thread that checks is_cancelled may still stop
+            self._left_threads.append(f"{task.name or '?'} of run {task.run_id}")
+            log.warning(
+                "worker %s: sync activity %r of run %r (step %s, attempt %s) still runs "
+                "after the %gs thread_grace: a thread cannot be killed, so the worker stops "
+                "without it and leaves the attempt to its lease (%gs, no longer renewed): "
+                "then another worker retries the step; whatever this thread returns is "
+                "not recorded",
+                self.id,
+                task.name,
+                task.run_id,
+                task.step,
+                task.attempt,
+                waited,
+                self.lease,
+                extra={"run_id": task.run_id},
+            )
+        for t in stuck:
+            t.cancel()  # while stopping it records nothing and releases nothing
 
     async def _apply_retention(self) -> None:
         """Purge the ended runs of each workflow with a ``retention``, and of each tenant

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 import math
+import os
 import signal
 import socket
+import sys
 from collections.abc import Callable
 from typing import Annotated, Any
 
@@ -50,6 +53,18 @@ def serve_command(
             help="Seconds in-flight work may take to finish on SIGTERM.",
         ),
     ] = 10.0,
+    thread_grace: Annotated[
+        float,
+        typer.Option(
+            "--thread-grace",
+            metavar="SECONDS",
+            min=0.0,
+            max=86_400.0,
+            help="After --grace, how much longer a sync activity's thread is waited for; "
+            "then the server exits without it and its attempt is retried by another worker "
+            "once its lease expires.",
+        ),
+    ] = 60.0,
     log_level: Annotated[str, _log_level_option()] = "info",
     log_format: Annotated[str, _log_format_option()] = "text",
     auth: Annotated[
@@ -120,6 +135,7 @@ def serve_command(
         app,
         workers=workers,
         grace=grace,
+        thread_grace=thread_grace,
         auth=auth,
         rate_limit=rate_limit,
         max_body=max_body,
@@ -172,6 +188,18 @@ def serve_command(
     if not server.started:  # e.g. the port is taken (uvicorn logged why; its exit code)
         raise typer.Exit(3)
     _note(f"tether serve {app_spec} stopped")
+    left: list[str] = api.state.left_threads
+    if left:
+        # Python would wait for these threads at exit (it joins them), perhaps forever:
+        # the store is closed and their attempts are left to their leases, so exit now
+        _note(
+            f"tether serve: exiting with {len(left)} sync activity thread(s) still running "
+            f"({', '.join(left)}); each step is retried by a worker once its lease expires"
+        )
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 class _Stopped(Exception):

@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.util
+import logging
 import math
 import os
 import signal
+import sys
 from collections.abc import Callable
 from typing import Annotated, Any
 
@@ -78,6 +80,18 @@ def worker_command(
             "activity still running is waited for: its thread cannot be interrupted).",
         ),
     ] = 10.0,
+    thread_grace: Annotated[
+        float,
+        typer.Option(
+            "--thread-grace",
+            metavar="SECONDS",
+            min=0.0,
+            max=86_400.0,
+            help="After --grace, how much longer a sync activity's thread is waited for; "
+            "then the worker exits without it and its attempt is retried by another worker "
+            "once its lease expires.",
+        ),
+    ] = 60.0,
     log_level: Annotated[str, _log_level_option()] = "info",
     log_format: Annotated[str, _log_format_option()] = "text",
     worker_id: Annotated[
@@ -148,6 +162,7 @@ def worker_command(
             version or None,
             metrics_port,
             metrics_host,
+            thread_grace,
         )
     )
     raise SystemExit(code)
@@ -219,6 +234,7 @@ async def _serve(
     versions: list[str] | None = None,
     metrics_port: int | None = None,
     metrics_host: str = "127.0.0.1",
+    thread_grace: float = 60.0,
 ) -> int:
     app = load_app(app_spec)
     if metrics_port is not None:  # a bad refresh interval is one line, before any work
@@ -268,7 +284,7 @@ async def _serve(
                 code = EXIT_ERROR
             try:
                 stopped = True
-                await w.stop(grace=grace)
+                await w.stop(grace=grace, thread_grace=thread_grace)
             except Exception as exc:
                 if code == 0:
                     _note(f"error: tether worker {w.id} failed to stop cleanly: {exc}")
@@ -283,10 +299,22 @@ async def _serve(
                 # cancellation; the error itself is reported by the caller
                 stopped = True
                 with contextlib.suppress(Exception):
-                    await w.stop(grace=grace)
+                    await w.stop(grace=grace, thread_grace=thread_grace)
             if metrics is not None:
                 await metrics.stop()
             for sig in installed:
                 loop.remove_signal_handler(sig)
     _note(f"tether worker {w.id} stopped")
+    if w._left_threads:
+        # Python would wait for these threads at exit (it joins them), perhaps forever:
+        # the store is closed and their attempts are left to their leases, so exit now
+        _note(
+            f"tether worker {w.id}: exiting with {len(w._left_threads)} sync activity "
+            f"thread(s) still running ({', '.join(w._left_threads)}); each step is retried "
+            "by another worker once its lease expires"
+        )
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     return code

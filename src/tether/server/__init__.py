@@ -17,7 +17,9 @@ import hashlib
 import importlib.util
 import json
 import math
-from collections.abc import AsyncIterator
+import signal
+import sys
+from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any
 
 from fastapi import Body, Depends, FastAPI, Header, HTTPException, Path, Query, Request, Response
@@ -80,6 +82,8 @@ MAX_BODY = 4 * 1024 * 1024
 
 #: the methods whose bodies the API reads (as JSON)
 _WRITES = frozenset({"POST", "PUT", "PATCH"})
+#: how often the API looks whether plain uvicorn began to stop (``_notice``)
+NOTICE_EVERY = 0.1
 
 
 def _json_typed(content_type: str | None) -> bool:
@@ -168,6 +172,7 @@ def create_api(
     workers: int = 0,
     worker_options: dict[str, Any] | None = None,
     grace: float = 30,
+    thread_grace: float | None = 60.0,
     auth: bool = True,
     rate_limit: float | None = None,
     max_body: int = MAX_BODY,
@@ -177,9 +182,10 @@ def create_api(
     console: bool = True,
 ) -> FastAPI:
     """The HTTP API of ``app``; with ``workers``, that many in-process workers serve its
-    queues while the API runs (stopped, with ``grace`` seconds for in-flight work, on
-    shutdown). ``auth=False`` serves without API keys (anyone who reaches the port acts
-    as admin: only for a private network or a test). ``rate_limit``: requests per second
+    queues while the API runs (stopped, with ``grace`` seconds for in-flight work and
+    ``thread_grace`` more for sync activity threads, on shutdown: ``Worker.stop``).
+    ``auth=False`` serves without API keys (anyone who reaches the port acts as admin:
+    only for a private network or a test). ``rate_limit``: requests per second
     per key (429 beyond, with Retry-After); ``max_body``: the largest request body in
     bytes (413 beyond). ``webhook_secret`` signs the outcomes posted to runs' callback
     URLs (the relay runs only with one; ``webhook_options`` tune its retries).
@@ -279,6 +285,8 @@ def create_api(
     alert_interval = env_number("TETHER_ALERT_INTERVAL", 30.0, least=0.1)
 
     stopping: list[asyncio.Future[Any]] = []
+    #: sync activities whose threads the workers' stop left running ("<name> of run <id>")
+    left_threads: list[str] = []
 
     def begin_shutdown() -> None:
         """The server begins to stop (on its loop, before it waits for connections to
@@ -286,7 +294,9 @@ def create_api(
         stop claiming and in-flight work has ``grace`` seconds from now."""
         hub.close()
         if not stopping:
-            stopping.append(asyncio.gather(*(w.stop(grace=grace) for w in running)))
+            stopping.append(
+                asyncio.gather(*(w.stop(grace=grace, thread_grace=thread_grace) for w in running))
+            )
 
     @contextlib.asynccontextmanager
     async def lifespan(_api: FastAPI) -> AsyncIterator[None]:
@@ -303,9 +313,16 @@ def create_api(
         # the conditions of tether.alerts, told to the App's on_alert hook (or the log)
         watcher = AlertWatcher(app, interval=alert_interval)
         watcher.start()
+        # served by plain uvicorn (``uvicorn module:api``, not ``tether serve``), nothing
+        # tells the API the server begins to stop: uvicorn waits for open connections
+        # first, so an open event stream would hold it (and this shutdown) for ever
+        server = _uvicorn_server()
+        noticing = None if server is None else asyncio.create_task(_notice(server, begin_shutdown))
         try:
             yield
         finally:
+            if noticing is not None:
+                noticing.cancel()
             begin_shutdown()  # (done already when the server began to stop)
             await watcher.stop()
             if metrics is not None:
@@ -314,6 +331,8 @@ def create_api(
             if relay is not None:
                 await relay.stop()
             await stopping.pop()
+            for w in running:  # threads a stop left running: the process exits only after
+                left_threads.extend(w._left_threads)
             running.clear()
             await app.close()
 
@@ -330,6 +349,7 @@ def create_api(
     api.state.hub = hub
     #: ``tether serve`` calls it when uvicorn begins a graceful shutdown
     api.state.begin_shutdown = begin_shutdown
+    api.state.left_threads = left_threads
     if console:
         install_console(api, app, auth=auth, limiter=limiter)
 
@@ -785,6 +805,28 @@ def longest_suffix_first(api: FastAPI, prefix: str) -> None:
     ordered = sorted((routes[i] for i in places), key=lambda r: -getattr(r, "path", "").count("/"))
     for i, route in zip(places, ordered, strict=True):
         routes[i] = route
+
+
+def _uvicorn_server() -> Any:
+    """The ``uvicorn.Server`` serving this process, or None: found by the handler it
+    installs for SIGTERM and SIGINT while it serves (uvicorn 0.29 and later always use
+    ``signal.signal``, on the main thread: ``uvicorn module:api``, ``uvicorn.run``)."""
+    uvicorn = sys.modules.get("uvicorn")  # not imported: not what serves this process
+    if uvicorn is None:
+        return None
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        owner = getattr(signal.getsignal(sig), "__self__", None)
+        if isinstance(owner, uvicorn.Server):
+            return owner
+    return None
+
+
+async def _notice(server: Any, begin: Callable[[], None]) -> None:
+    """Call ``begin`` once ``server`` begins to stop (a signal sets ``should_exit``;
+    uvicorn waits for open connections next): event streams end, the workers stop."""
+    while not (server.should_exit or server.force_exit):  # noqa: ASYNC110 (plain flags)
+        await asyncio.sleep(NOTICE_EVERY)
+    begin()
 
 
 def _unseen_run_id(run_id: str | None) -> JSONResponse:

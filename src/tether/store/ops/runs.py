@@ -17,7 +17,7 @@ from ..._errors import (
 from ..._history import EventType, RunEnd, RunInfo, RunStatus, Task
 from ..._serde import dumps
 from ..base import StartResult, WorkflowTaskResult, start_event_data
-from ._tx import _RUN_COLS, _run_from_row, _Tx
+from ._tx import _RUN_COLS, _opened, _run_from_row, _Tx
 
 
 def _run_row(tx: _Tx, run_id: str, *, lock: bool = False) -> tuple[Any, ...]:
@@ -129,15 +129,38 @@ def _same_input(stored: str | None, given: str) -> bool:
 _START_ATTRS = ("budget", "deadline", "webhook")
 
 
-def _differences(existing: RunInfo, input: str, attrs: dict[str, Any] | None) -> tuple[str, ...]:
+def _differences(
+    tx: _Tx, existing: RunInfo, input: str, attrs: dict[str, Any] | None
+) -> tuple[str, ...]:
     """What a start of an existing run asks for that the run was not started with: its
     input, and each of ``_START_ATTRS`` (names, never values)."""
     out = [] if _same_input(existing.input, input) else ["input"]
     had, asked = existing.attrs or {}, attrs or {}
     for key in _START_ATTRS:
+        if key == "deadline" and key not in had and asked.get(key) is not None:
+            # not recorded: the run had no deadline, or was started before the deadline
+            # asked for was kept in its attrs (its seconds unknown: any deadline matches)
+            if not _had_unrecorded_deadline(tx, existing):
+                out.append(key)
+            continue
         if not _equal(json.loads(json.dumps(had.get(key))), json.loads(json.dumps(asked.get(key)))):
             out.append(key)
     return tuple(out)
+
+
+def _had_unrecorded_deadline(tx: _Tx, run: RunInfo) -> bool:
+    """Whether ``run`` has a deadline its attrs do not name: it was started before the
+    deadline asked for was kept there (its start event has always had ``deadline_at``)."""
+    row = tx.execute(
+        "SELECT data FROM events WHERE run_id = ? AND seq = 1", (run.run_id,)
+    ).fetchone()
+    if row is None:
+        return False
+    text = _opened(tx.codec, row[0], run.run_id, "start event", keep=True) or "{}"
+    if not text.startswith("{"):
+        return True  # sealed or offloaded and not readable here: unknown, not different
+    data = json.loads(text)
+    return isinstance(data, dict) and data.get("deadline_at") is not None
 
 
 def _equal(a: Any, b: Any) -> bool:
@@ -184,7 +207,7 @@ def _create_run(
         if if_exists == "reject":
             raise RunIdConflictError(run_id, "a run (this start refuses to join it)")
         if if_exists == "same_input" and signal is None:
-            differ = _differences(existing, input, attrs)
+            differ = _differences(tx, existing, input, attrs)
             if differ:
                 raise RunIdConflictError(run_id, f"different {', '.join(differ)}", fields=differ)
         if signal is None:
