@@ -935,6 +935,45 @@ async def test_a_run_keeps_the_model_it_started_with_across_a_deploy(
     await new.close()
 
 
+async def test_the_answer_cache_answers_a_pinned_run_from_its_pinned_model_only(
+    store_url: str, server: ModelServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run pinned to the model it started with got, after a deploy changed the model,
+    the new model's cached answer: the cache keyed on today's model, not on the one
+    the step called."""
+    monkeypatch.setenv("OPENAI_BASE_URL", server.base_url)
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
+    server.default = lambda body: model_reply(f"from {body['model']}")
+
+    def deploy(spec: str) -> tether.App:
+        app = tether.App(store=store_url)
+        gw = ai.Gateway(app, retry=FAST)
+        fast = gw.model("fast", spec, cache_ttl=600)
+
+        @app.workflow
+        async def ask(text: str) -> str:
+            await tether.wait_event("go")
+            return await ai.complete(fast, text)
+
+        return app
+
+    old = deploy("openai:m-old")
+    await old.start("ask", "same", run_id="old-run")  # pinned to m-old
+    await old.close()
+    new = deploy("openai:m-new")
+    async with new.worker(poll_interval=0.05):
+        fresh = await new.start("ask", "same")
+        await new.signal(fresh.run_id, "go")
+        assert await fresh.result(timeout=30) == "from m-new"
+        await new.signal("old-run", "go")
+        assert await new.get_run("old-run").result(timeout=30) == "from m-old"
+        again = await new.start("ask", "same")  # the new model's answer is still cached
+        await new.signal(again.run_id, "go")
+        assert await again.result(timeout=30) == "from m-new"
+    assert (server.count("m-old"), server.count("m-new")) == (1, 1)
+    await new.close()
+
+
 async def test_a_run_keeps_its_prompt_version_across_deploys_and_a_fork_tries_another(
     store_url: str, server: ModelServer
 ) -> None:

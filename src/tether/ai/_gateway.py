@@ -1203,11 +1203,15 @@ def _refuse_recorded_credentials(ref: ModelRef, settings: ModelSettings | None) 
 
 
 def _cache_key(ref: ModelRef, request: dict[str, Any]) -> str:
-    """What makes two requests the same question to the same model."""
+    """What makes two requests the same question to the same model: the model the step
+    calls, which for a run pinned to the ``"provider:name"`` it started with is that one
+    (``request["spec"]``), not what today's deploy registers under the name."""
     settings = {k: v for k, v in (request.get("settings") or {}).items() if k != "extra_headers"}
+    spec: str | None = request.get("spec")
     material = {
         "model": ref.name,
-        "model_name": ref.model_name,
+        "model_name": model_name_of(spec) if spec else ref.model_name,
+        "called": spec or ref.version,
         # as a message's address (``stable``), and without the id a provider gave an
         # earlier answer: the same conversation asked again is the same question
         "messages": [
