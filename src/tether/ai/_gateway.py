@@ -1080,8 +1080,12 @@ class Gateway:
         call = out[CALL_KEY]
         inputs, outputs = int(call.get("input_tokens") or 0), int(call.get("output_tokens") or 0)
         cost = Decimal(call["cost"]) if call.get("cost") is not None else None
-        tally.tokens += inputs + outputs
-        tally.cost += _budget_cost(call)
+        if not call.get("cache_hit"):
+            # an answer from the cache costs nothing (as ``app.usage`` and the daily
+            # budgets count it): it does not count against the run's budget either
+            # (read from the record, so a replay counts as the run did)
+            tally.tokens += inputs + outputs
+            tally.cost += _budget_cost(call)
         # counted once, when the run first meets the answer (never on replay, nor for an
         # answer kept from the run a retry or fork came from: that run counted it)
         if inst.reused(step):
