@@ -297,6 +297,123 @@ async def test_hedged_call_takes_the_first_answer_and_records_the_winner(
     assert hedge["abandoned"]["model"] == "slow" and hedge["abandoned"]["tokens"] > 0
 
 
+async def test_a_deploy_that_adds_or_removes_a_hedge_leaves_runs_in_flight_replaying(
+    store_url: str, server: ModelServer
+) -> None:
+    """A deploy adding ``hedge=`` to a model (or removing it) left every run that had
+    called the model stuck in NonDeterminismError: its replay started a hedge's timer
+    where history recorded the plain call (or the reverse). A recorded call replays
+    hedged or not as it ran; the run's new calls follow this deploy."""
+    url = server.base_url
+
+    def deploy(hedged: bool) -> tether.App:
+        app = tether.App(store=store_url)
+        gw = ai.Gateway(app, retry=FAST, timeout=10)
+        other = gw.model("other", ai.openai_compatible("m2", base_url=url, api_key="k"))
+        m = gw.model(
+            "m",
+            ai.openai_compatible("m1", base_url=url, api_key="k"),
+            hedge=(other, 0.3) if hedged else None,
+        )
+
+        @app.workflow
+        async def ask(q: str) -> str:
+            a = await ai.complete(m, q)
+            await tether.wait_event("go")
+            return a + " / " + await ai.complete(m, q + " again")
+
+        return app
+
+    server.script("m1", model_reply("m1 slow", delay=1.5), *[model_reply("m1")] * 4)
+    server.script("m2", *[model_reply("m2")] * 3)
+    for before, run_id in ((True, "was-hedged"), (False, "was-plain")):
+        old = deploy(before)
+        async with old.worker(poll_interval=0.05):
+            await old.start("ask", "q", run_id=run_id)
+            while not await old.list(waiting_for="signal:go"):
+                await asyncio.sleep(0.02)
+        await old.close()
+        new = deploy(not before)
+        async with new.worker(poll_interval=0.05):
+            await new.signal(run_id, "go")
+            out = await new.get_run(run_id).result(timeout=30)
+        history = await new.history(run_id)
+        await new.close()
+        if before:  # the hedge answered the first call; the second is plain now
+            assert out == "m2 / m1"
+            assert [h["won"] for h in markers(history, "model_hedge")] == ["other"]
+        else:  # the first call was plain; the second is hedged (and m1 answers in time)
+            assert out == "m1 / m1"
+        timers = [e for e in history if e.type is EventType.TIMER_STARTED]
+        assert len(timers) == 1
+
+
+async def test_a_deploy_that_changes_a_fallback_chain_leaves_runs_that_fell_back_replaying(
+    store_url: str, server: ModelServer
+) -> None:
+    """A run that fell back to ``b1`` was stuck in NonDeterminismError after a deploy
+    removed ``b1`` from the chain (its replay failed where history recorded the
+    fallback), and after a deploy that replaced it by ``b2`` replayed ``b1``'s answer as
+    ``b2``'s. A recorded fallback is followed to the model it went to; the run's new
+    calls follow this deploy's chain; a model the run fell back to that this deploy no
+    longer registers is a divergence that says so."""
+    url = server.base_url
+
+    def deploy(chain: list[str], models: tuple[str, ...] = ("b1", "b2")) -> tether.App:
+        app = tether.App(store=store_url)
+        gw = ai.Gateway(app, retry=tether.Retry(attempts=1), timeout=10)
+        refs = {n: gw.model(n, ai.openai_compatible(n, base_url=url, api_key="k")) for n in models}
+        m = gw.model(
+            "m",
+            ai.openai_compatible("m1", base_url=url, api_key="k"),
+            fallback=[refs[c] for c in chain],
+        )
+
+        @app.workflow
+        async def ask(q: str) -> str:
+            a = await ai.complete(m, q)
+            await tether.wait_event("go")
+            try:
+                b = await ai.complete(m, q + " again")
+            except tether.ActivityError:
+                b = "failed"
+            return a + " / " + b
+
+        return app
+
+    server.default = lambda body: (
+        model_error(503) if body["model"] == "m1" else model_reply(f"from {body['model']}")
+    )
+    for after, expected in (([], "from b1 / failed"), (["b2"], "from b1 / from b2")):
+        run_id = f"fell-back-{len(after)}"
+        old = deploy(["b1"])
+        async with old.worker(poll_interval=0.05):
+            await old.start("ask", "q", run_id=run_id)
+            while not await old.list(waiting_for="signal:go"):
+                await asyncio.sleep(0.02)
+        await old.close()
+        new = deploy(after)
+        async with new.worker(poll_interval=0.05):
+            await new.signal(run_id, "go")
+            assert await new.get_run(run_id).result(timeout=30) == expected
+        history = await new.history(run_id)
+        assert [(f["from"], f["to"]) for f in markers(history, "model_fallback")] == [
+            ("m", "b1"),
+            *([("m", "b2")] if after else []),
+        ]
+        calls = [
+            e.data["result"][CALL_KEY]["model"]
+            for e in history
+            if e.type is EventType.ACTIVITY_COMPLETED
+        ]
+        assert calls == ["b1", *after]
+        await new.close()
+    gone = deploy([], models=("b2",))  # b1 is not registered at all any more
+    report = tether.testing.check_history(gone, await gone.history("fell-back-0"))
+    assert not report.ok and "'b1'" in (report.error or "") and "register" in (report.error or "")
+    await gone.close()
+
+
 async def test_bad_configuration_fails_the_step_with_a_clear_message_and_no_secret(
     app: tether.App, server: ModelServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -964,32 +964,82 @@ class Gateway:
         if stream:
             body["stream"] = True
         chain = (ref, *ref.fallback)
-        for i, current in enumerate(chain):
+        current = ref
+        while True:
             try:
                 out = await self._hedged(current, body, settings)
             except ActivityError as exc:
-                if exc.error_type in _NO_FALLBACK or i == len(chain) - 1:
+                if exc.error_type in _NO_FALLBACK:
                     raise
                 inst = current_instance()
+                following = self._fallback_of(inst, chain, current)
+                if following is None:
+                    raise
                 if inst is not None:
                     inst.record(
                         "model_fallback",
                         {
                             "from": current.name,
-                            "to": chain[i + 1].name,
+                            "to": following.name,
                             "error": f"{exc.error_type}: {exc.message}"[:500],
                         },
                     )
+                current = following
                 continue
             return load_response(out["response"]), out[CALL_KEY]
-        raise AssertionError("unreachable: the chain is never empty")  # pragma: no cover
+
+    def _fallback_of(
+        self, inst: WorkflowInstance | None, chain: tuple[ModelRef, ...], current: ModelRef
+    ) -> ModelRef | None:
+        """The model to fall back to after ``current`` gave up (None: none, raise).
+
+        A fallback this run recorded already is followed to the model it went to, and
+        one it did not take is not taken, whatever this deploy's chain says (a deploy
+        that changes the chain must not change what a run in flight replays); a new
+        decision follows this deploy's chain."""
+        recorded = inst.recorded_next() if inst is not None else None
+        if inst is not None and recorded is not None:
+            if recorded.type is not EventType.MARKER or recorded.data.get("marker") != (
+                "model_fallback"
+            ):
+                return None  # the run gave up here then: it does now
+            value = recorded.data.get("value")
+            to = value.get("to") if isinstance(value, dict) else None
+            if isinstance(to, str):
+                model = self._models.get(to)
+                if model is None:
+                    inst.diverge(
+                        f"Marker('model_fallback') from model {current.name!r} to {to!r}",
+                        f"no model {to!r} on gateway {self.name!r} (this deploy removed it): "
+                        f"register {to!r} again (gateway.model) so runs that fell back to it "
+                        "can replay",
+                    )
+                return model
+        position = next((i for i, m in enumerate(chain) if m is current), len(chain) - 1)
+        return chain[position + 1] if position + 1 < len(chain) else None
 
     async def _hedged(
         self, ref: ModelRef, body: dict[str, Any], settings: ModelSettings | None
     ) -> dict[str, Any]:
-        if ref.hedge is None or current_instance() is None:
+        """One model's call, hedged when the model has ``hedge=``: the hedge's timer is
+        the call's first command. A call the run recorded already replays hedged or not
+        as it ran (its history has the timer or not), whatever this deploy says."""
+        inst = current_instance()
+        if inst is None:
             return await self._one(ref, body, settings)
-        other, after = ref.hedge
+        recorded = inst.recorded_next()
+        partner: ModelRef | None
+        if recorded is not None:
+            if recorded.type is not EventType.TIMER_STARTED:
+                return await self._one(ref, body, settings)
+            # hedged then: the timer as recorded (its delay is not compared on replay)
+            fire_at = recorded.data.get("fire_at")
+            after = max(0.0, float(fire_at) - inst.now) if fire_at is not None else 0.0
+            partner = ref.hedge[0] if ref.hedge is not None else None
+        elif ref.hedge is None:
+            return await self._one(ref, body, settings)
+        else:
+            partner, after = ref.hedge
         # what each call holds reserved of the run's budget (a loser's is taken over
         # when the hedge is decided: see _record_hedge)
         holds: dict[str, dict[str, Any]] = {"first": {}, "second": {}}
@@ -999,6 +1049,9 @@ class Gateway:
         if first.done():
             timer.cancel()
             return first.result()
+        other = self._hedge_partner(inst, ref, partner)
+        if other is None:  # this deploy removed the hedge before it was due: no second call
+            return await first
         second = asyncio.ensure_future(self._one(other, body, settings, holds["second"]))
         pending = {first, second}
         failure: BaseException | None = None
@@ -1018,6 +1071,33 @@ class Gateway:
                 failure = failure or fut.exception()
         assert failure is not None
         raise failure
+
+    def _hedge_partner(
+        self, inst: WorkflowInstance, ref: ModelRef, partner: ModelRef | None
+    ) -> ModelRef | None:
+        """The model a hedge of ``ref`` asks now that its delay passed: the one the run
+        recorded asking (a deploy may have changed or removed ``ref``'s hedge since), or
+        for a new decision this deploy's ``partner`` (None: no hedge any more)."""
+        recorded = inst.recorded_next()
+        if recorded is None:
+            return partner
+        name = _called_model(recorded, self._activity.name)
+        if name is None:
+            if partner is not None:
+                return partner
+            inst.diverge(
+                f"the hedge of model {ref.name!r}'s call ({recorded.type.value})",
+                f"model {ref.name!r} has no hedge in this deploy and history does not say "
+                "which model the hedge asked",
+            )
+        other = self._models.get(name)
+        if other is None:
+            inst.diverge(
+                f"the hedge of model {ref.name!r}'s call asking model {name!r}",
+                f"no model {name!r} on gateway {self.name!r} (this deploy removed it): "
+                f"register {name!r} again (gateway.model) so runs that hedged to it can replay",
+            )
+        return other
 
     async def _one(
         self,
@@ -1364,6 +1444,21 @@ def _record_hedge(
     if abandoned:
         tally.tokens += int(abandoned.get("tokens") or 0)
         tally.cost += Decimal(abandoned.get("cost") or 0)
+
+
+def _called_model(recorded: Event, activity: str) -> str | None:
+    """The model a recorded command of a model call names: a step's first argument, or
+    a ``budget_exceeded`` marker's model (None: neither, or not readable)."""
+    if recorded.type is EventType.ACTIVITY_SCHEDULED and recorded.data.get("name") == activity:
+        args = recorded.data.get("args")
+        positional = args.get("args") if isinstance(args, dict) else None
+        if isinstance(positional, list) and positional and isinstance(positional[0], str):
+            return positional[0]
+    elif recorded.type is EventType.MARKER and recorded.data.get("marker") == "budget_exceeded":
+        value = recorded.data.get("value")
+        model = value.get("model") if isinstance(value, dict) else None
+        return model if isinstance(model, str) else None
+    return None
 
 
 def _release(tally: _Tally, hold: dict[str, Any]) -> bool:
