@@ -905,6 +905,40 @@ async def test_a_streamed_step_reaches_followers_and_only_the_answer_is_recorded
     ]
 
 
+async def test_a_streamed_step_answered_from_the_cache_still_reaches_its_followers(
+    app: tether.App, server: ModelServer
+) -> None:
+    """A streamed step answered from the answer cache sent its followers nothing, not
+    even ``done``: a chat UI waited for ever. The cached text now goes as one delta at
+    offset 0, then ``done``."""
+    gw, primary = gateway(app, server, cache_ttl=600)
+
+    @app.workflow
+    async def tell(topic: str) -> str:
+        return await ai.complete(primary, f"tell me about {topic}", stream=True)
+
+    server.script("gpt-4o-mini", model_reply("the quick brown fox", chunk_delay=0.01))
+    got: list[dict[str, Any]] = []
+
+    async def follow(run_id: str) -> None:
+        async for item in gw.follow(run_id):
+            got.append(item)
+            if item.get("done") or item.get("failed"):
+                return
+
+    async with app.worker(poll_interval=0.05):
+        first = await app.start(tell, "foxes")
+        assert await first.result(timeout=30) == "the quick brown fox"
+        follower = asyncio.create_task(follow("cached-tale"))
+        await asyncio.sleep(0.01)
+        again = await app.start(tell, "foxes", run_id="cached-tale")
+        assert await again.result(timeout=30) == "the quick brown fox"
+        await asyncio.wait_for(follower, 30)
+    assert server.count() == 1  # the second answer came from the cache
+    assert [(g.get("offset"), g.get("delta")) for g in got[:-1]] == [(0, "the quick brown fox")]
+    assert got[-1]["done"] is True and got[-1]["step"] == got[0]["step"] == 1
+
+
 async def test_a_cut_off_stream_is_a_failed_attempt_and_followers_can_tell_attempts_apart(
     app: tether.App, server: ModelServer
 ) -> None:

@@ -593,6 +593,8 @@ class Gateway:
             if hit is not None:
                 cached: dict[str, Any] = json.loads(hit)
                 cached[CALL_KEY] = {**cached[CALL_KEY], "cache_hit": True}
+                if request.get("stream"):
+                    await self._stream_cached(ref, cached["response"])
                 return cached
         scopes = await self._check_daily_budgets(ref, request)
         pinned: str | None = request.get("spec")
@@ -685,16 +687,7 @@ class Gateway:
         from pydantic_ai.direct import model_request_stream
         from pydantic_ai.messages import PartDeltaEvent, PartStartEvent, TextPart, TextPartDelta
 
-        try:
-            ctx = activity_context()
-            where: dict[str, Any] = {
-                "run_id": ctx.run_id,
-                "step": ctx.step,
-                "model": ref.name,
-                "attempt": ctx.attempt,
-            }
-        except NotInActivityError:
-            where = {"run_id": None, "step": None, "model": ref.name, "attempt": 1}
+        where = _stream_where(ref)
         run_id = where["run_id"]
         # other processes (an SSE stream of tether serve) hear through the store, in
         # pieces of at most STREAM_FLUSH seconds' text (and STREAM_PIECE characters, to
@@ -749,6 +742,24 @@ class Gateway:
             self._publish(run_id, {**where, "done": True})
             await self._broadcast(store, run_id, {**where, "done": True})
         return response
+
+    async def _stream_cached(self, ref: ModelRef, response: dict[str, Any]) -> None:
+        """A streamed step answered from the answer cache: its followers get the whole
+        text as one delta at offset 0 (in pieces of ``STREAM_PIECE`` characters to other
+        processes), then ``done``, as if the model had sent it in one chunk."""
+        where = _stream_where(ref)
+        run_id = where["run_id"]
+        if run_id is None:
+            return
+        text = load_response(response).text or ""
+        store = self._step_store()
+        if text:
+            self._publish(run_id, {**where, "offset": 0, "delta": text})
+        for start in range(0, len(text), STREAM_PIECE):
+            piece = text[start : start + STREAM_PIECE]
+            await self._broadcast(store, run_id, {**where, "offset": start, "delta": piece})
+        self._publish(run_id, {**where, "done": True})
+        await self._broadcast(store, run_id, {**where, "done": True})
 
     @staticmethod
     async def _broadcast(store: Store, run_id: str, item: dict[str, Any]) -> None:
@@ -1210,6 +1221,15 @@ def _usage(
             tokens_out,
         )
     return tokens_in, tokens_out, 0, reported
+
+
+def _stream_where(ref: ModelRef) -> dict[str, Any]:
+    """What every streamed item of this step says of where it comes from."""
+    try:
+        ctx = activity_context()
+    except NotInActivityError:
+        return {"run_id": None, "step": None, "model": ref.name, "attempt": 1}
+    return {"run_id": ctx.run_id, "step": ctx.step, "model": ref.name, "attempt": ctx.attempt}
 
 
 def _budget_cost(call: Mapping[str, Any]) -> Decimal:
