@@ -297,6 +297,54 @@ async def test_hedged_call_takes_the_first_answer_and_records_the_winner(
     assert hedge["abandoned"]["model"] == "slow" and hedge["abandoned"]["tokens"] > 0
 
 
+async def test_a_model_at_another_endpoint_has_its_own_limiter_unless_told_to_share(
+    app: tether.App,
+) -> None:
+    """The limiter was keyed by provider and model name, so a hedge (or a fallback) to
+    the same model at another endpoint (a second region) waited on the first
+    deployment's limiter: with ``max_concurrency=1`` each, the hedge was asked only
+    after the slow call ended, and a 429 on one paused both. Each endpoint now has its
+    own limiter; ``limiter=`` names one that registrations share."""
+
+    with ModelServer() as s1, ModelServer() as s2:
+
+        def models(gw: ai.Gateway, shared: str | None) -> ai.ModelRef:
+            eu = gw.model(
+                "eu",
+                ai.openai_compatible("gpt-4o", base_url=s2.base_url, api_key="k"),
+                max_concurrency=1,
+                limiter=shared,
+            )
+            return gw.model(
+                "us",
+                ai.openai_compatible("gpt-4o", base_url=s1.base_url, api_key="k"),
+                max_concurrency=1,
+                hedge=(eu, 0.3),
+                limiter=shared,
+            )
+
+        gw = ai.Gateway(app, retry=tether.Retry(attempts=1), timeout=20)
+        us = models(gw, None)
+        shared = models(ai.Gateway(app, name="shared", timeout=20), "gpt-4o-account")
+
+        @app.workflow
+        async def ask(share: bool) -> str:
+            return await ai.complete(shared if share else us, "q")
+
+        for share, expected in ((False, "eu fast"), (True, "us slow")):
+            s1.script("gpt-4o", model_reply("us slow", delay=2))
+            s2.script("gpt-4o", model_reply("eu fast"))
+            async with app.worker(poll_interval=0.05):
+                t0 = time.monotonic()
+                run = await app.start(ask, share)
+                assert await run.result(timeout=30) == expected
+                took = time.monotonic() - t0
+            if share:  # one limiter: the hedge waited for the first call's slot
+                assert took >= 1.9
+            else:
+                assert s2.requests[-1].at - t0 < 1.5 and took < 1.9, took
+
+
 async def test_a_deploy_that_adds_or_removes_a_hedge_leaves_runs_in_flight_replaying(
     store_url: str, server: ModelServer
 ) -> None:

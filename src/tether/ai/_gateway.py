@@ -3,8 +3,8 @@
 ``Gateway(app)`` registers one activity, ``tether.ai.call``, that runs a model
 request on the worker. Each registered model (``gateway.model("fast", ...)``)
 calls it with its own retry policy, timeout, queue and a shared limiter keyed by
-provider and model, so a 429's ``Retry-After`` (or an exhausted
-``x-ratelimit-*`` budget) pauses every waiting call for that model, in every
+provider, model and endpoint, so a 429's ``Retry-After`` (or an exhausted
+``x-ratelimit-*`` budget) pauses every waiting call for that deployment, in every
 worker. The step's result records the response and what it cost; replay reads
 it back and never calls the model again.
 
@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any, TypeVar, cast
+from urllib.parse import urlsplit
 
 from pydantic import TypeAdapter
 from pydantic_ai.messages import ModelMessage, ModelResponse
@@ -39,7 +40,7 @@ from .._activity_context import NotInActivityError, activity_context
 from .._errors import ActivityError, ConfigurationError, NonRetryable
 from .._history import Event, EventType
 from .._policy import Retry, seconds
-from .._queues import Dependency, check_name
+from .._queues import MAX_NAME, Dependency, check_name
 from .._usage import CALL_KEY, Budget, Spend, amount
 from ..workflow._api import sleep
 from ..workflow._instance import WorkflowInstance, current_instance
@@ -369,13 +370,17 @@ class Gateway:
         output_estimate: int = DEFAULT_OUTPUT_ESTIMATE,
         cache_ttl: float | timedelta | None = None,
         version: str | None = None,
+        limiter: str | None = None,
     ) -> ModelRef:
         """Register ``model`` as ``name``: a pydantic-ai ``Model``, ``"provider:name"``, or a
         function building one on the worker (so API keys are read there, never recorded).
 
         ``fallback`` models are tried in order once this one's retries are spent;
         ``max_concurrency`` and ``rate`` per ``per`` seconds bound calls across all
-        workers (429s pause the same limiter); ``hedge=(other, seconds)`` also asks
+        workers (429s pause the same limiter). There is one limiter per deployment:
+        provider, model and endpoint (a ``Model``'s ``base_url``), so the same model in
+        another region is not paused by this one's 429; ``limiter`` names one that the
+        registrations giving the same name share instead. ``hedge=(other, seconds)`` also asks
         ``other`` when this one has not answered within ``seconds``, taking the
         first answer. ``cache_ttl`` keeps answers in the store for that long and
         answers the same request (model, messages, tools, parameters, output type)
@@ -396,10 +401,10 @@ class Gateway:
                     f"fallback and hedge models of {name!r} must be models of this gateway "
                     f"(gateway.model(...)), got {other!r}"
                 )
-        probe = model if isinstance(model, Model | str) else None
-        key = (
-            f"{provider_of(probe) or 'model'}/{model_name_of(probe)}" if probe is not None else name
-        )
+        if limiter is not None:
+            key = check_name(limiter, f"limiter of model {name!r}")
+        else:
+            key = _deployment_key(model, name)
         dependency = Dependency(
             "model", key=key, max_concurrency=max_concurrency, rate=rate, per=per
         )
@@ -1221,6 +1226,24 @@ def _usage(
             tokens_out,
         )
     return tokens_in, tokens_out, 0, reported
+
+
+def _deployment_key(model: Model | str | Callable[[], Model], name: str) -> str:
+    """The limiter of a model: one per provider, model and endpoint (``provider/model``
+    for a ``"provider:name"`` string, which workers build for the provider's endpoint in
+    their environment; ``@`` and the ``base_url`` of a ``Model`` object that has one,
+    without credentials or query; the registered name for a factory, which is built
+    only on the worker)."""
+    if not isinstance(model, Model | str):
+        return name
+    key = f"{provider_of(model) or 'model'}/{model_name_of(model)}"
+    base_url = getattr(model, "base_url", None) if isinstance(model, Model) else None
+    if isinstance(base_url, str) and base_url:
+        parts = urlsplit(base_url)
+        host = parts.hostname or ""
+        where = f"{parts.scheme}://{host}{f':{parts.port}' if parts.port else ''}{parts.path}"
+        key = f"{key}@{where.rstrip('/')}"
+    return key[:MAX_NAME]
 
 
 def _stream_where(ref: ModelRef) -> dict[str, Any]:
