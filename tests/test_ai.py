@@ -987,6 +987,49 @@ async def test_a_streamed_step_answered_from_the_cache_still_reaches_its_followe
     assert got[-1]["done"] is True and got[-1]["step"] == got[0]["step"] == 1
 
 
+async def test_a_hedged_streamed_steps_cancelled_loser_ends_its_stream_as_failed(
+    app: tether.App, server: ModelServer
+) -> None:
+    """The loser of a hedged streamed step, cancelled when the other answered, streamed
+    on to its end and then sent ``done``: a follower could take it for the answer. It
+    now stops soon after the hedge is decided, with ``failed``."""
+    gw = ai.Gateway(app, retry=FAST, timeout=20)
+    url = server.base_url
+    fast = gw.model("fast", ai.openai_compatible("gpt-4o", base_url=url, api_key="k"))
+    slow = gw.model(
+        "slow", ai.openai_compatible("gpt-4o-mini", base_url=url, api_key="k"), hedge=(fast, 0.3)
+    )
+
+    @app.workflow
+    async def ask(text: str) -> str:
+        return await ai.complete(slow, text, stream=True)
+
+    words = " ".join(f"w{i}" for i in range(12))
+    server.script("gpt-4o-mini", model_reply(f"slow {words}", chunk_delay=0.4))
+    server.script("gpt-4o", model_reply("fast alpha beta", chunk_delay=0.05))
+    got: list[dict[str, Any]] = []
+    ends: dict[str, dict[str, Any]] = {}
+
+    async def follow() -> None:
+        async for item in gw.follow("hedged-stream"):
+            got.append(item)
+            if item.get("done") or item.get("failed"):
+                ends[item["model"]] = item
+                if len(ends) == 2:
+                    return
+
+    async with app.worker(poll_interval=0.05):
+        follower = asyncio.create_task(follow())
+        await asyncio.sleep(0.01)
+        run = await app.start(ask, "x", run_id="hedged-stream")
+        assert await run.result(timeout=30) == "fast alpha beta"
+        await asyncio.wait_for(follower, 4)  # the loser's own answer takes over 5 s
+    assert ends["fast"].get("done") is True
+    assert ends["slow"].get("failed") and not ends["slow"].get("done")
+    slow_text = "".join(g.get("delta", "") for g in got if g["model"] == "slow")
+    assert len(slow_text) < len(f"slow {words}")
+
+
 async def test_a_cut_off_stream_is_a_failed_attempt_and_followers_can_tell_attempts_apart(
     app: tether.App, server: ModelServer
 ) -> None:

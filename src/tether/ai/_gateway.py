@@ -36,7 +36,7 @@ from pydantic_ai.messages import ModelMessage, ModelResponse
 from pydantic_ai.models import Model, ModelRequestParameters
 from pydantic_ai.settings import ModelSettings
 
-from .._activity_context import NotInActivityError, activity_context
+from .._activity_context import ActivityContext, NotInActivityError, activity_context
 from .._errors import ActivityError, ConfigurationError, NonRetryable
 from .._history import Event, EventType
 from .._policy import Retry, seconds
@@ -286,6 +286,15 @@ EXTENSIONS: list[Callable[[Gateway], None]] = []
 
 #: the longest a streamed delta waits before it is published to other processes
 STREAM_FLUSH = 0.05
+#: how often a streamed step asks (with a heartbeat) whether it was cancelled, in seconds
+STREAM_CANCEL_CHECK = 0.5
+
+
+class StepCancelled(Exception):
+    """A streamed step stopped because it was cancelled (its run was, or a hedge took
+    the other answer): its followers get ``{"failed": "StepCancelled"}``."""
+
+
 #: the most characters of streamed text in one published piece (a PostgreSQL
 #: notification holds under 8,000 bytes; UTF-8 writes a character in at most four)
 STREAM_PIECE = 1000
@@ -701,6 +710,11 @@ class Gateway:
         store = self._step_store()
         clock = asyncio.get_running_loop().time
         pending, flushed, sent, heard = "", clock(), 0, 0
+        try:
+            ctx: ActivityContext | None = activity_context()
+        except NotInActivityError:
+            ctx = None
+        checked = clock()
 
         async def flush() -> None:
             nonlocal pending, sent
@@ -725,6 +739,17 @@ class Gateway:
                         event.delta, TextPartDelta
                     ):
                         text = event.delta.content_delta
+                    if ctx is not None and clock() - checked >= STREAM_CANCEL_CHECK:
+                        # the step may have been cancelled (a hedge took the other
+                        # answer, the run was cancelled): the heartbeat's answer says so,
+                        # and its text then ends as failed, not done
+                        checked = clock()
+                        ctx.heartbeat()
+                    if ctx is not None and ctx.is_cancelled:
+                        raise StepCancelled(
+                            f"model {ref.name!r}: the step was cancelled while it streamed "
+                            "(its run was cancelled, or a hedge took the other answer)"
+                        )
                     if text and run_id is not None:
                         self._publish(run_id, {**where, "offset": heard, "delta": text})
                         heard += len(text)
