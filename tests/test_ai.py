@@ -297,6 +297,171 @@ async def test_hedged_call_takes_the_first_answer_and_records_the_winner(
     assert hedge["abandoned"]["model"] == "slow" and hedge["abandoned"]["tokens"] > 0
 
 
+async def test_a_model_at_another_endpoint_has_its_own_limiter_unless_told_to_share(
+    app: tether.App,
+) -> None:
+    """The limiter was keyed by provider and model name, so a hedge (or a fallback) to
+    the same model at another endpoint (a second region) waited on the first
+    deployment's limiter: with ``max_concurrency=1`` each, the hedge was asked only
+    after the slow call ended, and a 429 on one paused both. Each endpoint now has its
+    own limiter; ``limiter=`` names one that registrations share."""
+
+    with ModelServer() as s1, ModelServer() as s2:
+
+        def models(gw: ai.Gateway, shared: str | None) -> ai.ModelRef:
+            eu = gw.model(
+                "eu",
+                ai.openai_compatible("gpt-4o", base_url=s2.base_url, api_key="k"),
+                max_concurrency=1,
+                limiter=shared,
+            )
+            return gw.model(
+                "us",
+                ai.openai_compatible("gpt-4o", base_url=s1.base_url, api_key="k"),
+                max_concurrency=1,
+                hedge=(eu, 0.3),
+                limiter=shared,
+            )
+
+        gw = ai.Gateway(app, retry=tether.Retry(attempts=1), timeout=20)
+        us = models(gw, None)
+        shared = models(ai.Gateway(app, name="shared", timeout=20), "gpt-4o-account")
+
+        @app.workflow
+        async def ask(share: bool) -> str:
+            return await ai.complete(shared if share else us, "q")
+
+        for share, expected in ((False, "eu fast"), (True, "us slow")):
+            s1.script("gpt-4o", model_reply("us slow", delay=2))
+            s2.script("gpt-4o", model_reply("eu fast"))
+            async with app.worker(poll_interval=0.05):
+                t0 = time.monotonic()
+                run = await app.start(ask, share)
+                assert await run.result(timeout=30) == expected
+                took = time.monotonic() - t0
+            if share:  # one limiter: the hedge waited for the first call's slot
+                assert took >= 1.9
+            else:
+                assert s2.requests[-1].at - t0 < 1.5 and took < 1.9, took
+
+
+async def test_a_deploy_that_adds_or_removes_a_hedge_leaves_runs_in_flight_replaying(
+    store_url: str, server: ModelServer
+) -> None:
+    """A deploy adding ``hedge=`` to a model (or removing it) left every run that had
+    called the model stuck in NonDeterminismError: its replay started a hedge's timer
+    where history recorded the plain call (or the reverse). A recorded call replays
+    hedged or not as it ran; the run's new calls follow this deploy."""
+    url = server.base_url
+
+    def deploy(hedged: bool) -> tether.App:
+        app = tether.App(store=store_url)
+        gw = ai.Gateway(app, retry=FAST, timeout=10)
+        other = gw.model("other", ai.openai_compatible("m2", base_url=url, api_key="k"))
+        m = gw.model(
+            "m",
+            ai.openai_compatible("m1", base_url=url, api_key="k"),
+            hedge=(other, 0.3) if hedged else None,
+        )
+
+        @app.workflow
+        async def ask(q: str) -> str:
+            a = await ai.complete(m, q)
+            await tether.wait_event("go")
+            return a + " / " + await ai.complete(m, q + " again")
+
+        return app
+
+    server.script("m1", model_reply("m1 slow", delay=1.5), *[model_reply("m1")] * 4)
+    server.script("m2", *[model_reply("m2")] * 3)
+    for before, run_id in ((True, "was-hedged"), (False, "was-plain")):
+        old = deploy(before)
+        async with old.worker(poll_interval=0.05):
+            await old.start("ask", "q", run_id=run_id)
+            while not await old.list(waiting_for="signal:go"):
+                await asyncio.sleep(0.02)
+        await old.close()
+        new = deploy(not before)
+        async with new.worker(poll_interval=0.05):
+            await new.signal(run_id, "go")
+            out = await new.get_run(run_id).result(timeout=30)
+        history = await new.history(run_id)
+        await new.close()
+        if before:  # the hedge answered the first call; the second is plain now
+            assert out == "m2 / m1"
+            assert [h["won"] for h in markers(history, "model_hedge")] == ["other"]
+        else:  # the first call was plain; the second is hedged (and m1 answers in time)
+            assert out == "m1 / m1"
+        timers = [e for e in history if e.type is EventType.TIMER_STARTED]
+        assert len(timers) == 1
+
+
+async def test_a_deploy_that_changes_a_fallback_chain_leaves_runs_that_fell_back_replaying(
+    store_url: str, server: ModelServer
+) -> None:
+    """A run that fell back to ``b1`` was stuck in NonDeterminismError after a deploy
+    removed ``b1`` from the chain (its replay failed where history recorded the
+    fallback), and after a deploy that replaced it by ``b2`` replayed ``b1``'s answer as
+    ``b2``'s. A recorded fallback is followed to the model it went to; the run's new
+    calls follow this deploy's chain; a model the run fell back to that this deploy no
+    longer registers is a divergence that says so."""
+    url = server.base_url
+
+    def deploy(chain: list[str], models: tuple[str, ...] = ("b1", "b2")) -> tether.App:
+        app = tether.App(store=store_url)
+        gw = ai.Gateway(app, retry=tether.Retry(attempts=1), timeout=10)
+        refs = {n: gw.model(n, ai.openai_compatible(n, base_url=url, api_key="k")) for n in models}
+        m = gw.model(
+            "m",
+            ai.openai_compatible("m1", base_url=url, api_key="k"),
+            fallback=[refs[c] for c in chain],
+        )
+
+        @app.workflow
+        async def ask(q: str) -> str:
+            a = await ai.complete(m, q)
+            await tether.wait_event("go")
+            try:
+                b = await ai.complete(m, q + " again")
+            except tether.ActivityError:
+                b = "failed"
+            return a + " / " + b
+
+        return app
+
+    server.default = lambda body: (
+        model_error(503) if body["model"] == "m1" else model_reply(f"from {body['model']}")
+    )
+    for after, expected in (([], "from b1 / failed"), (["b2"], "from b1 / from b2")):
+        run_id = f"fell-back-{len(after)}"
+        old = deploy(["b1"])
+        async with old.worker(poll_interval=0.05):
+            await old.start("ask", "q", run_id=run_id)
+            while not await old.list(waiting_for="signal:go"):
+                await asyncio.sleep(0.02)
+        await old.close()
+        new = deploy(after)
+        async with new.worker(poll_interval=0.05):
+            await new.signal(run_id, "go")
+            assert await new.get_run(run_id).result(timeout=30) == expected
+        history = await new.history(run_id)
+        assert [(f["from"], f["to"]) for f in markers(history, "model_fallback")] == [
+            ("m", "b1"),
+            *([("m", "b2")] if after else []),
+        ]
+        calls = [
+            e.data["result"][CALL_KEY]["model"]
+            for e in history
+            if e.type is EventType.ACTIVITY_COMPLETED
+        ]
+        assert calls == ["b1", *after]
+        await new.close()
+    gone = deploy([], models=("b2",))  # b1 is not registered at all any more
+    report = tether.testing.check_history(gone, await gone.history("fell-back-0"))
+    assert not report.ok and "'b1'" in (report.error or "") and "register" in (report.error or "")
+    await gone.close()
+
+
 async def test_bad_configuration_fails_the_step_with_a_clear_message_and_no_secret(
     app: tether.App, server: ModelServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -788,6 +953,83 @@ async def test_a_streamed_step_reaches_followers_and_only_the_answer_is_recorded
     ]
 
 
+async def test_a_streamed_step_answered_from_the_cache_still_reaches_its_followers(
+    app: tether.App, server: ModelServer
+) -> None:
+    """A streamed step answered from the answer cache sent its followers nothing, not
+    even ``done``: a chat UI waited for ever. The cached text now goes as one delta at
+    offset 0, then ``done``."""
+    gw, primary = gateway(app, server, cache_ttl=600)
+
+    @app.workflow
+    async def tell(topic: str) -> str:
+        return await ai.complete(primary, f"tell me about {topic}", stream=True)
+
+    server.script("gpt-4o-mini", model_reply("the quick brown fox", chunk_delay=0.01))
+    got: list[dict[str, Any]] = []
+
+    async def follow(run_id: str) -> None:
+        async for item in gw.follow(run_id):
+            got.append(item)
+            if item.get("done") or item.get("failed"):
+                return
+
+    async with app.worker(poll_interval=0.05):
+        first = await app.start(tell, "foxes")
+        assert await first.result(timeout=30) == "the quick brown fox"
+        follower = asyncio.create_task(follow("cached-tale"))
+        await asyncio.sleep(0.01)
+        again = await app.start(tell, "foxes", run_id="cached-tale")
+        assert await again.result(timeout=30) == "the quick brown fox"
+        await asyncio.wait_for(follower, 30)
+    assert server.count() == 1  # the second answer came from the cache
+    assert [(g.get("offset"), g.get("delta")) for g in got[:-1]] == [(0, "the quick brown fox")]
+    assert got[-1]["done"] is True and got[-1]["step"] == got[0]["step"] == 1
+
+
+async def test_a_hedged_streamed_steps_cancelled_loser_ends_its_stream_as_failed(
+    app: tether.App, server: ModelServer
+) -> None:
+    """The loser of a hedged streamed step, cancelled when the other answered, streamed
+    on to its end and then sent ``done``: a follower could take it for the answer. It
+    now stops soon after the hedge is decided, with ``failed``."""
+    gw = ai.Gateway(app, retry=FAST, timeout=20)
+    url = server.base_url
+    fast = gw.model("fast", ai.openai_compatible("gpt-4o", base_url=url, api_key="k"))
+    slow = gw.model(
+        "slow", ai.openai_compatible("gpt-4o-mini", base_url=url, api_key="k"), hedge=(fast, 0.3)
+    )
+
+    @app.workflow
+    async def ask(text: str) -> str:
+        return await ai.complete(slow, text, stream=True)
+
+    words = " ".join(f"w{i}" for i in range(12))
+    server.script("gpt-4o-mini", model_reply(f"slow {words}", chunk_delay=0.4))
+    server.script("gpt-4o", model_reply("fast alpha beta", chunk_delay=0.05))
+    got: list[dict[str, Any]] = []
+    ends: dict[str, dict[str, Any]] = {}
+
+    async def follow() -> None:
+        async for item in gw.follow("hedged-stream"):
+            got.append(item)
+            if item.get("done") or item.get("failed"):
+                ends[item["model"]] = item
+                if len(ends) == 2:
+                    return
+
+    async with app.worker(poll_interval=0.05):
+        follower = asyncio.create_task(follow())
+        await asyncio.sleep(0.01)
+        run = await app.start(ask, "x", run_id="hedged-stream")
+        assert await run.result(timeout=30) == "fast alpha beta"
+        await asyncio.wait_for(follower, 4)  # the loser's own answer takes over 5 s
+    assert ends["fast"].get("done") is True
+    assert ends["slow"].get("failed") and not ends["slow"].get("done")
+    slow_text = "".join(g.get("delta", "") for g in got if g["model"] == "slow")
+    assert len(slow_text) < len(f"slow {words}")
+
+
 async def test_a_cut_off_stream_is_a_failed_attempt_and_followers_can_tell_attempts_apart(
     app: tether.App, server: ModelServer
 ) -> None:
@@ -932,6 +1174,45 @@ async def test_a_run_keeps_the_model_it_started_with_across_a_deploy(
             "why": "the pinned model is a Model object this deploy does not have",
         }
     ]
+    await new.close()
+
+
+async def test_the_answer_cache_answers_a_pinned_run_from_its_pinned_model_only(
+    store_url: str, server: ModelServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run pinned to the model it started with got, after a deploy changed the model,
+    the new model's cached answer: the cache keyed on today's model, not on the one
+    the step called."""
+    monkeypatch.setenv("OPENAI_BASE_URL", server.base_url)
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
+    server.default = lambda body: model_reply(f"from {body['model']}")
+
+    def deploy(spec: str) -> tether.App:
+        app = tether.App(store=store_url)
+        gw = ai.Gateway(app, retry=FAST)
+        fast = gw.model("fast", spec, cache_ttl=600)
+
+        @app.workflow
+        async def ask(text: str) -> str:
+            await tether.wait_event("go")
+            return await ai.complete(fast, text)
+
+        return app
+
+    old = deploy("openai:m-old")
+    await old.start("ask", "same", run_id="old-run")  # pinned to m-old
+    await old.close()
+    new = deploy("openai:m-new")
+    async with new.worker(poll_interval=0.05):
+        fresh = await new.start("ask", "same")
+        await new.signal(fresh.run_id, "go")
+        assert await fresh.result(timeout=30) == "from m-new"
+        await new.signal("old-run", "go")
+        assert await new.get_run("old-run").result(timeout=30) == "from m-old"
+        again = await new.start("ask", "same")  # the new model's answer is still cached
+        await new.signal(again.run_id, "go")
+        assert await again.result(timeout=30) == "from m-new"
+    assert (server.count("m-old"), server.count("m-new")) == (1, 1)
     await new.close()
 
 

@@ -282,3 +282,45 @@ async def test_the_estimate_before_a_call_counts_the_tools_schemas_it_sends(
         run = await app.start(ask, budget=tether.Budget(tokens=1))
         estimate = await run.result(timeout=60)
     assert estimate["tokens"] > schema_tokens + 10, (estimate, schema_tokens)
+
+
+async def test_answers_from_the_cache_do_not_count_against_a_run_or_its_parent(
+    app: tether.App,
+) -> None:
+    """A cached answer costs nothing (``app.usage`` and the daily budgets say so), yet it
+    counted against the run's budget at the tokens of the call that first made it: a run
+    asking a cached question four times was refused the second time. Nor does a child's
+    cached answer count against its parent."""
+    calls: list[int] = []
+    gw = ai.Gateway(app, retry=ONE)
+    m = gw.model(
+        "m", FunctionModel(_fixed(calls), model_name="fm"), price=ai.Price(1, 1), cache_ttl=600
+    )
+
+    async def ask(n: int) -> list[str]:
+        out = []
+        for _ in range(n):
+            try:
+                out.append(await ai.complete(m, "the same question", settings={"max_tokens": 30}))
+            except ai.BudgetExceeded as exc:
+                out.append(f"refused spent {exc.spent['tokens']}")
+        return out
+
+    @app.workflow
+    async def child(n: int) -> list[str]:
+        return await ask(n)
+
+    @app.workflow
+    async def parent(n: int) -> list[str]:
+        return [*await child(n), *await ask(n)]
+
+    async with app.worker(poll_interval=0.02):
+        warm = await app.start(parent, 1)  # 330 tokens a call, then cached
+        assert await warm.result(timeout=60) == ["ok", "ok"]
+        run = await app.start(parent, 3, budget=tether.Budget(tokens=400))
+        assert await run.result(timeout=60) == ["ok"] * 6
+    assert len(calls) == 1
+    history = await app.history(run.run_id)
+    (ended,) = [e for e in history if e.type is EventType.CHILD_COMPLETED]
+    assert ended.data["model_spend"] == {"tokens": 0, "cost": "0"}
+    assert all(c.get("cache_hit") for c in _calls(history))

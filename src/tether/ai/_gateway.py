@@ -3,8 +3,8 @@
 ``Gateway(app)`` registers one activity, ``tether.ai.call``, that runs a model
 request on the worker. Each registered model (``gateway.model("fast", ...)``)
 calls it with its own retry policy, timeout, queue and a shared limiter keyed by
-provider and model, so a 429's ``Retry-After`` (or an exhausted
-``x-ratelimit-*`` budget) pauses every waiting call for that model, in every
+provider, model and endpoint, so a 429's ``Retry-After`` (or an exhausted
+``x-ratelimit-*`` budget) pauses every waiting call for that deployment, in every
 worker. The step's result records the response and what it cost; replay reads
 it back and never calls the model again.
 
@@ -29,17 +29,18 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any, TypeVar, cast
+from urllib.parse import urlsplit
 
 from pydantic import TypeAdapter
 from pydantic_ai.messages import ModelMessage, ModelResponse
 from pydantic_ai.models import Model, ModelRequestParameters
 from pydantic_ai.settings import ModelSettings
 
-from .._activity_context import NotInActivityError, activity_context
+from .._activity_context import ActivityContext, NotInActivityError, activity_context
 from .._errors import ActivityError, ConfigurationError, NonRetryable
 from .._history import Event, EventType
 from .._policy import Retry, seconds
-from .._queues import Dependency, check_name
+from .._queues import MAX_NAME, Dependency, check_name
 from .._usage import CALL_KEY, Budget, Spend, amount
 from ..workflow._api import sleep
 from ..workflow._instance import WorkflowInstance, current_instance
@@ -285,6 +286,15 @@ EXTENSIONS: list[Callable[[Gateway], None]] = []
 
 #: the longest a streamed delta waits before it is published to other processes
 STREAM_FLUSH = 0.05
+#: how often a streamed step asks (with a heartbeat) whether it was cancelled, in seconds
+STREAM_CANCEL_CHECK = 0.5
+
+
+class StepCancelled(Exception):
+    """A streamed step stopped because it was cancelled (its run was, or a hedge took
+    the other answer): its followers get ``{"failed": "StepCancelled"}``."""
+
+
 #: the most characters of streamed text in one published piece (a PostgreSQL
 #: notification holds under 8,000 bytes; UTF-8 writes a character in at most four)
 STREAM_PIECE = 1000
@@ -369,13 +379,17 @@ class Gateway:
         output_estimate: int = DEFAULT_OUTPUT_ESTIMATE,
         cache_ttl: float | timedelta | None = None,
         version: str | None = None,
+        limiter: str | None = None,
     ) -> ModelRef:
         """Register ``model`` as ``name``: a pydantic-ai ``Model``, ``"provider:name"``, or a
         function building one on the worker (so API keys are read there, never recorded).
 
         ``fallback`` models are tried in order once this one's retries are spent;
         ``max_concurrency`` and ``rate`` per ``per`` seconds bound calls across all
-        workers (429s pause the same limiter); ``hedge=(other, seconds)`` also asks
+        workers (429s pause the same limiter). There is one limiter per deployment:
+        provider, model and endpoint (a ``Model``'s ``base_url``), so the same model in
+        another region is not paused by this one's 429; ``limiter`` names one that the
+        registrations giving the same name share instead. ``hedge=(other, seconds)`` also asks
         ``other`` when this one has not answered within ``seconds``, taking the
         first answer. ``cache_ttl`` keeps answers in the store for that long and
         answers the same request (model, messages, tools, parameters, output type)
@@ -396,10 +410,10 @@ class Gateway:
                     f"fallback and hedge models of {name!r} must be models of this gateway "
                     f"(gateway.model(...)), got {other!r}"
                 )
-        probe = model if isinstance(model, Model | str) else None
-        key = (
-            f"{provider_of(probe) or 'model'}/{model_name_of(probe)}" if probe is not None else name
-        )
+        if limiter is not None:
+            key = check_name(limiter, f"limiter of model {name!r}")
+        else:
+            key = _deployment_key(model, name)
         dependency = Dependency(
             "model", key=key, max_concurrency=max_concurrency, rate=rate, per=per
         )
@@ -593,6 +607,8 @@ class Gateway:
             if hit is not None:
                 cached: dict[str, Any] = json.loads(hit)
                 cached[CALL_KEY] = {**cached[CALL_KEY], "cache_hit": True}
+                if request.get("stream"):
+                    await self._stream_cached(ref, cached["response"])
                 return cached
         scopes = await self._check_daily_budgets(ref, request)
         pinned: str | None = request.get("spec")
@@ -685,16 +701,7 @@ class Gateway:
         from pydantic_ai.direct import model_request_stream
         from pydantic_ai.messages import PartDeltaEvent, PartStartEvent, TextPart, TextPartDelta
 
-        try:
-            ctx = activity_context()
-            where: dict[str, Any] = {
-                "run_id": ctx.run_id,
-                "step": ctx.step,
-                "model": ref.name,
-                "attempt": ctx.attempt,
-            }
-        except NotInActivityError:
-            where = {"run_id": None, "step": None, "model": ref.name, "attempt": 1}
+        where = _stream_where(ref)
         run_id = where["run_id"]
         # other processes (an SSE stream of tether serve) hear through the store, in
         # pieces of at most STREAM_FLUSH seconds' text (and STREAM_PIECE characters, to
@@ -703,6 +710,11 @@ class Gateway:
         store = self._step_store()
         clock = asyncio.get_running_loop().time
         pending, flushed, sent, heard = "", clock(), 0, 0
+        try:
+            ctx: ActivityContext | None = activity_context()
+        except NotInActivityError:
+            ctx = None
+        checked = clock()
 
         async def flush() -> None:
             nonlocal pending, sent
@@ -727,6 +739,17 @@ class Gateway:
                         event.delta, TextPartDelta
                     ):
                         text = event.delta.content_delta
+                    if ctx is not None and clock() - checked >= STREAM_CANCEL_CHECK:
+                        # the step may have been cancelled (a hedge took the other
+                        # answer, the run was cancelled): the heartbeat's answer says so,
+                        # and its text then ends as failed, not done
+                        checked = clock()
+                        ctx.heartbeat()
+                    if ctx is not None and ctx.is_cancelled:
+                        raise StepCancelled(
+                            f"model {ref.name!r}: the step was cancelled while it streamed "
+                            "(its run was cancelled, or a hedge took the other answer)"
+                        )
                     if text and run_id is not None:
                         self._publish(run_id, {**where, "offset": heard, "delta": text})
                         heard += len(text)
@@ -749,6 +772,24 @@ class Gateway:
             self._publish(run_id, {**where, "done": True})
             await self._broadcast(store, run_id, {**where, "done": True})
         return response
+
+    async def _stream_cached(self, ref: ModelRef, response: dict[str, Any]) -> None:
+        """A streamed step answered from the answer cache: its followers get the whole
+        text as one delta at offset 0 (in pieces of ``STREAM_PIECE`` characters to other
+        processes), then ``done``, as if the model had sent it in one chunk."""
+        where = _stream_where(ref)
+        run_id = where["run_id"]
+        if run_id is None:
+            return
+        text = load_response(response).text or ""
+        store = self._step_store()
+        if text:
+            self._publish(run_id, {**where, "offset": 0, "delta": text})
+        for start in range(0, len(text), STREAM_PIECE):
+            piece = text[start : start + STREAM_PIECE]
+            await self._broadcast(store, run_id, {**where, "offset": start, "delta": piece})
+        self._publish(run_id, {**where, "done": True})
+        await self._broadcast(store, run_id, {**where, "done": True})
 
     @staticmethod
     async def _broadcast(store: Store, run_id: str, item: dict[str, Any]) -> None:
@@ -964,32 +1005,82 @@ class Gateway:
         if stream:
             body["stream"] = True
         chain = (ref, *ref.fallback)
-        for i, current in enumerate(chain):
+        current = ref
+        while True:
             try:
                 out = await self._hedged(current, body, settings)
             except ActivityError as exc:
-                if exc.error_type in _NO_FALLBACK or i == len(chain) - 1:
+                if exc.error_type in _NO_FALLBACK:
                     raise
                 inst = current_instance()
+                following = self._fallback_of(inst, chain, current)
+                if following is None:
+                    raise
                 if inst is not None:
                     inst.record(
                         "model_fallback",
                         {
                             "from": current.name,
-                            "to": chain[i + 1].name,
+                            "to": following.name,
                             "error": f"{exc.error_type}: {exc.message}"[:500],
                         },
                     )
+                current = following
                 continue
             return load_response(out["response"]), out[CALL_KEY]
-        raise AssertionError("unreachable: the chain is never empty")  # pragma: no cover
+
+    def _fallback_of(
+        self, inst: WorkflowInstance | None, chain: tuple[ModelRef, ...], current: ModelRef
+    ) -> ModelRef | None:
+        """The model to fall back to after ``current`` gave up (None: none, raise).
+
+        A fallback this run recorded already is followed to the model it went to, and
+        one it did not take is not taken, whatever this deploy's chain says (a deploy
+        that changes the chain must not change what a run in flight replays); a new
+        decision follows this deploy's chain."""
+        recorded = inst.recorded_next() if inst is not None else None
+        if inst is not None and recorded is not None:
+            if recorded.type is not EventType.MARKER or recorded.data.get("marker") != (
+                "model_fallback"
+            ):
+                return None  # the run gave up here then: it does now
+            value = recorded.data.get("value")
+            to = value.get("to") if isinstance(value, dict) else None
+            if isinstance(to, str):
+                model = self._models.get(to)
+                if model is None:
+                    inst.diverge(
+                        f"Marker('model_fallback') from model {current.name!r} to {to!r}",
+                        f"no model {to!r} on gateway {self.name!r} (this deploy removed it): "
+                        f"register {to!r} again (gateway.model) so runs that fell back to it "
+                        "can replay",
+                    )
+                return model
+        position = next((i for i, m in enumerate(chain) if m is current), len(chain) - 1)
+        return chain[position + 1] if position + 1 < len(chain) else None
 
     async def _hedged(
         self, ref: ModelRef, body: dict[str, Any], settings: ModelSettings | None
     ) -> dict[str, Any]:
-        if ref.hedge is None or current_instance() is None:
+        """One model's call, hedged when the model has ``hedge=``: the hedge's timer is
+        the call's first command. A call the run recorded already replays hedged or not
+        as it ran (its history has the timer or not), whatever this deploy says."""
+        inst = current_instance()
+        if inst is None:
             return await self._one(ref, body, settings)
-        other, after = ref.hedge
+        recorded = inst.recorded_next()
+        partner: ModelRef | None
+        if recorded is not None:
+            if recorded.type is not EventType.TIMER_STARTED:
+                return await self._one(ref, body, settings)
+            # hedged then: the timer as recorded (its delay is not compared on replay)
+            fire_at = recorded.data.get("fire_at")
+            after = max(0.0, float(fire_at) - inst.now) if fire_at is not None else 0.0
+            partner = ref.hedge[0] if ref.hedge is not None else None
+        elif ref.hedge is None:
+            return await self._one(ref, body, settings)
+        else:
+            partner, after = ref.hedge
         # what each call holds reserved of the run's budget (a loser's is taken over
         # when the hedge is decided: see _record_hedge)
         holds: dict[str, dict[str, Any]] = {"first": {}, "second": {}}
@@ -999,6 +1090,9 @@ class Gateway:
         if first.done():
             timer.cancel()
             return first.result()
+        other = self._hedge_partner(inst, ref, partner)
+        if other is None:  # this deploy removed the hedge before it was due: no second call
+            return await first
         second = asyncio.ensure_future(self._one(other, body, settings, holds["second"]))
         pending = {first, second}
         failure: BaseException | None = None
@@ -1018,6 +1112,33 @@ class Gateway:
                 failure = failure or fut.exception()
         assert failure is not None
         raise failure
+
+    def _hedge_partner(
+        self, inst: WorkflowInstance, ref: ModelRef, partner: ModelRef | None
+    ) -> ModelRef | None:
+        """The model a hedge of ``ref`` asks now that its delay passed: the one the run
+        recorded asking (a deploy may have changed or removed ``ref``'s hedge since), or
+        for a new decision this deploy's ``partner`` (None: no hedge any more)."""
+        recorded = inst.recorded_next()
+        if recorded is None:
+            return partner
+        name = _called_model(recorded, self._activity.name)
+        if name is None:
+            if partner is not None:
+                return partner
+            inst.diverge(
+                f"the hedge of model {ref.name!r}'s call ({recorded.type.value})",
+                f"model {ref.name!r} has no hedge in this deploy and history does not say "
+                "which model the hedge asked",
+            )
+        other = self._models.get(name)
+        if other is None:
+            inst.diverge(
+                f"the hedge of model {ref.name!r}'s call asking model {name!r}",
+                f"no model {name!r} on gateway {self.name!r} (this deploy removed it): "
+                f"register {name!r} again (gateway.model) so runs that hedged to it can replay",
+            )
+        return other
 
     async def _one(
         self,
@@ -1080,8 +1201,12 @@ class Gateway:
         call = out[CALL_KEY]
         inputs, outputs = int(call.get("input_tokens") or 0), int(call.get("output_tokens") or 0)
         cost = Decimal(call["cost"]) if call.get("cost") is not None else None
-        tally.tokens += inputs + outputs
-        tally.cost += _budget_cost(call)
+        if not call.get("cache_hit"):
+            # an answer from the cache costs nothing (as ``app.usage`` and the daily
+            # budgets count it): it does not count against the run's budget either
+            # (read from the record, so a replay counts as the run did)
+            tally.tokens += inputs + outputs
+            tally.cost += _budget_cost(call)
         # counted once, when the run first meets the answer (never on replay, nor for an
         # answer kept from the run a retry or fork came from: that run counted it)
         if inst.reused(step):
@@ -1126,6 +1251,33 @@ def _usage(
             tokens_out,
         )
     return tokens_in, tokens_out, 0, reported
+
+
+def _deployment_key(model: Model | str | Callable[[], Model], name: str) -> str:
+    """The limiter of a model: one per provider, model and endpoint (``provider/model``
+    for a ``"provider:name"`` string, which workers build for the provider's endpoint in
+    their environment; ``@`` and the ``base_url`` of a ``Model`` object that has one,
+    without credentials or query; the registered name for a factory, which is built
+    only on the worker)."""
+    if not isinstance(model, Model | str):
+        return name
+    key = f"{provider_of(model) or 'model'}/{model_name_of(model)}"
+    base_url = getattr(model, "base_url", None) if isinstance(model, Model) else None
+    if isinstance(base_url, str) and base_url:
+        parts = urlsplit(base_url)
+        host = parts.hostname or ""
+        where = f"{parts.scheme}://{host}{f':{parts.port}' if parts.port else ''}{parts.path}"
+        key = f"{key}@{where.rstrip('/')}"
+    return key[:MAX_NAME]
+
+
+def _stream_where(ref: ModelRef) -> dict[str, Any]:
+    """What every streamed item of this step says of where it comes from."""
+    try:
+        ctx = activity_context()
+    except NotInActivityError:
+        return {"run_id": None, "step": None, "model": ref.name, "attempt": 1}
+    return {"run_id": ctx.run_id, "step": ctx.step, "model": ref.name, "attempt": ctx.attempt}
 
 
 def _budget_cost(call: Mapping[str, Any]) -> Decimal:
@@ -1203,11 +1355,15 @@ def _refuse_recorded_credentials(ref: ModelRef, settings: ModelSettings | None) 
 
 
 def _cache_key(ref: ModelRef, request: dict[str, Any]) -> str:
-    """What makes two requests the same question to the same model."""
+    """What makes two requests the same question to the same model: the model the step
+    calls, which for a run pinned to the ``"provider:name"`` it started with is that one
+    (``request["spec"]``), not what today's deploy registers under the name."""
     settings = {k: v for k, v in (request.get("settings") or {}).items() if k != "extra_headers"}
+    spec: str | None = request.get("spec")
     material = {
         "model": ref.name,
-        "model_name": ref.model_name,
+        "model_name": model_name_of(spec) if spec else ref.model_name,
+        "called": spec or ref.version,
         # as a message's address (``stable``), and without the id a provider gave an
         # earlier answer: the same conversation asked again is the same question
         "messages": [
@@ -1356,6 +1512,21 @@ def _record_hedge(
     if abandoned:
         tally.tokens += int(abandoned.get("tokens") or 0)
         tally.cost += Decimal(abandoned.get("cost") or 0)
+
+
+def _called_model(recorded: Event, activity: str) -> str | None:
+    """The model a recorded command of a model call names: a step's first argument, or
+    a ``budget_exceeded`` marker's model (None: neither, or not readable)."""
+    if recorded.type is EventType.ACTIVITY_SCHEDULED and recorded.data.get("name") == activity:
+        args = recorded.data.get("args")
+        positional = args.get("args") if isinstance(args, dict) else None
+        if isinstance(positional, list) and positional and isinstance(positional[0], str):
+            return positional[0]
+    elif recorded.type is EventType.MARKER and recorded.data.get("marker") == "budget_exceeded":
+        value = recorded.data.get("value")
+        model = value.get("model") if isinstance(value, dict) else None
+        return model if isinstance(model, str) else None
+    return None
 
 
 def _release(tally: _Tally, hold: dict[str, Any]) -> bool:

@@ -937,6 +937,12 @@ class WorkflowInstance:
         nxt = self.step + 1
         return self._recorded.get(nxt) if nxt <= self._max_recorded else None
 
+    def diverge(self, expected: str, produced: str) -> NoReturn:
+        """Raise a ``NonDeterminismError`` at the next step (kept as the task's outcome:
+        the run waits for code that can replay it), for a recorded decision that this
+        deploy cannot follow: ``expected`` says what history holds, ``produced`` why."""
+        self._diverged(NonDeterminismError(self.run_id, self.step + 1, expected, produced))
+
     def record(self, marker: str, data: dict[str, Any]) -> int:
         """Issue a Marker command: a decision of workflow code recorded for audit.
 
