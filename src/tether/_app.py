@@ -913,7 +913,16 @@ class App:
         A run that continued as new answers to its first id: with ``follow`` (the
         default) this is the chain's latest run; ``follow=False`` reads that one run.
         """
-        info = await self.store.get_run(run_id, follow=follow)
+        return await self._read(run_id, follow, lenient=False)
+
+    async def _peek(self, run_id: str, *, follow: bool = True) -> RunInfo:
+        """``get``, but a field that cannot be read (a missing blob, a destroyed key) is
+        marked in ``RunInfo.unavailable`` instead of raised: for pages and actions that
+        need only the run's id, status and tenant."""
+        return await self._read(run_id, follow, lenient=True)
+
+    async def _read(self, run_id: str, follow: bool, *, lenient: bool) -> RunInfo:
+        info = await self.store.get_run(run_id, follow=follow, lenient=lenient)
         if info is None:
             purged = await self.store.purged_run(run_id)
             if purged is not None:
@@ -1211,7 +1220,7 @@ class App:
 
     async def history(self, run_id: str, *, follow: bool = True) -> builtins.list[Event]:
         """The run's full history (of the chain's latest run, unless ``follow=False``)."""
-        info = await self.get(run_id, follow=follow)
+        info = await self._peek(run_id, follow=follow)
         return await self.store.read_history(info.run_id, 0)
 
     async def usage(
@@ -1232,7 +1241,7 @@ class App:
         """
         floor = check_time(since, "since")
         if run_id is not None:
-            latest = await self.get(run_id)
+            latest = await self._peek(run_id)
             first, n = chain_of(latest.run_id)
             ids = [first] + [f"{first}{CHAIN_SEPARATOR}{k}" for k in range(1, n + 1)]
             total = Usage()
@@ -1640,7 +1649,7 @@ class App:
         """Who or what acted on a run, oldest first: who started it (``start(by=)``, its
         parent run, or code that named no one), then every recorded action on it
         (signals, decisions, cancels, retries, forks... from the API, console and CLI)."""
-        info = await self.get(run_id, follow=False)
+        info = await self._peek(run_id, follow=False)
         attrs = info.attrs or {}
         starter = (
             attrs.get("started_by")
