@@ -258,3 +258,30 @@ async def test_a_run_whose_payload_is_lost_never_breaks_listings_actions_or_eras
         assert [r.run_id for r in await again.list()] == ["theirs"]
     finally:
         await again.close()
+
+
+async def test_gc_removes_a_half_written_blob_a_killed_process_left(
+    blob_app: tether.App, tmp_path: Path
+) -> None:
+    """A process killed inside a blob's write left ``.tmp-*`` (its plaintext, maybe)
+    that no gc, purge or erasure ever removed: gc removes one older than its grace."""
+    import signal
+    import subprocess
+    import sys
+
+    script = (
+        "import os, signal\n"
+        "import tether.blobs as B\n"
+        "B.os.fsync = lambda fd: os.kill(os.getpid(), signal.SIGKILL)  # before the rename\n"
+        f"B.BlobStore({str(tmp_path / 'blobs')!r}).put(b'TENANT-PLAINTEXT ' * 1000)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent / "src")}
+    done = subprocess.run([sys.executable, "-c", script], env=env, timeout=60)
+    assert done.returncode == -signal.SIGKILL
+    (left,) = [p for p in (tmp_path / "blobs").rglob(".tmp-*")]
+    assert await blob_app.gc_blobs(older_than=3600) == {"kept": 0, "removed": 0}
+    assert left.exists()  # young: a write may be under way
+    old = time.time() - 7200
+    os.utime(left, (old, old))
+    assert await blob_app.gc_blobs(older_than=3600) == {"kept": 0, "removed": 1}
+    assert not left.exists()

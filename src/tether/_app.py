@@ -945,7 +945,8 @@ class App:
     async def gc_blobs(self, older_than: float | timedelta = 3600.0) -> dict[str, int]:
         """Remove blobs no payload refers to (written by attempts that crashed before
         their commit, or whose runs were purged) once older than ``older_than``, so the
-        blobs of attempts still running stay. Returns how many were kept and removed."""
+        blobs of attempts still running stay, and blobs a killed process left half
+        written (``.tmp-*``) as old. Returns how many were kept and removed."""
         grace = seconds(older_than, "older_than") or 0.0
         blobs = self.store.blobs
         assert blobs is not None
@@ -968,7 +969,13 @@ class App:
                 if modified is not None and modified < cutoff:
                     blobs.delete(ref)
                     removed += 1
-        return {"kept": len(stored) - removed, "removed": removed}
+        kept = len(stored) - removed
+        # and what a process killed inside a write left half written (maybe plaintext)
+        for path, mtime in list(blobs.leftovers()):
+            if mtime < cutoff:
+                blobs.remove_leftover(path)
+                removed += 1
+        return {"kept": kept, "removed": removed}
 
     # -- retention and erasure -----------------------------------------------------
 
