@@ -183,8 +183,9 @@ def store_gc_blobs_command(
     app: Annotated[str | None, _app_option()] = None,
 ) -> None:
     """Remove blobs no payload refers to (an attempt that crashed before its commit, runs
-    purged since) once older than AGE, which keeps the blobs of attempts still running.
-    The blob store is the App's (--app) or the one beside the SQLite file."""
+    purged since) once older than AGE, which keeps the blobs of attempts still running,
+    and half-written ones a killed process left. The blob store is the App's (--app) or
+    the one beside the SQLite file."""
     age = parse_age(older_than)
 
     async def go() -> dict[str, int]:
@@ -289,8 +290,9 @@ def store_check_command(
     ] = None,
 ) -> None:
     """Check a store (a restored one above all): SQLite's integrity check, no row naming
-    a run that is not there, and with --app every unfinished run's history replays with
-    that code. Exits 1 on any problem."""
+    a run that is not there, every blob its payloads refer to in its blob store (the
+    runs missing one are named), and with --app every unfinished run's history replays
+    with that code. Exits 1 on any problem."""
     problems: list[str] = []
     path = _sqlite_path(store) if store else None
     if path is not None:
