@@ -229,7 +229,10 @@ def _run_from_row(row: Sequence[Any], codec: Codec | None = None, lenient: bool 
 
     error = read("error", lambda: _error_json(codec, row[6], rid, "error"))
     if "error" in unavailable:  # its type (and its cause's) is kept outside the seal
-        shown = json.loads(row[6])
+        try:
+            shown = json.loads(row[6])
+        except ValueError:
+            shown = None
         error = (
             {k: v for k, v in shown.items() if k != "sealed"} if isinstance(shown, dict) else None
         )
