@@ -199,3 +199,89 @@ async def test_gc_refuses_the_blob_folder_every_postgres_store_shares(
     named = tether.App(store=url, blobs=str(tmp_path / "own"))
     assert (await named.gc_blobs(older_than=0))["removed"] == 0
     await named.close()
+
+
+async def test_a_run_whose_payload_is_lost_never_breaks_listings_actions_or_erasure(
+    store_url: str, tmp_path: Path
+) -> None:
+    """One run whose input blob is missing made `app.list()` fail for everyone (GET
+    /v1/runs answered 500), its own page and terminate 500, and `erase_tenant` fail
+    leaving every run. Listings and actions work from ids and statuses: the field that
+    cannot be read shows as unavailable with the reason; ``app.get`` still raises."""
+    from test_http_api import Server
+
+    blobs = tmp_path / "blobs"
+    app = tether.App(store=store_url, blobs=str(blobs))
+
+    @app.workflow
+    async def approve(doc: str) -> str:
+        return doc
+
+    await app.start(approve, "x" * 300_000, run_id="lost", tenant="globex")  # offloaded
+    await app.start(approve, "fine", run_id="kept", tenant="globex")
+    await app.start(approve, "other", run_id="theirs", tenant="acme")
+    for path in blobs.rglob("*"):
+        if path.is_file():
+            path.unlink()
+
+    listed = {r.run_id: r for r in await app.list()}
+    assert set(listed) == {"lost", "kept", "theirs"}
+    assert listed["lost"].input == "null" and listed["lost"].unavailable is not None
+    assert "missing" in listed["lost"].unavailable["input"]
+    assert listed["kept"].unavailable is None and "fine" in listed["kept"].input
+    with pytest.raises(tether.BlobError):
+        await app.get("lost")  # a caller that reads the payload is told, never given null
+    assert len(await app.list(tenant="globex")) == 2
+    await app.close()
+
+    server = Server(store_url, "--workers", "0", "--no-auth", env={"TETHER_BLOBS": str(blobs)})
+    try:
+        page = server.http.get("/v1/runs?limit=100")
+        assert page.status_code == 200, page.text
+        shown = {r["id"]: r for r in page.json()["runs"]}
+        assert "missing" in shown["lost"]["unavailable"]["input"]
+        one = server.http.get("/v1/runs/lost")
+        assert one.status_code == 200, one.text
+        assert "missing" in one.json()["unavailable"]["input"]
+        ended = server.http.post("/v1/runs/lost/terminate", json={"reason": "broken"})
+        assert ended.status_code == 202, ended.text
+        assert ended.json()["status"] == "terminated"
+        console = server.http.get("/runs/lost")
+        assert console.status_code == 200, console.text
+    finally:
+        server.stop()
+
+    again = tether.App(store=store_url, blobs=str(blobs))
+    try:
+        counts = await again.erase_tenant("globex")
+        assert counts["runs"] == 2
+        assert [r.run_id for r in await again.list()] == ["theirs"]
+    finally:
+        await again.close()
+
+
+async def test_gc_removes_a_half_written_blob_a_killed_process_left(
+    blob_app: tether.App, tmp_path: Path
+) -> None:
+    """A process killed inside a blob's write left ``.tmp-*`` (its plaintext, maybe)
+    that no gc, purge or erasure ever removed: gc removes one older than its grace."""
+    import signal
+    import subprocess
+    import sys
+
+    script = (
+        "import os, signal\n"
+        "import tether.blobs as B\n"
+        "B.os.fsync = lambda fd: os.kill(os.getpid(), signal.SIGKILL)  # before the rename\n"
+        f"B.BlobStore({str(tmp_path / 'blobs')!r}).put(b'TENANT-PLAINTEXT ' * 1000)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent / "src")}
+    done = subprocess.run([sys.executable, "-c", script], env=env, timeout=60)
+    assert done.returncode == -signal.SIGKILL
+    (left,) = [p for p in (tmp_path / "blobs").rglob(".tmp-*")]
+    assert await blob_app.gc_blobs(older_than=3600) == {"kept": 0, "removed": 0}
+    assert left.exists()  # young: a write may be under way
+    old = time.time() - 7200
+    os.utime(left, (old, old))
+    assert await blob_app.gc_blobs(older_than=3600) == {"kept": 0, "removed": 1}
+    assert not left.exists()

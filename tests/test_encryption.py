@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import glob
 import json
 import os
@@ -66,6 +67,21 @@ def _stored_bytes(store_url: str) -> bytes:
         return b"".join(Path(p).read_bytes() for p in glob.glob(path + "*") if os.path.isfile(p))
     schema = store_url.rsplit("schema=", 1)[1]
     return _pg_text(schema).encode()
+
+
+def _column(store_url: str, query: str) -> list[Any]:
+    """The first column of ``query``'s rows, read from the store's database directly."""
+    if store_url.startswith("sqlite:///"):
+        import sqlite3
+
+        with contextlib.closing(sqlite3.connect(store_url[len("sqlite:///") :])) as conn:
+            return [r[0] for r in conn.execute(query)]
+    import psycopg
+
+    schema = store_url.rsplit("schema=", 1)[1]
+    with psycopg.connect(PG_URL, autocommit=True) as conn:
+        conn.execute(f'SET search_path TO "{schema}"')
+        return [r[0] for r in conn.execute(query)]
 
 
 def _register(app: tether.App) -> None:
@@ -822,3 +838,38 @@ async def test_a_reseal_killed_half_way_and_run_again_leaves_no_old_blob(
     assert stored == await app.store.blob_refs()
     assert all(p.read_bytes().startswith(b"~e1:k1:") for p in blobs.rglob("*") if p.is_file())
     app.store.close_sync()  # type: ignore[attr-defined]
+
+
+async def test_a_dead_letter_s_resolution_is_sealed_under_its_tenant_s_key(
+    store_url: str, tmp_path: Path
+) -> None:
+    """A replayed dead letter's result was sealed under the shared key: shredding the
+    tenant left it readable. It is sealed under the tenant's key, so it goes too."""
+    keys = _keyring(tmp_path, per_tenant=True)
+    app = tether.App(store=store_url, encryption=keys)
+    fixed = {"v": False}
+
+    @app.activity(retry=tether.Retry(attempts=1))
+    def work(x: str) -> str:
+        if x == "poison" and not fixed["v"]:
+            raise tether.NonRetryable("bad item")
+        return f"RESULT-OF-{x}"
+
+    @app.workflow
+    async def batch(items: list[str]) -> int:
+        outs = await tether.map(work, items)
+        return sum(1 for o in outs if o.ok)
+
+    try:
+        async with app.worker(poll_interval=0.02):
+            run = await app.start(batch, ["a", "poison"], tenant="acme")
+            assert await run.result(timeout=30) == 1
+        (letter,) = await app.dead_letters()
+        fixed["v"] = True
+        assert await app.replay_dead_letter(letter.id) == "RESULT-OF-poison"
+        (done,) = await app.dead_letters(include_resolved=True)
+        assert done.resolution == {"state": "replayed", "result": "RESULT-OF-poison"}
+        (stored,) = _column(store_url, "SELECT resolution FROM dead_letters")
+        assert stored.startswith(f"~e1:{keys.current('acme')}:"), stored[:40]
+    finally:
+        await app.close()

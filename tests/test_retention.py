@@ -480,3 +480,112 @@ async def test_an_ended_entity_s_key_stays_purged(app: tether.App) -> None:
         with pytest.raises(tether.RunPurgedError):
             await t.call("add", 1)
     assert await app.list() == []
+
+
+BLOB_FLOWS = """
+import tether
+
+app = tether.App(store={store!r}, offload_above=1024)
+
+
+@app.activity
+def make(n: int) -> str:
+    return "D" * n  # offloaded: its result lives in the blob store
+
+
+@app.activity
+def put(text: str) -> tether.Blob:
+    return tether.put_blob(text.encode())
+
+
+@app.workflow
+async def big(n: int) -> int:
+    return len(await make(n))
+
+
+@app.workflow
+async def doc(text: str) -> str:
+    blob = await put(text)
+    await tether.wait_event("go")
+    return blob.ref
+"""
+
+
+def test_a_backup_carries_the_blob_store_and_check_finds_a_missing_blob(tmp_path: Path) -> None:
+    """`tether store backup` copied only the database: a restored store had lost every
+    offloaded payload and put_blob document, and `tether store check` called it sound.
+    The backup now takes the blob store with it (``<backup>.blobs``), restore puts it
+    beside the new store, and check names every run whose blob is missing."""
+    db, backup, restored = tmp_path / "t.db", tmp_path / "bk.db", tmp_path / "restored.db"
+    (tmp_path / "blobflows.py").write_text(BLOB_FLOWS.format(store=f"sqlite:///{db}"))
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import blobflows
+    finally:
+        sys.path.remove(str(tmp_path))
+
+    async def populate() -> None:
+        app = blobflows.app
+        async with app.worker(poll_interval=0.02):
+            for i in range(3):
+                assert (
+                    await (await app.start("big", 5000 + i, run_id=f"b{i}")).result(30) == 5000 + i
+                )
+            for i in range(2):
+                await app.start("doc", f"document {i}", run_id=f"d{i}")
+            for i in range(2):
+                while len(await app.history(f"d{i}")) < 4:
+                    await asyncio.sleep(0.02)
+        await app.close()
+
+    asyncio.run(populate())
+    env = {**os.environ, "PYTHONPATH": f"{HERE.parent / 'src'}{os.pathsep}{tmp_path}"}
+    env.pop("TETHER_BLOBS", None)
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "tether.cli", *args],
+            env=env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    done = cli("store", "backup", str(backup), "--store", str(db))
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "bk.db.blobs").is_dir() and "blob" in done.stderr
+    done = cli("store", "restore", str(backup), "--to", str(restored))
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "restored.db.blobs").is_dir()
+    check = cli("store", "check", "--store", str(restored))
+    assert check.returncode == 0, check.stdout + check.stderr
+
+    async def read_back() -> None:
+        app = tether.App(store=f"sqlite:///{restored}")
+        for i in range(3):
+            assert await app.get_run(f"b{i}").result(timeout=5) == 5000 + i
+        for i in range(2):
+            await app.history(f"d{i}")
+        await app.close()
+
+    asyncio.run(read_back())
+
+    # a blob lost from the restored store: check names the runs that refer to it
+    lost = []
+    for path in (tmp_path / "restored.db.blobs").rglob("*"):
+        if path.is_file():
+            lost.append(path.name)
+            path.unlink()
+    check = cli("store", "check", "--store", str(restored))
+    assert check.returncode == 1, check.stdout + check.stderr
+    problems = json.loads(check.stdout)["problems"]
+    for rid in ("b0", "b1", "b2", "d0", "d1"):
+        assert any(rid in p and "missing" in p for p in problems), (rid, problems)
+    # with --app: every live run that cannot be read is listed, not just the first
+    (tmp_path / "restoredflows.py").write_text(BLOB_FLOWS.format(store=f"sqlite:///{restored}"))
+    check = cli("store", "check", "--app", "restoredflows:app")
+    assert check.returncode == 1, check.stdout + check.stderr
+    assert "Traceback" not in check.stderr, check.stderr
+    report = json.loads(check.stdout)
+    assert sum(p.startswith(("d0:", "d1:")) for p in report["problems"]) == 2, report

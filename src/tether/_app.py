@@ -926,7 +926,16 @@ class App:
         A run that continued as new answers to its first id: with ``follow`` (the
         default) this is the chain's latest run; ``follow=False`` reads that one run.
         """
-        info = await self.store.get_run(run_id, follow=follow)
+        return await self._read(run_id, follow, lenient=False)
+
+    async def _peek(self, run_id: str, *, follow: bool = True) -> RunInfo:
+        """``get``, but a field that cannot be read (a missing blob, a destroyed key) is
+        marked in ``RunInfo.unavailable`` instead of raised: for pages and actions that
+        need only the run's id, status and tenant."""
+        return await self._read(run_id, follow, lenient=True)
+
+    async def _read(self, run_id: str, follow: bool, *, lenient: bool) -> RunInfo:
+        info = await self.store.get_run(run_id, follow=follow, lenient=lenient)
         if info is None:
             purged = await self.store.purged_run(run_id)
             if purged is not None:
@@ -949,7 +958,8 @@ class App:
     async def gc_blobs(self, older_than: float | timedelta = 3600.0) -> dict[str, int]:
         """Remove blobs no payload refers to (written by attempts that crashed before
         their commit, or whose runs were purged) once older than ``older_than``, so the
-        blobs of attempts still running stay. Returns how many were kept and removed."""
+        blobs of attempts still running stay, and blobs a killed process left half
+        written (``.tmp-*``) as old. Returns how many were kept and removed."""
         grace = seconds(older_than, "older_than") or 0.0
         blobs = self.store.blobs
         assert blobs is not None
@@ -972,7 +982,13 @@ class App:
                 if modified is not None and modified < cutoff:
                     blobs.delete(ref)
                     removed += 1
-        return {"kept": len(stored) - removed, "removed": removed}
+        kept = len(stored) - removed
+        # and what a process killed inside a write left half written (maybe plaintext)
+        for path, mtime in list(blobs.leftovers()):
+            if mtime < cutoff:
+                blobs.remove_leftover(path)
+                removed += 1
+        return {"kept": kept, "removed": removed}
 
     # -- retention and erasure -----------------------------------------------------
 
@@ -1224,7 +1240,7 @@ class App:
 
     async def history(self, run_id: str, *, follow: bool = True) -> builtins.list[Event]:
         """The run's full history (of the chain's latest run, unless ``follow=False``)."""
-        info = await self.get(run_id, follow=follow)
+        info = await self._peek(run_id, follow=follow)
         return await self.store.read_history(info.run_id, 0)
 
     async def usage(
@@ -1245,7 +1261,7 @@ class App:
         """
         floor = check_time(since, "since")
         if run_id is not None:
-            latest = await self.get(run_id)
+            latest = await self._peek(run_id)
             first, n = chain_of(latest.run_id)
             ids = [first] + [f"{first}{CHAIN_SEPARATOR}{k}" for k in range(1, n + 1)]
             total = Usage()
@@ -1725,7 +1741,7 @@ class App:
         """Who or what acted on a run, oldest first: who started it (``start(by=)``, its
         parent run, or code that named no one), then every recorded action on it
         (signals, decisions, cancels, retries, forks... from the API, console and CLI)."""
-        info = await self.get(run_id, follow=False)
+        info = await self._peek(run_id, follow=False)
         attrs = info.attrs or {}
         starter = (
             attrs.get("started_by")

@@ -285,6 +285,10 @@ class RunInfo:
     waiting_on: list[dict[str, Any]] | None = None
     #: what the run was started with: ``{"budget": ..., "pins": {"models": ...}}``
     attrs: dict[str, Any] | None = None
+    #: fields whose stored value cannot be read, and why (a missing blob, a destroyed
+    #: or absent key): in listings and pages they show as null (an error keeps its
+    #: type) instead of failing the whole call. ``app.get`` raises instead
+    unavailable: dict[str, str] | None = None
 
     @property
     def is_finished(self) -> bool:

@@ -618,7 +618,7 @@ class Worker:
 
     async def _tenant_gate(self, task: Task, coro: Coroutine[Any, Any, None]) -> None:
         """Run ``coro`` unless the run's tenant is switched off (then hold the task)."""
-        info = await self.app.store.get_run(task.run_id)
+        info = await self.app.store.get_run(task.run_id, lenient=True)
         if info is not None and info.tenant in self._switches.off.get("tenant", ()):
             coro.close()
             self.stats["held_by_switch"] += 1

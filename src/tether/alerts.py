@@ -122,7 +122,7 @@ class AlertWatcher:
                 if ended > clock - rules.needs_intervention and run_id not in app._untold:
                     continue  # its worker may be telling it now (in another process)
                 try:
-                    info = await app.get(run_id, follow=False)
+                    info = await app._peek(run_id, follow=False)
                 except RunNotFoundError:  # purged meanwhile
                     continue
                 if info.status is RunStatus.NEEDS_INTERVENTION:

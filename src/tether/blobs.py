@@ -237,6 +237,25 @@ class BlobStore:
                     continue
                 yield f"sha256:{prefix}{name}", os.path.getmtime(os.path.join(folder, name))
 
+    def leftovers(self) -> Iterator[tuple[str, float]]:
+        """Half-written blobs (``.tmp-*``: a process killed inside ``_write``, before its
+        rename), as (path, modification time): ``gc`` removes old ones."""
+        base = f"{self.root}/sha256"
+        if self._fs is not None or not os.path.isdir(base):
+            return  # (fsspec writes whole objects: nothing is left half written)
+        for prefix in os.listdir(base):
+            folder = os.path.join(base, prefix)
+            for name in os.listdir(folder):
+                if name.startswith(".tmp-"):
+                    path = os.path.join(folder, name)
+                    with contextlib.suppress(FileNotFoundError):  # renamed meanwhile
+                        yield path, os.path.getmtime(path)
+
+    def remove_leftover(self, path: str) -> None:
+        """Remove a half-written blob ``leftovers`` named (gone already: nothing to do)."""
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+
     def head(self, ref: str, size: int = 64) -> bytes:
         """The first ``size`` bytes of a blob as kept (whether and under which key it is
         sealed, without reading all of it); ``BlobError`` if missing."""

@@ -12,6 +12,7 @@ from typing import Annotated, Any
 import typer
 
 from .._errors import ConfigurationError
+from ..blobs import BlobError, BlobStore, default_root
 from ._common import (
     EXIT_USAGE,
     MAX_BATCH,
@@ -182,8 +183,9 @@ def store_gc_blobs_command(
     app: Annotated[str | None, _app_option()] = None,
 ) -> None:
     """Remove blobs no payload refers to (an attempt that crashed before its commit, runs
-    purged since) once older than AGE, which keeps the blobs of attempts still running.
-    The blob store is the App's (--app) or the one beside the SQLite file."""
+    purged since) once older than AGE, which keeps the blobs of attempts still running,
+    and half-written ones a killed process left. The blob store is the App's (--app) or
+    the one beside the SQLite file."""
     age = parse_age(older_than)
 
     async def go() -> dict[str, int]:
@@ -196,22 +198,48 @@ def store_gc_blobs_command(
 def store_backup_command(
     path: Annotated[str, typer.Argument(metavar="BACKUP", help="The file to write.")],
     store: Annotated[str | None, _store_option()] = None,
+    blobs: Annotated[
+        str | None,
+        typer.Option(
+            "--blobs",
+            metavar="DIR|URL",
+            help="The store's blob store (default: TETHER_BLOBS, else <store>.blobs).",
+        ),
+    ] = None,
 ) -> None:
     """Copy a SQLite store to BACKUP while workers run: one consistent snapshot (SQLite's
-    online backup). PostgreSQL: use pg_dump or PITR (docs/deploy.md)."""
+    online backup), then its blob store (offloaded payloads, put_blob documents) into
+    BACKUP.blobs. PostgreSQL: use pg_dump or PITR (docs/deploy.md)."""
     src = _local_store(store)
     if os.path.exists(path):
         _fail(f"{path!r} exists: choose a new file for the backup", EXIT_USAGE)
+    if os.path.exists(f"{path}.blobs"):
+        _fail(f"{path}.blobs exists: choose a new file for the backup", EXIT_USAGE)
     _copy_database(src, path, "the store", timeout=30)  # one step: one consistent read
-    _note(f"backed up {src} to {path} ({os.path.getsize(path):,} bytes)")
+    # then the blobs: each is written before the commit that refers to it, so every blob
+    # the snapshot refers to is there by now (unless purged or erased meanwhile)
+    copied = _copy_blobs(_blob_store(blobs, src), BlobStore(f"{path}.blobs"))
+    _note(
+        f"backed up {src} to {path} ({os.path.getsize(path):,} bytes)"
+        + (f" and {copied} blob(s) to {path}.blobs" if copied else " (no blobs)")
+    )
 
 
 def store_restore_command(
     backup: Annotated[str, typer.Argument(metavar="BACKUP", help="A file from backup.")],
     target: Annotated[str, typer.Option("--to", metavar="PATH", help="The store file to create.")],
+    blobs: Annotated[
+        str | None,
+        typer.Option(
+            "--blobs",
+            metavar="DIR|URL",
+            help="Where the new store's blobs go (default: TETHER_BLOBS, else PATH.blobs).",
+        ),
+    ] = None,
 ) -> None:
-    """Restore a backup into a new store file (then start workers on it: runs in flight
-    at the backup resume from their last recorded step)."""
+    """Restore a backup into a new store file, and the blobs backed up beside it
+    (BACKUP.blobs) into the new store's blob store (then start workers on it: runs in
+    flight at the backup resume from their last recorded step)."""
     if not os.path.exists(backup):
         _fail(f"no backup at {backup!r}", EXIT_USAGE)
     if os.path.exists(target):
@@ -223,7 +251,35 @@ def store_restore_command(
     if ok != "ok":
         os.remove(target)
         _fail(f"the backup {backup!r} is damaged ({ok}); nothing was restored", 1)
-    _note(f"restored {backup} into {target}; check it with: tether store check --store {target}")
+    into = _blob_store(blobs, target)
+    if os.path.isdir(f"{backup}.blobs"):
+        copied = _copy_blobs(BlobStore(f"{backup}.blobs"), into, keep_present=True)
+        _note(f"restored {backup} into {target} and {copied} blob(s) into {into.root}")
+    else:
+        _note(f"restored {backup} into {target}; no {backup}.blobs beside it: no blobs restored")
+    _note(f"check it with: tether store check --store {target}")
+
+
+def _blob_store(named: str | None, store_path: str) -> BlobStore:
+    """The blob store of the SQLite store at ``store_path``, where an App on it looks:
+    ``named``, else ``TETHER_BLOBS``, else beside the file."""
+    return BlobStore(named or os.environ.get("TETHER_BLOBS") or default_root(store_path))
+
+
+def _copy_blobs(source: BlobStore, target: BlobStore, *, keep_present: bool = False) -> int:
+    """Copy every blob of ``source`` as kept (sealed or not) into ``target``; with
+    ``keep_present`` a blob ``target`` has already is left as it is. How many."""
+    copied = 0
+    for ref, _ in source.refs():
+        if keep_present and target.modified(ref) is not None:
+            continue
+        try:
+            data = source.kept(ref)
+        except BlobError:  # deleted since the listing (gc, purge): nothing refers to it
+            continue
+        target.keep(ref, data)
+        copied += 1
+    return copied
 
 
 def store_check_command(
@@ -234,8 +290,9 @@ def store_check_command(
     ] = None,
 ) -> None:
     """Check a store (a restored one above all): SQLite's integrity check, no row naming
-    a run that is not there, and with --app every unfinished run's history replays with
-    that code. Exits 1 on any problem."""
+    a run that is not there, every blob its payloads refer to in its blob store (the
+    runs missing one are named), and with --app every unfinished run's history replays
+    with that code. Exits 1 on any problem."""
     problems: list[str] = []
     path = _sqlite_path(store) if store else None
     if path is not None:
@@ -260,6 +317,7 @@ def store_check_command(
         a = load_app(app) if app else _client_app(store, None)
         async with _opened(a) as opened:
             orphans = await opened.store.orphans()
+            lost = await _missing_blobs(opened)
             replayed, failed = 0, []
             if app:
                 from ..testing._replay import check_history
@@ -269,23 +327,70 @@ def store_check_command(
                     while True:  # a page at a time: a million live runs never sit in memory
                         page = await opened.list(status=status, limit=500, before=before)
                         for run in page:
-                            report = check_history(opened, await opened.history(run.run_id))
                             replayed += 1
+                            try:
+                                report = check_history(opened, await opened.history(run.run_id))
+                            except Exception as exc:  # unreadable (a missing blob, a key)
+                                failed.append(f"{run.run_id}: cannot be read: {exc}")
+                                continue
                             if not report.ok:
                                 failed.append(f"{run.run_id}: {report.error}")
                         if len(page) < 500:
                             break
                         before = (page[-1].created_at, page[-1].run_id)
-            return {"orphans": orphans, "replayed": replayed, "replay_failures": failed}
+            return {
+                "orphans": orphans,
+                "replayed": replayed,
+                "replay_failures": failed,
+                "blobs": lost,
+            }
 
     found = _run(go())
     orphans = found["orphans"].items()
     problems += [f"{n} {table} row(s) name a missing run" for table, n in orphans if n]
+    problems += found["blobs"]
     problems += found["replay_failures"]
     _dump({"problems": problems, "replayed": found["replayed"], "orphans": found["orphans"]})
     if problems:
         raise typer.Exit(1)
     _note("the store is sound")
+
+
+async def _missing_blobs(app: Any) -> list[str]:
+    """A problem for each run whose payloads refer to a blob its blob store lacks (and
+    one for those only rows of no run refer to: schedules, caches)."""
+    blobs = app.store.blobs
+    if blobs is None:
+        return []
+    try:
+        refs = await app.store.blob_refs()
+    except Exception as exc:  # a sealed payload this process has no key for
+        return [f"blob references could not be read: {exc}"]
+    missing = {r for r in refs if blobs.modified(r) is None}
+    if not missing:
+        return []
+    where = f"missing from the blob store at {blobs.root!r}"
+    problems: list[str] = []
+    named: set[str] = set()
+    before: tuple[float, str] | None = None
+    while page := await app.list(limit=500, before=before):  # (a run's unreadable fields
+        before = (page[-1].created_at, page[-1].run_id)  # are only marked, never raised)
+        ids = [r.run_id for r in page]
+        if not (await app.store.blob_refs(run_ids=ids)) & missing:
+            continue
+        for rid in ids:  # the page refers to one: which of its runs
+            theirs = (await app.store.blob_refs(run_ids=[rid])) & missing
+            if theirs:
+                named |= theirs
+                problems.append(
+                    f"{rid}: {len(theirs)} blob(s) {where}: {', '.join(sorted(theirs))}"
+                )
+    if missing - named:
+        rest = sorted(missing - named)
+        problems.append(
+            f"{len(rest)} blob(s) rows of no run refer to are {where}: {', '.join(rest)}"
+        )
+    return problems
 
 
 def _not_a_store(path: str) -> str | None:

@@ -271,7 +271,7 @@ def create_api(
         """The run, if the caller may see it (a tenant's key: only that tenant's runs)."""
         principal: Principal | None = request.state.principal
         try:
-            info = await app.get(run_id, follow=follow)
+            info = await app._peek(run_id, follow=follow)
         except RunPurgedError:
             if principal is not None and principal.tenant is not None:
                 raise RunNotFoundError(run_id) from None  # whose it was is not theirs to know
@@ -445,7 +445,7 @@ def create_api(
             waited = app.get_run(run_id).result(timeout=min(wait, max_wait) or 0.001)
             await (hub.unless_closing(waited) if wait else waited)
         except (ResultTimeoutError, ServerClosing):  # not yet (or the server stops): again
-            info = await app.get(run_id)
+            info = await app._peek(run_id)
             response.status_code = 202
             response.headers["Retry-After"] = "1" if wait < 1 else "2"
             return ResultView(id=info.run_id, status=info.status.value)
@@ -599,7 +599,7 @@ def create_api(
         detail.update({k: v for k, v in (("models", body.models), ("prompts", body.prompts)) if v})
         await audit(request, "fork", f"run:{run_id}", detail)
         response.headers["Location"] = links(new.run_id).self
-        return run_view(await app.get(new.run_id))
+        return run_view(await app._peek(new.run_id))
 
     async def review_of(request: Request, approval_id: str) -> Approval:
         """The review, if the caller may see its run."""
@@ -672,7 +672,7 @@ def create_api(
         await visible(request, run_id)
         await app.retry(run_id)
         await audit(request, "retry", f"run:{run_id}")
-        return run_view(await app.get(run_id))
+        return run_view(await app._peek(run_id))
 
     @api.get(
         "/v1/switches",
@@ -945,7 +945,7 @@ def _add_start_route(api: FastAPI, app: App, wf: Workflow[Any, Any], who: Any) -
                 # status), and nothing reaches it
                 return _unseen_run_id(run_id)
             raise
-        info = run.started or await app.get(run.run_id, follow=False)
+        info = run.started or await app._peek(run.run_id, follow=False)
         where = links(info.run_id)  # the id percent-encoded: a header is Latin-1 only
         return JSONResponse(
             {"id": info.run_id, "status": info.status.value, "links": where.model_dump()},
@@ -1002,7 +1002,7 @@ async def _seen_by(app: App, principal: Principal | None, run_id: str) -> bool:
     if principal is None or principal.tenant is None:
         return True
     try:
-        info = await app.get(run_id, follow=False)
+        info = await app._peek(run_id, follow=False)
     except TetherError:  # purged (or gone): whose it was is not this key's to know
         return False
     return principal.sees(info.tenant)
@@ -1021,7 +1021,7 @@ def _add_action(
         method = getattr(app, action)
         await (method(run_id, body.reason if body else None) if reasoned else method(run_id))
         await audit(request, action, f"run:{run_id}", {"reason": body.reason} if body else None)
-        return run_view(await app.get(run_id))
+        return run_view(await app._peek(run_id))
 
     api.add_api_route(
         f"/v1/runs/{{run_id:path}}/{action}",

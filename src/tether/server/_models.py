@@ -65,6 +65,13 @@ class RunView(BaseModel):
     attrs: dict[str, Any] | None = Field(
         None, description="what the run was started with: its model budget, model pins"
     )
+    unavailable: dict[str, str] | None = Field(
+        None,
+        description=(
+            "fields whose stored value cannot be read, and why (a missing blob, a "
+            "destroyed or absent key): shown as null"
+        ),
+    )
     links: Links
 
 
@@ -222,6 +229,7 @@ def run_view(info: RunInfo, payloads: bool = True) -> RunView:
         error=info.error,
         task_error=info.task_error,
         attrs=info.attrs,
+        unavailable=info.unavailable,
         links=links(info.run_id),
     )
 

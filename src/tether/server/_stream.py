@@ -189,7 +189,7 @@ class EventHub:
                 if events:
                     quiet_since = loop.time()
                 else:
-                    info = await self._app.get(run_id, follow=False)
+                    info = await self._app._peek(run_id, follow=False)
                     if info.is_finished:
                         # the run may have ended between the read above and this look:
                         # read once more, so its last events are sent before the end

@@ -330,10 +330,15 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     async def blob_refs(
-        self, tenant: str | None = None, *, other_than: str | None = None
+        self,
+        tenant: str | None = None,
+        *,
+        other_than: str | None = None,
+        run_ids: Sequence[str] | None = None,
     ) -> set[str]:
         """Every blob reference the store's payloads hold (for ``gc_blobs``), or those of
-        ``tenant``'s runs, or those of all but ``other_than``'s runs."""
+        ``tenant``'s runs, or those of all but ``other_than``'s runs, or the rows of the
+        runs ``run_ids`` (``tether store check`` names the runs of a missing blob)."""
 
     @abc.abstractmethod
     async def open_counts(self) -> dict[str, int]:
@@ -527,8 +532,11 @@ class Store(abc.ABC):
         """Dispatch a suspended run's work again."""
 
     @abc.abstractmethod
-    async def get_run(self, run_id: str, *, follow: bool = False) -> RunInfo | None:
-        """One run, or None."""
+    async def get_run(
+        self, run_id: str, *, follow: bool = False, lenient: bool = False
+    ) -> RunInfo | None:
+        """One run, or None. A payload it cannot read raises; ``lenient``: that field is
+        null and named in ``RunInfo.unavailable``."""
 
     @abc.abstractmethod
     async def list_runs(

@@ -431,7 +431,9 @@ class SqliteStore(OpsStore):
             self._readers.conn = conn
         return conn
 
-    async def get_run(self, run_id: str, *, follow: bool = False) -> RunInfo | None:
+    async def get_run(
+        self, run_id: str, *, follow: bool = False, lenient: bool = False
+    ) -> RunInfo | None:
         """One run's row; while the writer is idle, read on the calling thread.
 
         A primary-key lookup costs less than two thread hand-offs (``run.result()``
@@ -439,9 +441,9 @@ class SqliteStore(OpsStore):
         """
         conn = self._reader() if self._idle else None
         if conn is None:  # busy: a read here would contend with it for the GIL
-            return await super().get_run(run_id, follow=follow)
+            return await super().get_run(run_id, follow=follow, lenient=lenient)
         try:
-            return _get_run(_Tx(conn, self.clock(), codec=self.codec), run_id, follow)
+            return _get_run(_Tx(conn, self.clock(), codec=self.codec), run_id, follow, lenient)
         except sqlite3.DatabaseError as exc:
             raise StoreError(_explain(self.path, exc)) from exc
 

@@ -24,8 +24,15 @@ from fastapi.templating import Jinja2Templates
 
 from ..._app import App
 from ..._definitions import CHAIN_SEPARATOR, chain_of
-from ..._errors import ApprovalNotFoundError, RunNotFoundError, RunPurgedError, TetherError
+from ..._errors import (
+    ApprovalNotFoundError,
+    PayloadError,
+    RunNotFoundError,
+    RunPurgedError,
+    TetherError,
+)
 from ..._history import INT64_MAX, DeadLetter, Event, EventType, RunInfo, RunStatus
+from ...blobs import BlobError
 from ...store.ops.switches import SWITCH_KINDS
 from .._auth import AuthError, Principal, actor_of
 from .._limits import RateLimiter, authenticate_limited
@@ -83,7 +90,7 @@ def install_console(
         return templates.TemplateResponse(request, name, ctx)
 
     async def visible(principal: Principal | None, run_id: str) -> RunInfo:
-        info = await app.get(run_id, follow=False)
+        info = await app._peek(run_id, follow=False)
         if principal is not None and not principal.sees(info.tenant):
             raise RunNotFoundError(run_id)
         return info
@@ -260,7 +267,7 @@ def install_console(
                 return bool(runs)
             for run_id in runs:
                 try:
-                    info = await app.get(run_id, follow=False)
+                    info = await app._peek(run_id, follow=False)
                 except TetherError:
                     continue  # purged meanwhile
                 if principal.sees(info.tenant):
@@ -286,7 +293,11 @@ def install_console(
             return page(request, "missing.html", principal, what=f"run {run_id}", gone=exc)
         except RunNotFoundError:
             return page(request, "missing.html", principal, what=f"run {run_id}")
-        history = await app.store.read_history(info.run_id)
+        unreadable = None
+        try:
+            history = await app.store.read_history(info.run_id)
+        except (PayloadError, BlobError) as exc:  # the page still shows it, and its actions
+            history, unreadable = [], f"its history cannot be read: {exc}"
         now = app.store.clock()
         steps = bars(history)
         # long runs: the latest steps and a page of events (older ones by ?before=seq)
@@ -312,7 +323,7 @@ def install_console(
             "finished": info.is_finished,
             "continues": await _continues(app, info.run_id),
             "forked": _forked_from(history),
-            "message": request.query_params.get("message"),
+            "message": request.query_params.get("message") or unreadable,
         }
         name = "_run_live.html" if partial else "run.html"
         return page(request, name, principal, **ctx)
@@ -571,7 +582,7 @@ async def _continues(app: App, run_id: str) -> str | None:
         return None
     previous = first if n == 1 else f"{first}{CHAIN_SEPARATOR}{n - 1}"
     try:
-        info = await app.get(previous, follow=False)
+        info = await app._peek(previous, follow=False)
     except TetherError:  # purged meanwhile: still the run it continued
         return previous
     return previous if info.continued_to == run_id else None

@@ -230,8 +230,10 @@ class OpsStore(Store):
     async def resume(self, run_id: str) -> None:
         await self._do(_resume, run_id)
 
-    async def get_run(self, run_id: str, *, follow: bool = False) -> RunInfo | None:
-        out: RunInfo | None = await self._do(_get_run, run_id, follow, write=False)
+    async def get_run(
+        self, run_id: str, *, follow: bool = False, lenient: bool = False
+    ) -> RunInfo | None:
+        out: RunInfo | None = await self._do(_get_run, run_id, follow, lenient, write=False)
         return out
 
     async def list_runs(
@@ -284,9 +286,14 @@ class OpsStore(Store):
         return out
 
     async def blob_refs(
-        self, tenant: str | None = None, *, other_than: str | None = None
+        self,
+        tenant: str | None = None,
+        *,
+        other_than: str | None = None,
+        run_ids: Sequence[str] | None = None,
     ) -> set[str]:
-        refs: set[str] = await self._do(_blob_refs, tenant, None, other_than, write=False)
+        ids = None if run_ids is None else list(run_ids)
+        refs: set[str] = await self._do(_blob_refs, tenant, ids, other_than, write=False)
         return refs
 
     async def open_counts(self) -> dict[str, int]:

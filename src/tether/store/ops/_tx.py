@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..._codec import MARKS, PLAIN_RAW, SECRET_KEYS, Codec, decode_text
+from ..._errors import PayloadError
 from ..._history import RunEnd, RunInfo, RunStatus, Task
 from ..._serde import dumps
 from ...blobs import BlobError
@@ -210,22 +211,49 @@ def _error_json(codec: Codec | None, text: str | None, run_id: str, what: str) -
     return error
 
 
-def _run_from_row(row: Sequence[Any], codec: Codec | None = None) -> RunInfo:
+def _run_from_row(row: Sequence[Any], codec: Codec | None = None, lenient: bool = False) -> RunInfo:
+    """A run's row as a ``RunInfo``. A payload that cannot be read (a missing blob, a
+    destroyed or absent key) raises; ``lenient`` (listings, pages, control actions):
+    it is null and named in ``unavailable`` with the reason."""
     rid = row[0]
+    unavailable: dict[str, str] = {}
+
+    def read(field: str, decode: Callable[[], Any], instead: Any = None) -> Any:
+        if not lenient:
+            return decode()
+        try:
+            return decode()
+        except (PayloadError, BlobError) as exc:
+            unavailable[field] = str(exc)
+            return instead
+
+    error = read("error", lambda: _error_json(codec, row[6], rid, "error"))
+    if "error" in unavailable:  # its type (and its cause's) is kept outside the seal
+        try:
+            shown = json.loads(row[6])
+        except ValueError:
+            shown = None
+        error = (
+            {k: v for k, v in shown.items() if k != "sealed"} if isinstance(shown, dict) else None
+        )
+    task_error = read("task_error", lambda: _opened(codec, row[10], rid, "task error"))
     return RunInfo(
         run_id=rid,
         workflow=row[1],
         status=RunStatus(row[2]),
         queue=row[3],
-        input=_opened(codec, row[4], rid, "input") or "null",
-        output=_opened(codec, row[5], rid, "output"),
-        error=_error_json(codec, row[6], rid, "error"),
-        custom_status=json.loads(_opened(codec, row[7], rid, "status") or "null")
+        input=read("input", lambda: _opened(codec, row[4], rid, "input")) or "null",
+        output=read("output", lambda: _opened(codec, row[5], rid, "output")),
+        error=error,
+        custom_status=read(
+            "custom_status", lambda: json.loads(_opened(codec, row[7], rid, "status") or "null")
+        )
         if row[7]
         else None,
         parent_run_id=row[8],
         continued_to=row[9],
-        task_error=_opened(codec, row[10], rid, "task error"),
+        # a stuck run stays marked stuck when its task error cannot be read
+        task_error=unavailable.get("task_error", task_error),
         created_at=row[11],
         updated_at=row[12],
         completed_at=row[13],
@@ -238,6 +266,7 @@ def _run_from_row(row: Sequence[Any], codec: Codec | None = None) -> RunInfo:
             else None
         ),
         attrs=json.loads(row[16]) if len(row) > 16 and row[16] else None,
+        unavailable=unavailable or None,
     )
 
 

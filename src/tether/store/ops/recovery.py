@@ -89,9 +89,12 @@ def _resolve_dead_letter(tx: _Tx, letter_id: int, resolution: Any) -> None:
             (letter_id,),
         )
     else:
+        # sealed under the run's tenant's key, like the letter itself (crypto-shredding)
+        row = tx.execute("SELECT run_id FROM dead_letters WHERE id = ?", (letter_id,)).fetchone()
+        sealed = tx.seal(json.dumps(resolution), row[0] if row else None)
         tx.execute(
             "UPDATE dead_letters SET resolved_at = ?, resolution = ? WHERE id = ?",
-            (tx.now, tx.seal(json.dumps(resolution)), letter_id),
+            (tx.now, sealed, letter_id),
         )
 
 

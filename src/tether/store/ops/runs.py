@@ -460,13 +460,14 @@ def _child_outcome(tx: _Tx, child: str, step: int | None) -> _Pending | None:
     )
 
 
-def _get_run(tx: _Tx, run_id: str, follow: bool = False) -> RunInfo | None:
-    """A run's row; with ``follow``, its chain's latest run (live or last) instead."""
+def _get_run(tx: _Tx, run_id: str, follow: bool = False, lenient: bool = False) -> RunInfo | None:
+    """A run's row; with ``follow``, its chain's latest run (live or last) instead;
+    ``lenient``: fields that cannot be read are marked ``unavailable``, not raised."""
     for _ in range(_MAX_CHAIN):
         row = tx.execute(f"SELECT {_RUN_COLS} FROM runs WHERE run_id = ?", (run_id,)).fetchone()
         if row is None:
             return None
-        info = _run_from_row(row, tx.codec)
+        info = _run_from_row(row, tx.codec, lenient)
         if not follow or info.continued_to is None:
             return info
         run_id = info.continued_to
@@ -533,7 +534,8 @@ def _list_runs(
         f"SELECT {_RUN_COLS} FROM runs {clause} ORDER BY created_at DESC, run_id LIMIT ? OFFSET ?",
         (*args, limit, offset),
     ).fetchall()
-    return [_run_from_row(r, tx.codec) for r in rows]
+    # a run whose payload cannot be read is listed with it marked, never failing the page
+    return [_run_from_row(r, tx.codec, True) for r in rows]
 
 
 # operations of other concerns (imported last: see the package docstring)
