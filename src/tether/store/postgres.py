@@ -61,14 +61,14 @@ from ._handoff import LoopFuture, Outcome, deliver
 from ._pg_session import _ID_BLOCK, _Session
 from .base import Finished, HistoryListener, Listener, StreamListener, worker_id_in_use
 from .ops import OpsStore
-from .ops._tx import Op, _Tx
+from .ops._tx import Op, SealState, _Tx
 from .ops.claims import _claim, _claim_with_wake
 from .ops.tasks import _heartbeat, _renew
 
 log = logging.getLogger("tether.store")
 
 
-_SCHEMA_VERSION = 10
+_SCHEMA_VERSION = 11
 #: statements that bring a store of the version before up to this one
 _UPGRADES: dict[int, tuple[str, ...]] = {
     2: ("ALTER TABLE runs ADD COLUMN IF NOT EXISTS waiting_on TEXT",),
@@ -129,6 +129,10 @@ _UPGRADES: dict[int, tuple[str, ...]] = {
     ),
     9: ("ALTER TABLE tenant_limits ADD COLUMN IF NOT EXISTS retention DOUBLE PRECISION",),
     10: COUNTERS,  # run counters kept by triggers
+    11: (
+        "CREATE TABLE IF NOT EXISTS seal_keys (key_id TEXT PRIMARY KEY, fingerprint TEXT "
+        "NOT NULL, created_at DOUBLE PRECISION NOT NULL)",
+    ),
 }
 #: task columns added during development, missing from schemas made by older builds
 _TASK_COLUMNS = ("priority", "limit_key", "heartbeat_timeout", "dependency", "batch_key")
@@ -199,6 +203,7 @@ class PostgresStore(OpsStore):
         self._notified = 0
         self._own_pids: set[int] = set()
         self._known_limited: set[str] = set()  #: queues seen with limits (see _Tx)
+        self._keys = SealState()  #: whether a keyring sealed into the store (see _Tx)
         self._task_ids: list[int] = []  #: taken from the tasks' sequence, not used yet
         self._task_ids_lock = threading.Lock()
         self._closed = False
@@ -540,6 +545,7 @@ class PostgresStore(OpsStore):
             optimistic=optimistic,
             new_task_id=functools.partial(self._new_task_id, session) if optimistic else None,
             codec=self.codec,
+            keys=self._keys,
         )
 
     def _new_task_id(self, session: _Session) -> int:
