@@ -907,9 +907,12 @@ async def test_a_second_keyring_with_the_same_key_ids_is_refused_before_it_seals
 
 
 async def test_a_store_sealed_before_fingerprints_were_kept_refuses_a_key_that_does_not_open_it(
-    store_url: str, tmp_path: Path
+    store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from tether.encryption import KeyringMismatchError
+
+    monkeypatch.delenv("TETHER_KEYRING", raising=False)
+    monkeypatch.delenv("TETHER_ENCRYPTION_KEYS", raising=False)
 
     right = _keyring(tmp_path)
     key_id = right.current(None)
@@ -918,11 +921,27 @@ async def test_a_store_sealed_before_fingerprints_were_kept_refuses_a_key_that_d
     await app.start("echo", "one", run_id="r1")
     app.store.close_sync()  # type: ignore[attr-defined]
     _forget_fingerprints(store_url)  # as a store sealed by an earlier version
+    bare = tether.App(store=store_url)
+    _register(bare)
+    # the upgrade marks it encrypted: no payload in the clear from a keyless process
+    with pytest.raises(KeyringMismatchError, match="TETHER_KEYRING"):
+        await bare.start("echo", CANARY, run_id="r9")
+    bare.store.close_sync()  # type: ignore[attr-defined]
     wrong = tether.App(store=store_url, encryption=StaticKeyring({key_id: os.urandom(32)}, key_id))
     _register(wrong)
     with pytest.raises(KeyringMismatchError, match="another keyring"):
         await wrong.start("echo", "two", run_id="r2")
     wrong.store.close_sync()  # type: ignore[attr-defined]
+    # sealing under an id the store has not seen, with another key under one it has
+    # (an old keyring's tenant ids came from the tenant's name): refused too
+    mixed = tether.App(
+        store=store_url,
+        encryption=StaticKeyring({"fresh": os.urandom(32), key_id: os.urandom(32)}, "fresh"),
+    )
+    _register(mixed)
+    with pytest.raises(KeyringMismatchError, match=key_id):
+        await mixed.start("echo", "two", run_id="r2")
+    mixed.store.close_sync()  # type: ignore[attr-defined]
     again = tether.App(store=store_url, encryption=FileKeyring(tmp_path / "keys.json"))
     _register(again)
     await again.start("echo", "two", run_id="r2")  # the right key: recorded, accepted
@@ -930,18 +949,23 @@ async def test_a_store_sealed_before_fingerprints_were_kept_refuses_a_key_that_d
 
 
 def _forget_fingerprints(store_url: str) -> None:
+    """Take the store back to schema version 10, before ``seal_keys``."""
     if store_url.startswith("sqlite:///"):
         import sqlite3
 
         with sqlite3.connect(store_url[len("sqlite:///") :]) as conn:
-            conn.execute("DELETE FROM seal_keys")
+            conn.execute("DROP TABLE seal_keys")
+            conn.execute("PRAGMA user_version = 10")
         return
     import psycopg
     from psycopg import sql
 
     schema = store_url.rsplit("schema=", 1)[1]
     with psycopg.connect(PG_URL, autocommit=True) as conn:
-        conn.execute(sql.SQL("DELETE FROM {}.seal_keys").format(sql.Identifier(schema)))
+        conn.execute(sql.SQL("DROP TABLE {}.seal_keys").format(sql.Identifier(schema)))
+        meta = sql.Identifier(schema, "tether_meta")
+        conn.execute(sql.SQL("DELETE FROM {}").format(meta))
+        conn.execute(sql.SQL("INSERT INTO {} VALUES (10, 0)").format(meta))
 
 
 async def test_a_process_without_a_keyring_writes_no_payload_into_an_encrypted_store(

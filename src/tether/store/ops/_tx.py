@@ -8,10 +8,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..._codec import MARKS, PLAIN_RAW, SECRET_KEYS, Codec, decode_text
+from ..._errors import ConfigurationError, PayloadError
 from ..._history import RunEnd, RunInfo, RunStatus, Task
 from ..._serde import dumps
 from ...blobs import BlobError
-from ...encryption import KeyringMismatchError, KeyUnavailableError, Sealer
+from ...encryption import PREFIX, KeyringMismatchError, KeyUnavailableError, Sealer
 
 _TERMINAL = tuple(s.value for s in RunStatus if s.is_terminal)
 
@@ -29,6 +30,15 @@ _TASK_COLS = (
 
 
 Op = Callable[..., Any]
+
+
+#: the schema upgrade that adds ``seal_keys`` marks a store already holding sealed
+#: payloads encrypted (a row of key id ``''``: fingerprints unknown), so a process
+#: without a keyring writes nothing in the clear into a store sealed before the upgrade
+ENCRYPTED_BEFORE = (
+    "INSERT INTO seal_keys (key_id, fingerprint, created_at) SELECT '', '', 0 "
+    "WHERE EXISTS (SELECT 1 FROM runs WHERE substr(input, 1, 4) = '~e1:')"
+)
 
 
 @dataclass
@@ -116,7 +126,7 @@ class _Tx:
         for key_id in list(sealer.unchecked):
             mine = sealer.fingerprint(key_id)
             if not self.keys.encrypted and self._no_fingerprints():
-                self._check_sealed_before(sealer, key_id)
+                self._check_sealed_before(sealer)
             added = self.execute(
                 "INSERT INTO seal_keys (key_id, fingerprint, created_at) VALUES (?, ?, ?) "
                 "ON CONFLICT (key_id) DO NOTHING RETURNING key_id",
@@ -134,21 +144,34 @@ class _Tx:
             sealer.unchecked.discard(key_id)
 
     def _no_fingerprints(self) -> bool:
-        return self.execute("SELECT key_id FROM seal_keys LIMIT 1").fetchone() is None
+        row = self.execute("SELECT key_id FROM seal_keys WHERE key_id <> '' LIMIT 1").fetchone()
+        return row is None
 
-    def _check_sealed_before(self, sealer: Sealer, key_id: str) -> None:
+    def _check_sealed_before(self, sealer: Sealer) -> None:
         """The store's first fingerprint: a store sealed by a version that kept none
-        may hold values under ``key_id`` already; one of them must open with this key."""
-        head = f"~e1:{key_id}:"
-        row = self.execute(
-            f"SELECT input FROM runs WHERE substr(input, 1, {len(head)}) = ? LIMIT 1", (head,)
-        ).fetchone()
-        if row is None:
-            return
-        try:
-            sealer.open(row[0])
-        except KeyUnavailableError:
-            raise _mismatch(key_id) from None
+        holds values under ids this keyring may have too (every keyring it made started
+        at ``k1``, a tenant's id came from its name): one value of each such id, among
+        the first runs, must open with this keyring's key of that id."""
+        heads = self.execute(
+            "SELECT run_id, substr(input, 1, 80) FROM runs WHERE substr(input, 1, 4) = ? "
+            "LIMIT 1000",
+            (PREFIX,),
+        ).fetchall()
+        some: dict[str, str] = {}
+        for run_id, head in heads:
+            some.setdefault(head[len(PREFIX) :].split(":", 1)[0], run_id)
+        for key_id, run_id in some.items():
+            try:
+                sealer.keyring.key(key_id)
+            except (KeyUnavailableError, ConfigurationError):
+                continue  # not this keyring's (or destroyed): nothing to compare
+            row = self.execute("SELECT input FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+            try:
+                sealer.open(row[0] if row is not None else "")
+            except KeyUnavailableError:
+                raise _mismatch(key_id) from None
+            except PayloadError:
+                continue  # a damaged value: says nothing of the key
 
     def refuse_plain(self) -> None:
         """Refuse to write a payload in the clear into a store a keyring has sealed into
