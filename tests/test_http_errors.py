@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -91,3 +92,30 @@ def _bill(app: Any) -> None:
     @app.workflow
     async def bill(invoice: dict[str, Any], vat: float = 0.2) -> dict[str, Any]:
         return invoice
+
+
+def test_a_result_poll_open_while_its_run_is_erased_answers_410(store_url: str) -> None:
+    import threading
+
+    import tether
+
+    if not store_url.startswith("sqlite"):
+        pytest.skip("PostgreSQL's notifications wake the poll on the termination itself")
+    s = Server(store_url, "--no-auth")
+    try:
+        body = {"input": {"doc": "d"}, "run_id": "r1", "tenant": "gone"}
+        assert s.http.post("/v1/workflows/approve/runs", json=body).status_code == 202
+        got: list[Any] = []
+        poll = threading.Thread(
+            target=lambda: got.append(s.http.get("/v1/runs/r1/result", params={"wait": 20}))
+        )
+        poll.start()
+        time.sleep(0.5)  # the poll is waiting
+        other = tether.App(store=store_url)  # another process erases the tenant
+        asyncio.run(other.erase_tenant("gone"))
+        other.store.close_sync()  # type: ignore[attr-defined]
+        poll.join(30)
+        assert got and got[0].status_code == 410, got[0].text if got else None
+        assert "tenant erased" in got[0].json()["detail"]
+    finally:
+        s.stop()
