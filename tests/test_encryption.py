@@ -154,7 +154,9 @@ async def test_a_store_sealed_under_a_key_says_so_to_a_process_without_it(
 ) -> None:
     monkeypatch.delenv("TETHER_KEYRING", raising=False)
     monkeypatch.delenv("TETHER_ENCRYPTION_KEYS", raising=False)
-    app = tether.App(store=store_url, encryption=_keyring(tmp_path))
+    ring = _keyring(tmp_path)
+    key_id = ring.current(None)
+    app = tether.App(store=store_url, encryption=ring)
     _register(app)
     async with app.worker(poll_interval=0.05):
         await app.start("flow", "x", run_id="r1")
@@ -166,11 +168,11 @@ async def test_a_store_sealed_under_a_key_says_so_to_a_process_without_it(
     with pytest.raises(KeyUnavailableError) as err:
         await plain.get("r1")
     message = str(err.value)
-    assert "run 'r1'" in message and "'k1'" in message and "TETHER_KEYRING" in message
+    assert "run 'r1'" in message and f"{key_id!r}" in message and "TETHER_KEYRING" in message
     plain.store.close_sync()  # type: ignore[attr-defined]
 
     # the same key id holding other bytes: an error, never a wrong value
-    other = StaticKeyring({"k1": os.urandom(32)}, "k1")
+    other = StaticKeyring({key_id: os.urandom(32)}, key_id)
     wrong = tether.App(store=store_url, encryption=other)
     with pytest.raises(KeyUnavailableError, match="does not open"):
         await wrong.history("r1")
@@ -195,16 +197,16 @@ async def test_rotation_keeps_old_data_readable_and_shredding_a_tenant_erases_on
         n1 = await app.start("echo", "shared one", run_id="n1")
         for r in (a1, b1, n1):
             await r.result(timeout=30)
-        acme_first = keys.current("acme")
+        acme_first, shared_first = keys.current("acme"), keys.current(None)
         shared_second = keys.rotate()
         acme_second = keys.rotate("acme")
         a2 = await app.start("echo", "acme two", run_id="a2", tenant="acme")
         n2 = await app.start("echo", "shared two", run_id="n2")
         for r in (a2, n2):
             await r.result(timeout=30)
-    assert shared_second == "k2" and acme_second != acme_first
+    assert shared_second.startswith("k2-") and acme_second != acme_first
     stored = _stored_bytes(store_url)
-    for key_id in ("k1", "k2", acme_first, acme_second, keys.current("beta")):
+    for key_id in (shared_first, shared_second, acme_first, acme_second, keys.current("beta")):
         assert f"~e1:{key_id}:".encode() in stored, key_id
     # written under old and new keys alike, all of it reads
     for run_id, text in (("a1", "acme one"), ("a2", "acme two"), ("n1", "shared one")):
@@ -295,7 +297,8 @@ async def test_a_worker_without_the_key_leaves_the_run_intact_until_one_with_it_
         async def wf(x: str) -> str:
             return await double(x)
 
-    keyed = tether.App(store=store_url, encryption=_keyring(tmp_path))
+    ring = _keyring(tmp_path)
+    keyed = tether.App(store=store_url, encryption=ring)
     keyless = tether.App(store=store_url)
     build(keyed)
     build(keyless)
@@ -307,7 +310,9 @@ async def test_a_worker_without_the_key_leaves_the_run_intact_until_one_with_it_
             if info.task_error:
                 break
             await asyncio.sleep(0.05)
-    assert info.status is tether.RunStatus.PENDING and "'k1'" in (info.task_error or "")
+    assert info.status is tether.RunStatus.PENDING and repr(ring.current(None)) in (
+        info.task_error or ""
+    )
     # its workflow task done by a worker with the key, its activity is claimed by one
     # without: held back again and again, never run, no attempt spent, no dead letter
     async with keyed.worker(queues=["default"], poll_interval=0.05):
@@ -349,15 +354,28 @@ def test_the_keyring_commands_make_rotate_list_and_shred_keys(tmp_path: Path) ->
     again = _tether("keyring", "init", path)
     assert again.returncode == 2 and "never overwritten" in again.stderr
     ring = FileKeyring(path)
-    acme = ring.current("acme")
+    acme, first = ring.current("acme"), ring.current(None)
+    assert first in made.stderr
     env = {"TETHER_KEYRING": path}
     assert _tether("keyring", "rotate", env=env).returncode == 0
+    rotated_id = FileKeyring(path).current(None)
     rotated = _tether("keyring", "rotate", "--tenant", "acme", env=env)
     assert rotated.returncode == 0 and "acme" in rotated.stderr
     listed = json.loads(_tether("keyring", "list", env=env).stdout)
     second = ring.current("acme")
-    assert second != acme and {k["key_id"] for k in listed} == {"k1", "k2", acme, second}
+    assert second != acme and {k["key_id"] for k in listed} == {first, rotated_id, acme, second}
     assert "key" not in listed[0]  # never the key bytes
+    # a key no longer in use is retired: its id stays listed, never given out again
+    current = _tether("keyring", "retire", rotated_id, "--yes", env=env)
+    assert current.returncode == 2 and "current" in current.stderr
+    unconfirmed = _tether("keyring", "retire", first, env=env)
+    assert unconfirmed.returncode == 2 and "--yes" in unconfirmed.stderr
+    retired = _tether("keyring", "retire", first, "--yes", "--keyring", path)
+    assert retired.returncode == 0, retired.stderr
+    listed = json.loads(_tether("keyring", "list", env=env).stdout)
+    assert [k["key_id"] for k in listed if k["retired_at"]] == [first]
+    with pytest.raises(KeyUnavailableError, match="retired"):
+        FileKeyring(path).key(first)
     refused = _tether("keyring", "shred", "acme", env=env)
     assert refused.returncode == 2 and "--yes" in refused.stderr
     shredded = _tether("keyring", "shred", "acme", "--yes", "--keyring", path)
@@ -403,18 +421,19 @@ async def test_reseal_seals_old_plaintext_and_moves_everything_to_the_current_ke
     keys = _keyring(tmp_path)
     app = tether.App(store=store_url, encryption=keys)
     _register(app)
+    k1 = keys.current(None)
     first = await app.reseal(batch=3)  # small batches: the paging is exercised
     assert first["runs"] and first["events"] and first["dead_letters"]
     assert CANARY not in _rows_text(store_url)
     assert await app.reseal() == dict.fromkeys(first, 0)  # nothing left to do
-    keys.rotate()  # k2: new data under it; reseal moves the old
+    k2 = keys.rotate()  # new data under it; reseal moves the old
     moved = await app.reseal()
     assert sum(moved.values()) == sum(first.values())
     text = _rows_text(store_url)
-    assert "~e1:k1:" not in text and "~e1:k2:" in text
+    assert f"~e1:{k1}:" not in text and f"~e1:{k2}:" in text
     app.store.close_sync()  # type: ignore[attr-defined]
     # k1 can go: everything reads with k2 alone
-    only_k2 = tether.App(store=store_url, encryption=StaticKeyring({"k2": keys.key("k2")}, "k2"))
+    only_k2 = tether.App(store=store_url, encryption=StaticKeyring({k2: keys.key(k2)}, k2))
     assert CANARY in (await only_k2.get("r1")).input
     assert any(CANARY in str(e.data) for e in await only_k2.history("r1"))
     failed = await only_k2.get("r2")
@@ -523,21 +542,22 @@ async def test_reseal_moves_offloaded_payloads_to_new_blobs_under_the_current_ke
     keys = _keyring(tmp_path)
     app = tether.App(store=store_url, blobs=str(blobs), offload_above=1024, encryption=keys)
     _register(app)
+    k1 = keys.current(None)
     first = await app.reseal(batch=2)
     assert first["blobs"] == len(written)  # every plain blob was replaced, then deleted
     now = kept()
     assert now and not set(now) & set(written)
-    assert all(b.startswith(b"~e1:k1:") for b in now.values())
+    assert all(b.startswith(f"~e1:{k1[:8]}".encode()) for b in now.values())
     assert CANARY not in _rows_text(store_url)
     assert (await app.reseal()).get("blobs", 0) == 0  # nothing left to do
-    keys.rotate()
+    k2 = keys.rotate()
     moved = await app.reseal()
     assert moved["blobs"] == len(now)
-    assert all(b.startswith(b"~e1:k2:") for b in kept().values())
+    assert all(b.startswith(f"~e1:{k2[:8]}".encode()) for b in kept().values())
     app.store.close_sync()  # type: ignore[attr-defined]
     # k1 can go: the run, its history and its blobs read with k2 alone
     only_k2 = tether.App(
-        store=store_url, blobs=str(blobs), encryption=StaticKeyring({"k2": keys.key("k2")}, "k2")
+        store=store_url, blobs=str(blobs), encryption=StaticKeyring({k2: keys.key(k2)}, k2)
     )
     info = await only_k2.get("r1")
     assert CANARY in info.input and info.output is not None and CANARY in info.output
@@ -610,15 +630,16 @@ async def test_a_wrapped_keyring_keeps_no_key_in_the_clear_and_needs_its_wrapper
         await tether.App(store=store_url).list()  # the store opens on first use
     bare = FileKeyring(tmp_path / "keys.json")  # listing and shredding need no wrapper
     assert {k["key_id"] for k in bare.listing()} == set(stored["keys"])
+    k1 = bare.current(None)
     with pytest.raises(KeyUnavailableError, match="no wrapper"):
-        bare.key("k1")
+        bare.key(k1)
     wrong = _FakeKms(os.urandom(32))  # the same name, another master key
     with pytest.raises(KeyUnavailableError, match="did not unwrap"):
-        FileKeyring(tmp_path / "keys.json", wrapper=wrong).key("k1")
+        FileKeyring(tmp_path / "keys.json", wrapper=wrong).key(k1)
     down = _FakeKms(master)
     down.down = True
     with pytest.raises(KeyUnavailableError, match="ConnectionError"):
-        FileKeyring(tmp_path / "keys.json", wrapper=down).key("k1")
+        FileKeyring(tmp_path / "keys.json", wrapper=down).key(k1)
     with pytest.raises(tether.ConfigurationError, match="wrapped by 'kms-key-1', not 'other'"):
         FileKeyring(tmp_path / "keys.json", wrapper=_FakeKms(master, "other"))
 
@@ -873,3 +894,159 @@ async def test_a_dead_letter_s_resolution_is_sealed_under_its_tenant_s_key(
         assert stored.startswith(f"~e1:{keys.current('acme')}:"), stored[:40]
     finally:
         await app.close()
+
+
+def test_key_ids_carry_randomness_and_are_never_used_again(tmp_path: Path) -> None:
+    # two keyrings made apart never mint the same id
+    a = FileKeyring.create(tmp_path / "a.json", per_tenant=True)
+    b = FileKeyring.create(tmp_path / "b.json", per_tenant=True)
+    assert a.current(None) != b.current(None)
+    assert a.current("acme") != b.current("acme")
+    first, acme_first = a.current(None), a.current("acme")
+    assert first.startswith("k1-") and acme_first.split("-")[1] == "1"
+    second = a.rotate()
+    assert second.startswith("k2-")
+    # a retired key's id stays listed: no later key takes it, and it says why it is gone
+    with pytest.raises(tether.ConfigurationError, match="current"):
+        a.retire(second)
+    a.retire(first)
+    with pytest.raises(KeyUnavailableError, match="retired"):
+        FileKeyring(tmp_path / "a.json").key(first)
+    listed = {k["key_id"]: k for k in a.listing()}
+    assert listed[first]["retired_at"] is not None and listed[second]["retired_at"] is None
+    third = a.rotate()
+    assert third.startswith("k3-") and third not in (first, second)
+    # a key removed from the file by hand: its number is not taken again either
+    data = json.loads((tmp_path / "a.json").read_text())
+    del data["keys"][third]
+    (tmp_path / "a.json").write_text(json.dumps(data))
+    fourth = FileKeyring(tmp_path / "a.json").rotate()
+    assert fourth != third and fourth.startswith("k3-")
+
+
+async def test_a_second_keyring_with_the_same_key_ids_is_refused_before_it_seals(
+    store_url: str, tmp_path: Path
+) -> None:
+    from tether.encryption import KeyringMismatchError
+
+    right = _keyring(tmp_path)
+    key_id = right.current(None)
+    app = tether.App(store=store_url, encryption=right)
+    _register(app)
+    await app.start("echo", "one", run_id="r1")
+    # another keyring holding another key under the same id (made anew by mistake)
+    other = StaticKeyring({key_id: os.urandom(32)}, key_id)
+    wrong = tether.App(store=store_url, encryption=other)
+    _register(wrong)
+    for attempt in (
+        lambda: wrong.start("echo", "two", run_id="r2"),
+        lambda: wrong.signal("r1", "note", {"x": 1}),
+    ):
+        with pytest.raises(KeyringMismatchError) as err:
+            await attempt()
+        assert err.value.key_id == key_id and key_id in str(err.value)
+        assert "another keyring" in str(err.value) and "Nothing was written" in str(err.value)
+    with pytest.raises(tether.RunNotFoundError):
+        await app.get("r2")
+    assert [e for e in await app.history("r1") if e.type is EventType.SIGNAL_RECEIVED] == []
+    wrong.store.close_sync()  # type: ignore[attr-defined]
+    # the right keyring goes on as before
+    async with app.worker(poll_interval=0.05):
+        assert await app.get_run("r1").result(timeout=30) == f"ONE {CANARY}"
+        assert await (await app.start("echo", "three", run_id="r3")).result(timeout=30)
+    app.store.close_sync()  # type: ignore[attr-defined]
+
+
+async def test_a_store_sealed_before_fingerprints_were_kept_refuses_a_key_that_does_not_open_it(
+    store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tether.encryption import KeyringMismatchError
+
+    monkeypatch.delenv("TETHER_KEYRING", raising=False)
+    monkeypatch.delenv("TETHER_ENCRYPTION_KEYS", raising=False)
+
+    right = _keyring(tmp_path)
+    key_id = right.current(None)
+    app = tether.App(store=store_url, encryption=right)
+    _register(app)
+    await app.start("echo", "one", run_id="r1")
+    app.store.close_sync()  # type: ignore[attr-defined]
+    _forget_fingerprints(store_url)  # as a store sealed by an earlier version
+    bare = tether.App(store=store_url)
+    _register(bare)
+    # the upgrade marks it encrypted: no payload in the clear from a keyless process
+    with pytest.raises(KeyringMismatchError, match="TETHER_KEYRING"):
+        await bare.start("echo", CANARY, run_id="r9")
+    bare.store.close_sync()  # type: ignore[attr-defined]
+    wrong = tether.App(store=store_url, encryption=StaticKeyring({key_id: os.urandom(32)}, key_id))
+    _register(wrong)
+    with pytest.raises(KeyringMismatchError, match="another keyring"):
+        await wrong.start("echo", "two", run_id="r2")
+    wrong.store.close_sync()  # type: ignore[attr-defined]
+    # sealing under an id the store has not seen, with another key under one it has
+    # (an old keyring's tenant ids came from the tenant's name): refused too
+    mixed = tether.App(
+        store=store_url,
+        encryption=StaticKeyring({"fresh": os.urandom(32), key_id: os.urandom(32)}, "fresh"),
+    )
+    _register(mixed)
+    with pytest.raises(KeyringMismatchError, match=key_id):
+        await mixed.start("echo", "two", run_id="r2")
+    mixed.store.close_sync()  # type: ignore[attr-defined]
+    again = tether.App(store=store_url, encryption=FileKeyring(tmp_path / "keys.json"))
+    _register(again)
+    await again.start("echo", "two", run_id="r2")  # the right key: recorded, accepted
+    again.store.close_sync()  # type: ignore[attr-defined]
+
+
+def _forget_fingerprints(store_url: str) -> None:
+    """Take the store back to schema version 11, before ``seal_keys``."""
+    if store_url.startswith("sqlite:///"):
+        import sqlite3
+
+        with sqlite3.connect(store_url[len("sqlite:///") :]) as conn:
+            conn.execute("DROP TABLE seal_keys")
+            conn.execute("PRAGMA user_version = 11")
+        return
+    import psycopg
+    from psycopg import sql
+
+    schema = store_url.rsplit("schema=", 1)[1]
+    with psycopg.connect(PG_URL, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP TABLE {}.seal_keys").format(sql.Identifier(schema)))
+        meta = sql.Identifier(schema, "tether_meta")
+        conn.execute(sql.SQL("DELETE FROM {}").format(meta))
+        conn.execute(sql.SQL("INSERT INTO {} VALUES (11, 0)").format(meta))
+
+
+async def test_a_process_without_a_keyring_writes_no_payload_into_an_encrypted_store(
+    store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tether.encryption import KeyringMismatchError
+
+    monkeypatch.delenv("TETHER_KEYRING", raising=False)
+    monkeypatch.delenv("TETHER_ENCRYPTION_KEYS", raising=False)
+    keyed = tether.App(store=store_url, encryption=_keyring(tmp_path))
+    _register(keyed)
+    await keyed.start("flow", "x", run_id="r1")
+    keyed.store.close_sync()  # type: ignore[attr-defined]
+
+    bare = tether.App(store=store_url)
+    _register(bare)
+    for attempt in (
+        lambda: bare.signal("r1", "note", {"secret": CANARY}),
+        lambda: bare.start("echo", CANARY, run_id="r2", tenant="acme"),
+    ):
+        with pytest.raises(KeyringMismatchError, match="TETHER_KEYRING") as err:
+            await attempt()
+        assert "encrypted" in str(err.value) and err.value.key_id is None
+    bare.store.close_sync()  # type: ignore[attr-defined]
+    raw = _stored_bytes(store_url)
+    assert CANARY.encode() not in raw
+    # a plain store stays writable without a keyring
+    if store_url.startswith("sqlite:///"):
+        plain = tether.App(store=f"sqlite:///{tmp_path / 'plain.db'}")
+        _register(plain)
+        await plain.start("echo", "in the clear", run_id="p1")
+        assert (await plain.get("p1")).input == '{"args":["in the clear"],"kwargs":{}}'
+        plain.store.close_sync()  # type: ignore[attr-defined]

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
+import time
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,3 +30,92 @@ def test_a_start_of_a_workflow_the_service_does_not_have_names_it(served: Server
     r = served.http.post("/v1/workflows/approve/runs", json={"input": {"doc": "d"}})
     assert r.status_code == 202, r.text  # the service's own workflows still start
     assert "/v1/workflows/{name}/runs" not in served.http.get("/openapi.json").json()["paths"]
+
+
+def test_a_payload_the_service_cannot_open_is_a_503_naming_the_key_never_a_400(
+    store_url: str, tmp_path: Path
+) -> None:
+    import tether
+    from tether.encryption import FileKeyring
+
+    ring = FileKeyring.create(tmp_path / "keys.json")
+    key_id = ring.current(None)
+    writer = tether.App(store=store_url, encryption=ring)
+    _bill(writer)
+    asyncio.run(writer.start("bill", {"number": "n1", "cents": 100}, run_id="r1"))
+    writer.store.close_sync()  # type: ignore[attr-defined]
+    key = json.loads((tmp_path / "keys.json").read_text())["keys"][key_id]["key"]
+    other = FileKeyring.create(tmp_path / "other.json")
+    for env in ({}, {"TETHER_KEYRING": str(tmp_path / "other.json")}):
+        s = Server(store_url, "--no-auth", env=env)
+        try:
+            for path in ("/v1/runs/r1", "/v1/runs/r1/history"):
+                r = s.http.get(path)
+                assert r.status_code == 503, (env, path, r.text)
+                assert r.json()["title"] == "Payload unavailable"
+                assert key_id in r.json()["detail"] and key not in r.text
+            if not env:  # no keyring: a start is refused, nothing written in the clear
+                r = s.http.post(
+                    "/v1/workflows/bill/runs",
+                    json={"input": {"invoice": {"number": "n2", "cents": 1}}},
+                )
+                assert r.status_code == 503, r.text
+                assert "TETHER_KEYRING" in r.json()["detail"]
+        finally:
+            s.stop()
+    assert other.current(None) != key_id
+
+
+def test_a_missing_blob_is_a_503_naming_the_blob(store_url: str, tmp_path: Path) -> None:
+    import tether
+
+    blobs = tmp_path / "blobs"
+    writer = tether.App(store=store_url, blobs=str(blobs), offload_above=1024)
+    _bill(writer)
+    number = "n" * 4000  # above offload_above: the input goes to a blob
+    asyncio.run(writer.start("bill", {"number": number, "cents": 100}, run_id="r1"))
+    writer.store.close_sync()  # type: ignore[attr-defined]
+    for p in blobs.rglob("*"):
+        if p.is_file():
+            p.unlink()
+    s = Server(store_url, "--no-auth", env={"TETHER_BLOBS": str(blobs)})
+    try:
+        r = s.http.get("/v1/runs/r1")
+        assert r.status_code == 503, r.text
+        assert r.json()["title"] == "Payload unavailable"
+        assert "sha256:" in r.json()["detail"]
+    finally:
+        s.stop()
+
+
+def _bill(app: Any) -> None:
+    @app.workflow
+    async def bill(invoice: dict[str, Any], vat: float = 0.2) -> dict[str, Any]:
+        return invoice
+
+
+def test_a_result_poll_open_while_its_run_is_erased_answers_410(store_url: str) -> None:
+    import threading
+
+    import tether
+
+    if not store_url.startswith("sqlite"):
+        pytest.skip("PostgreSQL's notifications wake the poll on the termination itself")
+    s = Server(store_url, "--no-auth")
+    try:
+        body = {"input": {"doc": "d"}, "run_id": "r1", "tenant": "gone"}
+        assert s.http.post("/v1/workflows/approve/runs", json=body).status_code == 202
+        got: list[Any] = []
+        poll = threading.Thread(
+            target=lambda: got.append(s.http.get("/v1/runs/r1/result", params={"wait": 20}))
+        )
+        poll.start()
+        time.sleep(0.5)  # the poll is waiting
+        other = tether.App(store=store_url)  # another process erases the tenant
+        asyncio.run(other.erase_tenant("gone"))
+        other.store.close_sync()  # type: ignore[attr-defined]
+        poll.join(30)
+        assert got and got[0].status_code == 410, got[0].text if got else None
+        assert "tenant erased" in got[0].json()["detail"]
+    finally:
+        s.stop()

@@ -32,6 +32,7 @@ PUBLIC = [
     "EventType",
     "ItemOutcome",
     "KeyUnavailableError",
+    "KeyringMismatchError",
     "LeaseLostError",
     "NonDeterminismError",
     "NonRetryable",

@@ -589,3 +589,37 @@ def test_a_backup_carries_the_blob_store_and_check_finds_a_missing_blob(tmp_path
     assert "Traceback" not in check.stderr, check.stderr
     report = json.loads(check.stdout)
     assert sum(p.startswith(("d0:", "d1:")) for p in report["problems"]) == 2, report
+
+
+async def test_every_call_on_a_purged_run_says_it_was_purged(
+    app: tether.App, store_url: str
+) -> None:
+    """result(), signal() and cancel() on a purged run raise ``RunPurgedError`` as get()
+    and history() do, and a result() waiting while its run is erased does too."""
+    quick, _failing, waiting = _define(app)
+    async with app.worker(poll_interval=0.05):
+        done = await app.start(quick, 1, run_id="old")
+        assert await done.result(timeout=20) == 2
+        real = app.store.clock
+        app.store.clock = lambda: real() + 3600
+        assert (await app.purge(1800))["runs"] == 1
+        app.store.clock = real
+        with pytest.raises(tether.RunPurgedError, match="retention"):
+            await app.get_run("old").result(timeout=1)
+        with pytest.raises(tether.RunPurgedError, match="retention"):
+            await app.signal("old", "go", 1)
+        with pytest.raises(tether.RunPurgedError, match="retention"):
+            await app.get_run("old").cancel()
+        with pytest.raises(tether.RunPurgedError, match="retention"):
+            await app.cancel("old")
+        if not store_url.startswith("sqlite"):
+            return  # PostgreSQL's notifications wake the waiter on the termination itself
+        await app.start(waiting, run_id="live", tenant="gone")
+        waiter = asyncio.create_task(app.get_run("live").result(timeout=20))
+        await asyncio.sleep(0.3)
+        # erased by another process (its commits do not wake this one's waiters)
+        other = tether.App(store=store_url)
+        await other.erase_tenant("gone")
+        other.store.close_sync()  # type: ignore[attr-defined]
+        with pytest.raises(tether.RunPurgedError, match="tenant erased"):
+            await waiter

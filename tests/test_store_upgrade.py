@@ -57,6 +57,7 @@ NEWER_TABLES = (
     "switches",
     "audit_log",
     "signal_ids",  # version 11
+    "seal_keys",  # version 12
 )
 
 

@@ -55,7 +55,7 @@ from ._sync import SyncClient, SyncRun
 from ._usage import Budget, Usage
 from ._worker import Worker
 from .blobs import Blob, BlobError
-from .encryption import KeyUnavailableError
+from .encryption import KeyringMismatchError, KeyUnavailableError
 from .store.ops.recovery import RecoveryError
 from .workflow._api import (
     ItemOutcome,
@@ -114,6 +114,7 @@ __all__ = [
     "EventType",
     "ItemOutcome",
     "KeyUnavailableError",
+    "KeyringMismatchError",
     "LeaseLostError",
     "NonDeterminismError",
     "NonRetryable",

@@ -2101,8 +2101,12 @@ class App:
                     return end
                 read, skip_read = not skip_read, False
                 found = await self.store.get_run(run_id) if read else None
-                if read and found is None and not may_not_exist:
-                    raise RunNotFoundError(run_id)
+                if read and found is None:
+                    purged = await self.store.purged_run(run_id)
+                    if purged is not None:  # purged while it was waited on, or before
+                        raise RunPurgedError(run_id, *purged)
+                    if not may_not_exist:
+                        raise RunNotFoundError(run_id)
                 if found is not None and found.is_finished:
                     return found
                 wait = poll

@@ -60,7 +60,7 @@ from ._tracing import (
     workflow_task_span,
 )
 from .blobs import BlobError
-from .encryption import KeyUnavailableError
+from .encryption import KeyringMismatchError, KeyUnavailableError
 from .store.base import TASK_REJECTED
 from .workflow._instance import WorkflowInstance
 
@@ -636,11 +636,13 @@ class Worker:
             entry = None
         if t is not None and not t.cancelled():
             exc = t.exception()  # retrieved, so it is never lost in a warning
-            if isinstance(exc, Exception):
+            if isinstance(exc, KeyringMismatchError):  # this process's setup: no traceback
+                log.error("task %d: nothing recorded: %s", task_id, exc)
+            elif isinstance(exc, Exception):
                 log.error("task %d failed unexpectedly", task_id, exc_info=exc)
-                if entry is not None and not self._stopping:
-                    # give it back soon rather than sit on the lease until it expires
-                    self._fire(self.app.store.release([entry[0]], delay=1.0))
+            if isinstance(exc, Exception) and entry is not None and not self._stopping:
+                # give it back soon rather than sit on the lease until it expires
+                self._fire(self.app.store.release([entry[0]], delay=1.0))
         if self._slot is not None:
             self._slot.set()
 

@@ -23,6 +23,7 @@ import base64
 import binascii
 import contextlib
 import hashlib
+import hmac
 import itertools
 import json
 import os
@@ -48,6 +49,8 @@ _COMPRESS_FROM = 512
 _RECENT = 4096
 #: how much of a large payload is compressed first, to see whether the rest is worth it
 _SAMPLE = 64 * 1024
+#: what a key's fingerprint is the HMAC of (``Sealer.fingerprint``)
+_FINGERPRINT_OF = b"tether key fingerprint v1"
 
 
 class KeyUnavailableError(PayloadError):
@@ -65,6 +68,19 @@ class KeyUnavailableError(PayloadError):
     def destroyed(self) -> bool:
         """True when the key was destroyed on purpose (the data is erased, not lost)."""
         return "destroyed" in self.problem
+
+
+class KeyringMismatchError(ConfigurationError):
+    """This process may not seal into the store: its key of an id differs from the one
+    that sealed the store under that id (another keyring), or it has no keyring and the
+    store is encrypted. Nothing was written."""
+
+    def __init__(self, key_id: str | None, message: str) -> None:
+        self.key_id = key_id
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.key_id, str(self)))
 
 
 class Keyring(abc.ABC):
@@ -269,7 +285,7 @@ class FileKeyring(Keyring):
         path = os.fspath(path)
         if os.path.exists(path):
             raise ConfigurationError(f"{path!r} exists; a keyring is never overwritten")
-        key_id = "k1"
+        key_id = _new_id({}, "k")
         data: dict[str, Any] = {
             "version": 1,
             "per_tenant": per_tenant,
@@ -277,6 +293,7 @@ class FileKeyring(Keyring):
             "keys": {key_id: _entry(None, wrapper)},
             "tenants": {},
             "destroyed": {},
+            "retired": {},
         }
         if wrapper is not None:
             data["wrapped_by"] = wrapper.name
@@ -341,6 +358,15 @@ class FileKeyring(Keyring):
                     f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(gone['at']))} UTC); "
                     "the data it sealed is unreadable for good",
                 )
+            retired = data.get("retired", {}).get(key_id)
+            if retired:
+                raise KeyUnavailableError(
+                    key_id,
+                    f"keyring {self.path!r} retired the key at "
+                    f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(retired['at']))} UTC "
+                    "(tether keyring retire); data still sealed with it opens only with a "
+                    "copy of the keyring from before",
+                )
             raise KeyUnavailableError(
                 key_id, f"keyring {self.path!r} has no such key (is it the right keyring?)"
             )
@@ -390,6 +416,7 @@ class FileKeyring(Keyring):
                 "created_at": e["created_at"],
                 "current": k in current,
                 "destroyed_at": None,
+                "retired_at": None,
             }
             for k, e in data["keys"].items()
         ]
@@ -400,8 +427,20 @@ class FileKeyring(Keyring):
                 "created_at": None,
                 "current": False,
                 "destroyed_at": g["at"],
+                "retired_at": None,
             }
             for k, g in data.get("destroyed", {}).items()
+        ]
+        out += [
+            {
+                "key_id": k,
+                "tenant": g.get("tenant"),
+                "created_at": g.get("created_at"),
+                "current": False,
+                "destroyed_at": None,
+                "retired_at": g["at"],
+            }
+            for k, g in data.get("retired", {}).items()
         ]
         return out
 
@@ -413,7 +452,7 @@ class FileKeyring(Keyring):
             return self._tenant_key(tenant, new=True)
         wrapper = self._wrapper()
         with self._changing() as data:
-            key_id = _next_id(data, "k")
+            key_id = _new_id(data, "k")
             data["keys"][key_id] = _entry(None, wrapper)
             data["current"] = key_id
         return key_id
@@ -430,7 +469,7 @@ class FileKeyring(Keyring):
             key_id = data["tenants"].get(tenant)
             if new or key_id is None:
                 stem = "t" + hashlib.sha256(tenant.encode()).hexdigest()[:12] + "-"
-                key_id = _next_id(data, stem)
+                key_id = _new_id(data, stem)
                 data["keys"][key_id] = _entry(tenant, wrapper)
                 data["tenants"][tenant] = key_id
         return str(key_id)
@@ -445,6 +484,27 @@ class FileKeyring(Keyring):
                 data.setdefault("destroyed", {})[key_id] = {"tenant": tenant, "at": time.time()}
             data["tenants"].pop(tenant, None)
         return gone
+
+    def retire(self, key_id: str) -> None:
+        """Remove a key that no longer seals anything (after ``tether reseal`` moved its
+        data to the current key), keeping its id listed so no later key takes it. What
+        it still sealed, here or in a backup, no longer opens with this keyring."""
+        with self._changing() as data:
+            entry = data["keys"].get(key_id)
+            if entry is None:
+                raise ConfigurationError(f"keyring {self.path!r} has no key {key_id!r}")
+            if key_id == data["current"] or key_id in data["tenants"].values():
+                raise ConfigurationError(
+                    f"key {key_id!r} is current (it seals new payloads): rotate first "
+                    "(tether keyring rotate), then reseal the store (tether reseal)"
+                )
+            del data["keys"][key_id]
+            self._unwrapped.pop(key_id, None)
+            data.setdefault("retired", {})[key_id] = {
+                "tenant": entry.get("tenant"),
+                "created_at": entry.get("created_at"),
+                "at": time.time(),
+            }
 
     def wrap_keys(self, wrapper: KeyWrapper) -> int:
         """Wrap every key the file keeps in the clear under ``wrapper``'s master key, in
@@ -483,12 +543,22 @@ def _entry(tenant: str | None, wrapper: KeyWrapper | None) -> dict[str, Any]:
     return {"wrapped": wrapped, "tenant": tenant, "created_at": time.time()}
 
 
-def _next_id(data: dict[str, Any], stem: str) -> str:
-    taken = set(data["keys"]) | set(data.get("destroyed", {}))
-    n = 1
-    while f"{stem}{n}" in taken:
-        n += 1
-    return f"{stem}{n}"
+def _new_id(data: dict[str, Any], stem: str) -> str:
+    """A key id never used before: ``<stem><n>-<8 random hex>``, ``n`` one more than the
+    highest of the stem's ids this file has had (kept, retired or destroyed). The random
+    part keeps two keyrings, or a keyring and a copy of it made before a key was added,
+    from minting the same id for different keys."""
+    taken = {*data.get("keys", {}), *data.get("destroyed", {}), *data.get("retired", {})}
+    n = 0
+    for key_id in taken:
+        if key_id.startswith(stem):
+            digits = key_id[len(stem) :].split("-", 1)[0]
+            if digits.isdigit():
+                n = max(n, int(digits))
+    while True:
+        key_id = f"{stem}{n + 1}-{secrets.token_hex(4)}"
+        if key_id not in taken:
+            return key_id
 
 
 def _write(path: str, data: dict[str, Any]) -> None:
@@ -550,6 +620,18 @@ class Sealer:
         #: forgotten with the ciphers when the keyring changes (a destroyed key's values
         #: must not open from here)
         self._recent: dict[str, str] = {}
+        #: key ids this process sealed with whose fingerprint the store has not yet
+        #: confirmed (the store's next operation that seals checks them: ``_Tx.seal``)
+        self.unchecked: set[str] = set()
+        #: key ids whose fingerprint the store holds and matches
+        self.checked: set[str] = set()
+
+    def fingerprint(self, key_id: str) -> str:
+        """A fingerprint of the key of ``key_id`` (an HMAC under it of a constant): the
+        same for the same key, never revealing it. The store keeps the fingerprint of
+        each key id it was sealed under, to refuse another key under the same id."""
+        key = self.keyring.key(key_id)
+        return hmac.new(key, _FINGERPRINT_OF, hashlib.sha256).hexdigest()[:32]
 
     def _cipher(self, key_id: str) -> Any:
         if self._dynamic:
@@ -572,6 +654,8 @@ class Sealer:
     def _seal(self, data: bytes, tenant: str | None) -> tuple[bytes, bytes]:
         """(head, nonce + ciphertext) of ``data`` under the tenant's current key."""
         key_id = self.keyring.current(tenant)
+        if key_id not in self.checked:
+            self.unchecked.add(key_id)
         flag = "n"
         packed = _compressed(data)
         if packed is not None:
@@ -621,6 +705,8 @@ class Sealer:
     def _small_entry(self, tenant: str | None) -> tuple[str, bytes, Any]:
         key_id = self.keyring.current(tenant)
         cipher = self._cipher(key_id)
+        if key_id not in self.checked:
+            self.unchecked.add(key_id)
         text_head = f"{PREFIX}{key_id}:n:"
         if len(self._small) > 1024:
             self._small.clear()
@@ -749,6 +835,7 @@ __all__ = [
     "KeyUnavailableError",
     "KeyWrapper",
     "Keyring",
+    "KeyringMismatchError",
     "LocalKeyWrapper",
     "Sealer",
     "StaticKeyring",

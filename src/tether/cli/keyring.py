@@ -65,13 +65,13 @@ def keyring_init_command(
     TETHER_KEY_WRAPPER in those processes too)."""
     wrap = _load_wrapper(wrapper)
     try:
-        FileKeyring.create(path, per_tenant=per_tenant, wrapper=wrap)
+        ring = FileKeyring.create(path, per_tenant=per_tenant, wrapper=wrap)
     except ConfigurationError as exc:
         _fail(str(exc), EXIT_USAGE)
     except OSError as exc:  # a missing directory, no permission
         _fail(f"cannot create keyring file {path!r}: {exc.strerror}", EXIT_ERROR)
     kept = f"wrapped by {wrap.name!r}" if wrap is not None else "keep a copy somewhere safe"
-    _note(f"created {path}: new payloads are sealed with key k1; {kept}")
+    _note(f"created {path}: new payloads are sealed with key {ring.current(None)}; {kept}")
 
 
 def keyring_wrap_command(
@@ -95,7 +95,8 @@ def keyring_wrap_command(
 
 
 def keyring_list_command(path: Annotated[str | None, _path_argument()] = None) -> None:
-    """List the keys (never their bytes): id, tenant, created, current, destroyed."""
+    """List the keys (never their bytes): id, tenant, created, current, destroyed,
+    retired."""
     ring = _ring(path)
 
     def ts(t: float | None) -> str | None:
@@ -103,7 +104,12 @@ def keyring_list_command(path: Annotated[str | None, _path_argument()] = None) -
 
     _dump(
         [
-            {**k, "created_at": ts(k["created_at"]), "destroyed_at": ts(k["destroyed_at"])}
+            {
+                **k,
+                "created_at": ts(k["created_at"]),
+                "destroyed_at": ts(k["destroyed_at"]),
+                "retired_at": ts(k["retired_at"]),
+            }
             for k in ring.listing()
         ]
     )
@@ -122,6 +128,32 @@ def keyring_rotate_command(
     except ConfigurationError as exc:
         _fail(str(exc), EXIT_USAGE)
     _note(f"new payloads{f' of tenant {tenant!r}' if tenant else ''} are sealed with {key_id}")
+
+
+def keyring_retire_command(
+    key_id: Annotated[str, typer.Argument(metavar="KEY_ID", help="The key to remove.")],
+    path: Annotated[str | None, typer.Option("--keyring", help="The keyring file.")] = None,
+    yes: Annotated[
+        bool, typer.Option("--yes", help="Really remove (it cannot be undone).")
+    ] = False,
+) -> None:
+    """Remove a key that seals nothing any more (after tether keyring rotate and tether
+    reseal moved its payloads to the current key); its id stays listed, so no later key
+    takes it. Payloads still sealed with it, in the store or in a backup, then open only
+    with a copy of the keyring made before."""
+    ring = _ring(path)
+    if not yes:
+        _fail(
+            f"payloads still sealed with key {key_id!r} (in the store or a backup) will open "
+            "only with a copy of this keyring made before: run tether reseal first, then "
+            "add --yes",
+            EXIT_USAGE,
+        )
+    try:
+        ring.retire(key_id)
+    except ConfigurationError as exc:
+        _fail(str(exc), EXIT_USAGE)
+    _note(f"retired key {key_id}")
 
 
 def keyring_shred_command(

@@ -444,6 +444,11 @@ def create_api(
         try:
             waited = app.get_run(run_id).result(timeout=min(wait, max_wait) or 0.001)
             await (hub.unless_closing(waited) if wait else waited)
+        except RunPurgedError:  # purged while waited on: as visible() answers it
+            principal: Principal | None = request.state.principal
+            if principal is not None and principal.tenant is not None:
+                raise RunNotFoundError(run_id) from None
+            raise
         except (ResultTimeoutError, ServerClosing):  # not yet (or the server stops): again
             info = await app._peek(run_id)
             response.status_code = 202

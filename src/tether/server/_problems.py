@@ -32,6 +32,8 @@ from .._errors import (
     UpdateFailedError,
     UpdateRejectedError,
 )
+from ..blobs import BlobError
+from ..encryption import KeyringMismatchError, KeyUnavailableError
 from ..store.ops.recovery import RecoveryError
 from ._auth import AuthError
 
@@ -50,6 +52,12 @@ _MAP: list[tuple[type[BaseException], int, str]] = [
     (SwitchedOffError, 409, "Switched off by an operator"),
     (AdmissionLimitError, 429, "The tenant is at its limit of live runs"),
     (RecoveryError, 409, "The run cannot be recovered that way"),
+    # the service cannot open a stored payload (its keyring lacks the key, or a blob is
+    # gone), or may not seal one (its keyring does not match the store's): the
+    # service's setup, not the request; the detail names the key id or the blob
+    (KeyUnavailableError, 503, "Payload unavailable"),
+    (KeyringMismatchError, 503, "Payload unavailable"),
+    (BlobError, 503, "Payload unavailable"),
     (PayloadError, 400, "The input does not match the workflow's parameters"),
     (ScheduleNotFoundError, 404, "No such schedule"),
     (QueryError, 422, "The query could not be answered"),

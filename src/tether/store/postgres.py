@@ -61,14 +61,14 @@ from ._handoff import LoopFuture, Outcome, deliver
 from ._pg_session import _ID_BLOCK, _Session
 from .base import Finished, HistoryListener, Listener, StreamListener, worker_id_in_use
 from .ops import OpsStore
-from .ops._tx import Op, _Tx
+from .ops._tx import ENCRYPTED_BEFORE, Op, SealState, _Tx
 from .ops.claims import _claim, _claim_with_wake
 from .ops.tasks import _heartbeat, _renew
 
 log = logging.getLogger("tether.store")
 
 
-_SCHEMA_VERSION = 11
+_SCHEMA_VERSION = 12
 #: statements that bring a store of the version before up to this one
 _UPGRADES: dict[int, tuple[str, ...]] = {
     2: ("ALTER TABLE runs ADD COLUMN IF NOT EXISTS waiting_on TEXT",),
@@ -134,6 +134,11 @@ _UPGRADES: dict[int, tuple[str, ...]] = {
         "NULL, run_id TEXT NOT NULL, seq BIGINT NOT NULL, created_at DOUBLE PRECISION NOT NULL, "
         "PRIMARY KEY (chain_id, signal_id))",
         "CREATE INDEX IF NOT EXISTS signal_ids_by_run ON signal_ids (run_id)",
+    ),
+    12: (
+        "CREATE TABLE IF NOT EXISTS seal_keys (key_id TEXT PRIMARY KEY, fingerprint TEXT "
+        "NOT NULL, created_at DOUBLE PRECISION NOT NULL)",
+        ENCRYPTED_BEFORE,
     ),
 }
 #: task columns added during development, missing from schemas made by older builds
@@ -205,6 +210,7 @@ class PostgresStore(OpsStore):
         self._notified = 0
         self._own_pids: set[int] = set()
         self._known_limited: set[str] = set()  #: queues seen with limits (see _Tx)
+        self._keys = SealState()  #: whether a keyring sealed into the store (see _Tx)
         self._task_ids: list[int] = []  #: taken from the tasks' sequence, not used yet
         self._task_ids_lock = threading.Lock()
         self._closed = False
@@ -546,6 +552,7 @@ class PostgresStore(OpsStore):
             optimistic=optimistic,
             new_task_id=functools.partial(self._new_task_id, session) if optimistic else None,
             codec=self.codec,
+            keys=self._keys,
         )
 
     def _new_task_id(self, session: _Session) -> int:

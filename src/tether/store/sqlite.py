@@ -36,7 +36,7 @@ from ._counters import SQLITE as COUNTERS
 from ._handoff import LoopFuture, deliver
 from .base import Finished, HistoryListener, Listener, StreamListener, worker_id_in_use
 from .ops import OpsStore
-from .ops._tx import Op, _Tx
+from .ops._tx import ENCRYPTED_BEFORE, Op, SealState, _Tx
 from .ops.runs import _get_run
 from .ops.tasks import _heartbeat
 
@@ -56,13 +56,14 @@ _OWN_TABLES = {
     "ai_spend",
     "ai_budgets",
     "approvals",
+    "seal_keys",
     *COUNT_TABLES,
 }
 
 #: tables every tether store has had since its first schema version
 _CORE_TABLES = {"runs", "events", "tasks"}
 
-_SCHEMA_VERSION = 11
+_SCHEMA_VERSION = 12
 #: statements that bring a store of the version before up to this one
 _UPGRADES: dict[int, tuple[str, ...]] = {
     2: ("ALTER TABLE runs ADD COLUMN waiting_on TEXT",),
@@ -127,6 +128,11 @@ _UPGRADES: dict[int, tuple[str, ...]] = {
         "PRIMARY KEY (chain_id, signal_id))",
         "CREATE INDEX IF NOT EXISTS signal_ids_by_run ON signal_ids (run_id)",
     ),
+    12: (
+        "CREATE TABLE IF NOT EXISTS seal_keys (key_id TEXT PRIMARY KEY, fingerprint TEXT "
+        "NOT NULL, created_at REAL NOT NULL)",
+        ENCRYPTED_BEFORE,
+    ),
 }
 
 
@@ -151,6 +157,7 @@ class SqliteStore(OpsStore):
         self._commits = 0
         self._ops = 0
         self._known_limited: set[str] = set()  #: queues seen with limits (see _Tx)
+        self._keys = SealState()  #: whether a keyring sealed into the store (see _Tx)
         self._closed = False
         self._busy_timeout = busy_timeout
         self._idle = True  #: the writer thread is waiting for work
@@ -364,7 +371,12 @@ class SqliteStore(OpsStore):
         limited: dict[str, bool] = {}  # one "has limits?" lookup per queue per batch
         for fn, args, write, fut in live:
             tx = _Tx(
-                conn, now, limited=limited, known_limited=self._known_limited, codec=self.codec
+                conn,
+                now,
+                limited=limited,
+                known_limited=self._known_limited,
+                codec=self.codec,
+                keys=self._keys,
             )
             if savepoints and write:
                 conn.execute("SAVEPOINT op")

@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..._codec import MARKS, PLAIN_RAW, SECRET_KEYS, Codec, decode_text
-from ..._errors import PayloadError
+from ..._errors import ConfigurationError, PayloadError
 from ..._history import RunEnd, RunInfo, RunStatus, Task
 from ..._serde import dumps
 from ...blobs import BlobError
-from ...encryption import KeyUnavailableError
+from ...encryption import PREFIX, KeyringMismatchError, KeyUnavailableError, Sealer
 
 _TERMINAL = tuple(s.value for s in RunStatus if s.is_terminal)
 
@@ -30,6 +30,25 @@ _TASK_COLS = (
 
 
 Op = Callable[..., Any]
+
+
+#: the schema upgrade that adds ``seal_keys`` marks a store already holding sealed
+#: payloads encrypted (a row of key id ``''``: fingerprints unknown), so a process
+#: without a keyring writes nothing in the clear into a store sealed before the upgrade
+ENCRYPTED_BEFORE = (
+    "INSERT INTO seal_keys (key_id, fingerprint, created_at) SELECT '', '', 0 "
+    "WHERE EXISTS (SELECT 1 FROM runs WHERE substr(input, 1, 4) = '~e1:')"
+)
+
+
+@dataclass
+class SealState:
+    """What a store knows of its encryption, shared by its operations: whether a keyring
+    has sealed into it (a ``seal_keys`` row per key id, with the key's fingerprint).
+    Looked up once, by the first operation of a process without a keyring that writes
+    a payload."""
+
+    encrypted: bool | None = None
 
 
 @dataclass
@@ -61,15 +80,25 @@ class _Tx:
     touched: set[str] = field(default_factory=set)
     #: seals payloads as they are written (``tether.encryption``); None: stored as given
     codec: Codec | None = None
+    #: the store's encryption state (None: not checked, as for a store made in a test)
+    keys: SealState | None = None
 
     #: what this operation sealed, by the id of the text (kept, so the id stays its
     #: own): a step's arguments go into its event and its task row as one sealed value
     _sealed: dict[int, tuple[str, str | None, str]] | None = None
 
-    def seal(self, text: str | None, run_id: str | None = None) -> str | None:
+    def seal(
+        self, text: str | None, run_id: str | None = None, *, plain_ok: bool = False
+    ) -> str | None:
         """``text`` as the store keeps it: sealed under the run's tenant's key if
-        encryption is on, else unchanged."""
+        encryption is on, else unchanged. Without a keyring, a payload is refused by an
+        encrypted store (``refuse_plain``) unless ``plain_ok`` (tether's own words)."""
         codec = self.codec
+        sealer = codec.sealer if codec is not None else None
+        if sealer is None and text is not None and not plain_ok:
+            keys = self.keys
+            if keys is not None and keys.encrypted is not False:
+                self.refuse_plain()
         if codec is None or text is None:
             return text
         tenant = None
@@ -82,9 +111,83 @@ class _Tx:
         if done is not None and done[0] is text and done[1] == tenant:
             return done[2]
         out = codec.encode(text, tenant)
+        if sealer is not None and sealer.unchecked and self.keys is not None:
+            self.check_keys(sealer)
         if len(memo) < 256:
             memo[id(text)] = (text, tenant, out)
         return out
+
+    def check_keys(self, sealer: Sealer) -> None:
+        """Compare the fingerprints of the keys ``sealer`` sealed with lately to those the
+        store keeps for their ids, recording those it has none for: a key id sealed
+        under another key (a second keyring made with the same ids) is refused before
+        anything sealed with it commits. Once per key id and process."""
+        assert self.keys is not None
+        for key_id in list(sealer.unchecked):
+            mine = sealer.fingerprint(key_id)
+            if not self.keys.encrypted and self._no_fingerprints():
+                self._check_sealed_before(sealer)
+            added = self.execute(
+                "INSERT INTO seal_keys (key_id, fingerprint, created_at) VALUES (?, ?, ?) "
+                "ON CONFLICT (key_id) DO NOTHING RETURNING key_id",
+                (key_id, mine, self.now),
+            ).fetchone()
+            self.keys.encrypted = True
+            if added is not None:
+                continue  # confirmed by the next operation (this one may roll back)
+            row = self.execute(
+                "SELECT fingerprint FROM seal_keys WHERE key_id = ?", (key_id,)
+            ).fetchone()
+            if row is not None and row[0] != mine:
+                raise _mismatch(key_id)
+            sealer.checked.add(key_id)
+            sealer.unchecked.discard(key_id)
+
+    def _no_fingerprints(self) -> bool:
+        row = self.execute("SELECT key_id FROM seal_keys WHERE key_id <> '' LIMIT 1").fetchone()
+        return row is None
+
+    def _check_sealed_before(self, sealer: Sealer) -> None:
+        """The store's first fingerprint: a store sealed by a version that kept none
+        holds values under ids this keyring may have too (every keyring it made started
+        at ``k1``, a tenant's id came from its name): one value of each such id, among
+        the first runs, must open with this keyring's key of that id."""
+        heads = self.execute(
+            "SELECT run_id, substr(input, 1, 80) FROM runs WHERE substr(input, 1, 4) = ? "
+            "LIMIT 1000",
+            (PREFIX,),
+        ).fetchall()
+        some: dict[str, str] = {}
+        for run_id, head in heads:
+            some.setdefault(head[len(PREFIX) :].split(":", 1)[0], run_id)
+        for key_id, run_id in some.items():
+            try:
+                sealer.keyring.key(key_id)
+            except (KeyUnavailableError, ConfigurationError):
+                continue  # not this keyring's (or destroyed): nothing to compare
+            row = self.execute("SELECT input FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+            try:
+                sealer.open(row[0] if row is not None else "")
+            except KeyUnavailableError:
+                raise _mismatch(key_id) from None
+            except PayloadError:
+                continue  # a damaged value: says nothing of the key
+
+    def refuse_plain(self) -> None:
+        """Refuse to write a payload in the clear into a store a keyring has sealed into
+        (this process has none); looked up once per store and process."""
+        assert self.keys is not None
+        if self.keys.encrypted is None:
+            row = self.execute("SELECT key_id FROM seal_keys LIMIT 1").fetchone()
+            self.keys.encrypted = row is not None
+        if self.keys.encrypted:
+            raise KeyringMismatchError(
+                None,
+                "this store is encrypted (a keyring has sealed payloads into it) and this "
+                "process has no keyring: it would write payloads in the clear, so nothing "
+                "was written. Set TETHER_KEYRING (the keyring file) or "
+                "TETHER_ENCRYPTION_KEYS, or pass App(encryption=...)",
+            )
 
     def seal_error(self, text: str | None, run_id: str | None = None) -> str | None:
         """An error's JSON as stored: sealed except its type and its cause's type and
@@ -107,10 +210,13 @@ class _Tx:
         (``"~args"`` for ``args``: the same sealed value as the step's task row), the
         rest (names, steps, times, options) left readable."""
         codec = self.codec
-        if codec is None:
-            return _json(data, raw)
-        if codec.sealer is None:
-            return self.seal(_json(data, raw), run_id) or ""
+        if codec is None or codec.sealer is None:
+            keys = self.keys
+            if keys is not None and keys.encrypted is not False and _private(data, raw):
+                self.refuse_plain()
+            if codec is None:
+                return _json(data, raw)
+            return self.seal(_json(data, raw), run_id, plain_ok=True) or ""
         # sealed values and tether's raw keys need no JSON escaping
         parts: list[str] = []
         shown_raw = raw
@@ -162,6 +268,22 @@ class _Tx:
         """Send a statement that raises (division by zero) if an optimistic guess was
         wrong, without waiting for it: its error fails the batch before it commits."""
         self.conn.guard(sql.replace("?", "%s"), params)
+
+
+def _mismatch(key_id: str) -> KeyringMismatchError:
+    return KeyringMismatchError(
+        key_id,
+        f"this process's key {key_id!r} is not the key of that id this store was sealed "
+        "with: another keyring, holding a different key under the same id, sealed it. "
+        "Nothing was written. Give every process the keyring the store was sealed with "
+        "(TETHER_KEYRING, a copy of the same file); a keyring made anew with tether "
+        "keyring init is a different one",
+    )
+
+
+def _private(data: dict[str, Any], raw: dict[str, str] | None) -> bool:
+    """Whether event data carries a payload or a user's words (what a keyring seals)."""
+    return not SECRET_KEYS.isdisjoint(data) or any(k not in PLAIN_RAW for k in raw or ())
 
 
 def _json(data: dict[str, Any], raw: dict[str, str] | None = None) -> str:

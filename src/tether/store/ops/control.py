@@ -31,7 +31,7 @@ def _live_run(tx: _Tx, run_id: str, action: str) -> tuple[str, tuple[Any, ...]]:
             (rid,),
         ).fetchone()
         if row is None:
-            raise RunNotFoundError(run_id)
+            raise _not_found(tx, run_id)
         if row[0] == RunStatus.CONTINUED_AS_NEW.value and row[6]:
             rid = row[6]
             continue
@@ -190,5 +190,5 @@ def _resume(tx: _Tx, run_id: str) -> None:
 # operations of other concerns (imported last: see the package docstring)
 from .history import _append  # noqa: E402
 from .recovery import RecoveryError  # noqa: E402
-from .runs import _finish  # noqa: E402
+from .runs import _finish, _not_found  # noqa: E402
 from .tasks import _ensure_workflow_task  # noqa: E402

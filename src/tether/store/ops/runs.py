@@ -32,8 +32,14 @@ def _run_row(tx: _Tx, run_id: str, *, lock: bool = False) -> tuple[Any, ...]:
         (run_id,),
     ).fetchone()
     if row is None:
-        raise RunNotFoundError(run_id)
+        raise _not_found(tx, run_id)
     return tuple(row)
+
+
+def _not_found(tx: _Tx, run_id: str) -> RunNotFoundError:
+    """The error for a run the store does not have: ``RunPurgedError`` if it was purged."""
+    purged = _purged_run(tx, run_id)
+    return RunNotFoundError(run_id) if purged is None else RunPurgedError(run_id, *purged)
 
 
 def _insert_run(

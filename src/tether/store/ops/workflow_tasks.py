@@ -376,7 +376,7 @@ def _fail_workflow_task(tx: _Tx, task: Task, error: str, retry_at: float) -> Non
     _check_fence(tx, task)
     tx.execute(
         "UPDATE runs SET task_error = ? WHERE run_id = ?",
-        (tx.seal(error, task.run_id), task.run_id),
+        (tx.seal(error, task.run_id, plain_ok=True), task.run_id),
     )
     tx.execute(
         "UPDATE tasks SET lease_owner = NULL, available_at = ? WHERE task_id = ?",

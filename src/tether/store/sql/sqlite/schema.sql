@@ -310,3 +310,12 @@ CREATE TABLE IF NOT EXISTS signal_ids (
     PRIMARY KEY (chain_id, signal_id)
 );
 CREATE INDEX IF NOT EXISTS signal_ids_by_run ON signal_ids (run_id);
+-- The fingerprint (an HMAC under the key, never the key) of each key id payloads here
+-- were sealed under: a process whose key of an id differs is refused before it seals
+-- (tether.encryption). A row here also marks the store encrypted: a process without a
+-- keyring writes no payload into it.
+CREATE TABLE IF NOT EXISTS seal_keys (
+    key_id       TEXT PRIMARY KEY,
+    fingerprint  TEXT NOT NULL,
+    created_at   REAL NOT NULL
+);
