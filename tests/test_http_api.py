@@ -637,7 +637,9 @@ async def test_a_stream_sends_the_events_committed_between_its_read_and_the_run_
     async def is_disconnected() -> bool:
         return False
 
-    app = types.SimpleNamespace(store=types.SimpleNamespace(read_history=read_history), get=get)
+    app = types.SimpleNamespace(
+        store=types.SimpleNamespace(read_history=read_history), get=get, _peek=get
+    )
     hub = EventHub(app)  # type: ignore[arg-type]
     request = types.SimpleNamespace(is_disconnected=is_disconnected)
     sent = [m async for m in hub.stream("r", 6, request)]  # type: ignore[arg-type]

@@ -49,11 +49,14 @@ def test_a_payload_the_service_cannot_open_is_a_503_naming_the_key_never_a_400(
     for env in ({}, {"TETHER_KEYRING": str(tmp_path / "other.json")}):
         s = Server(store_url, "--no-auth", env=env)
         try:
-            for path in ("/v1/runs/r1", "/v1/runs/r1/history"):
-                r = s.http.get(path)
-                assert r.status_code == 503, (env, path, r.text)
-                assert r.json()["title"] == "Payload unavailable"
-                assert key_id in r.json()["detail"] and key not in r.text
+            # the run itself is shown, with what cannot be read and why
+            r = s.http.get("/v1/runs/r1")
+            assert r.status_code == 200, (env, r.text)
+            assert key_id in r.json()["unavailable"]["input"] and key not in r.text
+            r = s.http.get("/v1/runs/r1/history")
+            assert r.status_code == 503, (env, r.text)
+            assert r.json()["title"] == "Payload unavailable"
+            assert key_id in r.json()["detail"] and key not in r.text
             if not env:  # no keyring: a start is refused, nothing written in the clear
                 r = s.http.post(
                     "/v1/workflows/bill/runs",
@@ -81,6 +84,8 @@ def test_a_missing_blob_is_a_503_naming_the_blob(store_url: str, tmp_path: Path)
     s = Server(store_url, "--no-auth", env={"TETHER_BLOBS": str(blobs)})
     try:
         r = s.http.get("/v1/runs/r1")
+        assert r.status_code == 200 and "sha256:" in r.json()["unavailable"]["input"], r.text
+        r = s.http.get("/v1/runs/r1/history")
         assert r.status_code == 503, r.text
         assert r.json()["title"] == "Payload unavailable"
         assert "sha256:" in r.json()["detail"]
