@@ -520,3 +520,200 @@ async def test_two_retries_of_one_failed_run_at_once_retry_it_once(
         for other in others:
             assert other._store is not None
             other._store.close_sync()  # type: ignore[attr-defined]
+
+
+# -- dead letters that cannot be replayed here or read -------------------------------------------
+
+
+async def test_replay_of_an_unregistered_activity_or_a_cancelled_replay_leaves_the_letter_open(
+    store_url: str,
+) -> None:
+    """A replay from an app that does not register the letter's activity (``tether serve``
+    loaded with another module) left the letter "replaying" for good: gone from the open
+    list, refused by resolve. So did a replay cancelled while it ran. Both reopen it."""
+    app = tether.App(store=store_url)
+    release = asyncio.Event()
+    hold = {"on": False}
+
+    @app.activity(retry=fast(1))
+    async def poison(item: int) -> int:
+        if hold["on"]:
+            await release.wait()
+        raise tether.NonRetryable(f"bad {item}")
+
+    @app.workflow
+    async def batch() -> int:
+        outs = await tether.map(poison, [7])
+        return sum(1 for o in outs if not o.ok)
+
+    w = app.worker(lease=5.0, poll_interval=0.05)
+    await w.start()
+    try:
+        assert await (await app.start(batch)).result(timeout=10) == 1
+    finally:
+        await w.stop(grace=2.0)
+    (letter,) = await app.dead_letters()
+
+    other = tether.App(store=store_url)
+    try:
+        with pytest.raises(tether.UnknownActivityError, match="poison") as unknown:
+            await other.replay_dead_letter(letter.id)
+        assert "open" in str(unknown.value)
+        (still,) = await other.dead_letters()
+        assert still.id == letter.id and still.resolved_at is None
+    finally:
+        await other.close()
+    from test_http_api import Server
+
+    server = Server(store_url, "--workers", "0", "--no-auth")  # loads no module
+    try:
+        refused = server.http.post(f"/v1/dead-letters/{letter.id}/replay")
+        assert refused.status_code == 409, refused.text
+        assert "poison" in refused.json()["detail"]
+        assert len(server.http.get("/v1/dead-letters").json()) == 1  # still open
+    finally:
+        server.stop()
+
+    hold["on"] = True
+    replay = asyncio.ensure_future(app.replay_dead_letter(letter.id))
+    await eventually(lambda: _replaying(app))
+    replay.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await replay
+    (reopened,) = await app.dead_letters()
+    assert reopened.id == letter.id and reopened.resolved_at is None
+    await app.resolve_dead_letter(letter.id, note="dropped")
+    assert await app.dead_letters() == []
+    release.set()
+    await app.close()
+
+
+async def _replaying(app: tether.App) -> bool:
+    return not await app.dead_letters()
+
+
+async def test_a_dead_letter_whose_input_is_lost_never_breaks_listings_and_can_be_resolved(
+    store_url: str, tmp_path: Any
+) -> None:
+    """One letter whose input blob is missing made every listing raise (GET
+    /v1/dead-letters answered 503) and could not be resolved. It now lists with a null
+    input named in ``unavailable``; resolve works; a replay is refused, saying why."""
+    from test_http_api import Server
+
+    blobs = tmp_path / "blobs"
+    app = tether.App(store=store_url, blobs=str(blobs), offload_above=64)
+
+    @app.activity(retry=fast(1))
+    def charge(order: str) -> str:
+        raise tether.NonRetryable("provider said no")
+
+    @app.workflow
+    async def checkout(order: str) -> str:
+        outs = await tether.map(charge, [order])
+        return "ok" if outs[0].ok else "failed"
+
+    w = app.worker(lease=5.0, poll_interval=0.05)
+    await w.start()
+    try:
+        lost = await app.start(checkout, "o" * 500)
+        assert await lost.result(timeout=10) == "failed"
+        for path in blobs.rglob("*"):
+            if path.is_file():
+                path.unlink()
+        kept = await app.start(checkout, "small")
+        assert await kept.result(timeout=10) == "failed"
+    finally:
+        await w.stop(grace=2.0)
+
+    letters = {d.run_id: d for d in await app.dead_letters()}
+    assert set(letters) == {lost.run_id, kept.run_id}
+    broken = letters[lost.run_id]
+    assert broken.input is None and broken.unavailable is not None
+    assert "missing" in broken.unavailable["input"]
+    assert letters[kept.run_id].unavailable is None and "small" in (
+        letters[kept.run_id].input or ""
+    )
+    with pytest.raises(tether.RecoveryError, match="input"):
+        await app.replay_dead_letter(broken.id)
+    (still,) = await app.dead_letters(run_id=lost.run_id)
+    assert still.resolved_at is None
+
+    server = Server(store_url, "--workers", "0", "--no-auth", env={"TETHER_BLOBS": str(blobs)})
+    try:
+        page = server.http.get("/v1/dead-letters")
+        assert page.status_code == 200, page.text
+        one = server.http.get(f"/v1/dead-letters/{broken.id}")
+        assert one.status_code == 200, one.text
+        assert "missing" in one.json()["unavailable"]["input"]
+        assert server.http.get("/dead-letters").status_code == 200
+    finally:
+        server.stop()
+
+    closed = await app.resolve_dead_letter(broken.id, note="order re-placed by hand", by="ann")
+    assert closed.resolution == {
+        "state": "resolved",
+        "note": "order re-placed by hand",
+        "by": "ann",
+    }
+    assert [d.run_id for d in await app.dead_letters()] == [kept.run_id]
+    await app.close()
+
+
+def _fail_audit_writes(store_url: str) -> None:
+    """Make every write to the audit log fail (its disk is full, say)."""
+    if store_url.startswith("sqlite:///"):
+        import sqlite3
+
+        with sqlite3.connect(store_url.removeprefix("sqlite:///")) as conn:
+            conn.execute(
+                "CREATE TRIGGER no_audit BEFORE INSERT ON audit_log "
+                "BEGIN SELECT RAISE(ABORT, 'audit log down'); END"
+            )
+        return
+    import psycopg
+
+    base, _, schema = store_url.rpartition("schema=")
+    with psycopg.connect(base.rstrip("?&"), autocommit=True) as conn:
+        conn.execute(
+            f"CREATE FUNCTION {schema}.no_audit() RETURNS trigger LANGUAGE plpgsql AS "
+            "$$ BEGIN RAISE EXCEPTION 'audit log down'; END $$"
+        )
+        conn.execute(
+            f"CREATE TRIGGER no_audit BEFORE INSERT ON {schema}.audit_log "
+            f"FOR EACH ROW EXECUTE FUNCTION {schema}.no_audit()"
+        )
+
+
+async def test_resolving_a_dead_letter_and_its_audit_entry_are_one_write(store_url: str) -> None:
+    """Resolve was three writes (claim, resolve, audit): a failure between them left the
+    letter "replaying" for good, or resolved with no audit entry. Now both or neither."""
+    app = tether.App(store=store_url)
+
+    @app.activity(retry=fast(1))
+    def poison(item: int) -> int:
+        raise tether.NonRetryable(f"bad {item}")
+
+    @app.workflow
+    async def batch() -> int:
+        outs = await tether.map(poison, [7])
+        return sum(1 for o in outs if not o.ok)
+
+    w = app.worker(lease=5.0, poll_interval=0.05)
+    await w.start()
+    try:
+        assert await (await app.start(batch)).result(timeout=10) == 1
+    finally:
+        await w.stop(grace=2.0)
+    (letter,) = await app.dead_letters()
+    await app.close()
+
+    _fail_audit_writes(store_url)
+    again = tether.App(store=store_url)
+    try:
+        with pytest.raises(Exception, match="audit log down"):
+            await again.resolve_dead_letter(letter.id, note="dropped", by="ann")
+        (still,) = await again.dead_letters()  # still open, and still resolvable
+        assert still.id == letter.id and still.resolved_at is None and still.resolution is None
+        assert await again.audit_log(target=f"run:{letter.run_id}") == []
+    finally:
+        await again.close()

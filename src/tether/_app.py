@@ -1862,7 +1862,7 @@ class App:
         """
         letter = await self.store.claim_dead_letter(letter_id)
         try:
-            info = await self.get(letter.run_id)
+            info = await self._peek(letter.run_id)  # its status: a lost payload is no matter
             if letter.kind == "run" or info.status in (
                 RunStatus.FAILED,
                 RunStatus.NEEDS_INTERVENTION,
@@ -1870,12 +1870,19 @@ class App:
                 await self.store.retry_run(letter.run_id)
                 await self.store.resolve_dead_letter(letter_id, {"state": "retried"})
                 return None
+            if letter.unavailable and "input" in letter.unavailable:
+                raise RecoveryError(
+                    f"dead letter {letter.id} (step {letter.step}, {letter.name}, run "
+                    f"{letter.run_id!r}) cannot be replayed: its input cannot be read "
+                    f"({letter.unavailable['input']}). The letter stays open; close it with "
+                    f"app.resolve_dead_letter({letter.id}, note=...)"
+                )
             if not force:
                 await self._check_replayable(letter, info)
-        except Exception:
-            await self.store.resolve_dead_letter(letter_id, None)
+            act = self._replayer(letter)
+        except BaseException:  # a cancelled replay reopens the letter too
+            await asyncio.shield(self.store.resolve_dead_letter(letter_id, None))
             raise
-        act = self.get_activity(letter.name)
         ctx = ActivityContext(
             run_id=letter.run_id,
             step=letter.step or 0,
@@ -1897,14 +1904,27 @@ class App:
             else:
                 value = await asyncio.to_thread(cv.run, act.fn, *args, **kwargs)
             encoded = encode(value, f"result of activity {act.name!r}")
-        except Exception:
-            await self.store.resolve_dead_letter(letter_id, None)
+        except BaseException:
+            await asyncio.shield(self.store.resolve_dead_letter(letter_id, None))
             raise
         done = {"state": "replayed", "result": decode_raw(encoded)}
         if force:
             done["forced"] = True
         await self.store.resolve_dead_letter(letter_id, done)
         return value
+
+    def _replayer(self, letter: DeadLetter) -> Activity[Any, Any]:
+        """The activity that replays ``letter`` here, or an error saying this App lacks it."""
+        try:
+            return self.get_activity(letter.name)
+        except UnknownActivityError:
+            raise UnknownActivityError(
+                f"dead letter {letter.id} is step {letter.step} of activity {letter.name!r}, "
+                "which this App does not register, so it cannot replay it; the letter stays "
+                "open. Replay it from an App (tether serve --app, the worker's module) that "
+                "imports the module defining the activity, or close it with "
+                f"app.resolve_dead_letter({letter.id}, note=...)"
+            ) from None
 
     async def _check_replayable(self, letter: DeadLetter, info: RunInfo) -> None:
         """Refuse the replay of a step whose run handled its failure (see
@@ -1968,20 +1988,13 @@ class App:
         resolution and written to the audit log (actor ``by``, or ``app``)."""
         if not isinstance(note, str) or not note.strip():
             raise ConfigurationError("resolve_dead_letter needs a note: what was done about it")
-        letter = await self.store.claim_dead_letter(letter_id)
-        await self.store.resolve_dead_letter(
-            letter_id, {"state": "resolved", "note": note, "by": by}
-        )
-        await self.store.audit(
+        # one write: the letter is resolved with its audit entry, or neither is
+        return await self.store.close_dead_letter(
+            letter_id,
+            {"state": "resolved", "note": note, "by": by},
             by or "app",
-            "resolve dead letter",
-            f"run:{letter.run_id}",
             {"letter": letter_id, "note": note},
         )
-        (closed,) = await self.store.dead_letters(
-            include_resolved=True, run_id=None, limit=1, letter_id=letter_id, tenant=None
-        )
-        return closed
 
     def _alert(self, subject: str, details: dict[str, Any]) -> asyncio.Future[Any]:
         """Tell the alert hook (or the log): ``subject`` is a run id for a run that needs

@@ -353,6 +353,10 @@ class DeadLetter:
     created_at: float
     resolved_at: float | None
     resolution: Any
+    #: fields whose stored value cannot be read, and why (a missing blob, a destroyed
+    #: or absent key): they show as null (an error keeps its type) instead of failing
+    #: the listing; the letter can still be resolved (a replay is refused)
+    unavailable: dict[str, str] | None = None
 
     @classmethod
     def from_row(cls, row: tuple[Any, ...]) -> DeadLetter:

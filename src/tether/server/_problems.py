@@ -28,6 +28,7 @@ from .._errors import (
     ScheduleNotFoundError,
     SwitchedOffError,
     TetherError,
+    UnknownActivityError,
     UnknownWorkflowError,
     UpdateFailedError,
     UpdateRejectedError,
@@ -52,6 +53,8 @@ _MAP: list[tuple[type[BaseException], int, str]] = [
     (SwitchedOffError, 409, "Switched off by an operator"),
     (AdmissionLimitError, 429, "The tenant is at its limit of live runs"),
     (RecoveryError, 409, "The run cannot be recovered that way"),
+    # a dead letter's replay in a service that does not load the activity's module
+    (UnknownActivityError, 409, "The activity is not registered in this service"),
     # the service cannot open a stored payload (its keyring lacks the key, or a blob is
     # gone), or may not seal one (its keyring does not match the store's): the
     # service's setup, not the request; the detail names the key id or the blob

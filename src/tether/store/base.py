@@ -641,6 +641,13 @@ class Store(abc.ABC):
         """Record how a claimed letter was resolved; ``None`` reopens it."""
 
     @abc.abstractmethod
+    async def close_dead_letter(
+        self, letter_id: int, resolution: Any, actor: str, detail: dict[str, Any]
+    ) -> DeadLetter:
+        """Resolve an open letter and write its audit entry (``resolve dead letter`` by
+        ``actor``) in one transaction; a letter not open is refused (``RecoveryError``)."""
+
+    @abc.abstractmethod
     async def retry_run(self, run_id: str) -> None:
         """Void a failed run's failure and what followed it, and continue it."""
 

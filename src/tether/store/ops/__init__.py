@@ -547,6 +547,12 @@ class OpsStore(Store):
     async def resolve_dead_letter(self, letter_id: int, resolution: Any) -> None:
         await self._do(_resolve_dead_letter, letter_id, resolution)
 
+    async def close_dead_letter(
+        self, letter_id: int, resolution: Any, actor: str, detail: dict[str, Any]
+    ) -> DeadLetter:
+        out: DeadLetter = await self._do(_close_dead_letter, letter_id, resolution, actor, detail)
+        return out
+
     async def retry_run(self, run_id: str) -> None:
         await self._do(_retry_run, run_id)
 
@@ -621,7 +627,14 @@ from .overview import (  # noqa: E402
     _usage_on,
 )
 from .queues import _configure_queue, _pause_queue, _queue_stats  # noqa: E402
-from .recovery import _claim_dead_letter, _dead_letters, _fork_run, _resolve_dead_letter, _retry_run  # noqa: E402
+from .recovery import (  # noqa: E402
+    _claim_dead_letter,
+    _close_dead_letter,
+    _dead_letters,
+    _fork_run,
+    _resolve_dead_letter,
+    _retry_run,
+)
 from .reseal import _reseal_batch  # noqa: E402
 from .retention import (  # noqa: E402
     _configure_retention,

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from collections.abc import Callable
 from typing import Any
 
 from ..._codec import MARKS
-from ..._errors import RunIdConflictError, TetherError
+from ..._errors import PayloadError, RunIdConflictError, TetherError
 from ..._history import COMMANDS, OUTCOMES, DeadLetter, Event, EventType, RunStatus
+from ...blobs import BlobError
 from ._tx import _error_json, _Tx
 
 _DL_COLS = (
@@ -63,23 +66,47 @@ def _claim_dead_letter(tx: _Tx, letter_id: int) -> DeadLetter:
 
 
 def _letter(tx: _Tx, row: Any) -> DeadLetter:
-    """A dead letter from its row, its payloads opened if sealed."""
+    """A dead letter from its row, its payloads opened if sealed. One that cannot be
+    read (a missing blob, a destroyed or absent key) is null and named in
+    ``unavailable`` with the reason: listings and resolve need only its ids."""
     row = tuple(row)
     if tx.codec is None and not any(
         isinstance(v, str) and (v.startswith(MARKS) or '"sealed"' in v) for v in row
     ):
         return DeadLetter.from_row(row)
     where = f"dead letter {row[0]} (run {row[1]!r}, step {row[2]})"
-    error = _error_json(tx.codec, row[6], row[1], f"dead letter {row[0]}, step {row[2]}, error")
-    return DeadLetter.from_row(
+    unavailable: dict[str, str] = {}
+
+    def read(field: str, decode: Callable[[], Any]) -> Any:
+        try:
+            return decode()
+        except (PayloadError, BlobError) as exc:
+            unavailable[field] = str(exc)
+            return None
+
+    error = read(
+        "error",
+        lambda: _error_json(
+            tx.codec, row[6], row[1], f"dead letter {row[0]}, step {row[2]}, error"
+        ),
+    )
+    if "error" in unavailable:  # its type (and its cause's) is kept outside the seal
+        try:
+            shown = json.loads(row[6])
+        except ValueError:
+            shown = None
+        if isinstance(shown, dict):
+            error = {k: v for k, v in shown.items() if k != "sealed"}
+    letter = DeadLetter.from_row(
         (
             *row[:5],
-            tx.open(row[5], f"{where}, input"),
+            read("input", lambda: tx.open(row[5], f"{where}, input")),
             json.dumps(error) if error is not None else None,
             *row[7:11],
-            tx.open(row[11], f"{where}, resolution"),
+            read("resolution", lambda: tx.open(row[11], f"{where}, resolution")),
         )
     )
+    return dataclasses.replace(letter, unavailable=unavailable) if unavailable else letter
 
 
 def _resolve_dead_letter(tx: _Tx, letter_id: int, resolution: Any) -> None:
@@ -96,6 +123,27 @@ def _resolve_dead_letter(tx: _Tx, letter_id: int, resolution: Any) -> None:
             "UPDATE dead_letters SET resolved_at = ?, resolution = ? WHERE id = ?",
             (tx.now, sealed, letter_id),
         )
+
+
+def _close_dead_letter(
+    tx: _Tx, letter_id: int, resolution: Any, actor: str, detail: dict[str, Any]
+) -> DeadLetter:
+    """Resolve an open letter and audit it (``resolve dead letter`` on its run) in one
+    transaction: both are written or neither, and a letter no longer open is refused."""
+    row = tx.execute("SELECT run_id FROM dead_letters WHERE id = ?", (letter_id,)).fetchone()
+    sealed = tx.seal(json.dumps(resolution), row[0]) if row else None
+    done = tx.execute(
+        f"UPDATE dead_letters SET resolved_at = ?, resolution = ? WHERE id = ? "
+        f"AND resolved_at IS NULL RETURNING {_DL_COLS}",
+        (tx.now, sealed, letter_id),
+    ).fetchone()
+    if done is None:
+        raise RecoveryError(
+            f"dead letter {letter_id} does not exist or was already replayed or resolved; "
+            "list open ones with app.dead_letters()"
+        )
+    _audit(tx, actor, "resolve dead letter", f"run:{done[1]}", detail)
+    return _letter(tx, done)
 
 
 def _pending_work(tx: _Tx, run_id: str, kept: list[Event], run_queue: str, fork: bool) -> None:
@@ -342,5 +390,6 @@ from .batches import _batch_cols  # noqa: E402
 from .dependencies import _ensure_dependency  # noqa: E402
 from .history import _append, _live_history  # noqa: E402
 from .runs import _child_outcome, _get_run, _insert_run, _run_row  # noqa: E402
+from .switches import _audit  # noqa: E402
 from .tasks import _ensure_workflow_task  # noqa: E402
 from .workflow_tasks import _ENDINGS  # noqa: E402
