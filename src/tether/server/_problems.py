@@ -26,6 +26,7 @@ from .._errors import (
     RunNotFoundError,
     RunPurgedError,
     ScheduleNotFoundError,
+    SignalIdConflictError,
     SwitchedOffError,
     TetherError,
     UnknownWorkflowError,
@@ -52,6 +53,7 @@ _MAP: list[tuple[type[BaseException], int, str]] = [
     (SwitchedOffError, 409, "Switched off by an operator"),
     (AdmissionLimitError, 429, "The tenant is at its limit of live runs"),
     (RecoveryError, 409, "The run cannot be recovered that way"),
+    (SignalIdConflictError, 409, "Id already used by a signal or an update"),
     # the service cannot open a stored payload (its keyring lacks the key, or a blob is
     # gone), or may not seal one (its keyring does not match the store's): the
     # service's setup, not the request; the detail names the key id or the blob
