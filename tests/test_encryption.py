@@ -957,6 +957,52 @@ async def test_a_second_keyring_with_the_same_key_ids_is_refused_before_it_seals
     app.store.close_sync()  # type: ignore[attr-defined]
 
 
+async def test_a_worker_with_another_keyring_stops_claiming_and_leaves_the_queue_to_others(
+    store_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # it opens what is there (k1) but its new key k2 is not the k2 that sealed the store
+    k1, k2 = os.urandom(32), os.urandom(32)
+    seeder = tether.App(store=store_url, encryption=StaticKeyring({"k1": k1, "k2": k2}, "k2"))
+    _register(seeder)
+    await seeder.start("echo", "zero", run_id="r0")  # k2 seals something: its fingerprint
+    seeder.store.close_sync()  # type: ignore[attr-defined]
+    app = tether.App(store=store_url, encryption=StaticKeyring({"k1": k1, "k2": k2}, "k1"))
+    _register(app)
+    await app.start("echo", "one", run_id="r1")
+    await app.start("echo", "two", run_id="r2")
+    key_id = "k2"
+    other = StaticKeyring({"k1": k1, "k2": os.urandom(32)}, "k2")
+    wrong = tether.App(store=store_url, encryption=other)
+    _register(wrong)
+    claims: list[str] = []
+    real_claim = wrong.store.claim_with_wake
+
+    async def counted(**kwargs: Any) -> Any:
+        tasks, until = await real_claim(**kwargs)
+        claims.extend(t.run_id for t in tasks)
+        return tasks, until
+
+    wrong.store.claim_with_wake = counted  # type: ignore[method-assign]
+    caplog.set_level("ERROR", logger="tether")
+    async with wrong.worker(poll_interval=0.05, concurrency=1) as worker:
+        deadline = time.monotonic() + 20
+        while not claims and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert claims, "the worker claimed nothing"
+        await asyncio.sleep(2.5)
+        # it stopped claiming: the run it could not serve is not churned through it
+        assert len(claims) == 1, claims
+        assert worker.stats["keyring_mismatches"] == 1
+        # and what it gave back is at once another worker's, not held for seconds
+        async with app.worker(poll_interval=0.05):
+            for run_id in ("r1", "r2"):
+                assert await app.get_run(run_id).result(timeout=5)
+    said = [r for r in caplog.records if key_id in r.getMessage()]
+    assert len(said) == 1 and "claims" in said[0].getMessage(), [r.getMessage() for r in said]
+    wrong.store.close_sync()  # type: ignore[attr-defined]
+    app.store.close_sync()  # type: ignore[attr-defined]
+
+
 async def test_a_store_sealed_before_fingerprints_were_kept_refuses_a_key_that_does_not_open_it(
     store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -24,7 +24,7 @@ import pytest
 
 import tether
 import tether._app
-from test_http_api import INVOICE, Server, _free_port
+from test_http_api import INVOICE, Server, _create_key, _free_port
 from tether import ConfigurationError
 from tether.server._relay import WebhookRelay
 from tether.webhooks import WebhookError, new_secret, verify
@@ -496,6 +496,28 @@ def test_failed_authentications_are_rate_limited_per_address(store_url: str) -> 
         assert http.get("/v1/runs", headers=wrong).status_code == 401
         signin = http.post("/login", data={"key": "tether_nokey.guess3", "next": "/"})
         assert signin.status_code == 429  # the last 401 took the token
+    finally:
+        server.stop()
+
+
+def test_a_valid_key_is_never_refused_for_another_clients_wrong_keys(store_url: str) -> None:
+    # behind a proxy or NAT every client shares one address: one client's wrong key
+    # must not lock out the others' valid keys
+    server = Server(store_url, "--rate-limit", "1")
+    try:
+        good = {"Authorization": f"Bearer {_create_key(store_url, '--role', 'admin')}"}
+        http = server.http
+        wrong = {"Authorization": "Bearer tether_nokey.guess"}
+        time.sleep(1.2)
+        codes = [http.get("/v1/runs", headers=wrong).status_code for _ in range(4)]
+        assert codes[0] == 401 and codes[-1] == 429, codes
+        r = http.get("/v1/runs", headers=good)
+        assert r.status_code == 200, r.text
+        assert http.get("/v1/runs", headers=wrong).status_code == 429  # still limited
+        signin = http.post("/login", data={"key": good["Authorization"][7:], "next": "/"})
+        assert signin.status_code == 303, signin.text  # the console's sign-in too
+        signin = http.post("/login", data={"key": "tether_nokey.guess2", "next": "/"})
+        assert signin.status_code == 429
     finally:
         server.stop()
 

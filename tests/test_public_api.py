@@ -61,6 +61,7 @@ PUBLIC = [
     "ScheduleInfo",
     "ScheduleNotFoundError",
     "ScheduleSpec",
+    "SignalIdConflictError",
     "StoreError",
     "SwitchedOffError",
     "SyncClient",

@@ -141,6 +141,31 @@ def test_a_retried_update_with_the_same_idempotency_key_applies_once(server: Ser
     assert ok.json()["result"] == 8
 
 
+def test_an_idempotency_key_used_by_a_signal_is_refused_for_an_update_and_back(
+    server: Server,
+) -> None:
+    # signal ids and update ids share one namespace per run: reusing one across the two
+    # used to wait for an update outcome that never came (202)
+    run_id = server.http.post("/v1/workflows/counter/runs", json={"input": {"start": 0}}).json()[
+        "id"
+    ]
+    signal = server.http.post(
+        f"/v1/runs/{run_id}/signals/poke", json=None, headers={"Idempotency-Key": "k-1"}
+    )
+    assert signal.status_code in (200, 202), signal.text
+    url = f"/v1/runs/{run_id}/updates/add"
+    clash = server.http.post(url, json={"args": [5]}, headers={"Idempotency-Key": "k-1"})
+    assert clash.status_code == 409, clash.text
+    assert "k-1" in clash.json()["detail"] and "signal" in clash.json()["detail"]
+    added = server.http.post(url, json={"args": [5]}, headers={"Idempotency-Key": "k-2"})
+    assert added.status_code == 200, added.text
+    back = server.http.post(
+        f"/v1/runs/{run_id}/signals/poke", json=None, headers={"Idempotency-Key": "k-2"}
+    )
+    assert back.status_code == 409, back.text
+    assert "k-2" in back.json()["detail"] and "update" in back.json()["detail"]
+
+
 def test_a_retried_entity_operation_with_the_same_idempotency_key_applies_once(
     server: Server,
 ) -> None:
@@ -223,6 +248,38 @@ async def test_update_ids_apply_an_update_once_and_answer_retries_with_its_outco
     await app.signal("acct", "stop")
     assert await run.result(timeout=10) == 5
     assert len(await _signals(app, "acct")) == 4  # three updates and the stop
+
+
+async def test_a_signal_id_is_not_an_update_id_nor_the_other_way(
+    app: tether.App, worker: tether.Worker
+) -> None:
+    @app.workflow
+    async def box() -> int:
+        total = {"n": 0}
+
+        @tether.on_update("add")
+        def add(k: int) -> int:
+            total["n"] += k
+            return total["n"]
+
+        await tether.wait_event("stop")
+        return total["n"]
+
+    await app.start(box, run_id="box")
+    assert await app.signal("box", "poke", 1, signal_id="x1") is True
+    await eventually(lambda: _waiting(app, "box"), what="the run to wait")
+    with pytest.raises(tether.SignalIdConflictError, match=r"x1.*signal 'poke'") as err:
+        await app.update("box", "add", 1, update_id="x1", timeout=5)
+    assert isinstance(err.value, tether.ConfigurationError)
+    assert await app.update("box", "add", 2, update_id="x2") == 2
+    with pytest.raises(tether.SignalIdConflictError, match=r"x2.*update 'add'"):
+        await app.signal("box", "poke", 1, signal_id="x2")
+    assert await app.signal("box", "poke", 1, signal_id="x1") is False  # a retry, as before
+    assert await app.update("box", "add", 2, update_id="x2", timeout=5) == 2
+
+
+async def _waiting(app: tether.App, run_id: str) -> bool:
+    return bool((await app.get(run_id)).waiting_on)
 
 
 async def test_concurrent_sends_of_one_id_from_two_processes_record_it_once(

@@ -55,6 +55,7 @@ from ._errors import (
     RunTerminatedError,
     RunTimedOutError,
     ScheduleNotFoundError,
+    SignalIdConflictError,
     StoreError,
     UnknownActivityError,
     UnknownWorkflowError,
@@ -1386,7 +1387,9 @@ class App:
         if signal_id is not None:
             check_signal_id(signal_id)
         wire = encode(payload, f"payload of signal {name!r}")
-        _target, _seq, new = await self.store.signal(run_id, name, wire, signal_id)
+        target, seq, new = await self.store.signal(run_id, name, wire, signal_id)
+        if not new and signal_id is not None:
+            await self._id_kind(target, seq, signal_id, f"signal {name!r}", update=False)
         return new
 
     # -- queries and updates -----------------------------------------------------
@@ -1439,6 +1442,7 @@ class App:
             check_signal_id(update_id, "update_id")
             seen = await self.store.signal_arrived(run_id, update_id)
             if seen is not None:
+                await self._id_kind(*seen, update_id, f"update {name!r}", update=True)
                 return await self._update_outcome(seen[0], update_id, name, timeout, seen[1])
         try:
             inst = await self._replayed(run_id, f"update {name!r}")
@@ -1475,10 +1479,29 @@ class App:
         an ``update_id`` that arrived meanwhile: the first request's)."""
         uid = update_id or uuid.uuid4().hex
         payload = encode({"id": uid, "args": list(args)}, f"arguments of update {name!r}")
-        target, seq, _new = await self.store.signal(
-            run_id, UPDATE_SIGNAL + name, payload, update_id
-        )
+        target, seq, new = await self.store.signal(run_id, UPDATE_SIGNAL + name, payload, update_id)
+        if not new and update_id is not None:  # it arrived meanwhile
+            await self._id_kind(target, seq, update_id, f"update {name!r}", update=True)
         return await self._update_outcome(target, uid, name, timeout, seq)
+
+    async def _id_kind(self, run_id: str, seq: int, given: str, sent: str, *, update: bool) -> None:
+        """Refuse ``given``, the id of ``sent``, if it arrived (as event ``seq`` of
+        ``run_id``) as the other kind: a plain signal for an update, or the other way
+        (``SignalIdConflictError``): one would wait for an outcome that never comes, the
+        other be dropped as a retry."""
+        events = await self.store.read_history(run_id, seq - 1)
+        event = next((e for e in events if e.seq == seq), None)
+        if event is None or event.type is not EventType.SIGNAL_RECEIVED:
+            return
+        arrived = str(event.data.get("name", ""))
+        if arrived.startswith(UPDATE_SIGNAL) == update:
+            return
+        what = (
+            f"update {arrived[len(UPDATE_SIGNAL) :]!r}"
+            if arrived.startswith(UPDATE_SIGNAL)
+            else f"signal {arrived!r}"
+        )
+        raise SignalIdConflictError(run_id, given, what, sent)
 
     async def _replayed(self, run_id: str, what: str) -> WorkflowInstance:
         """The run's live instance rebuilt from its history, through its last task."""

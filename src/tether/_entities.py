@@ -323,6 +323,9 @@ class EntityRef:
             signal_id=given,
         )
         assert res.signalled is not None  # create_run signals in the same commit
+        if given is not None and not res.signal_new:
+            target, seq = res.signalled
+            await self.app._id_kind(target, seq, given, f"operation {op!r}", update=True)
         return update_id, res.signalled, res.signal_new
 
     async def _check_dots(self) -> None:

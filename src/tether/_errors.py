@@ -42,6 +42,26 @@ class ConfigurationError(TetherError, ValueError):
     """An option, policy or store URL is invalid."""
 
 
+class SignalIdConflictError(ConfigurationError):
+    """A signal id sent with an update, or an update id with a signal: signal ids and
+    update ids share one namespace per run (its continue-as-new chain), and this id
+    already arrived as the other kind. Nothing was recorded."""
+
+    def __init__(self, run_id: str, given_id: str, arrived: str, sent: str) -> None:
+        self.run_id = run_id
+        self.id = given_id
+        #: what the id arrived as, and what it was sent with now ("signal 'x'", "update 'y'")
+        self.arrived, self.sent = arrived, sent
+        super().__init__(
+            f"id {given_id!r} already arrived in run {run_id!r} as the {arrived}, so it "
+            f"cannot be the id of the {sent} (signal ids and update ids are one namespace "
+            "per run): use another id"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.run_id, self.id, self.arrived, self.sent))
+
+
 class PayloadError(TetherError, TypeError):
     """A value could not be serialised to, or decoded from, the store."""
 

@@ -75,6 +75,9 @@ KEY_HOLD = 30.0
 #: seconds a step of an activity this worker does not register waits before any worker
 #: may claim it again (a deploy that forgot an import, or a rolling deploy's new code)
 UNKNOWN_HOLD = 10.0
+#: seconds a worker whose keyring does not match the store's stops claiming after a
+#: task it could not record (KeyringMismatchError): its tasks go at once to other workers
+KEYRING_PAUSE = 30.0
 #: a worker logs an activity it does not register at most once per this many seconds
 UNKNOWN_LOG_EVERY = 60.0
 #: how often a worker folds the run counters' appended changes (``store/_counters.py``)
@@ -183,6 +186,10 @@ class Worker:
         self._unstarted: list[Task] = []
         #: when this worker last logged each activity it does not register
         self._unknown_said: dict[str, float] = {}
+        #: monotonic time until which this worker claims nothing (its keyring does not
+        #: match the store's); the key ids it has said so for (logged once each)
+        self._claims_paused_until = 0.0
+        self._mismatch_said: set[str | None] = set()
         self._renewer: asyncio.Task[None] | None = None
         self._switcher: asyncio.Task[None] | None = None
         #: the kill switches that are off (``_switches.py``), read every REFRESH seconds
@@ -492,6 +499,13 @@ class Worker:
                 await self._slot.wait()
                 continue
             self._wake.clear()
+            paused = self._claims_paused_until - time.monotonic()
+            if paused > 0:  # a keyring that cannot record: leave the queue to others
+                try:
+                    await asyncio.wait_for(self._wake.wait(), paused)
+                except TimeoutError:
+                    pass
+                continue
             try:
                 tasks, throttled_until = await self.app.store.claim_with_wake(
                     worker_id=self.id, queues=self.queues, limit=min(free, 64), lease=self.lease
@@ -636,13 +650,31 @@ class Worker:
             entry = None
         if t is not None and not t.cancelled():
             exc = t.exception()  # retrieved, so it is never lost in a warning
+            delay = 1.0
             if isinstance(exc, KeyringMismatchError):  # this process's setup: no traceback
-                log.error("task %d: nothing recorded: %s", task_id, exc)
+                # every task would fail alike here: stop claiming for a while and give
+                # the task back at once, so workers that can record it take it
+                self.stats["keyring_mismatches"] += 1
+                self._claims_paused_until = time.monotonic() + KEYRING_PAUSE
+                delay = 0.0
+                if exc.key_id not in self._mismatch_said:
+                    self._mismatch_said.add(exc.key_id)
+                    log.error(
+                        "worker %s: task %d: nothing recorded: %s (this worker claims "
+                        "nothing for %g s at a time, leaving its tasks to other workers, "
+                        "until it is restarted with the right keyring)",
+                        self.id,
+                        task_id,
+                        exc,
+                        KEYRING_PAUSE,
+                    )
+                else:
+                    log.debug("task %d: nothing recorded: %s", task_id, exc)
             elif isinstance(exc, Exception):
                 log.error("task %d failed unexpectedly", task_id, exc_info=exc)
             if isinstance(exc, Exception) and entry is not None and not self._stopping:
                 # give it back soon rather than sit on the lease until it expires
-                self._fire(self.app.store.release([entry[0]], delay=1.0))
+                self._fire(self.app.store.release([entry[0]], delay=delay))
         if self._slot is not None:
             self._slot.set()
 

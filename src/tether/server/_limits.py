@@ -3,8 +3,9 @@
 The rate limit is a token bucket per API key (per client address while auth is off),
 kept in this process: with several ``tether serve`` processes behind a balancer each
 enforces it on its own share of the traffic. Failed authentications (a wrong or missing
-key, a refused console sign-in) have a bucket per client address too, asked before the
-key is looked up in the store, so guessing keys costs no store read beyond the rate.
+key, a refused console sign-in) have a bucket per client address too: beyond it a
+failure is answered 429 instead of 401. The key is looked up before the bucket is asked,
+so a valid key is never refused for other clients' failures from the same address.
 """
 
 from __future__ import annotations
@@ -32,15 +33,6 @@ class RateLimiter:
         self.burst = float(burst if burst is not None else max(1, math.ceil(rate)))
         self._buckets: dict[str, tuple[float, float]] = {}  # key -> (tokens, at)
 
-    def waiting(self, key: str, now: float | None = None) -> float:
-        """Seconds until ``key`` has a token (0: it has one), taking none."""
-        entry = self._buckets.get(key)
-        if entry is None:
-            return 0.0
-        t = time.monotonic() if now is None else now
-        tokens = min(self.burst, entry[0] + (t - entry[1]) * self.rate)
-        return 0.0 if tokens >= 1 else (1 - tokens) / self.rate
-
     def take(self, key: str, now: float | None = None) -> float:
         """Take a token for ``key``: 0 if allowed, else seconds until one is free."""
         t = time.monotonic() if now is None else now
@@ -59,12 +51,21 @@ async def authenticate_limited(
     store: Store, authorization: str | None, limiter: RateLimiter | None, client: str
 ) -> Principal:
     """``authenticate``, with failed attempts from ``client`` limited by ``limiter``
-    (``rate`` a second per address): beyond it, 429 without reading the store."""
+    (``rate`` a second per address): a failure beyond it is answered 429, not 401.
+
+    The key is always looked up first: many clients can share one address (a proxy, a
+    NAT), and one client's wrong keys must never lock out another's valid key. So a
+    guess costs one key lookup (by primary key, like any request) even over the rate."""
     if limiter is None:
         return await authenticate(store, authorization)
-    bucket = f"failed:{client}"
-    wait = limiter.waiting(bucket)
-    if wait:
+    try:
+        return await authenticate(store, authorization)
+    except AuthError as exc:
+        if exc.status != 401:
+            raise
+        wait = limiter.take(f"failed:{client}")
+        if not wait:
+            raise
         after = math.ceil(wait)
         raise AuthError(
             429,
@@ -72,13 +73,7 @@ async def authenticate_limited(
             f"requests from {client} with wrong or missing keys are limited to "
             f"{limiter.rate:g}/s; retry after {after} s",
             retry_after=after,
-        )
-    try:
-        return await authenticate(store, authorization)
-    except AuthError as exc:
-        if exc.status == 401:
-            limiter.take(bucket)
-        raise
+        ) from exc
 
 
 class BodyLimit:
