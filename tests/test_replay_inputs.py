@@ -690,3 +690,38 @@ async def test_a_fork_replays_steps_whose_arguments_name_the_original_run(db_pat
         fork = await app.fork("r", at_step=1, new_run_id="f")
         assert await fork.result(timeout=10) == ["r:charge", "f:ship"]
     await app.close()
+
+
+def _flags(app: tether.App, value: Any) -> tether.Workflow[[], Any]:
+    @app.activity
+    def mark(v: Any, meta: dict[str, Any]) -> str:
+        return repr(v)
+
+    @app.workflow(name="flags")
+    async def flags() -> Any:
+        out = await mark(value, {"on": value})
+        await tether.wait_event("go")
+        return out
+
+    return flags
+
+
+@pytest.mark.parametrize(("was", "now"), [(1, True), (True, 1), (0, False), (False, 0.0)])
+async def test_a_bool_where_a_number_was_recorded_is_a_divergence(
+    store_url: str, was: Any, now: Any
+) -> None:
+    """``True == 1`` in Python, but an activity given ``True`` is not the call recorded
+    with ``1`` (JSON ``true`` vs ``1``): replay must not pair them."""
+    app = tether.App(store=store_url)
+    history = await _record(app, _flags(app, was))
+    same = tether.App(store=store_url)
+    _flags(same, was)
+    assert check_history(same, history).ok
+    v2 = tether.App(store=store_url)
+    _flags(v2, now)
+    report = check_history(v2, history)
+    assert not report.ok
+    msg = report.error or ""
+    assert "step 1" in msg and "'mark'" in msg and "argument" in msg
+    for a in (app, same, v2):
+        await a.close()

@@ -1057,11 +1057,11 @@ def _inputs_differ(
     if not isinstance(recorded, dict):
         return None
     now = json.loads(text)
-    if now == recorded:
+    if now == recorded and _same(now, recorded):
         return None  # the common case: the same JSON
     was_bound, now_bound = _bound(sig, recorded), _bound(sig, now)
     if was_bound is None or now_bound is None:
-        if _canonical(recorded) == _canonical(now):
+        if _same(recorded, now):
             return None
         return "the arguments"
     names = [
@@ -1071,10 +1071,7 @@ def _inputs_differ(
         and (
             name not in was_bound
             or name not in now_bound
-            or (
-                was_bound[name] != now_bound[name]
-                and _canonical(was_bound[name]) != _canonical(now_bound[name])  # NaN == NaN
-            )
+            or not _same(was_bound[name], now_bound[name])
         )
     ]
     if not names:
@@ -1096,8 +1093,21 @@ def _bound(sig: Signature, value: dict[str, Any]) -> dict[str, Any] | None:
     return plain
 
 
-def _canonical(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, default=str)
+def _same(a: Any, b: Any) -> bool:
+    """Whether two decoded JSON values are the same value: like ``==`` (key order and
+    ``1`` vs ``1.0`` do not count) except that a bool never equals a number (Python's
+    ``True == 1``; JSON's ``true`` is not ``1``) and NaN equals NaN."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    if isinstance(a, dict):
+        return (
+            isinstance(b, dict)
+            and a.keys() == b.keys()
+            and all(_same(v, b[k]) for k, v in a.items())
+        )
+    if isinstance(a, list):
+        return isinstance(b, list) and len(a) == len(b) and all(map(_same, a, b))
+    return bool(a == b) or (a != a and b != b)  # NaN is the same NaN
 
 
 def _type_name(tp: Any) -> str:
