@@ -1011,10 +1011,12 @@ async def test_a_replay_killed_after_its_claim_leaves_no_letter_replaying_for_go
     assert claimed.resolution is not None and claimed.resolution["state"] == "replaying"
     with pytest.raises(tether.RecoveryError, match="already replayed"):
         await app.replay_dead_letter(item.id)  # a live claim holds
+    assert (await app.store.open_counts())["dead_letters"] == 2  # the run's, its step's
     monkeypatch.setattr(recovery, "CLAIM_TTL", 0.5)
     await asyncio.sleep(1.0)  # ... until it goes stale: its process renews it no more
     (reopened,) = await app.dead_letters(run_id="b")
     assert reopened.id == item.id
+    assert (await app.store.open_counts())["dead_letters"] == 3  # counted open again
     broken["on"] = False
     assert await app.replay_dead_letter(item.id) == 70
     (done,) = await app.dead_letters(run_id="b", include_resolved=True)
