@@ -1024,3 +1024,44 @@ async def test_a_replay_killed_after_its_claim_leaves_no_letter_replaying_for_go
     assert await app.replay_dead_letter(run_letter.id) is None  # retried now
     assert EventType.RUN_RETRIED in [e.type for e in await app.history("r")]
     await app.close()
+
+
+async def test_two_replays_of_a_run_letter_at_once_retry_the_run_once(
+    app: tether.App, store_url: str, worker: tether.Worker
+) -> None:
+    """A run's letter is checked, the run retried and the letter marked in one
+    transaction: of two replays at once, one retries the run and the other is told the
+    letter was already replayed."""
+    broken = {"on": True}
+
+    @app.activity(retry=fast(1))
+    def flaky(i: int) -> int:
+        if broken["on"]:
+            raise ConnectionError("down")
+        return i
+
+    @app.workflow
+    async def one(i: int) -> int:
+        return await flaky(i)
+
+    run = await app.start(one, 5)
+    with pytest.raises(tether.WorkflowFailedError):
+        await run.result(timeout=10)
+    (letter,) = [d for d in await app.dead_letters(run_id=run.run_id) if d.kind == "run"]
+    broken["on"] = False
+    other = tether.App(store=store_url)
+    try:
+        got = await asyncio.gather(
+            app.replay_dead_letter(letter.id),
+            other.replay_dead_letter(letter.id),
+            return_exceptions=True,
+        )
+    finally:
+        await other.close()
+    assert sorted(map(str, got)).count("None") == 1, got
+    (refused,) = [g for g in got if isinstance(g, BaseException)]
+    assert isinstance(refused, tether.RecoveryError), refused
+    assert await run.result(timeout=10) == 5
+    types = [e.type for e in await app.history(run.run_id)]
+    assert types.count(EventType.RUN_RETRIED) == 1
+    assert await app.dead_letters(run_id=run.run_id) == []

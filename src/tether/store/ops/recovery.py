@@ -267,6 +267,15 @@ def _retry_run(tx: _Tx, run_id: str, letter_id: int | None = None) -> None:
     letter must be open and one of those: otherwise nothing is written (``_NotRetried``)."""
     # locked: a second retry at once waits, then finds the run running and is refused
     status, run_queue, _p, _s, workflow, _t = _run_row(tx, run_id, lock=True)
+    cond, cargs = _open(tx)
+    letter = None
+    if letter_id is not None:  # checked first: a second replay at once finds it marked
+        letter = tx.execute(
+            f"SELECT run_id, kind, step FROM dead_letters WHERE id = ? AND {cond}",
+            (letter_id, *cargs),
+        ).fetchone()
+        if letter is None:
+            raise _not_open(letter_id)
     if status not in (RunStatus.FAILED.value, RunStatus.NEEDS_INTERVENTION.value):
         raise RecoveryError(
             f"run {run_id!r} is {status}: only failed or needs_intervention runs can be "
@@ -288,16 +297,11 @@ def _retry_run(tx: _Tx, run_id: str, letter_id: int | None = None) -> None:
     again = (
         failures[-1].step if failures and failures[-1].type is EventType.ACTIVITY_FAILED else None
     )
-    cond, cargs = _open(tx)
-    if letter_id is not None:
-        row = tx.execute(
-            f"SELECT run_id, kind, step FROM dead_letters WHERE id = ? AND {cond}",
-            (letter_id, *cargs),
-        ).fetchone()
-        if row is None:
-            raise _not_open(letter_id)
-        if row[0] != run_id or not (row[1] == "run" or (again is not None and row[2] == again)):
-            raise _NotRetried(f"a retry of run {run_id!r} does not run letter {letter_id} again")
+    if letter is not None and (
+        letter[0] != run_id
+        or not (letter[1] == "run" or (again is not None and letter[2] == again))
+    ):
+        raise _NotRetried(f"a retry of run {run_id!r} does not run letter {letter_id} again")
     given_up = {
         e.data.get("child_step") for e in events if e.type is EventType.CHILD_CANCEL_REQUESTED
     }
