@@ -958,6 +958,8 @@ async def test_a_replay_killed_after_its_claim_leaves_no_letter_replaying_for_go
     resolve. A failed run's letter is now retried in one transaction with the letter's
     mark (killed in it, nothing is written); a map item's claim is renewed while its step
     runs, so one left by a dead process goes stale and the next replay takes it over."""
+    import time
+
     from tether.store.ops import recovery
 
     app = tether.App(store=store_url)
@@ -1023,7 +1025,34 @@ async def test_a_replay_killed_after_its_claim_leaves_no_letter_replaying_for_go
     assert done.resolution == {"state": "replayed", "result": 70}
     assert await app.replay_dead_letter(run_letter.id) is None  # retried now
     assert EventType.RUN_RETRIED in [e.type for e in await app.history("r")]
+
+    # a letter left "replaying" by an earlier version (its claim never renewed) is taken
+    # by a replay or resolve of its id once stale
+    _set_letter(store_url, item.id, '{"state": "replaying"}', time.time() - 3600)
+    assert [d.id for d in await app.dead_letters(run_id="b")] == [item.id]
+    closed = await app.resolve_dead_letter(item.id, note="left replaying by v1: dropped")
+    assert closed.resolution == {
+        "state": "resolved",
+        "note": "left replaying by v1: dropped",
+        "by": None,
+    }
     await app.close()
+
+
+def _set_letter(store_url: str, letter_id: int, resolution: str, resolved_at: float) -> None:
+    """Write a letter's resolution as another version would have."""
+    sql = "UPDATE {}dead_letters SET resolution = %s, resolved_at = %s WHERE id = %s"
+    if store_url.startswith("sqlite:///"):
+        import sqlite3
+
+        with sqlite3.connect(store_url.removeprefix("sqlite:///")) as conn:
+            conn.execute(sql.format("").replace("%s", "?"), (resolution, resolved_at, letter_id))
+        return
+    import psycopg
+
+    base, _, schema = store_url.rpartition("schema=")
+    with psycopg.connect(base.rstrip("?&"), autocommit=True) as conn:
+        conn.execute(sql.format(f"{schema}."), (resolution, resolved_at, letter_id))
 
 
 async def test_two_replays_of_a_run_letter_at_once_retry_the_run_once(

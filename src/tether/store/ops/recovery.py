@@ -32,17 +32,25 @@ class _NotRetried(RecoveryError):
 #: being renewed: the replaying process renews it while the step runs, so an older claim
 #: is one of a process that died mid-replay, and the next replay (or resolve) takes it
 CLAIM_TTL = 300.0
-#: what a claim's resolution starts with (a LIKE pattern: claims of any version)
-_REPLAYING = '{"state": "replaying"%'
+#: the resolution of a claim written before claims were renewed (and went stale)
+_OLD_CLAIM = json.dumps({"state": "replaying"})
 
 
-def _open(tx: _Tx) -> tuple[str, tuple[Any, ...]]:
+def _open(tx: _Tx, by_id: bool = False) -> tuple[str, tuple[Any, ...]]:
     """The condition (and its arguments) of a letter still open: not resolved, or claimed
-    by a replay whose process died (its claim not renewed for ``CLAIM_TTL``)."""
-    return (
-        "(resolved_at IS NULL OR (resolution LIKE ? AND resolved_at < ?))",
-        (_REPLAYING, tx.now - CLAIM_TTL),
-    )
+    by a replay whose process died (its claim not renewed for ``CLAIM_TTL``).
+
+    A claim's ``resolved_at`` is its time negated (readers see it positive): claims
+    are the index's only negative range, so a stale one is found without reading the
+    resolved letters (listings and counts stay on the ``dead_letters_open`` index).
+    ``by_id`` (one letter, or one run's) also takes over a claim of an earlier version
+    (unrenewed, its time positive) once stale."""
+    cond = "resolved_at IS NULL OR (resolved_at > ? AND resolved_at < 0)"
+    args: tuple[Any, ...] = (CLAIM_TTL - tx.now,)
+    if by_id:
+        cond += " OR (resolution = ? AND resolved_at < ?)"
+        args += (_OLD_CLAIM, tx.now - CLAIM_TTL)
+    return f"({cond})", args
 
 
 def _dead_letters(
@@ -56,7 +64,7 @@ def _dead_letters(
     where: list[str] = []
     args: list[Any] = []
     if not include_resolved:
-        cond, cargs = _open(tx)
+        cond, cargs = _open(tx, by_id=letter_id is not None or run_id is not None)
         where.append(cond)
         args.extend(cargs)
     if run_id is not None:
@@ -89,11 +97,11 @@ def _claim(claim: str) -> str:
 def _claim_dead_letter(tx: _Tx, letter_id: int, claim: str) -> DeadLetter:
     """Claim an open letter for a replay (its resolution says ``replaying`` with the
     ``claim`` token); a claim not renewed for ``CLAIM_TTL`` is taken over."""
-    cond, cargs = _open(tx)
+    cond, cargs = _open(tx, by_id=True)
     row = tx.execute(
         f"UPDATE dead_letters SET resolved_at = ?, resolution = ? WHERE id = ? "
         f"AND {cond} RETURNING {_DL_COLS}",
-        (tx.now, _claim(claim), letter_id, *cargs),
+        (-tx.now, _claim(claim), letter_id, *cargs),
     ).fetchone()
     if row is None:
         raise _not_open(letter_id)
@@ -103,7 +111,7 @@ def _claim_dead_letter(tx: _Tx, letter_id: int, claim: str) -> DeadLetter:
 def _renew_dead_letter_claim(tx: _Tx, letter_id: int, claim: str) -> None:
     tx.execute(
         "UPDATE dead_letters SET resolved_at = ? WHERE id = ? AND resolution = ?",
-        (tx.now, letter_id, _claim(claim)),
+        (-tx.now, letter_id, _claim(claim)),
     )
 
 
@@ -112,6 +120,8 @@ def _letter(tx: _Tx, row: Any) -> DeadLetter:
     read (a missing blob, a destroyed or absent key) is null and named in
     ``unavailable`` with the reason: listings and resolve need only its ids."""
     row = tuple(row)
+    if row[10] is not None and row[10] < 0:  # a replay's claim: its time, negated
+        row = (*row[:10], -row[10], *row[11:])
     if tx.codec is None and not any(
         isinstance(v, str) and (v.startswith(MARKS) or '"sealed"' in v) for v in row
     ):
@@ -179,7 +189,7 @@ def _close_dead_letter(
     transaction: both are written or neither, and a letter no longer open is refused."""
     row = tx.execute("SELECT run_id FROM dead_letters WHERE id = ?", (letter_id,)).fetchone()
     sealed = tx.seal(json.dumps(resolution), row[0]) if row else None
-    cond, cargs = _open(tx)
+    cond, cargs = _open(tx, by_id=True)
     done = tx.execute(
         f"UPDATE dead_letters SET resolved_at = ?, resolution = ? WHERE id = ? "
         f"AND {cond} RETURNING {_DL_COLS}",
@@ -267,7 +277,7 @@ def _retry_run(tx: _Tx, run_id: str, letter_id: int | None = None) -> None:
     letter must be open and one of those: otherwise nothing is written (``_NotRetried``)."""
     # locked: a second retry at once waits, then finds the run running and is refused
     status, run_queue, _p, _s, workflow, _t = _run_row(tx, run_id, lock=True)
-    cond, cargs = _open(tx)
+    cond, cargs = _open(tx, by_id=True)
     letter = None
     if letter_id is not None:  # checked first: a second replay at once finds it marked
         letter = tx.execute(
