@@ -717,3 +717,380 @@ async def test_resolving_a_dead_letter_and_its_audit_entry_are_one_write(store_u
         assert await again.audit_log(target=f"run:{letter.run_id}") == []
     finally:
         await again.close()
+
+
+# -- a child run's letter, retry's letters, a replay killed mid-way ------------------------------
+
+
+async def test_replay_refuses_a_failed_child_run_whose_parent_caught_it(
+    app: tether.App, worker: tether.Worker, store_url: str
+) -> None:
+    """A child run failed, its parent caught ``ChildWorkflowError`` and went on (completed):
+    replaying the child's run letter retried the child, repeating its effects although the
+    parent had handled the failure. It is refused now, like a handled step's letter."""
+    sent: list[str] = []
+
+    @app.activity(retry=fast(1))
+    def ship(order: str) -> str:
+        sent.append(order)
+        raise tether.NonRetryable("carrier refused the parcel")
+
+    @app.activity
+    def notify(msg: str) -> None:
+        pass
+
+    @app.workflow
+    async def shipping(order: str) -> str:
+        return await ship(order)
+
+    @app.workflow
+    async def checkout(order: str) -> str:
+        try:
+            await shipping(order)
+        except tether.ChildWorkflowError:
+            await notify("shipping failed; refunded")
+            return "refunded"
+        return "shipped"
+
+    run = await app.start(checkout, "o-1")
+    assert await run.result(timeout=10) == "refunded"
+    letters = await app.dead_letters()
+    (child_letter,) = [d for d in letters if d.kind == "run"]
+    assert child_letter.run_id != run.run_id and child_letter.name == "shipping"
+    with pytest.raises(tether.RecoveryError) as refused:
+        await app.replay_dead_letter(child_letter.id)
+    message = str(refused.value)
+    assert run.run_id in message and "caught" in message and "completed" in message
+    assert "resolve_dead_letter" in message and "force=True" in message
+    assert sent == ["o-1"]  # the child did not run again
+    assert (await app.get(child_letter.run_id)).status is RunStatus.FAILED
+    (still,) = [d for d in await app.dead_letters() if d.kind == "run"]
+    assert still.id == child_letter.id and still.resolved_at is None  # stays open
+    # the step letter of the child's failed run is refused the same way (it would retry
+    # the child, whose outcome the parent no longer reads)
+    (step_letter,) = [d for d in letters if d.kind == "activity"]
+    with pytest.raises(tether.RecoveryError, match="caught"):
+        await app.replay_dead_letter(step_letter.id)
+    assert sent == ["o-1"]
+    from test_http_api import Server
+
+    server = Server(store_url, "--workers", "0", "--no-auth")  # the same path over HTTP
+    try:
+        answer = server.http.post(f"/v1/dead-letters/{child_letter.id}/replay")
+        assert answer.status_code == 409, answer.text
+        assert "caught" in answer.json()["detail"] and run.run_id in answer.json()["detail"]
+    finally:
+        server.stop()
+    assert sent == ["o-1"]
+    await app.resolve_dead_letter(child_letter.id, note="refunded by the parent")
+    assert (await app.get(run.run_id)).status is RunStatus.COMPLETED
+
+
+async def test_retry_marks_retried_only_the_letters_whose_work_it_runs_again(
+    app: tether.App, worker: tether.Worker
+) -> None:
+    """``app.retry`` marked every open letter of the run "retried": a map item's letter
+    and a handled step's letter too, although the retry runs neither again. Only the
+    run's letter and the failed step's letter are marked now; the others stay open."""
+    broken = {"on": True}
+
+    @app.activity(retry=fast(1))
+    def poison(item: int) -> int:
+        raise tether.NonRetryable(f"bad {item}")
+
+    @app.activity(retry=fast(1))
+    def optional(x: int) -> int:
+        raise tether.NonRetryable("optional step down")
+
+    @app.activity(retry=fast(1))
+    def final(x: int) -> int:
+        if broken["on"]:
+            raise ConnectionError("down")
+        return x
+
+    @app.workflow
+    async def pipeline() -> int:
+        outs = await tether.map(poison, [7])
+        try:
+            await optional(1)
+        except tether.ActivityError:
+            pass
+        return await final(len(outs))
+
+    run = await app.start(pipeline)
+    with pytest.raises(tether.WorkflowFailedError):
+        await run.result(timeout=10)
+    letters = {(d.kind, d.name): d for d in await app.dead_letters(run_id=run.run_id)}
+    assert set(letters) == {
+        ("activity", "poison"),
+        ("activity", "optional"),
+        ("activity", "final"),
+        ("run", "pipeline"),
+    }
+    broken["on"] = False
+    assert await (await app.retry(run.run_id)).result(timeout=10) == 1
+    still = {(d.kind, d.name) for d in await app.dead_letters(run_id=run.run_id)}
+    assert still == {("activity", "poison"), ("activity", "optional")}
+    closed = {
+        (d.kind, d.name): d.resolution
+        for d in await app.dead_letters(run_id=run.run_id, include_resolved=True)
+        if d.resolved_at is not None
+    }
+    assert closed == {
+        ("activity", "final"): {"state": "retried"},
+        ("run", "pipeline"): {"state": "retried"},
+    }
+    # the map item's letter still replays on its own (the run completed)
+    with pytest.raises(tether.NonRetryable):
+        await app.replay_dead_letter(letters[("activity", "poison")].id)
+
+
+async def test_replaying_a_handled_steps_letter_in_a_failed_run_is_refused(
+    app: tether.App, worker: tether.Worker
+) -> None:
+    """A step letter of a failed run retried the run although the retry does not run that
+    step again (its code had caught it; the run failed later for another step), and the
+    letter was marked "retried". Now only the failed step's letter retries the run."""
+    ran: collections.Counter[str] = collections.Counter()
+
+    @app.activity(retry=fast(1))
+    def optional(x: int) -> int:
+        ran["optional"] += 1
+        raise tether.NonRetryable("optional step down")
+
+    @app.activity(retry=fast(1))
+    def final(x: int) -> int:
+        ran["final"] += 1
+        raise ConnectionError("down")
+
+    @app.workflow
+    async def pipeline() -> int:
+        try:
+            await optional(1)
+        except tether.ActivityError:
+            pass
+        return await final(1)
+
+    run = await app.start(pipeline)
+    with pytest.raises(tether.WorkflowFailedError):
+        await run.result(timeout=10)
+    letters = {d.name: d for d in await app.dead_letters(run_id=run.run_id)}
+    with pytest.raises(tether.RecoveryError, match="caught the failure"):
+        await app.replay_dead_letter(letters["optional"].id)
+    assert (await app.get(run.run_id)).status is RunStatus.FAILED  # not retried
+    assert ran == {"optional": 1, "final": 1}
+    assert len(await app.dead_letters(run_id=run.run_id)) == 3
+
+
+_REPLAYER = """
+import asyncio, os, pathlib, sys, time
+import tether
+from tether.store.ops import recovery
+
+url, mode, marker = sys.argv[1], sys.argv[2], pathlib.Path(sys.argv[3])
+app = tether.App(store=url)
+
+
+@app.activity
+def poison(item: int) -> int:
+    marker.write_text("running")  # the claim is committed: die here
+    time.sleep(3600)
+    return item
+
+
+@app.activity
+def flaky(i: int) -> int:
+    return i
+
+
+if mode == "run":  # die inside the retry's transaction, before its commit
+    def die(*args, **kwargs):
+        marker.write_text("retrying")
+        os._exit(9)
+
+    recovery._ensure_workflow_task = die
+asyncio.run(app.replay_dead_letter(int(sys.argv[4])))
+"""
+
+
+def _replay_in_a_process_killed_mid_way(
+    tmp_path: Any, store_url: str, mode: str, letter_id: int
+) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    script = tmp_path / "replayer.py"
+    script.write_text(_REPLAYER)
+    marker = tmp_path / f"marker-{mode}"
+    env = {**os.environ, "PYTHONPATH": str(Path(tether.__file__).parent.parent)}
+    proc = subprocess.Popen(
+        [sys.executable, str(script), store_url, mode, str(marker), str(letter_id)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not marker.exists():
+            assert proc.poll() is None or mode == "run", proc.stderr and proc.stderr.read()
+            assert time.monotonic() < deadline, "the replayer never got there"
+            time.sleep(0.05)
+        if mode == "step":
+            os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=30) != 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stderr is not None:
+            proc.stderr.close()
+
+
+async def test_a_replay_killed_after_its_claim_leaves_no_letter_replaying_for_good(
+    store_url: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process killed between a replay's claim (the letter "replaying") and its outcome
+    left the letter "replaying" for good: gone from the open list, refused by replay and
+    resolve. A failed run's letter is now retried in one transaction with the letter's
+    mark (killed in it, nothing is written); a map item's claim is renewed while its step
+    runs, so one left by a dead process goes stale and the next replay takes it over."""
+    import time
+
+    from tether.store.ops import recovery
+
+    app = tether.App(store=store_url)
+    broken = {"on": True}
+
+    @app.activity(retry=fast(1))
+    def poison(item: int) -> int:
+        if broken["on"]:
+            raise tether.NonRetryable(f"bad {item}")
+        return item * 10
+
+    @app.activity(retry=fast(1))
+    def flaky(i: int) -> int:
+        if broken["on"]:
+            raise ConnectionError("down")
+        return i
+
+    @app.workflow
+    async def batch() -> int:
+        outs = await tether.map(poison, [7])
+        return sum(1 for o in outs if not o.ok)
+
+    @app.workflow
+    async def one(i: int) -> int:
+        return await flaky(i)
+
+    w = app.worker(lease=5.0, poll_interval=0.05)
+    await w.start()
+    try:
+        assert await (await app.start(batch, run_id="b")).result(timeout=10) == 1
+        with pytest.raises(tether.WorkflowFailedError):
+            await (await app.start(one, 3, run_id="r")).result(timeout=10)
+    finally:
+        await w.stop(grace=2.0)
+    (item,) = await app.dead_letters(run_id="b")
+    run_letter = next(d for d in await app.dead_letters(run_id="r") if d.kind == "run")
+
+    # the run's letter: killed inside the retry's transaction, nothing was written
+    _replay_in_a_process_killed_mid_way(tmp_path, store_url, "run", run_letter.id)
+    assert (tmp_path / "marker-run").read_text() == "retrying"
+    assert {d.id for d in await app.dead_letters(run_id="r")} >= {run_letter.id}
+    (again,) = [d for d in await app.dead_letters(run_id="r") if d.id == run_letter.id]
+    assert again.resolved_at is None and again.resolution is None
+    assert (await app.get("r")).status is RunStatus.FAILED
+    assert EventType.RUN_RETRIED not in [e.type for e in await app.history("r")]
+
+    # the map item's letter: killed while its step runs, after the claim was committed
+    _replay_in_a_process_killed_mid_way(tmp_path, store_url, "step", item.id)
+    assert await app.dead_letters(run_id="b") == []  # claimed: "replaying"
+    (claimed,) = await app.dead_letters(run_id="b", include_resolved=True)
+    assert claimed.resolution is not None and claimed.resolution["state"] == "replaying"
+    with pytest.raises(tether.RecoveryError, match="already replayed"):
+        await app.replay_dead_letter(item.id)  # a live claim holds
+    assert (await app.store.open_counts())["dead_letters"] == 2  # the run's, its step's
+    monkeypatch.setattr(recovery, "CLAIM_TTL", 0.5)
+    await asyncio.sleep(1.0)  # ... until it goes stale: its process renews it no more
+    (reopened,) = await app.dead_letters(run_id="b")
+    assert reopened.id == item.id
+    assert (await app.store.open_counts())["dead_letters"] == 3  # counted open again
+    broken["on"] = False
+    assert await app.replay_dead_letter(item.id) == 70
+    (done,) = await app.dead_letters(run_id="b", include_resolved=True)
+    assert done.resolution == {"state": "replayed", "result": 70}
+    assert await app.replay_dead_letter(run_letter.id) is None  # retried now
+    assert EventType.RUN_RETRIED in [e.type for e in await app.history("r")]
+
+    # a letter left "replaying" by an earlier version (its claim never renewed) is taken
+    # by a replay or resolve of its id once stale
+    _set_letter(store_url, item.id, '{"state": "replaying"}', time.time() - 3600)
+    assert [d.id for d in await app.dead_letters(run_id="b")] == [item.id]
+    closed = await app.resolve_dead_letter(item.id, note="left replaying by v1: dropped")
+    assert closed.resolution == {
+        "state": "resolved",
+        "note": "left replaying by v1: dropped",
+        "by": None,
+    }
+    await app.close()
+
+
+def _set_letter(store_url: str, letter_id: int, resolution: str, resolved_at: float) -> None:
+    """Write a letter's resolution as another version would have."""
+    sql = "UPDATE {}dead_letters SET resolution = %s, resolved_at = %s WHERE id = %s"
+    if store_url.startswith("sqlite:///"):
+        import sqlite3
+
+        with sqlite3.connect(store_url.removeprefix("sqlite:///")) as conn:
+            conn.execute(sql.format("").replace("%s", "?"), (resolution, resolved_at, letter_id))
+        return
+    import psycopg
+
+    base, _, schema = store_url.rpartition("schema=")
+    with psycopg.connect(base.rstrip("?&"), autocommit=True) as conn:
+        conn.execute(sql.format(f"{schema}."), (resolution, resolved_at, letter_id))
+
+
+async def test_two_replays_of_a_run_letter_at_once_retry_the_run_once(
+    app: tether.App, store_url: str, worker: tether.Worker
+) -> None:
+    """A run's letter is checked, the run retried and the letter marked in one
+    transaction: of two replays at once, one retries the run and the other is told the
+    letter was already replayed."""
+    broken = {"on": True}
+
+    @app.activity(retry=fast(1))
+    def flaky(i: int) -> int:
+        if broken["on"]:
+            raise ConnectionError("down")
+        return i
+
+    @app.workflow
+    async def one(i: int) -> int:
+        return await flaky(i)
+
+    run = await app.start(one, 5)
+    with pytest.raises(tether.WorkflowFailedError):
+        await run.result(timeout=10)
+    (letter,) = [d for d in await app.dead_letters(run_id=run.run_id) if d.kind == "run"]
+    broken["on"] = False
+    other = tether.App(store=store_url)
+    try:
+        got = await asyncio.gather(
+            app.replay_dead_letter(letter.id),
+            other.replay_dead_letter(letter.id),
+            return_exceptions=True,
+        )
+    finally:
+        await other.close()
+    assert sorted(map(str, got)).count("None") == 1, got
+    (refused,) = [g for g in got if isinstance(g, BaseException)]
+    assert isinstance(refused, tether.RecoveryError), refused
+    assert await run.result(timeout=10) == 5
+    types = [e.type for e in await app.history(run.run_id)]
+    assert types.count(EventType.RUN_RETRIED) == 1
+    assert await app.dead_letters(run_id=run.run_id) == []

@@ -89,9 +89,10 @@ from .blobs import SHARED_ROOT, Blob, BlobError, BlobStore, default_root
 from .encryption import Keyring
 from .store._open import open_store
 from .store.base import WAITING_KINDS, Finished, Store, start_event_data
+from .store.ops import recovery as _recovery
 from .store.ops.admission import _configure_admission
 from .store.ops.queues import _configure_queue
-from .store.ops.recovery import RecoveryError
+from .store.ops.recovery import RecoveryError, _NotRetried
 from .store.ops.switches import SWITCH_KINDS
 from .webhooks import check_webhook_url
 from .workflow._instance import WorkflowInstance
@@ -1808,7 +1809,9 @@ class App:
 
         Every recorded outcome is kept, so no successful step runs again; the failed
         step runs anew (same idempotency key) and the code continues with today's
-        deploy. Open dead letters of the run are marked retried.
+        deploy. The open dead letters whose work runs again are marked retried: the
+        run's own and its failed step's (a failed child's, by the child's retry). Letters
+        of steps its code handled (``tether.map`` items, caught failures) stay open.
         """
         await self.store.retry_run(run_id)
         return self.get_run(run_id)
@@ -1872,27 +1875,47 @@ class App:
     async def replay_dead_letter(self, letter_id: int, *, force: bool = False) -> Any:
         """Replay one dead letter once, after a fix.
 
-        A failed (or needs_intervention) run's letter retries the run (``app.retry``).
-        A poison item of ``tether.map`` (its run went on without it) is run again here
-        with its recorded input and original idempotency key; its result is stored on
-        the letter and returned. A replay that fails again reopens the letter and raises.
+        A failed (or needs_intervention) run's letter, or its failed step's, retries the
+        run (``app.retry``), in one transaction with the letter's mark. A failed child
+        run's letter whose parent caught its failure (``ChildWorkflowError``) and went on
+        is refused like a handled step's: the child would repeat its effects for an
+        outcome no one reads. A poison item of ``tether.map`` (its run went on without
+        it) is run again here with its recorded input and original idempotency key; its
+        result is stored on the letter and returned. A replay that fails again reopens
+        the letter and raises.
 
         Any other step's letter is refused with a ``RecoveryError`` naming what its run
         did: its code caught the failure and went on (a cancelled order, a fallback), so
         running the step outside the run would repeat its side effect for a result no
         one reads. Close such a letter with ``resolve_dead_letter``; ``force=True`` runs
-        the step again anyway (it re-executes its side effect, once more).
+        the step again anyway (it re-executes its side effect, once more). A replay
+        running a step claims the letter (``replaying``) and renews the claim while it
+        runs: a claim left by a process that died mid-replay is taken over by the next
+        replay or resolve once ``CLAIM_TTL`` (300 s) passes unrenewed.
         """
-        letter = await self.store.claim_dead_letter(letter_id)
-        try:
-            info = await self._peek(letter.run_id)  # its status: a lost payload is no matter
-            if letter.kind == "run" or info.status in (
-                RunStatus.FAILED,
-                RunStatus.NEEDS_INTERVENTION,
-            ):
-                await self.store.retry_run(letter.run_id)
-                await self.store.resolve_dead_letter(letter_id, {"state": "retried"})
+        found = await self.store.dead_letters(letter_id=letter_id, limit=1)
+        if not found:
+            raise RecoveryError(
+                f"dead letter {letter_id} does not exist or was already replayed or "
+                "resolved; list open ones with app.dead_letters()"
+            )
+        letter = found[0]
+        info = await self._peek(letter.run_id)  # its status: a lost payload is no matter
+        if letter.kind == "run" or info.status in (
+            RunStatus.FAILED,
+            RunStatus.NEEDS_INTERVENTION,
+        ):
+            if not force:
+                await self._check_parent(letter, info)
+            try:
+                # one transaction: the run is retried and the letter marked, or neither
+                await self.store.retry_run(letter.run_id, letter_id=letter.id)
                 return None
+            except _NotRetried:  # a step the retry would not run again: handled by the code
+                pass
+        claim = uuid.uuid4().hex
+        letter = await self.store.claim_dead_letter(letter_id, claim)
+        try:
             if letter.unavailable and "input" in letter.unavailable:
                 raise RecoveryError(
                     f"dead letter {letter.id} (step {letter.step}, {letter.name}, run "
@@ -1904,7 +1927,7 @@ class App:
                 await self._check_replayable(letter, info)
             act = self._replayer(letter)
         except BaseException:  # a cancelled replay reopens the letter too
-            await asyncio.shield(self.store.resolve_dead_letter(letter_id, None))
+            await asyncio.shield(self.store.resolve_dead_letter(letter_id, None, claim))
             raise
         ctx = ActivityContext(
             run_id=letter.run_id,
@@ -1916,6 +1939,9 @@ class App:
             _store=None,
             _loop=None,
         )
+        # the claim is renewed while the step runs: one left by a process that died
+        # mid-replay goes stale (CLAIM_TTL) and the next replay or resolve takes it
+        renew = asyncio.create_task(self._renew_claim(letter_id, claim))
         try:
             args, kwargs = act.sig.decode_args(letter.input or "{}")
             cv = contextvars.copy_context()
@@ -1928,13 +1954,96 @@ class App:
                 value = await asyncio.to_thread(cv.run, act.fn, *args, **kwargs)
             encoded = encode(value, f"result of activity {act.name!r}")
         except BaseException:
-            await asyncio.shield(self.store.resolve_dead_letter(letter_id, None))
+            renew.cancel()
+            await asyncio.shield(self.store.resolve_dead_letter(letter_id, None, claim))
             raise
+        renew.cancel()
         done = {"state": "replayed", "result": decode_raw(encoded)}
         if force:
             done["forced"] = True
-        await self.store.resolve_dead_letter(letter_id, done)
+        await self.store.resolve_dead_letter(letter_id, done, claim)
         return value
+
+    async def _renew_claim(self, letter_id: int, claim: str) -> None:
+        """Renew a replay's claim on its letter every fifth of ``CLAIM_TTL``."""
+        while True:
+            await asyncio.sleep(_recovery.CLAIM_TTL / 5)
+            try:
+                await self.store.renew_dead_letter_claim(letter_id, claim)
+            except Exception:  # a store blip: the next renewal tries again
+                log.warning("could not renew the claim on dead letter %s", letter_id)
+
+    async def _check_parent(self, letter: DeadLetter, info: RunInfo) -> None:
+        """Refuse a letter that would retry a child run whose parent caught its failure
+        and went on (or has yet to handle it): the child would repeat its effects for an
+        outcome its parent no longer reads. A parent that failed for it is retried later
+        (``app.retry``), and finds the child's new outcome."""
+        parent_id = info.parent_run_id
+        if parent_id is None:
+            return
+        events = await self.store.read_history(parent_id, 0)
+        children = {letter.run_id, info.run_id}
+        failed = next(
+            (
+                e
+                for e in reversed(events)
+                if e.type is EventType.CHILD_FAILED and e.data.get("child_run_id") in children
+            ),
+            None,
+        )
+        if failed is None:  # the parent ended before the child: nothing reads it either way
+            return
+        parent = await self._peek(parent_id)
+        last = next(
+            (
+                e
+                for e in reversed(events)
+                if e.type in (EventType.ACTIVITY_FAILED, EventType.CHILD_FAILED)
+            ),
+            None,
+        )
+        if parent.status in (RunStatus.FAILED, RunStatus.NEEDS_INTERVENTION) and last is failed:
+            return  # the parent failed for it: its retry takes the child's new outcome
+        seen = any(
+            e.seq > failed.seq and e.type is EventType.WORKFLOW_TASK_COMPLETED for e in events
+        )
+        state = (
+            f"is still {parent.status.value}"
+            if not parent.status.is_terminal
+            else f"ended {parent.status.value}"
+        )
+        what = (
+            f"dead letter {letter.id} ({letter.kind} {letter.name}) would retry run "
+            f"{letter.run_id!r}, a child of run {parent_id!r}"
+        )
+        if not seen and not parent.status.is_terminal:
+            raise RecoveryError(
+                f"{what}, which {state} and has not yet handled the child's failure: if the "
+                "parent fails for it, retry the parent (app.retry), which retries the "
+                "child; if its code handles it, there is nothing to replay (resolve the "
+                f"letter: app.resolve_dead_letter({letter.id}, note=...))"
+            )
+        later: builtins.list[str] = []
+        for e in events:
+            if e.seq > failed.seq and e.type in (
+                EventType.ACTIVITY_SCHEDULED,
+                EventType.CHILD_STARTED,
+            ):
+                name = str(e.data.get("name") or e.data.get("workflow"))
+                if name not in later:
+                    later.append(name)
+        did = (
+            f"it then called {', '.join(later[:3])}{' and more' if len(later) > 3 else ''}"
+            if later
+            else "it called no other step"
+        )
+        raise RecoveryError(
+            f"{what}, whose code caught the child's failure (ChildWorkflowError) and went "
+            f"on: {did}, and the parent {state}. A replay would run the child again for an "
+            "outcome no one reads, repeating its side effects. If nothing is left to do, "
+            f"close the letter: app.resolve_dead_letter({letter.id}, note=...); to retry "
+            f"the child anyway: app.replay_dead_letter({letter.id}, force=True)"
+        )
 
     def _replayer(self, letter: DeadLetter) -> Activity[Any, Any]:
         """The activity that replays ``letter`` here, or an error saying this App lacks it."""

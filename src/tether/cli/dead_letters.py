@@ -88,8 +88,9 @@ def dead_letters_replay_command(
         bool,
         typer.Option(
             "--force",
-            help="Run a step whose run caught its failure and went on anyway: this "
-            "re-executes its side effect (a charge, an email) once more.",
+            help="Run a step whose run caught its failure and went on anyway (or retry "
+            "a failed child run whose parent did): this re-executes its side effect (a "
+            "charge, an email) once more.",
         ),
     ] = False,
 ) -> None:
@@ -98,7 +99,8 @@ def dead_letters_replay_command(
     A failed (or needs-intervention) run is retried from its failed step; a poison item
     of tether.map runs again in this process with its recorded input and idempotency
     key (it needs --app, for its code), and its result is printed. A step whose run
-    caught its failure and went on is refused (see --force)."""
+    caught its failure and went on is refused, as is a failed child run whose parent
+    caught it (see --force)."""
 
     async def go() -> Any:
         async with _opened(_client_app(store, app)) as a:

@@ -633,12 +633,21 @@ class Store(abc.ABC):
         ``letter_id`` picks one, ``tenant`` keeps those of that tenant's runs."""
 
     @abc.abstractmethod
-    async def claim_dead_letter(self, letter_id: int) -> DeadLetter:
-        """Mark an open dead letter as being replayed (exactly one caller wins)."""
+    async def claim_dead_letter(self, letter_id: int, claim: str) -> DeadLetter:
+        """Mark an open dead letter as being replayed under the token ``claim`` (exactly
+        one caller wins); a claim not renewed for ``CLAIM_TTL`` seconds (its process
+        died mid-replay) counts as open and is taken over."""
 
     @abc.abstractmethod
-    async def resolve_dead_letter(self, letter_id: int, resolution: Any) -> None:
-        """Record how a claimed letter was resolved; ``None`` reopens it."""
+    async def renew_dead_letter_claim(self, letter_id: int, claim: str) -> None:
+        """Keep a replay's claim fresh while its step runs (no-op if no longer held)."""
+
+    @abc.abstractmethod
+    async def resolve_dead_letter(
+        self, letter_id: int, resolution: Any, claim: str | None = None
+    ) -> None:
+        """Record how a claimed letter was resolved; ``None`` reopens it. With ``claim``,
+        only while that claim still holds the letter."""
 
     @abc.abstractmethod
     async def close_dead_letter(
@@ -648,8 +657,10 @@ class Store(abc.ABC):
         ``actor``) in one transaction; a letter not open is refused (``RecoveryError``)."""
 
     @abc.abstractmethod
-    async def retry_run(self, run_id: str) -> None:
-        """Void a failed run's failure and what followed it, and continue it."""
+    async def retry_run(self, run_id: str, letter_id: int | None = None) -> None:
+        """Void a failed run's failure and what followed it, and continue it; mark the
+        letters whose work runs again retried. With ``letter_id`` (replaying it), in the
+        same transaction: refused unless that letter is open and one of them."""
 
     @abc.abstractmethod
     async def fork_run(

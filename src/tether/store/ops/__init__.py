@@ -540,12 +540,17 @@ class OpsStore(Store):
         )
         return out
 
-    async def claim_dead_letter(self, letter_id: int) -> DeadLetter:
-        out: DeadLetter = await self._do(_claim_dead_letter, letter_id)
+    async def claim_dead_letter(self, letter_id: int, claim: str) -> DeadLetter:
+        out: DeadLetter = await self._do(_claim_dead_letter, letter_id, claim)
         return out
 
-    async def resolve_dead_letter(self, letter_id: int, resolution: Any) -> None:
-        await self._do(_resolve_dead_letter, letter_id, resolution)
+    async def renew_dead_letter_claim(self, letter_id: int, claim: str) -> None:
+        await self._do(_renew_dead_letter_claim, letter_id, claim)
+
+    async def resolve_dead_letter(
+        self, letter_id: int, resolution: Any, claim: str | None = None
+    ) -> None:
+        await self._do(_resolve_dead_letter, letter_id, resolution, claim)
 
     async def close_dead_letter(
         self, letter_id: int, resolution: Any, actor: str, detail: dict[str, Any]
@@ -553,8 +558,8 @@ class OpsStore(Store):
         out: DeadLetter = await self._do(_close_dead_letter, letter_id, resolution, actor, detail)
         return out
 
-    async def retry_run(self, run_id: str) -> None:
-        await self._do(_retry_run, run_id)
+    async def retry_run(self, run_id: str, letter_id: int | None = None) -> None:
+        await self._do(_retry_run, run_id, letter_id)
 
     async def fork_run(
         self, run_id: str, new_run_id: str, at_step: int, attrs: dict[str, Any] | None = None
@@ -632,6 +637,7 @@ from .recovery import (  # noqa: E402
     _close_dead_letter,
     _dead_letters,
     _fork_run,
+    _renew_dead_letter_claim,
     _resolve_dead_letter,
     _retry_run,
 )

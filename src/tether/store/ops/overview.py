@@ -157,9 +157,14 @@ def _spend_on(tx: _Tx, day: str) -> list[tuple[str, int, str]]:
 def _open_counts(tx: _Tx) -> dict[str, int]:
     """How many dead letters and reviews are open, and webhook deliveries pending or
     given up: counts (not lists), for metrics and alerts."""
-    out: dict[str, int] = {}
+    # a replay's claim its process left behind (stale) counts as open, as in listings
+    cond, cargs = _open(tx)
+    out = {
+        "dead_letters": int(
+            tx.execute(f"SELECT COUNT(*) FROM dead_letters WHERE {cond}", cargs).fetchone()[0]
+        )
+    }
     for key, sql in (
-        ("dead_letters", "SELECT COUNT(*) FROM dead_letters WHERE resolved_at IS NULL"),
         (
             "approvals",  # undecided reviews of live runs, as list_approvals(status="open")
             "SELECT COUNT(*) FROM approvals a JOIN runs r ON r.run_id = a.run_id "
@@ -252,3 +257,7 @@ def _decoded(tx: _Tx, text: str, where: str) -> str:
             parts = [value.get("sealed"), *sealed_fields(value)]
             text += "".join(tx.open(p, where) or "" for p in parts if isinstance(p, str))
     return text
+
+
+# operations of other concerns (imported last: see the package docstring)
+from .recovery import _open  # noqa: E402

@@ -23,6 +23,36 @@ class RecoveryError(TetherError):
     """A retry, fork or dead-letter replay cannot be done in the run's current state."""
 
 
+class _NotRetried(RecoveryError):
+    """A retry of the letter's run would not run the letter's step again (raised before
+    any write): the replay treats the letter as a step the run's code handled."""
+
+
+#: seconds a replay's claim on a dead letter (``{"state": "replaying"}``) holds without
+#: being renewed: the replaying process renews it while the step runs, so an older claim
+#: is one of a process that died mid-replay, and the next replay (or resolve) takes it
+CLAIM_TTL = 300.0
+#: the resolution of a claim written before claims were renewed (and went stale)
+_OLD_CLAIM = json.dumps({"state": "replaying"})
+
+
+def _open(tx: _Tx, by_id: bool = False) -> tuple[str, tuple[Any, ...]]:
+    """The condition (and its arguments) of a letter still open: not resolved, or claimed
+    by a replay whose process died (its claim not renewed for ``CLAIM_TTL``).
+
+    A claim's ``resolved_at`` is its time negated (readers see it positive): claims
+    are the index's only negative range, so a stale one is found without reading the
+    resolved letters (listings and counts stay on the ``dead_letters_open`` index).
+    ``by_id`` (one letter, or one run's) also takes over a claim of an earlier version
+    (unrenewed, its time positive) once stale."""
+    cond = "resolved_at IS NULL OR (resolved_at > ? AND resolved_at < 0)"
+    args: tuple[Any, ...] = (CLAIM_TTL - tx.now,)
+    if by_id:
+        cond += " OR (resolution = ? AND resolved_at < ?)"
+        args += (_OLD_CLAIM, tx.now - CLAIM_TTL)
+    return f"({cond})", args
+
+
 def _dead_letters(
     tx: _Tx,
     include_resolved: bool,
@@ -34,7 +64,9 @@ def _dead_letters(
     where: list[str] = []
     args: list[Any] = []
     if not include_resolved:
-        where.append("resolved_at IS NULL")
+        cond, cargs = _open(tx, by_id=letter_id is not None or run_id is not None)
+        where.append(cond)
+        args.extend(cargs)
     if run_id is not None:
         where.append("run_id = ?")
         args.append(run_id)
@@ -51,18 +83,36 @@ def _dead_letters(
     return [_letter(tx, r) for r in rows]
 
 
-def _claim_dead_letter(tx: _Tx, letter_id: int) -> DeadLetter:
+def _not_open(letter_id: int) -> RecoveryError:
+    return RecoveryError(
+        f"dead letter {letter_id} does not exist or was already replayed or resolved; "
+        "list open ones with app.dead_letters()"
+    )
+
+
+def _claim(claim: str) -> str:
+    return json.dumps({"state": "replaying", "claim": claim})
+
+
+def _claim_dead_letter(tx: _Tx, letter_id: int, claim: str) -> DeadLetter:
+    """Claim an open letter for a replay (its resolution says ``replaying`` with the
+    ``claim`` token); a claim not renewed for ``CLAIM_TTL`` is taken over."""
+    cond, cargs = _open(tx, by_id=True)
     row = tx.execute(
         f"UPDATE dead_letters SET resolved_at = ?, resolution = ? WHERE id = ? "
-        f"AND resolved_at IS NULL RETURNING {_DL_COLS}",
-        (tx.now, json.dumps({"state": "replaying"}), letter_id),
+        f"AND {cond} RETURNING {_DL_COLS}",
+        (-tx.now, _claim(claim), letter_id, *cargs),
     ).fetchone()
     if row is None:
-        raise RecoveryError(
-            f"dead letter {letter_id} does not exist or was already replayed or resolved; "
-            "list open ones with app.dead_letters()"
-        )
+        raise _not_open(letter_id)
     return _letter(tx, row)
+
+
+def _renew_dead_letter_claim(tx: _Tx, letter_id: int, claim: str) -> None:
+    tx.execute(
+        "UPDATE dead_letters SET resolved_at = ? WHERE id = ? AND resolution = ?",
+        (-tx.now, letter_id, _claim(claim)),
+    )
 
 
 def _letter(tx: _Tx, row: Any) -> DeadLetter:
@@ -70,6 +120,8 @@ def _letter(tx: _Tx, row: Any) -> DeadLetter:
     read (a missing blob, a destroyed or absent key) is null and named in
     ``unavailable`` with the reason: listings and resolve need only its ids."""
     row = tuple(row)
+    if row[10] is not None and row[10] < 0:  # a replay's claim: its time, negated
+        row = (*row[:10], -row[10], *row[11:])
     if tx.codec is None and not any(
         isinstance(v, str) and (v.startswith(MARKS) or '"sealed"' in v) for v in row
     ):
@@ -109,19 +161,24 @@ def _letter(tx: _Tx, row: Any) -> DeadLetter:
     return dataclasses.replace(letter, unavailable=unavailable) if unavailable else letter
 
 
-def _resolve_dead_letter(tx: _Tx, letter_id: int, resolution: Any) -> None:
+def _resolve_dead_letter(
+    tx: _Tx, letter_id: int, resolution: Any, claim: str | None = None
+) -> None:
+    """Record a replay's outcome (``None`` reopens the letter); with ``claim``, only while
+    the letter is still held by that claim (one taken over is the other replay's)."""
+    mine, margs = (" AND resolution = ?", (_claim(claim),)) if claim is not None else ("", ())
     if resolution is None:  # the replay failed: reopen it
         tx.execute(
-            "UPDATE dead_letters SET resolved_at = NULL, resolution = NULL WHERE id = ?",
-            (letter_id,),
+            f"UPDATE dead_letters SET resolved_at = NULL, resolution = NULL WHERE id = ?{mine}",
+            (letter_id, *margs),
         )
     else:
         # sealed under the run's tenant's key, like the letter itself (crypto-shredding)
         row = tx.execute("SELECT run_id FROM dead_letters WHERE id = ?", (letter_id,)).fetchone()
         sealed = tx.seal(json.dumps(resolution), row[0] if row else None)
         tx.execute(
-            "UPDATE dead_letters SET resolved_at = ?, resolution = ? WHERE id = ?",
-            (tx.now, sealed, letter_id),
+            f"UPDATE dead_letters SET resolved_at = ?, resolution = ? WHERE id = ?{mine}",
+            (tx.now, sealed, letter_id, *margs),
         )
 
 
@@ -132,16 +189,14 @@ def _close_dead_letter(
     transaction: both are written or neither, and a letter no longer open is refused."""
     row = tx.execute("SELECT run_id FROM dead_letters WHERE id = ?", (letter_id,)).fetchone()
     sealed = tx.seal(json.dumps(resolution), row[0]) if row else None
+    cond, cargs = _open(tx, by_id=True)
     done = tx.execute(
         f"UPDATE dead_letters SET resolved_at = ?, resolution = ? WHERE id = ? "
-        f"AND resolved_at IS NULL RETURNING {_DL_COLS}",
-        (tx.now, sealed, letter_id),
+        f"AND {cond} RETURNING {_DL_COLS}",
+        (tx.now, sealed, letter_id, *cargs),
     ).fetchone()
     if done is None:
-        raise RecoveryError(
-            f"dead letter {letter_id} does not exist or was already replayed or resolved; "
-            "list open ones with app.dead_letters()"
-        )
+        raise _not_open(letter_id)
     _audit(tx, actor, "resolve dead letter", f"run:{done[1]}", detail)
     return _letter(tx, done)
 
@@ -215,9 +270,22 @@ def _pending_work(tx: _Tx, run_id: str, kept: list[Event], run_queue: str, fork:
                 _append(tx, run_id, *outcome)
 
 
-def _retry_run(tx: _Tx, run_id: str) -> None:
+def _retry_run(tx: _Tx, run_id: str, letter_id: int | None = None) -> None:
+    """Retry a failed run from its failed step and mark retried the open letters whose
+    work runs again: the run's own letter and its failed step's (a failed child's are
+    marked by the child's retry). With ``letter_id`` (a replay of that letter), the
+    letter must be open and one of those: otherwise nothing is written (``_NotRetried``)."""
     # locked: a second retry at once waits, then finds the run running and is refused
     status, run_queue, _p, _s, workflow, _t = _run_row(tx, run_id, lock=True)
+    cond, cargs = _open(tx, by_id=True)
+    letter = None
+    if letter_id is not None:  # checked first: a second replay at once finds it marked
+        letter = tx.execute(
+            f"SELECT run_id, kind, step FROM dead_letters WHERE id = ? AND {cond}",
+            (letter_id, *cargs),
+        ).fetchone()
+        if letter is None:
+            raise _not_open(letter_id)
     if status not in (RunStatus.FAILED.value, RunStatus.NEEDS_INTERVENTION.value):
         raise RecoveryError(
             f"run {run_id!r} is {status}: only failed or needs_intervention runs can be "
@@ -235,6 +303,15 @@ def _retry_run(tx: _Tx, run_id: str) -> None:
         and (terminal is None or e.seq < terminal)
     ]
     cut = failures[-1].seq if failures else (terminal or events[-1].seq)
+    # the step whose letter this retry runs again (a child's letters are its own run's)
+    again = (
+        failures[-1].step if failures and failures[-1].type is EventType.ACTIVITY_FAILED else None
+    )
+    if letter is not None and (
+        letter[0] != run_id
+        or not (letter[1] == "run" or (again is not None and letter[2] == again))
+    ):
+        raise _NotRetried(f"a retry of run {run_id!r} does not run letter {letter_id} again")
     given_up = {
         e.data.get("child_step") for e in events if e.type is EventType.CHILD_CANCEL_REQUESTED
     }
@@ -289,9 +366,9 @@ def _retry_run(tx: _Tx, run_id: str) -> None:
     tx.execute("DELETE FROM tasks WHERE run_id = ?", (run_id,))
     _pending_work(tx, run_id, kept, run_queue, fork=False)
     tx.execute(
-        "UPDATE dead_letters SET resolved_at = ?, resolution = ? WHERE run_id = ? "
-        "AND resolved_at IS NULL",
-        (tx.now, json.dumps({"state": "retried"}), run_id),
+        f"UPDATE dead_letters SET resolved_at = ?, resolution = ? WHERE run_id = ? AND {cond} "
+        "AND (kind = 'run' OR (kind = 'activity' AND step = ?))",
+        (tx.now, json.dumps({"state": "retried"}), run_id, *cargs, again),
     )
     _ensure_workflow_task(tx, run_id, run_queue, workflow)
 
