@@ -358,3 +358,34 @@ async def test_the_result_is_sealed_like_any_result(store_url: str, tmp_path: Pa
     app.store.close_sync()  # type: ignore[attr-defined]
     raw = _stored_bytes(store_url)
     assert raw and CANARY.encode() not in raw
+
+
+async def test_a_suspended_run_takes_the_result_and_goes_on_only_when_resumed(
+    app: tether.App, worker: tether.Worker
+) -> None:
+    ran: collections.Counter[str] = collections.Counter()
+
+    @app.activity(retry=tether.Retry(attempts=5, initial=60, jitter=0))
+    def send(to: str) -> str:
+        ran["send"] += 1
+        raise ConnectionError("reset by peer")
+
+    @app.workflow
+    async def notify(to: str) -> str:
+        return "sent as " + await send(to)
+
+    run = await app.start(notify, "bob")
+
+    async def backing_off() -> bool:
+        return any(
+            e.type is EventType.ACTIVITY_ATTEMPT_FAILED for e in await app.history(run.run_id)
+        )
+
+    await eventually(backing_off)
+    await app.suspend(run.run_id)
+    await app.complete_step(run.run_id, 1, "m-1", reason="in the outbox")
+    await asyncio.sleep(0.3)
+    assert (await app.get(run.run_id)).status is RunStatus.SUSPENDED
+    await app.resume(run.run_id)
+    assert await run.result(timeout=10) == "sent as m-1"
+    assert ran == {"send": 1}
