@@ -47,6 +47,10 @@ def test_an_operator_completes_the_failed_step_of_a_run_which_then_finishes(
         missing = http.post("/v1/runs/nope/steps/1/complete", json=body, headers=as_(admin))
         assert missing.status_code == 404, missing.text
 
+        wrong = http.post(url, json={**body, "result": 42}, headers=as_(admin))
+        assert wrong.status_code == 400, wrong.text  # flaky returns a str
+        assert "result of step 1 (flaky)" in wrong.json()["detail"]
+
         accepted = http.post(url, json=body, headers=as_(admin))
         assert accepted.status_code == 202, accepted.text
         assert accepted.json()["id"] == run_id
