@@ -275,7 +275,9 @@ async def test_a_stuck_attempt_whose_lease_lapsed_is_fenced_off(
 
     @app.workflow
     async def pay(order: str) -> str:
-        return await charge(order)
+        charge_id = await charge(order)
+        await tether.wait_event("go", timeout=60)  # still running when the late result comes
+        return charge_id
 
     run = await app.start(pay, "o-1")
     store = app.store
@@ -290,11 +292,17 @@ async def test_a_stuck_attempt_whose_lease_lapsed_is_fenced_off(
     await eventually(scheduled)
     await asyncio.sleep(0.1)
     await app.complete_step(run.run_id, 1, "ch_op", reason="found it")
-    assert await run.result(timeout=10) == "ch_op"
+
+    async def waiting() -> bool:
+        return "go" in str((await app.get(run.run_id)).waiting_on)
+
+    await eventually(waiting)
     with pytest.raises(tether.LeaseLostError):
         await store.complete_activity(claimed[0], '"late"')
     with pytest.raises(tether.LeaseLostError):
         await store.fail_activity(claimed[0], {"type": "X", "message": "late"}, None)
+    await app.signal(run.run_id, "go")
+    assert await run.result(timeout=10) == "ch_op"
     types = [e.type for e in await app.history(run.run_id)]
     assert types.count(EventType.ACTIVITY_COMPLETED) == 1
     assert (await app.get(run.run_id)).status is RunStatus.COMPLETED

@@ -397,7 +397,10 @@ def _complete_step(
                 "its dead letter with app.resolve_dead_letter(id, note=...)"
             )
         if task is None:
-            raise RecoveryError(f"{where} ({name}) has no attempt waiting; see its history")
+            raise RecoveryError(
+                f"{where} ({name}) has no attempt waiting (was the run retried just now?); "
+                "see its history and try again"
+            )
         task_id, owner, available_at, queue, attempts = task
         if owner is not None and available_at is not None and available_at > tx.now:
             raise RecoveryError(
