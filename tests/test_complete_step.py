@@ -15,6 +15,7 @@ import tether
 from helpers import eventually
 from tether import EventType, RunStatus
 from tether._history import Task
+from tether.testing import check_history
 
 
 def fast(attempts: int) -> tether.Retry:
@@ -91,6 +92,9 @@ async def test_a_failed_run_is_reopened_and_finishes_with_the_result_without_run
     ]
     with pytest.raises(tether.RecoveryError, match="already completed by ann"):
         await app.complete_step(run.run_id, 2, "ch_other", reason="again")
+    # the history, operator's result included, replays with the code as recorded
+    report = check_history(app, events)
+    assert report.ok, (report.error, report.diff())
 
 
 async def test_a_step_waiting_for_its_next_retry_takes_the_result_and_never_runs_again(
@@ -126,6 +130,8 @@ async def test_a_step_waiting_for_its_next_retry_takes_the_result_and_never_runs
     assert EventType.RUN_RETRIED not in types
     (entry,) = [e for e in await app.audit(run.run_id) if e["action"] == "complete step"]
     assert entry["actor"] == "app" and entry["detail"]["reopened"] is False
+    report = check_history(app, await app.history(run.run_id))
+    assert report.ok, (report.error, report.diff())
 
 
 async def test_refusals_name_the_reason_and_record_nothing(
