@@ -75,6 +75,11 @@ async def careful(order: str) -> str:
         return "cancelled"
 
 
+@app.workflow
+async def pay(order: str) -> str:
+    return "paid " + await charge(order)
+
+
 not_an_app = 42
 """
 
@@ -353,6 +358,31 @@ def test_dead_letters_list_replay_refused_and_resolve(
     ]
     again = project.cli("dead-letters", "resolve", lid, "--note", "x", *store)
     assert_one_line_error(again, 1, "already replayed or resolved")
+
+
+def test_complete_step_finishes_a_failed_run_with_the_operators_result(
+    project: Project, start_worker: Callable[..., WorkerProc]
+) -> None:
+    start_worker()
+    store = ("--store", str(project.db))
+    failed = project.cli("start", "flows:app", "pay", '"o-2"', "--run-id", "p1", "--wait")
+    assert failed.returncode != 0, failed.stdout
+    bad = project.cli("complete-step", "p1", "1", "ch_9", "--reason", "x", *store)
+    assert_one_line_error(bad, 2, "JSON_RESULT is not valid JSON")
+    wrong = project.cli("complete-step", "p1", "1", "42", "--reason", "x", "--app", "flows:app")
+    assert_one_line_error(wrong, 1, "result of step 1 (charge)")
+    why = "charge ch_9 found at the provider"
+    out = project.ok("complete-step", "p1", "1", '"ch_9"', "--reason", why, "--app", "flows:app")
+    assert "step 1 of run p1 completed" in out
+    wait_until(
+        lambda: project.run_info("p1")["status"] == "completed", CMD_TIMEOUT, "the run to finish"
+    )
+    assert project.run_info("p1")["output"] == "paid ch_9"
+    trail = [json.loads(line) for line in project.ok("audit", "p1", "--json", *store).splitlines()]
+    (entry,) = [e for e in trail if e["action"] == "complete step"]
+    assert entry["actor"].startswith("cli ") and entry["detail"]["reason"] == why
+    again = project.cli("complete-step", "p1", "1", '"ch_9"', "--reason", why, *store)
+    assert_one_line_error(again, 1, "already completed by cli ")
 
 
 def test_suspend_resume_cancel_terminate(

@@ -63,6 +63,7 @@ from ._errors import (
     WorkflowFailedError,
 )
 from ._history import (
+    INT64_MAX,
     UPDATE_SIGNAL,
     Approval,
     DeadLetter,
@@ -77,7 +78,7 @@ from ._policy import DEFAULT_RETRY, Retry, seconds
 from ._queues import Dependency, QueueLimits, QueueStats, check_name
 from ._redact import redact
 from ._schedules import ScheduleInfo, check_schedule_id, make_spec
-from ._serde import decode_raw, encode
+from ._serde import convert, decode_raw, encode
 from ._telemetry import count
 from ._tracing import available as tracing_available
 from ._tracing import start_carrier
@@ -2127,6 +2128,46 @@ class App:
             by or "app",
             {"letter": letter_id, "note": note},
         )
+
+    async def complete_step(
+        self, run_id: str, step: int, result: Any, *, reason: str, by: str | None = None
+    ) -> Run[Any]:
+        """Record ``result`` as the outcome of activity step ``step``, without running it:
+        the operator checked the provider by the step's idempotency key and the work was
+        done (the in-doubt protocol, docs/failure-handling.md).
+
+        Taken by a step waiting for its next retry (or queued), and by the failed step
+        of a ``failed`` (or ``needs_intervention``) run: the run is reopened as
+        ``retry`` would, with the step completed instead of run again, and its letter
+        closed (``{"state": "completed", ...}``). The run's code continues with
+        ``result`` as the step's return value (checked against the activity's return
+        type when this App registers it, and encoded and sealed like any result).
+        Refused with a ``RecoveryError``: a step that completed, an attempt running
+        now (its result would race this one), a step whose failure the code handled,
+        a step that is not an activity, a run that ended otherwise. The event
+        (``ActivityCompleted`` with ``operator`` and ``reason``) and its audit entry
+        (``complete step``, actor ``by`` or ``app``) are one write."""
+        if isinstance(step, bool) or not isinstance(step, int) or not 1 <= step <= INT64_MAX:
+            raise ConfigurationError(f"step must be a step number, 1 or more (got {step!r})")
+        if not isinstance(reason, str) or not reason.strip():
+            raise ConfigurationError("complete_step needs a reason: how the result was confirmed")
+        info = await self._peek(run_id, follow=False)
+        scheduled = next(
+            (
+                e
+                for e in await self.store.read_history(info.run_id, 0)
+                if e.step == step and e.type is EventType.ACTIVITY_SCHEDULED
+            ),
+            None,
+        )
+        name = scheduled.data.get("name") if scheduled is not None else None
+        what = f"result of step {step} ({name})" if name else f"result of step {step}"
+        act = self._activities.get(name) if isinstance(name, str) else None
+        if act is not None:  # what the code will read it as: refused now, not on replay
+            result = convert(result, act.sig.return_type, what)
+        encoded = encode(result, what)
+        await self.store.complete_step(info.run_id, step, encoded, by or "app", reason)
+        return self.get_run(info.run_id)
 
     def _alert(self, subject: str, details: dict[str, Any]) -> asyncio.Future[Any]:
         """Tell the alert hook (or the log): ``subject`` is a run id for a run that needs

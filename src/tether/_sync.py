@@ -173,6 +173,7 @@ class SyncClient:
     dead_letters = _blocking(App.dead_letters)
     replay_dead_letter = _blocking(App.replay_dead_letter)
     resolve_dead_letter = _blocking(App.resolve_dead_letter)
+    complete_step = _blocking_run(App.complete_step)
     pause_queue = _blocking(App.pause_queue)
     resume_queue = _blocking(App.resume_queue)
     queue_stats = _blocking(App.queue_stats)

@@ -43,6 +43,7 @@ from .queues import queues_command
 from .runs import (
     audit_command,
     cancel_command,
+    complete_step_command,
     get_command,
     resume_command,
     retry_command,
@@ -89,6 +90,7 @@ def _build() -> typer.Typer:
     cli.command("suspend")(suspend_command)
     cli.command("resume")(resume_command)
     cli.command("retry")(retry_command)
+    cli.command("complete-step")(complete_step_command)
     cli.command("audit")(audit_command)
     cli.command("replay")(replay_command)
     _group(cli, "history", "Inspect run histories.", export=history_export_command)

@@ -313,6 +313,44 @@ def retry_command(
     )
 
 
+def complete_step_command(
+    run_id: Annotated[str, _run_id_argument()],
+    step: Annotated[
+        int, typer.Argument(metavar="STEP", min=1, help="The step's number (tether history).")
+    ],
+    result: Annotated[
+        str,
+        typer.Argument(
+            metavar="JSON_RESULT", help="""The step's result, as JSON (a string: '"ch_123"')."""
+        ),
+    ],
+    reason: Annotated[
+        str,
+        typer.Option("--reason", help="How the result was confirmed (recorded and audited)."),
+    ],
+    store: Annotated[str | None, _store_option()] = None,
+    app: Annotated[str | None, _app_option()] = None,
+) -> None:
+    """Record an activity step's result without running it (the in-doubt protocol).
+
+    For a step whose work is known done (checked at the provider by its idempotency key):
+    a step waiting for its next retry, or the failed step of a failed run, which is
+    reopened and continues with this result. A completed or running step is refused.
+    With --app the result is checked against the activity's return type."""
+    try:
+        value = _parse_json(result, "JSON_RESULT")
+    except UsageError as exc:
+        _fail(str(exc), EXIT_USAGE)
+
+    async def go() -> None:
+        async with _opened(_client_app(store, app)) as a:
+            # audited by complete_step itself, in the write that records the result
+            await a.complete_step(run_id, step, value, reason=reason, by=cli_actor())
+
+    _run(go())
+    print(f"step {step} of run {run_id} completed with the given result")
+
+
 def audit_command(
     run_id: Annotated[str, _run_id_argument()],
     store: Annotated[str | None, _store_option()] = None,

@@ -160,6 +160,15 @@ class Reason(BaseModel):
     reason: str | None = None
 
 
+class StepResult(BaseModel):
+    """An activity step's result, confirmed by an operator (recorded and audited)."""
+
+    result: Any = Field(description="The step's return value, as the activity would return it.")
+    reason: str = Field(
+        min_length=1, max_length=10_000, description="How the result was confirmed."
+    )
+
+
 class Note(BaseModel):
     """What an operator did about a dead letter (stored on it and in the audit log)."""
 
@@ -678,6 +687,25 @@ def create_api(
         await app.retry(run_id)
         await audit(request, "retry", f"run:{run_id}")
         return run_view(await app._peek(run_id))
+
+    @api.post(
+        "/v1/runs/{run_id:path}/steps/{step}/complete",
+        status_code=202,
+        summary="Record an activity step's result without running it (admin, audited)",
+    )
+    async def complete_step(
+        run_id: str,
+        step: Annotated[int, Path(ge=1, le=INT64_MAX)],
+        body: StepResult,
+        request: Request,
+    ) -> RunView:
+        principal = may(request, "admin", "completing a step")
+        await visible(request, run_id, follow=False)
+        # the result, the run's reopening and the audit entry are one write
+        await app.complete_step(
+            run_id, step, body.result, reason=body.reason, by=actor_of(principal, "api")
+        )
+        return run_view(await app._peek(run_id, follow=False))
 
     @api.get(
         "/v1/switches",

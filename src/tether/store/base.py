@@ -663,6 +663,15 @@ class Store(abc.ABC):
         same transaction: refused unless that letter is open and one of them."""
 
     @abc.abstractmethod
+    async def complete_step(
+        self, run_id: str, step: int, result: str, actor: str, reason: str
+    ) -> dict[str, Any]:
+        """Record ``result`` (encoded JSON) as an operator's outcome of activity step
+        ``step``, with its audit entry (``complete step`` by ``actor``), in one
+        transaction; a failed run whose failed step it is is reopened. A step that
+        completed, runs now, or cannot take it is refused (``RecoveryError``)."""
+
+    @abc.abstractmethod
     async def fork_run(
         self, run_id: str, new_run_id: str, at_step: int, attrs: dict[str, Any] | None = None
     ) -> None:

@@ -561,6 +561,12 @@ class OpsStore(Store):
     async def retry_run(self, run_id: str, letter_id: int | None = None) -> None:
         await self._do(_retry_run, run_id, letter_id)
 
+    async def complete_step(
+        self, run_id: str, step: int, result: str, actor: str, reason: str
+    ) -> dict[str, Any]:
+        out: dict[str, Any] = await self._do(_complete_step, run_id, step, result, actor, reason)
+        return out
+
     async def fork_run(
         self, run_id: str, new_run_id: str, at_step: int, attrs: dict[str, Any] | None = None
     ) -> None:
@@ -635,6 +641,7 @@ from .queues import _configure_queue, _pause_queue, _queue_stats  # noqa: E402
 from .recovery import (  # noqa: E402
     _claim_dead_letter,
     _close_dead_letter,
+    _complete_step,
     _dead_letters,
     _fork_run,
     _renew_dead_letter_claim,

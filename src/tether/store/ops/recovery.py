@@ -296,12 +296,8 @@ def _retry_run(tx: _Tx, run_id: str, letter_id: int | None = None) -> None:
         (e.seq for e in events if e.type in COMMANDS and e.step is not None and e.type in _ENDINGS),
         default=None,
     )
-    failures = [
-        e
-        for e in events
-        if e.type in (EventType.ACTIVITY_FAILED, EventType.CHILD_FAILED)
-        and (terminal is None or e.seq < terminal)
-    ]
+    failed = _retried_failure(events)
+    failures = [failed] if failed is not None else []
     cut = failures[-1].seq if failures else (terminal or events[-1].seq)
     # the step whose letter this retry runs again (a child's letters are its own run's)
     again = (
@@ -371,6 +367,144 @@ def _retry_run(tx: _Tx, run_id: str, letter_id: int | None = None) -> None:
         (tx.now, json.dumps({"state": "retried"}), run_id, *cargs, again),
     )
     _ensure_workflow_task(tx, run_id, run_queue, workflow)
+
+
+def _retried_failure(events: list[Event]) -> Event | None:
+    """The failure ``_retry_run`` voids and runs again: the last step failure (an
+    activity's or a child's) before the run's ending, or None (the code itself failed)."""
+    terminal = max(
+        (e.seq for e in events if e.type in COMMANDS and e.step is not None and e.type in _ENDINGS),
+        default=None,
+    )
+    failures = [
+        e
+        for e in events
+        if e.type in (EventType.ACTIVITY_FAILED, EventType.CHILD_FAILED)
+        and (terminal is None or e.seq < terminal)
+    ]
+    return failures[-1] if failures else None
+
+
+def _complete_step(
+    tx: _Tx, run_id: str, step: int, result: str, actor: str, reason: str
+) -> dict[str, Any]:
+    """Record ``result`` (encoded JSON) as the outcome of activity step ``step``, set by
+    an operator, with its audit entry, in one transaction.
+
+    Taken by a step that has no outcome and no attempt running now (waiting for its
+    next retry, or queued), and by the failed step of a failed (or needs_intervention)
+    run, which is reopened as ``_retry_run`` would, its step completed instead of run
+    again. Refused (``RecoveryError``): a completed step, a running attempt, a step the
+    code stopped waiting for or whose failure it handled, a step that is not an
+    activity, a run that ended otherwise. Returns what was done (for the caller)."""
+    # the step's task first, then the run: the lock order of a worker's completion,
+    # which deletes its task (by its fence) before it appends to the run
+    task = tx.execute(
+        "SELECT task_id, lease_owner, available_at, queue, attempt FROM tasks "
+        f"WHERE run_id = ? AND step = ? AND kind = 'activity'{tx.for_update}",
+        (run_id, step),
+    ).fetchone()
+    status, run_queue, _p, _s, workflow, _t = _run_row(tx, run_id, lock=True)
+    events = _live_history(tx, run_id)
+    where = f"step {step} of run {run_id!r}"
+    command = next((e for e in events if e.step == step and e.type in COMMANDS), None)
+    if command is None:
+        raise RecoveryError(f"run {run_id!r} has no step {step} (yet); see its history")
+    if command.type is not EventType.ACTIVITY_SCHEDULED:
+        raise RecoveryError(
+            f"{where} is a {command.type.value}, not an activity: only an activity's "
+            "result can be recorded by an operator"
+        )
+    name = command.data.get("name")
+    outcome = next((e for e in events if e.step == step and e.type in OUTCOMES), None)
+    if outcome is not None and outcome.type is EventType.ACTIVITY_COMPLETED:
+        by = outcome.data.get("operator")
+        how = f"by {by} (an operator)" if by else f"on attempt {outcome.data.get('attempt')}"
+        raise RecoveryError(
+            f"{where} ({name}) already completed {how}; its recorded result stands "
+            "(to run the rest again from before it, fork the run)"
+        )
+    if any(
+        e.type is EventType.ACTIVITY_CANCEL_REQUESTED and e.data.get("activity_step") == step
+        for e in events
+    ):
+        raise RecoveryError(
+            f"{where} ({name}) was cancelled by the run's code, which no longer waits for "
+            "its result"
+        )
+    status = RunStatus(status)
+    attempts: Any = None
+    if status in (RunStatus.FAILED, RunStatus.NEEDS_INTERVENTION):
+        failed = _retried_failure(events)
+        if failed is None or failed.step != step or failed.type is not EventType.ACTIVITY_FAILED:
+            failing = (
+                f"its failed step is {failed.step}"
+                if failed is not None
+                else "its code failed, not a step"
+            )
+            raise RecoveryError(
+                f"run {run_id!r} is {status.value} and {failing}: only that step can be "
+                f"completed to reopen it (or app.retry / app.fork it)"
+            )
+        attempts = failed.data.get("attempt")
+        # its letter is closed by this, not by the retry below (which marks the others)
+        resolution = {"state": "completed", "by": actor, "reason": reason}
+        tx.execute(
+            "UPDATE dead_letters SET resolved_at = ?, resolution = ? WHERE run_id = ? "
+            "AND step = ? AND resolved_at IS NULL",
+            (tx.now, tx.seal(json.dumps(resolution), run_id), run_id, step),
+        )
+        _retry_run(tx, run_id)  # reopened from the failed step, as a retry would...
+        # ...whose task is not run: the operator's result is its outcome
+        tx.execute(
+            "DELETE FROM tasks WHERE run_id = ? AND step = ? AND kind = 'activity'",
+            (run_id, step),
+        )
+        reopened = True
+    elif status.is_terminal:
+        raise RecoveryError(
+            f"run {run_id!r} is {status.value}: its steps can no longer be completed "
+            f"(fork it to run again from a chosen step: app.fork({run_id!r}, at_step=...))"
+        )
+    else:
+        if outcome is not None:  # a failure its code caught and went on from
+            raise RecoveryError(
+                f"{where} ({name}) failed and the run's code handled the failure and went "
+                "on; a result now would reach no one. If it did its work after all, close "
+                "its dead letter with app.resolve_dead_letter(id, note=...)"
+            )
+        if task is None:
+            raise RecoveryError(
+                f"{where} ({name}) has no attempt waiting (was the run retried just now?); "
+                "see its history and try again"
+            )
+        task_id, owner, available_at, queue, attempts = task
+        if owner is not None and available_at is not None and available_at > tx.now:
+            raise RecoveryError(
+                f"{where} ({name}) is running now (attempt {attempts} on worker {owner!r}); "
+                "wait for the attempt to end: if it fails and waits for a retry, complete "
+                "it then; if it succeeds, its result stands"
+            )
+        # the row goes: a worker whose lease lapsed (stuck, not dead) finds its fence
+        # gone and its late result is discarded (LeaseLostError), never recorded twice
+        tx.execute("DELETE FROM tasks WHERE task_id = ?", (task_id,))
+        tx.ready.add(queue)  # a slot it held under a limit is free
+        reopened = False
+    # who and why, on the event: the history shows the step completed by an operator
+    # (``reason`` is sealed with encryption on, as every event's free text)
+    _append(
+        tx,
+        run_id,
+        EventType.ACTIVITY_COMPLETED,
+        step,
+        {"attempt": attempts if attempts is not None else 0, "operator": actor, "reason": reason},
+        {"result": result},
+    )
+    if not reopened:
+        _ensure_workflow_task(tx, run_id, run_queue, workflow)
+    detail = {"step": step, "activity": name, "reason": reason, "reopened": reopened}
+    _audit(tx, actor, "complete step", f"run:{run_id}", detail)
+    return detail
 
 
 def _retry_child(tx: _Tx, run_id: str, failed: Event) -> None:

@@ -1,0 +1,405 @@
+"""``app.complete_step``: an operator records an in-doubt step's result without running
+it (the in-doubt protocol, docs/failure-handling.md section 5), on both stores."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import tether
+from helpers import eventually
+from tether import EventType, RunStatus
+from tether._history import Task
+from tether.testing import check_history
+
+
+def fast(attempts: int) -> tether.Retry:
+    return tether.Retry(attempts=attempts, initial=0.01, max_interval=0.02, jitter=0)
+
+
+async def test_a_failed_run_is_reopened_and_finishes_with_the_result_without_running_the_step(
+    app: tether.App, worker: tether.Worker
+) -> None:
+    ran: collections.Counter[str] = collections.Counter()
+
+    @app.activity(retry=fast(3))
+    def reserve(order: str) -> str:
+        ran["reserve"] += 1
+        return f"hold-{order}"
+
+    @app.activity(retry=fast(3))
+    def charge(order: str, cents: int) -> str:
+        ran["charge"] += 1
+        raise TimeoutError("provider timed out")  # in doubt: it may have charged
+
+    @app.activity(retry=fast(3))
+    def ship(hold: str, charge_id: str) -> str:
+        ran["ship"] += 1
+        return f"shipped {hold} paid by {charge_id}"
+
+    @app.workflow
+    async def order(order_id: str) -> str:
+        hold = await reserve(order_id)
+        charge_id = await charge(order_id, 1800)
+        return await ship(hold, charge_id)
+
+    run = await app.start(order, "o-7")
+    with pytest.raises(tether.WorkflowFailedError):
+        await run.result(timeout=10)
+    assert ran == {"reserve": 1, "charge": 3}
+
+    # the operator asked the provider by the step's key: the charge went through
+    reopened = await app.complete_step(
+        run.run_id, 2, "ch_o-7", reason="charge found at the provider", by="ann"
+    )
+    assert reopened.run_id == run.run_id
+    assert await reopened.result(timeout=10) == "shipped hold-o-7 paid by ch_o-7"
+    assert ran == {"reserve": 1, "charge": 3, "ship": 1}  # charge did not run again
+
+    events = await app.history(run.run_id)
+    done = [e for e in events if e.type is EventType.ACTIVITY_COMPLETED and e.step == 2]
+    assert len(done) == 1
+    assert done[0].data["result"] == "ch_o-7"
+    assert done[0].data["operator"] == "ann"
+    assert done[0].data["reason"] == "charge found at the provider"
+    assert [e.type for e in events].count(EventType.RUN_RETRIED) == 1
+    letters = await app.dead_letters(run_id=run.run_id, include_resolved=True)
+    by_kind = {d.kind: d for d in letters}
+    assert by_kind["activity"].resolution == {
+        "state": "completed",
+        "by": "ann",
+        "reason": "charge found at the provider",
+    }
+    assert by_kind["run"].resolution == {"state": "retried"}
+    assert await app.dead_letters(run_id=run.run_id) == []
+    trail = await app.audit(run.run_id)
+    assert [(e["actor"], e["action"], e["detail"]) for e in trail[1:]] == [
+        (
+            "ann",
+            "complete step",
+            {
+                "step": 2,
+                "activity": "charge",
+                "reason": "charge found at the provider",
+                "reopened": True,
+            },
+        )
+    ]
+    with pytest.raises(tether.RecoveryError, match="already completed by ann"):
+        await app.complete_step(run.run_id, 2, "ch_other", reason="again")
+    # the history, operator's result included, replays with the code as recorded
+    report = check_history(app, events)
+    assert report.ok, (report.error, report.diff())
+
+
+async def test_a_step_waiting_for_its_next_retry_takes_the_result_and_never_runs_again(
+    app: tether.App, worker: tether.Worker
+) -> None:
+    ran: collections.Counter[str] = collections.Counter()
+
+    @app.activity(retry=tether.Retry(attempts=5, initial=60, jitter=0))
+    def send(to: str) -> dict[str, str]:
+        ran["send"] += 1
+        raise ConnectionError("reset by peer")
+
+    @app.workflow
+    async def notify(to: str) -> str:
+        receipt = await send(to)
+        return f"sent as {receipt['message_id']}"
+
+    run = await app.start(notify, "bob")
+
+    async def backing_off() -> bool:
+        return any(
+            e.type is EventType.ACTIVITY_ATTEMPT_FAILED for e in await app.history(run.run_id)
+        )
+
+    await eventually(backing_off)
+    await app.complete_step(run.run_id, 1, {"message_id": "m-1"}, reason="in the outbox")
+    assert await run.result(timeout=10) == "sent as m-1"
+    assert ran == {"send": 1}
+    await asyncio.sleep(0.3)
+    assert ran == {"send": 1}
+    types = [e.type for e in await app.history(run.run_id)]
+    assert types.count(EventType.ACTIVITY_COMPLETED) == 1
+    assert EventType.RUN_RETRIED not in types
+    (entry,) = [e for e in await app.audit(run.run_id) if e["action"] == "complete step"]
+    assert entry["actor"] == "app" and entry["detail"]["reopened"] is False
+    report = check_history(app, await app.history(run.run_id))
+    assert report.ok, (report.error, report.diff())
+
+
+async def test_refusals_name_the_reason_and_record_nothing(
+    app: tether.App, worker: tether.Worker
+) -> None:
+    started = threading.Event()
+    release = threading.Event()
+
+    @app.activity
+    def quick(x: int) -> int:
+        return x + 1
+
+    @app.activity
+    def busy(x: int) -> int:
+        started.set()
+        release.wait(10)
+        return x * 10
+
+    @app.workflow
+    async def flow(x: int) -> int:
+        a = await quick(x)
+        await tether.sleep(0.01)
+        return await busy(a)
+
+    run = await app.start(flow, 1)
+    await asyncio.to_thread(started.wait, 10)
+    with pytest.raises(tether.RecoveryError, match="already completed on attempt 1"):
+        await app.complete_step(run.run_id, 1, 5, reason="x")
+    with pytest.raises(tether.RecoveryError, match="not an activity"):
+        await app.complete_step(run.run_id, 2, 5, reason="x")
+    with pytest.raises(tether.RecoveryError, match="is running now"):
+        await app.complete_step(run.run_id, 3, 5, reason="x")
+    with pytest.raises(tether.RecoveryError, match="has no step 9"):
+        await app.complete_step(run.run_id, 9, 5, reason="x")
+    with pytest.raises(tether.PayloadError, match="result of step 3"):
+        await app.complete_step(run.run_id, 3, "not a number", reason="x")
+    with pytest.raises(tether.ConfigurationError, match="reason"):
+        await app.complete_step(run.run_id, 3, 5, reason=" ")
+    with pytest.raises(tether.ConfigurationError, match="step"):
+        await app.complete_step(run.run_id, 0, 5, reason="x")
+    with pytest.raises(tether.RunNotFoundError):
+        await app.complete_step("nope", 1, 5, reason="x")
+    release.set()
+    assert await run.result(timeout=10) == 20  # the attempt's own result stands
+    with pytest.raises(tether.RecoveryError, match="already completed"):
+        await app.complete_step(run.run_id, 3, 5, reason="x")
+    assert [e for e in await app.audit(run.run_id) if e["action"] == "complete step"] == []
+
+
+async def test_a_failure_the_code_handled_is_refused(
+    app: tether.App, worker: tether.Worker
+) -> None:
+    @app.activity(retry=fast(1))
+    def charge(order: str) -> str:
+        raise TimeoutError("provider timed out")
+
+    @app.workflow
+    async def careful(order: str) -> str:
+        try:
+            return await charge(order)
+        except tether.ActivityError:
+            await tether.wait_event("never", timeout=60)
+            return "fallback"
+
+    run = await app.start(careful, "o-1")
+
+    async def failed() -> bool:
+        return any(e.type is EventType.ACTIVITY_FAILED for e in await app.history(run.run_id))
+
+    await eventually(failed)
+    with pytest.raises(tether.RecoveryError, match="handled the failure"):
+        await app.complete_step(run.run_id, 1, "ch_1", reason="x")
+    await app.cancel(run.run_id)
+
+
+async def test_an_operator_result_and_a_worker_result_of_one_step_never_both_land(
+    app: tether.App, store_url: str, worker: tether.Worker
+) -> None:
+    """A worker whose lease lapsed (stuck, not dead) and an operator complete the same
+    step at the same moment: exactly one result is recorded; the other side is told
+    (LeaseLostError for the worker, RecoveryError for the operator)."""
+
+    @app.activity(queue="by-hand")  # served by no worker: the test claims it
+    def charge(order: str) -> str:
+        return "unused"
+
+    @app.workflow
+    async def pay(order: str) -> str:
+        return await charge(order)
+
+    other = tether.App(store=store_url)  # the operator, in another process
+    try:
+        runs = [await app.start(pay, f"o-{i}") for i in range(8)]
+        store = app.store
+        tasks: list[Task] = []
+
+        async def all_scheduled() -> bool:
+            tasks.extend(
+                await store.claim(worker_id="stuck", queues=["by-hand"], limit=100, lease=0.05)
+            )
+            return len(tasks) == len(runs)
+
+        await eventually(all_scheduled)
+        time.sleep(0.1)  # every lease has lapsed: the operator may complete the steps
+        by_run = {t.run_id: t for t in tasks}
+        winners = collections.Counter[str]()
+        for i, run in enumerate(runs):
+            sides = [
+                store.complete_activity(by_run[run.run_id], '"worker"'),
+                # the store's write itself (the App reads the history first, which
+                # would let the worker's write in first every time)
+                other.store.complete_step(run.run_id, 1, '"operator"', "op", "race"),
+            ]
+            if i % 2:  # either one sent first
+                got = list(reversed(await asyncio.gather(*reversed(sides), return_exceptions=True)))
+            else:
+                got = await asyncio.gather(*sides, return_exceptions=True)
+            worker_lost = isinstance(got[0], tether.LeaseLostError)
+            operator_lost = isinstance(got[1], tether.RecoveryError)
+            assert worker_lost != operator_lost, got
+            if operator_lost:
+                assert "already completed" in str(got[1])
+            else:
+                assert not isinstance(got[1], BaseException), got
+            want = "worker" if operator_lost else "operator"
+            winners[want] += 1
+            assert await run.result(timeout=10) == want
+            events = await app.history(run.run_id)
+            assert [e.type for e in events].count(EventType.ACTIVITY_COMPLETED) == 1
+            actions = [e["action"] for e in await app.audit(run.run_id)]
+            assert actions.count("complete step") == (want == "operator")
+        assert sum(winners.values()) == len(runs)
+    finally:
+        assert other._store is not None
+        other._store.close_sync()  # type: ignore[attr-defined]
+
+
+async def test_a_stuck_attempt_whose_lease_lapsed_is_fenced_off(
+    app: tether.App, worker: tether.Worker
+) -> None:
+    """The operator completes a step whose attempt's lease lapsed: the attempt's late
+    result is discarded, never recorded as a second result."""
+
+    @app.activity(queue="by-hand")
+    def charge(order: str) -> str:
+        return "unused"
+
+    @app.workflow
+    async def pay(order: str) -> str:
+        charge_id = await charge(order)
+        await tether.wait_event("go", timeout=60)  # still running when the late result comes
+        return charge_id
+
+    run = await app.start(pay, "o-1")
+    store = app.store
+    claimed: list[Task] = []
+
+    async def scheduled() -> bool:
+        claimed.extend(
+            await store.claim(worker_id="stuck", queues=["by-hand"], limit=1, lease=0.05)
+        )
+        return bool(claimed)
+
+    await eventually(scheduled)
+    await asyncio.sleep(0.1)
+    await app.complete_step(run.run_id, 1, "ch_op", reason="found it")
+
+    async def waiting() -> bool:
+        return "go" in str((await app.get(run.run_id)).waiting_on)
+
+    await eventually(waiting)
+    with pytest.raises(tether.LeaseLostError):
+        await store.complete_activity(claimed[0], '"late"')
+    with pytest.raises(tether.LeaseLostError):
+        await store.fail_activity(claimed[0], {"type": "X", "message": "late"}, None)
+    await app.signal(run.run_id, "go")
+    assert await run.result(timeout=10) == "ch_op"
+    types = [e.type for e in await app.history(run.run_id)]
+    assert types.count(EventType.ACTIVITY_COMPLETED) == 1
+    assert (await app.get(run.run_id)).status is RunStatus.COMPLETED
+
+
+async def test_the_sync_client_completes_a_step(store_url: str) -> None:
+    def define(app: tether.App) -> tether.Workflow[[str], str]:
+        @app.activity(retry=tether.Retry(attempts=1))
+        def charge(order: str) -> str:
+            raise TimeoutError("provider timed out")
+
+        @app.workflow
+        async def pay(order: str) -> str:
+            return "paid " + await charge(order)
+
+        return pay
+
+    serving = tether.App(store=store_url)
+    pay = define(serving)
+    client_app = tether.App(store=store_url)
+    define(client_app)
+    client = tether.SyncClient(client_app)
+    try:
+        async with serving.worker(poll_interval=0.05):
+            run = await serving.start(pay, "o-1")
+            with pytest.raises(tether.WorkflowFailedError):
+                await run.result(timeout=10)
+
+            def use() -> str:
+                reopened = client.complete_step(run.run_id, 1, "ch_1", reason="at the provider")
+                value: str = reopened.result(timeout=10)
+                return value
+
+            assert await asyncio.to_thread(use) == "paid ch_1"
+    finally:
+        await asyncio.to_thread(client.close)
+        await serving.close()
+
+
+async def test_the_result_is_sealed_like_any_result(store_url: str, tmp_path: Path) -> None:
+    from test_encryption import CANARY, _keyring, _stored_bytes
+
+    app = tether.App(store=store_url, encryption=_keyring(tmp_path))
+
+    @app.activity(retry=tether.Retry(attempts=1))
+    def charge(order: str) -> str:
+        raise TimeoutError("provider timed out")
+
+    @app.workflow
+    async def pay(order: str) -> str:
+        return await charge(order)
+
+    async with app.worker(poll_interval=0.05):
+        run = await app.start(pay, "o-1")
+        with pytest.raises(tether.WorkflowFailedError):
+            await run.result(timeout=10)
+        await app.complete_step(run.run_id, 1, f"ch {CANARY}", reason="at the provider")
+        assert await run.result(timeout=10) == f"ch {CANARY}"
+    (done,) = [e for e in await app.history(run.run_id) if e.type is EventType.ACTIVITY_COMPLETED]
+    assert done.data["result"] == f"ch {CANARY}" and done.data["reason"] == "at the provider"
+    app.store.close_sync()  # type: ignore[attr-defined]
+    raw = _stored_bytes(store_url)
+    assert raw and CANARY.encode() not in raw
+
+
+async def test_a_suspended_run_takes_the_result_and_goes_on_only_when_resumed(
+    app: tether.App, worker: tether.Worker
+) -> None:
+    ran: collections.Counter[str] = collections.Counter()
+
+    @app.activity(retry=tether.Retry(attempts=5, initial=60, jitter=0))
+    def send(to: str) -> str:
+        ran["send"] += 1
+        raise ConnectionError("reset by peer")
+
+    @app.workflow
+    async def notify(to: str) -> str:
+        return "sent as " + await send(to)
+
+    run = await app.start(notify, "bob")
+
+    async def backing_off() -> bool:
+        return any(
+            e.type is EventType.ACTIVITY_ATTEMPT_FAILED for e in await app.history(run.run_id)
+        )
+
+    await eventually(backing_off)
+    await app.suspend(run.run_id)
+    await app.complete_step(run.run_id, 1, "m-1", reason="in the outbox")
+    await asyncio.sleep(0.3)
+    assert (await app.get(run.run_id)).status is RunStatus.SUSPENDED
+    await app.resume(run.run_id)
+    assert await run.result(timeout=10) == "sent as m-1"
+    assert ran == {"send": 1}
