@@ -1438,18 +1438,34 @@ class App:
         update whose id already arrived in the run's continue-as-new chain is not
         recorded or validated again; this waits for the first one's outcome instead.
         One id is one update (its name and arguments are not compared)."""
+        return await self._update(run_id, name, args, timeout, update_id)
+
+    async def _update(
+        self,
+        run_id: str,
+        name: str,
+        args: tuple[Any, ...],
+        timeout: float | None,
+        update_id: str | None,
+        recorded: Callable[[], None] | None = None,
+    ) -> Any:
+        """``update``; ``recorded`` is called once the update is in the run's history
+        (or its id was found there), before its outcome is waited for: the HTTP API
+        answers ``202`` from then on if the server stops."""
         if update_id is not None:
             check_signal_id(update_id, "update_id")
             seen = await self.store.signal_arrived(run_id, update_id)
             if seen is not None:
                 await self._id_kind(*seen, update_id, f"update {name!r}", update=True)
+                if recorded is not None:
+                    recorded()
                 return await self._update_outcome(seen[0], update_id, name, timeout, seen[1])
         try:
             inst = await self._replayed(run_id, f"update {name!r}")
         except QueryError as exc:
             if not exc.problem.startswith(NOT_RUN_YET):
                 raise
-            return await self._send_update(exc.run_id, name, args, timeout, update_id)
+            return await self._send_update(exc.run_id, name, args, timeout, update_id, recorded)
         try:
             entry = inst.updates.get(name)
             if entry is None:
@@ -1465,7 +1481,7 @@ class App:
             live = inst.run_id
         finally:
             inst.close()
-        return await self._send_update(live, name, args, timeout, update_id)
+        return await self._send_update(live, name, args, timeout, update_id, recorded)
 
     async def _send_update(
         self,
@@ -1474,6 +1490,7 @@ class App:
         args: tuple[Any, ...],
         timeout: float | None,
         update_id: str | None = None,
+        recorded: Callable[[], None] | None = None,
     ) -> Any:
         """Record the update request in the run's history and wait for its outcome (with
         an ``update_id`` that arrived meanwhile: the first request's)."""
@@ -1482,6 +1499,8 @@ class App:
         target, seq, new = await self.store.signal(run_id, UPDATE_SIGNAL + name, payload, update_id)
         if not new and update_id is not None:  # it arrived meanwhile
             await self._id_kind(target, seq, update_id, f"update {name!r}", update=True)
+        if recorded is not None:
+            recorded()
         return await self._update_outcome(target, uid, name, timeout, seq)
 
     async def _id_kind(self, run_id: str, seq: int, given: str, sent: str, *, update: bool) -> None:

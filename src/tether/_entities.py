@@ -275,7 +275,20 @@ class EntityRef:
         """Apply ``op(*args)`` and return its result (``UpdateFailedError`` if it raised).
         With an ``update_id`` that already arrived for this entity, nothing is applied
         again: this waits for the first one's outcome (``App.update``)."""
+        return await self._call(op, args, timeout, update_id)
+
+    async def _call(
+        self,
+        op: str,
+        args: tuple[Any, ...],
+        timeout: float | None,
+        update_id: str | None,
+        recorded: Callable[[], None] | None = None,
+    ) -> Any:
+        """``call``; ``recorded`` is called once the operation is recorded (``App._update``)."""
         uid, (target, seq), _new = await self._send(op, args, update_id)
+        if recorded is not None:
+            recorded()
         return await self.app._update_outcome(target, uid, op, timeout, seq)
 
     async def signal(self, op: str, *args: Any, update_id: str | None = None) -> bool:
