@@ -301,20 +301,27 @@ def test_an_update_waiting_when_the_server_stops_is_answered_202_and_applies_onc
         waiting = _send_raw(
             server.port, "POST", url, {"args": [5], "timeout": 60}, Idempotency_Key="add-5"
         )
+        op = "/v1/entities/Tally/t9/operations/add"
+        operation = _send_raw(
+            server.port, "POST", op, {"args": [3], "timeout": 60}, Idempotency_Key="op-3"
+        )
 
-        def recorded() -> bool:
-            events = server.http.get(f"/v1/runs/{run_id}/history").json()["events"]
-            return any(e["data"].get("signal_id") == "add-5" for e in events)
+        def recorded(run: str, key: str) -> bool:
+            r = server.http.get(f"/v1/runs/{run}/history")
+            events = r.json()["events"] if r.status_code == 200 else []
+            return any(e["data"].get("signal_id") == key for e in events)
 
-        _wait(recorded, 20, "the update to be recorded")
+        _wait(lambda: recorded(run_id, "add-5"), 20, "the update to be recorded")
+        _wait(lambda: recorded("entity:Tally:t9", "op-3"), 20, "the operation to be recorded")
         server.proc.send_signal(signal.SIGTERM)
         assert server.proc.wait(30) == 0
-        head, body = _answer(waiting)
-        assert head.startswith("http/1.1 202"), (head, body)
-        assert "retry-after" in head
-        answer = json.loads(body)
-        assert answer["id"] == run_id and answer["status"] == "accepted"
-        assert "stopping" in answer["detail"]
+        for conn, what in ((waiting, "id"), (operation, "entity")):
+            head, body = _answer(conn)
+            assert head.startswith("http/1.1 202"), (head, body)
+            assert "retry-after" in head
+            answer = json.loads(body)
+            assert what in answer and answer["status"] == "accepted"
+            assert "stopping" in answer["detail"]
     finally:
         server.stop()
     again = Server(store, "--workers", "1", "--no-auth")
@@ -328,5 +335,8 @@ def test_an_update_waiting_when_the_server_stops_is_answered_202_and_applies_onc
         assert [e["data"].get("signal_id") for e in events if e["type"] == "SignalReceived"] == [
             "add-5"
         ]
+        same = again.http.post(op, json={"args": [3]}, headers={"Idempotency-Key": "op-3"})
+        assert same.status_code == 200 and same.json()["result"] == 3, same.text
+        assert again.http.get("/v1/entities/Tally/t9").json() == {"n": 3}
     finally:
         again.stop()
