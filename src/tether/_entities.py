@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import inspect
+import json
 import math
 import uuid
 from collections.abc import Callable
@@ -338,7 +339,15 @@ class EntityRef:
         assert res.signalled is not None  # create_run signals in the same commit
         if given is not None and not res.signal_new:
             target, seq = res.signalled
-            await self.app._id_kind(target, seq, given, f"operation {op!r}", update=True)
+            await self.app._id_kind(
+                target,
+                seq,
+                given,
+                f"operation {op!r}",
+                update=True,
+                name=UPDATE_SIGNAL + op,
+                value=json.loads(payload)["args"],
+            )
         return update_id, res.signalled, res.signal_new
 
     async def _check_dots(self) -> None:

@@ -197,6 +197,8 @@ class WorkflowInstance:
         self._buffers: dict[str, collections.deque[tuple[int, Any]]] = collections.defaultdict(
             collections.deque
         )
+        #: the ids of buffered signals sent with one, by seq (carried on with them)
+        self._buffered_ids: dict[int, str] = {}
         self._waiters: dict[str, collections.deque[asyncio.Future[Any]]] = collections.defaultdict(
             collections.deque
         )
@@ -447,6 +449,8 @@ class WorkflowInstance:
                     fut.set_result(ev.data.get("payload"))
                     return
             self._buffers[name].append((ev.seq, ev.data.get("payload")))
+            if ev.data.get("signal_id") is not None:
+                self._buffered_ids[ev.seq] = ev.data["signal_id"]
             return
         if t is EventType.CANCEL_REQUESTED or t is EventType.DEADLINE_EXCEEDED:
             self._interrupt(t is EventType.DEADLINE_EXCEEDED, ev.data.get("reason"))
@@ -995,19 +999,28 @@ class WorkflowInstance:
         """Pop the oldest buffered signal ``name``, if any."""
         buf = self._buffers.get(name)
         if buf:
-            return True, buf.popleft()[1]
+            seq, payload = buf.popleft()
+            self._buffered_ids.pop(seq, None)
+            return True, payload
         return False, None
 
     def untaken_signals(self) -> list[dict[str, Any]]:
         """The signals this run received and its code never took, in arrival order
-        (approval decisions left out: they answer this run's own reviews)."""
+        (approval decisions left out: they answer this run's own reviews), each with
+        its ``signal_id`` if it was sent with one."""
         waiting = sorted(
             (seq, name, payload)
             for name, buf in self._buffers.items()
             if not name.startswith(APPROVAL_SIGNAL)
             for seq, payload in buf
         )
-        return [{"name": name, "payload": payload} for _seq, name, payload in waiting]
+        out: list[dict[str, Any]] = []
+        for seq, name, payload in waiting:
+            item = {"name": name, "payload": payload}
+            if seq in self._buffered_ids:
+                item["signal_id"] = self._buffered_ids[seq]
+            out.append(item)
+        return out
 
     def wait_signal(self, name: str, until: float | None = None) -> asyncio.Future[Any]:
         """A future resolved by the next signal ``name`` to arrive (awaited ``until``)."""
