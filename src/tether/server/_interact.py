@@ -2,7 +2,8 @@
 
 - ``POST /v1/runs/{id}/queries/{name}`` ``{"args": [...]}``: the answer (read role);
 - ``POST /v1/runs/{id}/updates/{name}`` ``{"args": [...], "timeout": 30}``: the update's
-  result (operate); ``202`` when it is recorded but not applied within the wait;
+  result (operate); ``202`` when it is recorded but not applied within the wait, or
+  once it is recorded when the server begins to stop (its workers stop too);
 - ``POST /v1/entities/{entity}/{key}/operations/{op}`` and ``GET /v1/entities/{entity}/{key}``
   (an entity's state), ``GET /v1/entities/{entity}`` (its keys);
 - ``GET /v1/schedules``, ``GET /v1/schedules/{id}``, ``POST .../pause|resume|trigger``
