@@ -287,6 +287,8 @@ def test_a_signal_sent_again_with_its_id_is_not_sent_twice(project: Project) -> 
     assert "sent to run w2" in project.ok("signal", "w2", "go", "1", "--id", "s1", *store)
     again = project.ok("signal", "w2", "go", "1", "--id", "s1", *store)
     assert "already sent" in again and "not sent again" in again
+    other = project.cli("signal", "w2", "go", "2", "--id", "s1", *store)
+    assert_one_line_error(other, 1, "s1", "another payload")
     events = json.loads(project.ok("history", "export", "w2", *store))["events"]
     sent = [e["data"] for e in events if e["type"] == "SignalReceived"]
     assert sent == [{"name": "go", "signal_id": "s1", "payload": 1}]

@@ -119,6 +119,42 @@ def test_sign_in_overview_runs_and_a_signal_from_the_browser(
     assert done["result"] == "contract: approved"
 
 
+def test_a_signal_sent_from_the_console_with_an_id_is_sent_once(
+    served: tuple[Server, dict[str, str]], browser: Any
+) -> None:
+    """The signal form takes an optional id (the signal's ``signal_id``): a form sent
+    again (a double submit, a reload) records nothing, another payload with that id is
+    refused; without an id each send is a signal, as before."""
+    server, keys = served
+    base = f"http://127.0.0.1:{server.port}"
+    run = _start(server, keys["operate"], "cart", {"input": {}})
+    auth = {"Authorization": f"Bearer {keys['operate']}"}
+    page = browser.new_page()
+    page.on("dialog", lambda d: d.accept())
+    _sign_in(page, base, keys["operate"])
+
+    def send(payload: str, signal_id: str) -> str:
+        page.goto(f"{base}/runs/{run['id']}")
+        page.fill("form.signal input[name=name]", "add")
+        page.fill("form.signal textarea[name=payload]", payload)
+        page.fill("form.signal input[name=signal_id]", signal_id)
+        page.click("form.signal button[type=submit]")
+        return str(page.inner_text(".message"))
+
+    assert "signal 'add' sent by key" in send('{"sku": "A"}', "add-A")
+    again = send('{"sku": "A"}', "add-A")
+    assert "already sent" in again and "not sent again" in again
+    other = send('{"sku": "B"}', "add-A")
+    assert "signal not sent" in other and "another payload" in other
+    assert "signal 'add' sent by key" in send('{"sku": "C"}', "")
+    server.http.post(f"/v1/runs/{run['id']}/signals/add", json=None, headers=auth)
+    done = server.http.get(f"/v1/runs/{run['id']}/result?wait=20", headers=auth).json()
+    assert done["result"] == [{"sku": "A"}, {"sku": "C"}]
+    events = server.http.get(f"/v1/runs/{run['id']}/history", headers=auth).json()["events"]
+    ids = [e["data"].get("signal_id") for e in events if e["type"] == "SignalReceived"]
+    assert ids == ["add-A", None, None]
+
+
 def test_the_runs_list_refreshes_when_a_run_it_shows_changes_not_on_others(
     served: tuple[Server, dict[str, str]], browser: Any
 ) -> None:

@@ -261,3 +261,82 @@ def test_tether_serve_exits_after_thread_grace_with_a_stuck_sync_activity(
     assert code == 0, err
     assert "sync activity 'slow_step' of run 'stuck'" in err, err
     assert "exiting with 1 sync activity thread(s) still running (slow_step of run stuck)" in err
+
+
+def _send_raw(port: int, method: str, path: str, body: dict[str, Any], **headers: str) -> Any:
+    """A request on a connection of its own, its answer read later (``_answer``)."""
+    conn = socket.create_connection(("127.0.0.1", port), timeout=30)
+    text = json.dumps(body)
+    extra = "".join(f"{k.replace('_', '-')}: {v}\r\n" for k, v in headers.items())
+    conn.sendall(
+        f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(text)}\r\n"
+        f"{extra}\r\n{text}".encode()
+    )
+    return conn
+
+
+def _answer(conn: Any) -> tuple[str, str]:
+    answer = b""
+    while chunk := conn.recv(65536):
+        answer += chunk
+    conn.close()
+    head, _, body = answer.decode().partition("\r\n\r\n")
+    return head.lower(), body
+
+
+def test_an_update_waiting_when_the_server_stops_is_answered_202_and_applies_once(
+    tmp_path: Path,
+) -> None:
+    """The update was recorded; the server stopped before it applied (its workers went):
+    the waiting request is told so (202, as for a wait that ran out), not a bare 500, and
+    a retry with its Idempotency-Key on the next server applies it once."""
+    store = f"sqlite:///{tmp_path / 't.db'}"
+    server = Server(store, "--workers", "0", "--grace", "5", "--no-auth")
+    try:
+        run_id = server.http.post(
+            "/v1/workflows/counter/runs", json={"input": {"start": 0}}
+        ).json()["id"]
+        url = f"/v1/runs/{run_id}/updates/add"
+        waiting = _send_raw(
+            server.port, "POST", url, {"args": [5], "timeout": 60}, Idempotency_Key="add-5"
+        )
+        op = "/v1/entities/Tally/t9/operations/add"
+        operation = _send_raw(
+            server.port, "POST", op, {"args": [3], "timeout": 60}, Idempotency_Key="op-3"
+        )
+
+        def recorded(run: str, key: str) -> bool:
+            r = server.http.get(f"/v1/runs/{run}/history")
+            events = r.json()["events"] if r.status_code == 200 else []
+            return any(e["data"].get("signal_id") == key for e in events)
+
+        _wait(lambda: recorded(run_id, "add-5"), 20, "the update to be recorded")
+        _wait(lambda: recorded("entity:Tally:t9", "op-3"), 20, "the operation to be recorded")
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(30) == 0
+        for conn, what in ((waiting, "id"), (operation, "entity")):
+            head, body = _answer(conn)
+            assert head.startswith("http/1.1 202"), (head, body)
+            assert "retry-after" in head
+            answer = json.loads(body)
+            assert what in answer and answer["status"] == "accepted"
+            assert "stopping" in answer["detail"]
+    finally:
+        server.stop()
+    again = Server(store, "--workers", "1", "--no-auth")
+    try:
+        retry = again.http.post(url, json={"args": [5]}, headers={"Idempotency-Key": "add-5"})
+        assert retry.status_code == 200, retry.text
+        assert retry.json()["result"] == 5
+        total = again.http.post(f"/v1/runs/{run_id}/queries/total", json={"args": []})
+        assert total.json()["result"] == 5  # applied once
+        events = again.http.get(f"/v1/runs/{run_id}/history").json()["events"]
+        assert [e["data"].get("signal_id") for e in events if e["type"] == "SignalReceived"] == [
+            "add-5"
+        ]
+        same = again.http.post(op, json={"args": [3]}, headers={"Idempotency-Key": "op-3"})
+        assert same.status_code == 200 and same.json()["result"] == 3, same.text
+        assert again.http.get("/v1/entities/Tally/t9").json() == {"n": 3}
+    finally:
+        again.stop()

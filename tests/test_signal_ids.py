@@ -177,6 +177,47 @@ def test_a_retried_entity_operation_with_the_same_idempotency_key_applies_once(
     assert server.http.get("/v1/entities/Tally/t1").json() == {"n": 7}
 
 
+def test_an_idempotency_key_reused_with_another_body_is_a_conflict(server: Server) -> None:
+    """A key is one request: reused with another body it is refused (409, nothing
+    recorded), as a start's key reused with other input is; the same body, its keys in
+    another order, is still a repeat (200)."""
+    assert (
+        server.http.post(
+            "/v1/workflows/cart/runs", json={"input": {}, "run_id": "cart-3"}
+        ).status_code
+        == 202
+    )
+    url = "/v1/runs/cart-3/signals/add"
+    headers = {"Idempotency-Key": "add-once"}
+    first = server.http.post(url, json={"sku": "A", "n": 1}, headers=headers)
+    assert first.status_code == 202, first.text
+    same = server.http.post(url, json={"n": 1.0, "sku": "A"}, headers=headers)
+    assert same.status_code == 200 and same.json()["duplicate"] is True, same.text
+    other = server.http.post(url, json={"sku": "B", "n": 1}, headers=headers)
+    assert other.status_code == 409, other.text
+    assert "add-once" in other.json()["detail"] and "payload" in other.json()["detail"]
+    renamed = server.http.post("/v1/runs/cart-3/signals/remove", json={"sku": "A"}, headers=headers)
+    assert renamed.status_code == 409, renamed.text
+    assert "signal 'remove'" in renamed.json()["detail"]
+    server.http.post("/v1/runs/cart-3/signals/add", json=None)
+    assert _result(server, "cart-3") == [{"sku": "A", "n": 1}]
+    # updates and entity operations alike
+    run_id = server.http.post("/v1/workflows/counter/runs", json={"input": {"start": 0}}).json()[
+        "id"
+    ]
+    update = f"/v1/runs/{run_id}/updates/add"
+    assert server.http.post(update, json={"args": [5]}, headers=headers).json()["result"] == 5
+    clash = server.http.post(update, json={"args": [6]}, headers=headers)
+    assert clash.status_code == 409, clash.text
+    assert "argument" in clash.json()["detail"]
+    total = server.http.post(f"/v1/runs/{run_id}/queries/total", json={"args": []})
+    assert total.json()["result"] == 5
+    op = "/v1/entities/Tally/t2/operations/add"
+    assert server.http.post(op, json={"args": [3]}, headers=headers).json()["result"] == 3
+    assert server.http.post(op, json={"args": [4]}, headers=headers).status_code == 409
+    assert server.http.get("/v1/entities/Tally/t2").json() == {"n": 3}
+
+
 # -- the store: chains, ended runs, concurrency --------------------------------------------
 
 
@@ -286,7 +327,8 @@ async def test_concurrent_sends_of_one_id_from_two_processes_record_it_once(
     store_url: str,
 ) -> None:
     """Two Apps (two connections: two processes, on PostgreSQL really concurrent) send
-    one id many times at once: exactly one is recorded."""
+    one id many times at once: exactly one is recorded, and each repeat is told apart
+    from another request by the payload of the one recorded."""
     a, b = tether.App(store=store_url), tether.App(store=store_url)
     for x in (a, b):
 
@@ -296,14 +338,14 @@ async def test_concurrent_sends_of_one_id_from_two_processes_record_it_once(
 
     try:
         await a.start("waits", run_id="w")
-        sends = [x.signal("w", "go", i, signal_id="once") for i in range(10) for x in (a, b)]
+        sends = [x.signal("w", "go", "x", signal_id="once") for _ in range(10) for x in (a, b)]
         got = await asyncio.gather(*sends)
         assert sorted(got) == [False] * 19 + [True]
         assert len(await _signals(a, "w")) == 1
         # signal-with-start, concurrently, one id: one signal
         starts = [
-            x.start("waits", run_id="w2", if_running="signal", signal=("go", i), signal_id="sws")
-            for i in range(5)
+            x.start("waits", run_id="w2", if_running="signal", signal=("go", 1), signal_id="sws")
+            for _ in range(5)
             for x in (a, b)
         ]
         await asyncio.gather(*starts)
@@ -356,3 +398,88 @@ async def test_signal_ids_are_copied_by_migrate_and_removed_with_their_runs(
         assert await app.store.signal_arrived("t", "g") is None
     finally:
         await app.close()
+
+
+async def test_a_signal_id_reused_with_another_name_or_payload_is_a_conflict(
+    app: tether.App, worker: tether.Worker
+) -> None:
+    @app.workflow
+    async def pad() -> int:
+        total = {"n": 0}
+
+        @tether.on_update("add")
+        def add(k: int) -> int:
+            total["n"] += k
+            return total["n"]
+
+        await tether.wait_event("stop")
+        return total["n"]
+
+    run = await app.start(pad, run_id="pad")
+    assert await app.signal("pad", "poke", {"a": 1, "b": [1, 2]}, signal_id="p1") is True
+    # the same payload as a value (keys in another order, 1.0 for 1): a repeat
+    assert await app.signal("pad", "poke", {"b": [1.0, 2], "a": 1}, signal_id="p1") is False
+    with pytest.raises(tether.SignalIdConflictError, match=r"p1.*another payload") as err:
+        await app.signal("pad", "poke", {"a": 2}, signal_id="p1")
+    assert isinstance(err.value, tether.ConfigurationError)
+    with pytest.raises(tether.SignalIdConflictError, match=r"p1.*signal 'poke'.*signal 'prod'"):
+        await app.signal("pad", "prod", {"a": 1, "b": [1, 2]}, signal_id="p1")
+    assert await app.signal("pad", "poke", True, signal_id="p2") is True
+    with pytest.raises(tether.SignalIdConflictError, match=r"p2.*another payload"):
+        await app.signal("pad", "poke", 1, signal_id="p2")  # 1 is not true
+    await eventually(lambda: _waiting(app, "pad"), what="the run to wait")
+    assert await app.update("pad", "add", 2, update_id="u1") == 2
+    assert await app.update("pad", "add", 2.0, update_id="u1") == 2  # a retry
+    with pytest.raises(tether.SignalIdConflictError, match=r"u1.*other arguments"):
+        await app.update("pad", "add", 3, update_id="u1")
+    await app.signal("pad", "stop")
+    assert await run.result(timeout=10) == 2
+    # the run has ended: a retry is still told apart from another request
+    assert await app.signal("pad", "poke", {"a": 1, "b": [1, 2]}, signal_id="p1") is False
+    with pytest.raises(tether.SignalIdConflictError):
+        await app.signal("pad", "poke", {"a": 3}, signal_id="p1")
+    # nothing of the refused ones was recorded
+    assert len(await _signals(app, "pad")) == 4  # p1, p2, u1 and the stop
+
+
+async def test_a_signal_with_start_retried_with_another_signal_is_a_conflict(
+    app: tether.App,
+) -> None:
+    @app.workflow
+    async def takes() -> Any:
+        return await tether.wait_event("go")
+
+    await app.start(takes, run_id="sw", if_running="signal", signal=("go", 1), signal_id="k")
+    again = await app.start(
+        takes, run_id="sw", if_running="signal", signal=("go", 1.0), signal_id="k"
+    )
+    assert again.created is False
+    with pytest.raises(tether.SignalIdConflictError, match="another payload"):
+        await app.start(takes, run_id="sw", if_running="signal", signal=("go", 2), signal_id="k")
+    assert len(await _signals(app, "sw")) == 1
+
+
+async def test_a_signal_carried_over_at_continue_as_new_keeps_its_id(
+    app: tether.App, worker: tether.Worker
+) -> None:
+    """A signal the run never took goes on to the next run with its id in the event (the
+    id still names one signal of the chain: a retry records nothing)."""
+
+    @app.workflow
+    async def hop(n: int) -> Any:
+        if n == 0:
+            await tether.wait_event("next")
+            tether.continue_as_new(1)
+        return [await tether.wait_event("keep"), await tether.wait_event("keep")]
+
+    run = await app.start(hop, 0, run_id="hop")
+    assert await app.signal("hop", "keep", "a", signal_id="k1") is True
+    assert await app.signal("hop", "keep", "b") is True
+    assert await app.signal("hop", "next", None, signal_id="n1") is True
+    assert await run.result(timeout=10) == ["a", "b"]
+    carried = await _signals(app, "hop~1")
+    assert [(e.data.get("carried_from"), e.data.get("signal_id")) for e in carried] == [
+        ("hop", "k1"),
+        ("hop", None),
+    ]
+    assert await app.signal("hop", "keep", "a", signal_id="k1") is False

@@ -78,7 +78,7 @@ from ._policy import DEFAULT_RETRY, Retry, seconds
 from ._queues import Dependency, QueueLimits, QueueStats, check_name
 from ._redact import redact
 from ._schedules import ScheduleInfo, check_schedule_id, make_spec
-from ._serde import convert, decode_raw, encode
+from ._serde import convert, decode_raw, encode, json_equal
 from ._telemetry import count
 from ._tracing import available as tracing_available
 from ._tracing import start_carrier
@@ -784,6 +784,20 @@ class App:
                 local.adopt_start(eager, res)
             elif res.leased is not None:
                 local._spawn(res.leased)  # no claim round trip for a run started in-process
+        if (
+            signal_id is not None
+            and signal_wire is not None
+            and res.signalled is not None
+            and not res.signal_new
+        ):  # a retry of a signal-with-start: the same signal, or a conflict
+            await self._id_kind(
+                *res.signalled,
+                signal_id,
+                f"signal {signal_wire[0]!r}",
+                update=False,
+                name=signal_wire[0],
+                value=json.loads(signal_wire[1]),
+            )
         if res.created:
             count("tether_runs_started", (wf.name,))
         run = Run(self, res.run.run_id, wf)
@@ -1383,15 +1397,24 @@ class App:
 
         ``signal_id`` makes a retry safe: a signal whose id already arrived in the run
         (or its continue-as-new chain, even if it has ended since) is not recorded
-        again, whatever its name and payload, and this returns False; True when the
-        signal was recorded. One id is one signal: concurrent sends record it once."""
+        again, and this returns False; True when the signal was recorded. One id is one
+        signal: concurrent sends record it once, and one that arrived with another name
+        or payload (compared as values) raises ``SignalIdConflictError``."""
         check_signal_name(name)
         if signal_id is not None:
             check_signal_id(signal_id)
         wire = encode(payload, f"payload of signal {name!r}")
         target, seq, new = await self.store.signal(run_id, name, wire, signal_id)
         if not new and signal_id is not None:
-            await self._id_kind(target, seq, signal_id, f"signal {name!r}", update=False)
+            await self._id_kind(
+                target,
+                seq,
+                signal_id,
+                f"signal {name!r}",
+                update=False,
+                name=name,
+                value=json.loads(wire),
+            )
         return new
 
     # -- queries and updates -----------------------------------------------------
@@ -1439,19 +1462,43 @@ class App:
         ``update_id`` makes a retry safe (after that timeout, a lost connection): an
         update whose id already arrived in the run's continue-as-new chain is not
         recorded or validated again; this waits for the first one's outcome instead.
-        One id is one update (its name and arguments are not compared)."""
+        One id is one update: one that arrived with another name or arguments (compared
+        as values) raises ``SignalIdConflictError``."""
+        return await self._update(run_id, name, args, timeout, update_id)
+
+    async def _update(
+        self,
+        run_id: str,
+        name: str,
+        args: tuple[Any, ...],
+        timeout: float | None,
+        update_id: str | None,
+        recorded: Callable[[], None] | None = None,
+    ) -> Any:
+        """``update``; ``recorded`` is called once the update is in the run's history
+        (or its id was found there), before its outcome is waited for: the HTTP API
+        answers ``202`` from then on if the server stops."""
         if update_id is not None:
             check_signal_id(update_id, "update_id")
             seen = await self.store.signal_arrived(run_id, update_id)
             if seen is not None:
-                await self._id_kind(*seen, update_id, f"update {name!r}", update=True)
+                await self._id_kind(
+                    *seen,
+                    update_id,
+                    f"update {name!r}",
+                    update=True,
+                    name=UPDATE_SIGNAL + name,
+                    value=json.loads(encode(list(args), f"arguments of update {name!r}")),
+                )
+                if recorded is not None:
+                    recorded()
                 return await self._update_outcome(seen[0], update_id, name, timeout, seen[1])
         try:
             inst = await self._replayed(run_id, f"update {name!r}")
         except QueryError as exc:
             if not exc.problem.startswith(NOT_RUN_YET):
                 raise
-            return await self._send_update(exc.run_id, name, args, timeout, update_id)
+            return await self._send_update(exc.run_id, name, args, timeout, update_id, recorded)
         try:
             entry = inst.updates.get(name)
             if entry is None:
@@ -1467,7 +1514,7 @@ class App:
             live = inst.run_id
         finally:
             inst.close()
-        return await self._send_update(live, name, args, timeout, update_id)
+        return await self._send_update(live, name, args, timeout, update_id, recorded)
 
     async def _send_update(
         self,
@@ -1476,6 +1523,7 @@ class App:
         args: tuple[Any, ...],
         timeout: float | None,
         update_id: str | None = None,
+        recorded: Callable[[], None] | None = None,
     ) -> Any:
         """Record the update request in the run's history and wait for its outcome (with
         an ``update_id`` that arrived meanwhile: the first request's)."""
@@ -1483,27 +1531,63 @@ class App:
         payload = encode({"id": uid, "args": list(args)}, f"arguments of update {name!r}")
         target, seq, new = await self.store.signal(run_id, UPDATE_SIGNAL + name, payload, update_id)
         if not new and update_id is not None:  # it arrived meanwhile
-            await self._id_kind(target, seq, update_id, f"update {name!r}", update=True)
+            await self._id_kind(
+                target,
+                seq,
+                update_id,
+                f"update {name!r}",
+                update=True,
+                name=UPDATE_SIGNAL + name,
+                value=json.loads(payload)["args"],
+            )
+        if recorded is not None:
+            recorded()
         return await self._update_outcome(target, uid, name, timeout, seq)
 
-    async def _id_kind(self, run_id: str, seq: int, given: str, sent: str, *, update: bool) -> None:
-        """Refuse ``given``, the id of ``sent``, if it arrived (as event ``seq`` of
-        ``run_id``) as the other kind: a plain signal for an update, or the other way
-        (``SignalIdConflictError``): one would wait for an outcome that never comes, the
-        other be dropped as a retry."""
+    async def _id_kind(
+        self,
+        run_id: str,
+        seq: int,
+        given: str,
+        sent: str,
+        *,
+        update: bool,
+        name: str,
+        value: Any,
+    ) -> None:
+        """Refuse ``given``, the id of ``sent`` (signal ``name``, or the update's
+        ``UPDATE_SIGNAL`` name), unless it arrived (as event ``seq`` of ``run_id``) as the
+        same request: ``SignalIdConflictError`` if it arrived as the other kind (a plain
+        signal for an update, or the other way: one would wait for an outcome that never
+        comes, the other be dropped as a retry), with another name, or with another
+        payload (``value``: an update's arguments) compared as values, as a repeated
+        start's input is. The recorded event is the reference, so ids recorded before
+        payloads were compared need nothing more; one whose payload cannot be read here
+        is taken as a repeat."""
         events = await self.store.read_history(run_id, seq - 1)
         event = next((e for e in events if e.seq == seq), None)
         if event is None or event.type is not EventType.SIGNAL_RECEIVED:
             return
         arrived = str(event.data.get("name", ""))
-        if arrived.startswith(UPDATE_SIGNAL) == update:
-            return
         what = (
             f"update {arrived[len(UPDATE_SIGNAL) :]!r}"
             if arrived.startswith(UPDATE_SIGNAL)
             else f"signal {arrived!r}"
         )
-        raise SignalIdConflictError(run_id, given, what, sent)
+        if arrived.startswith(UPDATE_SIGNAL) != update:
+            raise SignalIdConflictError(run_id, given, what, sent)
+        if arrived != name:
+            raise SignalIdConflictError(run_id, given, what, sent, "name")
+        if "payload" not in event.data:
+            return
+        stored = event.data["payload"]
+        if update:
+            if not isinstance(stored, dict) or "args" not in stored:
+                return
+            stored = stored["args"]
+        if not json_equal(stored, value):
+            differs = "arguments" if update else "payload"
+            raise SignalIdConflictError(run_id, given, what, sent, differs)
 
     async def _replayed(self, run_id: str, what: str) -> WorkflowInstance:
         """The run's live instance rebuilt from its history, through its last task."""

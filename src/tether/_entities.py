@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import inspect
+import json
 import math
 import uuid
 from collections.abc import Callable
@@ -275,7 +276,20 @@ class EntityRef:
         """Apply ``op(*args)`` and return its result (``UpdateFailedError`` if it raised).
         With an ``update_id`` that already arrived for this entity, nothing is applied
         again: this waits for the first one's outcome (``App.update``)."""
+        return await self._call(op, args, timeout, update_id)
+
+    async def _call(
+        self,
+        op: str,
+        args: tuple[Any, ...],
+        timeout: float | None,
+        update_id: str | None,
+        recorded: Callable[[], None] | None = None,
+    ) -> Any:
+        """``call``; ``recorded`` is called once the operation is recorded (``App._update``)."""
         uid, (target, seq), _new = await self._send(op, args, update_id)
+        if recorded is not None:
+            recorded()
         return await self.app._update_outcome(target, uid, op, timeout, seq)
 
     async def signal(self, op: str, *args: Any, update_id: str | None = None) -> bool:
@@ -325,7 +339,15 @@ class EntityRef:
         assert res.signalled is not None  # create_run signals in the same commit
         if given is not None and not res.signal_new:
             target, seq = res.signalled
-            await self.app._id_kind(target, seq, given, f"operation {op!r}", update=True)
+            await self.app._id_kind(
+                target,
+                seq,
+                given,
+                f"operation {op!r}",
+                update=True,
+                name=UPDATE_SIGNAL + op,
+                value=json.loads(payload)["args"],
+            )
         return update_id, res.signalled, res.signal_new
 
     async def _check_dots(self) -> None:

@@ -43,23 +43,39 @@ class ConfigurationError(TetherError, ValueError):
 
 
 class SignalIdConflictError(ConfigurationError):
-    """A signal id sent with an update, or an update id with a signal: signal ids and
-    update ids share one namespace per run (its continue-as-new chain), and this id
-    already arrived as the other kind. Nothing was recorded."""
+    """A signal or update id that already arrived in the run (its continue-as-new
+    chain) with another request: as the other kind (a signal id sent with an update, or
+    the other way: signal ids and update ids are one namespace per run), with another
+    name, or with another payload or arguments (``differs``). An id is one request: a
+    retry sends the same one. Nothing was recorded."""
 
-    def __init__(self, run_id: str, given_id: str, arrived: str, sent: str) -> None:
+    def __init__(
+        self, run_id: str, given_id: str, arrived: str, sent: str, differs: str = ""
+    ) -> None:
         self.run_id = run_id
         self.id = given_id
         #: what the id arrived as, and what it was sent with now ("signal 'x'", "update 'y'")
         self.arrived, self.sent = arrived, sent
+        #: what differs when the id arrived as the same kind: "name", "payload" or
+        #: "arguments"; "" when it arrived as the other kind
+        self.differs = differs
+        head = f"id {given_id!r} already arrived in run {run_id!r} as the {arrived}"
+        if not differs:
+            super().__init__(
+                f"{head}, so it cannot be the id of the {sent} (signal ids and update ids "
+                "are one namespace per run): use another id"
+            )
+            return
+        what = f", not the {sent}" if differs == "name" else f" with other {differs}"
+        if differs == "payload":
+            what = " with another payload"
         super().__init__(
-            f"id {given_id!r} already arrived in run {run_id!r} as the {arrived}, so it "
-            f"cannot be the id of the {sent} (signal ids and update ids are one namespace "
-            "per run): use another id"
+            f"{head}{what}: an id is one request, and a retry sends the same one; use "
+            "another id for another request"
         )
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.run_id, self.id, self.arrived, self.sent))
+        return (type(self), (self.run_id, self.id, self.arrived, self.sent, self.differs))
 
 
 class PayloadError(TetherError, TypeError):

@@ -67,6 +67,22 @@ def dumps(data: Any) -> str:
         return json.dumps(data, separators=(",", ":"))
 
 
+def json_equal(a: Any, b: Any) -> bool:
+    """JSON values equal as values: objects whatever their key order, ``1`` and ``1.0``
+    alike, NaN the same NaN, but never ``true`` for ``1`` (Python's ``==`` says
+    ``True == 1``). How a repeated start's input, a repeated signal's payload and a
+    replayed step's arguments are compared."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    if isinstance(a, dict):
+        return (
+            isinstance(b, dict) and a.keys() == b.keys() and all(json_equal(a[k], b[k]) for k in a)
+        )
+    if isinstance(a, list):
+        return isinstance(b, list) and len(a) == len(b) and all(map(json_equal, a, b))
+    return bool(a == b) or (a != a and b != b)  # NaN is the same NaN
+
+
 def decode_raw(text: str | None) -> Any:
     """Decode JSON text to plain Python values."""
     if text is None:

@@ -185,7 +185,8 @@ def signal_command(
         typer.Option(
             "--id",
             help="The signal's id: a signal of an id the run (or its continue-as-new "
-            "chain) already received is not sent again (a safe retry).",
+            "chain) already received is not sent again (a safe retry); sent with "
+            "another name or payload, it is refused.",
         ),
     ] = None,
     store: Annotated[str | None, _store_option()] = None,

@@ -583,7 +583,14 @@ def create_api(
         }
 
     install_interactions(
-        api, app, visible=visible, may=may, unbound=unbound, audit=audit, max_wait=max_wait
+        api,
+        app,
+        visible=visible,
+        may=may,
+        unbound=unbound,
+        audit=audit,
+        max_wait=max_wait,
+        hub=hub,
     )
 
     for action, role in (

@@ -2,7 +2,8 @@
 
 - ``POST /v1/runs/{id}/queries/{name}`` ``{"args": [...]}``: the answer (read role);
 - ``POST /v1/runs/{id}/updates/{name}`` ``{"args": [...], "timeout": 30}``: the update's
-  result (operate); ``202`` when it is recorded but not applied within the wait;
+  result (operate); ``202`` when it is recorded but not applied within the wait, or
+  once it is recorded when the server begins to stop (its workers stop too);
 - ``POST /v1/entities/{entity}/{key}/operations/{op}`` and ``GET /v1/entities/{entity}/{key}``
   (an entity's state), ``GET /v1/entities/{entity}`` (its keys);
 - ``GET /v1/schedules``, ``GET /v1/schedules/{id}``, ``POST .../pause|resume|trigger``
@@ -15,6 +16,7 @@ no tenant (``unbound``).
 
 from __future__ import annotations
 
+import asyncio
 from typing import Annotated, Any
 
 from fastapi import FastAPI, Header, Request
@@ -25,6 +27,18 @@ from .._app import App
 from .._errors import ResultTimeoutError
 from ._models import links
 from ._problems import problem
+from ._stream import EventHub, ServerClosing
+
+
+def _not_yet(exc: Exception) -> str:
+    """Why an update's (or an entity operation's) outcome is not in its answer."""
+    if isinstance(exc, ServerClosing):
+        return (
+            "the server is stopping: the update is recorded and applies when a worker runs "
+            "the run; send it again with the same Idempotency-Key for its outcome (without "
+            "one, sending it again applies it again)"
+        )
+    return str(exc)
 
 
 class ArgsBody(BaseModel):
@@ -43,6 +57,7 @@ def install_interactions(
     unbound: Any,
     audit: Any,
     max_wait: float,
+    hub: EventHub,
 ) -> None:
     """Add the routes above to ``api``."""
 
@@ -63,16 +78,20 @@ def install_interactions(
         may(request, "operate", "update")
         info = await visible(request, run_id)
         wait = min(body.timeout or 30.0, max_wait)
+        recorded = asyncio.Event()
         try:
             # a retry with the same Idempotency-Key is the same update: applied once, and
             # answered with that one's outcome
-            result = await app.update(
-                info.run_id, name, *body.args, timeout=wait, update_id=idempotency_key or None
+            result = await hub.unless_closing(
+                app._update(
+                    info.run_id, name, tuple(body.args), wait, idempotency_key or None, recorded.set
+                ),
+                settled=recorded,
             )
-        except ResultTimeoutError as exc:
+        except (ResultTimeoutError, ServerClosing) as exc:
             await audit(request, "update", f"run:{info.run_id}", {"update": name})
             return JSONResponse(
-                {"id": info.run_id, "status": "accepted", "detail": str(exc)},
+                {"id": info.run_id, "status": "accepted", "detail": _not_yet(exc)},
                 status_code=202,
                 headers={"Retry-After": "1"},
             )
@@ -101,18 +120,23 @@ def install_interactions(
     ) -> Any:
         unbound(request, "calling entities")
         ref = app.entity_ref(entity, key)
+        recorded = asyncio.Event()
         try:
-            result = await ref.call(
-                op,
-                *body.args,
-                timeout=min(body.timeout or 30.0, max_wait),
-                update_id=idempotency_key or None,
+            result = await hub.unless_closing(
+                ref._call(
+                    op,
+                    tuple(body.args),
+                    min(body.timeout or 30.0, max_wait),
+                    idempotency_key or None,
+                    recorded.set,
+                ),
+                settled=recorded,
             )
-        except ResultTimeoutError as exc:
+        except (ResultTimeoutError, ServerClosing) as exc:
             # recorded, and it still applies: a 202, so a client does not send it again
             await audit(request, f"entity {op}", f"run:{ref.run_id}", None)
             return JSONResponse(
-                {"entity": entity, "key": key, "status": "accepted", "detail": str(exc)},
+                {"entity": entity, "key": key, "status": "accepted", "detail": _not_yet(exc)},
                 status_code=202,
                 headers={"Retry-After": "1"},
             )

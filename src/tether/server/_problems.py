@@ -56,7 +56,7 @@ _MAP: list[tuple[type[BaseException], int, str]] = [
     (RecoveryError, 409, "The run cannot be recovered that way"),
     # a dead letter's replay in a service that does not load the activity's module
     (UnknownActivityError, 409, "The activity is not registered in this service"),
-    (SignalIdConflictError, 409, "Id already used by a signal or an update"),
+    (SignalIdConflictError, 409, "Id already used by another signal or update"),
     # the service cannot open a stored payload (its keyring lacks the key, or a blob is
     # gone), or may not seal one (its keyring does not match the store's): the
     # service's setup, not the request; the detail names the key id or the blob

@@ -93,13 +93,22 @@ class EventHub:
         for ev in self._watching:
             ev.set()
 
-    async def unless_closing(self, work: Awaitable[T]) -> T:
+    async def unless_closing(self, work: Awaitable[T], settled: asyncio.Event | None = None) -> T:
         """``work``'s outcome, or ``ServerClosing`` (``work`` cancelled) once the server
-        is stopping: a long poll answers "not yet" at once, not holding the shutdown."""
+        is stopping: a long poll answers "not yet" at once, not holding the shutdown.
+
+        With ``settled``, ``work`` is cancelled only once that is set (an update is
+        recorded: cut before, whether it was is unknown) or it ends by itself."""
         task = asyncio.ensure_future(work)
         closed = asyncio.ensure_future(self._closed.wait())
         try:
             await asyncio.wait({task, closed}, return_when=asyncio.FIRST_COMPLETED)
+            if settled is not None and not task.done():
+                done = asyncio.ensure_future(settled.wait())
+                try:
+                    await asyncio.wait({task, done}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    done.cancel()
         finally:
             closed.cancel()
             if not task.done():

@@ -37,7 +37,7 @@ from .._history import (
     Event,
     EventType,
 )
-from .._serde import Signature, convert, encode
+from .._serde import Signature, convert, encode, json_equal
 from .._usage import Budget, Spend
 from ..store.base import Command, WorkflowTaskResult
 from ._loop import DeterministicLoop
@@ -197,6 +197,8 @@ class WorkflowInstance:
         self._buffers: dict[str, collections.deque[tuple[int, Any]]] = collections.defaultdict(
             collections.deque
         )
+        #: the ids of buffered signals sent with one, by seq (carried on with them)
+        self._buffered_ids: dict[int, str] = {}
         self._waiters: dict[str, collections.deque[asyncio.Future[Any]]] = collections.defaultdict(
             collections.deque
         )
@@ -447,6 +449,8 @@ class WorkflowInstance:
                     fut.set_result(ev.data.get("payload"))
                     return
             self._buffers[name].append((ev.seq, ev.data.get("payload")))
+            if ev.data.get("signal_id") is not None:
+                self._buffered_ids[ev.seq] = ev.data["signal_id"]
             return
         if t is EventType.CANCEL_REQUESTED or t is EventType.DEADLINE_EXCEEDED:
             self._interrupt(t is EventType.DEADLINE_EXCEEDED, ev.data.get("reason"))
@@ -995,19 +999,28 @@ class WorkflowInstance:
         """Pop the oldest buffered signal ``name``, if any."""
         buf = self._buffers.get(name)
         if buf:
-            return True, buf.popleft()[1]
+            seq, payload = buf.popleft()
+            self._buffered_ids.pop(seq, None)
+            return True, payload
         return False, None
 
     def untaken_signals(self) -> list[dict[str, Any]]:
         """The signals this run received and its code never took, in arrival order
-        (approval decisions left out: they answer this run's own reviews)."""
+        (approval decisions left out: they answer this run's own reviews), each with
+        its ``signal_id`` if it was sent with one."""
         waiting = sorted(
             (seq, name, payload)
             for name, buf in self._buffers.items()
             if not name.startswith(APPROVAL_SIGNAL)
             for seq, payload in buf
         )
-        return [{"name": name, "payload": payload} for _seq, name, payload in waiting]
+        out: list[dict[str, Any]] = []
+        for seq, name, payload in waiting:
+            item = {"name": name, "payload": payload}
+            if seq in self._buffered_ids:
+                item["signal_id"] = self._buffered_ids[seq]
+            out.append(item)
+        return out
 
     def wait_signal(self, name: str, until: float | None = None) -> asyncio.Future[Any]:
         """A future resolved by the next signal ``name`` to arrive (awaited ``until``)."""
@@ -1057,11 +1070,11 @@ def _inputs_differ(
     if not isinstance(recorded, dict):
         return None
     now = json.loads(text)
-    if now == recorded and _same(now, recorded):
+    if now == recorded and json_equal(now, recorded):
         return None  # the common case: the same JSON
     was_bound, now_bound = _bound(sig, recorded), _bound(sig, now)
     if was_bound is None or now_bound is None:
-        if _same(recorded, now):
+        if json_equal(recorded, now):
             return None
         return "the arguments"
     names = [
@@ -1071,7 +1084,7 @@ def _inputs_differ(
         and (
             name not in was_bound
             or name not in now_bound
-            or not _same(was_bound[name], now_bound[name])
+            or not json_equal(was_bound[name], now_bound[name])
         )
     ]
     if not names:
@@ -1091,23 +1104,6 @@ def _bound(sig: Signature, value: dict[str, Any]) -> dict[str, Any] | None:
     except (TypeError, ValueError):  # PayloadError is a TypeError
         return None
     return plain
-
-
-def _same(a: Any, b: Any) -> bool:
-    """Whether two decoded JSON values are the same value: like ``==`` (key order and
-    ``1`` vs ``1.0`` do not count) except that a bool never equals a number (Python's
-    ``True == 1``; JSON's ``true`` is not ``1``) and NaN equals NaN."""
-    if isinstance(a, bool) or isinstance(b, bool):
-        return a is b
-    if isinstance(a, dict):
-        return (
-            isinstance(b, dict)
-            and a.keys() == b.keys()
-            and all(_same(v, b[k]) for k, v in a.items())
-        )
-    if isinstance(a, list):
-        return isinstance(b, list) and len(a) == len(b) and all(map(_same, a, b))
-    return bool(a == b) or (a != a and b != b)  # NaN is the same NaN
 
 
 def _type_name(tp: Any) -> str:

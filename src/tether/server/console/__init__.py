@@ -363,10 +363,14 @@ def install_console(
             return _back(run_id, f"signal not sent: the payload is not JSON ({exc})")
         if not name:
             return _back(run_id, "signal not sent: give it a name")
+        # optional: the signal's id (signal_id), so a form sent again records nothing
+        signal_id = fields.get("signal_id", "").strip() or None
         try:
-            await app.signal(info.run_id, name, payload)
+            new = await app.signal(info.run_id, name, payload, signal_id=signal_id)
         except TetherError as exc:
             return _back(run_id, f"signal not sent: {exc}")
+        if not new:
+            return _back(run_id, f"signal {signal_id!r} already sent to this run: not sent again")
         await audit(principal, "signal", f"run:{info.run_id}", {"signal": name})
         return _back(run_id, f"signal {name!r} sent by {actor(principal)}")
 

@@ -16,6 +16,7 @@ from ..._errors import (
 )
 from ..._history import EventType, RunEnd, RunInfo, RunStatus, Task
 from ..._serde import dumps
+from ..._serde import json_equal as _equal
 from ..base import StartResult, WorkflowTaskResult, start_event_data
 from ._tx import _RUN_COLS, _opened, _run_from_row, _Tx
 
@@ -167,18 +168,6 @@ def _had_unrecorded_deadline(tx: _Tx, run: RunInfo) -> bool:
         return True  # sealed or offloaded and not readable here: unknown, not different
     data = json.loads(text)
     return isinstance(data, dict) and data.get("deadline_at") is not None
-
-
-def _equal(a: Any, b: Any) -> bool:
-    """JSON values equal as values: objects whatever their key order, ``1`` and ``1.0``
-    alike, but never ``true`` for ``1`` (Python's ``==`` says ``True == 1``)."""
-    if isinstance(a, bool) or isinstance(b, bool):
-        return type(a) is type(b) and a == b
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-    if isinstance(a, list):
-        return isinstance(b, list) and len(a) == len(b) and all(map(_equal, a, b))
-    return bool(a == b)
 
 
 def _create_run(

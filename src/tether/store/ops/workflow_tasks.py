@@ -352,14 +352,18 @@ def _apply_workflow_result(
             _append(tx, nxt, EventType.SUSPENDED, None, {"carried_from": run_id})
             tx.execute("UPDATE runs SET status = 'suspended' WHERE run_id = ?", (nxt,))
         # signals the run received and its code never took go on to the next run, in
-        # the order they came: a signal sent to a chain is never dropped at a link
+        # the order they came: a signal sent to a chain is never dropped at a link; one
+        # sent with an id keeps it (its row in signal_ids still names where it arrived)
         for signal in json.loads(ending.raw.get("signals") or "[]"):
+            data = {"name": signal["name"], "carried_from": run_id}
+            if signal.get("signal_id") is not None:
+                data["signal_id"] = signal["signal_id"]
             _append(
                 tx,
                 nxt,
                 EventType.SIGNAL_RECEIVED,
                 None,
-                {"name": signal["name"], "carried_from": run_id},
+                data,
                 {"payload": dumps(signal["payload"])},
             )
     return marker, [], True
