@@ -104,6 +104,37 @@ async def test_retry_delivers_the_outcome_of_a_child_that_ended_meanwhile(
     assert await run.result(timeout=10) == "kid done"
 
 
+async def test_retry_delivers_a_child_outcome_when_the_failed_task_was_the_first(
+    app: tether.App, worker: tether.Worker
+) -> None:
+    """The parent started its child and failed in its very first task: the retry voids
+    that task, so the run's start and the child's outcome reach the code together, the
+    outcome before the code has asked for the child again. It must wait for the ask,
+    not be dropped (the run would wait for the child for ever)."""
+    state = {"fail": True}
+
+    @app.workflow
+    async def kid() -> str:
+        await tether.wait_event("go")
+        return "kid done"
+
+    @app.workflow
+    async def parent() -> str:
+        pending = kid.options(run_id="kid", parent_close="abandon")()
+        if state["fail"]:
+            raise ValueError("parent broke with its child running")
+        return await pending
+
+    run = await app.start(parent, run_id="p")
+    with pytest.raises(tether.WorkflowFailedError):
+        await run.result(timeout=10)
+    await app.signal("kid", "go", 1)
+    assert await app.get_run("kid").result(timeout=10) == "kid done"
+    state["fail"] = False
+    await app.retry("p")
+    assert await run.result(timeout=10) == "kid done"
+
+
 async def test_work_claimed_while_a_worker_stops_keeps_its_attempts(app: tether.App) -> None:
     ran: list[str] = []
 

@@ -193,6 +193,10 @@ class WorkflowInstance:
         #: the custom status last set by this run's code (the same on every replay)
         self.last_status: Any = None
         self._pending: dict[int, _Pending] = {}
+        #: outcomes that came before the code asked for their step (a retry that voided
+        #: the run's first task replays its start and a child's end in one batch); each
+        #: is applied when the code issues that step
+        self._early: dict[int, Event] = {}
         #: signals no code has taken yet, by name: (seq, payload), oldest first
         self._buffers: dict[str, collections.deque[tuple[int, Any]]] = collections.defaultdict(
             collections.deque
@@ -461,6 +465,9 @@ class WorkflowInstance:
             # a child with a share of this run's budget ended: what it spent counts
             self.spend.reported[ev.step] = ev.data.get("model_spend")
         p = self._pending.pop(ev.step, None)
+        if p is None and ev.step > self.step:
+            self._early[ev.step] = ev  # not asked for yet: applied when the code asks
+            return
         if p is None or p.future.done():
             return  # the code stopped waiting (cancelled, lost a race): the outcome is ignored
         if t is EventType.ACTIVITY_COMPLETED or t is EventType.CHILD_COMPLETED:
@@ -613,6 +620,12 @@ class WorkflowInstance:
         compared."""
         forked = self.started.data.get("forked_from") if self.started is not None else None
         return isinstance(forked, dict) and step <= int(forked.get("at_step") or 0)
+
+    def _take_early(self, step: int) -> None:
+        """Apply the outcome of ``step`` that came before the code asked for it."""
+        early = self._early.pop(step, None)
+        if early is not None:
+            self._apply(early)
 
     def _watch_cancel(self, step: int, cancel_type: EventType, field: str, **extra: Any) -> None:
         fut = self._pending[step].future
@@ -811,6 +824,7 @@ class WorkflowInstance:
             {"kind": "activity", "name": activity.name, "step": step},
         )
         self._watch_cancel(step, EventType.ACTIVITY_CANCEL_REQUESTED, "activity_step")
+        self._take_early(step)
         return fut
 
     def start_child(
@@ -870,6 +884,7 @@ class WorkflowInstance:
             self._watch_cancel(
                 step, EventType.CHILD_CANCEL_REQUESTED, "child_step", child_run_id=child_id
             )
+        self._take_early(step)
         return fut
 
     def _watch_abandoned(self, step: int, child_id: str) -> None:
@@ -910,6 +925,7 @@ class WorkflowInstance:
             self.now,
         )
         self._watch_cancel(step, EventType.TIMER_CANCELLED, "timer_step")
+        self._take_early(step)
         return fut
 
     def set_status(self, value: Any) -> None:
