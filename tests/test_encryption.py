@@ -1047,6 +1047,74 @@ async def test_a_store_sealed_before_fingerprints_were_kept_refuses_a_key_that_d
     again.store.close_sync()  # type: ignore[attr-defined]
 
 
+async def test_a_store_sealed_before_fingerprints_with_every_payload_offloaded_is_encrypted(
+    store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # an older encrypted store whose sealed inputs all went to blobs: its rows hold
+    # references (~b1:), no sealed value; the upgrade still marks it encrypted
+    from tether.encryption import KeyringMismatchError
+
+    monkeypatch.delenv("TETHER_KEYRING", raising=False)
+    monkeypatch.delenv("TETHER_ENCRYPTION_KEYS", raising=False)
+    blobs = tmp_path / "blobs"
+    big = f"{CANARY} " * 400
+    right = _keyring(tmp_path)
+    key_id = right.current(None)
+    app = tether.App(store=store_url, blobs=str(blobs), offload_above=1024, encryption=right)
+    _register(app)
+    await app.start("echo", big, run_id="r1")
+    app.store.close_sync()  # type: ignore[attr-defined]
+    _forget_fingerprints(store_url)  # as a store sealed by an earlier version
+    bare = tether.App(store=store_url, blobs=str(blobs), offload_above=1024)
+    _register(bare)
+    with pytest.raises(KeyringMismatchError, match="TETHER_KEYRING"):
+        await bare.start("echo", CANARY, run_id="r9")
+    with pytest.raises(KeyringMismatchError, match="TETHER_KEYRING"):
+        await bare.start("echo", big, run_id="r9")
+    bare.store.close_sync()  # type: ignore[attr-defined]
+    assert CANARY.encode() not in _stored_bytes(store_url)
+    # a keyring holding another key under the id its blobs were sealed with: refused
+    wrong = tether.App(
+        store=store_url,
+        blobs=str(blobs),
+        offload_above=1024,
+        encryption=StaticKeyring({key_id: os.urandom(32)}, key_id),
+    )
+    _register(wrong)
+    with pytest.raises(KeyringMismatchError, match="another keyring"):
+        await wrong.start("echo", "two", run_id="r2")
+    wrong.store.close_sync()  # type: ignore[attr-defined]
+    again = tether.App(
+        store=store_url,
+        blobs=str(blobs),
+        offload_above=1024,
+        encryption=FileKeyring(tmp_path / "keys.json"),
+    )
+    _register(again)
+    await again.start("echo", "two", run_id="r2")  # the right key: recorded, accepted
+    again.store.close_sync()  # type: ignore[attr-defined]
+
+
+async def test_a_plain_store_with_offloaded_payloads_stays_plain_after_the_upgrade(
+    store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("TETHER_KEYRING", raising=False)
+    monkeypatch.delenv("TETHER_ENCRYPTION_KEYS", raising=False)
+    blobs = tmp_path / "blobs"
+    big = "plain words " * 400
+    app = tether.App(store=store_url, blobs=str(blobs), offload_above=1024)
+    _register(app)
+    await app.start("echo", big, run_id="r1")
+    app.store.close_sync()  # type: ignore[attr-defined]
+    _forget_fingerprints(store_url)
+    for attempt in range(2):  # the second process reads what the first decided
+        bare = tether.App(store=store_url, blobs=str(blobs), offload_above=1024)
+        _register(bare)
+        await bare.start("echo", "in the clear", run_id=f"p{attempt}")
+        assert (await bare.get(f"p{attempt}")).input == '{"args":["in the clear"],"kwargs":{}}'
+        bare.store.close_sync()  # type: ignore[attr-defined]
+
+
 def _forget_fingerprints(store_url: str) -> None:
     """Take the store back to schema version 11, before ``seal_keys``."""
     if store_url.startswith("sqlite:///"):
