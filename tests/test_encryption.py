@@ -391,6 +391,50 @@ def test_the_keyring_commands_make_rotate_list_and_shred_keys(tmp_path: Path) ->
     assert missing.returncode == 2 and "tether keyring init" in missing.stderr
 
 
+async def test_keyring_list_and_store_check_show_each_key_fingerprint_against_the_store(
+    store_url: str, tmp_path: Path
+) -> None:
+    from tether.encryption import Sealer
+
+    ring = _keyring(tmp_path)
+    key_id = ring.current(None)
+    mine = Sealer(ring).fingerprint(key_id)
+    app = tether.App(store=store_url, encryption=ring)
+    _register(app)
+    await app.start("echo", "one", run_id="r1")  # sealing records the key's fingerprint
+    await app.close()
+    # a second keyring file holding another key under the same id (made by hand)
+    data = json.loads(Path(ring.path).read_text())
+    data["keys"][key_id]["key"] = base64.b64encode(os.urandom(32)).decode()
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(data))
+    other.chmod(0o600)
+
+    listed = _tether("keyring", "list", ring.path)
+    assert listed.returncode == 0, listed.stderr
+    (entry,) = json.loads(listed.stdout)
+    assert entry["fingerprint"] == mine  # never the key: an HMAC under it
+    compared = _tether("keyring", "list", ring.path, "--store", store_url)
+    assert compared.returncode == 0, compared.stderr
+    (entry,) = json.loads(compared.stdout)
+    assert entry["store_fingerprint"] == mine and entry["matches"] is True
+    wrong = _tether("keyring", "list", str(other), "--store", store_url)
+    assert wrong.returncode == 0, wrong.stderr
+    (entry,) = json.loads(wrong.stdout)
+    assert entry["fingerprint"] != mine and entry["store_fingerprint"] == mine
+    assert entry["matches"] is False and key_id in wrong.stderr
+
+    check = _tether("store", "check", "--store", store_url, env={"TETHER_KEYRING": ring.path})
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert json.loads(check.stdout)["keys"] == {key_id: "matches"}
+    bad = _tether("store", "check", "--store", store_url, env={"TETHER_KEYRING": str(other)})
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    found = json.loads(bad.stdout)
+    assert found["keys"] == {key_id: "mismatch"}
+    problem = found["problems"][0]  # first: what the payloads it cannot open come from
+    assert key_id in problem and "another key" in problem and "TETHER_KEYRING" in problem
+
+
 def _rows_text(store_url: str) -> str:
     """Every row of every table, as text (not the file's free pages)."""
     if store_url.startswith("sqlite:///"):
