@@ -282,6 +282,13 @@ def test_names_and_values_nothing_uses_are_refused(project: Path) -> None:
     one_line_error(res, 2, "'helo'", "hello")
     res = cli(project, "switch", "off", "activity", "shoutt", "--app", "flows:app")
     one_line_error(res, 2, "'shoutt'", "shout")
+    # the App's own refusals are usage errors too (exit 2), with or without --app
+    res = cli(project, "switch", "off", "flow", "hello", "--store", db)
+    one_line_error(res, 2, "'flow'", "workflow", "tenant")
+    res = cli(project, "switch", "on", "flow", "hello", "--store", db)
+    one_line_error(res, 2, "'flow'", "workflow", "tenant")
+    res = cli(project, "switch", "off", "workflow", " ", "--app", "flows:app")
+    one_line_error(res, 2, "needs a name")
     assert cli(project, "switch", "list", "--store", db).stdout.strip() == "[]"
     res = cli(project, "switch", "off", "workflow", "hello", "--app", "flows:app")
     assert res.returncode == 0, res.stderr

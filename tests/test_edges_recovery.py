@@ -10,6 +10,7 @@ import pytest
 
 import tether
 from helpers import eventually
+from tether._history import EventType
 
 FAST1 = tether.Retry(attempts=1, initial=0.01)
 
@@ -364,3 +365,145 @@ async def test_retrying_a_parent_ignores_a_child_it_gave_up_on(
     state["fail"] = False
     await app.retry("P")  # the cancelled child is not the failed step: no refusal
     assert await run.result(timeout=10) == "gave up"
+
+
+async def test_a_child_ending_while_another_process_ends_its_parent_does_not_wake_it(
+    pg_schema: str,
+) -> None:
+    """PostgreSQL: a child's end read its parent's status without a lock; a parent ended
+    by a transaction that committed while the child's end waited for the parent's row
+    got the child's outcome appended after its end and a workflow task, as if woken. The
+    child's end now reads the parent under its row lock: an ended parent is not told."""
+    import psycopg
+
+    from conftest import PG_URL, with_schema
+
+    app = tether.App(store=with_schema(PG_URL, pg_schema))
+
+    @app.workflow
+    async def kid() -> str:
+        return str(await tether.wait_event("never"))
+
+    @app.workflow
+    async def parent() -> str:
+        kid.options(run_id="kid", parent_close="abandon")()
+        return str(await tether.wait_event("never"))
+
+    try:
+        await app.start(parent, run_id="p")
+        async with app.worker(poll_interval=0.05):
+
+            async def both_wait() -> bool:
+                try:
+                    runs = [await app.get(r) for r in ("p", "kid")]
+                except tether.RunNotFoundError:
+                    return False
+                return all(r.waiting_on for r in runs)
+
+            await eventually(both_wait, what="parent and child waiting")
+        with psycopg.connect(PG_URL) as other:  # another process ending the parent
+            other.execute(f'SET search_path TO "{pg_schema}"')
+            other.execute(
+                "UPDATE runs SET status = 'terminated', completed_at = 1 WHERE run_id = 'p'"
+            )
+            other.execute("DELETE FROM tasks WHERE run_id = 'p'")
+            ending = asyncio.ensure_future(app.terminate("kid", reason="done with it"))
+            with psycopg.connect(PG_URL, autocommit=True) as watch:
+                for _ in range(400):  # until the child's end waits for the parent's row
+                    (waiting,) = watch.execute(
+                        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                        "AND query LIKE %s",
+                        ("%runs%",),
+                    ).fetchone()  # type: ignore[misc]
+                    if waiting:
+                        break
+                    await asyncio.sleep(0.05)
+                else:
+                    raise AssertionError("the child's end never waited for the parent's row")
+            other.commit()
+        await asyncio.wait_for(ending, 30)
+        assert (await app.get("kid")).status is tether.RunStatus.TERMINATED
+        told = [e.type.name for e in await app.history("p") if e.type.name.startswith("CHILD")]
+        assert told == ["CHILD_STARTED"]  # not woken with the child's end
+        with psycopg.connect(PG_URL, autocommit=True) as check:
+            check.execute(f'SET search_path TO "{pg_schema}"')
+            assert check.execute("SELECT kind FROM tasks WHERE run_id = 'p'").fetchall() == []
+    finally:
+        await app.close()
+
+
+async def test_a_child_ending_while_its_failed_parent_is_retried_reaches_the_parent(
+    pg_schema: str,
+) -> None:
+    """PostgreSQL: the retry of a failed parent read its running child (no outcome yet)
+    while the child's end, not yet committed, read the parent as failed (unlocked) and
+    told it nothing: the retried parent waited for good. Now one waits for the other."""
+    import psycopg
+
+    from conftest import PG_URL, with_schema
+
+    app = tether.App(store=with_schema(PG_URL, pg_schema))
+    state = {"fail": True}
+
+    @app.workflow
+    async def kid() -> str:
+        await tether.sleep(3600)  # a timer task: a row the test can hold the child's end on
+        return "kid done"
+
+    @app.workflow
+    async def parent() -> str:
+        pending = kid.options(run_id="kid", parent_close="abandon")()
+        if state["fail"]:
+            raise ValueError("parent broke with its child running")
+        return await pending
+
+    try:
+        run = await app.start(parent, run_id="p")
+        async with app.worker(poll_interval=0.05):
+            with pytest.raises(tether.WorkflowFailedError):
+                await run.result(timeout=10)
+
+            async def kid_sleeps() -> bool:
+                try:
+                    return bool((await app.get("kid")).waiting_on)
+                except tether.RunNotFoundError:
+                    return False
+
+            await eventually(kid_sleeps, what="the child waiting on its timer")
+        state["fail"] = False
+        with psycopg.connect(PG_URL) as other:  # holds the child's end after its row
+            other.execute(f'SET search_path TO "{pg_schema}"')
+            other.execute("SELECT 1 FROM tasks WHERE run_id = 'kid' FOR UPDATE")
+            ending = asyncio.ensure_future(app.terminate("kid", reason="done with it"))
+            with psycopg.connect(PG_URL, autocommit=True) as watch:
+
+                async def waiters(n: int, what: str) -> None:
+                    for _ in range(400):
+                        (waiting,) = watch.execute(
+                            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = "
+                            "'Lock' AND query LIKE %s",
+                            ("%runs%",),
+                        ).fetchone()  # type: ignore[misc]
+                        (on_tasks,) = watch.execute(
+                            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = "
+                            "'Lock' AND query LIKE %s",
+                            ("DELETE FROM tasks%",),
+                        ).fetchone()  # type: ignore[misc]
+                        if waiting + on_tasks >= n:
+                            return
+                        await asyncio.sleep(0.05)
+                    raise AssertionError(f"never waited: {what}")
+
+                await waiters(1, "the child's end for its task row")
+                retrying = asyncio.ensure_future(app.retry("p"))
+                await waiters(2, "the retry for the child's row")
+            other.commit()
+        await asyncio.wait_for(ending, 30)
+        await asyncio.wait_for(retrying, 30)
+        events = [e.type for e in await app.history("p")]
+        retried = events.index(EventType.RUN_RETRIED)
+        # the child's end reached the retried parent (it waits on nothing else)
+        assert EventType.CHILD_FAILED in events[retried:], events
+        assert (await app.get("p")).status is tether.RunStatus.RUNNING
+    finally:
+        await app.close()

@@ -391,6 +391,50 @@ def test_the_keyring_commands_make_rotate_list_and_shred_keys(tmp_path: Path) ->
     assert missing.returncode == 2 and "tether keyring init" in missing.stderr
 
 
+async def test_keyring_list_and_store_check_show_each_key_fingerprint_against_the_store(
+    store_url: str, tmp_path: Path
+) -> None:
+    from tether.encryption import Sealer
+
+    ring = _keyring(tmp_path)
+    key_id = ring.current(None)
+    mine = Sealer(ring).fingerprint(key_id)
+    app = tether.App(store=store_url, encryption=ring)
+    _register(app)
+    await app.start("echo", "one", run_id="r1")  # sealing records the key's fingerprint
+    await app.close()
+    # a second keyring file holding another key under the same id (made by hand)
+    data = json.loads(Path(ring.path).read_text())
+    data["keys"][key_id]["key"] = base64.b64encode(os.urandom(32)).decode()
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(data))
+    other.chmod(0o600)
+
+    listed = _tether("keyring", "list", ring.path)
+    assert listed.returncode == 0, listed.stderr
+    (entry,) = json.loads(listed.stdout)
+    assert entry["fingerprint"] == mine  # never the key: an HMAC under it
+    compared = _tether("keyring", "list", ring.path, "--store", store_url)
+    assert compared.returncode == 0, compared.stderr
+    (entry,) = json.loads(compared.stdout)
+    assert entry["store_fingerprint"] == mine and entry["matches"] is True
+    wrong = _tether("keyring", "list", str(other), "--store", store_url)
+    assert wrong.returncode == 0, wrong.stderr
+    (entry,) = json.loads(wrong.stdout)
+    assert entry["fingerprint"] != mine and entry["store_fingerprint"] == mine
+    assert entry["matches"] is False and key_id in wrong.stderr
+
+    check = _tether("store", "check", "--store", store_url, env={"TETHER_KEYRING": ring.path})
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert json.loads(check.stdout)["keys"] == {key_id: "matches"}
+    bad = _tether("store", "check", "--store", store_url, env={"TETHER_KEYRING": str(other)})
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    found = json.loads(bad.stdout)
+    assert found["keys"] == {key_id: "mismatch"}
+    problem = found["problems"][0]  # first: what the payloads it cannot open come from
+    assert key_id in problem and "another key" in problem and "TETHER_KEYRING" in problem
+
+
 def _rows_text(store_url: str) -> str:
     """Every row of every table, as text (not the file's free pages)."""
     if store_url.startswith("sqlite:///"):
@@ -1045,6 +1089,74 @@ async def test_a_store_sealed_before_fingerprints_were_kept_refuses_a_key_that_d
     _register(again)
     await again.start("echo", "two", run_id="r2")  # the right key: recorded, accepted
     again.store.close_sync()  # type: ignore[attr-defined]
+
+
+async def test_a_store_sealed_before_fingerprints_with_every_payload_offloaded_is_encrypted(
+    store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # an older encrypted store whose sealed inputs all went to blobs: its rows hold
+    # references (~b1:), no sealed value; the upgrade still marks it encrypted
+    from tether.encryption import KeyringMismatchError
+
+    monkeypatch.delenv("TETHER_KEYRING", raising=False)
+    monkeypatch.delenv("TETHER_ENCRYPTION_KEYS", raising=False)
+    blobs = tmp_path / "blobs"
+    big = f"{CANARY} " * 400
+    right = _keyring(tmp_path)
+    key_id = right.current(None)
+    app = tether.App(store=store_url, blobs=str(blobs), offload_above=1024, encryption=right)
+    _register(app)
+    await app.start("echo", big, run_id="r1")
+    app.store.close_sync()  # type: ignore[attr-defined]
+    _forget_fingerprints(store_url)  # as a store sealed by an earlier version
+    bare = tether.App(store=store_url, blobs=str(blobs), offload_above=1024)
+    _register(bare)
+    with pytest.raises(KeyringMismatchError, match="TETHER_KEYRING"):
+        await bare.start("echo", CANARY, run_id="r9")
+    with pytest.raises(KeyringMismatchError, match="TETHER_KEYRING"):
+        await bare.start("echo", big, run_id="r9")
+    bare.store.close_sync()  # type: ignore[attr-defined]
+    assert CANARY.encode() not in _stored_bytes(store_url)
+    # a keyring holding another key under the id its blobs were sealed with: refused
+    wrong = tether.App(
+        store=store_url,
+        blobs=str(blobs),
+        offload_above=1024,
+        encryption=StaticKeyring({key_id: os.urandom(32)}, key_id),
+    )
+    _register(wrong)
+    with pytest.raises(KeyringMismatchError, match="another keyring"):
+        await wrong.start("echo", "two", run_id="r2")
+    wrong.store.close_sync()  # type: ignore[attr-defined]
+    again = tether.App(
+        store=store_url,
+        blobs=str(blobs),
+        offload_above=1024,
+        encryption=FileKeyring(tmp_path / "keys.json"),
+    )
+    _register(again)
+    await again.start("echo", "two", run_id="r2")  # the right key: recorded, accepted
+    again.store.close_sync()  # type: ignore[attr-defined]
+
+
+async def test_a_plain_store_with_offloaded_payloads_stays_plain_after_the_upgrade(
+    store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("TETHER_KEYRING", raising=False)
+    monkeypatch.delenv("TETHER_ENCRYPTION_KEYS", raising=False)
+    blobs = tmp_path / "blobs"
+    big = "plain words " * 400
+    app = tether.App(store=store_url, blobs=str(blobs), offload_above=1024)
+    _register(app)
+    await app.start("echo", big, run_id="r1")
+    app.store.close_sync()  # type: ignore[attr-defined]
+    _forget_fingerprints(store_url)
+    for attempt in range(2):  # the second process reads what the first decided
+        bare = tether.App(store=store_url, blobs=str(blobs), offload_above=1024)
+        _register(bare)
+        await bare.start("echo", "in the clear", run_id=f"p{attempt}")
+        assert (await bare.get(f"p{attempt}")).input == '{"args":["in the clear"],"kwargs":{}}'
+        bare.store.close_sync()  # type: ignore[attr-defined]
 
 
 def _forget_fingerprints(store_url: str) -> None:

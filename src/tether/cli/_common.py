@@ -19,7 +19,7 @@ import sys
 import traceback
 import urllib.parse
 from collections.abc import AsyncIterator, Coroutine
-from typing import Any, NoReturn, TypeVar
+from typing import Annotated, Any, NoReturn, TypeVar
 
 import typer
 from rich.console import Console
@@ -362,6 +362,21 @@ def _reason_option() -> Any:
 
 def _log_level_option() -> Any:
     return typer.Option("--log-level", help="Logging level: debug, info, warning, error.")
+
+
+#: ``--thread-grace`` of ``tether worker`` and ``tether serve`` (one definition)
+ThreadGraceOption = Annotated[
+    float,
+    typer.Option(
+        "--thread-grace",
+        metavar="SECONDS",
+        min=0.0,
+        max=86_400.0,
+        help="After --grace, how much longer a sync activity's thread is waited for; "
+        "then the process exits without it and its attempt is retried by another worker "
+        "once its lease expires.",
+    ),
+]
 
 
 def _log_format_option() -> Any:

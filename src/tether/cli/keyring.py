@@ -4,13 +4,30 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from .._errors import ConfigurationError
-from ..encryption import FileKeyring, KeyWrapper, load_wrapper, new_key, wrapper_from_env
-from ._common import EXIT_ERROR, EXIT_USAGE, _dump, _fail, _note
+from ..encryption import (
+    FileKeyring,
+    KeyUnavailableError,
+    KeyWrapper,
+    Sealer,
+    load_wrapper,
+    new_key,
+    wrapper_from_env,
+)
+from ._common import (
+    EXIT_ERROR,
+    EXIT_USAGE,
+    _client_app,
+    _dump,
+    _fail,
+    _note,
+    _opened,
+    _run,
+)
 
 
 def _path_argument() -> typer.models.ArgumentInfo:
@@ -94,24 +111,87 @@ def keyring_wrap_command(
     _note(f"wrapped {n} key(s) of {path} by {wrap.name!r}")
 
 
-def keyring_list_command(path: Annotated[str | None, _path_argument()] = None) -> None:
+def keyring_list_command(
+    path: Annotated[str | None, _path_argument()] = None,
+    store: Annotated[
+        str | None,
+        typer.Option(
+            "--store",
+            "-s",
+            metavar="URL",
+            help="Also compare each key with the fingerprint this store keeps for its id "
+            "(store_fingerprint, matches).",
+            show_default=False,
+        ),
+    ] = None,
+) -> None:
     """List the keys (never their bytes): id, tenant, created, current, destroyed,
-    retired."""
+    retired, and each key's fingerprint (an HMAC under it). With --store, the
+    fingerprint the store keeps for the id and whether the key matches it: a key that
+    does not is another key than the one the store was sealed with under that id."""
     ring = _ring(path)
 
     def ts(t: float | None) -> str | None:
         return None if t is None else time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
 
-    _dump(
-        [
-            {
-                **k,
-                "created_at": ts(k["created_at"]),
-                "destroyed_at": ts(k["destroyed_at"]),
-                "retired_at": ts(k["retired_at"]),
-            }
-            for k in ring.listing()
-        ]
+    recorded = _recorded_fingerprints(store) if store is not None else None
+    sealer = Sealer(ring)
+    listed: list[dict[str, Any]] = []
+    for k in ring.listing():
+        entry = {
+            **k,
+            "created_at": ts(k["created_at"]),
+            "destroyed_at": ts(k["destroyed_at"]),
+            "retired_at": ts(k["retired_at"]),
+            "fingerprint": fingerprint_of(sealer, k["key_id"]),
+        }
+        if recorded is not None:
+            entry["store_fingerprint"] = recorded.get(k["key_id"])
+            entry["matches"] = (
+                None
+                if entry["store_fingerprint"] is None or entry["fingerprint"] is None
+                else entry["fingerprint"] == entry["store_fingerprint"]
+            )
+            if entry["matches"] is False:
+                _note(mismatch_problem(k["key_id"]))
+        listed.append(entry)
+    if recorded:
+        unknown = sorted(set(recorded) - {k["key_id"] for k in listed})
+        if unknown:
+            _note(
+                f"the store was also sealed under key id(s) this keyring does not have: "
+                f"{', '.join(unknown)} (another keyring's, or a tenant's of another file)"
+            )
+    _dump(listed)
+
+
+def _recorded_fingerprints(store: str) -> dict[str, str]:
+    """The fingerprints the store at ``store`` keeps, per key id."""
+
+    async def go() -> dict[str, str]:
+        async with _opened(_client_app(store, None)) as opened:
+            return await opened.store.seal_keys()
+
+    return _run(go())
+
+
+def fingerprint_of(sealer: Sealer, key_id: str) -> str | None:
+    """The fingerprint of the keyring's key of ``key_id`` (None: it has no such key,
+    or it was destroyed or retired)."""
+    try:
+        return sealer.fingerprint(key_id)
+    except (KeyUnavailableError, ConfigurationError):
+        return None
+
+
+def mismatch_problem(key_id: str) -> str:
+    """What a keyring whose key of ``key_id`` is not the store's means, and what to do."""
+    return (
+        f"key {key_id!r}: this keyring holds another key under that id than the one the "
+        "store was sealed with (their fingerprints differ): payloads sealed with it do not "
+        "open with this keyring, and a process using it is refused before writing. Give "
+        "every process the keyring the store was sealed with (TETHER_KEYRING, a copy of the "
+        "same file); a keyring made anew with tether keyring init is a different one"
     )
 
 

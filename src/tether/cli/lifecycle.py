@@ -31,6 +31,7 @@ from ._common import (
     cli_actor,
     load_app,
 )
+from .keyring import fingerprint_of, mismatch_problem
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86_400, "w": 604_800}
 
@@ -291,8 +292,10 @@ def store_check_command(
 ) -> None:
     """Check a store (a restored one above all): SQLite's integrity check, no row naming
     a run that is not there, every blob its payloads refer to in its blob store (the
-    runs missing one are named), and with --app every unfinished run's history replays
-    with that code. Exits 1 on any problem."""
+    runs missing one are named), each key id the store was sealed under against the
+    keyring given (TETHER_KEYRING: a key of that id with another fingerprint is named),
+    and with --app every unfinished run's history replays with that code. Exits 1 on
+    any problem."""
     problems: list[str] = []
     path = _sqlite_path(store) if store else None
     if path is not None:
@@ -317,6 +320,7 @@ def store_check_command(
         a = load_app(app) if app else _client_app(store, None)
         async with _opened(a) as opened:
             orphans = await opened.store.orphans()
+            keys = await _key_states(opened)
             lost = await _missing_blobs(opened)
             replayed, failed = 0, []
             if app:
@@ -343,17 +347,44 @@ def store_check_command(
                 "replayed": replayed,
                 "replay_failures": failed,
                 "blobs": lost,
+                "keys": keys,
             }
 
     found = _run(go())
     orphans = found["orphans"].items()
     problems += [f"{n} {table} row(s) name a missing run" for table, n in orphans if n]
+    problems += [mismatch_problem(k) for k, state in found["keys"].items() if state == "mismatch"]
     problems += found["blobs"]
     problems += found["replay_failures"]
-    _dump({"problems": problems, "replayed": found["replayed"], "orphans": found["orphans"]})
+    _dump(
+        {
+            "problems": problems,
+            "replayed": found["replayed"],
+            "orphans": found["orphans"],
+            "keys": found["keys"],
+        }
+    )
     if problems:
         raise typer.Exit(1)
     _note("the store is sound")
+
+
+async def _key_states(app: Any) -> dict[str, str]:
+    """Each key id the store was sealed under, compared with this process's keyring:
+    ``matches``, ``mismatch`` (another key under that id), ``not in keyring`` (or
+    destroyed, retired), ``no keyring``."""
+    recorded = await app.store.seal_keys()
+    sealer = app.store.codec.sealer if app.store.codec is not None else None
+    states: dict[str, str] = {}
+    for key_id, theirs in recorded.items():
+        mine = fingerprint_of(sealer, key_id) if sealer is not None else None
+        if sealer is None:
+            states[key_id] = "no keyring"
+        elif mine is None:
+            states[key_id] = "not in keyring"
+        else:
+            states[key_id] = "matches" if mine == theirs else "mismatch"
+    return states
 
 
 async def _missing_blobs(app: Any) -> list[str]:

@@ -16,6 +16,7 @@ import typer
 
 from ._common import (
     EXIT_USAGE,
+    ThreadGraceOption,
     _fail,
     _log_format_option,
     _log_level_option,
@@ -53,18 +54,7 @@ def serve_command(
             help="Seconds in-flight work may take to finish on SIGTERM.",
         ),
     ] = 10.0,
-    thread_grace: Annotated[
-        float,
-        typer.Option(
-            "--thread-grace",
-            metavar="SECONDS",
-            min=0.0,
-            max=86_400.0,
-            help="After --grace, how much longer a sync activity's thread is waited for; "
-            "then the server exits without it and its attempt is retried by another worker "
-            "once its lease expires.",
-        ),
-    ] = 60.0,
+    thread_grace: ThreadGraceOption = 60.0,
     log_level: Annotated[str, _log_level_option()] = "info",
     log_format: Annotated[str, _log_format_option()] = "text",
     auth: Annotated[

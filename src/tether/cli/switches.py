@@ -3,11 +3,14 @@ every worker of a store (off, on, list)."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Annotated, Any
 
 import typer
 
-from .._app import App
+from .._errors import ConfigurationError
+from ..encryption import KeyringMismatchError
 from ._common import (
     UsageError,
     _app_option,
@@ -24,18 +27,17 @@ _KIND = typer.Argument(help="workflow, activity, model or tenant.")
 _NAME = typer.Argument(help="Its name (a model as registered with the gateway).")
 
 
-def _refuse_unknown(a: App, spec: str, kind: str, name: str) -> None:
-    """With --app the workflows and activities are known: a name none has is a typo
-    (a switch on it would stop nothing)."""
-    known = {
-        "workflow": list(a._workflows),
-        "activity": list(a._activities),
-    }.get(kind)
-    if known is not None and name not in known:
-        raise UsageError(
-            f"{spec} has no {kind} {name!r} (a switch on it would stop nothing); its {kind} "
-            f"names: {', '.join(sorted(known)) or 'none'}"
-        )
+@contextlib.contextmanager
+def _usage() -> Iterator[None]:
+    """The App's refusal of a switch (an unknown kind, a blank name, a name the App does
+    not register: ``App.disable``) as a usage error (exit 2). A store's refusal to write
+    (``KeyringMismatchError``) stays an error."""
+    try:
+        yield
+    except KeyringMismatchError:
+        raise
+    except ConfigurationError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def switch_off_command(
@@ -49,9 +51,8 @@ def switch_off_command(
 
     async def go() -> bool:
         async with _opened(_client_app(store, app)) as a:
-            if app is not None:
-                _refuse_unknown(a, app, kind, name)
-            return await a.disable(kind, name, reason=reason, by=cli_actor())
+            with _usage():  # with --app, a name it does not register is refused
+                return await a.disable(kind, name, reason=reason, by=cli_actor())
 
     changed = _run(go())
     _note(f"{kind} {name} is off" + ("" if changed else " (it already was)"))
@@ -67,7 +68,8 @@ def switch_on_command(
 
     async def go() -> bool:
         async with _opened(_client_app(store, app)) as a:
-            return await a.enable(kind, name, by=cli_actor())
+            with _usage():
+                return await a.enable(kind, name, by=cli_actor())
 
     changed = _run(go())
     _note(f"{kind} {name} is on" + ("" if changed else " (it already was)"))

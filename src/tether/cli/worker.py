@@ -22,6 +22,7 @@ from .._worker import MAX_CONCURRENCY, Worker
 from ._common import (
     EXIT_ERROR,
     EXIT_USAGE,
+    ThreadGraceOption,
     _describe_exception,
     _describe_store,
     _fail,
@@ -80,18 +81,7 @@ def worker_command(
             "activity still running is waited for: its thread cannot be interrupted).",
         ),
     ] = 10.0,
-    thread_grace: Annotated[
-        float,
-        typer.Option(
-            "--thread-grace",
-            metavar="SECONDS",
-            min=0.0,
-            max=86_400.0,
-            help="After --grace, how much longer a sync activity's thread is waited for; "
-            "then the worker exits without it and its attempt is retried by another worker "
-            "once its lease expires.",
-        ),
-    ] = 60.0,
+    thread_grace: ThreadGraceOption = 60.0,
     log_level: Annotated[str, _log_level_option()] = "info",
     log_format: Annotated[str, _log_format_option()] = "text",
     worker_id: Annotated[

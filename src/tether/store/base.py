@@ -414,6 +414,12 @@ class Store(abc.ABC):
         """Every tenant with a retention, and its seconds."""
 
     @abc.abstractmethod
+    async def seal_keys(self) -> dict[str, str]:
+        """The fingerprint of each key id payloads were sealed under in this store
+        (``Sealer.fingerprint``; ``tether keyring list --store`` and ``tether store
+        check`` compare a keyring's keys with them)."""
+
+    @abc.abstractmethod
     async def orphans(self) -> dict[str, int]:
         """Rows naming a run (or schedule) the store does not have, per table."""
 

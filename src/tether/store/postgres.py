@@ -61,7 +61,7 @@ from ._handoff import LoopFuture, Outcome, deliver
 from ._pg_session import _ID_BLOCK, _Session
 from .base import Finished, HistoryListener, Listener, StreamListener, worker_id_in_use
 from .ops import OpsStore
-from .ops._tx import ENCRYPTED_BEFORE, Op, SealState, _Tx
+from .ops._tx import ENCRYPTED_BEFORE, OFFLOADED_BEFORE, Op, SealState, _Tx
 from .ops.claims import _claim, _claim_with_wake
 from .ops.tasks import _heartbeat, _renew
 
@@ -139,6 +139,7 @@ _UPGRADES: dict[int, tuple[str, ...]] = {
         "CREATE TABLE IF NOT EXISTS seal_keys (key_id TEXT PRIMARY KEY, fingerprint TEXT "
         "NOT NULL, created_at DOUBLE PRECISION NOT NULL)",
         ENCRYPTED_BEFORE,
+        OFFLOADED_BEFORE,
     ),
 }
 #: task columns added during development, missing from schemas made by older builds

@@ -36,7 +36,7 @@ from ._counters import SQLITE as COUNTERS
 from ._handoff import LoopFuture, deliver
 from .base import Finished, HistoryListener, Listener, StreamListener, worker_id_in_use
 from .ops import OpsStore
-from .ops._tx import ENCRYPTED_BEFORE, Op, SealState, _Tx
+from .ops._tx import ENCRYPTED_BEFORE, OFFLOADED_BEFORE, Op, SealState, _Tx
 from .ops.runs import _get_run
 from .ops.tasks import _heartbeat
 
@@ -132,6 +132,7 @@ _UPGRADES: dict[int, tuple[str, ...]] = {
         "CREATE TABLE IF NOT EXISTS seal_keys (key_id TEXT PRIMARY KEY, fingerprint TEXT "
         "NOT NULL, created_at REAL NOT NULL)",
         ENCRYPTED_BEFORE,
+        OFFLOADED_BEFORE,
     ),
 }
 

@@ -369,6 +369,10 @@ class OpsStore(Store):
         got: tuple[str, float] | None = await self._do(_purged_run, run_id, write=False)
         return got
 
+    async def seal_keys(self) -> dict[str, str]:
+        keys: dict[str, str] = await self._do(_seal_keys, write=False)
+        return keys
+
     async def orphans(self) -> dict[str, int]:
         counts: dict[str, int] = await self._do(_orphans, write=False)
         return counts
@@ -648,7 +652,7 @@ from .recovery import (  # noqa: E402
     _resolve_dead_letter,
     _retry_run,
 )
-from .reseal import _reseal_batch  # noqa: E402
+from .reseal import _reseal_batch, _seal_keys  # noqa: E402
 from .retention import (  # noqa: E402
     _configure_retention,
     _erase_tenant_batch,

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..._codec import MARKS, PLAIN_RAW, SECRET_KEYS, Codec, decode_text
+from ..._codec import MARKS, OFFLOADED, PLAIN_RAW, SECRET_KEYS, Codec, decode_text
 from ..._errors import ConfigurationError, PayloadError
 from ..._history import RunEnd, RunInfo, RunStatus, Task
 from ..._serde import dumps
@@ -37,7 +37,18 @@ Op = Callable[..., Any]
 #: without a keyring writes nothing in the clear into a store sealed before the upgrade
 ENCRYPTED_BEFORE = (
     "INSERT INTO seal_keys (key_id, fingerprint, created_at) SELECT '', '', 0 "
-    "WHERE EXISTS (SELECT 1 FROM runs WHERE substr(input, 1, 4) = '~e1:')"
+    "WHERE EXISTS (SELECT 1 FROM runs WHERE substr(input, 1, 4) = '~e1:' "
+    "OR substr(output, 1, 4) = '~e1:')"
+)
+#: ... and a store whose payloads were all offloaded holds references (``~b1:``), not
+#: sealed values: whether its blobs are sealed is for Python to read (SQL cannot), so
+#: the upgrade keeps the latest run's reference in the row of key id ``''`` (in place
+#: of a fingerprint); the first process without a keyring that writes reads that blob's
+#: head (``_Tx.encrypted``): sealed, the store is encrypted; plain, the row goes
+OFFLOADED_BEFORE = (
+    "INSERT INTO seal_keys (key_id, fingerprint, created_at) SELECT '', input, 0 FROM runs "
+    "WHERE substr(input, 1, 4) = '~b1:' AND NOT EXISTS (SELECT 1 FROM seal_keys) "
+    "ORDER BY created_at DESC LIMIT 1"
 )
 
 
@@ -151,14 +162,23 @@ class _Tx:
         """The store's first fingerprint: a store sealed by a version that kept none
         holds values under ids this keyring may have too (every keyring it made started
         at ``k1``, a tenant's id came from its name): one value of each such id, among
-        the first runs, must open with this keyring's key of that id."""
+        the first runs, must open with this keyring's key of that id. An offloaded
+        input counts under the key its blob was sealed with."""
         heads = self.execute(
             "SELECT run_id, substr(input, 1, 80) FROM runs WHERE substr(input, 1, 4) = ? "
-            "LIMIT 1000",
-            (PREFIX,),
+            "OR substr(input, 1, 4) = ? LIMIT 1000",
+            (PREFIX, OFFLOADED),
         ).fetchall()
         some: dict[str, str] = {}
+        blobs_read = 0
         for run_id, head in heads:
+            if head.startswith(OFFLOADED):
+                if blobs_read >= 100:
+                    continue
+                blobs_read += 1
+                head = self._blob_head(head)
+                if head is None or not head.startswith(PREFIX):
+                    continue  # missing, or offloaded in the clear
             some.setdefault(head[len(PREFIX) :].split(":", 1)[0], run_id)
         for key_id, run_id in some.items():
             try:
@@ -167,20 +187,71 @@ class _Tx:
                 continue  # not this keyring's (or destroyed): nothing to compare
             row = self.execute("SELECT input FROM runs WHERE run_id = ?", (run_id,)).fetchone()
             try:
-                sealer.open(row[0] if row is not None else "")
+                decode_text(self.codec, row[0] if row is not None else "", f"run {run_id!r}")
             except KeyUnavailableError:
                 raise _mismatch(key_id) from None
-            except PayloadError:
-                continue  # a damaged value: says nothing of the key
+            except (PayloadError, BlobError):
+                continue  # a damaged value or a missing blob: says nothing of the key
+
+    def _blob_head(self, reference: str) -> str | None:
+        """The first bytes of an offloaded payload's blob (``~e1:<key id>:`` if sealed),
+        as text; None if this process has no blob store or the blob is missing."""
+        blobs = self.codec.blobs if self.codec is not None else None
+        if blobs is None:
+            return None
+        ref = reference[len(OFFLOADED) :].rpartition(":")[0]
+        try:
+            return blobs.head(ref, 80).decode("ascii", "replace")
+        except (BlobError, OSError, ValueError):
+            return None
+
+    def encrypted(self) -> bool:
+        """Whether a keyring has sealed into this store (looked up once per process:
+        ``keys.encrypted``). A store upgraded with only offloaded payloads keeps one
+        reference in place of a fingerprint (``OFFLOADED_BEFORE``): its blob says.
+        Raises ``KeyringMismatchError`` if no such blob can be read."""
+        assert self.keys is not None
+        if self.keys.encrypted is None:
+            rows = self.execute(
+                "SELECT key_id, fingerprint FROM seal_keys ORDER BY key_id LIMIT 2"
+            ).fetchall()
+            marker = len(rows) == 1 and rows[0][0] == "" and rows[0][1].startswith(OFFLOADED)
+            if marker and not self._offloaded_sealed(rows[0][1]):  # a plain store
+                self.execute(
+                    "DELETE FROM seal_keys WHERE key_id = '' AND fingerprint = ?", (rows[0][1],)
+                )
+                rows = []
+            self.keys.encrypted = bool(rows)
+        return self.keys.encrypted
+
+    def _offloaded_sealed(self, reference: str) -> bool:
+        """Whether the blob of ``reference`` (else of one of the latest runs' offloaded
+        inputs, if it is gone) is sealed."""
+        head = self._blob_head(reference)
+        if head is None:
+            for (other,) in self.execute(
+                "SELECT input FROM runs WHERE substr(input, 1, 4) = ? "
+                "ORDER BY created_at DESC LIMIT 5",
+                (OFFLOADED,),
+            ).fetchall():
+                head = self._blob_head(other)
+                if head is not None:
+                    break
+        if head is None:
+            raise KeyringMismatchError(
+                None,
+                "this store may be encrypted (its payloads were offloaded to blobs before "
+                f"it kept key fingerprints) and the blob {reference!r} could not be read "
+                "to tell: nothing was written. Open the store's blob store (TETHER_BLOBS "
+                "or App(blobs=...)); if the store is encrypted, set TETHER_KEYRING (the "
+                "keyring file) or TETHER_ENCRYPTION_KEYS",
+            )
+        return head.startswith(PREFIX)
 
     def refuse_plain(self) -> None:
         """Refuse to write a payload in the clear into a store a keyring has sealed into
         (this process has none); looked up once per store and process."""
-        assert self.keys is not None
-        if self.keys.encrypted is None:
-            row = self.execute("SELECT key_id FROM seal_keys LIMIT 1").fetchone()
-            self.keys.encrypted = row is not None
-        if self.keys.encrypted:
+        if self.encrypted():
             raise KeyringMismatchError(
                 None,
                 "this store is encrypted (a keyring has sealed payloads into it) and this "

@@ -149,3 +149,12 @@ def _resealed_event(tx: _Tx, old: str, run_id: str, where: str) -> str | None:
     open_fields(tx.codec, data, where)
     raw = {k: dumps(data.pop(k)) for k in list(data) if k in PAYLOAD_KEYS}
     return tx.data(run_id, data, raw)
+
+
+def _seal_keys(tx: _Tx) -> dict[str, str]:
+    """Each key id the store was sealed under, with its key's fingerprint (not the row
+    an upgrade writes for payloads sealed before fingerprints were kept: id ``''``)."""
+    rows = tx.execute(
+        "SELECT key_id, fingerprint FROM seal_keys WHERE key_id <> '' ORDER BY key_id"
+    ).fetchall()
+    return {key_id: fingerprint for key_id, fingerprint in rows}

@@ -404,7 +404,10 @@ def _finish(
         )
     if parent_run_id is None or status is RunStatus.CONTINUED_AS_NEW:
         return
-    pstatus, pqueue, _pp, _ps, pworkflow, _pt = _run_row(tx, parent_run_id)
+    # under the parent's row lock (PostgreSQL): a parent another transaction is ending
+    # (or retrying) is read as it leaves it, so an ended parent is never told (and given
+    # a workflow task) and a retried one always is (its retry reads this run's end)
+    pstatus, pqueue, _pp, _ps, pworkflow, _pt = _run_row(tx, parent_run_id, lock=True)
     if RunStatus(pstatus).is_terminal:
         return
     told = {"model_spend": spend} if spend is not None else {}
