@@ -2032,3 +2032,115 @@ def test_a_gateway_or_model_name_that_cannot_be_stored_or_shown_is_refused(
         ai.Gateway(app).model(bad, "openai:gpt-4o-mini")
     with pytest.raises(tether.ConfigurationError, match="gateway name"):
         ai.Gateway(app, name=bad)
+
+
+async def test_a_hedges_non_streamed_loser_is_cancelled_at_once(
+    app: tether.App, server: ModelServer
+) -> None:
+    """The loser of a hedged (not streamed) call, cancelled when the other answered,
+    ran on until the worker's next lease renewal (a third of the lease) before its
+    HTTP request was aborted. It is now aborted as soon as the hedge is decided, and
+    its step ends cancelled."""
+    gw = ai.Gateway(app, retry=FAST, timeout=20)
+    url = server.base_url
+    fast = gw.model("fast", ai.openai_compatible("gpt-4o", base_url=url, api_key="k"))
+    slow = gw.model(
+        "slow", ai.openai_compatible("gpt-4o-mini", base_url=url, api_key="k"), hedge=(fast, 0.3)
+    )
+
+    @app.workflow
+    async def ask(text: str) -> str:
+        answer = await ai.complete(slow, text)
+        await tether.sleep(1.5)  # the run goes on: the loser's end is recorded
+        return answer
+
+    server.script("gpt-4o-mini", model_reply("slow answer", delay=8))
+    server.script("gpt-4o", model_reply("fast answer"))
+    async with app.worker(poll_interval=0.05, lease=30):
+        run = await app.start(ask, "x")
+        await eventually(lambda: has_event(app, run.run_id, EventType.ACTIVITY_CANCEL_REQUESTED))
+        answered = time.monotonic()
+
+        async def aborted() -> bool:
+            return bool(server.aborted)
+
+        await eventually(aborted, timeout=5)
+        ((request, at),) = server.aborted
+        assert request.model == "gpt-4o-mini"
+        assert at - answered < 1.0, at - answered  # not the lease's renewal (10 s)
+        history = await app.history(run.run_id)
+        (loser,) = [
+            e.step
+            for e in history
+            if e.type is EventType.ACTIVITY_SCHEDULED and e.data["args"]["args"][0] == "slow"
+        ]
+
+        async def ended() -> bool:
+            events = await app.history(run.run_id)
+            return any(e.step == loser and e.type is EventType.ACTIVITY_FAILED for e in events)
+
+        await eventually(ended, timeout=5)
+        assert await run.result(timeout=30) == "fast answer"
+    (failed,) = [
+        e
+        for e in await app.history(run.run_id)
+        if e.step == loser and e.type is EventType.ACTIVITY_FAILED
+    ]
+    assert failed.data["error"]["type"] == "CancelledError", failed.data
+
+
+async def test_a_hedges_loser_in_another_worker_process_stops_within_a_heartbeat(
+    store_url: str, server: ModelServer
+) -> None:
+    """Where the loser runs in another process than the run's workflow task (here two
+    Apps on one store: one runs the workflow, the other the model calls on their own
+    queue), it learns of the cancel by asking (a heartbeat every 0.5 s while it
+    waits), not at its worker's lease renewal."""
+    url = server.base_url
+
+    def build() -> tuple[tether.App, Any]:
+        app = tether.App(store=store_url)
+        gw = ai.Gateway(app, retry=FAST, timeout=20, queue="models")
+        fast = gw.model("fast", ai.openai_compatible("gpt-4o", base_url=url, api_key="k"))
+        slow = gw.model(
+            "slow",
+            ai.openai_compatible("gpt-4o-mini", base_url=url, api_key="k"),
+            hedge=(fast, 0.3),
+        )
+
+        @app.workflow(name="ask")
+        async def ask(text: str) -> str:
+            answer = await ai.complete(slow, text)
+            await tether.sleep(1.5)
+            return answer
+
+        return app, ask
+
+    (runs, ask), (calls, _) = build(), build()
+    server.script("gpt-4o-mini", model_reply("slow answer", delay=8))
+    server.script("gpt-4o", model_reply("fast answer"))
+    try:
+        async with (
+            runs.worker(poll_interval=0.05, lease=30, queues=["default"]),
+            calls.worker(poll_interval=0.05, lease=30, queues=["models"]),
+        ):
+            run = await runs.start(ask, "x")
+            await eventually(
+                lambda: has_event(runs, run.run_id, EventType.ACTIVITY_CANCEL_REQUESTED)
+            )
+            decided = time.monotonic()
+
+            async def aborted() -> bool:
+                return bool(server.aborted)
+
+            await eventually(aborted, timeout=5)
+            ((request, at),) = server.aborted
+            assert request.model == "gpt-4o-mini"
+            assert at - decided < 1.5, at - decided  # a heartbeat's interval, not 10 s
+            assert await run.result(timeout=30) == "fast answer"
+        failed = [e for e in await runs.history(run.run_id) if e.type is EventType.ACTIVITY_FAILED]
+        assert [f.data["error"]["type"] for f in failed] == ["StepCancelled"], failed
+    finally:
+        for a in (runs, calls):
+            if a._store is not None:
+                await a._store.close()

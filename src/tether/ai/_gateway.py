@@ -25,7 +25,7 @@ import re
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any, TypeVar, cast
@@ -69,6 +69,7 @@ if TYPE_CHECKING:
 
 #: model calls retry transient failures (429, 5xx, timeouts) a few times, then fall back
 OutT = TypeVar("OutT")
+_T = TypeVar("_T")
 
 
 def schema_fingerprint(output: Any) -> str:
@@ -632,13 +633,14 @@ class Gateway:
                 if request.get("stream"):
                     response = await self._streamed(ref, built, messages, settings, params)
                 else:
-                    response = await model_request(
+                    asked = model_request(
                         built,
                         messages,
                         model_settings=settings,
                         model_request_parameters=params,
                         instrument=False,
                     )
+                    response = await (_watched(ref, asked) if self._hedged_model(ref) else asked)
             except Exception as exc:
                 mapped = _classified(ref, exc)
                 if mapped is exc:
@@ -687,6 +689,13 @@ class Gateway:
         if cache_key is not None:
             await self._step_store().ai_cache_put(cache_key, json.dumps(out), ref.cache_ttl or 0.0)
         return out
+
+    def _hedged_model(self, ref: ModelRef) -> bool:
+        """Whether calls of ``ref`` may be a hedge's (its own hedge's, or another
+        model's hedge asking it): a loser must stop soon after the other answered."""
+        return ref.hedge is not None or any(
+            m.hedge is not None and m.hedge[0].name == ref.name for m in self._models.values()
+        )
 
     async def _streamed(
         self,
@@ -1269,6 +1278,36 @@ def _deployment_key(model: Model | str | Callable[[], Model], name: str) -> str:
         where = f"{parts.scheme}://{host}{f':{parts.port}' if parts.port else ''}{parts.path}"
         key = f"{key}@{where.rstrip('/')}"
     return key[:MAX_NAME]
+
+
+async def _watched(ref: ModelRef, asked: Coroutine[Any, Any, _T]) -> _T:
+    """A call that asks every ``STREAM_CANCEL_CHECK`` seconds (a heartbeat) whether its
+    step was cancelled, and then aborts its request: a hedge's loser running in another
+    process than the run's workflow task (this process's workers cancel theirs at once
+    when the run's cancel is committed; other processes would wait for their next
+    lease renewal)."""
+    try:
+        ctx: ActivityContext | None = activity_context()
+    except NotInActivityError:
+        ctx = None
+    if ctx is None:
+        return await asked
+    call = asyncio.ensure_future(asked)
+    try:
+        while True:
+            done, _ = await asyncio.wait({call}, timeout=STREAM_CANCEL_CHECK)
+            if done:
+                return call.result()
+            if ctx.is_cancelled:
+                call.cancel()
+                raise StepCancelled(
+                    f"model {ref.name!r}: the step was cancelled while it waited for the "
+                    "answer (its run was cancelled, or a hedge took the other answer)"
+                )
+            ctx.heartbeat()  # its answer sets ctx.is_cancelled
+    finally:
+        if not call.done():
+            call.cancel()
 
 
 def _stream_where(ref: ModelRef) -> dict[str, Any]:
