@@ -42,6 +42,7 @@ from .._history import Event, EventType
 from .._policy import Retry, seconds
 from .._queues import MAX_NAME, Dependency, check_name
 from .._usage import CALL_KEY, Budget, Spend, amount
+from .._usage import budget_cost as _budget_cost
 from ..workflow._api import sleep
 from ..workflow._instance import WorkflowInstance, current_instance
 from ._errors import BudgetExceeded, ContentRefused, ModelConfigError
@@ -1189,10 +1190,12 @@ class Gateway:
                 # worker rebuilds), even if today's code words the prompt otherwise
                 inline, tip = recorded
         hold = {} if hold is None else hold
-        hold.update(tokens=estimate["tokens"], cost=Decimal(estimate["cost"] or 0), held=True)
+        step = inst.step + 1  # the step the call is about to be
+        hold.update(
+            tokens=estimate["tokens"], cost=Decimal(estimate["cost"] or 0), held=True, step=step
+        )
         tally.reserved_tokens += hold["tokens"]
         tally.reserved_cost += hold["cost"]
-        step = inst.step + 1  # the step the call is about to be
         try:
             out: dict[str, Any] = await ref.activity(ref.name, body)
         except ActivityError as exc:
@@ -1317,16 +1320,6 @@ def _stream_where(ref: ModelRef) -> dict[str, Any]:
     except NotInActivityError:
         return {"run_id": None, "step": None, "model": ref.name, "attempt": 1}
     return {"run_id": ctx.run_id, "step": ctx.step, "model": ref.name, "attempt": ctx.attempt}
-
-
-def _budget_cost(call: Mapping[str, Any]) -> Decimal:
-    """What a recorded call counts against a cost budget: its cost, or, unpriced, the
-    cost of its estimate (``estimated_cost``; zero only when that had no price either,
-    and then no cost budget let the call through)."""
-    cost = call.get("cost")
-    if cost is None:
-        cost = call.get("estimated_cost")
-    return Decimal(str(cost)) if cost is not None else Decimal(0)
 
 
 #: models whose untrue usage this process has warned of
@@ -1543,14 +1536,21 @@ def _record_hedge(
     value = recorded.data.get("value") if recorded is not None and _is_hedge(recorded) else None
     if not isinstance(value, dict):
         value = {"asked": [r.name for r in asked], "won": won.name}
-        if still_running:  # it may have been answered, and billed, already
+        if still_running:  # it may be answered, and billed, yet
             estimate = lost.estimate(body["messages"], settings, body["params"])
-            value["abandoned"] = {"model": lost.name, **estimate}
+            value["abandoned"] = {"model": lost.name, **estimate, "step": lost_hold.get("step")}
     inst.record("model_hedge", value)
     abandoned = value.get("abandoned")
     if abandoned:
-        tally.tokens += int(abandoned.get("tokens") or 0)
-        tally.cost += Decimal(abandoned.get("cost") or 0)
+        used = (int(abandoned.get("tokens") or 0), Decimal(abandoned.get("cost") or 0))
+        step = abandoned.get("step")
+        if isinstance(step, int):
+            # its estimate counts until its step's outcome is recorded; then what it
+            # used does: its answer's usage, or nothing (Spend.settle)
+            tally.abandoned[step] = used
+        else:  # recorded before the step was: its estimate counts, as it did then
+            tally.tokens += used[0]
+            tally.cost += used[1]
 
 
 def _called_model(recorded: Event, activity: str) -> str | None:
