@@ -2224,3 +2224,62 @@ async def test_a_hedges_loser_counts_once_everywhere_as_what_it_used(
         for a in (runs, calls):
             if a._store is not None:
                 await a._store.close()
+
+
+class TicketRenamed(BaseModel):
+    category: str
+    urgency: int = 0  # was ``priority``: a rename, with a default
+    confidence: float
+
+
+@pytest.mark.parametrize("registered", [True, False])
+async def test_a_recorded_answer_the_new_output_type_reads_lossily_stops_the_replay(
+    store_url: str, registered: bool
+) -> None:
+    """A deploy that renamed a field of a structured step's output type (with a
+    default) replayed the recorded answer silently: the old field's value was dropped
+    and the new one took its default. A recorded step whose schema differs from the
+    type's now is replayed only when the new type reads every field of the answer
+    (adding fields with defaults keeps runs replaying); otherwise the replay stops with
+    a NonDeterminismError naming the step, both schemas and the fields dropped."""
+
+    def deploy(output: Any, version: str) -> tether.App:
+        app = tether.App(store=store_url)
+        gw = ai.Gateway(app, retry=FAST)
+        answer = {"category": "tech", "priority": 1, "confidence": 0.9}
+        fast = gw.model("fast", ai.ScriptedModel([answer] * 2))
+        if registered:
+            gw.output(output, name="Ticket", version=version)
+
+        @app.workflow
+        async def one(text: str) -> str:
+            first = await ai.structured(fast, text, output=output)
+            await tether.wait_event("go")
+            return first.category
+
+        return app
+
+    old = deploy(Ticket, "1")
+    run_id = f"renamed-{registered}"
+    async with old.worker(poll_interval=0.05):
+        await old.start("one", "x", run_id=run_id)
+        while not await old.list(waiting_for="signal:go"):
+            await asyncio.sleep(0.02)
+    history = await old.history(run_id)
+    await old.close()
+    (call,) = [
+        e.data["result"][CALL_KEY] for e in history if e.type is EventType.ACTIVITY_COMPLETED
+    ]
+    was = call["output_schema"]
+    from tether.ai._gateway import schema_fingerprint
+
+    renamed = deploy(TicketRenamed, "2")
+    report = tether.testing.check_history(renamed, history)
+    now = "Ticket@2" if registered else f"TicketRenamed@{schema_fingerprint(TicketRenamed)}"
+    assert not report.ok
+    error = report.error or ""
+    assert was in error and now in error and "'priority'" in error, error
+    await renamed.close()
+    added = deploy(TicketV2, "2")  # a field added with a default reads every field
+    assert tether.testing.check_history(added, history).ok
+    await added.close()
