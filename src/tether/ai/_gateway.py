@@ -612,6 +612,10 @@ class Gateway:
                 if request.get("stream"):
                     await self._stream_cached(ref, cached["response"])
                 return cached
+        if request.get("cache_only") is not None:
+            # over the run's budget unless the cache had it: refused, nothing sent (an
+            # answer, not a failure: a budget's refusal is no dead letter)
+            return {CACHE_MISS_KEY: request["cache_only"]}
         scopes = await self._check_daily_budgets(ref, request)
         pinned: str | None = request.get("spec")
         built = self._resolve_spec(pinned) if pinned else self._resolve(ref)
@@ -1163,8 +1167,15 @@ class Gateway:
             return direct
         tally = inst.spend
         estimate = _check_budget(
-            inst, tally, ref, lambda: ref.estimate(body["messages"], settings, body["params"])
+            inst,
+            tally,
+            ref,
+            lambda: ref.estimate(body["messages"], settings, body["params"]),
+            cached=bool(ref.cache_ttl),
         )
+        refusal = estimate.pop("cache_only", None)
+        if refusal is not None:
+            body = {**body, "cache_only": refusal}
         started = inst.started
         tenant = (started.data if started is not None else {}).get("tenant")
         if tenant is not None:
@@ -1204,6 +1215,14 @@ class Gateway:
             raise daily_refusal(ref, exc) from None
         finally:
             _release(tally, hold)
+        missed = out.get(CACHE_MISS_KEY)
+        if isinstance(missed, dict):
+            # a call over the run's budget the cache did not have: refused, unsent
+            # (replay reads the refusal from the recorded result)
+            inst.record("budget_exceeded", missed)
+            raise BudgetExceeded(
+                ref.name, missed["what"], missed["limit"], missed["spent"], missed["estimate"]
+            )
         if self.message_refs:
             # the worker kept them (and the answer), so later steps may refer to them
             answer = canonical(out["response"])[0]
@@ -1421,6 +1440,8 @@ def _lookup_price(model: str, provider: str | None) -> Any:
 
 #: failures the next model in a fallback chain would meet too
 _NO_FALLBACK = frozenset({"ContentRefused", "BudgetExceeded"})
+#: the result of a cache-only call (a call over the run's budget) the cache missed
+CACHE_MISS_KEY = "tether.ai.cache_miss"
 
 
 def _packed_of(scheduled: Event) -> dict[str, Any] | None:
@@ -1588,9 +1609,16 @@ def _check_budget(
     tally: _Tally,
     ref: ModelRef,
     estimated: Callable[[], dict[str, Any]],
+    *,
+    cached: bool = False,
 ) -> dict[str, Any]:
     """Refuse a call (or a batch) that would go over the run's budget, ``estimated()``
-    being what it may use (deterministically on replay: a call made then passed)."""
+    being what it may use (deterministically on replay: a call made then passed).
+
+    ``cached``: the model has an answer cache, which only the worker can consult. A
+    call that would go over is then not refused here but made cache-only (the estimate
+    returned has ``"cache_only"``: the refusal, for the worker to send back on a miss):
+    a hit costs nothing, so it needs no room."""
     budget = inst.budget()
     if budget is None:
         return {"tokens": 0, "cost": None}
@@ -1615,6 +1643,8 @@ def _check_budget(
             "spent": {"tokens": spent_tokens, "cost": str(spent_cost)},
             "estimate": {"tokens": estimate["tokens"], "cost": estimate["cost"]},
         }
+        if cached:  # the worker answers from the cache or refuses: nothing held
+            return {"tokens": 0, "cost": None, "cache_only": value}
         inst.record("budget_exceeded", value)
         raise BudgetExceeded(ref.name, over[0], over[1], value["spent"], value["estimate"])
     return estimate
