@@ -620,16 +620,17 @@ class Worker:
     def cancel_activity(self, run_id: str, step: int) -> None:
         """The run cancelled its ``step`` (committed): an async attempt of it running
         here sees ``CancelledError`` at its next await (its HTTP request aborted, say),
-        a sync one ``ctx.is_cancelled``; its outcome is recorded as for a cancel the
-        lease renewal reports. A batch runs on for its other items."""
+        its outcome recorded as for a cancel the lease renewal reports. A sync one (its
+        thread cannot be stopped) sees ``ctx.is_cancelled`` and is left to the renewal,
+        as is a batch, which runs on for its other items."""
         for task, atask, ctx in list(self._inflight.values()):
             if task.kind != "activity" or task.run_id != run_id or task.step != step:
                 continue
             if ctx is None:  # not begun yet: the renewal (or its claim) finds it cancelled
                 continue
             ctx._cancelled = True
-            if task.batch_id is None and not ctx._returned:
-                atask.cancel()
+            if task.batch_id is None and not ctx._returned and atask not in self._in_thread:
+                atask.cancel()  # (a sync one's thread runs on: it sees ctx.is_cancelled)
 
     def _supersede(self, task: Task) -> None:
         """``task`` was claimed again (by us: our lease on it expired while an attempt
