@@ -1898,9 +1898,10 @@ def test_a_price_that_is_not_a_number_of_zero_or_more_is_refused_where_it_is_wri
 async def test_a_hedges_loser_counts_against_the_run_budget_by_its_estimate(
     app: tether.App, server: ModelServer
 ) -> None:
-    """The provider may have billed a hedge's cancelled loser already; what it used is
-    unknown to the run, so its estimate counts as spent. A run that hedges cannot go
-    over its budget by the calls it abandoned."""
+    """The provider may bill a hedge's cancelled loser yet; until its step's outcome
+    is recorded what it used is unknown to the run, so its estimate counts as spent. A
+    run that hedges cannot go over its budget by the calls it abandoned. Once the
+    loser's step ended without an answer (cancelled), it counts nothing."""
     gw = ai.Gateway(app, retry=FAST, timeout=10)
     url = server.base_url
     fast = gw.model("fast", ai.openai_compatible("gpt-4o", base_url=url, api_key="k"))
@@ -1920,7 +1921,7 @@ async def test_a_hedges_loser_counts_against_the_run_budget_by_its_estimate(
     async def ask(wait: bool) -> str:
         first = await ai.complete(slow, "same prompt", settings=settings)
         if wait:
-            await tether.sleep(1.5)  # the loser's own step has ended by now
+            await tether.sleep(1.5)  # the loser's own step has ended (cancelled) by now
         try:
             return first + " / " + await ai.complete(fast, "same prompt", settings=settings)
         except ai.BudgetExceeded:
@@ -1935,17 +1936,18 @@ async def test_a_hedges_loser_counts_against_the_run_budget_by_its_estimate(
         assert await sized.result(timeout=30) == "refused"  # its marker says the estimate
         (marker,) = markers(await app.history(sized.run_id), "budget_exceeded")
         estimate = marker["estimate"]["tokens"]
-        # the winner used 15; the loser's estimate counts too, so the next call is over
-        # the next call at once (the loser's cancellation not yet through) and after it
+        # the winner used 15; the loser's estimate counts too while its step runs, so
+        # the next call at once is over; after the loser's step ended without an
+        # answer it counts nothing, and the next call passes
         runs = [
             await app.start(ask, wait, budget=tether.Budget(tokens=15 + 2 * estimate - 1))
             for wait in (False, True)
         ]
         outs = [await run.result(timeout=30) for run in runs]
-    assert outs == ["fast / refused"] * 2, outs
-    for run in runs:
-        (refused,) = markers(await app.history(run.run_id), "budget_exceeded")
-        assert refused["spent"]["tokens"] == 15 + estimate  # counted once, never twice
+    assert outs == ["fast / refused", "fast / fast"], outs
+    (refused,) = markers(await app.history(runs[0].run_id), "budget_exceeded")
+    assert refused["spent"]["tokens"] == 15 + estimate  # counted once, never twice
+    assert not markers(await app.history(runs[1].run_id), "budget_exceeded")
 
 
 # pydantic-ai warns of a negative count it cannot price and reports no usage instead
@@ -2032,3 +2034,252 @@ def test_a_gateway_or_model_name_that_cannot_be_stored_or_shown_is_refused(
         ai.Gateway(app).model(bad, "openai:gpt-4o-mini")
     with pytest.raises(tether.ConfigurationError, match="gateway name"):
         ai.Gateway(app, name=bad)
+
+
+async def test_a_hedges_non_streamed_loser_is_cancelled_at_once(
+    app: tether.App, server: ModelServer
+) -> None:
+    """The loser of a hedged (not streamed) call, cancelled when the other answered,
+    ran on until the worker's next lease renewal (a third of the lease) before its
+    HTTP request was aborted. It is now aborted as soon as the hedge is decided, and
+    its step ends cancelled."""
+    gw = ai.Gateway(app, retry=FAST, timeout=20)
+    url = server.base_url
+    fast = gw.model("fast", ai.openai_compatible("gpt-4o", base_url=url, api_key="k"))
+    slow = gw.model(
+        "slow", ai.openai_compatible("gpt-4o-mini", base_url=url, api_key="k"), hedge=(fast, 0.3)
+    )
+
+    @app.workflow
+    async def ask(text: str) -> str:
+        answer = await ai.complete(slow, text)
+        await tether.sleep(1.5)  # the run goes on: the loser's end is recorded
+        return answer
+
+    server.script("gpt-4o-mini", model_reply("slow answer", delay=8))
+    server.script("gpt-4o", model_reply("fast answer"))
+    async with app.worker(poll_interval=0.05, lease=30):
+        run = await app.start(ask, "x")
+        await eventually(lambda: has_event(app, run.run_id, EventType.ACTIVITY_CANCEL_REQUESTED))
+        answered = time.monotonic()
+
+        async def aborted() -> bool:
+            return bool(server.aborted)
+
+        await eventually(aborted, timeout=5)
+        ((request, at),) = server.aborted
+        assert request.model == "gpt-4o-mini"
+        assert at - answered < 1.0, at - answered  # not the lease's renewal (10 s)
+        history = await app.history(run.run_id)
+        (loser,) = [
+            e.step
+            for e in history
+            if e.type is EventType.ACTIVITY_SCHEDULED and e.data["args"]["args"][0] == "slow"
+        ]
+
+        async def ended() -> bool:
+            events = await app.history(run.run_id)
+            return any(e.step == loser and e.type is EventType.ACTIVITY_FAILED for e in events)
+
+        await eventually(ended, timeout=5)
+        assert await run.result(timeout=30) == "fast answer"
+    (failed,) = [
+        e
+        for e in await app.history(run.run_id)
+        if e.step == loser and e.type is EventType.ACTIVITY_FAILED
+    ]
+    assert failed.data["error"]["type"] == "CancelledError", failed.data
+
+
+async def test_a_hedges_loser_in_another_worker_process_stops_within_a_heartbeat(
+    store_url: str, server: ModelServer
+) -> None:
+    """Where the loser runs in another process than the run's workflow task (here two
+    Apps on one store: one runs the workflow, the other the model calls on their own
+    queue), it learns of the cancel by asking (a heartbeat every 0.5 s while it
+    waits), not at its worker's lease renewal."""
+    url = server.base_url
+
+    def build() -> tuple[tether.App, Any]:
+        app = tether.App(store=store_url)
+        gw = ai.Gateway(app, retry=FAST, timeout=20, queue="models")
+        fast = gw.model("fast", ai.openai_compatible("gpt-4o", base_url=url, api_key="k"))
+        slow = gw.model(
+            "slow",
+            ai.openai_compatible("gpt-4o-mini", base_url=url, api_key="k"),
+            hedge=(fast, 0.3),
+        )
+
+        @app.workflow(name="ask")
+        async def ask(text: str) -> str:
+            answer = await ai.complete(slow, text)
+            await tether.sleep(1.5)
+            return answer
+
+        return app, ask
+
+    (runs, ask), (calls, _) = build(), build()
+    server.script("gpt-4o-mini", model_reply("slow answer", delay=8))
+    server.script("gpt-4o", model_reply("fast answer"))
+    try:
+        async with (
+            runs.worker(poll_interval=0.05, lease=30, queues=["default"]),
+            calls.worker(poll_interval=0.05, lease=30, queues=["models"]),
+        ):
+            run = await runs.start(ask, "x")
+            await eventually(
+                lambda: has_event(runs, run.run_id, EventType.ACTIVITY_CANCEL_REQUESTED)
+            )
+            decided = time.monotonic()
+
+            async def aborted() -> bool:
+                return bool(server.aborted)
+
+            await eventually(aborted, timeout=5)
+            ((request, at),) = server.aborted
+            assert request.model == "gpt-4o-mini"
+            assert at - decided < 1.5, at - decided  # a heartbeat's interval, not 10 s
+            assert await run.result(timeout=30) == "fast answer"
+        failed = [e for e in await runs.history(run.run_id) if e.type is EventType.ACTIVITY_FAILED]
+        assert [f.data["error"]["type"] for f in failed] == ["StepCancelled"], failed
+    finally:
+        for a in (runs, calls):
+            if a._store is not None:
+                await a._store.close()
+
+
+@pytest.mark.parametrize("loser", ["answered", "cancelled"])
+async def test_a_hedges_loser_counts_once_everywhere_as_what_it_used(
+    store_url: str, server: ModelServer, loser: str
+) -> None:
+    """A hedge's loser whose answer still came (billed) was counted three ways:
+    ``app.usage`` and the daily budgets at its real usage, the run's budget at its
+    estimate, the day's ledger (``usage_on``) not at all. Now an answered loser counts
+    once, at what the provider reported, in all four (and ``app.usage`` says it was
+    abandoned); a loser cancelled before an answer counts nothing in any of them."""
+    url = server.base_url
+
+    def build() -> tuple[tether.App, ai.Gateway, Any]:
+        app = tether.App(store=store_url)
+        # the calls run in another App (as in another process): the loser is told of
+        # its cancel by its heartbeat, so an answer that comes first is recorded
+        gw = ai.Gateway(app, retry=FAST, timeout=20, queue="models")
+        fast = gw.model("fast", ai.openai_compatible("gpt-4o", base_url=url, api_key="k"))
+        slow = gw.model(
+            "slow",
+            ai.openai_compatible("gpt-4o-mini", base_url=url, api_key="k"),
+            hedge=(fast, 0.3),
+        )
+
+        @app.workflow(name="ask")
+        async def ask(text: str) -> str:
+            answer = await ai.complete(slow, text)
+            await tether.sleep(2.5)  # the loser's end comes while the run goes on
+            return answer
+
+        return app, gw, ask
+
+    (runs, gw, ask), (calls, _, _) = build(), build()
+    await gw.set_budget(tenant="acme", tokens=100_000)
+    delay = 0.9 if loser == "answered" else 8.0
+    server.script(
+        "gpt-4o-mini", model_reply("slow", delay=delay, input_tokens=100, output_tokens=50)
+    )
+    server.script("gpt-4o", model_reply("fast", input_tokens=10, output_tokens=5))
+    try:
+        async with (
+            runs.worker(poll_interval=0.05, lease=30, queues=["default"]),
+            calls.worker(poll_interval=0.05, lease=30, queues=["models"]),
+        ):
+            run = await runs.start(ask, "x", tenant="acme", budget=tether.Budget(tokens=10_000))
+            assert await run.result(timeout=30) == "fast"
+        history = await runs.history(run.run_id)
+        (cancelled,) = [e for e in history if e.type is EventType.ACTIVITY_CANCEL_REQUESTED]
+        ended = [
+            e
+            for e in history
+            if e.step == cancelled.data["activity_step"]
+            and e.type in (EventType.ACTIVITY_COMPLETED, EventType.ACTIVITY_FAILED)
+        ]
+        answered = loser == "answered"
+        assert [e.type for e in ended] == [
+            EventType.ACTIVITY_COMPLETED if answered else EventType.ACTIVITY_FAILED
+        ]
+        tokens = 15 + (150 if answered else 0)
+        usage = await runs.usage(run.run_id)
+        assert (usage.calls, usage.tokens, usage.abandoned_calls) == (
+            2 if answered else 1,
+            tokens,
+            1 if answered else 0,
+        )
+        assert (await runs.usage(tenant="acme")).tokens == tokens
+        (daily,) = await gw.budgets()
+        assert daily["spent_tokens"] == tokens
+        day = time.strftime("%Y-%m-%d", time.gmtime())
+        assert [n for _t, n, _c in await runs.store.usage_on(day, "acme")] == [tokens]
+        (done,) = [e for e in history if e.type is EventType.WORKFLOW_COMPLETED]
+        assert done.data["model_spend"]["tokens"] == tokens  # the run's budget's count
+        assert Decimal(done.data["model_spend"]["cost"]) == usage.cost
+    finally:
+        for a in (runs, calls):
+            if a._store is not None:
+                await a._store.close()
+
+
+class TicketRenamed(BaseModel):
+    category: str
+    urgency: int = 0  # was ``priority``: a rename, with a default
+    confidence: float
+
+
+@pytest.mark.parametrize("registered", [True, False])
+async def test_a_recorded_answer_the_new_output_type_reads_lossily_stops_the_replay(
+    store_url: str, registered: bool
+) -> None:
+    """A deploy that renamed a field of a structured step's output type (with a
+    default) replayed the recorded answer silently: the old field's value was dropped
+    and the new one took its default. A recorded step whose schema differs from the
+    type's now is replayed only when the new type reads every field of the answer
+    (adding fields with defaults keeps runs replaying); otherwise the replay stops with
+    a NonDeterminismError naming the step, both schemas and the fields dropped."""
+
+    def deploy(output: Any, version: str) -> tether.App:
+        app = tether.App(store=store_url)
+        gw = ai.Gateway(app, retry=FAST)
+        answer = {"category": "tech", "priority": 1, "confidence": 0.9}
+        fast = gw.model("fast", ai.ScriptedModel([answer] * 2))
+        if registered:
+            gw.output(output, name="Ticket", version=version)
+
+        @app.workflow
+        async def one(text: str) -> str:
+            first = await ai.structured(fast, text, output=output)
+            await tether.wait_event("go")
+            return first.category
+
+        return app
+
+    old = deploy(Ticket, "1")
+    run_id = f"renamed-{registered}"
+    async with old.worker(poll_interval=0.05):
+        await old.start("one", "x", run_id=run_id)
+        while not await old.list(waiting_for="signal:go"):
+            await asyncio.sleep(0.02)
+    history = await old.history(run_id)
+    await old.close()
+    (call,) = [
+        e.data["result"][CALL_KEY] for e in history if e.type is EventType.ACTIVITY_COMPLETED
+    ]
+    was = call["output_schema"]
+    from tether.ai._gateway import schema_fingerprint
+
+    renamed = deploy(TicketRenamed, "2")
+    report = tether.testing.check_history(renamed, history)
+    now = "Ticket@2" if registered else f"TicketRenamed@{schema_fingerprint(TicketRenamed)}"
+    assert not report.ok
+    error = report.error or ""
+    assert was in error and now in error and "'priority'" in error, error
+    await renamed.close()
+    added = deploy(TicketV2, "2")  # a field added with a default reads every field
+    assert tether.testing.check_history(added, history).ok
+    await added.close()

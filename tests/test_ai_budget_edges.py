@@ -324,3 +324,46 @@ async def test_answers_from_the_cache_do_not_count_against_a_run_or_its_parent(
     (ended,) = [e for e in history if e.type is EventType.CHILD_COMPLETED]
     assert ended.data["model_spend"] == {"tokens": 0, "cost": "0"}
     assert all(c.get("cache_hit") for c in _calls(history))
+
+
+async def test_a_cached_answer_needs_no_budget_room_and_a_miss_is_refused_unsent(
+    app: tether.App,
+) -> None:
+    """The budget is checked in the workflow, before the call, and only the worker
+    knows whether the cache has the answer: a call the cache would answer for nothing
+    was refused when the run's budget had no room for its estimate. Such a call now
+    goes to the worker as a cache-only call: a hit is answered (free), a miss refused
+    there with the budget's ``BudgetExceeded``, the provider never asked. Both replay."""
+    calls: list[int] = []
+    gw = ai.Gateway(app, retry=ONE)
+    m = gw.model(
+        "m", FunctionModel(_fixed(calls), model_name="fm"), price=ai.Price(1, 1), cache_ttl=600
+    )
+
+    @app.workflow
+    async def ask(question: str) -> str:
+        try:
+            return await ai.complete(m, question, settings={"max_tokens": 30})
+        except ai.BudgetExceeded as exc:
+            return f"refused: {exc.what} spent {exc.spent['tokens']}"
+
+    async with app.worker(poll_interval=0.02):
+        warm = await app.start(ask, "cached question")
+        assert await warm.result(timeout=60) == "ok"
+        tight = tether.Budget(tokens=10)  # less than any call's estimate
+        hit = await app.start(ask, "cached question", budget=tight)
+        assert await hit.result(timeout=60) == "ok"
+        miss = await app.start(ask, "a new question", budget=tight)
+        assert await miss.result(timeout=60) == "refused: tokens spent 0"
+    assert len(calls) == 1  # the provider was asked only by the warm run
+    assert all(c.get("cache_hit") for c in _calls(await app.history(hit.run_id)))
+    (marker,) = [
+        e.data["value"]
+        for e in await app.history(miss.run_id)
+        if e.type is EventType.MARKER and e.data.get("marker") == "budget_exceeded"
+    ]
+    assert marker["what"] == "tokens" and marker["limit"] == "10"
+    assert await app.dead_letters() == []  # a refusal, not a failed step
+    for run in (hit, miss):
+        report = tether.testing.check_history(app, await app.history(run.run_id))
+        assert report.ok, report.error

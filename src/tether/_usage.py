@@ -10,7 +10,7 @@ reads the recorded results cannot count a call twice.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from decimal import Decimal
 from typing import Any
 
@@ -50,6 +50,10 @@ class Usage:
     #: tokens the cached answers would have cost (their recorded usage)
     tokens_saved: int = 0
     cost_saved: Decimal = Decimal(0)
+    #: calls answered (so billed) after their run stopped waiting for them: a hedge's
+    #: loser whose answer came before its cancel reached it, a step its run cancelled.
+    #: Counted in the totals above like any call, once
+    abandoned_calls: int = 0
 
     @property
     def tokens(self) -> int:
@@ -107,12 +111,27 @@ def call_of(result: Any) -> dict[str, Any] | None:
 def usage_of(events: Iterable[Event]) -> Usage:
     """The summed usage of every model call recorded in ``events``."""
     total = Usage()
+    cancelled: set[int | None] = set()
     for ev in events:
-        if ev.type is EventType.ACTIVITY_COMPLETED:
+        if ev.type is EventType.ACTIVITY_CANCEL_REQUESTED:
+            cancelled.add(ev.data.get("activity_step"))
+        elif ev.type is EventType.ACTIVITY_COMPLETED:
             call = call_of(ev.data.get("result"))
             if call is not None:
                 total = total + Usage.of_call(call)
+                if ev.step in cancelled and not call.get("cache_hit"):
+                    total = dataclasses.replace(total, abandoned_calls=total.abandoned_calls + 1)
     return total
+
+
+def budget_cost(call: Mapping[str, Any]) -> Decimal:
+    """What a recorded call counts against a cost budget: its cost, or, unpriced, the
+    cost of its estimate (``estimated_cost``; zero only when that had no price either,
+    and then no cost budget let the call through)."""
+    cost = call.get("cost")
+    if cost is None:
+        cost = call.get("estimated_cost")
+    return Decimal(str(cost)) if cost is not None else Decimal(0)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -166,6 +185,27 @@ class Spend:
     shares: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
     #: what those that ended reported spending (None: nothing reported, the share counts)
     reported: dict[int, dict[str, Any] | None] = dataclasses.field(default_factory=dict)
+    #: calls the run stopped waiting for while they ran (a hedge's loser): step -> their
+    #: estimate, which counts until their outcome is recorded
+    abandoned: dict[int, tuple[int, Decimal]] = dataclasses.field(default_factory=dict)
+    #: what those whose outcome came used: an answer's tokens and cost (its provider
+    #: billed it), nothing for a call that ended without one (cancelled, failed)
+    settled: dict[int, tuple[int, Decimal]] = dataclasses.field(default_factory=dict)
+
+    def settle(self, step: int, result: Any) -> tuple[int, Decimal | None] | None:
+        """An abandoned call's outcome came (``result``: its recorded result, None when
+        it ended without an answer): it counts as what it used from now on. Returns the
+        tokens and priced cost to add to the tenant's ledger (None: nothing)."""
+        if step not in self.abandoned or step in self.settled:
+            return None
+        call = call_of(result) if result is not None else None
+        if call is None or call.get("cache_hit"):
+            self.settled[step] = (0, Decimal(0))
+            return None
+        tokens = int(call.get("input_tokens") or 0) + int(call.get("output_tokens") or 0)
+        self.settled[step] = (tokens, budget_cost(call))
+        cost = call.get("cost")
+        return tokens, Decimal(str(cost)) if cost is not None else None
 
     def children(self) -> tuple[int, Decimal]:
         """What the children started with a share count: a running child its whole
@@ -185,6 +225,9 @@ class Spend:
     def spent(self) -> tuple[int, Decimal]:
         """Tokens and cost spent: the run's own calls and its children's."""
         tokens, cost = self.children()
+        for step, estimate in self.abandoned.items():
+            used = self.settled.get(step, estimate)
+            tokens, cost = tokens + used[0], cost + used[1]
         return self.tokens + tokens, self.cost + cost
 
     def committed(self) -> tuple[int, Decimal]:

@@ -617,6 +617,21 @@ class Worker:
         self._inflight[task.task_id] = (task, t, None)
         t.add_done_callback(functools.partial(self._done, current))
 
+    def cancel_activity(self, run_id: str, step: int) -> None:
+        """The run cancelled its ``step`` (committed): an async attempt of it running
+        here sees ``CancelledError`` at its next await (its HTTP request aborted, say),
+        its outcome recorded as for a cancel the lease renewal reports. A sync one (its
+        thread cannot be stopped) sees ``ctx.is_cancelled`` and is left to the renewal,
+        as is a batch, which runs on for its other items."""
+        for task, atask, ctx in list(self._inflight.values()):
+            if task.kind != "activity" or task.run_id != run_id or task.step != step:
+                continue
+            if ctx is None:  # not begun yet: the renewal (or its claim) finds it cancelled
+                continue
+            ctx._cancelled = True
+            if task.batch_id is None and not ctx._returned and atask not in self._in_thread:
+                atask.cancel()  # (a sync one's thread runs on: it sees ctx.is_cancelled)
+
     def _supersede(self, task: Task) -> None:
         """``task`` was claimed again (by us: our lease on it expired while an attempt
         still ran, e.g. renewals failed): the stale attempt can record nothing, so it is
@@ -938,6 +953,12 @@ class Worker:
         carrier = inst.trace_context()
         for cmd in result.commands:
             t = cmd.type
+            if t is EventType.ACTIVITY_CANCEL_REQUESTED:
+                # a step the run stopped waiting for (a hedge's loser, a cancelled run's
+                # step): stopped now where it runs in this process, not at the next
+                # lease renewal (other processes still learn it from theirs)
+                for w in self.app._local_workers:
+                    w.cancel_activity(run_id, int(cmd.data["activity_step"]))
             if t is EventType.WORKFLOW_NEEDS_INTERVENTION:
                 self.app._alert(run_id, cmd.data.get("error") or {})
             if t is EventType.CHILD_STARTED:

@@ -28,6 +28,7 @@ from .._activity_context import activity_context
 from .._errors import ActivityError, ConfigurationError
 from .._policy import Retry, seconds
 from .._usage import CALL_KEY
+from .._usage import budget_cost as _budget_cost
 from ..workflow._api import sleep
 from ..workflow._instance import current_instance
 from ._errors import ModelConfigError
@@ -35,7 +36,6 @@ from ._gateway import (
     EXTENSIONS,
     Gateway,
     ModelRef,
-    _budget_cost,
     _check_budget,
     _release,
     _Tally,

@@ -25,7 +25,7 @@ import re
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any, TypeVar, cast
@@ -42,6 +42,7 @@ from .._history import Event, EventType
 from .._policy import Retry, seconds
 from .._queues import MAX_NAME, Dependency, check_name
 from .._usage import CALL_KEY, Budget, Spend, amount
+from .._usage import budget_cost as _budget_cost
 from ..workflow._api import sleep
 from ..workflow._instance import WorkflowInstance, current_instance
 from ._errors import BudgetExceeded, ContentRefused, ModelConfigError
@@ -69,6 +70,7 @@ if TYPE_CHECKING:
 
 #: model calls retry transient failures (429, 5xx, timeouts) a few times, then fall back
 OutT = TypeVar("OutT")
+_T = TypeVar("_T")
 
 
 def schema_fingerprint(output: Any) -> str:
@@ -610,6 +612,10 @@ class Gateway:
                 if request.get("stream"):
                     await self._stream_cached(ref, cached["response"])
                 return cached
+        if request.get("cache_only") is not None:
+            # over the run's budget unless the cache had it: refused, nothing sent (an
+            # answer, not a failure: a budget's refusal is no dead letter)
+            return {CACHE_MISS_KEY: request["cache_only"]}
         scopes = await self._check_daily_budgets(ref, request)
         pinned: str | None = request.get("spec")
         built = self._resolve_spec(pinned) if pinned else self._resolve(ref)
@@ -632,13 +638,14 @@ class Gateway:
                 if request.get("stream"):
                     response = await self._streamed(ref, built, messages, settings, params)
                 else:
-                    response = await model_request(
+                    asked = model_request(
                         built,
                         messages,
                         model_settings=settings,
                         model_request_parameters=params,
                         instrument=False,
                     )
+                    response = await (_watched(ref, asked) if self._hedged_model(ref) else asked)
             except Exception as exc:
                 mapped = _classified(ref, exc)
                 if mapped is exc:
@@ -687,6 +694,13 @@ class Gateway:
         if cache_key is not None:
             await self._step_store().ai_cache_put(cache_key, json.dumps(out), ref.cache_ttl or 0.0)
         return out
+
+    def _hedged_model(self, ref: ModelRef) -> bool:
+        """Whether calls of ``ref`` may be a hedge's (its own hedge's, or another
+        model's hedge asking it): a loser must stop soon after the other answered."""
+        return ref.hedge is not None or any(
+            m.hedge is not None and m.hedge[0].name == ref.name for m in self._models.values()
+        )
 
     async def _streamed(
         self,
@@ -1153,8 +1167,15 @@ class Gateway:
             return direct
         tally = inst.spend
         estimate = _check_budget(
-            inst, tally, ref, lambda: ref.estimate(body["messages"], settings, body["params"])
+            inst,
+            tally,
+            ref,
+            lambda: ref.estimate(body["messages"], settings, body["params"]),
+            cached=bool(ref.cache_ttl),
         )
+        refusal = estimate.pop("cache_only", None)
+        if refusal is not None:
+            body = {**body, "cache_only": refusal}
         started = inst.started
         tenant = (started.data if started is not None else {}).get("tenant")
         if tenant is not None:
@@ -1180,10 +1201,12 @@ class Gateway:
                 # worker rebuilds), even if today's code words the prompt otherwise
                 inline, tip = recorded
         hold = {} if hold is None else hold
-        hold.update(tokens=estimate["tokens"], cost=Decimal(estimate["cost"] or 0), held=True)
+        step = inst.step + 1  # the step the call is about to be
+        hold.update(
+            tokens=estimate["tokens"], cost=Decimal(estimate["cost"] or 0), held=True, step=step
+        )
         tally.reserved_tokens += hold["tokens"]
         tally.reserved_cost += hold["cost"]
-        step = inst.step + 1  # the step the call is about to be
         try:
             out: dict[str, Any] = await ref.activity(ref.name, body)
         except ActivityError as exc:
@@ -1192,6 +1215,14 @@ class Gateway:
             raise daily_refusal(ref, exc) from None
         finally:
             _release(tally, hold)
+        missed = out.get(CACHE_MISS_KEY)
+        if isinstance(missed, dict):
+            # a call over the run's budget the cache did not have: refused, unsent
+            # (replay reads the refusal from the recorded result)
+            inst.record("budget_exceeded", missed)
+            raise BudgetExceeded(
+                ref.name, missed["what"], missed["limit"], missed["spent"], missed["estimate"]
+            )
         if self.message_refs:
             # the worker kept them (and the answer), so later steps may refer to them
             answer = canonical(out["response"])[0]
@@ -1271,6 +1302,36 @@ def _deployment_key(model: Model | str | Callable[[], Model], name: str) -> str:
     return key[:MAX_NAME]
 
 
+async def _watched(ref: ModelRef, asked: Coroutine[Any, Any, _T]) -> _T:
+    """A call that asks every ``STREAM_CANCEL_CHECK`` seconds (a heartbeat) whether its
+    step was cancelled, and then aborts its request: a hedge's loser running in another
+    process than the run's workflow task (this process's workers cancel theirs at once
+    when the run's cancel is committed; other processes would wait for their next
+    lease renewal)."""
+    try:
+        ctx: ActivityContext | None = activity_context()
+    except NotInActivityError:
+        ctx = None
+    if ctx is None:
+        return await asked
+    call = asyncio.ensure_future(asked)
+    try:
+        while True:
+            done, _ = await asyncio.wait({call}, timeout=STREAM_CANCEL_CHECK)
+            if done:
+                return call.result()
+            if ctx.is_cancelled:
+                call.cancel()
+                raise StepCancelled(
+                    f"model {ref.name!r}: the step was cancelled while it waited for the "
+                    "answer (its run was cancelled, or a hedge took the other answer)"
+                )
+            ctx.heartbeat()  # its answer sets ctx.is_cancelled
+    finally:
+        if not call.done():
+            call.cancel()
+
+
 def _stream_where(ref: ModelRef) -> dict[str, Any]:
     """What every streamed item of this step says of where it comes from."""
     try:
@@ -1278,16 +1339,6 @@ def _stream_where(ref: ModelRef) -> dict[str, Any]:
     except NotInActivityError:
         return {"run_id": None, "step": None, "model": ref.name, "attempt": 1}
     return {"run_id": ctx.run_id, "step": ctx.step, "model": ref.name, "attempt": ctx.attempt}
-
-
-def _budget_cost(call: Mapping[str, Any]) -> Decimal:
-    """What a recorded call counts against a cost budget: its cost, or, unpriced, the
-    cost of its estimate (``estimated_cost``; zero only when that had no price either,
-    and then no cost budget let the call through)."""
-    cost = call.get("cost")
-    if cost is None:
-        cost = call.get("estimated_cost")
-    return Decimal(str(cost)) if cost is not None else Decimal(0)
 
 
 #: models whose untrue usage this process has warned of
@@ -1389,6 +1440,8 @@ def _lookup_price(model: str, provider: str | None) -> Any:
 
 #: failures the next model in a fallback chain would meet too
 _NO_FALLBACK = frozenset({"ContentRefused", "BudgetExceeded"})
+#: the result of a cache-only call (a call over the run's budget) the cache missed
+CACHE_MISS_KEY = "tether.ai.cache_miss"
 
 
 def _packed_of(scheduled: Event) -> dict[str, Any] | None:
@@ -1504,14 +1557,21 @@ def _record_hedge(
     value = recorded.data.get("value") if recorded is not None and _is_hedge(recorded) else None
     if not isinstance(value, dict):
         value = {"asked": [r.name for r in asked], "won": won.name}
-        if still_running:  # it may have been answered, and billed, already
+        if still_running:  # it may be answered, and billed, yet
             estimate = lost.estimate(body["messages"], settings, body["params"])
-            value["abandoned"] = {"model": lost.name, **estimate}
+            value["abandoned"] = {"model": lost.name, **estimate, "step": lost_hold.get("step")}
     inst.record("model_hedge", value)
     abandoned = value.get("abandoned")
     if abandoned:
-        tally.tokens += int(abandoned.get("tokens") or 0)
-        tally.cost += Decimal(abandoned.get("cost") or 0)
+        used = (int(abandoned.get("tokens") or 0), Decimal(abandoned.get("cost") or 0))
+        step = abandoned.get("step")
+        if isinstance(step, int):
+            # its estimate counts until its step's outcome is recorded; then what it
+            # used does: its answer's usage, or nothing (Spend.settle)
+            tally.abandoned[step] = used
+        else:  # recorded before the step was: its estimate counts, as it did then
+            tally.tokens += used[0]
+            tally.cost += used[1]
 
 
 def _called_model(recorded: Event, activity: str) -> str | None:
@@ -1549,9 +1609,16 @@ def _check_budget(
     tally: _Tally,
     ref: ModelRef,
     estimated: Callable[[], dict[str, Any]],
+    *,
+    cached: bool = False,
 ) -> dict[str, Any]:
     """Refuse a call (or a batch) that would go over the run's budget, ``estimated()``
-    being what it may use (deterministically on replay: a call made then passed)."""
+    being what it may use (deterministically on replay: a call made then passed).
+
+    ``cached``: the model has an answer cache, which only the worker can consult. A
+    call that would go over is then not refused here but made cache-only (the estimate
+    returned has ``"cache_only"``: the refusal, for the worker to send back on a miss):
+    a hit costs nothing, so it needs no room."""
     budget = inst.budget()
     if budget is None:
         return {"tokens": 0, "cost": None}
@@ -1576,6 +1643,8 @@ def _check_budget(
             "spent": {"tokens": spent_tokens, "cost": str(spent_cost)},
             "estimate": {"tokens": estimate["tokens"], "cost": estimate["cost"]},
         }
+        if cached:  # the worker answers from the cache or refuses: nothing held
+            return {"tokens": 0, "cost": None, "cache_only": value}
         inst.record("budget_exceeded", value)
         raise BudgetExceeded(ref.name, over[0], over[1], value["spent"], value["estimate"])
     return estimate

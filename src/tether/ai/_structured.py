@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, cast
 
@@ -37,6 +38,8 @@ from ..workflow._instance import current_instance
 from ._errors import OutputInvalid
 from ._gateway import ModelRef, check_output_pin
 from ._prompts import version_of
+
+log = logging.getLogger("tether.ai")
 
 T = TypeVar("T")
 
@@ -128,6 +131,67 @@ def _parse(
         return None, _problems_of(exc), raw, call
 
 
+def _check_read_whole(
+    raw: str | None,
+    wrapped: bool,
+    adapter: TypeAdapter[Any],
+    value: Any,
+    asked_with: str,
+    schema_version: str,
+) -> None:
+    """A recorded answer, asked for with another schema than the output type has now
+    (a deploy changed the type under the run): replayed when the new type reads every
+    field of it (a field added with a default), with a warning; a replay divergence
+    when it drops one (a field renamed or removed), since the run would go on with
+    another value than it had (the new field's default) without a word."""
+    inst = current_instance()
+    try:
+        data = json.loads(raw) if raw is not None else None
+    except ValueError:
+        return
+    if wrapped and isinstance(data, dict):
+        data = data.get("response")
+    read = adapter.dump_python(value, mode="json", by_alias=True)
+    dropped = sorted(_dropped(data, read))
+    where = f"step {inst.step}" if inst is not None else "a step"
+    if dropped and inst is not None:
+        inst.diverge(
+            f"the answer of the ai.structured call ending at {where}, asked for with "
+            f"output schema {asked_with}",
+            f"an output type ({schema_version}, this deploy's) that drops the answer's "
+            f"field(s) {', '.join(repr(d) for d in dropped)} (renamed or removed): keep the old "
+            "field (an alias, or both fields), or branch on tether.patched() for runs in "
+            "flight",
+        )
+    if inst is not None and not inst.replaying:
+        return  # not a replay (an operator's replay outside a worker): nothing to say
+    log.warning(
+        "run %s: the ai.structured answer at %s was asked for with output schema %s and "
+        "is read with %s (it reads every field of the answer)",
+        inst.run_id if inst is not None else "-",
+        where,
+        asked_with,
+        schema_version,
+    )
+
+
+def _dropped(data: Any, read: Any, path: str = "") -> set[str]:
+    """The fields of ``data`` (an answer as sent) that ``read`` (the value the output
+    type made of it, dumped) has not: what the type ignored."""
+    out: set[str] = set()
+    if isinstance(data, dict) and isinstance(read, dict):
+        for key, item in data.items():
+            name = f"{path}.{key}" if path else str(key)
+            if key not in read:
+                out.add(name)
+            else:
+                out |= _dropped(item, read[key], name)
+    elif isinstance(data, list) and isinstance(read, list) and len(data) == len(read):
+        for i, (item, got) in enumerate(zip(data, read, strict=True)):
+            out |= _dropped(item, got, f"{path}[{i}]")
+    return out
+
+
 def _run_validator(validate: Callable[[Any], Any] | None, value: Any) -> list[str]:
     if validate is None:
         return []
@@ -199,6 +263,9 @@ async def structured(
             output_schema=schema_version,
         )
         value, problems, raw, tool_call = _parse(response, adapter, wrapped)
+        asked_with = _call.get("output_schema")
+        if not problems and asked_with and asked_with != schema_version:
+            _check_read_whole(raw, wrapped, adapter, value, asked_with, schema_version)
         if not problems:
             problems = _run_validator(validate, value)
             if not problems:

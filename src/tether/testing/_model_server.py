@@ -15,6 +15,7 @@ import collections
 import dataclasses
 import http.server
 import json
+import select
 import socket
 import threading
 import time
@@ -126,6 +127,10 @@ class ModelServer:
         )
         self._lock = threading.Lock()
         self.requests: list[Request] = []
+        #: requests whose client closed the connection while their answer was delayed
+        #: (a call cancelled, its HTTP request aborted), with when it was noticed
+        #: (time.monotonic(), within 0.05 s)
+        self.aborted: list[tuple[Request, float]] = []
         self.exhausted: list[str] = []
         self.default: Callable[[dict[str, Any]], Answer] | None = None
         #: the provider batch API (files, batches) answering from the same scripts
@@ -185,9 +190,10 @@ class ModelServer:
                 except ValueError:
                     body = {}
                 headers = {k.lower(): v for k, v in self.headers.items()}
-                answer = server._take(body, headers)
-                if answer.delay:
-                    time.sleep(answer.delay)
+                answer, request = server._take_request(body, headers)
+                if answer.delay and server._delay(self.connection, answer.delay, request):
+                    self.close_connection = True
+                    return  # the client gave up while it waited: nothing to answer
                 anthropic = path.endswith("/messages")
                 if anthropic and body.get("stream"):
                     self._json(400, _anthropic_error("streaming is not scripted here"))
@@ -283,6 +289,30 @@ class ModelServer:
         return answer.status, _completion(body, answer)
 
     def _take(self, body: dict[str, Any], headers: dict[str, str]) -> Answer:
+        return self._take_request(body, headers)[0]
+
+    def _delay(self, conn: socket.socket, seconds: float, request: Request) -> bool:
+        """Wait ``seconds`` before answering (True: the client closed the connection
+        meanwhile, noted in ``aborted``)."""
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            readable, _, _ = select.select([conn], [], [], min(0.05, left))
+            if not readable:
+                continue
+            try:
+                closed = conn.recv(1, socket.MSG_PEEK) == b""
+            except OSError:
+                closed = True
+            if closed:
+                with self._lock:
+                    self.aborted.append((request, time.monotonic()))
+                return True
+            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+        return False
+
+    def _take_request(
+        self, body: dict[str, Any], headers: dict[str, str]
+    ) -> tuple[Answer, Request]:
         model = str(body.get("model", ""))
         request = Request(model, time.monotonic(), body, headers)
         if self.on_request is not None:
@@ -291,11 +321,11 @@ class ModelServer:
             self.requests.append(request)
             script = self._scripts.get(model)
             if script:
-                return script.popleft()
+                return script.popleft(), request
             if self.default is not None and model not in self._scripts:
-                return self.default(body)
+                return self.default(body), request
             self.exhausted.append(model)
-        return error(500, f"script exhausted for model {model!r}")
+        return error(500, f"script exhausted for model {model!r}"), request
 
     def start(self) -> ModelServer:
         """Serve in a daemon thread."""

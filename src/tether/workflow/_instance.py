@@ -464,6 +464,15 @@ class WorkflowInstance:
         if ended and ev.step in self.spend.shares:
             # a child with a share of this run's budget ended: what it spent counts
             self.spend.reported[ev.step] = ev.data.get("model_spend")
+        if ev.step in self.spend.abandoned and (
+            t is EventType.ACTIVITY_COMPLETED or t is EventType.ACTIVITY_FAILED
+        ):
+            # a call the run stopped waiting for (a hedge's loser) ended: it counts
+            # against the budget, and the ledger, as what it used (once)
+            done = t is EventType.ACTIVITY_COMPLETED
+            used = self.spend.settle(ev.step, ev.data.get("result") if done else None)
+            if used is not None and not self.reused(ev.step):
+                self.tally_usage(*used)
         p = self._pending.pop(ev.step, None)
         if p is None and ev.step > self.step:
             self._early[ev.step] = ev  # not asked for yet: applied when the code asks
