@@ -29,7 +29,9 @@ async def _roundtrip(url: str) -> None:
 
         await eventually(waiting, what="waiting_on recorded")
         await app.signal(run.run_id, "go", "x", signal_id="s")
-        assert await app.signal(run.run_id, "go", "y", signal_id="s") is False  # (version 11)
+        assert (
+            await app.signal(run.run_id, "go", "x", signal_id="s") is False
+        )  # a repeat (version 11)
         assert await run.result(timeout=10) == "x"
     await app.close()
 
