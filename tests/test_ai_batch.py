@@ -8,9 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from decimal import Decimal
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,6 +25,8 @@ from helpers import eventually
 from tether import EventType, ai
 from tether._telemetry import RECORDER
 from tether.testing import ModelServer, model_reply
+
+HERE = Path(__file__).parent
 
 
 @pytest.fixture
@@ -212,3 +219,62 @@ def test_the_fake_batch_list_pages_like_openais(models: ModelServer) -> None:
     assert [b["id"] for b in page["data"]] == ["batch_5", "batch_4"] and page["has_more"]
     page = models.batches.listing(limit=2, after="batch_2")
     assert [b["id"] for b in page["data"]] == ["batch_1"] and not page["has_more"]
+
+
+async def test_a_batch_killed_between_fetch_and_record_counts_its_tokens_once_a_day(
+    tmp_path: Path, models: ModelServer
+) -> None:
+    """SIGKILL after a batch's results were downloaded but before they were recorded: the
+    retried fetch downloads them again, and the tenant's daily spend counts them once
+    (with the commit that records them, not inside the fetch)."""
+    db, marker = tmp_path / "tether.db", tmp_path / "killed"
+    sys.path.insert(0, str(HERE))
+    try:
+        import ai_crash_app
+    finally:
+        sys.path.remove(str(HERE))
+    models.batches.complete_after = 0.2
+    client = tether.App(store=f"sqlite:///{db}")
+    client._workflows["nightly_batch"] = ai_crash_app.nightly_batch
+    gw = ai.Gateway(client)
+    await gw.set_budget(tenant="acme", tokens=1_000_000)
+    run = await client.start(ai_crash_app.nightly_batch, ["a", "b", "c"], tenant="acme")
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{HERE.parent / 'src'}{os.pathsep}{HERE}",
+        "TETHER_TEST_KILL_AFTER_FETCH": str(marker),
+    }
+
+    def spawn() -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            [sys.executable, str(HERE / "ai_crash_app.py"), str(db), models.base_url],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=open(tmp_path / "err", "ab"),
+        )
+
+    first = spawn()
+    try:
+        first.wait(60)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == -signal.SIGKILL and marker.exists()
+    second = spawn()
+    try:
+        assert await run.result(timeout=60) == {k: f"answer to q {k}" for k in "abc"}
+    finally:
+        second.terminate()
+        second.wait(10)
+    history = await client.history(run.run_id)
+    (call,) = [
+        e.data["result"]["tether.ai.call"]
+        for e in history
+        if e.type is EventType.ACTIVITY_COMPLETED
+        and "tether.ai.call" in (e.data.get("result") or {})
+    ]
+    used = call["input_tokens"] + call["output_tokens"]
+    assert used > 0
+    (acme,) = [b for b in await gw.budgets() if b["scope"] == "tenant:acme"]
+    assert acme["spent_tokens"] == used  # once, not twice
+    await client.close()

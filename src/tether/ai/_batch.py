@@ -234,10 +234,17 @@ class BatchJobs:
             "batch_id": batch_id,
             "items": len(results),
         }
-        # what the batch used, to its tenant's day (and the global one), as a call's is
+        # what the batch used goes to its tenant's day (and the global one) with the
+        # commit that records this result, not here: a fetch retried after a crash (its
+        # result lost) downloads what was paid for once
         scopes, _rows = await self.gateway.daily_scopes((options or {}).get("tenant"))
-        await self.gateway.add_daily_spend(scopes, tokens_in + tokens_out, _budget_cost(call))
-        return {"results": results, "errors": errors, "unknown": unknown, CALL_KEY: call}
+        return {
+            "results": results,
+            "errors": errors,
+            "unknown": unknown,
+            "daily_scopes": list(scopes),
+            CALL_KEY: call,
+        }
 
 
 async def batch(
@@ -275,14 +282,17 @@ async def batch(
     started = inst.started
     tenant = (started.data if started is not None else {}).get("tenant")
     tally = inst.spend
-    # a random value recorded in the run makes the batches' key unique beyond this store
-    nonce = _recorded_nonce(inst) if inst.patched(BATCH_NONCE) else None
+    nonce: str | None = None
     for _round in range(resubmits + 1):
         # the whole batch is checked against the run's budget (and, on the worker, the
         # daily ones) before it is submitted, and holds its estimate until it is fetched
         estimate = _estimate(model, todo, max_tokens)
         checked = _check_budget(inst, tally, model, functools.partial(dict, estimate))
         options: dict[str, Any] = {"max_tokens": max_tokens, "window": window}
+        if _round == 0 and inst.patched(BATCH_NONCE):
+            # a random value recorded in the run makes the batches' key unique beyond
+            # this store (drawn once the budget let the first batch go)
+            nonce = _recorded_nonce(inst)
         if nonce is not None:
             options.update(nonce=nonce, since=inst.now)
         if tenant is not None:
@@ -316,7 +326,7 @@ async def batch(
             got = await jobs.fetch(model.name, bid, files, sorted(todo), {"tenant": tenant})
         finally:
             _release(tally, hold)
-        _account(inst, step, model, got[CALL_KEY], tally)
+        _account(inst, step, model, got[CALL_KEY], tally, got.get("daily_scopes"))
         results.update(got["results"])
         unknown.extend(u for u in got["unknown"] if u not in unknown)
         failed = {
@@ -355,11 +365,20 @@ def _estimate(model: ModelRef, items: Mapping[str, str], max_tokens: int | None)
     return {"tokens": tokens_in + tokens_out, "cost": cost}
 
 
-def _account(inst: Any, step: int, model: ModelRef, call: dict[str, Any], tally: _Tally) -> None:
+def _account(
+    inst: Any,
+    step: int,
+    model: ModelRef,
+    call: dict[str, Any],
+    tally: _Tally,
+    daily: list[str] | None = None,
+) -> None:
     """A fetched batch's tokens and cost: in the run's budget tally (on replay too, as a
-    call's are), and in the tenant's daily ledger and the ``tether_ai_*`` counters, as a
-    single call's are (once, when the run first meets the fetch's result: never on
-    replay, nor for a result kept from before a retry or fork)."""
+    call's are), and in the tenant's daily ledger, the daily budgets' spend of ``daily``
+    (its scopes; None: a fetch recorded before, which added them itself) and the
+    ``tether_ai_*`` counters, as a single call's are (once, when the run first meets
+    the fetch's result: never on replay, nor for a result kept from before a retry or
+    fork)."""
     inputs, outputs = int(call.get("input_tokens") or 0), int(call.get("output_tokens") or 0)
     tally.tokens += inputs + outputs
     tally.cost += _budget_cost(call)
@@ -371,6 +390,8 @@ def _account(inst: Any, step: int, model: ModelRef, call: dict[str, Any], tally:
     cost = Decimal(call["cost"]) if call.get("cost") is not None else None
     inst.count("tether_ai_calls", (*labels, "batch"), int(call.get("items") or 0))
     count_usage(inst, labels, inputs, outputs, cost)
+    if daily:
+        inst.tally_spend(tuple(daily), inputs + outputs, _budget_cost(call))
 
 
 def _register(gateway: Gateway) -> None:
