@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 from pydantic_ai import Agent, RunContext
 
@@ -14,6 +17,25 @@ from tether import ai
 DB = sys.argv[1] if len(sys.argv) > 1 else "tether.db"
 BASE_URL = sys.argv[2] if len(sys.argv) > 2 else "http://127.0.0.1:9/v1"
 EFFECTS = Path(sys.argv[3] if len(sys.argv) > 3 else "effects.txt")
+
+#: TETHER_TEST_KILL_AFTER_FETCH=<marker file>: SIGKILL once, when a batch's fetch has
+#: done its work but before its result is recorded (patched before the gateway
+#: registers its activities)
+_KILL_AFTER_FETCH = os.environ.get("TETHER_TEST_KILL_AFTER_FETCH")
+if _KILL_AFTER_FETCH:
+    from tether.ai import _batch
+
+    _real_fetch = _batch.BatchJobs._fetch
+
+    async def _fetch_then_die(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = await _real_fetch(self, *args, **kwargs)
+        marker = Path(str(_KILL_AFTER_FETCH))
+        if not marker.exists():
+            marker.write_text("killed")
+            os.kill(os.getpid(), signal.SIGKILL)
+        return out
+
+    _batch.BatchJobs._fetch = _fetch_then_die  # type: ignore[method-assign]
 
 app = tether.App(store=f"sqlite:///{DB}")
 gateway = ai.Gateway(app, retry=tether.Retry(attempts=3, initial=0.05), timeout=30)
@@ -60,6 +82,13 @@ async def ask_agent(question: str) -> str:
     """One agent run with two tool calls."""
     result = await durable_agent.run(question, deps="acme")
     return str(result.output)
+
+
+@app.workflow
+async def nightly_batch(keys: list[str]) -> dict[str, str]:
+    """One provider batch job."""
+    res = await ai.batch(model, {k: f"q {k}" for k in keys}, poll=0.2, max_poll=0.2)
+    return res.results
 
 
 async def main() -> None:

@@ -1508,6 +1508,167 @@ async def test_a_tool_that_needs_approval_waits_durably_for_a_decision(
         assert "refunded" in last_prompt
 
 
+async def test_an_edit_of_a_deferred_tool_call_not_shaped_tool_and_args_is_refused(
+    app: tether.App,
+) -> None:
+    """An edit must be ``{"tool": <the same tool>, "args": {...}}``: any other shape (args
+    without the wrapper, args None, another key, another tool) is refused by the run and
+    the review opens again, so nothing runs with arguments nobody approved; the proposal's
+    fingerprint is the one of the plain dict (recorded runs replay)."""
+    from pydantic_ai import Agent, DeferredToolRequests
+    from pydantic_ai.messages import ModelResponse, ToolCallPart
+
+    from tether.workflow._approval import fingerprint_of
+
+    refunds: list[int] = []
+    gw = ai.Gateway(app, retry=FAST)
+    scripted = ai.ScriptedModel(
+        [
+            ModelResponse(parts=[ToolCallPart("refund", {"cents": 5000}, tool_call_id="c1")]),
+            "done",
+        ]
+    )
+    agent: Agent[None, str | DeferredToolRequests] = Agent(
+        name="support", output_type=[str, DeferredToolRequests]
+    )
+
+    @agent.tool_plain(requires_approval=True)
+    def refund(cents: int) -> str:
+        refunds.append(cents)
+        return f"refunded {cents}"
+
+    support = ai.durable(agent, gw, model=gw.model("m", scripted))
+
+    @app.workflow
+    async def handle(ticket: str) -> str:
+        result = await support.run(
+            ticket, approve_tools=ai.ToolApproval(deadline=3600, approvers=["ann"], allow_edit=True)
+        )
+        return str(result.output)
+
+    bad: list[Any] = [
+        {"cents": 1},
+        {"tool": "refund", "args": None},
+        {"tool": "refund", "arguments": {"cents": 1}},
+        {"tool": "delete_account", "args": {"cents": 7}},
+    ]
+    async with app.worker(poll_interval=0.05):
+        run = await app.start(handle, "charged twice")
+
+        async def review_open() -> list[tether.Approval]:
+            return await app.approvals(run_id=run.run_id)
+
+        (review,) = await eventually(review_open, 20, "the review of the refund")
+        assert review.fingerprint == fingerprint_of({"tool": "refund", "args": {"cents": 5000}})
+        for value in bad:
+            await app.decide(
+                review.approval_id,
+                approve=True,
+                by="ann",
+                fingerprint=review.fingerprint,
+                value=value,
+            )
+            (review,) = await eventually(review_open, 20, f"the review open again after {value}")
+        assert refunds == []
+        await app.decide(
+            review.approval_id,
+            approve=True,
+            by="ann",
+            fingerprint=review.fingerprint,
+            value={"tool": "refund", "args": {"cents": 2500}},
+        )
+        assert await run.result(timeout=30) == "done"
+    assert refunds == [2500]
+    hist = await app.history(run.run_id)
+    refused = [e.data for e in hist if e.data.get("marker") == "approval_refused"]
+    assert len(refused) == len(bad)
+    assert all("the edited proposal is invalid" in r["value"]["reason"] for r in refused)
+    decided = [e.data["value"] for e in hist if e.data.get("marker") == "approval_decided"]
+    assert [d["value"] for d in decided] == [{"tool": "refund", "args": {"cents": 2500}}]
+
+
+async def test_an_older_runs_malformed_tool_edit_is_denied_live_and_replays_as_recorded(
+    app: tether.App, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run that proposed its tool call as a plain dict (before the typed proposal) and
+    gets a malformed edit now denies the call (it never runs the original arguments);
+    a history recorded by the old code, which ran the call, still replays."""
+    from pydantic_ai import Agent, DeferredToolRequests
+    from pydantic_ai.messages import ModelResponse, ToolCallPart
+
+    from tether.ai import _agent
+    from tether.testing import check_history
+    from tether.workflow._instance import WorkflowInstance
+
+    refunds: list[int] = []
+    gw = ai.Gateway(app, retry=FAST)
+    scripted = ai.ScriptedModel(
+        [
+            ModelResponse(parts=[ToolCallPart("refund", {"cents": 5000}, tool_call_id="c1")]),
+            "done",
+            ModelResponse(parts=[ToolCallPart("refund", {"cents": 5000}, tool_call_id="c1")]),
+            "done",
+        ]
+    )
+    agent: Agent[None, str | DeferredToolRequests] = Agent(
+        name="support", output_type=[str, DeferredToolRequests]
+    )
+
+    @agent.tool_plain(requires_approval=True)
+    def refund(cents: int) -> str:
+        refunds.append(cents)
+        return f"refunded {cents}"
+
+    support = ai.durable(agent, gw, model=gw.model("m", scripted))
+
+    @app.workflow
+    async def handle(ticket: str) -> str:
+        result = await support.run(
+            ticket, approve_tools=ai.ToolApproval(deadline=3600, approvers=["ann"], allow_edit=True)
+        )
+        return str(result.output)
+
+    real = WorkflowInstance.patched
+    off = {_agent.TYPED_TOOL_EDIT}
+
+    def older(self: WorkflowInstance, patch_id: str, *, deprecated: bool = False) -> bool:
+        return False if patch_id in off else real(self, patch_id, deprecated=deprecated)
+
+    monkeypatch.setattr(WorkflowInstance, "patched", older)
+
+    async def run_one(run_id: str) -> tether.Run:
+        run = await app.start(handle, "charged twice", run_id=run_id)
+
+        async def review_open() -> list[tether.Approval]:
+            return await app.approvals(run_id=run_id)
+
+        (review,) = await eventually(review_open, 20, "the review of the refund")
+        await app.decide(
+            review.approval_id,
+            approve=True,
+            by="ann",
+            fingerprint=review.fingerprint,
+            value={"tool": "delete_account", "args": {"cents": 7}},
+        )
+        return run
+
+    async with app.worker(poll_interval=0.05):
+        off.add(_agent.EDIT_FAILS_CLOSED)  # the code before the fix: the call runs
+        assert await (await run_one("old-code")).result(timeout=30) == "done"
+        assert refunds == [5000]
+        off.discard(_agent.EDIT_FAILS_CLOSED)  # an older run decided after the fix
+        assert await (await run_one("old-run")).result(timeout=30) == "done"
+        assert refunds == [5000]  # denied, not run
+    last_prompt = json.dumps([m.parts for m in scripted.requests[-1]], default=str)
+    assert "denied: the edit by ann is not a call of this tool" in last_prompt
+    (denied,) = markers(await app.history("old-run"), "tool_call_denied")
+    assert denied["tool"] == "refund" and "'delete_account'" in denied["reason"]
+    assert not markers(await app.history("old-code"), "tool_call_denied")
+    monkeypatch.setattr(WorkflowInstance, "patched", real)
+    assert check_history(app, await app.history("old-code")).ok
+    assert check_history(app, await app.history("old-run")).ok
+
+
 async def test_model_calls_tokens_cost_repairs_routes_and_429s_are_counted(
     app: tether.App, server: ModelServer
 ) -> None:

@@ -15,6 +15,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -462,3 +463,54 @@ async def test_incident_proposal_survives_sigkill_and_only_the_approved_one_runs
     decided = markers(await client.history("inc-7"), "approval_decided")
     assert decided[0]["by"] == "lead"
     await client.close()
+
+
+async def test_a_decision_after_the_deadline_is_refused_even_while_no_worker_runs(
+    app: tether.App,
+) -> None:
+    """A review fails closed at its deadline: a decision sent after it, while no worker
+    has processed the deadline's timer yet, is refused (not delivered) and the default
+    decides when a worker comes back."""
+
+    @app.workflow
+    async def late(title: str) -> str:
+        d = await tether.approval({"title": title}, approvers=["ann"], deadline=1.0)
+        return "timeout" if d.timed_out else ("approved" if d.approved else "rejected")
+
+    async with app.worker(poll_interval=0.05):
+        run = await app.start(late, "Q3", run_id="late-1")
+        review = await open_review(app, "late-1")
+    await asyncio.sleep(max(0.0, review.deadline_at - time.time()) + 0.3)
+    with pytest.raises(tether.ApprovalError, match="past its deadline"):
+        await app.decide(review.approval_id, approve=True, by="ann", fingerprint=review.fingerprint)
+    assert not [e for e in await app.history("late-1") if e.type is EventType.SIGNAL_RECEIVED]
+    async with app.worker(poll_interval=0.05):
+        assert await run.result(timeout=30) == "timeout"
+    assert (await app.get_approval(review.approval_id)).status == "expired_rejected"
+
+
+async def test_an_edit_of_a_review_that_allows_none_is_refused_at_once(app: tether.App) -> None:
+    """An edit where edits are not allowed is refused by ``decide`` (recorded, like a wrong
+    fingerprint) and never holds the review: a valid decision goes through right after."""
+
+    @app.workflow
+    async def plain(title: str) -> str:
+        d = await tether.approval({"title": title}, approvers=["ann"], deadline=HOUR)
+        return f"{d.approved} {d.value}"
+
+    async with app.worker(poll_interval=0.05):
+        run = await app.start(plain, "Q3", run_id="noedit-1")
+        review = await open_review(app, "noedit-1")
+        with pytest.raises(tether.ApprovalError, match="does not allow edits"):
+            await app.decide(
+                review.approval_id,
+                approve=True,
+                by="ann",
+                fingerprint=review.fingerprint,
+                value={"title": "Q4"},
+            )
+        assert (await app.get_approval(review.approval_id)).status == "open"
+        await app.decide(review.approval_id, approve=True, by="ann", fingerprint=review.fingerprint)
+        assert await run.result(timeout=30) == "True {'title': 'Q3'}"
+    (refused,) = markers(await app.history("noedit-1"), "approval_refused")
+    assert "does not allow edits" in refused["reason"] and not refused.get("held")

@@ -1344,12 +1344,14 @@ class App:
         by the run before it continues with it. The run records every decision it
         receives; one it refuses (another fingerprint, someone not asked, an
         invalid edit) changes nothing. A fingerprint that does not match the
-        review's, or a ``by`` not among its approvers, is delivered (so the attempt
-        is on record) and then raises ``ApprovalError``, as does a review that is no
-        longer open. A decision delivered holds the review (``deciding``) until the run
-        takes it, or refuses it (an invalid edit: the review opens again); a second
-        decision meanwhile (two operators at once) raises ``ApprovalError`` and never
-        reaches the run.
+        review's, a ``by`` not among its approvers, or an edit where edits are not
+        allowed, is delivered (so the attempt is on record) and then raises
+        ``ApprovalError``, as does a review that is no longer open or is past its
+        deadline (the deadline decides, even before a worker has processed its timer:
+        such a decision is not delivered). A decision delivered holds the review
+        (``deciding``) until the run takes it, or refuses it (an invalid edit: the
+        review opens again); a second decision meanwhile (two operators at once)
+        raises ``ApprovalError`` and never reaches the run.
         """
         if not isinstance(by, str) or not by:
             raise ConfigurationError("a decision needs by= (who decides)")
@@ -1367,6 +1369,8 @@ class App:
                 f"{by!r} is not among its approvers now ({', '.join(review.approvers)}); "
                 "the attempt is recorded and refused"
             )
+        elif approve and value is not None and not review.allow_edit:
+            problem = "this review does not allow edits; the attempt is recorded and refused"
         payload: dict[str, Any] = {
             "approval_id": approval_id,
             "fingerprint": fingerprint,
@@ -2520,6 +2524,11 @@ def _check_switch(kind: str, name: str) -> None:
 
 def _not_open(status: str, decided_by: str | None) -> str:
     """Why a review takes no decision now (its status says)."""
+    if status == "past_deadline":
+        return (
+            "it is past its deadline (the deadline decides: escalation or the default); "
+            "a decision after it is refused and not recorded"
+        )
     if status == "deciding":
         return (
             f"another decision was recorded first (by {decided_by!r}) and is on its way to "

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import AsyncIterator, Sequence
 from datetime import timedelta
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
-from pydantic import TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError, create_model
 from pydantic_ai import Agent
 from pydantic_ai.exceptions import ModelRetry
 from pydantic_ai.messages import InstructionPart, ModelMessage, ModelResponse
@@ -200,6 +201,50 @@ class _RecordedToolset(WrapperToolset[Any]):
         return out["value"] if isinstance(out, dict) else out
 
 
+#: the patch marker of a run whose deferred tool calls are proposed as a typed call
+#: (``{"tool": <that tool>, "args": {...}}``, nothing else), so an edit of another
+#: shape is refused by the review; older runs proposed a plain dict
+TYPED_TOOL_EDIT = "tether.ai.typed-tool-edit"
+#: the patch marker of an older run (plain dict proposal) that denies a tool call whose
+#: approved edit is not ``{"tool": <that tool>, "args": {...}}`` instead of running
+#: the original arguments
+EDIT_FAILS_CLOSED = "tether.ai.edit-fails-closed"
+
+
+@functools.lru_cache(maxsize=256)
+def _tool_call_type(tool: str) -> type[BaseModel]:
+    """The type of a proposed call of ``tool``: its name, exactly, and its arguments."""
+    return create_model(
+        "ToolCall",
+        __config__=ConfigDict(extra="forbid"),
+        tool=(Literal[tool], ...),  # type: ignore[arg-type]
+        args=(dict[str, Any], ...),
+    )
+
+
+def _edited_args(decision: Any, tool: str) -> tuple[dict[str, Any] | None, str | None]:
+    """The arguments an approved decision runs the tool with (None: the proposal's), or
+    why its edit is not a call of ``tool``."""
+    if not decision.edited:
+        return None, None
+    edited = decision.value
+    if isinstance(edited, BaseModel):
+        edited = edited.model_dump()
+    if not isinstance(edited, dict) or set(edited) != {"tool", "args"}:
+        return None, 'it must be {"tool": ..., "args": {...}}'
+    if edited["tool"] != tool:
+        return None, f"it names tool {edited['tool']!r}, not {tool!r}"
+    if not isinstance(edited["args"], dict):
+        return None, "its args must be an object"
+    return edited["args"], None
+
+
+def _fails_closed() -> bool:
+    """Whether this run denies a malformed edit (older histories ran the original call)."""
+    inst = current_instance()
+    return inst is not None and inst.patched(EDIT_FAILS_CLOSED)
+
+
 @dataclasses.dataclass(frozen=True)
 class ToolApproval:
     """Who approves the tool calls an agent defers, by when, and what happens then
@@ -275,7 +320,11 @@ class DurableAgent(Generic[DepsT, OutputT]):
         while isinstance(result.output, DeferredToolRequests) and result.output.approvals:
             answers: dict[str, Any] = {}
             for call in result.output.approvals:
-                proposal: dict[str, Any] = {"tool": call.tool_name, "args": call.args_as_dict()}
+                inst = current_instance()
+                typed = inst is not None and inst.patched(TYPED_TOOL_EDIT)
+                proposal: Any = {"tool": call.tool_name, "args": call.args_as_dict()}
+                if typed:  # an edit is validated as {"tool": <this tool>, "args": {...}}
+                    proposal = _tool_call_type(call.tool_name)(**proposal)
                 decision = await approval(
                     proposal,
                     deadline=approve_tools.deadline,
@@ -286,9 +335,22 @@ class DurableAgent(Generic[DepsT, OutputT]):
                     name=f"{self.name}.{call.tool_name}",
                 )
                 if decision.approved:
-                    edited: Any = decision.value if decision.edited else None
-                    args = edited.get("args") if isinstance(edited, dict) else None
-                    override = args if isinstance(args, dict) else None
+                    override, problem = _edited_args(decision, call.tool_name)
+                    if problem is not None and (typed or _fails_closed()):
+                        # fail closed: never run the original arguments for an edit; the
+                        # marker says so next to the approval_decided that approved it
+                        why = f"denied: the edit by {decision.by} is not a call of this tool"
+                        answers[call.tool_call_id] = ToolDenied(f"{why} ({problem})")
+                        if inst is not None:
+                            inst.record(
+                                "tool_call_denied",
+                                {
+                                    "approval_id": decision.approval_id,
+                                    "tool": call.tool_name,
+                                    "reason": f"{why} ({problem})",
+                                },
+                            )
+                        continue
                     answers[call.tool_call_id] = ToolApproved(override_args=override)
                 else:
                     who = decision.by or "the deadline"

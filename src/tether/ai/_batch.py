@@ -5,13 +5,16 @@ Each provider call is a recorded activity of the gateway (``<gateway>.batch.subm
 ``.poll``, ``.fetch``), so the batch id is in the run's history the moment the
 provider accepted it: a worker restarted between submit and completion polls the same
 batch, never a second one. A submit whose answer was lost (the worker died after the
-provider created the batch) finds its batch again by the step's idempotency key,
-kept in the batch's metadata. The whole batch's estimate is checked against the run's
-budget and the daily ones before each submit, as a single call's is, and what it used
-is recorded as the run's model usage (``app.usage``), counted against the run's budget
-and the daily ones, and added to the tenant's daily ledger and the ``tether_ai_*``
-counters. Works with OpenAI's batch API and servers that copy it, through the model's
-own OpenAI SDK client (SDK retries off: tether retries).
+provider created the batch) finds its batch again by its key, kept in the batch's
+metadata: the step's idempotency key and a random value recorded in the run (so two
+stores sharing a provider account never take each other's batch), reading the
+provider's list page by page back to the step's time. The whole batch's estimate is
+checked against the run's budget and the daily ones before each submit, as a single
+call's is, and what it used is recorded as the run's model usage (``app.usage``),
+counted against the run's budget and the daily ones, and added to the tenant's daily
+ledger and the ``tether_ai_*`` counters. Works with OpenAI's batch API and servers
+that copy it, through the model's own OpenAI SDK client (SDK retries off: tether
+retries).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import secrets
 from collections.abc import Mapping
 from datetime import timedelta
 from decimal import Decimal
@@ -64,6 +68,45 @@ class BatchResult:
     batches: list[str]
 
 
+#: the patch marker of a run whose batches carry a value recorded in the run in their
+#: key (``run-id:step:<uuid>``), unique across stores sharing a provider account; older
+#: runs keep ``run-id:step`` (found again by it)
+BATCH_NONCE = "tether.ai.batch-nonce"
+#: how long before the submit step was scheduled a batch of it may have been created, by
+#: the provider's clock (skew): the search for a lost batch reads no further back
+_FIND_MARGIN = 3600.0
+#: the most batches a search for a lost batch reads when the step's time is not known
+#: (a run recorded before it was)
+_FIND_MOST = 10_000
+
+
+async def _find_again(
+    client: Any, key: str, run_id: str, items: int, since: float | None
+) -> str | None:
+    """The id of the batch this submit step created before a crash lost the answer, if
+    any: read page by page (newest first) until batches older than the step; a batch
+    counts only if its metadata names this key and run, and it holds ``items`` requests."""
+    read = 0
+    async for b in client.batches.list(limit=100):
+        read += 1
+        created = getattr(b, "created_at", None)
+        if since is not None and created is not None and created < since - _FIND_MARGIN:
+            return None
+        if since is None and read > _FIND_MOST:
+            return None
+        meta = b.metadata or {}
+        if meta.get("tether_key") != key or meta.get("tether_run", run_id) != run_id:
+            continue
+        if meta.get("tether_items", str(items)) != str(items):
+            continue
+        counts = getattr(b, "request_counts", None)
+        total = getattr(counts, "total", 0) if counts is not None else 0
+        if total and total != items:
+            continue
+        return str(b.id)
+    return None
+
+
 class BatchJobs:
     """The batch activities of one gateway (registered with it, on every process)."""
 
@@ -93,12 +136,14 @@ class BatchJobs:
         self, model: str, items: dict[str, str], options: dict[str, Any]
     ) -> dict[str, Any]:
         ref, client = self._client(model)
-        key = activity_context().idempotency_key
+        ctx = activity_context()
+        key = ctx.idempotency_key
+        if options.get("nonce"):  # a value recorded in the run: unique across stores
+            key = f"{key}:{options['nonce']}"
         # in doubt: did this step create its batch before a crash lost the answer?
-        page = await client.batches.list(limit=100)
-        for b in page.data:
-            if (b.metadata or {}).get("tether_key") == key:
-                return {"batch_id": b.id, "found_again": True}
+        found = await _find_again(client, key, ctx.run_id, len(items), options.get("since"))
+        if found is not None:
+            return {"batch_id": found, "found_again": True}
         await self._check_daily(options)
         lines = []
         for cid, prompt in items.items():
@@ -118,7 +163,7 @@ class BatchJobs:
             input_file_id=upload.id,
             endpoint=_ENDPOINT,
             completion_window=options.get("window", "24h"),
-            metadata={"tether_key": key, "tether_run": activity_context().run_id},
+            metadata={"tether_key": key, "tether_run": ctx.run_id, "tether_items": str(len(items))},
         )
         return {"batch_id": batch.id, "found_again": False}
 
@@ -189,10 +234,17 @@ class BatchJobs:
             "batch_id": batch_id,
             "items": len(results),
         }
-        # what the batch used, to its tenant's day (and the global one), as a call's is
+        # what the batch used goes to its tenant's day (and the global one) with the
+        # commit that records this result, not here: a fetch retried after a crash (its
+        # result lost) downloads what was paid for once
         scopes, _rows = await self.gateway.daily_scopes((options or {}).get("tenant"))
-        await self.gateway.add_daily_spend(scopes, tokens_in + tokens_out, _budget_cost(call))
-        return {"results": results, "errors": errors, "unknown": unknown, CALL_KEY: call}
+        return {
+            "results": results,
+            "errors": errors,
+            "unknown": unknown,
+            "daily_scopes": list(scopes),
+            CALL_KEY: call,
+        }
 
 
 async def batch(
@@ -230,12 +282,19 @@ async def batch(
     started = inst.started
     tenant = (started.data if started is not None else {}).get("tenant")
     tally = inst.spend
+    nonce: str | None = None
     for _round in range(resubmits + 1):
         # the whole batch is checked against the run's budget (and, on the worker, the
         # daily ones) before it is submitted, and holds its estimate until it is fetched
         estimate = _estimate(model, todo, max_tokens)
         checked = _check_budget(inst, tally, model, functools.partial(dict, estimate))
         options: dict[str, Any] = {"max_tokens": max_tokens, "window": window}
+        if _round == 0 and inst.patched(BATCH_NONCE):
+            # a random value recorded in the run makes the batches' key unique beyond
+            # this store (drawn once the budget let the first batch go)
+            nonce = _recorded_nonce(inst)
+        if nonce is not None:
+            options.update(nonce=nonce, since=inst.now)
         if tenant is not None:
             options.update(tenant=tenant, estimate=estimate)
         hold = {"tokens": checked["tokens"], "cost": Decimal(checked["cost"] or 0), "held": True}
@@ -267,7 +326,7 @@ async def batch(
             got = await jobs.fetch(model.name, bid, files, sorted(todo), {"tenant": tenant})
         finally:
             _release(tally, hold)
-        _account(inst, step, model, got[CALL_KEY], tally)
+        _account(inst, step, model, got[CALL_KEY], tally, got.get("daily_scopes"))
         results.update(got["results"])
         unknown.extend(u for u in got["unknown"] if u not in unknown)
         failed = {
@@ -281,6 +340,20 @@ async def batch(
     return BatchResult(results=results, failed=failed, unknown=unknown, batches=ids)
 
 
+def _recorded_nonce(inst: Any) -> str:
+    """A random value for the batch's key, recorded as the marker ``batch_key`` and read
+    back on replay (``tether.uuid`` is seeded by the run id: two stores would draw the
+    same)."""
+    rec = inst.recorded_next()
+    recorded = rec.data.get("value") if rec is not None else None
+    if isinstance(recorded, dict) and isinstance(recorded.get("nonce"), str):
+        nonce = recorded["nonce"]
+    else:
+        nonce = secrets.token_hex(8)
+    inst.record("batch_key", {"nonce": nonce})
+    return str(nonce)
+
+
 def _estimate(model: ModelRef, items: Mapping[str, str], max_tokens: int | None) -> dict[str, Any]:
     """Tokens and cost a batch of ``items`` may use: each item's estimate, summed."""
     settings: Any = {"max_tokens": max_tokens} if max_tokens else None
@@ -292,11 +365,20 @@ def _estimate(model: ModelRef, items: Mapping[str, str], max_tokens: int | None)
     return {"tokens": tokens_in + tokens_out, "cost": cost}
 
 
-def _account(inst: Any, step: int, model: ModelRef, call: dict[str, Any], tally: _Tally) -> None:
+def _account(
+    inst: Any,
+    step: int,
+    model: ModelRef,
+    call: dict[str, Any],
+    tally: _Tally,
+    daily: list[str] | None = None,
+) -> None:
     """A fetched batch's tokens and cost: in the run's budget tally (on replay too, as a
-    call's are), and in the tenant's daily ledger and the ``tether_ai_*`` counters, as a
-    single call's are (once, when the run first meets the fetch's result: never on
-    replay, nor for a result kept from before a retry or fork)."""
+    call's are), and in the tenant's daily ledger, the daily budgets' spend of ``daily``
+    (its scopes; None: a fetch recorded before, which added them itself) and the
+    ``tether_ai_*`` counters, as a single call's are (once, when the run first meets
+    the fetch's result: never on replay, nor for a result kept from before a retry or
+    fork)."""
     inputs, outputs = int(call.get("input_tokens") or 0), int(call.get("output_tokens") or 0)
     tally.tokens += inputs + outputs
     tally.cost += _budget_cost(call)
@@ -308,6 +390,8 @@ def _account(inst: Any, step: int, model: ModelRef, call: dict[str, Any], tally:
     cost = Decimal(call["cost"]) if call.get("cost") is not None else None
     inst.count("tether_ai_calls", (*labels, "batch"), int(call.get("items") or 0))
     count_usage(inst, labels, inputs, outputs, cost)
+    if daily:
+        inst.tally_spend(tuple(daily), inputs + outputs, _budget_cost(call))
 
 
 def _register(gateway: Gateway) -> None:

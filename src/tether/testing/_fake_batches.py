@@ -91,11 +91,23 @@ class FakeBatches:
                 self._complete(batch)
             return _public(batch)
 
-    def listing(self) -> dict[str, Any]:
-        """``GET /v1/batches``: newest first."""
+    def listing(self, limit: int = 20, after: str | None = None) -> dict[str, Any]:
+        """``GET /v1/batches?limit=&after=``: newest first, a page at a time as OpenAI's
+        (``limit`` 1 to 100, default 20; ``after`` the last id of the previous page)."""
+        limit = max(1, min(int(limit), 100))
         with self._lock:
-            data = [_public(b) for b in reversed(list(self.batches.values()))]
-        return {"object": "list", "data": data, "has_more": False}
+            newest = list(reversed(list(self.batches.values())))
+        if after is not None:
+            ids = [b["id"] for b in newest]
+            newest = newest[ids.index(after) + 1 :] if after in ids else []
+        data = [_public(b) for b in newest[:limit]]
+        return {
+            "object": "list",
+            "data": data,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+            "has_more": len(newest) > limit,
+        }
 
     def content(self, fid: str) -> bytes | None:
         """``GET /v1/files/{id}/content``."""

@@ -19,6 +19,7 @@ import select
 import socket
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable
 from typing import Any
 
@@ -165,7 +166,10 @@ class ModelServer:
                 parts = path.split("/")
                 found: Any = None
                 if path.endswith("/batches"):
-                    found = server.batches.listing()
+                    query = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query)
+                    found = server.batches.listing(
+                        int(query.get("limit", ["20"])[0]), query.get("after", [None])[0]
+                    )
                 elif len(parts) >= 2 and parts[-2] == "batches":
                     found = server.batches.retrieve(parts[-1])
                 elif path.endswith("/content") and len(parts) >= 3:

@@ -6,7 +6,8 @@ names another proposal or fingerprint, comes from someone not asked, or edits
 when editing is not allowed is recorded as refused and changes nothing. The wait
 is durable: reminders, escalation along a chain of approvers, and at the end of
 the chain the declared default (reject, unless told otherwise). A decision
-recorded before the deadline's timer wins over it. Every step is a ``Marker``
+recorded before the deadline wins over it; ``App.decide`` refuses one after it, even
+before a worker has processed the deadline's timer. Every step is a ``Marker``
 event (``approval_requested``, ``approval_reminder``, ``approval_escalated``,
 ``approval_refused``, ``approval_decided``), which the store also keeps in its
 ``approvals`` table so open reviews can be listed and decided from outside.

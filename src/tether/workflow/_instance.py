@@ -168,6 +168,8 @@ class WorkflowInstance:
         self._counts: list[tuple[str, tuple[str, ...], float]] = []
         #: model tokens and cost met first by the task being computed (``tally_usage``)
         self._usage: tuple[int, Decimal] | None = None
+        #: daily budgets' spend met first by the task being computed (``tally_spend``)
+        self._spend: list[tuple[tuple[str, ...], int, str]] = []
         #: model spend as this run's code met it (replay included), for its budget
         self.spend = Spend()
         #: steps whose outcome was kept from before a retry or fork (not run again)
@@ -312,6 +314,7 @@ class WorkflowInstance:
         self.now = now
         self._new = []
         self._usage = None
+        self._spend = []
         through = self.through
         if incoming:
             through = incoming[-1].seq
@@ -319,6 +322,7 @@ class WorkflowInstance:
         self.through = through
         commands, self._new = self._new, []
         usage, self._usage = self._usage, None
+        spend, self._spend = self._spend, []
         return WorkflowTaskResult(
             commands=commands,
             through=through,
@@ -327,6 +331,7 @@ class WorkflowInstance:
             children=self.started_children > 0,
             waiting_on=None if self.finished else self.waiting_on(),
             usage=(usage[0], str(usage[1])) if usage is not None else None,
+            spend=spend or None,
         )
 
     def close(self) -> None:
@@ -763,6 +768,13 @@ class WorkflowInstance:
         if not self.replaying:
             before = self._usage or (0, Decimal(0))
             self._usage = (before[0] + tokens, before[1] + (cost or Decimal(0)))
+
+    def tally_spend(self, scopes: tuple[str, ...], tokens: int, cost: Decimal) -> None:
+        """Add work's tokens and cost to the daily spend of ``scopes`` (its tenant's and the
+        global daily budgets), with the commit of the task that first met it (never on
+        replay)."""
+        if not self.replaying and scopes:
+            self._spend.append((tuple(scopes), tokens, str(cost)))
 
     def take_counts(self) -> list[tuple[str, tuple[str, ...], float]]:
         """The counters noted since the last call."""

@@ -29,6 +29,10 @@ APPROVAL_MARKERS = frozenset(
 #: taken or refused by it): further decisions are refused meanwhile
 DECIDING = "deciding"
 
+#: what refuses a decision delivered after the current level's deadline (the run has
+#: not yet taken the deadline: its timer waits for a worker), never a review's status
+PAST_DEADLINE = "past_deadline"
+
 _COLS = (
     "a.approval_id, a.run_id, a.name, a.fingerprint, a.proposal, a.approvers, a.deadline_at, "
     "a.status, a.level, a.allow_edit, a.decided_by, a.decided_at, a.reason, a.reminded_at, "
@@ -96,7 +100,8 @@ def _deliver_decision(
     approver) also marks the review ``deciding`` until the run takes the decision or
     refuses it (``approval_refused`` with ``held`` reopens it), so of two decisions at
     once only the first reaches the run. None when delivered; else the review's
-    (status, decided_by) that refused it (``missing``: no such review).
+    (status, decided_by) that refused it (``missing``: no such review;
+    ``past_deadline``: the current level's deadline has passed, its timer not yet taken).
     """
     row = tx.execute(
         "SELECT run_id FROM approvals WHERE approval_id = ?", (approval_id,)
@@ -109,13 +114,17 @@ def _deliver_decision(
     run = tx.execute(
         f"SELECT status FROM runs WHERE run_id = ?{tx.for_update}", (run_id,)
     ).fetchone()
-    status, decided_by = tx.execute(
-        "SELECT status, decided_by FROM approvals WHERE approval_id = ?", (approval_id,)
+    status, decided_by, deadline_at = tx.execute(
+        "SELECT status, decided_by, deadline_at FROM approvals WHERE approval_id = ?",
+        (approval_id,),
     ).fetchone()
     if run is None or (status in ("open", DECIDING) and RunStatus(run[0]).is_terminal):
         return ("closed", None)
     if status != "open":
         return (status, decided_by)
+    if tx.now > float(deadline_at):
+        # fails closed at its deadline, even before a worker has processed its timer
+        return (PAST_DEADLINE, None)
     if hold:
         tx.execute(
             "UPDATE approvals SET status = ?, decided_by = ?, decided_at = ?, updated_at = ? "

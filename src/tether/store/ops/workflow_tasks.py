@@ -153,6 +153,8 @@ def _apply_workflow_result(
             "INSERT INTO usage_deltas (tenant, day, tokens, cost) VALUES (?, ?, ?, ?)",
             (tenant or "", _day(result.time), result.usage[0], result.usage[1]),
         )
+    for scopes, tokens, cost in result.spend or ():  # daily budgets' spend: exactly once
+        _add_spend(tx, tuple(scopes), _day(result.time), tokens, cost)
     if status == RunStatus.SUSPENDED.value:
         lease_to = None  # suspended while this task ran: dispatch nothing locally
     leased: list[Task] = []
@@ -389,6 +391,7 @@ def _fail_workflow_task(tx: _Tx, task: Task, error: str, retry_at: float) -> Non
 
 
 # operations of other concerns (imported last: see the package docstring)
+from .ai import _add_spend  # noqa: E402
 from .approvals import APPROVAL_MARKERS, _apply_approval_marker  # noqa: E402
 from .batches import _batch_cols  # noqa: E402
 from .control import _cancel  # noqa: E402
