@@ -1094,3 +1094,63 @@ async def test_two_replays_of_a_run_letter_at_once_retry_the_run_once(
     types = [e.type for e in await app.history(run.run_id)]
     assert types.count(EventType.RUN_RETRIED) == 1
     assert await app.dead_letters(run_id=run.run_id) == []
+
+
+async def test_a_step_the_code_caught_before_failing_by_itself_is_not_run_again(
+    app: tether.App, worker: tether.Worker
+) -> None:
+    """The code caught a step's failure (a charge, a child), refunded, then failed by
+    itself: the step's letter (and the child's) retried the run from that step, charging
+    (or running the child) again after the refund, and ``app.retry`` did the same. The
+    letters are refused now, as a caught failure's; ``app.retry`` reruns the code from
+    its own failure, the caught step not run again and the refund kept."""
+    ran: collections.Counter[str] = collections.Counter()
+    give_up = {"raise": True}
+
+    @app.activity(retry=fast(1))
+    def charge(x: int) -> str:
+        ran["charge"] += 1
+        raise tether.NonRetryable("in doubt")
+
+    @app.activity(retry=fast(1))
+    def refund(x: int) -> str:
+        ran["refund"] += 1
+        return "refunded"
+
+    @app.workflow
+    async def paying(x: int) -> str:
+        return await charge(x)
+
+    @app.workflow
+    async def order(x: int, child: bool) -> str:
+        try:
+            c = await (paying(x) if child else charge(x))
+        except (tether.ActivityError, tether.ChildWorkflowError):
+            await refund(x)
+            if give_up["raise"]:
+                raise ValueError("order abandoned after refund") from None
+            return "abandoned"
+        return c
+
+    for run_id, child in (("o1", False), ("o2", True)):
+        run = await app.start(order, 1, child, run_id=run_id)
+        with pytest.raises(tether.WorkflowFailedError):
+            await run.result(timeout=10)
+    letters = await app.dead_letters()
+    step_letter = next(d for d in letters if d.run_id == "o1" and d.kind == "activity")
+    child_letters = [d for d in letters if d.run_id == "o2/1"]
+    assert {d.kind for d in child_letters} == {"activity", "run"}
+    for letter in (step_letter, *child_letters):
+        with pytest.raises(tether.RecoveryError, match="caught"):
+            await app.replay_dead_letter(letter.id)
+    assert ran == {"charge": 2, "refund": 2}
+    assert (await app.get("o1")).status is RunStatus.FAILED
+    assert (await app.get("o2")).status is RunStatus.FAILED
+    assert (await app.get("o2/1")).status is RunStatus.FAILED
+    # a retry runs the code again from its own failure (fixed meanwhile)
+    give_up["raise"] = False
+    for run_id in ("o1", "o2"):
+        assert await (await app.retry(run_id)).result(timeout=10) == "abandoned"
+    assert ran == {"charge": 2, "refund": 2}  # neither charged again nor refunded twice
+    still = {d.id for d in await app.dead_letters()}
+    assert {step_letter.id, *(d.id for d in child_letters)} <= still  # the caught ones
