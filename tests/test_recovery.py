@@ -1154,3 +1154,45 @@ async def test_a_step_the_code_caught_before_failing_by_itself_is_not_run_again(
     assert ran == {"charge": 2, "refund": 2}  # neither charged again nor refunded twice
     still = {d.id for d in await app.dead_letters()}
     assert {step_letter.id, *(d.id for d in child_letters)} <= still  # the caught ones
+
+
+async def test_a_failure_re_raised_after_a_notice_is_still_the_runs(
+    app: tether.App, worker: tether.Worker
+) -> None:
+    """The code caught a child's failure, sent a notice, then raised it again: the parent
+    failed for the child, so the child's letter still retries the child (and
+    ``app.retry`` of the parent then takes its new outcome)."""
+    broken = {"on": True}
+    notices: list[str] = []
+
+    @app.activity(retry=fast(1))
+    def charge(x: int) -> str:
+        if broken["on"]:
+            raise tether.NonRetryable("down")
+        return "ch_1"
+
+    @app.activity
+    def notify(msg: str) -> None:
+        notices.append(msg)
+
+    @app.workflow
+    async def paying(x: int) -> str:
+        return await charge(x)
+
+    @app.workflow
+    async def order(x: int) -> str:
+        try:
+            return await paying(x)
+        except tether.ChildWorkflowError:
+            await notify("payment failed")
+            raise
+
+    run = await app.start(order, 1, run_id="p")
+    with pytest.raises(tether.WorkflowFailedError):
+        await run.result(timeout=10)
+    (child_letter,) = [d for d in await app.dead_letters(run_id="p/1") if d.kind == "run"]
+    broken["on"] = False
+    assert await app.replay_dead_letter(child_letter.id) is None  # the child is retried
+    assert await app.get_run("p/1").result(timeout=10) == "ch_1"
+    assert await (await app.retry("p")).result(timeout=10) == "ch_1"
+    assert notices == ["payment failed"]
