@@ -297,15 +297,12 @@ def _retry_run(tx: _Tx, run_id: str, letter_id: int | None = None) -> None:
         default=None,
     )
     last, caught = _last_failure(events)
-    failures = [last] if last is not None and not caught else []
-    # a failure the code caught, then failed by itself: the failure stands (the caught
-    # step is not run again) and what followed it is voided, so the code handles it again
-    kept_cut = last if caught else None
-    cut = (
-        failures[-1].seq
-        if failures
-        else (kept_cut.seq if kept_cut is not None else (terminal or events[-1].seq))
-    )
+    # an operator's retry of the run (app.retry, or a replay of the run's own letter)
+    # runs its last failed step again, caught or not; a step's letter only when the
+    # code did not catch that failure (it may have handled it: refunded, say)
+    whole_run = letter is None or letter[1] == "run"
+    failures = [last] if last is not None and (whole_run or not caught) else []
+    cut = failures[-1].seq if failures else (terminal or events[-1].seq)
     # the step whose letter this retry runs again (a child's letters are its own run's)
     again = (
         failures[-1].step if failures and failures[-1].type is EventType.ACTIVITY_FAILED else None
@@ -330,7 +327,7 @@ def _retry_run(tx: _Tx, run_id: str, letter_id: int | None = None) -> None:
     voided = sorted(
         e.seq
         for e in events
-        if (e.seq == cut and kept_cut is None)
+        if e.seq == cut
         or (
             e.seq > cut
             and (
@@ -520,8 +517,8 @@ def _complete_step(
             )
             raise RecoveryError(
                 f"run {run_id!r} is {status.value} and its code failed, not a step{caught}: "
-                "no step can be completed to reopen it (app.retry runs its code again from "
-                "its failure; or app.fork it)"
+                "no step can be completed to reopen it (app.retry runs its last failed step "
+                "again; or app.fork it)"
             )
         attempts = failed.data.get("attempt")
         # its letter is closed by this, not by the retry below (which marks the others)
