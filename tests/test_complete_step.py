@@ -403,3 +403,63 @@ async def test_a_suspended_run_takes_the_result_and_goes_on_only_when_resumed(
     await app.resume(run.run_id)
     assert await run.result(timeout=10) == "sent as m-1"
     assert ran == {"send": 1}
+
+
+async def test_a_failure_the_code_caught_before_failing_by_itself_is_refused(
+    app: tether.App, worker: tether.Worker
+) -> None:
+    """The code caught the charge's failure, refunded, then failed by itself: completing
+    the charge reopened the run, which then refunded AND shipped. It is refused now (the
+    run's failure is the code's, not the step's); a failure re-raised after a step (a
+    notice, then ``raise``) is still the step's, and is completed."""
+    ran: collections.Counter[str] = collections.Counter()
+
+    @app.activity(retry=fast(1))
+    def charge(x: int) -> str:
+        ran["charge"] += 1
+        raise tether.NonRetryable("in doubt")
+
+    @app.activity(retry=fast(1))
+    def refund(x: int) -> str:
+        ran["refund"] += 1
+        return "refunded"
+
+    @app.activity(retry=fast(1))
+    def ship(x: str) -> str:
+        ran["ship"] += 1
+        return "shipped " + x
+
+    @app.workflow
+    async def order(x: int) -> str:
+        try:
+            c = await charge(x)
+        except tether.ActivityError:
+            await refund(x)
+            raise ValueError("order abandoned after refund") from None
+        return await ship(c)
+
+    @app.workflow
+    async def noisy(x: int) -> str:
+        try:
+            c = await charge(x)
+        except tether.ActivityError:
+            await refund(x)  # a notice, say: the failure is then re-raised
+            raise
+        return await ship(c)
+
+    run = await app.start(order, 1, run_id="o1")
+    with pytest.raises(tether.WorkflowFailedError):
+        await run.result(timeout=10)
+    with pytest.raises(tether.RecoveryError, match="its code failed"):
+        await app.complete_step("o1", 1, "ch_1", reason="found at the provider")
+    assert (await app.get("o1")).status is RunStatus.FAILED
+    assert ran == {"charge": 1, "refund": 1}
+    (letter,) = [d for d in await app.dead_letters(run_id="o1") if d.kind == "activity"]
+    assert letter.resolved_at is None  # still open
+
+    again = await app.start(noisy, 2, run_id="o2")
+    with pytest.raises(tether.WorkflowFailedError):
+        await again.result(timeout=10)
+    await app.complete_step("o2", 1, "ch_2", reason="found at the provider")
+    assert await again.result(timeout=10) == "shipped ch_2"
+    assert ran == {"charge": 2, "refund": 2, "ship": 1}

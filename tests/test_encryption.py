@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -1210,3 +1211,75 @@ async def test_a_process_without_a_keyring_writes_no_payload_into_an_encrypted_s
         await plain.start("echo", "in the clear", run_id="p1")
         assert (await plain.get("p1")).input == '{"args":["in the clear"],"kwargs":{}}'
         plain.store.close_sync()  # type: ignore[attr-defined]
+
+
+async def test_a_reseal_during_a_replay_leaves_its_claim_so_the_replay_records_its_outcome(
+    store_url: str, tmp_path: Path
+) -> None:
+    """A reseal between a dead-letter replay's claim and its outcome sealed the claim (the
+    letter's resolution, ``replaying`` with the replay's token): the replay, matching its
+    claim as plain text, recorded nothing; the letter stayed "replaying", went stale, and
+    a second replay ran the step again. A reseal now leaves claims (live or of an earlier
+    version) as they are."""
+    from test_recovery import _set_letter
+    from tether.store.ops import recovery
+
+    keys = _keyring(tmp_path)
+    app = tether.App(store=store_url, encryption=keys)
+    broken = {"on": True}
+    gate, started = threading.Event(), threading.Event()
+    calls: list[int] = []
+
+    @app.activity(retry=tether.Retry(attempts=1, initial=0.01, jitter=0))
+    def poison(item: int) -> int:
+        calls.append(item)
+        if broken["on"]:
+            raise tether.NonRetryable("bad")
+        started.set()
+        gate.wait(20)
+        return item * 10
+
+    @app.workflow
+    async def batch(items: list[int]) -> int:
+        outs = await tether.map(poison, items)
+        return sum(1 for o in outs if not o.ok)
+
+    async with app.worker(poll_interval=0.05):
+        assert await (await app.start(batch, [7], run_id="b")).result(timeout=10) == 1
+        assert await (await app.start(batch, [8], run_id="c")).result(timeout=10) == 1
+    (item,) = await app.dead_letters(run_id="b")
+    (old,) = await app.dead_letters(run_id="c")
+    keys.rotate()  # the letters' payloads are under the old key: reseal rewrites them
+    broken["on"] = False
+    replay = asyncio.create_task(app.replay_dead_letter(item.id))
+    while not started.is_set():
+        await asyncio.sleep(0.02)
+    (claimed,) = await app.dead_letters(run_id="b", include_resolved=True)
+    assert claimed.resolution is not None and claimed.resolution["state"] == "replaying"
+    # a claim an earlier version left (never renewed): taken over once stale
+    _set_letter(store_url, old.id, '{"state": "replaying"}', time.time() - 3600)
+    resealed = await app.reseal()
+    assert resealed["dead_letters"] >= 4  # both letters' input and error
+    assert _column(store_url, f"SELECT resolution FROM dead_letters WHERE id = {item.id}")[
+        0
+    ].startswith('{"state": "replaying"')
+    gate.set()
+    assert await asyncio.wait_for(replay, 20) == 70
+    (done,) = await app.dead_letters(run_id="b", include_resolved=True)
+    assert done.resolution == {"state": "replayed", "result": 70}
+    assert done.resolved_at is not None and done.resolved_at > 0
+    monkey = recovery.CLAIM_TTL
+    recovery.CLAIM_TTL = 0.01
+    try:
+        await asyncio.sleep(0.05)
+        assert await app.dead_letters(run_id="b") == []  # closed, not stale
+        with pytest.raises(tether.RecoveryError):
+            await app.replay_dead_letter(item.id)
+        assert calls == [7, 8, 7]  # the step ran once more (the replay), not twice
+        # the earlier version's claim stayed plain: still taken over once stale
+        assert [d.id for d in await app.dead_letters(run_id="c")] == [old.id]
+    finally:
+        recovery.CLAIM_TTL = monkey
+    assert await app.replay_dead_letter(old.id) == 80
+    assert (await app.reseal())["dead_letters"] == 0  # outcomes are sealed under the new key
+    app.store.close_sync()  # type: ignore[attr-defined]

@@ -1094,3 +1094,104 @@ async def test_two_replays_of_a_run_letter_at_once_retry_the_run_once(
     types = [e.type for e in await app.history(run.run_id)]
     assert types.count(EventType.RUN_RETRIED) == 1
     assert await app.dead_letters(run_id=run.run_id) == []
+
+
+async def test_a_step_the_code_caught_before_failing_by_itself_is_not_run_again(
+    app: tether.App, worker: tether.Worker
+) -> None:
+    """The code caught a step's failure (a charge, a child), refunded, then failed by
+    itself: the step's letter (and the child's) retried the run from that step, charging
+    (or running the child) again after the refund, and ``app.retry`` did the same. The
+    letters are refused now, as a caught failure's. ``app.retry``, an operator's
+    explicit retry of the whole run, still runs its last failed step again (the
+    refund, called again with the same arguments, is reused, not repeated)."""
+    ran: collections.Counter[str] = collections.Counter()
+    give_up = {"raise": True}
+
+    @app.activity(retry=fast(1))
+    def charge(x: int) -> str:
+        ran["charge"] += 1
+        raise tether.NonRetryable("in doubt")
+
+    @app.activity(retry=fast(1))
+    def refund(x: int) -> str:
+        ran["refund"] += 1
+        return "refunded"
+
+    @app.workflow
+    async def paying(x: int) -> str:
+        return await charge(x)
+
+    @app.workflow
+    async def order(x: int, child: bool) -> str:
+        try:
+            c = await (paying(x) if child else charge(x))
+        except (tether.ActivityError, tether.ChildWorkflowError):
+            await refund(x)
+            if give_up["raise"]:
+                raise ValueError("order abandoned after refund") from None
+            return "abandoned"
+        return c
+
+    for run_id, child in (("o1", False), ("o2", True)):
+        run = await app.start(order, 1, child, run_id=run_id)
+        with pytest.raises(tether.WorkflowFailedError):
+            await run.result(timeout=10)
+    letters = await app.dead_letters()
+    step_letter = next(d for d in letters if d.run_id == "o1" and d.kind == "activity")
+    child_letters = [d for d in letters if d.run_id == "o2/1"]
+    assert {d.kind for d in child_letters} == {"activity", "run"}
+    for letter in (step_letter, *child_letters):
+        with pytest.raises(tether.RecoveryError, match="caught"):
+            await app.replay_dead_letter(letter.id)
+    assert ran == {"charge": 2, "refund": 2}
+    assert (await app.get("o1")).status is RunStatus.FAILED
+    assert (await app.get("o2")).status is RunStatus.FAILED
+    assert (await app.get("o2/1")).status is RunStatus.FAILED
+    # an operator's retry of the run runs the failed step again (fixed meanwhile)
+    give_up["raise"] = False
+    for run_id in ("o1", "o2"):
+        assert await (await app.retry(run_id)).result(timeout=10) == "abandoned"
+    assert ran == {"charge": 4, "refund": 2}  # charged again; the refund reused
+
+
+async def test_a_failure_re_raised_after_a_notice_is_still_the_runs(
+    app: tether.App, worker: tether.Worker
+) -> None:
+    """The code caught a child's failure, sent a notice, then raised it again: the parent
+    failed for the child, so the child's letter still retries the child (and
+    ``app.retry`` of the parent then takes its new outcome)."""
+    broken = {"on": True}
+    notices: list[str] = []
+
+    @app.activity(retry=fast(1))
+    def charge(x: int) -> str:
+        if broken["on"]:
+            raise tether.NonRetryable("down")
+        return "ch_1"
+
+    @app.activity
+    def notify(msg: str) -> None:
+        notices.append(msg)
+
+    @app.workflow
+    async def paying(x: int) -> str:
+        return await charge(x)
+
+    @app.workflow
+    async def order(x: int) -> str:
+        try:
+            return await paying(x)
+        except tether.ChildWorkflowError:
+            await notify("payment failed")
+            raise
+
+    run = await app.start(order, 1, run_id="p")
+    with pytest.raises(tether.WorkflowFailedError):
+        await run.result(timeout=10)
+    (child_letter,) = [d for d in await app.dead_letters(run_id="p/1") if d.kind == "run"]
+    broken["on"] = False
+    assert await app.replay_dead_letter(child_letter.id) is None  # the child is retried
+    assert await app.get_run("p/1").result(timeout=10) == "ch_1"
+    assert await (await app.retry("p")).result(timeout=10) == "ch_1"
+    assert notices == ["payment failed"]

@@ -2083,15 +2083,14 @@ class App:
         if failed is None:  # the parent ended before the child: nothing reads it either way
             return
         parent = await self._peek(parent_id)
-        last = next(
-            (
-                e
-                for e in reversed(events)
-                if e.type in (EventType.ACTIVITY_FAILED, EventType.CHILD_FAILED)
-            ),
-            None,
-        )
-        if parent.status in (RunStatus.FAILED, RunStatus.NEEDS_INTERVENTION) and last is failed:
+        voided = {
+            s for e in events if e.type is EventType.RUN_RETRIED for s in e.data.get("voided", [])
+        }
+        live = [e for e in events if e.seq not in voided and e.type is not EventType.RUN_RETRIED]
+        last = _recovery._retried_failure(live)  # None: the parent's code failed by itself
+        if parent.status in (RunStatus.FAILED, RunStatus.NEEDS_INTERVENTION) and (
+            last is not None and last.seq == failed.seq
+        ):
             return  # the parent failed for it: its retry takes the child's new outcome
         seen = any(
             e.seq > failed.seq and e.type is EventType.WORKFLOW_TASK_COMPLETED for e in events

@@ -296,8 +296,12 @@ def _retry_run(tx: _Tx, run_id: str, letter_id: int | None = None) -> None:
         (e.seq for e in events if e.type in COMMANDS and e.step is not None and e.type in _ENDINGS),
         default=None,
     )
-    failed = _retried_failure(events)
-    failures = [failed] if failed is not None else []
+    last, caught = _last_failure(events)
+    # an operator's retry of the run (app.retry, or a replay of the run's own letter)
+    # runs its last failed step again, caught or not; a step's letter only when the
+    # code did not catch that failure (it may have handled it: refunded, say)
+    whole_run = letter is None or letter[1] == "run"
+    failures = [last] if last is not None and (whole_run or not caught) else []
     cut = failures[-1].seq if failures else (terminal or events[-1].seq)
     # the step whose letter this retry runs again (a child's letters are its own run's)
     again = (
@@ -371,7 +375,15 @@ def _retry_run(tx: _Tx, run_id: str, letter_id: int | None = None) -> None:
 
 def _retried_failure(events: list[Event]) -> Event | None:
     """The failure ``_retry_run`` voids and runs again: the last step failure (an
-    activity's or a child's) before the run's ending, or None (the code itself failed)."""
+    activity's or a child's) before the run's ending, unless the code caught it and went
+    on (``_caught``); or None (the code itself failed)."""
+    failed, caught = _last_failure(events)
+    return None if caught else failed
+
+
+def _last_failure(events: list[Event]) -> tuple[Event | None, bool]:
+    """The last step failure (an activity's or a child's) before the run's ending, and
+    whether the run's code caught it and went on (``_caught``)."""
     terminal = max(
         (e.seq for e in events if e.type in COMMANDS and e.step is not None and e.type in _ENDINGS),
         default=None,
@@ -382,7 +394,63 @@ def _retried_failure(events: list[Event]) -> Event | None:
         if e.type in (EventType.ACTIVITY_FAILED, EventType.CHILD_FAILED)
         and (terminal is None or e.seq < terminal)
     ]
-    return failures[-1] if failures else None
+    if not failures:
+        return None, False
+    return failures[-1], _caught(events, failures[-1], terminal)
+
+
+#: commands recorded when a failure propagating cancels what the code was awaiting
+_CLEANUP = frozenset(
+    {
+        EventType.ACTIVITY_CANCEL_REQUESTED,
+        EventType.TIMER_CANCELLED,
+        EventType.CHILD_CANCEL_REQUESTED,
+    }
+)
+
+
+def _caught(events: list[Event], failed: Event, terminal: int | None) -> bool:
+    """Whether the run's code caught step failure ``failed`` and went on before the run's
+    ending (at seq ``terminal``): it recorded a command after it (a step, a timer, a
+    status, a marker; not the cancellations of a failure propagating), and did not end
+    by raising that failure again (an ``ActivityError`` of the step's activity, a
+    ``ChildWorkflowError`` of its child run): then the run failed by itself, and running
+    the step again would repeat what its code had handled (refunded, say)."""
+    if not any(
+        e.seq > failed.seq
+        and (terminal is None or e.seq < terminal)
+        and e.type in COMMANDS
+        and e.type not in _CLEANUP
+        for e in events
+    ):
+        return False
+    ending = next((e for e in events if e.seq == terminal), None)
+    if ending is not None and ending.type is EventType.WORKFLOW_NEEDS_INTERVENTION:
+        return False  # a saga's rollback: an undo that failed is what the run waits on
+    error = ending.data.get("error") if ending is not None else None
+    if not isinstance(error, dict):
+        return True
+    if failed.type is EventType.ACTIVITY_FAILED:
+        name = next(
+            (
+                e.data.get("name")
+                for e in events
+                if e.type is EventType.ACTIVITY_SCHEDULED and e.step == failed.step
+            ),
+            None,
+        )
+        cause = error.get("cause")
+        return not (
+            error.get("type") == "ActivityError"
+            and isinstance(cause, dict)
+            and cause.get("activity") == name
+        )
+    child = failed.data.get("child_run_id")
+    return not (
+        error.get("type") == "ChildWorkflowError"
+        and isinstance(child, str)
+        and f"child run {child!r} " in str(error.get("message") or "")
+    )
 
 
 def _complete_step(
@@ -437,14 +505,20 @@ def _complete_step(
     if status in (RunStatus.FAILED, RunStatus.NEEDS_INTERVENTION):
         failed = _retried_failure(events)
         if failed is None or failed.step != step or failed.type is not EventType.ACTIVITY_FAILED:
-            failing = (
-                f"its failed step is {failed.step}"
-                if failed is not None
-                else "its code failed, not a step"
+            if failed is not None:
+                raise RecoveryError(
+                    f"run {run_id!r} is {status.value} and its failed step is {failed.step}: "
+                    "only that step can be completed to reopen it (or app.retry / app.fork it)"
+                )
+            caught = (
+                f" (it caught step {step}'s failure ({name}) and went on)"
+                if outcome is not None and outcome.type is EventType.ACTIVITY_FAILED
+                else ""
             )
             raise RecoveryError(
-                f"run {run_id!r} is {status.value} and {failing}: only that step can be "
-                f"completed to reopen it (or app.retry / app.fork it)"
+                f"run {run_id!r} is {status.value} and its code failed, not a step{caught}: "
+                "no step can be completed to reopen it (app.retry runs its last failed step "
+                "again; or app.fork it)"
             )
         attempts = failed.data.get("attempt")
         # its letter is closed by this, not by the retry below (which marks the others)

@@ -113,6 +113,8 @@ def _stale(tx: _Tx, sealed: str, run_id: str | None) -> bool:
 def _resealed(tx: _Tx, table: str, column: str, old: str, run_id: str | None) -> str | None:
     """``old`` sealed under the current key, or None to leave it."""
     where = f"{table}.{column} of run {run_id!r}" if run_id else f"{table}.{column}"
+    if (table, column) == ("dead_letters", "resolution") and _claim(old):
+        return None
     if table == "events":
         return _resealed_event(tx, old, run_id or "", where)
     if old.startswith(MARKS):
@@ -130,6 +132,19 @@ def _resealed(tx: _Tx, table: str, column: str, old: str, run_id: str | None) ->
             return tx.seal_error(decode_text(tx.codec, sealed, where), run_id)
         return tx.seal_error(old, run_id)
     return tx.seal(old, run_id)
+
+
+def _claim(resolution: str) -> bool:
+    """Whether a letter's resolution is a replay's claim (``replaying``, live or left by
+    an earlier version): it stays plain, since the replay (and a take-over of a stale
+    one) finds its letter by the claim's text; a claim holds no payload."""
+    if resolution.startswith(MARKS):
+        return False
+    try:
+        value = json.loads(resolution)
+    except ValueError:
+        return False
+    return isinstance(value, dict) and value.get("state") == "replaying"
 
 
 def _resealed_event(tx: _Tx, old: str, run_id: str, where: str) -> str | None:
