@@ -507,3 +507,31 @@ async def test_a_child_ending_while_its_failed_parent_is_retried_reaches_the_par
         assert (await app.get("p")).status is tether.RunStatus.RUNNING
     finally:
         await app.close()
+
+
+async def test_a_fork_at_a_step_issued_with_the_next_one_runs_to_its_end(
+    app: tether.App, worker: tether.Worker
+) -> None:
+    """Forked at the first of two steps issued in one task (``gather``): the fork's
+    first task replays that step's outcome before the code asks for it again; kept, not
+    dropped (the fork waited for it for ever)."""
+    ran: list[int] = []
+
+    @app.activity
+    async def act(i: int) -> int:
+        ran.append(i)
+        await asyncio.sleep(0.02 * i)
+        return i
+
+    @app.workflow
+    async def pair() -> list[int]:
+        a = await act(1)
+        rs = await asyncio.gather(act(2), act(3))
+        return [a, *rs, await act(4)]
+
+    run = await app.start(pair, run_id="g")
+    assert await run.result(timeout=10) == [1, 2, 3, 4]
+    ran.clear()
+    fork = await app.fork("g", at_step=2)
+    assert await fork.result(timeout=10) == [1, 2, 3, 4]
+    assert sorted(ran) == [3, 4]  # the steps after the fork point, once each

@@ -26,6 +26,7 @@ import threading
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any, TypeVar, cast
@@ -1112,7 +1113,7 @@ class Gateway:
         failure: BaseException | None = None
         while pending:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for fut in done:
+            for fut in _hedge_order(current_instance(), first, second, other, done):
                 if fut.exception() is None:
                     for loser in pending:
                         loser.cancel()
@@ -1536,6 +1537,25 @@ def _pinned(inst: WorkflowInstance, gateway: str, ref: ModelRef) -> str | None:
         },
     )
     return None
+
+
+def _hedge_order(
+    inst: WorkflowInstance | None,
+    first: asyncio.Future[Any],
+    second: asyncio.Future[Any],
+    second_ref: ModelRef,
+    done: AbstractSet[asyncio.Future[Any]],
+) -> list[asyncio.Future[Any]]:
+    """The answered calls of a hedge in the order they are tried as its winner: the
+    first call's before the second's (a set's order would differ from run to run when
+    both answers arrive together), or on replay the recorded winner's first."""
+    order = [fut for fut in (first, second) if fut in done]
+    if len(order) == 2 and inst is not None:
+        recorded = inst.recorded_next()
+        value = recorded.data.get("value") if recorded is not None and _is_hedge(recorded) else None
+        if isinstance(value, dict) and value.get("won") == second_ref.name:
+            order.reverse()
+    return order
 
 
 def _record_hedge(

@@ -94,6 +94,14 @@ class InstanceClosed(BaseException):
     """Raised at durable calls of an instance being unwound; never recorded."""
 
 
+#: the outcomes that answer a pending step of each kind
+_OUTCOMES: dict[str, tuple[EventType, ...]] = {
+    "activity": (EventType.ACTIVITY_COMPLETED, EventType.ACTIVITY_FAILED),
+    "child": (EventType.CHILD_COMPLETED, EventType.CHILD_FAILED),
+    "timer": (EventType.TIMER_FIRED,),
+}
+
+
 @dataclass(slots=True)
 class _Pending:
     future: asyncio.Future[Any]
@@ -636,10 +644,22 @@ class WorkflowInstance:
         return isinstance(forked, dict) and step <= int(forked.get("at_step") or 0)
 
     def _take_early(self, step: int) -> None:
-        """Apply the outcome of ``step`` that came before the code asked for it."""
+        """Apply the outcome of ``step`` that came before the code asked for it: only to
+        a step of its own kind (an activity's result never fires a timer)."""
         early = self._early.pop(step, None)
-        if early is not None:
-            self._apply(early)
+        if early is None:
+            return
+        kind = self._pending[step].kind
+        if early.type not in _OUTCOMES.get(kind, ()):
+            self._diverged(
+                NonDeterminismError(
+                    self.run_id,
+                    step,
+                    f"{early.type.value} for step {step}",
+                    f"a {kind} at step {step}",
+                )
+            )
+        self._apply(early)
 
     def _watch_cancel(self, step: int, cancel_type: EventType, field: str, **extra: Any) -> None:
         fut = self._pending[step].future
