@@ -46,6 +46,7 @@ T = TypeVar("T")
 #: the output tool's name (pydantic-ai's own convention)
 OUTPUT_TOOL = "final_result"
 _RAW_SHOWN = 2000
+_DROPPED_SHOWN = 20  #: dropped fields looked for, at most
 
 
 class _NoDefault:
@@ -189,8 +190,11 @@ def _dropped(adapter: TypeAdapter[Any], data: Any, value: Any) -> set[str]:
     value of the answer, it ignored the field. A type whose values do not compare
     equal (no ``__eq__``, a random default) makes every field read."""
     probe = _Probe()
+    read = _refused_at(adapter, data, probe)
 
     def ignored(path: tuple[str | int, ...]) -> bool:
+        if path in read:
+            return False
         try:
             return bool(adapter.validate_python(_replaced(data, path, probe)) == value)
         except Exception:  # refused (or a validator choked on it): the field is read
@@ -199,6 +203,8 @@ def _dropped(adapter: TypeAdapter[Any], data: Any, value: Any) -> set[str]:
     out: set[str] = set()
 
     def walk(item: Any, path: tuple[str | int, ...], name: str) -> None:
+        if len(out) >= _DROPPED_SHOWN:  # enough to tell (each probe reads the whole answer)
+            return
         if isinstance(item, dict):
             for key, sub in item.items():
                 where = f"{name}.{key}" if name else str(key)
@@ -212,6 +218,31 @@ def _dropped(adapter: TypeAdapter[Any], data: Any, value: Any) -> set[str]:
 
     walk(data, (), "")
     return out
+
+
+def _refused_at(adapter: TypeAdapter[Any], data: Any, probe: Any) -> set[tuple[Any, ...]]:
+    """The paths (and their parents) at which the type refused ``data`` with every value
+    replaced by ``probe``: fields it reads, found in one validation (the others are
+    probed one by one: the answer's size squared, for a long list)."""
+
+    def marked(item: Any) -> Any:
+        if isinstance(item, dict) and item:
+            return {key: marked(sub) for key, sub in item.items()}
+        if isinstance(item, list) and item:
+            return [marked(sub) for sub in item]
+        return probe
+
+    try:
+        adapter.validate_python(marked(data))
+    except ValidationError as exc:
+        out: set[tuple[Any, ...]] = set()
+        for err in exc.errors(include_url=False):
+            loc = tuple(err.get("loc", ()))
+            out.update(loc[:i] for i in range(1, len(loc) + 1))
+        return out
+    except Exception:  # a validator choked on it: every field is probed alone
+        pass
+    return set()
 
 
 def _replaced(data: Any, path: tuple[str | int, ...], new: Any) -> Any:
