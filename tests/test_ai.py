@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pydantic import BaseModel
+from pydantic import BaseModel, Field, model_validator
 
 import tether
 from helpers import eventually, has_event
@@ -2444,3 +2445,82 @@ async def test_a_recorded_answer_the_new_output_type_reads_lossily_stops_the_rep
     added = deploy(TicketV2, "2")  # a field added with a default reads every field
     assert tether.testing.check_history(added, history).ok
     await added.close()
+
+
+class TicketHidden(BaseModel):
+    category: str
+    priority: int = Field(exclude=True)  # read, kept out of dumps
+    confidence: float = Field(serialization_alias="certainty")  # read, dumped as another name
+
+
+class TicketHiddenV2(TicketHidden):
+    team: str = "support"  # a field added with a default
+
+
+class TicketMigrated(BaseModel):
+    category: str
+    urgency: int = 0  # was ``priority``: moved by the validator below
+    confidence: float
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "priority" in data:
+            data = {k: v for k, v in data.items() if k != "priority"} | {
+                "urgency": data["priority"]
+            }
+        return data
+
+
+async def test_fields_the_new_output_type_reads_but_dumps_otherwise_replay(
+    store_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The replay check took a field missing from the new type's dump for a field the
+    type dropped: a field with ``exclude=True`` or a ``serialization_alias`` (read, but
+    dumped otherwise or not at all) stopped the replay of a safe deploy (a field added
+    with a default) with a NonDeterminismError. What the type reads is what its
+    validation depends on: those replay, with a warning only; so does an answer a
+    ``model_validator`` migrates (an old name moved to a new one)."""
+
+    def deploy(output: Any) -> tether.App:
+        app = tether.App(store=store_url)
+        gw = ai.Gateway(app, retry=FAST)
+        answer = {"category": "tech", "priority": 1, "confidence": 0.9}
+        fast = gw.model("fast", ai.ScriptedModel([answer] * 2))
+
+        @app.workflow
+        async def one(text: str) -> str:
+            first = await ai.structured(fast, text, output=output)
+            await tether.wait_event("go")
+            return first.category
+
+        return app
+
+    old = deploy(TicketHidden)
+    async with old.worker(poll_interval=0.05):
+        await old.start("one", "x", run_id="hidden")
+        while not await old.list(waiting_for="signal:go"):
+            await asyncio.sleep(0.02)
+    hidden = await old.history("hidden")
+    await old.close()
+    added = deploy(TicketHiddenV2)
+    with caplog.at_level(logging.WARNING, logger="tether.ai"):
+        report = tether.testing.check_history(added, hidden)
+    assert report.ok, report.error
+    assert "is read with" in caplog.text
+    await added.close()
+
+    old = deploy(Ticket)
+    async with old.worker(poll_interval=0.05):
+        await old.start("one", "x", run_id="plain")
+        while len(await old.list(waiting_for="signal:go")) < 2:  # and "hidden"
+            await asyncio.sleep(0.02)
+    plain = await old.history("plain")
+    await old.close()
+    renamed = deploy(TicketRenamed)  # still a divergence: ``priority`` is ignored
+    report = tether.testing.check_history(renamed, plain)
+    assert not report.ok and "'priority'" in (report.error or "")
+    await renamed.close()
+    migrated = deploy(TicketMigrated)
+    assert tether.testing.check_history(migrated, plain).ok
+    await migrated.close()

@@ -9,6 +9,7 @@ import contextlib
 import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -1158,6 +1159,82 @@ async def test_a_plain_store_with_offloaded_payloads_stays_plain_after_the_upgra
         await bare.start("echo", "in the clear", run_id=f"p{attempt}")
         assert (await bare.get(f"p{attempt}")).input == '{"args":["in the clear"],"kwargs":{}}'
         bare.store.close_sync()  # type: ignore[attr-defined]
+
+
+async def test_a_plain_store_offloading_inputs_is_written_by_a_process_that_cannot_read_its_blobs(
+    store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The upgrade to schema 12 marked every store whose latest input was offloaded to a
+    blob as maybe encrypted, plain ones too: a process without a keyring that could not
+    read the blob (its blob root elsewhere, the blob collected) was refused every write,
+    for good once the blobs were gone. A store holding a plain inline input or output was
+    written plain: it is no longer marked (one that holds nothing else is still refused,
+    below)."""
+
+    monkeypatch.delenv("TETHER_KEYRING", raising=False)
+    monkeypatch.delenv("TETHER_ENCRYPTION_KEYS", raising=False)
+    blobs = tmp_path / "blobs"
+    big = "plain words " * 400
+    app = tether.App(store=store_url, blobs=str(blobs), offload_above=1024)
+    _register(app)
+    await app.start("echo", "small", run_id="r0")  # a plain inline input
+    await app.start("echo", big, run_id="r1")  # the latest: offloaded
+    app.store.close_sync()  # type: ignore[attr-defined]
+    _forget_fingerprints(store_url)
+    elsewhere = tether.App(store=store_url, blobs=str(tmp_path / "other"), offload_above=1024)
+    _register(elsewhere)
+    await elsewhere.start("echo", "in the clear", run_id="p1")
+    assert (await elsewhere.get("p1")).input == '{"args":["in the clear"],"kwargs":{}}'
+    elsewhere.store.close_sync()  # type: ignore[attr-defined]
+
+
+async def test_a_store_whose_inputs_were_all_offloaded_and_whose_blobs_are_gone_says_the_way_out(
+    store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tether.encryption import KeyringMismatchError
+
+    monkeypatch.delenv("TETHER_KEYRING", raising=False)
+    monkeypatch.delenv("TETHER_ENCRYPTION_KEYS", raising=False)
+    blobs = tmp_path / "blobs"
+    big = "plain words " * 400
+    url = store_url
+    app = tether.App(store=url, blobs=str(blobs), offload_above=1024)
+    _register(app)
+    await app.start("echo", big, run_id="r1")  # every input offloaded, nothing inline
+    app.store.close_sync()  # type: ignore[attr-defined]
+    _forget_fingerprints(url)
+    shutil.rmtree(blobs)  # collected
+    bare = tether.App(store=url, blobs=str(blobs), offload_above=1024)
+    _register(bare)
+    with pytest.raises(KeyringMismatchError) as err:
+        await bare.start("echo", "in the clear", run_id="p1")
+    said = str(err.value)
+    assert "TETHER_BLOBS" in said and "TETHER_KEYRING" in said, said
+    clear = "DELETE FROM seal_keys WHERE key_id = '' AND fingerprint <> ''"
+    assert clear in said, said
+    bare.store.close_sync()  # type: ignore[attr-defined]
+    _execute(url, clear)  # the store is known to be plain
+    bare = tether.App(store=url, blobs=str(blobs), offload_above=1024)
+    _register(bare)
+    await bare.start("echo", "in the clear", run_id="p1")
+    bare.store.close_sync()  # type: ignore[attr-defined]
+
+
+def _execute(store_url: str, statement: str) -> None:
+    """Run one SQL statement in the store (its schema, on PostgreSQL)."""
+    if store_url.startswith("sqlite:///"):
+        import sqlite3
+
+        with sqlite3.connect(store_url[len("sqlite:///") :]) as conn:
+            conn.execute(statement)
+        return
+    import psycopg
+    from psycopg import sql
+
+    schema = store_url.rsplit("schema=", 1)[1]
+    with psycopg.connect(PG_URL, autocommit=True) as conn:
+        conn.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(schema)))
+        conn.execute(statement.encode())
 
 
 def _forget_fingerprints(store_url: str) -> None:

@@ -46,6 +46,7 @@ T = TypeVar("T")
 #: the output tool's name (pydantic-ai's own convention)
 OUTPUT_TOOL = "final_result"
 _RAW_SHOWN = 2000
+_DROPPED_SHOWN = 20  #: dropped fields looked for, at most
 
 
 class _NoDefault:
@@ -151,8 +152,7 @@ def _check_read_whole(
         return
     if wrapped and isinstance(data, dict):
         data = data.get("response")
-    read = adapter.dump_python(value, mode="json", by_alias=True)
-    dropped = sorted(_dropped(data, read))
+    dropped = sorted(_dropped(adapter, data, value))
     where = f"step {inst.step}" if inst is not None else "a step"
     if dropped and inst is not None:
         inst.diverge(
@@ -175,21 +175,88 @@ def _check_read_whole(
     )
 
 
-def _dropped(data: Any, read: Any, path: str = "") -> set[str]:
-    """The fields of ``data`` (an answer as sent) that ``read`` (the value the output
-    type made of it, dumped) has not: what the type ignored."""
+class _Probe:
+    """A value no output type makes anything of (it fails any typed field)."""
+
+    __slots__ = ()
+
+
+def _dropped(adapter: TypeAdapter[Any], data: Any, value: Any) -> set[str]:
+    """The fields of ``data`` (an answer as sent) that the output type ignored: those
+    whose value ``value`` (what the type made of ``data``) does not depend on. Decided
+    by the type's validation, not its dump (a field read but dumped under another name,
+    or not at all (``exclude=True``), is read; so is one a validator moves): each field
+    in turn is replaced by a value nothing accepts; if the type still makes the same
+    value of the answer, it ignored the field. A type whose values do not compare
+    equal (no ``__eq__``, a random default) makes every field read."""
+    probe = _Probe()
+    read = _refused_at(adapter, data, probe)
+
+    def ignored(path: tuple[str | int, ...]) -> bool:
+        if path in read:
+            return False
+        try:
+            return bool(adapter.validate_python(_replaced(data, path, probe)) == value)
+        except Exception:  # refused (or a validator choked on it): the field is read
+            return False
+
     out: set[str] = set()
-    if isinstance(data, dict) and isinstance(read, dict):
-        for key, item in data.items():
-            name = f"{path}.{key}" if path else str(key)
-            if key not in read:
-                out.add(name)
-            else:
-                out |= _dropped(item, read[key], name)
-    elif isinstance(data, list) and isinstance(read, list) and len(data) == len(read):
-        for i, (item, got) in enumerate(zip(data, read, strict=True)):
-            out |= _dropped(item, got, f"{path}[{i}]")
+
+    def walk(item: Any, path: tuple[str | int, ...], name: str) -> None:
+        if len(out) >= _DROPPED_SHOWN:  # enough to tell (each probe reads the whole answer)
+            return
+        if isinstance(item, dict):
+            for key, sub in item.items():
+                where = f"{name}.{key}" if name else str(key)
+                if ignored((*path, key)):
+                    out.add(where)
+                else:
+                    walk(sub, (*path, key), where)
+        elif isinstance(item, list):
+            for i, sub in enumerate(item):
+                walk(sub, (*path, i), f"{name}[{i}]")
+
+    walk(data, (), "")
     return out
+
+
+def _refused_at(adapter: TypeAdapter[Any], data: Any, probe: Any) -> set[tuple[Any, ...]]:
+    """The paths (and their parents) at which the type refused ``data`` with every value
+    replaced by ``probe``: fields it reads, found in one validation (the others are
+    probed one by one: the answer's size squared, for a long list)."""
+
+    def marked(item: Any) -> Any:
+        if isinstance(item, dict) and item:
+            return {key: marked(sub) for key, sub in item.items()}
+        if isinstance(item, list) and item:
+            return [marked(sub) for sub in item]
+        return probe
+
+    try:
+        adapter.validate_python(marked(data))
+    except ValidationError as exc:
+        out: set[tuple[Any, ...]] = set()
+        for err in exc.errors(include_url=False):
+            loc = tuple(err.get("loc", ()))
+            out.update(loc[:i] for i in range(1, len(loc) + 1))
+        return out
+    except Exception:  # a validator choked on it: every field is probed alone
+        pass
+    return set()
+
+
+def _replaced(data: Any, path: tuple[str | int, ...], new: Any) -> Any:
+    """``data`` with the item at ``path`` replaced by ``new`` (the containers on the way
+    copied, the rest shared)."""
+    if not path:
+        return new
+    head, rest = path[0], path[1:]
+    if isinstance(data, dict):
+        return {**data, head: _replaced(data[head], rest, new)}
+    items = list(data)
+    assert isinstance(head, int)
+    items[head] = _replaced(items[head], rest, new)
+    return items
 
 
 def _run_validator(validate: Callable[[Any], Any] | None, value: Any) -> list[str]:

@@ -44,12 +44,19 @@ ENCRYPTED_BEFORE = (
 #: sealed values: whether its blobs are sealed is for Python to read (SQL cannot), so
 #: the upgrade keeps the latest run's reference in the row of key id ``''`` (in place
 #: of a fingerprint); the first process without a keyring that writes reads that blob's
-#: head (``_Tx.encrypted``): sealed, the store is encrypted; plain, the row goes
+#: head (``_Tx.encrypted``): sealed, the store is encrypted; plain, the row goes. Not
+#: when a run holds a plain inline input or output (neither sealed nor offloaded): the
+#: store was written plain, and a process that cannot read the blob (another blob root,
+#: the blob collected) would be refused every write
 OFFLOADED_BEFORE = (
     "INSERT INTO seal_keys (key_id, fingerprint, created_at) SELECT '', input, 0 FROM runs "
     "WHERE substr(input, 1, 4) = '~b1:' AND NOT EXISTS (SELECT 1 FROM seal_keys) "
+    "AND NOT EXISTS (SELECT 1 FROM runs WHERE substr(input, 1, 4) NOT IN ('~e1:', '~b1:') "
+    "OR substr(output, 1, 4) NOT IN ('~e1:', '~b1:')) "
     "ORDER BY created_at DESC LIMIT 1"
 )
+#: what clears that row in a store known to be plain whose blob cannot be read
+CLEAR_OFFLOADED_MARK = "DELETE FROM seal_keys WHERE key_id = '' AND fingerprint <> ''"
 
 
 @dataclass
@@ -242,9 +249,12 @@ class _Tx:
                 None,
                 "this store may be encrypted (its payloads were offloaded to blobs before "
                 f"it kept key fingerprints) and the blob {reference!r} could not be read "
-                "to tell: nothing was written. Open the store's blob store (TETHER_BLOBS "
+                "to tell (this process has no blob store or another one, or the blob is "
+                "gone): nothing was written. Open the store's blob store (TETHER_BLOBS "
                 "or App(blobs=...)); if the store is encrypted, set TETHER_KEYRING (the "
-                "keyring file) or TETHER_ENCRYPTION_KEYS",
+                "keyring file) or TETHER_ENCRYPTION_KEYS; if it is known to be plain "
+                "(never sealed), clear the mark in the store's database: "
+                f"{CLEAR_OFFLOADED_MARK} (docs/data-lifecycle.md)",
             )
         return head.startswith(PREFIX)
 
