@@ -82,8 +82,19 @@ KEYRING_PAUSE = 30.0
 UNKNOWN_LOG_EVERY = 60.0
 #: how often a worker folds the run counters' appended changes (``store/_counters.py``)
 FOLD_EVERY = 10.0
+#: seconds a workflow task whose history a store blip kept from being read waits before
+#: it may be claimed again: soon, but a store that keeps failing is not asked in a loop
+STORE_BLIP_DELAY = 1.0
 #: the most tasks one worker may hold at once (a bound its claims' LIMIT can carry)
 MAX_CONCURRENCY = 100_000
+
+
+class _StoreBlip(Exception):
+    """The store failed to read a run's history (not the workflow code's failure)."""
+
+    def __init__(self, error: StoreError) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 def _sealed(task: Task) -> str | None:
@@ -816,14 +827,14 @@ class Worker:
             ):
                 events = list(task.prefetched)  # read with the lease: no round trip
             else:
-                events = await store.read_history(task.run_id, inst.through if inst else 0)
+                events = await self._read_history(task.run_id, inst.through if inst else 0)
             if inst is not None and any(
                 e.type in REPLAY_CHANGING and e.seq > inst.last_seq for e in events
             ):
                 # another worker advanced this run: our copy is stale
                 self.stats["cache_stale"] += 1
                 inst = None
-                events = await store.read_history(task.run_id, 0)
+                events = await self._read_history(task.run_id, 0)
             if inst is None:
                 self.stats["replays"] += 1
                 wf = self.app.get_workflow(task.name or "")
@@ -849,6 +860,21 @@ class Worker:
                 # the run's first workflow task: how long the run was pending
                 observe("tether_queue_wait", (task.queue, "workflow"), now - events[0].created_at)
             result = inst.advance(events, now)
+        except _StoreBlip as blip:
+            # the store's failure, not the code's: no task_error, no retry delay
+            if fresh is not None:
+                fresh.close()
+            log.warning(
+                "could not read the history of run %r, so its workflow task is given back: %s",
+                task.run_id,
+                blip.error,
+                extra={"run_id": task.run_id},
+            )
+            try:
+                await store.release([task], delay=STORE_BLIP_DELAY)
+            except StoreError:  # (LeaseLostError too) its lease runs out instead
+                pass
+            return
         except LeaseLostError:
             if fresh is not None:
                 fresh.close()
@@ -921,6 +947,14 @@ class Worker:
         self._committed(task.run_id, inst, result, began, fresh is not None)
         for t in leased:
             self._spawn(t)
+
+    async def _read_history(self, run_id: str, after: int) -> list[Event]:
+        try:
+            return await self.app.store.read_history(run_id, after)
+        except LeaseLostError:
+            raise
+        except StoreError as exc:
+            raise _StoreBlip(exc) from exc
 
     def _committed(
         self,
