@@ -3,6 +3,7 @@ the store, not for a workflow failure's retry delay or a lease to run out."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -44,3 +45,83 @@ async def test_a_store_blip_reading_a_runs_history_is_not_a_workflow_failure(
     assert w.stats["workflow_task_failures"] == 0
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
     assert LOST in caplog.text  # the whole message, for the operator
+
+
+def _two_steps(app: tether.App, ran: list[str]) -> Any:
+    @app.activity
+    def step(name: str) -> str:
+        ran.append(name)
+        return name.upper()
+
+    @app.workflow
+    async def pair() -> list[str]:
+        # two steps in flight: a result takes the ordinary path (complete_activity)
+        return list(await asyncio.gather(step("a"), step("b")))
+
+    return pair
+
+
+@pytest.mark.parametrize("landed", [False, True])
+async def test_a_completion_lost_to_a_store_blip_is_retried_not_left_to_its_lease(
+    app: tether.App,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    landed: bool,
+) -> None:
+    ran: list[str] = []
+    pair = _two_steps(app, ran)
+    real = app.store.complete_activity
+    calls: list[int] = []
+
+    async def flaky(task: Any, result: str, **kw: Any) -> Any:
+        calls.append(task.task_id)
+        if len(calls) == 1:
+            if landed:  # committed, but the answer was lost with the connection
+                await real(task, result, **kw)
+            raise tether.StoreError(LOST)
+        return await real(task, result, **kw)
+
+    monkeypatch.setattr(app.store, "complete_activity", flaky)
+    caplog.set_level(logging.WARNING, logger="tether")
+    # landed: the workflow task the lost answer leased to this worker waits its lease
+    w = app.worker(lease=2.0 if landed else 30.0, poll_interval=0.05)
+    await w.start()
+    try:
+        run = await app.start(pair, run_id="r1")
+        assert await run.result(timeout=15) == ["A", "B"]
+    finally:
+        await w.stop(grace=2.0)
+    assert sorted(ran) == ["a", "b"]  # each step ran once: its result was recorded
+    assert calls.count(calls[0]) == 2  # the lost completion was offered again
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    assert not [r for r in caplog.records if r.exc_info], caplog.text
+
+
+async def test_a_completion_the_store_keeps_refusing_gives_the_step_back_with_a_warning(
+    app: tether.App, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    ran: list[str] = []
+    pair = _two_steps(app, ran)
+    real = app.store.complete_activity
+    failed: list[int] = []
+
+    async def down(task: Any, result: str, **kw: Any) -> Any:
+        if not failed or (failed[0] == task.task_id and len(failed) < 4):
+            failed.append(task.task_id)
+            raise tether.StoreError(LOST)
+        return await real(task, result, **kw)
+
+    monkeypatch.setattr(app.store, "complete_activity", down)
+    caplog.set_level(logging.WARNING, logger="tether")
+    w = app.worker(lease=30.0, poll_interval=0.05)
+    await w.start()
+    try:
+        run = await app.start(pair, run_id="r1")
+        assert await run.result(timeout=15) == ["A", "B"]
+    finally:
+        await w.stop(grace=2.0)
+    assert len(failed) == 4 and len(set(failed)) == 1  # offered four times, then given back
+    assert len(ran) == 3  # and so its step ran again
+    assert "4 attempts" in caplog.text and LOST in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    assert not [r for r in caplog.records if r.exc_info], caplog.text

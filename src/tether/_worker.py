@@ -85,6 +85,9 @@ FOLD_EVERY = 10.0
 #: seconds a workflow task whose history a store blip kept from being read waits before
 #: it may be claimed again: soon, but a store that keeps failing is not asked in a loop
 STORE_BLIP_DELAY = 1.0
+#: seconds between the offers of an activity's result that the store failed to record
+#: (a dropped connection): the fence makes a repeated completion safe
+COMPLETE_RETRY_PAUSES = (0.2, 0.5, 1.0)
 #: the most tasks one worker may hold at once (a bound its claims' LIMIT can carry)
 MAX_CONCURRENCY = 100_000
 
@@ -1220,20 +1223,50 @@ class Worker:
         """
         if await self._complete_fast(task, result, value, inline):
             return
-        try:
-            wt = await self.app.store.complete_activity(
-                task,
-                result,
-                lease_to=None if self._stopping else self.id,
-                lease_queues=self.queues,
-                lease=self.lease,
-                read_after=self._cached_through(task.run_id),
-            )
-        except LeaseLostError:
-            self._lease_lost()
+        store = self.app.store
+        for attempt, pause in enumerate((*COMPLETE_RETRY_PAUSES, None)):
+            try:
+                wt = await store.complete_activity(
+                    task,
+                    result,
+                    lease_to=None if self._stopping else self.id,
+                    lease_queues=self.queues,
+                    lease=self.lease,
+                    read_after=self._cached_through(task.run_id),
+                )
+            except LeaseLostError:
+                if attempt:  # the fence refused a retry: most likely the first had landed
+                    log.info(
+                        "result of step %s of run %r: a retry was refused, so the "
+                        "completion lost with the store's connection had been recorded",
+                        task.step,
+                        task.run_id,
+                        extra={"run_id": task.run_id},
+                    )
+                else:
+                    self._lease_lost()
+                return
+            except StoreError as exc:
+                if pause is not None:  # a completion is fenced: offering it again is safe
+                    await asyncio.sleep(pause)
+                    continue
+                log.warning(
+                    "could not record the result of step %s of run %r (%d attempts), so "
+                    "the step is given back and runs again: %s",
+                    task.step,
+                    task.run_id,
+                    attempt + 1,
+                    exc,
+                    extra={"run_id": task.run_id},
+                )
+                try:
+                    await store.release([task])
+                except StoreError:  # (LeaseLostError too) its lease runs out instead
+                    pass
+                return
+            if wt is not None:
+                self._spawn(wt)
             return
-        if wt is not None:
-            self._spawn(wt)
 
     def _lease_lost(self, attempt: bool = True) -> None:
         """A result (or failure) this worker offered was refused: its lease had passed.
