@@ -125,3 +125,29 @@ async def test_a_completion_the_store_keeps_refusing_gives_the_step_back_with_a_
     assert "4 attempts" in caplog.text and LOST in caplog.text
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
     assert not [r for r in caplog.records if r.exc_info], caplog.text
+
+
+async def test_a_periodic_job_logs_a_store_outage_in_one_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from tether._periodic import Periodic
+
+    calls: list[int] = []
+
+    async def job() -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise tether.StoreError(LOST)
+        raise ValueError("a bug")
+
+    log = logging.getLogger("tether.test_periodic")
+    caplog.set_level(logging.WARNING, logger="tether.test_periodic")
+    p = Periodic("t", job, lambda: 0.01, log, "folding counters")
+    p.start()
+    while len(calls) < 2:
+        await asyncio.sleep(0.01)
+    await p.stop()
+    outage, bug = caplog.records[:2]
+    assert outage.getMessage() == f"folding counters failed: {LOST}"
+    assert outage.exc_info is None  # the store's message says it all: no traceback
+    assert bug.exc_info is not None  # anything else keeps its traceback
