@@ -151,3 +151,47 @@ async def test_a_periodic_job_logs_a_store_outage_in_one_line(
     assert outage.getMessage() == f"folding counters failed: {LOST}"
     assert outage.exc_info is None  # the store's message says it all: no traceback
     assert bug.exc_info is not None  # anything else keeps its traceback
+
+
+@pytest.mark.parametrize("landed", [False, True])
+async def test_a_one_commit_completion_lost_to_a_store_blip_is_offered_again(
+    app: tether.App,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    landed: bool,
+) -> None:
+    ran: list[str] = []
+
+    @app.activity
+    def step(name: str) -> str:
+        ran.append(name)
+        return name.upper()
+
+    @app.workflow
+    async def chain() -> list[str]:
+        # one step in flight at a time: results take the one-commit path
+        return [await step("a"), await step("b")]
+
+    real = app.store.complete_activity_fast  # type: ignore[attr-defined]
+    calls: list[int] = []
+
+    async def flaky(task: Any, *args: Any, **kw: Any) -> Any:
+        calls.append(task.task_id)
+        if len(calls) == 1:
+            if landed:  # committed, but the answer was lost with the connection
+                await real(task, *args, **kw)
+            raise tether.StoreError(LOST)
+        return await real(task, *args, **kw)
+
+    monkeypatch.setattr(app.store, "complete_activity_fast", flaky)
+    caplog.set_level(logging.WARNING, logger="tether")
+    # landed: the step the lost answer leased to this worker waits its lease
+    w = app.worker(lease=2.0 if landed else 30.0, poll_interval=0.05)
+    await w.start()
+    try:
+        run = await app.start(chain, run_id="r1")
+        assert await run.result(timeout=10) == ["A", "B"]  # not after a 30 s lease
+    finally:
+        await w.stop(grace=2.0)
+    assert calls and ran == ["a", "b"]  # the lost result was recorded, not run again
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text

@@ -1221,10 +1221,15 @@ class Worker:
         ``result`` is the encoded ``value`` (when the caller still has it). With
         ``inline``, the run's next activity is left in ``_follow`` for the caller to run.
         """
-        if await self._complete_fast(task, result, value, inline):
+        fast = await self._complete_fast(task, result, value, inline)
+        if fast:
             return
         store = self.app.store
-        for attempt, pause in enumerate((*COMPLETE_RETRY_PAUSES, None)):
+        pauses: tuple[float | None, ...] = (*COMPLETE_RETRY_PAUSES, None)
+        if fast is None:  # the one-commit path's commit was lost: this is a retry
+            await asyncio.sleep(COMPLETE_RETRY_PAUSES[0])
+            pauses = pauses[1:]
+        for attempt, pause in enumerate(pauses, 1 if fast is None else 0):
             try:
                 wt = await store.complete_activity(
                     task,
@@ -1285,12 +1290,14 @@ class Worker:
 
     async def _complete_fast(
         self, task: Task, result: str, value: Any = _UNSET, inline: bool = False
-    ) -> bool:
+    ) -> bool | None:
         """The one-commit path: record the result and the workflow task it unblocks together.
 
         Possible when this worker holds the run in its cache and serves its queue:
         the instance is advanced with the result first, then one transaction records
-        both. Returns False when the fast path does not apply (nothing was written).
+        both. Returns False when the fast path does not apply (nothing was written),
+        None when the store failed to say whether its commit landed (offer the result
+        again on the ordinary path: the fence refuses it if it had).
         """
         store = self.app.store
         fast_op = getattr(store, "complete_activity_fast", None)
@@ -1342,8 +1349,14 @@ class Worker:
             return True
         except StoreError as exc:
             inst.close()
-            log.warning("could not record the result of %r: %s", task.run_id, exc)
-            return True
+            log.warning(
+                "could not record the result of step %s of run %r, so it is offered again: %s",
+                task.step,
+                task.run_id,
+                exc,
+                extra={"run_id": task.run_id},
+            )
+            return None
         if not fast:
             inst.close()  # something else happened to the run: replay from the store
             if slow_task is not None:
