@@ -1243,7 +1243,8 @@ class Worker:
                 if attempt:  # the fence refused a retry: most likely the first had landed
                     log.info(
                         "result of step %s of run %r: a retry was refused, so the "
-                        "completion lost with the store's connection had been recorded",
+                        "completion lost with the store's connection had been recorded "
+                        "(or the task's lease had passed)",
                         task.step,
                         task.run_id,
                         extra={"run_id": task.run_id},
