@@ -475,6 +475,53 @@ def test_open_store_accepts_postgres_urls_and_schema(
         open_store(":memory:", schema="x")
 
 
+def _tcp_settings(store: PostgresStore) -> tuple[dict[str, str], dict[str, str]]:
+    """What one of the store's connections asked libpq for, and what the server set."""
+    conn = store._connect()
+    try:
+        client = {
+            k: v
+            for k, v in conn.info.get_parameters().items()
+            if k.startswith("keepalives") or k == "tcp_user_timeout"
+        }
+        rows = conn.execute(
+            "SELECT name, setting FROM pg_settings WHERE name LIKE 'tcp%'"
+        ).fetchall()
+        return client, dict(rows)
+    finally:
+        conn.close()
+
+
+def test_connections_detect_a_silently_cut_network_on_both_ends(
+    pg_schema: str, open_stores: list[PostgresStore]
+) -> None:
+    # a path cut without a reset: the client and the server each give up on the other
+    # (and the server rolls back its transaction, releasing its row locks) in seconds
+    client, server = _tcp_settings(_store(open_stores, pg_schema))
+    assert client == {
+        "keepalives": "1",
+        "keepalives_idle": "10",
+        "keepalives_interval": "5",
+        "keepalives_count": "3",
+        "tcp_user_timeout": "30000",
+    }
+    assert server == {
+        "tcp_keepalives_idle": "10",
+        "tcp_keepalives_interval": "5",
+        "tcp_keepalives_count": "3",
+        "tcp_user_timeout": "30000",
+    }
+    # the URL's own settings win, on both ends; what it does not set gets the defaults
+    url = with_schema(f"{PG_URL}?keepalives_idle=60&tcp_user_timeout=45000", pg_schema)
+    s = PostgresStore(url)
+    open_stores.append(s)
+    client, server = _tcp_settings(s)
+    assert client["keepalives_idle"] == "60" and client["tcp_user_timeout"] == "45000"
+    assert client["keepalives_count"] == "3"
+    assert server["tcp_keepalives_idle"] == "60" and server["tcp_user_timeout"] == "45000"
+    assert server["tcp_keepalives_count"] == "3"
+
+
 async def test_recovers_after_server_drops_connections(
     pg_schema: str, open_stores: list[PostgresStore]
 ) -> None:

@@ -8,6 +8,8 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
+from ._errors import StoreError
+
 
 class Periodic:
     """Calls ``job()`` every ``interval()`` seconds; failures are logged as ``what``."""
@@ -45,6 +47,8 @@ class Periodic:
         while True:
             try:
                 await self._job()
+            except StoreError as exc:  # an outage: its message says it all, every time
+                self._log.warning("%s failed: %s", self._what, exc)
             except Exception:
                 self._log.warning("%s failed", self._what, exc_info=True)
             await asyncio.sleep(self._interval())

@@ -82,8 +82,22 @@ KEYRING_PAUSE = 30.0
 UNKNOWN_LOG_EVERY = 60.0
 #: how often a worker folds the run counters' appended changes (``store/_counters.py``)
 FOLD_EVERY = 10.0
+#: seconds a workflow task whose history a store blip kept from being read waits before
+#: it may be claimed again: soon, but a store that keeps failing is not asked in a loop
+STORE_BLIP_DELAY = 1.0
+#: seconds between the offers of an activity's result that the store failed to record
+#: (a dropped connection): the fence makes a repeated completion safe
+COMPLETE_RETRY_PAUSES = (0.2, 0.5, 1.0)
 #: the most tasks one worker may hold at once (a bound its claims' LIMIT can carry)
 MAX_CONCURRENCY = 100_000
+
+
+class _StoreBlip(Exception):
+    """The store failed to read a run's history (not the workflow code's failure)."""
+
+    def __init__(self, error: StoreError) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 def _sealed(task: Task) -> str | None:
@@ -831,14 +845,14 @@ class Worker:
             ):
                 events = list(task.prefetched)  # read with the lease: no round trip
             else:
-                events = await store.read_history(task.run_id, inst.through if inst else 0)
+                events = await self._read_history(task.run_id, inst.through if inst else 0)
             if inst is not None and any(
                 e.type in REPLAY_CHANGING and e.seq > inst.last_seq for e in events
             ):
                 # another worker advanced this run: our copy is stale
                 self.stats["cache_stale"] += 1
                 inst = None
-                events = await store.read_history(task.run_id, 0)
+                events = await self._read_history(task.run_id, 0)
             if inst is None:
                 self.stats["replays"] += 1
                 wf = self.app.get_workflow(task.name or "")
@@ -864,6 +878,21 @@ class Worker:
                 # the run's first workflow task: how long the run was pending
                 observe("tether_queue_wait", (task.queue, "workflow"), now - events[0].created_at)
             result = inst.advance(events, now)
+        except _StoreBlip as blip:
+            # the store's failure, not the code's: no task_error, no retry delay
+            if fresh is not None:
+                fresh.close()
+            log.warning(
+                "could not read the history of run %r, so its workflow task is given back: %s",
+                task.run_id,
+                blip.error,
+                extra={"run_id": task.run_id},
+            )
+            try:
+                await store.release([task], delay=STORE_BLIP_DELAY)
+            except StoreError:  # (LeaseLostError too) its lease runs out instead
+                pass
+            return
         except LeaseLostError:
             if fresh is not None:
                 fresh.close()
@@ -936,6 +965,14 @@ class Worker:
         self._committed(task.run_id, inst, result, began, fresh is not None)
         for t in leased:
             self._spawn(t)
+
+    async def _read_history(self, run_id: str, after: int) -> list[Event]:
+        try:
+            return await self.app.store.read_history(run_id, after)
+        except LeaseLostError:
+            raise
+        except StoreError as exc:
+            raise _StoreBlip(exc) from exc
 
     def _committed(
         self,
@@ -1205,22 +1242,58 @@ class Worker:
         ``result`` is the encoded ``value`` (when the caller still has it). With
         ``inline``, the run's next activity is left in ``_follow`` for the caller to run.
         """
-        if await self._complete_fast(task, result, value, inline):
+        fast = await self._complete_fast(task, result, value, inline)
+        if fast:
             return
-        try:
-            wt = await self.app.store.complete_activity(
-                task,
-                result,
-                lease_to=None if self._stopping else self.id,
-                lease_queues=self.queues,
-                lease=self.lease,
-                read_after=self._cached_through(task.run_id),
-            )
-        except LeaseLostError:
-            self._lease_lost()
+        store = self.app.store
+        pauses: tuple[float | None, ...] = (*COMPLETE_RETRY_PAUSES, None)
+        if fast is None:  # the one-commit path's commit was lost: this is a retry
+            await asyncio.sleep(COMPLETE_RETRY_PAUSES[0])
+            pauses = pauses[1:]
+        for attempt, pause in enumerate(pauses, 1 if fast is None else 0):
+            try:
+                wt = await store.complete_activity(
+                    task,
+                    result,
+                    lease_to=None if self._stopping else self.id,
+                    lease_queues=self.queues,
+                    lease=self.lease,
+                    read_after=self._cached_through(task.run_id),
+                )
+            except LeaseLostError:
+                if attempt:  # the fence refused a retry: most likely the first had landed
+                    log.info(
+                        "result of step %s of run %r: a retry was refused, so the "
+                        "completion lost with the store's connection had been recorded "
+                        "(or the task's lease had passed)",
+                        task.step,
+                        task.run_id,
+                        extra={"run_id": task.run_id},
+                    )
+                else:
+                    self._lease_lost()
+                return
+            except StoreError as exc:
+                if pause is not None:  # a completion is fenced: offering it again is safe
+                    await asyncio.sleep(pause)
+                    continue
+                log.warning(
+                    "could not record the result of step %s of run %r (%d attempts), so "
+                    "the step is given back and runs again: %s",
+                    task.step,
+                    task.run_id,
+                    attempt + 1,
+                    exc,
+                    extra={"run_id": task.run_id},
+                )
+                try:
+                    await store.release([task])
+                except StoreError:  # (LeaseLostError too) its lease runs out instead
+                    pass
+                return
+            if wt is not None:
+                self._spawn(wt)
             return
-        if wt is not None:
-            self._spawn(wt)
 
     def _lease_lost(self, attempt: bool = True) -> None:
         """A result (or failure) this worker offered was refused: its lease had passed.
@@ -1239,12 +1312,14 @@ class Worker:
 
     async def _complete_fast(
         self, task: Task, result: str, value: Any = _UNSET, inline: bool = False
-    ) -> bool:
+    ) -> bool | None:
         """The one-commit path: record the result and the workflow task it unblocks together.
 
         Possible when this worker holds the run in its cache and serves its queue:
         the instance is advanced with the result first, then one transaction records
-        both. Returns False when the fast path does not apply (nothing was written).
+        both. Returns False when the fast path does not apply (nothing was written),
+        None when the store failed to say whether its commit landed (offer the result
+        again on the ordinary path: the fence refuses it if it had).
         """
         store = self.app.store
         fast_op = getattr(store, "complete_activity_fast", None)
@@ -1296,8 +1371,14 @@ class Worker:
             return True
         except StoreError as exc:
             inst.close()
-            log.warning("could not record the result of %r: %s", task.run_id, exc)
-            return True
+            log.warning(
+                "could not record the result of step %s of run %r, so it is offered again: %s",
+                task.step,
+                task.run_id,
+                exc,
+                extra={"run_id": task.run_id},
+            )
+            return None
         if not fast:
             inst.close()  # something else happened to the run: replay from the store
             if slow_task is not None:

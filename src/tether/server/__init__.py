@@ -402,8 +402,12 @@ def create_api(
         try:
             await asyncio.wait_for(app.store.get_run("-readyz-"), 5)
         except Exception as exc:  # any failure to answer is "not ready"
+            # the store's message names its URL: the log gets it, not an anonymous caller
+            _problems.log.warning("not ready: the store did not answer: %s", exc)
             return _problems.problem(
-                503, "Store not ready", f"the store did not answer: {type(exc).__name__}: {exc}"
+                503,
+                "Store not ready",
+                f"the store did not answer ({type(exc).__name__}): see the service's log",
             )
         return JSONResponse({"status": "ready", "workers": len(running)})
 

@@ -6,6 +6,7 @@ status that fits it; nothing answers with a stack trace.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -19,6 +20,7 @@ from .._errors import (
     ApprovalNotFoundError,
     ConfigurationError,
     DeadLetterNotFoundError,
+    LeaseLostError,
     PayloadError,
     QueryError,
     RunFinishedError,
@@ -27,6 +29,7 @@ from .._errors import (
     RunPurgedError,
     ScheduleNotFoundError,
     SignalIdConflictError,
+    StoreError,
     SwitchedOffError,
     TetherError,
     UnknownActivityError,
@@ -40,6 +43,8 @@ from ..store.ops.recovery import RecoveryError
 from ._auth import AuthError
 
 PROBLEM = "application/problem+json"
+
+log = logging.getLogger("tether.server")
 
 #: tether's errors, most specific first: (type, HTTP status, title)
 _MAP: list[tuple[type[BaseException], int, str]] = [
@@ -75,6 +80,10 @@ _MAP: list[tuple[type[BaseException], int, str]] = [
 #: seconds a start refused at a tenant's admission limit is told to wait (Retry-After)
 ADMISSION_RETRY_AFTER = 5
 
+#: seconds a request the store could not answer (an outage, a lost connection) is told
+#: to wait before trying again (Retry-After)
+STORE_RETRY_AFTER = 2
+
 _HTTP_TITLES = {
     404: "Not found",
     405: "Method not allowed",
@@ -97,7 +106,20 @@ def problem(status: int, title: str, detail: str, **extra: Any) -> JSONResponse:
 def install(api: FastAPI) -> None:
     """Answer tether's errors and request validation errors with problem documents."""
 
-    async def on_tether(_request: Request, exc: Exception) -> JSONResponse:
+    async def on_tether(request: Request, exc: Exception) -> JSONResponse:
+        if isinstance(exc, StoreError) and not isinstance(exc, LeaseLostError):
+            # the store's message names its URL (host, port, user, database): the
+            # operator's log gets it, the client a retryable 503 without it
+            log.warning("store unavailable (%s %s): %s", request.method, request.url.path, exc)
+            response = problem(
+                503,
+                "Store unavailable",
+                "the service could not reach its store, so the request may or may not "
+                "have taken effect: try again shortly (a start repeated with the same "
+                "run_id or idempotency key is safe)",
+            )
+            response.headers["Retry-After"] = str(STORE_RETRY_AFTER)
+            return response
         for kind, status, title in _MAP:
             if isinstance(exc, kind):
                 response = problem(status, title, str(exc))

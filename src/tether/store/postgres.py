@@ -157,6 +157,25 @@ _MAX_SOLO_ATTEMPTS = 100
 _MAX_OP_ATTEMPTS = 3  #: re-runs of one operation after a unique violation (racing insert)
 _STOP = object()
 
+#: libpq's TCP settings for every store connection, unless the URL sets its own: a
+#: network path cut without a reset (a firewall dropping state, a host gone) fails the
+#: connection within about 30 s instead of hanging a worker or a request for ever
+_TCP_DEFAULTS = {
+    "keepalives": "1",
+    "keepalives_idle": "10",
+    "keepalives_interval": "5",
+    "keepalives_count": "3",
+    "tcp_user_timeout": "30000",  # ms that sent data may stay unacknowledged
+}
+#: the server's twins of those settings (set per session): the server drops a dead
+#: client's backend as soon, rolling back its transaction and releasing its row locks
+_SERVER_TCP = {
+    "tcp_keepalives_idle": "keepalives_idle",
+    "tcp_keepalives_interval": "keepalives_interval",
+    "tcp_keepalives_count": "keepalives_count",
+    "tcp_user_timeout": "tcp_user_timeout",
+}
+
 
 class PostgresStore(OpsStore):
     """PostgreSQL store for many worker processes sharing one database.
@@ -197,6 +216,7 @@ class PostgresStore(OpsStore):
         self.server_clock = ServerClock()
         self.clock: Callable[[], float] = self.server_clock
         self._conninfo = conninfo
+        self._tcp, self._setup = _tcp_settings(conninfo, schema)
         self._connect_timeout = connect_timeout
         self._max_batch = max_batch
         self._listeners: list[Listener] = []
@@ -255,12 +275,13 @@ class PostgresStore(OpsStore):
                 autocommit=True,
                 connect_timeout=max(1, round(self._connect_timeout)),
                 application_name=f"tether:{self.schema}"[:63] if self.schema else "tether",
+                **self._tcp,
             )
         except psycopg.Error as exc:
             raise StoreError(_cannot_connect(self._conninfo, exc)) from exc
         try:
-            if self.schema is not None:
-                conn.execute(sql.SQL("SET search_path TO {}").format(sql.Identifier(self.schema)))
+            if self._setup is not None:  # one round trip (the simple query protocol)
+                conn.execute(self._setup)
         except psycopg.Error as exc:
             conn.close()
             raise StoreError(f"PostgreSQL store {self.url}: {_first_line(exc)}") from exc
@@ -908,6 +929,30 @@ def _channel(base: str, schema: str | None) -> str:
     if len(name.encode()) <= 63:
         return name
     return f"{base}:{hashlib.blake2b(schema.encode(), digest_size=16).hexdigest()}"
+
+
+def _tcp_settings(conninfo: str, schema: str | None) -> tuple[dict[str, Any], sql.Composed | None]:
+    """The TCP settings libpq is to add to ``conninfo`` (those it does not set), and
+    the statements that set up each new session: its search path, and the server's
+    side of the same TCP settings (unless ``options`` sets them with ``-c``)."""
+    try:
+        given = {k: str(v) for k, v in psycopg.conninfo.conninfo_to_dict(conninfo).items()}
+    except psycopg.Error:  # connecting fails and says why
+        given = {}
+    client: dict[str, Any] = {k: v for k, v in _TCP_DEFAULTS.items() if k not in given}
+    wanted = {**_TCP_DEFAULTS, **{k: given[k] for k in _TCP_DEFAULTS if k in given}}
+    statements = []
+    if schema is not None:
+        statements.append(sql.SQL("SET search_path TO {}").format(sql.Identifier(schema)))
+    for guc, param in _SERVER_TCP.items():
+        if guc in given.get("options", "") or (
+            param.startswith("keepalives") and wanted["keepalives"] == "0"
+        ):
+            continue  # the URL's own choice
+        statements.append(
+            sql.SQL("SET {} = {}").format(sql.Identifier(guc), sql.Literal(wanted[param]))
+        )
+    return client, sql.SQL("; ").join(statements) if statements else None
 
 
 def _split_url(url: str) -> tuple[str, str | None]:
