@@ -206,6 +206,59 @@ async def test_a_cancelled_race_loser_is_no_dead_letter(app: tether.App) -> None
     assert await app.dead_letters() == []
 
 
+async def test_a_worker_id_whose_postgres_session_ended_is_held_again(
+    pg_schema: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The id's advisory lock lives in one database session: ended while the worker
+    lives (``pg_terminate_backend``, a dropped connection), nothing held the id any
+    more and a second process under it was admitted, taking the live worker's tasks
+    over. The worker now takes the lock again on a new session within seconds; if
+    another process got it first, this one claims nothing more."""
+    import psycopg
+
+    import tether._worker as worker_module
+    from conftest import PG_URL, with_schema
+
+    monkeypatch.setattr(worker_module, "ID_CHECK_EVERY", 0.1)
+    url = with_schema(PG_URL, pg_schema)
+    first, second = tether.App(store=url), tether.App(store=url)
+
+    def end_session(app: tether.App) -> int:
+        pid = int(app.store._id_holds["ingest-1"][0].info.backend_pid)  # type: ignore[attr-defined]
+        with psycopg.connect(PG_URL, autocommit=True) as admin:
+            admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        return pid
+
+    try:
+        a = first.worker(worker_id="ingest-1", poll_interval=0.05)
+        await a.start()
+        ended = end_session(first)
+
+        async def held_again() -> bool:
+            conn = first.store._id_holds["ingest-1"][0]  # type: ignore[attr-defined]
+            return not conn.closed and conn.info.backend_pid != ended
+
+        await eventually(held_again, what="the id held again on a new session")
+        b = second.worker(worker_id="ingest-1")
+        with pytest.raises(tether.ConfigurationError, match="in use by a live worker"):
+            await b.start()
+        assert a._claims_paused_until == 0.0
+
+        # the session ends and another process takes the id before the worker looks
+        monkeypatch.setattr(worker_module, "ID_CHECK_EVERY", 3600.0)
+        await asyncio.sleep(0.3)  # the watch is now asleep for an hour
+        end_session(first)
+        await asyncio.sleep(0.3)  # the server lets the lock go with the session
+        await b.start()
+        await a._check_id()
+        assert a._claims_paused_until == float("inf")  # it claims nothing more
+        await b.stop()
+    finally:
+        await a.kill()
+        await first.close()
+        await second.close()
+
+
 async def _has_failed_step(app: tether.App, run_id: str) -> bool:
     return tether.EventType.ACTIVITY_FAILED in [e.type for e in await app.history(run_id)]
 

@@ -78,6 +78,8 @@ UNKNOWN_HOLD = 10.0
 #: seconds a worker whose keyring does not match the store's stops claiming after a
 #: task it could not record (KeyringMismatchError): its tasks go at once to other workers
 KEYRING_PAUSE = 30.0
+#: seconds between checks that a stable worker id is still held by this process
+ID_CHECK_EVERY = 2.0
 #: a worker logs an activity it does not register at most once per this many seconds
 UNKNOWN_LOG_EVERY = 60.0
 #: how often a worker folds the run counters' appended changes (``store/_counters.py``)
@@ -187,6 +189,7 @@ class Worker:
         self.retention_every = retention_every
         self._retention: Periodic | None = None
         self._folding: Periodic | None = None
+        self._id_watch: Periodic | None = None  #: keeps the stable id held
         self._threads = threads or min(32, concurrency)
         #: items of running batches beyond the first of each: a batch takes one slot
         self._batch_extra = 0
@@ -271,6 +274,30 @@ class Worker:
             "folding the run counters",
         )
         self._folding.start()
+        if self._stable_id:
+            self._id_watch = Periodic(
+                f"tether-id-{self.id}",
+                self._check_id,
+                lambda: ID_CHECK_EVERY,
+                log,
+                "checking the hold on the worker id",
+            )
+            self._id_watch.start()
+
+    async def _check_id(self) -> None:
+        """Keep the stable id held (a database session holding it can end while this
+        process lives); if another process took it meanwhile, claim nothing more: that
+        process took this one's tasks over, and two would run them twice."""
+        if await asyncio.to_thread(self.app.store.check_worker_id, self.id):
+            return
+        if self._claims_paused_until != math.inf:
+            self._claims_paused_until = math.inf
+            log.error(
+                "worker %s: another process holds this worker id now (this process's hold "
+                "on it ended with its database session), so this worker claims nothing "
+                "more; stop it: the other process took its tasks over",
+                self.id,
+            )
 
     async def run(self) -> None:
         """Serve until ``stop()`` is called (or the task is cancelled)."""
@@ -365,10 +392,10 @@ class Worker:
         if self._switcher is not None:
             self._switcher.cancel()
             self._switcher = None
-        for periodic in (self._retention, self._folding):
+        for periodic in (self._retention, self._folding, self._id_watch):
             if periodic is not None:
                 await periodic.stop()
-        self._retention = self._folding = None
+        self._retention = self._folding = self._id_watch = None
         self.app.store.remove_listener(self._on_commit)
         while self._cache:
             _, inst = self._cache.popitem()
@@ -456,10 +483,10 @@ class Worker:
         for t in (*tasks, self._main):
             t.cancel()
         await asyncio.gather(*tasks, self._main, return_exceptions=True)
-        for periodic in (self._retention, self._folding):
+        for periodic in (self._retention, self._folding, self._id_watch):
             if periodic is not None:
                 await periodic.stop()
-        self._retention = self._folding = None
+        self._retention = self._folding = self._id_watch = None
         self._inflight.clear()
         self._unstarted = []
         self.app.store.remove_listener(self._on_commit)
@@ -516,7 +543,7 @@ class Worker:
             paused = self._claims_paused_until - time.monotonic()
             if paused > 0:  # a keyring that cannot record: leave the queue to others
                 try:
-                    await asyncio.wait_for(self._wake.wait(), paused)
+                    await asyncio.wait_for(self._wake.wait(), min(paused, 60.0))
                 except TimeoutError:
                     pass
                 continue

@@ -247,6 +247,12 @@ class Store(abc.ABC):
         """
         return _no_release
 
+    def check_worker_id(self, worker_id: str) -> bool:
+        """Whether this process still holds ``worker_id`` (taken again if its hold
+        ended while the process lives, as a database session can); False: another
+        process holds it now. Called by the worker every few seconds, in a thread."""
+        return True
+
     @abc.abstractmethod
     async def list_approvals(
         self,

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import hashlib
 import json
@@ -220,6 +221,8 @@ class PostgresStore(OpsStore):
         self._connect_timeout = connect_timeout
         self._max_batch = max_batch
         self._listeners: list[Listener] = []
+        #: worker id -> [the connection holding its advisory lock, the lock's key]
+        self._id_holds: dict[str, list[Any]] = {}
         self._history_listeners: list[HistoryListener] = []
         self._stream_listeners: list[StreamListener] = []
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -770,11 +773,49 @@ class PostgresStore(OpsStore):
                 conn.close()
                 raise self._explain(exc) from exc
             if row and row[0]:
-                return conn.close
+                hold = self._id_holds[worker_id] = [conn, lock]
+                return functools.partial(self._release_id, worker_id, hold)
             if time.monotonic() >= deadline:
                 conn.close()
                 raise ConfigurationError(worker_id_in_use(worker_id))
             time.sleep(0.1)
+
+    def _release_id(self, worker_id: str, hold: list[Any]) -> None:
+        """End the hold on ``worker_id`` (its lock ends with its session)."""
+        if self._id_holds.get(worker_id) is hold:
+            del self._id_holds[worker_id]
+        hold[0].close()
+
+    def check_worker_id(self, worker_id: str) -> bool:
+        """The session holding the id's lock may have ended while this process lives
+        (``pg_terminate_backend``, a dropped connection), and the lock with it: take it
+        again on a new session. False when another process took it meanwhile; True when
+        the hold stands, was taken again, or the server cannot be reached (asked again
+        at the next check)."""
+        hold = self._id_holds.get(worker_id)
+        if hold is None:
+            return True
+        try:
+            hold[0].execute("SELECT 1").fetchone()
+            return True
+        except psycopg.Error:
+            pass
+        with contextlib.suppress(Exception):
+            hold[0].close()
+        try:
+            conn = self._connect()
+        except Exception:
+            return True
+        try:
+            row = conn.execute("SELECT pg_try_advisory_lock(%s)", (hold[1],)).fetchone()
+        except psycopg.Error:
+            conn.close()
+            return True
+        if row and row[0]:
+            hold[0] = conn
+            return True
+        conn.close()
+        return False
 
     def call_sync(self, fn: Op, *args: Any, write: bool = True) -> Any:
         """Run an operation from a thread that has no event loop (sync activities)."""
