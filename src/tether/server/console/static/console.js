@@ -65,7 +65,6 @@ document.addEventListener("DOMContentLoaded", () => {
     if (!actions || !next) return;
     if (shownActions !== null && next.innerHTML !== shownActions) {
       actions.innerHTML = next.innerHTML;
-      actions.dispatchEvent(new CustomEvent("tether:actions", { bubbles: true }));  // (tests)
     }
     shownActions = next.innerHTML;
   };
