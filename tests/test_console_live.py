@@ -281,6 +281,13 @@ def test_an_admin_completes_a_failed_step_from_the_run_page(
     assert "Traceback" not in message and page.inner_text("h1").startswith("Run ")
     assert page.inner_text("#status") == "failed"
     assert _history(server, run["id"], auth) == before
+    # JSON, but not what the activity returns (a str): refused with the reason too
+    page.fill("form.complete textarea[name=result]", "42")
+    page.fill("form.complete input[name=reason]", "checked at the provider")
+    page.click("form.complete button[type=submit]")
+    message = page.inner_text(".message")
+    assert "step 1 not completed: result of step 1 (flaky)" in message, message
+    assert _history(server, run["id"], auth) == before
     trail = server.http.get(f"/v1/runs/{run['id']}/audit", headers=auth).json()
     assert not [e for e in trail if e["action"] == "complete step"]
     # an operate key may not (an admin's act, as over the API)
