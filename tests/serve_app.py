@@ -59,6 +59,21 @@ async def fragile(flag: str) -> str:
     return await flaky(flag)
 
 
+@app.activity(retry=tether.Retry(attempts=3, initial=3600, max_interval=3600))
+def flaky_later(flag: str) -> str:
+    """Fails while the file ``flag`` exists, and waits an hour before its next try."""
+    if os.path.exists(flag):
+        raise RuntimeError(f"flag {flag} is up")
+    return "fixed"
+
+
+@app.workflow
+async def patient(flag: str) -> str:
+    """Waits for ``go``, then calls a step whose retries wait an hour."""
+    await tether.wait_event("go")
+    return await flaky_later(flag)
+
+
 @app.workflow
 async def batch(number: str) -> dict[str, int | str]:
     """Bills one invoice in a child run (its id: ``<this run's id>/1``)."""

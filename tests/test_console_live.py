@@ -235,3 +235,140 @@ def test_a_list_refreshed_after_its_key_was_revoked_goes_to_the_login_page(
     page.wait_for_url(f"{base}/login?*", timeout=20_000)  # not a login form in the table
     assert "next=%2Fruns%3Fstatus%3Drunning" in page.url
     assert page.locator("#runs").count() == 0 and page.locator("input[name=key]").count() == 1
+
+
+def _history(server: Server, run_id: str, auth: dict[str, str]) -> list[dict[str, Any]]:
+    events: list[dict[str, Any]] = server.http.get(
+        f"/v1/runs/{run_id}/history", headers=auth
+    ).json()["events"]
+    return events
+
+
+def test_an_admin_completes_a_failed_step_from_the_run_page(
+    admin_served: tuple[Server, str], browser: Any, tmp_path: Path
+) -> None:
+    """The run page offers "Complete step" where ``complete_step`` takes one (the failed
+    step of a failed run): a result that is not JSON is refused on the page with the
+    reason and nothing changes; an operate key is refused (admin, as the API); a JSON
+    result completes the step, the run reopens and finishes with it."""
+    server, admin = admin_served
+    base = f"http://127.0.0.1:{server.port}"
+    auth = {"Authorization": f"Bearer {admin}"}
+    flag = tmp_path / "broken"
+    flag.write_text("up")  # the step fails while it exists (never removed)
+    run = _start(server, admin, "fragile", {"input": {"flag": str(flag)}, "tenant": "acme"})
+    done = server.http.get(f"/v1/runs/{run['id']}/result?wait=20", headers=auth).json()
+    assert done["status"] == "failed", done
+    before = _history(server, run["id"], auth)
+    asked: list[str] = []
+    page = browser.new_page()
+    page.on("dialog", lambda d: (asked.append(d.message), d.accept()))
+    _sign_in(page, base, admin)
+    page.goto(f"{base}/runs/{run['id']}")
+    forms = page.locator("#actions form.complete")
+    assert forms.count() == 1 and forms.get_attribute("data-step") == "1"
+    assert "flaky" in forms.inner_text() and "RuntimeError" in forms.inner_text()
+    # not JSON (a text without its quotes): said on the page, nothing recorded
+    page.fill("form.complete textarea[name=result]", "done by hand")
+    page.fill("form.complete input[name=reason]", "checked at the provider")
+    with page.expect_navigation() as nav:
+        page.click("form.complete button[type=submit]")
+    assert nav.value.status == 200 and "text/html" in nav.value.headers["content-type"]
+    assert asked and "step 1 (flaky)" in asked[-1]  # confirmed first
+    message = page.inner_text(".message")
+    assert "step 1 not completed: the result is not JSON" in message, message
+    assert '"re_9"' in message, message  # how to write a text
+    assert "Traceback" not in message and page.inner_text("h1").startswith("Run ")
+    assert page.inner_text("#status") == "failed"
+    assert _history(server, run["id"], auth) == before
+    # JSON, but not what the activity returns (a str): refused with the reason too
+    page.fill("form.complete textarea[name=result]", "42")
+    page.fill("form.complete input[name=reason]", "checked at the provider")
+    page.click("form.complete button[type=submit]")
+    message = page.inner_text(".message")
+    assert "step 1 not completed: result of step 1 (flaky)" in message, message
+    assert _history(server, run["id"], auth) == before
+    trail = server.http.get(f"/v1/runs/{run['id']}/audit", headers=auth).json()
+    assert not [e for e in trail if e["action"] == "complete step"]
+    # an operate key may not (an admin's act, as over the API)
+    operate = _create_key(server.store, "--role", "operate", "--tenant", "acme")
+    other = browser.new_page()
+    other.on("dialog", lambda d: d.accept())
+    _sign_in(other, base, operate)
+    other.goto(f"{base}/runs/{run['id']}")
+    other.fill("form.complete textarea[name=result]", '"done by hand"')
+    other.fill("form.complete input[name=reason]", "checked")
+    with other.expect_navigation() as nav:
+        other.click("form.complete button[type=submit]")
+    assert nav.value.status == 403
+    assert _history(server, run["id"], auth) == before
+    # the result as JSON: the step is completed, the run reopens and ends with it
+    page.fill("form.complete textarea[name=result]", '"done by hand"')
+    page.fill("form.complete input[name=reason]", "checked at the provider")
+    page.click("form.complete button[type=submit]")
+    assert "step 1 completed by key" in page.inner_text(".message")
+    page.wait_for_selector("#status.completed", timeout=20_000)  # followed, not reloaded
+    assert "done by hand" in page.inner_text("#live")
+    assert page.locator("#actions form.complete").count() == 0  # nothing more to complete
+    completed = [
+        e
+        for e in _history(server, run["id"], auth)
+        if e["type"] == "ActivityCompleted" and e["step"] == 1
+    ]
+    assert len(completed) == 1 and completed[0]["data"]["operator"].startswith("key ")
+    trail = server.http.get(f"/v1/runs/{run['id']}/audit", headers=auth).json()
+    (entry,) = [e for e in trail if e["action"] == "complete step"]
+    assert entry["detail"]["reason"] == "checked at the provider"
+
+
+def test_the_actions_follow_the_run_state_without_a_reload(
+    admin_served: tuple[Server, str], browser: Any, tmp_path: Path
+) -> None:
+    """The Actions section changes with the run, as the rest of the page does: Resume
+    once suspended, Complete step once a step waits for its next retry, nothing but
+    fork once the run ended; an event that changes no action keeps what the operator is
+    typing."""
+    server, admin = admin_served
+    base = f"http://127.0.0.1:{server.port}"
+    auth = {"Authorization": f"Bearer {admin}"}
+    flag = tmp_path / "broken"
+    flag.write_text("up")
+    run = _start(server, admin, "patient", {"input": {"flag": str(flag)}})
+    page = browser.new_page()
+    page.on("dialog", lambda d: d.accept())
+    _sign_in(page, base, admin)
+    page.goto(f"{base}/runs/{run['id']}")
+    page.wait_for_function("document.getElementById('live').stream?.source.readyState === 1")
+    actions = page.locator("#actions")
+    assert actions.locator("button:text-is('Suspend')").count() == 1
+    assert actions.locator("form.complete").count() == 0
+    page.fill("form.signal input[name=name]", "half typed")
+    # a signal nobody waits for: recorded, the page refreshes, the actions are the same
+    r = server.http.post(f"/v1/runs/{run['id']}/signals/noise", json={}, headers=auth)
+    assert r.status_code == 202, r.text
+    page.wait_for_selector("#live >> text=SignalReceived", timeout=20_000)
+    page.wait_for_timeout(500)
+    assert page.input_value("form.signal input[name=name]") == "half typed"
+    r = server.http.post(f"/v1/runs/{run['id']}/suspend", headers=auth)
+    assert r.status_code == 202, r.text
+    page.wait_for_selector("#actions button:text-is('Resume')", timeout=20_000)
+    assert actions.locator("button:text-is('Suspend')").count() == 0
+    r = server.http.post(f"/v1/runs/{run['id']}/resume", headers=auth)
+    assert r.status_code == 202, r.text
+    page.wait_for_selector("#actions button:text-is('Suspend')", timeout=20_000)
+    # its step fails and waits an hour for its next try: it can be completed by hand
+    r = server.http.post(f"/v1/runs/{run['id']}/signals/go", json={}, headers=auth)
+    assert r.status_code == 202, r.text
+    page.wait_for_selector("#actions form.complete", timeout=20_000)
+    assert "Waiting for its next retry" in actions.locator("form.complete").inner_text()
+    step = actions.locator("form.complete").get_attribute("data-step")
+    # completed (over the API): the run ends, and its actions say so
+    body = {"result": "by hand", "reason": "seen at the provider"}
+    r = server.http.post(f"/v1/runs/{run['id']}/steps/{step}/complete", json=body, headers=auth)
+    assert r.status_code == 202, r.text
+    page.wait_for_selector("#status.completed", timeout=20_000)
+    page.wait_for_selector("#actions >> text=The run has ended.", timeout=20_000)
+    assert actions.locator("button:text-is('Cancel')").count() == 0
+    assert actions.locator("form.complete").count() == 0
+    done = server.http.get(f"/v1/runs/{run['id']}/result", headers=auth).json()
+    assert done["result"] == "by hand"

@@ -237,6 +237,7 @@ def test_openapi_shows_each_workflows_input_schema(server: Server) -> None:
         "slow",
         "review",
         "fragile",
+        "patient",
         "counted",
         "booking",
         "counter",

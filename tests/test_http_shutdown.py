@@ -340,3 +340,47 @@ def test_an_update_waiting_when_the_server_stops_is_answered_202_and_applies_onc
         assert again.http.get("/v1/entities/Tally/t9").json() == {"n": 3}
     finally:
         again.stop()
+
+
+def test_an_update_whose_store_write_outlasts_grace_is_answered_503_with_retry_after(
+    tmp_path: Path,
+) -> None:
+    """The update's write waits for the store (another process holds SQLite's write
+    lock) past ``--grace``: uvicorn cancels the request, which answered its bare
+    ``500 Internal Server Error``. It is now a ``503`` problem with Retry-After, as
+    other store failures are (it may or may not have taken effect: send it again with
+    its Idempotency-Key)."""
+    import sqlite3
+
+    db = tmp_path / "t.db"
+    store = f"sqlite:///{db}"
+    server = Server(store, "--workers", "0", "--grace", "1", "--no-auth")
+    lock = None
+    try:
+        run_id = server.http.post(
+            "/v1/workflows/counter/runs", json={"input": {"start": 0}}
+        ).json()["id"]
+        lock = sqlite3.connect(db, isolation_level=None)
+        lock.execute("BEGIN IMMEDIATE")  # the store's writes wait (its busy timeout: 30 s)
+        url = f"/v1/runs/{run_id}/updates/add"
+        waiting = _send_raw(
+            server.port, "POST", url, {"args": [5], "timeout": 60}, Idempotency_Key="add-5"
+        )
+        time.sleep(1.0)  # the request is read and waits on the write
+        server.proc.send_signal(signal.SIGTERM)
+        head, body = _answer(waiting)  # answered when the grace is over
+        lock.rollback()
+        lock.close()
+        lock = None
+        assert server.proc.wait(30) == 0
+        assert head.startswith("http/1.1 503"), (head, body)
+        assert "retry-after: 2" in head, head
+        assert "application/problem+json" in head, head
+        answer = json.loads(body)
+        assert answer["status"] == 503
+        assert "Idempotency-Key" in answer["detail"], answer
+    finally:
+        if lock is not None:
+            lock.rollback()
+            lock.close()
+        server.stop()

@@ -354,6 +354,8 @@ def create_api(
     )
     _problems.install(api)
     api.add_middleware(BodyLimit, max_bytes=max_body)
+    # outermost: a request uvicorn cancels when --grace runs out gets a 503, not a 500
+    api.add_middleware(_problems.CutOffAtStop, stopping=lambda: hub.closing)
     api.state.relay = relay
     api.state.hub = hub
     #: ``tether serve`` calls it when uvicorn begins a graceful shutdown

@@ -6,13 +6,17 @@ status that fits it; nothing answers with a stack trace.
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .._errors import (
     AdmissionLimitError,
@@ -101,6 +105,72 @@ def problem(status: int, title: str, detail: str, **extra: Any) -> JSONResponse:
     """A problem document response."""
     body = {"type": "about:blank", "title": title, "status": status, "detail": detail, **extra}
     return JSONResponse(body, status_code=status, media_type=PROBLEM)
+
+
+#: what a request cut off by the server's stop is told (``CutOffAtStop``)
+CUT_OFF = (
+    "the server stopped before this request was done (its --grace ran out while it "
+    "waited, e.g. for its store), so it may or may not have taken effect: try again "
+    "shortly (a request repeated with the same run_id or Idempotency-Key is safe)"
+)
+
+
+class CutOffAtStop:
+    """ASGI middleware: a request the server cancels as it stops (uvicorn cancels the
+    requests still open when its graceful-shutdown timeout, ``--grace``, runs out) is
+    answered ``503`` with Retry-After, like a store that does not answer, instead of
+    uvicorn's bare ``500 Internal Server Error``. ``stopping()`` says whether the server
+    is stopping: a cancel at any other time is left as it is."""
+
+    def __init__(self, app: ASGIApp, stopping: Callable[[], bool]) -> None:
+        self.app = app
+        self.stopping = stopping
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking)
+        except asyncio.CancelledError:
+            if started or not self.stopping():
+                raise
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()  # answered here: the request's task ends normally
+            log.warning(
+                "request cut off as the server stops (%s %s): answered 503",
+                scope.get("method"),
+                scope.get("path"),
+            )
+            body = json.dumps(
+                {
+                    "type": "about:blank",
+                    "title": "Service stopping",
+                    "status": 503,
+                    "detail": CUT_OFF,
+                }
+            ).encode()
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 503,
+                    "headers": [
+                        (b"content-type", PROBLEM.encode()),
+                        (b"content-length", str(len(body)).encode()),
+                        (b"retry-after", str(STORE_RETRY_AFTER).encode()),
+                        (b"connection", b"close"),
+                    ],
+                }
+            )
+            await send({"type": "http.response.body", "body": body})
 
 
 def install(api: FastAPI) -> None:

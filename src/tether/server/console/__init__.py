@@ -31,8 +31,9 @@ from ..._errors import (
     RunPurgedError,
     TetherError,
 )
-from ..._history import INT64_MAX, DeadLetter, Event, EventType, RunInfo, RunStatus
+from ..._history import INT64_MAX, OUTCOMES, DeadLetter, Event, EventType, RunInfo, RunStatus
 from ...blobs import BlobError
+from ...store.ops.recovery import _retried_failure
 from ...store.ops.switches import SWITCH_KINDS
 from .._auth import AuthError, Principal, actor_of
 from .._limits import RateLimiter, authenticate_limited
@@ -323,6 +324,7 @@ def install_console(
             "finished": info.is_finished,
             "continues": await _continues(app, info.run_id),
             "forked": _forked_from(history),
+            "completable": _completable(history, info, now),
             "message": request.query_params.get("message") or unreadable,
         }
         name = "_run_live.html" if partial else "run.html"
@@ -373,6 +375,42 @@ def install_console(
             return _back(run_id, f"signal {signal_id!r} already sent to this run: not sent again")
         await audit(principal, "signal", f"run:{info.run_id}", {"signal": name})
         return _back(run_id, f"signal {name!r} sent by {actor(principal)}")
+
+    @api.post("/runs/{run_id:path}/complete", include_in_schema=False)
+    async def complete_step(request: Request, run_id: str) -> Response:
+        """Record a step's result without running it (``App.complete_step``, as
+        ``POST /v1/runs/{id}/steps/{step}/complete``: admin keys; the store writes the
+        audit entry with the result, actor the key)."""
+        principal = await who(request)
+        fields = await form(request)
+        if principal is not None:
+            principal.require("admin", "completing a step")
+        info = await visible(principal, run_id)
+        text = fields.get("step", "").strip()
+        if not text.isdigit() or not 1 <= int(text) <= INT64_MAX:
+            return _back(run_id, f"step not completed: {text[:40]!r} is not a step number")
+        step = int(text)
+        raw = fields.get("result", "")
+        if not raw.strip():
+            return _back(
+                run_id, f'step {step} not completed: give its result as JSON (e.g. "re_9")'
+            )
+        try:
+            result = json.loads(raw)
+        except ValueError as exc:
+            return _back(
+                run_id,
+                f"step {step} not completed: the result is not JSON ({exc}); a text is "
+                'written in double quotes: "re_9"',
+            )
+        reason = fields.get("reason", "").strip()
+        if not reason:
+            return _back(run_id, f"step {step} not completed: say how the result was confirmed")
+        try:
+            await app.complete_step(info.run_id, step, result, reason=reason, by=actor(principal))
+        except TetherError as exc:  # refused (it runs now, it completed meanwhile, a type)
+            return _back(run_id, f"step {step} not completed: {exc}")
+        return _back(run_id, f"step {step} completed by {actor(principal)}")
 
     @api.post("/runs/{run_id:path}/fork", include_in_schema=False)
     async def fork(request: Request, run_id: str) -> Response:
@@ -569,6 +607,63 @@ async def _fields(request: Request) -> dict[str, str]:
             400, "Malformed form", "the form's body is not UTF-8 urlencoded text"
         ) from None
     return {k: v[-1] for k, v in parse_qs(text).items()}
+
+
+def _completable(history: list[Event], info: RunInfo, now: float) -> list[dict[str, Any]]:
+    """The activity steps ``App.complete_step`` takes now, as far as the history tells:
+    the failed step of a failed (or needs_intervention) run, or a live run's steps
+    waiting for their next retry. ``{"step", "name", "error"}`` each.
+
+    The store decides at the write (a step that began an attempt since is refused
+    there, with the reason); a step queued and never tried is not offered, since the
+    history cannot tell it from one running now."""
+    voided: set[int] = set()
+    for e in history:
+        if e.type is EventType.RUN_RETRIED:
+            voided.update(e.data.get("voided", []))
+    events = [e for e in history if e.seq not in voided and e.type is not EventType.RUN_RETRIED]
+    cancelled = {
+        e.data.get("activity_step") for e in events if e.type is EventType.ACTIVITY_CANCEL_REQUESTED
+    }
+    names = {e.step: e.data.get("name") for e in events if e.type is EventType.ACTIVITY_SCHEDULED}
+    if info.status in (RunStatus.FAILED, RunStatus.NEEDS_INTERVENTION):
+        failed = _retried_failure(events)
+        if (
+            failed is None
+            or failed.type is not EventType.ACTIVITY_FAILED
+            or failed.step not in names
+            or failed.step in cancelled
+        ):
+            return []
+        error = failed.data.get("error")
+        return [{"step": failed.step, "name": names[failed.step], "error": _said(error)}]
+    if info.status.is_terminal:
+        return []
+    ended = {e.step for e in events if e.type in OUTCOMES}
+    waiting: dict[int, Event] = {}
+    for e in events:
+        if e.type is EventType.ACTIVITY_ATTEMPT_FAILED and e.step is not None:
+            waiting[e.step] = e  # its latest failed attempt
+    out = []
+    for step, attempt in sorted(waiting.items()):
+        retry_at = attempt.data.get("retry_at")
+        if (
+            step in names
+            and step not in ended
+            and step not in cancelled
+            and isinstance(retry_at, int | float)
+            and retry_at > now
+        ):
+            error = _said(attempt.data.get("error"))
+            out.append({"step": step, "name": names[step], "error": error, "retry_at": retry_at})
+    return out
+
+
+def _said(error: Any) -> str:
+    """An event's error, in a line: ``Type: message``."""
+    if isinstance(error, dict):
+        return f"{error.get('type', 'Error')}: {error.get('message', '')}"[:300]
+    return str(error or "")[:300]
 
 
 def _forked_from(history: list[Event]) -> dict[str, Any] | None:

@@ -1,5 +1,5 @@
-// tether console: confirmations for actions, a run page that refreshes itself when
-// its event stream reports a new event (no polling of finished runs), and a runs list
+// tether console: confirmations for actions, a run page that refreshes itself (its
+// actions too) when its event stream reports a new event (no polling of finished runs), and a runs list
 // that refreshes when the changes stream says a run it may show changed. Both streams
 // reconnect after a blip or a server restart; the run page says when it is not live.
 document.addEventListener("submit", (ev) => {
@@ -56,8 +56,22 @@ document.addEventListener("DOMContentLoaded", () => {
     htmx.ajax("GET", live.dataset.refresh, { target: "#live", swap: "innerHTML" });
   };
   const soon = () => { if (!pending) pending = setTimeout(refresh, 150); };  // coalesce bursts
+  // the actions follow the run too: each refresh carries them (a <template>), taken only
+  // when they differ from those shown, so what an operator is typing is kept meanwhile
+  const actions = document.getElementById("actions");
+  let shownActions = null;
+  const takeActions = () => {
+    const next = live.querySelector("template#actions-next");
+    if (!actions || !next) return;
+    if (shownActions !== null && next.innerHTML !== shownActions) {
+      actions.innerHTML = next.innerHTML;
+    }
+    shownActions = next.innerHTML;
+  };
+  takeActions();  // what the page was rendered with
   // the refreshed fragment says the run ended (whatever event told it): nothing more comes
   live.addEventListener("htmx:afterSwap", () => {
+    takeActions();
     const status = document.getElementById("status");
     if (stream && status && ENDED.includes(status.textContent.trim())) stream.close();
   });
