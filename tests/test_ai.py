@@ -1513,9 +1513,11 @@ async def test_an_edit_of_a_deferred_tool_call_not_shaped_tool_and_args_is_refus
     app: tether.App,
 ) -> None:
     """An edit must be ``{"tool": <the same tool>, "args": {...}}``: any other shape (args
-    without the wrapper, args None, another key, another tool) is refused by the run and
-    the review opens again, so nothing runs with arguments nobody approved; the proposal's
-    fingerprint is the one of the plain dict (recorded runs replay)."""
+    without the wrapper, args None, another key, another tool) is refused by
+    ``App.decide`` at once (``ApprovalEditError``, saying what shape it takes), nothing
+    is recorded and the review stays open, so nothing runs with arguments nobody
+    approved; the proposal's fingerprint is the one of the plain dict (recorded runs
+    replay)."""
     from pydantic_ai import Agent, DeferredToolRequests
     from pydantic_ai.messages import ModelResponse, ToolCallPart
 
@@ -1562,14 +1564,18 @@ async def test_an_edit_of_a_deferred_tool_call_not_shaped_tool_and_args_is_refus
         (review,) = await eventually(review_open, 20, "the review of the refund")
         assert review.fingerprint == fingerprint_of({"tool": "refund", "args": {"cents": 5000}})
         for value in bad:
-            await app.decide(
-                review.approval_id,
-                approve=True,
-                by="ann",
-                fingerprint=review.fingerprint,
-                value=value,
-            )
-            (review,) = await eventually(review_open, 20, f"the review open again after {value}")
+            with pytest.raises(tether.ApprovalEditError) as refused:
+                await app.decide(
+                    review.approval_id,
+                    approve=True,
+                    by="ann",
+                    fingerprint=review.fingerprint,
+                    value=value,
+                )
+            assert 'it must be {"tool": "refund", "args": {...}}' in str(refused.value)
+            assert "nothing was recorded" in str(refused.value)
+            assert (await app.get_approval(review.approval_id)).status == "open"
+        assert 'tool must be "refund", not "delete_account"' in str(refused.value)
         assert refunds == []
         await app.decide(
             review.approval_id,
@@ -1581,9 +1587,7 @@ async def test_an_edit_of_a_deferred_tool_call_not_shaped_tool_and_args_is_refus
         assert await run.result(timeout=30) == "done"
     assert refunds == [2500]
     hist = await app.history(run.run_id)
-    refused = [e.data for e in hist if e.data.get("marker") == "approval_refused"]
-    assert len(refused) == len(bad)
-    assert all("the edited proposal is invalid" in r["value"]["reason"] for r in refused)
+    assert not [e for e in hist if e.data.get("marker") == "approval_refused"]
     decided = [e.data["value"] for e in hist if e.data.get("marker") == "approval_decided"]
     assert [d["value"] for d in decided] == [{"tool": "refund", "args": {"cents": 2500}}]
 
@@ -1668,6 +1672,91 @@ async def test_an_older_runs_malformed_tool_edit_is_denied_live_and_replays_as_r
     monkeypatch.setattr(WorkflowInstance, "patched", real)
     assert check_history(app, await app.history("old-code")).ok
     assert check_history(app, await app.history("old-run")).ok
+
+
+async def test_deferred_tool_calls_of_one_answer_are_reviewed_together(
+    app: tether.App, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two tool calls deferred in one model answer open two reviews at once, waited for
+    together (one deadline, not two in turn), decided in any order; a run recorded
+    before (one review after the other) still replays."""
+    from pydantic_ai import Agent, DeferredToolRequests
+    from pydantic_ai.messages import ModelResponse, ToolCallPart
+
+    from tether.ai import _agent
+    from tether.testing import check_history
+    from tether.workflow._instance import WorkflowInstance
+
+    refunds: list[int] = []
+    gw = ai.Gateway(app, retry=FAST)
+    both = ModelResponse(
+        parts=[
+            ToolCallPart("refund", {"cents": 100}, tool_call_id="c1"),
+            ToolCallPart("refund", {"cents": 200}, tool_call_id="c2"),
+        ]
+    )
+    scripted = ai.ScriptedModel([both, "done", both, "done"])
+    agent: Agent[None, str | DeferredToolRequests] = Agent(
+        name="support", output_type=[str, DeferredToolRequests]
+    )
+
+    @agent.tool_plain(requires_approval=True)
+    def refund(cents: int) -> str:
+        refunds.append(cents)
+        return f"refunded {cents}"
+
+    support = ai.durable(agent, gw, model=gw.model("m", scripted))
+
+    @app.workflow
+    async def handle(ticket: str) -> str:
+        result = await support.run(
+            ticket, approve_tools=ai.ToolApproval(deadline=3600, approvers=["ann"])
+        )
+        return str(result.output)
+
+    async def reviews(run_id: str, n: int) -> list[tether.Approval]:
+        async def opened() -> list[tether.Approval]:
+            found = await app.approvals(run_id=run_id)
+            return found if len(found) >= n else []
+
+        return await eventually(opened, 20, f"{n} open reviews of {run_id}")
+
+    real = WorkflowInstance.patched
+    off: set[str] = set()
+
+    def older(self: WorkflowInstance, patch_id: str, *, deprecated: bool = False) -> bool:
+        return False if patch_id in off else real(self, patch_id, deprecated=deprecated)
+
+    monkeypatch.setattr(WorkflowInstance, "patched", older)
+    async with app.worker(poll_interval=0.05):
+        run = await app.start(handle, "charged thrice", run_id="together")
+        first, second = await reviews("together", 2)  # both open at once
+        assert [first.proposal["args"], second.proposal["args"]] == [
+            {"cents": 100},
+            {"cents": 200},
+        ]
+        assert first.deadline_at == second.deadline_at
+        # the second is decided first: the first still waits, nothing runs yet
+        await app.decide(
+            second.approval_id, approve=False, by="ann", fingerprint=second.fingerprint
+        )
+        await asyncio.sleep(0.3)
+        assert refunds == [] and (await app.get(run.run_id)).status is tether.RunStatus.RUNNING
+        await app.decide(first.approval_id, approve=True, by="ann", fingerprint=first.fingerprint)
+        assert await run.result(timeout=30) == "done"
+        assert refunds == [100]
+
+        off.add(_agent.TOOL_REVIEWS_TOGETHER)  # the code before: one review, then the next
+        old = await app.start(handle, "charged thrice", run_id="in-turn")
+        (one,) = await reviews("in-turn", 1)
+        await app.decide(one.approval_id, approve=True, by="ann", fingerprint=one.fingerprint)
+        (two,) = [r for r in await reviews("in-turn", 1) if r.approval_id != one.approval_id]
+        await app.decide(two.approval_id, approve=True, by="ann", fingerprint=two.fingerprint)
+        assert await old.result(timeout=30) == "done"
+        assert refunds == [100, 100, 200]
+    monkeypatch.setattr(WorkflowInstance, "patched", real)
+    assert check_history(app, await app.history("together")).ok
+    assert check_history(app, await app.history("in-turn")).ok
 
 
 async def test_model_calls_tokens_cost_repairs_routes_and_429s_are_counted(

@@ -165,6 +165,41 @@ async def test_an_edit_is_validated_then_the_run_continues_with_it(app: tether.A
     assert decided["reason"] == "tightened the title"
 
 
+async def test_an_edit_not_of_the_proposals_shape_is_refused_at_once(app: tether.App) -> None:
+    """An edit that lacks a field of the proposal's type (or is no object) is refused by
+    ``App.decide`` itself, recording nothing, and the review stays open; one of the right
+    shape with a wrong value is still the run's to refuse (the previous test)."""
+    publish = register(app)
+    async with Env(app, skip_time=False):
+        run = await app.start(publish, Post(title="draft", words=10), run_id="post-9")
+        review = await open_review(app, "post-9")
+        for value, why in (({"words": 12}, "lacks 'title'"), (["Final"], "must be an object")):
+            with pytest.raises(tether.ApprovalEditError, match=why) as refused:
+                await app.decide(
+                    review.approval_id,
+                    approve=True,
+                    by="alice",
+                    fingerprint=review.fingerprint,
+                    value=value,
+                )
+            assert 'it must be {"title": ..., "words": ...}' in str(refused.value)
+            assert (await app.get_approval(review.approval_id)).status == "open"
+        await app.decide(
+            review.approval_id,
+            approve=True,
+            by="alice",
+            fingerprint=review.fingerprint,
+            value={"title": "Final", "words": 12},
+        )
+        assert await run.result(timeout=10) == "published Final (12) by alice"
+    history = await app.history("post-9")
+    assert not markers(history, "approval_refused")
+    assert markers(history, "approval_requested")[0]["edit_schema"]["required"] == [
+        "title",
+        "words",
+    ]
+
+
 async def test_no_decision_reminds_escalates_then_fails_closed(app: tether.App) -> None:
     publish = register(app)
     async with Env(app, skip_time=False) as env:
@@ -332,7 +367,11 @@ async def test_a_refused_edit_reopens_the_review_and_one_pending_blocks_others(
         await app.suspend("post-6")
         fp = review.fingerprint
         await app.decide(
-            review.approval_id, approve=True, by="alice", fingerprint=fp, value={"words": "x"}
+            review.approval_id,
+            approve=True,
+            by="alice",
+            fingerprint=fp,
+            value={"title": "draft", "words": "x"},
         )
         pending = await app.get_approval(review.approval_id)
         assert (pending.status, pending.decided_by) == ("deciding", "alice")

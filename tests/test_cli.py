@@ -315,6 +315,20 @@ def test_approvals_list_show_and_decide(
         "approvals", "decide", "r1:1", "--approve", "--by", "ann", "--fingerprint", "bad", *store
     )
     assert_one_line_error(res, 1, "r1:1", "fingerprint does not match")
+    shaped = project.cli(
+        "approvals",
+        "decide",
+        "r1:1",
+        "--approve",
+        "--by",
+        "ann",
+        "--fingerprint",
+        shown["fingerprint"],
+        "--value",
+        '"Q3 final"',
+        *store,
+    )  # an edit not of the proposal's shape: refused at once, nothing recorded
+    assert_one_line_error(shaped, 1, "r1:1", "must be an object")
     out = project.cli(
         "approvals",
         "decide",

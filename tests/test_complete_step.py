@@ -463,3 +463,132 @@ async def test_a_failure_the_code_caught_before_failing_by_itself_is_refused(
     await app.complete_step("o2", 1, "ch_2", reason="found at the provider")
     assert await again.result(timeout=10) == "shipped ch_2"
     assert ran == {"charge": 2, "refund": 2, "ship": 1}
+
+
+async def test_a_failure_caught_then_a_signal_waited_for_is_the_codes_not_the_steps(
+    app: tether.App, worker: tether.Worker
+) -> None:
+    """The code caught the charge's failure and waited for a person's word (a signal
+    without a timeout: no command recorded), then failed by itself: the run's failure is
+    the code's, so the charge is neither completed nor its letter replayed."""
+    ran: collections.Counter[str] = collections.Counter()
+
+    @app.activity(retry=fast(1))
+    def charge(x: int) -> str:
+        ran["charge"] += 1
+        raise tether.NonRetryable("in doubt")
+
+    @app.activity(retry=fast(1))
+    def ship(x: str) -> str:
+        ran["ship"] += 1
+        return "shipped " + x
+
+    @app.workflow
+    async def order(x: int) -> str:
+        try:
+            c = await charge(x)
+        except tether.ActivityError:
+            word = await tether.wait_event("support")  # refunded by hand, say
+            raise ValueError(f"order abandoned: {word}") from None
+        return await ship(c)
+
+    run = await app.start(order, 1, run_id="s1")
+    await eventually(
+        lambda: _failed_step(app, "s1"),
+        timeout=10,
+    )
+    await app.signal("s1", "support", "refunded by hand")
+    with pytest.raises(tether.WorkflowFailedError):
+        await run.result(timeout=10)
+    with pytest.raises(tether.RecoveryError, match="its code failed"):
+        await app.complete_step("s1", 1, "ch_1", reason="found at the provider")
+    (letter,) = [d for d in await app.dead_letters(run_id="s1") if d.kind == "activity"]
+    with pytest.raises(tether.RecoveryError, match="caught the failure and went on"):
+        await app.replay_dead_letter(letter.id)
+    assert (await app.get("s1")).status is RunStatus.FAILED
+    assert ran == {"charge": 1}
+
+
+async def _failed_step(app: tether.App, run_id: str) -> bool:
+    history = await app.history(run_id)
+    return any(e.type is EventType.ACTIVITY_FAILED for e in history) and any(
+        e.type is EventType.WORKFLOW_TASK_COMPLETED
+        and e.seq > max(f.seq for f in history if f.type is EventType.ACTIVITY_FAILED)
+        for e in history
+    )
+
+
+async def test_a_status_set_in_finally_does_not_make_an_uncaught_failure_look_caught(
+    app: tether.App, worker: tether.Worker
+) -> None:
+    """A ``finally`` that sets the run's status while the charge's failure propagates
+    (re-raised as another error) records a command after the failure; the run still
+    failed for the step, so its completion reopens the run. A bare ``finally`` (the
+    failure re-raised as is) was judged right before too."""
+    ran: collections.Counter[str] = collections.Counter()
+
+    @app.activity(retry=fast(1))
+    def charge(x: int) -> str:
+        ran["charge"] += 1
+        raise tether.NonRetryable("in doubt")
+
+    @app.activity(retry=fast(1))
+    def ship(x: str) -> str:
+        ran["ship"] += 1
+        return "shipped " + x
+
+    @app.workflow
+    async def order(x: int) -> str:
+        tether.set_status("charging")
+        try:
+            c = await charge(x)
+        except tether.ActivityError as exc:
+            raise ValueError(f"could not charge: {exc}") from None
+        finally:
+            tether.set_status("charged")
+        return await ship(c)
+
+    run = await app.start(order, 1, run_id="f1")
+    with pytest.raises(tether.WorkflowFailedError):
+        await run.result(timeout=10)
+    await app.complete_step("f1", 2, "ch_1", reason="found at the provider")
+    assert await run.result(timeout=10) == "shipped ch_1"
+    assert ran == {"charge": 1, "ship": 1}
+
+
+async def test_a_failure_seen_only_after_another_steps_outcome_is_still_the_steps(
+    app: tether.App, worker: tether.Worker
+) -> None:
+    """The charge fails while the run still waits for a step it called with it; the code
+    sees the failure only when both are done and fails for it (another error): a workflow
+    task ended with the run going after the failure, but the code had not gone on from
+    it, so the charge is what the run failed for and its completion reopens the run."""
+    ran: collections.Counter[str] = collections.Counter()
+
+    @app.activity(retry=fast(1))
+    def charge(x: int) -> str:
+        ran["charge"] += 1
+        raise tether.NonRetryable("in doubt")
+
+    @app.activity(retry=fast(1))
+    async def reserve(x: int) -> str:
+        ran["reserve"] += 1
+        await asyncio.sleep(0.5)  # ends after the charge failed
+        return f"hold-{x}"
+
+    @app.workflow
+    async def order(x: int) -> str:
+        c, hold = await tether.gather(charge(x), reserve(x), return_exceptions=True)
+        if isinstance(c, BaseException):
+            raise ValueError(f"could not charge: {c}")
+        return f"{c} {hold}"
+
+    run = await app.start(order, 1, run_id="g1")
+    with pytest.raises(tether.WorkflowFailedError):
+        await run.result(timeout=10)
+    history = await app.history("g1")
+    failed = next(e.seq for e in history if e.type is EventType.ACTIVITY_FAILED)
+    assert any(e.type is EventType.WORKFLOW_TASK_COMPLETED and e.seq > failed for e in history)
+    await app.complete_step("g1", 1, "ch_1", reason="found at the provider")
+    assert await run.result(timeout=10) == "ch_1 hold-1"
+    assert ran == {"charge": 1, "reserve": 1}

@@ -404,6 +404,12 @@ def test_approvals_are_listed_and_decided_over_http(server: Server) -> None:
     stranger = {"approve": True, "by": "mallory", "fingerprint": review["fingerprint"]}
     refused = http.post(decide, json=stranger)  # recorded and refused: the caller is told
     assert refused.status_code == 409 and "not among its approvers" in refused.json()["detail"]
+    # an edit not of the proposal's shape (an object): refused at once, nothing recorded
+    shape = {"approve": True, "by": "ann", "fingerprint": review["fingerprint"], "value": "Q3"}
+    malformed = http.post(decide, json=shape)
+    assert malformed.status_code == 422, malformed.text
+    assert "must be an object" in malformed.json()["detail"]
+    assert http.get(f"/v1/approvals/{review['approval_id']}").json()["status"] == "open"
     ok = http.post(
         decide,
         json={

@@ -12,6 +12,7 @@ PUBLIC = [
     "AdmissionLimitError",
     "App",
     "Approval",
+    "ApprovalEditError",
     "ApprovalError",
     "ApprovalNotFoundError",
     "Batch",

@@ -18,6 +18,7 @@ from ._definitions import Activity, ActivityOptions, Workflow
 from ._errors import (
     ActivityError,
     AdmissionLimitError,
+    ApprovalEditError,
     ApprovalError,
     ApprovalNotFoundError,
     ChildWorkflowError,
@@ -99,6 +100,7 @@ __all__ = [
     "ActivityOptions",
     "App",
     "Approval",
+    "ApprovalEditError",
     "ApprovalError",
     "ApprovalNotFoundError",
     "Batch",

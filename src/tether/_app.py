@@ -42,9 +42,11 @@ from ._entities import EntityRef, entity_workflow, list_entities
 from ._entities import operations as entity_operations
 from ._errors import (
     NOT_RUN_YET,
+    ApprovalEditError,
     ApprovalError,
     ApprovalNotFoundError,
     ConfigurationError,
+    PayloadError,
     QueryError,
     ResultTimeoutError,
     RunCancelledError,
@@ -87,7 +89,7 @@ from ._usage import Budget, Usage, usage_of
 from ._worker import Worker
 from .blobs import SEALED as SEALED_BLOB
 from .blobs import SHARED_ROOT, Blob, BlobError, BlobStore, default_root
-from .encryption import Keyring
+from .encryption import Keyring, KeyUnavailableError
 from .store._open import open_store
 from .store.base import WAITING_KINDS, Finished, Store, start_event_data
 from .store.ops import recovery as _recovery
@@ -96,6 +98,7 @@ from .store.ops.queues import _configure_queue
 from .store.ops.recovery import RecoveryError, _NotRetried
 from .store.ops.switches import SWITCH_KINDS
 from .webhooks import check_webhook_url
+from .workflow import _approval
 from .workflow._instance import WorkflowInstance
 
 log = logging.getLogger("tether")
@@ -1348,7 +1351,11 @@ class App:
         allowed, is delivered (so the attempt is on record) and then raises
         ``ApprovalError``, as does a review that is no longer open or is past its
         deadline (the deadline decides, even before a worker has processed its timer:
-        such a decision is not delivered). A decision delivered holds the review
+        such a decision is not delivered), and an edit that is not of the proposal's
+        shape (checked against the JSON Schema the run recorded with the review: an
+        object, its required fields, no field its type forbids, a fixed value such as a
+        tool call's tool), which raises ``ApprovalEditError`` naming the shape expected
+        and records nothing. A decision delivered holds the review
         (``deciding``) until the run takes it, or refuses it (an invalid edit: the
         review opens again); a second decision meanwhile (two operators at once)
         raises ``ApprovalError`` and never reaches the run.
@@ -1371,6 +1378,10 @@ class App:
             )
         elif approve and value is not None and not review.allow_edit:
             problem = "this review does not allow edits; the attempt is recorded and refused"
+        if problem is None and approve and value is not None:
+            wrong = await self._edit_problems(review, value)
+            if wrong:
+                raise ApprovalEditError(approval_id, wrong)
         payload: dict[str, Any] = {
             "approval_id": approval_id,
             "fingerprint": fingerprint,
@@ -1393,6 +1404,42 @@ class App:
             raise ApprovalError(approval_id, _not_open(*refused))
         if problem is not None:
             raise ApprovalError(approval_id, problem)
+
+    async def _edit_problems(self, review: Approval, value: Any) -> str | None:
+        """Why ``value`` cannot be an edit of ``review``'s proposal, checked against the
+        JSON Schema its run recorded with the review (None: it may be; the run then
+        validates it in full, as it does for a review recorded without one)."""
+        step = review.approval_id.rpartition(":")[2]
+        try:
+            events = await self.store.read_history(review.run_id, 0)
+        except (KeyUnavailableError, BlobError):  # the run checks it instead
+            return None
+        requested = next(
+            (
+                e.data.get("value")
+                for e in events
+                if e.type is EventType.MARKER
+                and str(e.step) == step
+                and e.data.get("marker") == "approval_requested"
+            ),
+            None,
+        )
+        shape = requested.get(_approval.EDIT_SCHEMA) if isinstance(requested, dict) else None
+        if not isinstance(shape, dict):
+            return None
+        try:
+            edit = json.loads(encode(value, f"edit of approval {review.approval_id!r}"))
+        except PayloadError:
+            return None  # refused by the store's encoding below, as before
+        problems = _approval.edit_problems(shape, edit)
+        if not problems:
+            return None
+        expected = _approval.describe_shape(shape)
+        return (
+            f"the edit is not of the shape this review takes ({'; '.join(problems)})"
+            + (f": it must be {expected}" if expected else "")
+            + "; nothing was recorded and the review stays open"
+        )
 
     async def signal(
         self, run_id: str, name: str, payload: Any = None, *, signal_id: str | None = None

@@ -252,6 +252,12 @@ class ApprovalNotFoundError(ApprovalError):
     """No review has that id (ids look like ``run-id:step``)."""
 
 
+class ApprovalEditError(ApprovalError):
+    """``App.decide`` refused an edit at once, recording nothing: it is not of the shape
+    the review takes (a deferred tool call's edit is ``{"tool": <that tool>, "args":
+    {...}}``); the review stays open."""
+
+
 class StoreError(TetherError):
     """The store could not be opened, read or written; stored runs are untouched."""
 

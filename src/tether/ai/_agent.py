@@ -11,6 +11,7 @@ model or a tool again. Outside a workflow the agent runs as it always did.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import functools
@@ -205,6 +206,9 @@ class _RecordedToolset(WrapperToolset[Any]):
 #: (``{"tool": <that tool>, "args": {...}}``, nothing else), so an edit of another
 #: shape is refused by the review; older runs proposed a plain dict
 TYPED_TOOL_EDIT = "tether.ai.typed-tool-edit"
+#: the patch marker of a run that opens the reviews of the tool calls one model answer
+#: defers all at once and waits for them together; older runs reviewed them in turn
+TOOL_REVIEWS_TOGETHER = "tether.ai.tool-reviews-together"
 #: the patch marker of an older run (plain dict proposal) that denies a tool call whose
 #: approved edit is not ``{"tool": <that tool>, "args": {...}}`` instead of running
 #: the original arguments
@@ -319,21 +323,19 @@ class DurableAgent(Generic[DepsT, OutputT]):
 
         while isinstance(result.output, DeferredToolRequests) and result.output.approvals:
             answers: dict[str, Any] = {}
-            for call in result.output.approvals:
-                inst = current_instance()
-                typed = inst is not None and inst.patched(TYPED_TOOL_EDIT)
-                proposal: Any = {"tool": call.tool_name, "args": call.args_as_dict()}
-                if typed:  # an edit is validated as {"tool": <this tool>, "args": {...}}
-                    proposal = _tool_call_type(call.tool_name)(**proposal)
-                decision = await approval(
-                    proposal,
-                    deadline=approve_tools.deadline,
-                    approvers=approve_tools.approvers,
-                    escalate_to=approve_tools.escalate_to,
-                    allow_edit=approve_tools.allow_edit,
-                    default=approve_tools.default,
-                    name=f"{self.name}.{call.tool_name}",
+            calls = list(result.output.approvals)
+            inst = current_instance()
+            # a run since this marker opens the reviews of one answer's calls at once and
+            # waits for them together (at most one deadline); older runs one by one
+            together = inst is not None and inst.patched(TOOL_REVIEWS_TOGETHER)
+            decisions: list[Any] = []
+            if together:
+                decisions = list(
+                    await asyncio.gather(*(self._review(call, approve_tools) for call in calls))
                 )
+            for i, call in enumerate(calls):
+                typed = inst is not None and inst.patched(TYPED_TOOL_EDIT)
+                decision = decisions[i] if together else await self._review(call, approve_tools)
                 if decision.approved:
                     override, problem = _edited_args(decision, call.tool_name)
                     if problem is not None and (typed or _fails_closed()):
@@ -365,6 +367,23 @@ class DurableAgent(Generic[DepsT, OutputT]):
                 **kwargs,
             )
         return result
+
+    async def _review(self, call: Any, approve_tools: ToolApproval) -> Any:
+        """The ``tether.approval`` of one deferred tool call (its tool and arguments)."""
+        inst = current_instance()
+        proposal: Any = {"tool": call.tool_name, "args": call.args_as_dict()}
+        if inst is not None and inst.patched(TYPED_TOOL_EDIT):
+            # an edit is validated as {"tool": <this tool>, "args": {...}}
+            proposal = _tool_call_type(call.tool_name)(**proposal)
+        return await approval(
+            proposal,
+            deadline=approve_tools.deadline,
+            approvers=approve_tools.approvers,
+            escalate_to=approve_tools.escalate_to,
+            allow_edit=approve_tools.allow_edit,
+            default=approve_tools.default,
+            name=f"{self.name}.{call.tool_name}",
+        )
 
     @contextlib.asynccontextmanager
     async def run_stream(

@@ -20,6 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .._errors import (
     AdmissionLimitError,
+    ApprovalEditError,
     ApprovalError,
     ApprovalNotFoundError,
     ConfigurationError,
@@ -56,6 +57,7 @@ _MAP: list[tuple[type[BaseException], int, str]] = [
     (RunNotFoundError, 404, "No such run"),
     (ApprovalNotFoundError, 404, "No such review"),
     (DeadLetterNotFoundError, 404, "No such dead letter"),
+    (ApprovalEditError, 422, "The edit is not of the shape the review takes (nothing recorded)"),
     (ApprovalError, 409, "The review cannot take this decision"),
     (UnknownWorkflowError, 404, "No such workflow"),
     (RunIdConflictError, 409, "Run id or idempotency key already used for other input"),

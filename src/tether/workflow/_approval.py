@@ -125,7 +125,10 @@ async def approval(
         "default": default,
         "level": 0,
     }
-    inst.record("approval_requested", review)
+    # the shape an edit must have, for ``App.decide`` to refuse a malformed one at once
+    # (stored with the marker only: ``notify``'s argument, replay-checked, is as before)
+    shape = edit_schema(adapter) if allow_edit else None
+    inst.record("approval_requested", review if shape is None else {**review, EDIT_SCHEMA: shape})
     if notify is not None:
         await notify({**review, "event": "opened"})
 
@@ -227,6 +230,102 @@ async def approval(
         approval_id=approval_id,
         fingerprint=fp,
     )
+
+
+#: the key of an ``approval_requested`` marker's value holding the JSON Schema of the
+#: proposal's type (reviews that allow edits, recorded since decide checks edits)
+EDIT_SCHEMA = "edit_schema"
+
+
+def edit_schema(adapter: TypeAdapter[Any]) -> dict[str, Any] | None:
+    """The JSON Schema an edit is checked against by ``App.decide`` (None: none can be
+    made for the proposal's type, and only the run validates edits)."""
+    try:
+        schema = adapter.json_schema()
+        json.dumps(schema)
+    except Exception:
+        return None
+    return schema if isinstance(schema, dict) else None
+
+
+def edit_problems(schema: dict[str, Any], value: Any) -> list[str]:
+    """What rules ``value`` out as an edit of a proposal of JSON Schema ``schema``.
+
+    Only what the run's validation refuses for sure is checked (an object where one is
+    required, its required keys, keys it forbids, a fixed value: a tool's name), so an
+    edit refused here would be refused by the run; anything else is left to the run,
+    which validates the edit against the proposal's type in full."""
+    problems: list[str] = []
+    defs = schema.get("$defs")
+    _check_shape(schema, value, "", defs if isinstance(defs, dict) else {}, problems, 0)
+    return problems
+
+
+def describe_shape(schema: dict[str, Any]) -> str | None:
+    """A short picture of an object ``schema`` (``{"tool": "refund", "args": {...}}``),
+    or None for any other."""
+    defs = schema.get("$defs")
+    return _picture(schema, defs if isinstance(defs, dict) else {}, 0, top=True)
+
+
+def _picture(schema: Any, defs: dict[str, Any], depth: int, *, top: bool = False) -> str | None:
+    if not isinstance(schema, dict) or depth > 3:
+        return None
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#/$defs/"):
+        return _picture(defs.get(ref[len("#/$defs/") :]), defs, depth + 1, top=top)
+    if "const" in schema:
+        return json.dumps(schema["const"])
+    if schema.get("type") != "object":
+        return None
+    props = schema.get("properties")
+    if not isinstance(props, dict) or not props:
+        return None if top else "{...}"
+    inner = ", ".join(
+        f"{json.dumps(k)}: {_picture(v, defs, depth + 1) or '...'}" for k, v in props.items()
+    )
+    return "{" + inner + "}"
+
+
+def _check_shape(
+    schema: Any, value: Any, where: str, defs: dict[str, Any], out: list[str], depth: int
+) -> None:
+    if not isinstance(schema, dict) or depth > 32:
+        return
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#/$defs/"):
+        _check_shape(defs.get(ref[len("#/$defs/") :]), value, where, defs, out, depth + 1)
+        return
+    at = where or "the edit"
+    fixed = schema["enum"] if isinstance(schema.get("enum"), list) else None
+    if "const" in schema:
+        fixed = [schema["const"]]
+    if fixed is not None and all(isinstance(f, str) for f in fixed):
+        if not isinstance(value, str) or value not in fixed:
+            choices = " or ".join(json.dumps(f) for f in fixed)
+            out.append(f"{at} must be {choices}, not {json.dumps(value, default=str)}")
+        return
+    if schema.get("type") != "object":
+        return
+    if not isinstance(value, dict):
+        out.append(f"{at} must be an object, not {type(value).__name__}")
+        return
+    props = schema.get("properties")
+    props = props if isinstance(props, dict) else {}
+    required = schema.get("required")
+    missing = [k for k in required if k not in value] if isinstance(required, list) else []
+    if missing:
+        out.append(f"{at} lacks {', '.join(repr(k) for k in missing)}")
+    if schema.get("additionalProperties") is False and props:
+        extra = [k for k in value if k not in props]
+        if extra:
+            out.append(
+                f"{at} may not have {', '.join(repr(k) for k in extra)} "
+                f"(its keys: {', '.join(repr(k) for k in props)})"
+            )
+    for key, sub in props.items():
+        if key in value:
+            _check_shape(sub, value[key], f"{where}.{key}" if where else key, defs, out, depth + 1)
 
 
 async def _next_decision(inst: Any, signal: str, until: float) -> dict[str, Any] | None:

@@ -399,30 +399,57 @@ def _last_failure(events: list[Event]) -> tuple[Event | None, bool]:
     return failures[-1], _caught(events, failures[-1], terminal)
 
 
-#: commands recorded when a failure propagating cancels what the code was awaiting
-_CLEANUP = frozenset(
-    {
-        EventType.ACTIVITY_CANCEL_REQUESTED,
-        EventType.TIMER_CANCELLED,
-        EventType.CHILD_CANCEL_REQUESTED,
-    }
+#: commands after a step's failure that show the code went on from it: it called
+#: another step or started a timer
+_GOING_ON = frozenset(
+    {EventType.ACTIVITY_SCHEDULED, EventType.CHILD_STARTED, EventType.TIMER_STARTED}
 )
+#: commands that show it only when a workflow task recorded them before the run's
+#: ending: one the run ends in records them while the failure propagates (``finally``)
+_NOTES = frozenset({EventType.STATUS_SET, EventType.MARKER, EventType.PATCH_MARKER})
+
+
+def _through(marker: Event) -> int:
+    """The last incoming event's seq the workflow task closed by ``marker`` had seen."""
+    try:
+        return int(marker.data.get("through", 0))
+    except (TypeError, ValueError):
+        return 0
 
 
 def _caught(events: list[Event], failed: Event, terminal: int | None) -> bool:
     """Whether the run's code caught step failure ``failed`` and went on before the run's
-    ending (at seq ``terminal``): it recorded a command after it (a step, a timer, a
-    status, a marker; not the cancellations of a failure propagating), and did not end
-    by raising that failure again (an ``ActivityError`` of the step's activity, a
-    ``ChildWorkflowError`` of its child run): then the run failed by itself, and running
-    the step again would repeat what its code had handled (refunded, say)."""
-    if not any(
-        e.seq > failed.seq
-        and (terminal is None or e.seq < terminal)
-        and e.type in COMMANDS
-        and e.type not in _CLEANUP
-        for e in events
-    ):
+    ending (at seq ``terminal``), and did not end by raising that failure again (an
+    ``ActivityError`` of the step's activity, a ``ChildWorkflowError`` of its child
+    run): then the run failed by itself, and running the step again would repeat what
+    its code had handled (refunded, say).
+
+    It went on when, after the failure, it called another step or started a timer (an
+    activity, a child run, a ``sleep``), recorded a status or marker in a workflow task
+    before the one the run ended in, or was woken by a signal after a workflow task that
+    saw the failure had ended with the run still going (``wait_event`` without a timeout
+    records no command). What the code records in the task the run ends in, while the
+    failure propagates or is re-raised as another error (a status or marker set in a
+    ``finally``, the cancellations of what it was awaiting), is not going on, nor is the
+    outcome of a step it had called before the failure."""
+    end = terminal if terminal is not None else events[-1].seq + 1
+    after = [e for e in events if failed.seq < e.seq < end]
+    markers = [e.seq for e in after if e.type is EventType.WORKFLOW_TASK_COMPLETED]
+    saw = next(
+        (
+            e.seq
+            for e in after
+            if e.type is EventType.WORKFLOW_TASK_COMPLETED and _through(e) >= failed.seq
+        ),
+        None,
+    )
+    went_on = any(
+        e.type in _GOING_ON
+        or (e.type in _NOTES and any(m > e.seq for m in markers))
+        or (e.type is EventType.SIGNAL_RECEIVED and saw is not None and e.seq > saw)
+        for e in after
+    )
+    if not went_on:
         return False
     ending = next((e for e in events if e.seq == terminal), None)
     if ending is not None and ending.type is EventType.WORKFLOW_NEEDS_INTERVENTION:
