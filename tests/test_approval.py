@@ -553,3 +553,20 @@ async def test_an_edit_of_a_review_that_allows_none_is_refused_at_once(app: teth
         assert await run.result(timeout=30) == "True {'title': 'Q3'}"
     (refused,) = markers(await app.history("noedit-1"), "approval_refused")
     assert "does not allow edits" in refused["reason"] and not refused.get("held")
+
+
+def test_a_proposal_type_with_aliases_records_no_edit_schema() -> None:
+    """A field with an alias may be sent by its name too (``populate_by_name``), which a
+    JSON Schema cannot say: ``decide`` must not refuse such an edit the run accepts, so
+    no schema is recorded for it (the run validates its edits)."""
+    from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+    from tether.workflow import _approval
+
+    class Aliased(BaseModel):
+        model_config = ConfigDict(populate_by_name=True)
+        title: str = Field(alias="Title")
+
+    assert _approval.edit_schema(TypeAdapter(Aliased)) is None
+    assert TypeAdapter(Aliased).validate_python({"title": "by name"}).title == "by name"
+    assert _approval.edit_schema(TypeAdapter(Post)) is not None

@@ -239,10 +239,15 @@ EDIT_SCHEMA = "edit_schema"
 
 def edit_schema(adapter: TypeAdapter[Any]) -> dict[str, Any] | None:
     """The JSON Schema an edit is checked against by ``App.decide`` (None: none can be
-    made for the proposal's type, and only the run validates edits)."""
+    made for the proposal's type, or its fields have aliases, and only the run
+    validates edits)."""
     try:
         schema = adapter.json_schema()
         json.dumps(schema)
+        # a field with an alias may be given by its name too (``populate_by_name``), which
+        # the schema cannot say: such a type's edits are left to the run alone
+        if adapter.json_schema(by_alias=False) != schema:
+            return None
     except Exception:
         return None
     return schema if isinstance(schema, dict) else None
