@@ -358,6 +358,36 @@ async def test_a_stable_id_takes_back_a_dead_holders_leases_without_waiting_for_
         await app.close()
 
 
+def test_a_hold_taken_again_while_the_worker_releases_it_is_let_go(pg_schema: str) -> None:
+    """The check of the id's hold runs in a thread: when it took the lock again on a new
+    session while the worker stopped (released the hold), the new session was kept in
+    the released hold, never closed, and the id stayed locked: a restart was refused."""
+    import psycopg
+
+    from conftest import PG_URL, with_schema
+
+    app = tether.App(store=with_schema(PG_URL, pg_schema))
+    store: Any = app.store
+    try:
+        release = store.hold_worker_id("ingest-1")
+        with psycopg.connect(PG_URL, autocommit=True) as admin:
+            pid = store._id_holds["ingest-1"][0].info.backend_pid
+            admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        connect = store._connect
+
+        def connect_while_the_worker_stops() -> Any:
+            conn = connect()
+            release()
+            return conn
+
+        store._connect = connect_while_the_worker_stops
+        assert store.check_worker_id("ingest-1")
+        store._connect = connect
+        store.hold_worker_id("ingest-1")()  # not left locked
+    finally:
+        store.close_sync()
+
+
 async def _has_failed_step(app: tether.App, run_id: str) -> bool:
     return tether.EventType.ACTIVITY_FAILED in [e.type for e in await app.history(run_id)]
 

@@ -167,6 +167,8 @@ class SqliteStore(OpsStore):
         self._listeners: list[Listener] = []
         #: worker id -> [the descriptor of its locked file, the file's path]
         self._id_holds: dict[str, list[Any]] = {}
+        #: a check of a hold (in a thread) may take it again while the hold is released
+        self._id_lock = threading.Lock()
         self._history_listeners: list[HistoryListener] = []
         self._stream_listeners: list[StreamListener] = []
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -494,9 +496,10 @@ class SqliteStore(OpsStore):
         hold = self._id_holds[worker_id] = [fd, path]
 
         def release() -> None:
-            if self._id_holds.get(worker_id) is hold:
-                del self._id_holds[worker_id]
-            os.close(hold[0])  # closing the file drops its lock
+            with self._id_lock:
+                if self._id_holds.get(worker_id) is hold:
+                    del self._id_holds[worker_id]
+                os.close(hold[0])  # closing the file drops its lock
 
         return release
 
@@ -522,8 +525,12 @@ class SqliteStore(OpsStore):
             return True
         if new is None:
             return False
-        os.close(fd)
-        hold[0] = new
+        with self._id_lock:
+            if self._id_holds.get(worker_id) is hold:
+                os.close(fd)
+                hold[0] = new
+                return True
+        os.close(new)  # released meanwhile (the worker stopped): not to be held again
         return True
 
     def call_sync(self, fn: Op, *args: Any, write: bool = True) -> Any:
