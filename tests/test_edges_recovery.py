@@ -4,6 +4,7 @@ work handed back by a stopping worker, and cancelled race losers."""
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Any
 
 import pytest
@@ -242,7 +243,7 @@ async def test_a_worker_id_whose_postgres_session_ended_is_held_again(
         b = second.worker(worker_id="ingest-1")
         with pytest.raises(tether.ConfigurationError, match="in use by a live worker"):
             await b.start()
-        assert a._claims_paused_until == 0.0
+        assert not a._id_taken
 
         # the session ends and another process takes the id before the worker looks
         monkeypatch.setattr(worker_module, "ID_CHECK_EVERY", 3600.0)
@@ -251,12 +252,140 @@ async def test_a_worker_id_whose_postgres_session_ended_is_held_again(
         await asyncio.sleep(0.3)  # the server lets the lock go with the session
         await b.start()
         await a._check_id()
-        assert a._claims_paused_until == float("inf")  # it claims nothing more
+        assert a._id_taken  # it claims nothing more
         await b.stop()
     finally:
         await a.kill()
         await first.close()
         await second.close()
+
+
+async def test_a_second_process_under_a_live_workers_id_leaves_its_leases_alone(
+    store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The id's advisory lock ends with its session (``pg_terminate_backend``, a dropped
+    connection) while the worker lives; a second process started under the id in that
+    window got the lock and took back at once every task leased to the id, trusting the
+    lock to prove their holder dead: the live worker's step ran twice. Now the second
+    process takes back only leases no one renews, and the live one renews its leases the
+    moment it finds its id taken: the step runs once, finished by the first worker.
+    (On SQLite the hold is a file lock, lost only if its file is deleted.)"""
+    import psycopg
+
+    import tether._worker as worker_module
+    from conftest import PG_URL
+
+    # the first worker's watch looks at its hold only when the test says so (below)
+    monkeypatch.setattr(worker_module, "ID_CHECK_EVERY", 3600.0)
+    monkeypatch.setattr(worker_module, "RECLAIM_WAIT", 1.0)
+    first, second = tether.App(store=store_url), tether.App(store=store_url)
+    ran: list[str] = []
+    finish = asyncio.Event()
+    for app in (first, second):
+
+        @app.activity
+        async def embed(doc: str) -> str:
+            ran.append(doc)
+            await finish.wait()
+            return doc.upper()
+
+        @app.workflow
+        async def ingest(doc: str) -> str:
+            return await embed(doc)
+
+    a = b = None
+    try:
+        # a lease that outlasts the test: only what the first worker does now counts
+        a = first.worker(worker_id="ingest-1", lease=60.0, poll_interval=0.05)
+        await a.start()
+        run = await first.start("ingest", "doc", run_id="r")
+
+        async def running() -> bool:
+            return ran == ["doc"]
+
+        await eventually(running, what="the step to start in the first worker")
+        hold = first.store._id_holds["ingest-1"]  # type: ignore[attr-defined]
+        if store_url.startswith("sqlite"):
+            os.remove(hold[1])  # the lock file
+        else:
+            with psycopg.connect(PG_URL, autocommit=True) as admin:
+                admin.execute("SELECT pg_terminate_backend(%s)", (hold[0].info.backend_pid,))
+        b = second.worker(worker_id="ingest-1", poll_interval=0.05)
+        await b.start()  # the lock is free: admitted
+        await a._check_id()  # the first worker's watch comes round: its id is taken
+        assert a._id_taken
+        await asyncio.sleep(2.0)  # past the second's wait before it takes anything back
+        assert ran == ["doc"], "the live worker's step ran again in the second process"
+        finish.set()
+        assert await run.result(timeout=10) == "DOC"
+        assert ran == ["doc"]
+        types = [e.type for e in await first.history("r")]
+        assert types.count(EventType.ACTIVITY_COMPLETED) == 1
+    finally:
+        finish.set()
+        for w in (a, b):
+            if w is not None:
+                await w.kill()
+        await first.close()
+        await second.close()
+
+
+async def test_a_stable_id_takes_back_a_dead_holders_leases_without_waiting_for_them(
+    store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker that died holding leases (a long one here) is not there to renew them:
+    restarted under its id, a worker takes them back once it saw no renewal for
+    ``RECLAIM_WAIT``, far before the lease ends."""
+    import tether._worker as worker_module
+
+    monkeypatch.setattr(worker_module, "RECLAIM_WAIT", 0.3)
+    app = tether.App(store=store_url)
+
+    @app.workflow
+    async def hello(name: str) -> str:
+        return f"hello {name}"
+
+    try:
+        run = await app.start(hello, "ada", run_id="r")
+        # the crashed holder: claimed the run's task under the id for ten minutes
+        (task,) = await app.store.claim(
+            worker_id="ingest-1", queues=["default"], limit=1, lease=600
+        )
+        assert task.run_id == "r"
+        async with app.worker(worker_id="ingest-1", poll_interval=0.05):
+            assert await run.result(timeout=10) == "hello ada"
+    finally:
+        await app.close()
+
+
+def test_a_hold_taken_again_while_the_worker_releases_it_is_let_go(pg_schema: str) -> None:
+    """The check of the id's hold runs in a thread: when it took the lock again on a new
+    session while the worker stopped (released the hold), the new session was kept in
+    the released hold, never closed, and the id stayed locked: a restart was refused."""
+    import psycopg
+
+    from conftest import PG_URL, with_schema
+
+    app = tether.App(store=with_schema(PG_URL, pg_schema))
+    store: Any = app.store
+    try:
+        release = store.hold_worker_id("ingest-1")
+        with psycopg.connect(PG_URL, autocommit=True) as admin:
+            pid = store._id_holds["ingest-1"][0].info.backend_pid
+            admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        connect = store._connect
+
+        def connect_while_the_worker_stops() -> Any:
+            conn = connect()
+            release()
+            return conn
+
+        store._connect = connect_while_the_worker_stops
+        assert store.check_worker_id("ingest-1")
+        store._connect = connect
+        store.hold_worker_id("ingest-1")()  # not left locked
+    finally:
+        store.close_sync()
 
 
 async def _has_failed_step(app: tether.App, run_id: str) -> bool:

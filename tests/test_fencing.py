@@ -64,3 +64,36 @@ async def test_store_stale_workflow_task_cannot_commit(app: tether.App) -> None:
     assert len(await store.read_history("r2")) == 1
     await store.complete_workflow_task(fresh, empty)
     assert len(await store.read_history("r2")) == 2
+
+
+async def test_store_takes_back_only_leases_no_one_renewed(app: tether.App) -> None:
+    """``reclaim`` (a worker restarted under a stable id) compares the id's leases with
+    what ``leases`` read a few seconds earlier: one renewed since shows that its holder
+    lives (holding the id proves only that the previous hold ended), so none is taken
+    back; unrenewed ones are claimable at once; leases that only heartbeats extend tell
+    nothing, and are left to expire."""
+
+    @app.workflow
+    async def wf() -> int:
+        return 1
+
+    store = app.store
+    for rid in ("a", "b"):
+        await app.start(wf, run_id=rid)
+    held = await store.claim(worker_id="X", queues=["default"], limit=10, lease=600)
+    seen = await store.leases("X")
+    assert sorted(seen) == sorted(t.task_id for t in held) and len(held) == 2
+    assert not any(beats for _, _, beats in seen.values())
+    await store.renew(held[:1], 900)  # the holder lives: it renewed one
+    assert await store.reclaim("X", seen) is None
+    assert await store.claim(worker_id="Y", queues=["default"], limit=10, lease=30) == []
+
+    seen = await store.leases("X")  # the holder died since
+    beats_only = {task_id: (fence, at, True) for task_id, (fence, at, _) in seen.items()}
+    assert await store.reclaim("X", beats_only) is None
+    assert await store.reclaim("X", seen) == 2
+    taken = await store.claim(worker_id="Y", queues=["default"], limit=10, lease=30)
+    assert sorted((t.task_id, t.fence) for t in taken) == sorted(
+        (t.task_id, t.fence + 1) for t in held
+    )
+    assert await store.leases("X") == {}

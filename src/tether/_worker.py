@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import contextvars
 import functools
 import json
@@ -80,6 +81,12 @@ UNKNOWN_HOLD = 10.0
 KEYRING_PAUSE = 30.0
 #: seconds between checks that a stable worker id is still held by this process
 ID_CHECK_EVERY = 2.0
+#: seconds a worker with a stable id waits at start before it takes back the leases
+#: of its id's previous holder, and takes them back only if no one renewed them
+#: meanwhile: a holder that lives (its hold on the id ended with a database session)
+#: renews its leases at its next check of the id (ID_CHECK_EVERY), when it finds the
+#: id taken. Three of its checks: a check that must reconnect can take a while
+RECLAIM_WAIT = 6.0
 #: a worker logs an activity it does not register at most once per this many seconds
 UNKNOWN_LOG_EVERY = 60.0
 #: how often a worker folds the run counters' appended changes (``store/_counters.py``)
@@ -190,6 +197,11 @@ class Worker:
         self._retention: Periodic | None = None
         self._folding: Periodic | None = None
         self._id_watch: Periodic | None = None  #: keeps the stable id held
+        #: another process holds this worker's stable id now: claim nothing, lease
+        #: nothing back, renew what is held at every check (so it is left to us)
+        self._id_taken = False
+        #: takes back the id's leases its previous holder no longer renews
+        self._taking_back: asyncio.Task[None] | None = None
         self._threads = threads or min(32, concurrency)
         #: items of running batches beyond the first of each: a batch takes one slot
         self._batch_extra = 0
@@ -250,10 +262,12 @@ class Worker:
         await self._read_switches()  # before the first task, claimed or handed over
         self.app.store.add_listener(self._on_commit)
         if self._stable_id:
-            reclaimed = await self.app.store.reclaim(self.id)
-            if reclaimed:
-                count("tether_orphans_recovered", (), reclaimed)
-                log.info("worker %s took back %d task(s) of its predecessor", self.id, reclaimed)
+            # the id's previous holder's leases, taken back in a few seconds if it is gone
+            seen = await self.app.store.leases(self.id)
+            if seen:
+                self._taking_back = asyncio.create_task(
+                    self._take_back(seen), name=f"tether-take-back-{self.id}"
+                )
         self._main = asyncio.create_task(self._serve(), name=f"tether-worker-{self.id}")
         self.app._local_workers.append(self)
         if self.retention_every > 0:  # workflows' retention, and tenants' (in the store)
@@ -284,20 +298,56 @@ class Worker:
             )
             self._id_watch.start()
 
+    async def _take_back(self, seen: dict[int, tuple[int, float, bool]]) -> None:
+        """Take back the leases of the id's previous holder that it no longer renews.
+
+        Holding the id proves only that the previous holder's hold ended, not that the
+        process did (a PostgreSQL session can end while its process lives), so wait a
+        few checks of the id first: a live holder finds its id taken and renews its
+        leases, and they are left to it (run once, by it) instead of run twice."""
+        await asyncio.sleep(RECLAIM_WAIT)
+        try:
+            reclaimed = await self.app.store.reclaim(self.id, seen)
+        except Exception as exc:  # their leases expire instead
+            log.warning("worker %s: could not take back its predecessor's tasks: %s", self.id, exc)
+            return
+        if reclaimed is None:
+            log.warning(
+                "worker %s: %d task(s) leased to this worker id before it started are left "
+                "to their leases: %s",
+                self.id,
+                len(seen),
+                "only heartbeats extend them, so nothing tells whether their holder lives"
+                if all(beats for _, _, beats in seen.values())
+                else "a live process renews them (its hold on the id had ended, e.g. with "
+                "its database session): it finishes them and claims nothing more; stop one",
+            )
+        elif reclaimed:
+            count("tether_orphans_recovered", (), reclaimed)
+            log.info("worker %s took back %d task(s) of its predecessor", self.id, reclaimed)
+
     async def _check_id(self) -> None:
         """Keep the stable id held (a database session holding it can end while this
-        process lives); if another process took it meanwhile, claim nothing more: that
-        process took this one's tasks over, and two would run them twice."""
+        process lives). If another process took it meanwhile, claim nothing more and
+        lease nothing back, and renew every lease held at once: the other process takes
+        back only leases no one renews, so what this one runs is left to it (run once)."""
         if await asyncio.to_thread(self.app.store.check_worker_id, self.id):
+            if self._id_taken:  # held again: the other process is gone
+                self._id_taken = False
+                log.warning("worker %s: this process holds its worker id again", self.id)
+                if self._wake is not None:
+                    self._wake.set()
             return
-        if self._claims_paused_until != math.inf:
-            self._claims_paused_until = math.inf
+        if not self._id_taken:
+            self._id_taken = True
             log.error(
                 "worker %s: another process holds this worker id now (this process's hold "
-                "on it ended with its database session), so this worker claims nothing "
-                "more; stop it: the other process took its tasks over",
+                "on it ended, e.g. with its database session), so this worker finishes what "
+                "it runs (its leases renewed, left to it) and claims nothing more; stop one "
+                "of the two",
                 self.id,
             )
+        await self._renew_held()
 
     async def run(self) -> None:
         """Serve until ``stop()`` is called (or the task is cancelled)."""
@@ -392,6 +442,11 @@ class Worker:
         if self._switcher is not None:
             self._switcher.cancel()
             self._switcher = None
+        if self._taking_back is not None:
+            self._taking_back.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._taking_back
+            self._taking_back = None
         for periodic in (self._retention, self._folding, self._id_watch):
             if periodic is not None:
                 await periodic.stop()
@@ -480,6 +535,9 @@ class Worker:
         if self._switcher is not None:
             tasks.append(self._switcher)
             self._switcher = None
+        if self._taking_back is not None:
+            tasks.append(self._taking_back)
+            self._taking_back = None
         for t in (*tasks, self._main):
             t.cancel()
         await asyncio.gather(*tasks, self._main, return_exceptions=True)
@@ -509,10 +567,16 @@ class Worker:
         return (
             self._main is not None
             and not self._stopping
+            and not self._id_taken
             and self._loop is loop
             and queue in self.queues
             and self.free_slots() > 0
         )
+
+    def _lease_to(self) -> str | None:
+        """Who a commit leases a run's next task to: this worker, unless it stops or
+        another process holds its id (then any worker claims it)."""
+        return None if self._stopping or self._id_taken else self.id
 
     def free_slots(self) -> int:
         """How many more tasks this worker may hold (tasks leased to it on commit)."""
@@ -540,8 +604,8 @@ class Worker:
                 await self._slot.wait()
                 continue
             self._wake.clear()
-            paused = self._claims_paused_until - time.monotonic()
-            if paused > 0:  # a keyring that cannot record: leave the queue to others
+            paused = math.inf if self._id_taken else self._claims_paused_until - time.monotonic()
+            if paused > 0:  # a keyring that cannot record, or an id another process holds
                 try:
                     await asyncio.wait_for(self._wake.wait(), min(paused, 60.0))
                 except TimeoutError:
@@ -749,33 +813,37 @@ class Worker:
     async def _renew_loop(self) -> None:
         while True:
             await asyncio.sleep(self.lease / 3)
-            held = [t for t, _, _ in self._inflight.values()]
-            if not held:
+            await self._renew_held()
+
+    async def _renew_held(self) -> None:
+        """Renew the leases of everything in flight; stop what lost its lease."""
+        held = [t for t, _, _ in self._inflight.values()]
+        if not held:
+            return
+        try:
+            alive = await self.app.store.renew(held, self.lease)
+        except StoreError as exc:
+            log.warning("lease renewal failed: %s", exc)
+            return
+        for t in held:
+            entry = self._inflight.get(t.task_id)
+            if entry is None or entry[0] is not t:  # ended, or claimed again since
                 continue
-            try:
-                alive = await self.app.store.renew(held, self.lease)
-            except StoreError as exc:
-                log.warning("lease renewal failed: %s", exc)
-                continue
-            for t in held:
-                entry = self._inflight.get(t.task_id)
-                if entry is None or entry[0] is not t:  # ended, or claimed again since
-                    continue
-                _, atask, ctx = entry
-                cancelled = alive.get(t.task_id)
-                if cancelled is None or cancelled:
-                    if ctx is not None:
-                        ctx._cancelled = True
-                    if (
-                        t.kind == "activity"
-                        and t.batch_id is None  # a batch runs on for its other items
-                        and not (ctx is not None and ctx._returned)
-                    ):
-                        # lost the lease (nothing this attempt does can be committed) or
-                        # the run was cancelled: async activities see CancelledError at
-                        # their next await; sync ones see ctx.is_cancelled. One that has
-                        # already returned is left to record its result.
-                        atask.cancel()
+            _, atask, ctx = entry
+            cancelled = alive.get(t.task_id)
+            if cancelled is None or cancelled:
+                if ctx is not None:
+                    ctx._cancelled = True
+                if (
+                    t.kind == "activity"
+                    and t.batch_id is None  # a batch runs on for its other items
+                    and not (ctx is not None and ctx._returned)
+                ):
+                    # lost the lease (nothing this attempt does can be committed) or
+                    # the run was cancelled: async activities see CancelledError at
+                    # their next await; sync ones see ctx.is_cancelled. One that has
+                    # already returned is left to record its result.
+                    atask.cancel()
 
     # -- workflow tasks ----------------------------------------------------
 
@@ -962,7 +1030,7 @@ class Worker:
             marker, leased = await store.complete_workflow_task(
                 task,
                 result,
-                lease_to=None if self._stopping else self.id,
+                lease_to=self._lease_to(),
                 lease_queues=self.queues,
                 lease=self.lease,
                 lease_limit=self.free_slots(),
@@ -1282,7 +1350,7 @@ class Worker:
                 wt = await store.complete_activity(
                     task,
                     result,
-                    lease_to=None if self._stopping else self.id,
+                    lease_to=self._lease_to(),
                     lease_queues=self.queues,
                     lease=self.lease,
                     read_after=self._cached_through(task.run_id),
@@ -1356,6 +1424,7 @@ class Worker:
             or inst is None
             or inst.finished
             or self._stopping
+            or self._id_taken
             or task.step is None
             or inst.workflow.queue not in self.queues
             or not inst.only_waiting_on(task.step)
@@ -1471,7 +1540,7 @@ class Worker:
                 task,
                 error,
                 retry_at,
-                lease_to=None if self._stopping else self.id,
+                lease_to=self._lease_to(),
                 lease_queues=self.queues,
                 lease=self.lease,
                 read_after=self._cached_through(task.run_id),

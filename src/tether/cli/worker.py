@@ -90,7 +90,7 @@ def worker_command(
             "--id",
             metavar="NAME",
             help="A stable, unique name for this worker (e.g. worker-1): after a crash its "
-            "restart takes back the tasks it held at once instead of waiting for leases.",
+            "restart takes back the tasks it held within seconds instead of waiting for leases.",
         ),
     ] = None,
     version: Annotated[
@@ -185,7 +185,7 @@ async def _hint_foreign_leases(app: App, w: Worker) -> None:
             f"tether worker {w.id}: {count} task(s) on these queues are leased to other "
             f"worker ids for up to {left:.0f}s more; if those workers are gone, their work "
             "resumes here when the leases expire (start workers with a stable --id NAME and "
-            "a restarted one takes its tasks back at once)"
+            "a restarted one takes its tasks back within seconds)"
         )
 
 

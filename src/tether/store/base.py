@@ -9,7 +9,7 @@ that complete a leased task check its fence first and raise ``LeaseLostError``
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -492,8 +492,19 @@ class Store(abc.ABC):
         on ``run:<id>`` from then on), oldest end first."""
 
     @abc.abstractmethod
-    async def reclaim(self, worker_id: str) -> int:
-        """Make every task leased to ``worker_id`` claimable now; return how many."""
+    async def leases(self, worker_id: str) -> dict[int, tuple[int, float, bool]]:
+        """The unexpired leases of ``worker_id``: task id -> (fence, expiry, whether only
+        heartbeats extend it). A restarted worker reads its predecessor's at start."""
+
+    @abc.abstractmethod
+    async def reclaim(
+        self, worker_id: str, seen: Mapping[int, tuple[int, float, bool]]
+    ) -> int | None:
+        """Make claimable now the leases ``seen`` (read by ``leases`` a few seconds
+        earlier) that are still ``worker_id``'s, unless any was renewed meanwhile (its
+        holder lives: a hold on the id proves no more than that its session ended) or
+        only heartbeats extend them (nothing tells then); return how many, None when
+        they are left to expire."""
 
     @abc.abstractmethod
     async def release(

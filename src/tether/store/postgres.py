@@ -223,6 +223,8 @@ class PostgresStore(OpsStore):
         self._listeners: list[Listener] = []
         #: worker id -> [the connection holding its advisory lock, the lock's key]
         self._id_holds: dict[str, list[Any]] = {}
+        #: a check of a hold (in a thread) may take it again while the hold is released
+        self._id_lock = threading.Lock()
         self._history_listeners: list[HistoryListener] = []
         self._stream_listeners: list[StreamListener] = []
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -782,9 +784,10 @@ class PostgresStore(OpsStore):
 
     def _release_id(self, worker_id: str, hold: list[Any]) -> None:
         """End the hold on ``worker_id`` (its lock ends with its session)."""
-        if self._id_holds.get(worker_id) is hold:
-            del self._id_holds[worker_id]
-        hold[0].close()
+        with self._id_lock:
+            if self._id_holds.get(worker_id) is hold:
+                del self._id_holds[worker_id]
+            hold[0].close()
 
     def check_worker_id(self, worker_id: str) -> bool:
         """The session holding the id's lock may have ended while this process lives
@@ -812,7 +815,11 @@ class PostgresStore(OpsStore):
             conn.close()
             return True
         if row and row[0]:
-            hold[0] = conn
+            with self._id_lock:
+                if self._id_holds.get(worker_id) is hold:
+                    hold[0] = conn
+                    return True
+            conn.close()  # released meanwhile (the worker stopped): not to be held again
             return True
         conn.close()
         return False

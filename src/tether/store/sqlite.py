@@ -137,6 +137,19 @@ _UPGRADES: dict[int, tuple[str, ...]] = {
 }
 
 
+def _lock_file(path: str) -> int | None:
+    """A descriptor of ``path`` (created if missing) holding its exclusive ``flock``;
+    None when another process holds it."""
+    assert fcntl is not None
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
 class SqliteStore(OpsStore):
     """SQLite store; ``path`` may be ``":memory:"`` (one process only)."""
 
@@ -152,6 +165,10 @@ class SqliteStore(OpsStore):
         self.clock: Callable[[], float] = time.time
         self._max_batch = max_batch
         self._listeners: list[Listener] = []
+        #: worker id -> [the descriptor of its locked file, the file's path]
+        self._id_holds: dict[str, list[Any]] = {}
+        #: a check of a hold (in a thread) may take it again while the hold is released
+        self._id_lock = threading.Lock()
         self._history_listeners: list[HistoryListener] = []
         self._stream_listeners: list[StreamListener] = []
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -472,17 +489,49 @@ class SqliteStore(OpsStore):
         if self.path == ":memory:" or fcntl is None:
             return super().hold_worker_id(worker_id)
         digest = hashlib.blake2b(worker_id.encode(), digest_size=8).hexdigest()
-        fd = os.open(f"{self.path}.worker-{digest}.lock", os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise ConfigurationError(worker_id_in_use(worker_id)) from None
+        path = f"{self.path}.worker-{digest}.lock"
+        fd = _lock_file(path)
+        if fd is None:
+            raise ConfigurationError(worker_id_in_use(worker_id))
+        hold = self._id_holds[worker_id] = [fd, path]
 
         def release() -> None:
-            os.close(fd)  # closing the file drops its lock
+            with self._id_lock:
+                if self._id_holds.get(worker_id) is hold:
+                    del self._id_holds[worker_id]
+                os.close(hold[0])  # closing the file drops its lock
 
         return release
+
+    def check_worker_id(self, worker_id: str) -> bool:
+        """The lock lasts as long as the process, but not if its file is deleted (or
+        replaced): another process could then lock a new file under the same name. Lock
+        the file found there now; False when another process holds it."""
+        hold = self._id_holds.get(worker_id)
+        if hold is None:
+            return True
+        fd, path = hold
+        try:
+            now, mine = os.stat(path), os.fstat(fd)
+            if (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino):
+                return True
+        except FileNotFoundError:
+            pass
+        except OSError:
+            return True  # asked again at the next check
+        try:
+            new = _lock_file(path)
+        except OSError:
+            return True
+        if new is None:
+            return False
+        with self._id_lock:
+            if self._id_holds.get(worker_id) is hold:
+                os.close(fd)
+                hold[0] = new
+                return True
+        os.close(new)  # released meanwhile (the worker stopped): not to be held again
+        return True
 
     def call_sync(self, fn: Op, *args: Any, write: bool = True) -> Any:
         """Run an operation from a thread that has no event loop (sync activities)."""

@@ -13,7 +13,7 @@ at their end, after their own definitions: any import order then works.
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -435,8 +435,14 @@ class OpsStore(Store):
         )
         return out
 
-    async def reclaim(self, worker_id: str) -> int:
-        out: int = await self._do(_reclaim, worker_id)
+    async def leases(self, worker_id: str) -> dict[int, tuple[int, float, bool]]:
+        out: dict[int, tuple[int, float, bool]] = await self._do(_leases, worker_id, write=False)
+        return out
+
+    async def reclaim(
+        self, worker_id: str, seen: Mapping[int, tuple[int, float, bool]]
+    ) -> int | None:
+        out: int | None = await self._do(_reclaim, worker_id, dict(seen))
         return out
 
     async def foreign_leases(
@@ -677,7 +683,15 @@ from .switches import (  # noqa: E402
     _switches,
     _untold_interventions,
 )
-from .tasks import _foreign_leases, _heartbeat, _next_due, _reclaim, _release, _renew  # noqa: E402
+from .tasks import (  # noqa: E402
+    _foreign_leases,
+    _heartbeat,
+    _leases,
+    _next_due,
+    _reclaim,
+    _release,
+    _renew,
+)
 from .timers import _fire_timer  # noqa: E402
 from .webhooks import _claim_webhooks, _finish_webhook, _webhook_deliveries  # noqa: E402
 from .workflow_tasks import _complete_workflow_task, _fail_workflow_task  # noqa: E402

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..._errors import LeaseLostError
@@ -176,20 +176,52 @@ def _renew(tx: _Tx, tasks: tuple[Task, ...], lease: float) -> dict[int, bool]:
     return out
 
 
-def _reclaim(tx: _Tx, worker_id: str) -> int:
-    """Make the tasks leased to ``worker_id`` claimable now (its process restarted).
-
-    Safe even if the old process is somehow alive: the next claim bumps each fence,
-    so anything the old one tries to commit is refused.
-    """
+def _leases(tx: _Tx, worker_id: str) -> dict[int, tuple[int, float, bool]]:
+    """The unexpired leases of ``worker_id``: task id -> (fence, expiry, whether only
+    heartbeats extend it), for ``_reclaim`` to compare a while later."""
     rows = tx.execute(
-        "UPDATE tasks SET available_at = ? WHERE lease_owner = ? AND available_at > ? "
-        "RETURNING queue",
-        (tx.now, worker_id, tx.now),
+        "SELECT task_id, fence, available_at, heartbeat_timeout FROM tasks "
+        "WHERE lease_owner = ? AND available_at > ?",
+        (worker_id, tx.now),
     ).fetchall()
-    for (queue,) in rows:
+    return {r[0]: (r[1], r[2], r[3] is not None) for r in rows}
+
+
+def _reclaim(tx: _Tx, worker_id: str, seen: Mapping[int, tuple[int, float, bool]]) -> int | None:
+    """Make claimable now the leases of ``worker_id`` read as ``seen`` (``_leases``) a
+    while ago, if no one renewed any of them since (their process is gone): a
+    restarted worker continues at once instead of waiting for them to expire.
+
+    The hold on the id alone does not prove its previous holder dead (a PostgreSQL
+    session can end while its process lives), so the renewals decide: None when any of
+    them was renewed (or heartbeated) since, by a process that lives and runs them, and
+    when only heartbeats extend them (nothing renews those on a schedule to tell by);
+    such leases are left to expire. Leases taken since (a new fence) are not the
+    predecessor's and are left alone. Even a holder that renews too late commits
+    nothing: the next claim bumps each fence.
+    """
+    if all(beats for _, _, beats in seen.values()):
+        return None
+    rows = tx.execute(
+        "SELECT task_id, fence, available_at FROM tasks WHERE lease_owner = ? "
+        f"AND available_at > ?{tx.for_update}",
+        (worker_id, tx.now),
+    ).fetchall()
+    stale: list[int] = []
+    for task_id, fence, expiry in rows:
+        before = seen.get(task_id)
+        if before is None or before[0] != fence:
+            continue  # leased since, by this process: not the predecessor's
+        if expiry > before[1]:
+            return None  # renewed since: the process holding it lives
+        stale.append(task_id)
+    for task_id in stale:
+        (queue,) = tx.execute(
+            "UPDATE tasks SET available_at = ? WHERE task_id = ? RETURNING queue",
+            (tx.now, task_id),
+        ).fetchone()
         tx.ready.add(queue)
-    return len(rows)
+    return len(stale)
 
 
 def _foreign_leases(tx: _Tx, queues: tuple[str, ...], worker_id: str) -> tuple[int, float | None]:
