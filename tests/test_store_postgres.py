@@ -565,6 +565,96 @@ async def test_recovers_after_server_drops_connections(
         assert (await a.get_run("r1")) is not None
 
 
+def _terminate(pids: list[int]) -> None:
+    """End these backends and wait until they are gone (their sockets closed)."""
+    with psycopg.connect(PG_URL, autocommit=True) as admin:
+        for pid in pids:
+            admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        deadline = time.monotonic() + 10
+        while admin.execute(
+            "SELECT 1 FROM pg_stat_activity WHERE pid = ANY(%s)", (pids,)
+        ).fetchone():
+            assert time.monotonic() < deadline, "the backends did not end"
+            time.sleep(0.01)
+
+
+def _writer_pids(store: PostgresStore) -> list[int]:
+    with store._lock:
+        return sorted(store._own_pids)
+
+
+async def test_connections_the_server_ended_while_idle_fail_no_operation(
+    pg_schema: str, open_stores: list[PostgresStore]
+) -> None:
+    """A restart, ``pg_terminate_backend`` or a cut proxy ends idle writer connections:
+    the next operations run on new connections instead of failing one per writer."""
+    s = _store(open_stores, pg_schema, writers=3)
+    await s.create_run(run_id="r1", workflow="wf", queue="q", input="[]")
+    for _ in range(3):  # every writer opens its connection
+        await asyncio.gather(*(s.get_run("r1") for _ in range(12)))
+    before = _writer_pids(s)
+    _terminate(before)
+    for i in range(9):  # reads and writes, one at a time and together
+        assert await s.get_run("r1") is not None
+        await s.create_run(run_id=f"r2-{i}", workflow="wf", queue="q", input="[]")
+        await asyncio.gather(*(s.get_run("r1") for _ in range(6)))
+    assert not set(before) & set(_writer_pids(s))
+
+
+async def test_a_connection_lost_before_commit_runs_the_batch_again(
+    pg_schema: str, open_stores: list[PostgresStore]
+) -> None:
+    """The connection breaks in the middle of a batch, before its COMMIT was sent: the
+    transaction cannot have committed, so the batch runs again on a new connection."""
+    s = _store(open_stores, pg_schema, writers=1)
+    pids: list[int] = []
+
+    def dies_once(tx: Any) -> int:
+        pid = tx.conn.conn.info.backend_pid
+        pids.append(pid)
+        if len(pids) == 1:
+            _terminate([pid])
+        tx.execute("SELECT 1").fetchone()
+        tx.execute("UPDATE runs SET attrs = attrs WHERE run_id = 'none'")
+        return pid
+
+    assert await s._do(dies_once) == pids[1] != pids[0]  # a write (the fast path)
+    pids.clear()
+    assert await s._do(dies_once, write=False) == pids[1] != pids[0]  # a read
+    assert s.stats()["reconnects"] == 2
+
+
+async def test_a_connection_lost_once_commit_was_sent_is_not_run_again(
+    pg_schema: str, open_stores: list[PostgresStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once COMMIT may have reached the server, the outcome is unknown: the batch
+    fails ("may or may not have been committed") and is not run a second time."""
+    from tether.store import _pg_session
+
+    s = _store(open_stores, pg_schema, writers=1)
+    calls: list[int] = []
+    send = _pg_session._Session.send
+
+    def cut_at_commit(session: Any, query: str) -> None:
+        if query == "COMMIT" and calls:
+            _terminate([session.conn.info.backend_pid])
+        send(session, query)
+
+    def op(tx: Any) -> None:
+        calls.append(1)
+        tx.execute("SELECT 1").fetchone()
+        tx.execute("UPDATE runs SET attrs = attrs WHERE run_id = 'none'")
+
+    monkeypatch.setattr(_pg_session._Session, "send", cut_at_commit)
+    with pytest.raises(tether.StoreError, match="may or may not have been committed"):
+        await s._do(op)
+    assert calls == [1]
+    monkeypatch.setattr(_pg_session._Session, "send", send)
+    calls.clear()
+    await s._do(op)  # the next batch has a new connection
+    assert calls == [1]
+
+
 # -- the optimistic fast path: guesses instead of reads ------------------------------
 
 

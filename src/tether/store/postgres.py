@@ -231,6 +231,7 @@ class PostgresStore(OpsStore):
         self._ops = 0
         self._retries = 0
         self._fallbacks = 0
+        self._reconnects = 0
         self._notified = 0
         self._own_pids: set[int] = set()
         self._known_limited: set[str] = set()  #: queues seen with limits (see _Tx)
@@ -400,24 +401,20 @@ class PostgresStore(OpsStore):
         return batch
 
     def _loop(self, conn: psycopg.Connection[Any] | None) -> None:
-        pid: int | None = None
-        session = _Session(conn) if conn is not None else None
+        session = self._adopt(conn) if conn is not None else None
         try:
             while (batch := self._next_batch()) is not None:
-                if session is None or session.conn.closed:
-                    with self._lock:
-                        self._own_pids.discard(pid or 0)
-                    pid = None
+                if session is not None and not session.alive():
+                    # the server ended the session while it was idle (a restart, a
+                    # terminated backend, a cut proxy): no batch is failed for that
+                    self._drop(session)
+                    session = None
+                if session is None:
                     try:
-                        session = _Session(self._connect())
+                        session = self._open_session()
                     except StoreError as exc:
-                        session = None
                         self._fail(batch, exc)
                         continue
-                if pid is None:
-                    pid = session.conn.info.backend_pid
-                    with self._lock:
-                        self._own_pids.add(pid)
                 if self.server_clock.due():
                     try:
                         self.server_clock.sync(functools.partial(_server_time, session.conn))
@@ -429,11 +426,29 @@ class PostgresStore(OpsStore):
                     log.exception("store batch failed")
                     self._fail(batch, StoreError(f"store operation failed: {exc!r}"))
                     if session is not None:
-                        session.conn.close()
+                        self._drop(session)
                     session = None
         finally:
             if session is not None:
-                session.conn.close()
+                self._drop(session)
+
+    def _adopt(self, conn: psycopg.Connection[Any]) -> _Session:
+        """A writer's session on ``conn``; its notifications are known as our own."""
+        session = _Session(conn)
+        with self._lock:
+            self._own_pids.add(session.pid)
+        return session
+
+    def _open_session(self) -> _Session:
+        """A writer's session on a new connection (``StoreError`` if none can be had)."""
+        return self._adopt(self._connect())
+
+    def _drop(self, session: _Session) -> None:
+        """Close a writer's session (whatever state it is in)."""
+        with self._lock:
+            self._own_pids.discard(session.pid)
+        with contextlib.suppress(Exception):
+            session.conn.close()
 
     def _run_batch(self, session: _Session, batch: list[Any]) -> _Session | None:
         """Run and commit one batch; return the session to keep (None if it broke)."""
@@ -448,13 +463,15 @@ class PostgresStore(OpsStore):
             if not part:
                 continue
             if kept is None:
-                self._fail(part, StoreError(f"lost the connection to PostgreSQL store {self.url}"))
-                continue
+                try:
+                    kept = self._open_session()
+                except StoreError as exc:
+                    self._fail(part, exc)
+                    continue
             kept = self._commit(kept, part, alone)
         return kept
 
     def _commit(self, session: _Session, batch: list[Any], solo: bool) -> _Session | None:
-        conn = session.conn
         writes = any(w for _, _, w, _ in batch)
         if writes and len(batch) > 1:
             # one lock order for every batch: fewer deadlocks between writer threads
@@ -463,8 +480,11 @@ class PostgresStore(OpsStore):
             batch.sort(key=lambda item: (item[0] in _CLAIMS, _run_key(item)))
         safe = not writes  # reads run statement by statement in autocommit mode
         attempt = 0
+        moved = False  #: the batch already moved to a new connection once
         while True:
             attempt += 1
+            conn = session.conn
+            session.committing = False
             try:
                 if safe:
                     results, ready, finished, touched = self._attempt(session, batch, writes, solo)
@@ -475,8 +495,12 @@ class PostgresStore(OpsStore):
                 # batch again with a savepoint per operation, so that one fails alone
                 self._rollback(conn)
                 if conn.broken or conn.closed:
-                    self._fail(batch, self._lost(fallback.error))
-                    return None
+                    session = self._move(session, batch, writes, moved, fallback.error)
+                    if session is None:
+                        return None
+                    moved = True
+                    attempt -= 1
+                    continue
                 log.debug("batch of %d falls back to savepoints: %r", len(batch), fallback.error)
                 with self._lock:
                     self._fallbacks += 1
@@ -485,9 +509,13 @@ class PostgresStore(OpsStore):
                 continue
             except _Retry as retry:
                 self._rollback(conn)
-                if conn.broken:
-                    self._fail(batch, self._lost(retry.error))
-                    return None
+                if conn.broken or conn.closed:
+                    session = self._move(session, batch, writes, moved, retry.error)
+                    if session is None:
+                        return None
+                    moved = True
+                    attempt -= 1
+                    continue
                 if attempt >= (_MAX_SOLO_ATTEMPTS if solo else _MAX_BATCH_ATTEMPTS):
                     self._fail(
                         batch,
@@ -509,8 +537,15 @@ class PostgresStore(OpsStore):
                 continue
             except psycopg.Error as exc:
                 self._rollback(conn)
-                self._fail(batch, self._lost(exc) if conn.broken else self._explain(exc))
-                return None if conn.broken else session
+                if conn.broken or conn.closed:
+                    session = self._move(session, batch, writes, moved, exc)
+                    if session is None:
+                        return None
+                    moved = True
+                    attempt -= 1
+                    continue
+                self._fail(batch, self._explain(exc))
+                return session
             break
         with self._lock:
             if writes:
@@ -523,6 +558,43 @@ class PostgresStore(OpsStore):
         if touched:
             self._history_grew(touched)
         return session
+
+    def _move(
+        self,
+        session: _Session,
+        batch: list[Any],
+        writes: bool,
+        moved: bool,
+        error: BaseException,
+    ) -> _Session | None:
+        """The connection broke under ``batch``: drop it, and return a new session to run
+        the batch again on, or None (the batch failed).
+
+        Only a batch that certainly did not commit moves: a read, or a write whose
+        ``COMMIT`` was not yet handed to libpq (the server rolls back a transaction
+        whose connection is gone). One whose ``COMMIT`` may have reached the server
+        fails with "may or may not have been committed", and so does one that moved
+        once already (the database is away: the caller hears so at once).
+        """
+        unknown = writes and session.committing
+        self._drop(session)
+        if moved or unknown:
+            self._fail(batch, self._lost(error))
+            return None
+        log.info(
+            "the connection to PostgreSQL store %s broke before the batch committed (%s); "
+            "running it again on a new connection",
+            self.url,
+            _first_line(error),
+        )
+        try:
+            fresh = self._open_session()
+        except StoreError as exc:
+            self._fail(batch, exc)
+            return None
+        with self._lock:
+            self._reconnects += 1
+        return fresh
 
     def _attempt_fast(
         self, session: _Session, batch: list[Any], solo: bool
@@ -554,6 +626,7 @@ class PostgresStore(OpsStore):
             notify = self._notify_text(ready, finished, touched, conn)
             if notify:
                 session.send(notify)
+            session.committing = True
             session.send("COMMIT")
             session.finish_pipeline()
         except BaseException as exc:
@@ -669,6 +742,7 @@ class PostgresStore(OpsStore):
                 results.append((fut, value, None))
                 break
         if writes:
+            session.committing = True
             try:
                 session.send(self._commit_text(pending, ready, finished, touched, conn))
             except _RETRYABLE as exc:
@@ -857,6 +931,7 @@ class PostgresStore(OpsStore):
                 "retries": self._retries,
                 "fallbacks": self._fallbacks,
                 "notifications": self._notified,
+                "reconnects": self._reconnects,
             }
 
     def _stop(self) -> list[threading.Thread]:
