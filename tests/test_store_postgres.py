@@ -601,6 +601,29 @@ async def test_connections_the_server_ended_while_idle_fail_no_operation(
     assert not set(before) & set(_writer_pids(s))
 
 
+async def test_connections_a_proxy_cut_while_idle_fail_no_operation(pg_schema: str) -> None:
+    """The same when the connections end without a word from the server (a proxy or a
+    load balancer drops them): the closed socket is found before the next batch."""
+    from conftest import PgProxy
+
+    proxy = PgProxy("127.0.0.1", 5432)
+    s = PostgresStore(with_schema(proxy.url(PG_URL), pg_schema), writers=2)
+    try:
+        await s.create_run(run_id="r1", workflow="wf", queue="q", input="[]")
+        for _ in range(3):  # every writer opens its connection
+            await asyncio.gather(*(s.get_run("r1") for _ in range(12)))
+        for round in range(2):
+            proxy.cut()
+            time.sleep(0.05)  # the sockets' ends arrive
+            for i in range(6):
+                assert await s.get_run("r1") is not None
+                await s.create_run(run_id=f"r2-{round}-{i}", workflow="wf", queue="q", input="[]")
+                await asyncio.gather(*(s.get_run("r1") for _ in range(4)))
+    finally:
+        await s.close()
+        proxy.shut()
+
+
 async def test_a_connection_lost_before_commit_runs_the_batch_again(
     pg_schema: str, open_stores: list[PostgresStore]
 ) -> None:

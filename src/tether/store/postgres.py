@@ -495,10 +495,10 @@ class PostgresStore(OpsStore):
                 # batch again with a savepoint per operation, so that one fails alone
                 self._rollback(conn)
                 if conn.broken or conn.closed:
-                    session = self._move(session, batch, writes, moved, fallback.error)
-                    if session is None:
+                    fresh = self._move(session, batch, writes, moved, fallback.error)
+                    if fresh is None:
                         return None
-                    moved = True
+                    session, moved = fresh, True
                     attempt -= 1
                     continue
                 log.debug("batch of %d falls back to savepoints: %r", len(batch), fallback.error)
@@ -510,10 +510,10 @@ class PostgresStore(OpsStore):
             except _Retry as retry:
                 self._rollback(conn)
                 if conn.broken or conn.closed:
-                    session = self._move(session, batch, writes, moved, retry.error)
-                    if session is None:
+                    fresh = self._move(session, batch, writes, moved, retry.error)
+                    if fresh is None:
                         return None
-                    moved = True
+                    session, moved = fresh, True
                     attempt -= 1
                     continue
                 if attempt >= (_MAX_SOLO_ATTEMPTS if solo else _MAX_BATCH_ATTEMPTS):
@@ -538,10 +538,10 @@ class PostgresStore(OpsStore):
             except psycopg.Error as exc:
                 self._rollback(conn)
                 if conn.broken or conn.closed:
-                    session = self._move(session, batch, writes, moved, exc)
-                    if session is None:
+                    fresh = self._move(session, batch, writes, moved, exc)
+                    if fresh is None:
                         return None
-                    moved = True
+                    session, moved = fresh, True
                     attempt -= 1
                     continue
                 self._fail(batch, self._explain(exc))
@@ -579,7 +579,7 @@ class PostgresStore(OpsStore):
         unknown = writes and session.committing
         self._drop(session)
         if moved or unknown:
-            self._fail(batch, self._lost(error))
+            self._fail(batch, self._lost(error, unknown))
             return None
         log.info(
             "the connection to PostgreSQL store %s broke before the batch committed (%s); "
@@ -762,11 +762,17 @@ class PostgresStore(OpsStore):
     def _fail(batch: list[Any], error: BaseException) -> None:
         deliver([(fut, None, error) for _, _, _, fut in batch])
 
-    def _lost(self, exc: BaseException) -> StoreError:
+    def _lost(self, exc: BaseException, unknown: bool = True) -> StoreError:
+        """``unknown``: the ``COMMIT`` may have reached the server."""
+        outcome = (
+            "the operation may or may not have been committed"
+            if unknown
+            else "nothing was committed"
+        )
         return StoreError(
-            f"lost the connection to PostgreSQL store {self.url} ({_first_line(exc)}); the "
-            "operation may or may not have been committed. tether reconnects on the next "
-            "operation; check the server if this repeats."
+            f"lost the connection to PostgreSQL store {self.url} ({_first_line(exc)}); "
+            f"{outcome}. tether reconnects on the next operation; check the server if this "
+            "repeats."
         )
 
     def _explain(self, exc: psycopg.Error) -> StoreError:
