@@ -83,12 +83,13 @@ async def test_a_completion_lost_to_a_store_blip_is_retried_not_left_to_its_leas
 
     monkeypatch.setattr(app.store, "complete_activity", flaky)
     caplog.set_level(logging.WARNING, logger="tether")
-    # landed: the workflow task the lost answer leased to this worker waits its lease
-    w = app.worker(lease=2.0 if landed else 30.0, poll_interval=0.05)
+    # landed: the workflow task the lost answer leased to this worker is given back,
+    # not left to wait out its 30 s lease
+    w = app.worker(lease=30.0, poll_interval=0.05)
     await w.start()
     try:
         run = await app.start(pair, run_id="r1")
-        assert await run.result(timeout=15) == ["A", "B"]
+        assert await run.result(timeout=10) == ["A", "B"]
     finally:
         await w.stop(grace=2.0)
     assert sorted(ran) == ["a", "b"]  # each step ran once: its result was recorded
@@ -185,8 +186,9 @@ async def test_a_one_commit_completion_lost_to_a_store_blip_is_offered_again(
 
     monkeypatch.setattr(app.store, "complete_activity_fast", flaky)
     caplog.set_level(logging.WARNING, logger="tether")
-    # landed: the step the lost answer leased to this worker waits its lease
-    w = app.worker(lease=2.0 if landed else 30.0, poll_interval=0.05)
+    # landed: the step the lost answer leased to this worker is given back, not left
+    # to wait out its 30 s lease
+    w = app.worker(lease=30.0, poll_interval=0.05)
     await w.start()
     try:
         run = await app.start(chain, run_id="r1")
@@ -195,3 +197,71 @@ async def test_a_one_commit_completion_lost_to_a_store_blip_is_offered_again(
         await w.stop(grace=2.0)
     assert calls and ran == ["a", "b"]  # the lost result was recorded, not run again
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+async def test_the_last_completion_lost_but_recorded_does_not_wait_out_a_lease(
+    app: tether.App, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both results take the ordinary path; the second one's commit lands but its answer
+    is lost: the workflow task it leased to this worker is given back at once."""
+    ran: list[str] = []
+    pair = _two_steps(app, ran)
+    real = app.store.complete_activity
+    calls: list[int] = []
+
+    async def flaky(task: Any, result: str, **kw: Any) -> Any:
+        calls.append(task.task_id)
+        if len(set(calls)) == 2 and calls.count(task.task_id) == 1:
+            await real(task, result, **kw)  # committed, but the answer is lost
+            raise tether.StoreError(LOST)
+        return await real(task, result, **kw)
+
+    monkeypatch.setattr(app.store, "complete_activity", flaky)
+    w = app.worker(lease=30.0, poll_interval=0.05)
+    await w.start()
+    try:
+        run = await app.start(pair, run_id="r1")
+        assert await run.result(timeout=10) == ["A", "B"]  # not after the 30 s lease
+    finally:
+        await w.stop(grace=2.0)
+    assert sorted(ran) == ["a", "b"]
+
+
+async def test_a_workflow_task_commit_lost_but_recorded_gives_its_steps_back(
+    app: tether.App, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A workflow task's commit lands but its answer is lost: the steps it leased to
+    this worker are given back at once instead of waiting out their leases."""
+    ran: list[str] = []
+
+    @app.activity
+    def step(name: str) -> str:
+        ran.append(name)
+        return name.upper()
+
+    @app.workflow
+    async def one() -> str:
+        await tether.sleep(0.05)  # (the workflow task after it runs on the worker)
+        return await step("a")
+
+    real = app.store.complete_workflow_task
+    lost: list[int] = []
+
+    async def flaky(task: Any, *args: Any, **kw: Any) -> Any:
+        out = await real(task, *args, **kw)
+        if out[1] and not lost:  # it leased the step to this worker
+            lost.append(task.task_id)
+            raise tether.StoreError(LOST)  # committed, but the answer is lost
+        return out
+
+    monkeypatch.setattr(app.store, "complete_workflow_task", flaky)
+    caplog.set_level(logging.INFO, logger="tether")
+    w = app.worker(lease=30.0, poll_interval=0.05)
+    await w.start()
+    try:
+        run = await app.start(one, run_id="r1")
+        assert await run.result(timeout=10) == "A"  # not after the 30 s lease
+    finally:
+        await w.stop(grace=2.0)
+    assert ran == ["a"] and lost
+    assert "gave back 1 task(s) of run 'r1'" in caplog.text

@@ -979,6 +979,11 @@ class Worker:
                     exc,
                     extra={"run_id": task.run_id},
                 )
+                # if it was committed after all, the steps it leased to this worker
+                # are given back rather than left to their leases (the task itself,
+                # if not, waits out its lease as ever: a persistent error is not
+                # retried in a loop)
+                await self._give_back_unknown(task)
             return
         if marker == TASK_REJECTED:
             # the result would have ended the run while a signal, cancel or result
@@ -1297,6 +1302,9 @@ class Worker:
                         task.run_id,
                         extra={"run_id": task.run_id},
                     )
+                    # the lost commit may have leased the run's next tasks to this
+                    # worker, which knows nothing of them: give them back now
+                    await self._give_back_unknown(task)
                 else:
                     self._lease_lost()
                 return
@@ -1315,12 +1323,41 @@ class Worker:
                 )
                 try:
                     await store.release([task])
-                except StoreError:  # (LeaseLostError too) its lease runs out instead
+                except LeaseLostError:  # the task is gone: a lost offer had landed
+                    await self._give_back_unknown(task)
+                except StoreError:  # its lease runs out instead
                     pass
                 return
             if wt is not None:
                 self._spawn(wt)
             return
+
+    async def _give_back_unknown(self, task: Task) -> None:
+        """A commit for ``task`` failed with its outcome unknown (the store's connection
+        broke at ``COMMIT``): if it landed, it leased the run's next tasks to this worker,
+        which does not know them, so they would wait out their lease. Make this worker's
+        leases on the run claimable now, but for the tasks it is running (``task``
+        among them). Claiming bumps the fence, so nothing runs twice at once. If the
+        store still fails, the leases run out as before."""
+        keep = sorted({*self._inflight, task.task_id})
+        try:
+            n = await self.app.store.reclaim(self.id, run_id=task.run_id, keep=keep)
+        except StoreError as exc:
+            log.warning(
+                "could not give back the tasks of run %r that a lost commit may have leased "
+                "to this worker (they are claimable when their lease ends): %s",
+                task.run_id,
+                exc,
+                extra={"run_id": task.run_id},
+            )
+            return
+        if n:
+            log.info(
+                "gave back %d task(s) of run %r that a lost commit had leased to this worker",
+                n,
+                task.run_id,
+                extra={"run_id": task.run_id},
+            )
 
     def _lease_lost(self, attempt: bool = True) -> None:
         """A result (or failure) this worker offered was refused: its lease had passed.

@@ -492,8 +492,15 @@ class Store(abc.ABC):
         on ``run:<id>`` from then on), oldest end first."""
 
     @abc.abstractmethod
-    async def reclaim(self, worker_id: str) -> int:
-        """Make every task leased to ``worker_id`` claimable now; return how many."""
+    async def reclaim(
+        self, worker_id: str, *, run_id: str | None = None, keep: Sequence[int] = ()
+    ) -> int:
+        """Make every task leased to ``worker_id`` claimable now; return how many.
+
+        With ``run_id``, only that run's tasks, and never those in ``keep`` (task ids
+        the worker is running): a worker that could not tell whether a commit leasing
+        it the run's next tasks landed gives them back instead of letting them wait
+        out their leases."""
 
     @abc.abstractmethod
     async def release(

@@ -435,8 +435,10 @@ class OpsStore(Store):
         )
         return out
 
-    async def reclaim(self, worker_id: str) -> int:
-        out: int = await self._do(_reclaim, worker_id)
+    async def reclaim(
+        self, worker_id: str, *, run_id: str | None = None, keep: Sequence[int] = ()
+    ) -> int:
+        out: int = await self._do(_reclaim, worker_id, run_id, tuple(keep))
         return out
 
     async def foreign_leases(

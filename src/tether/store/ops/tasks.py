@@ -176,16 +176,25 @@ def _renew(tx: _Tx, tasks: tuple[Task, ...], lease: float) -> dict[int, bool]:
     return out
 
 
-def _reclaim(tx: _Tx, worker_id: str) -> int:
-    """Make the tasks leased to ``worker_id`` claimable now (its process restarted).
+def _reclaim(tx: _Tx, worker_id: str, run_id: str | None = None, keep: tuple[int, ...] = ()) -> int:
+    """Make the tasks leased to ``worker_id`` claimable now (its process restarted), or
+    only those of ``run_id`` but ``keep`` (a commit that leased them may have been lost).
 
     Safe even if the old process is somehow alive: the next claim bumps each fence,
     so anything the old one tries to commit is refused.
     """
+    where = ""
+    params: tuple[Any, ...] = (tx.now, worker_id, tx.now)
+    if run_id is not None:
+        where = " AND run_id = ?"
+        params += (run_id,)
+    if keep:
+        where += f" AND task_id NOT IN ({','.join('?' * len(keep))})"
+        params += keep
     rows = tx.execute(
-        "UPDATE tasks SET available_at = ? WHERE lease_owner = ? AND available_at > ? "
-        "RETURNING queue",
-        (tx.now, worker_id, tx.now),
+        "UPDATE tasks SET available_at = ? WHERE lease_owner = ? AND available_at > ?"
+        f"{where} RETURNING queue",
+        params,
     ).fetchall()
     for (queue,) in rows:
         tx.ready.add(queue)
