@@ -678,6 +678,28 @@ async def test_a_connection_lost_once_commit_was_sent_is_not_run_again(
     assert calls == [1]
 
 
+async def test_a_statement_timeout_in_the_url_bounds_a_stuck_statement(
+    pg_schema: str, open_stores: list[PostgresStore]
+) -> None:
+    """The deploy guide's bound on a server that keeps the connection but does not
+    answer: ``options=-c statement_timeout=...`` fails the operation with a clear
+    StoreError, nothing committed, and the connection serves the next one."""
+    url = with_schema(f"{PG_URL}?options=-c%20statement_timeout%3D200", pg_schema)
+    s = PostgresStore(url, writers=1)
+    open_stores.append(s)
+
+    def stuck(tx: Any) -> None:
+        tx.execute("UPDATE runs SET attrs = attrs WHERE run_id = 'none'")
+        tx.execute("SELECT pg_sleep(5)").fetchone()
+
+    began = time.monotonic()
+    with pytest.raises(tether.StoreError, match="statement timeout"):
+        await s._do(stuck)
+    assert time.monotonic() - began < 3
+    await s.create_run(run_id="r1", workflow="wf", queue="q", input="[]")
+    assert s.stats()["reconnects"] == 0
+
+
 # -- the optimistic fast path: guesses instead of reads ------------------------------
 
 

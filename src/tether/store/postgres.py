@@ -48,7 +48,7 @@ import time
 from collections.abc import Callable, Iterator
 from importlib import resources
 from typing import Any
-from urllib.parse import parse_qsl, unquote, unquote_plus, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, unquote, unquote_plus, urlsplit, urlunsplit
 
 import psycopg
 from psycopg import errors as pg_errors
@@ -1080,17 +1080,17 @@ def _tcp_settings(conninfo: str, schema: str | None) -> tuple[dict[str, Any], sq
 def _split_url(url: str) -> tuple[str, str | None]:
     """Take tether's own ``schema`` parameter out of a libpq URL."""
     parts = urlsplit(url)
-    query = parse_qsl(parts.query, keep_blank_values=True)
     schema = None
-    rest = []
-    for key, value in query:
-        if key == "schema":
-            schema = value
-        else:
-            rest.append((key, value))
+    rest = []  # libpq's parameters as written: re-encoding would turn "%20" into "+"
+    for item in parts.query.split("&") if parts.query else ():
+        pairs = parse_qsl(item, keep_blank_values=True)
+        if pairs and pairs[0][0] == "schema":
+            schema = pairs[0][1]
+        elif item:
+            rest.append(item)
     if parts.scheme == "postgres":
         parts = parts._replace(scheme="postgresql")
-    return urlunsplit(parts._replace(query=urlencode(rest))), schema
+    return urlunsplit(parts._replace(query="&".join(rest))), schema
 
 
 #: parts of query parameter names whose values are secret (libpq's ``password`` and
