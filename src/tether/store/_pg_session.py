@@ -120,8 +120,9 @@ class _Session:
     def alive(self) -> bool:
         """Whether the idle connection is still usable, as far as can be told without a
         round trip: a server that ended the session (a restart, ``pg_terminate_backend``,
-        a proxy that cut it) has sent its goodbye or closed the socket, which is then
-        readable. Reading it marks the connection broken."""
+        a proxy that cut it) has sent its goodbye (``FATAL``) or closed the socket,
+        which is then readable. Nothing is sent; a session found dead is the caller's
+        to close."""
         pg = self.pgconn
         if pg.status != pq.ConnStatus.OK or self._ended:
             return False
