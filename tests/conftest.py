@@ -148,6 +148,7 @@ class PgProxy:
         self.port = self.sock.getsockname()[1]
         self.conns: list[Any] = []
         self.open = True
+        self.refusing = False  #: new connections closed at once (``down``)
         threading.Thread(target=self._accept, daemon=True).start()
 
     def url(self, url: str) -> str:
@@ -170,6 +171,9 @@ class PgProxy:
             if not self.open:
                 client.close()
                 return
+            if self.refusing:
+                client.close()
+                continue
             upstream = socket.create_connection(self.up)
             self.conns += [client, upstream]
             for a, b in ((client, upstream), (upstream, client)):
@@ -199,6 +203,15 @@ class PgProxy:
                 s.close()
             except OSError:
                 pass
+
+    def down(self) -> None:
+        """An outage (a server restarting): connections cut, new ones refused until ``back``."""
+        self.refusing = True
+        self.cut()
+
+    def back(self) -> None:
+        """The outage is over: new connections are let through again."""
+        self.refusing = False
 
     def shut(self) -> None:
         import socket

@@ -800,3 +800,38 @@ async def test_wrong_guesses_fall_back_and_give_the_exact_answers(pg_schema: str
         await app.close()
     assert len(_query(pg_schema, "SELECT 1 FROM events WHERE run_id = 'same'")) == 6
     assert _query(pg_schema, "SELECT count(*) FROM tasks") == [(0,)]
+
+
+async def test_a_step_that_ends_during_an_outage_is_recorded_not_run_again(
+    pg_schema: str,
+) -> None:
+    """PostgreSQL is unreachable for 3 s when an activity returns (a restart): its
+    result is offered until the server is back, within the worker's lease, so the step
+    does not run a second time and the run does not wait out a lease."""
+    from conftest import PgProxy
+
+    proxy = PgProxy("127.0.0.1", 5432)
+    app = tether.App(store=with_schema(proxy.url(PG_URL), pg_schema))
+    ran: list[int] = []
+
+    @app.activity
+    async def charge(order: str) -> str:
+        ran.append(1)
+        if len(ran) == 1:  # the outage begins while it runs
+            proxy.down()
+            asyncio.get_running_loop().call_later(3.0, proxy.back)
+        await asyncio.sleep(0.3)
+        return "charged " + order
+
+    @app.workflow
+    async def pay(order: str) -> str:
+        return await charge(order)
+
+    try:
+        async with app.worker(lease=15.0, poll_interval=0.05):
+            run = await app.start(pay, "o-1", run_id="p1")
+            assert await run.result(timeout=12) == "charged o-1"
+        assert ran == [1]
+    finally:
+        await app.close()
+        proxy.shut()
