@@ -835,3 +835,34 @@ async def test_a_step_that_ends_during_an_outage_is_recorded_not_run_again(
     finally:
         await app.close()
         proxy.shut()
+
+
+async def test_close_does_not_hang_on_a_writer_stuck_on_a_frozen_server(
+    pg_schema: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A writer waiting on a server that does not answer keeps its thread busy: close
+    waits for it a bounded time, then says so and returns (the thread is a daemon)."""
+    import logging
+
+    from tether.store import postgres
+
+    monkeypatch.setattr(postgres, "CLOSE_WAIT", 0.5)
+    s = PostgresStore(PG_URL, schema=pg_schema, writers=1)
+    frozen = threading.Event()
+
+    def stuck(tx: Any) -> None:
+        frozen.wait(10)  # (as a statement on a frozen server would)
+
+    pending = asyncio.ensure_future(s._do(stuck))
+    await asyncio.sleep(0.2)
+    caplog.set_level(logging.WARNING, logger="tether")
+    began = time.monotonic()
+    try:
+        await s.close()
+        assert time.monotonic() - began < 3.0
+        assert "did not finish within 0.5 s" in caplog.text
+    finally:
+        frozen.set()
+        await asyncio.wait([pending], timeout=5)
+        if pending.done() and not pending.cancelled():
+            pending.exception()

@@ -1399,7 +1399,9 @@ class Worker:
                     # renewals that still succeed do not stretch it past one lease: a
                     # store that takes them but keeps refusing this commit is not waited
                     # on forever
-                    left = min(self._lease_left(task), began + self._lease_span() - time.monotonic())
+                    left = min(
+                        self._lease_left(task), began + self._lease_span() - time.monotonic()
+                    )
                     pause = min(COMPLETE_RETRY_MAX_PAUSE, left) if left > 0 else None
                     if pause is not None and tries == len(COMPLETE_RETRY_PAUSES):
                         log.warning(

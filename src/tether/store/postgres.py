@@ -977,9 +977,27 @@ class _Fallback(Exception):
         self.error = error
 
 
+#: seconds ``close`` waits for the store's threads to finish what they run: a server
+#: that does not answer (frozen, or a network that drops packets silently) would keep
+#: a writer waiting, and the close with it, for as long as the socket stays open
+CLOSE_WAIT = 10.0
+
+
 def _join(threads: list[threading.Thread]) -> None:
+    deadline = time.monotonic() + CLOSE_WAIT
     for t in threads:
-        t.join()
+        t.join(max(0.0, deadline - time.monotonic()))
+    stuck = [t.name for t in threads if t.is_alive()]
+    if stuck:
+        log.warning(
+            "closing the PostgreSQL store: %d thread(s) (%s) did not finish within %g s, "
+            "waiting on a server that does not answer; the store is closed without them "
+            "(daemon threads: an operation they run may still end, or fail, later; a "
+            "statement_timeout in the store URL bounds such waits)",
+            len(stuck),
+            ", ".join(stuck),
+            CLOSE_WAIT,
+        )
 
 
 def _server_time(conn: psycopg.Connection[Any]) -> float:
