@@ -518,3 +518,32 @@ async def test_result_times_out_naming_the_store_problem(
     with pytest.raises(tether.ResultTimeoutError, match="lost the connection"):
         await run.result(timeout=0.6)
     assert loop.time() - began < 3.0
+
+
+async def test_the_sync_result_rides_out_store_errors_too(
+    app: tether.App, store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    @app.workflow
+    async def wf() -> int:
+        return 7
+
+    async with app.worker(lease=30.0, poll_interval=0.05):
+        assert await (await app.start(wf, run_id="r1")).result(timeout=10) == 7
+    client_app = tether.App(store=store_url)
+    client = tether.SyncClient(client_app)
+    try:
+        real = client_app.store.get_run
+        calls: list[int] = []
+
+        async def flaky(*args: Any, **kw: Any) -> Any:
+            calls.append(1)
+            if len(calls) <= 3:
+                raise tether.StoreError(LOST)
+            return await real(*args, **kw)
+
+        monkeypatch.setattr(client_app.store, "get_run", flaky)
+        got = await asyncio.to_thread(lambda: client.get_run("r1").result(timeout=10))
+        assert got == 7 and len(calls) == 4
+    finally:
+        await asyncio.to_thread(client.close)
+        await client_app.close()

@@ -2392,8 +2392,8 @@ class App:
                         if now - said >= RESULT_STORE_LOG_EVERY:
                             said = now
                             log.warning(
-                                "waiting for run %r: the store failed to read it for "
-                                "%.1f s; still trying: %s",
+                                "waiting for run %r: the store could not be read "
+                                "(failing for %.1f s, still trying): %s",
                                 run_id,
                                 now - failing_since,
                                 exc,
