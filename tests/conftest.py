@@ -13,6 +13,7 @@ import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import hypothesis  # noqa: F401  (see below)
 import pytest
@@ -131,3 +132,94 @@ def _collect_garbage() -> Iterator[None]:
     """Collect each test's abandoned workflow coroutines in its own teardown."""
     yield
     gc.collect()
+
+
+class PgProxy:
+    """A TCP proxy to PostgreSQL whose connections a test can cut (``cut``: as a server
+    restart or a proxy dropping its sessions does) or shut for good (``shut``: its
+    connections cut, new ones refused)."""
+
+    def __init__(self, host: str, port: int) -> None:
+        import socket
+        import threading
+
+        self.up = (host, port)
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.conns: list[Any] = []
+        self.open = True
+        self.refusing = False  #: new connections closed at once (``down``)
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def url(self, url: str) -> str:
+        """``url`` (a PostgreSQL URL) through this proxy."""
+        from urllib.parse import urlsplit
+
+        netloc = urlsplit(url).netloc
+        user = netloc.rsplit("@", 1)[0] + "@" if "@" in netloc else ""
+        return url.replace(netloc, f"{user}127.0.0.1:{self.port}", 1)
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+
+        while self.open:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            if not self.open:
+                client.close()
+                return
+            if self.refusing:
+                client.close()
+                continue
+            upstream = socket.create_connection(self.up)
+            self.conns += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: Any, dst: Any) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            try:
+                s.close()
+            except OSError:
+                pass
+
+    def cut(self) -> None:
+        """Close every connection made so far; new ones are still let through."""
+        import socket
+
+        conns, self.conns = self.conns, []
+        for s in conns:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+                s.close()
+            except OSError:
+                pass
+
+    def down(self) -> None:
+        """An outage (a server restarting): connections cut, new ones refused until ``back``."""
+        self.refusing = True
+        self.cut()
+
+    def back(self) -> None:
+        """The outage is over: new connections are let through again."""
+        self.refusing = False
+
+    def shut(self) -> None:
+        import socket
+
+        self.open = False
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes the accept() (close alone does not)
+        except OSError:
+            pass
+        self.sock.close()
+        self.cut()

@@ -130,76 +130,15 @@ def test_a_result_poll_open_while_its_run_is_erased_answers_410(store_url: str) 
         s.stop()
 
 
-class _Proxy:
-    """A TCP proxy to PostgreSQL that can be shut: its connections cut, new ones refused."""
-
-    def __init__(self, host: str, port: int) -> None:
-        import socket
-        import threading
-
-        self.up = (host, port)
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.conns: list[Any] = []
-        self.open = True
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        import socket
-        import threading
-
-        while self.open:
-            try:
-                client, _ = self.sock.accept()
-            except OSError:
-                return
-            if not self.open:
-                client.close()
-                return
-            upstream = socket.create_connection(self.up)
-            self.conns += [client, upstream]
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
-
-    @staticmethod
-    def _pipe(src: Any, dst: Any) -> None:
-        try:
-            while data := src.recv(65536):
-                dst.sendall(data)
-        except OSError:
-            pass
-        for s in (src, dst):
-            try:
-                s.close()
-            except OSError:
-                pass
-
-    def shut(self) -> None:
-        import socket
-
-        self.open = False
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)  # wakes the accept() (close alone does not)
-        except OSError:
-            pass
-        self.sock.close()
-        for s in self.conns:
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-                s.close()
-            except OSError:
-                pass
-
-
 def test_a_store_that_stops_answering_is_a_503_with_retry_after_never_the_url(
     pg_schema: str,
 ) -> None:
     from urllib.parse import urlsplit
 
-    from conftest import PG_URL, with_schema
+    from conftest import PG_URL, PgProxy, with_schema
 
     up = urlsplit(PG_URL)
-    proxy = _Proxy(up.hostname or "127.0.0.1", up.port or 5432)
+    proxy = PgProxy(up.hostname or "127.0.0.1", up.port or 5432)
     url = with_schema(PG_URL.replace(up.netloc, f"{up.username}@127.0.0.1:{proxy.port}"), pg_schema)
     s = Server(url, "--no-auth")
     try:

@@ -11,6 +11,7 @@ import datetime as _dt
 import inspect
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -2414,25 +2415,59 @@ class App:
         try:
             # in-process commits wake us at once; polling covers other processes
             poll = 0.25
+            failed: StoreError | None = None  #: the last read's store failure
+            failing_since = 0.0
+            said = -math.inf  #: when a failing store was last logged
             while True:
                 waiter.event.clear()  # before the read: a commit during it must still wake us
                 end, waiter.end = waiter.end, None
                 if end is not None and end.status.is_terminal:
                     return end
                 read, skip_read = not skip_read, False
-                found = await self.store.get_run(run_id) if read else None
-                if read and found is None:
-                    purged = await self.store.purged_run(run_id)
-                    if purged is not None:  # purged while it was waited on, or before
-                        raise RunPurgedError(run_id, *purged)
-                    if not may_not_exist:
-                        raise RunNotFoundError(run_id)
+                found = None
+                if read:
+                    try:
+                        found = await self.store.get_run(run_id)
+                        purged = None if found else await self.store.purged_run(run_id)
+                    except StoreError as exc:
+                        # it only reads: a store outage (a restart, a dropped connection)
+                        # is waited out like the run itself, within the timeout
+                        now = loop.time()
+                        if failed is None:
+                            failing_since = now
+                        failed = exc
+                        if now - said >= RESULT_STORE_LOG_EVERY:
+                            said = now
+                            log.warning(
+                                "waiting for run %r: the store could not be read "
+                                "(failing for %.1f s, still trying): %s",
+                                run_id,
+                                now - failing_since,
+                                exc,
+                                extra={"run_id": run_id},
+                            )
+                    else:
+                        failed = None
+                        if found is None:
+                            if purged is not None:  # purged while waited on, or before
+                                raise RunPurgedError(run_id, *purged)
+                            if not may_not_exist:
+                                raise RunNotFoundError(run_id)
                 if found is not None and found.is_finished:
                     return found
                 wait = poll
+                if failed is not None:  # back off, but not past the poll's pace for long
+                    wait = min(RESULT_STORE_MAX_PAUSE, max(0.1, loop.time() - failing_since))
                 if deadline is not None:
                     left = deadline - loop.time()
                     if left <= 0 and read:
+                        if failed is not None:
+                            raise ResultTimeoutError(
+                                f"run {run_id!r}: could not read it before the timeout, "
+                                f"the store failing for {loop.time() - failing_since:.1f} s "
+                                f"({failed}); it goes on running: call result() again to "
+                                "keep waiting"
+                            )
                         state = "not started" if found is None else found.status.value
                         raise ResultTimeoutError(
                             f"run {run_id!r} is still {state} after the timeout; "
@@ -2481,6 +2516,10 @@ class App:
         return run_sync(main())
 
 
+#: a ``result()`` waiting through a store outage logs it at most this often (seconds)
+RESULT_STORE_LOG_EVERY = 5.0
+#: the longest pause between a ``result()``'s reads while the store fails (seconds)
+RESULT_STORE_MAX_PAUSE = 2.0
 _MAX_RUNNING_HERE = 10_000  #: runs remembered as running here (a hint, see _wait_finished)
 #: the statuses a run ends in that write it to the dead letters (``_finish``)
 _DEAD_LETTERED = frozenset({RunStatus.FAILED, RunStatus.NEEDS_INTERVENTION, RunStatus.TIMED_OUT})

@@ -23,7 +23,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Callable, Collection, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Collection, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ._activity_context import ActivityContext, reset_context, set_context
@@ -94,9 +94,18 @@ FOLD_EVERY = 10.0
 #: seconds a workflow task whose history a store blip kept from being read waits before
 #: it may be claimed again: soon, but a store that keeps failing is not asked in a loop
 STORE_BLIP_DELAY = 1.0
-#: seconds between the offers of an activity's result that the store failed to record
-#: (a dropped connection): the fence makes a repeated completion safe
+#: seconds between the first offers of an activity's outcome (or a workflow task's
+#: commit) that the store failed to record (a dropped connection): the fence makes a
+#: repeated completion safe
 COMPLETE_RETRY_PAUSES = (0.2, 0.5, 1.0)
+#: seconds between the later offers of an activity's outcome, made while this worker's
+#: lease on the step lasts (a store outage longer than the pauses above)
+COMPLETE_RETRY_MAX_PAUSE = 2.0
+#: an outcome is offered until this share of the lease (at least LEASE_MARGIN_MIN
+#: seconds, at most half the lease) before this worker's lease on the step would end,
+#: counted from its last claim or renewal: then the step is given back
+LEASE_MARGIN = 0.2
+LEASE_MARGIN_MIN = 1.0
 #: the most tasks one worker may hold at once (a bound its claims' LIMIT can carry)
 MAX_CONCURRENCY = 100_000
 
@@ -207,6 +216,9 @@ class Worker:
         self._batch_extra = 0
         self._cache: collections.OrderedDict[str, WorkflowInstance] = collections.OrderedDict()
         self._inflight: dict[int, tuple[Task, asyncio.Task[None], ActivityContext | None]] = {}
+        #: monotonic time from which each in-flight task's lease is known to run (it
+        #: reached this worker, or a renewal sent then succeeded): see _lease_left
+        self._leased_at: dict[int, float] = {}
         #: the activity a finished one leads to, run next in the same asyncio task
         self._follow: dict[int, Task] = {}
         #: asyncio tasks awaiting a sync activity's thread (which nothing can interrupt)
@@ -546,6 +558,7 @@ class Worker:
                 await periodic.stop()
         self._retention = self._folding = self._id_watch = None
         self._inflight.clear()
+        self._leased_at.clear()
         self._unstarted = []
         self.app.store.remove_listener(self._on_commit)
         while self._cache:
@@ -674,6 +687,7 @@ class Worker:
         t.add_done_callback(functools.partial(self._batch_done, len(tasks) - 1))
         for task in tasks:
             self._inflight[task.task_id] = (task, t, None)
+            self._leased_at[task.task_id] = time.monotonic()
             t.add_done_callback(functools.partial(self._done, [task.task_id]))
 
     def _batch_done(self, extra: int, t: asyncio.Task[None]) -> None:
@@ -720,6 +734,7 @@ class Worker:
         self._supersede(task)  # first, so a stale attempt unwinds before this one starts
         t = asyncio.create_task(coro)
         self._inflight[task.task_id] = (task, t, None)
+        self._leased_at[task.task_id] = time.monotonic()
         t.add_done_callback(functools.partial(self._done, current))
 
     def cancel_activity(self, run_id: str, step: int) -> None:
@@ -766,6 +781,7 @@ class Worker:
         entry = self._inflight.get(task_id)
         if entry is not None and (t is None or entry[1] is t):
             del self._inflight[task_id]
+            self._leased_at.pop(task_id, None)
         else:  # the task was claimed again meanwhile: that entry is the new attempt's
             entry = None
         if t is not None and not t.cancelled():
@@ -820,6 +836,7 @@ class Worker:
         held = [t for t, _, _ in self._inflight.values()]
         if not held:
             return
+        sent = time.monotonic()
         try:
             alive = await self.app.store.renew(held, self.lease)
         except StoreError as exc:
@@ -831,6 +848,8 @@ class Worker:
                 continue
             _, atask, ctx = entry
             cancelled = alive.get(t.task_id)
+            if cancelled is not None:  # renewed: its lease runs from before the call
+                self._leased_at[t.task_id] = sent
             if cancelled is None or cancelled:
                 if ctx is not None:
                     ctx._cancelled = True
@@ -1026,28 +1045,58 @@ class Worker:
             except (LeaseLostError, StoreError):
                 pass
             return
-        try:
-            marker, leased = await store.complete_workflow_task(
-                task,
-                result,
-                lease_to=self._lease_to(),
-                lease_queues=self.queues,
-                lease=self.lease,
-                lease_limit=self.free_slots(),
-            )
-        except (LeaseLostError, StoreError) as exc:
-            if fresh is not None:
-                fresh.close()
-            if isinstance(exc, LeaseLostError):
-                self._lease_lost(attempt=False)  # a workflow task's
-            else:
+        tries = 0
+        while True:
+            try:
+                marker, leased = await store.complete_workflow_task(
+                    task,
+                    result,
+                    lease_to=self._lease_to(),
+                    lease_queues=self.queues,
+                    lease=self.lease,
+                    lease_limit=self.free_slots(),
+                )
+            except LeaseLostError:
+                if fresh is not None:
+                    fresh.close()
+                if tries:  # the fence refused a retry: most likely the first had landed
+                    log.info(
+                        "workflow task of run %r: a retry was refused, so the commit lost "
+                        "with the store's connection had been recorded (or the task's "
+                        "lease had passed)",
+                        task.run_id,
+                        extra={"run_id": task.run_id},
+                    )
+                    # the steps it may have leased to this worker are given back now
+                    await self._give_back_unknown(task)
+                else:
+                    self._lease_lost(attempt=False)  # a workflow task's
+                return
+            except StoreError as exc:
+                if tries < len(COMPLETE_RETRY_PAUSES):  # fenced: a retry is safe
+                    await asyncio.sleep(COMPLETE_RETRY_PAUSES[tries])
+                    tries += 1
+                    continue
+                if fresh is not None:
+                    fresh.close()
                 log.warning(
-                    "could not commit workflow task of %r: %s",
+                    "could not commit workflow task of %r (%d attempts), so it is given "
+                    "back to run again in %g s: %s",
                     task.run_id,
+                    tries + 1,
+                    STORE_BLIP_DELAY,
                     exc,
                     extra={"run_id": task.run_id},
                 )
-            return
+                # soon, but a store that keeps failing is not asked in a loop
+                try:
+                    await store.release([task], delay=STORE_BLIP_DELAY)
+                except StoreError:  # (LeaseLostError: the task is gone, a commit landed)
+                    # if one was committed after all, the steps it leased to this
+                    # worker are given back rather than left to their leases
+                    await self._give_back_unknown(task)
+                return
+            break
         if marker == TASK_REJECTED:
             # the result would have ended the run while a signal, cancel or result
             # arrived: not applied; the task runs again (a fresh replay) with it
@@ -1152,6 +1201,7 @@ class Worker:
             entry = self._inflight.get(task.task_id)
             if entry is not None and entry[1] is me:
                 del self._inflight[task.task_id]
+                self._leased_at.pop(task.task_id, None)
             if self._stopping:
                 self._unstarted.append(follow)
                 return
@@ -1165,6 +1215,7 @@ class Worker:
             current[0] = follow.task_id
             self._supersede(follow)
             self._inflight[follow.task_id] = (follow, me, None)
+            self._leased_at[follow.task_id] = time.monotonic()
             task = follow
 
     async def _run_activity(self, task: Task, inline: bool = False) -> None:
@@ -1341,54 +1392,149 @@ class Worker:
         if fast:
             return
         store = self.app.store
-        pauses: tuple[float | None, ...] = (*COMPLETE_RETRY_PAUSES, None)
         if fast is None:  # the one-commit path's commit was lost: this is a retry
             await asyncio.sleep(COMPLETE_RETRY_PAUSES[0])
-            pauses = pauses[1:]
-        for attempt, pause in enumerate(pauses, 1 if fast is None else 0):
+        await self._offer(
+            task,
+            "result",
+            lambda: store.complete_activity(
+                task,
+                result,
+                lease_to=self._lease_to(),
+                lease_queues=self.queues,
+                lease=self.lease,
+                read_after=self._cached_through(task.run_id),
+            ),
+            tries=1 if fast is None else 0,
+        )
+
+    def _lease_left(self, task: Task) -> float:
+        """Seconds this worker may still offer ``task``'s outcome: until a margin before
+        its lease on the task ends, counted from when the lease was last known to start
+        (the task reached this worker, or a renewal sent then succeeded)."""
+        since = self._leased_at.get(task.task_id)
+        if since is None:
+            return 0.0
+        return since + self._lease_span() - time.monotonic()
+
+    def _lease_span(self) -> float:
+        """The lease less its safety margin: how long an outcome may be offered."""
+        margin = min(max(self.lease * LEASE_MARGIN, LEASE_MARGIN_MIN), self.lease / 2)
+        return self.lease - margin
+
+    async def _offer(
+        self,
+        task: Task,
+        what: str,
+        op: Callable[[], Awaitable[Task | None]],
+        tries: int = 0,
+    ) -> None:
+        """Record an activity's outcome (``what``: its result or failure) with ``op``.
+
+        A commit the store fails to record (a dropped connection, a restarting server)
+        is offered again: at once after short pauses, then every COMPLETE_RETRY_MAX_PAUSE
+        seconds while this worker's lease on the step lasts (renewals fail too in an
+        outage; see _lease_left), so an outage shorter than the lease does not run the
+        step (a paid call) again. The fence makes a repeated offer safe: refused, it
+        says the lost one had landed. Past the lease the step is given back to run again.
+        ``tries``: offers already made (the one-commit path's lost one)."""
+        store = self.app.store
+        began = time.monotonic()
+        while True:
             try:
-                wt = await store.complete_activity(
-                    task,
-                    result,
-                    lease_to=self._lease_to(),
-                    lease_queues=self.queues,
-                    lease=self.lease,
-                    read_after=self._cached_through(task.run_id),
-                )
+                wt = await op()
             except LeaseLostError:
-                if attempt:  # the fence refused a retry: most likely the first had landed
+                if tries:  # the fence refused a retry: most likely the first had landed
                     log.info(
-                        "result of step %s of run %r: a retry was refused, so the "
-                        "completion lost with the store's connection had been recorded "
-                        "(or the task's lease had passed)",
+                        "%s of step %s of run %r: a retry was refused, so the commit lost "
+                        "with the store's connection had been recorded (or the task's "
+                        "lease had passed)",
+                        what,
                         task.step,
                         task.run_id,
                         extra={"run_id": task.run_id},
                     )
+                    # the lost commit may have leased the run's next tasks to this
+                    # worker, which knows nothing of them: give them back now
+                    await self._give_back_unknown(task)
                 else:
                     self._lease_lost()
                 return
             except StoreError as exc:
+                if tries < len(COMPLETE_RETRY_PAUSES):
+                    pause: float | None = COMPLETE_RETRY_PAUSES[tries]
+                else:
+                    # renewals that still succeed do not stretch it past one lease: a
+                    # store that takes them but keeps refusing this commit is not waited
+                    # on forever
+                    left = min(
+                        self._lease_left(task), began + self._lease_span() - time.monotonic()
+                    )
+                    pause = min(COMPLETE_RETRY_MAX_PAUSE, left) if left > 0 else None
+                    if pause is not None and tries == len(COMPLETE_RETRY_PAUSES):
+                        log.warning(
+                            "could not record the %s of step %s of run %r: it is offered "
+                            "again for up to %.1f s more, while this worker's lease on "
+                            "the step lasts: %s",
+                            what,
+                            task.step,
+                            task.run_id,
+                            left,
+                            exc,
+                            extra={"run_id": task.run_id},
+                        )
                 if pause is not None:  # a completion is fenced: offering it again is safe
                     await asyncio.sleep(pause)
+                    tries += 1
                     continue
                 log.warning(
-                    "could not record the result of step %s of run %r (%d attempts), so "
-                    "the step is given back and runs again: %s",
+                    "could not record the %s of step %s of run %r (%d attempts in %.1f s), "
+                    "so the step is given back and runs again: %s",
+                    what,
                     task.step,
                     task.run_id,
-                    attempt + 1,
+                    tries + 1,
+                    time.monotonic() - began,
                     exc,
                     extra={"run_id": task.run_id},
                 )
                 try:
                     await store.release([task])
-                except StoreError:  # (LeaseLostError too) its lease runs out instead
+                except LeaseLostError:  # the task is gone: a lost offer had landed
+                    await self._give_back_unknown(task)
+                except StoreError:  # its lease runs out instead
                     pass
                 return
             if wt is not None:
                 self._spawn(wt)
             return
+
+    async def _give_back_unknown(self, task: Task) -> None:
+        """A commit for ``task`` failed with its outcome unknown (the store's connection
+        broke at ``COMMIT``): if it landed, it leased the run's next tasks to this worker,
+        which does not know them, so they would wait out their lease. Make this worker's
+        leases on the run claimable now, but for the tasks it is running (``task``
+        among them). Claiming bumps the fence, so nothing runs twice at once. If the
+        store still fails, the leases run out as before."""
+        keep = sorted({*self._inflight, task.task_id})
+        try:
+            n = await self.app.store.give_back(self.id, task.run_id, keep)
+        except StoreError as exc:
+            log.warning(
+                "could not give back the tasks of run %r that a lost commit may have leased "
+                "to this worker (they are claimable when their lease ends): %s",
+                task.run_id,
+                exc,
+                extra={"run_id": task.run_id},
+            )
+            return
+        if n:
+            log.info(
+                "gave back %d task(s) of run %r that a lost commit had leased to this worker",
+                n,
+                task.run_id,
+                extra={"run_id": task.run_id},
+            )
 
     def _lease_lost(self, attempt: bool = True) -> None:
         """A result (or failure) this worker offered was refused: its lease had passed.
@@ -1535,8 +1681,10 @@ class Worker:
             and classify(exc, plan.retry.non_retryable, now).retryable
         ):
             await self._breaker_record(breaker, False)
-        try:
-            wt = await store.fail_activity(
+        await self._offer(
+            task,
+            "failure",
+            lambda: store.fail_activity(
                 task,
                 error,
                 retry_at,
@@ -1544,12 +1692,8 @@ class Worker:
                 lease_queues=self.queues,
                 lease=self.lease,
                 read_after=self._cached_through(task.run_id),
-            )
-        except LeaseLostError:
-            self._lease_lost()
-            return
-        if wt is not None:
-            self._spawn(wt)
+            ),
+        )
 
     def _cached_through(self, run_id: str) -> int | None:
         inst = self._cache.get(run_id)

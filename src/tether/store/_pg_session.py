@@ -12,6 +12,7 @@ import collections
 import itertools
 import logging
 import select
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any, cast
 
@@ -79,14 +80,18 @@ class _Session:
     """
 
     __slots__ = (
+        "__weakref__",
         "_counts",
         "_encoding",
+        "_ended",
         "_poll",
         "_prepared",
         "_requests",
         "_tx",
+        "committing",
         "conn",
         "pgconn",
+        "pid",
         "pipelined",
     )
 
@@ -94,6 +99,13 @@ class _Session:
         self.conn = conn
         self.pgconn = conn.pgconn
         self.pipelined = False
+        #: the batch's COMMIT was handed to libpq: if the connection breaks now, whether
+        #: the transaction committed is unknown (before it, it certainly did not)
+        self.committing = False
+        self.pid = conn.info.backend_pid
+        #: the server said it ends the session (a FATAL message while idle)
+        self._ended = False
+        conn.add_notice_handler(_EndNotice(self))
         self._tx = Transformer(conn)
         self._encoding = conn.info.encoding
         self._prepared: dict[tuple[bytes, tuple[int, ...]], bytes] = {}
@@ -104,6 +116,25 @@ class _Session:
         )
         self._poll = select.poll()
         self._poll.register(self.pgconn.socket, select.POLLIN)
+
+    def alive(self) -> bool:
+        """Whether the idle connection is still usable, as far as can be told without a
+        round trip: a server that ended the session (a restart, ``pg_terminate_backend``,
+        a proxy that cut it) has sent its goodbye (``FATAL``) or closed the socket,
+        which is then readable. Nothing is sent; a session found dead is the caller's
+        to close."""
+        pg = self.pgconn
+        if pg.status != pq.ConnStatus.OK or self._ended:
+            return False
+        for _ in range(3):  # (each read takes what is there: a goodbye, then the close)
+            if self._ended or not self._poll.poll(0):
+                break
+            try:
+                pg.consume_input()
+            except psycopg.Error:  # the socket was closed
+                return False
+            pg.is_busy()  # parses what came: an error while idle goes to the notice handlers
+        return pg.status == pq.ConnStatus.OK and not self._ended
 
     # -- statements ----------------------------------------------------------
 
@@ -314,6 +345,25 @@ class _Session:
     def _check(self, res: pq.abc.PGresult) -> None:
         if res.status not in (_COMMAND_OK, _TUPLES_OK, _EMPTY_QUERY):
             raise pg_errors.error_from_result(res, encoding=self._encoding)
+
+
+class _EndNotice:
+    """A connection's notice handler: notes the server's FATAL goodbye on its session.
+
+    An ended backend sends ``FATAL`` (e.g. 57P01, "terminating connection due to
+    administrator command") before it closes the socket; libpq hands a message that
+    arrives while the connection is idle to the notice handlers.
+    """
+
+    __slots__ = ("_session",)
+
+    def __init__(self, session: _Session) -> None:
+        self._session = weakref.ref(session)
+
+    def __call__(self, diag: psycopg.errors.Diagnostic) -> None:
+        session = self._session()
+        if session is not None and diag.severity_nonlocalized in ("FATAL", "PANIC"):
+            session._ended = True
 
 
 class _NeedsRows(Exception):

@@ -507,6 +507,13 @@ class Store(abc.ABC):
         they are left to expire."""
 
     @abc.abstractmethod
+    async def give_back(self, worker_id: str, run_id: str, keep: Sequence[int] = ()) -> int:
+        """Make the tasks of ``run_id`` leased to ``worker_id`` claimable now, except
+        those in ``keep`` (task ids the worker is running); return how many. A worker
+        that could not tell whether a commit leasing it the run's next tasks landed
+        gives them back instead of letting them wait out their leases."""
+
+    @abc.abstractmethod
     async def release(
         self,
         tasks: Sequence[Task],

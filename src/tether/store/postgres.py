@@ -48,7 +48,7 @@ import time
 from collections.abc import Callable, Iterator
 from importlib import resources
 from typing import Any
-from urllib.parse import parse_qsl, unquote, unquote_plus, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, unquote, unquote_plus, urlsplit, urlunsplit
 
 import psycopg
 from psycopg import errors as pg_errors
@@ -233,6 +233,7 @@ class PostgresStore(OpsStore):
         self._ops = 0
         self._retries = 0
         self._fallbacks = 0
+        self._reconnects = 0
         self._notified = 0
         self._own_pids: set[int] = set()
         self._known_limited: set[str] = set()  #: queues seen with limits (see _Tx)
@@ -402,24 +403,20 @@ class PostgresStore(OpsStore):
         return batch
 
     def _loop(self, conn: psycopg.Connection[Any] | None) -> None:
-        pid: int | None = None
-        session = _Session(conn) if conn is not None else None
+        session = self._adopt(conn) if conn is not None else None
         try:
             while (batch := self._next_batch()) is not None:
-                if session is None or session.conn.closed:
-                    with self._lock:
-                        self._own_pids.discard(pid or 0)
-                    pid = None
+                if session is not None and not session.alive():
+                    # the server ended the session while it was idle (a restart, a
+                    # terminated backend, a cut proxy): no batch is failed for that
+                    self._drop(session)
+                    session = None
+                if session is None:
                     try:
-                        session = _Session(self._connect())
+                        session = self._open_session()
                     except StoreError as exc:
-                        session = None
                         self._fail(batch, exc)
                         continue
-                if pid is None:
-                    pid = session.conn.info.backend_pid
-                    with self._lock:
-                        self._own_pids.add(pid)
                 if self.server_clock.due():
                     try:
                         self.server_clock.sync(functools.partial(_server_time, session.conn))
@@ -431,11 +428,29 @@ class PostgresStore(OpsStore):
                     log.exception("store batch failed")
                     self._fail(batch, StoreError(f"store operation failed: {exc!r}"))
                     if session is not None:
-                        session.conn.close()
+                        self._drop(session)
                     session = None
         finally:
             if session is not None:
-                session.conn.close()
+                self._drop(session)
+
+    def _adopt(self, conn: psycopg.Connection[Any]) -> _Session:
+        """A writer's session on ``conn``; its notifications are known as our own."""
+        session = _Session(conn)
+        with self._lock:
+            self._own_pids.add(session.pid)
+        return session
+
+    def _open_session(self) -> _Session:
+        """A writer's session on a new connection (``StoreError`` if none can be had)."""
+        return self._adopt(self._connect())
+
+    def _drop(self, session: _Session) -> None:
+        """Close a writer's session (whatever state it is in)."""
+        with self._lock:
+            self._own_pids.discard(session.pid)
+        with contextlib.suppress(Exception):
+            session.conn.close()
 
     def _run_batch(self, session: _Session, batch: list[Any]) -> _Session | None:
         """Run and commit one batch; return the session to keep (None if it broke)."""
@@ -450,13 +465,15 @@ class PostgresStore(OpsStore):
             if not part:
                 continue
             if kept is None:
-                self._fail(part, StoreError(f"lost the connection to PostgreSQL store {self.url}"))
-                continue
+                try:
+                    kept = self._open_session()
+                except StoreError as exc:
+                    self._fail(part, exc)
+                    continue
             kept = self._commit(kept, part, alone)
         return kept
 
     def _commit(self, session: _Session, batch: list[Any], solo: bool) -> _Session | None:
-        conn = session.conn
         writes = any(w for _, _, w, _ in batch)
         if writes and len(batch) > 1:
             # one lock order for every batch: fewer deadlocks between writer threads
@@ -465,8 +482,11 @@ class PostgresStore(OpsStore):
             batch.sort(key=lambda item: (item[0] in _CLAIMS, _run_key(item)))
         safe = not writes  # reads run statement by statement in autocommit mode
         attempt = 0
+        moved = False  #: the batch already moved to a new connection once
         while True:
             attempt += 1
+            conn = session.conn
+            session.committing = False
             try:
                 if safe:
                     results, ready, finished, touched = self._attempt(session, batch, writes, solo)
@@ -477,8 +497,12 @@ class PostgresStore(OpsStore):
                 # batch again with a savepoint per operation, so that one fails alone
                 self._rollback(conn)
                 if conn.broken or conn.closed:
-                    self._fail(batch, self._lost(fallback.error))
-                    return None
+                    fresh = self._move(session, batch, writes, moved, fallback.error)
+                    if fresh is None:
+                        return None
+                    session, moved = fresh, True
+                    attempt -= 1
+                    continue
                 log.debug("batch of %d falls back to savepoints: %r", len(batch), fallback.error)
                 with self._lock:
                     self._fallbacks += 1
@@ -487,9 +511,13 @@ class PostgresStore(OpsStore):
                 continue
             except _Retry as retry:
                 self._rollback(conn)
-                if conn.broken:
-                    self._fail(batch, self._lost(retry.error))
-                    return None
+                if conn.broken or conn.closed:
+                    fresh = self._move(session, batch, writes, moved, retry.error)
+                    if fresh is None:
+                        return None
+                    session, moved = fresh, True
+                    attempt -= 1
+                    continue
                 if attempt >= (_MAX_SOLO_ATTEMPTS if solo else _MAX_BATCH_ATTEMPTS):
                     self._fail(
                         batch,
@@ -511,8 +539,15 @@ class PostgresStore(OpsStore):
                 continue
             except psycopg.Error as exc:
                 self._rollback(conn)
-                self._fail(batch, self._lost(exc) if conn.broken else self._explain(exc))
-                return None if conn.broken else session
+                if conn.broken or conn.closed:
+                    fresh = self._move(session, batch, writes, moved, exc)
+                    if fresh is None:
+                        return None
+                    session, moved = fresh, True
+                    attempt -= 1
+                    continue
+                self._fail(batch, self._explain(exc))
+                return session
             break
         with self._lock:
             if writes:
@@ -525,6 +560,43 @@ class PostgresStore(OpsStore):
         if touched:
             self._history_grew(touched)
         return session
+
+    def _move(
+        self,
+        session: _Session,
+        batch: list[Any],
+        writes: bool,
+        moved: bool,
+        error: BaseException,
+    ) -> _Session | None:
+        """The connection broke under ``batch``: drop it, and return a new session to run
+        the batch again on, or None (the batch failed).
+
+        Only a batch that certainly did not commit moves: a read, or a write whose
+        ``COMMIT`` was not yet handed to libpq (the server rolls back a transaction
+        whose connection is gone). One whose ``COMMIT`` may have reached the server
+        fails with "may or may not have been committed", and so does one that moved
+        once already (the database is away: the caller hears so at once).
+        """
+        unknown = writes and session.committing
+        self._drop(session)
+        if moved or unknown:
+            self._fail(batch, self._lost(error, unknown))
+            return None
+        log.info(
+            "the connection to PostgreSQL store %s broke before the batch committed (%s); "
+            "running it again on a new connection",
+            self.url,
+            _first_line(error),
+        )
+        try:
+            fresh = self._open_session()
+        except StoreError as exc:
+            self._fail(batch, exc)
+            return None
+        with self._lock:
+            self._reconnects += 1
+        return fresh
 
     def _attempt_fast(
         self, session: _Session, batch: list[Any], solo: bool
@@ -556,6 +628,7 @@ class PostgresStore(OpsStore):
             notify = self._notify_text(ready, finished, touched, conn)
             if notify:
                 session.send(notify)
+            session.committing = True
             session.send("COMMIT")
             session.finish_pipeline()
         except BaseException as exc:
@@ -671,6 +744,7 @@ class PostgresStore(OpsStore):
                 results.append((fut, value, None))
                 break
         if writes:
+            session.committing = True
             try:
                 session.send(self._commit_text(pending, ready, finished, touched, conn))
             except _RETRYABLE as exc:
@@ -690,11 +764,17 @@ class PostgresStore(OpsStore):
     def _fail(batch: list[Any], error: BaseException) -> None:
         deliver([(fut, None, error) for _, _, _, fut in batch])
 
-    def _lost(self, exc: BaseException) -> StoreError:
+    def _lost(self, exc: BaseException, unknown: bool = True) -> StoreError:
+        """``unknown``: the ``COMMIT`` may have reached the server."""
+        outcome = (
+            "the operation may or may not have been committed"
+            if unknown
+            else "nothing was committed"
+        )
         return StoreError(
-            f"lost the connection to PostgreSQL store {self.url} ({_first_line(exc)}); the "
-            "operation may or may not have been committed. tether reconnects on the next "
-            "operation; check the server if this repeats."
+            f"lost the connection to PostgreSQL store {self.url} ({_first_line(exc)}); "
+            f"{outcome}. tether reconnects on the next operation; check the server if this "
+            "repeats."
         )
 
     def _explain(self, exc: psycopg.Error) -> StoreError:
@@ -864,6 +944,7 @@ class PostgresStore(OpsStore):
                 "retries": self._retries,
                 "fallbacks": self._fallbacks,
                 "notifications": self._notified,
+                "reconnects": self._reconnects,
             }
 
     def _stop(self) -> list[threading.Thread]:
@@ -903,9 +984,27 @@ class _Fallback(Exception):
         self.error = error
 
 
+#: seconds ``close`` waits for the store's threads to finish what they run: a server
+#: that does not answer (frozen, or a network that drops packets silently) would keep
+#: a writer waiting, and the close with it, for as long as the socket stays open
+CLOSE_WAIT = 10.0
+
+
 def _join(threads: list[threading.Thread]) -> None:
+    deadline = time.monotonic() + CLOSE_WAIT
     for t in threads:
-        t.join()
+        t.join(max(0.0, deadline - time.monotonic()))
+    stuck = [t.name for t in threads if t.is_alive()]
+    if stuck:
+        log.warning(
+            "closing the PostgreSQL store: %d thread(s) (%s) did not finish within %g s, "
+            "waiting on a server that does not answer; the store is closed without them "
+            "(daemon threads: an operation they run may still end, or fail, later; a "
+            "statement_timeout in the store URL bounds such waits)",
+            len(stuck),
+            ", ".join(stuck),
+            CLOSE_WAIT,
+        )
 
 
 def _server_time(conn: psycopg.Connection[Any]) -> float:
@@ -1006,17 +1105,17 @@ def _tcp_settings(conninfo: str, schema: str | None) -> tuple[dict[str, Any], sq
 def _split_url(url: str) -> tuple[str, str | None]:
     """Take tether's own ``schema`` parameter out of a libpq URL."""
     parts = urlsplit(url)
-    query = parse_qsl(parts.query, keep_blank_values=True)
     schema = None
-    rest = []
-    for key, value in query:
-        if key == "schema":
-            schema = value
-        else:
-            rest.append((key, value))
+    rest = []  # libpq's parameters as written: re-encoding would turn "%20" into "+"
+    for item in parts.query.split("&") if parts.query else ():
+        pairs = parse_qsl(item, keep_blank_values=True)
+        if pairs and pairs[0][0] == "schema":
+            schema = pairs[0][1]
+        elif item:
+            rest.append(item)
     if parts.scheme == "postgres":
         parts = parts._replace(scheme="postgresql")
-    return urlunsplit(parts._replace(query=urlencode(rest))), schema
+    return urlunsplit(parts._replace(query="&".join(rest))), schema
 
 
 #: parts of query parameter names whose values are secret (libpq's ``password`` and

@@ -445,6 +445,10 @@ class OpsStore(Store):
         out: int | None = await self._do(_reclaim, worker_id, dict(seen))
         return out
 
+    async def give_back(self, worker_id: str, run_id: str, keep: Sequence[int] = ()) -> int:
+        n: int = await self._do(_give_back, worker_id, run_id, tuple(keep))
+        return n
+
     async def foreign_leases(
         self, queues: Sequence[str], worker_id: str
     ) -> tuple[int, float | None]:
@@ -685,6 +689,7 @@ from .switches import (  # noqa: E402
 )
 from .tasks import (  # noqa: E402
     _foreign_leases,
+    _give_back,
     _heartbeat,
     _leases,
     _next_due,

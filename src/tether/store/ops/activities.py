@@ -83,9 +83,11 @@ def _fail_activity(
     elif _has_limits(tx, task.queue):
         tx.ready.add(task.queue)  # a slot under its concurrency cap is free: wake claimers
     if retry_at is not None:
+        # the fence moves on, so a retry of this commit (its answer lost with the
+        # connection) is refused, not recorded as a second failed attempt
         tx.execute(
-            "UPDATE tasks SET lease_owner = NULL, available_at = ?, last_error = ? "
-            "WHERE task_id = ?",
+            "UPDATE tasks SET lease_owner = NULL, available_at = ?, last_error = ?, "
+            "fence = fence + 1 WHERE task_id = ?",
             (retry_at, tx.seal_error(json.dumps(error), task.run_id), task.task_id),
         )
         _append(

@@ -224,6 +224,26 @@ def _reclaim(tx: _Tx, worker_id: str, seen: Mapping[int, tuple[int, float, bool]
     return len(stale)
 
 
+def _give_back(tx: _Tx, worker_id: str, run_id: str, keep: tuple[int, ...] = ()) -> int:
+    """Make the tasks of ``run_id`` leased to ``worker_id`` claimable now, but ``keep``
+    (those it runs): a commit that leased them to it may have been lost, so they are
+    not left to wait out their leases. The next claim bumps each fence, so the worker
+    can commit nothing of them after."""
+    params: tuple[Any, ...] = (tx.now, worker_id, tx.now, run_id)
+    where = ""
+    if keep:
+        where = f" AND task_id NOT IN ({','.join('?' * len(keep))})"
+        params += keep
+    rows = tx.execute(
+        "UPDATE tasks SET available_at = ? WHERE lease_owner = ? AND available_at > ? "
+        f"AND run_id = ?{where} RETURNING queue",
+        params,
+    ).fetchall()
+    for (queue,) in rows:
+        tx.ready.add(queue)
+    return len(rows)
+
+
 def _foreign_leases(tx: _Tx, queues: tuple[str, ...], worker_id: str) -> tuple[int, float | None]:
     marks = ",".join("?" * len(queues))
     row = tx.execute(

@@ -45,8 +45,10 @@ def _complete_workflow_task(
     ):
         # a signal, cancel or result arrived after the task read the history: ending the
         # run now would drop it; the task runs again with it instead
+        # (its fence moves on: a retry of this commit, its answer lost, is refused)
         tx.execute(
-            "UPDATE tasks SET lease_owner = NULL, available_at = ? WHERE task_id = ?",
+            "UPDATE tasks SET lease_owner = NULL, available_at = ?, fence = fence + 1 "
+            "WHERE task_id = ?",
             (tx.now, task.task_id),
         )
         tx.ready.add(run[1])
@@ -67,8 +69,11 @@ def _complete_workflow_task(
     if ended:
         return marker, []
     if _newer_incoming(tx, task.run_id, result.through):
+        # the task runs again for what came in; its fence moves on, so a retry of this
+        # commit (its answer lost with the connection) is refused, not applied twice
         tx.execute(
-            "UPDATE tasks SET lease_owner = NULL, available_at = ? WHERE task_id = ?",
+            "UPDATE tasks SET lease_owner = NULL, available_at = ?, fence = fence + 1 "
+            "WHERE task_id = ?",
             (tx.now, task.task_id),
         )
         tx.ready.add(run[1])
