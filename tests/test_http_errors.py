@@ -131,26 +131,39 @@ def test_a_result_poll_open_while_its_run_is_erased_answers_410(store_url: str) 
 
 
 class _Proxy:
-    """A TCP proxy to PostgreSQL that can be shut: its connections cut, new ones refused."""
+    """A TCP proxy to PostgreSQL that can be shut (its connections cut, new ones
+    refused) and opened again on the same port (``restore``)."""
 
     def __init__(self, host: str, port: int) -> None:
         import socket
-        import threading
 
         self.up = (host, port)
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.conns: list[Any] = []
-        self.open = True
-        threading.Thread(target=self._accept, daemon=True).start()
+        self._listen()
 
-    def _accept(self) -> None:
+    def _listen(self) -> None:
+        import threading
+
+        self.open = True
+        threading.Thread(target=self._accept, args=(self.sock,), daemon=True).start()
+
+    def restore(self) -> None:
+        """Take connections again (after ``shut``), on the same port."""
+        import socket
+
+        self.sock = socket.create_server(("127.0.0.1", self.port))
+        self.conns = []
+        self._listen()
+
+    def _accept(self, sock: Any) -> None:
         import socket
         import threading
 
         while self.open:
             try:
-                client, _ = self.sock.accept()
+                client, _ = sock.accept()
             except OSError:
                 return
             if not self.open:
@@ -215,6 +228,7 @@ def test_a_store_that_stops_answering_is_a_503_with_retry_after_never_the_url(
             assert "postgresql" not in r.text and str(proxy.port) not in r.text, r.text
         r = s.http.get("/readyz")  # asked by anyone, without a key
         assert r.status_code == 503 and r.json()["title"] == "Store not ready", r.text
+        assert r.headers["retry-after"] == "2"  # as every route's 503 says
         assert "postgresql" not in r.text and str(proxy.port) not in r.text, r.text
         s.proc.terminate()
         _, err = s.proc.communicate(timeout=30)
