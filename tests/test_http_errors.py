@@ -154,6 +154,7 @@ def test_a_store_that_stops_answering_is_a_503_with_retry_after_never_the_url(
             assert "postgresql" not in r.text and str(proxy.port) not in r.text, r.text
         r = s.http.get("/readyz")  # asked by anyone, without a key
         assert r.status_code == 503 and r.json()["title"] == "Store not ready", r.text
+        assert r.headers["retry-after"] == "2"  # as every route's 503 says
         assert "postgresql" not in r.text and str(proxy.port) not in r.text, r.text
         s.proc.terminate()
         _, err = s.proc.communicate(timeout=30)

@@ -175,7 +175,9 @@ def serve_command(
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    if not server.started:  # e.g. the port is taken (uvicorn logged why; its exit code)
+    if not server.started or api.state.start_failed:
+        # e.g. the port is taken (uvicorn logged why; its exit code), or the store opened
+        # late and the workers could not start then (logged)
         raise typer.Exit(3)
     _note(f"tether serve {app_spec} stopped")
     left: list[str] = api.state.left_threads

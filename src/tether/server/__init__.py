@@ -67,6 +67,7 @@ from ._models import (
     run_view,
     start_model,
 )
+from ._opening import StoreOpening
 from ._relay import WebhookRelay
 from ._stream import EventHub, ServerClosing
 from .console import install_console
@@ -206,7 +207,10 @@ def create_api(
     limiter = RateLimiter(rate_limit) if rate_limit else None
 
     async def who(request: Request, authorization: Annotated[str | None, Header()] = None) -> None:
-        """Authenticate (while keys are required) and rate-limit every ``/v1`` request."""
+        """Authenticate (while keys are required) and rate-limit every ``/v1`` request;
+        while the store is not open yet, any request that needs it is a 503."""
+        if not opening.ready and request.url.path not in _WITHOUT_STORE:
+            opening.check()  # (the database was down when the service started)
         if not request.url.path.startswith("/v1/"):
             request.state.principal = None
             return  # health checks and the OpenAPI document are open
@@ -307,21 +311,50 @@ def create_api(
                 asyncio.gather(*(w.stop(grace=grace, thread_grace=thread_grace) for w in running))
             )
 
-    @contextlib.asynccontextmanager
-    async def lifespan(_api: FastAPI) -> AsyncIterator[None]:
-        hub.start()
-        if relay is not None:
+    #: what ``begin_serving`` started (of this lifespan)
+    began: set[str] = set()
+    watchers: list[AlertWatcher] = []
+
+    async def begin_serving() -> None:
+        """Start what needs the store, once it is open; called again after a
+        ``StoreError``, it goes on from what it had not started. Nothing more starts
+        once the server began to stop."""
+        if stopping:
+            return
+        if "hub" not in began:
+            hub.start()
+            began.add("hub")
+        if relay is not None and "relay" not in began:
             relay.start()
-        for _ in range(workers):
+            began.add("relay")
+        while len(running) < workers and not stopping:
             w = app.worker(**(worker_options or {}))
             await w.start()
             running.append(w)
-        if metrics is not None:
+            if stopping:  # the server began to stop while this one started
+                await w.stop(grace=grace, thread_grace=thread_grace)
+        if metrics is not None and "metrics" not in began:
             await metrics.update()
             metrics.start()
-        # the conditions of tether.alerts, told to the App's on_alert hook (or the log)
-        watcher = AlertWatcher(app, interval=alert_interval)
-        watcher.start()
+            began.add("metrics")
+        if not watchers:
+            # the conditions of tether.alerts, told to the App's on_alert hook (or the log)
+            watchers.append(AlertWatcher(app, interval=alert_interval))
+            watchers[0].start()
+
+    def cannot_serve() -> None:
+        """The store opened in the background but the service could not start: stop."""
+        api.state.start_failed = True
+        server = _uvicorn_server()
+        if server is not None:
+            server.should_exit = True
+
+    opening = StoreOpening(app, begin_serving, cannot_serve)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_api: FastAPI) -> AsyncIterator[None]:
+        began.clear()
+        await opening.start()  # or, while the database is down, in the background
         # served by plain uvicorn (``uvicorn module:api``, not ``tether serve``), nothing
         # tells the API the server begins to stop: uvicorn waits for open connections
         # first, so an open event stream would hold it (and this shutdown) for ever
@@ -333,11 +366,15 @@ def create_api(
             if noticing is not None:
                 noticing.cancel()
             begin_shutdown()  # (done already when the server began to stop)
-            await watcher.stop()
+            await opening.stop()
+            for watcher in watchers:
+                await watcher.stop()
+            watchers.clear()
             if metrics is not None:
                 await metrics.stop()
-            hub.stop()
-            if relay is not None:
+            if "hub" in began:
+                hub.stop()
+            if relay is not None and "relay" in began:
                 await relay.stop()
             await stopping.pop()
             for w in running:  # threads a stop left running: the process exits only after
@@ -361,6 +398,7 @@ def create_api(
     #: ``tether serve`` calls it when uvicorn begins a graceful shutdown
     api.state.begin_shutdown = begin_shutdown
     api.state.left_threads = left_threads
+    api.state.start_failed = False
     if console:
         install_console(api, app, auth=auth, limiter=limiter)
 
@@ -401,15 +439,15 @@ def create_api(
         responses={503: {"description": "the store does not answer"}},
     )
     async def readyz() -> JSONResponse:
+        if not opening.ready:
+            return _not_ready("the store could not be opened yet: see the service's log")
         try:
             await asyncio.wait_for(app.store.get_run("-readyz-"), 5)
         except Exception as exc:  # any failure to answer is "not ready"
             # the store's message names its URL: the log gets it, not an anonymous caller
             _problems.log.warning("not ready: the store did not answer: %s", exc)
-            return _problems.problem(
-                503,
-                "Store not ready",
-                f"the store did not answer ({type(exc).__name__}): see the service's log",
+            return _not_ready(
+                f"the store did not answer ({type(exc).__name__}): see the service's log"
             )
         return JSONResponse({"status": "ready", "workers": len(running)})
 
@@ -851,6 +889,17 @@ def longest_suffix_first(api: FastAPI, prefix: str) -> None:
     ordered = sorted((routes[i] for i in places), key=lambda r: -getattr(r, "path", "").count("/"))
     for i, route in zip(places, ordered, strict=True):
         routes[i] = route
+
+
+#: the routes that answer without the store (served before it could be opened)
+_WITHOUT_STORE = frozenset({"/healthz", "/readyz"})
+
+
+def _not_ready(detail: str) -> JSONResponse:
+    """``/readyz``'s 503, with the ``Retry-After`` every 503 of the store has."""
+    response = _problems.problem(503, "Store not ready", detail)
+    response.headers["Retry-After"] = str(_problems.STORE_RETRY_AFTER)
+    return response
 
 
 def _uvicorn_server() -> Any:

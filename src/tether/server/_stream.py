@@ -14,21 +14,28 @@ history). On SQLite only a worker in the same process reaches the stream.
 When the server begins to stop (``EventHub.close``: SIGTERM), every open stream ends at
 once with a ``closing`` message (``retry:`` set), so no follower holds the process
 past its grace; the client reconnects, with ``Last-Event-ID``, to another replica or
-the restarted server and misses nothing.
+the restarted server and misses nothing. A stream whose store read fails (an outage:
+``StoreError``) ends the same way, its reason ``store unavailable``, with one warning
+in the log: once a stream's headers are sent no ``503`` can be answered, and a
+response cut off mid-stream is an error to every client.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from fastapi import Request
 
 from .._app import App
+from .._errors import StoreError
 from .._history import Event
 from ._models import event_view
+
+log = logging.getLogger("tether.server")
 
 T = TypeVar("T")
 
@@ -41,15 +48,19 @@ CHANGES_EVERY = 1.0
 #: run ids a changes stream keeps between two looks (a follower bound to a tenant looks
 #: them up; beyond, its page's slower poll shows the change)
 CHANGES_KEPT = 50
+
+
+def _closing(reason: str) -> str:
+    """The last message of a stream the server ends: reconnect in 2 s (``retry``)."""
+    text = f"{reason}: reconnect (with Last-Event-ID) to resume"
+    data = json.dumps({"reason": text}, separators=(",", ":"))
+    return f"retry: 2000\nevent: closing\ndata: {data}\n\n"
+
+
 #: the last message of a stream the server ended because it is stopping
-CLOSING = (
-    "retry: 2000\nevent: closing\ndata: "
-    + json.dumps(
-        {"reason": "the server is stopping: reconnect (with Last-Event-ID) to resume"},
-        separators=(",", ":"),
-    )
-    + "\n\n"
-)
+CLOSING = _closing("the server is stopping")
+#: the last message of a stream ended because the store could not be read (an outage)
+STORE_UNAVAILABLE = _closing("store unavailable")
 
 
 class ServerClosing(Exception):
@@ -168,7 +179,13 @@ class EventHub:
                 touched.clear()
                 if self.closing:
                     continue
-                if await sees(runs):
+                try:
+                    seen = await sees(runs)
+                except StoreError as exc:  # headers are sent: no 503, end it cleanly
+                    log.warning("changes event stream ended: store unavailable: %s", exc)
+                    yield STORE_UNAVAILABLE
+                    return
+                if seen:
                     yield "event: changed\ndata: {}\n\n"
                     await asyncio.sleep(CHANGES_EVERY)  # what commits meanwhile waits
         finally:
@@ -221,6 +238,11 @@ class EventHub:
                     await asyncio.wait_for(woken.wait(), SAFETY_READ)
                 except TimeoutError:
                     pass
+        except StoreError as exc:
+            # the headers are sent, so no 503 can be answered: end the stream with a
+            # message (not a cut response); the client resumes from its last id
+            log.warning("event stream of run %r ended: store unavailable: %s", run_id, exc)
+            yield STORE_UNAVAILABLE
         finally:
             self._tokens.pop(woken, None)
             followers = self._following.get(run_id)

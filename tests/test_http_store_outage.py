@@ -1,0 +1,194 @@
+"""``tether serve`` through a PostgreSQL outage, against a real server process: an
+event stream open when the store goes away ends with a message to reconnect (never a
+cut response or a traceback), and a server started while the database is down serves
+503s until it can open the store, then everything, without a restart."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+
+from conftest import PG_URL, PgProxy, with_schema
+from test_http_api import Server
+from test_http_shutdown import _Follower, _wait
+
+HERE = Path(__file__).parent
+
+
+def _proxied(schema: str) -> tuple[PgProxy, str]:
+    """A proxy to the test PostgreSQL and the store URL that goes through it."""
+    up = urlsplit(PG_URL)
+    proxy = PgProxy(up.hostname or "127.0.0.1", up.port or 5432)
+    url = PG_URL.replace(up.netloc, f"{up.username}@127.0.0.1:{proxy.port}")
+    return proxy, with_schema(url, schema)
+
+
+def _err(server: Server) -> str:
+    server.proc.terminate()
+    _, err = server.proc.communicate(timeout=60)
+    return str(err)
+
+
+def _ok(server: Server, path: str, seconds: float = 30) -> httpx.Response:
+    """``path``'s first answer other than a 503 (the store reconnects), within ``seconds``."""
+
+    def answered() -> httpx.Response | None:
+        r = server.http.get(path)
+        return r if r.status_code != 503 else None
+
+    answer: httpx.Response = _wait(answered, seconds, f"{path} to answer without a 503")
+    return answer
+
+
+def test_an_event_stream_open_when_the_store_goes_away_ends_cleanly_and_resumes(
+    pg_schema: str,
+) -> None:
+    proxy, url = _proxied(pg_schema)
+    server = Server(url, "--workers", "1", "--no-auth")
+    base = f"http://127.0.0.1:{server.port}"
+    try:
+        r = server.http.post("/v1/workflows/approve/runs", json={"input": {"doc": "memo"}})
+        assert r.status_code == 202, r.text
+        run_id = r.json()["id"]
+        events = _Follower(f"{base}/v1/runs/{run_id}/events")
+        _wait(lambda: any(m.get("event") == "StatusSet" for m in events.messages()), 20, "events")
+        proxy.down()  # the database goes away under the open stream
+        assert events.ended.wait(30), events.lines[-6:]
+        # the stream ended with a message saying why and when to come back, not cut off
+        assert events.error is None, events.error
+        assert events.status == 200
+        last = events.messages()[-1]
+        assert last.get("event") == "closing", events.lines[-6:]
+        assert last.get("retry") == "2000", events.lines[-6:]
+        reason = json.loads(last["data"])["reason"]
+        assert reason.startswith("store unavailable") and "Last-Event-ID" in reason, reason
+        assert "postgresql" not in "\n".join(events.lines)  # never the store's URL
+        seqs = [int(m["id"]) for m in events.messages() if "id" in m]
+        assert seqs and seqs == sorted(set(seqs))
+
+        proxy.back()  # the database is back: the client reconnects where it was
+        _ok(server, f"/v1/runs/{run_id}")
+        resumed = _Follower(f"{base}/v1/runs/{run_id}/events", {"Last-Event-ID": str(seqs[-1])})
+        _wait(lambda: resumed.lines, 20, "the resumed stream")
+        r = server.http.post(f"/v1/runs/{run_id}/signals/review", json={"verdict": "approved"})
+        assert r.status_code == 202, r.text
+        assert resumed.ended.wait(30), resumed.lines[-6:]
+        assert resumed.error is None and resumed.status == 200, (resumed.error, resumed.status)
+        more = [int(m["id"]) for m in resumed.messages() if "id" in m]
+        # no gap, no event twice
+        assert more and more[0] == seqs[-1] + 1 and more == list(range(more[0], more[-1] + 1))
+        assert "WorkflowCompleted" in [m.get("event") for m in resumed.messages()]
+    finally:
+        err = _err(server)
+        proxy.shut()
+    assert "Exception in ASGI application" not in err, err
+    assert "Traceback" not in err, err
+    # one warning for the stream, naming the run, with the store's whole message
+    ended = [line for line in err.splitlines() if "event stream" in line]
+    assert len(ended) == 1 and run_id in ended[0] and "127.0.0.1" in ended[0], err
+
+
+def test_a_server_started_while_the_database_is_down_serves_once_it_is_up(
+    pg_schema: str,
+) -> None:
+    proxy, url = _proxied(pg_schema)
+    proxy.down()  # the database is down (connections refused) when the server starts
+    began = time.monotonic()
+    server = Server(url, "--workers", "1", "--no-auth")
+    try:
+        assert server.proc.poll() is None
+        assert server.http.get("/healthz").status_code == 200
+        r = server.http.get("/readyz")
+        assert r.status_code == 503 and r.json()["title"] == "Store not ready", r.text
+        assert r.headers["retry-after"] == "2"
+        assert "postgresql" not in r.text and str(proxy.port) not in r.text, r.text
+        for path in ("/v1/runs/nope", "/v1/runs", "/v1/approvals"):
+            r = server.http.get(path)
+            assert r.status_code == 503, (path, r.text)
+            assert r.headers["content-type"] == "application/problem+json"
+            assert r.headers["retry-after"] == "2" and r.json()["title"] == "Store unavailable"
+            assert "postgresql" not in r.text and str(proxy.port) not in r.text, r.text
+        r = server.http.post("/v1/workflows/bill/runs", json=_INVOICE)
+        assert r.status_code == 503 and r.headers["retry-after"] == "2", r.text
+        time.sleep(3)  # a few attempts more
+
+        proxy.back()  # the database is up: no restart needed
+        assert _ok(server, "/readyz", 30).json()["status"] == "ready"
+        r = server.http.post("/v1/workflows/bill/runs", json=_INVOICE)
+        assert r.status_code == 202, r.text
+        # the in-process worker started once the store opened: the run completes
+        done = server.http.get(f"/v1/runs/{r.json()['id']}/result", params={"wait": 30})
+        assert done.status_code == 200 and done.json()["result"]["total"] == 1100, done.text
+    finally:
+        err = _err(server)
+        proxy.shut()
+    elapsed = time.monotonic() - began
+    assert "Traceback" not in err and "Application startup failed" not in err, err
+    tries = [line for line in err.splitlines() if "cannot open the store" in line]
+    # one line per attempt, attempts a second or more apart (backing off)
+    assert 2 <= len(tries) <= elapsed + 1, err
+    assert "store opened" in err, err
+    # nothing tried to open the store on the server's loop: each 503 said it is not open
+    assert "(POST /v1/workflows/bill/runs): the store is not open yet" in err, err
+    assert "(GET /v1/runs): the store is not open yet" in err, err
+
+
+_INVOICE: dict[str, Any] = {"input": {"invoice": {"number": "A-1", "cents": 1000}, "vat": 0.1}}
+
+
+def test_a_server_on_a_sqlite_path_it_cannot_open_still_fails_at_once(tmp_path: Path) -> None:
+    # not an outage: a SQLite path that cannot be opened (a directory) is the setup's
+    # fault, and waiting would not mend it
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{HERE.parent / 'src'}{os.pathsep}{HERE}",
+        "TETHER_TEST_STORE": f"sqlite:///{tmp_path}",
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "tether.cli", "serve", "serve_app:app", "--port", "0", "--no-auth"],
+        cwd=HERE,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 3, done.stderr
+
+
+async def test_a_changes_stream_whose_look_up_fails_ends_with_a_message(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import tether
+    from tether._errors import StoreError
+    from tether.server._stream import STORE_UNAVAILABLE, EventHub
+
+    hub = EventHub(tether.App(store=":memory:"))
+
+    class _Request:
+        async def is_disconnected(self) -> bool:
+            return False
+
+    async def sees(_runs: set[str]) -> bool:
+        raise StoreError("lost the connection to postgresql://db.internal/tether")
+
+    stream = hub.changes(_Request(), sees)  # type: ignore[arg-type]
+    assert await anext(stream) == ": following\n\n"
+    hub._wake({"r1"})  # a commit touched a run: the follower's look-up fails
+    assert await anext(stream) == STORE_UNAVAILABLE
+    with pytest.raises(StopAsyncIteration):
+        await anext(stream)
+    assert not hub._watching
+    warned = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and "db.internal" in warned[0].getMessage()
+    data = json.loads(STORE_UNAVAILABLE.split("data: ", 1)[1])
+    assert STORE_UNAVAILABLE.startswith("retry: 2000\nevent: closing\n")
+    assert data == {"reason": "store unavailable: reconnect (with Last-Event-ID) to resume"}
