@@ -1019,16 +1019,77 @@ async def test_a_hedged_streamed_steps_cancelled_loser_ends_its_stream_as_failed
                 if len(ends) == 2:
                     return
 
+    heard: list[dict[str, Any]] = []  # what other processes hear, through the store
+
+    def listen(run_id: str, item: dict[str, Any]) -> None:
+        if "delta" not in item:
+            heard.append(item)
+
+    app.store.add_stream_listener(listen)
+
+    async def told() -> bool:
+        return any(h.get("model") == "slow" for h in heard)
+
     async with app.worker(poll_interval=0.05):
         follower = asyncio.create_task(follow())
         await asyncio.sleep(0.01)
         run = await app.start(ask, "x", run_id="hedged-stream")
         assert await run.result(timeout=30) == "fast alpha beta"
         await asyncio.wait_for(follower, 4)  # the loser's own answer takes over 5 s
+        await eventually(told, timeout=4)
     assert ends["fast"].get("done") is True
-    assert ends["slow"].get("failed") and not ends["slow"].get("done")
+    # as documented: the loser ends with StepCancelled (not the task's CancelledError),
+    # in this process and in others (through the store: it said nothing there)
+    assert ends["slow"].get("failed") == "StepCancelled" and not ends["slow"].get("done")
+    assert [h.get("failed") for h in heard if h["model"] == "slow"] == ["StepCancelled"]
     slow_text = "".join(g.get("delta", "") for g in got if g["model"] == "slow")
     assert len(slow_text) < len(f"slow {words}")
+
+
+async def test_a_streamed_step_of_a_cancelled_run_ends_its_stream_as_step_cancelled(
+    app: tether.App, server: ModelServer
+) -> None:
+    """A run cancelled while its step streamed: the step's task is cancelled at once, and
+    its followers heard ``failed: CancelledError`` in this process, nothing in others.
+    Both now hear ``failed: StepCancelled``, as documented."""
+    gw, primary = gateway(app, server)
+
+    @app.workflow
+    async def tell() -> str:
+        return await ai.complete(primary, "tell me", stream=True)
+
+    words = " ".join(f"w{i}" for i in range(100))
+    server.script("gpt-4o-mini", model_reply(words, chunk_delay=0.05))
+    got: list[dict[str, Any]] = []
+    heard: list[dict[str, Any]] = []
+
+    def listen(run_id: str, item: dict[str, Any]) -> None:
+        if "delta" not in item:
+            heard.append(item)
+
+    app.store.add_stream_listener(listen)
+
+    async def follow() -> None:
+        async for item in gw.follow("cancelled-stream"):
+            got.append(item)
+            if len(got) == 3:
+                await app.cancel("cancelled-stream")
+            if item.get("done") or item.get("failed"):
+                return
+
+    async def told() -> bool:
+        return bool(heard)
+
+    async with app.worker(poll_interval=0.05):
+        follower = asyncio.create_task(follow())
+        await asyncio.sleep(0.01)
+        run = await app.start(tell, run_id="cancelled-stream")
+        with pytest.raises(tether.RunCancelledError):
+            await run.result(timeout=30)
+        await asyncio.wait_for(follower, 4)  # the answer takes 5 s
+        await eventually(told, timeout=4)
+    assert got[-1].get("failed") == "StepCancelled", got[-1]
+    assert [h.get("failed") for h in heard] == ["StepCancelled"], heard
 
 
 async def test_a_cut_off_stream_is_a_failed_attempt_and_followers_can_tell_attempts_apart(

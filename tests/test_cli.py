@@ -597,6 +597,13 @@ def test_usage_errors_exit_2(project: Project) -> None:
     assert "Traceback" not in res.stderr
     res = project.cli("worker", "flows:app", "--lease", "0")
     assert_one_line_error(res, 2, "--lease")
+    # tether serve's in-process workers are checked the same way, before anything starts
+    res = project.cli("serve", "flows:app", "--workers", "1", "--lease", "0.5")
+    assert_one_line_error(res, 2, "--lease", "at least 1")
+    res = project.cli("serve", "flows:app", "--workers", "1", "--worker-id", " ")
+    assert_one_line_error(res, 2, "--worker-id", "needs a name")
+    res = project.cli("serve", "flows:app", "--worker-id", "api-1")
+    assert_one_line_error(res, 2, "--worker-id", "--workers")
 
 
 def test_missing_cli_extra(project: Project) -> None:

@@ -656,6 +656,61 @@ async def test_a_stream_sends_the_events_committed_between_its_read_and_the_run_
     ]
 
 
+async def test_a_stream_ends_each_streamed_step_the_run_s_end_cut_off() -> None:
+    """A hedge's loser (or a step of a run cancelled) ends after the commit that ends
+    its run: the stream ended at once, dropping what came meanwhile, and its followers
+    never heard that step end. They now get what came, then ``failed: StepCancelled``
+    for each step that sent text and neither ``done`` nor ``failed``."""
+    import json
+    import types
+
+    from tether import EventType
+    from tether._history import Event
+    from tether.server._stream import EventHub
+
+    end = Event(
+        run_id="r",
+        seq=8,
+        type=EventType.WORKFLOW_COMPLETED,
+        step=None,
+        data={"result": "b"},
+        created_at=0.0,
+    )
+    reads: list[int] = []
+    peeks: list[int] = []
+    slow = {"run_id": "r", "step": 2, "model": "slow", "attempt": 1}
+    fast = {"run_id": "r", "step": 3, "model": "fast", "attempt": 1}
+
+    async def read_history(run_id: str, after: int) -> list[Event]:
+        reads.append(after)
+        return [end] if len(reads) == 3 else []
+
+    async def get(run_id: str, follow: bool = True) -> Any:
+        peeks.append(1)
+        if len(peeks) == 1:  # both calls stream; the fast one answers
+            hub._hand("r", {**slow, "offset": 0, "delta": "a"})
+            hub._hand("r", {**fast, "offset": 0, "delta": "b"})
+            hub._hand("r", {**fast, "done": True})
+            return types.SimpleNamespace(is_finished=False, continued_to=None)
+        hub._hand("r", {**slow, "offset": 1, "delta": "c"})  # as the run's end commits
+        return types.SimpleNamespace(is_finished=True, continued_to=None)
+
+    async def is_disconnected() -> bool:
+        return False
+
+    app = types.SimpleNamespace(
+        store=types.SimpleNamespace(read_history=read_history), get=get, _peek=get
+    )
+    hub = EventHub(app)  # type: ignore[arg-type]
+    request = types.SimpleNamespace(is_disconnected=is_disconnected)
+    sent = [m async for m in hub.stream("r", 7, request)]  # type: ignore[arg-type]
+    kinds = [m.split("\n")[1] if m.startswith("id:") else m.split("\n")[0] for m in sent]
+    assert kinds == ["event: token"] * 3 + ["event: WorkflowCompleted"] + ["event: token"] * 2
+    tokens = [json.loads(m.split("data: ")[1]) for m in sent if m.startswith("event: token")]
+    assert tokens[3] == {**slow, "offset": 1, "delta": "c"}  # sent, not dropped
+    assert tokens[4] == {**slow, "failed": "StepCancelled"}  # the fast one got done
+
+
 class Tenants:
     """A ``tether serve`` with keys: acme (operate, read, monitor), globex (operate, and
     an admin bound to globex), and an unbound admin."""

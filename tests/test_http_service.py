@@ -944,3 +944,55 @@ def test_queries_updates_signal_with_start_entities_and_schedules_over_http(
         assert http.get("/v1/schedules/nightly").status_code == 404
     finally:
         server.stop()
+
+
+def test_a_restarted_serve_with_a_worker_id_takes_back_its_predecessors_task_at_once(
+    store_url: str,
+) -> None:
+    """``tether serve --workers N`` had no stable id for its workers (``tether worker
+    --id``): after a crash its work waited a whole lease. A restart under the same
+    ``--worker-id`` now takes back what its predecessor held at once."""
+    args = ("--workers", "1", "--no-auth", "--worker-id", "api-1", "--lease", "60")
+    first = Server(store_url, *args)
+    try:
+        body = {"input": {"seconds": 1.0}, "run_id": "held"}
+        assert first.http.post("/v1/workflows/slow/runs", json=body).status_code == 202
+
+        async def leased() -> int:
+            probe = tether.App(store=store_url)
+            try:
+                held, _until = await probe.store.foreign_leases(["default"], "someone-else")
+                return held
+            finally:
+                await probe.close()
+
+        deadline = time.monotonic() + 20
+        while not asyncio.run(leased()):  # its step is claimed (leased to api-1)
+            assert time.monotonic() < deadline, "the step was never claimed"
+            time.sleep(0.1)
+        first.proc.kill()  # a crash: the step's lease runs for 60 s more
+        first.proc.wait(10)
+    finally:
+        first.stop()
+    second = Server(store_url, *args)
+    try:
+        began = time.monotonic()
+        done = second.http.get("/v1/runs/held/result?wait=30")
+        assert done.status_code == 200, done.text
+        assert done.json()["result"] == "slow done"
+        assert time.monotonic() - began < 30  # at once, not after the 60 s lease
+    finally:
+        second.stop()
+
+
+async def test_the_in_process_workers_of_an_api_get_one_stable_id_each(store_url: str) -> None:
+    from tether.server import create_api
+
+    app = tether.App(store=store_url)
+    for workers, ids in ((1, ["api"]), (2, ["api-1", "api-2"])):
+        api = create_api(
+            app, workers=workers, auth=False, worker_options={"worker_id": "api", "lease": 5.0}
+        )
+        async with api.router.lifespan_context(api):
+            assert [w.id for w in app._local_workers] == ids
+            assert {w.lease for w in app._local_workers} == {5.0}

@@ -291,6 +291,67 @@ async def test_update_ids_apply_an_update_once_and_answer_retries_with_its_outco
     assert len(await _signals(app, "acct")) == 4  # three updates and the stop
 
 
+async def test_a_retried_update_joining_as_the_run_ends_gets_its_outcome(
+    app: tether.App, worker: tether.Worker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One reader of the run's history serves every caller: a retry that joins while that
+    reader reads the stretch where the run ends is still answered from its earlier marker,
+    not refused as if the run had ended before it handled the update."""
+
+    @app.workflow
+    async def cart() -> int:
+        n = {"v": 0}
+
+        @tether.on_update("add")
+        def add(k: int) -> int:
+            n["v"] += k
+            return n["v"]
+
+        await tether.wait_event("end")
+        return n["v"]
+
+    run = await app.start(cart, run_id="cart")
+    assert await app.update("cart", "add", 5, update_id="u1") == 5
+    # another caller keeps the run's reader alive (an outcome that never comes)
+    other = asyncio.create_task(app._updates.wait("cart", "never", "add", 30, 0))
+    loop = asyncio.get_running_loop()
+
+    async def reader() -> Any:
+        found = app._updates._followers.get((loop, "cart"))
+        return found if found is not None and found._after is not None else None
+
+    follower = await eventually(reader)  # it read the history, past u1's marker
+    inside, release = asyncio.Event(), asyncio.Event()
+    read_history = app.store.read_history
+
+    async def held(run_id: str, after: int, *args: Any, **kwargs: Any) -> Any:
+        events = await read_history(run_id, after, *args, **kwargs)
+        task = asyncio.current_task()
+        if (
+            task is not None
+            and task.get_name().startswith("tether-updates-")
+            and any(e.type is EventType.WORKFLOW_COMPLETED for e in events)
+        ):
+            inside.set()
+            await release.wait()  # the reader is inside the read that reaches the end
+        return events
+
+    monkeypatch.setattr(app.store, "read_history", held)
+    await app.signal("cart", "end")
+    assert await run.result(timeout=10) == 5
+    await asyncio.wait_for(inside.wait(), 10)
+    retry = asyncio.create_task(app.update("cart", "add", 5, update_id="u1"))
+
+    async def joined() -> bool:
+        return follower._rewind is not None
+
+    await eventually(joined)  # the retry joined the reader, from before its end
+    release.set()
+    assert await asyncio.wait_for(retry, 10) == 5  # u1's outcome, not "the run ended"
+    with pytest.raises(tether.UpdateRejectedError, match="run ended"):
+        await other
+
+
 async def test_a_signal_id_is_not_an_update_id_nor_the_other_way(
     app: tether.App, worker: tether.Worker
 ) -> None:

@@ -125,7 +125,9 @@ class _Follower:
                         ended = await self._app.get(self._run_id, follow=False)
                     if ev.type is EventType.MARKER and ev.data.get("marker") == UPDATE_MARKER:
                         self._settle(ev.data.get("value"))
-                if ended is not None and ended.is_finished:
+                # a caller that joined meanwhile from an earlier seq (a retry whose
+                # marker this reader already passed) is looked for there first
+                if ended is not None and ended.is_finished and self._rewind is None:
                     self._fail_all(
                         f"the run ended ({ended.status.value}) before it handled the update"
                     )

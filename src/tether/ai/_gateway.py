@@ -15,6 +15,7 @@ before a call, the fallback chain after the primary gave up, and hedging.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -291,6 +292,8 @@ EXTENSIONS: list[Callable[[Gateway], None]] = []
 STREAM_FLUSH = 0.05
 #: how often a streamed step asks (with a heartbeat) whether it was cancelled, in seconds
 STREAM_CANCEL_CHECK = 0.5
+#: publishes of a cancelled streamed step's ``failed`` under way (a strong reference)
+_SENDING: set[asyncio.Future[None]] = set()
 
 
 class StepCancelled(Exception):
@@ -776,10 +779,24 @@ class Gateway:
         except BaseException as exc:
             if run_id is not None:
                 # this attempt's text is void: a follower drops what it showed of it (a
-                # worker killed outright says nothing; the next attempt's number does)
-                failed = {**where, "failed": type(exc).__name__}
+                # worker killed outright says nothing; the next attempt's number does).
+                # A step cancelled (a hedge's loser, a step of a run cancelled: its
+                # worker cancels its task at once, or at its lease renewal) says so as
+                # the heartbeat's check would have
+                why = type(exc).__name__
+                if isinstance(exc, asyncio.CancelledError) and ctx is not None:
+                    why = "StepCancelled" if ctx.is_cancelled else why
+                failed = {**where, "failed": why}
                 self._publish(run_id, failed)
-                if not isinstance(exc, asyncio.CancelledError):
+                if isinstance(exc, asyncio.CancelledError):
+                    # the task is cancelled: its publish runs on even if it is cancelled
+                    # again meanwhile (which stops only this wait)
+                    sending = asyncio.ensure_future(self._broadcast(store, run_id, failed))
+                    _SENDING.add(sending)
+                    sending.add_done_callback(_SENDING.discard)
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await asyncio.shield(sending)
+                else:
                     await self._broadcast(store, run_id, failed)
             raise
         if run_id is not None:

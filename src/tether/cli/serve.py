@@ -24,6 +24,7 @@ from ._common import (
     _setup_logging,
     load_app,
 )
+from .worker import check_worker_options
 
 
 def serve_command(
@@ -54,6 +55,25 @@ def serve_command(
             help="Seconds in-flight work may take to finish on SIGTERM.",
         ),
     ] = 10.0,
+    lease: Annotated[
+        float,
+        typer.Option(
+            "--lease",
+            metavar="SECONDS",
+            help="How long a task claimed by an in-process worker stays ours without "
+            "renewal (at least 1).",
+        ),
+    ] = 15.0,
+    worker_id: Annotated[
+        str | None,
+        typer.Option(
+            "--worker-id",
+            metavar="NAME",
+            help="A stable, unique name for the in-process workers (with --workers N over "
+            "1, each is NAME-1 ... NAME-N): after a crash a restart takes back the tasks "
+            "they held within seconds instead of waiting for leases.",
+        ),
+    ] = None,
     thread_grace: ThreadGraceOption = 60.0,
     log_level: Annotated[str, _log_level_option()] = "info",
     log_format: Annotated[str, _log_format_option()] = "text",
@@ -115,6 +135,13 @@ def serve_command(
             f"tether serve needs {' and '.join(missing)}: pip install 'tether[server]'",
             EXIT_USAGE,
         )
+    check_worker_options(lease, worker_id, "--worker-id")
+    if worker_id is not None and workers == 0:
+        _fail(
+            "--worker-id names the in-process workers: give --workers N too (a "
+            "`tether worker` process takes its own --id)",
+            EXIT_USAGE,
+        )
     import uvicorn
 
     from ..server import create_api
@@ -124,6 +151,7 @@ def serve_command(
     api = create_api(
         app,
         workers=workers,
+        worker_options={"lease": lease, "worker_id": worker_id},
         grace=grace,
         thread_grace=thread_grace,
         auth=auth,

@@ -123,21 +123,7 @@ def worker_command(
     ] = "127.0.0.1",
 ) -> None:
     """Serve MODULE:ATTR's workflows and activities until SIGTERM or Ctrl+C."""
-    if not (math.isfinite(lease) and 0 < lease <= 86_400):
-        _fail(
-            f"--lease must be positive, a finite number of seconds up to a day (got {lease})",
-            EXIT_USAGE,
-        )
-    if lease < MIN_LEASE:
-        # renewed every lease/3 seconds: a store round trip or a busy loop longer than
-        # that lets the lease run out under work that still runs, which then runs twice
-        _fail(
-            f"--lease must be at least {MIN_LEASE:g} second (got {lease:g}): a shorter "
-            "lease runs out between renewals and the same work runs twice",
-            EXIT_USAGE,
-        )
-    if worker_id is not None and not worker_id.strip():
-        _fail("--id needs a name (got an empty one); leave it out for a random id", EXIT_USAGE)
+    check_worker_options(lease, worker_id, "--id")
     _setup_logging(log_level, log_format)
     if metrics_port is not None and importlib.util.find_spec("prometheus_client") is None:
         _fail("--metrics-port needs prometheus-client: pip install 'tether[server]'", EXIT_USAGE)
@@ -156,6 +142,28 @@ def worker_command(
         )
     )
     raise SystemExit(code)
+
+
+def check_worker_options(lease: float, worker_id: str | None, id_option: str) -> None:
+    """Refuse a ``--lease`` or a worker id (given as ``id_option``) a worker cannot use."""
+    if not (math.isfinite(lease) and 0 < lease <= 86_400):
+        _fail(
+            f"--lease must be positive, a finite number of seconds up to a day (got {lease})",
+            EXIT_USAGE,
+        )
+    if lease < MIN_LEASE:
+        # renewed every lease/3 seconds: a store round trip or a busy loop longer than
+        # that lets the lease run out under work that still runs, which then runs twice
+        _fail(
+            f"--lease must be at least {MIN_LEASE:g} second (got {lease:g}): a shorter "
+            "lease runs out between renewals and the same work runs twice",
+            EXIT_USAGE,
+        )
+    if worker_id is not None and not worker_id.strip():
+        _fail(
+            f"{id_option} needs a name (got an empty one); leave it out for a random id",
+            EXIT_USAGE,
+        )
 
 
 def _add_signal_handlers(

@@ -193,7 +193,9 @@ def create_api(
 ) -> FastAPI:
     """The HTTP API of ``app``; with ``workers``, that many in-process workers serve its
     queues while the API runs (stopped, with ``grace`` seconds for in-flight work and
-    ``thread_grace`` more for sync activity threads, on shutdown: ``Worker.stop``).
+    ``thread_grace`` more for sync activity threads, on shutdown: ``Worker.stop``),
+    each made with ``worker_options`` (``app.worker``; a ``worker_id`` names the only
+    worker, or ``<worker_id>-1`` ... ``<worker_id>-N`` of ``workers`` N over 1).
     ``auth=False`` serves without API keys (anyone who reaches the port acts as admin:
     only for a private network or a test). ``rate_limit``: requests per second
     per key (429 beyond, with Retry-After); ``max_body``: the largest request body in
@@ -328,7 +330,10 @@ def create_api(
             relay.start()
             began.add("relay")
         while len(running) < workers and not stopping:
-            w = app.worker(**(worker_options or {}))
+            options = dict(worker_options or {})
+            if workers > 1 and options.get("worker_id") is not None:  # one id each
+                options["worker_id"] = f"{options['worker_id']}-{len(running) + 1}"
+            w = app.worker(**options)
             await w.start()
             running.append(w)
             if stopping:  # the server began to stop while this one started

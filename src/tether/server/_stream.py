@@ -201,13 +201,13 @@ class EventHub:
         self._following.setdefault(run_id, set()).add(woken)
         loop = asyncio.get_running_loop()
         quiet_since = loop.time()
+        streaming: dict[tuple[Any, Any], dict[str, Any]] = {}  # attempts not ended yet
         try:
             while True:
                 woken.clear()  # before the read: a commit during it wakes the next wait
                 for item in self._tokens.pop(woken, ()):
-                    if not payloads:
-                        continue
-                    yield f"event: token\ndata: {json.dumps(item, separators=(',', ':'))}\n\n"
+                    if payloads:
+                        yield _token(item, streaming)
                 events = await self._app.store.read_history(run_id, after)
                 for e in events:
                     after = e.seq
@@ -222,6 +222,12 @@ class EventHub:
                         for e in await self._app.store.read_history(run_id, after):
                             after = e.seq
                             yield _message(e, payloads)
+                        for item in self._tokens.pop(woken, []) if payloads else ():
+                            yield _token(item, streaming)
+                        # a step still streaming was cut by the run's end (a hedge's
+                        # loser, a step of a run cancelled): its own end may come after
+                        for where in streaming.values():
+                            yield _token({**where, "failed": "StepCancelled"}, {})
                         if info.continued_to:
                             nxt = json.dumps({"next": info.continued_to})
                             yield f"event: continued\ndata: {nxt}\n\n"
@@ -256,3 +262,16 @@ def _message(event: Event, payloads: bool = True) -> str:
     """One history event as an SSE message (``id`` is its seq, for reconnects)."""
     payload = json.dumps(event_view(event, payloads).model_dump(), separators=(",", ":"))
     return f"id: {event.seq}\nevent: {event.type.value}\ndata: {payload}\n\n"
+
+
+def _token(item: dict[str, Any], streaming: dict[tuple[Any, Any], dict[str, Any]]) -> str:
+    """A streamed item as an SSE ``token`` message; ``streaming`` keeps each step's
+    attempt that sent text and has not ended (``done``, ``failed``) yet."""
+    key = (item.get("step"), item.get("model"))
+    if "delta" in item:
+        streaming[key] = {k: v for k, v in item.items() if k not in ("offset", "delta")}
+    elif "done" in item or "failed" in item:
+        now = streaming.get(key)
+        if now is not None and now.get("attempt") == item.get("attempt"):
+            del streaming[key]  # (an earlier attempt's end leaves the later one on)
+    return f"event: token\ndata: {json.dumps(item, separators=(',', ':'))}\n\n"
