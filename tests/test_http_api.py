@@ -1201,3 +1201,67 @@ def test_a_task_error_that_may_hold_a_payload_is_withheld_from_a_monitor_key() -
     assert run_view(info, payloads=False).task_error == "PayloadError: [withheld]"
     nd = dataclasses.replace(info, task_error=None)
     assert run_view(nd, payloads=False).task_error is None
+
+
+@pytest.mark.parametrize(
+    "error",
+    ["purged", "key"],
+)
+async def test_a_stream_whose_run_is_purged_or_unreadable_ends_with_an_error_message(
+    error: str,
+) -> None:
+    """A run purged while followed (retention, tenant erasure), or a payload the server
+    cannot open (its keyring lacks the key), raised out of the event stream once its
+    headers were sent: uvicorn logged a traceback and cut the response. The stream now
+    ends with an ``error`` message holding the problem the route would answer."""
+    import asyncio
+    import json
+    import types
+
+    from tether import EventType
+    from tether._errors import RunPurgedError
+    from tether._history import Event
+    from tether.encryption import KeyUnavailableError
+    from tether.server._stream import EventHub
+
+    first = Event(
+        run_id="r", seq=1, type=EventType.WORKFLOW_STARTED, step=None, data={}, created_at=0.0
+    )
+    reads: list[int] = []
+
+    async def read_history(run_id: str, after: int) -> list[Event]:
+        reads.append(after)
+        if len(reads) == 1:
+            return [first]
+        if error == "purged":
+            raise RunPurgedError("r", "retention", 5.0)
+        raise KeyUnavailableError("k-1", "this keyring has no key of that id", "run 'r'")
+
+    async def get(run_id: str, follow: bool = True) -> Any:
+        return types.SimpleNamespace(is_finished=False, continued_to=None)
+
+    async def is_disconnected() -> bool:
+        return False
+
+    app = types.SimpleNamespace(
+        store=types.SimpleNamespace(read_history=read_history), get=get, _peek=get
+    )
+    hub = EventHub(app)  # type: ignore[arg-type]
+
+    def wake() -> None:  # a commit of the run
+        for ev in hub._following.get("r", ()):
+            ev.set()
+
+    hub_wake = asyncio.get_running_loop().call_later(0.05, wake)
+    request = types.SimpleNamespace(is_disconnected=is_disconnected)
+    try:
+        sent = [m async for m in hub.stream("r", 0, request)]  # type: ignore[arg-type]
+    finally:
+        hub_wake.cancel()
+    assert sent[0].startswith("id: 1\n")
+    assert sent[-1].startswith("event: error\n"), sent
+    problem = json.loads(sent[-1].split("data: ", 1)[1])
+    if error == "purged":
+        assert problem["status"] == 410 and "purged" in problem["detail"], problem
+    else:
+        assert problem["status"] == 503 and "k-1" in problem["detail"], problem

@@ -175,6 +175,14 @@ class CutOffAtStop:
             await send({"type": "http.response.body", "body": body})
 
 
+def problem_of(exc: BaseException) -> tuple[int, str]:
+    """The HTTP status and title tether's error ``exc`` is answered with."""
+    for kind, status, title in _MAP:
+        if isinstance(exc, kind):
+            return status, title
+    return 500, "tether error"
+
+
 def install(api: FastAPI) -> None:
     """Answer tether's errors and request validation errors with problem documents."""
 
@@ -192,13 +200,11 @@ def install(api: FastAPI) -> None:
             )
             response.headers["Retry-After"] = str(STORE_RETRY_AFTER)
             return response
-        for kind, status, title in _MAP:
-            if isinstance(exc, kind):
-                response = problem(status, title, str(exc))
-                if isinstance(exc, AdmissionLimitError):
-                    response.headers["Retry-After"] = str(ADMISSION_RETRY_AFTER)
-                return response
-        return problem(500, "tether error", str(exc))
+        status, title = problem_of(exc)
+        response = problem(status, title, str(exc))
+        if isinstance(exc, AdmissionLimitError):
+            response.headers["Retry-After"] = str(ADMISSION_RETRY_AFTER)
+        return response
 
     async def on_validation(_request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)

@@ -31,9 +31,10 @@ from typing import Any, TypeVar
 from fastapi import Request
 
 from .._app import App
-from .._errors import StoreError
+from .._errors import StoreError, TetherError
 from .._history import Event
 from ._models import event_view
+from ._problems import problem_of
 
 log = logging.getLogger("tether.server")
 
@@ -249,6 +250,11 @@ class EventHub:
             # message (not a cut response); the client resumes from its last id
             log.warning("event stream of run %r ended: store unavailable: %s", run_id, exc)
             yield STORE_UNAVAILABLE
+        except TetherError as exc:
+            # the run was purged meanwhile, or a payload cannot be opened (a key the
+            # keyring lacks): end with the problem the route would now answer
+            log.warning("event stream of run %r ended: %s", run_id, exc)
+            yield _error(exc)
         finally:
             self._tokens.pop(woken, None)
             followers = self._following.get(run_id)
@@ -256,6 +262,14 @@ class EventHub:
                 followers.discard(woken)
                 if not followers:
                     del self._following[run_id]
+
+
+def _error(exc: BaseException) -> str:
+    """The last message of a stream ended by ``exc``: the problem document the route
+    would answer (a client that reconnects gets that answer)."""
+    status, title = problem_of(exc)
+    data = json.dumps({"status": status, "title": title, "detail": str(exc)}, separators=(",", ":"))
+    return f"event: error\ndata: {data}\n\n"
 
 
 def _message(event: Event, payloads: bool = True) -> str:
