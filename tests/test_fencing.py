@@ -97,3 +97,50 @@ async def test_store_takes_back_only_leases_no_one_renewed(app: tether.App) -> N
         (t.task_id, t.fence + 1) for t in held
     )
     assert await store.leases("X") == {}
+
+
+async def test_reclaim_never_takes_back_a_heartbeat_only_lease(app: tether.App) -> None:
+    """A live predecessor holding a heartbeat-extended step and another task that it
+    finished meanwhile: nothing it holds was renewed (renewals skip heartbeat leases,
+    its heartbeats come on their own schedule), but the heartbeat step is not taken
+    back: such leases tell nothing, so they are left to their heartbeat timeouts."""
+    from tether.workflow._instance import WorkflowInstance
+
+    @app.activity(heartbeat_timeout=300)
+    def slow(x: int) -> int:
+        return x
+
+    @app.workflow
+    async def wf() -> int:
+        return await slow(1)
+
+    @app.workflow
+    async def other() -> int:
+        return 1
+
+    store = app.store
+    await app.start(wf, run_id="r1")
+    (wt,) = await store.claim(worker_id="X", queues=["default"], limit=1, lease=30)
+    inst = WorkflowInstance("r1", app.get_workflow("wf"))
+    await store.complete_workflow_task(
+        wt, inst.advance(await store.read_history("r1"), store.clock())
+    )
+    await app.start(other, run_id="r2")
+    held = await store.claim(worker_id="X", queues=["default"], limit=10, lease=30)
+    assert sorted(t.kind for t in held) == ["activity", "workflow"]
+    seen = await store.leases("X")  # a second process starts under the id
+    (n,) = [t for t in held if t.kind == "workflow"]
+    await store.complete_workflow_task(
+        n, WorkflowTaskResult(commands=[], through=1, time=store.clock())
+    )
+    assert await store.reclaim("X", seen) == 0  # the unrenewed one had finished
+    assert await store.claim(worker_id="Y", queues=["default"], limit=10, lease=30) == []
+
+    # an unrenewed ordinary lease beside it is still taken back; the heartbeat one is not
+    await app.start(other, run_id="r3")
+    (n3,) = await store.claim(worker_id="X", queues=["default"], limit=10, lease=30)
+    seen = await store.leases("X")
+    assert len(seen) == 2
+    assert await store.reclaim("X", seen) == 1
+    taken = await store.claim(worker_id="Y", queues=["default"], limit=10, lease=30)
+    assert [(t.task_id, t.fence) for t in taken] == [(n3.task_id, n3.fence + 1)]

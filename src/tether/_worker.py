@@ -334,9 +334,18 @@ class Worker:
                 else "a live process renews them (its hold on the id had ended, e.g. with "
                 "its database session): it finishes them and claims nothing more; stop one",
             )
-        elif reclaimed:
+            return
+        if reclaimed:
             count("tether_orphans_recovered", (), reclaimed)
             log.info("worker %s took back %d task(s) of its predecessor", self.id, reclaimed)
+        beats = sum(1 for _, _, b in seen.values() if b)
+        if beats:
+            log.info(
+                "worker %s: %d task(s) of its predecessor that only heartbeats extend are "
+                "left to their heartbeat timeouts (nothing tells whether their holder lives)",
+                self.id,
+                beats,
+            )
 
     async def _check_id(self) -> None:
         """Keep the stable id held (a database session holding it can end while this

@@ -502,9 +502,11 @@ class Store(abc.ABC):
     ) -> int | None:
         """Make claimable now the leases ``seen`` (read by ``leases`` a few seconds
         earlier) that are still ``worker_id``'s, unless any was renewed meanwhile (its
-        holder lives: a hold on the id proves no more than that its session ended) or
-        only heartbeats extend them (nothing tells then); return how many, None when
-        they are left to expire."""
+        holder lives: a hold on the id proves no more than that its session ended);
+        return how many, None when they are left to expire. Leases that only
+        heartbeats extend are never taken back (nothing renews them on a schedule, so
+        nothing tells whether their holder lives): they are left to their heartbeat
+        timeouts, and the others decide (None when there are no others)."""
 
     @abc.abstractmethod
     async def give_back(self, worker_id: str, run_id: str, keep: Sequence[int] = ()) -> int:

@@ -194,26 +194,30 @@ def _reclaim(tx: _Tx, worker_id: str, seen: Mapping[int, tuple[int, float, bool]
 
     The hold on the id alone does not prove its previous holder dead (a PostgreSQL
     session can end while its process lives), so the renewals decide: None when any of
-    them was renewed (or heartbeated) since, by a process that lives and runs them, and
-    when only heartbeats extend them (nothing renews those on a schedule to tell by);
-    such leases are left to expire. Leases taken since (a new fence) are not the
-    predecessor's and are left alone. Even a holder that renews too late commits
-    nothing: the next claim bumps each fence.
+    them was renewed (or heartbeated) since, by a process that lives and runs them.
+    Leases that only heartbeats extend are never taken back: the lease renewal skips
+    them, so nothing tells on a schedule whether their holder lives (a live one may
+    simply not have beaten yet); they are left to their heartbeat timeouts, and the
+    decision rests on the other leases (None when there are none). Leases taken since
+    (a new fence) are not the predecessor's and are left alone. Even a holder that
+    renews too late commits nothing: the next claim bumps each fence.
     """
     if all(beats for _, _, beats in seen.values()):
         return None
     rows = tx.execute(
-        "SELECT task_id, fence, available_at FROM tasks WHERE lease_owner = ? "
-        f"AND available_at > ?{tx.for_update}",
+        "SELECT task_id, fence, available_at, heartbeat_timeout FROM tasks WHERE "
+        f"lease_owner = ? AND available_at > ?{tx.for_update}",
         (worker_id, tx.now),
     ).fetchall()
     stale: list[int] = []
-    for task_id, fence, expiry in rows:
+    for task_id, fence, expiry, beats in rows:
         before = seen.get(task_id)
         if before is None or before[0] != fence:
             continue  # leased since, by this process: not the predecessor's
         if expiry > before[1]:
-            return None  # renewed since: the process holding it lives
+            return None  # renewed (or heartbeated) since: the process holding it lives
+        if beats is not None or before[2]:
+            continue  # only heartbeats extend it: left to its heartbeat timeout
         stale.append(task_id)
     for task_id in stale:
         (queue,) = tx.execute(
