@@ -547,3 +547,31 @@ async def test_the_sync_result_rides_out_store_errors_too(
     finally:
         await asyncio.to_thread(client.close)
         await client_app.close()
+
+
+async def test_a_worker_whose_id_is_taken_gives_nothing_back(
+    app: tether.App, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another process holds this worker's id (both run on): after a lost commit this
+    one gives nothing back, since what the id holds on the run may be the other's."""
+
+    @app.workflow
+    async def wf() -> int:
+        return 1
+
+    await app.start(wf, run_id="r1")
+    (task,) = await app.store.claim(worker_id="X", queues=["default"], limit=1, lease=30)
+    calls: list[Any] = []
+
+    async def give_back(*args: Any, **kw: Any) -> int:
+        calls.append((args, kw))
+        return 0
+
+    monkeypatch.setattr(app.store, "give_back", give_back)
+    w = app.worker(worker_id="X", lease=30.0)
+    w._id_taken = True
+    await w._give_back_unknown(task, app.store.clock())
+    assert calls == []
+    w._id_taken = False
+    await w._give_back_unknown(task, app.store.clock())
+    assert len(calls) == 1 and calls[0][0][:3] == ("X", "r1", [task.task_id])

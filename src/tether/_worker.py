@@ -1055,6 +1055,7 @@ class Worker:
                 pass
             return
         tries = 0
+        since = store.clock()  # a lost commit could only lease tasks made from now
         while True:
             try:
                 marker, leased = await store.complete_workflow_task(
@@ -1077,7 +1078,7 @@ class Worker:
                         extra={"run_id": task.run_id},
                     )
                     # the steps it may have leased to this worker are given back now
-                    await self._give_back_unknown(task)
+                    await self._give_back_unknown(task, since)
                 else:
                     self._lease_lost(attempt=False)  # a workflow task's
                 return
@@ -1103,7 +1104,7 @@ class Worker:
                 except StoreError:  # (LeaseLostError: the task is gone, a commit landed)
                     # if one was committed after all, the steps it leased to this
                     # worker are given back rather than left to their leases
-                    await self._give_back_unknown(task)
+                    await self._give_back_unknown(task, since)
                 return
             break
         if marker == TASK_REJECTED:
@@ -1397,10 +1398,11 @@ class Worker:
         ``result`` is the encoded ``value`` (when the caller still has it). With
         ``inline``, the run's next activity is left in ``_follow`` for the caller to run.
         """
+        store = self.app.store
+        since = store.clock()  # a lost commit could only lease tasks made from now
         fast = await self._complete_fast(task, result, value, inline)
         if fast:
             return
-        store = self.app.store
         if fast is None:  # the one-commit path's commit was lost: this is a retry
             await asyncio.sleep(COMPLETE_RETRY_PAUSES[0])
         await self._offer(
@@ -1415,6 +1417,7 @@ class Worker:
                 read_after=self._cached_through(task.run_id),
             ),
             tries=1 if fast is None else 0,
+            since=since,
         )
 
     def _lease_left(self, task: Task) -> float:
@@ -1437,6 +1440,7 @@ class Worker:
         what: str,
         op: Callable[[], Awaitable[Task | None]],
         tries: int = 0,
+        since: float | None = None,
     ) -> None:
         """Record an activity's outcome (``what``: its result or failure) with ``op``.
 
@@ -1446,9 +1450,12 @@ class Worker:
         outage; see _lease_left), so an outage shorter than the lease does not run the
         step (a paid call) again. The fence makes a repeated offer safe: refused, it
         says the lost one had landed. Past the lease the step is given back to run again.
-        ``tries``: offers already made (the one-commit path's lost one)."""
+        ``tries``: offers already made (the one-commit path's lost one); ``since``: the
+        store's time when the first began."""
         store = self.app.store
         began = time.monotonic()
+        if since is None:
+            since = store.clock()
         while True:
             try:
                 wt = await op()
@@ -1465,7 +1472,7 @@ class Worker:
                     )
                     # the lost commit may have leased the run's next tasks to this
                     # worker, which knows nothing of them: give them back now
-                    await self._give_back_unknown(task)
+                    await self._give_back_unknown(task, since)
                 else:
                     self._lease_lost()
                 return
@@ -1510,7 +1517,7 @@ class Worker:
                 try:
                     await store.release([task])
                 except LeaseLostError:  # the task is gone: a lost offer had landed
-                    await self._give_back_unknown(task)
+                    await self._give_back_unknown(task, since)
                 except StoreError:  # its lease runs out instead
                     pass
                 return
@@ -1518,16 +1525,28 @@ class Worker:
                 self._spawn(wt)
             return
 
-    async def _give_back_unknown(self, task: Task) -> None:
-        """A commit for ``task`` failed with its outcome unknown (the store's connection
-        broke at ``COMMIT``): if it landed, it leased the run's next tasks to this worker,
-        which does not know them, so they would wait out their lease. Make this worker's
-        leases on the run claimable now, but for the tasks it is running (``task``
+    async def _give_back_unknown(self, task: Task, since: float) -> None:
+        """A commit for ``task``, first offered at ``since`` (store clock), failed with its
+        outcome unknown (the store's connection broke at ``COMMIT``): if it landed, it
+        leased the run's next tasks to this worker, which does not know them, so they
+        would wait out their lease. Make claimable now this worker's leases on the run
+        that such a commit could have made (created leased from ``since`` on, never
+        claimed since), but for the tasks it is running or about to run (``task``
         among them). Claiming bumps the fence, so nothing runs twice at once. If the
-        store still fails, the leases run out as before."""
-        keep = sorted({*self._inflight, task.task_id})
+        store still fails, the leases run out as before. Nothing is given back while
+        another process holds this worker's id: what the id holds may be its."""
+        if self._id_taken:
+            return
+        run_id = task.run_id
+        keep = sorted(
+            {
+                task.task_id,
+                *(i for i, (t, _, _) in self._inflight.items() if t.run_id == run_id),
+                *(t.task_id for t in self._follow.values() if t.run_id == run_id),
+            }
+        )
         try:
-            n = await self.app.store.give_back(self.id, task.run_id, keep)
+            n = await self.app.store.give_back(self.id, run_id, keep, since=since)
         except StoreError as exc:
             log.warning(
                 "could not give back the tasks of run %r that a lost commit may have leased "

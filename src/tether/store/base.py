@@ -509,11 +509,15 @@ class Store(abc.ABC):
         timeouts, and the others decide (None when there are no others)."""
 
     @abc.abstractmethod
-    async def give_back(self, worker_id: str, run_id: str, keep: Sequence[int] = ()) -> int:
-        """Make the tasks of ``run_id`` leased to ``worker_id`` claimable now, except
+    async def give_back(
+        self, worker_id: str, run_id: str, keep: Sequence[int] = (), *, since: float
+    ) -> int:
+        """Make claimable now the tasks of ``run_id`` that a commit made at or after
+        ``since`` (store clock) leased to ``worker_id`` and no one claimed since, except
         those in ``keep`` (task ids the worker is running); return how many. A worker
         that could not tell whether a commit leasing it the run's next tasks landed
-        gives them back instead of letting them wait out their leases."""
+        gives them back instead of letting them wait out their leases; tasks the id
+        holds from claims are left alone."""
 
     @abc.abstractmethod
     async def release(

@@ -445,8 +445,10 @@ class OpsStore(Store):
         out: int | None = await self._do(_reclaim, worker_id, dict(seen))
         return out
 
-    async def give_back(self, worker_id: str, run_id: str, keep: Sequence[int] = ()) -> int:
-        n: int = await self._do(_give_back, worker_id, run_id, tuple(keep))
+    async def give_back(
+        self, worker_id: str, run_id: str, keep: Sequence[int] = (), *, since: float
+    ) -> int:
+        n: int = await self._do(_give_back, worker_id, run_id, tuple(keep), since)
         return n
 
     async def foreign_leases(

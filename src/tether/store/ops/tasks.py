@@ -228,19 +228,24 @@ def _reclaim(tx: _Tx, worker_id: str, seen: Mapping[int, tuple[int, float, bool]
     return len(stale)
 
 
-def _give_back(tx: _Tx, worker_id: str, run_id: str, keep: tuple[int, ...] = ()) -> int:
-    """Make the tasks of ``run_id`` leased to ``worker_id`` claimable now, but ``keep``
-    (those it runs): a commit that leased them to it may have been lost, so they are
-    not left to wait out their leases. The next claim bumps each fence, so the worker
-    can commit nothing of them after."""
-    params: tuple[Any, ...] = (tx.now, worker_id, tx.now, run_id)
+def _give_back(
+    tx: _Tx, worker_id: str, run_id: str, keep: tuple[int, ...] = (), since: float = 0.0
+) -> int:
+    """Make claimable now the tasks of ``run_id`` that a commit lost at or after
+    ``since`` (store clock) may have leased to ``worker_id``, but ``keep`` (those it
+    runs): that commit's answer was lost, so the worker does not know them, and they
+    are not left to wait out their leases. Only tasks created leased (fence 1, never
+    claimed since) at or after ``since`` qualify: a task the id holds from a claim (one
+    claimed and not started yet, another process sharing the id) is left alone. The
+    next claim bumps each fence, so the worker can commit nothing of them after."""
+    params: tuple[Any, ...] = (tx.now, worker_id, tx.now, run_id, since)
     where = ""
     if keep:
         where = f" AND task_id NOT IN ({','.join('?' * len(keep))})"
         params += keep
     rows = tx.execute(
         "UPDATE tasks SET available_at = ? WHERE lease_owner = ? AND available_at > ? "
-        f"AND run_id = ?{where} RETURNING queue",
+        f"AND run_id = ? AND fence = 1 AND created_at >= ?{where} RETURNING queue",
         params,
     ).fetchall()
     for (queue,) in rows:
