@@ -575,3 +575,46 @@ async def test_a_worker_whose_id_is_taken_gives_nothing_back(
     w._id_taken = False
     await w._give_back_unknown(task, app.store.clock())
     assert len(calls) == 1 and calls[0][0][:3] == ("X", "r1", [task.task_id])
+
+
+async def test_a_workflow_task_whose_last_offer_landed_unheard_gives_its_steps_back(
+    app: tether.App, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every offer of a workflow task's commit fails, but the last one landed (its
+    answer lost): the release that follows finds the task gone, so the steps that
+    commit leased to this worker are given back at once, not left to their lease."""
+    ran: list[str] = []
+
+    @app.activity
+    def step(name: str) -> str:
+        ran.append(name)
+        return name.upper()
+
+    @app.workflow
+    async def one() -> str:
+        await tether.sleep(0.05)  # (the workflow task after it runs on the worker)
+        return await step("a")
+
+    real = app.store.complete_workflow_task
+    calls: list[int] = []
+
+    async def flaky(task: Any, *args: Any, **kw: Any) -> Any:
+        history = await app.store.read_history(task.run_id)
+        if not any(e.type is tether.EventType.TIMER_FIRED for e in history) or len(calls) >= 4:
+            return await real(task, *args, **kw)
+        calls.append(task.task_id)  # the task that leases the step to this worker
+        if len(calls) == 4:
+            await real(task, *args, **kw)  # the last offer commits, but its answer is lost
+        raise tether.StoreError(LOST)
+
+    monkeypatch.setattr(app.store, "complete_workflow_task", flaky)
+    caplog.set_level(logging.INFO, logger="tether")
+    w = app.worker(lease=30.0, poll_interval=0.05)
+    await w.start()
+    try:
+        run = await app.start(one, run_id="r1")
+        assert await run.result(timeout=10) == "A"  # not after the 30 s lease
+    finally:
+        await w.stop(grace=2.0)
+    assert ran == ["a"] and len(calls) == 4
+    assert "gave back 1 task(s) of run 'r1'" in caplog.text

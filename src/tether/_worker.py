@@ -235,7 +235,7 @@ class Worker:
         self._switcher: asyncio.Task[None] | None = None
         #: the kill switches that are off (``_switches.py``), read every REFRESH seconds
         self._switches = Switches()
-        self._background: set[asyncio.Future[None]] = set()
+        self._background: set[asyncio.Future[object]] = set()
         self._main: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
         self._slot: asyncio.Event | None = None
@@ -823,10 +823,10 @@ class Worker:
         if self._slot is not None:
             self._slot.set()
 
-    def _fire(self, coro: Coroutine[Any, Any, None]) -> None:
+    def _fire(self, coro: Coroutine[Any, Any, object]) -> None:
         """Run a best-effort store call in the background, logging its failure."""
 
-        def report(f: asyncio.Future[None]) -> None:
+        def report(f: asyncio.Future[object]) -> None:
             if not f.cancelled() and f.exception() is not None:
                 log.warning("background store call failed: %s", f.exception())
 
@@ -1100,10 +1100,12 @@ class Worker:
                 )
                 # soon, but a store that keeps failing is not asked in a loop
                 try:
-                    await store.release([task], delay=STORE_BLIP_DELAY)
-                except StoreError:  # (LeaseLostError: the task is gone, a commit landed)
-                    # if one was committed after all, the steps it leased to this
-                    # worker are given back rather than left to their leases
+                    held = await store.release([task], delay=STORE_BLIP_DELAY)
+                except StoreError:  # the store still fails: its lease runs out instead
+                    return
+                if held == 0:  # the task is gone or moved on: one of the offers landed,
+                    # so the steps it leased to this worker are given back rather than
+                    # left to their leases
                     await self._give_back_unknown(task, since)
                 return
             break
@@ -1515,11 +1517,11 @@ class Worker:
                     extra={"run_id": task.run_id},
                 )
                 try:
-                    await store.release([task])
-                except LeaseLostError:  # the task is gone: a lost offer had landed
-                    await self._give_back_unknown(task, since)
+                    held = await store.release([task])
                 except StoreError:  # its lease runs out instead
-                    pass
+                    return
+                if held == 0:  # the task is gone or moved on: a lost offer had landed
+                    await self._give_back_unknown(task, since)
                 return
             if wt is not None:
                 self._spawn(wt)

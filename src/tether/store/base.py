@@ -527,9 +527,11 @@ class Store(abc.ABC):
         *,
         unstarted: bool = False,
         note: str | None = None,
-    ) -> None:
+    ) -> int:
         """Give back leased tasks (a worker stopping, or one that does not serve a run's
-        version) so any worker can claim them after ``delay`` seconds; ``unstarted``
+        version) so any worker can claim them after ``delay`` seconds, and return how
+        many were still held (the others' fences moved or their rows are gone: taken
+        over, or a commit of them landed, perhaps one whose answer was lost); ``unstarted``
         ones never ran (or a stopping worker interrupted them), so the attempt their
         claim counted is taken back. A ``note`` becomes the ``task_error`` of each
         task's live run that has none (why its step waits); the run's next completed

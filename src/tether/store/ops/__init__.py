@@ -468,8 +468,9 @@ class OpsStore(Store):
         *,
         unstarted: bool = False,
         note: str | None = None,
-    ) -> None:
-        await self._do(_release, tuple(tasks), delay, unstarted, note)
+    ) -> int:
+        held: int = await self._do(_release, tuple(tasks), delay, unstarted, note)
+        return held
 
     async def breaker_admit(self, cfg: dict[str, Any]) -> float | None:
         out: float | None = await self._do(_breaker_admit, cfg)

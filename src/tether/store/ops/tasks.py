@@ -269,22 +269,25 @@ def _release(
     delay: float = 0.0,
     unstarted: bool = False,
     note: str | None = None,
-) -> None:
+) -> int:
     """Give leased tasks back; ``unstarted`` ones never ran, or a stopping worker
     interrupted them, so their claim's attempt is taken back too (a graceful stop must
     not use up a step's retries). A ``note`` says on each live run without a
-    ``task_error`` why its step waits."""
+    ``task_error`` why its step waits. Returns how many were still held (their fence
+    unmoved): the others were taken over, or a commit of them landed."""
     undo = (
         ", attempt = CASE WHEN kind = 'activity' AND attempt > 0 THEN attempt - 1 ELSE attempt END"
         if unstarted
         else ""
     )
+    held = 0
     for t in tasks:
-        tx.execute(
+        row = tx.execute(
             f"UPDATE tasks SET lease_owner = NULL, available_at = ?{undo} "
-            "WHERE task_id = ? AND fence = ?",
+            "WHERE task_id = ? AND fence = ? RETURNING 1",
             (tx.now + delay, t.task_id, t.fence),
-        )
+        ).fetchone()
+        held += row is not None
         tx.ready.add(t.queue)
         if note is not None:
             tx.execute(
@@ -292,6 +295,7 @@ def _release(
                 "AND status IN ('pending', 'running')",
                 (note, t.run_id),  # names only, never a payload: kept as it is
             )
+    return held
 
 
 def _heartbeat(tx: _Tx, task: Task, lease: float, details: str | None) -> bool:
