@@ -618,3 +618,55 @@ async def test_a_workflow_task_whose_last_offer_landed_unheard_gives_its_steps_b
         await w.stop(grace=2.0)
     assert ran == ["a"] and len(calls) == 4
     assert "gave back 1 task(s) of run 'r1'" in caplog.text
+
+
+async def test_a_heartbeat_steps_result_is_offered_while_its_heartbeat_lease_lasts(
+    app: tether.App, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step with a heartbeat timeout is leased for that long from its last heartbeat
+    (lease renewals do not extend it): a result the store keeps refusing is offered
+    until shortly before that runs out, not for the worker's much longer lease."""
+    loop = asyncio.get_running_loop()
+    offers: list[float] = []
+    released: list[float] = []
+    real_release = app.store.release
+
+    @app.activity(heartbeat_timeout=3)
+    async def beat() -> str:
+        tether.activity_context().heartbeat("x")
+        await asyncio.sleep(0.3)
+        return "done"
+
+    @app.workflow
+    async def wf() -> str:
+        return await beat()
+
+    async def complete(task: Any, result: str, **kw: Any) -> Any:
+        offers.append(loop.time())
+        raise tether.StoreError(LOST)
+
+    async def release(tasks: Any, *args: Any, **kw: Any) -> Any:
+        if offers and not released:
+            released.append(loop.time())
+        return await real_release(tasks, *args, **kw)
+
+    async def fast(task: Any, *args: Any, **kw: Any) -> Any:
+        offers.append(loop.time())
+        raise tether.StoreError(LOST)
+
+    monkeypatch.setattr(app.store, "complete_activity", complete)
+    monkeypatch.setattr(app.store, "complete_activity_fast", fast, raising=False)
+    monkeypatch.setattr(app.store, "release", release)
+    w = app.worker(lease=30.0, poll_interval=0.05)
+    await w.start()
+    try:
+        await app.start(wf, run_id="r1")
+        for _ in range(160):
+            if released:
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        await w.stop(grace=0.5)
+    assert released, ("not given back within 8 s", offers)
+    # the heartbeat lease (3 s from the beat, less a 1 s margin) bounds the offers
+    assert released[0] - offers[0] < 2.5, (offers, released)

@@ -138,6 +138,14 @@ _RUN_ENDINGS = {
 _UNSET: Any = object()
 
 
+def _beats_only(task: Task) -> float | None:
+    """The heartbeat timeout of a step that has one (only heartbeats extend its lease)."""
+    if task.kind != "activity" or not task.options:
+        return None
+    hb = task.options.get("heartbeat_timeout")
+    return float(hb) if hb else None
+
+
 class Worker:
     """Runs workflow tasks, activities and timers for the given queues.
 
@@ -857,7 +865,9 @@ class Worker:
                 continue
             _, atask, ctx = entry
             cancelled = alive.get(t.task_id)
-            if cancelled is not None:  # renewed: its lease runs from before the call
+            if cancelled is not None and not _beats_only(t):
+                # renewed: its lease runs from before the call (a heartbeat-only
+                # lease was not extended: only heartbeats do, see _lease_left)
                 self._leased_at[t.task_id] = sent
             if cancelled is None or cancelled:
                 if ctx is not None:
@@ -1425,16 +1435,23 @@ class Worker:
     def _lease_left(self, task: Task) -> float:
         """Seconds this worker may still offer ``task``'s outcome: until a margin before
         its lease on the task ends, counted from when the lease was last known to start
-        (the task reached this worker, or a renewal sent then succeeded)."""
+        (the task reached this worker, or a renewal sent then succeeded; for a step
+        with a heartbeat timeout, which renewals do not extend, a heartbeat)."""
         since = self._leased_at.get(task.task_id)
         if since is None:
             return 0.0
-        return since + self._lease_span() - time.monotonic()
+        entry = self._inflight.get(task.task_id)
+        if entry is not None and entry[0] is task and entry[2] is not None:
+            since = max(since, entry[2]._beat_at)
+        return since + self._lease_span(task) - time.monotonic()
 
-    def _lease_span(self) -> float:
-        """The lease less its safety margin: how long an outcome may be offered."""
-        margin = min(max(self.lease * LEASE_MARGIN, LEASE_MARGIN_MIN), self.lease / 2)
-        return self.lease - margin
+    def _lease_span(self, task: Task | None = None) -> float:
+        """The lease less its safety margin: how long an outcome may be offered (the
+        heartbeat timeout of a ``task`` that has one: only heartbeats extend it)."""
+        hb = _beats_only(task) if task is not None else None
+        lease = hb or self.lease
+        margin = min(max(lease * LEASE_MARGIN, LEASE_MARGIN_MIN), lease / 2)
+        return lease - margin
 
     async def _offer(
         self,
@@ -1486,7 +1503,8 @@ class Worker:
                     # store that takes them but keeps refusing this commit is not waited
                     # on forever
                     left = min(
-                        self._lease_left(task), began + self._lease_span() - time.monotonic()
+                        self._lease_left(task),
+                        began + self._lease_span(task) - time.monotonic(),
                     )
                     pause = min(COMPLETE_RETRY_MAX_PAUSE, left) if left > 0 else None
                     if pause is not None and tries == len(COMPLETE_RETRY_PAUSES):
