@@ -97,3 +97,113 @@ async def test_store_takes_back_only_leases_no_one_renewed(app: tether.App) -> N
         (t.task_id, t.fence + 1) for t in held
     )
     assert await store.leases("X") == {}
+
+
+async def test_reclaim_never_takes_back_a_heartbeat_only_lease(app: tether.App) -> None:
+    """A live predecessor holding a heartbeat-extended step and another task that it
+    finished meanwhile: nothing it holds was renewed (renewals skip heartbeat leases,
+    its heartbeats come on their own schedule), but the heartbeat step is not taken
+    back: such leases tell nothing, so they are left to their heartbeat timeouts."""
+    from tether.workflow._instance import WorkflowInstance
+
+    @app.activity(heartbeat_timeout=300)
+    def slow(x: int) -> int:
+        return x
+
+    @app.workflow
+    async def wf() -> int:
+        return await slow(1)
+
+    @app.workflow
+    async def other() -> int:
+        return 1
+
+    store = app.store
+    await app.start(wf, run_id="r1")
+    (wt,) = await store.claim(worker_id="X", queues=["default"], limit=1, lease=30)
+    inst = WorkflowInstance("r1", app.get_workflow("wf"))
+    await store.complete_workflow_task(
+        wt, inst.advance(await store.read_history("r1"), store.clock())
+    )
+    await app.start(other, run_id="r2")
+    held = await store.claim(worker_id="X", queues=["default"], limit=10, lease=30)
+    assert sorted(t.kind for t in held) == ["activity", "workflow"]
+    seen = await store.leases("X")  # a second process starts under the id
+    (n,) = [t for t in held if t.kind == "workflow"]
+    await store.complete_workflow_task(
+        n, WorkflowTaskResult(commands=[], through=1, time=store.clock())
+    )
+    assert await store.reclaim("X", seen) == 0  # the unrenewed one had finished
+    assert await store.claim(worker_id="Y", queues=["default"], limit=10, lease=30) == []
+
+    # an unrenewed ordinary lease beside it is still taken back; the heartbeat one is not
+    await app.start(other, run_id="r3")
+    (n3,) = await store.claim(worker_id="X", queues=["default"], limit=10, lease=30)
+    seen = await store.leases("X")
+    assert len(seen) == 2
+    assert await store.reclaim("X", seen) == 1
+    taken = await store.claim(worker_id="Y", queues=["default"], limit=10, lease=30)
+    assert [(t.task_id, t.fence) for t in taken] == [(n3.task_id, n3.fence + 1)]
+
+
+async def test_give_back_takes_only_what_the_lost_commit_could_have_leased(
+    app: tether.App,
+) -> None:
+    """``give_back`` after a lost commit makes claimable only the run's tasks leased to
+    the worker by a commit at or after ``since`` and never claimed since (fence 1): a
+    task of the run that the id holds from a claim (another process sharing the id, or
+    one claimed and not yet started) is left alone, as are those in ``keep``."""
+    import asyncio
+
+    from tether.workflow._instance import WorkflowInstance
+
+    @app.activity
+    def a(x: int) -> int:
+        return x
+
+    @app.workflow
+    async def wf() -> list[int]:
+        return list(await asyncio.gather(a(1), a(2)))
+
+    store = app.store
+    await app.start(wf, run_id="r1")
+    (wt,) = await store.claim(worker_id="X", queues=["default"], limit=1, lease=30)
+    inst = WorkflowInstance("r1", app.get_workflow("wf"))
+    await store.complete_workflow_task(
+        wt, inst.advance(await store.read_history("r1"), store.clock())
+    )
+    (t_old,) = await store.claim(worker_id="X", queues=["default"], limit=1, lease=30)
+    (t_new,) = await store.claim(worker_id="X", queues=["default"], limit=1, lease=30)
+    since = store.clock()
+    assert await store.give_back("X", "r1", [t_new.task_id], since=since) == 0
+    assert await store.claim(worker_id="Y", queues=["default"], limit=10, lease=30) == []
+
+    # a commit after ``since`` leases the run's next tasks to X: those are given back
+    await store.complete_activity(t_old, "1")
+    await store.complete_activity(t_new, "2")
+    (wt2,) = await store.claim(worker_id="X", queues=["default"], limit=1, lease=30)
+    since = store.clock()
+    result = inst.advance(await store.read_history("r1"), store.clock())
+    _, leased = await store.complete_workflow_task(
+        wt2, result, lease_to="X", lease_queues=["default"], lease=30, lease_limit=5
+    )
+    assert leased == []  # the run ended: nothing leased; a fresh run's task instead
+    await app.start(wf, run_id="r2")
+    since = store.clock()
+    (w2,) = await store.claim(worker_id="Z", queues=["default"], limit=1, lease=30)
+    inst2 = WorkflowInstance("r2", app.get_workflow("wf"))
+    _, leased = await store.complete_workflow_task(
+        w2,
+        inst2.advance(await store.read_history("r2"), store.clock()),
+        lease_to="X",
+        lease_queues=["default"],
+        lease=30,
+        lease_limit=5,
+    )
+    assert len(leased) == 2 and all(t.fence == 1 for t in leased)
+    keep = [leased[0].task_id]
+    assert await store.give_back("X", "r2", keep, since=since) == 1
+    taken = await store.claim(worker_id="Y", queues=["default"], limit=10, lease=30)
+    assert [t.task_id for t in taken] == [leased[1].task_id]
+    # ... but not when they were leased before the lost offer began
+    assert await store.give_back("X", "r2", (), since=store.clock() + 1) == 0

@@ -547,3 +547,126 @@ async def test_the_sync_result_rides_out_store_errors_too(
     finally:
         await asyncio.to_thread(client.close)
         await client_app.close()
+
+
+async def test_a_worker_whose_id_is_taken_gives_nothing_back(
+    app: tether.App, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another process holds this worker's id (both run on): after a lost commit this
+    one gives nothing back, since what the id holds on the run may be the other's."""
+
+    @app.workflow
+    async def wf() -> int:
+        return 1
+
+    await app.start(wf, run_id="r1")
+    (task,) = await app.store.claim(worker_id="X", queues=["default"], limit=1, lease=30)
+    calls: list[Any] = []
+
+    async def give_back(*args: Any, **kw: Any) -> int:
+        calls.append((args, kw))
+        return 0
+
+    monkeypatch.setattr(app.store, "give_back", give_back)
+    w = app.worker(worker_id="X", lease=30.0)
+    w._id_taken = True
+    await w._give_back_unknown(task, app.store.clock())
+    assert calls == []
+    w._id_taken = False
+    await w._give_back_unknown(task, app.store.clock())
+    assert len(calls) == 1 and calls[0][0][:3] == ("X", "r1", [task.task_id])
+
+
+async def test_a_workflow_task_whose_last_offer_landed_unheard_gives_its_steps_back(
+    app: tether.App, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every offer of a workflow task's commit fails, but the last one landed (its
+    answer lost): the release that follows finds the task gone, so the steps that
+    commit leased to this worker are given back at once, not left to their lease."""
+    ran: list[str] = []
+
+    @app.activity
+    def step(name: str) -> str:
+        ran.append(name)
+        return name.upper()
+
+    @app.workflow
+    async def one() -> str:
+        await tether.sleep(0.05)  # (the workflow task after it runs on the worker)
+        return await step("a")
+
+    real = app.store.complete_workflow_task
+    calls: list[int] = []
+
+    async def flaky(task: Any, *args: Any, **kw: Any) -> Any:
+        history = await app.store.read_history(task.run_id)
+        if not any(e.type is tether.EventType.TIMER_FIRED for e in history) or len(calls) >= 4:
+            return await real(task, *args, **kw)
+        calls.append(task.task_id)  # the task that leases the step to this worker
+        if len(calls) == 4:
+            await real(task, *args, **kw)  # the last offer commits, but its answer is lost
+        raise tether.StoreError(LOST)
+
+    monkeypatch.setattr(app.store, "complete_workflow_task", flaky)
+    caplog.set_level(logging.INFO, logger="tether")
+    w = app.worker(lease=30.0, poll_interval=0.05)
+    await w.start()
+    try:
+        run = await app.start(one, run_id="r1")
+        assert await run.result(timeout=10) == "A"  # not after the 30 s lease
+    finally:
+        await w.stop(grace=2.0)
+    assert ran == ["a"] and len(calls) == 4
+    assert "gave back 1 task(s) of run 'r1'" in caplog.text
+
+
+async def test_a_heartbeat_steps_result_is_offered_while_its_heartbeat_lease_lasts(
+    app: tether.App, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step with a heartbeat timeout is leased for that long from its last heartbeat
+    (lease renewals do not extend it): a result the store keeps refusing is offered
+    until shortly before that runs out, not for the worker's much longer lease."""
+    loop = asyncio.get_running_loop()
+    offers: list[float] = []
+    released: list[float] = []
+    real_release = app.store.release
+
+    @app.activity(heartbeat_timeout=3)
+    async def beat() -> str:
+        tether.activity_context().heartbeat("x")
+        await asyncio.sleep(0.3)
+        return "done"
+
+    @app.workflow
+    async def wf() -> str:
+        return await beat()
+
+    async def complete(task: Any, result: str, **kw: Any) -> Any:
+        offers.append(loop.time())
+        raise tether.StoreError(LOST)
+
+    async def release(tasks: Any, *args: Any, **kw: Any) -> Any:
+        if offers and not released:
+            released.append(loop.time())
+        return await real_release(tasks, *args, **kw)
+
+    async def fast(task: Any, *args: Any, **kw: Any) -> Any:
+        offers.append(loop.time())
+        raise tether.StoreError(LOST)
+
+    monkeypatch.setattr(app.store, "complete_activity", complete)
+    monkeypatch.setattr(app.store, "complete_activity_fast", fast, raising=False)
+    monkeypatch.setattr(app.store, "release", release)
+    w = app.worker(lease=30.0, poll_interval=0.05)
+    await w.start()
+    try:
+        await app.start(wf, run_id="r1")
+        for _ in range(160):
+            if released:
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        await w.stop(grace=0.5)
+    assert released, ("not given back within 8 s", offers)
+    # the heartbeat lease (3 s from the beat, less a 1 s margin) bounds the offers
+    assert released[0] - offers[0] < 2.5, (offers, released)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import time
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -52,6 +53,9 @@ class ActivityContext:
     _cancelled: bool = field(default=False, repr=False)
     _returned: bool = field(default=False, repr=False)  #: the function has returned
     _began: float = field(default=0.0, repr=False)  #: perf_counter when the attempt began
+    #: monotonic time a heartbeat that then succeeded was sent (0: none yet): the lease
+    #: of a step with a heartbeat timeout runs from there (see Worker._lease_left)
+    _beat_at: float = field(default=0.0, repr=False)
 
     def __post_init__(self) -> None:
         if not self.idempotency_keys:
@@ -89,8 +93,14 @@ class ActivityContext:
 
     def _beat(self, details: str | None) -> Coroutine[Any, Any, bool]:
         """The store call that renews this attempt's lease (True: cancelled or lost)."""
+        return self._beat_one(details)
+
+    async def _beat_one(self, details: str | None) -> bool:
         assert self._store is not None and self.task is not None
-        return self._store.heartbeat(self.task, self._lease, details)
+        sent = time.monotonic()
+        cancelled = await self._store.heartbeat(self.task, self._lease, details)
+        self._beat_at = sent  # the lease runs from before the call
+        return cancelled
 
     def _on_beat(self, fut: asyncio.Future[bool]) -> None:
         if fut.cancelled():

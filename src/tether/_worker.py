@@ -138,6 +138,14 @@ _RUN_ENDINGS = {
 _UNSET: Any = object()
 
 
+def _beats_only(task: Task) -> float | None:
+    """The heartbeat timeout of a step that has one (only heartbeats extend its lease)."""
+    if task.kind != "activity" or not task.options:
+        return None
+    hb = task.options.get("heartbeat_timeout")
+    return float(hb) if hb else None
+
+
 class Worker:
     """Runs workflow tasks, activities and timers for the given queues.
 
@@ -235,7 +243,7 @@ class Worker:
         self._switcher: asyncio.Task[None] | None = None
         #: the kill switches that are off (``_switches.py``), read every REFRESH seconds
         self._switches = Switches()
-        self._background: set[asyncio.Future[None]] = set()
+        self._background: set[asyncio.Future[object]] = set()
         self._main: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
         self._slot: asyncio.Event | None = None
@@ -334,9 +342,18 @@ class Worker:
                 else "a live process renews them (its hold on the id had ended, e.g. with "
                 "its database session): it finishes them and claims nothing more; stop one",
             )
-        elif reclaimed:
+            return
+        if reclaimed:
             count("tether_orphans_recovered", (), reclaimed)
             log.info("worker %s took back %d task(s) of its predecessor", self.id, reclaimed)
+        beats = sum(1 for _, _, b in seen.values() if b)
+        if beats:
+            log.info(
+                "worker %s: %d task(s) of its predecessor that only heartbeats extend are "
+                "left to their heartbeat timeouts (nothing tells whether their holder lives)",
+                self.id,
+                beats,
+            )
 
     async def _check_id(self) -> None:
         """Keep the stable id held (a database session holding it can end while this
@@ -814,10 +831,10 @@ class Worker:
         if self._slot is not None:
             self._slot.set()
 
-    def _fire(self, coro: Coroutine[Any, Any, None]) -> None:
+    def _fire(self, coro: Coroutine[Any, Any, object]) -> None:
         """Run a best-effort store call in the background, logging its failure."""
 
-        def report(f: asyncio.Future[None]) -> None:
+        def report(f: asyncio.Future[object]) -> None:
             if not f.cancelled() and f.exception() is not None:
                 log.warning("background store call failed: %s", f.exception())
 
@@ -848,7 +865,9 @@ class Worker:
                 continue
             _, atask, ctx = entry
             cancelled = alive.get(t.task_id)
-            if cancelled is not None:  # renewed: its lease runs from before the call
+            if cancelled is not None and not _beats_only(t):
+                # renewed: its lease runs from before the call (a heartbeat-only
+                # lease was not extended: only heartbeats do, see _lease_left)
                 self._leased_at[t.task_id] = sent
             if cancelled is None or cancelled:
                 if ctx is not None:
@@ -1046,6 +1065,7 @@ class Worker:
                 pass
             return
         tries = 0
+        since = store.clock()  # a lost commit could only lease tasks made from now
         while True:
             try:
                 marker, leased = await store.complete_workflow_task(
@@ -1068,7 +1088,7 @@ class Worker:
                         extra={"run_id": task.run_id},
                     )
                     # the steps it may have leased to this worker are given back now
-                    await self._give_back_unknown(task)
+                    await self._give_back_unknown(task, since)
                 else:
                     self._lease_lost(attempt=False)  # a workflow task's
                 return
@@ -1090,11 +1110,13 @@ class Worker:
                 )
                 # soon, but a store that keeps failing is not asked in a loop
                 try:
-                    await store.release([task], delay=STORE_BLIP_DELAY)
-                except StoreError:  # (LeaseLostError: the task is gone, a commit landed)
-                    # if one was committed after all, the steps it leased to this
-                    # worker are given back rather than left to their leases
-                    await self._give_back_unknown(task)
+                    held = await store.release([task], delay=STORE_BLIP_DELAY)
+                except StoreError:  # the store still fails: its lease runs out instead
+                    return
+                if held == 0:  # the task is gone or moved on: one of the offers landed,
+                    # so the steps it leased to this worker are given back rather than
+                    # left to their leases
+                    await self._give_back_unknown(task, since)
                 return
             break
         if marker == TASK_REJECTED:
@@ -1388,10 +1410,11 @@ class Worker:
         ``result`` is the encoded ``value`` (when the caller still has it). With
         ``inline``, the run's next activity is left in ``_follow`` for the caller to run.
         """
+        store = self.app.store
+        since = store.clock()  # a lost commit could only lease tasks made from now
         fast = await self._complete_fast(task, result, value, inline)
         if fast:
             return
-        store = self.app.store
         if fast is None:  # the one-commit path's commit was lost: this is a retry
             await asyncio.sleep(COMPLETE_RETRY_PAUSES[0])
         await self._offer(
@@ -1406,21 +1429,29 @@ class Worker:
                 read_after=self._cached_through(task.run_id),
             ),
             tries=1 if fast is None else 0,
+            since=since,
         )
 
     def _lease_left(self, task: Task) -> float:
         """Seconds this worker may still offer ``task``'s outcome: until a margin before
         its lease on the task ends, counted from when the lease was last known to start
-        (the task reached this worker, or a renewal sent then succeeded)."""
+        (the task reached this worker, or a renewal sent then succeeded; for a step
+        with a heartbeat timeout, which renewals do not extend, a heartbeat)."""
         since = self._leased_at.get(task.task_id)
         if since is None:
             return 0.0
-        return since + self._lease_span() - time.monotonic()
+        entry = self._inflight.get(task.task_id)
+        if entry is not None and entry[0] is task and entry[2] is not None:
+            since = max(since, entry[2]._beat_at)
+        return since + self._lease_span(task) - time.monotonic()
 
-    def _lease_span(self) -> float:
-        """The lease less its safety margin: how long an outcome may be offered."""
-        margin = min(max(self.lease * LEASE_MARGIN, LEASE_MARGIN_MIN), self.lease / 2)
-        return self.lease - margin
+    def _lease_span(self, task: Task | None = None) -> float:
+        """The lease less its safety margin: how long an outcome may be offered (the
+        heartbeat timeout of a ``task`` that has one: only heartbeats extend it)."""
+        hb = _beats_only(task) if task is not None else None
+        lease = hb or self.lease
+        margin = min(max(lease * LEASE_MARGIN, LEASE_MARGIN_MIN), lease / 2)
+        return lease - margin
 
     async def _offer(
         self,
@@ -1428,6 +1459,7 @@ class Worker:
         what: str,
         op: Callable[[], Awaitable[Task | None]],
         tries: int = 0,
+        since: float | None = None,
     ) -> None:
         """Record an activity's outcome (``what``: its result or failure) with ``op``.
 
@@ -1437,9 +1469,12 @@ class Worker:
         outage; see _lease_left), so an outage shorter than the lease does not run the
         step (a paid call) again. The fence makes a repeated offer safe: refused, it
         says the lost one had landed. Past the lease the step is given back to run again.
-        ``tries``: offers already made (the one-commit path's lost one)."""
+        ``tries``: offers already made (the one-commit path's lost one); ``since``: the
+        store's time when the first began."""
         store = self.app.store
         began = time.monotonic()
+        if since is None:
+            since = store.clock()
         while True:
             try:
                 wt = await op()
@@ -1456,7 +1491,7 @@ class Worker:
                     )
                     # the lost commit may have leased the run's next tasks to this
                     # worker, which knows nothing of them: give them back now
-                    await self._give_back_unknown(task)
+                    await self._give_back_unknown(task, since)
                 else:
                     self._lease_lost()
                 return
@@ -1468,7 +1503,8 @@ class Worker:
                     # store that takes them but keeps refusing this commit is not waited
                     # on forever
                     left = min(
-                        self._lease_left(task), began + self._lease_span() - time.monotonic()
+                        self._lease_left(task),
+                        began + self._lease_span(task) - time.monotonic(),
                     )
                     pause = min(COMPLETE_RETRY_MAX_PAUSE, left) if left > 0 else None
                     if pause is not None and tries == len(COMPLETE_RETRY_PAUSES):
@@ -1499,26 +1535,38 @@ class Worker:
                     extra={"run_id": task.run_id},
                 )
                 try:
-                    await store.release([task])
-                except LeaseLostError:  # the task is gone: a lost offer had landed
-                    await self._give_back_unknown(task)
+                    held = await store.release([task])
                 except StoreError:  # its lease runs out instead
-                    pass
+                    return
+                if held == 0:  # the task is gone or moved on: a lost offer had landed
+                    await self._give_back_unknown(task, since)
                 return
             if wt is not None:
                 self._spawn(wt)
             return
 
-    async def _give_back_unknown(self, task: Task) -> None:
-        """A commit for ``task`` failed with its outcome unknown (the store's connection
-        broke at ``COMMIT``): if it landed, it leased the run's next tasks to this worker,
-        which does not know them, so they would wait out their lease. Make this worker's
-        leases on the run claimable now, but for the tasks it is running (``task``
+    async def _give_back_unknown(self, task: Task, since: float) -> None:
+        """A commit for ``task``, first offered at ``since`` (store clock), failed with its
+        outcome unknown (the store's connection broke at ``COMMIT``): if it landed, it
+        leased the run's next tasks to this worker, which does not know them, so they
+        would wait out their lease. Make claimable now this worker's leases on the run
+        that such a commit could have made (created leased from ``since`` on, never
+        claimed since), but for the tasks it is running or about to run (``task``
         among them). Claiming bumps the fence, so nothing runs twice at once. If the
-        store still fails, the leases run out as before."""
-        keep = sorted({*self._inflight, task.task_id})
+        store still fails, the leases run out as before. Nothing is given back while
+        another process holds this worker's id: what the id holds may be its."""
+        if self._id_taken:
+            return
+        run_id = task.run_id
+        keep = sorted(
+            {
+                task.task_id,
+                *(i for i, (t, _, _) in self._inflight.items() if t.run_id == run_id),
+                *(t.task_id for t in self._follow.values() if t.run_id == run_id),
+            }
+        )
         try:
-            n = await self.app.store.give_back(self.id, task.run_id, keep)
+            n = await self.app.store.give_back(self.id, run_id, keep, since=since)
         except StoreError as exc:
             log.warning(
                 "could not give back the tasks of run %r that a lost commit may have leased "

@@ -502,16 +502,22 @@ class Store(abc.ABC):
     ) -> int | None:
         """Make claimable now the leases ``seen`` (read by ``leases`` a few seconds
         earlier) that are still ``worker_id``'s, unless any was renewed meanwhile (its
-        holder lives: a hold on the id proves no more than that its session ended) or
-        only heartbeats extend them (nothing tells then); return how many, None when
-        they are left to expire."""
+        holder lives: a hold on the id proves no more than that its session ended);
+        return how many, None when they are left to expire. Leases that only
+        heartbeats extend are never taken back (nothing renews them on a schedule, so
+        nothing tells whether their holder lives): they are left to their heartbeat
+        timeouts, and the others decide (None when there are no others)."""
 
     @abc.abstractmethod
-    async def give_back(self, worker_id: str, run_id: str, keep: Sequence[int] = ()) -> int:
-        """Make the tasks of ``run_id`` leased to ``worker_id`` claimable now, except
+    async def give_back(
+        self, worker_id: str, run_id: str, keep: Sequence[int] = (), *, since: float
+    ) -> int:
+        """Make claimable now the tasks of ``run_id`` that a commit made at or after
+        ``since`` (store clock) leased to ``worker_id`` and no one claimed since, except
         those in ``keep`` (task ids the worker is running); return how many. A worker
         that could not tell whether a commit leasing it the run's next tasks landed
-        gives them back instead of letting them wait out their leases."""
+        gives them back instead of letting them wait out their leases; tasks the id
+        holds from claims are left alone."""
 
     @abc.abstractmethod
     async def release(
@@ -521,9 +527,11 @@ class Store(abc.ABC):
         *,
         unstarted: bool = False,
         note: str | None = None,
-    ) -> None:
+    ) -> int:
         """Give back leased tasks (a worker stopping, or one that does not serve a run's
-        version) so any worker can claim them after ``delay`` seconds; ``unstarted``
+        version) so any worker can claim them after ``delay`` seconds, and return how
+        many were still held (the others' fences moved or their rows are gone: taken
+        over, or a commit of them landed, perhaps one whose answer was lost); ``unstarted``
         ones never ran (or a stopping worker interrupted them), so the attempt their
         claim counted is taken back. A ``note`` becomes the ``task_error`` of each
         task's live run that has none (why its step waits); the run's next completed

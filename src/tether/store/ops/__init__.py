@@ -445,8 +445,10 @@ class OpsStore(Store):
         out: int | None = await self._do(_reclaim, worker_id, dict(seen))
         return out
 
-    async def give_back(self, worker_id: str, run_id: str, keep: Sequence[int] = ()) -> int:
-        n: int = await self._do(_give_back, worker_id, run_id, tuple(keep))
+    async def give_back(
+        self, worker_id: str, run_id: str, keep: Sequence[int] = (), *, since: float
+    ) -> int:
+        n: int = await self._do(_give_back, worker_id, run_id, tuple(keep), since)
         return n
 
     async def foreign_leases(
@@ -466,8 +468,9 @@ class OpsStore(Store):
         *,
         unstarted: bool = False,
         note: str | None = None,
-    ) -> None:
-        await self._do(_release, tuple(tasks), delay, unstarted, note)
+    ) -> int:
+        held: int = await self._do(_release, tuple(tasks), delay, unstarted, note)
+        return held
 
     async def breaker_admit(self, cfg: dict[str, Any]) -> float | None:
         out: float | None = await self._do(_breaker_admit, cfg)

@@ -194,26 +194,30 @@ def _reclaim(tx: _Tx, worker_id: str, seen: Mapping[int, tuple[int, float, bool]
 
     The hold on the id alone does not prove its previous holder dead (a PostgreSQL
     session can end while its process lives), so the renewals decide: None when any of
-    them was renewed (or heartbeated) since, by a process that lives and runs them, and
-    when only heartbeats extend them (nothing renews those on a schedule to tell by);
-    such leases are left to expire. Leases taken since (a new fence) are not the
-    predecessor's and are left alone. Even a holder that renews too late commits
-    nothing: the next claim bumps each fence.
+    them was renewed (or heartbeated) since, by a process that lives and runs them.
+    Leases that only heartbeats extend are never taken back: the lease renewal skips
+    them, so nothing tells on a schedule whether their holder lives (a live one may
+    simply not have beaten yet); they are left to their heartbeat timeouts, and the
+    decision rests on the other leases (None when there are none). Leases taken since
+    (a new fence) are not the predecessor's and are left alone. Even a holder that
+    renews too late commits nothing: the next claim bumps each fence.
     """
     if all(beats for _, _, beats in seen.values()):
         return None
     rows = tx.execute(
-        "SELECT task_id, fence, available_at FROM tasks WHERE lease_owner = ? "
-        f"AND available_at > ?{tx.for_update}",
+        "SELECT task_id, fence, available_at, heartbeat_timeout FROM tasks WHERE "
+        f"lease_owner = ? AND available_at > ?{tx.for_update}",
         (worker_id, tx.now),
     ).fetchall()
     stale: list[int] = []
-    for task_id, fence, expiry in rows:
+    for task_id, fence, expiry, beats in rows:
         before = seen.get(task_id)
         if before is None or before[0] != fence:
             continue  # leased since, by this process: not the predecessor's
         if expiry > before[1]:
-            return None  # renewed since: the process holding it lives
+            return None  # renewed (or heartbeated) since: the process holding it lives
+        if beats is not None or before[2]:
+            continue  # only heartbeats extend it: left to its heartbeat timeout
         stale.append(task_id)
     for task_id in stale:
         (queue,) = tx.execute(
@@ -224,19 +228,24 @@ def _reclaim(tx: _Tx, worker_id: str, seen: Mapping[int, tuple[int, float, bool]
     return len(stale)
 
 
-def _give_back(tx: _Tx, worker_id: str, run_id: str, keep: tuple[int, ...] = ()) -> int:
-    """Make the tasks of ``run_id`` leased to ``worker_id`` claimable now, but ``keep``
-    (those it runs): a commit that leased them to it may have been lost, so they are
-    not left to wait out their leases. The next claim bumps each fence, so the worker
-    can commit nothing of them after."""
-    params: tuple[Any, ...] = (tx.now, worker_id, tx.now, run_id)
+def _give_back(
+    tx: _Tx, worker_id: str, run_id: str, keep: tuple[int, ...] = (), since: float = 0.0
+) -> int:
+    """Make claimable now the tasks of ``run_id`` that a commit lost at or after
+    ``since`` (store clock) may have leased to ``worker_id``, but ``keep`` (those it
+    runs): that commit's answer was lost, so the worker does not know them, and they
+    are not left to wait out their leases. Only tasks created leased (fence 1, never
+    claimed since) at or after ``since`` qualify: a task the id holds from a claim (one
+    claimed and not started yet, another process sharing the id) is left alone. The
+    next claim bumps each fence, so the worker can commit nothing of them after."""
+    params: tuple[Any, ...] = (tx.now, worker_id, tx.now, run_id, since)
     where = ""
     if keep:
         where = f" AND task_id NOT IN ({','.join('?' * len(keep))})"
         params += keep
     rows = tx.execute(
         "UPDATE tasks SET available_at = ? WHERE lease_owner = ? AND available_at > ? "
-        f"AND run_id = ?{where} RETURNING queue",
+        f"AND run_id = ? AND fence = 1 AND created_at >= ?{where} RETURNING queue",
         params,
     ).fetchall()
     for (queue,) in rows:
@@ -260,22 +269,25 @@ def _release(
     delay: float = 0.0,
     unstarted: bool = False,
     note: str | None = None,
-) -> None:
+) -> int:
     """Give leased tasks back; ``unstarted`` ones never ran, or a stopping worker
     interrupted them, so their claim's attempt is taken back too (a graceful stop must
     not use up a step's retries). A ``note`` says on each live run without a
-    ``task_error`` why its step waits."""
+    ``task_error`` why its step waits. Returns how many were still held (their fence
+    unmoved): the others were taken over, or a commit of them landed."""
     undo = (
         ", attempt = CASE WHEN kind = 'activity' AND attempt > 0 THEN attempt - 1 ELSE attempt END"
         if unstarted
         else ""
     )
+    held = 0
     for t in tasks:
-        tx.execute(
+        row = tx.execute(
             f"UPDATE tasks SET lease_owner = NULL, available_at = ?{undo} "
-            "WHERE task_id = ? AND fence = ?",
+            "WHERE task_id = ? AND fence = ? RETURNING 1",
             (tx.now + delay, t.task_id, t.fence),
-        )
+        ).fetchone()
+        held += row is not None
         tx.ready.add(t.queue)
         if note is not None:
             tx.execute(
@@ -283,6 +295,7 @@ def _release(
                 "AND status IN ('pending', 'running')",
                 (note, t.run_id),  # names only, never a payload: kept as it is
             )
+    return held
 
 
 def _heartbeat(tx: _Tx, task: Task, lease: float, details: str | None) -> bool:
