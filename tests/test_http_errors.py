@@ -163,3 +163,29 @@ def test_a_store_that_stops_answering_is_a_503_with_retry_after_never_the_url(
         proxy.shut()
     # the operator's log has the whole story, the URL included
     assert "store unavailable" in err and f"127.0.0.1:{proxy.port}" in err, err
+
+
+def test_requests_the_store_cannot_answer_are_logged_at_most_every_few_seconds(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """During an outage every request answered 503 logged a warning of its own, so a
+    busy client flooded the log; now the first is logged at once, then one line per
+    ``STORE_WARN_EVERY`` seconds counting the rest."""
+    import logging
+
+    from tether import StoreError
+    from tether.server import _problems
+
+    now = [1000.0]
+    monkeypatch.setattr(_problems.time, "monotonic", lambda: now[0])
+    warnings = _problems._StoreWarnings()
+    with caplog.at_level(logging.WARNING, logger="tether.server"):
+        for _ in range(50):  # 50 requests within a second
+            warnings.warn("GET", "/v1/runs/r", StoreError("lost the connection"))
+            now[0] += 0.02
+        now[0] += _problems.STORE_WARN_EVERY
+        warnings.warn("POST", "/v1/workflows/w/runs", StoreError("lost the connection"))
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("store unavailable (GET /v1/runs/r): lost the connection")
+    assert "(and 49 more since the last line)" in lines[1] and "POST" in lines[1]

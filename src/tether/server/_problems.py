@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -175,6 +176,32 @@ class CutOffAtStop:
             await send({"type": "http.response.body", "body": body})
 
 
+#: seconds between two log lines of requests the store could not answer (an outage)
+STORE_WARN_EVERY = 5.0
+
+
+class _StoreWarnings:
+    """Logs requests the store could not answer: the first at once, then at most one
+    line per ``STORE_WARN_EVERY`` seconds saying how many more there were, so a busy
+    client during an outage does not flood the log."""
+
+    def __init__(self) -> None:
+        self._last = -float("inf")
+        self._since = 0
+
+    def warn(self, method: str, path: str, exc: BaseException) -> None:
+        now = time.monotonic()
+        if now - self._last < STORE_WARN_EVERY:
+            self._since += 1
+            return
+        more = f" (and {self._since} more since the last line)" if self._since else ""
+        log.warning("store unavailable (%s %s)%s: %s", method, path, more, exc)
+        self._last, self._since = now, 0
+
+
+_store_warnings = _StoreWarnings()
+
+
 def problem_of(exc: BaseException) -> tuple[int, str]:
     """The HTTP status and title tether's error ``exc`` is answered with."""
     for kind, status, title in _MAP:
@@ -190,7 +217,7 @@ def install(api: FastAPI) -> None:
         if isinstance(exc, StoreError) and not isinstance(exc, LeaseLostError):
             # the store's message names its URL (host, port, user, database): the
             # operator's log gets it, the client a retryable 503 without it
-            log.warning("store unavailable (%s %s): %s", request.method, request.url.path, exc)
+            _store_warnings.warn(request.method, request.url.path, exc)
             response = problem(
                 503,
                 "Store unavailable",
