@@ -634,6 +634,24 @@ def test_a_value_sealed_here_opens_from_memory_until_its_key_is_destroyed(
         sealer.open(sealed)  # forgotten with the key
 
 
+def test_the_latest_sealed_values_stay_remembered_when_the_memory_fills(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tether import encryption
+
+    sealer = Sealer(StaticKeyring.parse(f"k1={new_key()}"))
+    values = [f'{{"args":[{i}]}}' for i in range(encryption._RECENT + 10)]
+    sealed = [sealer.seal(v) for v in values]
+
+    def no_decrypt(*a: object, **k: object) -> bytes:
+        raise AssertionError("decrypted a value sealed moments ago")
+
+    monkeypatch.setattr(sealer, "_open", no_decrypt)
+    # the memory filled up 10 values ago: the values sealed just before are still known
+    for i in (encryption._RECENT - 1, encryption._RECENT - 100, encryption._RECENT + 9):
+        assert sealer.open(sealed[i]) == values[i]
+
+
 class _FakeKms(KeyWrapper):
     """A KMS stand-in: wraps under a master key, counts calls, can be told to refuse."""
 

@@ -618,8 +618,11 @@ class Sealer:
         #: opened by the worker that runs it right after its workflow task sealed them.
         #: Keyed by the whole sealed text (a changed value misses and fails to open);
         #: forgotten with the ciphers when the keyring changes (a destroyed key's values
-        #: must not open from here)
+        #: must not open from here). Two generations: when the newer fills up it becomes
+        #: the older, so the latest ``_RECENT`` values are always remembered (clearing
+        #: one dict when full forgot, at each clearing, values about to be opened)
         self._recent: dict[str, str] = {}
+        self._recent_old: dict[str, str] = {}
         #: key ids this process sealed with whose fingerprint the store has not yet
         #: confirmed (the store's next operation that seals checks them: ``_Tx.seal``)
         self.unchecked: set[str] = set()
@@ -639,7 +642,7 @@ class Sealer:
             if generation != self._generation:  # keys may have been destroyed: ask again
                 self._ciphers.clear()
                 self._small.clear()
-                self._recent.clear()
+                self._forget_recent()
                 self._generation = generation
         cipher = self._ciphers.get(key_id)
         if cipher is None:
@@ -696,11 +699,16 @@ class Sealer:
             out = small[0] + binascii.b2a_base64(nonce + body, newline=False).decode()
             recent = self._recent
             if len(recent) >= _RECENT:
-                recent.clear()
+                self._recent_old = recent
+                recent = self._recent = {}
             recent[out] = text
             return out
         head, body = self._seal(data, tenant)
         return head.decode() + binascii.b2a_base64(body, newline=False).decode()
+
+    def _forget_recent(self) -> None:
+        self._recent = {}
+        self._recent_old = {}
 
     def _small_entry(self, tenant: str | None) -> tuple[str, bytes, Any]:
         key_id = self.keyring.current(tenant)
@@ -718,10 +726,12 @@ class Sealer:
         if not text.startswith(PREFIX):
             return text
         plain = self._recent.get(text)
+        if plain is None:
+            plain = self._recent_old.get(text)
         if plain is not None:
             if not self._dynamic or self.keyring.generation() == self._generation:
                 return plain
-            self._recent.clear()
+            self._forget_recent()
         key_id, flag, body = _parts(text, where)
         try:
             raw = binascii.a2b_base64(body)
