@@ -370,6 +370,8 @@ def test_each_role_is_offered_only_the_actions_it_may_take(
     assert "read" in note and "operate" in note, note
     reader.goto(f"{base}/runs/{failed['id']}")
     assert "flaky" in reader.inner_text("#actions")  # the step an admin could complete
+    reader.goto(f"{base}/approvals")
+    assert "operate key" in reader.inner_text(".role-note")
     operator.goto(f"{base}/runs/{failed['id']}")
     assert "admin" in operator.inner_text("#actions .role-note")
     operator.goto(f"{base}/switches")
