@@ -196,14 +196,17 @@ def test_approve_cancel_and_replay_from_the_browser_with_roles_and_csrf(
         time.sleep(0.1)
     server.http.get(f"/v1/runs/{fragile['id']}/result?wait=20", headers=auth)
 
-    # a read key sees everything but every action is refused
+    # a read key sees everything but is offered no action, and one posted is refused
     reader = browser.new_page()
     reader.on("dialog", lambda d: d.accept())
     _sign_in(reader, base, keys["read"])
     reader.goto(f"{base}/runs/{doomed['id']}")
-    with reader.expect_response(lambda r: r.url.endswith("/act")) as refused:
-        reader.click("form[action$='/act'] button:has-text('Cancel')")
-    assert refused.value.status == 403
+    assert reader.locator("form[action$='/act']").count() == 0
+    reader_csrf = reader.get_attribute("form[action='/logout'] input[name=csrf]", "value")
+    refused = reader.request.post(
+        f"{base}/runs/{doomed['id']}/act", form={"csrf": reader_csrf, "action": "cancel"}
+    )
+    assert refused.status == 403
 
     page = browser.new_page()
     page.on("dialog", lambda d: d.accept())
@@ -261,10 +264,13 @@ def test_approve_cancel_and_replay_from_the_browser_with_roles_and_csrf(
     row.locator("button:has-text('Replay')").click()
     assert "RecoveryError" in page.inner_text(".message")
     reader.goto(f"{base}/dead-letters")
-    reader.locator("tr", has_text=careful["id"]).locator("input[name=note]").fill("mine")
-    with reader.expect_response(lambda r: r.url.endswith("/resolve")) as refused:
-        reader.locator("tr", has_text=careful["id"]).locator("button:has-text('Resolve')").click()
-    assert refused.value.status == 403
+    assert careful["id"] in reader.inner_text("table.grid")
+    assert reader.locator("tr", has_text=careful["id"]).locator("form").count() == 0
+    letter = reader.locator("tr", has_text=careful["id"]).locator("td").first.inner_text()
+    refused = reader.request.post(
+        f"{base}/dead-letters/{letter}/resolve", form={"csrf": reader_csrf, "note": "mine"}
+    )
+    assert refused.status == 403
     page.goto(f"{base}/dead-letters")
     row = page.locator("tr", has_text=careful["id"])
     row.locator("input[name=note]").fill("customer told, nothing charged")
@@ -294,6 +300,108 @@ def test_approve_cancel_and_replay_from_the_browser_with_roles_and_csrf(
     assert forged.status_code == 403 and "CSRF" in forged.json()["title"]
 
 
+def _offered(page: Any) -> set[str]:
+    """The actions a page offers: each button of a form in its main part, named by what
+    the form posts to (``act``, ``signal``, ``complete``, ``approvals``, ...) and its text."""
+    found = set()
+    for form in page.locator("main form").all():
+        parts = (form.get_attribute("action") or "").strip("/").split("/")
+        to = parts[0] if parts[0] in ("approvals", "switches") else parts[-1]
+        found |= {f"{to}:{b.inner_text().strip()}" for b in form.locator("button").all()}
+    return found
+
+
+def test_each_role_is_offered_only_the_actions_it_may_take(
+    served: tuple[Server, dict[str, str]], browser: Any, tmp_path: Path
+) -> None:
+    """A read key sees runs, reviews (their proposals) and dead letters but is offered no
+    action, and the page says why; an operate key is offered what it may do, not
+    terminate, fork, complete step or switches (admin); an admin all of it. The server
+    still refuses what a role may not do, whatever a page offered."""
+    server, keys = served
+    base = f"http://127.0.0.1:{server.port}"
+    live = _start(server, keys["operate"], "review", {"input": {"title": "Q4 plan"}})
+    flag = tmp_path / "flag"
+    flag.write_text("up")
+    failed = _start(server, keys["operate"], "fragile", {"input": {"flag": str(flag)}})
+    auth = {"Authorization": f"Bearer {keys['operate']}"}
+    deadline = time.monotonic() + 20
+    while not server.http.get(f"/v1/approvals?run_id={live['id']}", headers=auth).json():
+        assert time.monotonic() < deadline, "the review never opened"
+        time.sleep(0.1)
+    got = server.http.get(f"/v1/runs/{failed['id']}/result?wait=20", headers=auth).json()
+    assert got["status"] == "failed", got
+    pages, offered = {}, {}
+    for role in ("read", "operate", "admin"):
+        page = pages[role] = browser.new_page()
+        _sign_in(page, base, keys[role])
+        for name, path in (
+            ("live", f"/runs/{live['id']}"),
+            ("failed", f"/runs/{failed['id']}"),
+            ("letters", "/dead-letters"),
+            ("switches", "/switches"),
+        ):
+            page.goto(f"{base}{path}")
+            offered[role, name] = _offered(page)
+
+    on_live = {"act:Cancel", "act:Suspend", "signal:Send signal", "approvals:Approve"}
+    on_failed = {"act:Retry from the failed step", "replay:Replay", "resolve:Resolve"}
+    admin_only = {"act:Terminate", "fork:Fork and compare"}
+    assert on_live | admin_only <= offered["admin", "live"], offered["admin", "live"]
+    assert (
+        on_failed | admin_only - {"act:Terminate"} | {"complete:Complete step 1"}
+        <= offered["admin", "failed"]
+    ), offered["admin", "failed"]
+    assert offered["admin", "switches"] == {"switches:Switch off"}
+    # an operate key: no terminate, fork, complete step or switches (an admin's)
+    assert offered["operate", "live"] == on_live | {"approvals:Reject"}
+    assert offered["operate", "failed"] == on_failed
+    assert offered["operate", "letters"] >= {"replay:Replay", "resolve:Resolve"}
+    assert offered["operate", "switches"] == set()
+    # a read key: nothing to press anywhere
+    for name in ("live", "failed", "letters", "switches"):
+        assert offered["read", name] == set(), (name, offered["read", name])
+    # ... but it sees what there is, and why it is not offered
+    reader, operator = pages["read"], pages["operate"]
+    reader.goto(f"{base}/runs/{live['id']}")
+    assert "Q4 plan" in reader.inner_text("#actions")  # the review's proposal
+    assert len(reader.inner_text("#actions code.fp")) >= 16
+    note = reader.inner_text("#actions .role-note")
+    assert "read" in note and "operate" in note, note
+    reader.goto(f"{base}/runs/{failed['id']}")
+    assert "flaky" in reader.inner_text("#actions")  # the step an admin could complete
+    reader.goto(f"{base}/approvals")
+    assert "operate key" in reader.inner_text(".role-note")
+    operator.goto(f"{base}/runs/{failed['id']}")
+    assert "admin" in operator.inner_text("#actions .role-note")
+    operator.goto(f"{base}/switches")
+    assert "admin" in operator.inner_text(".role-note")
+    # what a page does not offer is still refused when posted
+    for page, refused in (
+        (
+            reader,
+            [
+                (f"/runs/{live['id']}/act", {"action": "cancel"}),
+                (f"/runs/{live['id']}/signal", {"name": "x", "payload": "{}"}),
+            ],
+        ),
+        (
+            operator,
+            [
+                (f"/runs/{failed['id']}/complete", {"step": "1", "result": '"x"', "reason": "r"}),
+                (f"/runs/{live['id']}/act", {"action": "terminate"}),
+                ("/switches", {"off": "1", "kind": "activity", "name": "total"}),
+            ],
+        ),
+    ):
+        csrf = page.get_attribute("form[action='/logout'] input[name=csrf]", "value")
+        for path, fields in refused:
+            r = page.request.post(f"{base}{path}", form={"csrf": csrf, **fields})
+            assert r.status == 403, (path, r.status, r.text())
+    r = server.http.get(f"/v1/runs/{live['id']}", headers=auth).json()
+    assert r["status"] == "running", r
+
+
 def test_an_admin_flips_a_kill_switch_in_the_browser(
     served: tuple[Server, dict[str, str]], browser: Any
 ) -> None:
@@ -319,17 +427,16 @@ def test_an_admin_flips_a_kill_switch_in_the_browser(
     assert "switch off" in page.inner_text("table.audit")  # who did it, listed
     got = server.http.get(f"/v1/runs/{run['id']}/result?wait=30", headers=admin).json()
     assert got["result"]["total"] == 1100
-    # an operate key may not flip switches
+    # an operate key may not flip switches: not offered, and refused when posted
     other = browser.new_page()
     other.on("dialog", lambda d: d.accept())
     _sign_in(other, base, keys["operate"])
     other.goto(f"{base}/switches")
-    other.fill("form.switch-off input[name=name]", "total")
-    with other.expect_response(
-        lambda r: r.url.endswith("/switches") and r.request.method == "POST"
-    ) as refused:
-        other.click("form.switch-off button[type=submit]")
-    assert refused.value.status == 403
+    assert other.locator("main form").count() == 0
+    assert "admin key" in other.inner_text(".role-note")
+    csrf = other.get_attribute("form[action='/logout'] input[name=csrf]", "value")
+    form = {"csrf": csrf, "off": "1", "kind": "activity", "name": "total"}
+    assert other.request.post(f"{base}/switches", form=form).status == 403
 
 
 def test_fork_with_another_model_and_compare_side_by_side(tmp_path: Path, browser: Any) -> None:

@@ -62,9 +62,13 @@ class Principal:
         """Whether this key may see what runs carry (every role but ``monitor``)."""
         return self.role != "monitor"
 
+    def allows(self, role: str) -> bool:
+        """Whether this key's role includes ``role`` (``operate`` includes ``read``)."""
+        return ROLES.index(self.role) >= ROLES.index(role)
+
     def require(self, role: str, action: str) -> None:
         """Raise 403 unless this key's role includes ``role``."""
-        if ROLES.index(self.role) < ROLES.index(role):
+        if not self.allows(role):
             raise AuthError(
                 403,
                 f"{role.title()} key required",

@@ -84,6 +84,11 @@ def install_console(
     def page(request: Request, name: str, principal: Principal | None, **ctx: Any) -> Response:
         ctx |= {
             "principal": principal,
+            # what to offer: every action's form is shown only to keys that may take it
+            # (the routes below still refuse the others); without auth, all of them
+            "can": lambda role: principal is None or principal.allows(role),
+            "can_switch": principal is None
+            or (principal.allows("admin") and principal.tenant is None),
             "auth": auth,
             "csrf": csrf_token(request),
             "tenant": principal.tenant if principal else None,
