@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from conftest import PG_URL, PgProxy, with_schema
+from conftest import PG_URL, PgProxy, require_pg, with_schema
 from test_http_api import Server
 from test_http_shutdown import _Follower, _wait
 
@@ -193,3 +193,116 @@ async def test_a_changes_stream_whose_look_up_fails_ends_with_a_message(
     data = json.loads(STORE_UNAVAILABLE.split("data: ", 1)[1])
     assert STORE_UNAVAILABLE.startswith("retry: 2000\nevent: closing\n")
     assert data == {"reason": "store unavailable: reconnect (with Last-Event-ID) to resume"}
+
+
+def _serve(store: str, seconds: float = 20) -> tuple[int | None, str, float]:
+    """``tether serve`` on ``store``: its exit code (None if it still ran after
+    ``seconds``: then stopped), its stderr and how long it ran."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{HERE.parent / 'src'}{os.pathsep}{HERE}",
+        "TETHER_TEST_STORE": store,
+    }
+    began = time.monotonic()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tether.cli", "serve", "serve_app:app", "--port", "0", "--no-auth"],
+        cwd=HERE,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        code: int | None = proc.wait(seconds)
+    except subprocess.TimeoutExpired:
+        code = None
+        proc.terminate()
+    _, err = proc.communicate(timeout=60)
+    return code, str(err), time.monotonic() - began
+
+
+def _pg_url(user: str, database: str) -> str:
+    up = urlsplit(PG_URL)
+    return f"postgresql://{user}@{up.hostname or '127.0.0.1'}:{up.port or 5432}/{database}"
+
+
+@pytest.mark.parametrize(
+    ("user", "database", "says"),
+    [
+        ("postgres", "no_such_db_tether", "database does not exist"),
+        ("no_such_role_tether:s3cret", "test", "role"),
+    ],
+    ids=["no-such-database", "no-such-role"],
+)
+def test_a_server_on_a_database_that_can_never_work_stops_at_once_saying_why(
+    user: str, database: str, says: str
+) -> None:
+    # the server answers, and refuses what the URL names: waiting will not mend it
+    require_pg()
+    code, err, took = _serve(_pg_url(user, database))
+    assert code is not None, f"still retrying after {took:.0f} s:\n{err}"
+    assert code == 3 and took < 25, (code, took, err)  # the start failed
+    cannot = [line for line in err.splitlines() if "cannot open the store" in line]
+    assert len(cannot) == 1, err  # said once, not once per attempt
+    assert "ERROR" in cannot[0] and "the service does not start" in cannot[0], cannot
+    line = cannot[0]
+    assert says in line and "waiting will not mend" in line, line
+    masked = user.split(":")[0] + (":***" if ":" in user else "")
+    assert _pg_url(masked, database) in line, line  # the URL, its password masked
+    assert "s3cret" not in err, err
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql://postgres@127.0.0.1:notaport/test",
+        "postgresql://postgres@127.0.0.1/test?bogus=1",
+    ],
+    ids=["bad-port", "unknown-option"],
+)
+def test_a_server_on_a_malformed_url_stops_at_once_saying_why(url: str) -> None:
+    code, err, took = _serve(url)
+    assert code is not None, f"still retrying after {took:.0f} s:\n{err}"
+    assert code == 3 and took < 25, (code, took, err)
+    cannot = [line for line in err.splitlines() if "cannot open the store" in line]
+    assert len(cannot) == 1 and "invalid" in cannot[0], err
+    assert "waiting will not mend" in cannot[0], err
+
+
+def test_a_server_started_while_the_database_is_down_says_when_it_can_never_open() -> None:
+    # the server is down at the start (retried), then answers that the database does
+    # not exist: /readyz says so (not "opening"), and the log says it once
+    require_pg()
+    up = urlsplit(PG_URL)
+    proxy = PgProxy(up.hostname or "127.0.0.1", up.port or 5432)
+    proxy.down()
+    server = Server(proxy.url(_pg_url("postgres", "no_such_db_tether")), "--no-auth")
+    try:
+        r = server.http.get("/readyz")
+        assert r.status_code == 503 and r.json()["title"] == "Store not ready", r.text
+        time.sleep(1.5)
+        proxy.back()
+
+        def refused() -> httpx.Response | None:
+            r = server.http.get("/readyz")
+            return r if r.json()["title"] != "Store not ready" else None
+
+        r = _wait(refused, 20, "/readyz to say the store cannot be opened")
+        assert r.status_code == 503 and r.json()["title"] == "Store cannot be opened", r.text
+        detail = r.json()["detail"]
+        assert "database does not exist" in detail and "3D000" in detail, detail
+        assert "postgresql" not in r.text and str(proxy.port) not in r.text, r.text
+        r = server.http.get("/v1/runs")
+        assert r.status_code == 503 and "database does not exist" in r.json()["detail"], r.text
+        time.sleep(3)  # no more attempts logged
+        assert server.proc.poll() is None  # up, saying why it is not ready
+    finally:
+        err = _err(server)
+        proxy.shut()
+    assert "Traceback" not in err, err
+    never = [line for line in err.splitlines() if "waiting will not mend" in line]
+    assert len(never) == 1 and "does not exist" in never[0], err
+    assert f"127.0.0.1:{proxy.port}/no_such_db_tether" in never[0], never[0]
+    tries = [line for line in err.splitlines() if "cannot open the store (attempt" in line]
+    after = err.split(never[0], 1)[1]
+    assert tries and "cannot open the store (attempt" not in after, err

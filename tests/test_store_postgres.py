@@ -120,8 +120,9 @@ def test_concurrent_migration_from_four_processes_is_safe(pg_schema: str) -> Non
 def test_newer_schema_version_is_refused(pg_schema: str, open_stores: list[PostgresStore]) -> None:
     _store(open_stores, pg_schema)
     _query(pg_schema, "INSERT INTO tether_meta (version, applied_at) VALUES (99, 0)")
-    with pytest.raises(tether.StoreError, match=r"schema version 99.*upgrade tether"):
+    with pytest.raises(tether.StoreError, match=r"schema version 99.*upgrade tether") as got:
         PostgresStore(PG_URL, schema=pg_schema)
+    assert got.value.permanent and "upgrade tether" in got.value.permanent
 
 
 def test_schema_from_an_older_build_is_refused_untouched(
@@ -866,3 +867,35 @@ async def test_close_does_not_hang_on_a_writer_stuck_on_a_frozen_server(
         await asyncio.wait([pending], timeout=5)
         if pending.done() and not pending.cancelled():
             pending.exception()
+
+
+def test_a_refusal_waiting_will_not_mend_is_told_by_its_sqlstate(pg_schema: str) -> None:
+    # the server answers, and refuses what the URL names (psycopg's error has no
+    # sqlstate for a failed connection: the store reads it from the server's answer)
+    import socket
+    from urllib.parse import urlsplit
+
+    up = urlsplit(PG_URL)
+    where = f"{up.hostname or '127.0.0.1'}:{up.port or 5432}"
+    for url, sqlstate, says in [
+        (f"postgresql://postgres@{where}/no_such_db_tether", "3D000", "does not exist"),
+        (f"postgresql://no_such_role_tether:pw@{where}/test", "28000", "role"),
+        (f"postgresql://postgres@{where}/test?options=-cstatement_timeout%3Dx", "22023", "invalid"),
+    ]:
+        with pytest.raises(tether.StoreError) as got:
+            PostgresStore(url, schema=pg_schema, connect_timeout=5)
+        assert got.value.permanent is not None, (url, got.value)
+        assert f"SQLSTATE {sqlstate}" in got.value.permanent and says in got.value.permanent
+        assert where not in got.value.permanent and where in str(got.value)
+        assert ":pw@" not in str(got.value)
+    for url in ("postgresql://postgres@127.0.0.1:notaport/test", f"postgresql://{where}/t?x=1"):
+        with pytest.raises(tether.StoreError, match="invalid store URL") as got:
+            PostgresStore(url, schema=pg_schema)
+        assert got.value.permanent is not None and "invalid" in got.value.permanent
+    # nothing listens: a transient failure, retried by whoever waits for the store
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    with pytest.raises(tether.StoreError, match="cannot connect") as got:
+        PostgresStore(f"postgresql://postgres@127.0.0.1:{port}/test", schema=pg_schema)
+    assert got.value.permanent is None

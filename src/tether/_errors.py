@@ -261,6 +261,11 @@ class ApprovalEditError(ApprovalError):
 class StoreError(TetherError):
     """The store could not be opened, read or written; stored runs are untouched."""
 
+    #: set when the store cannot be opened and waiting will not mend it (a database or
+    #: role the server does not have, a wrong password, a malformed URL): why and what
+    #: to do, without the store's URL (a caller may be shown it)
+    permanent: str | None = None
+
 
 class LeaseLostError(StoreError):
     """A worker tried to commit work for a task whose lease it no longer holds."""

@@ -444,6 +444,11 @@ def create_api(
         responses={503: {"description": "the store does not answer"}},
     )
     async def readyz() -> JSONResponse:
+        if opening.failure is not None:  # (waiting will not mend it)
+            return _not_ready(
+                f"the store cannot be opened: {opening.failure}; see the service's log",
+                "Store cannot be opened",
+            )
         if not opening.ready:
             return _not_ready("the store could not be opened yet: see the service's log")
         try:
@@ -900,9 +905,9 @@ def longest_suffix_first(api: FastAPI, prefix: str) -> None:
 _WITHOUT_STORE = frozenset({"/healthz", "/readyz"})
 
 
-def _not_ready(detail: str) -> JSONResponse:
+def _not_ready(detail: str, title: str = "Store not ready") -> JSONResponse:
     """``/readyz``'s 503, with the ``Retry-After`` every 503 of the store has."""
-    response = _problems.problem(503, "Store not ready", detail)
+    response = _problems.problem(503, title, detail)
     response.headers["Retry-After"] = str(_problems.STORE_RETRY_AFTER)
     return response
 

@@ -10,6 +10,14 @@ the webhook relay, in-process workers, metrics, alerts) and the service serves
 everything, without a restart. A store that is not a PostgreSQL URL (a SQLite path that
 cannot be opened is the setup's fault, which waiting does not mend) fails the start as
 before.
+
+So does a PostgreSQL store that waiting will not mend (``StoreError.permanent``: the
+server refuses the database or role the URL names, or the password; the URL is
+malformed): logged once, as an error, with what to do. If that is only learnt later (the
+server was down at the start, then answered), the service stays up: ``/readyz`` and the
+routes say the store cannot be opened and why, the log says it once, and an attempt is
+made every ``PERMANENT_RETRY`` seconds (a database or role created, or a grant, is taken
+without a restart).
 """
 
 from __future__ import annotations
@@ -32,8 +40,12 @@ FIRST_RETRY = 1.0
 MAX_RETRY = 5.0
 #: the longest a stop waits for an attempt in progress (a connect has its own timeout)
 ATTEMPT_WAIT = 15.0
+#: seconds between attempts once the store answered that it cannot be opened
+PERMANENT_RETRY = 30.0
 #: the log's line for each failed attempt (the store's message names its URL)
 _CANNOT = "cannot open the store (attempt %d; routes answer 503 until it opens; next in %g s): %s"
+#: the log's line when the store cannot be opened and waiting will not mend it
+_NEVER = "cannot open the store, and waiting will not mend it: %s (%s)"
 
 
 class StoreOpening:
@@ -53,6 +65,8 @@ class StoreOpening:
         self._task: asyncio.Task[None] | None = None
         self._attempt: asyncio.Future[Any] | None = None
         self._beginning = False
+        #: why the store cannot be opened, when waiting will not mend it (no URL in it)
+        self.failure: str | None = None
 
     async def start(self) -> None:
         """Open the store and ``begin``; if a PostgreSQL store cannot be opened now,
@@ -67,6 +81,9 @@ class StoreOpening:
         try:
             await self._open_and_begin()
         except StoreError as exc:
+            if exc.permanent:  # fix the setup, then start again
+                log.error(_NEVER, exc, "the service does not start")
+                raise
             log.warning(_CANNOT, 1, FIRST_RETRY, exc)
             self._task = asyncio.create_task(self._keep_trying(), name="tether-store-opening")
             return
@@ -74,6 +91,10 @@ class StoreOpening:
 
     def check(self) -> None:
         """Raise ``StoreError`` (a ``503`` with ``Retry-After``) while not ``ready``."""
+        if self.failure is not None:
+            err = StoreError(f"the store cannot be opened: {self.failure}")
+            err.permanent = self.failure
+            raise err
         if not self.ready:
             raise StoreError(
                 "the store is not open yet (the service tries to open it in the "
@@ -112,6 +133,14 @@ class StoreOpening:
             try:
                 await self._open_and_begin()
             except StoreError as exc:
+                if exc.permanent:  # said once (again if it changes), tried now and then
+                    if exc.permanent != self.failure:
+                        log.error(
+                            _NEVER, exc, f"/readyz says so; tried again every {PERMANENT_RETRY:g} s"
+                        )
+                    self.failure, delay = exc.permanent, PERMANENT_RETRY
+                    continue
+                self.failure = None
                 delay = min(delay * 2, MAX_RETRY)
                 log.warning(_CANNOT, attempt, delay, exc)
                 continue
@@ -119,6 +148,7 @@ class StoreOpening:
                 log.exception("the store opened, but the service could not start: stopping")
                 self._failed()
                 return
+            self.failure = None
             self.ready = True
             log.info("store opened (attempt %d): serving every route", attempt)
             return

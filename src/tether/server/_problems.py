@@ -221,7 +221,10 @@ def install(api: FastAPI) -> None:
             response = problem(
                 503,
                 "Store unavailable",
-                "the service could not reach its store, so the request may or may not "
+                # (said by StoreOpening.check: no request reached the store)
+                f"the service cannot open its store: {exc.permanent}"
+                if exc.permanent
+                else "the service could not reach its store, so the request may or may not "
                 "have taken effect: try again shortly (a start repeated with the same "
                 "run_id or idempotency key is safe)",
             )

@@ -196,19 +196,26 @@ class PostgresStore(OpsStore):
     ) -> None:
         try:
             conninfo, url_schema = _split_url(url)
+            _check_conninfo(conninfo)
         except ValueError as exc:  # e.g. an unclosed "[" of an IPv6 host
-            raise StoreError(
-                f"invalid store URL {_redact(url)}: {exc}; the form is "
-                "postgresql://user:password@host:port/dbname"
+            why = _masked(url, exc)
+            raise _never(
+                f"invalid store URL {_redact(url)}: {why}; the form is "
+                "postgresql://user:password@host:port/dbname",
+                f"the store URL is invalid ({why}): fix it",
             ) from None
         if schema is not None and url_schema is not None and schema != url_schema:
-            raise StoreError(
+            raise _never(
                 f"conflicting schemas for store {_redact(url)}: {url_schema!r} in the URL and "
-                f"{schema!r} as an argument; give it once"
+                f"{schema!r} as an argument; give it once",
+                "the store URL and the schema argument name different schemas: give it once",
             )
         schema = schema if schema is not None else url_schema
         if schema is not None and (not schema or "\x00" in schema):
-            raise StoreError(f"invalid PostgreSQL schema name {schema!r}")
+            raise _never(
+                f"invalid PostgreSQL schema name {schema!r}",
+                "the store URL's schema name is invalid: fix it",
+            )
         if writers < 1:
             raise StoreError(f"writers must be at least 1, got {writers}")
         self.url = _redact(conninfo)
@@ -247,13 +254,26 @@ class PostgresStore(OpsStore):
         self._events_channel = _channel("tether_events", schema)
         self._stream_channel = _channel("tether_stream", schema)
 
-        first = self._connect()
+        began = time.monotonic()
+        try:
+            first = self._connect()
+        except StoreError as exc:
+            sqlstate = getattr(exc.__cause__, "sqlstate", None)
+            # a quick failure to connect may be the server's refusal (no such database
+            # or role...), whose SQLSTATE libpq keeps to itself: asked for again
+            quick = time.monotonic() - began < connect_timeout / 2
+            if sqlstate is None and quick and isinstance(exc.__cause__, psycopg.OperationalError):
+                sqlstate = _refusal(conninfo, connect_timeout)
+            raise self._refused(exc, sqlstate) from exc.__cause__
         try:
             self.server_clock.sync(functools.partial(_server_time, first))
             self._migrate(first)
             listen_conn = self._connect_listener()
-        except BaseException:
+        except BaseException as exc:
             first.close()
+            if isinstance(exc, StoreError) and not exc.permanent:
+                sqlstate = getattr(exc.__cause__, "sqlstate", None)
+                raise self._refused(exc, sqlstate, connecting=False) from exc.__cause__
             raise
         self._listen_conn: psycopg.Connection[Any] | None = listen_conn
         self._threads = [
@@ -292,6 +312,25 @@ class PostgresStore(OpsStore):
             conn.close()
             raise StoreError(f"PostgreSQL store {self.url}: {_first_line(exc)}") from exc
         return conn
+
+    def _refused(
+        self, exc: StoreError, sqlstate: str | None, *, connecting: bool = True
+    ) -> StoreError:
+        """``exc`` (opening failed) or, if the server refused with a ``sqlstate`` that
+        waiting does not mend, a ``StoreError`` saying so (``permanent``)."""
+        what = _NEVER.get(sqlstate or "")
+        if what is None:
+            return exc
+        cause = exc.__cause__ if exc.__cause__ is not None else exc
+        # (a failure to connect said to check that the server runs: it does)
+        said = (
+            f"cannot open PostgreSQL store {self.url}: {_masked(self._conninfo, cause)}"
+            if connecting
+            else str(exc)
+        )
+        err = _never(f"{said} [SQLSTATE {sqlstate}]: {what}", f"{what} (SQLSTATE {sqlstate})")
+        err.__cause__ = cause
+        return err
 
     def _connect_listener(self) -> psycopg.Connection[Any]:
         conn = self._connect()
@@ -332,9 +371,11 @@ class PostgresStore(OpsStore):
                     got = conn.execute("SELECT max(version) FROM tether_meta").fetchone()
                     version = got[0] if got is not None and got[0] is not None else 0
                 if version > _SCHEMA_VERSION:
-                    raise StoreError(
+                    raise _never(
                         f"store {where} has schema version {version}, newer than this tether "
-                        f"({_SCHEMA_VERSION}); upgrade tether to open it"
+                        f"({_SCHEMA_VERSION}); upgrade tether to open it",
+                        f"its schema version {version} is newer than this tether's "
+                        f"({_SCHEMA_VERSION}): upgrade tether",
                     )
                 if version == _SCHEMA_VERSION:
                     self._check_columns(conn, where)
@@ -378,10 +419,12 @@ class PostgresStore(OpsStore):
         wanted = [("tasks", c) for c in _TASK_COLUMNS] + [("runs", "tenant")]
         missing = [f"{t}.{c}" for t, c in wanted if (t, c) not in have]
         if missing:
-            raise StoreError(
+            raise _never(
                 f"store {where} was created by an older development build of tether (it "
                 f"lacks {', '.join(missing)}); finish or export its runs with that build, "
-                "then use a new database or schema"
+                "then use a new database or schema",
+                "it was created by an older development build of tether: finish or "
+                "export its runs with that build, then use a new database or schema",
             )
 
     # -- writer threads -----------------------------------------------------
@@ -1177,6 +1220,113 @@ def _cannot_connect(url: str, exc: BaseException) -> str:
         "is running and reachable and that the URL's host, port, user, password and "
         "database are right (e.g. `pg_isready -h HOST -p PORT`)."
     )
+
+
+#: the SQLSTATEs with which a server refuses a store that waiting will not mend (what
+#: the URL names is wrong, or lacks a grant), and what to do. Any other failure (the
+#: server down or starting up, too many connections...) is retried.
+_NEVER = {
+    "3D000": "the database does not exist: create it (createdb) or fix the store URL's "
+    "database name",
+    "28000": "the server refuses the role (it does not exist, or pg_hba.conf does not "
+    "let it connect): create the role, or fix the store URL's user or pg_hba.conf",
+    "28P01": "password authentication failed: fix the store URL's password (or the role's)",
+    "42501": "the role lacks a privilege tether needs (CONNECT on the database; CREATE on "
+    "it or on the schema the first time tether opens it): grant it",
+    "22023": "an option in the store URL has an invalid value: fix it",
+    "42704": "an option in the store URL names an unknown setting: fix it",
+}
+
+
+def _never(message: str, permanent: str) -> StoreError:
+    """A ``StoreError`` that waiting does not mend: ``permanent`` says why without the URL."""
+    err = StoreError(message)
+    err.permanent = permanent
+    return err
+
+
+def _masked(url: str, exc: BaseException) -> str:
+    """``exc``'s first line with ``url``'s secrets masked (libpq may quote one)."""
+    why = _first_line(exc)
+    for secret in _secrets(url):
+        why = why.replace(secret, "***")
+    return why
+
+
+def _check_conninfo(conninfo: str) -> None:
+    """``ValueError`` if libpq cannot take ``conninfo`` (what no attempt to connect mends)."""
+    try:
+        given = psycopg.conninfo.conninfo_to_dict(conninfo)
+    except psycopg.Error as exc:
+        raise ValueError(_first_line(exc)) from None
+    for port in str(given.get("port") or "").split(","):
+        if port.strip() and not port.strip().isdigit():
+            raise ValueError(f"invalid port {port.strip()!r}")
+
+
+#: a field of an ErrorResponse in libpq's trace: its SQLSTATE (``C "3D000"``)
+_TRACED_SQLSTATE = re.compile(rb'\tErrorResponse\t.* C "([0-9A-Z]{5})"')
+
+
+def _refusal(conninfo: str, timeout: float) -> str | None:
+    """The SQLSTATE with which the server refuses a connection to ``conninfo``, or None
+    (it was not reached, or accepted; more than one host; not on Linux).
+
+    libpq does not keep the SQLSTATE of a failed connection where psycopg could show it
+    (its error's ``sqlstate`` is None then), and its message is in the server's language,
+    so a second attempt is made with libpq tracing the startup exchange (into memory: it
+    may hold a password message) and the code read from the server's ``ErrorResponse``."""
+    import os
+    import selectors
+
+    from psycopg import pq
+
+    try:
+        hosts = str(psycopg.conninfo.conninfo_to_dict(conninfo).get("host") or "")
+        if "," in hosts or not hasattr(os, "memfd_create"):
+            return None
+        target = psycopg.conninfo.make_conninfo(
+            conninfo, connect_timeout=max(1, round(timeout)), application_name="tether"
+        )
+        fd = os.memfd_create("tether-pg-trace")
+    except (psycopg.Error, OSError):
+        return None
+    pgconn = pq.PGconn.connect_start(target.encode())
+    try:
+        try:
+            pgconn.trace(fd)  # (libpq's stream on fd is never closed: a few bytes)
+            pgconn.set_trace_flags(pq.Trace.SUPPRESS_TIMESTAMPS | pq.Trace.REGRESS_MODE)
+        except psycopg.Error:  # tracing is only on Linux
+            return None
+        deadline = time.monotonic() + timeout
+        with selectors.DefaultSelector() as selector:
+            while pgconn.status != pq.ConnStatus.BAD:
+                polled = pgconn.connect_poll()
+                if polled in (pq.PollingStatus.OK, pq.PollingStatus.FAILED):
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                event = (
+                    selectors.EVENT_READ
+                    if polled == pq.PollingStatus.READING
+                    else selectors.EVENT_WRITE
+                )
+                selector.register(pgconn.socket, event)
+                selector.select(left)
+                selector.unregister(pgconn.socket)
+        pgconn.untrace()
+        traced = os.pread(fd, 1 << 16, 0)
+    except (psycopg.Error, OSError):
+        return None
+    finally:
+        # untraced (libpq's stream flushed: nothing of it is written to fd once closed)
+        with contextlib.suppress(psycopg.Error):
+            pgconn.untrace()
+        pgconn.finish()
+        os.close(fd)
+    codes = _TRACED_SQLSTATE.findall(traced)
+    return codes[-1].decode() if codes else None
 
 
 def _first_line(exc: BaseException) -> str:
