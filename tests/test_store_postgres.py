@@ -869,7 +869,9 @@ async def test_close_does_not_hang_on_a_writer_stuck_on_a_frozen_server(
             pending.exception()
 
 
-def test_a_refusal_waiting_will_not_mend_is_told_by_its_sqlstate(pg_schema: str) -> None:
+def test_a_refusal_waiting_will_not_mend_is_told_by_its_sqlstate(
+    pg_schema: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # the server answers, and refuses what the URL names (psycopg's error has no
     # sqlstate for a failed connection: the store reads it from the server's answer)
     import socket
@@ -899,3 +901,12 @@ def test_a_refusal_waiting_will_not_mend_is_told_by_its_sqlstate(pg_schema: str)
     with pytest.raises(tether.StoreError, match="cannot connect") as got:
         PostgresStore(f"postgresql://postgres@127.0.0.1:{port}/test", schema=pg_schema)
     assert got.value.permanent is None
+    # tried again (a server waiting for its store), the same failure is not asked again
+    from tether.store import postgres
+
+    asked: list[str] = []
+    monkeypatch.setattr(postgres, "_refusal", lambda c, t: asked.append(c))
+    for _ in range(3):
+        with pytest.raises(tether.StoreError, match="cannot connect"):
+            PostgresStore(f"postgresql://postgres@127.0.0.1:{port}/test", schema=pg_schema)
+    assert asked == []

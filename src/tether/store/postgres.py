@@ -263,7 +263,7 @@ class PostgresStore(OpsStore):
             # or role...), whose SQLSTATE libpq keeps to itself: asked for again
             quick = time.monotonic() - began < connect_timeout / 2
             if sqlstate is None and quick and isinstance(exc.__cause__, psycopg.OperationalError):
-                sqlstate = _refusal(conninfo, connect_timeout)
+                sqlstate = _refusal_once(conninfo, _first_line(exc.__cause__), connect_timeout)
             raise self._refused(exc, sqlstate) from exc.__cause__
         try:
             self.server_clock.sync(functools.partial(_server_time, first))
@@ -1266,6 +1266,22 @@ def _check_conninfo(conninfo: str) -> None:
 
 #: a field of an ErrorResponse in libpq's trace: its SQLSTATE (``C "3D000"``)
 _TRACED_SQLSTATE = re.compile(rb'\tErrorResponse\t.* C "([0-9A-Z]{5})"')
+
+
+#: what ``_refusal`` found, by store and error: a store retried while its server is down
+#: (or refuses it) asks once, not at every attempt (each asks for a connection more, and
+#: leaves libpq's trace stream behind)
+_REFUSALS: dict[tuple[str, str], str | None] = {}
+
+
+def _refusal_once(conninfo: str, error: str, timeout: float) -> str | None:
+    """``_refusal`` of ``conninfo``, asked once per error it failed with."""
+    key = (conninfo, error)
+    if key not in _REFUSALS:
+        if len(_REFUSALS) >= 64:
+            _REFUSALS.clear()
+        _REFUSALS[key] = _refusal(conninfo, timeout)
+    return _REFUSALS[key]
 
 
 def _refusal(conninfo: str, timeout: float) -> str | None:
