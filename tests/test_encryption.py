@@ -617,6 +617,39 @@ async def test_reseal_moves_offloaded_payloads_to_new_blobs_under_the_current_ke
     only_k2.store.close_sync()  # type: ignore[attr-defined]
 
 
+async def test_reseal_by_a_process_with_a_higher_offload_threshold_keeps_payloads_offloaded(
+    store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the CLI's reseal (no --app) has the default threshold, 256 KiB; the app offloaded
+    # above 1 KiB: what was offloaded stays in the blob store, sealed, not inline
+    monkeypatch.delenv("TETHER_KEYRING", raising=False)
+    monkeypatch.delenv("TETHER_ENCRYPTION_KEYS", raising=False)
+    blobs = tmp_path / "blobs"
+    big = f"{CANARY} " * 400  # 4.4 KB: over 1 KiB, far under 256 KiB
+    plain = tether.App(store=store_url, blobs=str(blobs), offload_above=1024)
+    _register(plain)
+    async with plain.worker(poll_interval=0.05):
+        run = await plain.start("flow", big, run_id="r1")
+        await plain.signal("r1", "note", {"text": big})
+        await run.result(timeout=30)
+    refs_before = await plain.store.blob_refs()
+    plain.store.close_sync()  # type: ignore[attr-defined]
+    assert len(refs_before) >= 3
+
+    keys = _keyring(tmp_path)
+    app = tether.App(store=store_url, blobs=str(blobs), encryption=keys)  # default threshold
+    _register(app)
+    moved = await app.reseal()
+    assert moved["blobs"] == len(refs_before)
+    assert len(await app.store.blob_refs()) == len(refs_before)  # none pulled inline
+    assert CANARY not in _rows_text(store_url)
+    assert all(p.read_bytes().startswith(b"~e1:") for p in blobs.rglob("*") if p.is_file())
+    info = await app.get("r1")
+    assert info.input is not None and CANARY in info.input
+    assert sum(CANARY in str(e.data) for e in await app.history("r1")) >= 3
+    app.store.close_sync()  # type: ignore[attr-defined]
+
+
 def test_a_value_sealed_here_opens_from_memory_until_its_key_is_destroyed(
     tmp_path: Path,
 ) -> None:

@@ -59,14 +59,16 @@ class Codec:
             self.tenants.clear()
         self.tenants[run_id] = tenant
 
-    def encode(self, text: str, tenant: str | None = None) -> str:
-        """``text`` as the store keeps it."""
+    def encode(self, text: str, tenant: str | None = None, *, offload: bool = False) -> str:
+        """``text`` as the store keeps it; ``offload``: in the blob store whatever its
+        size (a payload offloaded once stays so when sealed again: ``reseal``)."""
         # the bound is in bytes of UTF-8 (up to 4 a character): text of more than a
         # quarter of it may be over, so it is encoded to be sure
-        if self.offload_above is not None and len(text) * 4 > self.offload_above:
+        offload = offload and self.blobs is not None
+        if offload or (self.offload_above is not None and len(text) * 4 > self.offload_above):
             assert self.blobs is not None
             data = text.encode()
-            if len(data) > self.offload_above:
+            if offload or (self.offload_above is not None and len(data) > self.offload_above):
                 if self.sealer is not None:
                     data = self.sealer.seal_bytes(data, tenant)
                 blob = self.blobs.put(data, sealed=True)
@@ -85,6 +87,11 @@ def open_fields(codec: Codec | None, data: dict[str, Any], where: str) -> dict[s
         else:
             data[key[1:]] = value
     return data
+
+
+def sealed_keys(data: dict[str, Any]) -> list[str]:
+    """The keys of an event's sealed fields (``"~args"``...; ``open_fields`` opens them)."""
+    return [k for k, v in data.items() if k[:1] == SEALED_FIELD and isinstance(v, str)]
 
 
 def sealed_fields(data: dict[str, Any]) -> list[str]:

@@ -106,7 +106,12 @@ class _Tx:
     _sealed: dict[int, tuple[str, str | None, str]] | None = None
 
     def seal(
-        self, text: str | None, run_id: str | None = None, *, plain_ok: bool = False
+        self,
+        text: str | None,
+        run_id: str | None = None,
+        *,
+        plain_ok: bool = False,
+        offload: bool = False,
     ) -> str | None:
         """``text`` as the store keeps it: sealed under the run's tenant's key if
         encryption is on, else unchanged. Without a keyring, a payload is refused by an
@@ -126,12 +131,12 @@ class _Tx:
         if memo is None:
             memo = self._sealed = {}
         done = memo.get(id(text))
-        if done is not None and done[0] is text and done[1] == tenant:
+        if done is not None and done[0] is text and done[1] == tenant and not offload:
             return done[2]
-        out = codec.encode(text, tenant)
+        out = codec.encode(text, tenant, offload=offload)
         if sealer is not None and sealer.unchecked and self.keys is not None:
             self.check_keys(sealer)
-        if len(memo) < 256:
+        if len(memo) < 256 and not offload:
             memo[id(text)] = (text, tenant, out)
         return out
 
@@ -285,7 +290,13 @@ class _Tx:
             shown["cause"] = {k: cause[k] for k in ("type", "activity") if k in cause}
         return dumps({**shown, "sealed": self.seal(text, run_id)})
 
-    def data(self, run_id: str, data: dict[str, Any], raw: dict[str, str] | None) -> str:
+    def data(
+        self,
+        run_id: str,
+        data: dict[str, Any],
+        raw: dict[str, str] | None,
+        offload: frozenset[str] = frozenset(),
+    ) -> str:
         """An event's data column: its JSON; offloaded whole when large, and with
         encryption on, each payload and free text sealed in a field of its own
         (``"~args"`` for ``args``: the same sealed value as the step's task row), the
@@ -304,7 +315,7 @@ class _Tx:
         if raw:
             for k, v in raw.items():
                 if k not in PLAIN_RAW:
-                    parts.append(f'"~{k}":"{self.seal(v, run_id)}"')
+                    parts.append(f'"~{k}":"{self.seal(v, run_id, offload=k in offload)}"')
             if parts and len(parts) < len(raw):
                 shown_raw = {k: v for k, v in raw.items() if k in PLAIN_RAW}
             elif parts:

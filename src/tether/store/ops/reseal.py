@@ -24,6 +24,7 @@ from ..._codec import (
     decode_text,
     open_fields,
     sealed_fields,
+    sealed_keys,
 )
 from ..._serde import dumps
 from ...blobs import BlobError
@@ -45,6 +46,9 @@ TABLES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 #: columns holding an error's JSON (sealed with its types outside: ``_Tx.seal_error``)
 _ERRORS = {("runs", "error"), ("tasks", "last_error"), ("dead_letters", "error")}
 _ERRORS.add(("webhook_outbox", "error"))
+#: an event offloaded whole, sealed again field by field: its payloads at least this
+#: long (JSON characters) stay offloaded
+KEEP_OFFLOADED = 1024
 #: tables whose rows name a run (sealed under the run's tenant's key)
 _BY_RUN = {"runs", "events", "tasks", "dead_letters", "approvals", "webhook_outbox"}
 
@@ -120,9 +124,11 @@ def _resealed(tx: _Tx, table: str, column: str, old: str, run_id: str | None) ->
     if old.startswith(MARKS):
         if not _stale(tx, old, run_id):
             return None
+        offloaded = old.startswith(OFFLOADED)
         old = decode_text(tx.codec, old, where)
         if (table, column) not in _ERRORS:
-            return tx.seal(old, run_id)
+            # offloaded once, offloaded still: this process's threshold may be higher
+            return tx.seal(old, run_id, offload=offloaded)
     if (table, column) in _ERRORS:
         value = json.loads(old)
         sealed = value.get("sealed") if isinstance(value, dict) else None
@@ -161,9 +167,15 @@ def _resealed_event(tx: _Tx, old: str, run_id: str, where: str) -> str | None:
         and SEALED_FIELD not in data
     ):
         return None
+    # the payloads that were offloaded stay so (this process's threshold may be higher
+    # than the writer's): a field's own reference, or, for an event offloaded whole, its
+    # payloads of KEEP_OFFLOADED bytes or more
+    offloaded = {k[1:] for k in sealed_keys(data) if str(data[k]).startswith(OFFLOADED)}
     open_fields(tx.codec, data, where)
     raw = {k: dumps(data.pop(k)) for k in list(data) if k in PAYLOAD_KEYS}
-    return tx.data(run_id, data, raw)
+    if whole and old.startswith(OFFLOADED):
+        offloaded |= {k for k, v in raw.items() if len(v) >= KEEP_OFFLOADED}
+    return tx.data(run_id, data, raw, frozenset(offloaded))
 
 
 def _seal_keys(tx: _Tx) -> dict[str, str]:
