@@ -1156,7 +1156,7 @@ async def test_a_streamed_step_that_times_out_says_so_naming_model_step_and_what
         assert f"model 'primary' (gpt-4o-mini), step 1, attempt {attempt}: " in error, error
         assert "timed out after 0.6 s (its timeout per attempt)" in error, error
         assert "while it streamed its answer" in error, error
-        then = "it is retried" if attempt == 1 else "that was the last of its 2 attempts"
+        then = "it is retried" if attempt == 1 else "that was its last attempt (2 allowed)"
         assert then in error, error
         assert "gateway.model(..., timeout=)" in error, error
         assert "CancelledError" not in error
@@ -1176,6 +1176,40 @@ async def test_a_streamed_step_that_times_out_says_so_naming_model_step_and_what
     assert "timed out after 0.6 s (its timeout per attempt)" in str(failed.value)
     info = await app.get("slow-stream")
     assert info.error is not None and "model 'primary'" in info.error["message"], info.error
+
+
+async def test_a_model_call_that_times_out_records_which_model_and_what_to_do(
+    app: tether.App, server: ModelServer
+) -> None:
+    """Not streamed either: the timeout recorded only ``activity 'tether.ai.call' timed
+    out after 0.5s``; it now names the model and step, and the option to raise."""
+    gw = ai.Gateway(app, retry=tether.Retry(attempts=1))
+    primary = gw.model(
+        "primary",
+        ai.openai_compatible("gpt-4o-mini", base_url=server.base_url, api_key="k"),
+        timeout=0.5,
+    )
+
+    @app.workflow
+    async def ask() -> str:
+        return await ai.complete(primary, "tell me")
+
+    server.script("gpt-4o-mini", model_reply("late", delay=3))
+    async with app.worker(poll_interval=0.05):
+        run = await app.start(ask, run_id="late-answer")
+        with pytest.raises(tether.WorkflowFailedError):
+            await run.result(timeout=30)
+    (failed,) = [
+        e.data["error"]
+        for e in await app.history("late-answer")
+        if e.type is EventType.ACTIVITY_FAILED
+    ]
+    assert failed["type"] == "TimeoutError" and failed["retryable"] is False, failed
+    assert failed["message"].startswith(
+        "model 'primary' (gpt-4o-mini), step 1, attempt 1: timed out after 0.5 s (its "
+        "timeout per attempt) while it waited for the answer; that was its last attempt (1 "
+        "allowed). If answers this long are expected, raise the model's timeout"
+    ), failed
 
 
 async def test_a_streamed_step_interrupted_by_its_worker_stopping_says_so(

@@ -1320,9 +1320,8 @@ class Worker:
                             # what ran out, should it: an activity may say so in its
                             # own words (a model step names its model and what to do)
                             ctx._timeout, ctx._timeout_s = limit, timeout
-                            ctx._timeout_of = (
-                                "" if timeout == plan.timeout else (plan.deadline_reason)
-                            )
+                            per_attempt = timeout == plan.timeout
+                            ctx._timeout_of = "" if per_attempt else plan.deadline_reason
                             value = await act.fn(*args, **kwargs)
                     else:
                         value = await act.fn(*args, **kwargs)

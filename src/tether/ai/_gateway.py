@@ -849,8 +849,10 @@ class Gateway:
     async def follow(self, run_id: str) -> AsyncIterator[dict[str, Any]]:
         """The streamed output of ``run_id``'s model steps, as it is produced, in this
         process: ``{"run_id", "step", "model", "attempt", "offset", "delta": text}``
-        items, ``{"failed": error type, "attempt": n, ...}`` when an attempt dies (its
-        text is void: show the latest attempt's), and ``{"done": True, ...}`` when a
+        items, ``{"failed": error type, "error": what happened, "attempt": n, ...}``
+        when an attempt dies (its text is void: show the latest attempt's;
+        ``TimeoutError``, ``WorkerStopped`` and ``StepCancelled`` when its timeout ran
+        out, its worker stopped or it was cancelled), and ``{"done": True, ...}`` when a
         step's answer is complete.
 
         What a worker of this process streams (``stream=True``) from when you start
@@ -1393,7 +1395,7 @@ def _interrupted(
                 ((ctx.task.options or {}).get("retry") or {}).get("attempts") if ctx.task else None
             )
             then = (
-                f"that was the last of its {allowed} attempts"
+                f"that was its last attempt ({allowed} allowed)"
                 if isinstance(allowed, int) and ctx.attempt >= allowed
                 else "it is retried as its retry policy allows"
             )
