@@ -161,7 +161,11 @@ async def review(title: str) -> str:
 if os.environ.get("TETHER_TEST_MODEL_URL"):  # a scripted model server the test started
     from tether import ai
 
-    gateway = ai.Gateway(app, retry=tether.Retry(attempts=2, initial=0.1), timeout=10)
+    gateway = ai.Gateway(
+        app,
+        retry=tether.Retry(attempts=2, initial=0.1),
+        timeout=float(os.environ.get("TETHER_TEST_MODEL_TIMEOUT", "10")),
+    )
     storyteller = gateway.model(
         "storyteller",
         ai.openai_compatible(

@@ -1090,6 +1090,183 @@ async def test_a_streamed_step_of_a_cancelled_run_ends_its_stream_as_step_cancel
         await eventually(told, timeout=4)
     assert got[-1].get("failed") == "StepCancelled", got[-1]
     assert [h.get("failed") for h in heard] == ["StepCancelled"], heard
+    # a cancel still reads as one (not as a timeout or a worker stopping), and says so
+    error = got[-1]["error"]
+    assert error.startswith("model 'primary' (gpt-4o-mini), step 1, attempt 1: "), error
+    assert "cancelled while it streamed its answer" in error, error
+    assert heard[0]["error"] == error
+
+
+async def test_a_streamed_step_that_times_out_says_so_naming_model_step_and_what_to_do(
+    app: tether.App, server: ModelServer
+) -> None:
+    """A streamed model step whose timeout ran out mid-answer told its followers (in this
+    process and, through the store, in others: the SSE stream) only ``failed:
+    CancelledError``, and recorded ``activity 'tether.ai.call' timed out after 0.6s``,
+    naming neither the model nor what to do. Both now say it timed out, after how long,
+    which model and step, and how to give it more time."""
+    gw = ai.Gateway(app, retry=tether.Retry(attempts=2, initial=0.05, backoff=1.0))
+    primary = gw.model(
+        "primary",
+        ai.openai_compatible("gpt-4o-mini", base_url=server.base_url, api_key="k"),
+        timeout=0.6,
+    )
+
+    @app.workflow
+    async def tell() -> str:
+        return await ai.complete(primary, "tell me", stream=True)
+
+    words = " ".join(f"w{i}" for i in range(60))  # 3 s an answer
+    server.script(
+        "gpt-4o-mini",
+        model_reply(words, chunk_delay=0.05),
+        model_reply(words, chunk_delay=0.05),
+    )
+    got: list[dict[str, Any]] = []
+    heard: list[dict[str, Any]] = []
+
+    def listen(run_id: str, item: dict[str, Any]) -> None:
+        if "delta" not in item:
+            heard.append(item)
+
+    app.store.add_stream_listener(listen)
+
+    async def follow() -> None:
+        async for item in gw.follow("slow-stream"):
+            if "delta" not in item:
+                got.append(item)
+            if item.get("failed") and item["attempt"] == 2:
+                return
+
+    async def told() -> bool:
+        return len(heard) == 2
+
+    async with app.worker(poll_interval=0.05):
+        follower = asyncio.create_task(follow())
+        await asyncio.sleep(0.01)
+        run = await app.start(tell, run_id="slow-stream")
+        with pytest.raises(tether.WorkflowFailedError) as failed:
+            await run.result(timeout=30)
+        await asyncio.wait_for(follower, 10)
+        await eventually(told, timeout=4)
+    assert got == heard, (got, heard)
+    for attempt, item in enumerate(got, 1):
+        assert item["attempt"] == attempt and item["failed"] == "TimeoutError", item
+        error = item["error"]
+        assert f"model 'primary' (gpt-4o-mini), step 1, attempt {attempt}: " in error, error
+        assert "timed out after 0.6 s (its timeout per attempt)" in error, error
+        assert "while it streamed its answer" in error, error
+        then = "it is retried" if attempt == 1 else "that was its last attempt (2 allowed)"
+        assert then in error, error
+        assert "gateway.model(..., timeout=)" in error, error
+        assert "CancelledError" not in error
+    # the history (and so the CLI and the console, which show it) says the same
+    history = await app.history("slow-stream")
+    recorded = [
+        e.data["error"]
+        for e in history
+        if e.type in (EventType.ACTIVITY_ATTEMPT_FAILED, EventType.ACTIVITY_FAILED)
+    ]
+    assert [r["type"] for r in recorded] == ["TimeoutError", "TimeoutError"]
+    assert [r["retryable"] for r in recorded] == [True, False]  # retried as before
+    for r in recorded:
+        assert r["message"].startswith("model 'primary' (gpt-4o-mini), step 1, attempt "), r
+        assert "timed out after 0.6 s (its timeout per attempt)" in r["message"], r
+        assert "gateway.model(..., timeout=)" in r["message"], r
+    assert "timed out after 0.6 s (its timeout per attempt)" in str(failed.value)
+    info = await app.get("slow-stream")
+    assert info.error is not None and "model 'primary'" in info.error["message"], info.error
+
+
+async def test_a_model_call_that_times_out_records_which_model_and_what_to_do(
+    app: tether.App, server: ModelServer
+) -> None:
+    """Not streamed either: the timeout recorded only ``activity 'tether.ai.call' timed
+    out after 0.5s``; it now names the model and step, and the option to raise."""
+    gw = ai.Gateway(app, retry=tether.Retry(attempts=1))
+    primary = gw.model(
+        "primary",
+        ai.openai_compatible("gpt-4o-mini", base_url=server.base_url, api_key="k"),
+        timeout=0.5,
+    )
+
+    @app.workflow
+    async def ask() -> str:
+        return await ai.complete(primary, "tell me")
+
+    server.script("gpt-4o-mini", model_reply("late", delay=3))
+    async with app.worker(poll_interval=0.05):
+        run = await app.start(ask, run_id="late-answer")
+        with pytest.raises(tether.WorkflowFailedError):
+            await run.result(timeout=30)
+    (failed,) = [
+        e.data["error"]
+        for e in await app.history("late-answer")
+        if e.type is EventType.ACTIVITY_FAILED
+    ]
+    assert failed["type"] == "TimeoutError" and failed["retryable"] is False, failed
+    assert failed["message"].startswith(
+        "model 'primary' (gpt-4o-mini), step 1, attempt 1: timed out after 0.5 s (its "
+        "timeout per attempt) while it waited for the answer; that was its last attempt (1 "
+        "allowed). If answers this long are expected, raise the model's timeout"
+    ), failed
+
+
+async def test_a_streamed_step_interrupted_by_its_worker_stopping_says_so(
+    app: tether.App, server: ModelServer
+) -> None:
+    """A worker stopping (a deploy) cancels a step still streaming after its grace; its
+    followers heard only ``failed: CancelledError``. They now hear ``WorkerStopped``,
+    with what happened (the step is handed back and retried, its attempt not counted);
+    nothing is recorded, and the next worker answers the step."""
+    gw, primary = gateway(app, server)
+
+    @app.workflow
+    async def tell() -> str:
+        return await ai.complete(primary, "tell me", stream=True)
+
+    words = " ".join(f"w{i}" for i in range(60))
+    server.script("gpt-4o-mini", model_reply(words, chunk_delay=0.05), model_reply("all of it"))
+    got: list[dict[str, Any]] = []
+    heard: list[dict[str, Any]] = []
+
+    def listen(run_id: str, item: dict[str, Any]) -> None:
+        if "delta" not in item:
+            heard.append(item)
+
+    app.store.add_stream_listener(listen)
+    streaming = asyncio.Event()
+
+    async def follow() -> None:
+        async for item in gw.follow("stopped-stream"):
+            if "delta" in item:
+                streaming.set()
+            else:
+                got.append(item)
+            if item.get("failed") or item.get("done"):
+                return
+
+    follower = asyncio.create_task(follow())
+    await asyncio.sleep(0.01)
+    worker = app.worker(poll_interval=0.05)
+    await worker.start()
+    try:
+        run = await app.start(tell, run_id="stopped-stream")
+        await asyncio.wait_for(streaming.wait(), 10)
+    finally:
+        await worker.stop(grace=0.2)
+    await asyncio.wait_for(follower, 4)
+    assert heard == got and len(got) == 1, (got, heard)
+    (item,) = got
+    assert item["failed"] == "WorkerStopped" and item["attempt"] == 1, item
+    error = item["error"]
+    assert error.startswith("model 'primary' (gpt-4o-mini), step 1, attempt 1: "), error
+    assert "its worker stopped (a deploy, a restart) while it streamed its answer" in error
+    assert "retried" in error and "CancelledError" not in error, error
+    history = await app.history("stopped-stream")
+    assert not [e for e in history if "Failed" in e.type.value and "Activity" in e.type.value]
+    async with app.worker(poll_interval=0.05):
+        assert await run.result(timeout=30) == "all of it"
 
 
 async def test_a_cut_off_stream_is_a_failed_attempt_and_followers_can_tell_attempts_apart(

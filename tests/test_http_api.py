@@ -666,7 +666,7 @@ async def test_a_stream_ends_each_streamed_step_the_run_s_end_cut_off() -> None:
 
     from tether import EventType
     from tether._history import Event
-    from tether.server._stream import EventHub
+    from tether.server._stream import _CUT, EventHub
 
     end = Event(
         run_id="r",
@@ -708,7 +708,7 @@ async def test_a_stream_ends_each_streamed_step_the_run_s_end_cut_off() -> None:
     assert kinds == ["event: token"] * 3 + ["event: WorkflowCompleted"] + ["event: token"] * 2
     tokens = [json.loads(m.split("data: ")[1]) for m in sent if m.startswith("event: token")]
     assert tokens[3] == {**slow, "offset": 1, "delta": "c"}  # sent, not dropped
-    assert tokens[4] == {**slow, "failed": "StepCancelled"}  # the fast one got done
+    assert tokens[4] == {**slow, "failed": "StepCancelled", "error": _CUT}  # fast: done
 
 
 class Tenants:

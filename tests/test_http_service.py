@@ -644,6 +644,107 @@ def test_streamed_model_tokens_reach_the_event_stream(store_url: str) -> None:
                 worker.wait(30)
 
 
+def _tokens_until(lines: Any, done: Any) -> tuple[list[dict[str, Any]], list[str]]:
+    """The ``token`` events' data and every event's name read from an SSE stream's
+    ``lines`` until ``done(tokens)`` holds or the stream ends."""
+    tokens: list[dict[str, Any]] = []
+    kinds: list[str] = []
+    kind = ""
+    for line in lines:
+        if line.startswith("event: "):
+            kind = line[7:]
+            kinds.append(kind)
+        elif line.startswith("data: ") and kind == "token":
+            tokens.append(json.loads(line[6:]))
+            if done(tokens):
+                break
+    return tokens, kinds
+
+
+def test_a_streamed_step_that_times_out_says_so_on_the_event_stream(store_url: str) -> None:
+    """A streamed step whose timeout ran out mid-answer: its ``token`` events ended
+    each attempt with ``failed: CancelledError`` and nothing else. They now say
+    ``TimeoutError`` with what happened (model, step, after how long, what to do), as
+    does the run's error the CLI and the console show."""
+    from tether.testing import ModelServer, model_reply
+
+    words = " ".join(f"w{i}" for i in range(40))  # 2 s an answer
+    with ModelServer() as models:
+        slow = model_reply(words, chunk_delay=0.05)
+        models.script("gpt-4o-mini", slow, slow)
+        env = {"TETHER_TEST_MODEL_URL": models.base_url, "TETHER_TEST_MODEL_TIMEOUT": "0.8"}
+        apart = not store_url.startswith("sqlite")
+        worker = _worker_process(store_url, env) if apart else None
+        server = Server(store_url, *(() if apart else ("--workers", "1")), "--no-auth", env=env)
+        try:
+            body = {"input": {"topic": "foxes"}, "run_id": "late-tale"}
+            assert server.http.post("/v1/workflows/tell/runs", json=body).status_code == 202
+            with server.http.stream("GET", "/v1/runs/late-tale/events") as stream:
+                server.http.post("/v1/runs/late-tale/signals/go", json={})
+                tokens, kinds = _tokens_until(stream.iter_lines(), lambda t: False)
+            assert "WorkflowFailed" in kinds, kinds
+            ends = [t for t in tokens if "delta" not in t]
+            assert [(t["attempt"], t["failed"]) for t in ends] == [
+                (1, "TimeoutError"),
+                (2, "TimeoutError"),
+            ], ends
+            for t in ends:
+                assert t["error"].startswith("model 'storyteller' (gpt-4o-mini), step 1, ")
+                assert "timed out after 0.8 s (its timeout per attempt)" in t["error"], t
+                assert "raise the model's timeout" in t["error"], t
+            run = server.http.get("/v1/runs/late-tale").json()
+            assert "timed out after 0.8 s (its timeout per attempt)" in run["error"]["message"]
+            assert "model 'storyteller'" in run["error"]["message"], run["error"]
+        finally:
+            server.stop()
+            if worker is not None:
+                worker.terminate()
+                worker.wait(30)
+
+
+def test_a_streamed_step_its_worker_stopped_says_so_on_the_event_stream(pg_schema: str) -> None:
+    """A worker process stopped (SIGTERM, ``--grace 0.3``) while its step streamed: the
+    event stream heard ``failed: CancelledError``. It now hears ``WorkerStopped``, with
+    what happens next (handed back, retried), and the next worker's answer."""
+    from conftest import require_pg, with_schema
+    from tether.testing import ModelServer, model_reply
+
+    pg_url = with_schema(require_pg(), pg_schema)  # another process hears it: NOTIFY
+    words = " ".join(f"w{i}" for i in range(100))
+    with ModelServer() as models:
+        models.script("gpt-4o-mini", model_reply(words, chunk_delay=0.05), model_reply("all of it"))
+        env = {"TETHER_TEST_MODEL_URL": models.base_url}
+        worker = _worker_process(pg_url, env, "--grace", "0.3")
+        server = Server(pg_url, "--no-auth", env=env)
+        second = None
+        try:
+            body = {"input": {"topic": "foxes"}, "run_id": "cut-tale"}
+            assert server.http.post("/v1/workflows/tell/runs", json=body).status_code == 202
+            with server.http.stream("GET", "/v1/runs/cut-tale/events") as stream:
+                server.http.post("/v1/runs/cut-tale/signals/go", json={})
+                lines = stream.iter_lines()
+                tokens, _ = _tokens_until(lines, lambda t: "delta" in t[-1])
+                worker.send_signal(signal.SIGTERM)  # a deploy, mid-answer
+                more, _ = _tokens_until(lines, lambda t: "failed" in t[-1])
+                assert worker.wait(30) == 0
+                second = _worker_process(pg_url, env)
+                rest, kinds = _tokens_until(lines, lambda t: False)
+            (stopped,) = [t for t in tokens + more if "failed" in t]
+            assert stopped["failed"] == "WorkerStopped" and stopped["attempt"] == 1, stopped
+            error = stopped["error"]
+            assert error.startswith("model 'storyteller' (gpt-4o-mini), step 1, attempt 1: ")
+            assert "its worker stopped (a deploy, a restart) while it streamed" in error, error
+            assert "retried" in error and "CancelledError" not in error, error
+            assert "".join(t.get("delta", "") for t in rest) == "all of it", rest
+            assert rest[-1].get("done") is True and "WorkflowCompleted" in kinds
+        finally:
+            server.stop()
+            for w in (worker, second):
+                if w is not None and w.poll() is None:
+                    w.terminate()
+                    w.wait(30)
+
+
 def test_a_kill_switch_flipped_over_http_holds_work_on_a_worker_in_another_process(
     store_url: str,
 ) -> None:

@@ -56,6 +56,17 @@ class ActivityContext:
     #: monotonic time a heartbeat that then succeeded was sent (0: none yet): the lease
     #: of a step with a heartbeat timeout runs from there (see Worker._lease_left)
     _beat_at: float = field(default=0.0, repr=False)
+    #: the attempt's time limit as the worker enforces it on an async activity: its
+    #: ``asyncio.timeout``, its seconds, and which limit it is ("": the timeout per
+    #: attempt; else the step's deadline, as ``_Plan.deadline_reason`` words it)
+    _timeout: asyncio.Timeout | None = field(default=None, repr=False)
+    _timeout_s: float = field(default=0.0, repr=False)
+    _timeout_of: str = field(default="", repr=False)
+    #: set by a stopping worker just before it cancels the attempt (handed back, its
+    #: attempt given back: it did not fail)
+    _stopping: bool = field(default=False, repr=False)
+    #: what the activity said of its own timeout: recorded instead of the worker's words
+    _timeout_note: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.idempotency_keys:
@@ -65,6 +76,19 @@ class ActivityContext:
     def is_cancelled(self) -> bool:
         """Whether the run was cancelled or this worker lost the task: stop and clean up."""
         return self._cancelled
+
+    def _interruption(self) -> str | None:
+        """Why this attempt's task is being cancelled, as far as its worker said:
+        ``"cancelled"`` (its run or step was, or its lease was lost), ``"stopping"`` (its
+        worker stops: the step is handed back), ``"timeout"`` (its time limit ran out),
+        or None (something else cancelled it: its event loop closed, say)."""
+        if self._cancelled:
+            return "cancelled"
+        if self._stopping:
+            return "stopping"
+        if self._timeout is not None and self._timeout.expired():
+            return "timeout"
+        return None
 
     def heartbeat(self, details: Any = None) -> None:
         """Renew the lease and record progress ``details`` (JSON-serialisable).

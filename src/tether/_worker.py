@@ -422,7 +422,9 @@ class Worker:
         # until the thread ends, never handed to another worker under code still running
         threads = [e for e in leftover if e[1] in self._in_thread]
         leftover = [e for e in leftover if e[1] not in self._in_thread]
-        for _, t, _ in leftover:
+        for _, t, ctx in leftover:
+            if ctx is not None:
+                ctx._stopping = True  # what it says of its end: handed back, not failed
             t.cancel()
         if leftover:
             await asyncio.wait([t for _, t, _ in leftover], timeout=1.0)
@@ -1314,7 +1316,12 @@ class Worker:
                 token = set_context(ctx)
                 try:
                     if timeout:
-                        async with asyncio.timeout(timeout):
+                        async with asyncio.timeout(timeout) as limit:
+                            # what ran out, should it: an activity may say so in its
+                            # own words (a model step names its model and what to do)
+                            ctx._timeout, ctx._timeout_s = limit, timeout
+                            per_attempt = timeout == plan.timeout
+                            ctx._timeout_of = "" if per_attempt else plan.deadline_reason
                             value = await act.fn(*args, **kwargs)
                     else:
                         value = await act.fn(*args, **kwargs)
@@ -1354,7 +1361,9 @@ class Worker:
             )
             return
         except TimeoutError as exc:
-            err = TimeoutError(str(exc) or f"activity {act.name!r} timed out after {timeout}s")
+            err = TimeoutError(
+                str(exc) or ctx._timeout_note or f"activity {act.name!r} timed out after {timeout}s"
+            )
             await self._record_failure(task, err, plan, ctx)
             return
         except PayloadError as exc:

@@ -627,10 +627,10 @@ class Gateway:
         params = load_params(request["params"])
         settings: ModelSettings | None = request.get("settings")
         try:
-            ctx = activity_context()
-            attempt, key = ctx.attempt, ctx.idempotency_key
+            ctx: ActivityContext | None = activity_context()
         except NotInActivityError:
-            attempt, key = 1, None
+            ctx = None
+        attempt, key = (ctx.attempt, ctx.idempotency_key) if ctx is not None else (1, None)
         if key is not None:
             # the same on every attempt and redelivery of this step: a provider (or a proxy)
             # that honours it can answer a repeat after a crash without doing the work twice
@@ -650,6 +650,13 @@ class Gateway:
                         instrument=False,
                     )
                     response = await (_watched(ref, asked) if self._hedged_model(ref) else asked)
+            except asyncio.CancelledError as exc:
+                if ctx is not None and ctx._timeout_note is None:
+                    # what is recorded of a timeout names the model and what to do
+                    kind, why = _interrupted(ref, ctx, exc, "it waited for the answer")
+                    if kind == "TimeoutError":
+                        ctx._timeout_note = why
+                raise
             except Exception as exc:
                 mapped = _classified(ref, exc)
                 if mapped is exc:
@@ -780,13 +787,15 @@ class Gateway:
             if run_id is not None:
                 # this attempt's text is void: a follower drops what it showed of it (a
                 # worker killed outright says nothing; the next attempt's number does).
-                # A step cancelled (a hedge's loser, a step of a run cancelled: its
-                # worker cancels its task at once, or at its lease renewal) says so as
-                # the heartbeat's check would have
-                why = type(exc).__name__
-                if isinstance(exc, asyncio.CancelledError) and ctx is not None:
-                    why = "StepCancelled" if ctx.is_cancelled else why
-                failed = {**where, "failed": why}
+                # A task cancelled says why, as its worker knows it: the step was
+                # cancelled (a hedge's loser, a step of a run cancelled: its worker
+                # cancels its task at once, or at its lease renewal), as the heartbeat's
+                # check would have said; its timeout ran out; its worker stopped
+                doing = f"it streamed its answer ({heard} characters so far)"
+                kind, why = _interrupted(ref, ctx, exc, doing)
+                if kind == "TimeoutError" and ctx is not None:
+                    ctx._timeout_note = why  # recorded as the attempt's error
+                failed = {**where, "failed": kind, "error": why}
                 self._publish(run_id, failed)
                 if isinstance(exc, asyncio.CancelledError):
                     # the task is cancelled: its publish runs on even if it is cancelled
@@ -840,8 +849,10 @@ class Gateway:
     async def follow(self, run_id: str) -> AsyncIterator[dict[str, Any]]:
         """The streamed output of ``run_id``'s model steps, as it is produced, in this
         process: ``{"run_id", "step", "model", "attempt", "offset", "delta": text}``
-        items, ``{"failed": error type, "attempt": n, ...}`` when an attempt dies (its
-        text is void: show the latest attempt's), and ``{"done": True, ...}`` when a
+        items, ``{"failed": error type, "error": what happened, "attempt": n, ...}``
+        when an attempt dies (its text is void: show the latest attempt's;
+        ``TimeoutError``, ``WorkerStopped`` and ``StepCancelled`` when its timeout ran
+        out, its worker stopped or it was cancelled), and ``{"done": True, ...}`` when a
         step's answer is complete.
 
         What a worker of this process streams (``stream=True``) from when you start
@@ -1348,6 +1359,62 @@ async def _watched(ref: ModelRef, asked: Coroutine[Any, Any, _T]) -> _T:
     finally:
         if not call.done():
             call.cancel()
+
+
+def _interrupted(
+    ref: ModelRef, ctx: ActivityContext | None, exc: BaseException, doing: str
+) -> tuple[str, str]:
+    """The error type and text of a model attempt that ended with ``exc`` while
+    ``doing`` (what a streamed step's ``failed`` item says, and a timeout's record):
+    a cancelled task says why its worker cancelled it, naming the model, the step and
+    what to do, never a bare ``CancelledError``."""
+    where = f"model {ref.name!r} ({ref.model_name})"
+    if ctx is not None:
+        where += f", step {ctx.step}, attempt {ctx.attempt}"
+    why = ctx._interruption() if ctx is not None else None
+    if isinstance(exc, StepCancelled) or (
+        isinstance(exc, asyncio.CancelledError) and why == "cancelled"
+    ):
+        return "StepCancelled", (
+            f"{where}: cancelled while {doing} (its run was cancelled, or a hedge took "
+            "the other model's answer); its text is void, nothing to do"
+        )
+    if not isinstance(exc, asyncio.CancelledError):
+        return type(exc).__name__, f"{where}: {type(exc).__name__}: {exc}"
+    if why == "stopping":
+        return "WorkerStopped", (
+            f"{where}: its worker stopped (a deploy, a restart) while {doing}; the step "
+            "is handed back and retried by a running worker, this attempt not counted: "
+            "nothing to do, unless no worker serves its queue"
+        )
+    if why == "timeout" and ctx is not None:
+        secs = f"{round(ctx._timeout_s, 2):g}"
+        secs += "" if "." in secs or "e" in secs else ".0"
+        if not ctx._timeout_of:
+            allowed = (
+                ((ctx.task.options or {}).get("retry") or {}).get("attempts") if ctx.task else None
+            )
+            then = (
+                f"that was its last attempt ({allowed} allowed)"
+                if isinstance(allowed, int) and ctx.attempt >= allowed
+                else "it is retried as its retry policy allows"
+            )
+            return "TimeoutError", (
+                f"{where}: timed out after {secs} s (its timeout per attempt) while "
+                f"{doing}; {then}. If answers this long are expected, raise the "
+                "model's timeout (gateway.model(..., timeout=) or ai.Gateway(timeout=))"
+            )
+        limit = ctx._timeout_of.removeprefix("step exceeded its ")
+        return "TimeoutError", (
+            f"{where}: timed out after {secs} s (the step's {limit} ran out) while "
+            f"{doing}; no further attempt starts. If answers this long are expected, "
+            "give the step more time (its retry's max_elapsed, its schedule_timeout)"
+        )
+    return "CancelledError", (
+        f"{where}: its task was cancelled while {doing}, not by its worker (its event "
+        "loop closed without worker.stop(), or the worker was killed); the step is "
+        "retried once it is handed back or its lease runs out"
+    )
 
 
 def _stream_where(ref: ModelRef) -> dict[str, Any]:

@@ -228,7 +228,7 @@ class EventHub:
                         # a step still streaming was cut by the run's end (a hedge's
                         # loser, a step of a run cancelled): its own end may come after
                         for where in streaming.values():
-                            yield _token({**where, "failed": "StepCancelled"}, {})
+                            yield _token({**where, "failed": "StepCancelled", "error": _CUT}, {})
                         if info.continued_to:
                             nxt = json.dumps({"next": info.continued_to})
                             yield f"event: continued\ndata: {nxt}\n\n"
@@ -262,6 +262,13 @@ class EventHub:
                 followers.discard(woken)
                 if not followers:
                     del self._following[run_id]
+
+
+#: what a streamed attempt the run's end cut off says (its own end came too late)
+_CUT = (
+    "the run ended while this step streamed (a hedge's loser, or a step of a run "
+    "cancelled): its text is void, nothing to do"
+)
 
 
 def _error(exc: BaseException) -> str:
