@@ -1447,4 +1447,27 @@ async def test_runs_another_process_starts_while_a_tenant_is_erased_stay_readabl
     inputs = _column(store_url, "SELECT input FROM runs WHERE tenant = 'acme'")
     assert len(inputs) == kept
     assert all(text.startswith(f"~e1:{fresh}:") for text in inputs), inputs
-    app.store.close_sync()  # type: ignore[attr-defined]
+    # the keyring lists the fresh key as the tenant's current one, the old one destroyed
+    listed = {k["key_id"]: k for k in keys.listing()}
+    assert listed[fresh]["tenant"] == "acme" and listed[fresh]["current"]
+    assert listed[old]["destroyed_at"] is not None and not listed[old]["current"]
+    app.store.close_sync()
+
+
+async def test_erasing_a_tenant_destroys_the_keys_it_had_and_makes_none_for_one_without(
+    tmp_path: Path,
+) -> None:
+    keys = _keyring(tmp_path, per_tenant=True)
+    first = keys.current("acme")
+    fresh = keys.rotate("acme")
+    assert sorted(keys.tenant_keys("acme")) == sorted([first, fresh])
+    assert keys.shred("acme", [first]) == [first]  # only those named
+    assert keys.current("acme") == fresh and keys.tenant_keys("acme") == [fresh]
+    assert keys.shred("acme") == [fresh]  # all of them
+    assert keys.tenant_keys("acme") == [] and keys.current("acme") not in (first, fresh)
+    app = tether.App(store=f"sqlite:///{tmp_path / 't.db'}", encryption=keys)
+    began = time.monotonic()
+    counts = await app.erase_tenant("nobody")  # no key: none made, nothing to wait for
+    assert counts["keys_destroyed"] == 0 and time.monotonic() - began < 1.0
+    assert keys.tenant_keys("nobody") == []
+    await app.close()  # type: ignore[attr-defined]

@@ -246,10 +246,10 @@ class FileKeyring(Keyring):
 
     ``per_tenant=True`` gives each tenant its own key, made the first time a payload
     of the tenant is sealed; ``shred(tenant)`` destroys the tenant's keys. Processes
-    sharing the file see a rotation or a shred within a second (``seen_within``). With a ``wrapper``
-    (a KMS's, ``KeyWrapper``) the file holds each key wrapped under the wrapper's
-    master key, never in the clear; every process that seals or opens payloads needs
-    the wrapper (``TETHER_KEY_WRAPPER``), listing and shredding do not.
+    sharing the file see a rotation or a shred within a second (``seen_within``). With
+    a ``wrapper`` (a KMS's, ``KeyWrapper``) the file holds each key wrapped under the
+    wrapper's master key, never in the clear; every process that seals or opens payloads
+    needs the wrapper (``TETHER_KEY_WRAPPER``), listing and shredding do not.
     """
 
     #: how often a process looks whether the file changed (at most once this often)
