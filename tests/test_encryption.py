@@ -1411,3 +1411,114 @@ async def test_a_reseal_during_a_replay_leaves_its_claim_so_the_replay_records_i
     assert await app.replay_dead_letter(old.id) == 80
     assert (await app.reseal())["dead_letters"] == 0  # outcomes are sealed under the new key
     app.store.close_sync()  # type: ignore[attr-defined]
+
+
+_STARTER = """
+import asyncio, os, sys, time
+import tether
+from tether.encryption import FileKeyring
+
+url, keyring, ready, stop = sys.argv[1:5]
+
+
+async def main() -> None:
+    app = tether.App(store=url, encryption=FileKeyring(keyring))
+
+    @app.workflow
+    async def echo(text: str) -> str:
+        return text
+
+    i = 0
+    while not os.path.exists(stop):
+        try:
+            await app.start("echo", f"acme {i}", run_id=f"N{i}", tenant="acme")
+            print(f"N{i}", flush=True)
+            if i == 5:
+                open(ready, "w").close()
+        except Exception as exc:
+            print("start failed:", type(exc).__name__, exc, file=sys.stderr, flush=True)
+        i += 1
+        await asyncio.sleep(0.02)
+    await app.close()
+
+
+asyncio.run(main())
+"""
+
+
+async def test_runs_another_process_starts_while_a_tenant_is_erased_stay_readable(
+    store_url: str, tmp_path: Path
+) -> None:
+    """Runs of the tenant that another, already running process starts while it is
+    erased were sealed under the key the erasure then destroyed (that process reads the
+    keyring file again only once a second): they survived the erasure unreadable for
+    good. Each run started during the erasure is now either erased or readable."""
+    keys = _keyring(tmp_path, per_tenant=True)
+    app = tether.App(store=store_url, encryption=keys)
+    ready, stop = tmp_path / "ready", tmp_path / "stop"
+    starter = subprocess.Popen(
+        [sys.executable, "-c", _STARTER, store_url, keys.path, str(ready), str(stop)],
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent / "src")},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        for _ in range(600):
+            if ready.exists() or starter.poll() is not None:
+                break
+            await asyncio.sleep(0.05)
+        assert ready.exists(), starter.stderr.read() if starter.stderr else ""
+        old = keys.current("acme")
+        counts = await app.erase_tenant("acme")
+        await asyncio.sleep(1.5)  # starts go on after the erasure, as they did during it
+    finally:
+        stop.touch()
+        out, err = starter.communicate(timeout=60)
+    assert starter.returncode == 0, err
+    assert "start failed" not in err, err
+    started = out.split()
+    assert counts["runs"] >= 5 and counts["keys_destroyed"] >= 1
+    fresh = keys.current("acme")
+    assert fresh != old
+    with pytest.raises(KeyUnavailableError, match="destroyed"):
+        keys.key(old)
+    erased = kept = 0
+    for run_id in started:
+        try:
+            info = await app.get(run_id)
+        except tether.RunPurgedError as exc:
+            assert "tenant erased" in str(exc)
+            erased += 1
+            continue
+        assert info.input == f'{{"args":["acme {run_id[1:]}"],"kwargs":{{}}}}', run_id
+        kept += 1
+    assert erased >= 5 and kept >= 10, (erased, kept)
+    # what survived is sealed under the tenant's fresh key, which the erasure kept
+    inputs = _column(store_url, "SELECT input FROM runs WHERE tenant = 'acme'")
+    assert len(inputs) == kept
+    assert all(text.startswith(f"~e1:{fresh}:") for text in inputs), inputs
+    # the keyring lists the fresh key as the tenant's current one, the old one destroyed
+    listed = {k["key_id"]: k for k in keys.listing()}
+    assert listed[fresh]["tenant"] == "acme" and listed[fresh]["current"]
+    assert listed[old]["destroyed_at"] is not None and not listed[old]["current"]
+    app.store.close_sync()
+
+
+async def test_erasing_a_tenant_destroys_the_keys_it_had_and_makes_none_for_one_without(
+    tmp_path: Path,
+) -> None:
+    keys = _keyring(tmp_path, per_tenant=True)
+    first = keys.current("acme")
+    fresh = keys.rotate("acme")
+    assert sorted(keys.tenant_keys("acme")) == sorted([first, fresh])
+    assert keys.shred("acme", [first]) == [first]  # only those named
+    assert keys.current("acme") == fresh and keys.tenant_keys("acme") == [fresh]
+    assert keys.shred("acme") == [fresh]  # all of them
+    assert keys.tenant_keys("acme") == [] and keys.current("acme") not in (first, fresh)
+    app = tether.App(store=f"sqlite:///{tmp_path / 't.db'}", encryption=keys)
+    began = time.monotonic()
+    counts = await app.erase_tenant("nobody")  # no key: none made, nothing to wait for
+    assert counts["keys_destroyed"] == 0 and time.monotonic() - began < 1.0
+    assert keys.tenant_keys("nobody") == []
+    await app.close()  # type: ignore[attr-defined]

@@ -114,6 +114,10 @@ C = TypeVar("C", bound=type)
 #: by content) may still be working before the commit that refers to it. The same as
 #: gc_blobs' default grace; gc collects what purge spared once nothing refers to it.
 PURGE_BLOB_GRACE = 3600.0
+#: seconds ``erase_tenant`` waits beyond the keyring's ``seen_within`` after making the
+#: tenant a fresh key, for writes sealed under its old key just before to be committed
+#: (and so erased with the rest)
+KEY_SETTLE = 0.5
 #: seconds ``App.close`` waits for alert hooks still running before it abandons them
 ALERT_CLOSE_WAIT = 10.0
 
@@ -1160,12 +1164,27 @@ class App:
         """Erase a tenant: terminate its live runs, then remove every run of it with all
         their rows, and its own rows (admission limit, API keys, switch, model budgets
         and spend). Its run ids answer ``RunPurgedError`` ("tenant erased"). With
-        per-tenant encryption keys (``tether.encryption``) the tenant's keys are destroyed
-        last, so any copy of its data left elsewhere (a backup) is unreadable. Returns the
-        rows removed per table and ``keys_destroyed`` (``dry_run``: what the first batch
-        would remove, nothing changed)."""
+        per-tenant encryption keys (``tether.encryption``) a fresh key is made current for
+        the tenant first, and the erasure waits until every process sharing the keyring
+        seals under it (``Keyring.seen_within``, a little over a second for a keyring
+        file); its older keys are destroyed last, so any copy of its data left elsewhere
+        (a backup) is unreadable, while a run started during the erasure (under the fresh
+        key, which is kept) stays readable. Returns the rows removed per table and
+        ``keys_destroyed`` (``dry_run``: what the first batch would remove, nothing
+        changed)."""
         if not tenant:
             raise ConfigurationError("erase_tenant needs the tenant's name")
+        codec = self.store.codec
+        keyring = codec.sealer.keyring if codec is not None and codec.sealer is not None else None
+        older: list[str] | None = None
+        if not dry_run and keyring is not None and keyring.per_tenant:
+            older = keyring.tenant_keys(tenant)
+            if older:
+                # other processes keep sealing the tenant's new data under the key they
+                # last read until they see the keyring change: a fresh key, seen by all
+                # before any row goes, keeps what they write during the erasure readable
+                keyring.rotate(tenant)
+                await asyncio.sleep(keyring.seen_within + KEY_SETTLE)
         if not dry_run:
             while True:
                 live = [
@@ -1206,9 +1225,9 @@ class App:
                 total[table] = total.get(table, 0) + n
             if dry_run or counts["runs"] == 0:
                 break
-        codec = self.store.codec
-        if not dry_run and codec is not None and codec.sealer is not None:
-            total["keys_destroyed"] = len(codec.sealer.keyring.shred(tenant))
+        if not dry_run and keyring is not None:
+            gone = keyring.shred(tenant) if older is None else keyring.shred(tenant, older)
+            total["keys_destroyed"] = len(gone)
         return total
 
     async def list(

@@ -35,7 +35,7 @@ import threading
 import time
 import weakref
 import zlib
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any
 
 from ._errors import ConfigurationError, PayloadError
@@ -103,8 +103,21 @@ class Keyring(abc.ABC):
         default (None) is taken to never change."""
         return None
 
-    def shred(self, tenant: str) -> list[str]:
-        """Destroy ``tenant``'s own keys, if it has any; the ids destroyed."""
+    #: seconds within which every process sharing the keyring sees a change to it (a
+    #: rotation, a shred): 0 for a keyring that never changes under a process
+    seen_within: float = 0.0
+
+    def tenant_keys(self, tenant: str) -> list[str] | None:
+        """The ids of ``tenant``'s own keys (None: this keyring cannot tell)."""
+        return None
+
+    def rotate(self, tenant: str | None = None) -> str:
+        """Make a new key current (for ``tenant``, or the shared one); old keys stay."""
+        raise ConfigurationError(f"a {type(self).__name__} cannot make new keys")
+
+    def shred(self, tenant: str, only: Collection[str] | None = None) -> list[str]:
+        """Destroy ``tenant``'s own keys (``only``: those of them among these ids), if it
+        has any; the ids destroyed."""
         return []
 
 
@@ -233,11 +246,14 @@ class FileKeyring(Keyring):
 
     ``per_tenant=True`` gives each tenant its own key, made the first time a payload
     of the tenant is sealed; ``shred(tenant)`` destroys the tenant's keys. Processes
-    sharing the file see a rotation or a shred within a second. With a ``wrapper``
-    (a KMS's, ``KeyWrapper``) the file holds each key wrapped under the wrapper's
-    master key, never in the clear; every process that seals or opens payloads needs
-    the wrapper (``TETHER_KEY_WRAPPER``), listing and shredding do not.
+    sharing the file see a rotation or a shred within a second (``seen_within``). With
+    a ``wrapper`` (a KMS's, ``KeyWrapper``) the file holds each key wrapped under the
+    wrapper's master key, never in the clear; every process that seals or opens payloads
+    needs the wrapper (``TETHER_KEY_WRAPPER``), listing and shredding do not.
     """
+
+    #: how often a process looks whether the file changed (at most once this often)
+    seen_within = 1.0
 
     def __init__(
         self,
@@ -332,7 +348,7 @@ class FileKeyring(Keyring):
     def _fresh(self, force: bool = False) -> dict[str, Any]:
         """The file's content, read again when it changed (looked at once a second)."""
         now = time.monotonic()
-        if force or now - self._checked > 1.0:
+        if force or now - self._checked > self.seen_within:
             self._checked = now
             try:
                 stat = os.stat(self.path)
@@ -474,15 +490,26 @@ class FileKeyring(Keyring):
                 data["tenants"][tenant] = key_id
         return str(key_id)
 
-    def shred(self, tenant: str) -> list[str]:
-        """Destroy every key of ``tenant``: what they sealed, wherever it is, is unreadable."""
+    def tenant_keys(self, tenant: str) -> list[str]:
+        data = self._fresh(force=True)
+        return [k for k, e in data["keys"].items() if e.get("tenant") == tenant]
+
+    def shred(self, tenant: str, only: Collection[str] | None = None) -> list[str]:
+        """Destroy every key of ``tenant`` (``only``: those of them among these ids): what
+        they sealed, wherever it is, is unreadable. A current key destroyed, the tenant's
+        next payload gets a new key."""
         with self._changing() as data:
-            gone = [k for k, e in data["keys"].items() if e.get("tenant") == tenant]
+            gone = [
+                k
+                for k, e in data["keys"].items()
+                if e.get("tenant") == tenant and (only is None or k in only)
+            ]
             for key_id in gone:
                 del data["keys"][key_id]
                 self._unwrapped.pop(key_id, None)
                 data.setdefault("destroyed", {})[key_id] = {"tenant": tenant, "at": time.time()}
-            data["tenants"].pop(tenant, None)
+            if data["tenants"].get(tenant) in gone or only is None:
+                data["tenants"].pop(tenant, None)
         return gone
 
     def retire(self, key_id: str) -> None:

@@ -244,7 +244,8 @@ def keyring_shred_command(
     ] = False,
 ) -> None:
     """Destroy a tenant's keys: every payload of it, in the store and in every backup,
-    becomes unreadable for good (tether erase-tenant does this too, after removing rows)."""
+    becomes unreadable for good (tether erase-tenant destroys the keys the tenant had when
+    it began, after removing rows)."""
     ring = _ring(path)
     if not yes:
         _fail(f"destroying the keys of tenant {tenant!r} cannot be undone: add --yes", EXIT_USAGE)

@@ -87,7 +87,10 @@ def erase_tenant_command(
     app: Annotated[str | None, _app_option()] = None,
 ) -> None:
     """Erase a tenant: terminate its live runs, remove every run of it with all their
-    rows, and its admission limit, API keys, switch and model budgets and spend."""
+    rows, and its admission limit, API keys, switch and model budgets and spend. With
+    per-tenant keys, first make it a fresh key (every process sealing under it within a
+    second or so), and last destroy its older keys: runs started during the erasure stay
+    readable under the fresh key."""
     if not yes and not dry_run:
         _fail(f"erasing tenant {tenant!r} cannot be undone: add --yes (or --dry-run)", EXIT_USAGE)
 
