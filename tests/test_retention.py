@@ -657,6 +657,7 @@ def test_a_purge_killed_between_batches_leaves_no_blob_of_a_purged_run(tmp_path:
     batch's blobs now go right after its commit; a live run's blob stays."""
     db = tmp_path / "t.db"
     (tmp_path / "blobflows.py").write_text(BLOB_FLOWS.format(store=f"sqlite:///{db}"))
+    sys.modules.pop("blobflows", None)  # another test's, on its own store
     sys.path.insert(0, str(tmp_path))
     try:
         import blobflows
@@ -720,7 +721,7 @@ async def test_an_erasure_counts_only_the_runs_it_removed(pg_schema: str) -> Non
     It counts what its DELETE removed, and still removes the tenant's own rows."""
     import psycopg
 
-    from tests.conftest import PG_URL, with_schema
+    from conftest import PG_URL, with_schema
 
     app = tether.App(store=with_schema(PG_URL, pg_schema))
     quick, _, _ = _define(app)

@@ -1093,7 +1093,7 @@ class App:
         """Remove runs that ended more than ``older_than`` ago (of one ``workflow`` or
         ``tenant`` if given): their history, tasks, dead letters, reviews, webhook
         deliveries and audit entries, in transactions of ``batch`` runs so workers are
-        never held up; then the blobs only they referred to. Their ids answer
+        never held up; after each, the blobs only its runs referred to. Their ids answer
         ``RunPurgedError``. Live runs are never touched. Returns the rows removed per
         table, and ``blobs`` (``dry_run``: what the first batch would remove, nothing
         removed)."""

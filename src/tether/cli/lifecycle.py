@@ -64,7 +64,7 @@ def purge_command(
     not block workers. Their ids then answer "purged". Live runs are never touched."""
     age = parse_age(older_than)
 
-    async def go() -> dict[str, int]:
+    async def go() -> tuple[dict[str, int], bool]:
         async with _opened(_client_app(store, app)) as a:
             counts = await a.purge(
                 age, workflow=workflow, tenant=tenant, dry_run=dry_run, batch=batch
@@ -72,11 +72,19 @@ def purge_command(
             if not dry_run and counts["runs"]:
                 detail = {"older_than": older_than, "workflow": workflow, "tenant": tenant}
                 await a.store.audit(cli_actor(), "purge", "runs", {**detail, **counts})
-            return counts
+            # nothing old enough is normal; a tenant the store has no run of is a typo
+            unknown = (
+                tenant is not None
+                and not counts["runs"]
+                and not await a.list(tenant=tenant, limit=1)
+            )
+            return counts, unknown
 
-    counts = _run(go())
+    counts, unknown = _run(go())
     _dump(counts)
     _note(("would remove " if dry_run else "removed ") + f"{counts['runs']} run(s)")
+    if unknown:
+        _note(f"no runs of tenant {tenant!r} in this store: is the name right?")
 
 
 def erase_tenant_command(
@@ -87,7 +95,9 @@ def erase_tenant_command(
     app: Annotated[str | None, _app_option()] = None,
 ) -> None:
     """Erase a tenant: terminate its live runs, remove every run of it with all their
-    rows, and its admission limit, API keys, switch and model budgets and spend."""
+    rows, and its admission limit, API keys, switch and model budgets and spend. A
+    tenant the store has nothing of is noted on stderr (it still succeeds, as an
+    erasure run again after it finished does)."""
     if not yes and not dry_run:
         _fail(f"erasing tenant {tenant!r} cannot be undone: add --yes (or --dry-run)", EXIT_USAGE)
 
@@ -98,7 +108,13 @@ def erase_tenant_command(
                 await a.store.audit(cli_actor(), "erase tenant", f"tenant:{tenant}", counts)
             return counts
 
-    _dump(_run(go()))
+    counts = _run(go())
+    _dump(counts)
+    if not any(counts.values()):
+        _note(
+            f"nothing of tenant {tenant!r} in this store (no runs, limits, keys, "
+            "budgets or spend): is the name right?"
+        )
 
 
 def retention_set_command(
