@@ -757,6 +757,42 @@ def test_purge_erase_tenant_backup_restore_and_check(
     assert json.loads(project.ok("erase-tenant", "acme", "--yes", *store))["runs"] == 0
 
 
+def test_purge_and_erase_tenant_name_a_tenant_the_store_does_not_have(project: Project) -> None:
+    """`tether erase-tenant nosuch --yes` and `tether purge --tenant nosuch` printed zero
+    counts and nothing else: a typo in a tenant's name went unnoticed. Both now say on
+    stderr that the store has no runs of it; both still succeed (nothing to remove is
+    not an error, and an erasure run again after it finished finds nothing either)."""
+    import asyncio
+
+    import tether
+
+    async def seed() -> None:
+        app = tether.App(store=f"sqlite:///{project.db}")
+
+        @app.workflow
+        async def idle() -> None:
+            await tether.wait_event("never")
+
+        await app.start(idle, tenant="acme")  # live: nothing of it is purged
+        await app.close()
+
+    asyncio.run(seed())
+    store = ("--store", str(project.db))
+    known = project.cli("purge", "--older-than", "0s", "--tenant", "acme", *store)
+    assert known.returncode == 0 and "no runs of tenant" not in known.stderr, known.stderr
+    typo = project.cli("purge", "--older-than", "0s", "--tenant", "acmee", *store)
+    assert typo.returncode == 0, typo.stderr
+    assert json.loads(typo.stdout)["runs"] == 0
+    assert "no runs of tenant 'acmee' in this store" in typo.stderr, typo.stderr
+    for args in (("--yes",), ("--dry-run",)):
+        typo = project.cli("erase-tenant", "acmee", *args, *store)
+        assert typo.returncode == 0, typo.stderr
+        assert json.loads(typo.stdout)["runs"] == 0
+        assert "nothing of tenant 'acmee' in this store" in typo.stderr, typo.stderr
+    known = project.cli("erase-tenant", "acme", "--dry-run", *store)
+    assert known.returncode == 0 and "nothing of tenant" not in known.stderr, known.stderr
+
+
 def test_time_formatting_never_crashes_on_a_stored_value() -> None:
     """A schedule stored with an absurd time (every=1e300) crashed every `tether
     schedules list` with an OverflowError from the time formatting."""

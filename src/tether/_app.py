@@ -1097,7 +1097,7 @@ class App:
         """Remove runs that ended more than ``older_than`` ago (of one ``workflow`` or
         ``tenant`` if given): their history, tasks, dead letters, reviews, webhook
         deliveries and audit entries, in transactions of ``batch`` runs so workers are
-        never held up; then the blobs only they referred to. Their ids answer
+        never held up; after each, the blobs only its runs referred to. Their ids answer
         ``RunPurgedError``. Live runs are never touched. Returns the rows removed per
         table, and ``blobs`` (``dry_run``: what the first batch would remove, nothing
         removed)."""
@@ -1121,26 +1121,31 @@ class App:
         stopping: Callable[[], bool] = lambda: False,
         blobs: bool = True,
     ) -> dict[str, int]:
-        """``purge`` by a cutoff time (workers' retention too): batches until one comes
-        back short, then (``blobs``) the removed runs' blobs that nothing else refers to.
-        That check reads every stored payload, as ``gc_blobs`` does, so workers' periodic
-        retention leaves it to ``gc_blobs``."""
+        """``purge`` by a cutoff time (workers' retention too): batches until one removes
+        nothing, and (``blobs``) after each batch's commit the blobs its runs referred to
+        that nothing else refers to, so a purge stopped part way leaves at most the
+        blobs of the batch it was stopped in (to ``gc_blobs``), never the list of them
+        all. That check reads every stored payload, as ``gc_blobs`` does (once per
+        batch whose runs referred to a blob), so workers' periodic retention leaves it
+        to ``gc_blobs``."""
         started = time.time()
         total: dict[str, int] = {"runs": 0}
-        refs: set[str] = set()
         while True:
             counts, theirs = await self.store.purge(
                 cutoff, workflow=workflow, tenant=tenant, limit=batch, dry_run=dry_run
             )
-            refs |= theirs
             for table, n in counts.items():
                 total[table] = total.get(table, 0) + n
-            if dry_run or counts["runs"] < batch or stopping():
+            if theirs and blobs and not dry_run:
+                # a blob put again in the last hour may be about to be referred to by a
+                # commit still in flight (blobs are shared by content): gc_blobs judges
+                # it later
+                gone = await self._drop_blobs(theirs, started - PURGE_BLOB_GRACE)
+                total["blobs"] = total.get("blobs", 0) + gone
+            # counts["runs"] is what the batch removed: fewer than it found when another
+            # purge or an erasure removed some first, so only an empty batch ends it
+            if dry_run or counts["runs"] == 0 or stopping():
                 break
-        if refs and blobs:
-            # a blob put again in the last hour may be about to be referred to by a
-            # commit still in flight (blobs are shared by content): gc_blobs judges it later
-            total["blobs"] = await self._drop_blobs(refs, started - PURGE_BLOB_GRACE)
         return total
 
     async def _drop_blobs(self, refs: set[str], written_before: float) -> int:

@@ -64,7 +64,7 @@ def purge_command(
     not block workers. Their ids then answer "purged". Live runs are never touched."""
     age = parse_age(older_than)
 
-    async def go() -> dict[str, int]:
+    async def go() -> tuple[dict[str, int], bool]:
         async with _opened(_client_app(store, app)) as a:
             counts = await a.purge(
                 age, workflow=workflow, tenant=tenant, dry_run=dry_run, batch=batch
@@ -72,11 +72,19 @@ def purge_command(
             if not dry_run and counts["runs"]:
                 detail = {"older_than": older_than, "workflow": workflow, "tenant": tenant}
                 await a.store.audit(cli_actor(), "purge", "runs", {**detail, **counts})
-            return counts
+            # nothing old enough is normal; a tenant the store has no run of is a typo
+            unknown = (
+                tenant is not None
+                and not counts["runs"]
+                and not await a.list(tenant=tenant, limit=1)
+            )
+            return counts, unknown
 
-    counts = _run(go())
+    counts, unknown = _run(go())
     _dump(counts)
     _note(("would remove " if dry_run else "removed ") + f"{counts['runs']} run(s)")
+    if unknown:
+        _note(f"no runs of tenant {tenant!r} in this store: is the name right?")
 
 
 def erase_tenant_command(
@@ -90,7 +98,8 @@ def erase_tenant_command(
     rows, and its admission limit, API keys, switch and model budgets and spend. With
     per-tenant keys, first make it a fresh key (every process sealing under it within a
     second or so), and last destroy its older keys: runs started during the erasure stay
-    readable under the fresh key."""
+    readable under the fresh key. A tenant the store has nothing of is noted on stderr
+    (it still succeeds, as an erasure run again after it finished does)."""
     if not yes and not dry_run:
         _fail(f"erasing tenant {tenant!r} cannot be undone: add --yes (or --dry-run)", EXIT_USAGE)
 
@@ -101,7 +110,13 @@ def erase_tenant_command(
                 await a.store.audit(cli_actor(), "erase tenant", f"tenant:{tenant}", counts)
             return counts
 
-    _dump(_run(go()))
+    counts = _run(go())
+    _dump(counts)
+    if not any(counts.values()):
+        _note(
+            f"nothing of tenant {tenant!r} in this store (no runs, limits, keys, "
+            "budgets or spend): is the name right?"
+        )
 
 
 def retention_set_command(

@@ -95,14 +95,24 @@ def _erase_tenant_batch(
     """Remove up to ``limit`` runs of ``tenant`` whatever their status (the caller ended
     the live ones first), then, when none is left, the tenant's own rows. Returns the
     counts and blobs as ``_purge_batch`` does."""
-    ids = [
-        r[0]
-        for r in tx.execute(
-            "SELECT run_id FROM runs WHERE tenant = ? ORDER BY created_at LIMIT ?",
-            (tenant, limit),
-        ).fetchall()
-    ]
-    counts, refs = _remove(tx, ids, dry_run, "tenant erased")
+    counts: dict[str, int] = {}
+    refs: set[str] = set()
+    while True:
+        ids = [
+            r[0]
+            for r in tx.execute(
+                "SELECT run_id FROM runs WHERE tenant = ? ORDER BY created_at LIMIT ?",
+                (tenant, limit),
+            ).fetchall()
+        ]
+        got, theirs = _remove(tx, ids, dry_run, "tenant erased")
+        refs |= theirs
+        for table, n in got.items():
+            counts[table] = counts.get(table, 0) + n
+        # PostgreSQL: runs found but removed meanwhile by a purge count nothing here;
+        # those found next are others (an empty batch must mean none is left)
+        if dry_run or not ids or got["runs"]:
+            break
     if not ids:
         if not dry_run:
             _fold_run_counts(tx)  # its runs are gone: its counters hold zeros only
@@ -150,7 +160,9 @@ def _remove(tx: _Tx, ids: list[str], dry_run: bool, reason: str) -> tuple[dict[s
         "ON CONFLICT (run_id) DO NOTHING",
         (reason, tx.now, *ids),
     )
-    tx.execute(f"DELETE FROM runs WHERE run_id IN ({marks})", ids)
+    # what the DELETE removed, not how many ids were found: on PostgreSQL an erasure's
+    # runs may be removed by a purge (or the other way round) between the two
+    counts["runs"] = _deleted(tx, f"FROM runs WHERE run_id IN ({marks})", ids)
     return counts, refs
 
 
