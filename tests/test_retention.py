@@ -591,6 +591,89 @@ def test_a_backup_carries_the_blob_store_and_check_finds_a_missing_blob(tmp_path
     assert sum(p.startswith(("d0:", "d1:")) for p in report["problems"]) == 2, report
 
 
+# runs the `tether` command, dying (os._exit(9), as a kill does) right after the Nth blob
+# it writes (BlobStore.keep: the copy of one blob by backup or restore)
+DIES_AFTER_BLOBS = """
+import os, sys
+from tether.blobs import BlobStore
+after, kept, keep = int(os.environ["DIE_AFTER_BLOBS"]), [0], BlobStore.keep
+def dying_keep(self, ref, data):
+    keep(self, ref, data)
+    kept[0] += 1
+    if kept[0] >= after:
+        os._exit(9)
+BlobStore.keep = dying_keep
+from tether.cli import main
+main(sys.argv[1:])
+"""
+
+
+def test_a_backup_or_restore_killed_while_copying_blobs_is_never_taken_for_a_whole_one(
+    tmp_path: Path,
+) -> None:
+    """A backup killed after copying some of the blobs left BACKUP and a partial
+    BACKUP.blobs: restore took it with exit 0 ("restored ... 2 blob(s)") and only
+    `store check` found the runs missing their blobs. A restore killed part-way left its
+    target behind, and restoring again was refused ("exists"). Both are now whole or
+    absent: a killed backup is no backup (restore refuses it, and a new backup to that
+    path is made), and a killed restore leaves no target, so running it again works."""
+    db, backup, restored = tmp_path / "t.db", tmp_path / "bk.db", tmp_path / "restored.db"
+    (tmp_path / "blobflows.py").write_text(BLOB_FLOWS.format(store=f"sqlite:///{db}"))
+    sys.path.insert(0, str(tmp_path))
+    sys.modules.pop("blobflows", None)  # another test's, of another store
+    try:
+        import blobflows
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("blobflows", None)
+
+    async def populate() -> None:
+        app = blobflows.app
+        async with app.worker(poll_interval=0.02):
+            for i in range(6):
+                assert await (await app.start("big", 3000 + i)).result(30) == 3000 + i
+        await app.close()
+
+    asyncio.run(populate())
+    assert sum(1 for p in (tmp_path / "t.db.blobs").rglob("*") if p.is_file()) == 6
+    env = {**os.environ, "PYTHONPATH": f"{HERE.parent / 'src'}{os.pathsep}{tmp_path}"}
+    env.pop("TETHER_BLOBS", None)
+
+    def cli(*args: str, die_after: int | None = None) -> subprocess.CompletedProcess[str]:
+        run = dict(env)
+        if die_after is not None:
+            run["DIE_AFTER_BLOBS"] = str(die_after)
+        cmd = ["-c", DIES_AFTER_BLOBS] if die_after is not None else ["-m", "tether.cli"]
+        return subprocess.run(
+            [sys.executable, *cmd, *args],
+            env=run,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    killed = cli("store", "backup", str(backup), "--store", str(db), die_after=2)
+    assert killed.returncode == 9, killed.stderr
+    done = cli("store", "restore", str(backup), "--to", str(restored))
+    assert done.returncode != 0, done.stderr  # never "restored" with blobs missing
+    assert "restored" not in done.stderr.replace("nothing was restored", ""), done.stderr
+    assert not restored.exists()
+    # the next backup to that path is not blocked by what the killed one left
+    done = cli("store", "backup", str(backup), "--store", str(db))
+    assert done.returncode == 0, done.stderr
+    assert "6 blob(s)" in done.stderr, done.stderr
+
+    killed = cli("store", "restore", str(backup), "--to", str(restored), die_after=2)
+    assert killed.returncode == 9, killed.stderr
+    assert not restored.exists()  # no store that looks whole and lacks blobs
+    done = cli("store", "restore", str(backup), "--to", str(restored))
+    assert done.returncode == 0, done.stderr
+    check = cli("store", "check", "--store", str(restored))
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert sorted(p.name for p in tmp_path.iterdir() if "partial" in p.name) == []
+
+
 async def test_every_call_on_a_purged_run_says_it_was_purged(
     app: tether.App, store_url: str
 ) -> None:

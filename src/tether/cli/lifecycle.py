@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import sqlite3
 from typing import Annotated, Any
 
@@ -228,16 +229,28 @@ def store_backup_command(
 ) -> None:
     """Copy a SQLite store to BACKUP while workers run: one consistent snapshot (SQLite's
     online backup), then its blob store (offloaded payloads, put_blob documents) into
-    BACKUP.blobs. PostgreSQL: use pg_dump or PITR (docs/deploy.md)."""
+    BACKUP.blobs, written under .partial names and renamed when whole (BACKUP last): a
+    backup killed part-way is none. PostgreSQL: use pg_dump or PITR (docs/deploy.md)."""
     src = _local_store(store)
     if os.path.exists(path):
         _fail(f"{path!r} exists: choose a new file for the backup", EXIT_USAGE)
+    partial, partial_blobs = f"{path}{PARTIAL}", f"{path}.blobs{PARTIAL}"
+    if os.path.exists(partial):  # a backup killed part-way: what it left is no backup
+        _remove_database(partial)
+        shutil.rmtree(partial_blobs, ignore_errors=True)
+        shutil.rmtree(f"{path}.blobs", ignore_errors=True)  # killed between its renames
     if os.path.exists(f"{path}.blobs"):
         _fail(f"{path}.blobs exists: choose a new file for the backup", EXIT_USAGE)
-    _copy_database(src, path, "the store", timeout=30)  # one step: one consistent read
+    shutil.rmtree(partial_blobs, ignore_errors=True)
+    # written under temporary names, BACKUP renamed last: a backup killed part-way is no
+    # backup (restore finds none), never one that looks whole and lacks blobs
+    _copy_database(src, partial, "the store", timeout=30, named=path)  # one consistent read
     # then the blobs: each is written before the commit that refers to it, so every blob
     # the snapshot refers to is there by now (unless purged or erased meanwhile)
-    copied = _copy_blobs(_blob_store(blobs, src), BlobStore(f"{path}.blobs"))
+    copied = _copy_blobs(_blob_store(blobs, src), BlobStore(partial_blobs))
+    if os.path.isdir(partial_blobs):
+        _publish(partial_blobs, f"{path}.blobs")
+    _publish(partial, path)
     _note(
         f"backed up {src} to {path} ({os.path.getsize(path):,} bytes)"
         + (f" and {copied} blob(s) to {path}.blobs" if copied else " (no blobs)")
@@ -258,25 +271,62 @@ def store_restore_command(
 ) -> None:
     """Restore a backup into a new store file, and the blobs backed up beside it
     (BACKUP.blobs) into the new store's blob store (then start workers on it: runs in
-    flight at the backup resume from their last recorded step)."""
+    flight at the backup resume from their last recorded step). PATH appears only once
+    every blob is copied: a restore killed part-way can simply be run again."""
     if not os.path.exists(backup):
+        if os.path.exists(f"{backup}{PARTIAL}"):
+            _fail(
+                f"no backup at {backup!r}: {backup}{PARTIAL} is what a backup killed part-way "
+                "left, not a backup (take the backup again); nothing was restored",
+                1,
+            )
         _fail(f"no backup at {backup!r}", EXIT_USAGE)
     if os.path.exists(target):
         _fail(f"{target!r} exists: restore into a new file (or move it away first)", EXIT_USAGE)
     problem = _not_a_store(backup)
     if problem is not None:
         _fail(f"{backup!r} is not a tether backup: {problem}; nothing was restored", 1)
-    ok = _copy_database(backup, target, "the backup", check=True)
+    # into a temporary file renamed to TARGET last: a restore killed part-way leaves no
+    # store that looks whole, and running it again starts afresh (blobs already copied
+    # are kept: each was written whole)
+    partial = f"{target}{PARTIAL}"
+    _remove_database(partial)
+    ok = _copy_database(backup, partial, "the backup", check=True, named=target)
     if ok != "ok":
-        os.remove(target)
+        _remove_database(partial)
         _fail(f"the backup {backup!r} is damaged ({ok}); nothing was restored", 1)
     into = _blob_store(blobs, target)
     if os.path.isdir(f"{backup}.blobs"):
         copied = _copy_blobs(BlobStore(f"{backup}.blobs"), into, keep_present=True)
-        _note(f"restored {backup} into {target} and {copied} blob(s) into {into.root}")
+        done = f"restored {backup} into {target} and {copied} blob(s) into {into.root}"
     else:
-        _note(f"restored {backup} into {target}; no {backup}.blobs beside it: no blobs restored")
+        done = f"restored {backup} into {target}; no {backup}.blobs beside it: no blobs restored"
+    _publish(partial, target)
+    _note(done)
     _note(f"check it with: tether store check --store {target}")
+
+
+#: the suffix of what backup and restore write before renaming it to its name
+PARTIAL = ".partial"
+
+
+def _remove_database(path: str) -> None:
+    """Remove the SQLite file at ``path`` and its journals (a leftover hot journal would
+    be rolled back into a new file of that name)."""
+    for name in (path, f"{path}-journal", f"{path}-wal", f"{path}-shm"):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(name)
+
+
+def _publish(partial: str, final: str) -> None:
+    """Rename ``partial`` (a file or folder written whole) to ``final``, durably."""
+    os.replace(partial, final)
+    with contextlib.suppress(OSError):  # no directory fsync on some systems
+        fd = os.open(os.path.dirname(os.path.abspath(final)), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _blob_store(named: str | None, store_path: str) -> BlobStore:
@@ -452,11 +502,18 @@ def _not_a_store(path: str) -> str | None:
 
 
 def _copy_database(
-    src: str, dest: str, what: str, *, timeout: float = 5.0, check: bool = False
+    src: str,
+    dest: str,
+    what: str,
+    *,
+    timeout: float = 5.0,
+    check: bool = False,
+    named: str | None = None,
 ) -> str:
     """Copy the SQLite database ``src`` into the new file ``dest`` with SQLite's online
     backup; with ``check``, return the copy's integrity check. On an error ``dest`` is
-    removed and the command fails with one line naming ``what`` was being read."""
+    removed and the command fails with one line naming ``what`` was being read (and
+    ``named``, the file ``dest`` is to become, as the target)."""
     ok = "ok"
     try:
         source = sqlite3.connect(f"file:{src}?mode=ro", uri=True, timeout=timeout)
@@ -469,9 +526,8 @@ def _copy_database(
             target.close()
             source.close()
     except sqlite3.Error as exc:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(dest)
-        _fail(f"could not copy {what} {src!r} to {dest!r}: {exc}; nothing was written", 1)
+        _remove_database(dest)
+        _fail(f"could not copy {what} {src!r} to {named or dest!r}: {exc}; nothing was written", 1)
     return str(ok)
 
 
