@@ -284,11 +284,15 @@ async def test_per_tenant_keys_are_made_once_by_concurrent_processes(tmp_path: P
 
 
 async def test_a_worker_without_the_key_leaves_the_run_intact_until_one_with_it_comes(
-    store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    store_url: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     monkeypatch.delenv("TETHER_KEYRING", raising=False)
     monkeypatch.delenv("TETHER_ENCRYPTION_KEYS", raising=False)
     monkeypatch.setattr("tether._worker.KEY_HOLD", 0.3)
+    caplog.set_level("ERROR", logger="tether")
     calls: list[str] = []
 
     def build(app: tether.App) -> None:
@@ -330,6 +334,13 @@ async def test_a_worker_without_the_key_leaves_the_run_intact_until_one_with_it_
                 break
             await asyncio.sleep(0.05)
     assert w.stats["held_unreadable"] >= 2 and calls == []
+    # each try logged once, naming the key, the step's waits doubling
+    waits = [r.getMessage() for r in caplog.records if "waits (try" in r.getMessage()]
+    assert (
+        "(try 1: tried again in 0.3 s)" in waits[0]
+        and "(try 2: tried again in 0.6 s)" in (waits[1])
+    ), waits
+    assert all(repr(ring.current(None)) in m for m in waits), waits
     assert (await keyed.get("r1")).status is tether.RunStatus.RUNNING
     assert await keyed.dead_letters() == []
     async with keyed.worker(poll_interval=0.05):
