@@ -5,6 +5,7 @@ period, never the blobs of runs that refer to them."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import time
@@ -285,3 +286,38 @@ async def test_gc_removes_a_half_written_blob_a_killed_process_left(
     os.utime(left, (old, old))
     assert await blob_app.gc_blobs(older_than=3600) == {"kept": 0, "removed": 1}
     assert not left.exists()
+
+
+async def test_a_run_whose_blob_is_lost_backs_off_names_it_and_heals_when_it_is_back(
+    store_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A run whose input blob went missing was retried every 5 s for ever, each time an
+    ERROR reading ``BlobError: <N characters redacted>``. Its workflow task now backs off
+    (the retry delay doubling), each try logs the blob's reference in full (the engine
+    made the message from the run id and the hash alone), and the blob put back heals
+    the run, as docs/data-lifecycle.md promises."""
+    blobs = tmp_path / "blobs"
+    app = tether.App(store=store_url, blobs=str(blobs))
+
+    @app.workflow
+    async def approve(doc: str) -> int:
+        return len(doc)
+
+    await app.start(approve, "x" * 300_000, run_id="lost")  # its input offloaded
+    kept = {p: p.read_bytes() for p in blobs.rglob("*") if p.is_file()}
+    refs = {f"sha256:{p.parent.name}{p.name}" for p in kept}
+    for path in kept:
+        path.unlink()
+    caplog.set_level("ERROR", logger="tether")
+    async with app.worker(poll_interval=0.05, workflow_retry_delay=0.2) as w:
+        await asyncio.sleep(3.0)
+        tries = w.stats["workflow_task_failures"]
+        said = [r.getMessage() for r in caplog.records if "'lost'" in r.getMessage()]
+        # every 0.2 s would be ~15 tries; doubling (0.2, 0.4, 0.8, 1.6 s) at most 5
+        assert 2 <= tries <= 5, tries
+        assert len(said) == tries, said
+        assert all(any(r in s for r in refs) and "redacted" not in s for s in said), said
+        for path, data in kept.items():  # the blobs given back: the run finishes
+            path.write_bytes(data)
+        assert await app.get_run("lost").result(timeout=30) == 300_000
+    await app.close()

@@ -284,11 +284,15 @@ async def test_per_tenant_keys_are_made_once_by_concurrent_processes(tmp_path: P
 
 
 async def test_a_worker_without_the_key_leaves_the_run_intact_until_one_with_it_comes(
-    store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    store_url: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     monkeypatch.delenv("TETHER_KEYRING", raising=False)
     monkeypatch.delenv("TETHER_ENCRYPTION_KEYS", raising=False)
     monkeypatch.setattr("tether._worker.KEY_HOLD", 0.3)
+    caplog.set_level("ERROR", logger="tether")
     calls: list[str] = []
 
     def build(app: tether.App) -> None:
@@ -330,6 +334,13 @@ async def test_a_worker_without_the_key_leaves_the_run_intact_until_one_with_it_
                 break
             await asyncio.sleep(0.05)
     assert w.stats["held_unreadable"] >= 2 and calls == []
+    # each try logged once, naming the key, the step's waits doubling
+    waits = [r.getMessage() for r in caplog.records if "waits (try" in r.getMessage()]
+    assert (
+        "(try 1: tried again in 0.3 s)" in waits[0]
+        and "(try 2: tried again in 0.6 s)" in (waits[1])
+    ), waits
+    assert all(repr(ring.current(None)) in m for m in waits), waits
     assert (await keyed.get("r1")).status is tether.RunStatus.RUNNING
     assert await keyed.dead_letters() == []
     async with keyed.worker(poll_interval=0.05):
@@ -1096,7 +1107,13 @@ async def test_a_worker_with_another_keyring_stops_claiming_and_leaves_the_queue
         async with app.worker(poll_interval=0.05):
             for run_id in ("r1", "r2"):
                 assert await app.get_run(run_id).result(timeout=5)
-    said = [r for r in caplog.records if key_id in r.getMessage()]
+    # the mismatch said once (the failed workflow task's own line names the key too:
+    # the engine made its message from ids alone, so it is logged whole)
+    said = [
+        r
+        for r in caplog.records
+        if key_id in r.getMessage() and not r.getMessage().startswith("workflow task for run")
+    ]
     assert len(said) == 1 and "claims" in said[0].getMessage(), [r.getMessage() for r in said]
     wrong.store.close_sync()  # type: ignore[attr-defined]
     app.store.close_sync()  # type: ignore[attr-defined]
@@ -1522,3 +1539,29 @@ async def test_erasing_a_tenant_destroys_the_keys_it_had_and_makes_none_for_one_
     assert counts["keys_destroyed"] == 0 and time.monotonic() - began < 1.0
     assert keys.tenant_keys("nobody") == []
     await app.close()  # type: ignore[attr-defined]
+
+
+async def test_a_run_of_a_shredded_tenant_is_tried_again_only_after_the_longest_wait(
+    store_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A run whose tenant was shredded (its key destroyed on purpose) was retried every
+    workflow_retry_delay for ever, each an ERROR reading ``KeyUnavailableError: <N
+    characters redacted>``. No retry brings the key back: the next try waits the longest
+    (UNREADABLE_MAX_HOLD), and the one line logged names the run and the key."""
+    keys = _keyring(tmp_path, per_tenant=True)
+    app = tether.App(store=store_url, encryption=keys)
+    _register(app)
+    await app.start("echo", "acme one", run_id="a1", tenant="acme")
+    (key_id,) = keys.shred("acme")
+    caplog.set_level("ERROR", logger="tether")
+    async with app.worker(poll_interval=0.05, workflow_retry_delay=0.2) as w:
+        await asyncio.sleep(2.0)
+        assert w.stats["workflow_task_failures"] == 1
+    said = [r.getMessage() for r in caplog.records if "'a1'" in r.getMessage()]
+    assert len(said) == 1, said
+    assert key_id in said[0] and "tenant 'acme' erased" in said[0], said
+    assert "redacted" not in said[0] and "tried again in 300 s" in said[0], said
+    # the run says why, though its error cannot be sealed for the shredded tenant
+    (info,) = [r for r in await app.list() if r.run_id == "a1"]
+    assert key_id in (info.task_error or "") and "destroyed" in (info.task_error or "")
+    app.store.close_sync()  # type: ignore[attr-defined]

@@ -9,6 +9,7 @@ import io
 import json
 import logging
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -217,3 +218,41 @@ async def test_a_non_determinism_error_is_logged_whole_it_holds_only_names(
     assert "at step 1: history recorded ActivityScheduled('a'), but the code now" in text
     for app in (old, new):
         await app.close()
+
+
+def test_why_a_payload_cannot_be_read_is_logged_whole_it_holds_only_ids(tmp_path: Path) -> None:
+    """A KeyUnavailableError's or BlobError's text, as tether.encryption and tether.blobs
+    write it, names runs, events, key ids, hashes and paths, never a payload: the engine
+    logs it whole (it was ``<N characters redacted>``). The same types carrying other
+    text (raised by user code) are still redacted."""
+    from tether._codec import decode_text
+    from tether._redact import engine_made, redact_error
+    from tether.blobs import BlobError, BlobStore
+    from tether.encryption import FileKeyring, KeyUnavailableError, Sealer, no_keyring
+
+    keys = FileKeyring.create(tmp_path / "keys.json", per_tenant=True)
+    sealer = Sealer(keys)
+    sealed = sealer.seal("x", "acme")
+    made: list[Exception] = []
+    for where in ("", "run 'r1', event 3 (step 2)"):
+        made.append(no_keyring(sealed, where))
+    keys.shred("acme")
+    with pytest.raises(KeyUnavailableError) as destroyed:
+        Sealer(FileKeyring(tmp_path / "keys.json")).open(sealed, "run 'r1', event 1")
+    assert destroyed.value.destroyed
+    made.append(destroyed.value)
+    store = BlobStore(str(tmp_path / "blobs"))
+    with pytest.raises(BlobError) as missing:
+        decode_text(
+            type("C", (), {"sealer": None, "blobs": store})(),  # type: ignore[arg-type]
+            f"~b1:sha256:{'ab' * 32}:12",
+            "dead letter 4 (run 'r1', step 2), input",
+        )
+    made.append(missing.value)
+    for exc in made:
+        kind = type(exc).__name__
+        assert engine_made(f"{kind}: {exc}"), str(exc)
+        assert redact_error(kind, str(exc)) == str(exc)
+    for text in (f"blob sha256:{'ab' * 32}: {CANARY}", f"payload sealed with key 'k': {CANARY}"):
+        for kind in ("BlobError", "KeyUnavailableError"):
+            assert CANARY not in redact_error(kind, text)

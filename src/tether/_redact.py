@@ -37,6 +37,35 @@ def redact(text: str) -> str:
 #: a NonDeterminismError's parts the engine writes: a command as ``Type('name')`` or
 #: ``Type``, or "no command" with the engine's reason
 _ND_PART = r"(?:no command(?: \([a-z ]+\))?|[A-Za-z]+(?:\('[^']*'\)|\(\"[^\"]*\"\))?)"
+#: a quoted id, name or path as the engine writes it (``repr``)
+_QUOTED = r"(?:'[^']*'|\"[^\"]*\"|None)"
+#: where an unreadable payload was met, as the engine names it: the run, step, event,
+#: dead letter, blob... from ids and numbers alone (``run 'r1', event 3 (step 2)``)
+_WHERE = rf"(?:(?:[a-z_ ,.()]|\d|sha256:[0-9a-f]{{64}}|{_QUOTED})+: )*"
+_UTC = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC"
+#: why a payload could not be read (a ``KeyUnavailableError`` or ``BlobError``), as
+#: ``tether.encryption`` and ``tether.blobs`` write it: key ids, hashes, paths, times
+_KEY_PROBLEM = (
+    r"this keyring has no such key"
+    rf"|the key was destroyed \(tenant {_QUOTED} erased at {_UTC}\); the data it sealed is "
+    r"unreadable for good"
+    rf"|keyring {_QUOTED} retired the key at {_UTC} \(tether keyring retire\); data still "
+    r"sealed with it opens only with a copy of the keyring from before"
+    rf"|keyring {_QUOTED} has no such key \(is it the right keyring\?\)"
+    rf"|keyring {_QUOTED} keeps it wrapped by {_QUOTED} and this process has no wrapper "
+    r"\(set TETHER_KEY_WRAPPER\)"
+    r"|it does not open with this keyring's key of that id \(a different key under the "
+    r"same id, or the value was changed\)"
+    r"|this store is encrypted and this process has no keyring: set TETHER_KEYRING \(a "
+    r"keyring file\) or TETHER_ENCRYPTION_KEYS, or pass App\(encryption=\.\.\.\)"
+)
+_UNREADABLE = (
+    rf"{_WHERE}(?:payload sealed with key {_QUOTED}: (?:{_KEY_PROBLEM})"
+    rf"|missing from the blob store at {_QUOTED}"
+    r"|the stored bytes do not match the hash(?: \(\d+ bytes, recorded \d+\): the file "
+    r"was changed or damaged|: left as they are)"
+    r"|kept in a blob store this process has not opened)"
+)
 #: the task errors the engine writes from names and step numbers alone (no payload)
 _ENGINE_MADE = re.compile(
     r"NonDeterminismError: non-deterministic workflow code in run '[^']*' at step \d+: "
@@ -48,7 +77,8 @@ _ENGINE_MADE = re.compile(
     r"|UnknownActivityError: step \d+ \(activity '[^']*', queue '[^']*'\) waits for a "
     r"worker that registers '[^']*'; worker \S+ does not"
     r"|SwitchedOff: (?:workflow|activity|model|tenant) '[^']*' is switched off; the run's "
-    r"(?:workflow task|step \d+) waits \(no attempt spent\) until it is switched on",
+    r"(?:workflow task|step \d+) waits \(no attempt spent\) until it is switched on"
+    rf"|KeyUnavailableError: {_UNREADABLE}|BlobError: {_UNREADABLE}",
     re.DOTALL,
 )
 
@@ -56,7 +86,9 @@ _ENGINE_MADE = re.compile(
 def engine_made(task_error: str) -> bool:
     """Whether a run's ``task_error`` (``"Type: message"``) is one the engine writes from
     names and step numbers alone, so it holds no payload: a ``NonDeterminismError``'s
-    text, or the note on a step whose activity the worker lacks or a switch holds."""
+    text, the note on a step whose activity the worker lacks or a switch holds, or why a
+    payload could not be read (``KeyUnavailableError``, ``BlobError``: key ids, blob
+    references, paths)."""
     return _ENGINE_MADE.fullmatch(task_error) is not None
 
 

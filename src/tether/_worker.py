@@ -46,7 +46,7 @@ from ._host import WorkerApp
 from ._periodic import Periodic
 from ._policy import Retry
 from ._queues import check_name
-from ._redact import redact_error
+from ._redact import engine_made, redact_error
 from ._serde import encode
 from ._switches import HOLD as SWITCH_HOLD
 from ._switches import REFRESH as SWITCH_REFRESH
@@ -71,8 +71,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tether.worker")
 
-#: seconds an activity whose arguments this worker cannot read waits before a retry
+#: seconds an activity whose arguments this worker cannot read waits before its first
+#: retry (its later waits double, up to UNREADABLE_MAX_HOLD)
 KEY_HOLD = 30.0
+#: the longest wait (seconds) before a task whose payload cannot be read (a key or blob
+#: missing: restoring it heals the run) is tried again: its waits double from the first
+#: (KEY_HOLD for a step, the worker's workflow_retry_delay for a workflow task) up to
+#: this, and a destroyed key's (erased on purpose: no retry brings it back) is this at once
+UNREADABLE_MAX_HOLD = 300.0
+#: how many such tasks a worker counts the tries of (the oldest forgotten first)
+UNREADABLE_REMEMBERED = 10_000
 #: seconds a step of an activity this worker does not register waits before any worker
 #: may claim it again (a deploy that forgot an import, or a rolling deploy's new code)
 UNKNOWN_HOLD = 10.0
@@ -235,6 +243,9 @@ class Worker:
         self._unstarted: list[Task] = []
         #: when this worker last logged each activity it does not register
         self._unknown_said: dict[str, float] = {}
+        #: the tries so far of each task whose payload this worker could not read
+        #: (("run", run_id) for a workflow task, ("step", task_id) for an activity's)
+        self._unread_tries: dict[tuple[str, object], int] = {}
         #: monotonic time until which this worker claims nothing (its keyring does not
         #: match the store's); the key ids it has said so for (logged once each)
         self._claims_paused_until = 0.0
@@ -1013,6 +1024,8 @@ class Worker:
                 # the run's first workflow task: how long the run was pending
                 observe("tether_queue_wait", (task.queue, "workflow"), now - events[0].created_at)
             result = inst.advance(events, now)
+            if self._unread_tries:  # it reads again: a later failure starts a new backoff
+                self._unread_tries.pop(("run", task.run_id), None)
         except _StoreBlip as blip:
             # the store's failure, not the code's: no task_error, no retry delay
             if fresh is not None:
@@ -1039,13 +1052,25 @@ class Worker:
             if isinstance(exc, NonDeterminismError):
                 count("tether_nondeterminism_errors", (wf_name,))
             count("tether_workflow_task_failures", (wf_name, type(exc).__name__))
+            delay = self.workflow_retry_delay
+            then = ""
+            if isinstance(exc, (KeyUnavailableError, BlobError)):
+                # its payload cannot be read: restoring the key or blob heals it, so it is
+                # tried again, but ever less often (not every workflow_retry_delay for ever)
+                delay, tries = self._unreadable_hold(("run", task.run_id), exc, delay)
+                then = f" (try {tries}: tried again in {delay:g} s; " + (
+                    "the key was destroyed, so only a keyring from before brings it back)"
+                    if isinstance(exc, KeyUnavailableError) and exc.destroyed
+                    else "restoring the key or blob heals the run)"
+                )
             # the message may hold the run's data: logged only as the redaction hook allows
-            # (an engine-made one, from names alone, is logged whole)
+            # (an engine-made one, from names, ids and hashes alone, is logged whole)
             log.error(
-                "workflow task for run %r failed: %s: %s",
+                "workflow task for run %r failed: %s: %s%s",
                 task.run_id,
                 type(exc).__name__,
                 redact_error(type(exc).__name__, str(exc)),
+                then,
                 extra={"run_id": task.run_id, "workflow": wf_name},
             )
             self.stats["workflow_task_failures"] += 1
@@ -1059,12 +1084,21 @@ class Worker:
                     {"tether.replayed": fresh is not None},
                     type(exc).__name__,
                 )
+            text = f"{type(exc).__name__}: {exc}"
             try:
-                await store.fail_workflow_task(
-                    task, f"{type(exc).__name__}: {exc}", store.clock() + self.workflow_retry_delay
-                )
+                await store.fail_workflow_task(task, text, store.clock() + delay)
             except (LeaseLostError, StoreError):
                 pass
+            except KeyUnavailableError:
+                # the error cannot be sealed for the run's tenant (its key destroyed): the
+                # task waits all the same, its error kept as it is when the engine made
+                # it from ids alone (else unsaid)
+                try:
+                    await store.release(
+                        [task], delay=delay, note=text if engine_made(text) else None
+                    )
+                except StoreError:  # (LeaseLostError too) its lease runs out instead
+                    pass
             return
         tries = 0
         since = store.clock()  # a lost commit could only lease tasks made from now
@@ -1259,13 +1293,26 @@ class Worker:
             # its arguments are sealed under a key this process lacks (or kept in a blob
             # it cannot read): the step waits for a worker that can read them, or for this
             # one to be given the key or blob; no attempt is spent
+            delay = KEY_HOLD
             try:
                 decode_text(store.codec, unread, f"run {task.run_id!r}, step {task.step}")
             except (KeyUnavailableError, BlobError) as exc:
-                log.error("activity %r of run %r waits: %s", act.name, task.run_id, exc)
+                # tried again ever less often, each try logged once
+                delay, tries = self._unreadable_hold(("step", task.task_id), exc, KEY_HOLD)
+                log.error(
+                    "activity %r of run %r waits (try %d: tried again in %g s): %s",
+                    act.name,
+                    task.run_id,
+                    tries,
+                    delay,
+                    exc,
+                    extra={"run_id": task.run_id},
+                )
             self.stats["held_unreadable"] += 1
-            await store.release([task], delay=KEY_HOLD, unstarted=True)
+            await store.release([task], delay=delay, unstarted=True)
             return
+        if self._unread_tries:
+            self._unread_tries.pop(("step", task.task_id), None)
         details = None
         if task.heartbeat is not None:
             details = json.loads(task.heartbeat)
@@ -1385,6 +1432,21 @@ class Worker:
                 except StoreError as exc:
                     log.warning("could not pause dependency %r: %s", task.dependency, exc)
         await self._record_result(task, result, value, inline)
+
+    def _unreadable_hold(
+        self, key: tuple[str, object], exc: Exception, first: float
+    ) -> tuple[float, int]:
+        """How long a task whose payload cannot be read waits before its next try, and
+        which try this was: the waits double from ``first`` up to UNREADABLE_MAX_HOLD,
+        and a destroyed key's is the longest at once (erased on purpose)."""
+        tries = self._unread_tries.pop(key, 0) + 1
+        self._unread_tries[key] = tries  # (last: the oldest are forgotten first)
+        while len(self._unread_tries) > UNREADABLE_REMEMBERED:
+            del self._unread_tries[next(iter(self._unread_tries))]
+        if isinstance(exc, KeyUnavailableError) and exc.destroyed:
+            return UNREADABLE_MAX_HOLD, tries
+        first = first or 1.0
+        return min(max(UNREADABLE_MAX_HOLD, first), first * 2.0 ** min(tries - 1, 30)), tries
 
     async def _hold_unknown(self, task: Task) -> None:
         """Give back unstarted a step whose activity this worker does not register."""
