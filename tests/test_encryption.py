@@ -1522,6 +1522,70 @@ async def test_runs_another_process_starts_while_a_tenant_is_erased_stay_readabl
     app.store.close_sync()
 
 
+async def test_no_copy_taken_during_an_erasure_can_be_read_after_it(tmp_path: Path) -> None:
+    """The erasure made the tenant a fresh key before it ended the tenant's runs, and
+    kept that key: what a running run wrote under it meanwhile stayed readable in a copy
+    taken during the erasure (a backup). Its runs end first now, and every key but the
+    last fresh one, made after its rows are gone, is destroyed."""
+    import sqlite3
+
+    from tether.encryption import PREFIX
+
+    keys = _keyring(tmp_path, per_tenant=True)
+    db = tmp_path / "t.db"
+    app = tether.App(store=f"sqlite:///{db}", encryption=keys)
+
+    @app.activity
+    async def slow_step(i: int) -> str:
+        await asyncio.sleep(0.15)
+        return f"SECRET-RESULT-{i}"
+
+    @app.workflow
+    async def steps(n: int) -> int:
+        for i in range(n):
+            await slow_step(i)
+        return n
+
+    copies: list[Path] = []
+
+    def copy() -> None:
+        target = tmp_path / f"copy{len(copies)}.db"
+        src, dst = sqlite3.connect(db), sqlite3.connect(target)
+        try:
+            src.backup(dst)
+        finally:
+            src.close()
+            dst.close()
+        copies.append(target)
+
+    async with app.worker(poll_interval=0.02):
+        await app.start(steps, 60, run_id="busy", tenant="acme")
+        while len(await app.history("busy")) < 6:
+            await asyncio.sleep(0.05)
+        erasing = asyncio.ensure_future(app.erase_tenant("acme"))
+        for _ in range(12):  # a copy every 0.3 s while it runs
+            await asyncio.sleep(0.3)
+            await asyncio.to_thread(copy)
+        await erasing
+    sealer = Sealer(FileKeyring(keys.path))
+    opened = sealed = 0
+    for target in copies:
+        conn = sqlite3.connect(target)
+        try:
+            texts = [t for (t,) in conn.execute("SELECT data FROM events WHERE run_id = 'busy'")]
+        finally:
+            conn.close()
+        for text in texts:
+            for value in [text, *json.loads(text).values()]:
+                if isinstance(value, str) and value.startswith(PREFIX):
+                    sealed += 1
+                    with contextlib.suppress(KeyUnavailableError):
+                        sealer.open(value)
+                        opened += 1
+    assert sealed > 0 and opened == 0, (sealed, opened)
+    await app.close()
+
+
 async def test_erasing_a_tenant_destroys_the_keys_it_had_and_makes_none_for_one_without(
     tmp_path: Path,
 ) -> None:

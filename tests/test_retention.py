@@ -736,8 +736,8 @@ main()
 def test_a_purge_killed_between_batches_leaves_no_blob_of_a_purged_run(tmp_path: Path) -> None:
     """The blobs of purged runs were gathered over every batch and deleted only at the
     end: a purge killed part way lost the list, the next one reported success, and the
-    purged runs' blobs stayed for good (`store check` called the store sound). Each
-    batch's blobs now go right after its commit; a live run's blob stays."""
+    purged runs' blobs stayed for good (`store check` called the store sound). They now
+    go after a batch's commit (the first batch's at once); a live run's blob stays."""
     db = tmp_path / "t.db"
     (tmp_path / "blobflows.py").write_text(BLOB_FLOWS.format(store=f"sqlite:///{db}"))
     sys.modules.pop("blobflows", None)  # another test's, on its own store
@@ -824,3 +824,51 @@ async def test_an_erasure_counts_only_the_runs_it_removed(pg_schema: str) -> Non
     assert counts["tenant_limits"] == 1, counts
     assert await app.list(tenant="acme") == []
     await app.close()
+
+
+def test_a_long_purge_does_not_read_the_whole_store_after_every_batch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Telling which blobs are unused reads every stored payload: after each batch, a
+    purge of many batches read a large store as many times. It checks again only once
+    twice as long as the last check took has passed, and at the end."""
+    db = tmp_path / "t.db"
+    (tmp_path / "blobflows.py").write_text(BLOB_FLOWS.format(store=f"sqlite:///{db}"))
+    sys.modules.pop("blobflows", None)  # another test's, on its own store
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import blobflows
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("blobflows", None)
+    app = blobflows.app
+
+    async def scenario() -> None:
+        async with app.worker(poll_interval=0.02):
+            for i in range(6):
+                run = await app.start("big", 5000 + i, run_id=f"b{i}")
+                assert await run.result(30) == 5000 + i
+        ended = await app.store.blob_refs(run_ids=[f"b{i}" for i in range(6)])
+        assert len(ended) == 6
+        old = time.time() - 3 * 3600  # put before the purge's grace of an hour
+        for path in (tmp_path / "t.db.blobs").rglob("*"):
+            if path.is_file():
+                os.utime(path, (old, old))
+        every = app.store.blob_refs
+        scans: list[float] = []
+
+        async def slow(*a: object, **k: object) -> set[str]:
+            if not a and not k:  # the whole store: as slow as a large one
+                scans.append(time.monotonic())
+                await asyncio.sleep(0.5)
+            return await every(*a, **k)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(app.store, "blob_refs", slow)
+        counts = await app.purge(0, batch=1)
+        assert counts["runs"] == 6 and counts["blobs"] == 6, counts
+        assert len(scans) == 2, scans  # after the first batch, and at the end
+        monkeypatch.undo()
+        assert not await app.store.blob_refs() & ended
+        await app.close()
+
+    asyncio.run(scenario())

@@ -1122,14 +1122,29 @@ class App:
         blobs: bool = True,
     ) -> dict[str, int]:
         """``purge`` by a cutoff time (workers' retention too): batches until one removes
-        nothing, and (``blobs``) after each batch's commit the blobs its runs referred to
-        that nothing else refers to, so a purge stopped part way leaves at most the
-        blobs of the batch it was stopped in (to ``gc_blobs``), never the list of them
-        all. That check reads every stored payload, as ``gc_blobs`` does (once per
-        batch whose runs referred to a blob), so workers' periodic retention leaves it
-        to ``gc_blobs``."""
+        nothing, and (``blobs``) the blobs the removed runs referred to that nothing else
+        refers to. That check reads every stored payload, as ``gc_blobs`` does, so it is
+        made after a batch only once the time since the last one is at least twice what
+        the last one took (after every batch on a small store, rarely on a large one),
+        and at the end: a purge stopped part way leaves at most the blobs of the batches
+        since the last check (to ``gc_blobs``), never the list of them all. Workers'
+        periodic retention leaves blobs to ``gc_blobs``."""
         started = time.time()
         total: dict[str, int] = {"runs": 0}
+        pending: set[str] = set()
+        checked_at, check_took = time.monotonic(), 0.0
+
+        async def drop() -> None:
+            nonlocal checked_at, check_took
+            # a blob put again in the last hour may be about to be referred to by a
+            # commit still in flight (blobs are shared by content): gc_blobs judges it
+            t0 = time.monotonic()
+            gone = await self._drop_blobs(pending, started - PURGE_BLOB_GRACE)
+            total["blobs"] = total.get("blobs", 0) + gone
+            pending.clear()
+            checked_at = time.monotonic()
+            check_took = checked_at - t0
+
         while True:
             counts, theirs = await self.store.purge(
                 cutoff, workflow=workflow, tenant=tenant, limit=batch, dry_run=dry_run
@@ -1137,15 +1152,15 @@ class App:
             for table, n in counts.items():
                 total[table] = total.get(table, 0) + n
             if theirs and blobs and not dry_run:
-                # a blob put again in the last hour may be about to be referred to by a
-                # commit still in flight (blobs are shared by content): gc_blobs judges
-                # it later
-                gone = await self._drop_blobs(theirs, started - PURGE_BLOB_GRACE)
-                total["blobs"] = total.get("blobs", 0) + gone
+                pending |= theirs
+                if time.monotonic() - checked_at >= 2 * check_took:
+                    await drop()
             # counts["runs"] is what the batch removed: fewer than it found when another
             # purge or an erasure removed some first, so only an empty batch ends it
             if dry_run or counts["runs"] == 0 or stopping():
                 break
+        if pending:
+            await drop()
         return total
 
     async def _drop_blobs(self, refs: set[str], written_before: float) -> int:
@@ -1169,46 +1184,74 @@ class App:
         """Erase a tenant: terminate its live runs, then remove every run of it with all
         their rows, and its own rows (admission limit, API keys, switch, model budgets
         and spend). Its run ids answer ``RunPurgedError`` ("tenant erased"). With
-        per-tenant encryption keys (``tether.encryption``) a fresh key is made current for
-        the tenant first, and the erasure waits until every process sharing the keyring
-        seals under it (``Keyring.seen_within``, a little over a second for a keyring
-        file); its older keys are destroyed last, so any copy of its data left elsewhere
-        (a backup) is unreadable, while a run started during the erasure (under the fresh
-        key, which is kept) stays readable. Returns the rows removed per table and
+        per-tenant encryption keys (``tether.encryption``), once its runs are ended a
+        fresh key is made current for the tenant, and the erasure waits until every
+        process sharing the keyring seals under it (``Keyring.seen_within``, a little over
+        a second for a keyring file) before rows go; then once more under a second fresh
+        key, and every key but that last one is destroyed: any copy of its data left
+        elsewhere (a backup, even one taken during the erasure) is unreadable, while a run
+        started after the last pass (under the last key, which is kept) stays readable.
+        Returns the rows removed per table and
         ``keys_destroyed`` (``dry_run``: what the first batch would remove, nothing
         changed)."""
         if not tenant:
             raise ConfigurationError("erase_tenant needs the tenant's name")
         codec = self.store.codec
         keyring = codec.sealer.keyring if codec is not None and codec.sealer is not None else None
-        older: list[str] | None = None
-        if not dry_run and keyring is not None and keyring.per_tenant:
-            older = keyring.tenant_keys(tenant)
-            if older:
-                # other processes keep sealing the tenant's new data under the key they
-                # last read until they see the keyring change: a fresh key, seen by all
-                # before any row goes, keeps what they write during the erasure readable
-                keyring.rotate(tenant)
-                await asyncio.sleep(keyring.seen_within + KEY_SETTLE)
-        if not dry_run:
-            while True:
-                live = [
-                    r
-                    for status in (
-                        RunStatus.PENDING,
-                        RunStatus.RUNNING,
-                        RunStatus.SUSPENDED,
-                        RunStatus.QUEUED,
-                    )
-                    for r in await self.list(status=status, tenant=tenant, limit=batch)
-                ]
-                if not live:
-                    break
-                for r in live:
-                    with contextlib.suppress(RunFinishedError, RunNotFoundError):
-                        await self.store.terminate(r.run_id, "tenant erased")
-        started = time.time()
+        rotate = not dry_run and keyring is not None and keyring.per_tenant
+        older = keyring.tenant_keys(tenant) if rotate and keyring is not None else None
         total: dict[str, int] = {"runs": 0}
+        if not dry_run:
+            # first, so its runs stop writing (under any key) before a fresh key is made
+            await self._end_tenant_runs(tenant, batch)
+        if older and keyring is not None:
+            # other processes keep sealing the tenant's new data under the key they last
+            # read until they see the keyring change: a fresh key, seen by all before
+            # any row goes, keeps what they start during the erasure readable
+            keyring.rotate(tenant)
+            await asyncio.sleep(keyring.seen_within + KEY_SETTLE)
+        await self._erase_tenant_rows(tenant, batch, dry_run, total)
+        if older and keyring is not None:
+            # what was written under that fresh key meanwhile (runs started during the
+            # erasure, removed above) must not stay readable in a copy (a backup): a
+            # second fresh key, seen by all, one more pass, then every other key goes
+            between = keyring.tenant_keys(tenant) or []
+            keyring.rotate(tenant)
+            await asyncio.sleep(keyring.seen_within + KEY_SETTLE)
+            await self._erase_tenant_rows(tenant, batch, dry_run, total)
+            older = between
+        if not dry_run and keyring is not None:
+            gone = keyring.shred(tenant) if older is None else keyring.shred(tenant, older)
+            total["keys_destroyed"] = len(gone)
+        return total
+
+    async def _end_tenant_runs(self, tenant: str, batch: int) -> None:
+        """Terminate every live run of ``tenant`` ("tenant erased")."""
+        while True:
+            live = [
+                r
+                for status in (
+                    RunStatus.PENDING,
+                    RunStatus.RUNNING,
+                    RunStatus.SUSPENDED,
+                    RunStatus.QUEUED,
+                )
+                for r in await self.list(status=status, tenant=tenant, limit=batch)
+            ]
+            if not live:
+                return
+            for r in live:
+                with contextlib.suppress(RunFinishedError, RunNotFoundError):
+                    await self.store.terminate(r.run_id, "tenant erased")
+
+    async def _erase_tenant_rows(
+        self, tenant: str, batch: int, dry_run: bool, total: dict[str, int]
+    ) -> None:
+        """One pass of ``erase_tenant``: its live runs ended, its blobs, then its rows in
+        batches until one removes nothing; counts added to ``total``."""
+        if not dry_run:
+            await self._end_tenant_runs(tenant, batch)
+        started = time.time()
         blobs = self.store.blobs
         if not dry_run and blobs is not None and not blobs.shared:
             # the blobs its payloads refer to (or were offloaded to), unless another
@@ -1218,7 +1261,7 @@ class App:
             mine = await self.store.blob_refs(tenant)
             if mine:
                 mine -= await self.store.blob_refs(other_than=tenant)
-            total["blobs"] = 0
+            total.setdefault("blobs", 0)
             for ref in mine:
                 modified = blobs.modified(ref)
                 if modified is not None and modified < started:
@@ -1230,10 +1273,6 @@ class App:
                 total[table] = total.get(table, 0) + n
             if dry_run or counts["runs"] == 0:
                 break
-        if not dry_run and keyring is not None:
-            gone = keyring.shred(tenant) if older is None else keyring.shred(tenant, older)
-            total["keys_destroyed"] = len(gone)
-        return total
 
     async def list(
         self,

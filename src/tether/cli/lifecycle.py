@@ -97,10 +97,11 @@ def erase_tenant_command(
 ) -> None:
     """Erase a tenant: terminate its live runs, remove every run of it with all their
     rows, and its admission limit, API keys, switch and model budgets and spend. With
-    per-tenant keys, first make it a fresh key (every process sealing under it within a
-    second or so), and last destroy its older keys: runs started during the erasure stay
-    readable under the fresh key. A tenant the store has nothing of is noted on stderr
-    (it still succeeds, as an erasure run again after it finished does)."""
+    per-tenant keys, make it a fresh key (every process sealing under it within a second
+    or so) before rows go, do it again for a last pass, then destroy every key but the
+    last: what is started after the erasure stays readable under it. A tenant the store
+    has nothing of is noted on stderr (it still succeeds, as an erasure run again after
+    it finished does)."""
     if not yes and not dry_run:
         _fail(f"erasing tenant {tenant!r} cannot be undone: add --yes (or --dry-run)", EXIT_USAGE)
 

@@ -319,8 +319,8 @@ class PostgresStore(OpsStore):
         """``exc`` (opening failed) or, if the server refused with a ``sqlstate`` that
         waiting does not mend, a ``StoreError`` saying so (``permanent``)."""
         what = _NEVER.get(sqlstate or "")
-        if what is None:
-            return exc
+        if what is None or (not connecting and sqlstate in _URL_OPTIONS):
+            return exc  # (after connecting, a bad setting is not the URL's: retried)
         cause = exc.__cause__ if exc.__cause__ is not None else exc
         # (a failure to connect said to check that the server runs: it does)
         said = (
@@ -1236,6 +1236,10 @@ _NEVER = {
     "22023": "an option in the store URL has an invalid value: fix it",
     "42704": "an option in the store URL names an unknown setting: fix it",
 }
+
+
+#: the SQLSTATEs of ``_NEVER`` that blame the URL's options: only while connecting
+_URL_OPTIONS = frozenset({"22023", "42704"})
 
 
 def _never(message: str, permanent: str) -> StoreError:
