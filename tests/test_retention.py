@@ -14,6 +14,7 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -733,12 +734,8 @@ main()
 """
 
 
-def test_a_purge_killed_between_batches_leaves_no_blob_of_a_purged_run(tmp_path: Path) -> None:
-    """The blobs of purged runs were gathered over every batch and deleted only at the
-    end: a purge killed part way lost the list, the next one reported success, and the
-    purged runs' blobs stayed for good (`store check` called the store sound). They now
-    go after a batch's commit (the first batch's at once); a live run's blob stays."""
-    db = tmp_path / "t.db"
+def _blob_flows(tmp_path: Path, db: Path) -> Any:
+    """``BLOB_FLOWS`` on the SQLite store ``db``, imported as a module of its own."""
     (tmp_path / "blobflows.py").write_text(BLOB_FLOWS.format(store=f"sqlite:///{db}"))
     sys.modules.pop("blobflows", None)  # another test's, on its own store
     sys.path.insert(0, str(tmp_path))
@@ -747,6 +744,16 @@ def test_a_purge_killed_between_batches_leaves_no_blob_of_a_purged_run(tmp_path:
     finally:
         sys.path.remove(str(tmp_path))
         sys.modules.pop("blobflows", None)
+    return blobflows
+
+
+def test_a_purge_killed_between_batches_leaves_no_blob_of_a_purged_run(tmp_path: Path) -> None:
+    """The blobs of purged runs were gathered over every batch and deleted only at the
+    end: a purge killed part way lost the list, the next one reported success, and the
+    purged runs' blobs stayed for good (`store check` called the store sound). They now
+    go after a batch's commit (the first batch's at once); a live run's blob stays."""
+    db = tmp_path / "t.db"
+    blobflows = _blob_flows(tmp_path, db)
 
     async def populate() -> tuple[set[str], set[str]]:
         app = blobflows.app
@@ -833,15 +840,7 @@ def test_a_long_purge_does_not_read_the_whole_store_after_every_batch(
     purge of many batches read a large store as many times. It checks again only once
     twice as long as the last check took has passed, and at the end."""
     db = tmp_path / "t.db"
-    (tmp_path / "blobflows.py").write_text(BLOB_FLOWS.format(store=f"sqlite:///{db}"))
-    sys.modules.pop("blobflows", None)  # another test's, on its own store
-    sys.path.insert(0, str(tmp_path))
-    try:
-        import blobflows
-    finally:
-        sys.path.remove(str(tmp_path))
-        sys.modules.pop("blobflows", None)
-    app = blobflows.app
+    app = _blob_flows(tmp_path, db).app
 
     async def scenario() -> None:
         async with app.worker(poll_interval=0.02):
