@@ -321,3 +321,22 @@ async def test_a_run_whose_blob_is_lost_backs_off_names_it_and_heals_when_it_is_
             path.write_bytes(data)
         assert await app.get_run("lost").result(timeout=30) == 300_000
     await app.close()
+
+
+def test_a_blob_store_s_password_never_shows_in_its_errors(tmp_path: Path) -> None:
+    """Blob errors are logged and shown whole (they carry no payload): a password in the
+    blob store's URL must not be in them."""
+    from tether.blobs import Blob, BlobError, BlobStore
+
+    store = BlobStore(str(tmp_path / "blobs"))
+    store.root = str(tmp_path / "blobs")
+    assert store.shown_root == store.root  # a path: shown as it is
+    store.root = "https://reader:s3cr3tpw@files.example.com/blobs"  # (as fsspec keeps it)
+    assert store.shown_root == "https://reader:***@files.example.com/blobs"
+    store.root = str(tmp_path / "blobs")
+    missing = Blob(ref="sha256:" + "0" * 64, size=1)
+    store.root, real = "https://reader:s3cr3tpw@files.example.com/blobs", store.root
+    with pytest.raises(BlobError) as got:
+        store.kept(missing.ref)
+    assert "s3cr3tpw" not in str(got.value) and "reader:***@" in str(got.value)
+    store.root = real

@@ -910,3 +910,21 @@ def test_a_refusal_waiting_will_not_mend_is_told_by_its_sqlstate(
         with pytest.raises(tether.StoreError, match="cannot connect"):
             PostgresStore(f"postgresql://postgres@127.0.0.1:{port}/test", schema=pg_schema)
     assert asked == []
+
+
+def test_a_key_value_connection_string_s_password_never_shows(pg_schema: str) -> None:
+    """Passwords in URLs were masked in every message; one in a key=value connection
+    string (``host=... password=...``) was shown as written."""
+    import socket
+
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]  # nothing listens: the connection is refused
+    for conninfo, secret in [
+        (f"host=127.0.0.1 port={port} user=postgres password=s3cr3tpw dbname=test", "s3cr3tpw"),
+        (f"host=127.0.0.1 port={port} password='an0ther pw' dbname=test", "an0ther"),
+    ]:
+        with pytest.raises(tether.StoreError) as got:
+            PostgresStore(conninfo, schema=pg_schema, connect_timeout=2)
+        said = f"{got.value} {got.value.permanent or ''}"
+        assert secret not in said and "password=***" in said, said

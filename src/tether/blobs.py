@@ -76,6 +76,12 @@ class BlobStore:
         else:
             self.root = root.removeprefix("file://")  # made on the first put
 
+    @property
+    def shown_root(self) -> str:
+        """``root`` as messages show it: a password in a URL's user info masked (these
+        messages are logged and shown whole, to every role: they carry no payload)."""
+        return re.sub(r"(://[^/@:]*):[^/@]*@", r"\1:***@", self.root)
+
     def _path(self, digest: str) -> str:
         return f"{self.root}/sha256/{digest[:2]}/{digest[2:]}"
 
@@ -163,7 +169,7 @@ class BlobStore:
             with open(path, "rb") as f:
                 return f.read()
         except FileNotFoundError:
-            raise BlobError(ref, f"missing from the blob store at {self.root!r}") from None
+            raise BlobError(ref, f"missing from the blob store at {self.shown_root!r}") from None
 
     def keep(self, ref: str, data: bytes) -> None:
         """Store bytes as ``kept`` read them from another blob store, under ``ref``."""
@@ -190,7 +196,7 @@ class BlobStore:
                 with open(path, "rb") as f:
                     data = f.read()
         except FileNotFoundError:
-            raise BlobError(b.ref, f"missing from the blob store at {self.root!r}") from None
+            raise BlobError(b.ref, f"missing from the blob store at {self.shown_root!r}") from None
         if (
             sealed
             and self.sealer is not None
@@ -267,7 +273,7 @@ class BlobStore:
             with open(path, "rb") as f:
                 return f.read(size)
         except FileNotFoundError:
-            raise BlobError(ref, f"missing from the blob store at {self.root!r}") from None
+            raise BlobError(ref, f"missing from the blob store at {self.shown_root!r}") from None
 
     def modified(self, ref: str) -> float | None:
         """When the blob was written or last put again (None: not stored)."""

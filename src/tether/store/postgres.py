@@ -1173,9 +1173,17 @@ def _secret_param(name: str) -> bool:
     return any(part in name for part in _SECRET_PARAMS)
 
 
+#: a password in a key=value connection string (``host=... password=s3cr3t``), quoted
+#: or not
+_KV_PASSWORD = re.compile(r"(\bpassword\s*=\s*)('(?:[^'\\]|\\.)*'|[^\s']+)")
+
+
 def _redact(url: str) -> str:
     """The URL without its password or any secret query parameter, for messages
-    (also when the URL does not parse: then everything that might be one is masked)."""
+    (also when the URL does not parse: then everything that might be one is masked;
+    a key=value connection string: its password)."""
+    if "://" not in url:
+        return _KV_PASSWORD.sub(r"\1***", url)
     try:
         parts = urlsplit(url)
         password = parts.password
@@ -1197,6 +1205,11 @@ def _redact(url: str) -> str:
 def _secrets(url: str) -> list[str]:
     """The password and secret parameter values in ``url``, as written and decoded."""
     found: set[str] = set()
+    if "://" not in url:  # a key=value connection string
+        for match in _KV_PASSWORD.finditer(url):
+            value = match.group(2)
+            found |= {value, value.strip("'")} - {""}
+        return sorted(found, key=len, reverse=True)
     try:
         parts = urlsplit(url)
         if parts.password:
