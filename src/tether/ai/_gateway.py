@@ -1552,10 +1552,15 @@ def _refuse_recorded_credentials(ref: ModelRef, settings: ModelSettings | None) 
 def _cache_key(ref: ModelRef, request: dict[str, Any]) -> str:
     """What makes two requests the same question to the same model: the model the step
     calls, which for a run pinned to the ``"provider:name"`` it started with is that one
-    (``request["spec"]``), not what today's deploy registers under the name."""
+    (``request["spec"]``), not what today's deploy registers under the name; the gateway
+    it is registered on and its deployment (provider, model and endpoint), so one name
+    on two gateways or at two endpoints shares no answers. A function building the model
+    is known by its registered name and ``version`` only: what it builds is not."""
     settings = {k: v for k, v in (request.get("settings") or {}).items() if k != "extra_headers"}
     spec: str | None = request.get("spec")
     material = {
+        "gateway": ref.gateway.name,
+        "deployment": _deployment_key(spec or ref.spec, ref.name),
         "model": ref.name,
         "model_name": model_name_of(spec) if spec else ref.model_name,
         "called": spec or ref.version,
