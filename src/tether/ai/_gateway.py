@@ -992,6 +992,9 @@ class Gateway:
         Shared by every worker (it lives in the store); neither ``tokens`` nor ``cost``
         removes it. A call whose estimate would go over raises ``BudgetExceeded`` in
         the workflow before it is sent; raising the budget lets the next call through.
+        Today's spend starts from what the usage ledger recorded today for the scope
+        (other workers count calls against a new scope once they re-read the list, within
+        ``_BUDGETS_TTL`` seconds).
         """
         if tenant is not None and (not isinstance(tenant, str) or not tenant):
             raise ConfigurationError(f"tenant must be a non-empty string (got {tenant!r})")
