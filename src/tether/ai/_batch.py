@@ -228,12 +228,17 @@ class BatchJobs:
             "input_tokens": tokens_in,
             "output_tokens": tokens_out,
             "cache_read_tokens": 0,
-            "cost": self.gateway.price_of(ref, tokens_in, tokens_out, 0, ref.model_name, None),
+            "cost": None,
             "latency_ms": 0.0,
             "finish_reason": "batch",
             "batch_id": batch_id,
             "items": len(results),
         }
+        call["cost"], price_error = self.gateway.answer_cost(
+            ref, tokens_in, tokens_out, 0, ref.model_name, None
+        )
+        if price_error is not None:
+            call["price_error"] = price_error
         # what the batch used goes to its tenant's day (and the global one) with the
         # commit that records this result, not here: a fetch retried after a crash (its
         # result lost) downloads what was paid for once

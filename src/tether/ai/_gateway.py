@@ -126,6 +126,39 @@ class Price:
         ) / million
 
 
+def _checked_price(price: Any, model: str, where: str) -> Price:
+    """``price`` if it is a ``Price``; else a ``ConfigurationError`` naming the model: a
+    dict or a number (a price as read from a config file) would be found only after a
+    call's answer, which the provider has billed, failing every call of the model."""
+    if isinstance(price, Price):
+        return price
+    raise ConfigurationError(
+        f"the price of model {model!r} in {where} must be a tether.ai.Price, got "
+        f"{type(price).__name__} {price!r}: pass ai.Price(input_per_mtok=..., "
+        "output_per_mtok=...) (prices per million tokens; a dict read from a file: "
+        "ai.Price(**entry))"
+    )
+
+
+def _checked_prices(prices: Any) -> dict[str, Price]:
+    """A gateway's ``prices`` table, each entry checked where it is written."""
+    if prices is None:
+        return {}
+    if not isinstance(prices, Mapping):
+        raise ConfigurationError(
+            "Gateway(prices=) must be a mapping of the provider's model name to "
+            f"ai.Price(input_per_mtok=..., output_per_mtok=...), got {type(prices).__name__}"
+        )
+    out: dict[str, Price] = {}
+    for name, price in prices.items():
+        if not isinstance(name, str) or not name:
+            raise ConfigurationError(
+                f"Gateway(prices=) is keyed by the provider's model name (a string), got {name!r}"
+            )
+        out[name] = _checked_price(price, name, "Gateway(prices=)")
+    return out
+
+
 class _CallResult(dict[str, Any]):
     """A recorded call; ``headers`` (not stored) lets the worker read x-ratelimit-*."""
 
@@ -330,14 +363,14 @@ class Gateway:
         retry: Retry = DEFAULT_MODEL_RETRY,
         timeout: float | timedelta = 120.0,
         queue: str | None = None,
-        prices: dict[str, Price] | None = None,
+        prices: Mapping[str, Price] | None = None,
         message_refs: bool = True,
     ) -> None:
         self.app = app
         #: steps record only the messages new to their run (the rest by content hash)
         self.message_refs = message_refs
         self.name = check_name(name, "gateway name")
-        self.prices = dict(prices or {})
+        self.prices = _checked_prices(prices)
         self._models: dict[str, ModelRef] = {}
         #: output types registered with ``output``: type -> (name, version, fingerprint)
         self._outputs: dict[Any, tuple[str, str, str]] = {}
@@ -405,6 +438,8 @@ class Gateway:
         check_name(name, "model name")  # it names the model in records, metrics and the CLI
         if name in self._models:
             raise ConfigurationError(f"model {name!r} is already registered on this gateway")
+        if price is not None:
+            price = _checked_price(price, name, "model(price=)")
         if not (isinstance(model, Model | str) or callable(model)):
             raise ConfigurationError(
                 f"model {name!r}: pass a pydantic-ai Model, a 'provider:name' string or a "
@@ -565,6 +600,27 @@ class Gateway:
         )
         return str(calc["total_price"])
 
+    def answer_cost(
+        self,
+        ref: ModelRef,
+        tokens_in: int,
+        tokens_out: int,
+        cache_read: int,
+        model_name: str | None,
+        provider: str | None,
+    ) -> tuple[str | None, str | None]:
+        """``price_of`` an answer the provider has given (and billed), and why it has no
+        cost when pricing it failed: the answer is recorded unpriced, never thrown away
+        (a retry would be billed again and fail the same way)."""
+        try:
+            return self.price_of(ref, tokens_in, tokens_out, cache_read, model_name, provider), None
+        except Exception as exc:
+            why = f"{type(exc).__name__}: {exc}"[:500]
+            log.warning(
+                "model %r: the answer could not be priced (%s); recorded unpriced", ref.name, why
+            )
+            return None, why
+
     # the step (worker side) -----------------------------------------------------
 
     def _resolve(self, ref: ModelRef) -> Model:
@@ -678,14 +734,17 @@ class Gateway:
             "input_tokens": tokens_in,
             "output_tokens": tokens_out,
             "cache_read_tokens": cache_read,
-            "cost": self.price_of(
-                ref, tokens_in, tokens_out, cache_read, response.model_name, response.provider_name
-            ),
+            "cost": None,
             "latency_ms": round(latency * 1000, 3),
             "finish_reason": response.finish_reason,
             "attempt": attempt,
             "prompt_version": request.get("prompt_version"),
         }
+        call["cost"], price_error = self.answer_cost(
+            ref, tokens_in, tokens_out, cache_read, response.model_name, response.provider_name
+        )
+        if price_error is not None:
+            call["price_error"] = price_error
         if reported is not None:
             call["usage"] = "estimated"
             call["reported_usage"] = reported
@@ -933,6 +992,9 @@ class Gateway:
         Shared by every worker (it lives in the store); neither ``tokens`` nor ``cost``
         removes it. A call whose estimate would go over raises ``BudgetExceeded`` in
         the workflow before it is sent; raising the budget lets the next call through.
+        Today's spend starts from what the usage ledger recorded today for the scope
+        (other workers count calls against a new scope once they re-read the list, within
+        ``_BUDGETS_TTL`` seconds).
         """
         if tenant is not None and (not isinstance(tenant, str) or not tenant):
             raise ConfigurationError(f"tenant must be a non-empty string (got {tenant!r})")
@@ -1493,10 +1555,15 @@ def _refuse_recorded_credentials(ref: ModelRef, settings: ModelSettings | None) 
 def _cache_key(ref: ModelRef, request: dict[str, Any]) -> str:
     """What makes two requests the same question to the same model: the model the step
     calls, which for a run pinned to the ``"provider:name"`` it started with is that one
-    (``request["spec"]``), not what today's deploy registers under the name."""
+    (``request["spec"]``), not what today's deploy registers under the name; the gateway
+    it is registered on and its deployment (provider, model and endpoint), so one name
+    on two gateways or at two endpoints shares no answers. A function building the model
+    is known by its registered name and ``version`` only: what it builds is not."""
     settings = {k: v for k, v in (request.get("settings") or {}).items() if k != "extra_headers"}
     spec: str | None = request.get("spec")
     material = {
+        "gateway": ref.gateway.name,
+        "deployment": _deployment_key(spec or ref.spec, ref.name),
         "model": ref.name,
         "model_name": model_name_of(spec) if spec else ref.model_name,
         "called": spec or ref.version,

@@ -287,7 +287,8 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     async def set_model_budget(self, scope: str, tokens: int | None, cost: str | None) -> None:
-        """Set (or, with neither, remove) the daily model budget of a scope."""
+        """Set (or, with neither, remove) the daily model budget of a scope; today's
+        spend of the scope becomes at least what the usage ledger recorded today for it."""
 
     @abc.abstractmethod
     async def model_budgets(self, day: str) -> list[tuple[Any, ...]]:

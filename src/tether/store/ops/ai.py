@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from decimal import Decimal
 from typing import Any
 
@@ -45,6 +46,46 @@ def _set_model_budget(tx: _Tx, scope: str, tokens: int | None, cost: str | None)
         "ON CONFLICT (scope) DO UPDATE SET tokens = excluded.tokens, cost = excluded.cost, "
         "updated_at = excluded.updated_at",
         (scope, tokens, cost, tx.now),
+    )
+    _seed_spend(tx, scope, time.strftime("%Y-%m-%d", time.gmtime(tx.now)))
+
+
+def _seed_spend(tx: _Tx, scope: str, day: str) -> None:
+    """Today's spend of a budget's scope is at least what the usage ledger recorded
+    today (the tenant's calls, or every call for the global scope): workers count a
+    call against a scope only once it has a budget, so a budget set (or set again)
+    partway through the day would otherwise start from zero. Never lowers the spend:
+    the ledger lacks what is in flight and unpriced calls' estimates."""
+    args: tuple[str, ...]
+    if scope == "global":
+        where, args = "day = ?", (day,)
+    elif scope.startswith("tenant:"):
+        where, args = "day = ? AND tenant = ?", (day, scope[len("tenant:") :])
+    else:
+        return
+    # the ledger as folded, plus what workflow tasks appended since (not folded here:
+    # a fold takes the counters' lock, which this write need not wait for)
+    rows = tx.execute(
+        f"SELECT tokens, cost FROM usage_days WHERE {where} "
+        f"UNION ALL SELECT tokens, cost FROM usage_deltas WHERE {where}",
+        args + args,
+    ).fetchall()
+    tokens = sum(int(r[0]) for r in rows)
+    cost = sum((Decimal(r[1]) for r in rows), Decimal(0))
+    if not tokens and not cost:
+        return  # nothing recorded today: the spend (if any) stands
+    tx.execute(
+        "INSERT INTO ai_spend (scope, day, tokens, cost, updated_at) VALUES (?, ?, 0, '0', ?) "
+        "ON CONFLICT (scope, day) DO NOTHING",
+        (scope, day, tx.now),
+    )
+    row = tx.execute(
+        f"SELECT tokens, cost FROM ai_spend WHERE scope = ? AND day = ?{tx.for_update}",
+        (scope, day),
+    ).fetchone()
+    tx.execute(
+        "UPDATE ai_spend SET tokens = ?, cost = ?, updated_at = ? WHERE scope = ? AND day = ?",
+        (max(int(row[0]), tokens), str(max(Decimal(row[1]), cost)), tx.now, scope, day),
     )
 
 
