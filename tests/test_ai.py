@@ -2851,3 +2851,49 @@ async def test_fields_the_new_output_type_reads_but_dumps_otherwise_replay(
     migrated = deploy(TicketMigrated)
     assert tether.testing.check_history(migrated, plain).ok
     await migrated.close()
+
+
+async def test_a_model_call_inside_an_activity_past_its_timeout_names_that_activity(
+    app: tether.App, server: ModelServer
+) -> None:
+    """An activity of the user's that calls the gateway inside, and whose own timeout ran
+    out while the model answered, recorded ``... (its timeout per attempt) ... raise the
+    model's timeout``: the model's timeout (30 s here) does not apply inside another
+    activity, so that advice changed nothing. It now names the activity, its step, the
+    model, the seconds and how to give it more time, still a retried timeout."""
+    gw = ai.Gateway(app, retry=tether.Retry(attempts=1))
+    slow = gw.model(
+        "slow",
+        ai.openai_compatible("gpt-4o-mini", base_url=server.base_url, api_key="k"),
+        timeout=30,
+    )
+
+    @app.activity(timeout=0.5, retry=tether.Retry(attempts=2, initial=0.05, backoff=1.0))
+    async def summarise(text: str) -> str:
+        return await ai.complete(slow, text)
+
+    @app.workflow
+    async def digest() -> str:
+        return await summarise("a long text")
+
+    server.script("gpt-4o-mini", *[model_reply("late", delay=3)] * 2)
+    async with app.worker(poll_interval=0.05):
+        run = await app.start(digest, run_id="inside")
+        with pytest.raises(tether.WorkflowFailedError):
+            await run.result(timeout=30)
+    recorded = [
+        e.data["error"]
+        for e in await app.history("inside")
+        if e.type in (EventType.ACTIVITY_ATTEMPT_FAILED, EventType.ACTIVITY_FAILED)
+    ]
+    assert [r["type"] for r in recorded] == ["TimeoutError", "TimeoutError"]
+    assert [r["retryable"] for r in recorded] == [True, False]  # a timeout to Retry
+    for attempt, r in enumerate(recorded, 1):
+        message = r["message"]
+        assert message.startswith(
+            f"model 'slow' (gpt-4o-mini), called in activity 'summarise', step 1, "
+            f"attempt {attempt}: timed out after 0.5 s (the timeout per attempt of "
+            "activity 'summarise') while it waited for the answer"
+        ), message
+        assert "raise the timeout of activity 'summarise'" in message, message
+        assert "gateway.model(..., timeout=)" not in message and "cancel" not in message

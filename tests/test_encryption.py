@@ -1629,3 +1629,26 @@ async def test_a_run_of_a_shredded_tenant_is_tried_again_only_after_the_longest_
     (info,) = [r for r in await app.list() if r.run_id == "a1"]
     assert key_id in (info.task_error or "") and "destroyed" in (info.task_error or "")
     app.store.close_sync()  # type: ignore[attr-defined]
+
+
+async def test_an_erasure_ends_the_tenants_runs_once_per_pass(tmp_path: Path) -> None:
+    """``erase_tenant`` listed the tenant's live runs (to end them) twice in a row at its
+    start: once itself and again in its first pass. Now once per pass: one pass without
+    per-tenant keys, two with them (the second under a second fresh key)."""
+    for per_tenant in (False, True):
+        keys = _keyring(tmp_path, per_tenant=True) if per_tenant else None
+        app = tether.App(store=f"sqlite:///{tmp_path / f'{per_tenant}.db'}", encryption=keys)
+        if keys is not None:
+            keys.current("acme")  # the tenant has a key: the erasure makes two fresh ones
+        endings = 0
+        real = app._end_tenant_runs
+
+        async def counted(tenant: str, batch: int, real: Any = real) -> None:
+            nonlocal endings
+            endings += 1
+            await real(tenant, batch)
+
+        app._end_tenant_runs = counted  # type: ignore[method-assign]
+        await app.erase_tenant("acme")
+        assert endings == (2 if per_tenant else 1), (per_tenant, endings)
+        await app.close()  # type: ignore[attr-defined]

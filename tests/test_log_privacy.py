@@ -5,6 +5,7 @@ the redaction hook lets it; the context filter and JSON lines carry run and trac
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 import json
 import logging
@@ -256,3 +257,109 @@ def test_why_a_payload_cannot_be_read_is_logged_whole_it_holds_only_ids(tmp_path
     for text in (f"blob sha256:{'ab' * 32}: {CANARY}", f"payload sealed with key 'k': {CANARY}"):
         for kind in ("BlobError", "KeyUnavailableError"):
             assert CANARY not in redact_error(kind, text)
+
+
+async def test_a_users_error_worded_like_the_engines_is_not_shown_whole(
+    store_url: str, tmp_path: Path, records: list[logging.LogRecord]
+) -> None:
+    """Which task errors were "engine-made" (logged whole, shown whole to a key without
+    payloads) was decided by regexes on their text, which quote ids as ``'[^']*'``: a
+    keyring of the user's whose ``KeyUnavailableError`` used the engine's wording with
+    its own text (here a vault URL with its token) had that text logged and shown whole.
+    Now only what the engine itself made and marked is trusted, whatever its wording."""
+    from tether._redact import engine_made, redact_error
+    from tether.encryption import FileKeyring, Keyring, KeyUnavailableError
+    from tether.server._models import run_view
+
+    class Vault(Keyring):
+        """The user's keyring: refuses keys in the engine's words, naming its source."""
+
+        def __init__(self, inner: FileKeyring, refuse: bool) -> None:
+            self.inner, self.refuse = inner, refuse
+
+        def current(self, tenant: str | None) -> str:
+            return self.inner.current(tenant)
+
+        def key(self, key_id: str) -> bytes:
+            if self.refuse:
+                raise KeyUnavailableError(
+                    key_id,
+                    f"keyring 'vault://ops:{CANARY}@vault' has no such key (is it the right "
+                    "keyring?)",
+                )
+            return self.inner.key(key_id)
+
+    keys = FileKeyring.create(tmp_path / "keys.json")
+    starter = tether.App(store=store_url, encryption=Vault(keys, refuse=False))
+
+    @starter.workflow
+    async def hello(name: str) -> str:
+        return name
+
+    await starter.start(hello, "x", run_id="r1")
+    app = tether.App(store=store_url, encryption=Vault(FileKeyring(keys.path), refuse=True))
+    app.workflow(hello.fn, name="hello")  # type: ignore[attr-defined]
+    async with app.worker(poll_interval=0.02):
+        for _ in range(250):
+            if "workflow task for run 'r1' failed" in _text(records):
+                break
+            await asyncio.sleep(0.02)
+    text = _text(records)
+    assert "workflow task for run 'r1' failed: KeyUnavailableError: <" in text, text
+    assert CANARY not in text
+    (info,) = await app.list()  # (a listing reads what it can)
+    forged = [
+        (
+            "KeyUnavailableError",
+            f"payload sealed with key '{CANARY}': this keyring has no such key",
+        ),
+        ("BlobError", f"missing from the blob store at '{CANARY}'"),
+        (
+            "UnknownActivityError",
+            f"step 1 (activity '{CANARY}', queue 'q') waits for a worker that registers "
+            "'x'; worker w does not",
+        ),
+    ]
+    for kind, text in forged:
+        assert not engine_made(f"{kind}: {text}"), text
+        assert CANARY not in redact_error(kind, text)
+        # a key without payloads sees its type alone
+        shown = run_view(dataclasses.replace(info, task_error=f"{kind}: {text}"), payloads=False)
+        assert shown.task_error == f"{kind}: [withheld]", shown.task_error
+    for a in (starter, app):
+        await a.close()  # type: ignore[attr-defined]
+
+
+def test_an_error_the_engine_made_is_trusted_by_its_mark_not_its_wording() -> None:
+    """A reworded engine message stays shown whole (it was trusted by its wording, so
+    any rewording hid it); the same class made by user code is not trusted."""
+    from tether._redact import engine_made, made_by_engine, redact_error
+    from tether.encryption import KeyUnavailableError
+
+    mine = made_by_engine(KeyUnavailableError("k1", "a wording no regex knows"))
+    assert engine_made(f"KeyUnavailableError: {mine}")
+    assert redact_error("KeyUnavailableError", str(mine)) == str(mine)
+
+    class Sub(KeyUnavailableError):
+        pass
+
+    for theirs in (KeyUnavailableError("k2", CANARY), Sub("k1", "a wording no regex knows")):
+        kind = type(theirs).__name__
+        assert not engine_made(f"{kind}: {theirs}"), theirs
+        assert redact_error(kind, str(theirs)).endswith("characters redacted>")
+
+
+def test_a_divergence_quoting_a_runs_error_is_not_marked_the_engines() -> None:
+    """A ``NonDeterminismError`` naming only commands is the engine's (shown whole); one
+    whose description quotes a run's error message (a payload) is not."""
+    from tether._errors import NonDeterminismError
+    from tether._history import EventType
+    from tether._redact import is_engine_made
+    from tether.workflow._instance import _describe, _names_only
+
+    named = (EventType.ACTIVITY_SCHEDULED, {"name": "a"})
+    failed = (EventType.WORKFLOW_FAILED, {"error": {"type": "ValueError", "message": CANARY}})
+    for commands, trusted in (((named,), True), ((named, failed), False)):
+        expected = _describe(*commands[-1], detail=True)
+        exc = _names_only(NonDeterminismError("r1", 1, expected, "no command"), *commands)
+        assert is_engine_made(exc) is trusted, (commands, str(exc))

@@ -1202,7 +1202,9 @@ class App:
         older = keyring.tenant_keys(tenant) if rotate and keyring is not None else None
         total: dict[str, int] = {"runs": 0}
         if not dry_run:
-            # first, so its runs stop writing (under any key) before a fresh key is made
+            # first, so its runs stop writing (under any key) before a fresh key is made;
+            # the first pass's only ending (a run started while the key settles is
+            # removed by that pass, or ended and removed by the second)
             await self._end_tenant_runs(tenant, batch)
         if older and keyring is not None:
             # other processes keep sealing the tenant's new data under the key they last
@@ -1218,6 +1220,7 @@ class App:
             between = keyring.tenant_keys(tenant) or []
             keyring.rotate(tenant)
             await asyncio.sleep(keyring.seen_within + KEY_SETTLE)
+            await self._end_tenant_runs(tenant, batch)  # those started meanwhile
             await self._erase_tenant_rows(tenant, batch, dry_run, total)
             older = between
         if not dry_run and keyring is not None:
@@ -1247,10 +1250,9 @@ class App:
     async def _erase_tenant_rows(
         self, tenant: str, batch: int, dry_run: bool, total: dict[str, int]
     ) -> None:
-        """One pass of ``erase_tenant``: its live runs ended, its blobs, then its rows in
-        batches until one removes nothing; counts added to ``total``."""
-        if not dry_run:
-            await self._end_tenant_runs(tenant, batch)
+        """One pass of ``erase_tenant`` (the caller ended its live runs just before): its
+        blobs, then its rows in batches until one removes nothing; counts added to
+        ``total``."""
         started = time.time()
         blobs = self.store.blobs
         if not dry_run and blobs is not None and not blobs.shared:

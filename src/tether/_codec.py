@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from ._redact import is_engine_made, made_by_engine
 from .blobs import Blob, BlobError, BlobStore
 from .encryption import PREFIX as SEALED
 from .encryption import Sealer, no_keyring
@@ -117,11 +118,14 @@ def decode_text(codec: Codec | None, text: str, where: str) -> str:
     ref, _, size = text[len(OFFLOADED) :].rpartition(":")
     blobs = codec.blobs if codec is not None else None
     if blobs is None:
-        raise BlobError(ref, f"{where}: kept in a blob store this process has not opened")
+        raise made_by_engine(
+            BlobError(ref, f"{where}: kept in a blob store this process has not opened")
+        )
     try:
         data = blobs.get(Blob(ref=ref, size=int(size)), sealed=True)
     except BlobError as exc:
-        raise BlobError(ref, f"{where}: {exc.problem}") from None
+        again = BlobError(ref, f"{where}: {exc.problem}")
+        raise (made_by_engine(again) if is_engine_made(exc) else again) from None
     if data.startswith(SEALED.encode()):
         if sealer is None:
             raise no_keyring(data, where)

@@ -6,8 +6,10 @@ a hook that returns what may be shown (a masked copy, or the text itself).
 
 from __future__ import annotations
 
-import re
+import threading
+from collections import OrderedDict
 from collections.abc import Callable
+from typing import TypeVar
 
 #: decides what of a payload-bearing text may be logged (None: nothing)
 _redactor: Callable[[str], str | None] | None = None
@@ -34,65 +36,89 @@ def redact(text: str) -> str:
     return f"<{len(text)} characters redacted>" if text else ""
 
 
-#: a NonDeterminismError's parts the engine writes: a command as ``Type('name')`` or
-#: ``Type``, or "no command" with the engine's reason
-_ND_PART = r"(?:no command(?: \([a-z ]+\))?|[A-Za-z]+(?:\('[^']*'\)|\(\"[^\"]*\"\))?)"
-#: a quoted id, name or path as the engine writes it (``repr``)
-_QUOTED = r"(?:'[^']*'|\"[^\"]*\"|None)"
-#: where an unreadable payload was met, as the engine names it: the run, step, event,
-#: dead letter, blob... from ids and numbers alone (``run 'r1', event 3 (step 2)``)
-_WHERE = rf"(?:(?:[a-z_ ,.()]|\d|sha256:[0-9a-f]{{64}}|{_QUOTED})+: )*"
-_UTC = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC"
-#: why a payload could not be read (a ``KeyUnavailableError`` or ``BlobError``), as
-#: ``tether.encryption`` and ``tether.blobs`` write it: key ids, hashes, paths, times
-_KEY_PROBLEM = (
-    r"this keyring has no such key"
-    rf"|the key was destroyed \(tenant {_QUOTED} erased at {_UTC}\); the data it sealed is "
-    r"unreadable for good"
-    rf"|keyring {_QUOTED} retired the key at {_UTC} \(tether keyring retire\); data still "
-    r"sealed with it opens only with a copy of the keyring from before"
-    rf"|keyring {_QUOTED} has no such key \(is it the right keyring\?\)"
-    rf"|keyring {_QUOTED} keeps it wrapped by {_QUOTED} and this process has no wrapper "
-    r"\(set TETHER_KEY_WRAPPER\)"
-    r"|it does not open with this keyring's key of that id \(a different key under the "
-    r"same id, or the value was changed\)"
-    r"|this store is encrypted and this process has no keyring: set TETHER_KEYRING \(a "
-    r"keyring file\) or TETHER_ENCRYPTION_KEYS, or pass App\(encryption=\.\.\.\)"
-)
-_UNREADABLE = (
-    rf"{_WHERE}(?:payload sealed with key {_QUOTED}: (?:{_KEY_PROBLEM})"
-    rf"|missing from the blob store at {_QUOTED}"
-    r"|the stored bytes do not match the hash(?: \(\d+ bytes, recorded \d+\): the file "
-    r"was changed or damaged|: left as they are)"
-    r"|kept in a blob store this process has not opened)"
-)
-#: the task errors the engine writes from names and step numbers alone (no payload)
-_ENGINE_MADE = re.compile(
-    r"NonDeterminismError: non-deterministic workflow code in run '[^']*' at step \d+: "
-    rf"history recorded {_ND_PART}, but the code now produced {_ND_PART}\. The run is left "
-    r"as it was and will be retried: [a-z ,.()]*tether\.patched\) and it will continue"
-    r"(?:\. A run that should not continue can be ended \(tether terminate\), or forked "
-    r"from the step before \(app\.fork\('[^']*', at_step=\d+\)\) to run today's code "
-    r"from there)?"
-    r"|UnknownActivityError: step \d+ \(activity '[^']*', queue '[^']*'\) waits for a "
-    r"worker that registers '[^']*'; worker \S+ does not"
-    r"|SwitchedOff: (?:workflow|activity|model|tenant) '[^']*' is switched off; the run's "
-    r"(?:workflow task|step \d+) waits \(no attempt spent\) until it is switched on"
-    rf"|KeyUnavailableError: {_UNREADABLE}|BlobError: {_UNREADABLE}",
-    re.DOTALL,
-)
+#: the attribute the engine sets on an exception it made from names, ids and hashes
+#: alone (a ``KeyUnavailableError``, ``BlobError`` or ``NonDeterminismError`` it raised)
+_MARK = "_tether_engine_made"
+#: what begins a stored task error the engine made (taken off when it is read): a user
+#: error's text never begins so (``task_error_text`` sees to it)
+TAG = "~n1:"
+#: the ``"Type: message"`` texts the engine made or read marked, in this process, so
+#: text alone (a log line, a run's ``task_error``) can be judged: the newest kept
+_MADE: OrderedDict[str, None] = OrderedDict()
+_MADE_MAX = 4096
+_MADE_LOCK = threading.Lock()  # (sync activities run in threads)
+
+_E = TypeVar("_E", bound=BaseException)
+
+
+def _remember(text: str) -> None:
+    with _MADE_LOCK:
+        _MADE[text] = None
+        _MADE.move_to_end(text)
+        while len(_MADE) > _MADE_MAX:
+            _MADE.popitem(last=False)
+
+
+def made_by_engine(exc: _E) -> _E:
+    """Mark ``exc`` as made by the engine from names, ids and hashes alone (no payload,
+    no user text): its message may be logged and shown whole. Only engine code calls
+    this, where it raises such an error; the same class made by user code (or a
+    subclass) carries no mark and stays redacted, whatever its wording."""
+    setattr(exc, _MARK, True)
+    _remember(f"{type(exc).__name__}: {exc}")
+    return exc
+
+
+def is_engine_made(exc: BaseException) -> bool:
+    """Whether the engine marked ``exc`` (``made_by_engine``): its text holds no payload."""
+    return vars(exc).get(_MARK) is True
+
+
+def engine_note(text: str) -> str:
+    """A task note the engine wrote from names alone (``"Type: message"``), as stored:
+    tagged, so whoever reads it back trusts it."""
+    _remember(text)
+    return TAG + text
+
+
+def task_error_text(exc: BaseException) -> str:
+    """A failed workflow task's error as stored (``"Type: message"``): tagged when the
+    engine made it, else as it is, without a leading tag (user text cannot pass as the
+    engine's)."""
+    text = f"{type(exc).__name__}: {exc}"
+    if is_engine_made(exc):
+        return engine_note(text)
+    while text.startswith(TAG):
+        text = text[len(TAG) :]
+    return text
+
+
+def read_task_error(stored: str | None) -> str | None:
+    """A stored task error as shown: its tag taken off (and its text trusted in this
+    process, see ``engine_made``)."""
+    if stored is None or not stored.startswith(TAG):
+        return stored
+    text = stored[len(TAG) :]
+    _remember(text)
+    return text
 
 
 def engine_made(task_error: str) -> bool:
-    """Whether a run's ``task_error`` (``"Type: message"``) is one the engine writes from
-    names and step numbers alone, so it holds no payload: a ``NonDeterminismError``'s
-    text, the note on a step whose activity the worker lacks or a switch holds, or why a
-    payload could not be read (``KeyUnavailableError``, ``BlobError``: key ids, blob
-    references, paths)."""
-    return _ENGINE_MADE.fullmatch(task_error) is not None
+    """Whether a task error (``"Type: message"``) is one the engine made from names, ids
+    and hashes alone, so it holds no payload: an exception it marked (``made_by_engine``),
+    a note it wrote, or a stored task error it read back tagged. Decided by that mark,
+    never by the wording: user text worded like the engine's is not trusted (texts seen
+    in this process are remembered, the newest few thousand)."""
+    return task_error in _MADE
+
+
+def shown_error(exc: BaseException) -> str:
+    """What the engine logs of ``exc``'s message: all of it when the engine made it
+    (``made_by_engine``), else what ``redact`` allows."""
+    return str(exc) if is_engine_made(exc) else redact(str(exc))
 
 
 def redact_error(type_name: str, text: str) -> str:
-    """What the engine logs of an error's message: all of it when the engine made it
-    from names alone (``engine_made``), else what ``redact`` allows."""
+    """What the engine logs of an error's message given as text: all of it when the
+    engine made it (``engine_made``), else what ``redact`` allows."""
     return text if engine_made(f"{type_name}: {text}") else redact(text)

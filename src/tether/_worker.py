@@ -46,7 +46,7 @@ from ._host import WorkerApp
 from ._periodic import Periodic
 from ._policy import Retry
 from ._queues import check_name
-from ._redact import engine_made, redact_error
+from ._redact import engine_note, is_engine_made, shown_error, task_error_text
 from ._serde import encode
 from ._switches import HOLD as SWITCH_HOLD
 from ._switches import REFRESH as SWITCH_REFRESH
@@ -742,7 +742,7 @@ class Worker:
         if switch is None:
             return False
         self.stats["held_by_switch"] += 1
-        note = held_note(task, switch)
+        note = engine_note(held_note(task, switch))
         self._fire(self.app.store.release([task], delay=SWITCH_HOLD, unstarted=True, note=note))
         return True
 
@@ -801,7 +801,7 @@ class Worker:
         if info is not None and info.tenant in self._switches.off.get("tenant", ()):
             coro.close()
             self.stats["held_by_switch"] += 1
-            note = held_note(task, f"tenant {info.tenant!r}")
+            note = engine_note(held_note(task, f"tenant {info.tenant!r}"))
             await self.app.store.release([task], delay=SWITCH_HOLD, unstarted=True, note=note)
             return
         await coro
@@ -1064,12 +1064,13 @@ class Worker:
                     else "restoring the key or blob heals the run)"
                 )
             # the message may hold the run's data: logged only as the redaction hook allows
-            # (an engine-made one, from names, ids and hashes alone, is logged whole)
+            # (one the engine made and marked, from names, ids and hashes alone, is logged
+            # whole: trusted by its mark, never by its wording)
             log.error(
                 "workflow task for run %r failed: %s: %s%s",
                 task.run_id,
                 type(exc).__name__,
-                redact_error(type(exc).__name__, str(exc)),
+                shown_error(exc),
                 then,
                 extra={"run_id": task.run_id, "workflow": wf_name},
             )
@@ -1084,7 +1085,7 @@ class Worker:
                     {"tether.replayed": fresh is not None},
                     type(exc).__name__,
                 )
-            text = f"{type(exc).__name__}: {exc}"
+            text = task_error_text(exc)  # tagged when the engine made it
             try:
                 await store.fail_workflow_task(task, text, store.clock() + delay)
             except (LeaseLostError, StoreError):
@@ -1095,7 +1096,7 @@ class Worker:
                 # it from ids alone (else unsaid)
                 try:
                     await store.release(
-                        [task], delay=delay, note=text if engine_made(text) else None
+                        [task], delay=delay, note=text if is_engine_made(exc) else None
                     )
                 except StoreError:  # (LeaseLostError too) its lease runs out instead
                     pass
@@ -1465,7 +1466,7 @@ class Worker:
                 UNKNOWN_LOG_EVERY,
                 extra={"run_id": task.run_id},
             )
-        note = (
+        note = engine_note(
             f"UnknownActivityError: step {task.step} (activity {name!r}, queue "
             f"{task.queue!r}) waits for a worker that registers {name!r}; worker "
             f"{self.id} does not"

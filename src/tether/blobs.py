@@ -26,6 +26,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from ._errors import ConfigurationError, TetherError
+from ._redact import is_engine_made, made_by_engine
 from .encryption import PREFIX, KeyUnavailableError, Sealer, no_keyring
 
 SEALED = PREFIX.encode()
@@ -148,7 +149,9 @@ class BlobStore:
             return False  # an offloaded payload's
         plain = self.sealer.open_bytes(data, f"blob {ref}")
         if hashlib.sha256(plain).hexdigest() != digest:
-            raise BlobError(ref, "the stored bytes do not match the hash: left as they are")
+            raise made_by_engine(
+                BlobError(ref, "the stored bytes do not match the hash: left as they are")
+            )
         self._write(self._path(digest), self.sealer.seal_bytes(plain))
         return True
 
@@ -169,7 +172,9 @@ class BlobStore:
             with open(path, "rb") as f:
                 return f.read()
         except FileNotFoundError:
-            raise BlobError(ref, f"missing from the blob store at {self.shown_root!r}") from None
+            raise made_by_engine(
+                BlobError(ref, f"missing from the blob store at {self.shown_root!r}")
+            ) from None
 
     def keep(self, ref: str, data: bytes) -> None:
         """Store bytes as ``kept`` read them from another blob store, under ``ref``."""
@@ -196,7 +201,9 @@ class BlobStore:
                 with open(path, "rb") as f:
                     data = f.read()
         except FileNotFoundError:
-            raise BlobError(b.ref, f"missing from the blob store at {self.shown_root!r}") from None
+            raise made_by_engine(
+                BlobError(b.ref, f"missing from the blob store at {self.shown_root!r}")
+            ) from None
         if (
             sealed
             and self.sealer is not None
@@ -216,12 +223,15 @@ class BlobStore:
                     raise
                 # a key this keyring lacks (retired too soon, not given to this
                 # process): the step fails and retries, so giving the key back heals it
-                raise BlobError(b.ref, str(exc)) from None
+                again = BlobError(b.ref, str(exc))
+                raise (made_by_engine(again) if is_engine_made(exc) else again) from None
         if len(data) != b.size or hashlib.sha256(data).hexdigest() != digest:
-            raise BlobError(
-                b.ref,
-                f"the stored bytes do not match the hash ({len(data)} bytes, recorded "
-                f"{b.size}): the file was changed or damaged",
+            raise made_by_engine(
+                BlobError(
+                    b.ref,
+                    f"the stored bytes do not match the hash ({len(data)} bytes, recorded "
+                    f"{b.size}): the file was changed or damaged",
+                )
             )
         return data
 
@@ -273,7 +283,9 @@ class BlobStore:
             with open(path, "rb") as f:
                 return f.read(size)
         except FileNotFoundError:
-            raise BlobError(ref, f"missing from the blob store at {self.shown_root!r}") from None
+            raise made_by_engine(
+                BlobError(ref, f"missing from the blob store at {self.shown_root!r}")
+            ) from None
 
     def modified(self, ref: str) -> float | None:
         """When the blob was written or last put again (None: not stored)."""

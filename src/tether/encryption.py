@@ -39,6 +39,7 @@ from collections.abc import Collection, Iterator
 from typing import Any
 
 from ._errors import ConfigurationError, PayloadError
+from ._redact import is_engine_made, made_by_engine
 
 #: what every sealed value starts with (JSON text never starts with ``~``)
 PREFIX = "~e1:"
@@ -157,7 +158,9 @@ class StaticKeyring(Keyring):
         try:
             return self._keys[key_id]
         except KeyError:
-            raise KeyUnavailableError(key_id, "this keyring has no such key") from None
+            raise made_by_engine(
+                KeyUnavailableError(key_id, "this keyring has no such key")
+            ) from None
 
 
 def new_key() -> str:
@@ -368,33 +371,41 @@ class FileKeyring(Keyring):
         if entry is None:
             gone = data.get("destroyed", {}).get(key_id)
             if gone:
-                raise KeyUnavailableError(
-                    key_id,
-                    f"the key was destroyed (tenant {gone.get('tenant')!r} erased at "
-                    f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(gone['at']))} UTC); "
-                    "the data it sealed is unreadable for good",
+                raise made_by_engine(
+                    KeyUnavailableError(
+                        key_id,
+                        f"the key was destroyed (tenant {gone.get('tenant')!r} erased at "
+                        f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(gone['at']))} UTC); "
+                        "the data it sealed is unreadable for good",
+                    )
                 )
             retired = data.get("retired", {}).get(key_id)
             if retired:
-                raise KeyUnavailableError(
-                    key_id,
-                    f"keyring {self.path!r} retired the key at "
-                    f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(retired['at']))} UTC "
-                    "(tether keyring retire); data still sealed with it opens only with a "
-                    "copy of the keyring from before",
+                raise made_by_engine(
+                    KeyUnavailableError(
+                        key_id,
+                        f"keyring {self.path!r} retired the key at "
+                        f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(retired['at']))} UTC "
+                        "(tether keyring retire); data still sealed with it opens only with a "
+                        "copy of the keyring from before",
+                    )
                 )
-            raise KeyUnavailableError(
-                key_id, f"keyring {self.path!r} has no such key (is it the right keyring?)"
+            raise made_by_engine(
+                KeyUnavailableError(
+                    key_id, f"keyring {self.path!r} has no such key (is it the right keyring?)"
+                )
             )
         if "wrapped" not in entry:
             return base64.b64decode(entry["key"])
         key = self._unwrapped.get(key_id)
         if key is None:
             if self.wrapper is None:
-                raise KeyUnavailableError(
-                    key_id,
-                    f"keyring {self.path!r} keeps it wrapped by {self.wrapped_by!r} and this "
-                    "process has no wrapper (set TETHER_KEY_WRAPPER)",
+                raise made_by_engine(
+                    KeyUnavailableError(
+                        key_id,
+                        f"keyring {self.path!r} keeps it wrapped by {self.wrapped_by!r} and this "
+                        "process has no wrapper (set TETHER_KEY_WRAPPER)",
+                    )
                 )
             try:
                 key = self.wrapper.unwrap(base64.b64decode(entry["wrapped"]))
@@ -700,15 +711,19 @@ class Sealer:
             cipher = self._ciphers.get(key_id) if not self._dynamic else None
             cipher = cipher or self._cipher(key_id)
         except KeyUnavailableError as exc:
-            raise KeyUnavailableError(key_id, exc.problem, where) from None
+            # the engine's when the keyring's was (a keyring of the user's words its own)
+            again = KeyUnavailableError(key_id, exc.problem, where)
+            raise (made_by_engine(again) if is_engine_made(exc) else again) from None
         try:
             data: bytes = cipher.decrypt(raw[:12], raw[12:], head)
         except Exception:
-            raise KeyUnavailableError(
-                key_id,
-                "it does not open with this keyring's key of that id (a different key under "
-                "the same id, or the value was changed)",
-                where,
+            raise made_by_engine(
+                KeyUnavailableError(
+                    key_id,
+                    "it does not open with this keyring's key of that id (a different key "
+                    "under the same id, or the value was changed)",
+                    where,
+                )
             ) from None
         return zlib.decompress(data) if flag == "z" else data
 
@@ -846,11 +861,13 @@ def no_keyring(sealed: str | bytes, where: str) -> KeyUnavailableError:
     keyring, naming the key it was sealed with."""
     head = sealed[len(PREFIX) : len(PREFIX) + 80]
     text = head.decode("ascii", "replace") if isinstance(head, bytes) else head
-    return KeyUnavailableError(
-        text.split(":", 1)[0],
-        "this store is encrypted and this process has no keyring: set TETHER_KEYRING "
-        "(a keyring file) or TETHER_ENCRYPTION_KEYS, or pass App(encryption=...)",
-        where,
+    return made_by_engine(
+        KeyUnavailableError(
+            text.split(":", 1)[0],
+            "this store is encrypted and this process has no keyring: set TETHER_KEYRING "
+            "(a keyring file) or TETHER_ENCRYPTION_KEYS, or pass App(encryption=...)",
+            where,
+        )
     )
 
 

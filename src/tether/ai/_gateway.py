@@ -1429,9 +1429,15 @@ def _interrupted(
     """The error type and text of a model attempt that ended with ``exc`` while
     ``doing`` (what a streamed step's ``failed`` item says, and a timeout's record):
     a cancelled task says why its worker cancelled it, naming the model, the step and
-    what to do, never a bare ``CancelledError``."""
+    what to do, never a bare ``CancelledError``. Called from inside an activity of the
+    user's (not the model's own step), the time limit is that activity's: it is named,
+    and the advice is to raise its timeout (the model's does not apply there)."""
     where = f"model {ref.name!r} ({ref.model_name})"
+    # the model's own step, or an activity of the user's that called the gateway inside
+    inside = ctx is not None and ctx.name != ref.gateway._activity.name
     if ctx is not None:
+        if inside:
+            where += f", called in activity {ctx.name!r}"
         where += f", step {ctx.step}, attempt {ctx.attempt}"
     why = ctx._interruption() if ctx is not None else None
     if isinstance(exc, StepCancelled) or (
@@ -1461,16 +1467,24 @@ def _interrupted(
                 if isinstance(allowed, int) and ctx.attempt >= allowed
                 else "it is retried as its retry policy allows"
             )
+            if inside:
+                return "TimeoutError", (
+                    f"{where}: timed out after {secs} s (the timeout per attempt of "
+                    f"activity {ctx.name!r}) while {doing}; {then}. If answers this long "
+                    f"are expected, raise the timeout of activity {ctx.name!r} "
+                    "(@app.activity(timeout=), or options(timeout=) where it is called)"
+                )
             return "TimeoutError", (
                 f"{where}: timed out after {secs} s (its timeout per attempt) while "
                 f"{doing}; {then}. If answers this long are expected, raise the "
                 "model's timeout (gateway.model(..., timeout=) or ai.Gateway(timeout=))"
             )
         limit = ctx._timeout_of.removeprefix("step exceeded its ")
+        step = f"activity {ctx.name!r}" if inside else "the step"
         return "TimeoutError", (
             f"{where}: timed out after {secs} s (the step's {limit} ran out) while "
             f"{doing}; no further attempt starts. If answers this long are expected, "
-            "give the step more time (its retry's max_elapsed, its schedule_timeout)"
+            f"give {step} more time (its retry's max_elapsed, its schedule_timeout)"
         )
     return "CancelledError", (
         f"{where}: its task was cancelled while {doing}, not by its worker (its event "

@@ -56,6 +56,7 @@ from psycopg import sql
 
 from .._errors import ConfigurationError, StoreError
 from .._history import Task
+from .._redact import shown_error
 from ._clock import ServerClock
 from ._counters import POSTGRES as COUNTERS
 from ._handoff import LoopFuture, Outcome, deliver
@@ -546,7 +547,13 @@ class PostgresStore(OpsStore):
                     session, moved = fresh, True
                     attempt -= 1
                     continue
-                log.debug("batch of %d falls back to savepoints: %r", len(batch), fallback.error)
+                # (the error's text may hold a payload: shown as the redaction hook allows)
+                log.debug(
+                    "batch of %d falls back to savepoints: %s: %s",
+                    len(batch),
+                    type(fallback.error).__name__,
+                    shown_error(fallback.error),
+                )
                 with self._lock:
                     self._fallbacks += 1
                 safe = True

@@ -37,6 +37,7 @@ from .._history import (
     Event,
     EventType,
 )
+from .._redact import made_by_engine
 from .._serde import Signature, convert, encode, json_equal
 from .._usage import Budget, Spend
 from ..store.base import Command, WorkflowTaskResult
@@ -137,6 +138,16 @@ def _describe(type_: EventType | str, data: dict[str, Any], detail: bool = False
             message = message[:300] + "..."
         text += f" ({err['type']}: {message})" if message else f" ({err['type']})"
     return text
+
+
+def _names_only(
+    exc: NonDeterminismError, *commands: tuple[EventType | str, dict[str, Any]]
+) -> NonDeterminismError:
+    """``exc`` marked as the engine's (shown whole: names and step numbers alone) unless
+    a command's description carries a run's error message (``_describe``'s detail)."""
+    if all(_describe(t, d, detail=True) == _describe(t, d) for t, d in commands):
+        return made_by_engine(exc)
+    return exc
 
 
 class WorkflowInstance:
@@ -309,11 +320,14 @@ class WorkflowInstance:
                     self.replaying = False
                 if self.step < self._max_recorded:
                     missing = self._recorded[self.step + 1]
-                    raise NonDeterminismError(
-                        self.run_id,
-                        self.step + 1,
-                        _describe(missing.type, missing.data, detail=True),
-                        "no command (the code now waits or ends earlier)",
+                    raise _names_only(
+                        NonDeterminismError(
+                            self.run_id,
+                            self.step + 1,
+                            _describe(missing.type, missing.data, detail=True),
+                            "no command (the code now waits or ends earlier)",
+                        ),
+                        (missing.type, missing.data),
                     )
                 self._new.clear()
                 self.through = max(self.through, through)
@@ -590,7 +604,13 @@ class WorkflowInstance:
             if rec is None or rec.type is not type_ or _key(rec.data) != _key(data):
                 expected = _describe(rec.type, rec.data, detail=True) if rec else "no command"
                 produced = _describe(type_, data, detail=True)
-                self._diverged(NonDeterminismError(self.run_id, step, expected, produced))
+                self._diverged(
+                    _names_only(
+                        NonDeterminismError(self.run_id, step, expected, produced),
+                        *([(rec.type, rec.data)] if rec else []),
+                        (type_, data),
+                    )
+                )
             if inputs is not None and raw and not self._copied(step):
                 differs = _inputs_differ(rec.data.get(inputs[0]), raw[inputs[0]], *inputs[1:])
                 if differs is not None:
@@ -618,11 +638,14 @@ class WorkflowInstance:
                 )
         elif self.replaying:
             self._diverged(
-                NonDeterminismError(
-                    self.run_id,
-                    step,
-                    "no command (the task ended here)",
-                    _describe(type_, data, detail=True),
+                _names_only(
+                    NonDeterminismError(
+                        self.run_id,
+                        step,
+                        "no command (the task ended here)",
+                        _describe(type_, data, detail=True),
+                    ),
+                    (type_, data),
                 )
             )
         else:
@@ -652,11 +675,13 @@ class WorkflowInstance:
         kind = self._pending[step].kind
         if early.type not in _OUTCOMES.get(kind, ()):
             self._diverged(
-                NonDeterminismError(
-                    self.run_id,
-                    step,
-                    f"{early.type.value} for step {step}",
-                    f"a {kind} at step {step}",
+                made_by_engine(
+                    NonDeterminismError(
+                        self.run_id,
+                        step,
+                        f"{early.type.value} for step {step}",
+                        f"a {kind} at step {step}",
+                    )
                 )
             )
         self._apply(early)

@@ -10,6 +10,7 @@ from typing import Any
 from ..._codec import MARKS, OFFLOADED, PLAIN_RAW, SECRET_KEYS, Codec, decode_text
 from ..._errors import ConfigurationError, PayloadError
 from ..._history import RunEnd, RunInfo, RunStatus, Task
+from ..._redact import read_task_error
 from ..._serde import dumps
 from ...blobs import BlobError
 from ...encryption import PREFIX, KeyringMismatchError, KeyUnavailableError, Sealer
@@ -450,7 +451,10 @@ def _run_from_row(row: Sequence[Any], codec: Codec | None = None, lenient: bool 
         error = (
             {k: v for k, v in shown.items() if k != "sealed"} if isinstance(shown, dict) else None
         )
-    task_error = read("task_error", lambda: _opened(codec, row[10], rid, "task error"))
+    # a task error the engine made is stored tagged: shown untagged, trusted as its own
+    task_error = read(
+        "task_error", lambda: read_task_error(_opened(codec, row[10], rid, "task error"))
+    )
     return RunInfo(
         run_id=rid,
         workflow=row[1],
