@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import tether
 
 SRC = Path(__file__).parent.parent / "src"
@@ -89,7 +91,7 @@ def test_purge_names_a_workflow_the_store_has_no_run_of(tmp_path: Path) -> None:
 
 
 def test_erase_tenant_says_what_it_left_in_the_shared_default_blob_store(
-    tmp_path: Path, pg_schema: str
+    tmp_path: Path, pg_schema: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """On PostgreSQL without a blob store of its own (the default ./tether-blobs, which
     every PostgreSQL store started in that folder shares), `tether erase-tenant` left
@@ -100,12 +102,9 @@ def test_erase_tenant_says_what_it_left_in_the_shared_default_blob_store(
     from conftest import PG_URL, with_schema
 
     url = with_schema(PG_URL, pg_schema)
-    cwd = Path.cwd()
-    os.chdir(tmp_path)  # the shared default is ./tether-blobs
-    try:
-        _seed(url, tenant="acme")
-    finally:
-        os.chdir(cwd)
+    monkeypatch.chdir(tmp_path)  # the shared default is ./tether-blobs
+    monkeypatch.delenv("TETHER_BLOBS", raising=False)
+    _seed(url, tenant="acme")
     shared = tmp_path / "tether-blobs"
     left = _blob_files(shared)
     assert len(left) == 3, left
@@ -120,13 +119,8 @@ def test_erase_tenant_says_what_it_left_in_the_shared_default_blob_store(
     assert "Traceback" not in done.stderr
 
     own = tmp_path / "own-blobs"
-    os.chdir(tmp_path)
-    try:
-        os.environ["TETHER_BLOBS"] = str(own)
-        _seed(url, tenant="beta")
-    finally:
-        os.environ.pop("TETHER_BLOBS", None)
-        os.chdir(cwd)
+    monkeypatch.setenv("TETHER_BLOBS", str(own))
+    _seed(url, tenant="beta")
     assert len(_blob_files(own)) == 3
     done = _cli(
         tmp_path, "erase-tenant", "beta", "--yes", "--store", url, env={"TETHER_BLOBS": str(own)}
