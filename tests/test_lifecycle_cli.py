@@ -198,3 +198,38 @@ def test_backup_and_restore_name_what_an_earlier_one_left(tmp_path: Path) -> Non
     done = _cli(tmp_path, "store", "restore", str(backup), "--to", str(tmp_path / "r3.db"))
     assert done.returncode == 0, done.stderr
     assert len(_blob_files(tmp_path / "r3.db.blobs")) == 3
+
+
+def test_a_backup_or_restore_that_cannot_write_says_so_in_a_line_and_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An OS error while copying the blobs (disk full) ended backup and restore in a
+    traceback, leaving their .partial files. Now one line, and nothing half written."""
+    from tether.blobs import BlobStore
+    from tether.cli import main
+
+    db = tmp_path / "t.db"
+    _seed(f"sqlite:///{db}", n=1)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("TETHER_BLOBS", raising=False)
+    with pytest.raises(SystemExit) as exited:
+        main(["store", "backup", "good.db", "--store", str(db)])
+    assert exited.value.code == 0, capsys.readouterr().err
+    capsys.readouterr()
+
+    def full(self: BlobStore, ref: str, data: bytes) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(BlobStore, "keep", full)
+    for args, names in (
+        (["store", "backup", "bk.db", "--store", str(db)], ("bk.db", "no backup was made")),
+        (["store", "restore", "good.db", "--to", "r.db"], ("r.db", "nothing was restored")),
+    ):
+        with pytest.raises(SystemExit) as exited:
+            main(args)
+        assert exited.value.code == 1
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1, err
+        assert "No space left on device" in err and all(n in err for n in names), err
+    left = sorted(p.name for p in tmp_path.iterdir() if "partial" in p.name or "bk" in p.name)
+    assert left == [] and not (tmp_path / "r.db").exists(), left
