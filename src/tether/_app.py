@@ -1191,9 +1191,12 @@ class App:
         key, and every key but that last one is destroyed: any copy of its data left
         elsewhere (a backup, even one taken during the erasure) is unreadable, while a run
         started after the last pass (under the last key, which is kept) stays readable.
-        Returns the rows removed per table and
+        Returns the rows removed per table, ``blobs`` deleted and
         ``keys_destroyed`` (``dry_run``: what the first batch would remove, nothing
-        changed)."""
+        changed); ``blobs_left``: the tenant's blobs kept because the blob store is the
+        default shared by PostgreSQL stores (``SHARED_ROOT``), where another store's
+        payloads may refer to the same bytes: give the store its own
+        (``App(blobs=...)``, ``TETHER_BLOBS``)."""
         if not tenant:
             raise ConfigurationError("erase_tenant needs the tenant's name")
         codec = self.store.codec
@@ -1255,7 +1258,7 @@ class App:
         ``total``."""
         started = time.time()
         blobs = self.store.blobs
-        if not dry_run and blobs is not None and not blobs.shared:
+        if not dry_run and blobs is not None:
             # the blobs its payloads refer to (or were offloaded to), unless another
             # tenant's payload refers to the same bytes: removed first, while every row
             # that names them is there, so an erasure stopped half way and run again
@@ -1263,12 +1266,19 @@ class App:
             mine = await self.store.blob_refs(tenant)
             if mine:
                 mine -= await self.store.blob_refs(other_than=tenant)
-            total.setdefault("blobs", 0)
-            for ref in mine:
-                modified = blobs.modified(ref)
-                if modified is not None and modified < started:
-                    blobs.delete(ref)
-                    total["blobs"] += 1
+            if blobs.shared:
+                # the shared default: another store's payloads may name the same bytes,
+                # so they stay; counted, so the erasure does not pass for a whole one
+                left = sum(1 for ref in mine if blobs.modified(ref) is not None)
+                if left:
+                    total["blobs_left"] = total.get("blobs_left", 0) + left
+            else:
+                total.setdefault("blobs", 0)
+                for ref in mine:
+                    modified = blobs.modified(ref)
+                    if modified is not None and modified < started:
+                        blobs.delete(ref)
+                        total["blobs"] += 1
         while True:
             counts, _ = await self.store.erase_tenant_batch(tenant, limit=batch, dry_run=dry_run)
             for table, n in counts.items():

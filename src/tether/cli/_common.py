@@ -241,11 +241,18 @@ def _schema_of(path: str) -> tuple[int, int]:
 
 
 def _refuse_foreign_database(path: str) -> None:
-    """Refuse an SQLite file without tether's schema: opening it would add tether's tables."""
+    """Refuse an SQLite file without tether's schema: opening it would add tether's tables
+    (to another application's database, or to an empty file: a `touch`, a failed tool)."""
     try:
         version, tables = _schema_of(path)
     except sqlite3.Error:
         return  # not readable as SQLite: the store reports it (and leaves it alone)
+    if version == 0 and not tables:
+        raise StoreError(
+            f"no tether store at {path!r}: the file is empty (no tables), and this command "
+            "does not create a store; point --store at the database your workers use. A "
+            "store is created by the first worker or App that opens it"
+        )
     if version == 0 and tables:
         raise StoreError(
             f"store {path!r} is an SQLite database but not a tether store (it has other "

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import difflib
 import os
 import re
 import shutil
@@ -65,7 +66,7 @@ def purge_command(
     not block workers. Their ids then answer "purged". Live runs are never touched."""
     age = parse_age(older_than)
 
-    async def go() -> tuple[dict[str, int], bool]:
+    async def go() -> tuple[dict[str, int], bool, list[str] | None]:
         async with _opened(_client_app(store, app)) as a:
             counts = await a.purge(
                 age, workflow=workflow, tenant=tenant, dry_run=dry_run, batch=batch
@@ -73,19 +74,42 @@ def purge_command(
             if not dry_run and counts["runs"]:
                 detail = {"older_than": older_than, "workflow": workflow, "tenant": tenant}
                 await a.store.audit(cli_actor(), "purge", "runs", {**detail, **counts})
-            # nothing old enough is normal; a tenant the store has no run of is a typo
+            # nothing old enough is normal; a tenant or workflow the store has no run of
+            # is a typo
             unknown = (
                 tenant is not None
                 and not counts["runs"]
                 and not await a.list(tenant=tenant, limit=1)
             )
-            return counts, unknown
+            names = None
+            if (
+                workflow is not None
+                and not counts["runs"]
+                and not await a.list(workflow=workflow, limit=1)
+            ):
+                names = await a.store.workflow_names()
+            return counts, unknown, names
 
-    counts, unknown = _run(go())
+    counts, unknown, names = _run(go())
     _dump(counts)
     _note(("would remove " if dry_run else "removed ") + f"{counts['runs']} run(s)")
     if unknown:
         _note(f"no runs of tenant {tenant!r} in this store: is the name right?")
+    if names is not None:
+        _note(f"no runs of workflow {workflow!r} in this store: {_names_hint(workflow, names)}")
+
+
+def _names_hint(name: str | None, names: list[str]) -> str:
+    """What to say of a workflow name the store has no run of: the closest one it has
+    runs of, else the ones it has (a few)."""
+    if not names:
+        return "it has no runs at all; is it the store your workers use?"
+    close = difflib.get_close_matches(name or "", names, n=1)
+    if close:
+        return f"did you mean {close[0]!r}?"
+    shown = ", ".join(repr(n) for n in names[:10])
+    more = f" and {len(names) - 10} more" if len(names) > 10 else ""
+    return f"is the name right? It has runs of {shown}{more}"
 
 
 def erase_tenant_command(
@@ -101,23 +125,37 @@ def erase_tenant_command(
     or so) before rows go, do it again for a last pass, then destroy every key but the
     last: what is started after the erasure stays readable under it. A tenant the store
     has nothing of is noted on stderr (it still succeeds, as an erasure run again after
-    it finished does)."""
+    it finished does), and so are its blobs left in the default blob store PostgreSQL
+    stores share (blobs_left: give the store its own, TETHER_BLOBS)."""
     if not yes and not dry_run:
         _fail(f"erasing tenant {tenant!r} cannot be undone: add --yes (or --dry-run)", EXIT_USAGE)
 
-    async def go() -> dict[str, int]:
+    async def go() -> tuple[dict[str, int], str]:
         async with _opened(_client_app(store, app)) as a:
             counts = await a.erase_tenant(tenant, dry_run=dry_run)
             if not dry_run:
                 await a.store.audit(cli_actor(), "erase tenant", f"tenant:{tenant}", counts)
-            return counts
+            blobs = a.store.blobs
+            return counts, blobs.root if blobs is not None else ""
 
-    counts = _run(go())
+    counts, root = _run(go())
+    root = os.path.abspath(root)
     _dump(counts)
     if not any(counts.values()):
         _note(
             f"nothing of tenant {tenant!r} in this store (no runs, limits, keys, "
             "budgets or spend): is the name right?"
+        )
+    if counts.get("blobs_left"):
+        _note(
+            f"warning: {counts['blobs_left']} blob(s) of tenant {tenant!r} were left in "
+            f"{root}: it is the default blob store, shared by every PostgreSQL store whose "
+            "processes start in that folder, so whether another store refers to them cannot "
+            "be told and they were not deleted. If only this store uses that folder, run "
+            f"`tether store gc-blobs` for it with TETHER_BLOBS={root}: it removes the blobs "
+            "this store no longer refers to (once older than its --older-than). And give the "
+            "store a blob store of its own (App(blobs=...) or TETHER_BLOBS, the same for all "
+            "its processes)"
         )
 
 
@@ -236,25 +274,57 @@ def store_backup_command(
     if os.path.exists(path):
         _fail(f"{path!r} exists: choose a new file for the backup", EXIT_USAGE)
     partial, partial_blobs = f"{path}{PARTIAL}", f"{path}.blobs{PARTIAL}"
+    _refuse_in_the_way(partial, folder=False, then="choose another path for the backup")
+    _refuse_in_the_way(partial_blobs, folder=True, then="choose another path for the backup")
     if os.path.exists(partial):  # a backup killed part-way: what it left is no backup
         _remove_database(partial)
         shutil.rmtree(partial_blobs, ignore_errors=True)
         shutil.rmtree(f"{path}.blobs", ignore_errors=True)  # killed between its renames
-    if os.path.exists(f"{path}.blobs"):
-        _fail(f"{path}.blobs exists: choose a new file for the backup", EXIT_USAGE)
+    if os.path.lexists(f"{path}.blobs"):
+        _fail(
+            f"{path}.blobs exists but {path!r} does not: the blobs of an earlier backup to "
+            "that path whose database was removed (or something else of that name): remove "
+            "it, or choose another path for the backup",
+            EXIT_USAGE,
+        )
     shutil.rmtree(partial_blobs, ignore_errors=True)
     # written under temporary names, BACKUP renamed last: a backup killed part-way is no
     # backup (restore finds none), never one that looks whole and lacks blobs
     _copy_database(src, partial, "the store", timeout=30, named=path)  # one consistent read
-    # then the blobs: each is written before the commit that refers to it, so every blob
-    # the snapshot refers to is there by now (unless purged or erased meanwhile)
-    copied = _copy_blobs(_blob_store(blobs, src), BlobStore(partial_blobs))
-    if os.path.isdir(partial_blobs):
-        _publish(partial_blobs, f"{path}.blobs")
-    _publish(partial, path)
+    try:
+        # then the blobs: each is written before the commit that refers to it, so every
+        # blob the snapshot refers to is there by now (unless purged or erased meanwhile)
+        copied = _copy_blobs(_blob_store(blobs, src), BlobStore(partial_blobs))
+        if os.path.isdir(partial_blobs):
+            _publish(partial_blobs, f"{path}.blobs")
+        _publish(partial, path)
+    except OSError as exc:  # disk full, no permission, something put in the way meanwhile
+        _remove_database(partial)
+        shutil.rmtree(partial_blobs, ignore_errors=True)
+        _fail(f"could not write the backup {path!r}: {exc}; no backup was made", 1)
     _note(
         f"backed up {src} to {path} ({os.path.getsize(path):,} bytes)"
         + (f" and {copied} blob(s) to {path}.blobs" if copied else " (no blobs)")
+    )
+
+
+def _refuse_in_the_way(name: str, *, folder: bool, then: str) -> None:
+    """Fail (one line, exit 2) when ``name``, where backup or restore writes a file
+    (``folder``: a folder), is something else: not what a killed run of theirs leaves,
+    so not theirs to remove."""
+    if not os.path.lexists(name):
+        return
+    if folder and os.path.isdir(name) and not os.path.islink(name):
+        return
+    if not folder and os.path.isfile(name) and not os.path.islink(name):
+        return
+    what = "a folder" if os.path.isdir(name) else "a link" if os.path.islink(name) else "a file"
+    if folder and not os.path.isdir(name):
+        what = f"{what}, not a folder"
+    _fail(
+        f"{name} is {what}: it is in the way of what this command writes there, and not "
+        f"what an interrupted run of it leaves; remove it, or {then}",
+        EXIT_USAGE,
     )
 
 
@@ -291,18 +361,27 @@ def store_restore_command(
     # store that looks whole, and running it again starts afresh (blobs already copied
     # are kept: each was written whole)
     partial = f"{target}{PARTIAL}"
+    _refuse_in_the_way(partial, folder=False, then="restore into another file")
+    into = _blob_store(blobs, target)
+    if "://" not in (blobs or os.environ.get("TETHER_BLOBS") or ""):  # a local folder
+        _refuse_in_the_way(into.root, folder=True, then="pass --blobs DIR")
     _remove_database(partial)
     ok = _copy_database(backup, partial, "the backup", check=True, named=target)
     if ok != "ok":
         _remove_database(partial)
         _fail(f"the backup {backup!r} is damaged ({ok}); nothing was restored", 1)
-    into = _blob_store(blobs, target)
-    if os.path.isdir(f"{backup}.blobs"):
-        copied = _copy_blobs(BlobStore(f"{backup}.blobs"), into, keep_present=True)
-        done = f"restored {backup} into {target} and {copied} blob(s) into {into.root}"
-    else:
-        done = f"restored {backup} into {target}; no {backup}.blobs beside it: no blobs restored"
-    _publish(partial, target)
+    try:
+        if os.path.isdir(f"{backup}.blobs"):
+            copied = _copy_blobs(BlobStore(f"{backup}.blobs"), into, keep_present=True)
+            done = f"restored {backup} into {target} and {copied} blob(s) into {into.root}"
+        else:
+            done = (
+                f"restored {backup} into {target}; no {backup}.blobs beside it: no blobs restored"
+            )
+        _publish(partial, target)
+    except OSError as exc:  # disk full, no permission, something put in the way meanwhile
+        _remove_database(partial)
+        _fail(f"could not restore into {target!r}: {exc}; nothing was restored", 1)
     _note(done)
     _note(f"check it with: tether store check --store {target}")
 

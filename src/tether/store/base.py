@@ -425,6 +425,10 @@ class Store(abc.ABC):
         """Every tenant with a retention, and its seconds."""
 
     @abc.abstractmethod
+    async def workflow_names(self, limit: int = 1000) -> list[str]:
+        """The names of the workflows the store has runs of, sorted (at most ``limit``)."""
+
+    @abc.abstractmethod
     async def seal_keys(self) -> dict[str, str]:
         """The fingerprint of each key id payloads were sealed under in this store
         (``Sealer.fingerprint``; ``tether keyring list --store`` and ``tether store

@@ -369,6 +369,10 @@ class OpsStore(Store):
         got: tuple[str, float] | None = await self._do(_purged_run, run_id, write=False)
         return got
 
+    async def workflow_names(self, limit: int = 1000) -> list[str]:
+        got: list[str] = await self._do(_workflow_names, limit, write=False)
+        return got
+
     async def seal_keys(self) -> dict[str, str]:
         keys: dict[str, str] = await self._do(_seal_keys, write=False)
         return keys
@@ -673,6 +677,7 @@ from .retention import (  # noqa: E402
     _purge_batch,
     _purged_run,
     _tenant_retentions,
+    _workflow_names,
 )
 from .runs import _create_run, _get_run, _list_runs  # noqa: E402
 from .schedules import (  # noqa: E402

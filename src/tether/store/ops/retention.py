@@ -189,6 +189,15 @@ def _tenant_retentions(tx: _Tx) -> dict[str, float]:
     return {r[0]: float(r[1]) for r in rows}
 
 
+def _workflow_names(tx: _Tx, limit: int) -> list[str]:
+    """The workflows the store has runs of, sorted (a mistyped ``--workflow`` is told
+    from one with nothing old enough)."""
+    rows = tx.execute(
+        "SELECT DISTINCT workflow FROM runs ORDER BY workflow LIMIT ?", (limit,)
+    ).fetchall()
+    return [str(r[0]) for r in rows]
+
+
 def _purged_run(tx: _Tx, run_id: str) -> tuple[str, float] | None:
     """(why, when) if the run was purged."""
     row = tx.execute(
