@@ -164,3 +164,87 @@ async def test_a_batched_activity_of_one_tenants_runs_puts_its_documents_for_it(
         path = tmp_path / "blobs" / "sha256" / doc.ref[7:9] / doc.ref[9:]
         assert path.read_bytes().startswith(f"~e1:{key}:".encode())
         assert app.read_blob(doc) == f"doc {i}".encode()
+
+
+FLOWS = """
+import tether
+from tether.encryption import FileKeyring
+
+app = tether.App(store={store!r}, encryption=FileKeyring({keys!r}))
+
+
+@app.activity
+def fetch(text: str) -> tether.Blob:
+    return tether.put_blob(text.encode())
+
+
+@app.workflow
+async def ingest(text: str) -> dict:
+    doc = await fetch(text)
+    return doc if isinstance(doc, dict) else doc.model_dump()
+"""
+
+
+def test_a_backup_taken_before_erase_tenant_keeps_the_tenants_documents_unreadable(
+    tmp_path: Path, keys: FileKeyring
+) -> None:
+    """Through the commands: backup, erase-tenant, restore of that backup; acme's
+    document in the restored blob store is shredded, globex's copy of the same bytes
+    reads, and the restored store checks sound."""
+    import asyncio
+    import os
+    import subprocess
+    import sys
+
+    db, backup, restored = tmp_path / "t.db", tmp_path / "bk.db", tmp_path / "restored.db"
+    (tmp_path / "tbflows.py").write_text(FLOWS.format(store=f"sqlite:///{db}", keys=keys.path))
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import tbflows
+    finally:
+        sys.path.remove(str(tmp_path))
+    text = DOC.decode()
+
+    async def populate() -> tuple[tether.Blob, tether.Blob]:
+        app = tbflows.app
+        async with app.worker(poll_interval=0.02):
+            a = await app.start("ingest", text, run_id="a", tenant="acme")
+            g = await app.start("ingest", text, run_id="g", tenant="globex")
+            out = (
+                tether.Blob.model_validate(await a.result(30)),
+                tether.Blob.model_validate(await g.result(30)),
+            )
+        await app.close()
+        return out
+
+    acme, globex = asyncio.run(populate())
+    src = Path(tether.__file__).parent.parent
+    env = {**os.environ, "PYTHONPATH": f"{src}{os.pathsep}{tmp_path}"}
+    env["TETHER_KEYRING"] = str(keys.path)
+    env.pop("TETHER_BLOBS", None)
+
+    def cli(*args: str) -> None:
+        done = subprocess.run(
+            [sys.executable, "-m", "tether.cli", *args],
+            env=env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+
+    cli("store", "backup", str(backup), "--store", str(db))
+    cli("erase-tenant", "acme", "--yes", "--store", str(db))
+    cli("store", "restore", str(backup), "--to", str(restored))
+    cli("store", "check", "--store", str(restored))
+    copy = BlobStore(f"{restored}.blobs")
+    copy.sealer = Sealer(FileKeyring(keys.path))
+    with pytest.raises(KeyUnavailableError, match="destroyed"):
+        copy.get(acme)
+    assert copy.get(globex) == DOC
+    live = BlobStore(f"{db}.blobs")
+    live.sealer = copy.sealer
+    with pytest.raises(tether.BlobError, match="missing"):
+        live.get(acme)
+    assert live.get(globex) == DOC
