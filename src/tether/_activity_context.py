@@ -48,6 +48,8 @@ class ActivityContext:
     _store: Store | None = field(repr=False)
     _loop: asyncio.AbstractEventLoop | None = field(repr=False)
     _lease: float = field(repr=False, default=30.0)
+    #: the run's tenant, with per-tenant keys (``put_blob`` seals for it); else None
+    _tenant: str | None = field(repr=False, default=None)
     #: set (from any thread) when the run was cancelled or the lease was lost; a plain
     #: flag rather than a threading.Event: nothing waits on it, and it is made per attempt
     _cancelled: bool = field(default=False, repr=False)

@@ -970,10 +970,17 @@ class App:
 
     # -- blobs -----------------------------------------------------------------------
 
-    def put_blob(self, data: bytes, media_type: str | None = None) -> Blob:
-        """Store bytes in the blob store (e.g. a document before starting its run)."""
+    def put_blob(
+        self, data: bytes, media_type: str | None = None, *, tenant: str | None = None
+    ) -> Blob:
+        """Store bytes in the blob store (e.g. a document before starting its run).
+        ``tenant``: the document is that tenant's (give it to the run you start with
+        ``tenant=`` too): with per-tenant keys it is sealed under the tenant's key, kept
+        apart from other tenants' copies and shredded with the tenant."""
+        if tenant is not None and (not isinstance(tenant, str) or not tenant):
+            raise ConfigurationError(f"tenant must be a non-empty string (got {tenant!r})")
         assert self.store.blobs is not None
-        return self.store.blobs.put(data, media_type)
+        return self.store.blobs.put(data, media_type, tenant=tenant)
 
     def read_blob(self, blob: Blob | dict[str, Any]) -> bytes:
         """The bytes of a blob (``BlobError`` if missing or damaged)."""

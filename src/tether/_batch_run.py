@@ -14,7 +14,7 @@ import contextvars
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Coroutine
+from collections.abc import Awaitable, Coroutine, Sequence
 from typing import Any, Protocol
 
 from ._activity_context import ActivityContext, set_context
@@ -60,6 +60,8 @@ class BatchHost(Protocol):
     ) -> None: ...
 
     async def _breaker_record(self, cfg: dict[str, Any], ok: bool) -> None: ...
+
+    async def _blob_tenant(self, run_ids: Sequence[str]) -> str | None: ...
 
 
 # -- the activity context of a batch --------------------------------------------
@@ -163,6 +165,8 @@ async def run_batch(w: BatchHost, tasks: list[Task]) -> None:
         _store=store,
         _loop=w._loop,
         _lease=w.lease,
+        # one tenant's runs: its put_blob documents are its (of several: the shared key)
+        _tenant=await w._blob_tenant([t.run_id for t, _, _ in live]),
     )
     ctx._tasks = tuple(t for t, _, _ in live)
     limits = [t for t in (p.attempt_timeout(now) for _, p, _ in live) if t]

@@ -795,6 +795,22 @@ class Worker:
         if old.kind == "activity" and old.batch_id is None and not (ctx and ctx._returned):
             atask.cancel()
 
+    async def _blob_tenant(self, run_ids: Sequence[str]) -> str | None:
+        """With per-tenant keys, the tenant of these runs (their activity's ``put_blob``
+        seals for it), if they have one and the same; else None (the shared key)."""
+        codec = self.app.store.codec
+        if codec is None or not codec.per_tenant:
+            return None
+        tenants = set()
+        for run_id in dict.fromkeys(run_ids):
+            if run_id in codec.tenants:
+                tenants.add(codec.tenants[run_id])
+            else:
+                tenant = await self.app.store.run_tenant(run_id)
+                codec.remember(run_id, tenant)
+                tenants.add(tenant)
+        return tenants.pop() if len(tenants) == 1 else None
+
     async def _tenant_gate(self, task: Task, coro: Coroutine[Any, Any, None]) -> None:
         """Run ``coro`` unless the run's tenant is switched off (then hold the task)."""
         info = await self.app.store.get_run(task.run_id, lenient=True)
@@ -1328,6 +1344,7 @@ class Worker:
             _store=store,
             _loop=self._loop,
             _lease=self.lease,
+            _tenant=await self._blob_tenant([task.run_id]),
         )
         entry = self._inflight.get(task.task_id)
         if entry is not None and entry[0] is task:  # (not a newer attempt's)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib
+import json
 import os
 import re
 import tempfile
@@ -33,6 +34,27 @@ SEALED = PREFIX.encode()
 
 #: a reference as it appears in histories: ``sha256:<64 hex digits>``
 REF = re.compile(r"sha256:[0-9a-f]{64}")
+#: what the bytes sealed in a tenant's ``put_blob`` document start with (inside the
+#: sealing): this, the tenant as JSON, a newline, then the document. The blob is named
+#: by the hash of all of it, so two tenants' copies of the same bytes are two blobs, each
+#: sealed under its tenant's key (and erased, or shredded, with it)
+TENANT_FRAME = b"~tb1:"
+
+
+def framed(tenant: str, data: bytes) -> bytes:
+    """``data`` as a tenant's blob keeps it (inside its sealing): ``TENANT_FRAME``."""
+    return TENANT_FRAME + json.dumps(tenant).encode() + b"\n" + data
+
+
+def unframed(data: bytes) -> tuple[str | None, bytes]:
+    """(tenant, document) of bytes ``framed`` made; (None, ``data``) for any others."""
+    if data.startswith(TENANT_FRAME):
+        head, sep, rest = data[len(TENANT_FRAME) :].partition(b"\n")
+        with contextlib.suppress(ValueError):
+            tenant = json.loads(head) if sep else None
+            if isinstance(tenant, str):
+                return tenant, rest
+    return None, data
 
 
 class Blob(BaseModel):
@@ -86,17 +108,36 @@ class BlobStore:
     def _path(self, digest: str) -> str:
         return f"{self.root}/sha256/{digest[:2]}/{digest[2:]}"
 
-    def put(self, data: bytes, media_type: str | None = None, *, sealed: bool = False) -> Blob:
+    def put(
+        self,
+        data: bytes,
+        media_type: str | None = None,
+        *,
+        sealed: bool = False,
+        tenant: str | None = None,
+    ) -> Blob:
         """Store ``data`` (once per content) and return its reference.
 
         With a sealer (encryption on) the bytes are kept sealed under the hash of the
         plain ones; ``sealed``: ``data`` is already as it is to be kept (the store's
-        offloaded payloads, sealed per tenant), and its own hash names it.
+        offloaded payloads, sealed per tenant), and its own hash names it. ``tenant``,
+        with per-tenant keys: the document is the tenant's, sealed under its key and
+        named by the hash of it and the tenant together (``framed``), apart from any
+        other tenant's copy, so erasing the tenant shreds every copy of it.
         """
-        digest = hashlib.sha256(data).hexdigest()
         size = len(data)
+        if (
+            tenant is not None
+            and not sealed
+            and self.sealer is not None
+            and self.sealer.keyring.per_tenant
+        ):
+            data = framed(tenant, data)
+        else:
+            tenant = None
+        digest = hashlib.sha256(data).hexdigest()
         if self.sealer is not None and not sealed:
-            data = self.sealer.seal_bytes(data)
+            data = self.sealer.seal_bytes(data, tenant)
         path = self._path(digest)
         blob = Blob(ref=f"sha256:{digest}", size=size, media_type=media_type)
         # a blob that is there already, intact, gets a new modification time: a reference
@@ -133,26 +174,35 @@ class BlobStore:
             raise
 
     def reseal(self, ref: str) -> bool:
-        """Seal a blob again, in place, under the sealer's current key, if it is plain
-        or sealed under another key: one ``put_blob`` wrote, named by the hash of its
-        plain bytes, so every reference to it holds. Offloaded payloads' blobs (named by
-        the bytes as kept) are left to the store's reseal, which moves them to new
-        blobs. Whether it was rewritten."""
+        """Seal a blob again, in place, under the current key (of its tenant, for a
+        tenant's document: ``framed``), if it is plain or sealed under another key: one
+        ``put_blob`` wrote, named by the hash of what is sealed, so every reference to it
+        holds. Offloaded payloads' blobs (named by the bytes as kept) are left to the
+        store's reseal, which moves them to new blobs. One sealed under a destroyed key
+        (a shredded tenant's) is left as it is. Whether it was rewritten."""
         assert self.sealer is not None
+        keyring = self.sealer.keyring
         head = self.head(ref)
-        current = f"{PREFIX}{self.sealer.keyring.current(None)}:".encode()
-        if head.startswith(current):
-            return False
+        if head.startswith(f"{PREFIX}{keyring.current(None)}:".encode()):
+            return False  # (a tenant's document is never sealed under the shared key)
         digest = ref.removeprefix("sha256:")
         data = self.kept(ref)
         if data.startswith(SEALED) and hashlib.sha256(data).hexdigest() == digest:
             return False  # an offloaded payload's
-        plain = self.sealer.open_bytes(data, f"blob {ref}")
-        if hashlib.sha256(plain).hexdigest() != digest:
+        try:
+            inner = self.sealer.open_bytes(data, f"blob {ref}")
+        except KeyUnavailableError as exc:
+            if exc.destroyed:
+                return False  # shredded: nothing can read it, nor seal it again
+            raise
+        if hashlib.sha256(inner).hexdigest() != digest:
             raise made_by_engine(
                 BlobError(ref, "the stored bytes do not match the hash: left as they are")
             )
-        self._write(self._path(digest), self.sealer.seal_bytes(plain))
+        tenant = unframed(inner)[0] if keyring.per_tenant else None
+        if tenant is not None and head.startswith(f"{PREFIX}{keyring.current(tenant)}:".encode()):
+            return False
+        self._write(self._path(digest), self.sealer.seal_bytes(inner, tenant))
         return True
 
     def sealed_payload(self, ref: str) -> bool:
@@ -225,7 +275,10 @@ class BlobStore:
                 # process): the step fails and retries, so giving the key back heals it
                 again = BlobError(b.ref, str(exc))
                 raise (made_by_engine(again) if is_engine_made(exc) else again) from None
-        if len(data) != b.size or hashlib.sha256(data).hexdigest() != digest:
+        matches = hashlib.sha256(data).hexdigest() == digest
+        if matches and len(data) != b.size and data.startswith(TENANT_FRAME):
+            data = unframed(data)[1]  # a tenant's document (``framed``)
+        if not matches or len(data) != b.size:
             raise made_by_engine(
                 BlobError(
                     b.ref,

@@ -585,6 +585,11 @@ class Store(abc.ABC):
         """One run, or None. A payload it cannot read raises; ``lenient``: that field is
         null and named in ``RunInfo.unavailable``."""
 
+    async def run_tenant(self, run_id: str) -> str | None:
+        """A run's tenant (None: none, or no such run), without reading its payloads."""
+        info = await self.get_run(run_id, lenient=True)
+        return info.tenant if info is not None else None
+
     @abc.abstractmethod
     async def list_runs(
         self,

@@ -236,6 +236,10 @@ class OpsStore(Store):
         out: RunInfo | None = await self._do(_get_run, run_id, follow, lenient, write=False)
         return out
 
+    async def run_tenant(self, run_id: str) -> str | None:
+        out: str | None = await self._do(_run_tenant, run_id, write=False)
+        return out
+
     async def list_runs(
         self,
         *,
@@ -679,7 +683,7 @@ from .retention import (  # noqa: E402
     _tenant_retentions,
     _workflow_names,
 )
-from .runs import _create_run, _get_run, _list_runs  # noqa: E402
+from .runs import _create_run, _get_run, _list_runs, _run_tenant  # noqa: E402
 from .schedules import (  # noqa: E402
     _delete_schedule,
     _get_schedule,

@@ -544,3 +544,11 @@ from .retention import _purged_run  # noqa: E402
 from .tasks import _ensure_workflow_task  # noqa: E402
 from .webhooks import _queue_webhook  # noqa: E402
 from .workflow_tasks import _apply_workflow_result  # noqa: E402
+
+
+def _run_tenant(tx: _Tx, run_id: str) -> str | None:
+    """A run's tenant (None: none, or no such run), remembered by the codec."""
+    if tx.codec is None:
+        row = tx.execute("SELECT tenant FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+        return row[0] if row else None
+    return tx.tenant_of(run_id)
