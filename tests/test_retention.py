@@ -1042,3 +1042,55 @@ def test_store_check_names_damaged_and_unreferenced_blobs(tmp_path: Path) -> Non
     assert report["blobs"]["damaged"] == 1, report
     (problem,) = [p for p in report["problems"] if "damaged" in p]
     assert ref in problem and "do not match the hash" in problem and "backup" in problem
+
+
+@pytest.mark.parametrize("then", ["purge", "erase"])
+async def test_a_pending_deletion_whose_blob_is_referred_to_again_keeps_it(
+    store_url: str, tmp_path: Path, then: str
+) -> None:
+    """A blob recorded as a pending deletion by a purge stopped before carrying it out,
+    that another run has come to refer to since (blobs are shared by content), is kept
+    by the next purge (or tenant erasure), which forgets the record; an unused one goes."""
+    app = tether.App(store=store_url, blobs=str(tmp_path / "blobs"), offload_above=1024)
+
+    @app.activity
+    def make(n: int) -> str:
+        return "D" * n
+
+    @app.workflow
+    async def big(n: int) -> int:
+        return len(await make(n))
+
+    async with app.worker(poll_interval=0.02):
+        for run_id, n in (("a", 5000), ("b", 6000)):
+            assert await (await app.start(big, n, run_id=run_id)).result(timeout=30) == n
+        shared = await app.store.blob_refs(run_ids=["a"])
+        alone = await app.store.blob_refs(run_ids=["b"])
+        old = time.time() - 3 * 3600
+        for path in (tmp_path / "blobs").rglob("*"):
+            if path.is_file():
+                os.utime(path, (old, old))
+        # a purge's batch committed, then its process died: both recorded, none deleted
+        counts, _ = await app.store.purge(
+            app.store.clock() + 1, limit=10, spare_from=time.time() - 3600
+        )
+        assert counts["runs"] == 2
+        assert set(await app.store.blob_deletions()) == shared | alone
+        # another run puts the same bytes as "a" and refers to them
+        assert await (await app.start(big, 5000, run_id="c")).result(timeout=30) == 5000
+    assert await app.store.blob_refs(run_ids=["c"]) == shared
+    for path in (tmp_path / "blobs").rglob("*"):  # (even once it is old again)
+        if path.is_file():
+            os.utime(path, (old, old))
+    if then == "purge":
+        got = await app.purge(timedelta(days=1))
+    else:
+        got = await app.erase_tenant("nobody")
+    assert got["runs"] == 0 and got["blobs"] == 1, got
+    assert await app.store.blob_deletions() == {}
+    assert app.store.blobs is not None
+    (kept,) = shared
+    (gone,) = alone
+    assert app.store.blobs.modified(kept) is not None
+    assert app.store.blobs.modified(gone) is None
+    await app.close()
