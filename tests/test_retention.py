@@ -871,3 +871,226 @@ def test_a_long_purge_does_not_read_the_whole_store_after_every_batch(
         await app.close()
 
     asyncio.run(scenario())
+
+
+KILL_AFTER_COMMIT = """
+import os
+import signal
+import sys
+
+import tether.store.ops as ops
+
+orig = ops.OpsStore.purge
+
+
+async def purge(self, *args, **kwargs):
+    got = await orig(self, *args, **kwargs)
+    if not kwargs.get("dry_run"):  # the first batch is committed: die before its blobs go
+        sys.stderr.write("killed\\n")
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return got
+
+
+ops.OpsStore.purge = purge
+from tether.cli import main
+
+main()
+"""
+
+
+@pytest.mark.parametrize("then", ["purge", "gc-blobs"])
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+def test_a_purge_killed_after_a_batch_commit_leaves_pending_deletions_the_next_run_finishes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backend: str, then: str, request: Any
+) -> None:
+    """A purge SIGKILLed after a batch's commit, before its blobs were checked, left them
+    for good: the next purge found no run and deleted nothing, and `store check` called
+    the store sound. The batch's transaction now records its runs' blobs as pending
+    deletions: `store check` names them, and the next purge (or gc-blobs) deletes those
+    nothing refers to; a live run's blob stays."""
+    db = tmp_path / "t.db"
+    blob_dir = tmp_path / "t.db.blobs"
+    if backend == "sqlite":
+        url = f"sqlite:///{db}"
+        monkeypatch.delenv("TETHER_BLOBS", raising=False)
+    else:
+        from conftest import PG_URL, with_schema
+
+        schema = request.getfixturevalue("pg_schema")
+        url = with_schema(PG_URL, schema)
+        monkeypatch.setenv("TETHER_BLOBS", str(blob_dir))
+    (tmp_path / "blobflows.py").write_text(BLOB_FLOWS.format(store=url))
+    sys.modules.pop("blobflows", None)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import blobflows
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("blobflows", None)
+
+    async def populate() -> tuple[set[str], set[str]]:
+        app = blobflows.app
+        async with app.worker(poll_interval=0.02):
+            for i in range(4):
+                run = await app.start("big", 5000 + i, run_id=f"b{i}")
+                assert await run.result(30) == 5000 + i
+            await app.start("doc", "a live document", run_id="live")
+            while len(await app.history("live")) < 4:
+                await asyncio.sleep(0.02)
+        ended = await app.store.blob_refs(run_ids=[f"b{i}" for i in range(4)])
+        live = await app.store.blob_refs(run_ids=["live"])
+        await app.close()
+        return ended, live
+
+    ended, live = asyncio.run(populate())
+    assert len(ended) == 4 and len(live) == 1 and not ended & live
+    old = time.time() - 3 * 3600  # put before the purge's grace of an hour
+    for path in blob_dir.rglob("*"):
+        if path.is_file():
+            os.utime(path, (old, old))
+    (tmp_path / "killpurge.py").write_text(KILL_AFTER_COMMIT)
+    env = {**os.environ, "PYTHONPATH": f"{HERE.parent / 'src'}{os.pathsep}{tmp_path}"}
+
+    def cli(*args: str, script: str | None = None) -> subprocess.CompletedProcess[str]:
+        head = [sys.executable, script] if script else [sys.executable, "-m", "tether.cli"]
+        return subprocess.run(
+            [*head, *args, "--store", url],
+            env=env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    def stored() -> set[str]:
+        return {f"sha256:{p.parent.name}{p.name}" for p in blob_dir.rglob("*") if p.is_file()}
+
+    killed = cli(
+        "purge", "--older-than", "0s", "--batch", "2", script=str(tmp_path / "killpurge.py")
+    )
+    assert killed.returncode == -9, killed.stdout + killed.stderr
+    left = stored() & ended
+    assert len(left) == 4, left  # the first batch's two are pending, the rest not purged
+    check = cli("store", "check")
+    assert check.returncode == 0, check.stdout + check.stderr  # garbage, not damage
+    report = json.loads(check.stdout)
+    assert report["blobs"]["pending_deletions"] == 2, report
+    assert "2 blob deletion(s) pending" in check.stderr, check.stderr
+
+    if then == "purge":
+        done = cli("purge", "--older-than", "0s", "--batch", "2")
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert json.loads(done.stdout)["runs"] == 2, done.stdout
+    else:
+        done = cli("store", "gc-blobs", "--older-than", "2h")
+        assert done.returncode == 0, done.stdout + done.stderr
+        done = cli("purge", "--older-than", "0s", "--batch", "2")
+        assert done.returncode == 0, done.stdout + done.stderr
+    assert not stored() & ended, (stored(), ended)  # no blob of a purged run is left
+    assert live <= stored()  # the live run's is kept
+    check = cli("store", "check")
+    assert check.returncode == 0, check.stdout + check.stderr
+    report = json.loads(check.stdout)
+    assert report["blobs"]["pending_deletions"] == 0, report
+    assert report["blobs"]["unreferenced"] == 0, report
+
+
+def test_store_check_names_damaged_and_unreferenced_blobs(tmp_path: Path) -> None:
+    """`tether store check` looked only for blobs payloads refer to and the store lacks:
+    a blob whose bytes no longer match their hash, and blobs nothing refers to, went
+    unreported. It now reads each blob once: a damaged one is a problem (named, with
+    what to do), unreferenced ones are reported for gc-blobs."""
+    db = tmp_path / "t.db"
+    blobflows = _blob_flows(tmp_path, db)
+
+    async def populate() -> str:
+        app = blobflows.app
+        async with app.worker(poll_interval=0.02):
+            run = await app.start("big", 5000, run_id="b0")
+            assert await run.result(30) == 5000
+        app.put_blob(b"nothing refers to me")
+        (ref,) = await app.store.blob_refs(run_ids=["b0"])
+        await app.close()
+        return str(ref)
+
+    ref = asyncio.run(populate())
+    env = {**os.environ, "PYTHONPATH": f"{HERE.parent / 'src'}{os.pathsep}{tmp_path}"}
+    env.pop("TETHER_BLOBS", None)
+
+    def check() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "tether.cli", "store", "check", "--store", str(db)],
+            env=env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    sound = check()
+    assert sound.returncode == 0, sound.stdout + sound.stderr
+    state = json.loads(sound.stdout)["blobs"]
+    assert state["stored"] == 2 and state["unreferenced"] == 1 and state["damaged"] == 0, state
+    assert "1 blob(s) no payload refers to" in sound.stderr and "gc-blobs" in sound.stderr
+    digest = ref.removeprefix("sha256:")
+    path = tmp_path / "t.db.blobs" / "sha256" / digest[:2] / digest[2:]
+    path.write_bytes(path.read_bytes()[:-1] + b"X")  # one byte changed on disk
+    damaged = check()
+    assert damaged.returncode == 1, damaged.stdout + damaged.stderr
+    report = json.loads(damaged.stdout)
+    assert report["blobs"]["damaged"] == 1, report
+    (problem,) = [p for p in report["problems"] if "damaged" in p]
+    assert ref in problem and "do not match the hash" in problem and "backup" in problem
+
+
+@pytest.mark.parametrize("then", ["purge", "erase"])
+async def test_a_pending_deletion_whose_blob_is_referred_to_again_keeps_it(
+    store_url: str, tmp_path: Path, then: str
+) -> None:
+    """A blob recorded as a pending deletion by a purge stopped before carrying it out,
+    that another run has come to refer to since (blobs are shared by content), is kept
+    by the next purge (or tenant erasure), which forgets the record; an unused one goes."""
+    app = tether.App(store=store_url, blobs=str(tmp_path / "blobs"), offload_above=1024)
+
+    @app.activity
+    def make(n: int) -> str:
+        return "D" * n
+
+    @app.workflow
+    async def big(n: int) -> int:
+        return len(await make(n))
+
+    async with app.worker(poll_interval=0.02):
+        for run_id, n in (("a", 5000), ("b", 6000)):
+            assert await (await app.start(big, n, run_id=run_id)).result(timeout=30) == n
+        shared = await app.store.blob_refs(run_ids=["a"])
+        alone = await app.store.blob_refs(run_ids=["b"])
+        old = time.time() - 3 * 3600
+        for path in (tmp_path / "blobs").rglob("*"):
+            if path.is_file():
+                os.utime(path, (old, old))
+        # a purge's batch committed, then its process died: both recorded, none deleted
+        counts, _ = await app.store.purge(
+            app.store.clock() + 1, limit=10, spare_from=time.time() - 3600
+        )
+        assert counts["runs"] == 2
+        assert set(await app.store.blob_deletions()) == shared | alone
+        # another run puts the same bytes as "a" and refers to them
+        assert await (await app.start(big, 5000, run_id="c")).result(timeout=30) == 5000
+    assert await app.store.blob_refs(run_ids=["c"]) == shared
+    for path in (tmp_path / "blobs").rglob("*"):  # (even once it is old again)
+        if path.is_file():
+            os.utime(path, (old, old))
+    if then == "purge":
+        got = await app.purge(timedelta(days=1))
+    else:
+        got = await app.erase_tenant("nobody")
+    assert got["runs"] == 0 and got["blobs"] == 1, got
+    assert await app.store.blob_deletions() == {}
+    assert app.store.blobs is not None
+    (kept,) = shared
+    (gone,) = alone
+    assert app.store.blobs.modified(kept) is not None
+    assert app.store.blobs.modified(gone) is None
+    await app.close()

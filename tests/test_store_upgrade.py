@@ -60,6 +60,7 @@ NEWER_TABLES = (
     "audit_log",
     "signal_ids",  # version 11
     "seal_keys",  # version 12
+    "blob_deletions",  # version 13
 )
 
 

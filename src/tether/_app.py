@@ -1002,10 +1002,13 @@ class App:
                 "payloads do not refer to, another's may. Give each store its own: "
                 "App(blobs=...) or TETHER_BLOBS"
             )
+        # the deletions a killed purge or erasure left pending, read before the scan
+        # below (so a ref recorded later is never judged on a scan made before)
+        noted = await self.store.blob_deletions()
         stored = list(blobs.refs())  # listed first: a blob written after is not judged
         used = await self.store.blob_refs()
+        removed = await self._carry_out(noted, used)
         cutoff = time.time() - grace
-        removed = 0
         for ref, mtime in stored:
             if ref not in used and mtime < cutoff:
                 # read again: put since the listing (a reference about to be committed,
@@ -1130,45 +1133,88 @@ class App:
     ) -> dict[str, int]:
         """``purge`` by a cutoff time (workers' retention too): batches until one removes
         nothing, and (``blobs``) the blobs the removed runs referred to that nothing else
-        refers to. That check reads every stored payload, as ``gc_blobs`` does, so it is
-        made after a batch only once the time since the last one is at least twice what
-        the last one took (after every batch on a small store, rarely on a large one),
-        and at the end: a purge stopped part way leaves at most the blobs of the batches
-        since the last check (to ``gc_blobs``), never the list of them all. Workers'
-        periodic retention leaves blobs to ``gc_blobs``."""
-        started = time.time()
+        refers to. Each batch's transaction records its runs' blobs as pending deletions
+        (``blob_deletions``), carried out after its commit, and at the start of the next
+        purge, erasure or gc-blobs when a process was killed first. Telling which are
+        unused reads every stored payload, as ``gc_blobs`` does, so it is done after a
+        batch only once the time since the last check is at least twice what that one
+        took (after every batch on a small store, rarely on a large one), and at the end.
+        Workers' periodic retention leaves blobs to ``gc_blobs``."""
         total: dict[str, int] = {"runs": 0}
-        pending: set[str] = set()
+        own = self._own_blobs() and blobs and not dry_run
+        # a blob put again in the last hour may be about to be referred to by a commit
+        # still in flight (blobs are shared by content): gc_blobs judges it
+        spare_from = time.time() - PURGE_BLOB_GRACE if own else None
+        if own:  # what a purge killed before left pending
+            total["blobs"] = await self._drop_pending()
+        due = False
         checked_at, check_took = time.monotonic(), 0.0
 
         async def drop() -> None:
-            nonlocal checked_at, check_took
-            # a blob put again in the last hour may be about to be referred to by a
-            # commit still in flight (blobs are shared by content): gc_blobs judges it
+            nonlocal checked_at, check_took, due
             t0 = time.monotonic()
-            gone = await self._drop_blobs(pending, started - PURGE_BLOB_GRACE)
-            total["blobs"] = total.get("blobs", 0) + gone
-            pending.clear()
+            total["blobs"] = total.get("blobs", 0) + await self._drop_pending()
+            due = False
             checked_at = time.monotonic()
             check_took = checked_at - t0
 
         while True:
             counts, theirs = await self.store.purge(
-                cutoff, workflow=workflow, tenant=tenant, limit=batch, dry_run=dry_run
+                cutoff,
+                workflow=workflow,
+                tenant=tenant,
+                limit=batch,
+                dry_run=dry_run,
+                spare_from=spare_from,
             )
             for table, n in counts.items():
                 total[table] = total.get(table, 0) + n
-            if theirs and blobs and not dry_run:
-                pending |= theirs
+            if theirs and own:
+                due = True
                 if time.monotonic() - checked_at >= 2 * check_took:
                     await drop()
             # counts["runs"] is what the batch removed: fewer than it found when another
             # purge or an erasure removed some first, so only an empty batch ends it
             if dry_run or counts["runs"] == 0 or stopping():
                 break
-        if pending:
+        if due:
             await drop()
         return total
+
+    def _own_blobs(self) -> bool:
+        """Whether this store's blobs may be deleted: it has a blob store that is its
+        own (the shared default may hold other stores' blobs: nothing is deleted)."""
+        blobs = self.store.blobs
+        return blobs is not None and not blobs.shared
+
+    async def _drop_pending(self) -> int:
+        """Carry out the pending blob deletions (``blob_deletions``): how many blobs went."""
+        if not self._own_blobs():
+            return 0
+        noted = await self.store.blob_deletions()  # read before the scan of what is used
+        if not noted:
+            return 0
+        return await self._carry_out(noted, await self.store.blob_refs())
+
+    async def _carry_out(self, noted: dict[str, float], used: set[str]) -> int:
+        """Delete each blob of ``noted`` no payload refers to (``used``, scanned after
+        ``noted`` was read) and not written since its ``spare_from``, then forget them
+        all: one in use again (another run put the same bytes) or put again since is
+        kept, and left to ``gc_blobs`` once unused. How many blobs went."""
+        blobs = self.store.blobs
+        if not noted or blobs is None or blobs.shared:
+            return 0
+        removed = 0
+        for ref, spare_from in noted.items():
+            if ref in used:
+                continue
+            modified = blobs.modified(ref)
+            if modified is not None and modified < spare_from:
+                blobs.delete(ref)
+                removed += 1
+        # forgotten only once its blob is gone: a process killed before leaves it listed
+        await self.store.forget_blob_deletions(sorted(noted))
+        return removed
 
     async def _drop_blobs(self, refs: set[str], written_before: float) -> int:
         """Delete the blobs of ``refs`` that no stored payload refers to any more (the
@@ -1222,6 +1268,8 @@ class App:
             # any row goes, keeps what they start during the erasure readable
             keyring.rotate(tenant)
             await asyncio.sleep(keyring.seen_within + KEY_SETTLE)
+        if not dry_run:  # what a purge or erasure killed before left pending
+            total["blobs"] = await self._drop_pending()
         await self._erase_tenant_rows(tenant, batch, dry_run, total)
         if older and keyring is not None:
             # what was written under that fresh key meanwhile (runs started during the
@@ -1286,12 +1334,22 @@ class App:
                     if modified is not None and modified < started:
                         blobs.delete(ref)
                         total["blobs"] += 1
+        # the blobs of the rows removed below (runs started since the scan above, a blob
+        # put again meanwhile) are recorded as pending deletions with them, and carried
+        # out after: a process killed in between leaves them to the next one
+        spare_from = started if not dry_run and self._own_blobs() else None
+        due = False
         while True:
-            counts, _ = await self.store.erase_tenant_batch(tenant, limit=batch, dry_run=dry_run)
+            counts, theirs = await self.store.erase_tenant_batch(
+                tenant, limit=batch, dry_run=dry_run, spare_from=spare_from
+            )
+            due = due or bool(theirs)
             for table, n in counts.items():
                 total[table] = total.get(table, 0) + n
             if dry_run or counts["runs"] == 0:
                 break
+        if due and spare_from is not None:
+            total["blobs"] = total.get("blobs", 0) + await self._drop_pending()
 
     async def list(
         self,

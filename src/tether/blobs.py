@@ -288,6 +288,34 @@ class BlobStore:
             )
         return data
 
+    def verify(self, ref: str) -> str | None:
+        """Whether a stored blob is whole, for ``tether store check``: None if its bytes
+        match its name (as kept, or opened with the sealer when sealed under the hash of
+        the plain bytes), ``"unverified"`` when sealed under a key this process lacks,
+        else why it is damaged or unreadable. Reads the blob once."""
+        digest = ref.removeprefix("sha256:")
+        try:
+            data = self.kept(ref)
+        except BlobError:
+            return None  # deleted since it was listed
+        except Exception as exc:  # unreadable: permissions, an I/O error
+            return f"unreadable ({type(exc).__name__}: {exc})"
+        if hashlib.sha256(data).hexdigest() == digest:
+            return None  # plain, or a sealed offloaded payload (named by its bytes as kept)
+        if not data.startswith(SEALED):
+            return "the stored bytes do not match the hash"
+        if self.sealer is None:
+            return "unverified"
+        try:
+            plain = self.sealer.open_bytes(data, f"blob {ref}")
+        except KeyUnavailableError:
+            return "unverified"
+        except Exception as exc:  # tampered with, truncated
+            return f"sealed bytes that do not open ({type(exc).__name__})"
+        if hashlib.sha256(plain).hexdigest() != digest:
+            return "the opened bytes do not match the hash"
+        return None
+
     def refs(self) -> Iterator[tuple[str, float]]:
         """Every stored blob: (ref, modification time)."""
         base = f"{self.root}/sha256"

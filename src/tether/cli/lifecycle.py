@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import sqlite3
+import time
 from typing import Annotated, Any
 
 import typer
@@ -440,10 +441,13 @@ def store_check_command(
 ) -> None:
     """Check a store (a restored one above all): SQLite's integrity check, no row naming
     a run that is not there, every blob its payloads refer to in its blob store (the
-    runs missing one are named), each key id the store was sealed under against the
-    keyring given (TETHER_KEYRING: a key of that id with another fingerprint is named),
-    and with --app every unfinished run's history replays with that code. Exits 1 on
-    any problem."""
+    runs missing one are named), every stored blob whole (read once and checked against
+    its hash; sealed ones opened with the keyring given), each key id the store was
+    sealed under against the keyring given (TETHER_KEYRING: a key of that id with
+    another fingerprint is named), and with --app every unfinished run's history
+    replays with that code. Exits 1 on any problem. Blobs no payload refers to and blob
+    deletions a stopped purge left pending are reported, not problems: gc-blobs or the
+    next purge removes them."""
     problems: list[str] = []
     path = _sqlite_path(store) if store else None
     if path is not None:
@@ -470,6 +474,7 @@ def store_check_command(
             orphans = await opened.store.orphans()
             keys = await _key_states(opened)
             lost = await _missing_blobs(opened)
+            blob_state = await _blob_state(opened)
             replayed, failed = 0, []
             if app:
                 from ..testing._replay import check_history
@@ -495,6 +500,7 @@ def store_check_command(
                 "replayed": replayed,
                 "replay_failures": failed,
                 "blobs": lost,
+                "blob_state": blob_state,
                 "keys": keys,
             }
 
@@ -503,6 +509,9 @@ def store_check_command(
     problems += [f"{n} {table} row(s) name a missing run" for table, n in orphans if n]
     problems += [mismatch_problem(k) for k, state in found["keys"].items() if state == "mismatch"]
     problems += found["blobs"]
+    state = found["blob_state"]
+    problems += state.pop("problems", [])
+    notes = state.pop("notes", [])
     problems += found["replay_failures"]
     _dump(
         {
@@ -510,8 +519,11 @@ def store_check_command(
             "replayed": found["replayed"],
             "orphans": found["orphans"],
             "keys": found["keys"],
+            "blobs": state,
         }
     )
+    for note in notes:
+        _note(note)
     if problems:
         raise typer.Exit(1)
     _note("the store is sound")
@@ -570,6 +582,91 @@ async def _missing_blobs(app: Any) -> list[str]:
             f"{len(rest)} blob(s) rows of no run refer to are {where}: {', '.join(rest)}"
         )
     return problems
+
+
+#: refs named per kind of blob finding in ``tether store check``'s report
+_NAMED_REFS = 5
+#: seconds an unreferenced blob is spared (``gc-blobs``' default grace): younger ones
+#: may be an attempt's whose commit is in flight
+BLOB_GRACE = 3600.0
+
+
+async def _blob_state(app: Any) -> dict[str, Any]:
+    """What the blob store holds beyond the references (``tether store check``): blob
+    deletions a stopped purge or erasure left pending, blobs no payload refers to, and
+    blobs whose bytes do not match their hash or cannot be read (problems). Each blob
+    is read once (as a backup would) and only sealed ``put_blob`` blobs are opened,
+    with the keyring given; without it they are counted ``unverified``."""
+    blobs = app.store.blobs
+    if blobs is None:
+        return {}
+    noted = await app.store.blob_deletions()  # before the scan, as gc-blobs reads them
+    try:
+        used: set[str] | None = await app.store.blob_refs()
+    except Exception:  # a sealed payload this process has no key for (named above)
+        used = None
+    now = time.time()
+    unused: list[str] = []
+    old: list[str] = []
+    damaged: dict[str, str] = {}
+    unverified = stored = 0
+    for ref, mtime in list(blobs.refs()):
+        stored += 1
+        if used is not None and ref not in used and ref not in noted:
+            unused.append(ref)
+            if mtime < now - BLOB_GRACE:
+                old.append(ref)
+        problem = blobs.verify(ref)
+        if problem == "unverified":
+            unverified += 1
+        elif problem is not None:
+            damaged[ref] = problem
+    state: dict[str, Any] = {
+        "stored": stored,
+        "pending_deletions": len(noted),
+        "unreferenced": None if used is None else len(unused),
+        "damaged": len(damaged),
+        "unverified": unverified,
+    }
+    notes: list[str] = []
+    problems: list[str] = []
+    if noted:
+        state["pending_examples"] = sorted(noted)[:_NAMED_REFS]
+        notes.append(
+            f"{len(noted)} blob deletion(s) pending: a purge or erasure was stopped after "
+            "removing the runs that referred to them; the next `tether purge` (or "
+            "`tether store gc-blobs`) deletes those nothing refers to"
+        )
+    if unused:
+        state["unreferenced_examples"] = sorted(unused)[:_NAMED_REFS]
+        where = (
+            " (the shared default blob store: other stores' payloads may refer to them)"
+            if blobs.shared
+            else ""
+        )
+        notes.append(
+            f"{len(unused)} blob(s) no payload refers to{where}, {len(old)} older than "
+            f"{int(BLOB_GRACE)} s: `tether store gc-blobs` removes those (younger ones may "
+            "be an attempt's, about to commit)"
+        )
+    if unverified:
+        notes.append(
+            f"{unverified} sealed blob(s) not verified: sealed under a key this process "
+            "lacks (give the keyring: TETHER_KEYRING)"
+        )
+    if damaged:
+        shown = sorted(damaged)[:_NAMED_REFS]
+        state["damaged_examples"] = {ref: damaged[ref] for ref in shown}
+        problems.append(
+            f"{len(damaged)} blob(s) damaged or unreadable at {blobs.shown_root!r} "
+            f"({', '.join(f'{r}: {damaged[r]}' for r in shown)}): a run that reads one "
+            "fails; restore them from a backup of the blob store (putting the same bytes "
+            "again rewrites one), or, if nothing refers to them, `tether store gc-blobs` "
+            "removes them"
+        )
+    state["problems"] = problems
+    state["notes"] = notes
+    return state
 
 
 def _not_a_store(path: str) -> str | None:

@@ -394,16 +394,32 @@ class Store(abc.ABC):
         limit: int = 500,
         dry_run: bool = False,
         reason: str = "retention",
+        spare_from: float | None = None,
     ) -> tuple[dict[str, int], set[str]]:
         """Remove up to ``limit`` runs that ended before ``cutoff`` (one transaction):
-        rows removed per table, and the blobs the removed runs referred to."""
+        rows removed per table, and the blobs the removed runs referred to (with
+        ``spare_from``, recorded as pending deletions in the same transaction)."""
 
     @abc.abstractmethod
     async def erase_tenant_batch(
-        self, tenant: str, *, limit: int = 500, dry_run: bool = False
+        self,
+        tenant: str,
+        *,
+        limit: int = 500,
+        dry_run: bool = False,
+        spare_from: float | None = None,
     ) -> tuple[dict[str, int], set[str]]:
         """Remove up to ``limit`` runs of a tenant, then its own rows: counts per table,
-        and the blobs the removed runs referred to."""
+        and the blobs the removed runs referred to (``spare_from``: as ``purge``)."""
+
+    @abc.abstractmethod
+    async def blob_deletions(self) -> dict[str, float]:
+        """Blob deletions a purge or erasure recorded and has not carried out yet: each
+        ref, and the time from which a write of the blob spares it."""
+
+    @abc.abstractmethod
+    async def forget_blob_deletions(self, refs: Sequence[str]) -> None:
+        """Remove these refs from the pending blob deletions."""
 
     @abc.abstractmethod
     async def purged_run(self, run_id: str) -> tuple[str, float] | None:

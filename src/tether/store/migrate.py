@@ -68,6 +68,7 @@ NOT_COPIED = {
     "run_counts": "counters kept by triggers as the runs are inserted",
     "run_ends": "counters kept by triggers as the runs are inserted",
     "tether_meta": "the target's own schema version",
+    "blob_deletions": "the source's pending blob deletions: only blobs in use are copied",
 }
 #: columns the target assigns itself
 _FRESH_IDS = {

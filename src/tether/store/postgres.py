@@ -70,7 +70,7 @@ from .ops.tasks import _heartbeat, _renew
 log = logging.getLogger("tether.store")
 
 
-_SCHEMA_VERSION = 12
+_SCHEMA_VERSION = 13
 #: statements that bring a store of the version before up to this one
 _UPGRADES: dict[int, tuple[str, ...]] = {
     2: ("ALTER TABLE runs ADD COLUMN IF NOT EXISTS waiting_on TEXT",),
@@ -142,6 +142,10 @@ _UPGRADES: dict[int, tuple[str, ...]] = {
         "NOT NULL, created_at DOUBLE PRECISION NOT NULL)",
         ENCRYPTED_BEFORE,
         OFFLOADED_BEFORE,
+    ),
+    13: (
+        "CREATE TABLE IF NOT EXISTS blob_deletions (ref TEXT PRIMARY KEY, spare_from "
+        "DOUBLE PRECISION NOT NULL, noted_at DOUBLE PRECISION NOT NULL)",
     ),
 }
 #: task columns added during development, missing from schemas made by older builds

@@ -57,13 +57,14 @@ _OWN_TABLES = {
     "ai_budgets",
     "approvals",
     "seal_keys",
+    "blob_deletions",
     *COUNT_TABLES,
 }
 
 #: tables every tether store has had since its first schema version
 _CORE_TABLES = {"runs", "events", "tasks"}
 
-_SCHEMA_VERSION = 12
+_SCHEMA_VERSION = 13
 #: statements that bring a store of the version before up to this one
 _UPGRADES: dict[int, tuple[str, ...]] = {
     2: ("ALTER TABLE runs ADD COLUMN waiting_on TEXT",),
@@ -133,6 +134,10 @@ _UPGRADES: dict[int, tuple[str, ...]] = {
         "NOT NULL, created_at REAL NOT NULL)",
         ENCRYPTED_BEFORE,
         OFFLOADED_BEFORE,
+    ),
+    13: (
+        "CREATE TABLE IF NOT EXISTS blob_deletions (ref TEXT PRIMARY KEY, spare_from "
+        "REAL NOT NULL, noted_at REAL NOT NULL)",
     ),
 }
 

@@ -342,19 +342,41 @@ class OpsStore(Store):
         limit: int = 500,
         dry_run: bool = False,
         reason: str = "retention",
+        spare_from: float | None = None,
     ) -> tuple[dict[str, int], set[str]]:
         got: tuple[dict[str, int], set[str]] = await self._do(
-            _purge_batch, cutoff, workflow, tenant, limit, dry_run, reason, write=not dry_run
+            _purge_batch,
+            cutoff,
+            workflow,
+            tenant,
+            limit,
+            dry_run,
+            reason,
+            spare_from,
+            write=not dry_run,
         )
         return got
 
     async def erase_tenant_batch(
-        self, tenant: str, *, limit: int = 500, dry_run: bool = False
+        self,
+        tenant: str,
+        *,
+        limit: int = 500,
+        dry_run: bool = False,
+        spare_from: float | None = None,
     ) -> tuple[dict[str, int], set[str]]:
         got: tuple[dict[str, int], set[str]] = await self._do(
-            _erase_tenant_batch, tenant, limit, dry_run, write=not dry_run
+            _erase_tenant_batch, tenant, limit, dry_run, spare_from, write=not dry_run
         )
         return got
+
+    async def blob_deletions(self) -> dict[str, float]:
+        got: dict[str, float] = await self._do(_blob_deletions, write=False)
+        return got
+
+    async def forget_blob_deletions(self, refs: Sequence[str]) -> None:
+        if refs:
+            await self._do(_forget_blob_deletions, list(refs))
 
     async def reseal_batch(
         self, table: str, after: list[Any] | None, limit: int
@@ -675,8 +697,10 @@ from .recovery import (  # noqa: E402
 )
 from .reseal import _reseal_batch, _seal_keys  # noqa: E402
 from .retention import (  # noqa: E402
+    _blob_deletions,
     _configure_retention,
     _erase_tenant_batch,
+    _forget_blob_deletions,
     _orphans,
     _purge_batch,
     _purged_run,

@@ -32,11 +32,13 @@ def _purge_batch(
     limit: int,
     dry_run: bool,
     reason: str,
+    spare_from: float | None = None,
 ) -> tuple[dict[str, int], set[str]]:
     """Remove up to ``limit`` runs that ended before ``cutoff`` (and match the filters):
     the rows removed per table, and the blobs the removed runs' payloads referred to
-    (the caller deletes those no other payload refers to). With ``dry_run`` nothing is
-    removed: the counts are what one batch would remove."""
+    (the caller deletes those no other payload refers to; with ``spare_from`` they are
+    recorded as pending deletions in the same transaction, see ``_note_blob_deletions``).
+    With ``dry_run`` nothing is removed: the counts are what one batch would remove."""
     ids: list[str] = []
     for status in _ENDED:  # by (status, created_at): an index, never a scan of runs
         where = "status = ? AND created_at < ? AND completed_at < ?"
@@ -56,7 +58,7 @@ def _purge_batch(
         ids.extend(r[0] for r in rows)
         if len(ids) >= limit:
             break
-    return _remove(tx, [*ids, *_chains_before(tx, ids)], dry_run, reason)
+    return _remove(tx, [*ids, *_chains_before(tx, ids)], dry_run, reason, spare_from)
 
 
 def _chains_before(tx: _Tx, ends: list[str]) -> list[str]:
@@ -90,7 +92,7 @@ def _chains_before(tx: _Tx, ends: list[str]) -> list[str]:
 
 
 def _erase_tenant_batch(
-    tx: _Tx, tenant: str, limit: int, dry_run: bool
+    tx: _Tx, tenant: str, limit: int, dry_run: bool, spare_from: float | None = None
 ) -> tuple[dict[str, int], set[str]]:
     """Remove up to ``limit`` runs of ``tenant`` whatever their status (the caller ended
     the live ones first), then, when none is left, the tenant's own rows. Returns the
@@ -105,7 +107,7 @@ def _erase_tenant_batch(
                 (tenant, limit),
             ).fetchall()
         ]
-        got, theirs = _remove(tx, ids, dry_run, "tenant erased")
+        got, theirs = _remove(tx, ids, dry_run, "tenant erased", spare_from)
         refs |= theirs
         for table, n in got.items():
             counts[table] = counts.get(table, 0) + n
@@ -136,7 +138,9 @@ def _erase_tenant_batch(
     return counts, refs
 
 
-def _remove(tx: _Tx, ids: list[str], dry_run: bool, reason: str) -> tuple[dict[str, int], set[str]]:
+def _remove(
+    tx: _Tx, ids: list[str], dry_run: bool, reason: str, spare_from: float | None = None
+) -> tuple[dict[str, int], set[str]]:
     counts: dict[str, int] = {"runs": len(ids)}
     if not ids:
         return counts, set()
@@ -163,7 +167,39 @@ def _remove(tx: _Tx, ids: list[str], dry_run: bool, reason: str) -> tuple[dict[s
     # what the DELETE removed, not how many ids were found: on PostgreSQL an erasure's
     # runs may be removed by a purge (or the other way round) between the two
     counts["runs"] = _deleted(tx, f"FROM runs WHERE run_id IN ({marks})", ids)
+    if spare_from is not None:
+        _note_blob_deletions(tx, refs, spare_from)
     return counts, refs
+
+
+def _note_blob_deletions(tx: _Tx, refs: set[str], spare_from: float) -> None:
+    """Record ``refs`` as pending deletions (``blob_deletions``), in the transaction that
+    removes the rows referring to them: a process killed after its commit, before it
+    deleted the blobs, leaves them listed for the next purge, erasure or gc-blobs, never
+    forgotten. A blob written or put again at or after ``spare_from`` is spared then (an
+    attempt may be about to commit a reference to it). A ref listed already keeps its
+    row (the earlier, stricter ``spare_from``)."""
+    listed = sorted(refs)
+    for i in range(0, len(listed), 300):
+        part = listed[i : i + 300]
+        tx.execute(
+            "INSERT INTO blob_deletions (ref, spare_from, noted_at) VALUES "
+            f"{','.join(['(?, ?, ?)'] * len(part))} ON CONFLICT (ref) DO NOTHING",
+            [v for ref in part for v in (ref, spare_from, tx.now)],
+        )
+
+
+def _blob_deletions(tx: _Tx) -> dict[str, float]:
+    """The pending blob deletions: each ref and the time from which a write spares it."""
+    rows = tx.execute("SELECT ref, spare_from FROM blob_deletions").fetchall()
+    return {str(r[0]): float(r[1]) for r in rows}
+
+
+def _forget_blob_deletions(tx: _Tx, refs: list[str]) -> None:
+    """Remove pending deletions that were carried out (or found not to be due)."""
+    for i in range(0, len(refs), 500):
+        part = refs[i : i + 500]
+        tx.execute(f"DELETE FROM blob_deletions WHERE ref IN ({','.join('?' * len(part))})", part)
 
 
 def _deleted(tx: _Tx, from_where: str, args: Any) -> int:

@@ -319,3 +319,13 @@ CREATE TABLE IF NOT EXISTS seal_keys (
     fingerprint  TEXT NOT NULL,
     created_at   REAL NOT NULL
 );
+
+-- blobs a purge or an erasure is to delete: recorded in the transaction that removes
+-- the rows referring to them, removed once each is deleted (or found in use again), so
+-- a process killed in between leaves them for the next purge, erasure or gc-blobs.
+-- A blob written or put again at or after spare_from stays (gc-blobs judges it).
+CREATE TABLE IF NOT EXISTS blob_deletions (
+    ref        TEXT PRIMARY KEY,
+    spare_from REAL NOT NULL,
+    noted_at   REAL NOT NULL
+);
