@@ -1258,9 +1258,7 @@ class App:
         older = keyring.tenant_keys(tenant) if rotate and keyring is not None else None
         total: dict[str, int] = {"runs": 0}
         if not dry_run:
-            # first, so its runs stop writing (under any key) before a fresh key is made;
-            # the first pass's only ending (a run started while the key settles is
-            # removed by that pass, or ended and removed by the second)
+            # first, so its runs stop writing (under any key) before a fresh key is made
             await self._end_tenant_runs(tenant, batch)
         if older and keyring is not None:
             # other processes keep sealing the tenant's new data under the key they last
@@ -1268,6 +1266,7 @@ class App:
             # any row goes, keeps what they start during the erasure readable
             keyring.rotate(tenant)
             await asyncio.sleep(keyring.seen_within + KEY_SETTLE)
+            await self._end_tenant_runs(tenant, batch)  # those started while it settled
         if not dry_run:  # what a purge or erasure killed before left pending
             total["blobs"] = await self._drop_pending()
         await self._erase_tenant_rows(tenant, batch, dry_run, total)
