@@ -620,7 +620,7 @@ class Gateway:
             # over the run's budget unless the cache had it: refused, nothing sent (an
             # answer, not a failure: a budget's refusal is no dead letter)
             return {CACHE_MISS_KEY: request["cache_only"]}
-        scopes = await self._check_daily_budgets(ref, request)
+        scopes, request = await self._check_daily_budgets(ref, request)
         pinned: str | None = request.get("spec")
         built = self._resolve_spec(pinned) if pinned else self._resolve(ref)
         messages = load_messages(request["messages"])
@@ -982,19 +982,38 @@ class Gateway:
             store = self._step_store()
             await store.add_model_spend(scopes, _day(store.clock()), tokens, str(cost))
 
-    async def _check_daily_budgets(self, ref: ModelRef, request: dict[str, Any]) -> tuple[str, ...]:
-        """The scopes with a daily budget this call counts against; raise when one is spent."""
-        estimate = request.get("estimate") or {"tokens": 0, "cost": None}
-        return await self.refuse_past_daily(request.get("tenant"), estimate)
+    async def _check_daily_budgets(
+        self, ref: ModelRef, request: dict[str, Any]
+    ) -> tuple[tuple[str, ...], dict[str, Any]]:
+        """The scopes with a daily budget this call counts against, and the request (with
+        the estimate the check used); raise when one is spent."""
+        sent = request.get("estimate")
+        if sent:
+            return await self.refuse_past_daily(request.get("tenant"), sent), request
+        # a run without a tenant and without a budget of its own sends none: the call is
+        # estimated here, for the global daily budget (an unknown size is no free pass)
+        made: list[dict[str, Any]] = []
+
+        def estimate() -> dict[str, Any]:
+            made.append(
+                ref.estimate(request["messages"], request.get("settings"), request.get("params"))
+            )
+            return made[0]
+
+        scopes = await self.refuse_past_daily(request.get("tenant"), estimate)
+        return scopes, ({**request, "estimate": made[0]} if made else request)
 
     async def refuse_past_daily(
-        self, tenant: str | None, estimate: dict[str, Any]
+        self, tenant: str | None, estimate: dict[str, Any] | Callable[[], dict[str, Any]]
     ) -> tuple[str, ...]:
-        """The scopes with a daily budget that spending ``estimate`` for ``tenant`` counts
-        against; ``DailyBudgetExceeded`` when it would pass one (a call, a whole batch)."""
+        """The scopes with a daily budget that spending ``estimate`` (or what it returns,
+        asked only when there are such scopes) for ``tenant`` counts against;
+        ``DailyBudgetExceeded`` when it would pass one (a call, a whole batch)."""
         scopes, rows = await self.daily_scopes(tenant)
         if not scopes:
             return ()
+        if callable(estimate):
+            estimate = estimate()
         for b in rows if rows is not None else await self.budgets():
             if b["scope"] not in scopes:
                 continue
@@ -1735,7 +1754,16 @@ def _check_budget(
             raise BudgetExceeded(
                 ref.name, value["what"], value["limit"], value["spent"], value["estimate"]
             )
-        return {"tokens": 0, "cost": None}  # the call was made: it passed then
+        # the call was made: it passed then, and holds what it held then until its
+        # outcome replays (a call still in flight keeps counting against the budget)
+        held = _recorded_hold(recorded)
+        if held is not None:
+            return held
+        estimate = estimated()
+        spent_tokens, spent_cost = tally.committed()
+        if cached and _over(budget.tokens, budget.cost, spent_tokens, spent_cost, estimate):
+            return {"tokens": 0, "cost": None}  # made cache-only then: it held nothing
+        return estimate
     estimate = estimated()
     spent_tokens, spent_cost = tally.committed()  # children's shares included
     over = _over(budget.tokens, budget.cost, spent_tokens, spent_cost, estimate)
@@ -1752,6 +1780,31 @@ def _check_budget(
         inst.record("budget_exceeded", value)
         raise BudgetExceeded(ref.name, over[0], over[1], value["spent"], value["estimate"])
     return estimate
+
+
+def _recorded_hold(recorded: Event) -> dict[str, Any] | None:
+    """What a model call recorded at ``recorded`` held of its run's budget while in
+    flight, read from the request it sent: its estimate, nothing when it went
+    cache-only (None: not a call's request one can read, e.g. sealed or offloaded,
+    or a batch's step; the caller estimates it again)."""
+    if recorded.type is not EventType.ACTIVITY_SCHEDULED:
+        return None
+    args = recorded.data.get("args")
+    positional = args.get("args") if isinstance(args, dict) else None
+    request = positional[-1] if isinstance(positional, list) and positional else None
+    if not isinstance(request, dict) or "messages" not in request:
+        return None
+    if "cache_only" in request:
+        return {"tokens": 0, "cost": None}
+    estimate = request.get("estimate")
+    if not isinstance(estimate, dict):
+        # no estimate sent: the budget check had found it nothing (no tokens, no cost)
+        return {"tokens": 0, "cost": None}
+    tokens, cost = estimate.get("tokens"), estimate.get("cost")
+    return {
+        "tokens": tokens if type(tokens) is int else 0,
+        "cost": None if cost is None else str(cost),
+    }
 
 
 def _over(
