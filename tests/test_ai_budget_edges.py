@@ -517,3 +517,52 @@ async def test_a_batch_is_checked_against_the_global_daily_budget(
             out = await run.result(timeout=60)
         assert out == "refused global tokens", out
         assert server.batches.created == 0
+
+
+async def test_calls_at_the_same_moment_do_not_pass_a_daily_budget_together(
+    app: tether.App,
+) -> None:
+    """Runs of one tenant calling at the same moment: each call reserves its estimate
+    in the day's spend as it is checked (one statement), so together they stop at the
+    budget instead of all passing its check before any has spent; what an answer used
+    replaces its estimate, and a failed call gives its estimate back."""
+    from tether.testing import ModelServer, model_error, model_reply
+
+    with ModelServer() as server:
+        # what an answer uses is about its estimate (prompt characters / 4 + max_tokens)
+        server.default = lambda body: model_reply(
+            "ok", input_tokens=40, output_tokens=50, delay=0.5
+        )
+        gw = ai.Gateway(app, retry=ONE, timeout=30)
+        m = gw.model(
+            "m",
+            ai.openai_compatible("m", base_url=server.base_url, api_key="k"),
+            price=ai.Price(1, 2),
+        )
+
+        @app.workflow
+        async def ask(text: str) -> str:
+            try:
+                return await ai.complete(m, text, settings={"max_tokens": 50})
+            except ai.BudgetExceeded as exc:
+                return f"refused {exc.scope}"
+
+        await gw.set_budget(tenant="acme", tokens=500)
+        async with app.worker(poll_interval=0.02):
+            runs = [await app.start(ask, f"question {i}", tenant="acme") for i in range(12)]
+            outs = [await r.result(timeout=60) for r in runs]
+        ok = outs.count("ok")
+        (budget,) = await gw.budgets()
+        # ~90 tokens an estimate: 5 fit in 500; all 12 passed a check-then-add
+        assert 0 < ok <= 6 and outs.count("refused tenant:acme") == 12 - ok, outs
+        assert server.count() == ok
+        assert budget["spent_tokens"] == 90 * ok  # estimates replaced by what was used
+        # a call that fails gives back what it reserved (the budget raised to let it try)
+        server.default = lambda body: model_error(500, "down")
+        await gw.set_budget(tenant="acme", tokens=10_000)
+        async with app.worker(poll_interval=0.02):
+            failed = await app.start(ask, "one more", tenant="acme")
+            with pytest.raises(tether.WorkflowFailedError):
+                await failed.result(timeout=60)
+        (budget,) = await gw.budgets()
+        assert budget["spent_tokens"] == 90 * ok

@@ -596,8 +596,6 @@ class Gateway:
 
     async def _call(self, model: str, request: dict[str, Any]) -> dict[str, Any]:
         """Run one model request; its result is recorded (the response and its cost)."""
-        from pydantic_ai.direct import model_request
-
         ref = self._models.get(model)
         if ref is None:
             raise ModelConfigError(
@@ -620,7 +618,32 @@ class Gateway:
             # over the run's budget unless the cache had it: refused, nothing sent (an
             # answer, not a failure: a budget's refusal is no dead letter)
             return {CACHE_MISS_KEY: request["cache_only"]}
-        scopes, request = await self._check_daily_budgets(ref, request)
+        scopes, request, reserved = await self._check_daily_budgets(ref, request)
+        try:
+            return await self._send(ref, request, cache_key, scopes, reserved)
+        except BaseException:
+            if "tokens" in reserved:  # no answer: the estimate held is given back
+                giving = asyncio.ensure_future(
+                    self.add_daily_spend(scopes, -reserved["tokens"], -reserved["cost"], reserved)
+                )
+                _SENDING.add(giving)
+                giving.add_done_callback(_SENDING.discard)
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(giving)
+            raise
+
+    async def _send(
+        self,
+        ref: ModelRef,
+        request: dict[str, Any],
+        cache_key: str | None,
+        scopes: tuple[str, ...],
+        reserved: dict[str, Any],
+    ) -> dict[str, Any]:
+        """Send a call the daily budgets let through; its answer's usage replaces the
+        estimate it ``reserved`` in the day's spend of ``scopes``."""
+        from pydantic_ai.direct import model_request
+
         pinned: str | None = request.get("spec")
         built = self._resolve_spec(pinned) if pinned else self._resolve(ref)
         messages = load_messages(request["messages"])
@@ -701,7 +724,11 @@ class Gateway:
             call["pinned"] = pinned
         out = _CallResult({"response": dump_response(response), CALL_KEY: call})
         out.headers = cap.headers
-        await self.add_daily_spend(scopes, tokens_in + tokens_out, _budget_cost(call))
+        held_tokens, held_cost = reserved.pop("tokens", 0), reserved.pop("cost", Decimal(0))
+        await self.add_daily_spend(
+            scopes, tokens_in + tokens_out - held_tokens, _budget_cost(call) - held_cost, reserved
+        )
+        reserved.clear()
         if cache_key is not None:
             await self._step_store().ai_cache_put(cache_key, json.dumps(out), ref.cache_ttl or 0.0)
         return out
@@ -976,32 +1003,69 @@ class Gateway:
         )
         return scopes, rows
 
-    async def add_daily_spend(self, scopes: tuple[str, ...], tokens: int, cost: Decimal) -> None:
-        """Add what a call (or a batch) used to today's spend of ``scopes``."""
+    async def add_daily_spend(
+        self,
+        scopes: tuple[str, ...],
+        tokens: int,
+        cost: Decimal,
+        reserved: dict[str, Any] | None = None,
+    ) -> None:
+        """Add what a call (or a batch) used to today's spend of ``scopes`` (to the day
+        its estimate was ``reserved`` in, when it was)."""
         if scopes:
             store = self._step_store()
-            await store.add_model_spend(scopes, _day(store.clock()), tokens, str(cost))
+            day = (reserved or {}).get("day") or _day(store.clock())
+            await store.add_model_spend(scopes, day, tokens, str(cost))
 
     async def _check_daily_budgets(
         self, ref: ModelRef, request: dict[str, Any]
-    ) -> tuple[tuple[str, ...], dict[str, Any]]:
-        """The scopes with a daily budget this call counts against, and the request (with
-        the estimate the check used); raise when one is spent."""
+    ) -> tuple[tuple[str, ...], dict[str, Any], dict[str, Any]]:
+        """The scopes with a daily budget this call counts against, the request (with
+        the estimate the check used) and what it reserved of their spend (day, tokens,
+        cost: empty when nothing); raise when one has no room for it."""
         sent = request.get("estimate")
-        if sent:
-            return await self.refuse_past_daily(request.get("tenant"), sent), request
-        # a run without a tenant and without a budget of its own sends none: the call is
-        # estimated here, for the global daily budget (an unknown size is no free pass)
-        made: list[dict[str, Any]] = []
+        if not sent:
+            # a run without a tenant and without a budget of its own sends none: the call
+            # is estimated here, for the global daily budget (an unknown size is no pass)
+            scopes, _rows = await self.daily_scopes(request.get("tenant"))
+            if not scopes:
+                return (), request, {}
+            sent = ref.estimate(request["messages"], request.get("settings"), request.get("params"))
+            request = {**request, "estimate": sent}
+        scopes, reserved = await self.reserve_daily(request.get("tenant"), sent)
+        return scopes, request, reserved
 
-        def estimate() -> dict[str, Any]:
-            made.append(
-                ref.estimate(request["messages"], request.get("settings"), request.get("params"))
+    async def reserve_daily(
+        self, tenant: str | None, estimate: dict[str, Any]
+    ) -> tuple[tuple[str, ...], dict[str, Any]]:
+        """Hold ``estimate`` in today's spend of ``tenant``'s scopes with a daily budget
+        (checked and added in one store transaction, so calls at the same moment cannot
+        pass a budget together); ``DailyBudgetExceeded`` when it has no room. Returns
+        the scopes and what was reserved (to correct to what the call used)."""
+        scopes, _rows = await self.daily_scopes(tenant)
+        if not scopes:
+            return (), {}
+        store = self._step_store()
+        day = _day(store.clock())
+        tokens = int(estimate.get("tokens") or 0)
+        cost = estimate.get("cost")
+        over = await store.reserve_model_spend(
+            scopes, day, tokens, None if cost is None else str(cost)
+        )
+        if over is not None:
+            scope, what, limit, spent_tokens, spent_cost = over
+            raise DailyBudgetExceeded(
+                json.dumps(
+                    {
+                        "scope": scope,
+                        "what": what,
+                        "limit": limit,
+                        "spent": {"tokens": int(spent_tokens), "cost": str(spent_cost)},
+                        "estimate": estimate,
+                    }
+                )
             )
-            return made[0]
-
-        scopes = await self.refuse_past_daily(request.get("tenant"), estimate)
-        return scopes, ({**request, "estimate": made[0]} if made else request)
+        return scopes, {"day": day, "tokens": tokens, "cost": Decimal(cost or 0)}
 
     async def refuse_past_daily(
         self, tenant: str | None, estimate: dict[str, Any] | Callable[[], dict[str, Any]]
