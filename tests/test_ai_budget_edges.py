@@ -5,6 +5,7 @@ output schema changes on replay (both stores, no network: FunctionModel and
 
 from __future__ import annotations
 
+import contextlib
 import json
 from decimal import Decimal
 from typing import Any
@@ -519,11 +520,13 @@ async def test_a_batch_is_checked_against_the_global_daily_budget(
         assert server.batches.created == 0
 
 
+@pytest.mark.parametrize("workers", [1, 2])
 async def test_calls_at_the_same_moment_do_not_pass_a_daily_budget_together(
-    app: tether.App,
+    app: tether.App, store_url: str, workers: int
 ) -> None:
-    """Runs of one tenant calling at the same moment: each call reserves its estimate
-    in the day's spend as it is checked (one statement), so together they stop at the
+    """Runs of one tenant calling at the same moment, in one worker or two (two Apps on
+    one store, each with its own connection): each call reserves its estimate in the
+    day's spend as it is checked (one transaction), so together they stop at the
     budget instead of all passing its check before any has spent; what an answer used
     replaces its estimate, and a failed call gives its estimate back."""
     from tether.testing import ModelServer, model_error, model_reply
@@ -533,24 +536,39 @@ async def test_calls_at_the_same_moment_do_not_pass_a_daily_budget_together(
         server.default = lambda body: model_reply(
             "ok", input_tokens=40, output_tokens=50, delay=0.5
         )
-        gw = ai.Gateway(app, retry=ONE, timeout=30)
-        m = gw.model(
-            "m",
-            ai.openai_compatible("m", base_url=server.base_url, api_key="k"),
-            price=ai.Price(1, 2),
-        )
 
-        @app.workflow
-        async def ask(text: str) -> str:
-            try:
-                return await ai.complete(m, text, settings={"max_tokens": 50})
-            except ai.BudgetExceeded as exc:
-                return f"refused {exc.scope}"
+        def build(on: tether.App) -> tuple[ai.Gateway, Any]:
+            gw = ai.Gateway(on, retry=ONE, timeout=30)
+            m = gw.model(
+                "m",
+                ai.openai_compatible("m", base_url=server.base_url, api_key="k"),
+                price=ai.Price(1, 2),
+            )
 
+            @on.workflow(name="ask")
+            async def ask(text: str) -> str:
+                try:
+                    return await ai.complete(m, text, settings={"max_tokens": 50})
+                except ai.BudgetExceeded as exc:
+                    return f"refused {exc.scope}"
+
+            return gw, ask
+
+        gw, ask = build(app)
+        other = tether.App(store=store_url) if workers == 2 else None
+        if other is not None:
+            build(other)
         await gw.set_budget(tenant="acme", tokens=500)
-        async with app.worker(poll_interval=0.02):
-            runs = [await app.start(ask, f"question {i}", tenant="acme") for i in range(12)]
-            outs = [await r.result(timeout=60) for r in runs]
+        try:
+            async with contextlib.AsyncExitStack() as stack:
+                for a in (app, other):
+                    if a is not None:
+                        await stack.enter_async_context(a.worker(poll_interval=0.02))
+                runs = [await app.start(ask, f"question {i}", tenant="acme") for i in range(12)]
+                outs = [await r.result(timeout=60) for r in runs]
+        finally:
+            if other is not None and other._store is not None:
+                await other._store.close()
         ok = outs.count("ok")
         (budget,) = await gw.budgets()
         # ~90 tokens an estimate: 5 fit in 500; all 12 passed a check-then-add
