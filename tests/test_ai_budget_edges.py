@@ -5,6 +5,7 @@ output schema changes on replay (both stores, no network: FunctionModel and
 
 from __future__ import annotations
 
+import contextlib
 import json
 from decimal import Decimal
 from typing import Any
@@ -367,3 +368,219 @@ async def test_a_cached_answer_needs_no_budget_room_and_a_miss_is_refused_unsent
     for run in (hit, miss):
         report = tether.testing.check_history(app, await app.history(run.run_id))
         assert report.ok, report.error
+
+
+@pytest.mark.parametrize("cache_size", [100, 0, "offloaded"])
+async def test_a_call_in_flight_holds_its_estimate_after_a_replay(
+    app: tether.App, store_url: str, tmp_path: Any, cache_size: int | str
+) -> None:
+    """A run budget with room for one call: call A is in flight (slow) when, after a
+    durable timer, the run asks call B. B is refused, A holding its estimate, also on a
+    worker that replays the run on every task (``cache_size=0``: a restart, an
+    eviction, another worker taking the task), and when the recorded request is in the
+    blob store."""
+    from tether.testing import ModelServer, model_reply
+
+    if cache_size == "offloaded":
+        app = tether.App(store=store_url, blobs=str(tmp_path / "blobs"), offload_above=16)
+        cache_size = 0
+    assert isinstance(cache_size, int)
+    with ModelServer() as server:
+        server.default = lambda body: model_reply(
+            "ok", input_tokens=10, output_tokens=50, delay=1.5
+        )
+        gw = ai.Gateway(app, retry=ONE, prices={"llm": ai.Price(1, 1)})
+        m = gw.model("m", ai.openai_compatible("llm", base_url=server.base_url, api_key="k"))
+
+        async def call(text: str, wait: float) -> str:
+            if wait:
+                await tether.sleep(wait)
+            try:
+                return await ai.complete(m, text, settings={"max_tokens": 50})
+            except ai.BudgetExceeded:
+                return "refused"
+
+        @app.workflow
+        async def two() -> list[str]:
+            return list(await tether.gather(call("A", 0), call("B", 0.3)))
+
+        async with app.worker(poll_interval=0.02, cache_size=cache_size):
+            run = await app.start(two, budget=tether.Budget(tokens=100))
+            out = await run.result(timeout=60)
+        assert out == ["ok", "refused"], out
+        assert server.count() == 1
+        usage = await app.usage(run.run_id)
+        assert usage.input_tokens + usage.output_tokens == 60
+
+
+@pytest.mark.parametrize("cache_size", [100, 0])
+async def test_a_batch_in_flight_holds_its_estimate_after_a_replay(
+    app: tether.App, cache_size: int
+) -> None:
+    """A batch running holds its whole estimate against the run's budget, also after
+    the run is replayed (a batch's held estimate is made again on replay): a call the
+    budget has no room for beside it is refused."""
+    from tether.testing import ModelServer, model_reply
+
+    with ModelServer() as server:
+        server.default = lambda body: model_reply("a", input_tokens=10, output_tokens=10)
+        server.batches.complete_after = 1.5
+        gw = ai.Gateway(app, retry=ONE, timeout=10)
+        m = gw.model(
+            "m", ai.openai_compatible("gpt-4o-mini", base_url=server.base_url, api_key="k")
+        )
+
+        async def batch() -> str:
+            res = await ai.batch(
+                m, {"k0": "q0", "k1": "q1"}, poll=0.2, max_poll=0.2, max_tokens=100
+            )
+            return f"results {len(res.results)}"
+
+        async def call() -> str:
+            await tether.sleep(0.5)
+            try:
+                return await ai.complete(m, "one more", settings={"max_tokens": 100})
+            except ai.BudgetExceeded:
+                return "refused"
+
+        @app.workflow
+        async def both() -> list[str]:
+            return list(await tether.gather(batch(), call()))
+
+        async with app.worker(poll_interval=0.02, cache_size=cache_size):
+            # the batch is estimated at ~206 tokens, the call at ~103: not both in 300
+            run = await app.start(both, budget=tether.Budget(tokens=300))
+            out = await run.result(timeout=60)
+        assert out == ["results 2", "refused"], out
+
+
+@pytest.mark.parametrize("kind", ["cost", "tokens"])
+async def test_a_global_daily_budget_checks_runs_without_tenant_or_budget(
+    app: tether.App, kind: str
+) -> None:
+    """A global daily budget (``set_budget()`` without a tenant) checks every call's
+    estimate, a run's without a tenant and without a budget of its own too: it lets
+    calls through while there is room and refuses those that would pass it."""
+    calls: list[int] = []
+    gw = ai.Gateway(app, retry=ONE, prices={"llm": ai.Price(1, 2)})  # $0.012 a call
+    m = gw.model("m", FunctionModel(_answer(calls), model_name="llm"))
+
+    @app.workflow
+    async def ask(text: str) -> str:
+        try:
+            return await ai.complete(m, text, settings={"max_tokens": 1000})
+        except ai.BudgetExceeded as exc:
+            return f"refused {exc.scope} {exc.what}"
+
+    # one call uses 11,000 tokens and $0.012 (estimated at ~1,010 tokens, ~$0.002)
+    if kind == "cost":
+        await gw.set_budget(cost="0.02")
+    else:  # less than one call's estimate: none may go
+        await gw.set_budget(tokens=1000)
+    async with app.worker(poll_interval=0.02):
+        outs = [await (await app.start(ask, f"q{i}")).result(timeout=30) for i in range(3)]
+    if kind == "cost":  # $0.012 + $0.002 fits in $0.02; $0.024 + $0.002 does not
+        assert outs == ["ok", "ok", "refused global cost"], outs
+    else:
+        assert outs == ["refused global tokens"] * 3, outs
+    assert len(calls) == outs.count("ok")
+
+
+@pytest.mark.parametrize("tenant", [None, "acme"])
+async def test_a_batch_is_checked_against_the_global_daily_budget(
+    app: tether.App, tenant: str | None
+) -> None:
+    """``ai.batch`` in a run without a tenant is checked against the global daily
+    budget before it is submitted, as a tenant's run is."""
+    from tether.testing import ModelServer, model_reply
+
+    with ModelServer() as server:
+        server.default = lambda body: model_reply("x", input_tokens=1000, output_tokens=1000)
+        server.batches.complete_after = 0.1
+        gw = ai.Gateway(app, retry=ONE, timeout=10)
+        m = gw.model(
+            "m", ai.openai_compatible("gpt-4o-mini", base_url=server.base_url, api_key="k")
+        )
+
+        @app.workflow
+        async def nightly(n: int) -> str:
+            try:
+                res = await ai.batch(
+                    m, {f"k{i}": f"q{i}" for i in range(n)}, poll=0.1, max_poll=0.1, max_tokens=1000
+                )
+            except ai.BudgetExceeded as exc:
+                return f"refused {exc.scope} {exc.what}"
+            return f"results {len(res.results)}"
+
+        await gw.set_budget(tokens=3000)  # global; 10 items estimated at ~10,030 tokens
+        async with app.worker(poll_interval=0.05):
+            run = await app.start(nightly, 10, **({"tenant": tenant} if tenant else {}))
+            out = await run.result(timeout=60)
+        assert out == "refused global tokens", out
+        assert server.batches.created == 0
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_calls_at_the_same_moment_do_not_pass_a_daily_budget_together(
+    app: tether.App, store_url: str, workers: int
+) -> None:
+    """Runs of one tenant calling at the same moment, in one worker or two (two Apps on
+    one store, each with its own connection): each call reserves its estimate in the
+    day's spend as it is checked (one transaction), so together they stop at the
+    budget instead of all passing its check before any has spent; what an answer used
+    replaces its estimate, and a failed call gives its estimate back."""
+    from tether.testing import ModelServer, model_error, model_reply
+
+    with ModelServer() as server:
+        # what an answer uses is about its estimate (prompt characters / 4 + max_tokens)
+        server.default = lambda body: model_reply(
+            "ok", input_tokens=40, output_tokens=50, delay=0.5
+        )
+
+        def build(on: tether.App) -> tuple[ai.Gateway, Any]:
+            gw = ai.Gateway(on, retry=ONE, timeout=30)
+            m = gw.model(
+                "m",
+                ai.openai_compatible("m", base_url=server.base_url, api_key="k"),
+                price=ai.Price(1, 2),
+            )
+
+            @on.workflow(name="ask")
+            async def ask(text: str) -> str:
+                try:
+                    return await ai.complete(m, text, settings={"max_tokens": 50})
+                except ai.BudgetExceeded as exc:
+                    return f"refused {exc.scope}"
+
+            return gw, ask
+
+        gw, ask = build(app)
+        other = tether.App(store=store_url) if workers == 2 else None
+        if other is not None:
+            build(other)
+        await gw.set_budget(tenant="acme", tokens=500)
+        try:
+            async with contextlib.AsyncExitStack() as stack:
+                for a in (app, other):
+                    if a is not None:
+                        await stack.enter_async_context(a.worker(poll_interval=0.02))
+                runs = [await app.start(ask, f"question {i}", tenant="acme") for i in range(12)]
+                outs = [await r.result(timeout=60) for r in runs]
+        finally:
+            if other is not None and other._store is not None:
+                await other._store.close()
+        ok = outs.count("ok")
+        (budget,) = await gw.budgets()
+        # ~90 tokens an estimate: 5 fit in 500; all 12 passed a check-then-add
+        assert 0 < ok <= 6 and outs.count("refused tenant:acme") == 12 - ok, outs
+        assert server.count() == ok
+        assert budget["spent_tokens"] == 90 * ok  # estimates replaced by what was used
+        # a call that fails gives back what it reserved (the budget raised to let it try)
+        server.default = lambda body: model_error(500, "down")
+        await gw.set_budget(tenant="acme", tokens=10_000)
+        async with app.worker(poll_interval=0.02):
+            failed = await app.start(ask, "one more", tenant="acme")
+            with pytest.raises(tether.WorkflowFailedError):
+                await failed.result(timeout=60)
+        (budget,) = await gw.budgets()
+        assert budget["spent_tokens"] == 90 * ok

@@ -144,7 +144,7 @@ class BatchJobs:
         found = await _find_again(client, key, ctx.run_id, len(items), options.get("since"))
         if found is not None:
             return {"batch_id": found, "found_again": True}
-        await self._check_daily(options)
+        await self._check_daily(ref, items, options)
         lines = []
         for cid, prompt in items.items():
             body: dict[str, Any] = {
@@ -167,12 +167,16 @@ class BatchJobs:
         )
         return {"batch_id": batch.id, "found_again": False}
 
-    async def _check_daily(self, options: dict[str, Any]) -> None:
+    async def _check_daily(
+        self, ref: ModelRef, items: dict[str, str], options: dict[str, Any]
+    ) -> None:
         """Refuse a batch whose whole estimate would pass a daily budget of its run's
-        tenant (or the global one), as a single call's is."""
-        estimate = options.get("estimate")
-        if estimate:
-            await self.gateway.refuse_past_daily(options.get("tenant"), estimate)
+        tenant (or the global one), as a single call's is. A run without a tenant sends
+        no estimate: the batch is estimated here (the global budget checks it too)."""
+        estimate = options.get("estimate") or functools.partial(
+            _estimate, ref, items, options.get("max_tokens")
+        )
+        await self.gateway.refuse_past_daily(options.get("tenant"), estimate)
 
     async def _poll(self, model: str, batch_id: str) -> dict[str, Any]:
         _ref, client = self._client(model)

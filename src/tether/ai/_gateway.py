@@ -652,8 +652,6 @@ class Gateway:
 
     async def _call(self, model: str, request: dict[str, Any]) -> dict[str, Any]:
         """Run one model request; its result is recorded (the response and its cost)."""
-        from pydantic_ai.direct import model_request
-
         ref = self._models.get(model)
         if ref is None:
             raise ModelConfigError(
@@ -676,7 +674,32 @@ class Gateway:
             # over the run's budget unless the cache had it: refused, nothing sent (an
             # answer, not a failure: a budget's refusal is no dead letter)
             return {CACHE_MISS_KEY: request["cache_only"]}
-        scopes = await self._check_daily_budgets(ref, request)
+        scopes, request, reserved = await self._check_daily_budgets(ref, request)
+        try:
+            return await self._send(ref, request, cache_key, scopes, reserved)
+        except BaseException:
+            if "tokens" in reserved:  # no answer: the estimate held is given back
+                giving = asyncio.ensure_future(
+                    self.add_daily_spend(scopes, -reserved["tokens"], -reserved["cost"], reserved)
+                )
+                _SENDING.add(giving)
+                giving.add_done_callback(_SENDING.discard)
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(giving)
+            raise
+
+    async def _send(
+        self,
+        ref: ModelRef,
+        request: dict[str, Any],
+        cache_key: str | None,
+        scopes: tuple[str, ...],
+        reserved: dict[str, Any],
+    ) -> dict[str, Any]:
+        """Send a call the daily budgets let through; its answer's usage replaces the
+        estimate it ``reserved`` in the day's spend of ``scopes``."""
+        from pydantic_ai.direct import model_request
+
         pinned: str | None = request.get("spec")
         built = self._resolve_spec(pinned) if pinned else self._resolve(ref)
         messages = load_messages(request["messages"])
@@ -760,7 +783,11 @@ class Gateway:
             call["pinned"] = pinned
         out = _CallResult({"response": dump_response(response), CALL_KEY: call})
         out.headers = cap.headers
-        await self.add_daily_spend(scopes, tokens_in + tokens_out, _budget_cost(call))
+        held_tokens, held_cost = reserved.pop("tokens", 0), reserved.pop("cost", Decimal(0))
+        await self.add_daily_spend(
+            scopes, tokens_in + tokens_out - held_tokens, _budget_cost(call) - held_cost, reserved
+        )
+        reserved.clear()
         if cache_key is not None:
             await self._step_store().ai_cache_put(cache_key, json.dumps(out), ref.cache_ttl or 0.0)
         return out
@@ -1038,25 +1065,81 @@ class Gateway:
         )
         return scopes, rows
 
-    async def add_daily_spend(self, scopes: tuple[str, ...], tokens: int, cost: Decimal) -> None:
-        """Add what a call (or a batch) used to today's spend of ``scopes``."""
+    async def add_daily_spend(
+        self,
+        scopes: tuple[str, ...],
+        tokens: int,
+        cost: Decimal,
+        reserved: dict[str, Any] | None = None,
+    ) -> None:
+        """Add what a call (or a batch) used to today's spend of ``scopes`` (to the day
+        its estimate was ``reserved`` in, when it was)."""
         if scopes:
             store = self._step_store()
-            await store.add_model_spend(scopes, _day(store.clock()), tokens, str(cost))
+            day = (reserved or {}).get("day") or _day(store.clock())
+            await store.add_model_spend(scopes, day, tokens, str(cost))
 
-    async def _check_daily_budgets(self, ref: ModelRef, request: dict[str, Any]) -> tuple[str, ...]:
-        """The scopes with a daily budget this call counts against; raise when one is spent."""
-        estimate = request.get("estimate") or {"tokens": 0, "cost": None}
-        return await self.refuse_past_daily(request.get("tenant"), estimate)
+    async def _check_daily_budgets(
+        self, ref: ModelRef, request: dict[str, Any]
+    ) -> tuple[tuple[str, ...], dict[str, Any], dict[str, Any]]:
+        """The scopes with a daily budget this call counts against, the request (with
+        the estimate the check used) and what it reserved of their spend (day, tokens,
+        cost: empty when nothing); raise when one has no room for it."""
+        sent = request.get("estimate")
+        if not sent:
+            # a run without a tenant and without a budget of its own sends none: the call
+            # is estimated here, for the global daily budget (an unknown size is no pass)
+            scopes, _rows = await self.daily_scopes(request.get("tenant"))
+            if not scopes:
+                return (), request, {}
+            sent = ref.estimate(request["messages"], request.get("settings"), request.get("params"))
+            request = {**request, "estimate": sent}
+        scopes, reserved = await self.reserve_daily(request.get("tenant"), sent)
+        return scopes, request, reserved
+
+    async def reserve_daily(
+        self, tenant: str | None, estimate: dict[str, Any]
+    ) -> tuple[tuple[str, ...], dict[str, Any]]:
+        """Hold ``estimate`` in today's spend of ``tenant``'s scopes with a daily budget
+        (checked and added in one store transaction, so calls at the same moment cannot
+        pass a budget together); ``DailyBudgetExceeded`` when it has no room. Returns
+        the scopes and what was reserved (to correct to what the call used)."""
+        scopes, _rows = await self.daily_scopes(tenant)
+        if not scopes:
+            return (), {}
+        store = self._step_store()
+        day = _day(store.clock())
+        tokens = int(estimate.get("tokens") or 0)
+        cost = estimate.get("cost")
+        over = await store.reserve_model_spend(
+            scopes, day, tokens, None if cost is None else str(cost)
+        )
+        if over is not None:
+            scope, what, limit, spent_tokens, spent_cost = over
+            raise DailyBudgetExceeded(
+                json.dumps(
+                    {
+                        "scope": scope,
+                        "what": what,
+                        "limit": limit,
+                        "spent": {"tokens": int(spent_tokens), "cost": str(spent_cost)},
+                        "estimate": estimate,
+                    }
+                )
+            )
+        return scopes, {"day": day, "tokens": tokens, "cost": Decimal(cost or 0)}
 
     async def refuse_past_daily(
-        self, tenant: str | None, estimate: dict[str, Any]
+        self, tenant: str | None, estimate: dict[str, Any] | Callable[[], dict[str, Any]]
     ) -> tuple[str, ...]:
-        """The scopes with a daily budget that spending ``estimate`` for ``tenant`` counts
-        against; ``DailyBudgetExceeded`` when it would pass one (a call, a whole batch)."""
+        """The scopes with a daily budget that spending ``estimate`` (or what it returns,
+        asked only when there are such scopes) for ``tenant`` counts against;
+        ``DailyBudgetExceeded`` when it would pass one (a call, a whole batch)."""
         scopes, rows = await self.daily_scopes(tenant)
         if not scopes:
             return ()
+        if callable(estimate):
+            estimate = estimate()
         for b in rows if rows is not None else await self.budgets():
             if b["scope"] not in scopes:
                 continue
@@ -1816,7 +1899,16 @@ def _check_budget(
             raise BudgetExceeded(
                 ref.name, value["what"], value["limit"], value["spent"], value["estimate"]
             )
-        return {"tokens": 0, "cost": None}  # the call was made: it passed then
+        # the call was made: it passed then, and holds what it held then until its
+        # outcome replays (a call still in flight keeps counting against the budget)
+        held = _recorded_hold(recorded)
+        if held is not None:
+            return held
+        estimate = estimated()
+        spent_tokens, spent_cost = tally.committed()
+        if cached and _over(budget.tokens, budget.cost, spent_tokens, spent_cost, estimate):
+            return {"tokens": 0, "cost": None}  # made cache-only then: it held nothing
+        return estimate
     estimate = estimated()
     spent_tokens, spent_cost = tally.committed()  # children's shares included
     over = _over(budget.tokens, budget.cost, spent_tokens, spent_cost, estimate)
@@ -1833,6 +1925,31 @@ def _check_budget(
         inst.record("budget_exceeded", value)
         raise BudgetExceeded(ref.name, over[0], over[1], value["spent"], value["estimate"])
     return estimate
+
+
+def _recorded_hold(recorded: Event) -> dict[str, Any] | None:
+    """What a model call recorded at ``recorded`` held of its run's budget while in
+    flight, read from the request it sent: its estimate, nothing when it went
+    cache-only (None: not a call's request one can read, e.g. sealed or offloaded,
+    or a batch's step; the caller estimates it again)."""
+    if recorded.type is not EventType.ACTIVITY_SCHEDULED:
+        return None
+    args = recorded.data.get("args")
+    positional = args.get("args") if isinstance(args, dict) else None
+    request = positional[-1] if isinstance(positional, list) and positional else None
+    if not isinstance(request, dict) or "messages" not in request:
+        return None
+    if "cache_only" in request:
+        return {"tokens": 0, "cost": None}
+    estimate = request.get("estimate")
+    if not isinstance(estimate, dict):
+        # no estimate sent: the budget check had found it nothing (no tokens, no cost)
+        return {"tokens": 0, "cost": None}
+    tokens, cost = estimate.get("tokens"), estimate.get("cost")
+    return {
+        "tokens": tokens if type(tokens) is int else 0,
+        "cost": None if cost is None else str(cost),
+    }
 
 
 def _over(

@@ -301,6 +301,14 @@ class Store(abc.ABC):
         """Add one call's tokens and cost to each scope's spend of ``day``."""
 
     @abc.abstractmethod
+    async def reserve_model_spend(
+        self, scopes: tuple[str, ...], day: str, tokens: int, cost: str | None
+    ) -> tuple[Any, ...] | None:
+        """Add a call's estimate to each scope's spend of ``day`` unless it would pass one
+        of their budgets (checked and added at once); else (scope, what, limit, tokens
+        spent, cost spent) of the budget it would pass, nothing added."""
+
+    @abc.abstractmethod
     async def create_api_key(
         self, key_id: str, secret_hash: str, name: str | None, tenant: str | None, role: str
     ) -> None:

@@ -554,6 +554,12 @@ class OpsStore(Store):
     ) -> None:
         await self._do(_add_spend, scopes, day, tokens, cost)
 
+    async def reserve_model_spend(
+        self, scopes: tuple[str, ...], day: str, tokens: int, cost: str | None
+    ) -> tuple[Any, ...] | None:
+        out: tuple[Any, ...] | None = await self._do(_reserve_spend, scopes, day, tokens, cost)
+        return out
+
     async def create_api_key(
         self, key_id: str, secret_hash: str, name: str | None, tenant: str | None, role: str
     ) -> None:
@@ -652,6 +658,7 @@ from .ai import (  # noqa: E402
     _cache_get,
     _cache_put,
     _model_budgets,
+    _reserve_spend,
     _set_model_budget,
 )
 from .approvals import _deliver_decision, _get_approval, _list_approvals  # noqa: E402

@@ -113,5 +113,50 @@ def _add_spend(tx: _Tx, scopes: tuple[str, ...], day: str, tokens: int, cost: st
         ).fetchone()
         tx.execute(
             "UPDATE ai_spend SET tokens = ?, cost = ?, updated_at = ? WHERE scope = ? AND day = ?",
-            (int(row[0]) + tokens, str(Decimal(row[1]) + Decimal(cost)), tx.now, scope, day),
+            (int(row[0]) + tokens, _plain(Decimal(row[1]) + Decimal(cost)), tx.now, scope, day),
         )
+
+
+def _reserve_spend(
+    tx: _Tx, scopes: tuple[str, ...], day: str, tokens: int, cost: str | None
+) -> tuple[Any, ...] | None:
+    """Add a call's estimate to each scope's spend of ``day`` if that passes none of
+    their budgets, all in one transaction (the rows locked: calls at the same moment are
+    checked one after the other); else add nothing and return (scope, "tokens" |
+    "cost", limit, tokens spent, cost spent) of the first budget it would pass. A cost
+    of None (a model without a price) could be anything: a cost budget refuses it."""
+    spent: list[tuple[str, int, Decimal]] = []
+    for scope in scopes:
+        tx.execute(
+            "INSERT INTO ai_spend (scope, day, tokens, cost, updated_at) VALUES (?, ?, 0, '0', ?) "
+            "ON CONFLICT (scope, day) DO NOTHING",
+            (scope, day, tx.now),
+        )
+        row = tx.execute(
+            f"SELECT tokens, cost FROM ai_spend WHERE scope = ? AND day = ?{tx.for_update}",
+            (scope, day),
+        ).fetchone()
+        limit = tx.execute(
+            "SELECT tokens, cost FROM ai_budgets WHERE scope = ?", (scope,)
+        ).fetchone()
+        used_tokens, used_cost = int(row[0]), Decimal(row[1])
+        if limit is not None:
+            if limit[0] is not None and used_tokens + tokens > int(limit[0]):
+                return (scope, "tokens", str(limit[0]), used_tokens, str(row[1]))
+            if limit[1] is not None and (
+                cost is None or used_cost + Decimal(cost) > Decimal(limit[1])
+            ):
+                return (scope, "cost", str(limit[1]), used_tokens, str(row[1]))
+        spent.append((scope, used_tokens, used_cost))
+    for scope, used_tokens, used_cost in spent:
+        tx.execute(
+            "UPDATE ai_spend SET tokens = ?, cost = ?, updated_at = ? WHERE scope = ? AND day = ?",
+            (used_tokens + tokens, _plain(used_cost + Decimal(cost or 0)), tx.now, scope, day),
+        )
+    return None
+
+
+def _plain(cost: Decimal) -> str:
+    """A day's cost as stored: without the trailing zeros an estimate added and then
+    taken back leaves (0.0001080 is kept as 0.000108)."""
+    return "0" if cost == 0 else format(cost.normalize(), "f")
