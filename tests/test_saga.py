@@ -802,3 +802,28 @@ async def test_worker_warns_when_it_discards_a_result_because_the_run_ended(
 
 async def _true(value: bool) -> bool:
     return value
+
+
+async def test_saga_steps_settled_at_the_exit_keep_their_names() -> None:
+    """A step the block's exit waited for is undone under the name it was given."""
+    loop = asyncio.get_running_loop()
+    slow: asyncio.Future[str] = loop.create_future()
+    undone: list[str] = []
+
+    async def undo(value: str) -> None:
+        undone.append(value)
+
+    async def fail() -> str:
+        await asyncio.sleep(0)
+        raise RuntimeError("car unavailable")
+
+    saga = tether.saga()
+    with pytest.raises(RuntimeError):
+        async with saga:
+            loop.call_later(0.05, slow.set_result, "hotel")
+            await asyncio.gather(
+                saga.step(slow, undo=undo, name="cancel the hotel"),
+                saga.step(fail(), undo=undo),
+            )
+    assert undone == ["hotel"]
+    assert saga.compensated == ["cancel the hotel (step 1)"]

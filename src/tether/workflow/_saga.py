@@ -69,8 +69,10 @@ class Saga:
 
     def __init__(self) -> None:
         self._undos: list[tuple[str, Callable[[], Awaitable[Any]]]] = []
-        #: steps awaited but not settled yet: (future, its undo, its position)
-        self._in_flight: list[tuple[asyncio.Future[Any], Callable[[Any], Awaitable[Any]], int]] = []
+        #: steps awaited but not settled yet: (future, its undo, its name, its position)
+        self._in_flight: list[
+            tuple[asyncio.Future[Any], Callable[[Any], Awaitable[Any]], str | None, int]
+        ] = []
         self._position = 0  #: steps and add_undo calls so far (labels name their position)
         #: labels (``undo (step n)``) of the undos that ran successfully, in order
         self.compensated: list[str] = []
@@ -97,7 +99,7 @@ class Saga:
                 self._register(undo, result, name, position)
             return result
         fut = asyncio.ensure_future(action)
-        entry = (fut, undo, position)
+        entry = (fut, undo, name, position)
         self._in_flight.append(entry)
         try:
             result = await asyncio.shield(fut)
@@ -134,15 +136,15 @@ class Saga:
             if not done:
                 await self._through_cancels(
                     asyncio.wait(
-                        [f for f, _, _ in self._in_flight], return_when=asyncio.FIRST_COMPLETED
+                        [entry[0] for entry in self._in_flight], return_when=asyncio.FIRST_COMPLETED
                     )
                 )
                 continue
             for entry in done:
                 self._in_flight.remove(entry)
-                fut, undo, position = entry
+                fut, undo, label, position = entry
                 if not fut.cancelled() and fut.exception() is None:
-                    self._register(undo, fut.result(), None, position)
+                    self._register(undo, fut.result(), label, position)
 
     async def compensate(self) -> list[dict[str, str]]:
         """Run every registered undo, newest first; return the failures.
