@@ -805,25 +805,27 @@ async def _true(value: bool) -> bool:
 
 
 async def test_saga_steps_settled_at_the_exit_keep_their_names() -> None:
-    """A step the block's exit waited for is undone under the name it was given."""
+    """A step the block's exit waited for (its own await cancelled) is undone under the
+    name it was given."""
     loop = asyncio.get_running_loop()
     slow: asyncio.Future[str] = loop.create_future()
     undone: list[str] = []
+    saga = tether.saga()
 
     async def undo(value: str) -> None:
         undone.append(value)
 
-    async def fail() -> str:
-        await asyncio.sleep(0)
-        raise RuntimeError("car unavailable")
-
-    saga = tether.saga()
-    with pytest.raises(RuntimeError):
+    async def block() -> None:
         async with saga:
-            loop.call_later(0.05, slow.set_result, "hotel")
-            await asyncio.gather(
-                saga.step(slow, undo=undo, name="cancel the hotel"),
-                saga.step(fail(), undo=undo),
-            )
+            await saga.step(slow, undo=undo, name="cancel the hotel")
+
+    task = asyncio.ensure_future(block())
+    await asyncio.sleep(0.01)
+    task.cancel()
+    await asyncio.sleep(0.01)
+    assert not task.done()  # the exit waits for the step in flight
+    slow.set_result("hotel")
+    with pytest.raises(asyncio.CancelledError):
+        await task
     assert undone == ["hotel"]
     assert saga.compensated == ["cancel the hotel (step 1)"]
