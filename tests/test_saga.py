@@ -9,6 +9,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -515,3 +516,316 @@ async def test_saga_history_of_an_old_second_cancel_replays_as_recorded(db_path:
     ]
     report = check_history(app, history)
     assert report.ok, report.diff()
+
+
+# -- a step still in flight when the block exits ----------------------------------------------
+
+
+def _charging_app(app: tether.App) -> list[str]:
+    """``book(x)``: a saga that reserves, then charges (a sync call of 1 s that does not
+    look at ``is_cancelled``: the money moves anyway); returns the effects list."""
+    effects: list[str] = []
+
+    @app.activity(retry=ONCE)
+    def reserve(x: str) -> str:
+        effects.append("reserve")
+        return "hold-" + x
+
+    @app.activity(retry=ONCE)
+    def release(h: str) -> None:
+        effects.append("release")
+
+    @app.activity(retry=ONCE)
+    def charge(x: str) -> str:
+        time.sleep(1.0)
+        effects.append("charge")
+        return "ch-" + x
+
+    @app.activity(retry=ONCE)
+    def refund(c: str) -> None:
+        effects.append("refund")
+
+    @app.workflow
+    async def book(x: str) -> str:
+        async with tether.saga() as s:
+            h = await s.step(reserve(x), undo=release)
+            c = await s.step(charge(x), undo=refund)
+            return h + c
+
+    return effects
+
+
+@pytest.mark.parametrize("how", ["cancel", "deadline"])
+async def test_saga_cancel_or_deadline_during_a_step_waits_for_it_and_undoes_it(
+    app: tether.App, worker: tether.Worker, how: str
+) -> None:
+    """Before, the step in flight was told to stop and forgotten: its charge went through
+    and was never refunded (effects reserve, release, charge). Now the saga waits for it,
+    then undoes it and the older steps, newest first, each once."""
+    effects = _charging_app(app)
+    book = app.get_workflow("book")
+    run = await app.start(book, "a", deadline=0.5 if how == "deadline" else None)
+    if how == "cancel":
+
+        async def charging() -> bool:
+            return any(
+                e.type is EventType.ACTIVITY_SCHEDULED and e.data["name"] == "charge"
+                for e in await app.history(run.run_id)
+            )
+
+        await eventually(charging, what="the charge running")
+        await asyncio.sleep(0.3)
+        await app.cancel(run.run_id, "gave up")
+    expected = tether.RunCancelledError if how == "cancel" else tether.RunTimedOutError
+    with pytest.raises(expected):
+        await run.result(timeout=10)
+    assert effects == ["reserve", "charge", "refund", "release"]
+    history = await app.history(run.run_id)
+    assert EventType.ACTIVITY_CANCEL_REQUESTED not in [e.type for e in history]
+    assert check_history(app, history).ok
+
+
+async def test_saga_gather_of_steps_one_failing_fast_undoes_every_completed_step_once(
+    app: tether.App, worker: tether.Worker
+) -> None:
+    """Before, the hotel (still booking when the car failed) was booked and never undone."""
+    effects: list[str] = []
+
+    @app.activity(retry=ONCE)
+    def book(what: str, secs: float, fail: bool) -> str:
+        time.sleep(secs)
+        if fail:
+            raise tether.NonRetryable(f"{what} unavailable")
+        effects.append(f"book {what}")
+        return what
+
+    @app.activity(retry=ONCE)
+    def cancel_booking(what: str) -> None:
+        effects.append(f"undo {what}")
+
+    @app.workflow
+    async def trip() -> list[str]:
+        async with tether.saga() as s:
+            return await tether.gather(
+                s.step(book("flight", 0.1, False), undo=cancel_booking),
+                s.step(book("hotel", 0.8, False), undo=cancel_booking),
+                s.step(book("car", 0.3, True), undo=cancel_booking),
+            )
+
+    run = await app.start(trip)
+    with pytest.raises(tether.WorkflowFailedError) as ei:
+        await run.result(timeout=10)
+    assert "car unavailable" in (ei.value.error or "")
+    # undone newest first by completion: the hotel finished last
+    assert sorted(effects[:2]) == ["book flight", "book hotel"]
+    assert effects[2:] == ["undo hotel", "undo flight"]
+    assert check_history(app, await app.history(run.run_id)).ok
+
+
+async def test_saga_continue_as_new_inside_the_block_keeps_the_steps(
+    app: tether.App, worker: tether.Worker
+) -> None:
+    """Before, continue_as_new counted as a failure: every run released what it reserved."""
+    effects: list[str] = []
+
+    @app.activity
+    def reserve(i: int) -> int:
+        effects.append(f"reserve{i}")
+        return i
+
+    @app.activity
+    def release(i: int) -> None:
+        effects.append(f"release{i}")
+
+    @app.workflow
+    async def batch(i: int) -> int:
+        async with tether.saga() as s:
+            await s.step(reserve(i), undo=release)
+            if i < 2:
+                tether.continue_as_new(i + 1)
+            return i
+
+    run = await app.start(batch, 0)
+    assert await run.result(timeout=10) == 2
+    assert effects == ["reserve0", "reserve1", "reserve2"]
+
+
+async def test_saga_failing_undos_name_their_step(app: tether.App, worker: tether.Worker) -> None:
+    """With one shared undo activity the failures read ``undo: ...`` twice: which step?"""
+
+    @app.activity
+    def do(i: int) -> int:
+        return i
+
+    @app.activity(retry=ONCE)
+    def undo(i: int) -> None:
+        raise tether.NonRetryable(f"cannot undo {i}")
+
+    @app.activity(retry=ONCE)
+    def boom() -> None:
+        raise tether.NonRetryable("boom")
+
+    @app.workflow
+    async def two() -> None:
+        async with tether.saga() as s:
+            await s.step(do(1), undo=undo)
+            await s.step(do(2), undo=undo)
+            await boom()
+
+    run = await app.start(two)
+    with pytest.raises(tether.RunNeedsInterventionError):
+        await run.result(timeout=10)
+    info = await app.get(run.run_id)
+    assert info.error is not None
+    message = info.error["message"]
+    assert "undo (step 2): ActivityError" in message
+    assert "undo (step 1): ActivityError" in message
+
+
+#: a history written before a saga waited for its steps in flight: the cancel told the
+#: charge to stop (ActivityCancelRequested) and only the reservation was released
+_OLD_FORGOTTEN_STEP: list[tuple[str, int | None, dict[str, Any]]] = [
+    ("WorkflowStarted", None, {"workflow": "book", "input": {"args": ["a"], "kwargs": {}}}),
+    ("ActivityScheduled", 1, {"name": "reserve", "queue": "default"}),
+    ("WorkflowTaskCompleted", None, {"through": 1, "time": 10.0}),
+    ("ActivityCompleted", 1, {"attempt": 1, "result": "hold-a"}),
+    ("ActivityScheduled", 2, {"name": "charge", "queue": "default"}),
+    ("WorkflowTaskCompleted", None, {"through": 4, "time": 10.1}),
+    ("CancelRequested", None, {"reason": "gave up"}),
+    ("ActivityCancelRequested", 3, {"activity_step": 2}),
+    ("PatchMarker", 4, {"patch_id": "tether.saga-rollback-shielded"}),
+    ("ActivityScheduled", 5, {"name": "release", "queue": "default"}),
+    ("WorkflowTaskCompleted", None, {"through": 7, "time": 10.6}),
+    ("ActivityCompleted", 5, {"attempt": 1, "result": None}),
+    ("WorkflowCancelled", 6, {"error": None}),
+    ("WorkflowTaskCompleted", None, {"through": 12, "time": 10.7}),
+]
+
+
+async def test_saga_history_of_an_old_forgotten_step_replays_as_recorded(db_path: Path) -> None:
+    app = tether.App(store=f"sqlite:///{db_path}")
+    _charging_app(app)
+    history = [
+        Event(run_id="old", seq=seq, type=EventType(t), step=step, data=data, created_at=10.0)
+        for seq, (t, step, data) in enumerate(_OLD_FORGOTTEN_STEP, start=1)
+    ]
+    report = check_history(app, history)
+    assert report.ok, report.diff()
+
+
+def _batch_app(app: tether.App) -> None:
+    """``batch(i)``: reserves ``i`` in a saga and continues as new inside the block."""
+
+    @app.activity
+    def reserve(i: int) -> int:
+        return i
+
+    @app.activity
+    def release(i: int) -> None:
+        return None
+
+    @app.workflow
+    async def batch(i: int) -> int:
+        async with tether.saga() as s:
+            await s.step(reserve(i), undo=release)
+            if i < 2:
+                tether.continue_as_new(i + 1)
+            return i
+
+
+#: a history written before continue_as_new kept a saga's steps: the undo ran first
+_OLD_CONTINUE_IN_SAGA: list[tuple[str, int | None, dict[str, Any]]] = [
+    ("WorkflowStarted", None, {"workflow": "batch", "input": {"args": [0], "kwargs": {}}}),
+    ("ActivityScheduled", 1, {"name": "reserve", "queue": "default"}),
+    ("WorkflowTaskCompleted", None, {"through": 1, "time": 10.0}),
+    ("ActivityCompleted", 1, {"attempt": 1, "result": 0}),
+    ("PatchMarker", 2, {"patch_id": "tether.saga-rollback-shielded"}),
+    ("ActivityScheduled", 3, {"name": "release", "queue": "default"}),
+    ("WorkflowTaskCompleted", None, {"through": 4, "time": 10.1}),
+    ("ActivityCompleted", 3, {"attempt": 1, "result": None}),
+    ("ContinuedAsNew", 4, {"next_run_id": "old-2"}),
+    ("WorkflowTaskCompleted", None, {"through": 8, "time": 10.2}),
+]
+
+
+async def test_saga_history_of_an_old_continue_in_a_saga_replays_as_recorded(
+    db_path: Path,
+) -> None:
+    app = tether.App(store=f"sqlite:///{db_path}")
+    _batch_app(app)
+    history = [
+        Event(run_id="old", seq=seq, type=EventType(t), step=step, data=data, created_at=10.0)
+        for seq, (t, step, data) in enumerate(_OLD_CONTINUE_IN_SAGA, start=1)
+    ]
+    report = check_history(app, history)
+    assert report.ok, report.diff()
+
+
+async def test_worker_warns_when_it_discards_a_result_because_the_run_ended(
+    app: tether.App, worker: tether.Worker, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A step outside a saga, cancelled while its sync call runs: the call finishes, its
+    result is refused. Before, only the tether_lease_lost counter said so."""
+    finished: list[str] = []
+
+    @app.activity(retry=ONCE)
+    def charge(x: str) -> str:
+        time.sleep(0.8)
+        finished.append(x)
+        return x
+
+    @app.workflow
+    async def pay(x: str) -> str:
+        return await charge(x)
+
+    run = await app.start(pay, "card-1")
+
+    async def charging() -> bool:
+        return any(e.type is EventType.ACTIVITY_SCHEDULED for e in await app.history(run.run_id))
+
+    await eventually(charging, what="the charge scheduled")
+    await asyncio.sleep(0.2)
+    await app.cancel(run.run_id, "gave up")
+    with pytest.raises(tether.RunCancelledError):
+        await run.result(timeout=10)
+    await eventually(lambda: _true(bool(finished)), what="the charge finished")
+
+    async def warned() -> bool:
+        return any(
+            r.levelname == "WARNING" and "was discarded" in r.getMessage() for r in caplog.records
+        )
+
+    await eventually(warned, what="the warning")
+    line = next(r.getMessage() for r in caplog.records if "was discarded" in r.getMessage())
+    assert "'charge'" in line and run.run_id in line and "cancelled" in line
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+async def test_saga_steps_settled_at_the_exit_keep_their_names() -> None:
+    """A step the block's exit waited for (its own await cancelled) is undone under the
+    name it was given."""
+    loop = asyncio.get_running_loop()
+    slow: asyncio.Future[str] = loop.create_future()
+    undone: list[str] = []
+    saga = tether.saga()
+
+    async def undo(value: str) -> None:
+        undone.append(value)
+
+    async def block() -> None:
+        async with saga:
+            await saga.step(slow, undo=undo, name="cancel the hotel")
+
+    task = asyncio.ensure_future(block())
+    await asyncio.sleep(0.01)
+    task.cancel()
+    await asyncio.sleep(0.01)
+    assert not task.done()  # the exit waits for the step in flight
+    slow.set_result("hotel")
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert undone == ["hotel"]
+    assert saga.compensated == ["cancel the hotel (step 1)"]

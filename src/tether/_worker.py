@@ -1583,6 +1583,7 @@ class Worker:
                     await self._give_back_unknown(task, since)
                 else:
                     self._lease_lost()
+                    await self._discarded(task, what)
                 return
             except StoreError as exc:
                 if tries < len(COMPLETE_RETRY_PAUSES):
@@ -1681,6 +1682,28 @@ class Worker:
         if attempt:
             mark_lease_lost()
 
+    async def _discarded(self, task: Task, what: str) -> None:
+        """Warn when an activity's ``what`` (result, failure) was refused because its run
+        had ended (a cancel, the deadline): the step's effect happened and no history
+        shows it, so an operator may have to undo it by hand."""
+        try:
+            info = await self.app.store.get_run(task.run_id, lenient=True)
+        except StoreError:
+            return
+        if info is None or not info.status.is_terminal:
+            return  # its lease had passed: the step runs again elsewhere
+        log.warning(
+            "the %s of activity %r (step %s, attempt %s) of run %r was discarded: the run "
+            "had already ended %s, so nothing records that this step ran",
+            what,
+            task.name,
+            task.step,
+            task.attempt,
+            task.run_id,
+            info.status.value,
+            extra={"run_id": task.run_id},
+        )
+
     def _switched_off(self, inst: WorkflowInstance) -> bool:
         """Whether a kill switch stops ``inst``'s run: its workflow or tenant is off."""
         started = inst.started
@@ -1747,6 +1770,7 @@ class Worker:
         except LeaseLostError:
             inst.close()
             self._lease_lost()
+            await self._discarded(task, "result")
             return True
         except StoreError as exc:
             inst.close()

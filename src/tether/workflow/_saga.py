@@ -14,6 +14,10 @@ succeeds the original error propagates; if any undo fails, the remaining undos
 still run and ``CompensationFailed`` carries both the original error and every
 undo failure, which ends the run ``needs_intervention`` and calls the App's
 alert hook.
+
+A step still running when the block exits (a cancel, the deadline, a sibling failing
+first in ``tether.gather``) is waited for, not told to stop, and undone if it
+succeeded. ``continue_as_new`` leaves the block like a ``return``: the steps stand.
 """
 
 from __future__ import annotations
@@ -32,6 +36,16 @@ T = TypeVar("T")
 #: its end whatever cancel or deadline comes meanwhile (histories whose rollback began
 #: without it replay the old way: a cancel then cut the undo in flight)
 SHIELDED_ROLLBACK = "tether.saga-rollback-shielded"
+
+#: the patch marker a saga records at its first step: from then on a step still in
+#: flight when the block exits (a cancel, the deadline, a failing sibling in
+#: ``tether.gather``) is waited for, not told to stop, and undone if it succeeded
+#: (histories without it replay the old way: the step was cancelled and forgotten)
+IN_FLIGHT_STEPS = "tether.saga-waits-in-flight-steps"
+
+#: the patch marker a saga records when ``continue_as_new`` leaves its block: the steps
+#: are kept, like a ``return`` (histories without it replay the old way: the undos ran)
+CONTINUE_KEEPS_STEPS = "tether.saga-continue-as-new-keeps-steps"
 
 
 class CompensationFailed(TetherError):
@@ -55,7 +69,13 @@ class Saga:
 
     def __init__(self) -> None:
         self._undos: list[tuple[str, Callable[[], Awaitable[Any]]]] = []
-        self.compensated: list[str] = []  #: undo names that ran successfully, in order
+        #: steps awaited but not settled yet: (future, its undo, its name, its position)
+        self._in_flight: list[
+            tuple[asyncio.Future[Any], Callable[[Any], Awaitable[Any]], str | None, int]
+        ] = []
+        self._position = 0  #: steps and add_undo calls so far (labels name their position)
+        #: labels (``undo (step n)``) of the undos that ran successfully, in order
+        self.compensated: list[str] = []
         #: the cancellation (a cancel request, the deadline) that came during the
         #: rollback: raised once every undo has run
         self.interrupted: asyncio.CancelledError | None = None
@@ -67,17 +87,64 @@ class Saga:
         *,
         name: str | None = None,
     ) -> T:
-        """Await ``action``; once it succeeded, register ``undo(result)`` to compensate it."""
-        result = await action
-        if undo is not None:
-            label = name or getattr(undo, "name", None) or getattr(undo, "__name__", "undo")
-            self._undos.append((str(label), lambda: undo(result)))
+        """Await ``action``; once it succeeded, register ``undo(result)`` to compensate it.
+
+        If the block exits while ``action`` still runs, the exit waits for it (the step
+        is not told to stop) and registers its undo if it succeeded."""
+        self._position += 1
+        position = self._position
+        if undo is None or not _patched(IN_FLIGHT_STEPS):
+            result = await action
+            if undo is not None:
+                self._register(undo, result, name, position)
+            return result
+        fut = asyncio.ensure_future(action)
+        entry = (fut, undo, name, position)
+        self._in_flight.append(entry)
+        try:
+            result = await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            if fut.cancelled() and entry in self._in_flight:
+                self._in_flight.remove(entry)
+            raise  # the step goes on: the block's exit waits for it and undoes it
+        except BaseException:
+            if entry in self._in_flight:
+                self._in_flight.remove(entry)
+            raise
+        if entry in self._in_flight:  # not already taken over by the block's exit
+            self._in_flight.remove(entry)
+            self._register(undo, result, name, position)
         return result
+
+    def _register(
+        self, undo: Callable[[Any], Awaitable[Any]], result: Any, name: str | None, position: int
+    ) -> None:
+        label = name or getattr(undo, "name", None) or getattr(undo, "__name__", "undo")
+        self._undos.append((f"{label} (step {position})", lambda: undo(result)))
 
     def add_undo(self, undo: Callable[[], Awaitable[Any]], *, name: str | None = None) -> None:
         """Register a compensation directly (called with no arguments)."""
+        self._position += 1
         label = name or getattr(undo, "__name__", "undo")
-        self._undos.append((str(label), undo))
+        self._undos.append((f"{label} (step {self._position})", undo))
+
+    async def _settle(self) -> None:
+        """Wait for every step still in flight (a cancel meanwhile is kept in
+        ``interrupted``); register the undo of each that succeeded, in completion order."""
+        while self._in_flight:
+            done = [entry for entry in self._in_flight if entry[0].done()]
+            if not done:
+                await self._through_cancels(
+                    asyncio.wait(
+                        [entry[0] for entry in self._in_flight], return_when=asyncio.FIRST_COMPLETED
+                    )
+                )
+                continue
+            for entry in done:
+                self._in_flight.remove(entry)
+                fut, undo, label, position = entry
+                if not fut.cancelled() and fut.exception() is None:
+                    self._register(undo, fut.result(), label, position)
 
     async def compensate(self) -> list[dict[str, str]]:
         """Run every registered undo, newest first; return the failures.
@@ -97,10 +164,10 @@ class Saga:
                     await undo()
             except Exception as exc:
                 failures.append({"undo": label, "error": f"{type(exc).__name__}: {exc}"})
-                _count(label, "failed")
+                _count(_name_of(label), "failed")
             else:
                 self.compensated.append(label)
-                _count(label, "ok")
+                _count(_name_of(label), "ok")
         return failures
 
     async def _through_cancels(self, undo: Awaitable[Any]) -> Any:
@@ -124,16 +191,41 @@ class Saga:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool:
+        from ._instance import ContinueAsNew  # (it imports this module)
+
+        if self._in_flight:  # a failing sibling in a gather, a cancel, the deadline
+            await self._settle()
+        cut = False  # a cancel came while the block waited for its steps: it ends so
+        if self.interrupted is not None and (exc is None or isinstance(exc, ContinueAsNew)):
+            exc, cut = self.interrupted, True
         if exc is None:
             self._undos.clear()
+            return False
+        if isinstance(exc, ContinueAsNew) and _patched(CONTINUE_KEEPS_STEPS):
+            self._undos.clear()  # like a return: the steps stand, the next run has no undos
             return False
         failures = await self.compensate()
         if failures:
             original = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             raise CompensationFailed(original, failures) from exc
+        if cut:
+            raise exc
         if self.interrupted is not None and not isinstance(exc, asyncio.CancelledError):
             raise self.interrupted  # the run was cancelled while it rolled back: it ends so
         return False
+
+
+def _patched(patch_id: str) -> bool:
+    """Whether the running workflow takes change ``patch_id`` (outside one: yes)."""
+    inst: Any = running.get()
+    if inst is None or not hasattr(inst, "patched"):
+        return True
+    return bool(inst.patched(patch_id))
+
+
+def _name_of(label: str) -> str:
+    """The undo's own name in ``label`` (metrics are labelled by it, not the position)."""
+    return label.rsplit(" (step ", 1)[0]
 
 
 def _count(undo: str, outcome: str) -> None:
