@@ -64,6 +64,7 @@ from ._pg_session import _ID_BLOCK, _Session
 from .base import Finished, HistoryListener, Listener, StreamListener, worker_id_in_use
 from .ops import OpsStore
 from .ops._tx import ENCRYPTED_BEFORE, OFFLOADED_BEFORE, Op, SealState, _Tx
+from .ops.ai import _add_spend, _reserve_spend
 from .ops.claims import _claim, _claim_with_wake
 from .ops.tasks import _heartbeat, _renew
 
@@ -157,7 +158,10 @@ _RETRYABLE = (
 )
 _MAX_BATCH_ATTEMPTS = 8
 _CLAIMS: frozenset[Op] = frozenset({_claim, _claim_with_wake})
-_SOLO: frozenset[Op] = frozenset({_renew})  #: run alone, giving up row locks quickly
+#: run alone, giving up row locks quickly: lease renewals (many task rows), and a model
+#: call's daily-spend writes (a tenant's row, then the global one: in a batch with other
+#: tenants' writes they would close lock cycles between writer threads)
+_SOLO: frozenset[Op] = frozenset({_renew, _reserve_spend, _add_spend})
 _SOLO_LOCK_TIMEOUT_MS = 200
 _MAX_SOLO_ATTEMPTS = 100
 _MAX_OP_ATTEMPTS = 3  #: re-runs of one operation after a unique violation (racing insert)
