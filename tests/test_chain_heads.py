@@ -105,6 +105,11 @@ async def test_a_chain_still_answers_when_its_head_row_is_missing(
     await store._do(lambda tx: tx.execute("INSERT INTO chains VALUES ('c', 'c~9')"))
     assert (await app.get("c~1")).run_id == "c~3"
     assert (await app.store.signal("c", "noise", "1"))[0] == "c~3"
+    # a head that is not the latest (as one that continued after it was read): the
+    # run found continued once locked sends the lookup on
+    await store._do(lambda tx: tx.execute("UPDATE chains SET head_run_id = 'c~1'"))
+    assert (await app.store.signal("c", "noise", "2"))[0] == "c~3"
+    assert (await app.get("c")).run_id == "c~3"
 
 
 async def _head_rows(app: tether.App) -> list[tuple[str, str]]:
