@@ -61,6 +61,7 @@ NEWER_TABLES = (
     "signal_ids",  # version 11
     "seal_keys",  # version 12
     "blob_deletions",  # version 13
+    "chains",  # version 14
 )
 
 

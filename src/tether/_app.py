@@ -137,6 +137,15 @@ class Run(Generic[R]):
     def __repr__(self) -> str:
         return f"<Run {self.run_id}>"
 
+    async def _chain_head(self, run_id: str) -> str:
+        """The latest run of the chain ``run_id`` belongs to (one read, whatever the
+        chain's length), or ``run_id`` itself when that read fails: waited for next."""
+        try:
+            head = await self.app.store.get_run(run_id, follow=True, lenient=True)
+        except StoreError:  # an outage: waiting on the next link waits it out
+            return run_id
+        return run_id if head is None else head.run_id
+
     async def info(self) -> RunInfo:
         """The run's current state."""
         return await self.app.get(self.run_id)
@@ -155,7 +164,7 @@ class Run(Generic[R]):
         while True:
             info = await self.app._wait_finished(run_id, deadline, self._may_not_exist)
             if info.status is RunStatus.CONTINUED_AS_NEW and info.continued_to:
-                run_id = info.continued_to
+                run_id = await self._chain_head(info.continued_to)
                 continue
             break
         if info.status is RunStatus.COMPLETED:

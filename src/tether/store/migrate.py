@@ -59,6 +59,7 @@ _SHARED_TABLES: dict[str, tuple[str, ...]] = {
     "ai_spend": ("scope", "day"),
     "usage_days": ("tenant", "day"),
     "seal_keys": ("key_id",),  # the fingerprints of the keys the payloads copied are under
+    "chains": ("chain_id",),  # each continue-as-new chain's latest run
 }
 #: tables of rows with no key of their own: copied whole into a target that has none
 _LOG_TABLES = ("audit_log", "usage_deltas")

@@ -63,7 +63,7 @@ from ._handoff import LoopFuture, Outcome, deliver
 from ._pg_session import _ID_BLOCK, _Session
 from .base import Finished, HistoryListener, Listener, StreamListener, worker_id_in_use
 from .ops import OpsStore
-from .ops._tx import ENCRYPTED_BEFORE, OFFLOADED_BEFORE, Op, SealState, _Tx
+from .ops._tx import CHAINS, ENCRYPTED_BEFORE, OFFLOADED_BEFORE, Op, SealState, _Tx
 from .ops.ai import _add_spend, _reserve_spend
 from .ops.claims import _claim, _claim_with_wake
 from .ops.tasks import _heartbeat, _renew
@@ -71,7 +71,7 @@ from .ops.tasks import _heartbeat, _renew
 log = logging.getLogger("tether.store")
 
 
-_SCHEMA_VERSION = 13
+_SCHEMA_VERSION = 14
 #: statements that bring a store of the version before up to this one
 _UPGRADES: dict[int, tuple[str, ...]] = {
     2: ("ALTER TABLE runs ADD COLUMN IF NOT EXISTS waiting_on TEXT",),
@@ -148,6 +148,7 @@ _UPGRADES: dict[int, tuple[str, ...]] = {
         "CREATE TABLE IF NOT EXISTS blob_deletions (ref TEXT PRIMARY KEY, spare_from "
         "DOUBLE PRECISION NOT NULL, noted_at DOUBLE PRECISION NOT NULL)",
     ),
+    14: CHAINS,  # each continue-as-new chain's head, for chains made before it
 }
 #: task columns added during development, missing from schemas made by older builds
 _TASK_COLUMNS = ("priority", "limit_key", "heartbeat_timeout", "dependency", "batch_key")

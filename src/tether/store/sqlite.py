@@ -36,7 +36,7 @@ from ._counters import SQLITE as COUNTERS
 from ._handoff import LoopFuture, deliver
 from .base import Finished, HistoryListener, Listener, StreamListener, worker_id_in_use
 from .ops import OpsStore
-from .ops._tx import ENCRYPTED_BEFORE, OFFLOADED_BEFORE, Op, SealState, _Tx
+from .ops._tx import CHAINS, ENCRYPTED_BEFORE, OFFLOADED_BEFORE, Op, SealState, _Tx
 from .ops.runs import _get_run
 from .ops.tasks import _heartbeat
 
@@ -58,13 +58,14 @@ _OWN_TABLES = {
     "approvals",
     "seal_keys",
     "blob_deletions",
+    "chains",
     *COUNT_TABLES,
 }
 
 #: tables every tether store has had since its first schema version
 _CORE_TABLES = {"runs", "events", "tasks"}
 
-_SCHEMA_VERSION = 13
+_SCHEMA_VERSION = 14
 #: statements that bring a store of the version before up to this one
 _UPGRADES: dict[int, tuple[str, ...]] = {
     2: ("ALTER TABLE runs ADD COLUMN waiting_on TEXT",),
@@ -139,6 +140,7 @@ _UPGRADES: dict[int, tuple[str, ...]] = {
         "CREATE TABLE IF NOT EXISTS blob_deletions (ref TEXT PRIMARY KEY, spare_from "
         "REAL NOT NULL, noted_at REAL NOT NULL)",
     ),
+    14: CHAINS,  # each continue-as-new chain's head, for chains made before it
 }
 
 

@@ -58,6 +58,21 @@ OFFLOADED_BEFORE = (
 )
 #: what clears that row in a store known to be plain whose blob cannot be read
 CLEAR_OFFLOADED_MARK = "DELETE FROM seal_keys WHERE key_id = '' AND fingerprint <> ''"
+#: the schema upgrade that adds ``chains`` (each continue-as-new chain's latest run, by
+#: its first id): every chain made before it gets its row. A chain's head is the run a
+#: continued run continued into that has not continued itself; its ids are its first
+#: id with ``~1``, ``~2``, ... (the first id holds no ``~``), so the chain's id is the
+#: head's id up to its last ``~`` (what ``chain_of`` says). One pass over the runs,
+#: each continued run's successor read by primary key: the same on both databases.
+CHAINS = (
+    "CREATE TABLE IF NOT EXISTS chains (chain_id TEXT PRIMARY KEY, head_run_id TEXT NOT NULL)",
+    "INSERT INTO chains (chain_id, head_run_id) "
+    "SELECT substr(rtrim(h.run_id, '0123456789'), 1, "
+    "length(rtrim(h.run_id, '0123456789')) - 1), h.run_id "
+    "FROM runs p JOIN runs h ON h.run_id = p.continued_to "
+    "WHERE p.status = 'continued_as_new' AND h.continued_to IS NULL "
+    "ON CONFLICT (chain_id) DO NOTHING",
+)
 
 
 @dataclass

@@ -16,14 +16,51 @@ from ._tx import _Tx
 _MAX_CHAIN = 1_000_000
 
 
+def _chain_head(tx: _Tx, run_id: str) -> str | None:
+    """The latest run of ``run_id``'s continue-as-new chain as the ``chains`` table
+    records it, when that is further along the chain than ``run_id`` (else None).
+
+    One primary-key read, whatever the chain's length: what lets an operation on any
+    link reach the live run without reading (or locking) the links in between."""
+    first, n = chain_of(run_id)
+    row = tx.execute("SELECT head_run_id FROM chains WHERE chain_id = ?", (first,)).fetchone()
+    if row is None:
+        return None
+    base, k = chain_of(row[0])
+    return row[0] if base == first and k > n else None
+
+
+def _next_link(tx: _Tx, run_id: str, continued_to: str, jump: bool) -> str:
+    """Where to look next from ``run_id``, which continued as new into ``continued_to``:
+    the chain's recorded head when ``jump`` and it lies beyond, else the next link."""
+    head = _chain_head(tx, run_id) if jump else None
+    return head if head is not None else continued_to
+
+
+def _note_chain_head(tx: _Tx, run_id: str, nxt: str) -> None:
+    """Record ``nxt`` as the latest run of ``run_id``'s chain (``run_id`` continued as
+    new into it), in the transaction that commits the continue-as-new."""
+    tx.execute(
+        "INSERT INTO chains (chain_id, head_run_id) VALUES (?, ?) "
+        "ON CONFLICT (chain_id) DO UPDATE SET head_run_id = excluded.head_run_id",
+        (chain_of(run_id)[0], nxt),
+    )
+
+
 def _live_run(tx: _Tx, run_id: str, action: str) -> tuple[str, tuple[Any, ...]]:
     """The run an operation on ``run_id`` acts on, with its ``_run_row``, locked.
 
-    A run that continued as new answers to its first id: the chain is followed to its
-    live run. Each row is read under a row lock (PostgreSQL), so a run finishing or
-    continuing concurrently is seen as it is after that commit, never overwritten.
+    A run that continued as new answers to its first id (and to every other id of its
+    chain): the operation goes to the chain's head as ``chains`` records it, reading
+    (and locking) only the run addressed and that head. The head's row is read under a
+    row lock (PostgreSQL), then checked to be live still: a head that continued
+    meanwhile sends the lookup on to the new head, so a run finishing or continuing
+    concurrently is seen as it is after that commit, never overwritten. A chain
+    without its row (or one that disagrees) is followed link by link, as before.
     """
     rid = run_id
+    jump = True
+    fallback: str | None = None  # the next link, should the recorded head be missing
     for _ in range(_MAX_CHAIN):
         row = tx.execute(
             "SELECT status, queue, parent_run_id, parent_step, workflow, tenant, continued_to "
@@ -31,9 +68,14 @@ def _live_run(tx: _Tx, run_id: str, action: str) -> tuple[str, tuple[Any, ...]]:
             (rid,),
         ).fetchone()
         if row is None:
+            if fallback is not None:  # a stale head (its run removed): follow the links
+                rid, fallback, jump = fallback, None, False
+                continue
             raise _not_found(tx, run_id)
         if row[0] == RunStatus.CONTINUED_AS_NEW.value and row[6]:
-            rid = row[6]
+            nxt = _next_link(tx, rid, row[6], jump)
+            fallback = row[6] if nxt != row[6] else None
+            rid = nxt
             continue
         if RunStatus(row[0]).is_terminal:
             raise RunFinishedError(rid, row[0], action)

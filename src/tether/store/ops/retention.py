@@ -167,6 +167,13 @@ def _remove(
     # what the DELETE removed, not how many ids were found: on PostgreSQL an erasure's
     # runs may be removed by a purge (or the other way round) between the two
     counts["runs"] = _deleted(tx, f"FROM runs WHERE run_id IN ({marks})", ids)
+    # a chain whose latest run went (with the rest of it: retention keeps chains whole)
+    chains = sorted({chain_of(i)[0] for i in ids})
+    tx.execute(
+        f"DELETE FROM chains WHERE chain_id IN ({','.join('?' * len(chains))}) "
+        f"AND head_run_id IN ({marks})",
+        (*chains, *ids),
+    )
     if spare_from is not None:
         _note_blob_deletions(tx, refs, spare_from)
     return counts, refs

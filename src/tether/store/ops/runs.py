@@ -460,15 +460,25 @@ def _child_outcome(tx: _Tx, child: str, step: int | None) -> _Pending | None:
 
 def _get_run(tx: _Tx, run_id: str, follow: bool = False, lenient: bool = False) -> RunInfo | None:
     """A run's row; with ``follow``, its chain's latest run (live or last) instead;
-    ``lenient``: fields that cannot be read are marked ``unavailable``, not raised."""
+    ``lenient``: fields that cannot be read are marked ``unavailable``, not raised.
+
+    Following reads the chain's head from ``chains`` (one read, whatever the chain's
+    length), re-checked to be the latest still; link by link when that is missing."""
+    jump = True
+    fallback: str | None = None
     for _ in range(_MAX_CHAIN):
         row = tx.execute(f"SELECT {_RUN_COLS} FROM runs WHERE run_id = ?", (run_id,)).fetchone()
         if row is None:
+            if fallback is not None:  # a stale head (its run removed): follow the links
+                run_id, fallback, jump = fallback, None, False
+                continue
             return None
         info = _run_from_row(row, tx.codec, lenient)
         if not follow or info.continued_to is None:
             return info
-        run_id = info.continued_to
+        nxt = _next_link(tx, run_id, info.continued_to, jump)
+        fallback = info.continued_to if nxt != info.continued_to else None
+        run_id = nxt
     raise StoreError(f"run {run_id!r} continues as new in a cycle")  # pragma: no cover
 
 
@@ -538,7 +548,7 @@ def _list_runs(
 
 # operations of other concerns (imported last: see the package docstring)
 from .admission import _admission, _admit_queued, _promote  # noqa: E402
-from .control import _MAX_CHAIN, _close_children, _signal  # noqa: E402
+from .control import _MAX_CHAIN, _close_children, _next_link, _signal  # noqa: E402
 from .history import _append, _Pending, _read_history  # noqa: E402
 from .retention import _purged_run  # noqa: E402
 from .tasks import _ensure_workflow_task  # noqa: E402

@@ -343,6 +343,7 @@ def _apply_workflow_result(
         # ... and what it was started with (a budget, model pins)
         attrs = tx.execute("SELECT attrs FROM runs WHERE run_id = ?", (run_id,)).fetchone()[0]
         end(RunStatus.CONTINUED_AS_NEW, continued_to=nxt)
+        _note_chain_head(tx, run_id, nxt)  # operations on the chain's ids go straight there
         _insert_run(
             tx,
             nxt,
@@ -399,7 +400,7 @@ def _fail_workflow_task(tx: _Tx, task: Task, error: str, retry_at: float) -> Non
 from .ai import _add_spend  # noqa: E402
 from .approvals import APPROVAL_MARKERS, _apply_approval_marker  # noqa: E402
 from .batches import _batch_cols  # noqa: E402
-from .control import _cancel  # noqa: E402
+from .control import _cancel, _note_chain_head  # noqa: E402
 from .dependencies import _ensure_dependency  # noqa: E402
 from .history import _append, _insert_events, _Pending  # noqa: E402
 from .queues import _has_limits  # noqa: E402

@@ -329,3 +329,11 @@ CREATE TABLE IF NOT EXISTS blob_deletions (
     spare_from REAL NOT NULL,
     noted_at   REAL NOT NULL
 );
+
+-- the latest run of each continue-as-new chain (named by its first run id), written in
+-- the commit that continues it: an operation on any id of the chain reads its head here
+-- in one lookup instead of walking (and, on PostgreSQL, locking) every link.
+CREATE TABLE IF NOT EXISTS chains (
+    chain_id     TEXT PRIMARY KEY,
+    head_run_id  TEXT NOT NULL
+);
