@@ -829,3 +829,87 @@ async def test_saga_steps_settled_at_the_exit_keep_their_names() -> None:
         await task
     assert undone == ["hotel"]
     assert saga.compensated == ["cancel the hotel (step 1)"]
+
+
+@pytest.mark.parametrize("kind", ["child", "timer", "signal"])
+async def test_saga_cancel_during_a_child_timer_or_signal_step_ends_the_run_at_once(
+    app: tether.App, worker: tether.Worker, kind: str
+) -> None:
+    """Only an activity step in flight is waited for. Before, a child run, a timer or a
+    signal wait with an undo was waited for too: a child is cancelled only when its
+    parent ends, so a cancelled parent hung (still running 5 s after the cancel)."""
+    undone: list[str] = []
+
+    @app.activity(retry=ONCE)
+    def undo_it(x: object) -> None:
+        undone.append(str(x))
+
+    @app.workflow
+    async def slow_child() -> str:
+        await tether.sleep(3600)
+        return "done"
+
+    @app.workflow
+    async def parent() -> object:
+        async with tether.saga() as s:
+            if kind == "child":
+                return await s.step(slow_child(), undo=undo_it)
+            if kind == "timer":
+                return await s.step(tether.sleep(3600), undo=undo_it)
+            return await s.step(tether.wait_event("go"), undo=undo_it)
+
+    run = await app.start(parent)
+
+    async def waiting() -> bool:
+        return bool(
+            [
+                e
+                for e in await app.history(run.run_id)
+                if e.type in (EventType.CHILD_STARTED, EventType.TIMER_STARTED)
+                or (kind == "signal" and e.type is EventType.WORKFLOW_STARTED)
+            ]
+        )
+
+    await eventually(waiting, what="the step waiting")
+    await asyncio.sleep(0.3)
+    await app.cancel(run.run_id, "stop")
+    with pytest.raises(tether.RunCancelledError):
+        await run.result(timeout=5)
+    assert undone == []
+    assert check_history(app, await app.history(run.run_id)).ok
+
+
+async def test_saga_steps_raced_by_first_the_loser_is_told_to_stop(
+    app: tether.App, worker: tether.Worker
+) -> None:
+    """A cancel aimed at the step itself reaches its activity. Before, ``first``'s loser
+    ran on (it was waited for at the exit: 3 s instead of 0.2 s) and both were booked."""
+    effects: list[str] = []
+
+    @app.activity(retry=ONCE)
+    async def book(what: str, secs: float) -> str:
+        await asyncio.sleep(secs)
+        effects.append("booked " + what)
+        return what
+
+    @app.activity(retry=ONCE)
+    def unbook(what: str) -> None:
+        effects.append("undo " + what)
+
+    @app.workflow
+    async def race() -> str:
+        async with tether.saga() as s:
+            won: str = await tether.first(
+                s.step(book("fast", 0.2), undo=unbook), s.step(book("slow", 3.0), undo=unbook)
+            )
+            return won
+
+    started = time.monotonic()
+    run = await app.start(race)
+    assert await run.result(timeout=10) == "fast"
+    assert time.monotonic() - started < 2.5
+    history = await app.history(run.run_id)
+    assert EventType.ACTIVITY_CANCEL_REQUESTED in [e.type for e in history]
+    await asyncio.sleep(3.2)  # the slow booking would have finished by now
+    assert effects == ["booked fast"]
+    assert check_history(app, history).ok

@@ -179,6 +179,8 @@ class WorkflowInstance:
         self._signal_since: weakref.WeakKeyDictionary[asyncio.Future[Any], float] = (
             weakref.WeakKeyDictionary()
         )
+        #: the futures of the activity steps scheduled (``is_activity``)
+        self._activity_futures: weakref.WeakSet[asyncio.Future[Any]] = weakref.WeakSet()
         #: durable waits that ended in new (not replayed) events since the last
         #: ``take_waits``: (kind, name, began, ended); the worker makes spans and metrics
         self._waits: list[tuple[str, str, float, float]] = []
@@ -826,6 +828,15 @@ class WorkflowInstance:
         counts, self._counts = self._counts, []
         return counts
 
+    def is_activity(self, awaitable: object) -> bool:
+        """Whether ``awaitable`` is the future of an activity step this run scheduled
+        (done or not): a saga waits for those only, not for a child, a timer, a signal."""
+        return isinstance(awaitable, asyncio.Future) and awaitable in self._activity_futures
+
+    def interrupted(self) -> bool:
+        """Whether a cancel request or the run's deadline is being delivered to its code."""
+        return self.cancel_requested or self.deadline_exceeded
+
     def take_waits(self) -> list[tuple[str, str, float, float]]:
         """The waits that ended since the last call (kind, name, began, ended)."""
         waits, self._waits = self._waits, []
@@ -889,6 +900,7 @@ class WorkflowInstance:
             activity.sig.return_type,
             {"kind": "activity", "name": activity.name, "step": step},
         )
+        self._activity_futures.add(fut)
         self._watch_cancel(step, EventType.ACTIVITY_CANCEL_REQUESTED, "activity_step")
         self._take_early(step)
         return fut

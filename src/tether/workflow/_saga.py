@@ -15,9 +15,11 @@ still run and ``CompensationFailed`` carries both the original error and every
 undo failure, which ends the run ``needs_intervention`` and calls the App's
 alert hook.
 
-A step still running when the block exits (a cancel, the deadline, a sibling failing
-first in ``tether.gather``) is waited for, not told to stop, and undone if it
-succeeded. ``continue_as_new`` leaves the block like a ``return``: the steps stand.
+An activity step still running when the block exits (a cancel, the deadline, a sibling
+failing first in ``tether.gather``) is waited for, not told to stop, and undone if it
+succeeded. A child run, timer or signal wait is cancelled, as is a step a cancel is aimed
+at (the loser of ``tether.first``). ``continue_as_new`` leaves the block like a
+``return``: the steps stand.
 """
 
 from __future__ import annotations
@@ -37,9 +39,9 @@ T = TypeVar("T")
 #: without it replay the old way: a cancel then cut the undo in flight)
 SHIELDED_ROLLBACK = "tether.saga-rollback-shielded"
 
-#: the patch marker a saga records at its first step: from then on a step still in
-#: flight when the block exits (a cancel, the deadline, a failing sibling in
-#: ``tether.gather``) is waited for, not told to stop, and undone if it succeeded
+#: the patch marker a saga records at its first activity step with an undo: from then on
+#: such a step still in flight when the block exits (a cancel, the deadline, a failing
+#: sibling in ``tether.gather``) is waited for, not told to stop, and undone if it succeeded
 #: (histories without it replay the old way: the step was cancelled and forgotten)
 IN_FLIGHT_STEPS = "tether.saga-waits-in-flight-steps"
 
@@ -74,6 +76,8 @@ class Saga:
             tuple[asyncio.Future[Any], Callable[[Any], Awaitable[Any]], str | None, int]
         ] = []
         self._position = 0  #: steps and add_undo calls so far (labels name their position)
+        #: the block is leaving on an error: the steps still running are its to settle
+        self._exiting = False
         #: labels (``undo (step n)``) of the undos that ran successfully, in order
         self.compensated: list[str] = []
         #: the cancellation (a cancel request, the deadline) that came during the
@@ -89,11 +93,17 @@ class Saga:
     ) -> T:
         """Await ``action``; once it succeeded, register ``undo(result)`` to compensate it.
 
-        If the block exits while ``action`` still runs, the exit waits for it (the step
-        is not told to stop) and registers its undo if it succeeded."""
+        If the block exits (the run's cancel or deadline, a failing sibling) while
+        ``action`` is an activity still running, the exit waits for it (the activity is
+        not told to stop: its effect happens anyway) and registers its undo if it
+        succeeded. Any other step (a child run, a timer, a signal wait), and any cancel
+        aimed at the step itself (a ``tether.first`` loser), is cancelled as usual."""
         self._position += 1
         position = self._position
-        if undo is None or not _patched(IN_FLIGHT_STEPS):
+        inst: Any = running.get()
+        # outside a workflow there is no telling what the awaitable is: it is waited for
+        activity = inst is None or not hasattr(inst, "is_activity") or inst.is_activity(action)
+        if undo is None or not activity or not _patched(IN_FLIGHT_STEPS):
             result = await action
             if undo is not None:
                 self._register(undo, result, name, position)
@@ -104,9 +114,11 @@ class Saga:
         try:
             result = await asyncio.shield(fut)
         except asyncio.CancelledError:
+            if not (self._exiting or _interrupted(inst)):
+                fut.cancel()  # aimed at this step (a race's loser): the activity stops
             if fut.cancelled() and entry in self._in_flight:
                 self._in_flight.remove(entry)
-            raise  # the step goes on: the block's exit waits for it and undoes it
+            raise  # else the step goes on: the block's exit waits for it and undoes it
         except BaseException:
             if entry in self._in_flight:
                 self._in_flight.remove(entry)
@@ -193,8 +205,13 @@ class Saga:
     ) -> bool:
         from ._instance import ContinueAsNew  # (it imports this module)
 
-        if self._in_flight:  # a failing sibling in a gather, a cancel, the deadline
-            await self._settle()
+        if exc is not None or _interrupted(running.get()):
+            # a failing sibling in a gather, a cancel, the deadline: the steps still
+            # running are the exit's to wait for (a step left running by a block that
+            # ends well, such as a race's loser being told to stop, is not)
+            self._exiting = True
+            if self._in_flight:
+                await self._settle()
         cut = False  # a cancel came while the block waited for its steps: it ends so
         if self.interrupted is not None and (exc is None or isinstance(exc, ContinueAsNew)):
             exc, cut = self.interrupted, True
@@ -221,6 +238,14 @@ def _patched(patch_id: str) -> bool:
     if inst is None or not hasattr(inst, "patched"):
         return True
     return bool(inst.patched(patch_id))
+
+
+def _interrupted(inst: Any) -> bool:
+    """Whether the run's cancel or deadline is being delivered (outside a workflow: any
+    cancel counts as the block's own)."""
+    if inst is None or not hasattr(inst, "interrupted"):
+        return True
+    return bool(inst.interrupted())
 
 
 def _name_of(label: str) -> str:
