@@ -1683,16 +1683,19 @@ class Worker:
             mark_lease_lost()
 
     async def _discarded(self, task: Task, what: str) -> None:
-        """Warn when an activity's ``what`` (result, failure) was refused because its run
-        had ended (a cancel, the deadline): the step's effect happened and no history
-        shows it, so an operator may have to undo it by hand."""
+        """Warn when an activity's result was refused because its run had ended (a
+        cancel, the deadline): the step's effect happened and no history shows it, so
+        an operator may have to undo it by hand. A failure refused so (most often the
+        activity stopping as it was told: a ``first`` loser, a cancelled run) is noted
+        at INFO: nothing says its effect happened."""
         try:
             info = await self.app.store.get_run(task.run_id, lenient=True)
         except StoreError:
             return
         if info is None or not info.status.is_terminal:
             return  # its lease had passed: the step runs again elsewhere
-        log.warning(
+        log.log(
+            logging.WARNING if what == "result" else logging.INFO,
             "the %s of activity %r (step %s, attempt %s) of run %r was discarded: the run "
             "had already ended %s, so nothing records that this step ran",
             what,
