@@ -10,6 +10,7 @@ import contextlib
 import json
 import random
 from decimal import Decimal
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -619,3 +620,39 @@ async def test_daily_spend_writes_of_many_tenants_at_once_close_no_lock_cycle(
         assert rows["global"][3] == 600 * 5
     finally:
         await store.close()
+
+
+async def test_a_reservation_cancelled_while_the_store_writes_it_is_given_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A call cancelled (a timeout, a hedge lost, the run cancelled) while the store was
+    writing its daily-budget reservation: the write commits, the caller never learns
+    what it reserved, and the estimate stayed in the day's spend for good (100 of a
+    1,000-token budget). It is given back once the write lands."""
+    import time
+
+    import tether.store.ops as ops
+
+    real = ops._reserve_spend
+
+    def slow(tx: Any, *args: Any) -> Any:
+        time.sleep(0.3)  # a busy writer: the op runs on after its caller is cancelled
+        return real(tx, *args)
+
+    monkeypatch.setattr(ops, "_reserve_spend", slow)
+    app = tether.App(store=f"sqlite:///{tmp_path / 't.db'}")
+    gw = ai.Gateway(app)
+    try:
+        await app.store.set_model_budget("global", 1000, None)
+        call = asyncio.ensure_future(gw.reserve_daily(None, {"tokens": 100, "cost": None}))
+        await asyncio.sleep(0.1)  # the writer is running the reservation now
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            if [b["spent_tokens"] for b in await gw.budgets()] == [0]:
+                break
+        assert [b["spent_tokens"] for b in await gw.budgets()] == [0]
+    finally:
+        await app.close()  # type: ignore[attr-defined]

@@ -1111,9 +1111,27 @@ class Gateway:
         day = _day(store.clock())
         tokens = int(estimate.get("tokens") or 0)
         cost = estimate.get("cost")
-        over = await store.reserve_model_spend(
-            scopes, day, tokens, None if cost is None else str(cost)
+        reserving = asyncio.ensure_future(
+            store.reserve_model_spend(scopes, day, tokens, None if cost is None else str(cost))
         )
+        try:
+            over = await asyncio.shield(reserving)
+        except asyncio.CancelledError:
+            # cancelled while the store may still commit it: what it reserves then is
+            # given back, as a call that ends without an answer gives back its estimate
+            back = {"day": day, "tokens": tokens, "cost": Decimal(cost or 0)}
+
+            def give_back(done: asyncio.Future[Any]) -> None:
+                if done.cancelled() or done.exception() is not None or done.result():
+                    return
+                giving = asyncio.ensure_future(
+                    self.add_daily_spend(scopes, -tokens, -back["cost"], back)
+                )
+                _SENDING.add(giving)
+                giving.add_done_callback(_SENDING.discard)
+
+            reserving.add_done_callback(give_back)
+            raise
         if over is not None:
             scope, what, limit, spent_tokens, spent_cost = over
             raise DailyBudgetExceeded(
