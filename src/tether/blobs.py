@@ -292,14 +292,18 @@ class BlobStore:
         """Whether a stored blob is whole, for ``tether store check``: None if its bytes
         match its name (as kept, or opened with the sealer when sealed under the hash of
         the plain bytes), ``"unverified"`` when sealed under a key this process lacks,
-        else why it is damaged or unreadable. Reads the blob once."""
+        ``"shredded"`` when under a key destroyed (its tenant was erased), else why it is
+        damaged or unreadable. Reads the blob once."""
         digest = ref.removeprefix("sha256:")
         try:
             data = self.kept(ref)
         except BlobError:
             return None  # deleted since it was listed
         except Exception as exc:  # unreadable: permissions, an I/O error
-            return f"unreadable ({type(exc).__name__}: {exc})"
+            # the error's text may carry a remote root's credentials: masked as it is
+            text = str(exc).replace(self.root, self.shown_root)
+            text = re.sub(r"(://[^/@:\s]*):[^/@\s]*@", r"\1:***@", text)
+            return f"unreadable ({type(exc).__name__}: {text})"
         if hashlib.sha256(data).hexdigest() == digest:
             return None  # plain, or a sealed offloaded payload (named by its bytes as kept)
         if not data.startswith(SEALED):
@@ -308,7 +312,11 @@ class BlobStore:
             return "unverified"
         try:
             plain = self.sealer.open_bytes(data, f"blob {ref}")
-        except KeyUnavailableError:
+        except KeyUnavailableError as exc:
+            if exc.damaged:  # the key is here and the bytes do not open with it
+                return "sealed bytes that do not open with their key (changed or truncated)"
+            if exc.destroyed:  # expected: the document of an erased tenant
+                return "shredded"
             return "unverified"
         except Exception as exc:  # tampered with, truncated
             return f"sealed bytes that do not open ({type(exc).__name__})"
