@@ -363,3 +363,67 @@ def test_a_divergence_quoting_a_runs_error_is_not_marked_the_engines() -> None:
         expected = _describe(*commands[-1], detail=True)
         exc = _names_only(NonDeterminismError("r1", 1, expected, "no command"), *commands)
         assert is_engine_made(exc) is trusted, (commands, str(exc))
+
+
+class _Vault(tether.encryption.Keyring):
+    """A user's keyring: its keys by id, and an error naming its source (with a token)
+    for any other."""
+
+    def __init__(self, keys: dict[str, bytes], current: str) -> None:
+        self.keys, self.cur = keys, current
+
+    def current(self, tenant: str | None) -> str:
+        return self.cur
+
+    def key(self, key_id: str) -> bytes:
+        if key_id in self.keys:
+            return self.keys[key_id]
+        raise tether.encryption.KeyUnavailableError(
+            key_id, f"vault https://ops:{CANARY}@vault.example/k said 403"
+        )
+
+
+def _vault_apps(url: str) -> tuple[tether.App, tether.App, tether.Workflow]:
+    """A writer sealing under key ``k2`` and a reader whose vault lacks it."""
+    k1, k2 = bytes(range(32)), bytes(32)
+    apps = []
+    wf: tether.Workflow | None = None
+    for vault in (_Vault({"k1": k1, "k2": k2}, "k2"), _Vault({"k1": k1}, "k1")):
+        app = tether.App(store=url, encryption=vault)
+
+        @app.activity(queue="acts")
+        def act(x: str) -> str:
+            return x
+
+        @app.workflow
+        async def wf_(x: str) -> str:
+            return await act(x)
+
+        apps.append(app)
+        wf = wf or wf_
+    assert wf is not None
+    return apps[0], apps[1], wf
+
+
+async def test_a_step_whose_arguments_a_users_keyring_cannot_open_is_logged_redacted(
+    tmp_path: Path, records: list[logging.LogRecord]
+) -> None:
+    """An activity whose arguments are sealed under a key the worker's own keyring
+    refuses waits for a worker that can read them; the log line saying so held the
+    keyring's error whole, and with it what the user's keyring put in its text (here a
+    vault URL with its token). It is now redacted unless the engine made it."""
+    writer, reader, wf = _vault_apps(f"sqlite:///{tmp_path / 's.db'}")
+    await writer.start(wf, "payload", run_id="r1")
+    async with (
+        writer.worker(poll_interval=0.02, queues=["default"]),
+        reader.worker(poll_interval=0.02, queues=["acts"]),
+    ):
+        for _ in range(250):
+            if "activity 'act' of run 'r1' waits" in _text(records):
+                break
+            await asyncio.sleep(0.02)
+    text = _text(records)
+    assert "activity 'act' of run 'r1' waits (try 1" in text, text
+    assert CANARY not in text
+    for a in (writer, reader):
+        await a.close()

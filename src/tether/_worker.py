@@ -1317,12 +1317,13 @@ class Worker:
                 # tried again ever less often, each try logged once
                 delay, tries = self._unreadable_hold(("step", task.task_id), exc, KEY_HOLD)
                 log.error(
-                    "activity %r of run %r waits (try %d: tried again in %g s): %s",
+                    "activity %r of run %r waits (try %d: tried again in %g s): %s: %s",
                     act.name,
                     task.run_id,
                     tries,
                     delay,
-                    exc,
+                    type(exc).__name__,
+                    shown_error(exc),  # a keyring of the user's words its own errors
                     extra={"run_id": task.run_id},
                 )
             self.stats["held_unreadable"] += 1
