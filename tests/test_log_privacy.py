@@ -427,3 +427,36 @@ async def test_a_step_whose_arguments_a_users_keyring_cannot_open_is_logged_reda
     assert CANARY not in text
     for a in (writer, reader):
         await a.close()
+
+
+async def test_why_a_runs_payload_is_unavailable_shows_no_users_keyring_text(
+    tmp_path: Path,
+) -> None:
+    """A run read leniently names each payload it cannot read and why
+    (``RunInfo.unavailable``), shown by the API to every key, payloads or not: a keyring
+    of the user's refusing a key had its error text (a vault URL with its token) shown
+    there whole. It now shows the error's type and what the redaction hook allows; the
+    engine's own messages stay whole."""
+    from tether.encryption import FileKeyring
+    from tether.server._models import run_view
+
+    writer, reader, wf = _vault_apps(f"sqlite:///{tmp_path / 's.db'}")
+    await writer.start(wf, "payload", run_id="r1")
+    info = await reader.store.get_run("r1", lenient=True)
+    for view in (run_view(info, payloads=False), run_view(info, payloads=True)):
+        assert view.unavailable and "input" in view.unavailable, view.unavailable
+        assert CANARY not in json.dumps(view.unavailable), view.unavailable
+        assert view.unavailable["input"].startswith("KeyUnavailableError: <"), view.unavailable
+    # the engine's own reason (a key its file keyring lacks) is shown whole
+    keys = FileKeyring.create(tmp_path / "keys.json")
+    sealed = tether.App(store=f"sqlite:///{tmp_path / 't.db'}", encryption=keys)
+    sealed.workflow(wf.fn, name="wf_")  # type: ignore[attr-defined]
+    await sealed.start("wf_", "payload", run_id="r2")
+    other = tether.App(
+        store=f"sqlite:///{tmp_path / 't.db'}",
+        encryption=FileKeyring.create(tmp_path / "other.json"),
+    )
+    shown = (await other.store.get_run("r2", lenient=True)).unavailable or {}
+    assert repr(keys.current(None)) in shown.get("input", ""), shown
+    for a in (writer, reader, sealed, other):
+        await a.close()
