@@ -248,3 +248,63 @@ def test_a_backup_taken_before_erase_tenant_keeps_the_tenants_documents_unreadab
     with pytest.raises(tether.BlobError, match="missing"):
         live.get(acme)
     assert live.get(globex) == DOC
+
+
+async def test_a_worker_reads_a_runs_tenant_only_when_its_activity_puts_a_blob(
+    store_url: str, tmp_path: Path, keys: FileKeyring
+) -> None:
+    """With per-tenant keys a worker read each run's tenant from the store before the
+    first attempt of every activity (a batch's runs one after another), whether or not
+    it called ``put_blob``: a store round trip added to the hot path. A sync activity's
+    lookup is now made when it puts a blob, and its document is still the tenant's."""
+
+    def make() -> tuple[tether.App, Any]:
+        a = tether.App(store=store_url, blobs=str(tmp_path / "blobs"), encryption=keys)
+
+        @a.activity(queue="acts")
+        def plain(x: int) -> int:
+            return x + 1
+
+        @a.activity(queue="acts")
+        def fetch(text: str) -> tether.Blob:
+            return tether.put_blob(text.encode())
+
+        @a.activity(queue="acts", batch=tether.Batch(max_items=4, max_wait=0.2))
+        def many(xs: list[int]) -> list[int]:
+            return [x * 2 for x in xs]
+
+        @a.workflow
+        async def flow(n: int, text: str) -> dict[str, Any]:
+            doc = await fetch(text) if text else None  # first: no tenant cached yet
+            await plain(n)
+            await many(n)
+            return {"doc": doc if isinstance(doc, dict) or doc is None else doc.model_dump()}
+
+        return a, flow
+
+    starter, flow = make()
+    for i in range(4):
+        await starter.start(flow, i, "", run_id=f"p{i}", tenant=f"t{i}")
+    worker, _ = make()  # the activities' worker, in another process: no tenant cached
+    reads: list[str] = []
+    real = worker.store.run_tenant
+
+    async def counted(run_id: str) -> str | None:
+        reads.append(run_id)
+        return await real(run_id)
+
+    worker.store.run_tenant = counted  # type: ignore[method-assign]
+    async with (
+        starter.worker(poll_interval=0.02, queues=["default"]),
+        worker.worker(poll_interval=0.02, queues=["acts"]),
+    ):
+        for i in range(4):
+            assert (await starter.get_run(f"p{i}").result(timeout=30)) == {"doc": None}
+        assert reads == [], reads  # no blob put: no tenant read
+        run = await starter.start(flow, 9, DOC.decode(), run_id="d", tenant="acme")
+        doc = tether.Blob.model_validate((await run.result(timeout=30))["doc"])
+    assert reads == ["d"], reads
+    alone = starter.put_blob(DOC, tenant="acme")
+    assert doc.ref == alone.ref  # the tenant's document, as put for it
+    for a in (starter, worker):
+        await a.close()
