@@ -308,3 +308,37 @@ async def test_a_worker_reads_a_runs_tenant_only_when_its_activity_puts_a_blob(
     assert doc.ref == alone.ref  # the tenant's document, as put for it
     for a in (starter, worker):
         await a.close()
+
+
+async def test_bytes_planted_as_a_tenants_frame_never_keep_its_document_unshredded(
+    app: tether.App, tmp_path: Path, keys: FileKeyring
+) -> None:
+    """A blob put without a tenant whose bytes were those a tenant's document is named
+    by (its frame: ``~tb1:"acme"`` and the document) got the same reference as acme's
+    later ``put_blob(DOC, tenant="acme")``, which found it intact and left it under the
+    shared key, readable after acme's erasure; and ``reseal`` took any document so
+    beginning for a tenant's. Now such bytes are refused without a tenant (with
+    per-tenant keys), a tenant's put rewrites a blob not under one of its keys, and
+    reseal reads a tenant only from what was sealed under its key."""
+    from tether.blobs import framed
+
+    with pytest.raises(tether.BlobError, match="tenant"):
+        app.put_blob(framed("acme", DOC))
+    store = app.store.blobs
+    assert store is not None
+    # planted by an older version (or by hand): under the shared key, named as acme's
+    planted = framed("acme", DOC)
+    ref = "sha256:" + hashlib.sha256(planted).hexdigest()
+    store.keep(ref, store.sealer.seal_bytes(planted, None))  # type: ignore[union-attr]
+    shared = keys.rotate()  # the shared key rotated: reseal moves it to the new one
+    assert store.reseal(ref)
+    assert shared in store.head(ref).decode("ascii", "replace")  # not taken for acme's
+    mine = app.put_blob(DOC, tenant="acme")
+    assert mine.ref == ref
+    head = store.head(ref).decode("ascii", "replace")
+    assert any(k in head for k in keys.tenant_keys("acme")), head  # rewritten under acme's
+    backup = _copy(tmp_path, keys)
+    await app.erase_tenant("acme")
+    backup.sealer = Sealer(FileKeyring(keys.path))
+    with pytest.raises(KeyUnavailableError, match="destroyed"):
+        backup.get(mine)

@@ -57,6 +57,13 @@ def unframed(data: bytes) -> tuple[str | None, bytes]:
     return None, data
 
 
+def _key_id(head: bytes) -> str | None:
+    """The id of the key a blob's first bytes say it is sealed under (None: plain)."""
+    if not head.startswith(SEALED):
+        return None
+    return head[len(SEALED) :].split(b":", 1)[0].decode("ascii", "replace")
+
+
 class Blob(BaseModel):
     """A reference to bytes in the blob store: what a history holds instead of them."""
 
@@ -126,15 +133,23 @@ class BlobStore:
         other tenant's copy, so erasing the tenant shreds every copy of it.
         """
         size = len(data)
-        if (
-            tenant is not None
-            and not sealed
-            and self.sealer is not None
-            and self.sealer.keyring.per_tenant
-        ):
+        per_tenant = not sealed and self.sealer is not None and self.sealer.keyring.per_tenant
+        if per_tenant and tenant is not None:
             data = framed(tenant, data)
         else:
             tenant = None
+            if per_tenant and data.startswith(TENANT_FRAME):
+                # it would be named as a tenant's document is, under the shared key: the
+                # tenant's own put of it would then find it there and leave it unshredded
+                raise made_by_engine(
+                    BlobError(
+                        f"sha256:{hashlib.sha256(data).hexdigest()}",
+                        f"a document beginning {TENANT_FRAME.decode()!r} (how a tenant's "
+                        "documents are framed) cannot be put without a tenant with per-"
+                        "tenant keys: put it for its tenant (tenant=...), or change its "
+                        "first bytes",
+                    )
+                )
         digest = hashlib.sha256(data).hexdigest()
         if self.sealer is not None and not sealed:
             data = self.sealer.seal_bytes(data, tenant)
@@ -144,17 +159,33 @@ class BlobStore:
         # to it is about to be committed, and gc spares blobs younger than its grace
         # period. A damaged one is written anew: putting the bytes again restores it.
         if self._fs is not None:
-            if not self._fs.exists(path) or not self._intact(blob, sealed):
+            if (
+                not self._fs.exists(path)
+                or not self._intact(blob, sealed)
+                or not self._own(blob, tenant)
+            ):
                 self._fs.pipe_file(path, data)
             else:
                 with contextlib.suppress(Exception):  # not every filesystem can touch
                     self._fs.touch(path, truncate=False)
-        elif os.path.exists(path) and self._intact(blob, sealed):
+        elif os.path.exists(path) and self._intact(blob, sealed) and self._own(blob, tenant):
             with contextlib.suppress(OSError):
                 os.utime(path)
         else:
             self._write(path, data)
         return blob
+
+    def _own(self, blob: Blob, tenant: str | None) -> bool:
+        """Whether a stored tenant's document is sealed under one of ``tenant``'s keys
+        (bytes named as its are, put under another key by an older version or by hand,
+        would stay readable after its erasure: they are written anew)."""
+        if tenant is None or self.sealer is None:
+            return True
+        key_id = _key_id(self.head(blob.ref))
+        keyring = self.sealer.keyring
+        if key_id == keyring.current(tenant):
+            return True
+        return key_id in (keyring.tenant_keys(tenant) or ())
 
     def _write(self, path: str, data: bytes) -> None:
         if self._fs is not None:
@@ -200,6 +231,9 @@ class BlobStore:
                 BlobError(ref, "the stored bytes do not match the hash: left as they are")
             )
         tenant = unframed(inner)[0] if keyring.per_tenant else None
+        owned = keyring.tenant_keys(tenant) if tenant is not None else None
+        if owned is not None and _key_id(head) not in owned:
+            tenant = None  # framed bytes sealed under no key of that tenant: not its
         if tenant is not None and head.startswith(f"{PREFIX}{keyring.current(tenant)}:".encode()):
             return False
         self._write(self._path(digest), self.sealer.seal_bytes(inner, tenant))
