@@ -363,3 +363,20 @@ def test_verify_masks_credentials_in_an_unreadable_blobs_error(
     assert problem is not None and problem.startswith("unreadable (OSError: "), problem
     assert "SECRET-PASSWORD" not in problem and "OTHER-SECRET" not in problem, problem
     assert "keyid:***@bucket" in problem and "403" in problem, problem
+
+
+def test_copied_blobs_keep_their_modification_time(tmp_path: Path) -> None:
+    """``tether store backup``/``restore`` wrote each blob with a fresh modification
+    time, so a purge's pending deletions carried in a backup were "put again since" on
+    the restored store and skipped for good. The copy keeps the source's time."""
+    from tether.blobs import BlobStore
+    from tether.cli.lifecycle import _copy_blobs
+
+    source, target = BlobStore(str(tmp_path / "a")), BlobStore(str(tmp_path / "b"))
+    ref = source.put(b"a document a purge was deleting").ref
+    old = time.time() - 7200
+    digest = ref.removeprefix("sha256:")
+    os.utime(tmp_path / "a" / "sha256" / digest[:2] / digest[2:], (old, old))
+    assert _copy_blobs(source, target) == 1
+    copied = target.modified(ref)
+    assert copied is not None and abs(copied - old) < 2, (copied, old)

@@ -260,9 +260,15 @@ class BlobStore:
                 BlobError(ref, f"missing from the blob store at {self.shown_root!r}")
             ) from None
 
-    def keep(self, ref: str, data: bytes) -> None:
-        """Store bytes as ``kept`` read them from another blob store, under ``ref``."""
-        self._write(self._path(ref.removeprefix("sha256:")), data)
+    def keep(self, ref: str, data: bytes, mtime: float | None = None) -> None:
+        """Store bytes as ``kept`` read them from another blob store, under ``ref``;
+        ``mtime``: the source's modification time, kept where the filesystem allows (a
+        pending deletion skips a blob "put again since", and gc spares young ones)."""
+        path = self._path(ref.removeprefix("sha256:"))
+        self._write(path, data)
+        if mtime is not None and self._fs is None:
+            with contextlib.suppress(OSError):
+                os.utime(path, (mtime, mtime))
 
     def _intact(self, blob: Blob, sealed: bool) -> bool:
         """Whether the stored bytes of ``blob`` still match its hash (read in full)."""

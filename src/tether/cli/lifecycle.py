@@ -420,14 +420,14 @@ def _copy_blobs(source: BlobStore, target: BlobStore, *, keep_present: bool = Fa
     """Copy every blob of ``source`` as kept (sealed or not) into ``target``; with
     ``keep_present`` a blob ``target`` has already is left as it is. How many."""
     copied = 0
-    for ref, _ in source.refs():
+    for ref, mtime in source.refs():
         if keep_present and target.modified(ref) is not None:
             continue
         try:
             data = source.kept(ref)
         except BlobError:  # deleted since the listing (gc, purge): nothing refers to it
             continue
-        target.keep(ref, data)
+        target.keep(ref, data, mtime)  # its time kept: a pending deletion still applies
         copied += 1
     return copied
 
