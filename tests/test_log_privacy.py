@@ -460,3 +460,48 @@ async def test_why_a_runs_payload_is_unavailable_shows_no_users_keyring_text(
     assert repr(keys.current(None)) in shown.get("input", ""), shown
     for a in (writer, reader, sealed, other):
         await a.close()
+
+
+async def test_a_step_called_with_other_arguments_is_a_divergence_logged_whole(
+    store_url: str, records: list[logging.LogRecord]
+) -> None:
+    """A step replayed with other arguments is a ``NonDeterminismError`` the engine words
+    from names alone (values not shown), but it carried no engine mark: the worker log
+    and a key without payloads saw ``<... redacted>``. It is now marked, shown whole."""
+    from tether._redact import engine_made
+
+    def build(suffix: str) -> tether.App:
+        app = tether.App(store=store_url)
+
+        @app.activity
+        def a(text: str) -> str:
+            return text
+
+        @app.workflow
+        async def flow(text: str) -> str:
+            await a(text + suffix)
+            await tether.wait_event("go")
+            return text
+
+        return app
+
+    old, new = build(""), build("!")
+    async with old.worker(poll_interval=0.05):
+        await old.start(old.get_workflow("flow"), CANARY, run_id="nd")
+        for _ in range(1000):
+            if (await old.get("nd")).waiting_on:
+                break
+            await asyncio.sleep(0.02)
+    await old.signal("nd", "go", CANARY)
+    async with new.worker(poll_interval=0.05):
+        for _ in range(1000):
+            if (await new.get("nd")).task_error:
+                break
+            await asyncio.sleep(0.02)
+    text = _text(records)
+    assert CANARY not in text
+    assert "called with other arguments" in text, text
+    error = (await new.get("nd")).task_error
+    assert error is not None and engine_made(error), error
+    for app in (old, new):
+        await app.close()
