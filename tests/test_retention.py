@@ -598,8 +598,8 @@ DIES_AFTER_BLOBS = """
 import os, sys
 from tether.blobs import BlobStore
 after, kept, keep = int(os.environ["DIE_AFTER_BLOBS"]), [0], BlobStore.keep
-def dying_keep(self, ref, data):
-    keep(self, ref, data)
+def dying_keep(self, ref, data, *rest):
+    keep(self, ref, data, *rest)
     kept[0] += 1
     if kept[0] >= after:
         os._exit(9)
