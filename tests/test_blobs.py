@@ -340,3 +340,43 @@ def test_a_blob_store_s_password_never_shows_in_its_errors(tmp_path: Path) -> No
         store.kept(missing.ref)
     assert "s3cr3tpw" not in str(got.value) and "reader:***@" in str(got.value)
     store.root = real
+
+
+def test_verify_masks_credentials_in_an_unreadable_blobs_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``verify`` (``tether store check``) showed an unreadable blob's OS or fsspec error
+    whole: for a remote root with a password in its URL, the password was printed. It is
+    masked there as the blob store's root is in every other message."""
+    from tether.blobs import BlobStore
+
+    store = BlobStore(str(tmp_path / "blobs"))
+    ref = store.put(b"a document").ref
+    root = "s3://keyid:SECRET-PASSWORD@bucket/blobs"
+
+    def fails(ref: str) -> bytes:
+        raise OSError(f"cannot read {root}/sha256/ab/cd: 403 (https://u:OTHER-SECRET@h/x)")
+
+    monkeypatch.setattr(store, "kept", fails)
+    monkeypatch.setattr(store, "root", root)
+    problem = store.verify(ref)
+    assert problem is not None and problem.startswith("unreadable (OSError: "), problem
+    assert "SECRET-PASSWORD" not in problem and "OTHER-SECRET" not in problem, problem
+    assert "keyid:***@bucket" in problem and "403" in problem, problem
+
+
+def test_copied_blobs_keep_their_modification_time(tmp_path: Path) -> None:
+    """``tether store backup``/``restore`` wrote each blob with a fresh modification
+    time, so a purge's pending deletions carried in a backup were "put again since" on
+    the restored store and skipped for good. The copy keeps the source's time."""
+    from tether.blobs import BlobStore
+    from tether.cli.lifecycle import _copy_blobs
+
+    source, target = BlobStore(str(tmp_path / "a")), BlobStore(str(tmp_path / "b"))
+    ref = source.put(b"a document a purge was deleting").ref
+    old = time.time() - 7200
+    digest = ref.removeprefix("sha256:")
+    os.utime(tmp_path / "a" / "sha256" / digest[:2] / digest[2:], (old, old))
+    assert _copy_blobs(source, target) == 1
+    copied = target.modified(ref)
+    assert copied is not None and abs(copied - old) < 2, (copied, old)

@@ -363,3 +363,145 @@ def test_a_divergence_quoting_a_runs_error_is_not_marked_the_engines() -> None:
         expected = _describe(*commands[-1], detail=True)
         exc = _names_only(NonDeterminismError("r1", 1, expected, "no command"), *commands)
         assert is_engine_made(exc) is trusted, (commands, str(exc))
+
+
+class _Vault(tether.encryption.Keyring):
+    """A user's keyring: its keys by id, and an error naming its source (with a token)
+    for any other."""
+
+    def __init__(self, keys: dict[str, bytes], current: str) -> None:
+        self.keys, self.cur = keys, current
+
+    def current(self, tenant: str | None) -> str:
+        return self.cur
+
+    def key(self, key_id: str) -> bytes:
+        if key_id in self.keys:
+            return self.keys[key_id]
+        raise tether.encryption.KeyUnavailableError(
+            key_id, f"vault https://ops:{CANARY}@vault.example/k said 403"
+        )
+
+
+def _vault_apps(url: str) -> tuple[tether.App, tether.App, tether.Workflow]:
+    """A writer sealing under key ``k2`` and a reader whose vault lacks it."""
+    k1, k2 = bytes(range(32)), bytes(32)
+    apps = []
+    wf: tether.Workflow | None = None
+    for vault in (_Vault({"k1": k1, "k2": k2}, "k2"), _Vault({"k1": k1}, "k1")):
+        app = tether.App(store=url, encryption=vault)
+
+        @app.activity(queue="acts")
+        def act(x: str) -> str:
+            return x
+
+        @app.workflow
+        async def wf_(x: str) -> str:
+            return await act(x)
+
+        apps.append(app)
+        wf = wf or wf_
+    assert wf is not None
+    return apps[0], apps[1], wf
+
+
+async def test_a_step_whose_arguments_a_users_keyring_cannot_open_is_logged_redacted(
+    tmp_path: Path, records: list[logging.LogRecord]
+) -> None:
+    """An activity whose arguments are sealed under a key the worker's own keyring
+    refuses waits for a worker that can read them; the log line saying so held the
+    keyring's error whole, and with it what the user's keyring put in its text (here a
+    vault URL with its token). It is now redacted unless the engine made it."""
+    writer, reader, wf = _vault_apps(f"sqlite:///{tmp_path / 's.db'}")
+    await writer.start(wf, "payload", run_id="r1")
+    async with (
+        writer.worker(poll_interval=0.02, queues=["default"]),
+        reader.worker(poll_interval=0.02, queues=["acts"]),
+    ):
+        for _ in range(250):
+            if "activity 'act' of run 'r1' waits" in _text(records):
+                break
+            await asyncio.sleep(0.02)
+    text = _text(records)
+    assert "activity 'act' of run 'r1' waits (try 1" in text, text
+    assert CANARY not in text
+    for a in (writer, reader):
+        await a.close()
+
+
+async def test_why_a_runs_payload_is_unavailable_shows_no_users_keyring_text(
+    tmp_path: Path,
+) -> None:
+    """A run read leniently names each payload it cannot read and why
+    (``RunInfo.unavailable``), shown by the API to every key, payloads or not: a keyring
+    of the user's refusing a key had its error text (a vault URL with its token) shown
+    there whole. It now shows the error's type and what the redaction hook allows; the
+    engine's own messages stay whole."""
+    from tether.encryption import FileKeyring
+    from tether.server._models import run_view
+
+    writer, reader, wf = _vault_apps(f"sqlite:///{tmp_path / 's.db'}")
+    await writer.start(wf, "payload", run_id="r1")
+    info = await reader.store.get_run("r1", lenient=True)
+    for view in (run_view(info, payloads=False), run_view(info, payloads=True)):
+        assert view.unavailable and "input" in view.unavailable, view.unavailable
+        assert CANARY not in json.dumps(view.unavailable), view.unavailable
+        assert view.unavailable["input"].startswith("KeyUnavailableError: <"), view.unavailable
+    # the engine's own reason (a key its file keyring lacks) is shown whole
+    keys = FileKeyring.create(tmp_path / "keys.json")
+    sealed = tether.App(store=f"sqlite:///{tmp_path / 't.db'}", encryption=keys)
+    sealed.workflow(wf.fn, name="wf_")  # type: ignore[attr-defined]
+    await sealed.start("wf_", "payload", run_id="r2")
+    other = tether.App(
+        store=f"sqlite:///{tmp_path / 't.db'}",
+        encryption=FileKeyring.create(tmp_path / "other.json"),
+    )
+    shown = (await other.store.get_run("r2", lenient=True)).unavailable or {}
+    assert repr(keys.current(None)) in shown.get("input", ""), shown
+    for a in (writer, reader, sealed, other):
+        await a.close()
+
+
+async def test_a_step_called_with_other_arguments_is_a_divergence_logged_whole(
+    store_url: str, records: list[logging.LogRecord]
+) -> None:
+    """A step replayed with other arguments is a ``NonDeterminismError`` the engine words
+    from names alone (values not shown), but it carried no engine mark: the worker log
+    and a key without payloads saw ``<... redacted>``. It is now marked, shown whole."""
+    from tether._redact import engine_made
+
+    def build(suffix: str) -> tether.App:
+        app = tether.App(store=store_url)
+
+        @app.activity
+        def a(text: str) -> str:
+            return text
+
+        @app.workflow
+        async def flow(text: str) -> str:
+            await a(text + suffix)
+            await tether.wait_event("go")
+            return text
+
+        return app
+
+    old, new = build(""), build("!")
+    async with old.worker(poll_interval=0.05):
+        await old.start(old.get_workflow("flow"), CANARY, run_id="nd")
+        for _ in range(1000):
+            if (await old.get("nd")).waiting_on:
+                break
+            await asyncio.sleep(0.02)
+    await old.signal("nd", "go", CANARY)
+    async with new.worker(poll_interval=0.05):
+        for _ in range(1000):
+            if (await new.get("nd")).task_error:
+                break
+            await asyncio.sleep(0.02)
+    text = _text(records)
+    assert CANARY not in text
+    assert "called with other arguments" in text, text
+    error = (await new.get("nd")).task_error
+    assert error is not None and engine_made(error), error
+    for app in (old, new):
+        await app.close()

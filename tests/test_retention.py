@@ -598,8 +598,8 @@ DIES_AFTER_BLOBS = """
 import os, sys
 from tether.blobs import BlobStore
 after, kept, keep = int(os.environ["DIE_AFTER_BLOBS"]), [0], BlobStore.keep
-def dying_keep(self, ref, data):
-    keep(self, ref, data)
+def dying_keep(self, ref, data, *rest):
+    keep(self, ref, data, *rest)
     kept[0] += 1
     if kept[0] >= after:
         os._exit(9)
@@ -1042,6 +1042,73 @@ def test_store_check_names_damaged_and_unreferenced_blobs(tmp_path: Path) -> Non
     assert report["blobs"]["damaged"] == 1, report
     (problem,) = [p for p in report["problems"] if "damaged" in p]
     assert ref in problem and "do not match the hash" in problem and "backup" in problem
+
+
+def test_store_check_names_damaged_sealed_blobs_and_counts_shredded_ones(tmp_path: Path) -> None:
+    """A sealed ``put_blob`` document with a byte changed, or cut short, does not open with
+    its key: `store check` counted it ``unverified`` (as if the key were missing) and
+    called the store sound. It is now damaged (a problem, exit 1); a document whose
+    tenant was erased (its key destroyed) is counted shredded, not a problem."""
+    from tether.encryption import FileKeyring
+
+    db = tmp_path / "t.db"
+    keys = FileKeyring.create(str(tmp_path / "keys.json"), per_tenant=True)
+
+    async def populate() -> list[str]:
+        app = tether.App(store=f"sqlite:///{db}", encryption=keys)
+        refs = [
+            app.put_blob(b"flipped document " * 40).ref,
+            app.put_blob(b"truncated document " * 40).ref,
+            app.put_blob(b"a document of acme " * 40, tenant="acme").ref,
+            app.put_blob(b"a whole document " * 40).ref,
+        ]
+        await app.close()
+        return refs
+
+    flipped, cut, acme, whole = asyncio.run(populate())
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(HERE.parent / "src"),
+        "TETHER_KEYRING": str(tmp_path / "keys.json"),
+    }
+    env.pop("TETHER_BLOBS", None)
+    env.pop("TETHER_ENCRYPTION_KEYS", None)
+
+    def check() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "tether.cli", "store", "check", "--store", str(db)],
+            env=env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    sound = check()
+    assert sound.returncode == 0, sound.stdout + sound.stderr
+    state = json.loads(sound.stdout)["blobs"]
+    assert state["stored"] == 4 and state["damaged"] == 0 and state["unverified"] == 0, state
+
+    def path(ref: str) -> Path:
+        digest = ref.removeprefix("sha256:")
+        return tmp_path / "t.db.blobs" / "sha256" / digest[:2] / digest[2:]
+
+    data = bytearray(path(flipped).read_bytes())
+    data[len(data) // 2] ^= 1  # one bit changed inside the ciphertext
+    path(flipped).chmod(0o644)
+    path(flipped).write_bytes(bytes(data))
+    path(cut).chmod(0o644)
+    path(cut).write_bytes(path(cut).read_bytes()[:40])
+    keys.shred("acme")
+    damaged = check()
+    assert damaged.returncode == 1, damaged.stdout + damaged.stderr
+    report = json.loads(damaged.stdout)
+    blobs = report["blobs"]
+    assert blobs["damaged"] == 2 and blobs["unverified"] == 0 and blobs["shredded"] == 1, blobs
+    assert set(blobs["damaged_examples"]) == {flipped, cut}, blobs
+    assert all("do not open with their key" in p for p in blobs["damaged_examples"].values())
+    assert whole not in blobs["damaged_examples"] and acme not in blobs["damaged_examples"]
+    assert "shredded" in damaged.stderr, damaged.stderr
 
 
 @pytest.mark.parametrize("then", ["purge", "erase"])

@@ -248,3 +248,97 @@ def test_a_backup_taken_before_erase_tenant_keeps_the_tenants_documents_unreadab
     with pytest.raises(tether.BlobError, match="missing"):
         live.get(acme)
     assert live.get(globex) == DOC
+
+
+async def test_a_worker_reads_a_runs_tenant_only_when_its_activity_puts_a_blob(
+    store_url: str, tmp_path: Path, keys: FileKeyring
+) -> None:
+    """With per-tenant keys a worker read each run's tenant from the store before the
+    first attempt of every activity (a batch's runs one after another), whether or not
+    it called ``put_blob``: a store round trip added to the hot path. A sync activity's
+    lookup is now made when it puts a blob, and its document is still the tenant's."""
+
+    def make() -> tuple[tether.App, Any]:
+        a = tether.App(store=store_url, blobs=str(tmp_path / "blobs"), encryption=keys)
+
+        @a.activity(queue="acts")
+        def plain(x: int) -> int:
+            return x + 1
+
+        @a.activity(queue="acts")
+        def fetch(text: str) -> tether.Blob:
+            return tether.put_blob(text.encode())
+
+        @a.activity(queue="acts", batch=tether.Batch(max_items=4, max_wait=0.2))
+        def many(xs: list[int]) -> list[int]:
+            return [x * 2 for x in xs]
+
+        @a.workflow
+        async def flow(n: int, text: str) -> dict[str, Any]:
+            doc = await fetch(text) if text else None  # first: no tenant cached yet
+            await plain(n)
+            await many(n)
+            return {"doc": doc if isinstance(doc, dict) or doc is None else doc.model_dump()}
+
+        return a, flow
+
+    starter, flow = make()
+    for i in range(4):
+        await starter.start(flow, i, "", run_id=f"p{i}", tenant=f"t{i}")
+    worker, _ = make()  # the activities' worker, in another process: no tenant cached
+    reads: list[str] = []
+    real = worker.store.run_tenant
+
+    async def counted(run_id: str) -> str | None:
+        reads.append(run_id)
+        return await real(run_id)
+
+    worker.store.run_tenant = counted  # type: ignore[method-assign]
+    async with (
+        starter.worker(poll_interval=0.02, queues=["default"]),
+        worker.worker(poll_interval=0.02, queues=["acts"]),
+    ):
+        for i in range(4):
+            assert (await starter.get_run(f"p{i}").result(timeout=30)) == {"doc": None}
+        assert reads == [], reads  # no blob put: no tenant read
+        run = await starter.start(flow, 9, DOC.decode(), run_id="d", tenant="acme")
+        doc = tether.Blob.model_validate((await run.result(timeout=30))["doc"])
+    assert reads == ["d"], reads
+    alone = starter.put_blob(DOC, tenant="acme")
+    assert doc.ref == alone.ref  # the tenant's document, as put for it
+    for a in (starter, worker):
+        await a.close()
+
+
+async def test_bytes_planted_as_a_tenants_frame_never_keep_its_document_unshredded(
+    app: tether.App, tmp_path: Path, keys: FileKeyring
+) -> None:
+    """A blob put without a tenant whose bytes were those a tenant's document is named
+    by (its frame: ``~tb1:"acme"`` and the document) got the same reference as acme's
+    later ``put_blob(DOC, tenant="acme")``, which found it intact and left it under the
+    shared key, readable after acme's erasure; and ``reseal`` took any document so
+    beginning for a tenant's. Now such bytes are refused without a tenant (with
+    per-tenant keys), a tenant's put rewrites a blob not under one of its keys, and
+    reseal reads a tenant only from what was sealed under its key."""
+    from tether.blobs import framed
+
+    with pytest.raises(tether.BlobError, match="tenant"):
+        app.put_blob(framed("acme", DOC))
+    store = app.store.blobs
+    assert store is not None
+    # planted by an older version (or by hand): under the shared key, named as acme's
+    planted = framed("acme", DOC)
+    ref = "sha256:" + hashlib.sha256(planted).hexdigest()
+    store.keep(ref, store.sealer.seal_bytes(planted, None))  # type: ignore[union-attr]
+    shared = keys.rotate()  # the shared key rotated: reseal moves it to the new one
+    assert store.reseal(ref)
+    assert shared in store.head(ref).decode("ascii", "replace")  # not taken for acme's
+    mine = app.put_blob(DOC, tenant="acme")
+    assert mine.ref == ref
+    head = store.head(ref).decode("ascii", "replace")
+    assert any(k in head for k in keys.tenant_keys("acme")), head  # rewritten under acme's
+    backup = _copy(tmp_path, keys)
+    await app.erase_tenant("acme")
+    backup.sealer = Sealer(FileKeyring(keys.path))
+    with pytest.raises(KeyUnavailableError, match="destroyed"):
+        backup.get(mine)

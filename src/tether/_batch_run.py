@@ -61,7 +61,7 @@ class BatchHost(Protocol):
 
     async def _breaker_record(self, cfg: dict[str, Any], ok: bool) -> None: ...
 
-    async def _blob_tenant(self, run_ids: Sequence[str]) -> str | None: ...
+    async def _tenant_args(self, run_ids: Sequence[str], on_loop: bool) -> dict[str, Any]: ...
 
 
 # -- the activity context of a batch --------------------------------------------
@@ -166,7 +166,7 @@ async def run_batch(w: BatchHost, tasks: list[Task]) -> None:
         _loop=w._loop,
         _lease=w.lease,
         # one tenant's runs: its put_blob documents are its (of several: the shared key)
-        _tenant=await w._blob_tenant([t.run_id for t, _, _ in live]),
+        **await w._tenant_args([t.run_id for t, _, _ in live], act.is_async),
     )
     ctx._tasks = tuple(t for t, _, _ in live)
     limits = [t for t in (p.attempt_timeout(now) for _, p, _ in live) if t]

@@ -118,6 +118,13 @@ def shown_error(exc: BaseException) -> str:
     return str(exc) if is_engine_made(exc) else redact(str(exc))
 
 
+def unavailable_text(exc: BaseException) -> str:
+    """Why a payload cannot be read, as a run or dead letter keeps it (``unavailable``,
+    shown to every API key): the engine's message whole, else its type and what
+    ``redact`` allows (a keyring of the user's may word its errors with a secret)."""
+    return str(exc) if is_engine_made(exc) else f"{type(exc).__name__}: {redact(str(exc))}"
+
+
 def redact_error(type_name: str, text: str) -> str:
     """What the engine logs of an error's message given as text: all of it when the
     engine made it (``engine_made``), else what ``redact`` allows."""

@@ -801,15 +801,27 @@ class Worker:
         codec = self.app.store.codec
         if codec is None or not codec.per_tenant:
             return None
-        tenants = set()
-        for run_id in dict.fromkeys(run_ids):
-            if run_id in codec.tenants:
-                tenants.add(codec.tenants[run_id])
-            else:
-                tenant = await self.app.store.run_tenant(run_id)
-                codec.remember(run_id, tenant)
-                tenants.add(tenant)
+        known = {r: codec.tenants[r] for r in dict.fromkeys(run_ids) if r in codec.tenants}
+        unknown = [r for r in dict.fromkeys(run_ids) if r not in known]
+        # a batch's runs read together, not one after another
+        found = await asyncio.gather(*(self.app.store.run_tenant(r) for r in unknown))
+        for run_id, tenant in zip(unknown, found, strict=True):
+            codec.remember(run_id, tenant)
+            known[run_id] = tenant
+        tenants = set(known.values())
         return tenants.pop() if len(tenants) == 1 else None
+
+    async def _tenant_args(self, run_ids: Sequence[str], on_loop: bool) -> dict[str, Any]:
+        """How an activity's context knows its runs' tenant (``_blob_tenant``): at once
+        if cached, or if the activity runs on this loop (where ``put_blob`` cannot wait
+        for a store read); else a read made only when it puts a blob."""
+        codec = self.app.store.codec
+        if codec is None or not codec.per_tenant:
+            return {}
+        ids = list(run_ids)
+        if on_loop or all(r in codec.tenants for r in ids):
+            return {"_tenant": await self._blob_tenant(ids)}
+        return {"_tenant_of": functools.partial(self._blob_tenant, ids)}
 
     async def _tenant_gate(self, task: Task, coro: Coroutine[Any, Any, None]) -> None:
         """Run ``coro`` unless the run's tenant is switched off (then hold the task)."""
@@ -1317,12 +1329,13 @@ class Worker:
                 # tried again ever less often, each try logged once
                 delay, tries = self._unreadable_hold(("step", task.task_id), exc, KEY_HOLD)
                 log.error(
-                    "activity %r of run %r waits (try %d: tried again in %g s): %s",
+                    "activity %r of run %r waits (try %d: tried again in %g s): %s: %s",
                     act.name,
                     task.run_id,
                     tries,
                     delay,
-                    exc,
+                    type(exc).__name__,
+                    shown_error(exc),  # a keyring of the user's words its own errors
                     extra={"run_id": task.run_id},
                 )
             self.stats["held_unreadable"] += 1
@@ -1344,7 +1357,7 @@ class Worker:
             _store=store,
             _loop=self._loop,
             _lease=self.lease,
-            _tenant=await self._blob_tenant([task.run_id]),
+            **await self._tenant_args([task.run_id], act.is_async),
         )
         entry = self._inflight.get(task.task_id)
         if entry is not None and entry[0] is task:  # (not a newer attempt's)

@@ -57,6 +57,13 @@ def unframed(data: bytes) -> tuple[str | None, bytes]:
     return None, data
 
 
+def _key_id(head: bytes) -> str | None:
+    """The id of the key a blob's first bytes say it is sealed under (None: plain)."""
+    if not head.startswith(SEALED):
+        return None
+    return head[len(SEALED) :].split(b":", 1)[0].decode("ascii", "replace")
+
+
 class Blob(BaseModel):
     """A reference to bytes in the blob store: what a history holds instead of them."""
 
@@ -126,15 +133,23 @@ class BlobStore:
         other tenant's copy, so erasing the tenant shreds every copy of it.
         """
         size = len(data)
-        if (
-            tenant is not None
-            and not sealed
-            and self.sealer is not None
-            and self.sealer.keyring.per_tenant
-        ):
+        per_tenant = not sealed and self.sealer is not None and self.sealer.keyring.per_tenant
+        if per_tenant and tenant is not None:
             data = framed(tenant, data)
         else:
             tenant = None
+            if per_tenant and data.startswith(TENANT_FRAME):
+                # it would be named as a tenant's document is, under the shared key: the
+                # tenant's own put of it would then find it there and leave it unshredded
+                raise made_by_engine(
+                    BlobError(
+                        f"sha256:{hashlib.sha256(data).hexdigest()}",
+                        f"a document beginning {TENANT_FRAME.decode()!r} (how a tenant's "
+                        "documents are framed) cannot be put without a tenant with per-"
+                        "tenant keys: put it for its tenant (tenant=...), or change its "
+                        "first bytes",
+                    )
+                )
         digest = hashlib.sha256(data).hexdigest()
         if self.sealer is not None and not sealed:
             data = self.sealer.seal_bytes(data, tenant)
@@ -144,17 +159,33 @@ class BlobStore:
         # to it is about to be committed, and gc spares blobs younger than its grace
         # period. A damaged one is written anew: putting the bytes again restores it.
         if self._fs is not None:
-            if not self._fs.exists(path) or not self._intact(blob, sealed):
+            if (
+                not self._fs.exists(path)
+                or not self._intact(blob, sealed)
+                or not self._own(blob, tenant)
+            ):
                 self._fs.pipe_file(path, data)
             else:
                 with contextlib.suppress(Exception):  # not every filesystem can touch
                     self._fs.touch(path, truncate=False)
-        elif os.path.exists(path) and self._intact(blob, sealed):
+        elif os.path.exists(path) and self._intact(blob, sealed) and self._own(blob, tenant):
             with contextlib.suppress(OSError):
                 os.utime(path)
         else:
             self._write(path, data)
         return blob
+
+    def _own(self, blob: Blob, tenant: str | None) -> bool:
+        """Whether a stored tenant's document is sealed under one of ``tenant``'s keys
+        (bytes named as its are, put under another key by an older version or by hand,
+        would stay readable after its erasure: they are written anew)."""
+        if tenant is None or self.sealer is None:
+            return True
+        key_id = _key_id(self.head(blob.ref))
+        keyring = self.sealer.keyring
+        if key_id == keyring.current(tenant):
+            return True
+        return key_id in (keyring.tenant_keys(tenant) or ())
 
     def _write(self, path: str, data: bytes) -> None:
         if self._fs is not None:
@@ -200,6 +231,9 @@ class BlobStore:
                 BlobError(ref, "the stored bytes do not match the hash: left as they are")
             )
         tenant = unframed(inner)[0] if keyring.per_tenant else None
+        owned = keyring.tenant_keys(tenant) if tenant is not None else None
+        if owned is not None and _key_id(head) not in owned:
+            tenant = None  # framed bytes sealed under no key of that tenant: not its
         if tenant is not None and head.startswith(f"{PREFIX}{keyring.current(tenant)}:".encode()):
             return False
         self._write(self._path(digest), self.sealer.seal_bytes(inner, tenant))
@@ -226,9 +260,15 @@ class BlobStore:
                 BlobError(ref, f"missing from the blob store at {self.shown_root!r}")
             ) from None
 
-    def keep(self, ref: str, data: bytes) -> None:
-        """Store bytes as ``kept`` read them from another blob store, under ``ref``."""
-        self._write(self._path(ref.removeprefix("sha256:")), data)
+    def keep(self, ref: str, data: bytes, mtime: float | None = None) -> None:
+        """Store bytes as ``kept`` read them from another blob store, under ``ref``;
+        ``mtime``: the source's modification time, kept where the filesystem allows (a
+        pending deletion skips a blob "put again since", and gc spares young ones)."""
+        path = self._path(ref.removeprefix("sha256:"))
+        self._write(path, data)
+        if mtime is not None and self._fs is None:
+            with contextlib.suppress(OSError):
+                os.utime(path, (mtime, mtime))
 
     def _intact(self, blob: Blob, sealed: bool) -> bool:
         """Whether the stored bytes of ``blob`` still match its hash (read in full)."""
@@ -292,14 +332,18 @@ class BlobStore:
         """Whether a stored blob is whole, for ``tether store check``: None if its bytes
         match its name (as kept, or opened with the sealer when sealed under the hash of
         the plain bytes), ``"unverified"`` when sealed under a key this process lacks,
-        else why it is damaged or unreadable. Reads the blob once."""
+        ``"shredded"`` when under a key destroyed (its tenant was erased), else why it is
+        damaged or unreadable. Reads the blob once."""
         digest = ref.removeprefix("sha256:")
         try:
             data = self.kept(ref)
         except BlobError:
             return None  # deleted since it was listed
         except Exception as exc:  # unreadable: permissions, an I/O error
-            return f"unreadable ({type(exc).__name__}: {exc})"
+            # the error's text may carry a remote root's credentials: masked as it is
+            text = str(exc).replace(self.root, self.shown_root)
+            text = re.sub(r"(://[^/@:\s]*):[^/@\s]*@", r"\1:***@", text)
+            return f"unreadable ({type(exc).__name__}: {text})"
         if hashlib.sha256(data).hexdigest() == digest:
             return None  # plain, or a sealed offloaded payload (named by its bytes as kept)
         if not data.startswith(SEALED):
@@ -308,7 +352,11 @@ class BlobStore:
             return "unverified"
         try:
             plain = self.sealer.open_bytes(data, f"blob {ref}")
-        except KeyUnavailableError:
+        except KeyUnavailableError as exc:
+            if exc.damaged:  # the key is here and the bytes do not open with it
+                return "sealed bytes that do not open with their key (changed or truncated)"
+            if exc.destroyed:  # expected: the document of an erased tenant
+                return "shredded"
             return "unverified"
         except Exception as exc:  # tampered with, truncated
             return f"sealed bytes that do not open ({type(exc).__name__})"

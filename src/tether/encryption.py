@@ -57,18 +57,30 @@ _FINGERPRINT_OF = b"tether key fingerprint v1"
 class KeyUnavailableError(PayloadError):
     """A sealed payload names a key this process does not have (unknown or destroyed)."""
 
-    def __init__(self, key_id: str, problem: str, where: str = "") -> None:
+    def __init__(
+        self, key_id: str, problem: str, where: str = "", *, damaged: bool = False
+    ) -> None:
         self.key_id, self.problem, self.where = key_id, problem, where
+        #: the key was there but the sealed bytes did not open with it: changed or
+        #: truncated (or another key under the same id), not merely a key this lacks
+        self.damaged = damaged
         place = f"{where}: " if where else ""
         super().__init__(f"{place}payload sealed with key {key_id!r}: {problem}")
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.key_id, self.problem, self.where))
+        return (_unavailable, (type(self), self.key_id, self.problem, self.where, self.damaged))
 
     @property
     def destroyed(self) -> bool:
         """True when the key was destroyed on purpose (the data is erased, not lost)."""
         return "destroyed" in self.problem
+
+
+def _unavailable(
+    cls: type[KeyUnavailableError], key_id: str, problem: str, where: str, damaged: bool
+) -> KeyUnavailableError:
+    """A ``KeyUnavailableError`` rebuilt from a pickle (``damaged`` is keyword-only)."""
+    return cls(key_id, problem, where, damaged=damaged)
 
 
 class KeyringMismatchError(ConfigurationError):
@@ -723,6 +735,7 @@ class Sealer:
                     "it does not open with this keyring's key of that id (a different key "
                     "under the same id, or the value was changed)",
                     where,
+                    damaged=True,
                 )
             ) from None
         return zlib.decompress(data) if flag == "z" else data

@@ -1119,14 +1119,13 @@ class Gateway:
         except asyncio.CancelledError:
             # cancelled while the store may still commit it: what it reserves then is
             # given back, as a call that ends without an answer gives back its estimate
-            back = {"day": day, "tokens": tokens, "cost": Decimal(cost or 0)}
+            held = Decimal(cost or 0)
+            back: dict[str, Any] = {"day": day, "tokens": tokens, "cost": held}
 
             def give_back(done: asyncio.Future[Any]) -> None:
                 if done.cancelled() or done.exception() is not None or done.result():
                     return
-                giving = asyncio.ensure_future(
-                    self.add_daily_spend(scopes, -tokens, -back["cost"], back)
-                )
+                giving = asyncio.ensure_future(self.add_daily_spend(scopes, -tokens, -held, back))
                 _SENDING.add(giving)
                 giving.add_done_callback(_SENDING.discard)
 

@@ -420,14 +420,14 @@ def _copy_blobs(source: BlobStore, target: BlobStore, *, keep_present: bool = Fa
     """Copy every blob of ``source`` as kept (sealed or not) into ``target``; with
     ``keep_present`` a blob ``target`` has already is left as it is. How many."""
     copied = 0
-    for ref, _ in source.refs():
+    for ref, mtime in source.refs():
         if keep_present and target.modified(ref) is not None:
             continue
         try:
             data = source.kept(ref)
         except BlobError:  # deleted since the listing (gc, purge): nothing refers to it
             continue
-        target.keep(ref, data)
+        target.keep(ref, data, mtime)  # its time kept: a pending deletion still applies
         copied += 1
     return copied
 
@@ -596,7 +596,8 @@ async def _blob_state(app: Any) -> dict[str, Any]:
     deletions a stopped purge or erasure left pending, blobs no payload refers to, and
     blobs whose bytes do not match their hash or cannot be read (problems). Each blob
     is read once (as a backup would) and only sealed ``put_blob`` blobs are opened,
-    with the keyring given; without it they are counted ``unverified``."""
+    with the keyring given; without it they are counted ``unverified`` (and those of an
+    erased tenant ``shredded``)."""
     blobs = app.store.blobs
     if blobs is None:
         return {}
@@ -609,7 +610,7 @@ async def _blob_state(app: Any) -> dict[str, Any]:
     unused: list[str] = []
     old: list[str] = []
     damaged: dict[str, str] = {}
-    unverified = stored = 0
+    unverified = shredded = stored = 0
     for ref, mtime in list(blobs.refs()):
         stored += 1
         if used is not None and ref not in used and ref not in noted:
@@ -619,6 +620,8 @@ async def _blob_state(app: Any) -> dict[str, Any]:
         problem = blobs.verify(ref)
         if problem == "unverified":
             unverified += 1
+        elif problem == "shredded":  # a document of an erased tenant: as meant
+            shredded += 1
         elif problem is not None:
             damaged[ref] = problem
     state: dict[str, Any] = {
@@ -627,6 +630,7 @@ async def _blob_state(app: Any) -> dict[str, Any]:
         "unreferenced": None if used is None else len(unused),
         "damaged": len(damaged),
         "unverified": unverified,
+        "shredded": shredded,
     }
     notes: list[str] = []
     problems: list[str] = []
@@ -653,6 +657,11 @@ async def _blob_state(app: Any) -> dict[str, Any]:
         notes.append(
             f"{unverified} sealed blob(s) not verified: sealed under a key this process "
             "lacks (give the keyring: TETHER_KEYRING)"
+        )
+    if shredded:
+        notes.append(
+            f"{shredded} sealed blob(s) shredded: their tenant was erased (its keys "
+            "destroyed); `tether store gc-blobs` removes those nothing refers to"
         )
     if damaged:
         shown = sorted(damaged)[:_NAMED_REFS]

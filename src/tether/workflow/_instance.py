@@ -618,11 +618,13 @@ class WorkflowInstance:
                 if differs is not None:
                     what = "arguments" if inputs[0] == "args" else "input"
                     self._diverged(
-                        NonDeterminismError(
-                            self.run_id,
-                            step,
-                            f"{produced} called with other {what}",
-                            f"the same call with {differs} different (values not shown)",
+                        made_by_engine(  # names and which arguments differ: no values
+                            NonDeterminismError(
+                                self.run_id,
+                                step,
+                                f"{produced} called with other {what}",
+                                f"the same call with {differs} different (values not shown)",
+                            )
                         )
                     )
             if (
@@ -631,11 +633,13 @@ class WorkflowInstance:
                 and not self._copied(step)
             ):
                 self._diverged(
-                    NonDeterminismError(
-                        self.run_id,
-                        step,
-                        f"{produced} as child run {rec.data.get('child_run_id')!r}",
-                        f"the same child start as run {data.get('child_run_id')!r}",
+                    made_by_engine(  # names and run ids
+                        NonDeterminismError(
+                            self.run_id,
+                            step,
+                            f"{produced} as child run {rec.data.get('child_run_id')!r}",
+                            f"the same child start as run {data.get('child_run_id')!r}",
+                        )
                     )
                 )
         elif self.replaying:
@@ -1038,8 +1042,11 @@ class WorkflowInstance:
     def diverge(self, expected: str, produced: str) -> NoReturn:
         """Raise a ``NonDeterminismError`` at the next step (kept as the task's outcome:
         the run waits for code that can replay it), for a recorded decision that this
-        deploy cannot follow: ``expected`` says what history holds, ``produced`` why."""
-        self._diverged(NonDeterminismError(self.run_id, self.step + 1, expected, produced))
+        deploy cannot follow: ``expected`` says what history holds, ``produced`` why.
+        Engine code calls it with names alone (models, fields, schemas): marked so."""
+        self._diverged(
+            made_by_engine(NonDeterminismError(self.run_id, self.step + 1, expected, produced))
+        )
 
     def record(self, marker: str, data: dict[str, Any]) -> int:
         """Issue a Marker command: a decision of workflow code recorded for audit.

@@ -10,7 +10,7 @@ from typing import Any
 from ..._codec import MARKS, OFFLOADED, PLAIN_RAW, SECRET_KEYS, Codec, decode_text
 from ..._errors import ConfigurationError, PayloadError
 from ..._history import RunEnd, RunInfo, RunStatus, Task
-from ..._redact import read_task_error
+from ..._redact import read_task_error, unavailable_text
 from ..._serde import dumps
 from ...blobs import BlobError
 from ...encryption import PREFIX, KeyringMismatchError, KeyUnavailableError, Sealer
@@ -454,7 +454,7 @@ def _run_from_row(row: Sequence[Any], codec: Codec | None = None, lenient: bool 
         try:
             return decode()
         except (PayloadError, BlobError) as exc:
-            unavailable[field] = str(exc)
+            unavailable[field] = unavailable_text(exc)
             return instead
 
     error = read("error", lambda: _error_json(codec, row[6], rid, "error"))

@@ -10,6 +10,7 @@ from typing import Any
 from ..._codec import MARKS
 from ..._errors import PayloadError, RunIdConflictError, TetherError
 from ..._history import COMMANDS, OUTCOMES, DeadLetter, Event, EventType, RunStatus
+from ..._redact import unavailable_text
 from ...blobs import BlobError
 from ._tx import _error_json, _Tx
 
@@ -133,7 +134,7 @@ def _letter(tx: _Tx, row: Any) -> DeadLetter:
         try:
             return decode()
         except (PayloadError, BlobError) as exc:
-            unavailable[field] = str(exc)
+            unavailable[field] = unavailable_text(exc)
             return None
 
     error = read(
