@@ -217,7 +217,7 @@ def test_a_backup_or_restore_that_cannot_write_says_so_in_a_line_and_leaves_noth
     assert exited.value.code == 0, capsys.readouterr().err
     capsys.readouterr()
 
-    def full(self: BlobStore, ref: str, data: bytes) -> None:
+    def full(self: BlobStore, ref: str, data: bytes, mtime: float | None = None) -> None:
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(BlobStore, "keep", full)

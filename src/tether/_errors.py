@@ -366,3 +366,13 @@ class ResultTimeoutError(TetherError, TimeoutError):
 
 class NonRetryable(Exception):
     """Raise from an activity to fail the step at once, skipping remaining retries."""
+
+
+class ContinueAsNew(BaseException):
+    """Raised by ``tether.continue_as_new``; a BaseException so ``except Exception``
+    in workflow code cannot swallow it (here, below the workflow side, so a saga block
+    can tell it apart without importing the instance)."""
+
+    def __init__(self, input_json: str) -> None:
+        super().__init__("continue as new")
+        self.input_json = input_json

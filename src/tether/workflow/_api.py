@@ -19,10 +19,10 @@ from datetime import timedelta
 from typing import Any, Generic, TypeVar
 
 from .._definitions import Activity, chain_of, check_signal_name
-from .._errors import TetherError
+from .._errors import ContinueAsNew, TetherError
 from .._policy import seconds
 from .._serde import convert
-from ._instance import ContinueAsNew, WorkflowInstance, current_instance
+from ._instance import WorkflowInstance, current_instance
 
 T = TypeVar("T")
 

@@ -27,7 +27,13 @@ from typing import Any, NoReturn
 import pydantic
 
 from .._definitions import CHAIN_SEPARATOR, Activity, Workflow, chain_of, running
-from .._errors import ActivityError, ChildWorkflowError, NonDeterminismError, PayloadError
+from .._errors import (
+    ActivityError,
+    ChildWorkflowError,
+    ContinueAsNew,
+    NonDeterminismError,
+    PayloadError,
+)
 from .._history import (
     APPROVAL_SIGNAL,
     COMMANDS,
@@ -80,15 +86,6 @@ RECORDED_VALUES = "tether.recorded-values"
 
 #: the Marker recording each value drawn by ``WorkflowInstance.draw``, by kind
 VALUE_MARKERS = {"uuid": "tether.uuid", "random": "tether.random"}
-
-
-class ContinueAsNew(BaseException):
-    """Raised by ``tether.continue_as_new``; a BaseException so ``except Exception``
-    in workflow code cannot swallow it."""
-
-    def __init__(self, input_json: str) -> None:
-        super().__init__("continue as new")
-        self.input_json = input_json
 
 
 class InstanceClosed(BaseException):

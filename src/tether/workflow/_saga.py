@@ -30,7 +30,7 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from .._definitions import running
-from .._errors import TetherError
+from .._errors import ContinueAsNew, TetherError
 
 T = TypeVar("T")
 
@@ -203,8 +203,6 @@ class Saga:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool:
-        from ._instance import ContinueAsNew  # (it imports this module)
-
         if exc is not None or _interrupted(running.get()):
             # a failing sibling in a gather, a cancel, the deadline: the steps still
             # running are the exit's to wait for (a step left running by a block that
