@@ -74,19 +74,8 @@ def _seed_spend(tx: _Tx, scope: str, day: str) -> None:
     cost = sum((Decimal(r[1]) for r in rows), Decimal(0))
     if not tokens and not cost:
         return  # nothing recorded today: the spend (if any) stands
-    tx.execute(
-        "INSERT INTO ai_spend (scope, day, tokens, cost, updated_at) VALUES (?, ?, 0, '0', ?) "
-        "ON CONFLICT (scope, day) DO NOTHING",
-        (scope, day, tx.now),
-    )
-    row = tx.execute(
-        f"SELECT tokens, cost FROM ai_spend WHERE scope = ? AND day = ?{tx.for_update}",
-        (scope, day),
-    ).fetchone()
-    tx.execute(
-        "UPDATE ai_spend SET tokens = ?, cost = ?, updated_at = ? WHERE scope = ? AND day = ?",
-        (max(int(row[0]), tokens), str(max(Decimal(row[1]), cost)), tx.now, scope, day),
-    )
+    spent_tokens, spent_cost = _locked_spend(tx, scope, day)
+    _set_spend(tx, scope, day, max(spent_tokens, tokens), str(max(spent_cost, cost)))
 
 
 def _model_budgets(tx: _Tx, day: str) -> list[tuple[Any, ...]]:
@@ -101,20 +90,30 @@ def _model_budgets(tx: _Tx, day: str) -> list[tuple[Any, ...]]:
 
 def _add_spend(tx: _Tx, scopes: tuple[str, ...], day: str, tokens: int, cost: str) -> None:
     for scope in scopes:
-        # the row exists before it is locked, so two first writers of a day cannot collide
-        tx.execute(
-            "INSERT INTO ai_spend (scope, day, tokens, cost, updated_at) VALUES (?, ?, 0, '0', ?) "
-            "ON CONFLICT (scope, day) DO NOTHING",
-            (scope, day, tx.now),
-        )
-        row = tx.execute(
-            f"SELECT tokens, cost FROM ai_spend WHERE scope = ? AND day = ?{tx.for_update}",
-            (scope, day),
-        ).fetchone()
-        tx.execute(
-            "UPDATE ai_spend SET tokens = ?, cost = ?, updated_at = ? WHERE scope = ? AND day = ?",
-            (int(row[0]) + tokens, _plain(Decimal(row[1]) + Decimal(cost)), tx.now, scope, day),
-        )
+        spent_tokens, spent_cost = _locked_spend(tx, scope, day)
+        _set_spend(tx, scope, day, spent_tokens + tokens, _plain(spent_cost + Decimal(cost)))
+
+
+def _locked_spend(tx: _Tx, scope: str, day: str) -> tuple[int, Decimal]:
+    """(tokens, cost) spent in ``scope`` on ``day``, its row locked until the commit; the
+    row is made first, so two first writers of a day cannot collide."""
+    tx.execute(
+        "INSERT INTO ai_spend (scope, day, tokens, cost, updated_at) VALUES (?, ?, 0, '0', ?) "
+        "ON CONFLICT (scope, day) DO NOTHING",
+        (scope, day, tx.now),
+    )
+    row = tx.execute(
+        f"SELECT tokens, cost FROM ai_spend WHERE scope = ? AND day = ?{tx.for_update}",
+        (scope, day),
+    ).fetchone()
+    return int(row[0]), Decimal(row[1])
+
+
+def _set_spend(tx: _Tx, scope: str, day: str, tokens: int, cost: str) -> None:
+    tx.execute(
+        "UPDATE ai_spend SET tokens = ?, cost = ?, updated_at = ? WHERE scope = ? AND day = ?",
+        (tokens, cost, tx.now, scope, day),
+    )
 
 
 def _reserve_spend(
@@ -127,32 +126,20 @@ def _reserve_spend(
     of None (a model without a price) could be anything: a cost budget refuses it."""
     spent: list[tuple[str, int, Decimal]] = []
     for scope in scopes:
-        tx.execute(
-            "INSERT INTO ai_spend (scope, day, tokens, cost, updated_at) VALUES (?, ?, 0, '0', ?) "
-            "ON CONFLICT (scope, day) DO NOTHING",
-            (scope, day, tx.now),
-        )
-        row = tx.execute(
-            f"SELECT tokens, cost FROM ai_spend WHERE scope = ? AND day = ?{tx.for_update}",
-            (scope, day),
-        ).fetchone()
+        used_tokens, used_cost = _locked_spend(tx, scope, day)
         limit = tx.execute(
             "SELECT tokens, cost FROM ai_budgets WHERE scope = ?", (scope,)
         ).fetchone()
-        used_tokens, used_cost = int(row[0]), Decimal(row[1])
         if limit is not None:
             if limit[0] is not None and used_tokens + tokens > int(limit[0]):
-                return (scope, "tokens", str(limit[0]), used_tokens, str(row[1]))
+                return (scope, "tokens", str(limit[0]), used_tokens, str(used_cost))
             if limit[1] is not None and (
                 cost is None or used_cost + Decimal(cost) > Decimal(limit[1])
             ):
-                return (scope, "cost", str(limit[1]), used_tokens, str(row[1]))
+                return (scope, "cost", str(limit[1]), used_tokens, str(used_cost))
         spent.append((scope, used_tokens, used_cost))
     for scope, used_tokens, used_cost in spent:
-        tx.execute(
-            "UPDATE ai_spend SET tokens = ?, cost = ?, updated_at = ? WHERE scope = ? AND day = ?",
-            (used_tokens + tokens, _plain(used_cost + Decimal(cost or 0)), tx.now, scope, day),
-        )
+        _set_spend(tx, scope, day, used_tokens + tokens, _plain(used_cost + Decimal(cost or 0)))
     return None
 
 
