@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ._redact import is_engine_made, made_by_engine
+from ._redact import made_by_engine, marked_like
 from .blobs import Blob, BlobError, BlobStore
 from .encryption import PREFIX as SEALED
 from .encryption import Sealer, no_keyring
@@ -125,7 +125,7 @@ def decode_text(codec: Codec | None, text: str, where: str) -> str:
         data = blobs.get(Blob(ref=ref, size=int(size)), sealed=True)
     except BlobError as exc:
         again = BlobError(ref, f"{where}: {exc.problem}")
-        raise (made_by_engine(again) if is_engine_made(exc) else again) from None
+        raise marked_like(again, exc) from None
     if data.startswith(SEALED.encode()):
         if sealer is None:
             raise no_keyring(data, where)

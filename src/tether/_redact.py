@@ -69,6 +69,12 @@ def made_by_engine(exc: _E) -> _E:
     return exc
 
 
+def marked_like(exc: _E, cause: BaseException) -> _E:
+    """``exc``, made from ``cause``'s text, marked as the engine's only if ``cause`` was
+    (re-raising a keyring's or blob store's error under another name keeps its trust)."""
+    return made_by_engine(exc) if is_engine_made(cause) else exc
+
+
 def is_engine_made(exc: BaseException) -> bool:
     """Whether the engine marked ``exc`` (``made_by_engine``): its text holds no payload."""
     return vars(exc).get(_MARK) is True

@@ -27,7 +27,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from ._errors import ConfigurationError, TetherError
-from ._redact import is_engine_made, made_by_engine
+from ._redact import made_by_engine, marked_like
 from .encryption import PREFIX, KeyUnavailableError, Sealer, no_keyring
 
 SEALED = PREFIX.encode()
@@ -314,7 +314,7 @@ class BlobStore:
                 # a key this keyring lacks (retired too soon, not given to this
                 # process): the step fails and retries, so giving the key back heals it
                 again = BlobError(b.ref, str(exc))
-                raise (made_by_engine(again) if is_engine_made(exc) else again) from None
+                raise marked_like(again, exc) from None
         matches = hashlib.sha256(data).hexdigest() == digest
         if matches and len(data) != b.size and data.startswith(TENANT_FRAME):
             data = unframed(data)[1]  # a tenant's document (``framed``)

@@ -39,7 +39,7 @@ from collections.abc import Collection, Iterator
 from typing import Any
 
 from ._errors import ConfigurationError, PayloadError
-from ._redact import is_engine_made, made_by_engine
+from ._redact import made_by_engine, marked_like
 
 #: what every sealed value starts with (JSON text never starts with ``~``)
 PREFIX = "~e1:"
@@ -725,7 +725,7 @@ class Sealer:
         except KeyUnavailableError as exc:
             # the engine's when the keyring's was (a keyring of the user's words its own)
             again = KeyUnavailableError(key_id, exc.problem, where)
-            raise (made_by_engine(again) if is_engine_made(exc) else again) from None
+            raise marked_like(again, exc) from None
         try:
             data: bytes = cipher.decrypt(raw[:12], raw[12:], head)
         except Exception:
