@@ -690,7 +690,8 @@ async def test_limit_key_and_priority_are_recorded_in_history(app: tether.App) -
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(HERE.parent / "src")}
+    # a wide table whatever terminal (or none) the test runner has: rich sizes it
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent / "src"), "COLUMNS": "200"}
     return subprocess.run(
         [sys.executable, "-m", "tether.cli", *args],
         env=env,

@@ -311,6 +311,19 @@ async def pause_and_drain(store_url: str) -> None:
         await app.close()
 
 
+async def wait_for_ticks(store_url: str, n: int, within: float) -> None:
+    """Wait until the every-second schedule has fired ``n`` tick runs."""
+    app = tether.App(store=store_url)
+    try:
+        deadline = time.monotonic() + within
+        while len(await app.list(workflow="tick", limit=1000)) < n:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"fewer than {n} ticks fired in {within} s")
+            await asyncio.sleep(0.2)
+    finally:
+        await app.close()
+
+
 def test_three_worker_processes_fire_each_tick_exactly_once(
     store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -351,7 +364,9 @@ def test_three_worker_processes_fire_each_tick_exactly_once(
         for _ in range(3)
     ]
     try:
-        time.sleep(8)
+        # several ticks, each by whichever worker won it: counted, not timed (a loaded
+        # machine takes seconds just to start three workers)
+        asyncio.run(wait_for_ticks(store_url, 5, 60))
         asyncio.run(pause_and_drain(store_url))  # the last tick's run ends before SIGTERM
     finally:
         for w in workers:

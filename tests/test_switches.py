@@ -173,7 +173,9 @@ async def test_a_live_run_switched_off_stops_after_its_current_step_and_resumes_
         await eventually(held(w, 1), 15, "the run held")
         await asyncio.sleep(0.6)  # 30 steps' time: none may run
         held_at = len(await _steps_done(app, run.run_id))
-        assert held_at <= at_flip + 1, (at_flip, held_at)  # the step in flight ends
+        # the step in flight ends; on a loaded machine the step before it may have been
+        # done but its result still on the way to the store when at_flip was read: no more
+        assert held_at <= at_flip + 2, (at_flip, held_at)
         info = await app.get(run.run_id)
         assert info.status is tether.RunStatus.RUNNING
         assert info.task_error is not None and f"{kind} {name!r} is switched off" in (

@@ -6,7 +6,6 @@ from typing import Annotated, Any
 
 import typer
 
-from ..server._auth import ROLES, create_key
 from ._common import (
     EXIT_USAGE,
     UsageError,
@@ -44,6 +43,9 @@ def keys_create_command(
     name: Annotated[str | None, typer.Option("--name", help="What the key is for.")] = None,
 ) -> None:
     """Create an API key and print it once (only its hash is stored)."""
+    # imported here: the server package loads FastAPI, which every other command spares
+    from ..server._auth import ROLES, create_key
+
     if role not in (*ROLES, "client"):
         _fail(f"--role must be one of {', '.join(ROLES)} (got {role!r})", EXIT_USAGE)
 
