@@ -1161,3 +1161,54 @@ async def test_a_pending_deletion_whose_blob_is_referred_to_again_keeps_it(
     assert app.store.blobs.modified(kept) is not None
     assert app.store.blobs.modified(gone) is None
     await app.close()
+
+
+def _execute(store_url: str, *statements: str) -> None:
+    """Run SQL on a test's store (a SQLite file, or a PostgreSQL schema) directly."""
+    if store_url.startswith("sqlite:///"):
+        with sqlite3.connect(store_url.removeprefix("sqlite:///")) as conn:
+            for sql in statements:
+                conn.execute(sql)
+        return
+    import psycopg
+
+    url, _, schema = store_url.partition("?schema=")
+    with psycopg.connect(url) as conn:
+        conn.execute(f'SET search_path TO "{schema}"')
+        for sql in statements:
+            conn.execute(sql)
+
+
+async def test_a_purge_batch_of_tens_of_thousands_of_runs_fits_the_databases_limits(
+    store_url: str,
+) -> None:
+    """A purge batch removed its runs' chain rows in one statement binding a parameter
+    per run and one per chain: 33,000 ended runs in a batch of 40,000 bound 66,000, more
+    than PostgreSQL allows (65,535), and the purge failed (``--batch`` takes up to
+    100,000). Every statement of a removal now names a bounded part of the runs."""
+    app = tether.App(store=store_url)
+    await app.list(limit=1)  # the store's tables
+    n = 33_000
+    run = (
+        "INSERT INTO runs (run_id, workflow, status, queue, input, created_at, updated_at, "
+        "completed_at, continued_to) "
+    )
+    _execute(
+        store_url,
+        f"WITH RECURSIVE g(k) AS (SELECT 1 UNION ALL SELECT k + 1 FROM g WHERE k < {n}) "
+        f"{run} SELECT 'pp' || k, 'loop', 'completed', 'default', 'null', 1, 1, 1, NULL "
+        "FROM g",
+        f"{run} VALUES ('cc', 'loop', 'continued_as_new', 'default', 'null', 1, 1, 1, 'cc~1')",
+        f"{run} VALUES ('cc~1', 'loop', 'completed', 'default', 'null', 1, 1, 1, NULL)",
+        "INSERT INTO chains (chain_id, head_run_id) VALUES ('cc', 'cc~1')",
+        "INSERT INTO events (run_id, seq, type, data, created_at) "
+        "VALUES ('pp1', 1, 'WorkflowStarted', '{}', 1)",
+    )
+    counts = await app.purge(0, workflow="loop", batch=40_000)
+    assert counts["runs"] == n + 2 and counts["events"] == 1, counts
+    assert await app.list(limit=1) == []
+    assert set((await app.store.orphans()).values()) == {0}
+    with pytest.raises(tether.RunPurgedError):
+        await app.get("cc")
+    await app.close()
+
