@@ -1212,3 +1212,41 @@ async def test_a_purge_batch_of_tens_of_thousands_of_runs_fits_the_databases_lim
         await app.get("cc")
     await app.close()
 
+
+async def test_store_check_names_chain_rows_of_a_missing_or_continued_run(store_url: str) -> None:
+    """``store.orphans()`` (``tether store check``) did not look at ``chains``: a chain's
+    row naming a run the store does not have, or one that continued as new since (not
+    the chain's head: lookups through it go to the wrong run), was not reported. Both
+    are now counted, as the other orphans are, and the check names them as problems."""
+    app = tether.App(store=store_url)
+    await app.list(limit=1)  # the store's tables
+    assert set((await app.store.orphans()).values()) == {0}
+    run = (
+        "INSERT INTO runs (run_id, workflow, status, queue, input, created_at, updated_at, "
+        "completed_at, continued_to) "
+    )
+    _execute(
+        store_url,
+        "INSERT INTO chains (chain_id, head_run_id) VALUES ('gone', 'gone~2')",
+        f"{run} VALUES ('on', 'loop', 'continued_as_new', 'default', 'null', 1, 1, 1, 'on~1')",
+        f"{run} VALUES ('on~1', 'loop', 'continued_as_new', 'default', 'null', 1, 1, 1, 'on~2')",
+        f"{run} VALUES ('on~2', 'loop', 'running', 'default', 'null', 1, 1, NULL, NULL)",
+        "INSERT INTO chains (chain_id, head_run_id) VALUES ('on', 'on~1')",
+    )
+    orphans = await app.store.orphans()
+    assert orphans["chains"] == 1 and orphans["stale chains"] == 1, orphans
+    assert {k for k, n in orphans.items() if n} == {"chains", "stale chains"}, orphans
+    await app.close()
+    res = subprocess.run(
+        [sys.executable, "-m", "tether.cli", "store", "check", "--store", store_url],
+        env={**os.environ, "PYTHONPATH": str(HERE.parent / "src")},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 1, res.stdout + res.stderr
+    report = json.loads(res.stdout)
+    assert report["orphans"]["chains"] == 1 and report["orphans"]["stale chains"] == 1
+    assert "1 chains row(s) name a missing run" in report["problems"], report
+    stale = "1 stale chains row(s) name a run that continued as new (not its chain's head)"
+    assert stale in report["problems"], report

@@ -274,7 +274,8 @@ def _purged_run(tx: _Tx, run_id: str) -> tuple[str, float] | None:
 
 def _orphans(tx: _Tx) -> dict[str, int]:
     """Rows that name a run the store does not have, per table (all zero in a sound
-    store). A schedule's task names its schedule, not a run."""
+    store). A schedule's task names its schedule, not a run; a chain's row names its
+    head (``stale chains``: a head that continued as new since)."""
     out: dict[str, int] = {}
     for table in RUN_TABLES:
         extra = " AND t.kind <> 'schedule'" if table == "tasks" else ""
@@ -288,6 +289,18 @@ def _orphans(tx: _Tx) -> dict[str, int]:
         "(SELECT 1 FROM schedules s WHERE s.schedule_id = t.name)"
     ).fetchone()
     out["schedule tasks"] = int(n)
+    # a chain's row names its latest run: one that is gone, or that continued as new
+    # since (stale: lookups through the chain stop short of its head)
+    (n,) = tx.execute(
+        "SELECT COUNT(*) FROM chains c WHERE NOT EXISTS "
+        "(SELECT 1 FROM runs r WHERE r.run_id = c.head_run_id)"
+    ).fetchone()
+    out["chains"] = int(n)
+    (n,) = tx.execute(
+        "SELECT COUNT(*) FROM chains c JOIN runs r ON r.run_id = c.head_run_id "
+        "WHERE r.continued_to IS NOT NULL"
+    ).fetchone()
+    out["stale chains"] = int(n)
     return out
 
 
