@@ -233,3 +233,22 @@ async def cart() -> list[Any]:
     while (item := await tether.wait_event("add")) is not None:
         items.append(item)
     return items
+
+
+if os.environ.get("TETHER_TEST_STRUCTURED"):  # the structured-replay test's deploy
+    from tether import ai as _ai
+
+    class Person(BaseModel):  # this deploy removed ``age``
+        name: str
+
+    class People(BaseModel):
+        people: dict[str, Person]
+
+    _census = _ai.Gateway(app, name="census", retry=tether.Retry(attempts=1))
+    _reader = _census.model("reader", _ai.ScriptedModel([]))
+
+    @app.workflow
+    async def census(text: str) -> str:
+        got = await _ai.structured(_reader, text, output=People)
+        await tether.wait_event("go", timeout=3600)
+        return ",".join(got.people)

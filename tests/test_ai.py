@@ -2897,3 +2897,45 @@ async def test_a_model_call_inside_an_activity_past_its_timeout_names_that_activ
         ), message
         assert "raise the timeout of activity 'summarise'" in message, message
         assert "gateway.model(..., timeout=)" not in message and "cancel" not in message
+
+
+class _Dose(BaseModel):
+    drug: str
+
+
+class _Chart(BaseModel):
+    doses: list[_Dose]
+    by_patient: dict[str, _Dose]
+    note: Any = None
+
+    @model_validator(mode="after")
+    def _no_notes(self) -> _Chart:
+        self.note = None  # a field the type has, and ignores
+        return self
+
+
+def test_the_fields_dropped_name_the_types_fields_never_the_answers_keys() -> None:
+    """The replay check named a dropped field by its path into the recorded answer, a
+    dict's keys included (the model's output: a person's name here), and the message was
+    trusted as the engine's. A dict's keys and a list's indices are now ``[key]`` and
+    ``[i]``; the type's field names stay; a name the type does not have (an older type's
+    field, or one the model volunteered) makes the message not the engine's."""
+    from pydantic import TypeAdapter
+
+    from tether.ai._structured import _dropped
+
+    adapter = TypeAdapter(_Chart)
+    secret = "Alice Smith, SSN 078-05-1120"
+    answer = {
+        "doses": [{"drug": "a", "mg": 5}, {"drug": "b", "mg": 10}],
+        "by_patient": {secret: {"drug": "c", "mg": 1}},
+        "note": "x",
+    }
+    dropped, names_only = _dropped(adapter, answer, adapter.validate_python(answer))
+    assert dropped == {"doses[i].mg", "by_patient.[key].mg", "note"}
+    assert not names_only  # ``mg`` is no field of this type
+    answer = {"doses": [{"drug": "a"}], "by_patient": {secret: {"drug": "c"}}, "note": "x"}
+    assert _dropped(adapter, answer, adapter.validate_python(answer)) == ({"note"}, True)
+    volunteered = {**answer, secret: 1}  # a key the model made up where fields are
+    dropped, names_only = _dropped(adapter, volunteered, adapter.validate_python(volunteered))
+    assert dropped == {"note", secret} and not names_only

@@ -1265,3 +1265,85 @@ async def test_a_stream_whose_run_is_purged_or_unreadable_ends_with_an_error_mes
         assert problem["status"] == 410 and "purged" in problem["detail"], problem
     else:
         assert problem["status"] == 503 and "k-1" in problem["detail"], problem
+
+
+def test_a_divergence_naming_a_model_answers_keys_is_withheld_from_a_monitor_key(
+    store_url: str,
+) -> None:
+    """A structured step's recorded answer that today's output type reads lossily is a
+    divergence naming the fields dropped: paths into the answer, whose dict keys are
+    the model's output (here a person's name and SSN). The message was marked the
+    engine's, so a key without payloads saw it whole and the worker logged it whole.
+    The keys of a dict (and a list's indices) are now ``[key]`` (``[i]``), and a message
+    naming a field the type does not have is not the engine's: withheld, redacted."""
+    import asyncio
+    import concurrent.futures
+
+    from pydantic import BaseModel
+
+    import tether
+    from tether import ai
+
+    secret = "Alice Smith, SSN 078-05-1120"
+
+    class Person(BaseModel):  # the older deploy's type
+        name: str
+        age: int
+
+    class People(BaseModel):
+        people: dict[str, Person]
+
+    tether.App(store=store_url).store.close_sync()  # type: ignore[attr-defined]  # the store
+    admin = _create_key(store_url, "--role", "admin")
+    monitor = _create_key(store_url, "--role", "monitor", "--tenant", "acme")
+    old = tether.App(store=store_url)
+    gateway = ai.Gateway(old, name="census", retry=tether.Retry(attempts=1))
+    reader = gateway.model(
+        "reader", ai.ScriptedModel([{"people": {secret: {"name": "A", "age": 41}}}])
+    )
+
+    @old.workflow(name="census")
+    async def census(text: str) -> str:
+        got = await ai.structured(reader, text, output=People)
+        await tether.wait_event("go", timeout=3600)
+        return ",".join(got.people)
+
+    async def go() -> None:
+        async with old.worker(poll_interval=0.05):
+            await old.start(census, "read them", run_id="census-1", tenant="acme")
+            for _ in range(1000):
+                if await old.list(waiting_for="signal:go"):
+                    break
+                await asyncio.sleep(0.02)
+            assert await old.list(waiting_for="signal:go"), await old.get("census-1")
+        await old.close()
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pool.submit(asyncio.run, go()).result()
+    server = Server(store_url, "--workers", "1", env={"TETHER_TEST_STRUCTURED": "1"})
+    try:
+        http = server.http
+
+        def as_(key: str) -> dict[str, str]:
+            return {"Authorization": f"Bearer {key}"}
+
+        sent = http.post("/v1/runs/census-1/signals/go", json=True, headers=as_(admin))
+        assert sent.status_code == 202, sent.text
+        deadline = time.monotonic() + 20
+        while not (seen := http.get("/v1/runs/census-1", headers=as_(admin)).json()).get(
+            "task_error"
+        ):
+            assert time.monotonic() < deadline, f"no task_error shown: {seen}"
+            time.sleep(0.1)
+        error = seen["task_error"]
+        assert error.startswith("NonDeterminismError: "), error
+        assert "'people.[key].age'" in error and secret not in error, error
+        bare = http.get("/v1/runs/census-1", headers=as_(monitor)).json()
+        assert bare["task_error"] == "NonDeterminismError: [withheld]", bare
+    finally:
+        server.proc.send_signal(signal.SIGTERM)
+        server.proc.wait(30)
+        logged = server.proc.stderr.read() if server.proc.stderr else ""
+        server.stop()
+    assert "workflow task for run 'census-1' failed: NonDeterminismError: <" in logged, logged
+    assert secret not in logged and "SSN" not in logged

@@ -1161,3 +1161,92 @@ async def test_a_pending_deletion_whose_blob_is_referred_to_again_keeps_it(
     assert app.store.blobs.modified(kept) is not None
     assert app.store.blobs.modified(gone) is None
     await app.close()
+
+
+def _execute(store_url: str, *statements: str) -> None:
+    """Run SQL on a test's store (a SQLite file, or a PostgreSQL schema) directly."""
+    if store_url.startswith("sqlite:///"):
+        with sqlite3.connect(store_url.removeprefix("sqlite:///")) as conn:
+            for sql in statements:
+                conn.execute(sql)
+        return
+    import psycopg
+
+    url, _, schema = store_url.partition("?schema=")
+    with psycopg.connect(url) as conn:
+        conn.execute(f'SET search_path TO "{schema}"')
+        for sql in statements:
+            conn.execute(sql)
+
+
+async def test_a_purge_batch_of_tens_of_thousands_of_runs_fits_the_databases_limits(
+    store_url: str,
+) -> None:
+    """A purge batch removed its runs' chain rows in one statement binding a parameter
+    per run and one per chain: 33,000 ended runs in a batch of 40,000 bound 66,000, more
+    than PostgreSQL allows (65,535), and the purge failed (``--batch`` takes up to
+    100,000). Every statement of a removal now names a bounded part of the runs."""
+    app = tether.App(store=store_url)
+    await app.list(limit=1)  # the store's tables
+    n = 33_000
+    run = (
+        "INSERT INTO runs (run_id, workflow, status, queue, input, created_at, updated_at, "
+        "completed_at, continued_to) "
+    )
+    _execute(
+        store_url,
+        f"WITH RECURSIVE g(k) AS (SELECT 1 UNION ALL SELECT k + 1 FROM g WHERE k < {n}) "
+        f"{run} SELECT 'pp' || k, 'loop', 'completed', 'default', 'null', 1, 1, 1, NULL "
+        "FROM g",
+        f"{run} VALUES ('cc', 'loop', 'continued_as_new', 'default', 'null', 1, 1, 1, 'cc~1')",
+        f"{run} VALUES ('cc~1', 'loop', 'completed', 'default', 'null', 1, 1, 1, NULL)",
+        "INSERT INTO chains (chain_id, head_run_id) VALUES ('cc', 'cc~1')",
+        "INSERT INTO events (run_id, seq, type, data, created_at) "
+        "VALUES ('pp1', 1, 'WorkflowStarted', '{}', 1)",
+    )
+    counts = await app.purge(0, workflow="loop", batch=40_000)
+    assert counts["runs"] == n + 2 and counts["events"] == 1, counts
+    assert await app.list(limit=1) == []
+    assert set((await app.store.orphans()).values()) == {0}
+    with pytest.raises(tether.RunPurgedError):
+        await app.get("cc")
+    await app.close()
+
+
+async def test_store_check_names_chain_rows_of_a_missing_or_continued_run(store_url: str) -> None:
+    """``store.orphans()`` (``tether store check``) did not look at ``chains``: a chain's
+    row naming a run the store does not have, or one that continued as new since (not
+    the chain's head: lookups through it go to the wrong run), was not reported. Both
+    are now counted, as the other orphans are, and the check names them as problems."""
+    app = tether.App(store=store_url)
+    await app.list(limit=1)  # the store's tables
+    assert set((await app.store.orphans()).values()) == {0}
+    run = (
+        "INSERT INTO runs (run_id, workflow, status, queue, input, created_at, updated_at, "
+        "completed_at, continued_to) "
+    )
+    _execute(
+        store_url,
+        "INSERT INTO chains (chain_id, head_run_id) VALUES ('gone', 'gone~2')",
+        f"{run} VALUES ('on', 'loop', 'continued_as_new', 'default', 'null', 1, 1, 1, 'on~1')",
+        f"{run} VALUES ('on~1', 'loop', 'continued_as_new', 'default', 'null', 1, 1, 1, 'on~2')",
+        f"{run} VALUES ('on~2', 'loop', 'running', 'default', 'null', 1, 1, NULL, NULL)",
+        "INSERT INTO chains (chain_id, head_run_id) VALUES ('on', 'on~1')",
+    )
+    orphans = await app.store.orphans()
+    assert orphans["chains"] == 1 and orphans["stale chains"] == 1, orphans
+    assert {k for k, n in orphans.items() if n} == {"chains", "stale chains"}, orphans
+    await app.close()
+    res = subprocess.run(
+        [sys.executable, "-m", "tether.cli", "store", "check", "--store", store_url],
+        env={**os.environ, "PYTHONPATH": str(HERE.parent / "src")},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 1, res.stdout + res.stderr
+    report = json.loads(res.stdout)
+    assert report["orphans"]["chains"] == 1 and report["orphans"]["stale chains"] == 1
+    assert "1 chains row(s) name a missing run" in report["problems"], report
+    stale = "1 stale chains row(s) name a run that continued as new (not its chain's head)"
+    assert stale in report["problems"], report

@@ -1259,6 +1259,7 @@ class Gateway:
                         f"no model {to!r} on gateway {self.name!r} (this deploy removed it): "
                         f"register {to!r} again (gateway.model) so runs that fell back to it "
                         "can replay",
+                        names_only=True,  # model and gateway names the engine recorded
                     )
                 return model
         position = next((i for i, m in enumerate(chain) if m is current), len(chain) - 1)
@@ -1335,6 +1336,7 @@ class Gateway:
                 f"the hedge of model {ref.name!r}'s call ({recorded.type.value})",
                 f"model {ref.name!r} has no hedge in this deploy and history does not say "
                 "which model the hedge asked",
+                names_only=True,  # a model's name and an event type
             )
         other = self._models.get(name)
         if other is None:
@@ -1342,6 +1344,7 @@ class Gateway:
                 f"the hedge of model {ref.name!r}'s call asking model {name!r}",
                 f"no model {name!r} on gateway {self.name!r} (this deploy removed it): "
                 f"register {name!r} again (gateway.model) so runs that hedged to it can replay",
+                names_only=True,  # model and gateway names the engine recorded
             )
         return other
 

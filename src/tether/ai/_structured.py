@@ -152,7 +152,8 @@ def _check_read_whole(
         return
     if wrapped and isinstance(data, dict):
         data = data.get("response")
-    dropped = sorted(_dropped(adapter, data, value))
+    found, names_only = _dropped(adapter, data, value)
+    dropped = sorted(found)
     where = f"step {inst.step}" if inst is not None else "a step"
     if dropped and inst is not None:
         inst.diverge(
@@ -162,6 +163,9 @@ def _check_read_whole(
             f"field(s) {', '.join(repr(d) for d in dropped)} (renamed or removed): keep the old "
             "field (an alias, or both fields), or branch on tether.patched() for runs in "
             "flight",
+            # the engine's message only when every name in it is a field of the output
+            # type (a dropped field is the older type's, or one the model volunteered)
+            names_only=names_only,
         )
     if inst is not None and not inst.replaying:
         return  # not a replay (an operator's replay outside a worker): nothing to say
@@ -181,16 +185,27 @@ class _Probe:
     __slots__ = ()
 
 
-def _dropped(adapter: TypeAdapter[Any], data: Any, value: Any) -> set[str]:
-    """The fields of ``data`` (an answer as sent) that the output type ignored: those
-    whose value ``value`` (what the type made of ``data``) does not depend on. Decided
-    by the type's validation, not its dump (a field read but dumped under another name,
-    or not at all (``exclude=True``), is read; so is one a validator moves): each field
-    in turn is replaced by a value nothing accepts; if the type still makes the same
-    value of the answer, it ignored the field. A type whose values do not compare
-    equal (no ``__eq__``, a random default) makes every field read."""
+def _dropped(adapter: TypeAdapter[Any], data: Any, value: Any) -> tuple[set[str], bool]:
+    """The fields of ``data`` (an answer as sent) that the output type ignored, and
+    whether every name in them is a field of the type's (so no name came from the
+    answer): those whose value ``value`` (what the type made of ``data``) does not
+    depend on. Decided by the type's validation, not its dump (a field read but dumped
+    under another name, or not at all (``exclude=True``), is read; so is one a
+    validator moves): each field in turn is replaced by a value nothing accepts; if the
+    type still makes the same value of the answer, it ignored the field. A type whose
+    values do not compare equal (no ``__eq__``, a random default) makes every field read.
+
+    Each is named by its path, the type's field names kept and the answer's own keys
+    (a dict's keys, a list's indices: the model's output, a payload) shown as ``[key]``
+    and ``[i]``; a key the type has no field for, where it expects fields, is named as
+    it is (a field the older type had, or one the model volunteered): not the type's."""
     probe = _Probe()
     read = _refused_at(adapter, data, probe)
+    try:
+        schema = adapter.json_schema()
+    except Exception:  # no schema: nothing is known to be the type's field
+        schema = {}
+    defs = schema.get("$defs") or {}
 
     def ignored(path: tuple[str | int, ...]) -> bool:
         if path in read:
@@ -201,22 +216,85 @@ def _dropped(adapter: TypeAdapter[Any], data: Any, value: Any) -> set[str]:
             return False
 
     out: set[str] = set()
+    found = 0
+    names_only = True
 
-    def walk(item: Any, path: tuple[str | int, ...], name: str) -> None:
-        if len(out) >= _DROPPED_SHOWN:  # enough to tell (each probe reads the whole answer)
+    def walk(item: Any, path: tuple[str | int, ...], name: str, where: list[Any]) -> None:
+        nonlocal found, names_only
+        if found >= _DROPPED_SHOWN:  # enough to tell (each probe reads the whole answer)
             return
         if isinstance(item, dict):
             for key, sub in item.items():
-                where = f"{name}.{key}" if name else str(key)
+                shown, inner, own = _key_at(_shapes(where, defs), key)
+                at = f"{name}.{shown}" if name else shown
                 if ignored((*path, key)):
-                    out.add(where)
+                    out.add(at)
+                    found += 1
+                    names_only = names_only and own
                 else:
-                    walk(sub, (*path, key), where)
+                    walk(sub, (*path, key), at, inner)
         elif isinstance(item, list):
+            shapes = _shapes(where, defs)
             for i, sub in enumerate(item):
-                walk(sub, (*path, i), f"{name}[{i}]")
+                walk(sub, (*path, i), f"{name}[i]", _items_at(shapes, i))
 
-    walk(data, (), "")
+    walk(data, (), "", [schema])
+    return out, names_only
+
+
+def _shapes(where: list[Any], defs: dict[str, Any]) -> list[dict[str, Any]]:
+    """The JSON schemas a value at a place typed ``where`` may meet: references
+    followed, unions (``anyOf``, ``oneOf``, ``allOf``) taken apart."""
+    out: list[dict[str, Any]] = []
+    stack, seen = list(where), set()
+    while stack:
+        shape = stack.pop()
+        if not isinstance(shape, dict):
+            continue
+        ref = shape.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#/$defs/") and ref not in seen:
+            seen.add(ref)
+            stack.append(defs.get(ref[len("#/$defs/") :]))
+        for union in ("anyOf", "oneOf", "allOf"):
+            parts = shape.get(union)
+            if isinstance(parts, list):
+                stack.extend(parts)
+        out.append(shape)
+    return out
+
+
+def _key_at(shapes: list[dict[str, Any]], key: str) -> tuple[str, list[Any], bool]:
+    """How a path names an answer's ``key`` at a place of those ``shapes``, what types
+    the value under it, and whether the name is a field of the type's: a field's name
+    as it is (the type's own), a dict's key as ``[key]`` (the answer's), and a key
+    where the type expects fields but has none of that name as it is (not the type's)."""
+    fields = [
+        s["properties"][key]
+        for s in shapes
+        if isinstance(s.get("properties"), dict) and key in s["properties"]
+    ]
+    if fields:
+        return key, fields, True
+    values = [
+        s["additionalProperties"] for s in shapes if isinstance(s.get("additionalProperties"), dict)
+    ]
+    for s in shapes:
+        if isinstance(s.get("patternProperties"), dict):
+            values.extend(s["patternProperties"].values())
+    if values or not any(isinstance(s.get("properties"), dict) for s in shapes):
+        return "[key]", values, True  # a dict's key (or of a value typed Any): a placeholder
+    return key, [], False
+
+
+def _items_at(shapes: list[dict[str, Any]], i: int) -> list[Any]:
+    """The types of item ``i`` of a list at a place of those ``shapes``."""
+    out: list[Any] = []
+    for s in shapes:
+        prefix = s.get("prefixItems")
+        if isinstance(prefix, list) and i < len(prefix):
+            out.append(prefix[i])
+        elif isinstance(s.get("items"), dict):
+            out.append(s["items"])
     return out
 
 

@@ -440,7 +440,8 @@ def store_check_command(
     ] = None,
 ) -> None:
     """Check a store (a restored one above all): SQLite's integrity check, no row naming
-    a run that is not there, every blob its payloads refer to in its blob store (the
+    a run that is not there (nor a continue-as-new chain's row naming a run that
+    continued since), every blob its payloads refer to in its blob store (the
     runs missing one are named), every stored blob whole (read once and checked against
     its hash; sealed ones opened with the keyring given), each key id the store was
     sealed under against the keyring given (TETHER_KEYRING: a key of that id with
@@ -506,7 +507,16 @@ def store_check_command(
 
     found = _run(go())
     orphans = found["orphans"].items()
-    problems += [f"{n} {table} row(s) name a missing run" for table, n in orphans if n]
+    problems += [
+        f"{n} {table} row(s) name "
+        + (
+            "a run that continued as new (not its chain's head)"
+            if table == "stale chains"
+            else "a missing run"
+        )
+        for table, n in orphans
+        if n
+    ]
     problems += [mismatch_problem(k) for k, state in found["keys"].items() if state == "mismatch"]
     problems += found["blobs"]
     state = found["blob_state"]

@@ -1036,14 +1036,18 @@ class WorkflowInstance:
         nxt = self.step + 1
         return self._recorded.get(nxt) if nxt <= self._max_recorded else None
 
-    def diverge(self, expected: str, produced: str) -> NoReturn:
+    def diverge(self, expected: str, produced: str, *, names_only: bool = False) -> NoReturn:
         """Raise a ``NonDeterminismError`` at the next step (kept as the task's outcome:
         the run waits for code that can replay it), for a recorded decision that this
         deploy cannot follow: ``expected`` says what history holds, ``produced`` why.
-        Engine code calls it with names alone (models, fields, schemas): marked so."""
-        self._diverged(
-            made_by_engine(NonDeterminismError(self.run_id, self.step + 1, expected, produced))
-        )
+
+        The message may quote recorded data (a model's answer), so it is the engine's
+        (``made_by_engine``: logged whole, shown to keys without payloads) only with
+        ``names_only``: for a caller that built both texts from names, ids and hashes
+        the engine or the deploy's code controls (models, gateways, schemas, types'
+        own field names), never from a payload."""
+        exc = NonDeterminismError(self.run_id, self.step + 1, expected, produced)
+        self._diverged(made_by_engine(exc) if names_only else exc)
 
     def record(self, marker: str, data: dict[str, Any]) -> int:
         """Issue a Marker command: a decision of workflow code recorded for audit.

@@ -9,6 +9,7 @@ tasks, dead letters, reviews, webhook deliveries, audit entries); its id stays i
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from ..._definitions import CHAIN_SEPARATOR, chain_of
@@ -138,42 +139,64 @@ def _erase_tenant_batch(
     return counts, refs
 
 
+#: the most runs one statement of a removal names (a parameter each, two for a chain's
+#: row): PostgreSQL binds at most 65,535 parameters a statement, SQLite 32,766 in its
+#: default builds, and a purge batch may hold 100,000 runs
+_REMOVE_CHUNK = 10_000
+
+
 def _remove(
     tx: _Tx, ids: list[str], dry_run: bool, reason: str, spare_from: float | None = None
 ) -> tuple[dict[str, int], set[str]]:
     counts: dict[str, int] = {"runs": len(ids)}
     if not ids:
         return counts, set()
-    refs = set() if dry_run else _blob_refs(tx, run_ids=ids)
-    marks = ",".join("?" * len(ids))
-    targets = [f"run:{i}" for i in ids]
+    parts = [ids[i : i + _REMOVE_CHUNK] for i in range(0, len(ids), _REMOVE_CHUNK)]
+    refs: set[str] = set()
+    if not dry_run:
+        for part in parts:
+            refs |= _blob_refs(tx, run_ids=part)
+
+    def rows(from_where: str, column_values: Callable[[list[str]], list[str]]) -> int:
+        """How many rows ``from_where`` (its ``IN`` list left as ``{}``) finds (dry_run)
+        or deletes, a part of the runs at a time."""
+        n = 0
+        for part in parts:
+            sql = from_where.format(",".join("?" * len(part)))
+            values = column_values(part)
+            if dry_run:
+                n += int(tx.execute(f"SELECT COUNT(*) {sql}", values).fetchone()[0])
+            else:
+                n += _deleted(tx, sql, values)
+        return n
+
     for table in RUN_TABLES:
-        sql = f"FROM {table} WHERE run_id IN ({marks})"
-        if dry_run:
-            counts[table] = int(tx.execute(f"SELECT COUNT(*) {sql}", ids).fetchone()[0])
-        else:
-            counts[table] = _deleted(tx, sql, ids)
-    sql = f"FROM audit_log WHERE target IN ({marks})"
+        counts[table] = rows(f"FROM {table} WHERE run_id IN ({{}})", list)
+    counts["audit_log"] = rows(
+        "FROM audit_log WHERE target IN ({})", lambda part: [f"run:{i}" for i in part]
+    )
     if dry_run:
-        counts["audit_log"] = int(tx.execute(f"SELECT COUNT(*) {sql}", targets).fetchone()[0])
         return counts, refs
-    counts["audit_log"] = _deleted(tx, sql, targets)
-    tx.execute(
-        "INSERT INTO purged_runs (run_id, workflow, reason, purged_at) "
-        f"SELECT run_id, workflow, ?, ? FROM runs WHERE run_id IN ({marks}) "
-        "ON CONFLICT (run_id) DO NOTHING",
-        (reason, tx.now, *ids),
-    )
-    # what the DELETE removed, not how many ids were found: on PostgreSQL an erasure's
+    # what the DELETEs removed, not how many ids were found: on PostgreSQL an erasure's
     # runs may be removed by a purge (or the other way round) between the two
-    counts["runs"] = _deleted(tx, f"FROM runs WHERE run_id IN ({marks})", ids)
-    # a chain whose latest run went (with the rest of it: retention keeps chains whole)
-    chains = sorted({chain_of(i)[0] for i in ids})
-    tx.execute(
-        f"DELETE FROM chains WHERE chain_id IN ({','.join('?' * len(chains))}) "
-        f"AND head_run_id IN ({marks})",
-        (*chains, *ids),
-    )
+    counts["runs"] = 0
+    for part in parts:
+        marks = ",".join("?" * len(part))
+        tx.execute(
+            "INSERT INTO purged_runs (run_id, workflow, reason, purged_at) "
+            f"SELECT run_id, workflow, ?, ? FROM runs WHERE run_id IN ({marks}) "
+            "ON CONFLICT (run_id) DO NOTHING",
+            (reason, tx.now, *part),
+        )
+        counts["runs"] += _deleted(tx, f"FROM runs WHERE run_id IN ({marks})", part)
+        # a chain whose latest run went (with the rest of it: retention keeps chains
+        # whole): by its id (the primary key), and its head among these runs
+        chains = sorted({chain_of(i)[0] for i in part})
+        tx.execute(
+            f"DELETE FROM chains WHERE chain_id IN ({','.join('?' * len(chains))}) "
+            f"AND head_run_id IN ({marks})",
+            (*chains, *part),
+        )
     if spare_from is not None:
         _note_blob_deletions(tx, refs, spare_from)
     return counts, refs
@@ -251,7 +274,8 @@ def _purged_run(tx: _Tx, run_id: str) -> tuple[str, float] | None:
 
 def _orphans(tx: _Tx) -> dict[str, int]:
     """Rows that name a run the store does not have, per table (all zero in a sound
-    store). A schedule's task names its schedule, not a run."""
+    store). A schedule's task names its schedule, not a run; a chain's row names its
+    head (``stale chains``: a head that continued as new since)."""
     out: dict[str, int] = {}
     for table in RUN_TABLES:
         extra = " AND t.kind <> 'schedule'" if table == "tasks" else ""
@@ -265,6 +289,18 @@ def _orphans(tx: _Tx) -> dict[str, int]:
         "(SELECT 1 FROM schedules s WHERE s.schedule_id = t.name)"
     ).fetchone()
     out["schedule tasks"] = int(n)
+    # a chain's row names its latest run: one that is gone, or that continued as new
+    # since (stale: lookups through the chain stop short of its head)
+    (n,) = tx.execute(
+        "SELECT COUNT(*) FROM chains c WHERE NOT EXISTS "
+        "(SELECT 1 FROM runs r WHERE r.run_id = c.head_run_id)"
+    ).fetchone()
+    out["chains"] = int(n)
+    (n,) = tx.execute(
+        "SELECT COUNT(*) FROM chains c JOIN runs r ON r.run_id = c.head_run_id "
+        "WHERE r.continued_to IS NOT NULL"
+    ).fetchone()
+    out["stale chains"] = int(n)
     return out
 
 
