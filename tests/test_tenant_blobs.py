@@ -250,13 +250,28 @@ def test_a_backup_taken_before_erase_tenant_keeps_the_tenants_documents_unreadab
     assert live.get(globex) == DOC
 
 
-async def test_a_worker_reads_a_runs_tenant_only_when_its_activity_puts_a_blob(
+def _count_ops(app: tether.App) -> list[str]:
+    """The names of the store operations ``app`` runs from now on (one per store call)."""
+    ops: list[str] = []
+    store: Any = app.store
+    real = store._do
+
+    async def counted(fn: Any, *args: Any, **kw: Any) -> Any:
+        ops.append(fn.__name__)
+        return await real(fn, *args, **kw)
+
+    store._do = counted
+    return ops
+
+
+async def test_a_claim_brings_each_runs_tenant_so_the_worker_reads_none(
     store_url: str, tmp_path: Path, keys: FileKeyring
 ) -> None:
-    """With per-tenant keys a worker read each run's tenant from the store before the
-    first attempt of every activity (a batch's runs one after another), whether or not
-    it called ``put_blob``: a store round trip added to the hot path. A sync activity's
-    lookup is now made when it puts a blob, and its document is still the tenant's."""
+    """With per-tenant keys a worker read each run's tenant from the store before an
+    async activity's attempt, and a sync one's inside ``put_blob`` (inside the user's
+    attempt). The claim now brings each task's run tenant with it: no store call of the
+    worker reads a tenant, and a document put by a sync, an async or a batched activity
+    is still sealed under its run's tenant's key."""
 
     def make() -> tuple[tether.App, Any]:
         a = tether.App(store=store_url, blobs=str(tmp_path / "blobs"), encryption=keys)
@@ -269,45 +284,246 @@ async def test_a_worker_reads_a_runs_tenant_only_when_its_activity_puts_a_blob(
         def fetch(text: str) -> tether.Blob:
             return tether.put_blob(text.encode())
 
+        @a.activity(queue="acts")
+        async def afetch(text: str) -> tether.Blob:
+            return tether.put_blob(text.encode())
+
+        @a.activity(queue="limited")  # claimed by the limited queues' path
+        def lfetch(text: str) -> tether.Blob:
+            return tether.put_blob(text.encode())
+
         @a.activity(queue="acts", batch=tether.Batch(max_items=4, max_wait=0.2))
-        def many(xs: list[int]) -> list[int]:
-            return [x * 2 for x in xs]
+        def many(xs: list[str]) -> list[tether.Blob]:
+            return [tether.put_blob(x.encode()) for x in xs]
+
+        def shown(doc: Any) -> Any:
+            return doc if isinstance(doc, dict) else doc.model_dump()
 
         @a.workflow
-        async def flow(n: int, text: str) -> dict[str, Any]:
-            doc = await fetch(text) if text else None  # first: no tenant cached yet
-            await plain(n)
-            await many(n)
-            return {"doc": doc if isinstance(doc, dict) or doc is None else doc.model_dump()}
+        async def flow(how: str, text: str) -> Any:
+            # each run's first step: its worker has not seen the run's tenant yet
+            if how == "plain":
+                return await plain(len(text))
+            fn = {"sync": fetch, "async": afetch, "batch": many, "limited": lfetch}[how]
+            return shown(await fn(text))
 
         return a, flow
 
     starter, flow = make()
-    for i in range(4):
-        await starter.start(flow, i, "", run_id=f"p{i}", tenant=f"t{i}")
+    starter.configure_queue("limited", max_concurrency=2)
     worker, _ = make()  # the activities' worker, in another process: no tenant cached
-    reads: list[str] = []
-    real = worker.store.run_tenant
+    ops = _count_ops(worker)
+    docs: dict[str, Any] = {}
+    async with (
+        starter.worker(poll_interval=0.02, queues=["default"]),
+        worker.worker(poll_interval=0.02, queues=["acts", "limited"]),
+    ):
+        for i in range(3):
+            run = await starter.start(flow, "plain", "x" * i, run_id=f"p{i}", tenant=f"t{i}")
+            assert await run.result(timeout=30) == i + 1
+        for how in ("sync", "async", "batch", "limited"):
+            run = await starter.start(flow, how, DOC.decode(), run_id=how, tenant="acme")
+            docs[how] = await run.result(timeout=30)
+    assert "_claim_with_wake" in ops, ops
+    assert not [op for op in ops if op in ("_run_tenant", "_get_run")], ops
+    alone = starter.put_blob(DOC, tenant="acme")
+    for how in ("sync", "async", "batch", "limited"):
+        assert tether.Blob.model_validate(docs[how]).ref == alone.ref, how  # acme's document
+    assert alone.ref != starter.put_blob(DOC).ref  # (not the shared key's)
+    for a in (starter, worker):
+        await a.close()
 
-    async def counted(run_id: str) -> str | None:
+
+def _charging(store_url: str, tmp_path: Path, keys: FileKeyring, effects: list[str]) -> Any:
+    """Two apps on one store: a starter (workflows) and a worker of the activities, whose
+    sync activity has a side effect, then puts a blob; one attempt allowed."""
+
+    def make() -> tuple[tether.App, Any]:
+        a = tether.App(store=store_url, blobs=str(tmp_path / "blobs"), encryption=keys)
+
+        @a.activity(retry=tether.Retry(attempts=1), queue="acts")
+        def charge(order: str) -> tether.Blob:
+            effects.append(order)  # e.g. charged the card
+            return tether.put_blob(b"receipt " + order.encode())
+
+        @a.workflow
+        async def flow(order: str) -> dict[str, Any]:
+            doc = await charge(order)
+            return doc if isinstance(doc, dict) else doc.model_dump()
+
+        return a, flow
+
+    starter, flow = make()
+    worker, _ = make()
+    return starter, worker, flow
+
+
+def _blipping(app: tether.App, reads: list[str], blips: int = 1) -> None:
+    """``app``'s store fails its first ``blips`` tenant reads (a PostgreSQL blip)."""
+    real = app.store.run_tenant
+    calls = [0]
+
+    async def flaky(run_id: str) -> str | None:
         reads.append(run_id)
+        calls[0] += 1
+        if calls[0] <= blips:
+            raise tether.StoreError("store: connection reset (a blip)")
         return await real(run_id)
 
-    worker.store.run_tenant = counted  # type: ignore[method-assign]
+    app.store.run_tenant = flaky  # type: ignore[method-assign]
+
+
+async def test_a_store_blip_reading_a_runs_tenant_never_fails_an_attempt_after_its_effects(
+    store_url: str, tmp_path: Path, keys: FileKeyring
+) -> None:
+    """A sync activity's run tenant was read inside ``put_blob``, after the user's side
+    effects: a store blip there failed the attempt (with ``attempts=1``, the run) though
+    the card was charged. The claim brings the tenant now: nothing is read, the run
+    completes, the side effect happened once and the receipt is acme's."""
+    effects: list[str] = []
+    starter, worker, flow = _charging(store_url, tmp_path, keys, effects)
+    reads: list[str] = []
+    _blipping(worker, reads)
     async with (
         starter.worker(poll_interval=0.02, queues=["default"]),
         worker.worker(poll_interval=0.02, queues=["acts"]),
     ):
-        for i in range(4):
-            assert (await starter.get_run(f"p{i}").result(timeout=30)) == {"doc": None}
-        assert reads == [], reads  # no blob put: no tenant read
-        run = await starter.start(flow, 9, DOC.decode(), run_id="d", tenant="acme")
-        doc = tether.Blob.model_validate((await run.result(timeout=30))["doc"])
-    assert reads == ["d"], reads
-    alone = starter.put_blob(DOC, tenant="acme")
-    assert doc.ref == alone.ref  # the tenant's document, as put for it
+        run = await starter.start(flow, "o-1", run_id="r1", tenant="acme")
+        doc = tether.Blob.model_validate(await run.result(timeout=30))
+    assert effects == ["o-1"]
+    assert reads == []
+    assert starter.read_blob(doc) == b"receipt o-1"
+    assert doc.ref == starter.put_blob(b"receipt o-1", tenant="acme").ref
     for a in (starter, worker):
         await a.close()
+
+
+async def test_a_task_claimed_without_its_tenant_reads_it_before_the_attempt(
+    store_url: str, tmp_path: Path, keys: FileKeyring
+) -> None:
+    """A task whose claim did not bring its run's tenant (``tenant_known`` False: as a
+    store's claim of an older release gave it) has the tenant read before the attempt
+    begins; a store blip there gives the task back without spending its attempt (one
+    allowed), so the run completes with the side effect made once, sealed for acme."""
+    import dataclasses
+
+    effects: list[str] = []
+    starter, worker, flow = _charging(store_url, tmp_path, keys, effects)
+    reads: list[str] = []
+    _blipping(worker, reads)
+    real = worker.store.claim_with_wake
+
+    async def untold(**kw: Any) -> Any:
+        tasks, wake = await real(**kw)
+        out = [dataclasses.replace(t, tenant=None, tenant_known=False) for t in tasks]
+        for t in out:
+            worker.store.codec.tenants.pop(t.run_id, None)  # (nor remembered by it)
+            reads.append(f"claimed {t.run_id} attempt {t.attempt} after {len(effects)}")
+        return out, wake
+
+    worker.store.claim_with_wake = untold  # type: ignore[method-assign]
+    async with (
+        starter.worker(poll_interval=0.02, queues=["default"]),
+        worker.worker(poll_interval=0.02, queues=["acts"]),
+    ):
+        run = await starter.start(flow, "o-1", run_id="r1", tenant="acme")
+        doc = tether.Blob.model_validate(await run.result(timeout=30))
+    assert effects == ["o-1"]
+    # the first read failed before the attempt began; the step ran again as attempt 1
+    assert reads == [
+        "claimed r1 attempt 1 after 0",
+        "r1",
+        "claimed r1 attempt 1 after 0",
+        "r1",
+    ], reads
+    assert doc.ref == starter.put_blob(b"receipt o-1", tenant="acme").ref
+    for a in (starter, worker):
+        await a.close()
+
+
+SLOW_PUT = """
+import asyncio, sys, threading, time
+import tether
+from tether.encryption import FileKeyring
+
+store, blobs, keys = sys.argv[1:4]
+ring = FileKeyring(keys)
+left = threading.Event()
+put = []
+
+
+def make():
+    a = tether.App(store=store, blobs=blobs, encryption=ring)
+
+    @a.activity(timeout=0.3, retry=tether.Retry(attempts=1), queue="acts")
+    def slow(text: str) -> tether.Blob:
+        left.wait(30)  # outlives its timeout and the worker
+        put.append(tether.put_blob(text.encode()))
+        return put[-1]
+
+    @a.workflow
+    async def flow(text: str) -> str:
+        try:
+            await slow(text)
+        except tether.ActivityError:
+            return "timed out"
+        return "done"
+
+    return a, flow
+
+
+async def main():
+    starter, flow = make()
+    worker, _ = make()  # no tenant cached for the activity's run
+    async with starter.worker(poll_interval=0.02, queues=["default"]):
+        async with worker.worker(poll_interval=0.02, queues=["acts"]):
+            run = await starter.start(flow, "doc", run_id="r", tenant="acme")
+            print(await run.result(timeout=30), flush=True)
+    await starter.close()
+    await worker.close()
+
+
+loop = asyncio.new_event_loop()
+loop.run_until_complete(main())
+# the worker's loop has stopped (not closed): the abandoned attempt puts its blob now
+left.set()
+deadline = time.monotonic() + 20
+while not put and time.monotonic() < deadline:
+    time.sleep(0.05)
+print("put" if put else "not put", flush=True)
+"""
+
+
+def test_a_sync_activity_left_by_its_timeout_puts_a_blob_after_its_worker_stopped(
+    tmp_path: Path, keys: FileKeyring
+) -> None:
+    """A sync attempt abandoned at its timeout that called ``put_blob`` after its
+    worker's loop stopped waited without end for a tenant read on that loop (and the
+    process for its thread at exit). Its tenant is known from the claim now: the blob
+    is put and the process exits."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "slow_put.py"
+    script.write_text(SLOW_PUT)
+    src = Path(tether.__file__).parent.parent
+    env = {**os.environ, "PYTHONPATH": str(src)}
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            f"sqlite:///{tmp_path / 's.db'}",
+            str(tmp_path / "blobs"),
+            str(keys.path),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.split() == ["timed", "out", "put"], done.stdout + done.stderr
 
 
 async def test_bytes_planted_as_a_tenants_frame_never_keep_its_document_unshredded(

@@ -6,11 +6,11 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ._errors import ConfigurationError, TetherError
+from ._errors import TetherError
 from ._serde import encode
 
 if TYPE_CHECKING:
@@ -50,11 +50,6 @@ class ActivityContext:
     _lease: float = field(repr=False, default=30.0)
     #: the run's tenant, with per-tenant keys (``put_blob`` seals for it); else None
     _tenant: str | None = field(repr=False, default=None)
-    #: with per-tenant keys and the tenant not yet known: the store read that finds it,
-    #: made when ``put_blob`` first needs it (most attempts put no blob)
-    _tenant_of: Callable[[], Coroutine[Any, Any, str | None]] | None = field(
-        repr=False, default=None
-    )
     #: set (from any thread) when the run was cancelled or the lease was lost; a plain
     #: flag rather than a threading.Event: nothing waits on it, and it is made per attempt
     _cancelled: bool = field(default=False, repr=False)
@@ -96,26 +91,6 @@ class ActivityContext:
         if self._timeout is not None and self._timeout.expired():
             return "timeout"
         return None
-
-    def _blob_tenant(self) -> str | None:
-        """The tenant ``put_blob`` seals for: known, or read from the store now on the
-        worker's loop (from the activity's thread: a sync activity's, or one an async
-        activity started; the worker resolves it beforehand for one on its loop)."""
-        resolve = self._tenant_of
-        if resolve is None or self._loop is None:
-            return self._tenant
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is self._loop:  # cannot wait for the loop on it
-            raise ConfigurationError(
-                "put_blob: this run's tenant is not known on the worker's loop (report "
-                "this as a bug of tether)"
-            )
-        self._tenant = asyncio.run_coroutine_threadsafe(resolve(), self._loop).result()
-        self._tenant_of = None
-        return self._tenant
 
     def heartbeat(self, details: Any = None) -> None:
         """Renew the lease and record progress ``details`` (JSON-serialisable).

@@ -61,7 +61,9 @@ class BatchHost(Protocol):
 
     async def _breaker_record(self, cfg: dict[str, Any], ok: bool) -> None: ...
 
-    async def _tenant_args(self, run_ids: Sequence[str], on_loop: bool) -> dict[str, Any]: ...
+    async def _activity_tenant(self, tasks: Sequence[Task]) -> str | None: ...
+
+    async def _tenant_blip(self, tasks: Sequence[Task], exc: StoreError) -> None: ...
 
 
 # -- the activity context of a batch --------------------------------------------
@@ -153,6 +155,12 @@ async def run_batch(w: BatchHost, tasks: list[Task]) -> None:
                 w, [_attempt(t, w._record_failure(t, err, p, None)) for t, p, _ in live], tasks
             )
             return
+    try:
+        # one tenant's runs: its put_blob documents are its (of several: the shared key)
+        tenant = await w._activity_tenant([t for t, _, _ in live])
+    except StoreError as exc:
+        await w._tenant_blip([t for t, _, _ in live], exc)
+        return
     first = live[0][0]
     ctx = BatchActivityContext(
         run_id=first.run_id,
@@ -165,8 +173,7 @@ async def run_batch(w: BatchHost, tasks: list[Task]) -> None:
         _store=store,
         _loop=w._loop,
         _lease=w.lease,
-        # one tenant's runs: its put_blob documents are its (of several: the shared key)
-        **await w._tenant_args([t.run_id for t, _, _ in live], act.is_async),
+        _tenant=tenant,
     )
     ctx._tasks = tuple(t for t, _, _ in live)
     limits = [t for t in (p.attempt_timeout(now) for _, p, _ in live) if t]

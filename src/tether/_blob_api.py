@@ -15,7 +15,7 @@ def put_blob(data: bytes, media_type: str | None = None) -> Blob:
     (return that from the activity: the history records only the reference). With
     per-tenant keys, a document put by a tenant's run is sealed under the tenant's key,
     apart from other tenants' copies of the same bytes (shredded with the tenant)."""
-    return _blobs().put(data, media_type, tenant=activity_context()._blob_tenant())
+    return _blobs().put(data, media_type, tenant=activity_context()._tenant)
 
 
 def read_blob(blob: Blob | dict[str, Any]) -> bytes:

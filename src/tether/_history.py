@@ -335,6 +335,11 @@ class Task:
     #: history after ``prefetched_after``, read in the transaction that leased this task
     prefetched: tuple[Event, ...] | None = None
     prefetched_after: int = 0
+    #: the run's tenant, read with the task by the claim when the store seals per
+    #: tenant (an activity's ``put_blob`` seals for it); ``tenant_known`` False: not
+    #: read with it (the worker reads it before the attempt)
+    tenant: str | None = None
+    tenant_known: bool = False
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

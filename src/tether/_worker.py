@@ -795,33 +795,47 @@ class Worker:
         if old.kind == "activity" and old.batch_id is None and not (ctx and ctx._returned):
             atask.cancel()
 
-    async def _blob_tenant(self, run_ids: Sequence[str]) -> str | None:
-        """With per-tenant keys, the tenant of these runs (their activity's ``put_blob``
-        seals for it), if they have one and the same; else None (the shared key)."""
+    async def _activity_tenant(self, tasks: Sequence[Task]) -> str | None:
+        """With per-tenant keys, the tenant of these tasks' runs (their activity's
+        ``put_blob`` seals for it), if they have one and the same; else None (the shared
+        key). The claim brings it with each task; one it did not (``tenant_known``) is
+        read now, before the attempt begins: a ``StoreError`` here spends no attempt
+        (``_tenant_blip``), where one inside the user's code would."""
         codec = self.app.store.codec
         if codec is None or not codec.per_tenant:
             return None
-        known = {r: codec.tenants[r] for r in dict.fromkeys(run_ids) if r in codec.tenants}
-        unknown = [r for r in dict.fromkeys(run_ids) if r not in known]
-        # a batch's runs read together, not one after another
-        found = await asyncio.gather(*(self.app.store.run_tenant(r) for r in unknown))
-        for run_id, tenant in zip(unknown, found, strict=True):
-            codec.remember(run_id, tenant)
-            known[run_id] = tenant
-        tenants = set(known.values())
+        tenants: set[str | None] = set()
+        unknown: list[str] = []
+        for t in tasks:
+            if t.tenant_known:
+                tenants.add(t.tenant)
+            elif t.run_id in codec.tenants:
+                tenants.add(codec.tenants[t.run_id])
+            else:
+                unknown.append(t.run_id)
+        if unknown:  # a batch's runs read together, not one after another
+            found = await asyncio.gather(
+                *(self.app.store.run_tenant(r) for r in dict.fromkeys(unknown))
+            )
+            tenants.update(found)
         return tenants.pop() if len(tenants) == 1 else None
 
-    async def _tenant_args(self, run_ids: Sequence[str], on_loop: bool) -> dict[str, Any]:
-        """How an activity's context knows its runs' tenant (``_blob_tenant``): at once
-        if cached, or if the activity runs on this loop (where ``put_blob`` cannot wait
-        for a store read); else a read made only when it puts a blob."""
-        codec = self.app.store.codec
-        if codec is None or not codec.per_tenant:
-            return {}
-        ids = list(run_ids)
-        if on_loop or all(r in codec.tenants for r in ids):
-            return {"_tenant": await self._blob_tenant(ids)}
-        return {"_tenant_of": functools.partial(self._blob_tenant, ids)}
+    async def _tenant_blip(self, tasks: Sequence[Task], exc: StoreError) -> None:
+        """The tenant read before an attempt failed: the tasks go back unstarted (no
+        attempt spent: their code never ran) to run again soon."""
+        log.warning(
+            "could not read the tenant of run %r before its step %s, so the step is given "
+            "back to run in %g s: %s",
+            tasks[0].run_id,
+            tasks[0].step,
+            STORE_BLIP_DELAY,
+            exc,
+            extra={"run_id": tasks[0].run_id},
+        )
+        try:
+            await self.app.store.release(list(tasks), delay=STORE_BLIP_DELAY, unstarted=True)
+        except StoreError:  # its lease runs out instead
+            pass
 
     async def _tenant_gate(self, task: Task, coro: Coroutine[Any, Any, None]) -> None:
         """Run ``coro`` unless the run's tenant is switched off (then hold the task)."""
@@ -1346,6 +1360,11 @@ class Worker:
         details = None
         if task.heartbeat is not None:
             details = json.loads(task.heartbeat)
+        try:
+            tenant = await self._activity_tenant([task])
+        except StoreError as exc:
+            await self._tenant_blip([task], exc)
+            return
         ctx = ActivityContext(
             run_id=task.run_id,
             step=task.step or 0,
@@ -1357,7 +1376,7 @@ class Worker:
             _store=store,
             _loop=self._loop,
             _lease=self.lease,
-            **await self._tenant_args([task.run_id], act.is_async),
+            _tenant=tenant,
         )
         entry = self._inflight.get(task.task_id)
         if entry is not None and entry[0] is task:  # (not a newer attempt's)

@@ -30,6 +30,15 @@ _TASK_COLS = (
 )
 
 
+def _claimed_cols(tx: _Tx) -> str:
+    """What a claim's ``UPDATE tasks ... RETURNING`` returns: the task, and with
+    per-tenant keys its run's tenant too (``Task.tenant``), so the worker need not read
+    it before an attempt, nor an activity's ``put_blob`` during one."""
+    if tx.codec is None or not tx.codec.per_tenant:
+        return _TASK_COLS
+    return f"{_TASK_COLS}, (SELECT r.tenant FROM runs r WHERE r.run_id = tasks.run_id)"
+
+
 Op = Callable[..., Any]
 
 
@@ -509,6 +518,9 @@ def _compact(value: Any) -> str:
 
 
 def _task_from_row(row: Sequence[Any], codec: Codec | None = None) -> Task:
+    tenant_known = len(row) > 13  # (``_claimed_cols``)
+    if tenant_known and codec is not None:
+        codec.remember(row[1], row[13])  # (the commit of its outcome seals for it)
     return Task(
         task_id=row[0],
         run_id=row[1],
@@ -523,4 +535,6 @@ def _task_from_row(row: Sequence[Any], codec: Codec | None = None) -> Task:
         lease_expires_at=row[10],
         heartbeat=_opened(codec, row[11], row[1], f"step {row[3]}, heartbeat", keep=True),
         dependency=row[12],
+        tenant=row[13] if tenant_known else None,
+        tenant_known=tenant_known,
     )

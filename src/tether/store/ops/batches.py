@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any
 
 from ..._history import Task
-from ._tx import _TASK_COLS, _task_from_row, _Tx
+from ._tx import _claimed_cols, _task_from_row, _Tx
 
 
 def _batch_cols(data: dict[str, Any]) -> tuple[str | None, int | None, float | None]:
@@ -73,7 +73,7 @@ def _claim_batches(
                 "UPDATE tasks SET lease_owner = ?, "
                 "available_at = ? + COALESCE(heartbeat_timeout, ?), fence = fence + 1, "
                 "attempt = attempt + 1, batch_id = ? WHERE task_id IN "
-                f"({','.join('?' * len(ids))}) RETURNING {_TASK_COLS}",
+                f"({','.join('?' * len(ids))}) RETURNING {_claimed_cols(tx)}",
                 (worker_id, tx.now, lease, ids[0], *ids),
             ).fetchall()
             rank = {tid: i for i, tid in enumerate(ids)}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..._history import Task
-from ._tx import _TASK_COLS, _task_from_row, _Tx
+from ._tx import _claimed_cols, _task_from_row, _Tx
 
 
 def _claim(
@@ -165,7 +165,7 @@ def _claim_plain(
             "CROSS JOIN LATERAL (SELECT t.task_id, t.priority, t.available_at FROM tasks t "
             f"WHERE t.queue = q.name AND t.available_at <= ? {skip}AND {_NOT_SUSPENDED} "
             f"ORDER BY t.priority DESC, t.available_at LIMIT ?{tx.skip_locked}) c "
-            f"ORDER BY c.priority DESC, c.available_at LIMIT ?) RETURNING {_TASK_COLS}",
+            f"ORDER BY c.priority DESC, c.available_at LIMIT ?) RETURNING {_claimed_cols(tx)}",
             (worker_id, tx.now, lease, list(queues), tx.now, *limited, limit, limit),
         ).fetchall()
         return [_task_from_row(r, tx.codec) for r in rows]
@@ -174,7 +174,7 @@ def _claim_plain(
         f"SELECT t.task_id FROM tasks t WHERE t.queue IN ({marks}) AND t.available_at <= ? "
         f"{skip}AND {_NOT_SUSPENDED} ORDER BY t.priority DESC, t.available_at "
         f"LIMIT ?{tx.skip_locked}) "
-        f"RETURNING {_TASK_COLS}",
+        f"RETURNING {_claimed_cols(tx)}",
         (worker_id, tx.now, lease, *queues, tx.now, *limited, limit),
     ).fetchall()
     return [_task_from_row(r, tx.codec) for r in rows]

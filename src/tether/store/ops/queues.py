@@ -9,7 +9,7 @@ from typing import Any
 
 from ..._history import Task
 from ..._queues import DEPENDENCY_PREFIX, QueueStats
-from ._tx import _TASK_COLS, _task_from_row, _Tx
+from ._tx import _claimed_cols, _task_from_row, _Tx
 
 
 def _spend_tokens(tx: _Tx, queue: str, n: int) -> float | None:
@@ -259,7 +259,7 @@ def _claim_limited(
         marks = ",".join("?" * len(ids))
         rows = tx.execute(
             f"{_LEASE_SET}(SELECT task_id FROM tasks WHERE task_id IN ({marks}) "
-            f"AND available_at <= ?{tx.skip_locked}) RETURNING {_TASK_COLS}",
+            f"AND available_at <= ?{tx.skip_locked}) RETURNING {_claimed_cols(tx)}",
             (worker_id, tx.now, lease, *ids, tx.now),
         ).fetchall()
         rank = {tid: i for i, tid in enumerate(ids)}

@@ -55,8 +55,13 @@ def _task_insert(values: Sequence[Any], with_id: bool, tail: str) -> tuple[str, 
     return text, [v for v in values if v is not None]
 
 
-def _new_activity_task(task_id: int, values: Sequence[Any], options: dict[str, Any]) -> Task:
-    """The Task a leased activity row inserted with ``values`` is (no RETURNING read)."""
+def _new_activity_task(
+    tx: _Tx, task_id: int, values: Sequence[Any], options: dict[str, Any]
+) -> Task:
+    """The Task a leased activity row inserted with ``values`` is (no RETURNING read);
+    with per-tenant keys, with its run's tenant (remembered: sealing its arguments read
+    it) as a claim gives it."""
+    known = tx.codec is not None and tx.codec.per_tenant
     return Task(
         task_id=task_id,
         run_id=values[0],
@@ -71,6 +76,8 @@ def _new_activity_task(task_id: int, values: Sequence[Any], options: dict[str, A
         lease_expires_at=values[6],
         heartbeat=None,
         dependency=values[13],
+        tenant=tx.tenant_of(values[0]) if known else None,
+        tenant_known=known,
     )
 
 
@@ -90,10 +97,12 @@ def _insert_activity_task(
         task_id = tx.new_task_id()
         text, params = _task_insert(values, True, "")
         tx.execute(text, [task_id, *params])
-        return _new_activity_task(task_id, task_values, options)
+        return _new_activity_task(tx, task_id, task_values, options)
     text, params = _task_insert(values, False, " ON CONFLICT DO NOTHING RETURNING task_id")
     row = tx.execute(text, params).fetchone()
-    return _new_activity_task(row[0], task_values, options) if local and row is not None else None
+    return (
+        _new_activity_task(tx, row[0], task_values, options) if local and row is not None else None
+    )
 
 
 def _ensure_workflow_task(
