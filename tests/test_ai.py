@@ -1991,7 +1991,8 @@ async def test_deferred_tool_calls_of_one_answer_are_reviewed_together(
         (two,) = [r for r in await reviews("in-turn", 1) if r.approval_id != one.approval_id]
         await app.decide(two.approval_id, approve=True, by="ann", fingerprint=two.fingerprint)
         assert await old.result(timeout=30) == "done"
-        assert refunds == [100, 100, 200]
+        # both approved, the two refunds run side by side: in either order
+        assert refunds[0] == 100 and sorted(refunds[1:]) == [100, 200]
     monkeypatch.setattr(WorkflowInstance, "patched", real)
     assert check_history(app, await app.history("together")).ok
     assert check_history(app, await app.history("in-turn")).ok
