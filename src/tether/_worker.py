@@ -818,6 +818,10 @@ class Worker:
         codec = self.app.store.codec
         if codec is None or not codec.per_tenant:
             return {}
+        if len(run_ids) == 1:  # a step of one run, its tenant remembered (nearly every step)
+            known = codec.tenants.get(run_ids[0], _UNSET)
+            if known is not _UNSET:
+                return {"_tenant": known}
         ids = list(run_ids)
         if on_loop or all(r in codec.tenants for r in ids):
             return {"_tenant": await self._blob_tenant(ids)}
