@@ -15,6 +15,9 @@ from ..._serde import dumps
 from ...blobs import BlobError
 from ...encryption import PREFIX, KeyringMismatchError, KeyUnavailableError, Sealer
 
+#: a run whose tenant the codec has not noted yet
+_UNKNOWN: Any = object()
+
 _TERMINAL = tuple(s.value for s in RunStatus if s.is_terminal)
 
 
@@ -127,7 +130,8 @@ class _Tx:
     keys: SealState | None = None
 
     #: what this operation sealed, by the id of the text (kept, so the id stays its
-    #: own): a step's arguments go into its event and its task row as one sealed value
+    #: own) with the run it was sealed for: a step's arguments go into its event and its
+    #: task row as one sealed value
     _sealed: dict[int, tuple[str, str | None, str]] | None = None
 
     def seal(
@@ -149,20 +153,29 @@ class _Tx:
                 self.refuse_plain()
         if codec is None or text is None:
             return text
-        tenant = None
-        if codec.per_tenant and run_id is not None:
-            tenant = self.tenant_of(run_id)
         memo = self._sealed
         if memo is None:
             memo = self._sealed = {}
-        done = memo.get(id(text))
-        if done is not None and done[0] is text and done[1] == tenant and not offload:
-            return done[2]
-        out = codec.encode(text, tenant, offload=offload)
+        elif not offload:
+            # the same text for the same run (whose tenant never changes): sealed already
+            done = memo.get(id(text))
+            if done is not None and done[0] is text and done[1] == run_id:
+                return done[2]
+        tenant = None
+        if codec.per_tenant and run_id is not None:
+            tenant = codec.tenants.get(run_id, _UNKNOWN)  # (tenant_of's cache, inline)
+            if tenant is _UNKNOWN:
+                tenant = self.tenant_of(run_id)
+        above = codec.offload_above
+        if sealer is not None and not offload and (above is None or len(text) * 4 <= above):
+            # too small to offload whatever its bytes: what codec.encode does, inline
+            out = sealer.seal(text, tenant)
+        else:
+            out = codec.encode(text, tenant, offload=offload)
         if sealer is not None and sealer.unchecked and self.keys is not None:
             self.check_keys(sealer)
         if len(memo) < 256 and not offload:
-            memo[id(text)] = (text, tenant, out)
+            memo[id(text)] = (text, run_id, out)
         return out
 
     def check_keys(self, sealer: Sealer) -> None:
