@@ -1653,3 +1653,41 @@ async def test_an_erasure_ends_the_tenants_runs_once_per_pass(tmp_path: Path) ->
         await app.erase_tenant("acme")
         assert endings == (3 if per_tenant else 1), (per_tenant, endings)
         await app.close()  # type: ignore[attr-defined]
+
+
+async def test_a_new_tenants_key_is_made_before_its_run_is_stored_not_in_the_write(
+    store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # made in the store's write transaction, the keyring file's write and fsync held
+    # every other write of the process (one writer thread on SQLite, a write
+    # transaction open on PostgreSQL)
+    import threading
+
+    keys = _keyring(tmp_path, per_tenant=True)
+    app = tether.App(store=store_url, encryption=keys)
+    _register(app)
+    made_in: list[str] = []
+    real = FileKeyring._tenant_key
+
+    def watched(self: FileKeyring, tenant: str, *, new: bool) -> str:
+        made_in.append(threading.current_thread().name)
+        return real(self, tenant, new=new)
+
+    monkeypatch.setattr(FileKeyring, "_tenant_key", watched)
+    before = threading.current_thread().name
+    async with app.worker(poll_interval=0.05):
+        runs = [await app.start("echo", f"acme {i}", tenant="acme") for i in range(3)]
+        for r in runs:
+            await r.result(timeout=30)
+    assert len(made_in) == 1, made_in  # once, then known to this process
+    writer = made_in[0] == "tether-sqlite" or made_in[0].startswith("tether-pg-writer")
+    assert not writer and made_in[0] != before, made_in  # nor on the event loop
+    key = keys.current("acme")
+    assert f"~e1:{key}:".encode() in _stored_bytes(store_url)
+    # a tenant erased since gets a new key where it is needed, as before
+    keys.shred("acme")
+    async with app.worker(poll_interval=0.05):
+        again = await app.start("echo", "acme again", tenant="acme")
+        assert (await again.result(timeout=30)).startswith("ACME AGAIN")
+    assert keys.current("acme") != key
+    await app.close()

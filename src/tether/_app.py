@@ -269,6 +269,8 @@ class App:
         self._queue_limits: dict[str, QueueLimits] = {}
         self._admission: dict[str, int | None] = {}  #: tenant ('' = default) -> max_running
         self._limits_dirty = False
+        #: tenants whose key this process has seen made (``_tenant_key_ready``)
+        self._keyed_tenants: set[str] = set()
 
     # -- store -------------------------------------------------------------
 
@@ -306,6 +308,23 @@ class App:
             self._limits_dirty = False
         except Exception as exc:  # retried by the next start, worker or queue call
             log.warning("could not write queue limits on opening the store: %s", exc)
+
+    async def _tenant_key_ready(self, tenant: str) -> None:
+        """Have the tenant's key made before its run is stored (per-tenant keys): made in
+        the store's write transaction instead, the keyring file's write and fsync would
+        hold every other write of the process (tens of ms a new tenant). Once a key is
+        seen, later starts of the tenant skip this; a key shredded since is made again
+        where it is needed, as before."""
+        codec = self.store.codec
+        if codec is None or not codec.per_tenant or tenant in self._keyed_tenants:
+            return
+        sealer = codec.sealer
+        if sealer is None:
+            return
+        await asyncio.to_thread(sealer.keyring.current, tenant)
+        if len(self._keyed_tenants) > 100_000:
+            self._keyed_tenants.clear()
+        self._keyed_tenants.add(tenant)
 
     async def _write_queue_limits(self, *, force: bool = False) -> None:
         """Write configured queue limits to the store (all of them when ``force``)."""
@@ -762,6 +781,8 @@ class App:
         wf.sig.decode_args(text)  # wrong argument types fail here, not in the worker
         if self._limits_dirty:
             await self._write_queue_limits()
+        if tenant is not None:
+            await self._tenant_key_ready(tenant)
         local = self._local_worker(wf.queue)
         now = self.store.clock()
         deadline_at = None if limit is None else now + limit
