@@ -1195,12 +1195,36 @@ class Gateway:
 
         Returns the response and its call record (model, tokens, cost...).
         """
+        answer, call = await self._request_json(
+            ref,
+            messages,
+            params=params,
+            settings=settings,
+            prompt_version=prompt_version,
+            output_schema=output_schema,
+            stream=stream,
+        )
+        return load_response(answer), call
+
+    async def _request_json(
+        self,
+        ref: ModelRef,
+        messages: list[ModelMessage],
+        *,
+        params: ModelRequestParameters | None = None,
+        settings: ModelSettings | None = None,
+        prompt_version: str | None = None,
+        output_schema: str | None = None,
+        stream: bool = False,
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``request``, its response left as recorded (JSON): for a caller that reads
+        only part of it (``complete`` its text), without building the whole object."""
         if ref.gateway is not self:
             raise ConfigurationError(f"{ref!r} is a model of another gateway")
         _refuse_recorded_credentials(ref, settings)
         body: dict[str, Any] = {
             "messages": dump_messages(messages),
-            "params": dump_params(params or ModelRequestParameters()),
+            "params": dump_params(params),
             "settings": dict(settings) if settings else None,
         }
         if prompt_version is not None:
@@ -1232,7 +1256,7 @@ class Gateway:
                     )
                 current = following
                 continue
-            return load_response(out["response"]), out[CALL_KEY]
+            return out["response"], out[CALL_KEY]
 
     def _fallback_of(
         self, inst: WorkflowInstance | None, chain: tuple[ModelRef, ...], current: ModelRef
