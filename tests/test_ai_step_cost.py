@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 import tether
-from tether import ai
+from tether import EventType, ai
 from tether.ai._wire import dump_params
 from tether.testing import ModelServer, check_history, model_reply
 
@@ -48,3 +48,47 @@ async def test_complete_returns_the_text_of_the_answer_and_replays_it(
     report = check_history(app, await app.history(run.run_id))
     assert report.ok, report
 
+
+def _scheduled_messages(history: list[tether.Event]) -> list[dict[str, Any]]:
+    return [
+        e.data["args"]["args"][-1]["messages"]
+        for e in history
+        if e.type is EventType.ACTIVITY_SCHEDULED and e.data["name"].endswith(".call")
+    ]
+
+
+@pytest.mark.parametrize("between", [3, 70])
+async def test_an_answer_is_referred_to_after_steps_that_sent_no_answer(
+    app: tether.App, server: ModelServer, between: int
+) -> None:
+    """An answer's address is taken when a later step sends a model response: after a
+    few steps that sent none, the conversation still refers to it by its node; past the
+    64 a run keeps unaddressed, it is sent in full (correct, only larger)."""
+    from pydantic_ai.messages import ModelRequest, UserPromptPart
+
+    gw = ai.Gateway(app, retry=FAST)
+    model = gw.model("m", ai.openai_compatible("m", base_url=server.base_url, api_key="k"))
+    server.default = lambda body: model_reply(f"reply {len(body['messages'])}")
+
+    @app.workflow
+    async def chat(between: int) -> str:
+        first = [ModelRequest(parts=[UserPromptPart("q0")])]
+        response, _call = await gw.request(model, first)
+        for i in range(between):
+            await ai.complete(model, f"aside {i}")
+        later, _call = await gw.request(
+            model, [*first, response, ModelRequest(parts=[UserPromptPart("q1")])]
+        )
+        return str(later.parts[0].content)  # type: ignore[union-attr]
+
+    async with app.worker(poll_interval=0.05):
+        run = await app.start(chat, between)
+        assert await run.result(timeout=60) == "reply 3"  # the model got all 3 messages
+    history = await app.history(run.run_id)
+    last = _scheduled_messages(history)[-1]
+    if between < 64:
+        assert last["base"] is not None and [set(e) for e in last["new"]] == [{"h", "m"}]
+    else:
+        assert [set(e) for e in last["new"]] == [{"h", "m"}, {"h", "m"}]
+    report = check_history(app, history)
+    assert report.ok, report
