@@ -3,6 +3,7 @@ the same answer, the same references and the same rate-limit feedback."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -92,3 +93,28 @@ async def test_an_answer_is_referred_to_after_steps_that_sent_no_answer(
         assert [set(e) for e in last["new"]] == [{"h", "m"}, {"h", "m"}]
     report = check_history(app, history)
     assert report.ok, report
+
+
+async def test_a_success_that_empties_a_rate_budget_pauses_the_model(
+    app: tether.App, server: ModelServer
+) -> None:
+    """Headers are matched whatever case the provider writes them in."""
+    gw = ai.Gateway(app, retry=FAST)
+    model = gw.model("m", ai.openai_compatible("m", base_url=server.base_url, api_key="k"))
+    asked: list[float] = []
+
+    def answer(body: dict[str, Any]) -> Any:
+        asked.append(time.monotonic())
+        empty = {"X-RateLimit-Remaining-Requests": "0", "X-RateLimit-Reset-Requests": "800ms"}
+        return model_reply("ok", headers=empty if len(asked) == 1 else {})
+
+    server.default = answer
+
+    @app.workflow
+    async def two() -> list[str]:
+        return [await ai.complete(model, "a"), await ai.complete(model, "b")]
+
+    async with app.worker(poll_interval=0.05):
+        run = await app.start(two)
+        assert await run.result(timeout=30) == ["ok", "ok"]
+    assert asked[1] - asked[0] >= 0.8 - 0.02

@@ -162,7 +162,7 @@ def _checked_prices(prices: Any) -> dict[str, Price]:
 class _CallResult(dict[str, Any]):
     """A recorded call; ``headers`` (not stored) lets the worker read x-ratelimit-*."""
 
-    headers: dict[str, str]
+    headers: Mapping[str, str]
 
 
 #: a run's model spend as its workflow code has seen it: ``WorkflowInstance.spend``
