@@ -3,6 +3,7 @@ the same answer, the same references and the same rate-limit feedback."""
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -10,6 +11,8 @@ import pytest
 
 import tether
 from tether import EventType, ai
+from tether._serde import JsonDict
+from tether._usage import CALL_KEY
 from tether.ai._wire import dump_params
 from tether.testing import ModelServer, check_history, model_reply
 
@@ -118,3 +121,76 @@ async def test_a_success_that_empties_a_rate_budget_pauses_the_model(
         run = await app.start(two)
         assert await run.result(timeout=30) == ["ok", "ok"]
     assert asked[1] - asked[0] >= 0.8 - 0.02
+
+
+def _same_json(a: Any, b: Any) -> bool:
+    """Equal, and of the same types all the way down (what replay reads is what the run
+    read the first time)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(_same_json(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(map(_same_json, a, b))
+    return bool(a == b) or (a != a and b != b)
+
+
+async def test_a_model_answer_reaches_the_workflow_as_replay_decodes_it(
+    app: tether.App, server: ModelServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model step's result is handed to the workflow without decoding its recorded
+    text again: it must be exactly what decoding gives (priced, structured, a usage the
+    server left out, a cached answer)."""
+    from pydantic import BaseModel
+
+    from tether import _worker
+
+    class Label(BaseModel):
+        label: str
+        score: float
+
+    handed: list[tuple[Any, Any]] = []
+    kept: list[bool] = []  #: handed on as made (not decoded again)
+    as_recorded = _worker._as_recorded
+
+    def checked(value: Any, encoded: str) -> Any:
+        out = as_recorded(value, encoded)
+        kept.append(isinstance(value, JsonDict))
+        handed.append((out, json.loads(encoded)))
+        return out
+
+    monkeypatch.setattr(_worker, "_as_recorded", checked)
+    gw = ai.Gateway(app, retry=FAST)
+    url = server.base_url
+    priced = gw.model(
+        "priced",
+        ai.openai_compatible("priced", base_url=url, api_key="k"),
+        price=ai.Price(input_per_mtok="0.5", output_per_mtok="1.5"),
+        cache_ttl=60,
+    )
+    replies = iter(
+        [
+            model_reply("plain ünïcode"),
+            model_reply(tool=("final_result", {"label": "a", "score": 0.25})),
+            model_reply("no usage", input_tokens=0, output_tokens=0),
+        ]
+    )
+    server.default = lambda body: next(replies)
+
+    @app.workflow
+    async def calls() -> list[str]:
+        text = await ai.complete(priced, "one")
+        label = await ai.structured(priced, "two", output=Label)
+        estimated = await ai.complete(priced, "three")
+        cached = await ai.complete(priced, "one")  # from the answer cache
+        return [text, label.label, estimated, cached]
+
+    async with app.worker(poll_interval=0.05):
+        run = await app.start(calls)
+        assert await run.result(timeout=30) == ["plain ünïcode", "a", "no usage", "plain ünïcode"]
+    assert len(handed) == 4 and kept == [True, True, True, False]  # (the cache's is read)
+    for out, decoded in handed:
+        assert _same_json(out, decoded), (out, decoded)
+    calls_made = [decoded[CALL_KEY] for _out, decoded in handed]
+    assert calls_made[0]["cost"] is not None and calls_made[2].get("usage") == "estimated"
+    assert calls_made[3].get("cache_hit") is True

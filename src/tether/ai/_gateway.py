@@ -43,6 +43,7 @@ from .._errors import ActivityError, ConfigurationError, NonRetryable
 from .._history import Event, EventType
 from .._policy import Retry, seconds
 from .._queues import MAX_NAME, Dependency, check_name
+from .._serde import JsonDict
 from .._usage import CALL_KEY, Budget, Spend, amount
 from .._usage import budget_cost as _budget_cost
 from ..workflow._api import sleep
@@ -159,8 +160,11 @@ def _checked_prices(prices: Any) -> dict[str, Price]:
     return out
 
 
-class _CallResult(dict[str, Any]):
-    """A recorded call; ``headers`` (not stored) lets the worker read x-ratelimit-*."""
+class _CallResult(JsonDict):
+    """A recorded call; ``headers`` (not stored) lets the worker read x-ratelimit-*.
+
+    Its contents are JSON values (the response dumped in JSON mode, the call record's
+    numbers and strings), so the worker hands them to the workflow as they are."""
 
     headers: Mapping[str, str]
 
