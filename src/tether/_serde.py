@@ -54,6 +54,12 @@ def encode(value: Any, what: str = "value") -> str:
         ) from exc
 
 
+class JsonDict(dict[str, Any]):
+    """A result whose contents are JSON values already, as ``json.loads`` gives them
+    (str keys, lists, str, int, float, bool, None): a worker records it without
+    decoding its encoded text again to learn what replay will read."""
+
+
 def dumps(data: Any) -> str:
     """Compact JSON text of tether's own records (event data, options, errors).
 

@@ -47,7 +47,7 @@ from ._periodic import Periodic
 from ._policy import Retry
 from ._queues import check_name
 from ._redact import engine_note, is_engine_made, shown_error, task_error_text
-from ._serde import encode
+from ._serde import JsonDict, encode
 from ._switches import HOLD as SWITCH_HOLD
 from ._switches import REFRESH as SWITCH_REFRESH
 from ._switches import Switches, held_note
@@ -1913,10 +1913,13 @@ class Worker:
 
 def _as_recorded(value: Any, encoded: str) -> Any:
     """The result as replay will decode it from ``encoded``: ``value`` itself when it is
-    a plain JSON scalar (the same value), else the decoded text."""
+    a plain JSON scalar (the same value), a ``JsonDict``'s items (JSON values already),
+    else the decoded text."""
     kind = type(value)
     if kind is int or kind is str or kind is bool or value is None:
         return value
+    if isinstance(value, JsonDict):
+        return dict(value)
     if kind is float and math.isfinite(value):
         return value
     return json.loads(encoded)

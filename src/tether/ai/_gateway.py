@@ -43,6 +43,7 @@ from .._errors import ActivityError, ConfigurationError, NonRetryable
 from .._history import Event, EventType
 from .._policy import Retry, seconds
 from .._queues import MAX_NAME, Dependency, check_name
+from .._serde import JsonDict
 from .._usage import CALL_KEY, Budget, Spend, amount
 from .._usage import budget_cost as _budget_cost
 from ..workflow._api import sleep
@@ -159,10 +160,13 @@ def _checked_prices(prices: Any) -> dict[str, Price]:
     return out
 
 
-class _CallResult(dict[str, Any]):
-    """A recorded call; ``headers`` (not stored) lets the worker read x-ratelimit-*."""
+class _CallResult(JsonDict):
+    """A recorded call; ``headers`` (not stored) lets the worker read x-ratelimit-*.
 
-    headers: dict[str, str]
+    Its contents are JSON values (the response dumped in JSON mode, the call record's
+    numbers and strings), so the worker hands them to the workflow as they are."""
+
+    headers: Mapping[str, str]
 
 
 #: a run's model spend as its workflow code has seen it: ``WorkflowInstance.spend``
@@ -240,6 +244,33 @@ class _Seen:
     messages: set[str] = dataclasses.field(default_factory=set)
     nodes: set[str] = dataclasses.field(default_factory=set)
     repinned: set[str] = dataclasses.field(default_factory=set)
+    #: answers not yet given their address: (node of the request, the answer's JSON).
+    #: Only a conversation holding a model response can refer to an answer, so they are
+    #: hashed when a step sends one (most steps send none: ~30 us a step saved); past
+    #: ``_UNADDRESSED`` the oldest is forgotten (a later step sends it in full: correct,
+    #: only larger, and the same on replay, which sees the same steps)
+    answers: list[tuple[str, dict[str, Any]]] = dataclasses.field(default_factory=list)
+
+    def answered(self, tip: str, response: dict[str, Any]) -> None:
+        """Note the answer to the conversation ending at node ``tip``."""
+        self.answers.append((tip, response))
+        if len(self.answers) > _UNADDRESSED:
+            del self.answers[0]
+
+    def address(self, messages: list[Any]) -> None:
+        """Hash the answers noted, if ``messages`` may hold one (not all requests)."""
+        if self.answers and not all(
+            isinstance(m, dict) and m.get("kind") == "request" for m in messages
+        ):
+            for tip, response in self.answers:
+                answer = canonical(response)[0]
+                self.messages.add(answer)
+                self.nodes.add(link(tip, answer))
+            self.answers.clear()
+
+
+#: answers a run keeps unhashed at most (see ``_Seen.answers``)
+_UNADDRESSED = 64
 
 
 _known: weakref.WeakKeyDictionary[WorkflowInstance, _Seen] = weakref.WeakKeyDictionary()
@@ -1195,12 +1226,36 @@ class Gateway:
 
         Returns the response and its call record (model, tokens, cost...).
         """
+        answer, call = await self._request_json(
+            ref,
+            messages,
+            params=params,
+            settings=settings,
+            prompt_version=prompt_version,
+            output_schema=output_schema,
+            stream=stream,
+        )
+        return load_response(answer), call
+
+    async def _request_json(
+        self,
+        ref: ModelRef,
+        messages: list[ModelMessage],
+        *,
+        params: ModelRequestParameters | None = None,
+        settings: ModelSettings | None = None,
+        prompt_version: str | None = None,
+        output_schema: str | None = None,
+        stream: bool = False,
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``request``, its response left as recorded (JSON): for a caller that reads
+        only part of it (``complete`` its text), without building the whole object."""
         if ref.gateway is not self:
             raise ConfigurationError(f"{ref!r} is a model of another gateway")
         _refuse_recorded_credentials(ref, settings)
         body: dict[str, Any] = {
             "messages": dump_messages(messages),
-            "params": dump_params(params or ModelRequestParameters()),
+            "params": dump_params(params),
             "settings": dict(settings) if settings else None,
         }
         if prompt_version is not None:
@@ -1232,7 +1287,7 @@ class Gateway:
                     )
                 current = following
                 continue
-            return load_response(out["response"]), out[CALL_KEY]
+            return out["response"], out[CALL_KEY]
 
     def _fallback_of(
         self, inst: WorkflowInstance | None, chain: tuple[ModelRef, ...], current: ModelRef
@@ -1387,6 +1442,7 @@ class Gateway:
         seen = _known.setdefault(inst, _Seen())
         if self.message_refs:
             # the conversation so far by one node, then only the messages after it
+            seen.address(body["messages"])
             packed, inline, tip = pack(body["messages"], seen.messages, seen.nodes)
             body = {**body, "messages": packed}
             recorded = _recorded_pack(inst, self._activity.name)
@@ -1419,10 +1475,9 @@ class Gateway:
             )
         if self.message_refs:
             # the worker kept them (and the answer), so later steps may refer to them
-            answer = canonical(out["response"])[0]
             seen.messages.update(inline)
-            seen.messages.add(answer)
-            seen.nodes.update((tip, link(tip, answer)))
+            seen.nodes.add(tip)
+            seen.answered(tip, out["response"])
         call = out[CALL_KEY]
         inputs, outputs = int(call.get("input_tokens") or 0), int(call.get("output_tokens") or 0)
         cost = Decimal(call["cost"]) if call.get("cost") is not None else None

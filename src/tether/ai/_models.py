@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextvars
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import httpx
@@ -17,8 +18,8 @@ from pydantic_ai.models import Model
 
 from ._errors import ModelConfigError
 
-#: the headers of the last response of the current call (set by the client's hook)
-_headers: contextvars.ContextVar[dict[str, str] | None] = contextvars.ContextVar(
+#: the capture of the current call (the client's hook gives it each response's headers)
+_headers: contextvars.ContextVar[HeaderCapture | None] = contextvars.ContextVar(
     "tether_ai_headers", default=None
 )
 
@@ -26,8 +27,9 @@ _headers: contextvars.ContextVar[dict[str, str] | None] = contextvars.ContextVar
 async def _capture(response: Any) -> None:
     holder = _headers.get()
     if holder is not None:
-        holder.clear()
-        holder.update({k.lower(): v for k, v in response.headers.items()})
+        # the response's own headers (case-insensitive ``get``): read only when a limit
+        # is looked up, not copied on every call
+        holder.headers = response.headers
 
 
 def http_client(timeout: float | None = None, *, lib: Any = httpx) -> Any:
@@ -42,14 +44,15 @@ def http_client(timeout: float | None = None, *, lib: Any = httpx) -> Any:
 
 
 class HeaderCapture:
-    """Collects the response headers of the model call made inside its ``with`` block."""
+    """Collects the response headers of the model call made inside its ``with`` block:
+    ``headers`` are the last response's (looked up case-insensitively with ``get``)."""
 
     def __init__(self) -> None:
-        self.headers: dict[str, str] = {}
-        self._token: contextvars.Token[dict[str, str] | None] | None = None
+        self.headers: Mapping[str, str] = {}
+        self._token: contextvars.Token[HeaderCapture | None] | None = None
 
     def __enter__(self) -> HeaderCapture:
-        self._token = _headers.set(self.headers)
+        self._token = _headers.set(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
