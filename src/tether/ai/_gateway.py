@@ -244,33 +244,6 @@ class _Seen:
     messages: set[str] = dataclasses.field(default_factory=set)
     nodes: set[str] = dataclasses.field(default_factory=set)
     repinned: set[str] = dataclasses.field(default_factory=set)
-    #: answers not yet given their address: (node of the request, the answer's JSON).
-    #: Only a conversation holding a model response can refer to an answer, so they are
-    #: hashed when a step sends one (most steps send none: ~30 us a step saved); past
-    #: ``_UNADDRESSED`` the oldest is forgotten (a later step sends it in full: correct,
-    #: only larger, and the same on replay, which sees the same steps)
-    answers: list[tuple[str, dict[str, Any]]] = dataclasses.field(default_factory=list)
-
-    def answered(self, tip: str, response: dict[str, Any]) -> None:
-        """Note the answer to the conversation ending at node ``tip``."""
-        self.answers.append((tip, response))
-        if len(self.answers) > _UNADDRESSED:
-            del self.answers[0]
-
-    def address(self, messages: list[Any]) -> None:
-        """Hash the answers noted, if ``messages`` may hold one (not all requests)."""
-        if self.answers and not all(
-            isinstance(m, dict) and m.get("kind") == "request" for m in messages
-        ):
-            for tip, response in self.answers:
-                answer = canonical(response)[0]
-                self.messages.add(answer)
-                self.nodes.add(link(tip, answer))
-            self.answers.clear()
-
-
-#: answers a run keeps unhashed at most (see ``_Seen.answers``)
-_UNADDRESSED = 64
 
 
 _known: weakref.WeakKeyDictionary[WorkflowInstance, _Seen] = weakref.WeakKeyDictionary()
@@ -1442,7 +1415,6 @@ class Gateway:
         seen = _known.setdefault(inst, _Seen())
         if self.message_refs:
             # the conversation so far by one node, then only the messages after it
-            seen.address(body["messages"])
             packed, inline, tip = pack(body["messages"], seen.messages, seen.nodes)
             body = {**body, "messages": packed}
             recorded = _recorded_pack(inst, self._activity.name)
@@ -1475,9 +1447,10 @@ class Gateway:
             )
         if self.message_refs:
             # the worker kept them (and the answer), so later steps may refer to them
+            answer = canonical(out["response"])[0]
             seen.messages.update(inline)
-            seen.nodes.add(tip)
-            seen.answered(tip, out["response"])
+            seen.messages.add(answer)
+            seen.nodes.update((tip, link(tip, answer)))
         call = out[CALL_KEY]
         inputs, outputs = int(call.get("input_tokens") or 0), int(call.get("output_tokens") or 0)
         cost = Decimal(call["cost"]) if call.get("cost") is not None else None
