@@ -1691,3 +1691,28 @@ async def test_a_new_tenants_key_is_made_before_its_run_is_stored_not_in_the_wri
         assert (await again.result(timeout=30)).startswith("ACME AGAIN")
     assert keys.current("acme") != key
     await app.close()
+
+
+async def test_a_start_refused_for_another_tenants_run_id_never_decides_its_key(
+    store_url: str, tmp_path: Path
+) -> None:
+    # a start names a run id another tenant's run holds: refused, but its tenant was
+    # noted for the id first, so (PostgreSQL) the next payload of that run written by
+    # this process was sealed under the refused tenant's key: erasing the run's own
+    # tenant left it readable, erasing the other made it unreadable
+    keys = _keyring(tmp_path, per_tenant=True)
+    app = tether.App(store=store_url, encryption=keys)
+    _register(app)
+    await app.start("flow", "acme one", run_id="r1", tenant="acme")
+    with pytest.raises(tether.RunIdConflictError):
+        await app.start("flow", "globex one", run_id="r1", tenant="globex")
+    await app.signal("r1", "note", {"secret": "s3cret"})
+    stored = _stored_bytes(store_url)
+    for key in keys.tenant_keys("globex"):
+        assert f"~e1:{key}:".encode() not in stored, "sealed under the refused tenant's key"
+    keys.shred("globex")
+    got = await app.get("r1")  # the run's payloads still open with acme's key
+    assert got.input == '{"args":["acme one"],"kwargs":{}}'
+    events = await app.history("r1")
+    assert any("s3cret" in json.dumps(e.data) for e in events)
+    await app.close()

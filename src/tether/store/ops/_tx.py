@@ -133,6 +133,11 @@ class _Tx:
     #: own) with the run it was sealed for: a step's arguments go into its event and its
     #: task row as one sealed value
     _sealed: dict[int, tuple[str, str | None, str]] | None = None
+    #: the tenants of the runs this operation inserts: sealing for them reads this, and
+    #: the codec's cache learns them only from rows the store holds (``tenant_of``,
+    #: claims), never from an insert that may yet fail (a start refused for a run id
+    #: another tenant's run holds would have that run's payloads sealed under its key)
+    inserting: dict[str, str | None] | None = None
 
     def seal(
         self,
@@ -163,9 +168,13 @@ class _Tx:
                 return done[2]
         tenant = None
         if codec.per_tenant and run_id is not None:
-            tenant = codec.tenants.get(run_id, _UNKNOWN)  # (tenant_of's cache, inline)
-            if tenant is _UNKNOWN:
-                tenant = self.tenant_of(run_id)
+            inserting = self.inserting
+            if inserting is not None and run_id in inserting:
+                tenant = inserting[run_id]
+            else:
+                tenant = codec.tenants.get(run_id, _UNKNOWN)  # (tenant_of's cache, inline)
+                if tenant is _UNKNOWN:
+                    tenant = self.tenant_of(run_id)
         above = codec.offload_above
         if sealer is not None and not offload and (above is None or len(text) * 4 <= above):
             # too small to offload whatever its bytes: what codec.encode does, inline
@@ -374,6 +383,9 @@ class _Tx:
     def tenant_of(self, run_id: str) -> str | None:
         """A run's tenant (remembered by the codec: a run's tenant never changes)."""
         assert self.codec is not None
+        inserting = self.inserting
+        if inserting is not None and run_id in inserting:
+            return inserting[run_id]
         known = self.codec.tenants
         if run_id in known:
             return known[run_id]

@@ -68,7 +68,10 @@ def _insert_run(
     (eager start), so it never is ``pending``.
     """
     if tx.codec is not None:
-        tx.codec.remember(run_id, tenant)
+        # for this operation's seals alone: the codec's cache learns it from the stored row
+        if tx.inserting is None:
+            tx.inserting = {}
+        tx.inserting[run_id] = tenant
     tx.execute(
         "INSERT INTO runs (run_id, workflow, status, queue, input, parent_run_id, parent_step, "
         "created_at, updated_at, tenant, attrs, next_seq) VALUES (?,?,?,?,?,?,?,?,?,?,?,2)",
