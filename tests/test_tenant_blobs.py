@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 import tether
+from helpers import eventually
 from tether.blobs import BlobStore
 from tether.encryption import FileKeyring, KeyUnavailableError, Sealer
 
@@ -612,6 +613,32 @@ async def test_a_batch_whose_tenant_read_blips_keeps_the_half_open_breakers_tria
     assert order == ["admit"] and reads == ["r2", "r2"], (order, reads)
     for a in (starter, worker):
         await a.close()
+
+
+async def test_a_claimed_schedule_task_leaves_no_tenant_remembered_for_its_id(
+    app: tether.App,
+) -> None:
+    """A claim remembered the run tenant of every task it returned, a schedule's too:
+    its id (``schedule:<id>``) is no run's, so a None tenant was kept for an id a run
+    could later be started under, with a tenant (its payloads then sealed under the
+    shared key by this process). Only tasks of runs are remembered now."""
+
+    @app.workflow
+    async def job() -> str:
+        return "ticked"
+
+    await app.schedule("nightly", job, every=1)  # its task claimed in a second
+    async with app.worker(poll_interval=0.02):
+
+        async def fired() -> bool:
+            return (await app.get_schedule("nightly")).fired >= 1
+
+        await eventually(fired, 15, "the schedule's first tick")
+        run = await app.start(job, run_id="r1", tenant="acme")
+        assert await run.result(timeout=15) == "ticked"
+    tenants = app.store.codec.tenants
+    assert "schedule:nightly" not in tenants, tenants
+    assert tenants.get("r1") == "acme"
 
 
 SLOW_PUT = """
