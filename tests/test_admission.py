@@ -578,8 +578,8 @@ async def test_a_queued_run_cancelled_while_admission_waits_for_its_row_stays_ca
                 for _ in range(400):  # until admission waits for the row "b" is locked in
                     (waiting,) = watch.execute(
                         "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                        "AND query LIKE %s",
-                        ("UPDATE runs SET status = 'pending'%",),
+                        "AND application_name = %s AND query LIKE %s",  # this test's store
+                        (f"tether:{pg_schema}", "UPDATE runs SET status = 'pending'%"),
                     ).fetchone()  # type: ignore[misc]
                     if waiting:
                         break

@@ -2915,6 +2915,24 @@ class _Chart(BaseModel):
         return self
 
 
+class _Patient(BaseModel):
+    name: str
+    drug: str
+
+
+class _ByName(BaseModel):
+    """The model answers ``{"<patient's name>": {...}}``; a validator makes the list."""
+
+    patients: list[_Patient]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _by_name(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "patients" not in data:
+            return {"patients": [{"name": k, **v} for k, v in data.items()]}
+        return data
+
+
 def test_the_fields_dropped_name_the_types_fields_never_the_answers_keys() -> None:
     """The replay check named a dropped field by its path into the recorded answer, a
     dict's keys included (the model's output: a person's name here), and the message was
@@ -2940,3 +2958,12 @@ def test_the_fields_dropped_name_the_types_fields_never_the_answers_keys() -> No
     volunteered = {**answer, secret: 1}  # a key the model made up where fields are
     dropped, names_only = _dropped(adapter, volunteered, adapter.validate_python(volunteered))
     assert dropped == {"note", secret} and not names_only
+    # a key the type has no field for but reads (a validator makes a list of the keys):
+    # the names below it are not the type's either, though no field of it is there to
+    # say so: the message is not the engine's (it named the patient, as its own)
+    by_name = TypeAdapter(_ByName)
+    answer = {secret: {"drug": "a", "mg": 5}}
+    dropped, names_only = _dropped(by_name, answer, by_name.validate_python(answer))
+    assert dropped == {f"{secret}.mg"} and not names_only
+    answer = {secret: {"drug": "a"}}
+    assert _dropped(by_name, answer, by_name.validate_python(answer)) == (set(), True)

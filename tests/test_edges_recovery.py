@@ -594,8 +594,8 @@ async def test_a_child_ending_while_another_process_ends_its_parent_does_not_wak
                 for _ in range(400):  # until the child's end waits for the parent's row
                     (waiting,) = watch.execute(
                         "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                        "AND query LIKE %s",
-                        ("%runs%",),
+                        "AND application_name = %s AND query LIKE %s",  # this test's store
+                        (f"tether:{pg_schema}", "%runs%"),
                     ).fetchone()  # type: ignore[misc]
                     if waiting:
                         break
@@ -661,15 +661,16 @@ async def test_a_child_ending_while_its_failed_parent_is_retried_reaches_the_par
 
                 async def waiters(n: int, what: str) -> None:
                     for _ in range(400):
+                        # this test's store only (other tests may run alongside)
                         (waiting,) = watch.execute(
                             "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = "
-                            "'Lock' AND query LIKE %s",
-                            ("%runs%",),
+                            "'Lock' AND application_name = %s AND query LIKE %s",
+                            (f"tether:{pg_schema}", "%runs%"),
                         ).fetchone()  # type: ignore[misc]
                         (on_tasks,) = watch.execute(
                             "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = "
-                            "'Lock' AND query LIKE %s",
-                            ("DELETE FROM tasks%",),
+                            "'Lock' AND application_name = %s AND query LIKE %s",
+                            (f"tether:{pg_schema}", "DELETE FROM tasks%"),
                         ).fetchone()  # type: ignore[misc]
                         if waiting + on_tasks >= n:
                             return

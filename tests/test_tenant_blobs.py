@@ -6,6 +6,7 @@ read, and gc, reseal and erasure handle both."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import shutil
 from collections.abc import Iterator
@@ -15,6 +16,7 @@ from typing import Any
 import pytest
 
 import tether
+from helpers import eventually
 from tether.blobs import BlobStore
 from tether.encryption import FileKeyring, KeyUnavailableError, Sealer
 
@@ -439,6 +441,204 @@ async def test_a_task_claimed_without_its_tenant_reads_it_before_the_attempt(
     assert doc.ref == starter.put_blob(b"receipt o-1", tenant="acme").ref
     for a in (starter, worker):
         await a.close()
+
+
+def _untold(app: tether.App, seen: list[str] | None = None) -> None:
+    """``app``'s claims bring no run tenant (``tenant_known`` False, as a store's claim
+    of an older release gave it), and its codec remembers none: each is read."""
+    import dataclasses
+
+    real = app.store.claim_with_wake
+
+    async def untold(**kw: Any) -> Any:
+        tasks, wake = await real(**kw)
+        out = [dataclasses.replace(t, tenant=None, tenant_known=False) for t in tasks]
+        for t in out:
+            app.store.codec.tenants.pop(t.run_id, None)
+            if seen is not None:
+                seen.append(f"claimed {t.run_id} attempt {t.attempt}")
+        return out, wake
+
+    app.store.claim_with_wake = untold  # type: ignore[method-assign]
+
+
+async def test_a_step_whose_tenant_cannot_be_read_waits_ever_longer_and_says_why(
+    store_url: str, tmp_path: Path, keys: FileKeyring, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step whose run tenant could not be read before its attempt was given back to
+    run in a second, again and again, without a word on the run. It now waits ever
+    longer (from a second, doubling) and the run says why (an engine note), until a
+    read succeeds; no attempt is spent."""
+    from tether import _worker
+    from tether._redact import TAG, engine_made
+
+    monkeypatch.setattr(_worker, "STORE_BLIP_DELAY", 0.1)  # (a second, in a test's time)
+    effects: list[str] = []
+    starter, worker, flow = _charging(store_url, tmp_path, keys, effects)
+    reads: list[str] = []
+    _blipping(worker, reads, blips=3)
+    _untold(worker)
+    real = worker.store.release
+    given: list[tuple[float, str | None, str | None]] = []
+
+    async def release(tasks: Any, delay: float = 0.0, **kw: Any) -> Any:
+        out = await real(tasks, delay, **kw)
+        shown = (await starter.get("r1")).task_error  # what the run says meanwhile
+        given.append((delay, kw.get("note"), shown))
+        return out
+
+    worker.store.release = release  # type: ignore[method-assign]
+    async with (
+        starter.worker(poll_interval=0.02, queues=["default"]),
+        worker.worker(poll_interval=0.02, queues=["acts"]),
+    ):
+        run = await starter.start(flow, "o-1", run_id="r1", tenant="acme")
+        await run.result(timeout=30)
+    assert effects == ["o-1"]
+    assert [d for d, _, _ in given] == [0.1, 0.2, 0.4], given
+    for _, note, shown in given:
+        assert note is not None and note.startswith(TAG), note
+        assert "tenant could not be read" in note and "no attempt spent" in note, note
+        assert shown == note[len(TAG) :] and engine_made(shown)  # the run says so
+    assert (await starter.get("r1")).task_error is None  # the note went with the wait
+    for a in (starter, worker):
+        await a.close()
+
+
+async def test_a_step_past_its_deadline_ends_though_its_tenant_cannot_be_read(
+    store_url: str, tmp_path: Path, keys: FileKeyring, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tenant read came before the step's deadline was checked: a step whose tenant
+    could never be read was given back for good, past its schedule-to-close timeout.
+    The deadline is checked first now: the step fails with it, its code never run."""
+    from tether import _worker
+
+    monkeypatch.setattr(_worker, "STORE_BLIP_DELAY", 0.1)
+    effects: list[str] = []
+
+    def make() -> tuple[tether.App, Any]:
+        a = tether.App(store=store_url, blobs=str(tmp_path / "blobs"), encryption=keys)
+
+        @a.activity(retry=tether.Retry(attempts=1), queue="acts", schedule_timeout=0.5)
+        def charge(order: str) -> str:
+            effects.append(order)
+            return order
+
+        @a.workflow
+        async def flow(order: str) -> str:
+            try:
+                return await charge(order)
+            except tether.ActivityError as exc:
+                return exc.error_type
+
+        return a, flow
+
+    starter, flow = make()
+    worker, _ = make()
+    reads: list[str] = []
+    _blipping(worker, reads, blips=10**6)  # never read
+    _untold(worker)
+    async with (
+        starter.worker(poll_interval=0.02, queues=["default"]),
+        worker.worker(poll_interval=0.02, queues=["acts"]),
+    ):
+        run = await starter.start(flow, "o-1", run_id="r1", tenant="acme")
+        assert await run.result(timeout=20) == "_StepTimeout"
+    assert effects == [] and reads  # tried, then ended by the deadline
+    for a in (starter, worker):
+        await a.close()
+
+
+async def test_a_batch_whose_tenant_read_blips_keeps_the_half_open_breakers_trial(
+    store_url: str, tmp_path: Path, keys: FileKeyring, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch asked its breaker before reading its runs' tenant: a half-open breaker
+    let the batch through as its one trial, the read failed and the batch was given
+    back, and when it came again the trial was taken (by itself): it failed fast with
+    ``CircuitOpenError``. The tenant is read first now: the batch is the trial once it
+    can run; it succeeds and the breaker closes."""
+    from tether import _worker
+
+    monkeypatch.setattr(_worker, "STORE_BLIP_DELAY", 0.05)
+    healthy = {"on": False}
+    breaker = tether.CircuitBreaker("dep", failure_ratio=1.0, min_calls=1, cooldown=1.0)
+
+    def make() -> tuple[tether.App, Any]:
+        a = tether.App(store=store_url, blobs=str(tmp_path / "blobs"), encryption=keys)
+
+        @a.activity(
+            batch=tether.Batch(max_items=4, max_wait=0.05),
+            retry=tether.Retry(attempts=1),
+            queue="acts",
+            breaker=breaker,
+        )
+        def upper(items: list[str]) -> list[str]:
+            if not healthy["on"]:
+                raise ConnectionError("upstream 5xx")
+            return [i.upper() for i in items]
+
+        @a.workflow
+        async def flow(item: str) -> str:
+            try:
+                return await upper(item)
+            except tether.ActivityError as exc:
+                return exc.error_type
+
+        return a, flow
+
+    starter, flow = make()
+    worker, _ = make()
+    _untold(worker)
+    order: list[str] = []
+    admit = worker.store.breaker_admit
+
+    async def admitting(cfg: dict[str, Any]) -> float | None:
+        order.append("admit")
+        return await admit(cfg)
+
+    worker.store.breaker_admit = admitting  # type: ignore[method-assign]
+    async with (
+        starter.worker(poll_interval=0.02, queues=["default"]),
+        worker.worker(poll_interval=0.02, queues=["acts"]),
+    ):
+        first = await starter.start(flow, "a", run_id="r1", tenant="acme")
+        assert await first.result(timeout=20) == "ConnectionError"  # the breaker opens
+        await asyncio.sleep(1.1)  # half-open: the next call is its trial
+        healthy["on"] = True
+        reads: list[str] = []
+        _blipping(worker, reads, blips=1)
+        order.clear()
+        second = await starter.start(flow, "b", run_id="r2", tenant="acme")
+        assert await second.result(timeout=20) == "B"
+    assert order == ["admit"] and reads == ["r2", "r2"], (order, reads)
+    for a in (starter, worker):
+        await a.close()
+
+
+async def test_a_claimed_schedule_task_leaves_no_tenant_remembered_for_its_id(
+    app: tether.App,
+) -> None:
+    """A claim remembered the run tenant of every task it returned, a schedule's too:
+    its id (``schedule:<id>``) is no run's, so a None tenant was kept for an id a run
+    could later be started under, with a tenant (its payloads then sealed under the
+    shared key by this process). Only tasks of runs are remembered now."""
+
+    @app.workflow
+    async def job() -> str:
+        return "ticked"
+
+    await app.schedule("nightly", job, every=1)  # its task claimed in a second
+    async with app.worker(poll_interval=0.02):
+
+        async def fired() -> bool:
+            return (await app.get_schedule("nightly")).fired >= 1
+
+        await eventually(fired, 15, "the schedule's first tick")
+        run = await app.start(job, run_id="r1", tenant="acme")
+        assert await run.result(timeout=15) == "ticked"
+    tenants = app.store.codec.tenants
+    assert "schedule:nightly" not in tenants, tenants
+    assert tenants.get("r1") == "acme"
 
 
 SLOW_PUT = """

@@ -144,6 +144,14 @@ async def run_batch(w: BatchHost, tasks: list[Task]) -> None:
         outcomes = []
     if not live:
         return
+    try:
+        # one tenant's runs: its put_blob documents are its (of several: the shared key).
+        # Read before the breaker is asked: a half-open breaker's one trial is not spent
+        # on a batch given back unstarted
+        tenant = await w._activity_tenant([t for t, _, _ in live])
+    except StoreError as exc:
+        await w._tenant_blip([t for t, _, _ in live], exc)
+        return
     breaker = (live[0][0].options or {}).get("breaker")
     if breaker:
         wait = await store.breaker_admit(breaker)
@@ -155,12 +163,6 @@ async def run_batch(w: BatchHost, tasks: list[Task]) -> None:
                 w, [_attempt(t, w._record_failure(t, err, p, None)) for t, p, _ in live], tasks
             )
             return
-    try:
-        # one tenant's runs: its put_blob documents are its (of several: the shared key)
-        tenant = await w._activity_tenant([t for t, _, _ in live])
-    except StoreError as exc:
-        await w._tenant_blip([t for t, _, _ in live], exc)
-        return
     first = live[0][0]
     ctx = BatchActivityContext(
         run_id=first.run_id,

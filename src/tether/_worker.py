@@ -102,6 +102,9 @@ FOLD_EVERY = 10.0
 #: seconds a workflow task whose history a store blip kept from being read waits before
 #: it may be claimed again: soon, but a store that keeps failing is not asked in a loop
 STORE_BLIP_DELAY = 1.0
+#: the longest wait (seconds) of a step whose run tenant could not be read before its
+#: attempt: its waits double from STORE_BLIP_DELAY with each failed read up to this
+TENANT_BLIP_MAX_HOLD = 60.0
 #: seconds between the first offers of an activity's outcome (or a workflow task's
 #: commit) that the store failed to record (a dropped connection): the fence makes a
 #: repeated completion safe
@@ -818,22 +821,39 @@ class Worker:
                 *(self.app.store.run_tenant(r) for r in dict.fromkeys(unknown))
             )
             tenants.update(found)
+            if self._unread_tries:  # read: a wait of a failed read's starts over
+                for t in tasks:
+                    self._unread_tries.pop(("tenant", t.task_id), None)
         return tenants.pop() if len(tenants) == 1 else None
 
     async def _tenant_blip(self, tasks: Sequence[Task], exc: StoreError) -> None:
         """The tenant read before an attempt failed: the tasks go back unstarted (no
-        attempt spent: their code never ran) to run again soon."""
+        attempt spent: their code never ran), to run again after a wait that doubles
+        with each failed read of the same step (from STORE_BLIP_DELAY up to
+        TENANT_BLIP_MAX_HOLD: a store that keeps failing is not asked in a loop), and
+        the run says why (an engine note) until its step moves on."""
+        first = tasks[0]
+        delay, tries = self._unreadable_hold(("tenant", first.task_id), exc, STORE_BLIP_DELAY)
+        delay = min(delay, max(TENANT_BLIP_MAX_HOLD, STORE_BLIP_DELAY))
         log.warning(
-            "could not read the tenant of run %r before its step %s, so the step is given "
-            "back to run in %g s: %s",
-            tasks[0].run_id,
-            tasks[0].step,
-            STORE_BLIP_DELAY,
-            exc,
-            extra={"run_id": tasks[0].run_id},
+            "could not read the tenant of run %r before its step %s (try %d), so the step "
+            "is given back to run in %g s: %s",
+            first.run_id,
+            first.step,
+            tries,
+            delay,
+            shown_error(exc),
+            extra={"run_id": first.run_id},
+        )
+        what = f"step {first.step}" if len(tasks) == 1 else f"a batch of {len(tasks)} steps"
+        note = engine_note(
+            f"StoreError: the run's tenant could not be read before the attempt of {what}: "
+            "it waits (no attempt spent) and is tried again, each wait longer, up to "
+            f"{max(TENANT_BLIP_MAX_HOLD, STORE_BLIP_DELAY):g} s"
+            + (f" ({exc})" if is_engine_made(exc) else "")
         )
         try:
-            await self.app.store.release(list(tasks), delay=STORE_BLIP_DELAY, unstarted=True)
+            await self.app.store.release(list(tasks), delay=delay, unstarted=True, note=note)
         except StoreError:  # its lease runs out instead
             pass
 
@@ -1360,11 +1380,6 @@ class Worker:
         details = None
         if task.heartbeat is not None:
             details = json.loads(task.heartbeat)
-        try:
-            tenant = await self._activity_tenant([task])
-        except StoreError as exc:
-            await self._tenant_blip([task], exc)
-            return
         ctx = ActivityContext(
             run_id=task.run_id,
             step=task.step or 0,
@@ -1376,7 +1391,6 @@ class Worker:
             _store=store,
             _loop=self._loop,
             _lease=self.lease,
-            _tenant=tenant,
         )
         entry = self._inflight.get(task.task_id)
         if entry is not None and entry[0] is task:  # (not a newer attempt's)
@@ -1393,6 +1407,12 @@ class Worker:
             )
             await self._record_failure(task, err, plan, ctx)
             return
+        try:  # after the deadline's check: a read that keeps failing cannot outlive it
+            ctx._tenant = await self._activity_tenant([task])
+        except StoreError as exc:
+            await self._tenant_blip([task], exc)
+            return
+        now = store.clock()  # (the read may have taken a while)
         timeout = plan.attempt_timeout(now)
         scheduled_at = opts.get("scheduled_at")
         if task.attempt == 1 and scheduled_at is not None:

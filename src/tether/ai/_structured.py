@@ -198,7 +198,9 @@ def _dropped(adapter: TypeAdapter[Any], data: Any, value: Any) -> tuple[set[str]
     Each is named by its path, the type's field names kept and the answer's own keys
     (a dict's keys, a list's indices: the model's output, a payload) shown as ``[key]``
     and ``[i]``; a key the type has no field for, where it expects fields, is named as
-    it is (a field the older type had, or one the model volunteered): not the type's."""
+    it is (a field the older type had, or one the model volunteered): not the type's,
+    and neither is any name below it (a validator may read such a key: its value's keys
+    are shown as written)."""
     probe = _Probe()
     read = _refused_at(adapter, data, probe)
     try:
@@ -219,26 +221,35 @@ def _dropped(adapter: TypeAdapter[Any], data: Any, value: Any) -> tuple[set[str]
     found = 0
     names_only = True
 
-    def walk(item: Any, path: tuple[str | int, ...], name: str, where: list[Any]) -> None:
+    def walk(
+        item: Any, path: tuple[str | int, ...], name: str, where: list[Any], trusted: bool
+    ) -> None:
+        # ``trusted``: every name on ``path`` so far is the type's (or a placeholder);
+        # below a key the type has no field for (a validator may read it, a key the
+        # model made up: a person's name), nothing is the type's: the keys there are
+        # shown as written, and the message is not the engine's
         nonlocal found, names_only
         if found >= _DROPPED_SHOWN:  # enough to tell (each probe reads the whole answer)
             return
         if isinstance(item, dict):
             for key, sub in item.items():
-                shown, inner, own = _key_at(_shapes(where, defs), key)
+                if trusted:
+                    shown, inner, own = _key_at(_shapes(where, defs), key)
+                else:
+                    shown, inner, own = str(key), [], False
                 at = f"{name}.{shown}" if name else shown
                 if ignored((*path, key)):
                     out.add(at)
                     found += 1
-                    names_only = names_only and own
+                    names_only = names_only and own and trusted
                 else:
-                    walk(sub, (*path, key), at, inner)
+                    walk(sub, (*path, key), at, inner, trusted and own)
         elif isinstance(item, list):
             shapes = _shapes(where, defs)
             for i, sub in enumerate(item):
-                walk(sub, (*path, i), f"{name}[i]", _items_at(shapes, i))
+                walk(sub, (*path, i), f"{name}[i]", _items_at(shapes, i), trusted)
 
-    walk(data, (), "", [schema])
+    walk(data, (), "", [schema], True)
     return out, names_only
 
 

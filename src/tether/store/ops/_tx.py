@@ -542,9 +542,15 @@ def _compact(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"))
 
 
+#: the kinds of task whose ``run_id`` is a run's, there when the task is (a schedule's
+#: is ``schedule:<id>``, no run's; a debounce's run is not started yet): a claim
+#: remembers the run tenant of these only, never a None for an id no run has yet
+_RUN_TASKS = frozenset({"workflow", "activity", "timer", "deadline"})
+
+
 def _task_from_row(row: Sequence[Any], codec: Codec | None = None) -> Task:
     tenant_known = len(row) > 13  # (``_claimed_cols``)
-    if tenant_known and codec is not None:
+    if tenant_known and codec is not None and row[2] in _RUN_TASKS:
         codec.remember(row[1], row[13])  # (the commit of its outcome seals for it)
     return Task(
         task_id=row[0],
