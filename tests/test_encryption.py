@@ -1716,3 +1716,33 @@ async def test_a_start_refused_for_another_tenants_run_id_never_decides_its_key(
     events = await app.history("r1")
     assert any("s3cret" in json.dumps(e.data) for e in events)
     await app.close()
+
+
+def test_threads_meeting_a_new_tenant_at_once_write_the_keyring_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # each thread that found no key wrote (and fsynced) the whole file again under the
+    # lock, though the first had made the key: 30 starts of a new tenant, up to 30 writes
+    import tether.encryption as encryption
+
+    keys = _keyring(tmp_path, per_tenant=True)
+    writes: list[str] = []
+    real = encryption._write
+
+    def counted(path: str, data: dict[str, Any]) -> None:
+        writes.append(path)
+        real(path, data)
+
+    monkeypatch.setattr(encryption, "_write", counted)
+    go = threading.Barrier(20)
+
+    def meet() -> str:
+        go.wait()
+        return keys.current("acme")
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(20) as pool:
+        got = set(pool.map(lambda _: meet(), range(20)))
+    assert len(got) == 1 and len(writes) == 1, (got, writes)
+    assert FileKeyring(tmp_path / "keys.json").current("acme") in got

@@ -515,6 +515,8 @@ class FileKeyring(Keyring):
                 key_id = _new_id(data, stem)
                 data["keys"][key_id] = _entry(tenant, wrapper)
                 data["tenants"][tenant] = key_id
+            else:  # another thread or process made it meanwhile: nothing to write
+                raise _Unchanged
         return str(key_id)
 
     def tenant_keys(self, tenant: str) -> list[str]:
@@ -584,9 +586,17 @@ class FileKeyring(Keyring):
         with self._lock, _file_lock(self.path + ".lock"):
             self._load()
             data = self._data
-            yield data
+            try:
+                yield data
+            except _Unchanged:
+                return  # (the caller found nothing to change: no write, no fsync)
             _write(self.path, data)
             self._load()
+
+
+class _Unchanged(Exception):
+    """Raised inside ``FileKeyring._changing`` when there turned out to be nothing to
+    change: the file is left as it is."""
 
 
 def _entry(tenant: str | None, wrapper: KeyWrapper | None) -> dict[str, Any]:
