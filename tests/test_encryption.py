@@ -1746,3 +1746,44 @@ def test_threads_meeting_a_new_tenant_at_once_write_the_keyring_once(
         got = set(pool.map(lambda _: meet(), range(20)))
     assert len(got) == 1 and len(writes) == 1, (got, writes)
     assert FileKeyring(tmp_path / "keys.json").current("acme") in got
+
+
+async def test_an_eager_start_refused_for_another_tenants_run_id_never_decides_its_key(
+    store_url: str, tmp_path: Path
+) -> None:
+    # an in-process worker runs a start's first task in the start's own commit: the
+    # run's end noted the starting tenant for the id before PostgreSQL's fast path found
+    # the id taken, so this process sealed the existing run's next payloads under the
+    # refused tenant's key (acme's run unreadable once globex was erased)
+    keys = _keyring(tmp_path, per_tenant=True)
+
+    def register(app: tether.App) -> tuple[Any, Any]:
+        @app.workflow(queue="slow")
+        async def waits(text: str) -> str:
+            await tether.wait_event("note", timeout=60)
+            return "done"
+
+        @app.workflow
+        async def quick(text: str) -> str:
+            return "quick " + text
+
+        return waits, quick
+
+    other = tether.App(store=store_url, encryption=keys)  # as another process would
+    waits, _ = register(other)
+    await other.start(waits, "acme one", run_id="r1", tenant="acme")
+    await other.close()
+    app = tether.App(store=store_url, encryption=keys)
+    _, quick = register(app)
+    async with app.worker(poll_interval=0.05, queues=["default"]):
+        warm = await app.start(quick, "warm", run_id="g0", tenant="globex")
+        assert await warm.result(timeout=30) == "quick warm"
+        with pytest.raises(tether.RunIdConflictError):
+            await app.start(quick, "globex", run_id="r1", tenant="globex")
+        await app.signal("r1", "note", {"secret": "s3cret"})
+    await app.close()
+    keys.shred("globex")
+    reader = tether.App(store=store_url, encryption=keys)
+    events = await reader.history("r1")  # all of it opens with acme's key
+    assert any("s3cret" in json.dumps(e.data) for e in events)
+    await reader.close()

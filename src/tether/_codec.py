@@ -54,6 +54,12 @@ class Codec:
         #: the tenant of each run written lately (per-tenant keys): run id -> tenant
         self.tenants: dict[str, str | None] = {}
 
+    def learned(self, tenants: dict[str, str | None]) -> None:
+        """Note the run tenants a committed transaction read or wrote (``_Tx.learn``)."""
+        if len(self.tenants) + len(tenants) > 100_000:
+            self.tenants.clear()
+        self.tenants.update(tenants)
+
     def remember(self, run_id: str, tenant: str | None) -> None:
         """Note a run's tenant, so sealing its payloads needs no read."""
         if len(self.tenants) > 100_000:

@@ -671,6 +671,7 @@ class PostgresStore(OpsStore):
         ready: set[str] = set()
         finished: Finished = {}
         touched: set[str] = set()
+        learned: dict[str, str | None] = {}
         now = self.clock()
         try:
             session.start_pipeline()
@@ -683,6 +684,8 @@ class PostgresStore(OpsStore):
                 ready |= tx.ready
                 finished |= tx.finished
                 touched |= tx.touched
+                if tx.learned:
+                    learned.update(tx.learned)
                 results.append((fut, value, None))
             notify = self._notify_text(ready, finished, touched, conn)
             if notify:
@@ -697,6 +700,8 @@ class PostgresStore(OpsStore):
             if isinstance(exc, Exception):
                 raise _Fallback(exc) from exc
             raise
+        if learned and self.codec is not None:
+            self.codec.learned(learned)  # (committed: see _Tx.learn)
         return results, ready, finished, touched
 
     def _tx(self, session: _Session, now: float, *, optimistic: bool) -> _Tx:
@@ -769,6 +774,7 @@ class PostgresStore(OpsStore):
         ready: set[str] = set()
         finished: Finished = {}
         touched: set[str] = set()
+        learned: dict[str, str | None] = {}
         # transaction control that needs no result rides along with the next one (one
         # round trip instead of two per operation): "RELEASE op; SAVEPOINT op"
         pending = "BEGIN; " if writes else ""
@@ -800,6 +806,8 @@ class PostgresStore(OpsStore):
                 ready |= tx.ready
                 finished |= tx.finished
                 touched |= tx.touched
+                if tx.learned:
+                    learned.update(tx.learned)
                 results.append((fut, value, None))
                 break
         if writes:
@@ -808,6 +816,8 @@ class PostgresStore(OpsStore):
                 session.send(self._commit_text(pending, ready, finished, touched, conn))
             except _RETRYABLE as exc:
                 raise _Retry(exc) from exc
+        if learned and self.codec is not None:
+            self.codec.learned(learned)  # (committed: see _Tx.learn)
         return results, ready, finished, touched
 
     @staticmethod

@@ -394,6 +394,7 @@ class SqliteStore(OpsStore):
             conn.execute("BEGIN IMMEDIATE")
         now = self.clock()
         limited: dict[str, bool] = {}  # one "has limits?" lookup per queue per batch
+        learned: dict[str, str | None] = {}
         for fn, args, write, fut in live:
             tx = _Tx(
                 conn,
@@ -428,11 +429,15 @@ class SqliteStore(OpsStore):
             ready |= tx.ready
             finished |= tx.finished
             touched |= tx.touched
+            if tx.learned:
+                learned.update(tx.learned)
             results.append((fut, value, None))
         if writes:
             conn.execute("COMMIT")
             if conn.total_changes != before:
                 self._commits += 1  # durable commits only: an empty claim writes nothing
+        if learned and self.codec is not None:
+            self.codec.learned(learned)  # (committed: see _Tx.learn)
         return results, ready, finished, touched
 
     def _submit(self, fn: Op, *args: Any, write: bool = True) -> concurrent.futures.Future[Any]:

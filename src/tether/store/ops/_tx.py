@@ -138,6 +138,17 @@ class _Tx:
     #: claims), never from an insert that may yet fail (a start refused for a run id
     #: another tenant's run holds would have that run's payloads sealed under its key)
     inserting: dict[str, str | None] | None = None
+    #: run tenants this operation read or wrote (``learn``): the store hands them to the
+    #: codec's cache once the transaction has committed, never before (a row of a batch
+    #: rolled back, a start refused on PostgreSQL's fast path, decides no key)
+    learned: dict[str, str | None] | None = None
+
+    def learn(self, run_id: str, tenant: str | None) -> None:
+        """Note ``run_id``'s tenant for the codec's cache, taken in once this commits."""
+        learned = self.learned
+        if learned is None:
+            learned = self.learned = {}
+        learned[run_id] = tenant
 
     def seal(
         self,
@@ -386,12 +397,15 @@ class _Tx:
         inserting = self.inserting
         if inserting is not None and run_id in inserting:
             return inserting[run_id]
+        learned = self.learned
+        if learned is not None and run_id in learned:
+            return learned[run_id]
         known = self.codec.tenants
         if run_id in known:
             return known[run_id]
         row = self.execute("SELECT tenant FROM runs WHERE run_id = ?", (run_id,)).fetchone()
         tenant: str | None = row[0] if row else None
-        self.codec.remember(run_id, tenant)
+        self.learn(run_id, tenant)
         return tenant
 
     def open(self, text: str | None, where: str) -> str | None:
@@ -548,10 +562,11 @@ def _compact(value: Any) -> str:
 _RUN_TASKS = frozenset({"workflow", "activity", "timer", "deadline"})
 
 
-def _task_from_row(row: Sequence[Any], codec: Codec | None = None) -> Task:
+def _task_from_row(row: Sequence[Any], tx: _Tx | None = None) -> Task:
     tenant_known = len(row) > 13  # (``_claimed_cols``)
-    if tenant_known and codec is not None and row[2] in _RUN_TASKS:
-        codec.remember(row[1], row[13])  # (the commit of its outcome seals for it)
+    codec = tx.codec if tx is not None else None
+    if tenant_known and tx is not None and codec is not None and row[2] in _RUN_TASKS:
+        tx.learn(row[1], row[13])  # (the commit of its outcome seals for it)
     return Task(
         task_id=row[0],
         run_id=row[1],

@@ -77,9 +77,7 @@ def _claim_batches(
                 (worker_id, tx.now, lease, ids[0], *ids),
             ).fetchall()
             rank = {tid: i for i, tid in enumerate(ids)}
-            got = sorted(
-                (_task_from_row(r, tx.codec) for r in leased), key=lambda t: rank[t.task_id]
-            )
+            got = sorted((_task_from_row(r, tx) for r in leased), key=lambda t: rank[t.task_id])
             tasks += [dataclasses.replace(t, batch_id=ids[0]) for t in got]
             batches += 1
             _spend_tokens(tx, queue, 1)

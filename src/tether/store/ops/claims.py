@@ -168,7 +168,7 @@ def _claim_plain(
             f"ORDER BY c.priority DESC, c.available_at LIMIT ?) RETURNING {_claimed_cols(tx)}",
             (worker_id, tx.now, lease, list(queues), tx.now, *limited, limit, limit),
         ).fetchall()
-        return [_task_from_row(r, tx.codec) for r in rows]
+        return [_task_from_row(r, tx) for r in rows]
     rows = tx.execute(
         f"{_LEASE_SET}("
         f"SELECT t.task_id FROM tasks t WHERE t.queue IN ({marks}) AND t.available_at <= ? "
@@ -177,7 +177,7 @@ def _claim_plain(
         f"RETURNING {_claimed_cols(tx)}",
         (worker_id, tx.now, lease, *queues, tx.now, *limited, limit),
     ).fetchall()
-    return [_task_from_row(r, tx.codec) for r in rows]
+    return [_task_from_row(r, tx) for r in rows]
 
 
 # operations of other concerns (imported last: see the package docstring)

@@ -263,7 +263,7 @@ def _claim_limited(
             (worker_id, tx.now, lease, *ids, tx.now),
         ).fetchall()
         rank = {tid: i for i, tid in enumerate(ids)}
-        tasks = sorted((_task_from_row(r, tx.codec) for r in rows), key=lambda t: rank[t.task_id])
+        tasks = sorted((_task_from_row(r, tx) for r in rows), key=lambda t: rank[t.task_id])
     if rate is not None:
         left = have - len(tasks)
         if tasks:

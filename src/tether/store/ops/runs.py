@@ -361,7 +361,7 @@ def _finish(
             raise RunNotFoundError(run_id)
     parent_run_id, parent_step, workflow, tenant = known
     if tx.codec is not None:
-        tx.codec.remember(run_id, tenant)
+        tx.learn(run_id, tenant)
     tx.execute(
         "UPDATE runs SET status = ?, output = ?, error = ?, continued_to = ?, completed_at = ?, "
         f"waiting_on = NULL{', task_error = NULL' if ran else ''}, "

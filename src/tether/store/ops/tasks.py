@@ -138,7 +138,7 @@ def _ensure_workflow_task(
         f"RETURNING {_TASK_COLS}",
         (run_id, queue, workflow, tx.now + lease, lease_to, tx.now),
     ).fetchone()
-    return _task_from_row(row, tx.codec) if row else None
+    return _task_from_row(row, tx) if row else None
 
 
 def _check_fence(tx: _Tx, task: Task) -> None:
