@@ -335,6 +335,34 @@ async def test_fork_reuses_first_k_outcomes_and_runs_the_rest(
     assert started.data["forked_from"] == {"run_id": run.run_id, "at_step": 2}
 
 
+async def test_a_fork_keeps_its_tenant_for_the_child_it_starts_again(
+    app: tether.App, worker: tether.Worker
+) -> None:
+    # a child in flight at the fork point is started again for the fork: with no
+    # tenant, so the tenant's erasure, retention and key did not reach it
+    @app.workflow
+    async def kid(x: int) -> int:
+        await tether.wait_event("go", timeout=60)
+        return x
+
+    @app.workflow
+    async def parent() -> int:
+        return await kid(7)
+
+    run = await app.start(parent, tenant="acme")
+
+    async def child_started() -> bool:
+        return any(e.type is EventType.CHILD_STARTED for e in await app.history(run.run_id))
+
+    await eventually(child_started, 15, "the child started")
+    forked = await app.fork(run.run_id, at_step=1, new_run_id="forked-parent")
+    child = f"{forked.run_id}/1"
+    assert (await app.get(child)).tenant == "acme"
+    await app.signal(child, "go")
+    await app.signal(f"{run.run_id}/1", "go")
+    assert await forked.result(timeout=30) == 7
+
+
 async def test_fork_at_zero_reruns_everything(app: tether.App, worker: tether.Worker) -> None:
     ran: collections.Counter[int] = collections.Counter()
 

@@ -254,6 +254,9 @@ def _pending_work(tx: _Tx, run_id: str, kept: list[Event], run_queue: str, fork:
         elif e.type is EventType.CHILD_STARTED:
             child = e.data["child_run_id"]
             if fork:
+                # the fork's tenant (inserted in this operation), as any child takes its
+                # parent's: its erasure, retention and key reach the child too
+                row = tx.execute("SELECT tenant FROM runs WHERE run_id = ?", (run_id,)).fetchone()
                 _insert_run(
                     tx,
                     f"{run_id}/{e.step}",
@@ -262,6 +265,7 @@ def _pending_work(tx: _Tx, run_id: str, kept: list[Event], run_queue: str, fork:
                     json.dumps(e.data.get("input")),
                     run_id,
                     e.step,
+                    tenant=row[0] if row else None,
                 )
                 continue
             # the child's outcome (its chain followed to its last run), or None while it
