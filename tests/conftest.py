@@ -63,12 +63,30 @@ def require_pg() -> str:
 
 
 def drop_schema(schema: str) -> None:
-    """Remove a test schema and everything in it."""
+    """Remove a test schema and everything in it: sessions a test left on it (a frozen or
+    killed worker process's) ended first, and a deadlock with another test process's
+    drop tried again (the tests run in several processes)."""
+    import time
+
     import psycopg
     from psycopg import sql
 
     with psycopg.connect(PG_URL, autocommit=True) as conn:
-        conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
+        for attempt in range(5):
+            conn.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE application_name = %s AND pid <> pg_backend_pid()",
+                (f"tether:{schema}",),
+            )
+            try:
+                conn.execute(
+                    sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema))
+                )
+                return
+            except psycopg.errors.DeadlockDetected:
+                if attempt == 4:
+                    raise
+                time.sleep(0.2 * (attempt + 1))
 
 
 def with_schema(url: str, schema: str) -> str:

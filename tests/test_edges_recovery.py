@@ -416,6 +416,48 @@ async def test_a_worker_id_held_by_a_live_worker_is_refused(store_url: str) -> N
         await second.close()
 
 
+async def test_a_worker_ids_watch_and_its_release_never_share_its_connection(
+    pg_schema: str,
+) -> None:
+    # the watch (a thread asking the held session "SELECT 1") ran on while a killed
+    # worker's release closed that connection: psycopg's C code crashed the process
+    # (a segfault seen once in the suite)
+    import threading
+    import time
+
+    from conftest import PG_URL, with_schema
+
+    app = tether.App(store=with_schema(PG_URL, pg_schema))
+    store: Any = app.store
+    release = await asyncio.to_thread(store.hold_worker_id, "ingest-9")
+    hold = store._id_holds["ingest-9"]
+    real = hold[0]
+    seen: list[str] = []
+
+    class Slow:
+        """The held connection, each statement taking a while."""
+
+        def execute(self, *args: Any) -> Any:
+            seen.append("execute")
+            time.sleep(0.3)
+            seen.append("executed")
+            return real.execute(*args)
+
+        def close(self) -> None:
+            seen.append("close")
+            real.close()
+
+    hold[0] = Slow()
+    watch = threading.Thread(target=store.check_worker_id, args=("ingest-9",))
+    watch.start()
+    await asyncio.sleep(0.1)  # the watch is inside its statement
+    await asyncio.to_thread(release)
+    watch.join(5)
+    assert seen == ["execute", "executed", "close"], seen
+    assert store.check_worker_id("ingest-9") is True  # released: nothing to watch
+    await app.close()
+
+
 def _child_app(app: tether.App) -> tuple[dict[str, bool], list[str]]:
     """``parent(doc)`` awaits ``child(doc)``, whose one step fails until it is fixed."""
     fixed = {"on": False}

@@ -924,7 +924,10 @@ class PostgresStore(OpsStore):
                 conn.close()
                 raise self._explain(exc) from exc
             if row and row[0]:
-                hold = self._id_holds[worker_id] = [conn, lock]
+                # [connection, lock key, guard]: the guard keeps the id's watch and its
+                # release off the connection at the same moment (psycopg's C code may
+                # crash the process on a connection closed while another thread uses it)
+                hold = self._id_holds[worker_id] = [conn, lock, threading.RLock()]
                 return functools.partial(self._release_id, worker_id, hold)
             if time.monotonic() >= deadline:
                 conn.close()
@@ -933,7 +936,7 @@ class PostgresStore(OpsStore):
 
     def _release_id(self, worker_id: str, hold: list[Any]) -> None:
         """End the hold on ``worker_id`` (its lock ends with its session)."""
-        with self._id_lock:
+        with hold[2], self._id_lock:
             if self._id_holds.get(worker_id) is hold:
                 del self._id_holds[worker_id]
             hold[0].close()
@@ -947,31 +950,34 @@ class PostgresStore(OpsStore):
         hold = self._id_holds.get(worker_id)
         if hold is None:
             return True
-        try:
-            hold[0].execute("SELECT 1").fetchone()
-            return True
-        except psycopg.Error:
-            pass
-        with contextlib.suppress(Exception):
-            hold[0].close()
-        try:
-            conn = self._connect()
-        except Exception:
-            return True
-        try:
-            row = conn.execute("SELECT pg_try_advisory_lock(%s)", (hold[1],)).fetchone()
-        except psycopg.Error:
+        with hold[2]:  # (never beside _release_id on the same connection)
+            if self._id_holds.get(worker_id) is not hold:
+                return True  # released meanwhile (the worker stopped or was killed)
+            try:
+                hold[0].execute("SELECT 1").fetchone()
+                return True
+            except psycopg.Error:
+                pass
+            with contextlib.suppress(Exception):
+                hold[0].close()
+            try:
+                conn = self._connect()
+            except Exception:
+                return True
+            try:
+                row = conn.execute("SELECT pg_try_advisory_lock(%s)", (hold[1],)).fetchone()
+            except psycopg.Error:
+                conn.close()
+                return True
+            if row and row[0]:
+                with self._id_lock:
+                    if self._id_holds.get(worker_id) is hold:
+                        hold[0] = conn
+                        return True
+                conn.close()  # released meanwhile: not to be held again
+                return True
             conn.close()
-            return True
-        if row and row[0]:
-            with self._id_lock:
-                if self._id_holds.get(worker_id) is hold:
-                    hold[0] = conn
-                    return True
-            conn.close()  # released meanwhile (the worker stopped): not to be held again
-            return True
-        conn.close()
-        return False
+            return False
 
     def call_sync(self, fn: Op, *args: Any, write: bool = True) -> Any:
         """Run an operation from a thread that has no event loop (sync activities)."""
