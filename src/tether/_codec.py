@@ -60,12 +60,6 @@ class Codec:
             self.tenants.clear()
         self.tenants.update(tenants)
 
-    def remember(self, run_id: str, tenant: str | None) -> None:
-        """Note a run's tenant, so sealing its payloads needs no read."""
-        if len(self.tenants) > 100_000:
-            self.tenants.clear()
-        self.tenants[run_id] = tenant
-
     def encode(self, text: str, tenant: str | None = None, *, offload: bool = False) -> str:
         """``text`` as the store keeps it; ``offload``: in the blob store whatever its
         size (a payload offloaded once stays so when sealed again: ``reseal``)."""

@@ -833,8 +833,9 @@ class Worker:
         TENANT_BLIP_MAX_HOLD: a store that keeps failing is not asked in a loop), and
         the run says why (an engine note) until its step moves on."""
         first = tasks[0]
+        longest = max(TENANT_BLIP_MAX_HOLD, STORE_BLIP_DELAY)
         delay, tries = self._unreadable_hold(("tenant", first.task_id), exc, STORE_BLIP_DELAY)
-        delay = min(delay, max(TENANT_BLIP_MAX_HOLD, STORE_BLIP_DELAY))
+        delay = min(delay, longest)
         log.warning(
             "could not read the tenant of run %r before its step %s (try %d), so the step "
             "is given back to run in %g s: %s",
@@ -849,8 +850,7 @@ class Worker:
         note = engine_note(
             f"StoreError: the run's tenant could not be read before the attempt of {what}: "
             "it waits (no attempt spent) and is tried again, each wait longer, up to "
-            f"{max(TENANT_BLIP_MAX_HOLD, STORE_BLIP_DELAY):g} s"
-            + (f" ({exc})" if is_engine_made(exc) else "")
+            f"{longest:g} s" + (f" ({exc})" if is_engine_made(exc) else "")
         )
         try:
             await self.app.store.release(list(tasks), delay=delay, unstarted=True, note=note)
