@@ -132,3 +132,52 @@ async def test_listeners_get_how_a_run_ended_and_a_retry_clears_it(app: tether.A
 
 async def _ended(seen: list[dict[str, RunEnd | None]], run_id: str, status: RunStatus) -> bool:
     return any((e := f.get(run_id)) is not None and e.status is status for f in seen)
+
+
+async def test_result_polls_a_run_running_elsewhere_by_its_status_alone(
+    store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the run runs in another App's worker (another process, as far as the store
+    # knows): this App's result() reads the run once, then polls its status (no
+    # payload read, nothing opened or decoded) and reads it whole only at its end
+    app = tether.App(store=store_url)
+    other = tether.App(store=store_url)
+    go = asyncio.Event()
+
+    @other.activity
+    async def slow(x: int) -> int:
+        await go.wait()
+        return x + 1
+
+    @other.workflow(name="elsewhere")
+    async def elsewhere(x: int) -> int:
+        return await slow(x)
+
+    try:
+        async with other.worker(lease=5.0, poll_interval=0.05):
+            await other.start(elsewhere, 41, run_id="far")
+            reads = _count_reads(app, monkeypatch)
+            polls: list[str] = []
+            status_of = app.store.run_status
+
+            async def counted_status(run_id: str) -> Any:
+                polls.append(run_id)
+                return await status_of(run_id)
+
+            monkeypatch.setattr(app.store, "run_status", counted_status)
+            waiting = asyncio.ensure_future(app.get_run("far").result(timeout=20))
+            await eventually(_at_least(polls, 2), timeout=10)
+            assert reads == ["far"]  # the first read; every poll since: the status
+            go.set()
+            assert await waiting == 42
+            assert reads == ["far", "far"]  # and the run whole at its end
+    finally:
+        await app.close()
+        await other.close()
+
+
+def _at_least(seen: list[str], n: int) -> Any:
+    async def check() -> bool:
+        return len(seen) >= n
+
+    return check

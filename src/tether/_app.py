@@ -2584,6 +2584,10 @@ class App:
         try:
             # in-process commits wake us at once; polling covers other processes
             poll = 0.25
+            #: read once: later reads poll its status alone (nothing to open, nothing
+            #: to decode: thousands of results waited on poll often)
+            polled = False
+            status: RunStatus | None = None  #: as last read
             failed: StoreError | None = None  #: the last read's store failure
             failing_since = 0.0
             said = -math.inf  #: when a failing store was last logged
@@ -2596,8 +2600,14 @@ class App:
                 found = None
                 if read:
                     try:
-                        found = await self.store.get_run(run_id)
-                        purged = None if found else await self.store.purged_run(run_id)
+                        if polled:  # a run seen live: its status first, its payloads at its end
+                            status = await self.store.run_status(run_id)
+                            if status is not None and status.is_terminal:
+                                found = await self.store.get_run(run_id)
+                        else:
+                            found = await self.store.get_run(run_id)
+                            status = found.status if found is not None else None
+                        purged = None if status else await self.store.purged_run(run_id)
                     except StoreError as exc:
                         # it only reads: a store outage (a restart, a dropped connection)
                         # is waited out like the run itself, within the timeout
@@ -2617,7 +2627,8 @@ class App:
                             )
                     else:
                         failed = None
-                        if found is None:
+                        polled = True
+                        if status is None:
                             if purged is not None:  # purged while waited on, or before
                                 raise RunPurgedError(run_id, *purged)
                             if not may_not_exist:
@@ -2637,7 +2648,7 @@ class App:
                                 f"({failed}); it goes on running: call result() again to "
                                 "keep waiting"
                             )
-                        state = "not started" if found is None else found.status.value
+                        state = "not started" if status is None else status.value
                         raise ResultTimeoutError(
                             f"run {run_id!r} is still {state} after the timeout; "
                             "it goes on running: call result() again to keep waiting"

@@ -609,6 +609,12 @@ class Store(abc.ABC):
         """One run, or None. A payload it cannot read raises; ``lenient``: that field is
         null and named in ``RunInfo.unavailable``."""
 
+    async def run_status(self, run_id: str) -> RunStatus | None:
+        """A run's status (None: no such run), without reading its payloads: what a
+        ``result()`` waiting on another process's run polls (cheap, and nothing to open)."""
+        info = await self.get_run(run_id, lenient=True)
+        return info.status if info is not None else None
+
     async def run_tenant(self, run_id: str) -> str | None:
         """A run's tenant (None: none, or no such run), without reading its payloads."""
         info = await self.get_run(run_id, lenient=True)

@@ -30,14 +30,14 @@ except ImportError:  # pragma: no cover - not POSIX: worker ids are not held
     fcntl = None  # type: ignore[assignment]
 
 from .._errors import ConfigurationError, StoreError
-from .._history import RunInfo, Task
+from .._history import RunInfo, RunStatus, Task
 from ._counters import COUNT_TABLES
 from ._counters import SQLITE as COUNTERS
 from ._handoff import LoopFuture, deliver
 from .base import Finished, HistoryListener, Listener, StreamListener, worker_id_in_use
 from .ops import OpsStore
 from .ops._tx import CHAINS, ENCRYPTED_BEFORE, OFFLOADED_BEFORE, Op, SealState, _Tx
-from .ops.runs import _get_run
+from .ops.runs import _get_run, _run_status
 from .ops.tasks import _heartbeat
 
 log = logging.getLogger("tether.store")
@@ -486,6 +486,17 @@ class SqliteStore(OpsStore):
             return await super().get_run(run_id, follow=follow, lenient=lenient)
         try:
             return _get_run(_Tx(conn, self.clock(), codec=self.codec), run_id, follow, lenient)
+        except sqlite3.DatabaseError as exc:
+            raise StoreError(_explain(self.path, exc)) from exc
+
+    async def run_status(self, run_id: str) -> RunStatus | None:
+        """A run's status; while the writer is idle, read on the calling thread (as
+        ``get_run``)."""
+        conn = self._reader() if self._idle else None
+        if conn is None:
+            return await super().run_status(run_id)
+        try:
+            return _run_status(_Tx(conn, self.clock(), codec=self.codec), run_id)
         except sqlite3.DatabaseError as exc:
             raise StoreError(_explain(self.path, exc)) from exc
 

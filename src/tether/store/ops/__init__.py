@@ -236,6 +236,10 @@ class OpsStore(Store):
         out: RunInfo | None = await self._do(_get_run, run_id, follow, lenient, write=False)
         return out
 
+    async def run_status(self, run_id: str) -> RunStatus | None:
+        out: RunStatus | None = await self._do(_run_status, run_id, write=False)
+        return out
+
     async def run_tenant(self, run_id: str) -> str | None:
         out: str | None = await self._do(_run_tenant, run_id, write=False)
         return out
@@ -714,7 +718,7 @@ from .retention import (  # noqa: E402
     _tenant_retentions,
     _workflow_names,
 )
-from .runs import _create_run, _get_run, _list_runs, _run_tenant  # noqa: E402
+from .runs import _create_run, _get_run, _list_runs, _run_status, _run_tenant  # noqa: E402
 from .schedules import (  # noqa: E402
     _delete_schedule,
     _get_schedule,

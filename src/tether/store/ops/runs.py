@@ -559,6 +559,12 @@ from .webhooks import _queue_webhook  # noqa: E402
 from .workflow_tasks import _apply_workflow_result  # noqa: E402
 
 
+def _run_status(tx: _Tx, run_id: str) -> RunStatus | None:
+    """A run's status (None: no such run); no payload is read or opened."""
+    row = tx.execute("SELECT status FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+    return RunStatus(row[0]) if row else None
+
+
 def _run_tenant(tx: _Tx, run_id: str) -> str | None:
     """A run's tenant (None: none, or no such run), remembered by the codec."""
     if tx.codec is None:
