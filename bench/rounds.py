@@ -13,6 +13,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,14 +40,19 @@ def raw_limit(seconds: float = 2.0) -> float:
 
 
 def interleave(
-    script: str, modes: tuple[str, ...], repeat: int, quick: bool
+    script: str,
+    modes: tuple[str, ...],
+    repeat: int,
+    quick: bool,
+    order: Callable[[int], tuple[str, ...]] | None = None,
 ) -> dict[str, list[dict[str, Any]]] | None:
     """Run ``script --child MODE`` for every mode, ``repeat`` rounds, the order rotated
-    each round; each child prints one JSON line with ``steps_per_s`` and
-    ``cpu_us_per_step``. None if a child failed (its stderr printed)."""
+    each round (or ``order(round)``); each child prints one JSON line with
+    ``steps_per_s`` and ``cpu_us_per_step``. None if a child failed (its stderr printed)."""
     got: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     for r in range(repeat):
-        for mode in modes[r % len(modes) :] + modes[: r % len(modes)]:
+        turn = order(r) if order else modes[r % len(modes) :] + modes[: r % len(modes)]
+        for mode in turn:
             cmd = [sys.executable, script, "--child", mode] + (["--quick"] if quick else [])
             res = subprocess.run(cmd, capture_output=True, text=True, check=False)
             if res.returncode != 0:
@@ -75,3 +81,9 @@ def medians(got: dict[str, list[dict[str, Any]]], base_mode: str, limit: float) 
             f"{mode:10} {sps:9,.0f} {sps / base:9.2f} {sps / limit:8.2f} {cpu:12.0f} "
             f"{cpu / base_cpu:9.2f}"
         )
+
+
+def paired(got: dict[str, list[dict[str, Any]]], mode: str, base: str) -> list[float]:
+    """Per round, ``mode``'s steps/s over ``base``'s of the same round (run next to
+    each other: the machine's drift between rounds cancels out of each ratio)."""
+    return [a["steps_per_s"] / b["steps_per_s"] for a, b in zip(got[mode], got[base], strict=True)]

@@ -1693,6 +1693,38 @@ async def test_a_new_tenants_key_is_made_before_its_run_is_stored_not_in_the_wri
     await app.close()
 
 
+async def test_a_burst_of_a_new_tenants_starts_looks_for_its_key_once(
+    store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # twenty starts at once of a tenant not seen yet: each took a thread of its own
+    # for the same key (the first had not come back when the others asked)
+    import threading
+
+    keys = _keyring(tmp_path, per_tenant=True)
+    app = tether.App(store=store_url, encryption=keys)
+    _register(app)
+    looks: list[str] = []
+    real = FileKeyring.current
+    loop_thread = threading.current_thread()
+
+    def watched(self: FileKeyring, tenant: str | None) -> str:
+        if threading.current_thread() is not loop_thread and tenant == "acme":
+            looks.append(threading.current_thread().name)
+        return real(self, tenant)
+
+    monkeypatch.setattr(FileKeyring, "current", watched)
+    runs = await asyncio.gather(
+        *(app.start("flow", f"acme {i}", run_id=f"b{i}", tenant="acme") for i in range(20))
+    )
+    assert len(runs) == 20
+    store_looks = [n for n in looks if n.startswith(("tether-sqlite", "tether-pg"))]
+    assert len(looks) - len(store_looks) == 1, looks  # one thread's look for all twenty
+    assert not app._keying  # nothing left behind
+    got = await app.get("b7")
+    assert got.input == '{"args":["acme 7"],"kwargs":{}}'
+    await app.close()
+
+
 async def test_a_start_refused_for_another_tenants_run_id_never_decides_its_key(
     store_url: str, tmp_path: Path
 ) -> None:

@@ -271,6 +271,8 @@ class App:
         self._limits_dirty = False
         #: tenants whose key this process has seen made (``_tenant_key_ready``)
         self._keyed_tenants: set[str] = set()
+        #: tenant -> the look for its key in flight (``_tenant_key_ready``)
+        self._keying: dict[str, asyncio.Task[str]] = {}
 
     # -- store -------------------------------------------------------------
 
@@ -321,10 +323,25 @@ class App:
         sealer = codec.sealer
         if sealer is None:
             return
-        await asyncio.to_thread(sealer.keyring.current, tenant)
+        # starts of one tenant at once share one look (a burst of a new tenant's starts
+        # would each take a thread for the same key)
+        loop = asyncio.get_running_loop()
+        pending = self._keying.get(tenant)
+        if pending is None or pending.get_loop() is not loop:
+            pending = self._keying[tenant] = loop.create_task(
+                asyncio.to_thread(sealer.keyring.current, tenant)
+            )
+            pending.add_done_callback(lambda done: self._forget_keying(tenant, done))
+        await asyncio.shield(pending)
         if len(self._keyed_tenants) > 100_000:
             self._keyed_tenants.clear()
         self._keyed_tenants.add(tenant)
+
+    def _forget_keying(self, tenant: str, done: asyncio.Task[str]) -> None:
+        if self._keying.get(tenant) is done:
+            del self._keying[tenant]
+        if not done.cancelled():
+            done.exception()  # seen (each start awaiting it raises it)
 
     async def _write_queue_limits(self, *, force: bool = False) -> None:
         """Write configured queue limits to the store (all of them when ``force``)."""
