@@ -20,7 +20,13 @@ The server runs in a child process (in this one it would compete for the GIL).
 The per-call time of the bare loop is each call's duration; of a recorded run, the
 gap between consecutive ``ActivityCompleted`` events of its history (the step
 before ends, the next is scheduled, run and recorded). The overhead is the p50
-minus the p50 of the bare loop doing the same work. It also prints stored bytes per call
+minus the p50 of the bare loop doing the same work. ``own p50`` is the p50 of each
+step's gap minus that step's model call as the worker made it (timed around
+``model_request``): tether's own time a step, whatever the call cost; ``call p50`` is that
+call's p50. A bare loop calls the server back to back, while a recorded run leaves it idle
+for tether's part of each step, so a call in the worker can take longer than a bare one
+(the local server's process wakes from idle): ``+p50`` holds that, ``own p50`` does not.
+It also prints stored bytes per call
 (history rows of the run), commits per call, and the raw commit rate of the same
 disk (LIMIT, as in ``bench/run.py``) to put the overhead in commits.
 """
@@ -115,18 +121,21 @@ async def recorded(workdir: Path, base_url: str, calls: int, mode: str) -> dict[
         return done
 
     try:
-        async with app.worker(poll_interval=0.05):
-            c0 = app.store.stats()["commits"]
-            run = await app.start(many, calls + 1, run_id="bench")
-            check(await run.result(timeout=600) == calls + 1, "wrong result")
-            commits = app.store.stats()["commits"] - c0
-            done = [
-                e.created_at
-                for e in await app.history("bench")
-                if e.type is tether.EventType.ACTIVITY_COMPLETED
-            ]
+        with _call_timer() as call_ms:
+            async with app.worker(poll_interval=0.05):
+                c0 = app.store.stats()["commits"]
+                run = await app.start(many, calls + 1, run_id="bench")
+                check(await run.result(timeout=600) == calls + 1, "wrong result")
+                commits = app.store.stats()["commits"] - c0
+                done = [
+                    e.created_at
+                    for e in await app.history("bench")
+                    if e.type is tether.EventType.ACTIVITY_COMPLETED
+                ]
     finally:
         await app.close()
+    check(len(call_ms) == len(done), f"{len(call_ms)} model calls for {len(done)} steps")
+    gaps = [(b - a) * 1000 for a, b in itertools.pairwise(done)]
     conn = sqlite3.connect(db)
     try:
         (stored,) = conn.execute(
@@ -135,7 +144,11 @@ async def recorded(workdir: Path, base_url: str, calls: int, mode: str) -> dict[
     finally:
         conn.close()
     return {
-        "gaps": [(b - a) * 1000 for a, b in itertools.pairwise(done)],
+        "gaps": gaps,
+        # the gap before a step's end holds that step's model call: what is left is
+        # tether's own time for the step (scheduling, recording, the workflow's turn)
+        "own": [gap - call for gap, call in zip(gaps, call_ms[1:], strict=True)],
+        "calls": call_ms[1:],
         "bytes_per_call": stored / (calls + 1),
         "commits_per_call": commits / (calls + 1),
     }
@@ -193,6 +206,29 @@ async def conversation(workdir: Path, base_url: str, calls: int, refs: bool) -> 
         "ms_first10": statistics.median(gaps[:10]),
         "ms_last10": statistics.median(gaps[-10:]),
     }
+
+
+@contextlib.contextmanager
+def _call_timer() -> Iterator[list[float]]:
+    """The duration (ms) of each model call the gateway makes, as the worker makes it
+    (``pydantic_ai.direct.model_request``, which the gateway looks up at each call)."""
+    import pydantic_ai.direct as direct
+
+    times: list[float] = []
+    orig = direct.model_request
+
+    async def timed(*a: Any, **k: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return await orig(*a, **k)
+        finally:
+            times.append((time.perf_counter() - t0) * 1000)
+
+    direct.model_request = timed  # type: ignore[assignment]
+    try:
+        yield times
+    finally:
+        direct.model_request = orig  # type: ignore[assignment]
 
 
 @contextlib.contextmanager
@@ -361,7 +397,7 @@ def main() -> None:
     print("(complete: a text call; structured: the output tool, validated); the median:")
     print(
         f"{'per call':<15} {'p50 ms':>7} {'p99 ms':>7} {'+p50 ms':>8} {'rounds':>15} "
-        f"{'+/commit':>8} {'commits':>8} {'bytes':>7}"
+        f"{'+/commit':>8} {'commits':>8} {'bytes':>7} {'own p50':>8} {'call p50':>9}"
     )
     summary: dict[str, Any] = {"limit": limit, "calls": args.calls, "seconds": elapsed}
     chats = res.pop("conversation")
@@ -374,16 +410,22 @@ def main() -> None:
         extra = statistics.median(extras)
         last = r["rounds"][-1]
         spread = f"{min(extras):+.2f}..{max(extras):+.2f}"
+        own = [_percentile(g["own"], 50) for g in r["rounds"] if "own" in g]
+        call = [_percentile(g["calls"], 50) for g in r["rounds"] if "calls" in g]
+        shown = f" {statistics.median(own):8.2f} {statistics.median(call):9.2f}" if own else ""
         print(
             f"{mode:<15} {statistics.median(p50s):7.2f} {p99:7.2f} {extra:8.2f} {spread:>15} "
             f"{extra / per_commit:8.2f} {last.get('commits_per_call', 0):8.2f} "
-            f"{last.get('bytes_per_call', 0):7.0f}"
+            f"{last.get('bytes_per_call', 0):7.0f}{shown}"
         )
         summary[mode] = {
             "p50_ms": statistics.median(p50s),
             "p99_ms": p99,
             "overhead_p50_ms": extra,
             "overhead_p50_ms_rounds": extras,
+            "own_p50_ms": statistics.median(own) if own else None,
+            "own_p50_ms_rounds": own,
+            "call_in_worker_p50_ms": statistics.median(call) if call else None,
             "commits_per_call": last.get("commits_per_call"),
             "bytes_per_call": last.get("bytes_per_call"),
         }
