@@ -135,6 +135,42 @@ async def test_a_tenant_switched_off_holds_its_live_runs_too(app: tether.App) ->
         assert await acme.result(timeout=20) == 1
 
 
+async def test_a_held_tenants_task_is_checked_without_reading_its_run(
+    app: tether.App, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # while a tenant is switched off, every task claimed is checked against it: the
+    # check read (and opened) the whole run each time, its input and output included
+    @app.activity
+    async def step(n: int) -> int:
+        return n
+
+    @app.workflow
+    async def two(n: int) -> int:
+        await tether.wait_event("go")
+        return await step(n)
+
+    async with app.worker(poll_interval=0.05) as w:
+        acme = await app.start(two, 1, tenant="acme")
+        await eventually(
+            lambda: _waiting(app, acme.run_id), 10, "the acme run waiting for its signal"
+        )
+        await app.disable("tenant", "acme")
+        reads: list[str] = []
+        real = app.store.get_run
+
+        async def counted(run_id: str, **kw: Any) -> Any:
+            reads.append(run_id)
+            return await real(run_id, **kw)
+
+        monkeypatch.setattr(app.store, "get_run", counted)
+        await app.signal(acme.run_id, "go")
+        await eventually(held(w, 2), 15, "the acme run held twice")
+        assert reads == []
+        monkeypatch.undo()
+        await app.enable("tenant", "acme")
+        assert await acme.result(timeout=20) == 1
+
+
 async def _steps_done(app: tether.App, run_id: str) -> Counter[int | None]:
     """How many times each step of the run completed."""
     return Counter(

@@ -858,12 +858,14 @@ class Worker:
             pass
 
     async def _tenant_gate(self, task: Task, coro: Coroutine[Any, Any, None]) -> None:
-        """Run ``coro`` unless the run's tenant is switched off (then hold the task)."""
-        info = await self.app.store.get_run(task.run_id, lenient=True)
-        if info is not None and info.tenant in self._switches.off.get("tenant", ()):
+        """Run ``coro`` unless the run's tenant is switched off (then hold the task).
+        The tenant comes with the task (per-tenant keys) or is read alone: the run's
+        payloads are neither read nor opened for it, on every claim of a held task."""
+        tenant = task.tenant if task.tenant_known else await self.app.store.run_tenant(task.run_id)
+        if tenant is not None and tenant in self._switches.off.get("tenant", ()):
             coro.close()
             self.stats["held_by_switch"] += 1
-            note = engine_note(held_note(task, f"tenant {info.tenant!r}"))
+            note = engine_note(held_note(task, f"tenant {tenant!r}"))
             await self.app.store.release([task], delay=SWITCH_HOLD, unstarted=True, note=note)
             return
         await coro
