@@ -109,7 +109,9 @@ async def test_a_model_switched_off_holds_its_calls_not_other_models(app: tether
         assert await waiting.result(timeout=20) == "big answer"
 
 
-async def test_a_tenant_switched_off_holds_its_live_runs_too(app: tether.App) -> None:
+def _signal_then_step(app: tether.App) -> tether.Workflow[[int], int]:
+    """A workflow that waits for the signal ``go``, then runs one step returning ``n``."""
+
     @app.activity
     async def step(n: int) -> int:
         return n
@@ -119,6 +121,11 @@ async def test_a_tenant_switched_off_holds_its_live_runs_too(app: tether.App) ->
         await tether.wait_event("go")
         return await step(n)
 
+    return two
+
+
+async def test_a_tenant_switched_off_holds_its_live_runs_too(app: tether.App) -> None:
+    two = _signal_then_step(app)
     async with app.worker(poll_interval=0.05) as w:
         acme = await app.start(two, 1, tenant="acme")
         other = await app.start(two, 2, tenant="globex")
@@ -140,15 +147,7 @@ async def test_a_held_tenants_task_is_checked_without_reading_its_run(
 ) -> None:
     # while a tenant is switched off, every task claimed is checked against it: the
     # check read (and opened) the whole run each time, its input and output included
-    @app.activity
-    async def step(n: int) -> int:
-        return n
-
-    @app.workflow
-    async def two(n: int) -> int:
-        await tether.wait_event("go")
-        return await step(n)
-
+    two = _signal_then_step(app)
     async with app.worker(poll_interval=0.05) as w:
         acme = await app.start(two, 1, tenant="acme")
         await eventually(
