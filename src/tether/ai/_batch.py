@@ -10,7 +10,10 @@ metadata: the step's idempotency key and a random value recorded in the run (so 
 stores sharing a provider account never take each other's batch), reading the
 provider's list page by page back to the step's time. The whole batch's estimate is
 checked against the run's budget and the daily ones before each submit, as a single
-call's is, and what it used is recorded as the run's model usage (``app.usage``),
+call's is, and held in the day's spend of the daily ones (checked and added in one
+store transaction) until its results are fetched, when what it used replaces it (a
+batch that failed, expired or was cancelled at the provider used nothing: its estimate
+is given back). What it used is recorded as the run's model usage (``app.usage``),
 counted against the run's budget and the daily ones, and added to the tenant's daily
 ledger and the ``tether_ai_*`` counters. Works with OpenAI's batch API and servers
 that copy it, through the model's own OpenAI SDK client (SDK retries off: tether
@@ -41,6 +44,7 @@ from ._gateway import (
     Gateway,
     ModelRef,
     _check_budget,
+    _day,
     _release,
     _Tally,
     count_usage,
@@ -143,8 +147,37 @@ class BatchJobs:
         # in doubt: did this step create its batch before a crash lost the answer?
         found = await _find_again(client, key, ctx.run_id, len(items), options.get("since"))
         if found is not None:
-            return {"batch_id": found, "found_again": True}
-        await self._check_daily(ref, items, options)
+            # the batch exists (it will be paid for): its estimate is held again, unchecked
+            # (an attempt that failed after holding it gave it back; a worker killed then
+            # left it counted: over, never under)
+            held = await self._hold_daily(ref, items, options, check=False)
+            return {"batch_id": found, "found_again": True, **held}
+        held = await self._hold_daily(ref, items, options, check=True)
+        try:
+            batch_id = await self._create(client, ref, key, ctx.run_id, items, options)
+        except BaseException:
+            # not submitted (or not known to be: a retry that finds it holds it again)
+            got = held.get("daily_held")
+            if got is not None:
+                reserved = {
+                    "day": got["day"],
+                    "tokens": got["tokens"],
+                    "cost": Decimal(got["cost"]),
+                }
+                await self.gateway.give_back_daily(tuple(got["scopes"]), reserved)
+            raise
+        return {"batch_id": batch_id, "found_again": False, **held}
+
+    async def _create(
+        self,
+        client: Any,
+        ref: ModelRef,
+        key: str,
+        run_id: str,
+        items: dict[str, str],
+        options: dict[str, Any],
+    ) -> str:
+        """Upload ``items`` and create their batch; its id."""
         lines = []
         for cid, prompt in items.items():
             body: dict[str, Any] = {
@@ -163,20 +196,45 @@ class BatchJobs:
             input_file_id=upload.id,
             endpoint=_ENDPOINT,
             completion_window=options.get("window", "24h"),
-            metadata={"tether_key": key, "tether_run": ctx.run_id, "tether_items": str(len(items))},
+            metadata={"tether_key": key, "tether_run": run_id, "tether_items": str(len(items))},
         )
-        return {"batch_id": batch.id, "found_again": False}
+        return str(batch.id)
 
-    async def _check_daily(
-        self, ref: ModelRef, items: dict[str, str], options: dict[str, Any]
-    ) -> None:
-        """Refuse a batch whose whole estimate would pass a daily budget of its run's
-        tenant (or the global one), as a single call's is. A run without a tenant sends
-        no estimate: the batch is estimated here (the global budget checks it too)."""
-        estimate = options.get("estimate") or functools.partial(
-            _estimate, ref, items, options.get("max_tokens")
-        )
-        await self.gateway.refuse_past_daily(options.get("tenant"), estimate)
+    async def _hold_daily(
+        self, ref: ModelRef, items: dict[str, str], options: dict[str, Any], *, check: bool
+    ) -> dict[str, Any]:
+        """Hold the batch's whole estimate in today's spend of the daily budgets of its
+        run's tenant (and the global one), as a single call's is: with ``check``, checked
+        and added in one store transaction (``DailyBudgetExceeded`` when it would pass
+        one). Returns what it held, recorded with the submit (``daily_held``) so the fetch
+        replaces it with what the batch used. A run without a tenant sends no estimate:
+        the batch is estimated here (the global budget checks it too)."""
+        tenant = options.get("tenant")
+        scopes, _rows = await self.gateway.daily_scopes(tenant)
+        if not scopes:
+            return {}
+        estimate = options.get("estimate") or _estimate(ref, items, options.get("max_tokens"))
+        if check:
+            scopes, reserved = await self.gateway.reserve_daily(tenant, estimate)
+            if not scopes:
+                return {}
+        else:
+            cost = estimate.get("cost")
+            reserved = {
+                "day": _day(self.gateway.app.store.clock()),
+                "tokens": int(estimate.get("tokens") or 0),
+                "cost": Decimal(cost or 0),
+            }
+            await self.gateway.add_daily_spend(
+                scopes, reserved["tokens"], reserved["cost"], reserved
+            )
+        held = {
+            "scopes": list(scopes),
+            "day": reserved["day"],
+            "tokens": reserved["tokens"],
+            "cost": str(reserved["cost"]),
+        }
+        return {"daily_held": held}
 
     async def _poll(self, model: str, batch_id: str) -> dict[str, Any]:
         _ref, client = self._client(model)
@@ -310,6 +368,7 @@ async def batch(
         tally.reserved_tokens += hold["tokens"]
         tally.reserved_cost += hold["cost"]
         try:
+            submit_step = inst.step + 1
             try:
                 sub = await jobs.submit(model.name, todo, options)
             except ActivityError as exc:
@@ -335,7 +394,10 @@ async def batch(
             got = await jobs.fetch(model.name, bid, files, sorted(todo), {"tenant": tenant})
         finally:
             _release(tally, hold)
-        _account(inst, step, model, got[CALL_KEY], tally, got.get("daily_scopes"))
+        # what the batch used replaces the estimate its submit held in the day (by the run
+        # that held it: a submit kept from before a retry or fork leaves it counted)
+        held = None if inst.reused(submit_step) else sub.get("daily_held")
+        _account(inst, step, model, got[CALL_KEY], tally, got.get("daily_scopes"), held)
         results.update(got["results"])
         unknown.extend(u for u in got["unknown"] if u not in unknown)
         failed = {
@@ -381,13 +443,14 @@ def _account(
     call: dict[str, Any],
     tally: _Tally,
     daily: list[str] | None = None,
+    held: dict[str, Any] | None = None,
 ) -> None:
     """A fetched batch's tokens and cost: in the run's budget tally (on replay too, as a
     call's are), and in the tenant's daily ledger, the daily budgets' spend of ``daily``
     (its scopes; None: a fetch recorded before, which added them itself) and the
     ``tether_ai_*`` counters, as a single call's are (once, when the run first meets
     the fetch's result: never on replay, nor for a result kept from before a retry or
-    fork)."""
+    fork), the estimate the submit ``held`` in the day given back in the same commit."""
     inputs, outputs = int(call.get("input_tokens") or 0), int(call.get("output_tokens") or 0)
     tally.tokens += inputs + outputs
     tally.cost += _budget_cost(call)
@@ -399,6 +462,10 @@ def _account(
     cost = Decimal(call["cost"]) if call.get("cost") is not None else None
     inst.count("tether_ai_calls", (*labels, "batch"), int(call.get("items") or 0))
     count_usage(inst, labels, inputs, outputs, cost)
+    if held:
+        inst.tally_spend(
+            tuple(held["scopes"]), -int(held["tokens"]), -Decimal(held["cost"]), held["day"]
+        )
     if daily:
         inst.tally_spend(tuple(daily), inputs + outputs, _budget_cost(call))
 

@@ -682,14 +682,7 @@ class Gateway:
         try:
             return await self._send(ref, request, cache_key, scopes, reserved)
         except BaseException:
-            if "tokens" in reserved:  # no answer: the estimate held is given back
-                giving = asyncio.ensure_future(
-                    self.add_daily_spend(scopes, -reserved["tokens"], -reserved["cost"], reserved)
-                )
-                _SENDING.add(giving)
-                giving.add_done_callback(_SENDING.discard)
-                with contextlib.suppress(Exception):
-                    await asyncio.shield(giving)
+            await self.give_back_daily(scopes, reserved)  # no answer: the estimate held
             raise
 
     async def _send(
@@ -1083,6 +1076,19 @@ class Gateway:
             day = (reserved or {}).get("day") or _day(store.clock())
             await store.add_model_spend(scopes, day, tokens, str(cost))
 
+    async def give_back_daily(self, scopes: tuple[str, ...], reserved: dict[str, Any]) -> None:
+        """Give back what ``reserve_daily`` held (work that ends without an answer), even
+        when the step is cancelled meanwhile; a failure to write it is not raised."""
+        if "tokens" not in reserved:
+            return
+        giving = asyncio.ensure_future(
+            self.add_daily_spend(scopes, -reserved["tokens"], -reserved["cost"], reserved)
+        )
+        _SENDING.add(giving)
+        giving.add_done_callback(_SENDING.discard)
+        with contextlib.suppress(Exception):
+            await asyncio.shield(giving)
+
     async def _check_daily_budgets(
         self, ref: ModelRef, request: dict[str, Any]
     ) -> tuple[tuple[str, ...], dict[str, Any], dict[str, Any]]:
@@ -1149,35 +1155,6 @@ class Gateway:
                 )
             )
         return scopes, {"day": day, "tokens": tokens, "cost": Decimal(cost or 0)}
-
-    async def refuse_past_daily(
-        self, tenant: str | None, estimate: dict[str, Any] | Callable[[], dict[str, Any]]
-    ) -> tuple[str, ...]:
-        """The scopes with a daily budget that spending ``estimate`` (or what it returns,
-        asked only when there are such scopes) for ``tenant`` counts against;
-        ``DailyBudgetExceeded`` when it would pass one (a call, a whole batch)."""
-        scopes, rows = await self.daily_scopes(tenant)
-        if not scopes:
-            return ()
-        if callable(estimate):
-            estimate = estimate()
-        for b in rows if rows is not None else await self.budgets():
-            if b["scope"] not in scopes:
-                continue
-            over = _over(b["tokens"], b["cost"], b["spent_tokens"], b["spent_cost"], estimate)
-            if over is not None:
-                raise DailyBudgetExceeded(
-                    json.dumps(
-                        {
-                            "scope": b["scope"],
-                            "what": over[0],
-                            "limit": over[1],
-                            "spent": {"tokens": b["spent_tokens"], "cost": b["spent_cost"]},
-                            "estimate": estimate,
-                        }
-                    )
-                )
-        return scopes
 
     # the call (workflow side) -------------------------------------------------------
 

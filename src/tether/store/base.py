@@ -47,10 +47,11 @@ class WorkflowTaskResult:
     #: (tokens, cost) of the model calls whose answers this task met first: the store
     #: adds them to its run's tenant's ledger in the same commit (exactly once)
     usage: tuple[int, str] | None = None
-    #: (scopes, tokens, cost) of work this task met first whose daily budgets' spend is
-    #: added with its record (a batch's: a fetch retried after a crash is not paid
-    #: again): the store adds each to its scopes' spend in the same commit
-    spend: list[tuple[tuple[str, ...], int, str]] | None = None
+    #: (scopes, tokens, cost, day) of work this task met first whose daily budgets' spend
+    #: is added with its record (a batch's: a fetch retried after a crash is not paid
+    #: again; and the estimate its submit held, given back on the day it was held): the
+    #: store adds each to its scopes' spend of ``day`` (None: the task's) in the same commit
+    spend: list[tuple[tuple[str, ...], int, str, str | None]] | None = None
 
 
 #: what ``list_runs(waiting_for=)`` may name (optionally ``kind:name``: ``signal:review``)

@@ -187,7 +187,7 @@ class WorkflowInstance:
         #: model tokens and cost met first by the task being computed (``tally_usage``)
         self._usage: tuple[int, Decimal] | None = None
         #: daily budgets' spend met first by the task being computed (``tally_spend``)
-        self._spend: list[tuple[tuple[str, ...], int, str]] = []
+        self._spend: list[tuple[tuple[str, ...], int, str, str | None]] = []
         #: model spend as this run's code met it (replay included), for its budget
         self.spend = Spend()
         #: steps whose outcome was kept from before a retry or fork (not run again)
@@ -817,12 +817,14 @@ class WorkflowInstance:
             before = self._usage or (0, Decimal(0))
             self._usage = (before[0] + tokens, before[1] + (cost or Decimal(0)))
 
-    def tally_spend(self, scopes: tuple[str, ...], tokens: int, cost: Decimal) -> None:
+    def tally_spend(
+        self, scopes: tuple[str, ...], tokens: int, cost: Decimal, day: str | None = None
+    ) -> None:
         """Add work's tokens and cost to the daily spend of ``scopes`` (its tenant's and the
-        global daily budgets), with the commit of the task that first met it (never on
-        replay)."""
+        global daily budgets) on ``day`` (None: the commit's), with the commit of the task
+        that first met it (never on replay)."""
         if not self.replaying and scopes:
-            self._spend.append((tuple(scopes), tokens, str(cost)))
+            self._spend.append((tuple(scopes), tokens, str(cost), day))
 
     def take_counts(self) -> list[tuple[str, tuple[str, ...], float]]:
         """The counters noted since the last call."""

@@ -158,8 +158,8 @@ def _apply_workflow_result(
             "INSERT INTO usage_deltas (tenant, day, tokens, cost) VALUES (?, ?, ?, ?)",
             (tenant or "", _day(result.time), result.usage[0], result.usage[1]),
         )
-    for scopes, tokens, cost in result.spend or ():  # daily budgets' spend: exactly once
-        _add_spend(tx, tuple(scopes), _day(result.time), tokens, cost)
+    for scopes, tokens, cost, day in result.spend or ():  # daily budgets': exactly once
+        _add_spend(tx, tuple(scopes), day or _day(result.time), tokens, cost)
     if status == RunStatus.SUSPENDED.value:
         lease_to = None  # suspended while this task ran: dispatch nothing locally
     leased: list[Task] = []
