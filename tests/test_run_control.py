@@ -548,6 +548,39 @@ async def test_start_unregistered_workflow_name_raises(app: tether.App) -> None:
     assert await app.list() == []
 
 
+async def test_start_of_a_function_not_decorated_as_a_workflow_says_so(app: tether.App) -> None:
+    # @app.workflow forgotten: an AttributeError ('function' object has no attribute
+    # 'name') was all a user got
+    async def plain(x: int) -> int:
+        return x
+
+    for call in (
+        lambda: app.start(plain, 1),  # type: ignore[arg-type]
+        lambda: app.start_debounced(plain, 1, key="k", window=1.0),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(tether.ConfigurationError, match=r"plain.*decorate it with @app"):
+            await call()
+    assert await app.list() == []
+
+
+def test_an_error_of_app_run_is_not_chained_to_a_missing_event_loop(tmp_path: Any) -> None:
+    # every exception out of app.run (the README's first example) began "RuntimeError: no
+    # running event loop ... During handling of the above exception, another exception
+    # occurred"
+    app = tether.App(store=f"sqlite:///{tmp_path / 'r.db'}")
+
+    @app.workflow
+    async def boom() -> None:
+        raise ValueError("no")
+
+    try:
+        with pytest.raises(tether.WorkflowFailedError) as caught:
+            app.run(boom, timeout=30)
+        assert caught.value.__context__ is None, repr(caught.value.__context__)
+    finally:
+        asyncio.run(app.close())
+
+
 # -- list -----------------------------------------------------------------------------------------
 
 
