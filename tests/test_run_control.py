@@ -581,6 +581,33 @@ def test_an_error_of_app_run_is_not_chained_to_a_missing_event_loop(tmp_path: An
         asyncio.run(app.close())
 
 
+async def test_a_run_that_completes_with_a_step_never_awaited_warns_naming_it(
+    app: tether.App, worker: tether.Worker, caplog: pytest.LogCaptureFixture
+) -> None:
+    # classify(text) without await schedules the step; the run completed without it,
+    # silently
+    @app.activity
+    async def classify(text: str) -> str:
+        await asyncio.sleep(0.5)
+        return "invoice"
+
+    @app.workflow
+    async def forgetful(text: str) -> str:
+        classify(text)  # type: ignore[unused-coroutine]
+        return "done"
+
+    @app.workflow
+    async def careful(text: str) -> str:
+        return await classify(text)
+
+    with caplog.at_level("WARNING", logger="tether.workflow"):
+        assert await (await app.start(forgetful, "x", run_id="f")).result(timeout=10) == "done"
+        assert await (await app.start(careful, "x", run_id="c")).result(timeout=10) == "invoice"
+    said = [r.getMessage() for r in caplog.records if r.name == "tether.workflow"]
+    assert len(said) == 1, said
+    assert "'f'" in said[0] and "classify (step 1)" in said[0] and "await" in said[0]
+
+
 # -- list -----------------------------------------------------------------------------------------
 
 
