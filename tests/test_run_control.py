@@ -548,6 +548,66 @@ async def test_start_unregistered_workflow_name_raises(app: tether.App) -> None:
     assert await app.list() == []
 
 
+async def test_start_of_a_function_not_decorated_as_a_workflow_says_so(app: tether.App) -> None:
+    # @app.workflow forgotten: an AttributeError ('function' object has no attribute
+    # 'name') was all a user got
+    async def plain(x: int) -> int:
+        return x
+
+    for call in (
+        lambda: app.start(plain, 1),  # type: ignore[arg-type]
+        lambda: app.start_debounced(plain, 1, key="k", window=1.0),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(tether.ConfigurationError, match=r"plain.*decorate it with @app"):
+            await call()
+    assert await app.list() == []
+
+
+def test_an_error_of_app_run_is_not_chained_to_a_missing_event_loop(tmp_path: Any) -> None:
+    # every exception out of app.run (the README's first example) began "RuntimeError: no
+    # running event loop ... During handling of the above exception, another exception
+    # occurred"
+    app = tether.App(store=f"sqlite:///{tmp_path / 'r.db'}")
+
+    @app.workflow
+    async def boom() -> None:
+        raise ValueError("no")
+
+    try:
+        with pytest.raises(tether.WorkflowFailedError) as caught:
+            app.run(boom, timeout=30)
+        assert caught.value.__context__ is None, repr(caught.value.__context__)
+    finally:
+        asyncio.run(app.close())
+
+
+async def test_a_run_that_completes_with_a_step_never_awaited_warns_naming_it(
+    app: tether.App, worker: tether.Worker, caplog: pytest.LogCaptureFixture
+) -> None:
+    # classify(text) without await schedules the step; the run completed without it,
+    # silently
+    @app.activity
+    async def classify(text: str) -> str:
+        await asyncio.sleep(0.5)
+        return "invoice"
+
+    @app.workflow
+    async def forgetful(text: str) -> str:
+        classify(text)  # type: ignore[unused-coroutine]
+        return "done"
+
+    @app.workflow
+    async def careful(text: str) -> str:
+        return await classify(text)
+
+    with caplog.at_level("WARNING", logger="tether.workflow"):
+        assert await (await app.start(forgetful, "x", run_id="f")).result(timeout=10) == "done"
+        assert await (await app.start(careful, "x", run_id="c")).result(timeout=10) == "invoice"
+    said = [r.getMessage() for r in caplog.records if r.name == "tether.workflow"]
+    assert len(said) == 1, said
+    assert "'f'" in said[0] and "classify (step 1)" in said[0] and "await" in said[0]
+
+
 # -- list -----------------------------------------------------------------------------------------
 
 

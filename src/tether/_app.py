@@ -547,6 +547,19 @@ class App:
         except KeyError:
             raise UnknownWorkflowError(name, list(self._workflows)) from None
 
+    def _workflow_of(self, workflow: Any) -> Workflow[Any, Any]:
+        """``workflow`` as given to ``start`` (a Workflow, or its registered name); a plain
+        function (``@app.workflow`` forgotten) or anything else is refused by name."""
+        if isinstance(workflow, str):
+            return self.get_workflow(workflow)
+        if isinstance(workflow, Workflow):
+            return workflow
+        name = getattr(workflow, "__qualname__", None) or type(workflow).__name__
+        raise ConfigurationError(
+            f"{name!r} is not a workflow of this App: decorate it with @app.workflow (or "
+            "pass the name it is registered under)"
+        )
+
     def get_activity(self, name: str) -> Activity[Any, Any]:
         """The activity registered as ``name``."""
         try:
@@ -737,7 +750,7 @@ class App:
             raise ConfigurationError("deadline must be positive")
         if limit is not None:  # as asked (a repeated start must ask for the same)
             attrs = {**(attrs or {}), "deadline": limit}
-        wf = self.get_workflow(workflow) if isinstance(workflow, str) else workflow
+        wf = self._workflow_of(workflow)
         if wf.name not in self._workflows:
             raise UnknownWorkflowError(wf.name, list(self._workflows))
         rid = run_id or uuid.uuid4().hex
@@ -968,7 +981,7 @@ class App:
         cap = seconds(max_wait, "max_wait")
         if max_wait is not None and not cap:
             raise ConfigurationError(f"max_wait of debounce {key!r} must be positive")
-        wf = self.get_workflow(workflow) if isinstance(workflow, str) else workflow
+        wf = self._workflow_of(workflow)
         if wf.name not in self._workflows:
             raise UnknownWorkflowError(wf.name, list(self._workflows))
         text = wf.sig.encode_args(args, kwargs or {})
@@ -1954,7 +1967,7 @@ class App:
                     f"schedule id {schedule_id!r} (its runs' ids {schedule_id + '@<tick>'!r})",
                     "an id",
                 ) from None
-        wf = self.get_workflow(workflow) if isinstance(workflow, str) else workflow
+        wf = self._workflow_of(workflow)
         if wf.name not in self._workflows:
             raise UnknownWorkflowError(wf.name, list(self._workflows))
         spec = make_spec(
@@ -2738,6 +2751,10 @@ def run_sync(coro: Coroutine[Any, Any, T]) -> T:
     try:
         asyncio.get_running_loop()
     except RuntimeError:
+        running = False
+    else:
+        running = True
+    if not running:  # (outside the except: an error of the run is not shown chained to it)
         return asyncio.run(coro)
     box: dict[str, Any] = {}
 

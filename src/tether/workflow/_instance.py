@@ -15,6 +15,7 @@ import asyncio
 import collections
 import hashlib
 import json
+import logging
 import random
 import traceback
 import weakref
@@ -110,6 +111,9 @@ class _Pending:
     #: nothing (a wait_event's own timer, shown with its signal)
     shown: dict[str, Any] | None = None
     since: float = 0.0  #: the workflow clock when the wait began
+
+
+log = logging.getLogger("tether.workflow")
 
 
 def _error_dict(exc: BaseException) -> dict[str, Any]:
@@ -424,6 +428,7 @@ class WorkflowInstance:
                 self._command(EventType.WORKFLOW_CANCELLED, self._ending({"error": None}))
                 return
             if exc is None:
+                self._say_unawaited()
                 try:
                     text = encode(main.result(), f"result of workflow {self.workflow.name!r}")
                 except PayloadError as err:
@@ -454,6 +459,29 @@ class WorkflowInstance:
             _current.reset(token)
         if self._nd_error is not None:
             raise self._nd_error
+
+    def _say_unawaited(self) -> None:
+        """Warn of activity steps the run completed without awaiting (an ``await``
+        forgotten: ``classify(text)`` schedules the step, and the run does not wait for
+        it). Said as the run completes, not as it is replayed."""
+        if self.replaying:
+            return
+        left = [
+            f"{p.name} (step {step})"
+            for step, p in self._pending.items()
+            if p.kind == "activity" and not p.future.done()
+        ]
+        if left:
+            log.warning(
+                "run %r (workflow %r) completed while %d step(s) it scheduled were still "
+                "unfinished, never awaited: %s. The run does not wait for them and nothing "
+                "uses their results: was an `await` forgotten?",
+                self.run_id,
+                self.workflow.name,
+                len(left),
+                ", ".join(left),
+                extra={"run_id": self.run_id},
+            )
 
     def _apply(self, ev: Event) -> None:
         t = ev.type
