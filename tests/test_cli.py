@@ -566,6 +566,8 @@ def test_bad_app_specs_and_workflows(project: Project) -> None:
         (("start", "flows:app", "hello", '"a"', '"b"'), 2, ("too many",)),
         (("start", "flows:app", "hello", "5"), 2, ("'name'",)),
         (("worker", "nosuchmodule:app"), 1, ("nosuchmodule",)),
+        (("worker", "pkg/flows.py:app"), 2, ("names a file", "'pkg.flows:app'")),
+        (("worker", "./flows.py:app"), 2, ("names a file", "'flows:app'")),
         (("runs", "--app", "flows:nope"), 1, ("has no attribute",)),
         (("runs", "--app", "flows:app", "--store", "x.db"), 2, ("--store or --app",)),
         (("signal", "r", "go", "{bad", "--store", "x.db"), 2, ("not valid JSON",)),
@@ -720,6 +722,9 @@ def test_backup_restore_and_check_refuse_a_file_that_is_not_a_store(project: Pro
     missing = project.cli("store", "check", "--store", str(project.root / "nowhere.db"))
     assert_one_line_error(missing, 2, "no tether store")
     assert not (project.root / "nowhere.db").exists()  # checking never creates a store
+    # a backup into a folder that is not there: said so (it was "unable to open database file")
+    res = project.cli("store", "backup", str(project.root / "no" / "such" / "copy.db"))
+    assert_one_line_error(res, 2, "/no/such", "does not exist", "create it first")
 
 
 def test_purge_erase_tenant_backup_restore_and_check(

@@ -181,3 +181,48 @@ def _at_least(seen: list[str], n: int) -> Any:
         return len(seen) >= n
 
     return check
+
+
+async def test_a_run_purged_between_its_status_poll_and_its_read_is_said_purged(
+    store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the status poll saw the run ended; it was purged before the whole read: the old
+    # status was kept, so the deadline falling then said "still completed after the
+    # timeout" instead of RunPurgedError
+    app = tether.App(store=store_url)
+    other = tether.App(store=store_url)
+    go = asyncio.Event()
+
+    @other.activity
+    async def slow(x: int) -> int:
+        await go.wait()
+        return x + 1
+
+    @other.workflow(name="purged_soon")
+    async def purged_soon(x: int) -> int:
+        return await slow(x)
+
+    try:
+        async with other.worker(lease=5.0, poll_interval=0.05):
+            await other.start(purged_soon, 1, run_id="gone")
+            status_of = app.store.run_status
+            purged: list[str] = []
+
+            async def purging(run_id: str) -> Any:
+                status = await status_of(run_id)
+                if status is not None and status.is_terminal and not purged:
+                    purged.append(run_id)
+                    await other.purge(0)  # another process's retention, right now
+                    await asyncio.sleep(1.0)  # and the deadline passes meanwhile
+                return status
+
+            monkeypatch.setattr(app.store, "run_status", purging)
+            waiting = asyncio.ensure_future(app.get_run("gone").result(timeout=1.6))
+            await asyncio.sleep(0.6)
+            go.set()
+            with pytest.raises(tether.RunPurgedError):
+                await waiting
+            assert purged == ["gone"]
+    finally:
+        await app.close()
+        await other.close()

@@ -338,8 +338,9 @@ class App:
         self._keyed_tenants.add(tenant)
 
     def _forget_keying(self, tenant: str, done: asyncio.Task[str]) -> None:
-        if self._keying.get(tenant) is done:
-            del self._keying[tenant]
+        with contextlib.suppress(KeyError):  # (another loop's start may have replaced it)
+            if self._keying[tenant] is done:
+                del self._keying[tenant]
         if not done.cancelled():
             done.exception()  # seen (each start awaiting it raises it)
 
@@ -2634,6 +2635,8 @@ class App:
                             status = await self.store.run_status(run_id)
                             if status is not None and status.is_terminal:
                                 found = await self.store.get_run(run_id)
+                                # as read now (purged, or retried, since its status was)
+                                status = found.status if found is not None else None
                         else:
                             found = await self.store.get_run(run_id)
                             status = found.status if found is not None else None

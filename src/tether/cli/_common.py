@@ -113,6 +113,13 @@ def load_app(spec: str) -> App:
         raise UsageError(
             f"{spec!r} is not of the form MODULE:ATTR (for example 'myproject.flows:app')"
         )
+    if module_name.endswith(".py") or "/" in module_name or os.sep in module_name:
+        dotted = module_name.removesuffix(".py").replace(os.sep, "/").strip("./")
+        raise UsageError(
+            f"{spec!r} names a file: MODULE is the module's name as Python imports it, "
+            f"for example '{dotted.replace('/', '.')}:{attr}' run from the directory that "
+            "holds it"
+        )
     cwd = os.getcwd()
     if cwd not in sys.path:
         sys.path.insert(0, cwd)

@@ -271,6 +271,13 @@ def store_backup_command(
     online backup), then its blob store (offloaded payloads, put_blob documents) into
     BACKUP.blobs, written under .partial names and renamed when whole (BACKUP last): a
     backup killed part-way is none. PostgreSQL: use pg_dump or PITR (docs/deploy.md)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        _fail(
+            f"the backup's folder {folder!r} does not exist: create it first, or choose "
+            "another path for the backup",
+            EXIT_USAGE,
+        )
     src = _local_store(store)
     if os.path.exists(path):
         _fail(f"{path!r} exists: choose a new file for the backup", EXIT_USAGE)
