@@ -65,7 +65,7 @@ _PAGE = 500
 def replay_command(
     files: Annotated[
         list[str] | None,
-        typer.Argument(metavar="[HISTORY.json]...", help="Files from `tether history export`."),
+        typer.Argument(metavar="HISTORY.json", help="Files from `tether history export`."),
     ] = None,
     app: Annotated[
         str, typer.Option("--app", metavar="MODULE:ATTR", help="The App with today's code.")
