@@ -2967,3 +2967,30 @@ def test_the_fields_dropped_name_the_types_fields_never_the_answers_keys() -> No
     assert dropped == {f"{secret}.mg"} and not names_only
     answer = {secret: {"drug": "a"}}
     assert _dropped(by_name, answer, by_name.validate_python(answer)) == (set(), True)
+
+
+@pytest.mark.parametrize("missing", ["pydantic_ai", "genai_prices"])
+def test_tether_ai_without_the_ai_extra_says_which_extra_to_install(missing: str) -> None:
+    """`from tether import ai` without the ai extra ended in a bare
+    ModuleNotFoundError traceback from deep inside tether.ai. It is now an ImportError
+    naming the extra to install, chained from the original (which names the package)."""
+    code = (
+        f"import sys; sys.modules[{missing!r}] = None\n"
+        "try:\n"
+        "    from tether import ai\n"
+        "except ImportError as exc:\n"
+        "    print(type(exc).__name__, '|', exc, '|', type(exc.__cause__).__name__)\n"
+    )
+    src = str(Path(tether.__file__).parent.parent)
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "PYTHONPATH": src},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    kind, message, cause = (part.strip() for part in done.stdout.split("|"))
+    assert kind == "ImportError" and cause == "ModuleNotFoundError", done.stdout
+    assert message.startswith("tether.ai needs the ai extra: pip install 'tether[ai]'"), message
+    assert missing in message, message

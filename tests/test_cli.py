@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -864,3 +865,54 @@ def test_runs_marks_a_stuck_run_and_stuck_lists_only_those(project: Project) -> 
     listed = json.loads(project.ok("runs", "--store", str(project.db), "--stuck", "--json"))
     assert [r["run_id"] for r in listed] == ["stuck-1"]
     assert listed[0]["task_error"].startswith("NonDeterminismError: ")
+
+
+def _command_mentions(text: str) -> list[tuple[bool, str]]:
+    """``tether X [Y]`` in ``text``: (quoted, "X Y"), quoted when in backticks or after
+    "run" (surely a command, not prose like "no tether store at")."""
+    pattern = r"(\w+\s+)?(`|\brun\s+)?\btether\s+([a-z][a-z-]*)(?:\s+([a-z][a-z-]*))?"
+    return [
+        (bool(m.group(2)), " ".join(w for w in m.groups()[2:] if w))
+        for m in re.finditer(pattern, text)
+        # "a tether backup", "no tether store": prose
+        if (m.group(1) or "").strip().lower() not in {"a", "an", "the", "no", "any"}
+    ]
+
+
+def test_every_tether_command_named_in_messages_and_docs_exists() -> None:
+    """`tether keyring retire` said "run tether reseal first" (the command is `tether
+    store reseal`), and tether.encryption's docs named `tether keys shred` (it is
+    `tether keyring shred`). Every `tether X [Y]` the code's strings (messages,
+    docstrings) and the docs name in backticks or after "run" is a command, and no
+    mention anywhere names a subcommand without its group (`tether reseal`)."""
+    import ast
+
+    from typer.main import get_command
+
+    import tether
+    from tether.cli._main import _build
+
+    root = get_command(_build())
+    groups = {
+        name: set(getattr(cmd, "commands", {})) or None for name, cmd in root.commands.items()
+    }
+    # a group's command named without its group ("tether on" is prose)
+    subcommands = set().union(*(g for g in groups.values() if g)) - set(groups) - {"on", "off"}
+    src = Path(tether.__file__).parent
+    texts: list[tuple[str, str]] = []
+    for path in sorted(src.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                texts.append((f"{path.relative_to(src)}:{node.lineno}", node.value))
+    for path in sorted((src.parent.parent / "docs").glob("*.md")):
+        texts.append((path.name, path.read_text()))
+    wrong = []
+    for where, text in texts:
+        for quoted, mention in _command_mentions(text):
+            first, _, second = mention.partition(" ")
+            known = first in groups and (
+                not (second and groups[first]) or second in (groups[first] or ())
+            )
+            if first in subcommands or (quoted and not known):
+                wrong.append((where, mention))
+    assert not wrong, "\n".join(map(str, wrong))

@@ -130,6 +130,32 @@ def test_the_cli_reference_is_generated_from_the_commands() -> None:
     assert page == markdown(), "docs/cli.md is stale: python -m tether.cli._reference > docs/cli.md"
 
 
+def test_the_cli_reference_shows_arguments_as_help_does() -> None:
+    """docs/cli.md showed `tether signal ... JSON_PAYLOAD`, `keyring list PATH`,
+    `start ... JSON_ARGS` where --help shows `[JSON_PAYLOAD]`, `[PATH]` (default
+    $TETHER_KEYRING), `[JSON_ARGS]...`, and an empty-string default (`` `` ``) for
+    `replay --app`. Each usage line is now --help's (its braces around required
+    arguments left out), and arguments have a table as options do."""
+    import click
+    from typer.main import get_command
+
+    from tether.cli._main import _build
+    from tether.cli._reference import _walk, markdown
+
+    page = markdown()
+    for path, command in _walk(get_command(_build()), []):
+        name = "tether " + " ".join(path)
+        pieces = command.collect_usage_pieces(click.Context(command, info_name=name))
+        usage = re.sub(r"\{([^}]*)\}", r"\1", " ".join([name, *pieces]))
+        assert f"```text\n{usage}\n```" in page, (usage, page[page.index(f"## `{name}`") :][:300])
+    assert "| `JSON_PAYLOAD` | The payload as JSON (default null). | optional |" in page
+    assert "| `PATH` | The keyring file (default: $TETHER_KEYRING). | optional |" in page
+    assert "| `RUN_ID` | The run's id. | required |" in page
+    assert "| `JSON_ARGS` | Positional arguments" in page
+    assert "tether replay [OPTIONS] [HISTORY.json]..." in page
+    assert "| `--app` | The App with today's code. |  |" in page and "| `` |" not in page
+
+
 @pytest.mark.timeout(300)
 def test_the_documentation_site_builds_strictly(tmp_path: Path) -> None:
     """MkDocs (Material, mkdocstrings) with --strict: a broken link, a page missing from

@@ -233,3 +233,48 @@ def test_a_backup_or_restore_that_cannot_write_says_so_in_a_line_and_leaves_noth
         assert "No space left on device" in err and all(n in err for n in names), err
     left = sorted(p.name for p in tmp_path.iterdir() if "partial" in p.name or "bk" in p.name)
     assert left == [] and not (tmp_path / "r.db").exists(), left
+
+
+def _main(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[object, str, str]:
+    """``tether ARGS`` in this process: (exit code, stderr, stdout)."""
+    from tether.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(args)
+    out, err = capsys.readouterr()
+    return exited.value.code, err, out
+
+
+def test_an_age_without_a_unit_is_refused_not_taken_as_seconds(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`tether retention set acme --older-than 30` stored 30 seconds (workers then
+    purged the tenant's ended runs 30 s after they ended), and `tether purge
+    --older-than 1` removed every run ended more than a second ago, while the help said
+    "AGE ... 30d". A bare number is now refused as a usage error naming the units, on
+    every command that takes an age, and nothing is changed; an age with a unit is
+    echoed back as what was understood."""
+    db = tmp_path / "t.db"
+    _seed(f"sqlite:///{db}", n=1)
+    store = ["--store", str(db)]
+    for args, option, text in (
+        (["retention", "set", "acme", "--older-than", "30"], "--older-than", "30"),
+        (["purge", "--older-than", "1"], "--older-than", "1"),
+        (["purge", "--older-than", "0.5"], "--older-than", "0.5"),
+        (["store", "gc-blobs", "--older-than", "3600"], "--older-than", "3600"),
+        (["replay", "--app", "nowhere:app", "--since", "7"], "--since", "7"),
+    ):
+        code, err, _ = _main([*args, *store], capsys)
+        assert code == 2, (args, err)
+        assert err == f"error: {option} {text}: give a unit, e.g. 30d, 12h, 90m or 45s\n", err
+    code, _, out = _main(["retention", "list", *store], capsys)
+    assert code == 0 and json.loads(out) == {}
+    code, _, out = _main(["runs", "--json", *store], capsys)
+    assert code == 0 and "big" in out  # the run is still there
+    # with a unit: taken, and said back
+    code, err, _ = _main(["retention", "set", "acme", "--older-than", "720h", *store], capsys)
+    assert code == 0 and "ended runs kept 30d (2592000 s)" in err, err
+    code, _, out = _main(["retention", "list", *store], capsys)
+    assert json.loads(out) == {"acme": 2592000.0}
+    code, err, _ = _main(["purge", "--older-than", "2w", "--dry-run", *store], capsys)
+    assert code == 0 and "ended more than 2w (1209600 s) ago" in err, err

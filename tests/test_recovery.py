@@ -126,6 +126,31 @@ async def test_retry_rejects_running_run(app: tether.App, worker: tether.Worker)
     await app.terminate(run.run_id)
 
 
+async def test_refusals_name_the_cli_and_http_ways_as_well_as_python(
+    app: tether.App, worker: tether.Worker
+) -> None:
+    """`tether start` with a run id in use said "fetch the existing run with
+    app.get_run(run_id)", and HTTP /retry of a finished run answered 409 "use app.fork":
+    Python calls, to someone at a shell or an HTTP client. Each now names the Python
+    call and the CLI command or HTTP route that do the same."""
+
+    @app.workflow
+    async def done(x: int) -> int:
+        return x
+
+    run = await app.start(done, 1, run_id="r1")
+    assert await run.result(timeout=10) == 1
+    with pytest.raises(tether.RecoveryError) as refused:
+        await app.retry("r1")
+    assert "app.fork" in str(refused.value), refused.value
+    assert "POST /v1/runs/{id}/fork" in str(refused.value), refused.value
+    with pytest.raises(tether.RunIdConflictError) as conflict:
+        await app.start(done, 2, run_id="r1")
+    text = str(conflict.value)
+    for way in ("app.get_run(run_id)", "tether get RUN_ID", "GET /v1/runs/{id}"):
+        assert way in text, text
+
+
 # -- replaying a poison item ---------------------------------------------------------------------
 
 

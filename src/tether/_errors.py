@@ -205,7 +205,8 @@ class RunIdConflictError(TetherError):
         super().__init__(
             f"run id {run_id!r} is already used by a run with {detail}; starting with the same "
             "run id is idempotent only for the same workflow, input, deadline, webhook and "
-            "budget: pick a new run id, or fetch the existing run with app.get_run(run_id)"
+            "budget: pick a new run id, or fetch the existing run (app.get_run(run_id), "
+            "tether get RUN_ID, GET /v1/runs/{id})"
         )
 
 

@@ -13,7 +13,7 @@ quarter or more), ``n`` one that is not. The key id travels with the value, so d
 written under an old key stays readable after a rotation; the key id and the flag are
 authenticated with the ciphertext. With per-tenant keys (``FileKeyring(per_tenant=
 True)``) each tenant's payloads are sealed under a key of its own, and destroying that
-key (``tether keys shred``) leaves every copy of its data unreadable, backups included.
+key (``tether keyring shred``) leaves every copy of its data unreadable, backups included.
 """
 
 from __future__ import annotations
@@ -257,7 +257,7 @@ def load_wrapper(spec: str) -> KeyWrapper:
 
 
 class FileKeyring(Keyring):
-    """Keys in a JSON file (mode 0600) that ``tether keys`` manages.
+    """Keys in a JSON file (mode 0600) that ``tether keyring`` manages.
 
     ``per_tenant=True`` gives each tenant its own key, made the first time a payload
     of the tenant is sealed; ``shred(tenant)`` destroys the tenant's keys. Processes
@@ -542,7 +542,7 @@ class FileKeyring(Keyring):
         return gone
 
     def retire(self, key_id: str) -> None:
-        """Remove a key that no longer seals anything (after ``tether reseal`` moved its
+        """Remove a key that no longer seals anything (after ``tether store reseal`` moved its
         data to the current key), keeping its id listed so no later key takes it. What
         it still sealed, here or in a backup, no longer opens with this keyring."""
         with self._changing() as data:
@@ -552,7 +552,7 @@ class FileKeyring(Keyring):
             if key_id == data["current"] or key_id in data["tenants"].values():
                 raise ConfigurationError(
                     f"key {key_id!r} is current (it seals new payloads): rotate first "
-                    "(tether keyring rotate), then reseal the store (tether reseal)"
+                    "(tether keyring rotate), then reseal the store (tether store reseal)"
                 )
             del data["keys"][key_id]
             self._unwrapped.pop(key_id, None)

@@ -8,6 +8,14 @@ after it. Built on pydantic-ai's model layer and genai-prices (``tether[ai]``).
 
 from __future__ import annotations
 
+try:  # the ai extra: said so, rather than a bare ModuleNotFoundError from deep inside
+    import genai_prices  # noqa: F401
+    import pydantic_ai  # noqa: F401
+except ModuleNotFoundError as exc:
+    raise ImportError(
+        f"tether.ai needs the ai extra: pip install 'tether[ai]' ({exc.name} is not installed)"
+    ) from exc
+
 from .._usage import Budget, Usage
 from ..workflow._route import route
 from ._agent import DurableAgent, RecordedModel, ToolApproval, durable

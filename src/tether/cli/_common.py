@@ -13,6 +13,7 @@ import importlib
 import json
 import logging
 import os
+import re
 import socket
 import sqlite3
 import sys
@@ -64,6 +65,33 @@ _STATUS_STYLE = {
 
 class UsageError(Exception):
     """A bad argument the user must fix; reported with exit code 2."""
+
+
+#: the units an age given on the command line takes (``--older-than``, ``--since``)
+_AGE_UNITS = {"w": 604_800, "d": 86_400, "h": 3600, "m": 60, "s": 1}
+_AGE_HINT = "e.g. 30d, 12h, 90m or 45s"
+
+
+def parse_age(text: str, option: str) -> float:
+    """``30d``, ``12h``, ``90m``, ``45s``, ``2w`` in seconds. A bare number is refused:
+    seconds, minutes or days, each is somebody's guess, and these ages decide what is
+    deleted."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", text)
+    if m is None:
+        raise UsageError(f"{option} {text!r} is not an age: write it with a unit, {_AGE_HINT}")
+    if not m.group(2):
+        raise UsageError(f"{option} {text.strip()}: give a unit, {_AGE_HINT}")
+    return float(m.group(1)) * _AGE_UNITS[m.group(2)]
+
+
+def format_age(seconds: float) -> str:
+    """An age as it was understood: its largest whole unit and the seconds
+    (``30d (2592000 s)``)."""
+    exact = f"{seconds:g}" if seconds != int(seconds) else str(int(seconds))
+    for unit, size in _AGE_UNITS.items():
+        if seconds >= size and seconds % size == 0:
+            return f"{int(seconds // size)}{unit} ({exact} s)"
+    return f"{exact} s"
 
 
 def _one_line(text: str) -> str:

@@ -41,13 +41,15 @@ def _walk(command: Any, path: list[str]) -> list[tuple[list[str], Any]]:
 
 def _section(path: list[str], command: Any) -> list[str]:
     name = "tether " + " ".join(path)
-    args = " ".join(
-        (p.metavar or p.name or "").upper()
-        for p in command.params
-        if p.param_type_name == "argument"
-    )
+    arguments = [p for p in command.params if p.param_type_name == "argument"]
+    usage = " ".join(["[OPTIONS]", *(_usage(a) for a in arguments)])
     lines = [f"## `{name}`", "", (command.help or "").strip().split("\n\n")[0], ""]
-    lines += ["```text", f"{name} [OPTIONS]{' ' + args if args else ''}", "```", ""]
+    lines += ["```text", f"{name} {usage}", "```", ""]
+    if arguments:
+        lines += ["| argument | what it is | default |", "| --- | --- | --- |"]
+        for arg in arguments:
+            lines.append(f"| `{_metavar(arg)}` | {_cell(arg.help or '')} | {_needed(arg)} |")
+        lines.append("")
     options = [p for p in command.params if p.param_type_name == "option" and not p.hidden]
     if options:
         lines += ["| option | what it does | default |", "| --- | --- | --- |"]
@@ -58,9 +60,29 @@ def _section(path: list[str], command: Any) -> list[str]:
     return lines
 
 
+def _metavar(arg: Any) -> str:
+    return str(arg.metavar) if arg.metavar else str(arg.name or "").upper()
+
+
+def _usage(arg: Any) -> str:
+    """An argument as --help shows it: ``NAME``, ``[NAME]`` when optional, ``...``
+    after one that takes any number."""
+    text = _metavar(arg) if arg.required else f"[{_metavar(arg)}]"
+    return text + ("..." if arg.nargs == -1 else "")
+
+
+def _needed(arg: Any) -> str:
+    """An argument's default column: required, optional, or its default."""
+    if arg.required:
+        return "required, one or more" if arg.nargs == -1 else "required"
+    if arg.default is None or arg.default == () or arg.default == "":
+        return "optional, any number" if arg.nargs == -1 else "optional"
+    return f"`{arg.default}`"
+
+
 def _default(opt: Any) -> str:
     value: Any = opt.default
-    if value is None or value == () or (opt.is_flag and value is False):
+    if value is None or value == () or value == "" or (opt.is_flag and value is False):
         return ""
     return f"`{value}`"
 

@@ -23,6 +23,7 @@ from ._common import (
     _run_id_argument,
     _store_option,
     load_app,
+    parse_age,
 )
 
 
@@ -55,14 +56,6 @@ def history_export_command(
     _dump(_run(go()))
 
 
-def _parse_age(text: str) -> float:
-    units = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
-    try:
-        return float(text[:-1]) * units[text[-1]] if text[-1] in units else float(text)
-    except (ValueError, IndexError):
-        raise UsageError(f"--since takes an age like 30m, 12h or 7d (got {text!r})") from None
-
-
 #: statuses of runs that may still run code: ``tether replay --store`` checks every one
 _UNFINISHED = ("pending", "running", "suspended", "queued")
 #: runs read per page from the store
@@ -72,7 +65,7 @@ _PAGE = 500
 def replay_command(
     files: Annotated[
         list[str] | None,
-        typer.Argument(metavar="[HISTORY.json]...", help="Files from `tether history export`."),
+        typer.Argument(metavar="HISTORY.json", help="Files from `tether history export`."),
     ] = None,
     app: Annotated[
         str, typer.Option("--app", metavar="MODULE:ATTR", help="The App with today's code.")
@@ -113,6 +106,7 @@ def replay_command(
 
     if not app:
         raise UsageError("--app MODULE:ATTR is required: it names the code to check")
+    age = parse_age(since, "--since") if since else None
     code = load_app(app)
     try:
         histories = load_files(files or [])
@@ -135,7 +129,6 @@ def replay_command(
     for events in histories:
         check(events)
     if store is not None:
-        age = _parse_age(since) if since else None
 
         async def walk() -> None:
             async with _opened(_client_app(store, None)) as a:

@@ -218,14 +218,14 @@ def keyring_retire_command(
     ] = False,
 ) -> None:
     """Remove a key that seals nothing any more (after tether keyring rotate and tether
-    reseal moved its payloads to the current key); its id stays listed, so no later key
+    store reseal moved its payloads to the current key); its id stays listed, so no later key
     takes it. Payloads still sealed with it, in the store or in a backup, then open only
     with a copy of the keyring made before."""
     ring = _ring(path)
     if not yes:
         _fail(
             f"payloads still sealed with key {key_id!r} (in the store or a backup) will open "
-            "only with a copy of this keyring made before: run tether reseal first, then "
+            "only with a copy of this keyring made before: run tether store reseal first, then "
             "add --yes",
             EXIT_USAGE,
         )

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import difflib
 import os
-import re
 import shutil
 import sqlite3
 import time
@@ -32,19 +31,11 @@ from ._common import (
     _sqlite_path,
     _store_option,
     cli_actor,
+    format_age,
     load_app,
+    parse_age,
 )
 from .keyring import fingerprint_of, mismatch_problem
-
-_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86_400, "w": 604_800}
-
-
-def parse_age(text: str) -> float:
-    """``30d``, ``12h``, ``90m``, ``45s``, ``2w`` (or plain seconds) in seconds."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", text)
-    if m is None:
-        _fail(f"--older-than {text!r} is not a duration: write 30d, 12h, 90m or 45s", EXIT_USAGE)
-    return float(m.group(1)) * _UNITS[m.group(2) or "s"]
 
 
 def purge_command(
@@ -65,7 +56,7 @@ def purge_command(
     """Remove ended runs older than AGE with everything of theirs (history, tasks, dead
     letters, reviews, webhook deliveries, audit entries), in short transactions that do
     not block workers. Their ids then answer "purged". Live runs are never touched."""
-    age = parse_age(older_than)
+    age = parse_age(older_than, "--older-than")
 
     async def go() -> tuple[dict[str, int], bool, list[str] | None]:
         async with _opened(_client_app(store, app)) as a:
@@ -93,7 +84,10 @@ def purge_command(
 
     counts, unknown, names = _run(go())
     _dump(counts)
-    _note(("would remove " if dry_run else "removed ") + f"{counts['runs']} run(s)")
+    _note(
+        ("would remove " if dry_run else "removed ")
+        + f"{counts['runs']} run(s) ended more than {format_age(age)} ago"
+    )
     if unknown:
         _note(f"no runs of tenant {tenant!r} in this store: is the name right?")
     if names is not None:
@@ -174,7 +168,7 @@ def retention_set_command(
     background (kept in the store, shared by every process)."""
     if (older_than is None) == (not off):
         _fail("give --older-than AGE or --off", EXIT_USAGE)
-    age = None if off else parse_age(older_than or "")
+    age = None if off else parse_age(older_than or "", "--older-than")
 
     async def go() -> None:
         async with _opened(_client_app(store, app)) as a:
@@ -182,7 +176,8 @@ def retention_set_command(
             await a.store.audit(cli_actor(), "retention", f"tenant:{tenant}", {"seconds": age})
 
     _run(go())
-    _note(f"tenant {tenant!r}: " + ("runs kept" if off else f"ended runs kept {older_than}"))
+    kept = "runs kept" if age is None else f"ended runs kept {format_age(age)}"
+    _note(f"tenant {tenant!r}: {kept}")
 
 
 def retention_list_command(
@@ -246,7 +241,7 @@ def store_gc_blobs_command(
     purged since) once older than AGE, which keeps the blobs of attempts still running,
     and half-written ones a killed process left. The blob store is the App's (--app) or
     the one beside the SQLite file."""
-    age = parse_age(older_than)
+    age = parse_age(older_than, "--older-than")
 
     async def go() -> dict[str, int]:
         async with _opened(_client_app(store, app)) as a:

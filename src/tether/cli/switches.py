@@ -23,8 +23,8 @@ from ._common import (
     cli_actor,
 )
 
-_KIND = typer.Argument(help="workflow, activity, model or tenant.")
-_NAME = typer.Argument(help="Its name (a model as registered with the gateway).")
+_KIND = typer.Argument(metavar="KIND", help="workflow, activity, model or tenant.")
+_NAME = typer.Argument(metavar="NAME", help="Its name (a model as registered with the gateway).")
 
 
 @contextlib.contextmanager

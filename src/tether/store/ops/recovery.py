@@ -294,7 +294,8 @@ def _retry_run(tx: _Tx, run_id: str, letter_id: int | None = None) -> None:
     if status not in (RunStatus.FAILED.value, RunStatus.NEEDS_INTERVENTION.value):
         raise RecoveryError(
             f"run {run_id!r} is {status}: only failed or needs_intervention runs can be "
-            "retried (use app.fork to re-run a finished run from a chosen step)"
+            "retried (fork it to re-run it from a chosen step: app.fork, or "
+            "POST /v1/runs/{id}/fork)"
         )
     events = _live_history(tx, run_id)
     terminal = max(
