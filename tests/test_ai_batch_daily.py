@@ -8,8 +8,15 @@ API, both stores)."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,6 +28,8 @@ from tether._usage import CALL_KEY
 from tether.testing import ModelServer, model_reply
 
 pytestmark = pytest.mark.timeout(120)
+
+HERE = Path(__file__).parent
 
 #: what each item of a batch uses (the fake provider's answer)
 USED = 50 + 100
@@ -154,12 +163,13 @@ async def test_a_worker_killed_between_submit_and_fetch_holds_the_estimate_once(
 
 
 @pytest.mark.parametrize("created", [False, True])
-async def test_a_submit_that_failed_after_holding_gives_the_estimate_back(
+async def test_a_submit_attempt_that_failed_after_holding_leaves_the_estimate_held_once(
     app: tether.App, created: bool
 ) -> None:
-    """A submit attempt that failed after it held the estimate (the provider refused the
-    batch, or made it and the answer was lost) gives it back; the retry holds it again
-    (for the batch it finds again, too): the day ends with what the batch used."""
+    """A submit attempt that failed after it held the estimate (the create request got no
+    answer: the provider made the batch or not) keeps it held, noted for the retry, which
+    reuses it (for the batch it finds again, too) rather than holding it again: the day
+    ends with what the batch used."""
     with ModelServer() as server:
         server.batches.complete_after = 0.3
         real_create = server.batches.create
@@ -212,3 +222,150 @@ async def test_a_batch_fetched_the_next_day_gives_its_estimate_back_to_the_day_i
             )
         }
         assert list(spent.values()) == [{"tenant:acme": 0}, {"tenant:acme": 2 * USED}]
+
+
+@pytest.mark.parametrize("moment", ["upload", "after_create"])
+async def test_a_worker_sigkilled_inside_the_submit_holds_the_estimate_once(
+    store_url: str, moment: str
+) -> None:
+    """A worker process SIGKILLed inside the submit step, after it held the estimate: while
+    it uploads the file (no batch yet), or after the provider made the batch but before
+    the submit was recorded. The next attempt reuses the hold its step recorded (no second
+    reservation, no second check): a tenant's budget of 300 fits the batch (~218) once,
+    the run completes (the second attempt finds the batch made before the kill, or makes
+    it) and the day ends with what the batch used, not with a leaked estimate."""
+    sys.path.insert(0, str(HERE))
+    try:
+        import ai_batch_hold_app
+    finally:
+        sys.path.remove(str(HERE))
+    with ModelServer() as server:
+        server.default = lambda body: model_reply("a", input_tokens=50, output_tokens=100)
+        server.batches.complete_after = 0.3
+        child: dict[str, subprocess.Popen[bytes]] = {}
+        killed = threading.Event()
+
+        def kill_worker() -> None:
+            if not killed.is_set():
+                proc = child["p"]
+                proc.send_signal(signal.SIGKILL)
+                proc.wait(10)
+                killed.set()
+
+        real_upload, real_create = server.batches.upload, server.batches.create
+
+        def upload(*args: Any) -> dict[str, Any]:
+            if moment == "upload":
+                kill_worker()  # the estimate is held, no batch made yet
+            return real_upload(*args)
+
+        def create(body: dict[str, Any]) -> dict[str, Any]:
+            made = real_create(body)
+            if moment == "after_create":
+                kill_worker()  # the provider has the batch; the submit is not recorded
+            return made
+
+        server.batches.upload = upload  # type: ignore[method-assign]
+        server.batches.create = create  # type: ignore[method-assign]
+        app, gw, nightly = ai_batch_hold_app.build(store_url, server.base_url)
+        try:
+            await gw.set_budget(tenant="acme", tokens=300)
+            env = {**os.environ, "PYTHONPATH": f"{HERE.parent / 'src'}{os.pathsep}{HERE}"}
+            child["p"] = subprocess.Popen(
+                [sys.executable, str(HERE / "ai_batch_hold_app.py"), store_url, server.base_url],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            try:
+                run = await app.start(nightly, ["a", "b"], tenant="acme")
+
+                async def was_killed() -> bool:
+                    return killed.is_set()
+
+                await eventually(was_killed, 30, "the worker killed inside the submit")
+                assert child["p"].returncode == -signal.SIGKILL
+                assert 200 < await _spent(gw, "tenant:acme") < 300  # held, once
+                async with app.worker(poll_interval=0.05, lease=1.0):
+                    out = await run.result(timeout=60)
+            finally:
+                if child["p"].poll() is None:
+                    child["p"].kill()
+                    child["p"].wait(10)
+            assert out == ["a", "b"]
+            assert server.batches.created == 1
+            assert await _spent(gw, "tenant:acme") == 2 * USED
+        finally:
+            await app.close()
+
+
+async def test_a_run_cancelled_while_its_batch_is_created_keeps_the_estimate_held(
+    app: tether.App,
+) -> None:
+    """The run is cancelled while the create request is in flight (the provider made the
+    batch, which it will run and bill; its answer is slow): the submit keeps the estimate
+    in the day (nothing will fetch the batch), rather than giving it back and leaving the
+    day at 0 for a batch that ran."""
+    with ModelServer() as server:
+        server.batches.complete_after = 0.3
+        real_create = server.batches.create
+
+        def slow_create(body: dict[str, Any]) -> dict[str, Any]:
+            made = real_create(body)  # the provider has it
+            time.sleep(1.5)  # its answer is slow to come back
+            return made
+
+        server.batches.create = slow_create  # type: ignore[method-assign]
+        gw, nightly, _one = _setup(app, server)
+        await gw.set_budget(tenant="acme", tokens=300)
+        async with app.worker(poll_interval=0.05):
+            run = await app.start(nightly, ["a", "b"], tenant="acme")
+
+            async def made() -> bool:
+                return server.batches.created == 1
+
+            await eventually(made, 20, "the batch made")
+            held = await _spent(gw, "tenant:acme")
+            assert 200 < held < 300
+            await app.cancel(run.run_id, "changed my mind")
+            with pytest.raises(tether.RunCancelledError):
+                await run.result(timeout=20)
+            await asyncio.sleep(2.0)  # the submit is cancelled; the create's answer comes
+        assert server.batches.created == 1
+        assert await _spent(gw, "tenant:acme") == held
+
+
+async def test_a_batch_the_provider_refused_gives_its_estimate_back(
+    app: tether.App, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The create answered a refusal (400, not retried): no batch exists, the estimate
+    is given back: the day ends at 0."""
+    import httpx
+    import openai
+
+    with ModelServer() as server:
+        gw, nightly, _one = _setup(app, server)
+        await gw.set_budget(tenant="acme", tokens=300)
+        jobs = gw.extensions["batch"]
+        real_client = jobs._client
+        refused = {"n": 0}
+
+        async def refuse(**kw: Any) -> Any:
+            refused["n"] += 1
+            request = httpx.Request("POST", f"{server.base_url}/batches")
+            raise openai.BadRequestError(
+                "refused", response=httpx.Response(400, request=request), body=None
+            )
+
+        def client_refusing(model: str) -> Any:
+            ref, client = real_client(model)
+            monkeypatch.setattr(client.batches, "create", refuse)
+            return ref, client
+
+        monkeypatch.setattr(jobs, "_client", client_refusing)
+        async with app.worker(poll_interval=0.05):
+            run = await app.start(nightly, ["a", "b"], tenant="acme")
+            with pytest.raises(tether.WorkflowFailedError, match="BadRequestError"):
+                await run.result(timeout=60)
+        assert refused["n"] == 1 and server.batches.created == 0
+        assert await _spent(gw, "tenant:acme") == 0

@@ -13,15 +13,17 @@ checked against the run's budget and the daily ones before each submit, as a sin
 call's is, and held in the day's spend of the daily ones (checked and added in one
 store transaction) until its results are fetched, when what it used replaces it (a
 batch that failed, expired or was cancelled at the provider used nothing: its estimate
-is given back). What it used is recorded as the run's model usage (``app.usage``),
-counted against the run's budget and the daily ones, and added to the tenant's daily
-ledger and the ``tether_ai_*`` counters. Works with OpenAI's batch API and servers
-that copy it, through the model's own OpenAI SDK client (SDK retries off: tether
-retries).
+is given back); the submit step notes the hold in its heartbeat, so an attempt after a
+crash or failure reuses it rather than holding it twice. What it used is recorded as
+the run's model usage (``app.usage``), counted against the run's budget and the daily
+ones, and added to the tenant's daily ledger and the ``tether_ai_*`` counters. Works
+with OpenAI's batch API and servers that copy it, through the model's own OpenAI SDK
+client (SDK retries off: tether retries).
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 import json
@@ -34,6 +36,7 @@ from typing import Any
 from .._activity_context import activity_context
 from .._errors import ActivityError, ConfigurationError
 from .._policy import Retry, seconds
+from .._serde import encode
 from .._usage import CALL_KEY
 from .._usage import budget_cost as _budget_cost
 from ..workflow._api import sleep
@@ -144,29 +147,47 @@ class BatchJobs:
         key = ctx.idempotency_key
         if options.get("nonce"):  # a value recorded in the run: unique across stores
             key = f"{key}:{options['nonce']}"
+        # the estimate an earlier attempt of this step held (and noted in its heartbeat)
+        # and did not give back: a worker killed inside the step left it held
+        held = _noted_hold(ctx.heartbeat_details)
         # in doubt: did this step create its batch before a crash lost the answer?
         found = await _find_again(client, key, ctx.run_id, len(items), options.get("since"))
         if found is not None:
-            # the batch exists (it will be paid for): its estimate is held again, unchecked
-            # (an attempt that failed after holding it gave it back; a worker killed then
-            # left it counted: over, never under)
-            held = await self._hold_daily(ref, items, options, check=False)
+            # the batch exists (it will be paid for): its estimate stays held; held again,
+            # unchecked, if no attempt of this step holds it now
+            if not held:
+                held = await self._hold_daily(ref, items, options, check=False)
+                await _note_hold(ctx, held)
             return {"batch_id": found, "found_again": True, **held}
-        held = await self._hold_daily(ref, items, options, check=True)
+        if not held:
+            held = await self._hold_daily(ref, items, options, check=True)
+        sending = {"sent": False}
         try:
-            batch_id = await self._create(client, ref, key, ctx.run_id, items, options)
-        except BaseException:
-            # not submitted (or not known to be: a retry that finds it holds it again)
-            got = held.get("daily_held")
-            if got is not None:
-                reserved = {
-                    "day": got["day"],
-                    "tokens": got["tokens"],
-                    "cost": Decimal(got["cost"]),
-                }
-                await self.gateway.give_back_daily(tuple(got["scopes"]), reserved)
+            await _note_hold(ctx, held)
+            batch_id = await self._create(client, ref, key, ctx.run_id, items, options, sending)
+        except BaseException as exc:
+            # the estimate is given back only when the batch is known not to exist: the
+            # create was never sent, or the provider refused it; else it stays held (the
+            # batch may run and be billed), noted for the retry, which reuses it
+            refused = getattr(exc, "status_code", None)
+            if not sending["sent"] or (isinstance(refused, int) and refused < 500):
+                await self._give_back(ctx, held)
             raise
         return {"batch_id": batch_id, "found_again": False, **held}
+
+    async def _give_back(self, ctx: Any, held: dict[str, Any]) -> None:
+        """Give back the estimate ``held`` by this submit step, once the note that an
+        attempt holds it is cleared (a note left would make a retry reuse what was given
+        back: not cleared, it stays held)."""
+        got = held.get("daily_held")
+        if got is None:
+            return
+        try:
+            await asyncio.shield(_note_hold(ctx, {}))
+        except BaseException:
+            return
+        reserved = {"day": got["day"], "tokens": got["tokens"], "cost": Decimal(got["cost"])}
+        await self.gateway.give_back_daily(tuple(got["scopes"]), reserved)
 
     async def _create(
         self,
@@ -176,8 +197,10 @@ class BatchJobs:
         run_id: str,
         items: dict[str, str],
         options: dict[str, Any],
+        sending: dict[str, bool],
     ) -> str:
-        """Upload ``items`` and create their batch; its id."""
+        """Upload ``items`` and create their batch; its id. ``sending["sent"]`` turns
+        true when the create request may have reached the provider."""
         lines = []
         for cid, prompt in items.items():
             body: dict[str, Any] = {
@@ -192,6 +215,7 @@ class BatchJobs:
         upload = await client.files.create(
             file=("tether-batch.jsonl", "\n".join(lines).encode()), purpose="batch"
         )
+        sending["sent"] = True
         batch = await client.batches.create(
             input_file_id=upload.id,
             endpoint=_ENDPOINT,
@@ -221,7 +245,7 @@ class BatchJobs:
         else:
             cost = estimate.get("cost")
             reserved = {
-                "day": _day(self.gateway.app.store.clock()),
+                "day": _day(self.gateway._step_store().clock()),
                 "tokens": int(estimate.get("tokens") or 0),
                 "cost": Decimal(cost or 0),
             }
@@ -409,6 +433,25 @@ async def batch(
         if not todo:
             break
     return BatchResult(results=results, failed=failed, unknown=unknown, batches=ids)
+
+
+def _noted_hold(details: Any) -> dict[str, Any]:
+    """The estimate an earlier attempt of the submit step noted it holds (``daily_held``
+    in its last heartbeat's details), or ``{}``."""
+    got = details.get("daily_held") if isinstance(details, dict) else None
+    return {"daily_held": got} if isinstance(got, dict) else {}
+
+
+async def _note_hold(ctx: Any, held: dict[str, Any]) -> None:
+    """Note in the submit step's heartbeat (awaited: in the store before the upload) the
+    estimate it holds (``{}``: none), for an attempt after a crash to reuse rather than
+    hold it again. Outside a worker there is nothing to note."""
+    if ctx._store is None or ctx.task is None:
+        return
+    if not held and ctx.heartbeat_details is None:
+        return  # nothing held, nothing noted before: nothing to clear
+    await ctx._beat(encode({"daily_held": held.get("daily_held")}, "heartbeat details"))
+    ctx.heartbeat_details = {"daily_held": held.get("daily_held")}
 
 
 def _recorded_nonce(inst: Any) -> str:
