@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -254,6 +255,55 @@ def test_start_without_worker_prints_id_and_is_idempotent(project: Project) -> N
     # same id, different input
     res = project.cli("start", "flows:app", "hello", '"eve"', "--run-id", "r-1")
     assert_one_line_error(res, 1, "r-1")
+
+
+def test_start_wait_with_no_worker_says_so_and_keeps_waiting(
+    project: Project, start_worker: Callable[..., WorkerProc]
+) -> None:
+    """``start --wait`` with no worker running: after a few seconds one line on stderr
+    asks whether a worker is running on this store; the wait goes on, and ends once a
+    worker takes the run."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tether.cli", "start", "flows:app", "hello", '"ada"', "--wait"],
+        cwd=project.root, env=project.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    waiting = WorkerProc(proc)  # its stderr, read as it comes
+    try:
+        wait_until(lambda: "no worker" in waiting.stderr, 30, "the line saying no worker took it")
+        assert proc.poll() is None  # still waiting
+        (line,) = waiting.lines
+        assert "has taken run" in line and "yet" in line, line
+        assert "tether worker flows:app" in line and str(project.db) in line, line
+        start_worker()
+        out, _ = proc.communicate(timeout=CMD_TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+    assert proc.returncode == 0, waiting.stderr
+    run_id, result = out.strip().splitlines()
+    assert json.loads(result) == "hello ada" and run_id in line
+    assert len(waiting.lines) == 1, waiting.stderr  # said once
+
+
+def test_start_wait_timeout_says_how_to_keep_waiting(
+    project: Project, start_worker: Callable[..., WorkerProc]
+) -> None:
+    """A run a worker took (running, waiting for a signal) is not said to lack one; the
+    timeout names the command that keeps waiting, which does (no second run)."""
+    start_worker()
+    res = project.cli("start", "flows:app", "waiter", '"w"', "--wait", "--timeout", "4")
+    run_id = res.stdout.strip()
+    assert_one_line_error(res, 1, run_id, "still running after 4 s")
+    assert "result()" not in res.stderr and "no worker" not in res.stderr, res.stderr
+    again = f"tether start flows:app waiter '\"w\"' --run-id {run_id} --wait"
+    assert again in res.stderr, res.stderr
+    project.ok("signal", run_id, "go", '{"x": 1}', "--store", str(project.db))
+    out = project.ok(*shlex.split(again)[1:])
+    assert out.strip().splitlines() == [run_id, '"w: 1"']
+    listed = json.loads(project.ok("runs", "--store", str(project.db), "--json"))
+    assert [r["run_id"] for r in listed] == [run_id]
 
 
 def test_signal_a_waiting_run(project: Project, start_worker: Callable[..., WorkerProc]) -> None:

@@ -27,7 +27,10 @@ pytestmark = pytest.mark.timeout(180)
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    """A pipe's environment: the demo's output is 120 columns wide (COLUMNS narrows it)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    env.pop("COLUMNS", None)
+    return env
 
 
 def _check_store(store: Path, published: set[str]) -> None:
@@ -151,3 +154,81 @@ def test_the_demo_replaces_only_a_store_it_made(tmp_path: Path) -> None:
     out = subprocess.run(args, env=_env(), capture_output=True, text=True, timeout=150)
     assert out.returncode == 1 and "tether did not modify it" in out.stderr, out.stderr
     assert other.read_bytes() == content
+
+
+def _dead_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_a_model_without_its_api_key_is_said_up_front(tmp_path: Path) -> None:
+    """No OPENAI_API_KEY: one line before anything starts, not ten failed runs whose
+    reason only ``tether get`` shows."""
+    store = tmp_path / "demo.db"
+    env = {k: v for k, v in _env().items() if k not in {"OPENAI_API_KEY", "OPENAI_BASE_URL"}}
+    out = subprocess.run(
+        [*TETHER, "demo", "--model", "openai:gpt-4o-mini", "--fast", "--auto-approve",
+         "--store", str(store)],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2, out.stdout[-3000:] + out.stderr[-3000:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), out.stderr
+    assert "no API key; set OPENAI_API_KEY" in lines[0] and "openai:gpt-4o-mini" in lines[0]
+    assert "worker process started" not in out.stdout and not store.exists()
+
+
+def test_runs_that_fail_show_their_status_and_why(tmp_path: Path) -> None:
+    """A --base-url nothing listens on: every run fails; the table says so and the
+    distinct errors are printed once each under it (not ``-`` and ``pid None``)."""
+    store = tmp_path / "demo.db"
+    url = f"http://127.0.0.1:{_dead_port()}/v1"
+    out = subprocess.run(
+        [*TETHER, "demo", "--model", "m", "--base-url", url, "--fast", "--auto-approve",
+         "--store", str(store)],
+        env=_env(), capture_output=True, text=True, timeout=150,
+    )  # fmt: skip
+    text = out.stdout
+    assert out.returncode == 1, text[-3000:] + out.stderr[-3000:]
+    rows = [line.split() for line in text.splitlines() if re.match(r"\s+\w+-\d{4}\s", line)]
+    assert len(rows) == 10 and all(row[2] == "failed" for row in rows), text[-3000:]
+    errors = text.split("runs failed", 1)[1].split("FAIL", 1)[0]
+    assert "10 runs failed" in text and "ActivityError" in errors, text[-3000:]
+    assert errors.count("ActivityError") == 1, errors  # the same error, said once
+    assert "pid None" not in text
+    assert "tether get doc-" in errors  # where to read one in full
+
+
+def test_the_outcome_table_fits_80_columns(tmp_path: Path) -> None:
+    """COLUMNS=80: no cell or header cut short (``docu…``, ``publ…``, ``$0.…``)."""
+    store = tmp_path / "demo.db"
+    out = subprocess.run(
+        [*TETHER, "demo", "--auto-approve", "--fast", "--store", str(store)],
+        env={**_env(), "COLUMNS": "80"}, capture_output=True, text=True, timeout=150,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    text = out.stdout
+    assert "…" not in text, text[-3000:]
+    end = text.index("model cost")
+    table = text[text.rindex("document", 0, end) : end]
+    assert max(len(line) for line in table.splitlines()) <= 80, table
+    for word in ("kind", "outcome", "steps", "retries", "tokens", "cost"):
+        assert word in table.splitlines()[0], table
+    rows = [line.split() for line in table.splitlines() if re.match(r"\s*\w+-\d{4}\s", line)]
+    assert len(rows) == 10 and all(row[2] == "published" for row in rows), table
+    assert all(re.fullmatch(r"\$\d+\.\d+", row[-1]) for row in rows), table
+
+
+def test_runs_that_end_before_the_crash_point_are_said_so() -> None:
+    """Every run ended (failed, say) before the worker was due to be killed: the check
+    says so, not ``worker killed (pid None)``."""
+    from tether.demo.run import Options, _crash_check, _State
+
+    ok, text = _crash_check(Options(store=Path("demo.db")), _State())
+    assert not ok and "pid None" not in text, text
+    assert "every run ended before the crash point" in text
+    ok, text = _crash_check(Options(store=Path("demo.db"), crash=False), _State())
+    assert ok and text == "no crash asked for (--no-crash)"

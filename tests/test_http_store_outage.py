@@ -146,23 +146,33 @@ def test_a_server_started_while_the_database_is_down_serves_once_it_is_up(
 _INVOICE: dict[str, Any] = {"input": {"invoice": {"number": "A-1", "cents": 1000}, "vat": 0.1}}
 
 
-def test_a_server_on_a_sqlite_path_it_cannot_open_still_fails_at_once(tmp_path: Path) -> None:
-    # not an outage: a SQLite path that cannot be opened (a directory) is the setup's
-    # fault, and waiting would not mend it
+@pytest.mark.parametrize("where", ["a-directory", "in-a-missing-directory"])
+def test_a_server_on_a_sqlite_path_it_cannot_open_still_fails_at_once(
+    tmp_path: Path, where: str
+) -> None:
+    # not an outage: a SQLite path that cannot be opened (a directory, or a file in a
+    # directory that does not exist) is the setup's fault, and waiting would not mend it;
+    # said in the one line `tether worker` says it in, before the server starts
+    path = tmp_path if where == "a-directory" else tmp_path / "missing" / "t.db"
+    code, err, _ = _serve(f"sqlite:///{path}")
+    assert code == 3, err
+    assert err.strip() == _worker_says(f"sqlite:///{path}"), err
+
+
+def _worker_says(store: str) -> str:
+    """What ``tether worker`` says (one line) on a store it cannot open."""
     env = {
         **os.environ,
         "PYTHONPATH": f"{HERE.parent / 'src'}{os.pathsep}{HERE}",
-        "TETHER_TEST_STORE": f"sqlite:///{tmp_path}",
+        "TETHER_TEST_STORE": store,
     }
     done = subprocess.run(
-        [sys.executable, "-m", "tether.cli", "serve", "serve_app:app", "--port", "0", "--no-auth"],
-        cwd=HERE,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 3, done.stderr
+        [sys.executable, "-m", "tether.cli", "worker", "serve_app:app"],
+        cwd=HERE, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 1 and done.stderr.startswith("error: "), done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    return done.stderr.strip()
 
 
 async def test_a_changes_stream_whose_look_up_fails_ends_with_a_message(
@@ -250,6 +260,9 @@ def test_a_server_on_a_database_that_can_never_work_stops_at_once_saying_why(
     masked = user.split(":")[0] + (":***" if ":" in user else "")
     assert _pg_url(masked, database) in line, line  # the URL, its password masked
     assert "s3cret" not in err, err
+    # no traceback: it ends with the line `tether worker` says it in
+    assert "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == _worker_says(_pg_url(user, database)), err
 
 
 @pytest.mark.parametrize(

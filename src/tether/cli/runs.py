@@ -4,8 +4,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import math
+import shlex
 from collections.abc import Callable, Coroutine
 from typing import Annotated, Any
 
@@ -14,7 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .._app import App, Run
-from .._errors import PayloadError
+from .._errors import PayloadError, ResultTimeoutError, TetherError
 from .._history import RunInfo, RunStatus, describe_waiting
 from .._serde import encode
 from ._common import (
@@ -24,6 +27,7 @@ from ._common import (
     _app_option,
     _client_app,
     _console,
+    _describe_store,
     _dump,
     _fail,
     _info_dict,
@@ -444,7 +448,64 @@ def start_command(
                 raise UsageError(str(exc)) from None
             print(run.run_id, flush=True)
             if wait:
-                result = await run.result(timeout)
+                result = await _wait_for(a, run, timeout, app_spec, workflow, args or [])
                 print(encode(result, "the run's result"))
 
     _run(go())
+
+
+#: seconds ``start --wait`` waits before it says that no worker has taken the run
+UNCLAIMED_NOTICE_AFTER = 3.0
+
+
+async def _wait_for(
+    app: App, run: Run[Any], timeout: float | None, app_spec: str, workflow: str, args: list[str]
+) -> Any:
+    """The run's result; meanwhile, if no worker takes it, say so once (to stderr); on the
+    timeout, the command that keeps waiting (a start with the run's id starts no other)."""
+    noticing = asyncio.create_task(_say_if_unclaimed(app, run.run_id, app_spec))
+    try:
+        return await run.result(timeout)
+    except ResultTimeoutError:
+        try:
+            status: RunStatus | None = (await app.get(run.run_id)).status
+        except TetherError:
+            status = None  # the store could not be read
+        state = "not known to have ended" if status is None else f"still {status.value}"
+        state += f" after {timeout:g} s"
+        if status is RunStatus.PENDING:
+            state += f" (no worker has taken it: is `tether worker {app_spec}` running?)"
+        options = ["--run-id", run.run_id, "--wait"]
+        # an argument that looks like an option (a negative number) goes after --
+        dashed = any(a.startswith("-") for a in args)
+        again = [*options, "--", *args] if dashed else [*args, *options]
+        raise ResultTimeoutError(
+            f"run {run.run_id!r} is {state}; it goes on. To keep "
+            f"waiting: {shlex.join(['tether', 'start', app_spec, workflow, *again])} (the "
+            "same run: no other starts)"
+        ) from None
+    finally:
+        noticing.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await noticing
+
+
+async def _say_if_unclaimed(app: App, run_id: str, app_spec: str) -> None:
+    """Say once, on stderr, that no worker has taken the run, while it stays pending with
+    nothing of its queue running (then whoever waits may be waiting for nothing)."""
+    with contextlib.suppress(TetherError):  # only a hint: a store that fails is said later
+        await asyncio.sleep(UNCLAIMED_NOTICE_AFTER)
+        while (info := await app.get(run_id)).status is RunStatus.PENDING:
+            if info.task_error:  # a worker took it, and fails it
+                _note(f"run {run_id} has not started yet: {info.task_error} (still waiting)")
+                return
+            stats = {q.queue: q for q in await app.queue_stats()}
+            queue = stats.get(info.queue)
+            if queue is None or queue.running == 0:
+                store = getattr(app.store, "url", None) or _describe_store(app.store)
+                _note(
+                    f"no worker has taken run {run_id} yet: is `tether worker {app_spec}` "
+                    f"running on store {store}? (still waiting)"
+                )
+                return
+            await asyncio.sleep(UNCLAIMED_NOTICE_AFTER)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import logging
 import math
@@ -14,6 +15,8 @@ from typing import Annotated, Any
 
 import typer
 
+from .._errors import TetherError
+from ..store._open import _PG_SCHEMES
 from ._common import (
     EXIT_USAGE,
     ThreadGraceOption,
@@ -148,6 +151,7 @@ def serve_command(
 
     _setup_logging(log_level, log_format)
     app = load_app(app_spec)
+    _check_store(app)
     api = create_api(
         app,
         workers=workers,
@@ -179,7 +183,7 @@ def serve_command(
     # uvicorn's loggers go through the root's JSON handler
     logs: dict[str, Any] = {"log_config": None} if log_format == "json" else {}
     config = uvicorn.Config(
-        api,
+        _quiet_start_failure(api),
         host=host,
         port=port,
         log_level=log_level.lower(),
@@ -200,9 +204,13 @@ def serve_command(
         server.run()
     except _Stopped:
         pass
+    except SystemExit:  # uvicorn's, when the start failed (code 3)
+        _say_why(api)
+        raise
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    _say_why(api)
     if not server.started or api.state.start_failed:
         # e.g. the port is taken (uvicorn logged why; its exit code), or the store opened
         # late and the workers could not start then (logged)
@@ -220,6 +228,50 @@ def serve_command(
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
+
+
+def _check_store(app: Any) -> None:
+    """Open (then close) a store that is not PostgreSQL's, before the server starts: a
+    SQLite path that cannot be opened is said in one line, as ``tether worker`` says it,
+    with exit code 3. A PostgreSQL store is opened by the server as it starts (and, while
+    the database is down, again in the background: ``server._opening``)."""
+    spec = app._store_spec
+    if not isinstance(spec, str | None) or (spec or "").startswith(_PG_SCHEMES):
+        return  # a Store object given as it is, or PostgreSQL
+    try:
+        _ = app.store
+    except TetherError as exc:
+        _fail(str(exc), 3)
+    finally:
+        asyncio.run(app.close())
+
+
+def _say_why(api: Any) -> None:
+    """When the start failed for a reason tether knows (the store cannot be opened...),
+    say it in one line and exit with code 3."""
+    failure = api.state.start_error
+    if isinstance(failure, TetherError):
+        _fail(str(failure), 3)
+
+
+def _quiet_start_failure(api: Any) -> Any:
+    """``api`` for uvicorn, whose failed start, when tether says why (a ``TetherError``:
+    the store cannot be opened), is not also logged as a traceback."""
+
+    async def asgi(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "lifespan":
+            await api(scope, receive, send)
+            return
+
+        async def quiet(message: Any) -> None:
+            failed = message["type"] == "lifespan.startup.failed"
+            if failed and isinstance(api.state.start_error, TetherError):
+                message = {**message, "message": ""}
+            await send(message)
+
+        await api(scope, receive, quiet)
+
+    return asgi
 
 
 class _Stopped(Exception):

@@ -30,6 +30,7 @@ from rich.panel import Panel
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.prompt import Prompt
 from rich.table import Table
+from rich.text import Text
 
 
 @dataclass
@@ -44,6 +45,10 @@ class Options:
     base_url: str | None = None
 
 
+#: the share of the pipeline's stages done (over every run) when the worker is killed
+_CRASH_AT = 0.3
+
+
 @dataclass
 class _State:
     worker: subprocess.Popen[bytes] | None = None
@@ -56,12 +61,17 @@ class _State:
 
 def main(options: Options, console: Console | None = None) -> int:
     """Run the demo; 0 when every self-check passed."""
-    # a log or a pipe gets a wide table, not one cut to 80 columns
-    console = console or Console(width=None if sys.stdout.isatty() else 120)
+    # a log or a pipe gets a wide table, not one cut to 80 columns (unless COLUMNS says)
+    wide = sys.stdout.isatty() or os.environ.get("COLUMNS", "").isdigit()
+    console = console or Console(width=None if wide else 120)
     refused = _not_the_demos(options.store)
     if refused is not None:
         print(f"error: {refused}", file=sys.stderr)
         return 1
+    unusable = _model_problem(options)
+    if unusable is not None:
+        print(f"error: cannot use --model {options.model}: {unusable}", file=sys.stderr)
+        return 2
     for suffix in ("", "-wal", "-shm", ".side.db", ".side.db-wal", ".side.db-shm"):
         Path(f"{options.store}{suffix}").unlink(missing_ok=True)  # a demo starts afresh
     os.environ["TETHER_DEMO_STORE"] = str(options.store)
@@ -73,6 +83,24 @@ def main(options: Options, console: Console | None = None) -> int:
     with side_table():  # made before the store: it marks the store as the demo's to replace
         pass
     return asyncio.run(_main(options, console))
+
+
+def _model_problem(options: Options) -> str | None:
+    """Why the model ``--model`` names cannot be built here (a missing API key...), or None.
+
+    The worker builds the same model from the same environment: said once, up front,
+    rather than as ten runs that fail. A server behind ``--base-url`` is not called.
+    """
+    if options.base_url or not options.model:
+        return None
+    from ..ai import ModelConfigError
+    from ..ai._models import build
+
+    try:
+        build(options.model)
+    except ModelConfigError as exc:
+        return str(exc)
+    return None
 
 
 #: the tables of the demo's side table (``<store>.side.db``), which marks its store
@@ -214,7 +242,7 @@ async def _follow(
             if all(i.is_finished for i in infos):
                 return
             share = done_stages / (total_stages * len(infos))
-            if options.crash and state.killed_pid is None and share >= 0.3:
+            if options.crash and state.killed_pid is None and share >= _CRASH_AT:
                 await _crash(app, run_ids, state, progress.console)
             # a decision is delivered at once and recorded by the run a moment later:
             # until then the review still reads open, so ask about each one once
@@ -289,17 +317,42 @@ async def _review(app: Any, review: Any, options: Options, state: _State, consol
     state.decided[review.run_id] = {"approve": "approved", "edit": "edited"}.get(choice, "rejected")
 
 
+#: below this width the outcome table merges columns to fit (80 columns fit)
+_NARROW = 104
+_COLUMNS = [
+    "document",
+    "kind",
+    "outcome",
+    "review",
+    "steps",
+    "retries",
+    "re-run",
+    "time",
+    "tokens",
+    "cost",
+]
+_NARROW_COLUMNS = ["document", "kind", "outcome", "steps", "retries", "time", "tokens", "cost"]
+
+
 async def _summary(
     app: Any, pipeline: Any, run_ids: list[str], options: Options, state: _State, console: Console
 ) -> bool:
-    """The outcome table and the self-checks; True when every check passed."""
-    table = Table(title="outcome", box=box.SIMPLE_HEAD)
-    columns = ("document", "kind", "outcome", "review", "steps", "retries", "re-run", "time")
-    for column in (*columns, "tokens", "cost"):
+    """The outcome table, the runs' errors and the self-checks; True when every check passed."""
+    narrow = console.width < _NARROW
+    # narrow: the review goes under the outcome, the re-runs beside the retries ("1+1")
+    columns = _NARROW_COLUMNS if narrow else _COLUMNS
+    table = Table(
+        title="outcome", box=box.SIMPLE_HEAD, pad_edge=not narrow, collapse_padding=narrow
+    )
+    for column in columns:
         numeric = column in {"steps", "retries", "re-run", "time", "tokens", "cost"}
-        table.add_column(column, justify="right" if numeric else "left")
+        # what a cell cannot lose (an id, a figure) is never cut; the outcome may wrap
+        table.add_column(
+            column, justify="right" if numeric else "left", no_wrap=column != "outcome"
+        )
     repeated: list[str] = []
     accounted = 0
+    errors: dict[str, list[str]] = {}
     with pipeline.side_table() as conn:
         executions = conn.execute("SELECT run_id, step, at FROM executions").fetchall()
         published = conn.execute("SELECT doc_id, deliveries FROM published").fetchall()
@@ -311,41 +364,61 @@ async def _summary(
         info = await app.get(rid)
         history = await app.history(rid)
         completed = [e for e in history if e.type.value == "ActivityCompleted"]
-        failures = sum(1 for e in history if e.type.value == "ActivityAttemptFailed")
+        failed_at: dict[int, int] = {}
+        for e in history:
+            if e.type.value == "ActivityAttemptFailed":
+                failed_at[e.step or 0] = failed_at.get(e.step or 0, 0) + 1
+        failures = sum(failed_at.values())
         reruns = 0
         for event in completed:
             times = ran_at.get((rid, event.step or 0), [])
-            reruns += max(0, len(times) - 1)
+            # an execution beyond the first that no failed attempt accounts for
+            reruns += max(0, len(times) - 1 - failed_at.get(event.step or 0, 0))
             if any(t > event.created_at for t in times):
                 repeated.append(f"{rid} step {event.step}")
-        outcome = kind = review = "-"
+        status = info.custom_status if isinstance(info.custom_status, dict) else {}
+        kind = str(status.get("kind") or "-")
+        outcome = info.status.value  # failed, cancelled... when the run did not complete
+        review = state.decided.get(rid, "-")
         if info.status.value == "completed":
             out = await app.get_run(rid).result(timeout=5)
             outcome, kind = out.status, out.kind
-            review = state.decided.get(rid, "-")
             accounted += 1
+        if info.error:
+            errors.setdefault(_error_line(info.error), []).append(rid)
         usage = await app.usage(rid)
         total_cost += usage.cost
         took = (info.completed_at or time.time()) - info.created_at
-        table.add_row(
-            rid[4:],
-            kind,
-            outcome,
-            review,
-            str(len(completed)),
-            str(failures),
-            str(reruns),
-            f"{took:.1f} s",
-            f"{usage.tokens:,}",
-            f"${usage.cost:.6f}",
-        )
+        figures = [f"{took:.1f} s", f"{usage.tokens:,}", f"${usage.cost:.6f}"]
+        if narrow:
+            if review not in ("-", outcome):
+                outcome = f"{outcome} ({review})"
+            retried = str(failures) + (f"+{reruns}" if reruns else "")
+            table.add_row(rid[4:], kind, outcome, str(len(completed)), retried, *figures)
+        else:
+            table.add_row(
+                rid[4:], kind, outcome, review, str(len(completed)), str(failures), str(reruns),
+                *figures,
+            )  # fmt: skip
     console.print(table)
     priced = "simulated price" if not (options.model or options.base_url) else "genai-prices"
     console.print(
         f"model cost, all documents: ${total_cost:.6f} ({priced}). retries: failed attempts "
-        "tried again; re-run: steps in flight when the worker was killed (never recorded, so "
-        "run again)"
+        "tried again; "
+        + ("+N" if narrow else "re-run")
+        + ": steps in flight when the worker was killed (never recorded, so run again)"
     )
+    if errors:
+        failed = sum(len(rids) for rids in errors.values())
+        console.print(f"\n[red]{failed} runs failed[/] (the distinct errors):")
+        for line, rids in errors.items():
+            which = ", ".join(r[4:] for r in rids[:3]) + (", ..." if len(rids) > 3 else "")
+            console.print(Text(f"  {line} ({len(rids)}: {which})"))
+        console.print(
+            f"one in full: [bold]tether get {next(iter(errors.values()))[0]} "
+            f"--store {options.store}[/]",
+            soft_wrap=True,
+        )
     per_doc: dict[str, int] = {}
     duplicates = 0
     for doc_id, deliveries in published:
@@ -353,13 +426,7 @@ async def _summary(
         duplicates += deliveries - 1
     checks = [
         (accounted == len(run_ids), f"{accounted}/{len(run_ids)} documents accounted for"),
-        (
-            not options.crash or (state.killed_pid is not None and state.workers_started == 2),
-            f"worker killed (pid {state.killed_pid}) after {state.recorded_at_kill} recorded "
-            "steps, and the runs finished on a new worker"
-            if options.crash
-            else "no crash asked for (--no-crash)",
-        ),
+        _crash_check(options, state),
         (
             not repeated,
             "no recorded step executed again"
@@ -376,3 +443,25 @@ async def _summary(
     for ok, text in checks:
         console.print(f"  {'[green]ok[/]  ' if ok else '[red]FAIL[/]'} {text}")
     return all(ok for ok, _ in checks)
+
+
+def _error_line(error: dict[str, Any]) -> str:
+    """A run's error in one line: its type and the first line of its message."""
+    message = str(error.get("message") or "").strip().splitlines()
+    line = f"{error.get('type') or 'error'}: {message[0] if message else ''}"
+    return line if len(line) <= 300 else line[:299] + "..."
+
+
+def _crash_check(options: Options, state: _State) -> tuple[bool, str]:
+    """Whether the worker was killed part-way and the runs went on on a new one."""
+    if not options.crash:
+        return True, "no crash asked for (--no-crash)"
+    if state.killed_pid is None:
+        return False, (
+            "no crash: every run ended before the crash point (the worker is killed once "
+            f"{_CRASH_AT:.0%} of the steps are done), so there was nothing to resume"
+        )
+    return state.workers_started == 2, (
+        f"worker killed (pid {state.killed_pid}) after {state.recorded_at_kill} recorded "
+        "steps, and the runs finished on a new worker"
+    )

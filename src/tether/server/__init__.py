@@ -359,7 +359,11 @@ def create_api(
     @contextlib.asynccontextmanager
     async def lifespan(_api: FastAPI) -> AsyncIterator[None]:
         began.clear()
-        await opening.start()  # or, while the database is down, in the background
+        try:
+            await opening.start()  # or, while the database is down, in the background
+        except Exception as exc:
+            api.state.start_error = exc  # ``tether serve`` says it in one line
+            raise
         # served by plain uvicorn (``uvicorn module:api``, not ``tether serve``), nothing
         # tells the API the server begins to stop: uvicorn waits for open connections
         # first, so an open event stream would hold it (and this shutdown) for ever
@@ -404,6 +408,8 @@ def create_api(
     api.state.begin_shutdown = begin_shutdown
     api.state.left_threads = left_threads
     api.state.start_failed = False
+    #: why the start failed (the store could not be opened...), or None
+    api.state.start_error = None
     if console:
         install_console(api, app, auth=auth, limiter=limiter)
 
