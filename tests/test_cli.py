@@ -619,6 +619,7 @@ def test_bad_app_specs_and_workflows(project: Project) -> None:
         (("worker", "nosuchmodule:app"), 1, ("nosuchmodule",)),
         (("worker", "pkg/flows.py:app"), 2, ("names a file", "'pkg.flows:app'")),
         (("worker", "./flows.py:app"), 2, ("names a file", "'flows:app'")),
+        (("worker", "/srv/proj/flows.py:app"), 2, ("names a file", "'flows:app'")),
         (("runs", "--app", "flows:nope"), 1, ("has no attribute",)),
         (("runs", "--app", "flows:app", "--store", "x.db"), 2, ("--store or --app",)),
         (("signal", "r", "go", "{bad", "--store", "x.db"), 2, ("not valid JSON",)),

@@ -184,8 +184,10 @@ class BatchJobs:
             return
         try:
             await asyncio.shield(_note_hold(ctx, {}))
-        except BaseException:
-            return
+        except asyncio.CancelledError:
+            raise  # kept held (the note may stand); the attempt is handed back, not failed
+        except Exception:
+            return  # the note may stand: the estimate stays held
         reserved = {"day": got["day"], "tokens": got["tokens"], "cost": Decimal(got["cost"])}
         await self.gateway.give_back_daily(tuple(got["scopes"]), reserved)
 
@@ -450,8 +452,11 @@ async def _note_hold(ctx: Any, held: dict[str, Any]) -> None:
         return
     if not held and ctx.heartbeat_details is None:
         return  # nothing held, nothing noted before: nothing to clear
-    await ctx._beat(encode({"daily_held": held.get("daily_held")}, "heartbeat details"))
-    ctx.heartbeat_details = {"daily_held": held.get("daily_held")}
+    note = {"daily_held": held.get("daily_held")}
+    # marked before the write: one interrupted after it reached the store (a cancel, an
+    # answer lost) must still be cleared before the estimate is given back
+    ctx.heartbeat_details = note
+    await ctx._beat(encode(note, "heartbeat details"))
 
 
 def _recorded_nonce(inst: Any) -> str:

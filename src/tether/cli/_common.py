@@ -142,7 +142,10 @@ def load_app(spec: str) -> App:
             f"{spec!r} is not of the form MODULE:ATTR (for example 'myproject.flows:app')"
         )
     if module_name.endswith(".py") or "/" in module_name or os.sep in module_name:
-        dotted = module_name.removesuffix(".py").replace(os.sep, "/").strip("./")
+        dotted = module_name.removesuffix(".py").replace(os.sep, "/")
+        if dotted.startswith(("/", "../")):  # run from the file's own folder: its name
+            dotted = dotted.rsplit("/", 1)[-1]
+        dotted = dotted.strip("./")
         raise UsageError(
             f"{spec!r} names a file: MODULE is the module's name as Python imports it, "
             f"for example '{dotted.replace('/', '.')}:{attr}' run from the directory that "

@@ -93,9 +93,11 @@ def _model_problem(options: Options) -> str | None:
     """
     if options.base_url or not options.model:
         return None
-    from ..ai import ModelConfigError
-    from ..ai._models import build
-
+    try:
+        from ..ai import ModelConfigError
+        from ..ai._models import build
+    except ImportError as exc:  # the ai extra is not installed
+        return str(exc)
     try:
         build(options.model)
     except ModelConfigError as exc:
