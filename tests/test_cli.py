@@ -209,6 +209,14 @@ def start_worker(project: Project) -> Iterator[Callable[..., WorkerProc]]:
 # -- happy paths --------------------------------------------------------------------
 
 
+def test_a_run_no_worker_took_shows_it_waits_for_a_worker(project: Project) -> None:
+    # it showed an empty "waiting for", as if it waited for nothing
+    run_id = project.ok("start", "flows:app", "hello", '"ada"').strip().splitlines()[0]
+    table = project.ok("runs", "--store", str(project.db))
+    row = next(x for x in table.splitlines() if run_id in x)
+    assert "pending" in row and "a worker (queue default)" in row
+
+
 def test_start_wait_runs_get_and_history_export(
     project: Project, start_worker: Callable[..., WorkerProc]
 ) -> None:

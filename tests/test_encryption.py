@@ -366,6 +366,8 @@ def test_the_keyring_commands_make_rotate_list_and_shred_keys(tmp_path: Path) ->
     path = str(tmp_path / "keys.json")
     made = _tether("keyring", "init", path, "--per-tenant")
     assert made.returncode == 0, made.stderr
+    # not "keep a copy somewhere safe": a copy kept elsewhere defeats shredding
+    assert "a backup of the keyring defeats tether keyring shred" in made.stderr
     again = _tether("keyring", "init", path)
     assert again.returncode == 2 and "never overwritten" in again.stderr
     ring = FileKeyring(path)

@@ -87,7 +87,15 @@ def keyring_init_command(
         _fail(str(exc), EXIT_USAGE)
     except OSError as exc:  # a missing directory, no permission
         _fail(f"cannot create keyring file {path!r}: {exc.strerror}", EXIT_ERROR)
-    kept = f"wrapped by {wrap.name!r}" if wrap is not None else "keep a copy somewhere safe"
+    if wrap is not None:
+        kept = f"wrapped by {wrap.name!r}"
+    elif per_tenant:  # a copy kept elsewhere keeps a shredded tenant readable
+        kept = (
+            "keep copies of it only where a tenant's key can be destroyed too: a backup "
+            "of the keyring defeats tether keyring shred (docs/data-lifecycle.md)"
+        )
+    else:
+        kept = "keep a copy somewhere safe"
     _note(f"created {path}: new payloads are sealed with key {ring.current(None)}; {kept}")
 
 

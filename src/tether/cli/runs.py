@@ -116,12 +116,21 @@ def runs_command(
             Text(info.workflow),
             _status_text(info.status),
             Text(_short_json(info.custom_status)),
-            Text(describe_waiting(info.waiting_on)),
+            Text(_waiting_for(info)),
             *([Text(stuck_types[info.run_id])] if any(stuck_types.values()) else []),
             _ts(info.created_at),
             _ts(info.updated_at),
         )
     _console().print(table)
+
+
+def _waiting_for(info: RunInfo) -> str:
+    """What a run waits for; a pending run no worker has taken yet waits for a worker of
+    its queue (it showed nothing, as if it waited for nothing)."""
+    said = describe_waiting(info.waiting_on)
+    if not said and info.status is RunStatus.PENDING:
+        return f"a worker (queue {info.queue})"
+    return said
 
 
 def _task_error_type(info: RunInfo) -> str:
