@@ -142,17 +142,7 @@ async def test_result_polls_a_run_running_elsewhere_by_its_status_alone(
     # payload read, nothing opened or decoded) and reads it whole only at its end
     app = tether.App(store=store_url)
     other = tether.App(store=store_url)
-    go = asyncio.Event()
-
-    @other.activity
-    async def slow(x: int) -> int:
-        await go.wait()
-        return x + 1
-
-    @other.workflow(name="elsewhere")
-    async def elsewhere(x: int) -> int:
-        return await slow(x)
-
+    elsewhere, go = _step_held_until(other)
     try:
         async with other.worker(lease=5.0, poll_interval=0.05):
             await other.start(elsewhere, 41, run_id="far")
@@ -176,6 +166,23 @@ async def test_result_polls_a_run_running_elsewhere_by_its_status_alone(
         await other.close()
 
 
+def _step_held_until(other: tether.App) -> tuple[tether.Workflow[[int], int], asyncio.Event]:
+    """A workflow of ``other`` (another process, as far as the store knows) whose one
+    step returns ``x + 1`` once the event is set."""
+    go = asyncio.Event()
+
+    @other.activity
+    async def slow(x: int) -> int:
+        await go.wait()
+        return x + 1
+
+    @other.workflow(name="elsewhere")
+    async def elsewhere(x: int) -> int:
+        return await slow(x)
+
+    return elsewhere, go
+
+
 def _at_least(seen: list[str], n: int) -> Any:
     async def check() -> bool:
         return len(seen) >= n
@@ -191,17 +198,7 @@ async def test_a_run_purged_between_its_status_poll_and_its_read_is_said_purged(
     # timeout" instead of RunPurgedError
     app = tether.App(store=store_url)
     other = tether.App(store=store_url)
-    go = asyncio.Event()
-
-    @other.activity
-    async def slow(x: int) -> int:
-        await go.wait()
-        return x + 1
-
-    @other.workflow(name="purged_soon")
-    async def purged_soon(x: int) -> int:
-        return await slow(x)
-
+    purged_soon, go = _step_held_until(other)
     try:
         async with other.worker(lease=5.0, poll_interval=0.05):
             await other.start(purged_soon, 1, run_id="gone")

@@ -2754,11 +2754,15 @@ def run_sync(coro: Coroutine[Any, Any, T]) -> T:
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        running = False
+        pass  # no loop: run it here, after the except (its errors are not chained to this)
     else:
-        running = True
-    if not running:  # (outside the except: an error of the run is not shown chained to it)
-        return asyncio.run(coro)
+        return _in_a_thread(coro)
+    return asyncio.run(coro)
+
+
+def _in_a_thread(coro: Coroutine[Any, Any, T]) -> T:
+    """``coro`` run to completion on a loop of its own in another thread (this one runs a
+    loop already)."""
     box: dict[str, Any] = {}
 
     def target() -> None:
