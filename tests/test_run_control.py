@@ -94,7 +94,10 @@ async def test_cancel_interrupts_running_async_activity(app: tether.App) -> None
         finally:
             await cleanup()
 
-    async with app.worker(lease=0.6, poll_interval=0.05):
+    # a lease long enough that a loaded machine does not let the cleanup's lease run out
+    # (a step whose lease ran out runs again: at least once), short enough that the
+    # renewal which tells the worker of the cancel comes soon
+    async with app.worker(lease=2.0, poll_interval=0.05):
         run = await app.start(job)
         await asyncio.wait_for(started.wait(), 10)
         t0 = time.monotonic()
@@ -103,6 +106,7 @@ async def test_cancel_interrupts_running_async_activity(app: tether.App) -> None
             await run.result(timeout=10)
         assert time.monotonic() - t0 < 10
         assert cleaned == [1]
+        assert (await event_types(app, run.run_id)).count(EventType.ACTIVITY_SCHEDULED) == 2
         await eventually(lambda: asyncio.sleep(0, result=bool(saw_cancel)), what="activity saw it")
     assert saw_cancel == ["cancelled"]
 
