@@ -29,7 +29,9 @@ async def test_one_step_run_costs_two_commits_and_records_the_usual_history(
 ) -> None:
     calls: list[int] = []
     wf = _register(app, calls)
-    async with app.worker(lease=5.0, poll_interval=0.05) as worker:
+    # a long poll: no claim of its own falls in the measured window (on PostgreSQL
+    # every claim is a transaction; a loaded machine stretches the window past 0.05 s)
+    async with app.worker(lease=5.0, poll_interval=5.0) as worker:
         await app.start(wf, 0, run_id="warm-up")  # the store and worker are open
         await (await app.start(wf, 0, run_id="warm-up")).result(timeout=10)
         before = app.store.stats()["commits"]
