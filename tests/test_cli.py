@@ -975,3 +975,38 @@ def test_every_tether_command_named_in_messages_and_docs_exists() -> None:
             if first in subcommands or (quoted and not known):
                 wrong.append((where, mention))
     assert not wrong, "\n".join(map(str, wrong))
+
+
+def test_serve_on_port_0_prints_the_port_it_listens_on(project: Project) -> None:
+    """``--port 0`` lets the OS choose: the start line names the bound port (it said
+    ``:0``), and the API answers there."""
+    import urllib.request
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tether.cli", "serve", "flows:app", "--port", "0", "--no-auth"],
+        cwd=project.root,
+        env=project.env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    server = WorkerProc(proc)
+    try:
+        wait_until(
+            lambda: "API docs at" in server.stderr or proc.poll() is not None,
+            CMD_TIMEOUT,
+            "the server's start line",
+        )
+        found = re.search(r"on http://127\.0\.0\.1:(\d+) ", server.stderr)
+        assert found is not None, server.stderr
+        port = int(found.group(1))
+        assert port != 0, server.stderr
+        assert "127.0.0.1:0" not in server.stderr, server.stderr  # the --no-auth warning too
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/workflows", timeout=30) as r:
+            assert r.status == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=30)
+        if proc.stderr is not None:
+            proc.stderr.close()
+    assert code == 0, server.stderr
