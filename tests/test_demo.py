@@ -156,6 +156,20 @@ def test_the_demo_replaces_only_a_store_it_made(tmp_path: Path) -> None:
     assert other.read_bytes() == content
 
 
+def test_a_store_in_a_folder_that_does_not_exist_is_said_in_one_line(tmp_path: Path) -> None:
+    """It was a traceback (sqlite3's "unable to open database file")."""
+    store = tmp_path / "no-such-dir" / "demo.db"
+    out = subprocess.run(
+        [*TETHER, "demo", "--fast", "--auto-approve", "--store", str(store)],
+        env=_env(), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), out.stderr
+    assert "does not exist" in lines[0] and str(store.parent) in lines[0], lines[0]
+    assert not store.parent.exists()
+
+
 def _dead_port() -> int:
     import socket
 

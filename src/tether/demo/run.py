@@ -64,7 +64,7 @@ def main(options: Options, console: Console | None = None) -> int:
     # a log or a pipe gets a wide table, not one cut to 80 columns (unless COLUMNS says)
     wide = sys.stdout.isatty() or os.environ.get("COLUMNS", "").isdigit()
     console = console or Console(width=None if wide else 120)
-    refused = _not_the_demos(options.store)
+    refused = _no_folder(options.store) or _not_the_demos(options.store)
     if refused is not None:
         print(f"error: {refused}", file=sys.stderr)
         return 1
@@ -119,6 +119,18 @@ def _side_tables(path: Path) -> set[str] | None:
             conn.close()
     except sqlite3.Error:
         return None
+
+
+def _no_folder(store: Path) -> str | None:
+    """Why the demo cannot write ``store`` (its folder does not exist), or None: said in
+    one line, as the store says it, rather than as sqlite3's traceback."""
+    folder = store.absolute().parent
+    if folder.is_dir():
+        return None
+    return (
+        f"cannot write the demo's store {str(store)!r}: folder {str(folder)!r} does not "
+        "exist; create it or pass another --store"
+    )
 
 
 def _not_the_demos(store: Path) -> str | None:
