@@ -78,8 +78,10 @@ def runs_command(
     ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
-    """List runs, newest first, with what each live run waits for (and, for a run that
-    cannot move on, the type of its task error: `tether get` shows it whole)."""
+    """List runs, newest first, with what each live run waits for.
+
+    A run that cannot move on shows the type of its task error too (`tether get`
+    shows it whole)."""
 
     async def go() -> list[RunInfo]:
         async with _opened(_client_app(store, app)) as a:
@@ -316,8 +318,9 @@ def retry_command(
     store: Annotated[str | None, _store_option()] = None,
     app: Annotated[str | None, _app_option()] = None,
 ) -> None:
-    """Retry a failed (or needs-intervention) run from its failed step; earlier steps
-    keep their recorded results."""
+    """Retry a failed (or needs-intervention) run from its failed step.
+
+    Earlier steps keep their recorded results."""
     _act(
         store,
         app,
