@@ -191,8 +191,25 @@ def test_a_model_without_its_api_key_is_said_up_front(tmp_path: Path) -> None:
     assert out.returncode == 2, out.stdout[-3000:] + out.stderr[-3000:]
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), out.stderr
-    assert "no API key; set OPENAI_API_KEY" in lines[0] and "openai:gpt-4o-mini" in lines[0]
+    assert "no API key: set OPENAI_API_KEY" in lines[0] and "openai:gpt-4o-mini" in lines[0]
+    # what a user of the command can do: no "pass api_key=" (a Python argument)
+    assert "api_key=" not in lines[0] and "--base-url" in lines[0], lines[0]
     assert "worker process started" not in out.stdout and not store.exists()
+    env.pop("ANTHROPIC_API_KEY", None)
+    out = subprocess.run(
+        [*TETHER, "demo", "--model", "anthropic:claude-haiku-4-5", "--fast", "--auto-approve",
+         "--store", str(store)],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2 and "no API key: set ANTHROPIC_API_KEY" in out.stderr, out.stderr
+    assert "api_key=" not in out.stderr
+    out = subprocess.run(
+        [*TETHER, "demo", "--model", "nosuchprovider:m", "--fast", "--auto-approve",
+         "--store", str(store)],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2 and "Unknown model" in out.stderr, out.stderr
+    assert "pass a Model" not in out.stderr and "--base-url" in out.stderr, out.stderr
 
 
 def test_runs_that_fail_show_their_status_and_why(tmp_path: Path) -> None:
