@@ -1010,3 +1010,41 @@ def test_serve_on_port_0_prints_the_port_it_listens_on(project: Project) -> None
         if proc.stderr is not None:
             proc.stderr.close()
     assert code == 0, server.stderr
+
+
+async def test_start_wait_polls_the_run_status_not_the_whole_run(
+    app: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """While a worker is busy on the run's queue (so no notice is due), ``start --wait``'s
+    notice check read the whole run (its input decoded) every 3 s; it polls the run's
+    status, and reads the run once more only to say why nothing took it."""
+    import asyncio
+
+    from tether.cli import runs as cli_runs
+
+    @app.workflow
+    async def echo(text: str) -> str:
+        return text
+
+    await app.start(echo, "busy", run_id="busy")
+    waiting = await app.start(echo, "x" * 10_000, run_id="waiting")
+    held = await app.store.claim(worker_id="elsewhere", queues=["default"], limit=1, lease=60)
+    assert [t.run_id for t in held] == ["busy"]  # the queue has work running
+
+    reads: list[str] = []
+    get_run = app.store.get_run
+
+    async def counted(run_id: str, **kw: Any) -> Any:
+        if not kw.get("lenient"):  # a lenient read is a status read's (payloads skipped)
+            reads.append(run_id)
+        return await get_run(run_id, **kw)
+
+    monkeypatch.setattr(app.store, "get_run", counted)
+    monkeypatch.setattr(cli_runs, "UNCLAIMED_NOTICE_AFTER", 0.02)
+    noticing = asyncio.create_task(cli_runs._say_if_unclaimed(app, waiting.run_id, "flows:app"))
+    await asyncio.sleep(0.6)  # many checks
+    assert not noticing.done() and "no worker" not in capsys.readouterr().err
+    assert reads.count("waiting") <= 1, reads
+    noticing.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await noticing
