@@ -975,3 +975,76 @@ def test_every_tether_command_named_in_messages_and_docs_exists() -> None:
             if first in subcommands or (quoted and not known):
                 wrong.append((where, mention))
     assert not wrong, "\n".join(map(str, wrong))
+
+
+def test_serve_on_port_0_prints_the_port_it_listens_on(project: Project) -> None:
+    """``--port 0`` lets the OS choose: the start line names the bound port (it said
+    ``:0``), and the API answers there."""
+    import urllib.request
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tether.cli", "serve", "flows:app", "--port", "0", "--no-auth"],
+        cwd=project.root,
+        env=project.env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    server = WorkerProc(proc)
+    try:
+        wait_until(
+            lambda: "API docs at" in server.stderr or proc.poll() is not None,
+            CMD_TIMEOUT,
+            "the server's start line",
+        )
+        found = re.search(r"on http://127\.0\.0\.1:(\d+) ", server.stderr)
+        assert found is not None, server.stderr
+        port = int(found.group(1))
+        assert port != 0, server.stderr
+        assert "127.0.0.1:0" not in server.stderr, server.stderr  # the --no-auth warning too
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/workflows", timeout=30) as r:
+            assert r.status == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=30)
+        if proc.stderr is not None:
+            proc.stderr.close()
+    assert code == 0, server.stderr
+
+
+async def test_start_wait_polls_the_run_status_not_the_whole_run(
+    app: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """While a worker is busy on the run's queue (so no notice is due), ``start --wait``'s
+    notice check read the whole run (its input decoded) every 3 s; it polls the run's
+    status, and reads the run once more only to say why nothing took it."""
+    import asyncio
+
+    from tether.cli import runs as cli_runs
+
+    @app.workflow
+    async def echo(text: str) -> str:
+        return text
+
+    await app.start(echo, "busy", run_id="busy")
+    waiting = await app.start(echo, "x" * 10_000, run_id="waiting")
+    held = await app.store.claim(worker_id="elsewhere", queues=["default"], limit=1, lease=60)
+    assert [t.run_id for t in held] == ["busy"]  # the queue has work running
+
+    reads: list[str] = []
+    get_run = app.store.get_run
+
+    async def counted(run_id: str, **kw: Any) -> Any:
+        if not kw.get("lenient"):  # a lenient read is a status read's (payloads skipped)
+            reads.append(run_id)
+        return await get_run(run_id, **kw)
+
+    monkeypatch.setattr(app.store, "get_run", counted)
+    monkeypatch.setattr(cli_runs, "UNCLAIMED_NOTICE_AFTER", 0.02)
+    noticing = asyncio.create_task(cli_runs._say_if_unclaimed(app, waiting.run_id, "flows:app"))
+    await asyncio.sleep(0.6)  # many checks
+    assert not noticing.done() and "no worker" not in capsys.readouterr().err
+    assert reads.count("waiting") <= 1, reads
+    noticing.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await noticing

@@ -156,6 +156,20 @@ def test_the_demo_replaces_only_a_store_it_made(tmp_path: Path) -> None:
     assert other.read_bytes() == content
 
 
+def test_a_store_in_a_folder_that_does_not_exist_is_said_in_one_line(tmp_path: Path) -> None:
+    """It was a traceback (sqlite3's "unable to open database file")."""
+    store = tmp_path / "no-such-dir" / "demo.db"
+    out = subprocess.run(
+        [*TETHER, "demo", "--fast", "--auto-approve", "--store", str(store)],
+        env=_env(), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 1, out.stdout[-3000:] + out.stderr[-3000:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), out.stderr
+    assert "does not exist" in lines[0] and str(store.parent) in lines[0], lines[0]
+    assert not store.parent.exists()
+
+
 def _dead_port() -> int:
     import socket
 
@@ -177,8 +191,25 @@ def test_a_model_without_its_api_key_is_said_up_front(tmp_path: Path) -> None:
     assert out.returncode == 2, out.stdout[-3000:] + out.stderr[-3000:]
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), out.stderr
-    assert "no API key; set OPENAI_API_KEY" in lines[0] and "openai:gpt-4o-mini" in lines[0]
+    assert "no API key: set OPENAI_API_KEY" in lines[0] and "openai:gpt-4o-mini" in lines[0]
+    # what a user of the command can do: no "pass api_key=" (a Python argument)
+    assert "api_key=" not in lines[0] and "--base-url" in lines[0], lines[0]
     assert "worker process started" not in out.stdout and not store.exists()
+    env.pop("ANTHROPIC_API_KEY", None)
+    out = subprocess.run(
+        [*TETHER, "demo", "--model", "anthropic:claude-haiku-4-5", "--fast", "--auto-approve",
+         "--store", str(store)],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2 and "no API key: set ANTHROPIC_API_KEY" in out.stderr, out.stderr
+    assert "api_key=" not in out.stderr
+    out = subprocess.run(
+        [*TETHER, "demo", "--model", "nosuchprovider:m", "--fast", "--auto-approve",
+         "--store", str(store)],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2 and "Unknown model" in out.stderr, out.stderr
+    assert "pass a Model" not in out.stderr and "--base-url" in out.stderr, out.stderr
 
 
 def test_runs_that_fail_show_their_status_and_why(tmp_path: Path) -> None:

@@ -15,7 +15,9 @@ import re
 import shlex
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -154,6 +156,33 @@ def test_the_cli_reference_shows_arguments_as_help_does() -> None:
     assert "| `JSON_ARGS` | Positional arguments" in page
     assert "tether replay [OPTIONS] [HISTORY.json]..." in page
     assert "| `--app` | The App with today's code. |  |" in page and "| `` |" not in page
+
+
+def test_every_command_summary_is_one_short_sentence() -> None:
+    """`tether --help` (and each group's) lists a command by its help's first paragraph:
+    a paragraph that went on over several lines showed cut mid-sentence ("(and, for a
+    run that" then "cannot move on..."). Each is one line now, a whole sentence; the
+    rest of the help follows it after a blank line (and is in docs/cli.md too)."""
+    from typer.main import get_command
+
+    from tether.cli._main import _build
+    from tether.cli._reference import markdown
+
+    page = markdown()
+
+    def walk(command: Any, path: list[str]) -> Iterator[tuple[str, Any]]:
+        yield " ".join(["tether", *path]), command
+        for name, sub in getattr(command, "commands", {}).items():
+            yield from walk(sub, [*path, name])
+
+    for name, command in walk(get_command(_build()), []):
+        paragraphs = (command.help or "").strip().split("\n\n")
+        summary = paragraphs[0]
+        assert "\n" not in summary and len(summary) <= 90, (name, summary)
+        assert summary.endswith("."), (name, summary)
+        if name != "tether" and not hasattr(command, "commands"):
+            for rest in paragraphs[1:]:
+                assert " ".join(rest.split()) in page, (name, rest)
 
 
 @pytest.mark.timeout(300)

@@ -256,3 +256,20 @@ async def test_switching_off_a_name_the_app_lacks_is_refused(app: tether.App) ->
     assert await app.disable("model", "cheap")
     assert await app.disable("tenant", "anyone")  # a tenant is any name runs start with
     assert await app.enable("model", "any")  # switching back on takes any name
+
+
+async def test_a_worker_on_a_store_that_cannot_open_says_only_why(
+    tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A SQLite path in a folder that does not exist: the worker's start raises the
+    store's own error, with no warning first that reading the kill switches failed."""
+    app = tether.App(store=f"sqlite:///{tmp_path / 'no-such-dir' / 'x.db'}")
+
+    @app.workflow
+    async def hello() -> str:
+        return "hi"
+
+    with pytest.raises(tether.StoreError, match="does not exist; create it"):
+        async with app.worker():
+            pass
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == []

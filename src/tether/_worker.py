@@ -282,6 +282,9 @@ class Worker:
         """Start serving in the background of the running loop."""
         if self._main is not None:
             return
+        # a store that cannot be opened (a SQLite folder that does not exist) fails the
+        # start with its own error, not first as a failed read of the kill switches
+        _ = self.app.store
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         self._slot = asyncio.Event()

@@ -182,9 +182,15 @@ def build(spec: str) -> Model:
     except Exception as exc:
         # the message of a provider's missing-key error names the variable, never a key
         raise ModelConfigError(
-            f"cannot build model {spec!r}: {type(exc).__name__}: {exc}. Use a "
-            "'provider:name' pydantic-ai knows (e.g. 'openai:gpt-4o-mini') or pass a Model"
+            f"cannot build model {spec!r}: {type(exc).__name__}: {exc}. {UNKNOWN_MODEL_HINT}"
         ) from None
+
+
+#: what a Python caller can do about a model ``build`` cannot make (``tether demo``
+#: says what its user can do instead)
+UNKNOWN_MODEL_HINT = (
+    "Use a 'provider:name' pydantic-ai knows (e.g. 'openai:gpt-4o-mini') or pass a Model"
+)
 
 
 def model_name_of(model: Model | str) -> str:

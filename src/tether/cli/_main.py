@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import typer
@@ -77,22 +78,22 @@ def _build() -> typer.Typer:
         pretty_exceptions_show_locals=False,
         context_settings={"help_option_names": ["-h", "--help"]},
     )
-    cli.command("demo")(demo_command)
-    cli.command("worker")(worker_command)
-    cli.command("serve")(serve_command)
-    cli.command("start")(start_command)
-    cli.command("runs")(runs_command)
-    cli.command("queues")(queues_command)
-    cli.command("get")(get_command)
-    cli.command("signal")(signal_command)
-    cli.command("cancel")(cancel_command)
-    cli.command("terminate")(terminate_command)
-    cli.command("suspend")(suspend_command)
-    cli.command("resume")(resume_command)
-    cli.command("retry")(retry_command)
-    cli.command("complete-step")(complete_step_command)
-    cli.command("audit")(audit_command)
-    cli.command("replay")(replay_command)
+    _add(cli, "demo", demo_command)
+    _add(cli, "worker", worker_command)
+    _add(cli, "serve", serve_command)
+    _add(cli, "start", start_command)
+    _add(cli, "runs", runs_command)
+    _add(cli, "queues", queues_command)
+    _add(cli, "get", get_command)
+    _add(cli, "signal", signal_command)
+    _add(cli, "cancel", cancel_command)
+    _add(cli, "terminate", terminate_command)
+    _add(cli, "suspend", suspend_command)
+    _add(cli, "resume", resume_command)
+    _add(cli, "retry", retry_command)
+    _add(cli, "complete-step", complete_step_command)
+    _add(cli, "audit", audit_command)
+    _add(cli, "replay", replay_command)
     _group(cli, "history", "Inspect run histories.", export=history_export_command)
     _group(
         cli,
@@ -105,9 +106,9 @@ def _build() -> typer.Typer:
         reseal=store_reseal_command,
         **{"gc-blobs": store_gc_blobs_command},
     )
-    cli.command("purge")(purge_command)
-    cli.command("erase-tenant")(erase_tenant_command)
-    cli.command("eval")(eval_command)
+    _add(cli, "purge", purge_command)
+    _add(cli, "erase-tenant", erase_tenant_command)
+    _add(cli, "eval", eval_command)
     _group(
         cli,
         "cassette",
@@ -185,5 +186,12 @@ def _group(cli: typer.Typer, name: str, help: str, **commands: Callable[..., Non
         help=help, no_args_is_help=True, context_settings={"help_option_names": ["-h", "--help"]}
     )
     for sub, fn in commands.items():
-        group.command(sub)(fn)
+        _add(group, sub, fn)
     cli.add_typer(group, name=name)
+
+
+def _add(cli: typer.Typer, name: str, fn: Callable[..., None]) -> None:
+    """Register ``fn`` as ``name`` with its docstring as help, each paragraph one line:
+    rich help keeps a paragraph's line breaks, which then fall mid-sentence."""
+    doc = inspect.cleandoc(fn.__doc__ or "")
+    cli.command(name, help="\n\n".join(" ".join(p.split()) for p in doc.split("\n\n")))(fn)

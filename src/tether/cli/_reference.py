@@ -43,7 +43,9 @@ def _section(path: list[str], command: Any) -> list[str]:
     name = "tether " + " ".join(path)
     arguments = [p for p in command.params if p.param_type_name == "argument"]
     usage = " ".join(["[OPTIONS]", *(_usage(a) for a in arguments)])
-    lines = [f"## `{name}`", "", (command.help or "").strip().split("\n\n")[0], ""]
+    lines = [f"## `{name}`", ""]
+    for paragraph in (command.help or "").strip().split("\n\n"):  # all of it, as --help
+        lines += [" ".join(paragraph.split()), ""]
     lines += ["```text", f"{name} {usage}", "```", ""]
     if arguments:
         lines += ["| argument | what it is | default |", "| --- | --- | --- |"]

@@ -39,8 +39,10 @@ def history_export_command(
         ),
     ] = False,
 ) -> None:
-    """Print a run's info and full history as JSON: {"run": {...}, "events": [...]};
-    model steps' conversations are written out in full unless --packed."""
+    """Print a run's info and full history as JSON.
+
+    Its shape is {"run": {...}, "events": [...]}; model steps' conversations are
+    written out in full unless --packed."""
 
     async def go() -> dict[str, Any]:
         async with _opened(_client_app(store, app)) as a:
@@ -99,6 +101,7 @@ def replay_command(
     ] = 1000,
 ) -> None:
     """Replay recorded histories against today's code; exit 1 on any non-determinism.
+
     With --store: every unfinished run (pending, running, suspended, queued), however
     old, and finished runs only with --finished or --since."""
     from .._errors import ConfigurationError

@@ -76,10 +76,11 @@ def keyring_init_command(
     ] = False,
     wrapper: Annotated[str | None, _wrapper_option()] = None,
 ) -> None:
-    """Create a keyring file (mode 0600) with one key; point TETHER_KEYRING at it in
-    every process that opens the store (workers, tether serve, the CLI). With a wrapper
-    the file keeps its keys wrapped under the wrapper's master key (set
-    TETHER_KEY_WRAPPER in those processes too)."""
+    """Create a keyring file (mode 0600) with one key.
+
+    Point TETHER_KEYRING at it in every process that opens the store (workers, tether
+    serve, the CLI). With a wrapper the file keeps its keys wrapped under the
+    wrapper's master key (set TETHER_KEY_WRAPPER in those processes too)."""
     wrap = _load_wrapper(wrapper)
     try:
         ring = FileKeyring.create(path, per_tenant=per_tenant, wrapper=wrap)
@@ -103,9 +104,10 @@ def keyring_wrap_command(
     path: Annotated[str | None, _path_argument()] = None,
     wrapper: Annotated[str | None, _wrapper_option()] = None,
 ) -> None:
-    """Wrap every key the file keeps in the clear under a wrapper's master key (a KMS),
-    in place; keys made later are wrapped too. Every process that seals or opens
-    payloads then needs TETHER_KEY_WRAPPER."""
+    """Wrap the keys the file keeps in the clear under a wrapper's master key (a KMS).
+
+    It works in place; keys made later are wrapped too. Every process that seals or
+    opens payloads then needs TETHER_KEY_WRAPPER."""
     wrap = _load_wrapper(wrapper)
     if wrap is None:
         _fail("name the wrapper: --wrapper MODULE:ATTR or TETHER_KEY_WRAPPER", EXIT_USAGE)
@@ -133,10 +135,12 @@ def keyring_list_command(
         ),
     ] = None,
 ) -> None:
-    """List the keys (never their bytes): id, tenant, created, current, destroyed,
-    retired, and each key's fingerprint (an HMAC under it). With --store, the
-    fingerprint the store keeps for the id and whether the key matches it: a key that
-    does not is another key than the one the store was sealed with under that id."""
+    """List the keys (never their bytes), with each key's fingerprint.
+
+    For each key: id, tenant, created, current, destroyed, retired, and its
+    fingerprint (an HMAC under it). With --store, the fingerprint the store keeps for
+    the id and whether the key matches it: a key that does not is another key than
+    the one the store was sealed with under that id."""
     ring = _ring(path)
 
     def ts(t: float | None) -> str | None:
@@ -225,10 +229,11 @@ def keyring_retire_command(
         bool, typer.Option("--yes", help="Really remove (it cannot be undone).")
     ] = False,
 ) -> None:
-    """Remove a key that seals nothing any more (after tether keyring rotate and tether
-    store reseal moved its payloads to the current key); its id stays listed, so no later key
-    takes it. Payloads still sealed with it, in the store or in a backup, then open only
-    with a copy of the keyring made before."""
+    """Remove a key that seals nothing any more; its id stays listed.
+
+    Use it after tether keyring rotate and tether store reseal moved its payloads to
+    the current key; no later key takes its id. Payloads still sealed with it, in the
+    store or in a backup, then open only with a copy of the keyring made before."""
     ring = _ring(path)
     if not yes:
         _fail(
@@ -251,9 +256,11 @@ def keyring_shred_command(
         bool, typer.Option("--yes", help="Really destroy (it cannot be undone).")
     ] = False,
 ) -> None:
-    """Destroy a tenant's keys: every payload of it, in the store and in every backup,
-    becomes unreadable for good (tether erase-tenant destroys the keys the tenant had when
-    it began, after removing rows)."""
+    """Destroy a tenant's keys: its payloads become unreadable for good.
+
+    That is every payload of it, in the store and in every backup (tether
+    erase-tenant destroys the keys the tenant had when it began, after removing
+    rows)."""
     ring = _ring(path)
     if not yes:
         _fail(f"destroying the keys of tenant {tenant!r} cannot be undone: add --yes", EXIT_USAGE)
@@ -263,6 +270,8 @@ def keyring_shred_command(
 
 
 def keyring_new_key_command() -> None:
-    """Print a fresh 256-bit key, for TETHER_ENCRYPTION_KEYS="id=KEY" (keys given in the
-    environment instead of a keyring file; the first one listed seals new payloads)."""
+    """Print a fresh 256-bit key, for TETHER_ENCRYPTION_KEYS="id=KEY".
+
+    That variable gives keys in the environment instead of a keyring file; the first
+    one listed seals new payloads."""
     print(new_key())

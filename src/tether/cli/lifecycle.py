@@ -53,9 +53,11 @@ def purge_command(
     store: Annotated[str | None, _store_option()] = None,
     app: Annotated[str | None, _app_option()] = None,
 ) -> None:
-    """Remove ended runs older than AGE with everything of theirs (history, tasks, dead
-    letters, reviews, webhook deliveries, audit entries), in short transactions that do
-    not block workers. Their ids then answer "purged". Live runs are never touched."""
+    """Remove ended runs older than AGE, with everything of theirs.
+
+    That is their history, tasks, dead letters, reviews, webhook deliveries and audit
+    entries, removed in short transactions that do not block workers. Their ids then
+    answer "purged". Live runs are never touched."""
     age = parse_age(older_than, "--older-than")
 
     async def go() -> tuple[dict[str, int], bool, list[str] | None]:
@@ -114,14 +116,16 @@ def erase_tenant_command(
     store: Annotated[str | None, _store_option()] = None,
     app: Annotated[str | None, _app_option()] = None,
 ) -> None:
-    """Erase a tenant: terminate its live runs, remove every run of it with all their
-    rows, and its admission limit, API keys, switch and model budgets and spend. With
-    per-tenant keys, make it a fresh key (every process sealing under it within a second
-    or so) before rows go, do it again for a last pass, then destroy every key but the
-    last: what is started after the erasure stays readable under it. A tenant the store
-    has nothing of is noted on stderr (it still succeeds, as an erasure run again after
-    it finished does), and so are its blobs left in the default blob store PostgreSQL
-    stores share (blobs_left: give the store its own, TETHER_BLOBS)."""
+    """Erase a tenant: its runs with all their rows, its limits, keys and spend.
+
+    This terminates its live runs, removes every run of it with all their rows, and
+    its admission limit, API keys, switch and model budgets and spend. With
+    per-tenant keys, make it a fresh key (every process sealing under it within a
+    second or so) before rows go, do it again for a last pass, then destroy every key
+    but the last: what is started after the erasure stays readable under it. A tenant
+    the store has nothing of is noted on stderr (it still succeeds, as an erasure run
+    again after it finished does), and so are its blobs left in the default blob
+    store PostgreSQL stores share (blobs_left: give the store its own, TETHER_BLOBS)."""
     if not yes and not dry_run:
         _fail(f"erasing tenant {tenant!r} cannot be undone: add --yes (or --dry-run)", EXIT_USAGE)
 
@@ -164,8 +168,10 @@ def retention_set_command(
     store: Annotated[str | None, _store_option()] = None,
     app: Annotated[str | None, _app_option()] = None,
 ) -> None:
-    """Set how long a tenant's ended runs are kept: every worker purges older ones in the
-    background (kept in the store, shared by every process)."""
+    """Set how long a tenant's ended runs are kept.
+
+    Every worker purges older ones in the background (the setting is kept in the
+    store, shared by every process)."""
     if (older_than is None) == (not off):
         _fail("give --older-than AGE or --off", EXIT_USAGE)
     age = None if off else parse_age(older_than or "", "--older-than")
@@ -200,11 +206,12 @@ def store_reseal_command(
     store: Annotated[str | None, _store_option()] = None,
     app: Annotated[str | None, _app_option()] = None,
 ) -> None:
-    """Seal every stored payload under the current keys (TETHER_KEYRING): what an older
-    key sealed, so that key can be retired, and what was written before encryption was
-    turned on; offloaded payloads go to new blobs and the old blobs are deleted. Workers
-    may keep running. On SQLite, VACUUM afterwards so no old bytes stay in the file's
-    free pages."""
+    """Seal every stored payload under the current keys (TETHER_KEYRING).
+
+    That is what an older key sealed, so that key can be retired, and what was
+    written before encryption was turned on; offloaded payloads go to new blobs and
+    the old blobs are deleted. Workers may keep running. On SQLite, VACUUM afterwards
+    so no old bytes stay in the file's free pages."""
 
     async def go() -> dict[str, int]:
         async with _opened(_client_app(store, app)) as a:
@@ -237,10 +244,12 @@ def store_gc_blobs_command(
     store: Annotated[str | None, _store_option()] = None,
     app: Annotated[str | None, _app_option()] = None,
 ) -> None:
-    """Remove blobs no payload refers to (an attempt that crashed before its commit, runs
-    purged since) once older than AGE, which keeps the blobs of attempts still running,
-    and half-written ones a killed process left. The blob store is the App's (--app) or
-    the one beside the SQLite file."""
+    """Remove blobs no payload refers to, once older than AGE.
+
+    They are left by an attempt that crashed before its commit, or by runs purged
+    since; the age keeps the blobs of attempts still running. Half-written blobs a
+    killed process left are removed too. The blob store is the App's (--app) or the
+    one beside the SQLite file."""
     age = parse_age(older_than, "--older-than")
 
     async def go() -> dict[str, int]:
@@ -262,10 +271,12 @@ def store_backup_command(
         ),
     ] = None,
 ) -> None:
-    """Copy a SQLite store to BACKUP while workers run: one consistent snapshot (SQLite's
-    online backup), then its blob store (offloaded payloads, put_blob documents) into
-    BACKUP.blobs, written under .partial names and renamed when whole (BACKUP last): a
-    backup killed part-way is none. PostgreSQL: use pg_dump or PITR (docs/deploy.md)."""
+    """Copy a SQLite store and its blobs to BACKUP while workers run.
+
+    First one consistent snapshot (SQLite's online backup), then its blob store
+    (offloaded payloads, put_blob documents) into BACKUP.blobs, written under
+    .partial names and renamed when whole (BACKUP last): a backup killed part-way is
+    none. PostgreSQL: use pg_dump or PITR (docs/deploy.md)."""
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         _fail(
@@ -343,10 +354,12 @@ def store_restore_command(
         ),
     ] = None,
 ) -> None:
-    """Restore a backup into a new store file, and the blobs backed up beside it
-    (BACKUP.blobs) into the new store's blob store (then start workers on it: runs in
-    flight at the backup resume from their last recorded step). PATH appears only once
-    every blob is copied: a restore killed part-way can simply be run again."""
+    """Restore a backup, and the blobs backed up beside it, into a new store file.
+
+    The blobs (BACKUP.blobs) go into the new store's blob store. Then start workers
+    on it: runs in flight at the backup resume from their last recorded step. PATH
+    appears only once every blob is copied: a restore killed part-way can simply be
+    run again."""
     if not os.path.exists(backup):
         if os.path.exists(f"{backup}{PARTIAL}"):
             _fail(
@@ -441,16 +454,17 @@ def store_check_command(
         typer.Option("--app", metavar="MODULE:ATTR", help="Also replay every unfinished run."),
     ] = None,
 ) -> None:
-    """Check a store (a restored one above all): SQLite's integrity check, no row naming
-    a run that is not there (nor a continue-as-new chain's row naming a run that
-    continued since), every blob its payloads refer to in its blob store (the
-    runs missing one are named), every stored blob whole (read once and checked against
-    its hash; sealed ones opened with the keyring given), each key id the store was
-    sealed under against the keyring given (TETHER_KEYRING: a key of that id with
-    another fingerprint is named), and with --app every unfinished run's history
-    replays with that code. Exits 1 on any problem. Blobs no payload refers to and blob
-    deletions a stopped purge left pending are reported, not problems: gc-blobs or the
-    next purge removes them."""
+    """Check a store (a restored one above all); exit 1 on any problem.
+
+    It runs SQLite's integrity check and checks: no row naming a run that is not
+    there (nor a continue-as-new chain's row naming a run that continued since),
+    every blob its payloads refer to in its blob store (the runs missing one are
+    named), every stored blob whole (read once and checked against its hash; sealed
+    ones opened with the keyring given), each key id the store was sealed under
+    against the keyring given (TETHER_KEYRING: a key of that id with another
+    fingerprint is named), and with --app every unfinished run's history replays with
+    that code. Blobs no payload refers to and blob deletions a stopped purge left
+    pending are reported, not problems: gc-blobs or the next purge removes them."""
     problems: list[str] = []
     path = _sqlite_path(store) if store else None
     if path is not None:

@@ -78,8 +78,10 @@ def runs_command(
     ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
-    """List runs, newest first, with what each live run waits for (and, for a run that
-    cannot move on, the type of its task error: `tether get` shows it whole)."""
+    """List runs, newest first, with what each live run waits for.
+
+    A run that cannot move on shows the type of its task error too (`tether get`
+    shows it whole)."""
 
     async def go() -> list[RunInfo]:
         async with _opened(_client_app(store, app)) as a:
@@ -316,8 +318,9 @@ def retry_command(
     store: Annotated[str | None, _store_option()] = None,
     app: Annotated[str | None, _app_option()] = None,
 ) -> None:
-    """Retry a failed (or needs-intervention) run from its failed step; earlier steps
-    keep their recorded results."""
+    """Retry a failed (or needs-intervention) run from its failed step.
+
+    Earlier steps keep their recorded results."""
     _act(
         store,
         app,
@@ -504,17 +507,30 @@ async def _say_if_unclaimed(app: App, run_id: str, app_spec: str) -> None:
     nothing of its queue running (then whoever waits may be waiting for nothing)."""
     with contextlib.suppress(TetherError):  # only a hint: a store that fails is said later
         await asyncio.sleep(UNCLAIMED_NOTICE_AFTER)
-        while (info := await app.get(run_id)).status is RunStatus.PENDING:
+        info = await app.get(run_id)  # read whole once (its queue); then its status is polled
+        while info.status is RunStatus.PENDING:
             if info.task_error:  # a worker took it, and fails it
                 _note(f"run {run_id} has not started yet: {info.task_error} (still waiting)")
                 return
-            stats = {q.queue: q for q in await app.queue_stats()}
-            queue = stats.get(info.queue)
-            if queue is None or queue.running == 0:
+            if not _queue_busy(await app.queue_stats(), info.queue):
                 store = getattr(app.store, "url", None) or _describe_store(app.store)
                 _note(
                     f"no worker has taken run {run_id} yet: is `tether worker {app_spec}` "
                     f"running on store {store}? (still waiting)"
                 )
                 return
-            await asyncio.sleep(UNCLAIMED_NOTICE_AFTER)
+            # a worker is busy on its queue and may take it next: poll the status alone
+            # (nothing decoded), and read the run again only once the queue is idle, for
+            # a task error a worker may have left on it since
+            while True:
+                await asyncio.sleep(UNCLAIMED_NOTICE_AFTER)
+                if await app.store.run_status(run_id) is not RunStatus.PENDING:
+                    return
+                if not _queue_busy(await app.queue_stats(), info.queue):
+                    break
+            info = await app.get(run_id)
+
+
+def _queue_busy(stats: list[Any], queue: str) -> bool:
+    """Whether ``queue`` has work running (a worker is serving it)."""
+    return any(q.queue == queue and q.running > 0 for q in stats)

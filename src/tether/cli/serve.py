@@ -165,16 +165,22 @@ def serve_command(
         webhook_options={"max_backoff": webhook_max_backoff},
         max_wait=max_wait,
     )
-    if not auth:
+
+    def announce(bound: int) -> None:
+        """Say where the API listens, once the socket is bound (``--port 0``: the port
+        the OS chose)."""
+        where = f"[{host}]:{bound}" if ":" in host else f"{host}:{bound}"
+        if not auth:
+            _note(
+                f"WARNING: --no-auth: API keys are OFF. Anyone who can reach {where} can "
+                "start, read, cancel and terminate every tenant's runs. Use this on a "
+                "private network or in a test only."
+            )
         _note(
-            "WARNING: --no-auth: API keys are OFF. Anyone who can reach "
-            f"{host}:{port} can start, read, cancel and terminate every tenant's runs. "
-            "Use this on a private network or in a test only."
+            f"tether serve {app_spec} on http://{where} ({workers} in-process worker(s); "
+            f"API docs at /docs)"
         )
-    _note(
-        f"tether serve {app_spec} on http://{host}:{port} ({workers} in-process worker(s); "
-        f"API docs at /docs)"
-    )
+
     # uvicorn stops on SIGTERM/SIGINT: it stops accepting, tells the API (event streams
     # end with a message to reconnect, the workers stop claiming and in-flight work gets
     # ``grace``), waits at most ``grace`` for open requests (then cancels them), then the
@@ -194,6 +200,10 @@ def serve_command(
     begin: Callable[[], None] = api.state.begin_shutdown
 
     class Server(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets)  # exits when the start failed
+            announce(_bound_port(self.servers, port))
+
         async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
             begin()  # before uvicorn waits for open connections
             await super().shutdown(sockets)
@@ -244,6 +254,14 @@ def _check_store(app: Any) -> None:
         _fail(str(exc), 3)
     finally:
         asyncio.run(app.close())
+
+
+def _bound_port(servers: list[Any], asked: int) -> int:
+    """The port uvicorn's listening socket is bound to (``asked`` if none is known)."""
+    for server in servers:
+        for sock in server.sockets or ():
+            return int(sock.getsockname()[1])
+    return asked
 
 
 def _say_why(api: Any) -> None:

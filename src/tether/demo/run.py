@@ -64,7 +64,7 @@ def main(options: Options, console: Console | None = None) -> int:
     # a log or a pipe gets a wide table, not one cut to 80 columns (unless COLUMNS says)
     wide = sys.stdout.isatty() or os.environ.get("COLUMNS", "").isdigit()
     console = console or Console(width=None if wide else 120)
-    refused = _not_the_demos(options.store)
+    refused = _no_folder(options.store) or _not_the_demos(options.store)
     if refused is not None:
         print(f"error: {refused}", file=sys.stderr)
         return 1
@@ -93,16 +93,36 @@ def _model_problem(options: Options) -> str | None:
     """
     if options.base_url or not options.model:
         return None
+    provider, sep, _ = options.model.partition(":")
+    variable = _KEY_VARIABLES.get(provider) if sep else None
+    if variable is not None and not os.environ.get(variable):
+        # the library's own message ends "or pass api_key=": no option of this command
+        also = (
+            " (or give --base-url URL of an OpenAI-compatible server: it needs no key)"
+            if provider == "openai"
+            else ""
+        )
+        return f"no API key: set {variable} in the environment tether demo runs in{also}"
     try:
         from ..ai import ModelConfigError
-        from ..ai._models import build
+        from ..ai._models import UNKNOWN_MODEL_HINT, build
     except ImportError as exc:  # the ai extra is not installed
         return str(exc)
     try:
         build(options.model)
     except ModelConfigError as exc:
-        return str(exc)
+        text = str(exc)
+        if text.endswith(UNKNOWN_MODEL_HINT):  # "or pass a Model": not for a command
+            text = text.removesuffix(UNKNOWN_MODEL_HINT) + (
+                "Give --model a 'provider:name' pydantic-ai knows (e.g. openai:gpt-4o-mini), "
+                "or --base-url for an OpenAI-compatible server"
+            )
+        return text
     return None
+
+
+#: the variable each provider tether builds itself reads its API key from
+_KEY_VARIABLES = {"openai": "OPENAI_API_KEY", "anthropic": "ANTHROPIC_API_KEY"}
 
 
 #: the tables of the demo's side table (``<store>.side.db``), which marks its store
@@ -119,6 +139,18 @@ def _side_tables(path: Path) -> set[str] | None:
             conn.close()
     except sqlite3.Error:
         return None
+
+
+def _no_folder(store: Path) -> str | None:
+    """Why the demo cannot write ``store`` (its folder does not exist), or None: said in
+    one line, as the store says it, rather than as sqlite3's traceback."""
+    folder = store.absolute().parent
+    if folder.is_dir():
+        return None
+    return (
+        f"cannot write the demo's store {str(store)!r}: folder {str(folder)!r} does not "
+        "exist; create it or pass another --store"
+    )
 
 
 def _not_the_demos(store: Path) -> str | None:
