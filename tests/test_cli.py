@@ -1041,6 +1041,7 @@ async def test_start_wait_polls_the_run_status_not_the_whole_run(
 
     monkeypatch.setattr(app.store, "get_run", counted)
     monkeypatch.setattr(cli_runs, "UNCLAIMED_NOTICE_AFTER", 0.02)
+    monkeypatch.setattr(cli_runs, "UNCLAIMED_REREAD", 1000)
     noticing = asyncio.create_task(cli_runs._say_if_unclaimed(app, waiting.run_id, "flows:app"))
     await asyncio.sleep(0.6)  # many checks
     assert not noticing.done() and "no worker" not in capsys.readouterr().err
@@ -1048,3 +1049,33 @@ async def test_start_wait_polls_the_run_status_not_the_whole_run(
     noticing.cancel()
     with pytest.raises(asyncio.CancelledError):
         await noticing
+
+
+async def test_start_wait_says_a_worker_fails_the_run_while_its_queue_stays_busy(
+    app: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A worker that takes the run and keeps failing it, while other runs keep the queue
+    busy: the run is read whole again every few status polls, so the notice comes."""
+    import asyncio
+
+    from tether.cli import runs as cli_runs
+
+    @app.workflow
+    async def echo(text: str) -> str:
+        return text
+
+    await app.start(echo, "busy", run_id="busy")
+    waiting = await app.start(echo, "x", run_id="waiting")
+    held = await app.store.claim(worker_id="elsewhere", queues=["default"], limit=1, lease=60)
+    assert [t.run_id for t in held] == ["busy"]  # the queue has work running
+    monkeypatch.setattr(cli_runs, "UNCLAIMED_NOTICE_AFTER", 0.02)
+    monkeypatch.setattr(cli_runs, "UNCLAIMED_REREAD", 5)
+    noticing = asyncio.create_task(cli_runs._say_if_unclaimed(app, waiting.run_id, "flows:app"))
+    await asyncio.sleep(0.1)  # its first whole read saw no error
+    # then a worker takes the run's task and gives it back, saying why it cannot run it
+    (task,) = await app.store.claim(worker_id="stale", queues=["default"], limit=1, lease=60)
+    assert task.run_id == "waiting"
+    await app.store.release([task], note="ModuleNotFoundError: no module named 'flows'")
+    await asyncio.wait_for(noticing, 5)
+    err = capsys.readouterr().err
+    assert "has not started yet: ModuleNotFoundError" in err, err

@@ -468,6 +468,8 @@ def start_command(
 
 #: seconds ``start --wait`` waits before it says that no worker has taken the run
 UNCLAIMED_NOTICE_AFTER = 3.0
+#: polls of a pending run's status (``start --wait``) between whole reads of it
+UNCLAIMED_REREAD = 10
 
 
 async def _wait_for(
@@ -520,9 +522,10 @@ async def _say_if_unclaimed(app: App, run_id: str, app_spec: str) -> None:
                 )
                 return
             # a worker is busy on its queue and may take it next: poll the status alone
-            # (nothing decoded), and read the run again only once the queue is idle, for
-            # a task error a worker may have left on it since
-            while True:
+            # (nothing decoded), and read the run again once the queue is idle, or every
+            # UNCLAIMED_REREAD polls, for a task error a worker may have left on it since
+            # (a worker that keeps failing it while other runs keep the queue busy)
+            for _ in range(UNCLAIMED_REREAD):
                 await asyncio.sleep(UNCLAIMED_NOTICE_AFTER)
                 if await app.store.run_status(run_id) is not RunStatus.PENDING:
                     return

@@ -201,7 +201,11 @@ def serve_command(
 
     class Server(uvicorn.Server):
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-            await super().startup(sockets)  # exits when the start failed
+            await super().startup(sockets)
+            # a failed start returns with should_exit set (and, before uvicorn 0.50,
+            # without ``servers``): nothing was bound, so nothing is announced
+            if self.should_exit or not getattr(self, "servers", None):
+                return
             announce(_bound_port(self.servers, port))
 
         async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:

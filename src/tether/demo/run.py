@@ -98,7 +98,7 @@ def _model_problem(options: Options) -> str | None:
     if variable is not None and not os.environ.get(variable):
         # the library's own message ends "or pass api_key=": no option of this command
         also = (
-            " (or give --base-url URL of an OpenAI-compatible server: it needs no key)"
+            " (or give --base-url URL of an OpenAI-compatible server, which may need no key)"
             if provider == "openai"
             else ""
         )
