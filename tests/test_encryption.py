@@ -1821,3 +1821,32 @@ async def test_an_eager_start_refused_for_another_tenants_run_id_never_decides_i
     events = await reader.history("r1")  # all of it opens with acme's key
     assert any("s3cret" in json.dumps(e.data) for e in events)
     await reader.close()
+
+
+def test_a_claim_with_per_tenant_keys_reads_each_tasks_tenant_by_its_run_id(
+    tmp_path: Path,
+) -> None:
+    """The tenant a claim returns with each task is found by the runs' primary key: a
+    scan of every run per task claimed made each claim slower as the store grew."""
+    import sqlite3
+
+    from tether._codec import Codec
+    from tether.store.ops._tx import _claimed_cols, _Tx
+    from tether.store.sqlite import SqliteStore
+
+    db = tmp_path / "plan.db"
+    SqliteStore(str(db)).close_sync()  # the schema
+    codec = Codec(Sealer(_keyring(tmp_path, per_tenant=True)))
+    cols = _claimed_cols(_Tx(conn=None, now=0.0, codec=codec))
+    assert "tenant" in cols
+    conn = sqlite3.connect(db)
+    try:
+        plan = conn.execute(
+            "EXPLAIN QUERY PLAN UPDATE tasks SET fence = fence + 1 WHERE task_id IN "
+            f"(SELECT task_id FROM tasks WHERE queue = 'q' LIMIT 10) RETURNING {cols}"
+        ).fetchall()
+    finally:
+        conn.close()
+    steps = [row[3] for row in plan]
+    assert any(s.startswith("SEARCH r USING") for s in steps), steps
+    assert not any(s.startswith(("SCAN r", "SCAN runs")) for s in steps), steps

@@ -36,10 +36,14 @@ _TASK_COLS = (
 def _claimed_cols(tx: _Tx) -> str:
     """What a claim's ``UPDATE tasks ... RETURNING`` returns: the task, and with
     per-tenant keys its run's tenant too (``Task.tenant``), so the worker need not read
-    it before an attempt, nor an activity's ``put_blob`` during one."""
+    it before an attempt, nor an activity's ``put_blob`` during one. The CAST keeps
+    SQLite on the primary key: a column of the updated row in RETURNING compares with
+    numeric affinity, so ``r.run_id = tasks.run_id`` scanned every run per task claimed."""
     if tx.codec is None or not tx.codec.per_tenant:
         return _TASK_COLS
-    return f"{_TASK_COLS}, (SELECT r.tenant FROM runs r WHERE r.run_id = tasks.run_id)"
+    return (
+        f"{_TASK_COLS}, (SELECT r.tenant FROM runs r WHERE r.run_id = CAST(tasks.run_id AS TEXT))"
+    )
 
 
 Op = Callable[..., Any]
