@@ -1850,3 +1850,32 @@ def test_a_claim_with_per_tenant_keys_reads_each_tasks_tenant_by_its_run_id(
     steps = [row[3] for row in plan]
     assert any(s.startswith("SEARCH r USING") for s in steps), steps
     assert not any(s.startswith(("SCAN r", "SCAN runs")) for s in steps), steps
+
+
+def test_each_reseal_batch_of_the_history_seeks_its_place_by_the_key(tmp_path: Path) -> None:
+    """A batch of a reseal after the first starts where the last ended, by the history's
+    (run_id, seq) key: it scanned the table from its start, so a whole reseal of a large
+    store took time quadratic in its size."""
+    import sqlite3
+
+    from tether.store.ops import reseal
+    from tether.store.sqlite import SqliteStore
+
+    db = tmp_path / "plan.db"
+    SqliteStore(str(db)).close_sync()  # the schema
+    seen: list[tuple[str, tuple[Any, ...]]] = []
+
+    class Recording:
+        def execute(self, sql: str, args: tuple[Any, ...] = ()) -> Any:
+            seen.append((sql, args))
+            return sqlite3.connect(":memory:").execute("SELECT 1 WHERE 0")
+
+    reseal._reseal_batch(Recording(), "events", ["run-1", 7], 100)  # type: ignore[arg-type]
+    ((sql, args),) = seen
+    conn = sqlite3.connect(db)
+    try:
+        plan = [row[3] for row in conn.execute(f"EXPLAIN QUERY PLAN {sql}", args)]
+    finally:
+        conn.close()
+    assert any(step.startswith("SEARCH events USING") for step in plan), plan
+    assert not any(step.startswith("SCAN events") for step in plan), plan

@@ -64,8 +64,11 @@ def _reseal_batch(
         if len(keys) == 1:
             where, args = f" WHERE {keys[0]} > ?", (after[0],)
         else:
-            where = f" WHERE ({keys[0]} > ? OR ({keys[0]} = ? AND {keys[1]} > ?))"
-            args = (after[0], after[0], after[1])
+            # a row value, which both stores seek in the key's index (the equivalent
+            # ``a > ? OR (a = ? AND b > ?)`` made SQLite scan the table from its start
+            # for every batch: a whole reseal was quadratic in the history's size)
+            where = f" WHERE ({keys[0]}, {keys[1]}) > (?, ?)"
+            args = (after[0], after[1])
     order = ", ".join(keys)
     rows = tx.execute(
         f"SELECT {order}, {', '.join(columns)}{', run_id' if table in _BY_RUN else ''} "
