@@ -120,3 +120,61 @@ async def test_a_version_1_postgres_store_is_upgraded(pg_schema: str) -> None:
         assert conn.execute("SELECT max(version) FROM tether_meta").fetchone() == (_SCHEMA_VERSION,)
         assert conn.execute("SELECT count(*) FROM ai_spend").fetchone() == (0,)
     await _counted(url)
+
+
+async def test_a_version_14_sqlite_stores_history_becomes_a_rowid_table(tmp_path: Path) -> None:
+    """Version 15 keeps the history in a rowid table: a version-14 file (events WITHOUT
+    ROWID) is rebuilt once when opened, every event kept, in order, and runs go on."""
+    db = tmp_path / "v14.db"
+    url = f"sqlite:///{db}"
+    app = tether.App(store=url)
+
+    @app.activity
+    async def echo(x: str) -> str:
+        return x
+
+    @app.workflow
+    async def waits(x: str) -> str:
+        first = await echo(x)
+        return first + str(await tether.wait_event("go"))
+
+    async with app.worker(poll_interval=0.05):
+        run = await app.start(waits, "a" * 2000, run_id="mid-flight")
+
+        async def waiting() -> bool:
+            return bool((await app.get(run.run_id)).waiting_on)
+
+        from helpers import eventually
+
+        await eventually(waiting, what="waiting for its event")
+    before = [(e.seq, e.type, e.data) for e in await app.history("mid-flight")]
+    await app.close()
+    conn = sqlite3.connect(db)
+    conn.executescript(  # the history as version 14 kept it
+        "BEGIN; CREATE TABLE old_events (run_id TEXT NOT NULL, seq INTEGER NOT NULL, "
+        "type TEXT NOT NULL, step INTEGER, data TEXT, created_at REAL NOT NULL, "
+        "PRIMARY KEY (run_id, seq)) WITHOUT ROWID; INSERT INTO old_events SELECT run_id, "
+        "seq, type, step, data, created_at FROM events; DROP TABLE events; "
+        "ALTER TABLE old_events RENAME TO events; PRAGMA user_version = 14; COMMIT;"
+    )
+    assert (
+        "WITHOUT ROWID"
+        in conn.execute("SELECT sql FROM sqlite_schema WHERE name = 'events'").fetchone()[0]
+    )
+    conn.close()
+
+    app = tether.App(store=url)
+    app.activity(echo.fn, name="echo")
+    app.workflow(waits.fn, name="waits")
+    async with app.worker(poll_interval=0.05):
+        assert [(e.seq, e.type, e.data) for e in await app.history("mid-flight")] == before
+        await app.signal("mid-flight", "go", "!")
+        done = await app.start(waits, "a" * 2000, run_id="mid-flight")  # the same run
+        assert await done.result(timeout=10) == "a" * 2000 + "!"
+    await app.close()
+    conn = sqlite3.connect(db)
+    sql = conn.execute("SELECT sql FROM sqlite_schema WHERE name = 'events'").fetchone()[0]
+    assert "WITHOUT ROWID" not in sql
+    assert conn.execute("PRAGMA user_version").fetchone() == (_SCHEMA_VERSION,)
+    assert conn.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+    conn.close()

@@ -65,7 +65,7 @@ _OWN_TABLES = {
 #: tables every tether store has had since its first schema version
 _CORE_TABLES = {"runs", "events", "tasks"}
 
-_SCHEMA_VERSION = 14
+_SCHEMA_VERSION = 15
 #: statements that bring a store of the version before up to this one
 _UPGRADES: dict[int, tuple[str, ...]] = {
     2: ("ALTER TABLE runs ADD COLUMN waiting_on TEXT",),
@@ -141,6 +141,17 @@ _UPGRADES: dict[int, tuple[str, ...]] = {
         "REAL NOT NULL, noted_at REAL NOT NULL)",
     ),
     14: CHAINS,  # each continue-as-new chain's head, for chains made before it
+    # the history as a rowid table (see schema.sql), rebuilt once: each run's events
+    # copied together, in order
+    15: (
+        "CREATE TABLE events_v15 (run_id TEXT NOT NULL, seq INTEGER NOT NULL, type TEXT "
+        "NOT NULL, step INTEGER, data TEXT, created_at REAL NOT NULL, "
+        "PRIMARY KEY (run_id, seq))",
+        "INSERT INTO events_v15 (run_id, seq, type, step, data, created_at) "
+        "SELECT run_id, seq, type, step, data, created_at FROM events ORDER BY run_id, seq",
+        "DROP TABLE events",
+        "ALTER TABLE events_v15 RENAME TO events",
+    ),
 }
 
 
