@@ -5,8 +5,11 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
+import pytest
+
 import tether
 from conftest import PG_URL, with_schema
+from helpers import eventually
 from tether.store.sqlite import _SCHEMA_VERSION
 
 
@@ -144,8 +147,6 @@ async def test_a_version_14_sqlite_stores_history_becomes_a_rowid_table(tmp_path
         async def waiting() -> bool:
             return bool((await app.get(run.run_id)).waiting_on)
 
-        from helpers import eventually
-
         await eventually(waiting, what="waiting for its event")
     before = [(e.seq, e.type, e.data) for e in await app.history("mid-flight")]
     await app.close()
@@ -177,4 +178,40 @@ async def test_a_version_14_sqlite_stores_history_becomes_a_rowid_table(tmp_path
     assert "WITHOUT ROWID" not in sql
     assert conn.execute("PRAGMA user_version").fetchone() == (_SCHEMA_VERSION,)
     assert conn.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+    with pytest.raises(sqlite3.IntegrityError):  # one event per (run, seq), as before
+        conn.execute(
+            "INSERT INTO events (run_id, seq, type, data, created_at) "
+            "VALUES ('mid-flight', 1, 'Marker', NULL, 0)"
+        )
+    conn.close()
+
+
+def test_a_failed_upgrade_of_the_history_changes_nothing_and_says_what_it_needs(
+    tmp_path: Path,
+) -> None:
+    from tether.store.sqlite import SqliteStore
+
+    db = tmp_path / "v14.db"
+    SqliteStore(str(db)).close_sync()
+    conn = sqlite3.connect(db)
+    # as version 14 left it, with something in the way of the rebuild (a full disk
+    # fails the same statements)
+    conn.executescript(
+        "BEGIN; DROP TABLE events; CREATE TABLE events (run_id TEXT NOT NULL, seq INTEGER "
+        "NOT NULL, type TEXT NOT NULL, step INTEGER, data TEXT, created_at REAL NOT NULL, "
+        "PRIMARY KEY (run_id, seq)) WITHOUT ROWID; INSERT INTO events VALUES "
+        "('r', 1, 'WorkflowStarted', NULL, '{}', 0); CREATE TABLE events_v15 (x); "
+        "PRAGMA user_version = 14; COMMIT;"
+    )
+    conn.close()
+    with pytest.raises(tether.StoreError, match="rebuilds the run histories") as got:
+        SqliteStore(str(db))
+    assert "nothing was changed" in str(got.value) and "free disk" in str(got.value)
+    conn = sqlite3.connect(db)
+    assert conn.execute("PRAGMA user_version").fetchone() == (14,)
+    assert (
+        "WITHOUT ROWID"
+        in conn.execute("SELECT sql FROM sqlite_schema WHERE name = 'events'").fetchone()[0]
+    )
+    assert conn.execute("SELECT count(*) FROM events").fetchone() == (1,)
     conn.close()
