@@ -71,7 +71,7 @@ from .ops.tasks import _heartbeat, _renew
 log = logging.getLogger("tether.store")
 
 
-_SCHEMA_VERSION = 14
+_SCHEMA_VERSION = 15
 #: statements that bring a store of the version before up to this one
 _UPGRADES: dict[int, tuple[str, ...]] = {
     2: ("ALTER TABLE runs ADD COLUMN IF NOT EXISTS waiting_on TEXT",),
@@ -149,6 +149,9 @@ _UPGRADES: dict[int, tuple[str, ...]] = {
         "DOUBLE PRECISION NOT NULL, noted_at DOUBLE PRECISION NOT NULL)",
     ),
     14: CHAINS,  # each continue-as-new chain's head, for chains made before it
+    # SQLite's history became a rowid table; PostgreSQL's heap table needs nothing (the
+    # two stores keep one version number)
+    15: (),
 }
 #: task columns added during development, missing from schemas made by older builds
 _TASK_COLUMNS = ("priority", "limit_key", "heartbeat_timeout", "dependency", "batch_key")

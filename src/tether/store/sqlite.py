@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import hashlib
 import logging
 import os
@@ -65,7 +66,9 @@ _OWN_TABLES = {
 #: tables every tether store has had since its first schema version
 _CORE_TABLES = {"runs", "events", "tasks"}
 
-_SCHEMA_VERSION = 14
+_SCHEMA_VERSION = 15
+#: the version whose upgrade rebuilds the events table (a rowid table since)
+_EVENTS_REBUILT = 15
 #: statements that bring a store of the version before up to this one
 _UPGRADES: dict[int, tuple[str, ...]] = {
     2: ("ALTER TABLE runs ADD COLUMN waiting_on TEXT",),
@@ -141,6 +144,17 @@ _UPGRADES: dict[int, tuple[str, ...]] = {
         "REAL NOT NULL, noted_at REAL NOT NULL)",
     ),
     14: CHAINS,  # each continue-as-new chain's head, for chains made before it
+    # the history as a rowid table (see schema.sql), rebuilt once: each run's events
+    # copied together, in order
+    15: (
+        "CREATE TABLE events_v15 (run_id TEXT NOT NULL, seq INTEGER NOT NULL, type TEXT "
+        "NOT NULL, step INTEGER, data TEXT, created_at REAL NOT NULL, "
+        "PRIMARY KEY (run_id, seq))",
+        "INSERT INTO events_v15 (run_id, seq, type, step, data, created_at) "
+        "SELECT run_id, seq, type, step, data, created_at FROM events ORDER BY run_id, seq",
+        "DROP TABLE events",
+        "ALTER TABLE events_v15 RENAME TO events",
+    ),
 }
 
 
@@ -307,11 +321,29 @@ class SqliteStore(OpsStore):
             for statement in COUNTERS:  # (trigger bodies hold semicolons)
                 self._conn.execute(statement)
         else:
-            for step in range(version + 1, _SCHEMA_VERSION + 1):
-                for statement in _UPGRADES[step]:
-                    self._conn.execute(statement)
+            try:
+                for step in range(version + 1, _SCHEMA_VERSION + 1):
+                    for statement in _UPGRADES[step]:
+                        self._conn.execute(statement)
+            except sqlite3.DatabaseError as exc:
+                if version >= _EVENTS_REBUILT:
+                    raise
+                # (closing the connection rolls the whole upgrade back)
+                raise StoreError(
+                    f"upgrading store {self.path!r} from schema version {version} to "
+                    f"{_SCHEMA_VERSION} failed ({exc}); nothing was changed. The upgrade "
+                    "rebuilds the run histories (the events table) once, in one "
+                    "transaction: it needs free disk of about twice the file's size and "
+                    "holds the file's write lock meanwhile; free some space (or stop the "
+                    "store's other processes if it was locked) and open it again"
+                ) from exc
         self._conn.execute(f"PRAGMA user_version = {_SCHEMA_VERSION}")
         self._conn.execute("COMMIT")
+        if 0 < version < _EVENTS_REBUILT:
+            # the rebuild went through the WAL: give its space back now (best effort;
+            # a reader elsewhere keeps it until a later checkpoint)
+            with contextlib.suppress(sqlite3.DatabaseError):
+                self._conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
     def _check_columns(self) -> None:
         """Refuse a file made by a pre-release build whose schema lacks today's columns."""

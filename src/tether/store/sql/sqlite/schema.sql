@@ -30,7 +30,11 @@ CREATE INDEX IF NOT EXISTS runs_by_workflow ON runs (workflow, created_at);
 CREATE INDEX IF NOT EXISTS runs_by_tenant ON runs (tenant, status, created_at) WHERE tenant IS NOT NULL;
 
 -- The append-only history. ``step`` is the workflow command number an event
--- belongs to (NULL for signals, markers and operator actions).
+-- belongs to (NULL for signals, markers and operator actions). A rowid table (not
+-- WITHOUT ROWID, as before version 15): its rows, often hundreds of bytes (model
+-- messages, sealed payloads), are appended at the table's end, and only the small
+-- (run_id, seq) keys are spread over the key's index; a WITHOUT ROWID b-tree keeps
+-- whole rows in its inner pages too, so each commit wrote about twice the pages.
 CREATE TABLE IF NOT EXISTS events (
     run_id      TEXT NOT NULL,
     seq         INTEGER NOT NULL,
@@ -39,7 +43,7 @@ CREATE TABLE IF NOT EXISTS events (
     data        TEXT,
     created_at  REAL NOT NULL,
     PRIMARY KEY (run_id, seq)
-) WITHOUT ROWID;
+);
 
 -- Ready and leased work. A task is claimable when ``available_at`` has passed:
 -- claiming sets it to the lease expiry, so an expired lease makes the task
