@@ -183,11 +183,15 @@ def test_a_model_without_its_api_key_is_said_up_front(tmp_path: Path) -> None:
     reason only ``tether get`` shows."""
     store = tmp_path / "demo.db"
     env = {k: v for k, v in _env().items() if k not in {"OPENAI_API_KEY", "OPENAI_BASE_URL"}}
-    out = subprocess.run(
-        [*TETHER, "demo", "--model", "openai:gpt-4o-mini", "--fast", "--auto-approve",
-         "--store", str(store)],
-        env=env, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    env.pop("ANTHROPIC_API_KEY", None)
+
+    def demo(model: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*TETHER, "demo", "--model", model, "--fast", "--auto-approve", "--store", str(store)],
+            env=env, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+
+    out = demo("openai:gpt-4o-mini")
     assert out.returncode == 2, out.stdout[-3000:] + out.stderr[-3000:]
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), out.stderr
@@ -195,19 +199,10 @@ def test_a_model_without_its_api_key_is_said_up_front(tmp_path: Path) -> None:
     # what a user of the command can do: no "pass api_key=" (a Python argument)
     assert "api_key=" not in lines[0] and "--base-url" in lines[0], lines[0]
     assert "worker process started" not in out.stdout and not store.exists()
-    env.pop("ANTHROPIC_API_KEY", None)
-    out = subprocess.run(
-        [*TETHER, "demo", "--model", "anthropic:claude-haiku-4-5", "--fast", "--auto-approve",
-         "--store", str(store)],
-        env=env, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    out = demo("anthropic:claude-haiku-4-5")
     assert out.returncode == 2 and "no API key: set ANTHROPIC_API_KEY" in out.stderr, out.stderr
     assert "api_key=" not in out.stderr
-    out = subprocess.run(
-        [*TETHER, "demo", "--model", "nosuchprovider:m", "--fast", "--auto-approve",
-         "--store", str(store)],
-        env=env, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    out = demo("nosuchprovider:m")
     assert out.returncode == 2 and "Unknown model" in out.stderr, out.stderr
     assert "pass a Model" not in out.stderr and "--base-url" in out.stderr, out.stderr
 
