@@ -613,3 +613,42 @@ def test_a_shared_console_secret_makes_replicas_accept_each_others_forms(
         assert token() != first  # a per-process secret otherwise
     finally:
         importlib.reload(_session)
+
+
+def test_a_console_form_for_another_tenants_run_finds_nothing_whatever_the_role(
+    served: tuple[Server, dict[str, str]], browser: Any
+) -> None:
+    """A read key's forms posted to another tenant's run, review or dead letter get the
+    404 of one that never was; only its own tenant's get the role's 403. Before, the
+    role was checked first, and the 403 told the key that the run existed."""
+    server, keys = served
+    base = f"http://127.0.0.1:{server.port}"
+    theirs = _start(server, keys["other"], "review", {"input": {"title": "secret"}})
+    mine = _start(server, keys["operate"], "approve", {"input": {"doc": "mine"}})
+    admin = {"Authorization": f"Bearer {keys['admin']}"}
+    review: dict[str, Any] = {}
+    for _ in range(100):
+        got = server.http.get(f"/v1/approvals?run_id={theirs['id']}", headers=admin).json()
+        if got:
+            review = got[0]
+            break
+        time.sleep(0.1)
+    assert review, "the review did not open"
+    page = browser.new_page()
+    _sign_in(page, base, keys["read"])
+    csrf = page.get_attribute("form[action='/logout'] input[name=csrf]", "value")
+    forms = {
+        "act": {"action": "cancel", "reason": "x"},
+        "signal": {"name": "review", "payload": "{}"},
+        "complete": {"step": "1", "result": "1", "reason": "x"},
+        "fork": {"at_step": "1"},
+    }
+    for run, expected in ((theirs, 404), (mine, 403)):
+        for path, fields in forms.items():
+            status = page.request.post(
+                f"{base}/runs/{run['id']}/{path}", form={"csrf": csrf, **fields}
+            ).status
+            assert status == expected, (path, run["id"], status)
+    fields = {"csrf": csrf, "approve": "1", "by": "x", "fingerprint": review["fingerprint"]}
+    posted = page.request.post(f"{base}/approvals/{review['approval_id']}", form=fields)
+    assert posted.status == 404, posted.status

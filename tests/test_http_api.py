@@ -1347,3 +1347,68 @@ def test_a_divergence_naming_a_model_answers_keys_is_withheld_from_a_monitor_key
         server.stop()
     assert "workflow task for run 'census-1' failed: NonDeterminismError: <" in logged, logged
     assert secret not in logged and "SSN" not in logged
+
+
+def test_a_key_without_the_role_learns_nothing_of_another_tenants_run(
+    tenants: Tenants, tmp_path: Path
+) -> None:
+    """A tenant's key that lacks an action's role gets 404 for another tenant's run,
+    review or dead letter, as it does for one that never was, and 403 only for what its
+    own tenant holds. Before, the role was checked first: a read key posting to any run
+    id learnt from the 403 that the run existed."""
+    t, http = tenants, tenants.http
+    waiting = t.start("globex", "approve", {"input": {"doc": "secret"}}).json()
+    reviewed = t.start("globex", "review", {"input": {"title": "secret"}}).json()
+    flag = tmp_path / "flag"
+    flag.write_text("up")
+    failing = t.start("globex", "fragile", {"input": {"flag": str(flag)}}).json()
+    failed = http.get(f"{failing['links']['result']}?wait=20", headers=t.as_("globex")).json()
+    assert failed["status"] == "failed"
+    letter = http.get(f"/v1/dead-letters?run_id={failing['id']}", headers=t.as_("globex")).json()[0]
+    review: dict[str, Any] = {}
+    for _ in range(100):
+        open_ = http.get(f"/v1/approvals?run_id={reviewed['id']}", headers=t.as_("globex"))
+        open_ = open_.json()
+        if open_:
+            review = open_[0]
+            break
+        time.sleep(0.1)
+    assert review, "the review did not open"
+    mine = t.start("acme", "approve", {"input": {"doc": "mine"}}).json()
+
+    def posts(run_id: str) -> list[tuple[str, dict[str, Any] | None]]:
+        url = f"/v1/runs/{run_id}"
+        return [
+            (f"{url}/cancel", {}),
+            (f"{url}/suspend", None),
+            (f"{url}/resume", None),
+            (f"{url}/terminate", {}),
+            (f"{url}/signals/review", {}),
+            (f"{url}/retry", None),
+            (f"{url}/fork", {"at_step": 1}),
+            (f"{url}/steps/1/complete", {"result": 1, "reason": "x"}),
+            (f"{url}/updates/x", {"args": []}),
+        ]
+
+    for who in ("acme_read", "acme_monitor"):
+        for path, body in posts(waiting["id"]):
+            r = http.post(path, json=body, headers=t.as_(who))
+            assert r.status_code == 404, (who, path, r.status_code, r.text)
+            assert "role" not in r.json()["detail"], (who, path, r.text)
+        for path, body in posts(mine["id"]):
+            if path.endswith(("/retry", "/resume")):
+                continue  # (their own checks may answer first: a run not failed, ...)
+            r = http.post(path, json=body, headers=t.as_(who))
+            assert r.status_code == 403, (who, path, r.status_code, r.text)
+        for path, body in (
+            (f"/v1/dead-letters/{letter['id']}/replay", None),
+            (f"/v1/dead-letters/{letter['id']}/resolve", {"note": "x"}),
+            (
+                f"/v1/approvals/{review['approval_id']}/decision",
+                {"approve": True, "by": "x", "fingerprint": review["fingerprint"]},
+            ),
+        ):
+            r = http.post(path, json=body, headers=t.as_(who))
+            assert r.status_code == 404, (who, path, r.status_code, r.text)
+    audit = http.get(f"/v1/runs/{waiting['id']}/audit", headers=t.as_("acme_monitor"))
+    assert audit.status_code == 404, audit.text

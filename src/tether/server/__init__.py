@@ -625,8 +625,8 @@ def create_api(
         payload: Annotated[Any, Body()] = None,
         idempotency_key: Annotated[str | None, Header()] = None,
     ) -> dict[str, Any]:
+        await visible(request, run_id)  # (first: another tenant's run is not there at all)
         may(request, "operate", "signal")
-        await visible(request, run_id)
         # a retry with the same Idempotency-Key is the same signal: recorded once (a 200
         # for the repeat, as for a repeated start)
         new = await app.signal(run_id, name, payload, signal_id=idempotency_key or None)
@@ -667,8 +667,8 @@ def create_api(
         summary="Start a new run reusing a run's first recorded steps, the rest with today's code",
     )
     async def fork(run_id: str, body: ForkBody, request: Request, response: Response) -> RunView:
-        may(request, "admin", "fork")
         await visible(request, run_id)
+        may(request, "admin", "fork")
         new = await app.fork(
             run_id,
             at_step=body.at_step,
@@ -725,8 +725,8 @@ def create_api(
         summary="Approve or reject a review, naming the fingerprint of the proposal reviewed",
     )
     async def decide(approval_id: str, body: DecisionBody, request: Request) -> dict[str, Any]:
-        may(request, "operate", "deciding a review")
         review = await review_of(request, approval_id)
+        may(request, "operate", "deciding a review")
         await app.decide(
             approval_id,
             approve=body.approve,
@@ -749,8 +749,8 @@ def create_api(
         summary="Retry a failed run from its failed step",
     )
     async def retry(run_id: str, request: Request) -> RunView:
-        may(request, "operate", "retry")
         await visible(request, run_id)
+        may(request, "operate", "retry")
         await app.retry(run_id)
         await audit(request, "retry", f"run:{run_id}")
         return run_view(await app._peek(run_id))
@@ -766,8 +766,8 @@ def create_api(
         body: StepResult,
         request: Request,
     ) -> RunView:
-        principal = may(request, "admin", "completing a step")
         await visible(request, run_id, follow=False)
+        principal = may(request, "admin", "completing a step")
         # the result, the run's reopening and the audit entry are one write
         await app.complete_step(
             run_id, step, body.result, reason=body.reason, by=actor_of(principal, "api")
@@ -818,8 +818,8 @@ def create_api(
         "/v1/runs/{run_id:path}/audit", summary="Who started and acted on the run, oldest first"
     )
     async def run_audit(run_id: str, request: Request) -> list[dict[str, Any]]:
-        may(request, "read", "reading a run's audit trail")
         await visible(request, run_id, follow=False)
+        may(request, "read", "reading a run's audit trail")
         return await app.audit(run_id)
 
     @api.get(
@@ -869,8 +869,8 @@ def create_api(
     async def replay_dead_letter(
         letter_id: LetterId, request: Request, force: bool = False
     ) -> dict[str, Any]:
-        may(request, "operate", "replaying a dead letter")
         await letter_of(request, letter_id)
+        may(request, "operate", "replaying a dead letter")
         outcome = await app.replay_dead_letter(letter_id, force=force)
         letter = await letter_of(request, letter_id)
         detail: dict[str, Any] = {"letter": letter_id, **({"force": True} if force else {})}
@@ -884,8 +884,8 @@ def create_api(
     async def resolve_dead_letter(
         letter_id: LetterId, body: Note, request: Request
     ) -> dict[str, Any]:
-        may(request, "operate", "resolving a dead letter")
         await letter_of(request, letter_id)
+        may(request, "operate", "resolving a dead letter")
         by = actor_of(request.state.principal, "api")
         letter = await app.resolve_dead_letter(letter_id, note=body.note, by=by)
         return _shown(dataclasses.asdict(letter), shows(request), "input", "error", "resolution")
@@ -1127,8 +1127,8 @@ def _add_action(
     reasoned = action in ("cancel", "terminate")
 
     async def act(run_id: str, request: Request, body: Reason | None = None) -> RunView:
-        may(request, role, action)
         await visible(request, run_id)
+        may(request, role, action)
         method = getattr(app, action)
         await (method(run_id, body.reason if body else None) if reasoned else method(run_id))
         await audit(request, action, f"run:{run_id}", {"reason": body.reason} if body else None)

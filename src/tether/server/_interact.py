@@ -63,8 +63,8 @@ def install_interactions(
 
     @api.post("/v1/runs/{run_id:path}/queries/{name}", summary="Ask a run's query handler")
     async def query(run_id: str, name: str, body: ArgsBody, request: Request) -> dict[str, Any]:
-        may(request, "read", "query")
         info = await visible(request, run_id)
+        may(request, "read", "query")
         return {"id": info.run_id, "result": await app.query(info.run_id, name, *body.args)}
 
     @api.post("/v1/runs/{run_id:path}/updates/{name}", summary="Run an update in a run")
@@ -75,8 +75,8 @@ def install_interactions(
         request: Request,
         idempotency_key: Annotated[str | None, Header()] = None,
     ) -> Any:
-        may(request, "operate", "update")
         info = await visible(request, run_id)
+        may(request, "operate", "update")
         wait = min(body.timeout or 30.0, max_wait)
         recorded = asyncio.Event()
         try:

@@ -342,9 +342,9 @@ def install_console(
         action = fields.get("action", "")
         if action not in _ACTIONS:
             raise AuthError(400, "Unknown action", f"no console action {action!r}")
+        info = await visible(principal, run_id)  # (first: another tenant's run is not there)
         if principal is not None:
             principal.require(_ACTIONS[action], action)
-        info = await visible(principal, run_id)
         reason = f"{actor(principal)} via console: {fields.get('reason') or 'no reason given'}"
         try:
             if action in ("cancel", "terminate"):
@@ -360,9 +360,9 @@ def install_console(
     async def signal(request: Request, run_id: str) -> Response:
         principal = await who(request)
         fields = await form(request)
+        info = await visible(principal, run_id)
         if principal is not None:
             principal.require("operate", "signal")
-        info = await visible(principal, run_id)
         name = fields.get("name", "").strip()
         try:
             payload = json.loads(fields.get("payload") or "null")
@@ -388,9 +388,9 @@ def install_console(
         audit entry with the result, actor the key)."""
         principal = await who(request)
         fields = await form(request)
+        info = await visible(principal, run_id)
         if principal is not None:
             principal.require("admin", "completing a step")
-        info = await visible(principal, run_id)
         text = fields.get("step", "").strip()
         if not text.isdigit() or not 1 <= int(text) <= INT64_MAX:
             return _back(run_id, f"step not completed: {text[:40]!r} is not a step number")
@@ -421,9 +421,9 @@ def install_console(
     async def fork(request: Request, run_id: str) -> Response:
         principal = await who(request)
         fields = await form(request)
+        info = await visible(principal, run_id)
         if principal is not None:
             principal.require("admin", "fork")
-        info = await visible(principal, run_id)
         models, prompts = _pairs(fields.get("models")), _pairs(fields.get("prompts"))
         try:
             at_step = int(fields.get("at_step") or "0")
@@ -470,13 +470,13 @@ def install_console(
     async def decide(request: Request, approval_id: str) -> Response:
         principal = await who(request)
         fields = await form(request)
-        if principal is not None:
-            principal.require("operate", "deciding a review")
         review = await app.get_approval(approval_id)
         try:
             await visible(principal, review.run_id)
         except RunNotFoundError:  # another tenant's review does not exist for this key
             raise ApprovalNotFoundError(approval_id, "no such review") from None
+        if principal is not None:
+            principal.require("operate", "deciding a review")
         value = None
         if fields.get("value"):
             try:
@@ -592,14 +592,14 @@ def install_console(
     ) -> DeadLetter | None:
         """The letter an operator acts on, or None when it is missing (or another
         tenant's: as missing as one that never was)."""
-        if principal is not None:
-            principal.require("operate", doing)
         letters = await app.dead_letters(include_resolved=True, letter_id=letter_id, limit=1)
         try:
             if letters:
                 await visible(principal, letters[0].run_id)
         except RunNotFoundError:
             return None
+        if principal is not None:  # (after: another tenant's letter is simply not there)
+            principal.require("operate", doing)
         return letters[0] if letters else None
 
 
