@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import sqlite3
 import subprocess
 import sys
 import uuid
+from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -25,10 +27,10 @@ sys.path.insert(0, str(HERE))
 import migrate_app  # noqa: E402
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+def _cli(*args: str, prefix: Sequence[str] = ()) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent / "src"), str(HERE)])}
     return subprocess.run(
-        [sys.executable, "-m", "tether.cli", *args],
+        [*prefix, sys.executable, "-m", "tether.cli", *args],
         env=env,
         capture_output=True,
         text=True,
@@ -364,3 +366,244 @@ async def test_migrate_copies_the_blobs_runs_refer_to(tmp_path: Path, store_url:
             assert await dst.get_run("inflight").result(timeout=15) == "5000 7000"
     finally:
         await dst.close()
+
+
+# -- the source is read as it is: never upgraded, checkpointed or otherwise written -----
+
+
+async def _source_with_a_run_in_flight(db: Path) -> dict[str, list[tether.Event]]:
+    """A store file (closed) with a finished run and one waiting for a signal; their
+    histories."""
+    src = migrate_app.build(f"sqlite:///{db}")
+    async with src.worker(lease=5.0, poll_interval=0.05):
+        quick = await src.start("quick", 21, run_id="quick")
+        await src.start("approval", 5, run_id="approval")
+        assert await quick.result(timeout=10) == 42
+
+        async def waiting() -> bool:
+            h = await src.history("approval")
+            return any(e.type is EventType.ACTIVITY_COMPLETED for e in h) and (
+                h[-1].type is EventType.WORKFLOW_TASK_COMPLETED
+            )
+
+        await _until(waiting, "the run to wait for its signal")
+    histories = {r: await src.history(r) for r in ("quick", "approval")}
+    await src.close()
+    return histories
+
+
+def _as_version_14(db: Path) -> None:
+    """Make a closed store file as version 14 left it: its history WITHOUT ROWID."""
+    conn = sqlite3.connect(db)
+    conn.executescript(
+        "BEGIN; CREATE TABLE old_events (run_id TEXT NOT NULL, seq INTEGER NOT NULL, "
+        "type TEXT NOT NULL, step INTEGER, data TEXT, created_at REAL NOT NULL, "
+        "PRIMARY KEY (run_id, seq)) WITHOUT ROWID; INSERT INTO old_events SELECT run_id, "
+        "seq, type, step, data, created_at FROM events; DROP TABLE events; "
+        "ALTER TABLE old_events RENAME TO events; PRAGMA user_version = 14; COMMIT;"
+    )
+    conn.close()
+    assert not Path(f"{db}-wal").exists()  # closed cleanly
+
+
+def _schema_of(db: Path) -> tuple[int, bool]:
+    """(user_version, whether the history is a WITHOUT ROWID table), read-only."""
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        (version,) = conn.execute("PRAGMA user_version").fetchone()
+        (sql,) = conn.execute("SELECT sql FROM sqlite_schema WHERE name = 'events'").fetchone()
+    finally:
+        conn.close()
+    return int(version), "WITHOUT ROWID" in sql
+
+
+async def _finishes_in(url: str, histories: dict[str, list[tether.Event]]) -> None:
+    """The target holds every run with its history, and the one in flight finishes there."""
+    dst = migrate_app.build(url)
+    try:
+        assert sorted(r.run_id for r in await dst.list()) == sorted(histories)
+        for rid, history in histories.items():
+            assert await dst.history(rid) == history, rid
+        async with dst.worker(lease=5.0, poll_interval=0.05):
+            await dst.signal("approval", "approve", "ada")
+            assert await dst.get_run("approval").result(timeout=15) == "10 approved by ada"
+    finally:
+        await dst.close()
+
+
+async def test_migrate_reads_a_version_14_source_as_it_is(tmp_path: Path, store_url: str) -> None:
+    """A source at the previous schema version is copied without being upgraded in
+    place (a rebuild of its whole history): its bytes are as they were afterwards."""
+    db = tmp_path / "v14.db"
+    histories = await _source_with_a_run_in_flight(db)
+    _as_version_14(db)
+    before = db.read_bytes()
+    source = f"sqlite:///{db}"
+    done = _cli("store", "migrate", "--from", source, "--to", store_url, "--app", "migrate_app:app")
+    assert done.returncode == 0, done.stderr
+    assert "copied 2 runs (1 finished, 1 in flight)" in done.stdout
+    assert "2 histories replay cleanly" in done.stdout
+    assert db.read_bytes() == before
+    assert _schema_of(db) == (14, True)
+    await _finishes_in(store_url, histories)
+
+
+def _rows_of(db: Path) -> dict[str, list[tuple[Any, ...]]]:
+    """Every copied table's rows, but for the ids and times a target gives them itself."""
+    from tether.store.migrate import _FRESH_IDS, copied_tables
+
+    conn = sqlite3.connect(db)
+    out = {}
+    for table in sorted(copied_tables()):
+        cols = [r[1] for r in conn.execute(f"PRAGMA table_info({table})")]
+        keep = [c for c in cols if c not in (_FRESH_IDS.get(table), "available_at")]
+        rows = conn.execute(f"SELECT {', '.join(keep)} FROM {table}").fetchall()
+        out[table] = sorted(rows, key=repr)
+    conn.close()
+    return out
+
+
+def test_a_version_14_source_is_copied_as_its_upgrade_would_be(tmp_path: Path) -> None:
+    from tether.store import sqlite
+    from tether.store.migrate import migrate
+
+    # a new schema version must decide whether the one before it reads as it is
+    assert (sqlite._READ_ONLY_FROM, sqlite._SCHEMA_VERSION) == (14, 15)
+    db, upgraded = tmp_path / "v14.db", tmp_path / "upgraded.db"
+    asyncio.run(_source_with_a_run_in_flight(db))
+    _as_version_14(db)
+    shutil.copyfile(db, upgraded)
+    sqlite.SqliteStore(str(upgraded)).close_sync()  # upgraded in place
+    assert _schema_of(upgraded) == (15, False)
+    before = db.read_bytes()
+    asyncio.run(migrate(f"sqlite:///{db}", f"sqlite:///{tmp_path / 'a.db'}"))
+    asyncio.run(migrate(f"sqlite:///{upgraded}", f"sqlite:///{tmp_path / 'b.db'}"))
+    assert db.read_bytes() == before and _schema_of(db) == (14, True)
+    copied = _rows_of(tmp_path / "a.db")
+    assert copied == _rows_of(tmp_path / "b.db")
+    assert len(copied["runs"]) == 2 and len(copied["events"]) > 6
+
+    # opened read-only, a store refuses whatever writes
+    async def write() -> None:
+        store = sqlite.SqliteStore(str(db), read_only=True)
+        try:
+            with pytest.raises(tether.StoreError, match="opened read-only"):
+                await store.create_api_key("k1", "hash", "ci", None, "admin")
+            assert {r.run_id for r in await store.list_runs()} == {"quick", "approval"}
+        finally:
+            await store.close()
+
+    asyncio.run(write())
+    assert db.read_bytes() == before
+
+
+@pytest.mark.parametrize("version", [13, 16])
+def test_migrate_refuses_a_source_it_cannot_read_as_it_is(tmp_path: Path, version: int) -> None:
+    """Older than 14 (whose upgrade adds rows) or newer than this tether: refused, and
+    the file left as it was."""
+    db = tmp_path / "old.db"
+    asyncio.run(_source_with_a_run_in_flight(db))
+    conn = sqlite3.connect(db)
+    if version == 13:
+        conn.execute("DROP TABLE chains")  # added (and filled from the runs) by version 14
+    conn.execute(f"PRAGMA user_version = {version}")
+    conn.close()
+    before = db.read_bytes()
+    done = _cli("store", "migrate", "--from", str(db), "--to", str(tmp_path / "new.db"))
+    assert done.returncode == 1
+    assert f"schema version {version}" in done.stderr
+    if version == 13:
+        assert "open" in done.stderr and "once with this tether" in done.stderr
+        assert "migrate it with the tether that wrote it" in done.stderr
+    else:
+        assert "newer than this tether" in done.stderr
+    assert db.read_bytes() == before
+
+
+async def test_migrate_leaves_a_source_not_closed_cleanly_as_it_was(tmp_path: Path) -> None:
+    """A store at the current version whose last commits are still in its -wal file (its
+    process killed): read through the -wal, which is not folded into the file."""
+    live, db = tmp_path / "live.db", tmp_path / "crashed.db"
+    src = migrate_app.build(f"sqlite:///{live}")
+    async with src.worker(lease=5.0, poll_interval=0.05):
+        assert await (await src.start("quick", 21, run_id="quick")).result(timeout=10) == 42
+    # a copy taken while its process is open (and idle): as a kill -9 leaves it
+    shutil.copyfile(live, db)
+    shutil.copyfile(f"{live}-wal", f"{db}-wal")
+    await src.close()
+    before = {p: Path(p).read_bytes() for p in (db, f"{db}-wal")}
+    assert len(before[f"{db}-wal"]) > 0
+    done = _cli("store", "migrate", "--from", str(db), "--to", str(tmp_path / "new.db"))
+    assert done.returncode == 0, done.stderr
+    assert "copied 1 runs" in done.stdout
+    assert {p: Path(p).read_bytes() for p in before} == before
+
+
+def _unprivileged(folder: Path) -> list[str]:
+    """A command prefix under which file modes bind (root drops its override of them);
+    skips the test where none does. ``folder`` is read-only: the probe writes there."""
+    prefix: list[str] = []
+    if os.geteuid() == 0:
+        setpriv = shutil.which("setpriv")
+        if setpriv is None:
+            pytest.skip("root, and no setpriv to give up overriding file modes")
+        prefix = [setpriv, "--bounding-set=-dac_override,-dac_read_search", "--"]
+    probe = subprocess.run(
+        [*prefix, sys.executable, "-c", f"open({str(folder / 'probe')!r}, 'w')"],
+        capture_output=True,
+        check=False,
+    )
+    if probe.returncode == 0:
+        os.unlink(folder / "probe")
+        pytest.skip("a read-only folder here still takes new files")
+    return prefix
+
+
+@pytest.mark.parametrize("left", ["closed", "wal+shm", "wal"])
+async def test_migrate_reads_a_source_on_read_only_media(tmp_path: Path, left: str) -> None:
+    """A store file (mode 0444) in a folder that takes no new files: read as it is when
+    closed cleanly or with its -wal and -shm files; refused, saying what to do, when
+    its -wal file holds commits and SQLite cannot create the -shm file it needs."""
+    media = tmp_path / "media"
+    media.mkdir()
+    db = media / "v14.db"
+    live = tmp_path / "live.db"
+    histories = await _source_with_a_run_in_flight(live)
+    if left == "closed":
+        _as_version_14(live)
+        shutil.copyfile(live, db)
+    else:  # copied as a process killed with a commit in the -wal file leaves it
+        conn = sqlite3.connect(live)
+        conn.execute(
+            "INSERT INTO breakers (name, state, window_start, calls, failures) "
+            "VALUES ('b', 'closed', 0, 0, 0)"
+        )
+        conn.commit()
+        shutil.copyfile(live, db)
+        shutil.copyfile(f"{live}-wal", f"{db}-wal")
+        if left == "wal+shm":
+            shutil.copyfile(f"{live}-shm", f"{db}-shm")
+        conn.close()
+        assert Path(f"{db}-wal").stat().st_size > 0
+    files = sorted(media.iterdir())
+    before = {p: p.read_bytes() for p in files}
+    for p in files:
+        p.chmod(0o444)
+    media.chmod(0o555)
+    try:
+        prefix = _unprivileged(media)
+        target = tmp_path / "new.db"
+        done = _cli("store", "migrate", "--from", str(db), "--to", str(target), prefix=prefix)
+    finally:
+        media.chmod(0o755)
+    assert sorted(media.iterdir()) == files
+    assert {p: p.read_bytes() for p in files} == before
+    if left == "wal":
+        assert done.returncode == 1
+        assert "holds commits not yet in the file" in done.stderr, done.stderr
+        assert "Copy the file with its -wal file to a writable directory" in done.stderr
+        assert not target.exists()
+        return
+    assert done.returncode == 0, done.stderr
+    assert "copied 2 runs (1 finished, 1 in flight)" in done.stdout
+    await _finishes_in(f"sqlite:///{target}", histories)

@@ -38,7 +38,8 @@ def store_migrate_command(
     """Copy every run (in flight or finished) to another store and verify the copy.
 
     Stop the source's workers first. Refuses (copying nothing) when a run already
-    exists in the target; exits 1 if the copy does not match its source.
+    exists in the target; exits 1 if the copy does not match its source. A SQLite
+    source is read as it is, never upgraded or written.
     """
     from ..store.migrate import MigrationReport, migrate
 

@@ -12,7 +12,9 @@ the App, every history replays cleanly against today's code.
 
 Stop the source's workers first: runs that move while they are copied are reported
 as mismatches (nothing in the source is changed, so just run it again on a fresh
-target).
+target). A SQLite source is opened read-only: a file of an older schema version is
+read as it is, not upgraded in place (from version 14 on; older ones are refused),
+and may sit on read-only media.
 """
 
 from __future__ import annotations
@@ -274,7 +276,8 @@ async def migrate(
     missing, and after copying when verification finds a difference; the report of a
     successful migration says what was copied.
     """
-    src = _ops_store(open_store(source), "source")
+    # a SQLite source is read as it is: never upgraded (nor checkpointed) in place
+    src = _ops_store(open_store(source, read_only=True), "source")
     dst = _ops_store(open_store(target), "target")
     from_blobs = _with_blobs(src, source_blobs)
     to_blobs = _with_blobs(dst, target_blobs)

@@ -21,6 +21,7 @@ import random
 import sqlite3
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable
 from importlib import resources
 from typing import Any
@@ -69,6 +70,11 @@ _CORE_TABLES = {"runs", "events", "tasks"}
 _SCHEMA_VERSION = 15
 #: the version whose upgrade rebuilds the events table (a rowid table since)
 _EVENTS_REBUILT = 15
+#: the oldest version a read-only open reads as it is: 15 changed only how the history
+#: is stored, not its columns; 14 filled the new chains table from the runs, so an
+#: older file read as it is lacks rows its upgrade would add. (A new version whose
+#: upgrade adds or changes rows or columns moves this up to itself.)
+_READ_ONLY_FROM = 14
 #: statements that bring a store of the version before up to this one
 _UPGRADES: dict[int, tuple[str, ...]] = {
     2: ("ALTER TABLE runs ADD COLUMN waiting_on TEXT",),
@@ -172,7 +178,11 @@ def _lock_file(path: str) -> int | None:
 
 
 class SqliteStore(OpsStore):
-    """SQLite store; ``path`` may be ``":memory:"`` (one process only)."""
+    """SQLite store; ``path`` may be ``":memory:"`` (one process only).
+
+    ``read_only`` opens an existing file without upgrading its schema or writing to it
+    (``tether store migrate``'s source): operations that write are refused.
+    """
 
     def __init__(
         self,
@@ -181,8 +191,12 @@ class SqliteStore(OpsStore):
         synchronous: str = "FULL",
         busy_timeout: float = 30.0,
         max_batch: int = 512,
+        read_only: bool = False,
     ) -> None:
         self.path = path
+        self.read_only = read_only
+        #: what ``sqlite3.connect`` opens (a ``file:`` URI when read-only)
+        self._target = path
         self.clock: Callable[[], float] = time.time
         self._max_batch = max_batch
         self._listeners: list[Listener] = []
@@ -217,6 +231,11 @@ class SqliteStore(OpsStore):
                     f"cannot open store {path!r}: it is a directory; name a file in it "
                     f"(e.g. {os.path.join(path, 'tether.db')!r})"
                 )
+        if read_only:
+            self._conn = self._open_read_only(path, busy_timeout)
+            self._thread = threading.Thread(target=self._loop, name="tether-sqlite", daemon=True)
+            self._thread.start()
+            return
         try:
             self._conn = sqlite3.connect(
                 path,
@@ -251,6 +270,87 @@ class SqliteStore(OpsStore):
         self._thread.start()
 
     # -- plumbing --------------------------------------------------------
+
+    def _open_read_only(self, path: str, busy_timeout: float) -> sqlite3.Connection:
+        """A connection that reads the file as it is: no upgrade, no WAL switch, no
+        checkpoint (``mode=ro``); refuses a schema it cannot read without upgrading."""
+        if path == ":memory:" or not os.path.isfile(path):
+            raise StoreError(
+                f"no tether store at {path!r} to open read-only: name an existing store file"
+            )
+        base = f"file:{urllib.parse.quote(os.path.abspath(path))}?mode=ro"
+        conn = None
+        try:
+            for uri in (base, f"{base}&immutable=1"):
+                conn = sqlite3.connect(
+                    uri,
+                    uri=True,
+                    isolation_level=None,
+                    check_same_thread=False,
+                    timeout=busy_timeout,
+                    cached_statements=512,
+                )
+                try:
+                    # the first read opens the WAL: a WAL-mode file needs its -wal and
+                    # -shm files, which SQLite creates beside it when they are missing
+                    conn.execute("PRAGMA user_version").fetchone()
+                    break
+                except sqlite3.OperationalError as exc:
+                    conn.close()
+                    conn = None
+                    if uri != base or not _cannot_make_wal_files(exc):
+                        raise
+                    wal = f"{path}-wal"
+                    if os.path.exists(wal) and os.path.getsize(wal) > 0:
+                        raise StoreError(
+                            f"cannot read store {path!r} without writing beside it: its "
+                            f"{os.path.basename(wal)} file holds commits not yet in the file "
+                            "(it was not closed cleanly, or a process has it open) and "
+                            f"SQLite cannot create the {os.path.basename(path)}-shm file it "
+                            "needs to read them in that directory. Copy the file with its "
+                            "-wal file to a writable directory and read the copy"
+                        ) from exc
+                    # closed cleanly (no -wal): the file holds every commit, and nothing
+                    # writes it where this process cannot create files: read it as it is
+            assert conn is not None
+            self._target = uri
+            conn.execute("PRAGMA query_only = ON")
+            self._conn = conn
+            self._refuse_foreign()
+            self._readable()
+        except sqlite3.DatabaseError as exc:
+            if conn is not None:
+                conn.close()
+            raise StoreError(_explain(path, exc)) from exc
+        except StoreError:
+            if conn is not None:
+                conn.close()
+            raise
+        return conn
+
+    def _readable(self) -> None:
+        """Refuse, opening read-only, a schema this tether cannot read as it is."""
+        (version,) = self._conn.execute("PRAGMA user_version").fetchone()
+        if version > _SCHEMA_VERSION:
+            raise StoreError(
+                f"store {self.path!r} has schema version {version}, newer than this tether "
+                f"({_SCHEMA_VERSION}); upgrade tether to read it"
+            )
+        if version == 0:
+            raise StoreError(
+                f"no tether store at {self.path!r}: the file is empty (no tables); name the "
+                "database your workers use"
+            )
+        if version < _READ_ONLY_FROM:
+            raise StoreError(
+                f"store {self.path!r} has schema version {version}: this tether reads a "
+                f"store without upgrading it (as `tether store migrate` reads its source) "
+                f"only from version {_READ_ONLY_FROM} on. Upgrade it in place by opening it "
+                f"once with this tether (e.g. `tether runs --store {self.path}`; back it up "
+                "first to keep it as it is), or migrate it with the tether that wrote it"
+            )
+        if version == _SCHEMA_VERSION:
+            self._check_columns()
 
     def _wal(self, busy_timeout: float) -> None:
         """Switch the file to WAL mode, waiting out other processes doing the same.
@@ -472,9 +572,17 @@ class SqliteStore(OpsStore):
             self.codec.learned(learned)  # (committed: see _Tx.learn)
         return results, ready, finished, touched
 
+    def _refuse_write(self) -> None:
+        raise StoreError(
+            f"store {self.path!r} was opened read-only (it is read as it is, never "
+            "upgraded or written): this operation writes"
+        )
+
     def _submit(self, fn: Op, *args: Any, write: bool = True) -> concurrent.futures.Future[Any]:
         if self._closed:
             raise StoreError("the store is closed")
+        if write and self.read_only:
+            self._refuse_write()
         fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
         self._queue.put((fn, args, write, fut))
         return fut
@@ -482,6 +590,8 @@ class SqliteStore(OpsStore):
     async def _do(self, fn: Op, *args: Any, write: bool = True) -> Any:
         if self._closed:
             raise StoreError("the store is closed")
+        if write and self.read_only:
+            self._refuse_write()
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
         self._queue.put((fn, args, write, LoopFuture(loop, fut)))
@@ -494,7 +604,8 @@ class SqliteStore(OpsStore):
         conn: sqlite3.Connection | None = getattr(self._readers, "conn", None)
         if conn is None:
             conn = sqlite3.connect(
-                self.path,
+                self._target,
+                uri=self.read_only,
                 isolation_level=None,
                 check_same_thread=False,
                 timeout=self._busy_timeout,
@@ -628,6 +739,13 @@ class SqliteStore(OpsStore):
         """``heartbeat`` for sync activities running in a thread."""
         out: bool = self.call_sync(_heartbeat, task, lease, details)
         return out
+
+
+def _cannot_make_wal_files(exc: sqlite3.OperationalError) -> bool:
+    """The error of a read-only open of a WAL-mode file whose -wal or -shm file SQLite
+    cannot create (its directory refuses new files)."""
+    name = getattr(exc, "sqlite_errorname", "")
+    return name in ("SQLITE_READONLY_DIRECTORY", "SQLITE_CANTOPEN", "SQLITE_READONLY_CANTINIT")
 
 
 def _explain(path: str, exc: sqlite3.DatabaseError) -> str:
