@@ -1,9 +1,13 @@
 """A worker process for the batch daily-hold crash tests:
-``python tests/ai_batch_hold_app.py STORE_URL BASE_URL`` (``test_ai_batch_daily``)."""
+``python tests/ai_batch_hold_app.py STORE_URL BASE_URL [held]`` (``test_ai_batch_daily``).
+With ``held`` the process SIGKILLs itself as soon as the store call that holds a batch's
+estimate in the day's spend returns (committed), before the submit does anything else."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import sys
 from typing import Any
 
@@ -30,11 +34,30 @@ def build(url: str, base_url: str) -> tuple[tether.App, ai.Gateway, Any]:
     return app, gw, nightly
 
 
-async def _serve(url: str, base_url: str) -> None:
+def _die_when_held(app: tether.App) -> None:
+    """SIGKILL this process right after the store commits the hold of a batch's estimate
+    (``hold_model_spend``; ``reserve_model_spend`` before holds were kept by step)."""
+    cls = type(app.store)
+    for name in ("hold_model_spend", "reserve_model_spend"):
+        real = getattr(cls, name, None)
+        if real is None:
+            continue
+
+        async def held(self: Any, *args: Any, _real: Any = real, **kw: Any) -> Any:
+            out = await _real(self, *args, **kw)
+            os.kill(os.getpid(), signal.SIGKILL)
+            return out
+
+        setattr(cls, name, held)
+
+
+async def _serve(url: str, base_url: str, kill: str | None) -> None:
     app, _gw, _nightly = build(url, base_url)
+    if kill == "held":
+        _die_when_held(app)
     async with app.worker(poll_interval=0.05, lease=1.0):
         await asyncio.sleep(600)
 
 
 if __name__ == "__main__":
-    asyncio.run(_serve(sys.argv[1], sys.argv[2]))
+    asyncio.run(_serve(sys.argv[1], sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else None))

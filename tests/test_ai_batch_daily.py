@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import os
 import signal
 import subprocess
@@ -299,13 +300,15 @@ async def test_a_worker_sigkilled_inside_the_submit_holds_the_estimate_once(
             await app.close()
 
 
+@pytest.mark.parametrize("remove", ["purge", "erase"])
 async def test_a_run_cancelled_while_its_batch_is_created_keeps_the_estimate_held(
-    app: tether.App,
+    app: tether.App, remove: str
 ) -> None:
     """The run is cancelled while the create request is in flight (the provider made the
     batch, which it will run and bill; its answer is slow): the submit keeps the estimate
     in the day (nothing will fetch the batch), rather than giving it back and leaving the
-    day at 0 for a batch that ran."""
+    day at 0 for a batch that ran. The record of the hold goes with the run when it is
+    purged, or its tenant erased: no row is left naming it."""
     with ModelServer() as server:
         server.batches.complete_after = 0.3
         real_create = server.batches.create
@@ -333,6 +336,13 @@ async def test_a_run_cancelled_while_its_batch_is_created_keeps_the_estimate_hel
             await asyncio.sleep(2.0)  # the submit is cancelled; the create's answer comes
         assert server.batches.created == 1
         assert await _spent(gw, "tenant:acme") == held
+        assert [h[0] for h in await _holds(app)] == [run.run_id]
+        if remove == "purge":
+            assert (await app.purge(0))["ai_holds"] == 1
+        else:
+            assert (await app.erase_tenant("acme"))["ai_holds"] == 1
+        assert await _holds(app) == []
+        assert set((await app.store.orphans()).values()) == {0}
 
 
 async def test_a_batch_the_provider_refused_gives_its_estimate_back(
@@ -371,40 +381,234 @@ async def test_a_batch_the_provider_refused_gives_its_estimate_back(
         assert await _spent(gw, "tenant:acme") == 0
 
 
-async def test_a_worker_stopped_while_the_hold_is_noted_gives_back_nothing_twice(
-    app: tether.App, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("end", ["stop", "kill"])
+async def test_a_worker_ended_while_the_hold_is_written_leaves_it_held_once(
+    app: tether.App, monkeypatch: pytest.MonkeyPatch, end: str
 ) -> None:
-    """The submit's note of its hold reached the store, but its answer had not come back
-    when the worker stopped (the attempt cancelled and handed back): the attempt gave
-    the estimate back without clearing the note (it did not know it had written one),
-    and the next attempt reused a hold that no longer existed: the day ended 218 short
-    (82 for 300 used)."""
+    """The submit's hold reached the store, but its answer had not come back (3 s) when
+    the worker ended (nothing sent): the attempt gives the hold back once it is written.
+    The step goes on meanwhile (stopped: handed back; killed: its lease ran out): the
+    next attempt takes the hold over, and the late give-back leaves it (it once took the
+    hold from under the running batch: the day ended 218 short, 82 for 300 used). The
+    day ends with what the batch used, and no hold is left."""
     with ModelServer() as server:
-        server.batches.complete_after = 0.3
+        server.batches.complete_after = 4.0
         gw, nightly, _one = _setup(app, server)
         await gw.set_budget(tenant="acme", tokens=10_000)
         store = app.store
-        real = type(store).heartbeat
-        noted = asyncio.Event()
+        real = type(store).hold_model_spend
+        written = asyncio.Event()
 
-        async def slow_answer(self: Any, task: Any, lease: float, details: Any) -> Any:
-            out = await real(self, task, lease, details)  # committed
-            if details and "daily_held" in details and not noted.is_set():
-                noted.set()
-                await asyncio.sleep(5)  # its answer slow to come back
+        async def slow_answer(self: Any, *args: Any) -> Any:
+            out = await real(self, *args)  # committed
+            if not written.is_set():
+                written.set()
+                await asyncio.sleep(3)  # its answer slow to come back
             return out
 
-        monkeypatch.setattr(type(store), "heartbeat", slow_answer)
-        first = app.worker(poll_interval=0.05, lease=2.0)
+        monkeypatch.setattr(type(store), "hold_model_spend", slow_answer)
+        first = app.worker(poll_interval=0.05, lease=1.0)
         await first.start()
         run = await app.start(nightly, ["a", "b"], tenant="acme")
-        await asyncio.wait_for(noted.wait(), 20)
-        await first.stop(grace=0.1)  # the attempt is cancelled, handed back
-        second = app.worker(poll_interval=0.05, lease=2.0)
+        await asyncio.wait_for(written.wait(), 20)
+        if end == "stop":
+            await first.stop(grace=0.1)  # the attempt is cancelled, handed back
+            ending: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            ending.set_result(None)
+        else:  # like SIGKILL, but the attempt's give-back still runs: a late one
+            ending = asyncio.ensure_future(first.kill())
+        second = app.worker(poll_interval=0.05, lease=1.0)
         await second.start()
         try:
             out = await run.result(timeout=60)
         finally:
             await second.stop(grace=1)
+            await ending
         assert sorted(out["results"]) == ["a", "b"]
+        assert server.batches.created == 1
         assert await _spent(gw, "tenant:acme") == 2 * USED
+        assert await _holds(app) == []
+
+
+async def _holds(app: tether.App) -> list[tuple[Any, ...]]:
+    """The store's rows of batch holds kept by step (run, step, tokens)."""
+
+    def read(tx: Any) -> list[tuple[Any, ...]]:
+        rows = tx.execute("SELECT run_id, step, tokens FROM ai_holds ORDER BY run_id, step")
+        return [tuple(r) for r in rows.fetchall()]
+
+    got: list[tuple[Any, ...]] = await app.store._do(read, write=False)  # type: ignore[attr-defined]
+    return got
+
+
+async def test_a_worker_sigkilled_right_after_the_hold_holds_the_estimate_once(
+    store_url: str,
+) -> None:
+    """A worker process SIGKILLed right after the store committed the hold of the batch's
+    estimate, before the submit noted it anywhere else (the note once went to the step's
+    heartbeat, in a later commit: lost, the next attempt held the estimate again and, at
+    ~218 twice for a budget of 300, refused its own batch). The hold is kept by step, in
+    the reservation's own transaction: the next attempt reuses it; the day holds the
+    estimate once while the batch runs, then what it used, and no hold row is left."""
+    sys.path.insert(0, str(HERE))
+    try:
+        import ai_batch_hold_app
+    finally:
+        sys.path.remove(str(HERE))
+    with ModelServer() as server:
+        server.default = lambda body: model_reply("a", input_tokens=50, output_tokens=100)
+        server.batches.complete_after = 2.0
+        app, gw, nightly = ai_batch_hold_app.build(store_url, server.base_url)
+        try:
+            await gw.set_budget(tenant="acme", tokens=300)
+            env = {**os.environ, "PYTHONPATH": f"{HERE.parent / 'src'}{os.pathsep}{HERE}"}
+            child = subprocess.Popen(
+                [
+                    sys.executable,
+                    str(HERE / "ai_batch_hold_app.py"),
+                    store_url,
+                    server.base_url,
+                    "held",
+                ],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            try:
+                run = await app.start(nightly, ["a", "b"], tenant="acme")
+                await asyncio.to_thread(child.wait, 60)
+            finally:
+                if child.poll() is None:
+                    child.kill()
+                    child.wait(10)
+            assert child.returncode == -signal.SIGKILL
+            held = await _spent(gw, "tenant:acme")
+            assert 200 < held < 300 and server.batches.created == 0  # held, nothing sent
+
+            async def submitted_or_ended() -> Any:
+                got = await _submitted(app, run.run_id)
+                ended = (await app.get(run.run_id)).status.is_terminal
+                return got or (ended and {"ended": await run.result(timeout=5)})
+
+            async with app.worker(poll_interval=0.05, lease=1.0):
+                got = await eventually(submitted_or_ended, 30, "the batch")
+                assert "batch_id" in got, got
+                assert await _spent(gw, "tenant:acme") == held  # still once
+                out = await run.result(timeout=60)
+            assert out == ["a", "b"] and server.batches.created == 1
+            assert await _spent(gw, "tenant:acme") == 2 * USED
+            assert await _holds(app) == []
+        finally:
+            await app.close()
+
+
+@pytest.mark.parametrize("created", [False, True])
+async def test_a_replayed_dead_letter_of_a_batch_submit_holds_the_estimate_once(
+    app: tether.App, monkeypatch: pytest.MonkeyPatch, created: bool
+) -> None:
+    """Every attempt of the submit lost the create's answer (the provider made the batch,
+    or not): the estimate stays held (the batch may run), the step is dead-lettered and
+    the run fails. The operator replays the letter: the replayed step reuses the hold its
+    failed attempts left rather than taking a second one (which, at ~218 twice for a
+    budget of 300, refused the batch; or, for a batch found again, left the day 218 over
+    what was used for ever)."""
+    with ModelServer() as server:
+        server.batches.complete_after = 0.3
+        real_create = server.batches.create
+        calls = {"n": 0, "broken": True}
+
+        def create(body: dict[str, Any]) -> dict[str, Any]:
+            calls["n"] += 1
+            if not calls["broken"]:
+                return real_create(body)
+            if created and calls["n"] == 2:  # the last attempt's batch (found on replay)
+                real_create(body)
+            raise ConnectionResetError("no answer")
+
+        server.batches.create = create  # type: ignore[method-assign]
+        gw, nightly, _one = _setup(app, server)
+        jobs = gw.extensions["batch"]
+        quick = {**jobs.submit.options_json, "retry": tether.Retry(attempts=2, initial=0.05)}
+        quick["retry"] = quick["retry"].to_json()
+        monkeypatch.setattr(jobs.submit, "options_json", quick)
+        await gw.set_budget(tenant="acme", tokens=300)
+        async with app.worker(poll_interval=0.05):
+            run = await app.start(nightly, ["a", "b"], tenant="acme")
+            with pytest.raises(tether.WorkflowFailedError, match="APIConnectionError"):
+                await run.result(timeout=60)
+            held = await _spent(gw, "tenant:acme")
+            assert 200 < held < 300  # kept: the batch may exist
+            (letter,) = [d for d in await app.dead_letters() if d.kind == "activity"]
+            calls["broken"] = False
+            await app.replay_dead_letter(letter.id)
+            out = await run.result(timeout=60)
+        assert sorted(out.get("results") or {}) == ["a", "b"], out
+        assert server.batches.created == 1
+        assert await _spent(gw, "tenant:acme") == 2 * USED
+        assert await _holds(app) == []
+
+
+async def test_a_hold_noted_by_a_version_15_worker_is_held_once_after_the_upgrade(
+    store_url: str,
+) -> None:
+    """A version-15 store (no ``ai_holds``) whose batch submit attempt held the estimate
+    and noted it in its heartbeat, as builds of that version did, then died. Opened by
+    this build (upgraded to 16), the next attempt takes the noted hold into the store
+    rather than holding it again (which, at ~218 twice for a budget of 300, refused its
+    own batch): the day ends with what the batch used, and no hold is left."""
+    sys.path.insert(0, str(HERE))
+    try:
+        import ai_batch_hold_app
+    finally:
+        sys.path.remove(str(HERE))
+    with ModelServer() as server:
+        server.default = lambda body: model_reply("a", input_tokens=50, output_tokens=100)
+        server.batches.complete_after = 0.3
+        app, gw, nightly = ai_batch_hold_app.build(store_url, server.base_url)
+        await gw.set_budget(tenant="acme", tokens=300)
+        env = {**os.environ, "PYTHONPATH": f"{HERE.parent / 'src'}{os.pathsep}{HERE}"}
+        argv = [sys.executable, str(HERE / "ai_batch_hold_app.py"), store_url, server.base_url]
+        child = subprocess.Popen(
+            [*argv, "held"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        try:
+            run = await app.start(nightly, ["a", "b"], tenant="acme")
+            await asyncio.to_thread(child.wait, 60)
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait(10)
+        assert child.returncode == -signal.SIGKILL
+        held = await _spent(gw, "tenant:acme")
+        assert 200 < held < 300
+
+        def as_version_15(tx: Any, run_id: str, sqlite: bool) -> None:
+            """The hold as a version-15 worker kept it: in its step's heartbeat."""
+            scopes, day, tokens, cost = tx.execute(
+                "SELECT scopes, day, tokens, cost FROM ai_holds WHERE run_id = ?", (run_id,)
+            ).fetchone()
+            note = {"scopes": json.loads(scopes), "day": day, "tokens": tokens, "cost": cost}
+            tx.execute(
+                "UPDATE tasks SET heartbeat = ? WHERE run_id = ? AND kind = 'activity'",
+                (json.dumps({"daily_held": note}), run_id),
+            )
+            tx.execute("DROP TABLE ai_holds")
+            if sqlite:
+                tx.execute("PRAGMA user_version = 15")
+            else:
+                tx.execute("UPDATE tether_meta SET version = 15")
+
+        sqlite = store_url.startswith("sqlite")
+        await app.store._do(as_version_15, run.run_id, sqlite)  # type: ignore[attr-defined]
+        await app.close()
+        app, gw, nightly = ai_batch_hold_app.build(store_url, server.base_url)
+        try:
+            assert await _holds(app) == []  # the table is back, empty
+            assert await _spent(gw, "tenant:acme") == held
+            async with app.worker(poll_interval=0.05, lease=1.0):
+                out = await app.get_run(run.run_id).result(timeout=60)
+            assert out == ["a", "b"] and server.batches.created == 1
+            assert await _spent(gw, "tenant:acme") == 2 * USED
+            assert await _holds(app) == []
+        finally:
+            await app.close()

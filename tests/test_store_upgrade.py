@@ -65,6 +65,7 @@ NEWER_TABLES = (
     "seal_keys",  # version 12
     "blob_deletions",  # version 13
     "chains",  # version 14
+    "ai_holds",  # version 16
 )
 
 

@@ -13,17 +13,19 @@ checked against the run's budget and the daily ones before each submit, as a sin
 call's is, and held in the day's spend of the daily ones (checked and added in one
 store transaction) until its results are fetched, when what it used replaces it (a
 batch that failed, expired or was cancelled at the provider used nothing: its estimate
-is given back); the submit step notes the hold in its heartbeat, so an attempt after a
-crash or failure reuses it rather than holding it twice. What it used is recorded as
-the run's model usage (``app.usage``), counted against the run's budget and the daily
-ones, and added to the tenant's daily ledger and the ``tether_ai_*`` counters. Works
-with OpenAI's batch API and servers that copy it, through the model's own OpenAI SDK
-client (SDK retries off: tether retries).
+is given back); the store records the hold by the submit step in the transaction that
+makes it (``ai_holds``), so any later attempt of the step (after a crash or failure, or
+a replayed dead letter) reuses it rather than holding it twice. What it used is
+recorded as the run's model usage (``app.usage``), counted against the run's budget and
+the daily ones, and added to the tenant's daily ledger and the ``tether_ai_*`` counters.
+Works with OpenAI's batch API and servers that copy it, through the model's own OpenAI
+SDK client (SDK retries off: tether retries).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import json
@@ -43,6 +45,7 @@ from ..workflow._api import sleep
 from ..workflow._instance import current_instance
 from ._errors import ModelConfigError
 from ._gateway import (
+    _SENDING,
     EXTENSIONS,
     Gateway,
     ModelRef,
@@ -51,6 +54,7 @@ from ._gateway import (
     _release,
     _Tally,
     count_usage,
+    daily_over,
     daily_refusal,
 )
 
@@ -147,49 +151,55 @@ class BatchJobs:
         key = ctx.idempotency_key
         if options.get("nonce"):  # a value recorded in the run: unique across stores
             key = f"{key}:{options['nonce']}"
-        # the estimate an earlier attempt of this step held (and noted in its heartbeat)
-        # and did not give back: a worker killed inside the step left it held
-        held = _noted_hold(ctx.heartbeat_details)
+        # the store keeps the estimate an attempt of this step holds by the step, written
+        # with the hold: a later attempt (after a crash, a retry, a replayed dead letter)
+        # reuses it. An attempt of an older build noted it in its heartbeat instead
+        holder = secrets.token_hex(8)  # this attempt, as the store's record names it
+        noted = _noted_hold(ctx.heartbeat_details)
+        if noted:
+            await self._hold_daily(ctx, holder, ref, items, options, how="noted", noted=noted)
+            await _clear_noted_hold(ctx)
         # in doubt: did this step create its batch before a crash lost the answer?
         found = await _find_again(client, key, ctx.run_id, len(items), options.get("since"))
         if found is not None:
-            # the batch exists (it will be paid for): its estimate stays held; held again,
-            # unchecked, if no attempt of this step holds it now
-            if not held:
-                held = await self._hold_daily(ref, items, options, check=False)
-                await _note_hold(ctx, held)
+            # the batch exists (it will be paid for): its estimate stays held; held
+            # (unchecked) if no attempt of this step holds it now
+            held = await self._hold_daily(ctx, holder, ref, items, options, how="add")
             return {"batch_id": found, "found_again": True, **held}
-        if not held:
-            held = await self._hold_daily(ref, items, options, check=True)
         sending = {"sent": False}
+        holding = asyncio.ensure_future(
+            self._hold_daily(ctx, holder, ref, items, options, how="check")
+        )
         try:
-            await _note_hold(ctx, held)
+            held = await asyncio.shield(holding)
             batch_id = await self._create(client, ref, key, ctx.run_id, items, options, sending)
         except BaseException as exc:
             # the estimate is given back only when the batch is known not to exist: the
             # create was never sent, or the provider refused it; else it stays held (the
-            # batch may run and be billed), noted for the retry, which reuses it
+            # batch may run and be billed), kept by the step for the retry to reuse
             refused = getattr(exc, "status_code", None)
             if not sending["sent"] or (isinstance(refused, int) and refused < 500):
-                await self._give_back(ctx, held)
+                await self._give_back(ctx, holder, holding)
             raise
         return {"batch_id": batch_id, "found_again": False, **held}
 
-    async def _give_back(self, ctx: Any, held: dict[str, Any]) -> None:
-        """Give back the estimate ``held`` by this submit step, once the note that an
-        attempt holds it is cleared (a note left would make a retry reuse what was given
-        back: not cleared, it stays held)."""
-        got = held.get("daily_held")
-        if got is None:
-            return
-        try:
-            await asyncio.shield(_note_hold(ctx, {}))
-        except asyncio.CancelledError:
-            raise  # kept held (the note may stand); the attempt is handed back, not failed
-        except Exception:
-            return  # the note may stand: the estimate stays held
-        reserved = {"day": got["day"], "tokens": got["tokens"], "cost": Decimal(got["cost"])}
-        await self.gateway.give_back_daily(tuple(got["scopes"]), reserved)
+    async def _give_back(self, ctx: Any, holder: str, holding: asyncio.Future[Any]) -> None:
+        """Give back the estimate this attempt (``holder``) of the submit step holds, once
+        ``holding``, the hold it asked for, is written or failed, its record removed with
+        it, even when the attempt is cancelled meanwhile (unless a later attempt took the
+        hold over by then); a failure to write it leaves it held."""
+        store = self.gateway._step_store()
+
+        async def release() -> None:
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await holding  # written or not: what it wrote (if anything) goes back
+            await store.release_model_hold(ctx.run_id, ctx.step, holder)
+
+        giving = asyncio.ensure_future(release())
+        _SENDING.add(giving)
+        giving.add_done_callback(_SENDING.discard)
+        with contextlib.suppress(Exception):
+            await asyncio.shield(giving)
 
     async def _create(
         self,
@@ -227,40 +237,62 @@ class BatchJobs:
         return str(batch.id)
 
     async def _hold_daily(
-        self, ref: ModelRef, items: dict[str, str], options: dict[str, Any], *, check: bool
+        self,
+        ctx: Any,
+        holder: str,
+        ref: ModelRef,
+        items: dict[str, str],
+        options: dict[str, Any],
+        *,
+        how: str,
+        noted: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Hold the batch's whole estimate in today's spend of the daily budgets of its
-        run's tenant (and the global one), as a single call's is: with ``check``, checked
-        and added in one store transaction (``DailyBudgetExceeded`` when it would pass
-        one). Returns what it held, recorded with the submit (``daily_held``) so the fetch
+        run's tenant (and the global one), as a single call's is, recorded by the submit
+        step (for its attempt ``holder``) in the same store transaction; or the hold an
+        earlier attempt of the step left. ``how``: ``"check"``, checked and added at once
+        (``DailyBudgetExceeded`` when it would pass one); ``"add"``, unchecked;
+        ``"noted"``, the hold ``noted`` in an older build's heartbeat, recorded only.
+        Returns what is held, recorded with the submit (``daily_held``) so the fetch
         replaces it with what the batch used. A run without a tenant sends no estimate:
         the batch is estimated here (the global budget checks it too)."""
         tenant = options.get("tenant")
         scopes, _rows = await self.gateway.daily_scopes(tenant)
-        if not scopes:
-            return {}
-        estimate = options.get("estimate") or _estimate(ref, items, options.get("max_tokens"))
-        if check:
-            scopes, reserved = await self.gateway.reserve_daily(tenant, estimate)
-            if not scopes:
-                return {}
+        store = self.gateway._step_store()
+        if noted is not None:
+            got = noted["daily_held"]
+            scopes, day, estimate = tuple(got["scopes"]), got["day"], dict(got)
         else:
-            cost = estimate.get("cost")
-            reserved = {
-                "day": _day(self.gateway._step_store().clock()),
-                "tokens": int(estimate.get("tokens") or 0),
-                "cost": Decimal(cost or 0),
-            }
-            await self.gateway.add_daily_spend(
-                scopes, reserved["tokens"], reserved["cost"], reserved
+            day = _day(store.clock())
+            estimate = (
+                (options.get("estimate") or _estimate(ref, items, options.get("max_tokens")))
+                if scopes
+                else {}
             )
-        held = {
-            "scopes": list(scopes),
-            "day": reserved["day"],
-            "tokens": reserved["tokens"],
-            "cost": str(reserved["cost"]),
+        cost = estimate.get("cost")
+        held, over = await store.hold_model_spend(
+            ctx.run_id,
+            ctx.step,
+            holder,
+            scopes,
+            day,
+            int(estimate.get("tokens") or 0),
+            None if cost is None else str(cost),
+            how,
+        )
+        if over is not None:
+            raise daily_over(over, estimate)
+        if held is None:
+            return {}
+        scopes_held, day_held, tokens, cost_held = held
+        return {
+            "daily_held": {
+                "scopes": scopes_held,
+                "day": day_held,
+                "tokens": tokens,
+                "cost": cost_held,
+            }
         }
-        return {"daily_held": held}
 
     async def _poll(self, model: str, batch_id: str) -> dict[str, Any]:
         _ref, client = self._client(model)
@@ -423,7 +455,9 @@ async def batch(
         # what the batch used replaces the estimate its submit held in the day (by the run
         # that held it: a submit kept from before a retry or fork leaves it counted)
         held = None if inst.reused(submit_step) else sub.get("daily_held")
-        _account(inst, step, model, got[CALL_KEY], tally, got.get("daily_scopes"), held)
+        _account(
+            inst, step, model, got[CALL_KEY], tally, got.get("daily_scopes"), held, submit_step
+        )
         results.update(got["results"])
         unknown.extend(u for u in got["unknown"] if u not in unknown)
         failed = {
@@ -438,23 +472,19 @@ async def batch(
 
 
 def _noted_hold(details: Any) -> dict[str, Any]:
-    """The estimate an earlier attempt of the submit step noted it holds (``daily_held``
-    in its last heartbeat's details), or ``{}``."""
+    """The estimate an attempt of the submit step by an older build noted it holds
+    (``daily_held`` in its last heartbeat's details), or ``{}``."""
     got = details.get("daily_held") if isinstance(details, dict) else None
     return {"daily_held": got} if isinstance(got, dict) else {}
 
 
-async def _note_hold(ctx: Any, held: dict[str, Any]) -> None:
-    """Note in the submit step's heartbeat (awaited: in the store before the upload) the
-    estimate it holds (``{}``: none), for an attempt after a crash to reuse rather than
-    hold it again. Outside a worker there is nothing to note."""
+async def _clear_noted_hold(ctx: Any) -> None:
+    """Clear the hold an older build's attempt noted in the submit step's heartbeat, once
+    the store keeps it by step (awaited: a note left would be taken for a hold again
+    after this attempt gave it back). Outside a worker there is nothing to clear."""
     if ctx._store is None or ctx.task is None:
         return
-    if not held and ctx.heartbeat_details is None:
-        return  # nothing held, nothing noted before: nothing to clear
-    note = {"daily_held": held.get("daily_held")}
-    # marked before the write: one interrupted after it reached the store (a cancel, an
-    # answer lost) must still be cleared before the estimate is given back
+    note = {"daily_held": None}
     ctx.heartbeat_details = note
     await ctx._beat(encode(note, "heartbeat details"))
 
@@ -492,13 +522,15 @@ def _account(
     tally: _Tally,
     daily: list[str] | None = None,
     held: dict[str, Any] | None = None,
+    submit_step: int = 0,
 ) -> None:
     """A fetched batch's tokens and cost: in the run's budget tally (on replay too, as a
     call's are), and in the tenant's daily ledger, the daily budgets' spend of ``daily``
     (its scopes; None: a fetch recorded before, which added them itself) and the
     ``tether_ai_*`` counters, as a single call's are (once, when the run first meets
     the fetch's result: never on replay, nor for a result kept from before a retry or
-    fork), the estimate the submit ``held`` in the day given back in the same commit."""
+    fork), the estimate the submit (at ``submit_step``) ``held`` in the day given back in
+    the same commit, with the store's record of that hold."""
     inputs, outputs = int(call.get("input_tokens") or 0), int(call.get("output_tokens") or 0)
     tally.tokens += inputs + outputs
     tally.cost += _budget_cost(call)
@@ -514,6 +546,7 @@ def _account(
         inst.tally_spend(
             tuple(held["scopes"]), -int(held["tokens"]), -Decimal(held["cost"]), held["day"]
         )
+        inst.settle_hold(submit_step)
     if daily:
         inst.tally_spend(tuple(daily), inputs + outputs, _budget_cost(call))
 

@@ -1142,18 +1142,7 @@ class Gateway:
             reserving.add_done_callback(give_back)
             raise
         if over is not None:
-            scope, what, limit, spent_tokens, spent_cost = over
-            raise DailyBudgetExceeded(
-                json.dumps(
-                    {
-                        "scope": scope,
-                        "what": what,
-                        "limit": limit,
-                        "spent": {"tokens": int(spent_tokens), "cost": str(spent_cost)},
-                        "estimate": estimate,
-                    }
-                )
-            )
+            raise daily_over(over, estimate)
         return scopes, {"day": day, "tokens": tokens, "cost": Decimal(cost or 0)}
 
     # the call (workflow side) -------------------------------------------------------
@@ -1638,6 +1627,23 @@ _BUDGETS_TTL = 2.0
 
 class DailyBudgetExceeded(NonRetryable):
     """A tenant's (or the global) daily model budget would be exceeded (worker side)."""
+
+
+def daily_over(over: tuple[Any, ...], estimate: dict[str, Any]) -> DailyBudgetExceeded:
+    """The refusal of work whose ``estimate`` would pass the daily budget ``over`` names
+    (the store's (scope, what, limit, tokens spent, cost spent))."""
+    scope, what, limit, spent_tokens, spent_cost = over
+    return DailyBudgetExceeded(
+        json.dumps(
+            {
+                "scope": scope,
+                "what": what,
+                "limit": limit,
+                "spent": {"tokens": int(spent_tokens), "cost": str(spent_cost)},
+                "estimate": estimate,
+            }
+        )
+    )
 
 
 def daily_refusal(ref: ModelRef, exc: ActivityError) -> BudgetExceeded:

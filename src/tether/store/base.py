@@ -52,6 +52,9 @@ class WorkflowTaskResult:
     #: again; and the estimate its submit held, given back on the day it was held): the
     #: store adds each to its scopes' spend of ``day`` (None: the task's) in the same commit
     spend: list[tuple[tuple[str, ...], int, str, str | None]] | None = None
+    #: steps of the run whose provider batch's hold (``hold_model_spend``) this task gave
+    #: back with ``spend``: the store removes their records in the same commit
+    holds: list[int] | None = None
 
 
 #: what ``list_runs(waiting_for=)`` may name (optionally ``kind:name``: ``signal:review``)
@@ -308,6 +311,31 @@ class Store(abc.ABC):
         """Add a call's estimate to each scope's spend of ``day`` unless it would pass one
         of their budgets (checked and added at once); else (scope, what, limit, tokens
         spent, cost spent) of the budget it would pass, nothing added."""
+
+    @abc.abstractmethod
+    async def hold_model_spend(
+        self,
+        run_id: str,
+        step: int,
+        holder: str,
+        scopes: tuple[str, ...],
+        day: str,
+        tokens: int,
+        cost: str | None,
+        how: str = "check",
+    ) -> tuple[tuple[list[str], str, int, str] | None, tuple[Any, ...] | None]:
+        """Hold a provider batch's estimate in each scope's spend of ``day`` for its
+        submit step (``run_id``, ``step``) and attempt ``holder``, recorded by the step
+        in the same transaction; or reuse (take over) the hold an earlier attempt of the
+        step left. ``how``: ``"check"`` (as ``reserve_model_spend``), ``"add"``
+        (unchecked) or ``"noted"`` (already counted: only recorded). Returns ((scopes,
+        day, tokens, cost) held or None, the budget it would pass or None)."""
+
+    @abc.abstractmethod
+    async def release_model_hold(self, run_id: str, step: int, holder: str) -> bool:
+        """Give back what the submit step (``run_id``, ``step``) holds for its attempt
+        ``holder`` (nothing once a later attempt took it over), its record removed with
+        it; whether it held anything."""
 
     @abc.abstractmethod
     async def create_api_key(

@@ -45,6 +45,7 @@ _RUN_TABLES = (
     "approvals",
     "webhook_outbox",
     "signal_ids",
+    "ai_holds",  # what a batch's submit step holds in the day's spend (ai_spend)
 )
 #: tables copied whole, row by row, where the target lacks the row's key
 _SHARED_TABLES: dict[str, tuple[str, ...]] = {
@@ -152,6 +153,7 @@ def _rows(
         "approvals": "approval_id",
         "webhook_outbox": "delivery_id",
         "signal_ids": "chain_id, signal_id",
+        "ai_holds": "run_id, step",
     }
     rows = tx.execute(
         f"SELECT {', '.join(cols)} FROM {table} WHERE run_id IN ({marks}) "

@@ -64,14 +64,14 @@ from ._pg_session import _ID_BLOCK, _Session
 from .base import Finished, HistoryListener, Listener, StreamListener, worker_id_in_use
 from .ops import OpsStore
 from .ops._tx import CHAINS, ENCRYPTED_BEFORE, OFFLOADED_BEFORE, Op, SealState, _Tx
-from .ops.ai import _add_spend, _reserve_spend
+from .ops.ai import _add_spend, _hold_spend, _release_hold, _reserve_spend
 from .ops.claims import _claim, _claim_with_wake
 from .ops.tasks import _heartbeat, _renew
 
 log = logging.getLogger("tether.store")
 
 
-_SCHEMA_VERSION = 15
+_SCHEMA_VERSION = 16
 #: statements that bring a store of the version before up to this one
 _UPGRADES: dict[int, tuple[str, ...]] = {
     2: ("ALTER TABLE runs ADD COLUMN IF NOT EXISTS waiting_on TEXT",),
@@ -152,6 +152,12 @@ _UPGRADES: dict[int, tuple[str, ...]] = {
     # SQLite's history became a rowid table; PostgreSQL's heap table needs nothing (the
     # two stores keep one version number)
     15: (),
+    16: (
+        "CREATE TABLE IF NOT EXISTS ai_holds (run_id TEXT NOT NULL, step BIGINT NOT NULL, "
+        "holder TEXT NOT NULL, scopes TEXT NOT NULL, day TEXT NOT NULL, tokens BIGINT NOT "
+        "NULL, cost TEXT NOT NULL, created_at DOUBLE PRECISION NOT NULL, "
+        "PRIMARY KEY (run_id, step))",
+    ),
 }
 #: task columns added during development, missing from schemas made by older builds
 _TASK_COLUMNS = ("priority", "limit_key", "heartbeat_timeout", "dependency", "batch_key")
@@ -163,9 +169,9 @@ _RETRYABLE = (
 _MAX_BATCH_ATTEMPTS = 8
 _CLAIMS: frozenset[Op] = frozenset({_claim, _claim_with_wake})
 #: run alone, giving up row locks quickly: lease renewals (many task rows), and a model
-#: call's daily-spend writes (a tenant's row, then the global one: in a batch with other
-#: tenants' writes they would close lock cycles between writer threads)
-_SOLO: frozenset[Op] = frozenset({_renew, _reserve_spend, _add_spend})
+#: call's (or a batch's) daily-spend writes (a tenant's row, then the global one: in a
+#: batch with other tenants' writes they would close lock cycles between writer threads)
+_SOLO: frozenset[Op] = frozenset({_renew, _reserve_spend, _add_spend, _hold_spend, _release_hold})
 _SOLO_LOCK_TIMEOUT_MS = 200
 _MAX_SOLO_ATTEMPTS = 100
 _MAX_OP_ATTEMPTS = 3  #: re-runs of one operation after a unique violation (racing insert)

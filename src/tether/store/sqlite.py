@@ -57,6 +57,7 @@ _OWN_TABLES = {
     "ai_cache",
     "ai_spend",
     "ai_budgets",
+    "ai_holds",
     "approvals",
     "seal_keys",
     "blob_deletions",
@@ -67,7 +68,7 @@ _OWN_TABLES = {
 #: tables every tether store has had since its first schema version
 _CORE_TABLES = {"runs", "events", "tasks"}
 
-_SCHEMA_VERSION = 15
+_SCHEMA_VERSION = 16
 #: the version whose upgrade rebuilds the events table (a rowid table since)
 _EVENTS_REBUILT = 15
 #: the oldest version a read-only open reads as it is: 15 changed only how the history
@@ -160,6 +161,11 @@ _UPGRADES: dict[int, tuple[str, ...]] = {
         "SELECT run_id, seq, type, step, data, created_at FROM events ORDER BY run_id, seq",
         "DROP TABLE events",
         "ALTER TABLE events_v15 RENAME TO events",
+    ),
+    16: (
+        "CREATE TABLE IF NOT EXISTS ai_holds (run_id TEXT NOT NULL, step INTEGER NOT NULL, "
+        "holder TEXT NOT NULL, scopes TEXT NOT NULL, day TEXT NOT NULL, tokens BIGINT NOT "
+        "NULL, cost TEXT NOT NULL, created_at REAL NOT NULL, PRIMARY KEY (run_id, step))",
     ),
 }
 

@@ -192,6 +192,7 @@ class WorkflowInstance:
         self._usage: tuple[int, Decimal] | None = None
         #: daily budgets' spend met first by the task being computed (``tally_spend``)
         self._spend: list[tuple[tuple[str, ...], int, str, str | None]] = []
+        self._holds: list[int] = []
         #: model spend as this run's code met it (replay included), for its budget
         self.spend = Spend()
         #: steps whose outcome was kept from before a retry or fork (not run again)
@@ -340,6 +341,7 @@ class WorkflowInstance:
         self._new = []
         self._usage = None
         self._spend = []
+        self._holds = []
         through = self.through
         if incoming:
             through = incoming[-1].seq
@@ -348,6 +350,7 @@ class WorkflowInstance:
         commands, self._new = self._new, []
         usage, self._usage = self._usage, None
         spend, self._spend = self._spend, []
+        holds, self._holds = self._holds, []
         return WorkflowTaskResult(
             commands=commands,
             through=through,
@@ -357,6 +360,7 @@ class WorkflowInstance:
             waiting_on=None if self.finished else self.waiting_on(),
             usage=(usage[0], str(usage[1])) if usage is not None else None,
             spend=spend or None,
+            holds=holds or None,
         )
 
     def close(self) -> None:
@@ -853,6 +857,13 @@ class WorkflowInstance:
         that first met it (never on replay)."""
         if not self.replaying and scopes:
             self._spend.append((tuple(scopes), tokens, str(cost), day))
+
+    def settle_hold(self, step: int) -> None:
+        """Remove the record of the daily hold of this run's batch submit ``step`` with
+        the commit of this task (whose ``tally_spend`` gives the estimate back; never on
+        replay)."""
+        if not self.replaying:
+            self._holds.append(step)
 
     def take_counts(self) -> list[tuple[str, tuple[str, ...], float]]:
         """The counters noted since the last call."""

@@ -564,6 +564,26 @@ class OpsStore(Store):
         out: tuple[Any, ...] | None = await self._do(_reserve_spend, scopes, day, tokens, cost)
         return out
 
+    async def hold_model_spend(
+        self,
+        run_id: str,
+        step: int,
+        holder: str,
+        scopes: tuple[str, ...],
+        day: str,
+        tokens: int,
+        cost: str | None,
+        how: str = "check",
+    ) -> tuple[tuple[list[str], str, int, str] | None, tuple[Any, ...] | None]:
+        out: tuple[Any, Any] = await self._do(
+            _hold_spend, run_id, step, holder, tuple(scopes), day, tokens, cost, how
+        )
+        return out
+
+    async def release_model_hold(self, run_id: str, step: int, holder: str) -> bool:
+        out: bool = await self._do(_release_hold, run_id, step, holder)
+        return out
+
     async def create_api_key(
         self, key_id: str, secret_hash: str, name: str | None, tenant: str | None, role: str
     ) -> None:
@@ -661,7 +681,9 @@ from .ai import (  # noqa: E402
     _add_spend,
     _cache_get,
     _cache_put,
+    _hold_spend,
     _model_budgets,
+    _release_hold,
     _reserve_spend,
     _set_model_budget,
 )

@@ -1,7 +1,9 @@
-"""tether.ai's shared state: the answer cache, daily model spend and budgets per scope."""
+"""tether.ai's shared state: the answer cache, daily model spend and budgets per scope,
+and the estimates provider batches hold in the day's spend (by submit step)."""
 
 from __future__ import annotations
 
+import json
 import time
 from decimal import Decimal
 from typing import Any
@@ -141,6 +143,72 @@ def _reserve_spend(
     for scope, used_tokens, used_cost in spent:
         _set_spend(tx, scope, day, used_tokens + tokens, _plain(used_cost + Decimal(cost or 0)))
     return None
+
+
+#: a batch hold as the store keeps it: (scopes, day, tokens, cost)
+Hold = tuple[list[str], str, int, str]
+
+
+def _hold_spend(
+    tx: _Tx,
+    run_id: str,
+    step: int,
+    holder: str,
+    scopes: tuple[str, ...],
+    day: str,
+    tokens: int,
+    cost: str | None,
+    how: str,
+) -> tuple[Hold | None, tuple[Any, ...] | None]:
+    """The estimate a batch's submit step (``run_id``, ``step``) holds in the day's spend
+    of ``scopes`` for its attempt ``holder``, and the budget it would pass: the hold an
+    earlier attempt of the step left, reused as it is (``holder`` takes it over); else
+    the estimate added (``how``: ``"check"``, as ``_reserve_spend``, nothing added when
+    it would pass a budget; ``"add"``, unchecked; ``"noted"``, already counted: a hold
+    an older build noted in the step's heartbeat) and the hold recorded in the same
+    transaction. (None, None): nothing to hold."""
+    row = tx.execute(
+        f"SELECT scopes, day, tokens, cost FROM ai_holds WHERE run_id = ? AND step = ?"
+        f"{tx.for_update}",
+        (run_id, step),
+    ).fetchone()
+    if row is not None:
+        tx.execute(
+            "UPDATE ai_holds SET holder = ? WHERE run_id = ? AND step = ?", (holder, run_id, step)
+        )
+        return (list(json.loads(row[0])), str(row[1]), int(row[2]), str(row[3])), None
+    if not scopes:
+        return None, None
+    if how == "check":
+        over = _reserve_spend(tx, scopes, day, tokens, cost)
+        if over is not None:
+            return None, over
+    elif how == "add":
+        _add_spend(tx, scopes, day, tokens, cost or "0")
+    held = _plain(Decimal(cost or 0))
+    tx.execute(
+        "INSERT INTO ai_holds (run_id, step, holder, scopes, day, tokens, cost, created_at) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+        (run_id, step, holder, json.dumps(list(scopes)), day, tokens, held, tx.now),
+    )
+    return (list(scopes), day, tokens, held), None
+
+
+def _release_hold(tx: _Tx, run_id: str, step: int, holder: str) -> bool:
+    """Give back the estimate the submit step (``run_id``, ``step``) holds for its
+    attempt ``holder``, the record removed in the same transaction (a second give-back
+    finds nothing, nor does one of an attempt whose hold a later attempt took over);
+    whether it held."""
+    row = tx.execute(
+        f"SELECT scopes, day, tokens, cost FROM ai_holds WHERE run_id = ? AND step = ? "
+        f"AND holder = ?{tx.for_update}",
+        (run_id, step, holder),
+    ).fetchone()
+    if row is None:
+        return False
+    tx.execute("DELETE FROM ai_holds WHERE run_id = ? AND step = ?", (run_id, step))
+    _add_spend(tx, tuple(json.loads(row[0])), str(row[1]), -int(row[2]), str(-Decimal(row[3])))
+    return True
 
 
 def _plain(cost: Decimal) -> str:

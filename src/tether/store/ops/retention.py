@@ -3,8 +3,9 @@ batches, leaving a tombstone per run id; and the orphan check of a store.
 
 Each batch is one short transaction over at most ``limit`` runs, so workers are never
 held up for long. A purged run's rows go from every table that names it (history,
-tasks, dead letters, reviews, webhook deliveries, audit entries); its id stays in
-``purged_runs`` with when and why, so asking for it answers "purged", not "unknown".
+tasks, dead letters, reviews, webhook deliveries, batch holds, audit entries); its id
+stays in ``purged_runs`` with when and why, so asking for it answers "purged", not
+"unknown".
 """
 
 from __future__ import annotations
@@ -18,7 +19,15 @@ from .._counters import COUNT_TABLES
 from ._tx import _Tx
 
 #: tables whose rows belong to one run (by ``run_id``)
-RUN_TABLES = ("events", "tasks", "dead_letters", "approvals", "webhook_outbox", "signal_ids")
+RUN_TABLES = (
+    "events",
+    "tasks",
+    "dead_letters",
+    "approvals",
+    "webhook_outbox",
+    "signal_ids",
+    "ai_holds",
+)
 #: statuses a run can be purged in (it has ended); a run that continued as new goes with
 #: its chain, when the chain's last run is purged (a live chain's runs all stay: lookups
 #: follow it from its first id, and an entity's state lives along it)

@@ -160,6 +160,8 @@ def _apply_workflow_result(
         )
     for scopes, tokens, cost, day in result.spend or ():  # daily budgets': exactly once
         _add_spend(tx, tuple(scopes), day or _day(result.time), tokens, cost)
+    for step in result.holds or ():  # batch holds given back with that spend
+        tx.execute("DELETE FROM ai_holds WHERE run_id = ? AND step = ?", (run_id, step))
     if status == RunStatus.SUSPENDED.value:
         lease_to = None  # suspended while this task ran: dispatch nothing locally
     leased: list[Task] = []

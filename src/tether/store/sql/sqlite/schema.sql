@@ -201,6 +201,23 @@ CREATE TABLE IF NOT EXISTS ai_budgets (
     updated_at   REAL NOT NULL
 );
 
+-- tether.ai: the estimate a provider batch's submit step holds in the day's spend, by
+-- its (run, step), written in the transaction that adds it to ai_spend: a later attempt
+-- of the step (after a crash, a retry, a replayed dead letter) reuses it (and becomes
+-- its holder: an earlier attempt's late give-back leaves it), and it goes when given
+-- back or replaced by what the batch used. scopes: a JSON list.
+CREATE TABLE IF NOT EXISTS ai_holds (
+    run_id       TEXT NOT NULL,
+    step         INTEGER NOT NULL,
+    holder       TEXT NOT NULL,
+    scopes       TEXT NOT NULL,
+    day          TEXT NOT NULL,
+    tokens       BIGINT NOT NULL,
+    cost         TEXT NOT NULL,
+    created_at   REAL NOT NULL,
+    PRIMARY KEY (run_id, step)
+);
+
 -- Reviews opened by tether.approval, kept in step with the run's approval markers in the
 -- same commit (store/ops/approvals.py): the list of open reviews, decidable from outside.
 CREATE TABLE IF NOT EXISTS approvals (
