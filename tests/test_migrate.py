@@ -393,14 +393,16 @@ async def _source_with_a_run_in_flight(db: Path) -> dict[str, list[tether.Event]
 
 
 def _as_version_14(db: Path) -> None:
-    """Make a closed store file as version 14 left it: its history WITHOUT ROWID."""
+    """Make a closed store file as version 14 left it: its history WITHOUT ROWID, and
+    no table of what a batch holds (added by 16)."""
     conn = sqlite3.connect(db)
     conn.executescript(
         "BEGIN; CREATE TABLE old_events (run_id TEXT NOT NULL, seq INTEGER NOT NULL, "
         "type TEXT NOT NULL, step INTEGER, data TEXT, created_at REAL NOT NULL, "
         "PRIMARY KEY (run_id, seq)) WITHOUT ROWID; INSERT INTO old_events SELECT run_id, "
         "seq, type, step, data, created_at FROM events; DROP TABLE events; "
-        "ALTER TABLE old_events RENAME TO events; PRAGMA user_version = 14; COMMIT;"
+        "ALTER TABLE old_events RENAME TO events; DROP TABLE ai_holds; "
+        "PRAGMA user_version = 14; COMMIT;"
     )
     conn.close()
     assert not Path(f"{db}-wal").exists()  # closed cleanly
@@ -468,13 +470,13 @@ def test_a_version_14_source_is_copied_as_its_upgrade_would_be(tmp_path: Path) -
     from tether.store.migrate import migrate
 
     # a new schema version must decide whether the one before it reads as it is
-    assert (sqlite._READ_ONLY_FROM, sqlite._SCHEMA_VERSION) == (14, 15)
+    assert (sqlite._READ_ONLY_FROM, sqlite._SCHEMA_VERSION) == (14, 16)
     db, upgraded = tmp_path / "v14.db", tmp_path / "upgraded.db"
     asyncio.run(_source_with_a_run_in_flight(db))
     _as_version_14(db)
     shutil.copyfile(db, upgraded)
     sqlite.SqliteStore(str(upgraded)).close_sync()  # upgraded in place
-    assert _schema_of(upgraded) == (15, False)
+    assert _schema_of(upgraded) == (16, False)
     before = db.read_bytes()
     asyncio.run(migrate(f"sqlite:///{db}", f"sqlite:///{tmp_path / 'a.db'}"))
     asyncio.run(migrate(f"sqlite:///{upgraded}", f"sqlite:///{tmp_path / 'b.db'}"))
@@ -497,7 +499,7 @@ def test_a_version_14_source_is_copied_as_its_upgrade_would_be(tmp_path: Path) -
     assert db.read_bytes() == before
 
 
-@pytest.mark.parametrize("version", [13, 16])
+@pytest.mark.parametrize("version", [13, 17])
 def test_migrate_refuses_a_source_it_cannot_read_as_it_is(tmp_path: Path, version: int) -> None:
     """Older than 14 (whose upgrade adds rows) or newer than this tether: refused, and
     the file left as it was."""

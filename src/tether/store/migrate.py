@@ -47,6 +47,9 @@ _RUN_TABLES = (
     "signal_ids",
     "ai_holds",  # what a batch's submit step holds in the day's spend (ai_spend)
 )
+#: run tables a source read as it is (an older SQLite file, never upgraded) may predate,
+#: with the version that added them: such a store had none of their rows to copy
+_ADDED_SINCE = {"ai_holds": 16}
 #: tables copied whole, row by row, where the target lacks the row's key
 _SHARED_TABLES: dict[str, tuple[str, ...]] = {
     "breakers": ("name",),
@@ -290,6 +293,8 @@ async def migrate(
         for table in _RUN_TABLES:
             have = await _table_columns(src, table)
             want = await _table_columns(dst, table)
+            if have is None and want is not None and table in _ADDED_SINCE:
+                continue  # (a source older than the table: nothing of it to copy)
             if have is None or want is None:
                 raise MigrationError(f"table {table!r} is missing in the source or the target")
             missing = [c for c in have if c not in want]
@@ -352,7 +357,7 @@ async def migrate(
         for i in range(0, len(runs), batch):
             ids = tuple(r for r, _ in runs[i : i + batch])
             plan = []
-            for table in _RUN_TABLES:
+            for table in cols:  # (in _RUN_TABLES' order)
                 rows = await src._do(_rows, table, cols[table], ids, write=False)
                 if table == "tasks":
                     # leases held in the source mean nothing in the target: claimable now
@@ -468,7 +473,7 @@ async def _verify(
     task_key = tuple(task_cols.index(c) for c in ("run_id", "kind", "step", "queue", "fence"))
     for i in range(0, len(runs), 200):
         ids = tuple(r for r, _ in runs[i : i + 200])
-        for table in _RUN_TABLES:
+        for table in cols:
             a = await src._do(_rows, table, cols[table], ids, write=False)
             b = await dst._do(_rows, table, cols[table], ids, write=False)
             if table == "tasks":

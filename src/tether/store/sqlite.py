@@ -73,8 +73,9 @@ _SCHEMA_VERSION = 16
 _EVENTS_REBUILT = 15
 #: the oldest version a read-only open reads as it is: 15 changed only how the history
 #: is stored, not its columns; 14 filled the new chains table from the runs, so an
-#: older file read as it is lacks rows its upgrade would add. (A new version whose
-#: upgrade adds or changes rows or columns moves this up to itself.)
+#: older file read as it is lacks rows its upgrade would add; 16 only added a table,
+#: empty until then (``migrate._ADDED_SINCE``). (A new version whose upgrade adds or
+#: changes rows or columns moves this up to itself.)
 _READ_ONLY_FROM = 14
 #: statements that bring a store of the version before up to this one
 _UPGRADES: dict[int, tuple[str, ...]] = {
