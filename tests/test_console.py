@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -652,3 +654,20 @@ def test_a_console_form_for_another_tenants_run_finds_nothing_whatever_the_role(
     fields = {"csrf": csrf, "approve": "1", "by": "x", "fingerprint": review["fingerprint"]}
     posted = page.request.post(f"{base}/approvals/{review['approval_id']}", form=fields)
     assert posted.status == 404, posted.status
+    # purged, another tenant's run is as missing for this key as one that never was
+    ended = server.http.post(f"/v1/runs/{theirs['id']}/terminate", json={}, headers=admin)
+    assert ended.status_code == 202, ended.text
+    purge = subprocess.run(
+        [sys.executable, "-m", "tether.cli", "purge", "--older-than", "0s", "--store", server.store],
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent / "src")},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert purge.returncode == 0, purge.stderr
+    assert server.http.get(f"/v1/runs/{theirs['id']}", headers=admin).status_code == 410
+    for path, fields in forms.items():
+        status = page.request.post(
+            f"{base}/runs/{theirs['id']}/{path}", form={"csrf": csrf, **fields}
+        ).status
+        assert status == 404, (path, "purged", status)

@@ -317,8 +317,19 @@ class SqliteStore(OpsStore):
                             "needs to read them in that directory. Copy the file with its "
                             "-wal file to a writable directory and read the copy"
                         ) from exc
-                    # closed cleanly (no -wal): the file holds every commit, and nothing
-                    # writes it where this process cannot create files: read it as it is
+                    if os.path.exists(wal) or os.path.exists(f"{path}-shm"):
+                        # a -shm (or an empty -wal) left beside it: a process may have it
+                        # open, writing it; read unlocked (immutable) it could tear
+                        raise StoreError(
+                            f"cannot read store {path!r} without writing beside it: its "
+                            "-wal or -shm file says a process may have it open (or it was "
+                            "not closed cleanly), and SQLite cannot use them in that "
+                            "directory. Stop its workers, or copy the file with its -wal "
+                            "file to a writable directory and read the copy"
+                        ) from exc
+                    # closed cleanly (no -wal, no -shm): the file holds every commit, and
+                    # nothing writes it where this process cannot create files: read it as
+                    # it is, without locks
             assert conn is not None
             self._target = uri
             conn.execute("PRAGMA query_only = ON")

@@ -96,7 +96,14 @@ def install_console(
         return templates.TemplateResponse(request, name, ctx)
 
     async def visible(principal: Principal | None, run_id: str) -> RunInfo:
-        info = await app._peek(run_id, follow=False)
+        """The run, if the caller may see it: another tenant's, purged or not, is not
+        there at all for a tenant's key (as in the API)."""
+        try:
+            info = await app._peek(run_id, follow=False)
+        except RunPurgedError:
+            if principal is not None and principal.tenant is not None:
+                raise RunNotFoundError(run_id) from None  # whose it was is not theirs to know
+            raise
         if principal is not None and not principal.sees(info.tenant):
             raise RunNotFoundError(run_id)
         return info
@@ -293,9 +300,7 @@ def install_console(
         principal = await who(request)
         try:
             info = await visible(principal, run_id)
-        except RunPurgedError as exc:
-            if principal is not None and principal.tenant is not None:  # as the API: whose
-                return page(request, "missing.html", principal, what=f"run {run_id}")
+        except RunPurgedError as exc:  # (a key bound to a tenant is told "not found")
             return page(request, "missing.html", principal, what=f"run {run_id}", gone=exc)
         except RunNotFoundError:
             return page(request, "missing.html", principal, what=f"run {run_id}")
