@@ -657,8 +657,9 @@ def test_a_console_form_for_another_tenants_run_finds_nothing_whatever_the_role(
     # purged, another tenant's run is as missing for this key as one that never was
     ended = server.http.post(f"/v1/runs/{theirs['id']}/terminate", json={}, headers=admin)
     assert ended.status_code == 202, ended.text
+    cli = [sys.executable, "-m", "tether.cli", "purge", "--older-than", "0s"]
     purge = subprocess.run(
-        [sys.executable, "-m", "tether.cli", "purge", "--older-than", "0s", "--store", server.store],
+        [*cli, "--store", server.store],
         env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent / "src")},
         capture_output=True,
         text=True,

@@ -561,19 +561,23 @@ def _unprivileged(folder: Path) -> list[str]:
     return prefix
 
 
-@pytest.mark.parametrize("left", ["closed", "wal+shm", "wal"])
+@pytest.mark.parametrize("left", ["closed", "wal+shm", "wal", "empty wal", "shm"])
 async def test_migrate_reads_a_source_on_read_only_media(tmp_path: Path, left: str) -> None:
     """A store file (mode 0444) in a folder that takes no new files: read as it is when
     closed cleanly or with its -wal and -shm files; refused, saying what to do, when
-    its -wal file holds commits and SQLite cannot create the -shm file it needs."""
+    its -wal file holds commits and SQLite cannot create the -shm file it needs, or a
+    -shm file or an empty -wal file says a process may have it open (read unlocked,
+    as an immutable file, a writer's pages could tear the copy)."""
     media = tmp_path / "media"
     media.mkdir()
     db = media / "v14.db"
     live = tmp_path / "live.db"
     histories = await _source_with_a_run_in_flight(live)
-    if left == "closed":
+    if left in ("closed", "empty wal", "shm"):
         _as_version_14(live)
         shutil.copyfile(live, db)
+        if left != "closed":  # as a process with the file open leaves it (maybe writing)
+            Path(f"{db}-{left.split()[-1]}").write_bytes(b"")
     else:  # copied as a process killed with a commit in the -wal file leaves it
         conn = sqlite3.connect(live)
         conn.execute(
@@ -604,6 +608,11 @@ async def test_migrate_reads_a_source_on_read_only_media(tmp_path: Path, left: s
         assert done.returncode == 1
         assert "holds commits not yet in the file" in done.stderr, done.stderr
         assert "Copy the file with its -wal file to a writable directory" in done.stderr
+        assert not target.exists()
+        return
+    if left in ("empty wal", "shm"):  # never read unlocked while a writer may be at it
+        assert done.returncode == 1
+        assert "a process may have it open" in done.stderr, done.stderr
         assert not target.exists()
         return
     assert done.returncode == 0, done.stderr
