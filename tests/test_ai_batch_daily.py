@@ -26,6 +26,7 @@ import tether
 from helpers import eventually
 from tether import EventType, ai
 from tether._usage import CALL_KEY
+from tether.ai._batch import BatchJobs
 from tether.testing import ModelServer, model_reply
 
 pytestmark = pytest.mark.timeout(120)
@@ -399,8 +400,8 @@ async def test_a_worker_ended_while_the_hold_is_written_leaves_it_held_once(
         real = type(store).hold_model_spend
         written = asyncio.Event()
 
-        async def slow_answer(self: Any, *args: Any) -> Any:
-            out = await real(self, *args)  # committed
+        async def slow_answer(self: Any, *args: Any, **kw: Any) -> Any:
+            out = await real(self, *args, **kw)  # committed
             if not written.is_set():
                 written.set()
                 await asyncio.sleep(3)  # its answer slow to come back
@@ -428,6 +429,123 @@ async def test_a_worker_ended_while_the_hold_is_written_leaves_it_held_once(
         assert server.batches.created == 1
         assert await _spent(gw, "tenant:acme") == 2 * USED
         assert await _holds(app) == []
+
+
+async def test_a_hold_that_reaches_the_store_late_takes_nothing_from_the_next_attempt(
+    app: tether.App, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The submit's hold is slow to reach the store (3 s: a slow read before it, lock
+    waits) and the worker is stopped meanwhile: the next attempt holds the estimate and
+    submits the batch before the stopped attempt's hold lands. That late hold is refused
+    (its attempt lost the task), as is its give-back: it once took the hold over and
+    gave it back from under the running batch (the day ended at 82 for 300 used)."""
+    with ModelServer() as server:
+        server.batches.complete_after = 6.0
+        gw, nightly, _one = _setup(app, server)
+        await gw.set_budget(tenant="acme", tokens=10_000)
+        store = app.store
+        real = type(store).hold_model_spend
+        sent = asyncio.Event()
+
+        async def slow_to_land(self: Any, *args: Any, **kw: Any) -> Any:
+            if not sent.is_set():
+                sent.set()
+                await asyncio.sleep(3)  # reaches the store late
+            return await real(self, *args, **kw)
+
+        monkeypatch.setattr(type(store), "hold_model_spend", slow_to_land)
+        first = app.worker(poll_interval=0.05, lease=1.0)
+        await first.start()
+        run = await app.start(nightly, ["a", "b"], tenant="acme")
+        await asyncio.wait_for(sent.wait(), 20)
+        await first.stop(grace=0.1)  # the attempt is cancelled, handed back
+        second = app.worker(poll_interval=0.05, lease=1.0)
+        await second.start()
+        try:
+            await eventually(lambda: _submitted(app, run.run_id), 20, "the batch")
+            out = await run.result(timeout=60)
+        finally:
+            await second.stop(grace=1)
+        assert sorted(out["results"]) == ["a", "b"]
+        assert server.batches.created == 1
+        assert await _spent(gw, "tenant:acme") == 2 * USED
+        assert await _holds(app) == []
+
+
+@pytest.mark.parametrize("case", ["given_back", "older_build"])
+async def test_the_fetch_gives_back_what_the_hold_still_holds(
+    app: tether.App, monkeypatch: pytest.MonkeyPatch, case: str
+) -> None:
+    """The fetch's commit replaces the batch's estimate with what it used by giving back
+    what the store's record of the hold still holds: a hold given back already (here by
+    hand, while the batch runs) is not subtracted a second time (the commit once took
+    the estimate its submit recorded: the day ended at 82 for 300 used). A submit
+    recorded by an older build (no record, unmarked) has the estimate it recorded
+    given back."""
+    with ModelServer() as server:
+        server.batches.complete_after = 2.0
+        gw, nightly, _one = _setup(app, server)
+        await gw.set_budget(tenant="acme", tokens=10_000)
+        if case == "older_build":
+            real = BatchJobs._hold_daily
+
+            async def as_older(self: Any, ctx: Any, *args: Any, **kw: Any) -> Any:
+                out = await real(self, ctx, *args, **kw)
+                out.pop("held_by_step", None)  # unmarked, kept nowhere but in the result
+
+                def drop(tx: Any) -> None:
+                    tx.execute("DELETE FROM ai_holds WHERE run_id = ?", (ctx.run_id,))
+
+                await app.store._do(drop)  # type: ignore[attr-defined]
+                return out
+
+            monkeypatch.setattr(BatchJobs, "_hold_daily", as_older)
+        async with app.worker(poll_interval=0.05):
+            run = await app.start(nightly, ["a", "b"], tenant="acme")
+            await eventually(lambda: _submitted(app, run.run_id), 20, "the batch")
+            assert 200 < await _spent(gw, "tenant:acme") < 300
+            if case == "given_back":
+
+                def holder(tx: Any) -> tuple[Any, ...]:
+                    return tuple(tx.execute("SELECT step, holder FROM ai_holds").fetchone())
+
+                step, who = await app.store._do(holder, write=False)  # type: ignore[attr-defined]
+                assert await app.store.release_model_hold(run.run_id, step, who)
+                assert await _spent(gw, "tenant:acme") == 0
+            out = await run.result(timeout=30)
+        assert sorted(out["results"]) == ["a", "b"]
+        assert await _spent(gw, "tenant:acme") == 2 * USED
+        assert await _holds(app) == []
+
+
+async def test_a_hold_for_a_run_that_is_gone_is_refused(app: tether.App) -> None:
+    """A submit's hold that reaches the store after a purge (or a tenant erasure)
+    removed its run holds nothing and records nothing: no row of the removed run comes
+    back (the orphan check stays at zero), the day's spend is left as it was."""
+
+    @app.workflow
+    async def quick() -> int:
+        return 1
+
+    with ModelServer() as server:
+        gw, _nightly, _one = _setup(app, server)
+        await gw.set_budget(tenant="acme", tokens=10_000)
+        async with app.worker(poll_interval=0.05):
+            run = await app.start(quick, tenant="acme")
+            assert await run.result(timeout=20) == 1
+        assert (await app.purge(0))["runs"] == 1
+        day = time.strftime("%Y-%m-%d", time.gmtime())
+        refused: BaseException | None = None
+        try:
+            await app.store.hold_model_spend(
+                run.run_id, 1, "late", ("tenant:acme",), day, 200, "0", "add"
+            )
+        except tether.RunNotFoundError as exc:
+            refused = exc
+        assert await _holds(app) == []
+        assert set((await app.store.orphans()).values()) == {0}
+        assert await _spent(gw, "tenant:acme") == 0
+        assert refused is not None
 
 
 async def _holds(app: tether.App) -> list[tuple[Any, ...]]:

@@ -186,14 +186,15 @@ class BatchJobs:
     async def _give_back(self, ctx: Any, holder: str, holding: asyncio.Future[Any]) -> None:
         """Give back the estimate this attempt (``holder``) of the submit step holds, once
         ``holding``, the hold it asked for, is written or failed, its record removed with
-        it, even when the attempt is cancelled meanwhile (unless a later attempt took the
-        hold over by then); a failure to write it leaves it held."""
+        it, even when the attempt is cancelled meanwhile (unless a later attempt has the
+        step by then: the store refuses a give-back of an attempt that lost its task, and
+        the hold is the later attempt's); a failure to write it leaves it held."""
         store = self.gateway._step_store()
 
         async def release() -> None:
             with contextlib.suppress(Exception, asyncio.CancelledError):
                 await holding  # written or not: what it wrote (if anything) goes back
-            await store.release_model_hold(ctx.run_id, ctx.step, holder)
+            await store.release_model_hold(ctx.run_id, ctx.step, holder, ctx.task)
 
         giving = asyncio.ensure_future(release())
         _SENDING.add(giving)
@@ -279,6 +280,7 @@ class BatchJobs:
             int(estimate.get("tokens") or 0),
             None if cost is None else str(cost),
             how,
+            ctx.task,  # a hold that comes after this attempt lost the step is refused
         )
         if over is not None:
             raise daily_over(over, estimate)
@@ -291,7 +293,10 @@ class BatchJobs:
                 "day": day_held,
                 "tokens": tokens,
                 "cost": cost_held,
-            }
+            },
+            # the store keeps the hold by step: the fetch's commit gives back what its
+            # record still holds (a submit of an older build: ``daily_held``)
+            "held_by_step": True,
         }
 
     async def _poll(self, model: str, batch_id: str) -> dict[str, Any]:
@@ -456,7 +461,15 @@ async def batch(
         # that held it: a submit kept from before a retry or fork leaves it counted)
         held = None if inst.reused(submit_step) else sub.get("daily_held")
         _account(
-            inst, step, model, got[CALL_KEY], tally, got.get("daily_scopes"), held, submit_step
+            inst,
+            step,
+            model,
+            got[CALL_KEY],
+            tally,
+            got.get("daily_scopes"),
+            held,
+            submit_step,
+            by_step=bool(sub.get("held_by_step")),
         )
         results.update(got["results"])
         unknown.extend(u for u in got["unknown"] if u not in unknown)
@@ -523,6 +536,8 @@ def _account(
     daily: list[str] | None = None,
     held: dict[str, Any] | None = None,
     submit_step: int = 0,
+    *,
+    by_step: bool = False,
 ) -> None:
     """A fetched batch's tokens and cost: in the run's budget tally (on replay too, as a
     call's are), and in the tenant's daily ledger, the daily budgets' spend of ``daily``
@@ -530,7 +545,9 @@ def _account(
     ``tether_ai_*`` counters, as a single call's are (once, when the run first meets
     the fetch's result: never on replay, nor for a result kept from before a retry or
     fork), the estimate the submit (at ``submit_step``) ``held`` in the day given back in
-    the same commit, with the store's record of that hold."""
+    the same commit: what the store's record of the hold still holds (``by_step``: a
+    submit of this build; a hold given back already is not subtracted again), else (an
+    older build's submit) ``held`` as it recorded it."""
     inputs, outputs = int(call.get("input_tokens") or 0), int(call.get("output_tokens") or 0)
     tally.tokens += inputs + outputs
     tally.cost += _budget_cost(call)
@@ -542,11 +559,12 @@ def _account(
     cost = Decimal(call["cost"]) if call.get("cost") is not None else None
     inst.count("tether_ai_calls", (*labels, "batch"), int(call.get("items") or 0))
     count_usage(inst, labels, inputs, outputs, cost)
-    if held:
+    if held and by_step:
+        inst.settle_hold(submit_step)
+    elif held:
         inst.tally_spend(
             tuple(held["scopes"]), -int(held["tokens"]), -Decimal(held["cost"]), held["day"]
         )
-        inst.settle_hold(submit_step)
     if daily:
         inst.tally_spend(tuple(daily), inputs + outputs, _budget_cost(call))
 

@@ -49,11 +49,13 @@ class WorkflowTaskResult:
     usage: tuple[int, str] | None = None
     #: (scopes, tokens, cost, day) of work this task met first whose daily budgets' spend
     #: is added with its record (a batch's: a fetch retried after a crash is not paid
-    #: again; and the estimate its submit held, given back on the day it was held): the
-    #: store adds each to its scopes' spend of ``day`` (None: the task's) in the same commit
+    #: again; and the estimate a submit of an older build held, given back on the day it
+    #: was held): the store adds each to its scopes' spend of ``day`` (None: the task's)
+    #: in the same commit
     spend: list[tuple[tuple[str, ...], int, str, str | None]] | None = None
-    #: steps of the run whose provider batch's hold (``hold_model_spend``) this task gave
-    #: back with ``spend``: the store removes their records in the same commit
+    #: steps of the run whose provider batch's hold (``hold_model_spend``) this task
+    #: replaces with what the batch used: the store gives back what each record still
+    #: holds (nothing if it was given back already) and removes it, in the same commit
     holds: list[int] | None = None
 
 
@@ -323,19 +325,26 @@ class Store(abc.ABC):
         tokens: int,
         cost: str | None,
         how: str = "check",
+        task: Task | None = None,
     ) -> tuple[tuple[list[str], str, int, str] | None, tuple[Any, ...] | None]:
         """Hold a provider batch's estimate in each scope's spend of ``day`` for its
         submit step (``run_id``, ``step``) and attempt ``holder``, recorded by the step
         in the same transaction; or reuse (take over) the hold an earlier attempt of the
         step left. ``how``: ``"check"`` (as ``reserve_model_spend``), ``"add"``
         (unchecked) or ``"noted"`` (already counted: only recorded). Returns ((scopes,
-        day, tokens, cost) held or None, the budget it would pass or None)."""
+        day, tokens, cost) held or None, the budget it would pass or None). ``task``:
+        the attempt's (a worker's), whose lease is checked in the same transaction
+        (``LeaseLostError``: a later attempt has the step, nothing held);
+        ``RunNotFoundError`` when the run is gone."""
 
     @abc.abstractmethod
-    async def release_model_hold(self, run_id: str, step: int, holder: str) -> bool:
+    async def release_model_hold(
+        self, run_id: str, step: int, holder: str, task: Task | None = None
+    ) -> bool:
         """Give back what the submit step (``run_id``, ``step``) holds for its attempt
         ``holder`` (nothing once a later attempt took it over), its record removed with
-        it; whether it held anything."""
+        it; whether it held anything. ``task``: as for ``hold_model_spend`` (an attempt
+        that lost it gives nothing back: ``LeaseLostError``)."""
 
     @abc.abstractmethod
     async def create_api_key(

@@ -859,8 +859,8 @@ class WorkflowInstance:
             self._spend.append((tuple(scopes), tokens, str(cost), day))
 
     def settle_hold(self, step: int) -> None:
-        """Remove the record of the daily hold of this run's batch submit ``step`` with
-        the commit of this task (whose ``tally_spend`` gives the estimate back; never on
+        """Give back what the record of the daily hold of this run's batch submit
+        ``step`` still holds, and remove it, with the commit of this task (never on
         replay)."""
         if not self.replaying:
             self._holds.append(step)

@@ -574,14 +574,17 @@ class OpsStore(Store):
         tokens: int,
         cost: str | None,
         how: str = "check",
+        task: Task | None = None,
     ) -> tuple[tuple[list[str], str, int, str] | None, tuple[Any, ...] | None]:
         out: tuple[Any, Any] = await self._do(
-            _hold_spend, run_id, step, holder, tuple(scopes), day, tokens, cost, how
+            _hold_spend, run_id, step, holder, tuple(scopes), day, tokens, cost, how, task
         )
         return out
 
-    async def release_model_hold(self, run_id: str, step: int, holder: str) -> bool:
-        out: bool = await self._do(_release_hold, run_id, step, holder)
+    async def release_model_hold(
+        self, run_id: str, step: int, holder: str, task: Task | None = None
+    ) -> bool:
+        out: bool = await self._do(_release_hold, run_id, step, holder, task)
         return out
 
     async def create_api_key(

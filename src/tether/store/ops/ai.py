@@ -8,8 +8,11 @@ import time
 from decimal import Decimal
 from typing import Any
 
+from ..._errors import RunNotFoundError
+from ..._history import Task
 from ...encryption import KeyUnavailableError
 from ._tx import _Tx
+from .tasks import _check_fence
 
 
 def _cache_get(tx: _Tx, key: str) -> str | None:
@@ -159,6 +162,7 @@ def _hold_spend(
     tokens: int,
     cost: str | None,
     how: str,
+    task: Task | None = None,
 ) -> tuple[Hold | None, tuple[Any, ...] | None]:
     """The estimate a batch's submit step (``run_id``, ``step``) holds in the day's spend
     of ``scopes`` for its attempt ``holder``, and the budget it would pass: the hold an
@@ -166,7 +170,14 @@ def _hold_spend(
     the estimate added (``how``: ``"check"``, as ``_reserve_spend``, nothing added when
     it would pass a budget; ``"add"``, unchecked; ``"noted"``, already counted: a hold
     an older build noted in the step's heartbeat) and the hold recorded in the same
-    transaction. (None, None): nothing to hold."""
+    transaction. (None, None): nothing to hold. An attempt run by a worker passes its
+    ``task``: once it lost the task (a later attempt holds it, or the run was removed)
+    its hold, however late it comes, is refused (``LeaseLostError``), nothing written;
+    a hold for a run that is gone (purged, erased) is refused too."""
+    if task is not None:
+        _check_fence(tx, task)
+    if tx.execute("SELECT 1 FROM runs WHERE run_id = ?", (run_id,)).fetchone() is None:
+        raise RunNotFoundError(run_id)
     row = tx.execute(
         f"SELECT scopes, day, tokens, cost FROM ai_holds WHERE run_id = ? AND step = ?"
         f"{tx.for_update}",
@@ -176,7 +187,7 @@ def _hold_spend(
         tx.execute(
             "UPDATE ai_holds SET holder = ? WHERE run_id = ? AND step = ?", (holder, run_id, step)
         )
-        return (list(json.loads(row[0])), str(row[1]), int(row[2]), str(row[3])), None
+        return _hold_of(row), None
     if not scopes:
         return None, None
     if how == "check":
@@ -186,19 +197,24 @@ def _hold_spend(
     elif how == "add":
         _add_spend(tx, scopes, day, tokens, cost or "0")
     held = _plain(Decimal(cost or 0))
+    # only while the run is there: a purge or erasure that removed it meanwhile (after
+    # the check above, on PostgreSQL) must not find a row of it put back
     tx.execute(
         "INSERT INTO ai_holds (run_id, step, holder, scopes, day, tokens, cost, created_at) "
-        "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-        (run_id, step, holder, json.dumps(list(scopes)), day, tokens, held, tx.now),
+        "SELECT ?, ?, ?, ?, ?, ?, ?, ? WHERE EXISTS (SELECT 1 FROM runs WHERE run_id = ?)",
+        (run_id, step, holder, json.dumps(list(scopes)), day, tokens, held, tx.now, run_id),
     )
     return (list(scopes), day, tokens, held), None
 
 
-def _release_hold(tx: _Tx, run_id: str, step: int, holder: str) -> bool:
+def _release_hold(tx: _Tx, run_id: str, step: int, holder: str, task: Task | None = None) -> bool:
     """Give back the estimate the submit step (``run_id``, ``step``) holds for its
     attempt ``holder``, the record removed in the same transaction (a second give-back
     finds nothing, nor does one of an attempt whose hold a later attempt took over);
-    whether it held."""
+    whether it held. An attempt that lost its ``task`` gives nothing back
+    (``LeaseLostError``): the hold is the next attempt's."""
+    if task is not None:
+        _check_fence(tx, task)
     row = tx.execute(
         f"SELECT scopes, day, tokens, cost FROM ai_holds WHERE run_id = ? AND step = ? "
         f"AND holder = ?{tx.for_update}",
@@ -206,9 +222,38 @@ def _release_hold(tx: _Tx, run_id: str, step: int, holder: str) -> bool:
     ).fetchone()
     if row is None:
         return False
-    tx.execute("DELETE FROM ai_holds WHERE run_id = ? AND step = ?", (run_id, step))
-    _add_spend(tx, tuple(json.loads(row[0])), str(row[1]), -int(row[2]), str(-Decimal(row[3])))
+    _drop_hold(tx, run_id, step, _hold_of(row))
     return True
+
+
+def _settle_holds(tx: _Tx, run_id: str, steps: list[int]) -> None:
+    """Give back what the batch holds of the run's submit ``steps`` still hold (the
+    workflow commit that adds what their batches used), their records removed; a step
+    whose hold is gone (given back already) gives back nothing. The hold rows are locked
+    first, in step order, then the spend rows, as a hold or a give-back locks them."""
+    held = []
+    for step in sorted(set(steps)):
+        row = tx.execute(
+            f"SELECT scopes, day, tokens, cost FROM ai_holds WHERE run_id = ? AND step = ?"
+            f"{tx.for_update}",
+            (run_id, step),
+        ).fetchone()
+        if row is not None:
+            held.append((step, _hold_of(row)))
+    for step, hold in held:
+        _drop_hold(tx, run_id, step, hold)
+
+
+def _hold_of(row: Any) -> Hold:
+    return list(json.loads(row[0])), str(row[1]), int(row[2]), str(row[3])
+
+
+def _drop_hold(tx: _Tx, run_id: str, step: int, hold: Hold) -> None:
+    """Remove the record of a hold (its row already locked) and subtract its amounts
+    from its scopes' spend of its day."""
+    scopes, day, tokens, cost = hold
+    tx.execute("DELETE FROM ai_holds WHERE run_id = ? AND step = ?", (run_id, step))
+    _add_spend(tx, tuple(scopes), day, -tokens, str(-Decimal(cost)))
 
 
 def _plain(cost: Decimal) -> str:

@@ -158,10 +158,10 @@ def _apply_workflow_result(
             "INSERT INTO usage_deltas (tenant, day, tokens, cost) VALUES (?, ?, ?, ?)",
             (tenant or "", _day(result.time), result.usage[0], result.usage[1]),
         )
+    if result.holds:  # batch holds replaced by what their batches used (in ``spend``)
+        _settle_holds(tx, run_id, result.holds)  # first: holds lock before spend rows
     for scopes, tokens, cost, day in result.spend or ():  # daily budgets': exactly once
         _add_spend(tx, tuple(scopes), day or _day(result.time), tokens, cost)
-    for step in result.holds or ():  # batch holds given back with that spend
-        tx.execute("DELETE FROM ai_holds WHERE run_id = ? AND step = ?", (run_id, step))
     if status == RunStatus.SUSPENDED.value:
         lease_to = None  # suspended while this task ran: dispatch nothing locally
     leased: list[Task] = []
@@ -399,7 +399,7 @@ def _fail_workflow_task(tx: _Tx, task: Task, error: str, retry_at: float) -> Non
 
 
 # operations of other concerns (imported last: see the package docstring)
-from .ai import _add_spend  # noqa: E402
+from .ai import _add_spend, _settle_holds  # noqa: E402
 from .approvals import APPROVAL_MARKERS, _apply_approval_marker  # noqa: E402
 from .batches import _batch_cols  # noqa: E402
 from .control import _cancel, _note_chain_head  # noqa: E402
