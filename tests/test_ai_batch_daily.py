@@ -431,6 +431,47 @@ async def test_a_worker_ended_while_the_hold_is_written_leaves_it_held_once(
         assert await _holds(app) == []
 
 
+async def test_a_run_ended_between_the_hold_and_the_create_gives_the_estimate_back(
+    app: tether.App, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The run is terminated after the submit's hold is written but before its answer
+    comes back (3 s), so the create is never sent: the run's tasks are gone, the attempt
+    is cancelled and gives the estimate back (its hold's record names it, and no later
+    attempt took it over). It was once refused for the task gone, and the estimate stayed
+    in the day's spend until the day rolled over."""
+    with ModelServer() as server:
+        gw, nightly, _one = _setup(app, server)
+        await gw.set_budget(tenant="acme", tokens=10_000)
+        before = await _spent(gw, "tenant:acme")
+        store = app.store
+        real = type(store).hold_model_spend
+        written = asyncio.Event()
+
+        async def slow_answer(self: Any, *args: Any, **kw: Any) -> Any:
+            out = await real(self, *args, **kw)  # committed
+            if not written.is_set():
+                written.set()
+                await asyncio.sleep(3)  # its answer slow to come back
+            return out
+
+        monkeypatch.setattr(type(store), "hold_model_spend", slow_answer)
+        async with app.worker(poll_interval=0.05, lease=1.0):
+            run = await app.start(nightly, ["a", "b"], tenant="acme")
+            await asyncio.wait_for(written.wait(), 20)
+            assert await _spent(gw, "tenant:acme") > before  # held
+            await app.terminate(run.run_id, "changed my mind")
+            with pytest.raises(tether.RunTerminatedError):
+                await run.result(timeout=20)
+
+            async def given_back() -> bool:
+                return await _spent(gw, "tenant:acme") == before and await _holds(app) == []
+
+            await eventually(given_back, 10, "the estimate given back")
+        assert server.batches.created == 0  # the create was never sent
+        assert await _spent(gw, "tenant:acme") == before
+        assert await _holds(app) == []
+
+
 async def test_a_hold_that_reaches_the_store_late_takes_nothing_from_the_next_attempt(
     app: tether.App, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -176,7 +176,12 @@ def _hold_spend(
     a hold for a run that is gone (purged, erased) is refused too."""
     if task is not None:
         _check_fence(tx, task)
-    if tx.execute("SELECT 1 FROM runs WHERE run_id = ?", (run_id,)).fetchone() is None:
+    # locked (PostgreSQL): a purge removing the run (its hold rows deleted, not yet
+    # committed) is waited for and the run then found gone, not taken for a live one
+    if (
+        tx.execute(f"SELECT 1 FROM runs WHERE run_id = ?{tx.for_update}", (run_id,)).fetchone()
+        is None
+    ):
         raise RunNotFoundError(run_id)
     row = tx.execute(
         f"SELECT scopes, day, tokens, cost FROM ai_holds WHERE run_id = ? AND step = ?"
@@ -197,8 +202,8 @@ def _hold_spend(
     elif how == "add":
         _add_spend(tx, scopes, day, tokens, cost or "0")
     held = _plain(Decimal(cost or 0))
-    # only while the run is there: a purge or erasure that removed it meanwhile (after
-    # the check above, on PostgreSQL) must not find a row of it put back
+    # only while the run is there (a second guard: its row is locked above): a purge
+    # or erasure that removed it must not find a row of it put back
     tx.execute(
         "INSERT INTO ai_holds (run_id, step, holder, scopes, day, tokens, cost, created_at) "
         "SELECT ?, ?, ?, ?, ?, ?, ?, ? WHERE EXISTS (SELECT 1 FROM runs WHERE run_id = ?)",
@@ -211,10 +216,12 @@ def _release_hold(tx: _Tx, run_id: str, step: int, holder: str, task: Task | Non
     """Give back the estimate the submit step (``run_id``, ``step``) holds for its
     attempt ``holder``, the record removed in the same transaction (a second give-back
     finds nothing, nor does one of an attempt whose hold a later attempt took over);
-    whether it held. An attempt that lost its ``task`` gives nothing back
-    (``LeaseLostError``): the hold is the next attempt's."""
+    whether it held. An attempt whose ``task`` a later attempt holds gives nothing back
+    (``LeaseLostError``): the hold is that attempt's. A task gone (the run ended, or
+    ``app.retry`` replaced it) refuses nothing: the holder decides (a later attempt
+    that took the hold over renamed it)."""
     if task is not None:
-        _check_fence(tx, task)
+        _check_fence(tx, task, gone_ok=True)
     row = tx.execute(
         f"SELECT scopes, day, tokens, cost FROM ai_holds WHERE run_id = ? AND step = ? "
         f"AND holder = ?{tx.for_update}",

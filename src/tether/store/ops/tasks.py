@@ -141,11 +141,13 @@ def _ensure_workflow_task(
     return _task_from_row(row, tx) if row else None
 
 
-def _check_fence(tx: _Tx, task: Task) -> None:
+def _check_fence(tx: _Tx, task: Task, *, gone_ok: bool = False) -> None:
+    """Refuse (``LeaseLostError``) a write of an attempt whose task moved on (its fence
+    bumped by a later attempt) or is gone (the run ended); ``gone_ok``: gone is fine."""
     row = tx.execute(
         f"SELECT fence FROM tasks WHERE task_id = ?{tx.for_update}", (task.task_id,)
     ).fetchone()
-    if row is None or row[0] != task.fence:
+    if (row is None and not gone_ok) or (row is not None and row[0] != task.fence):
         raise LeaseLostError(
             f"lease lost on {task.kind} task {task.task_id} of run {task.run_id!r}: another "
             "worker took it over or the run ended; this worker's result was discarded"
