@@ -39,7 +39,11 @@ HERE = Path(__file__).resolve().parent
 MODES = ("plain", "sealed", "tenants", "per-tenant", "known-tenants")
 
 
-async def _w1(db: Path, runs_n: int, steps_n: int, mode: str) -> dict[str, Any]:
+async def _w1(
+    db: Path, runs_n: int, steps_n: int, mode: str, *, count_sealed: bool = True
+) -> dict[str, Any]:
+    """W1 in ``mode`` (``setup`` done first); ``count_sealed``: count the sealed events
+    (a scan of the history) rather than look at one run's input."""
     sys.path.insert(0, str(HERE))
     import run as bench_run  # W1's own app and workflow
 
@@ -64,11 +68,13 @@ async def _w1(db: Path, runs_n: int, steps_n: int, mode: str) -> dict[str, Any]:
             results = await asyncio.gather(*(r.result(timeout=600) for r in runs))
             wall = time.perf_counter() - t0
             cpu = time.process_time() - cpu0
+        query = (
+            "SELECT count(*) FROM events WHERE data LIKE '%~e1:%'"
+            if count_sealed
+            else "SELECT count(*) FROM runs WHERE run_id = 'w1-0' AND input LIKE '~e1:%'"
+        )
         sealed = await app.store._do(  # type: ignore[attr-defined]
-            lambda tx: tx.execute(
-                "SELECT count(*) FROM events WHERE data LIKE '%~e1:%'"
-            ).fetchone()[0],
-            write=False,
+            lambda tx: tx.execute(query).fetchone()[0], write=False
         )
     finally:
         await app.close()
@@ -86,20 +92,26 @@ async def _w1(db: Path, runs_n: int, steps_n: int, mode: str) -> dict[str, Any]:
     }
 
 
+def setup(mode: str, folder: Path) -> None:
+    """Set this process up for ``mode``: the key in the environment, or a keyring file
+    in ``folder`` (``bench/instructions.py --mode`` does the same)."""
+    if mode == "sealed":
+        from tether.encryption import new_key
+
+        os.environ["TETHER_ENCRYPTION_KEYS"] = f"k1={new_key()}"
+    elif mode in ("per-tenant", "known-tenants"):
+        from tether.encryption import FileKeyring
+
+        ring = FileKeyring.create(folder / "keys.json", per_tenant=True)
+        if mode == "known-tenants":
+            for i in range(10):
+                ring.current(f"tenant-{i}")  # made now, outside the timed part
+        os.environ["TETHER_KEYRING"] = str(folder / "keys.json")
+
+
 def _child(mode: str, runs_n: int, steps_n: int) -> None:
     with tempfile.TemporaryDirectory() as d:
-        if mode == "sealed":
-            from tether.encryption import new_key
-
-            os.environ["TETHER_ENCRYPTION_KEYS"] = f"k1={new_key()}"
-        elif mode in ("per-tenant", "known-tenants"):
-            from tether.encryption import FileKeyring
-
-            ring = FileKeyring.create(Path(d) / "keys.json", per_tenant=True)
-            if mode == "known-tenants":
-                for i in range(10):
-                    ring.current(f"tenant-{i}")  # made now, outside the timed part
-            os.environ["TETHER_KEYRING"] = str(Path(d) / "keys.json")
+        setup(mode, Path(d))
         out = asyncio.run(_w1(Path(d) / "w1.db", runs_n, steps_n, mode))
     print(json.dumps(out))
 

@@ -680,6 +680,50 @@ def test_a_value_sealed_here_opens_from_memory_until_its_key_is_destroyed(
         sealer.open(sealed)  # forgotten with the key
 
 
+def test_values_sealed_here_still_open_from_memory_when_the_keyring_gains_a_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    keys = _keyring(tmp_path, per_tenant=True)
+    sealer = Sealer(keys)
+    sealed = sealer.seal('{"args":[1]}', "acme")
+
+    def no_decrypt(*a: object, **k: object) -> bytes:
+        raise AssertionError("decrypted a value sealed moments ago")
+
+    monkeypatch.setattr(sealer, "_open", no_decrypt)
+    keys.current("globex")  # a new tenant's key: the file changes, acme's key stays
+    old_key = sealer.keyring.current("acme")
+    keys.rotate("acme")  # a new current key for acme; the old one stays too
+    assert sealer.open(sealed) == '{"args":[1]}'
+    again = sealer.seal('{"args":[2]}', "acme")
+    assert again.startswith(f"~e1:{keys.current('acme')}:") and old_key not in again
+
+
+class _SwappableKeyring(StaticKeyring):
+    """One key id whose key bytes can be replaced (a keyring file swapped for another)."""
+
+    def __init__(self) -> None:
+        super().__init__({"k1": os.urandom(32)}, "k1")
+        self.version = 0
+
+    def generation(self) -> object:
+        return self.version
+
+    def swap(self) -> None:
+        self._keys["k1"] = os.urandom(32)
+        self.version += 1
+
+
+def test_a_value_sealed_here_is_forgotten_when_its_key_changes_under_its_id() -> None:
+    ring = _SwappableKeyring()
+    sealer = Sealer(ring)
+    sealed = sealer.seal('{"args":[1]}')
+    assert sealer.open(sealed) == '{"args":[1]}'
+    ring.swap()
+    with pytest.raises(KeyUnavailableError, match="does not open"):
+        sealer.open(sealed)  # not from memory: the key that sealed it is not this one
+
+
 def test_the_latest_sealed_values_stay_remembered_when_the_memory_fills(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -1412,11 +1412,17 @@ class Worker:
             )
             await self._record_failure(task, err, plan, ctx)
             return
-        try:  # after the deadline's check: a read that keeps failing cannot outlive it
-            ctx._tenant = await self._activity_tenant([task])
-        except StoreError as exc:
-            await self._tenant_blip([task], exc)
-            return
+        codec = store.codec
+        if codec is None or not codec.per_tenant:
+            ctx._tenant = None  # (no per-tenant keys: what _activity_tenant says)
+        elif task.tenant_known:
+            ctx._tenant = task.tenant  # brought by the claim: no read, no await a step
+        else:
+            try:  # after the deadline's check: a read that keeps failing cannot outlive it
+                ctx._tenant = await self._activity_tenant([task])
+            except StoreError as exc:
+                await self._tenant_blip([task], exc)
+                return
         now = store.clock()  # (the read may have taken a while)
         timeout = plan.attempt_timeout(now)
         scheduled_at = opts.get("scheduled_at")

@@ -112,8 +112,9 @@ class Keyring(abc.ABC):
 
     def generation(self) -> object:
         """Changes whenever keys may have gone or a current key changed (a sealer then
-        forgets the keys it holds and asks ``current`` again). A keyring that keeps the
-        default (None) is taken to never change."""
+        asks ``key`` again for each key it holds, forgetting those gone or changed, and
+        ``current`` again). A keyring that keeps the default (None) is taken to never
+        change."""
         return None
 
     #: seconds within which every process sharing the keyring sees a change to it (a
@@ -671,6 +672,8 @@ class Sealer:
         self._aesgcm = AESGCM
         self.keyring = keyring
         self._ciphers: dict[str, Any] = {}
+        #: the key each cipher was made with (checked again when the keyring changes)
+        self._keys: dict[str, bytes] = {}
         self._generation: object = keyring.generation()
         #: whether the keyring's keys can change under us (a file): asked before each use
         self._dynamic = type(keyring).generation is not Keyring.generation
@@ -681,8 +684,9 @@ class Sealer:
         #: small values this process sealed lately -> their text: a step's arguments are
         #: opened by the worker that runs it right after its workflow task sealed them.
         #: Keyed by the whole sealed text (a changed value misses and fails to open);
-        #: forgotten with the ciphers when the keyring changes (a destroyed key's values
-        #: must not open from here). Two generations: when the newer fills up it becomes
+        #: each sealed with a key of ``_keys``, and all forgotten when the keyring drops
+        #: or changes one of those (a destroyed key's values must not open from here),
+        #: or when ``_keys`` is emptied. Two generations: when the newer fills up it becomes
         #: the older, so the latest ``_RECENT`` values are always remembered (clearing
         #: one dict when full forgot, at each clearing, values about to be opened)
         self._recent: dict[str, str] = {}
@@ -704,10 +708,7 @@ class Sealer:
         if self._dynamic:
             generation = self.keyring.generation()
             if generation != self._generation:  # keys may have been destroyed: ask again
-                self._ciphers.clear()
-                self._small.clear()
-                self._forget_recent()
-                self._generation = generation
+                self._changed(generation)
         cipher = self._ciphers.get(key_id)
         if cipher is None:
             key = self.keyring.key(key_id)
@@ -715,8 +716,33 @@ class Sealer:
             cipher = self._aesgcm(key)
             if len(self._ciphers) > 1024:
                 self._ciphers.clear()
+                self._keys.clear()
+                self._small.clear()
+                self._forget_recent()  # (sealed with keys no longer checked on a change)
             self._ciphers[key_id] = cipher
+            self._keys[key_id] = key
         return cipher
+
+    def _changed(self, generation: object) -> None:
+        """The keyring changed (a key made, rotated, destroyed...): each key held is asked
+        for again, and dropped with its cipher if it is gone or not the same; if any is,
+        every value remembered is forgotten with it. A keyring that only gained keys (a
+        new tenant's) leaves the values sealed lately to open from memory. The tenants'
+        current keys are asked for again."""
+        self._small.clear()
+        dropped = False
+        for key_id, key in list(self._keys.items()):
+            try:
+                same = self.keyring.key(key_id) == key
+            except Exception:  # unavailable now, however the keyring says it
+                same = False
+            if not same:
+                dropped = True
+                self._keys.pop(key_id, None)
+                self._ciphers.pop(key_id, None)
+        if dropped:
+            self._forget_recent()
+        self._generation = generation  # (last: till then, other threads check too)
 
     def _seal(self, data: bytes, tenant: str | None) -> tuple[bytes, bytes]:
         """(head, nonce + ciphertext) of ``data`` under the tenant's current key."""
@@ -799,10 +825,13 @@ class Sealer:
         plain = self._recent.get(text)
         if plain is None:
             plain = self._recent_old.get(text)
+        if plain is not None and self._dynamic:
+            generation = self.keyring.generation()
+            if generation != self._generation:
+                self._changed(generation)
+                plain = self._recent.get(text, self._recent_old.get(text))  # (if still held)
         if plain is not None:
-            if not self._dynamic or self.keyring.generation() == self._generation:
-                return plain
-            self._forget_recent()
+            return plain
         key_id, flag, body = _parts(text, where)
         try:
             raw = binascii.a2b_base64(body)
