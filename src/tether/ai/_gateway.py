@@ -1193,19 +1193,22 @@ class Gateway:
         messages: list[ModelMessage],
         *,
         params: ModelRequestParameters | None = None,
+        params_json: dict[str, Any] | None = None,
         settings: ModelSettings | None = None,
         prompt_version: str | None = None,
         output_schema: str | None = None,
         stream: bool = False,
     ) -> tuple[dict[str, Any], dict[str, Any]]:
         """``request``, its response left as recorded (JSON): for a caller that reads
-        only part of it (``complete`` its text), without building the whole object."""
+        only part of it (``complete`` its text), without building the whole object.
+        ``params_json``: ``dump_params(params)`` made already (a structured step's,
+        made once per output type), never changed here."""
         if ref.gateway is not self:
             raise ConfigurationError(f"{ref!r} is a model of another gateway")
         _refuse_recorded_credentials(ref, settings)
         body: dict[str, Any] = {
             "messages": dump_messages(messages),
-            "params": dump_params(params),
+            "params": dump_params(params) if params_json is None else params_json,
             "settings": dict(settings) if settings else None,
         }
         if prompt_version is not None:
