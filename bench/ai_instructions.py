@@ -15,9 +15,13 @@ or the bare loop) is counted. It repeats within about 1%.
 * ``bare-structured``: the same with the output tool, its arguments validated;
 * ``complete``: one workflow making sequential ``tether.ai.complete`` steps
   (SQLite store, an in-process worker);
-* ``structured``: the same with ``tether.ai.structured``.
+* ``structured``: the same with ``tether.ai.structured``;
+* ``activity``: the same workflow with a no-op activity step instead (no model, no
+  HTTP): the engine's part of any step, for comparison.
 
-``own`` is a recorded mode minus its bare one: tether's instructions per model step.
+``own`` is a recorded mode minus its bare one: tether's instructions per model step;
+what it has over ``activity`` is the model step's own (``tether.ai`` and its bigger
+arguments and result).
 
     .venv/bin/python bench/ai_instructions.py                  # all four, ~3 min
     .venv/bin/python bench/ai_instructions.py complete bare    # some of them
@@ -39,7 +43,7 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-MODES = ("bare", "bare-structured", "complete", "structured")
+MODES = ("bare", "bare-structured", "complete", "structured", "activity")
 #: the baseline of each recorded mode: the bare call doing the same work
 BASELINE = {"complete": "bare", "structured": "bare-structured"}
 #: calls of the warm-up, the small and the large round
@@ -66,6 +70,10 @@ def _workload(mode: str, base_url: str) -> None:
         gateway = ai.Gateway(app)
         model = gateway.model(mode, ai.openai_compatible(mode, base_url=base_url, api_key="k"))
 
+        @app.activity
+        async def noop(prompt: str) -> str:
+            return "greeting"
+
         @app.workflow
         async def many(n: int) -> int:
             done = 0
@@ -73,6 +81,8 @@ def _workload(mode: str, base_url: str) -> None:
                 if mode == "structured":
                     out = await ai.structured(model, f"classify: hello {i}", output=bench_ai.Label)
                     done += out.label == "greeting"
+                elif mode == "activity":
+                    done += (await noop(f"classify: hello {i}")) == "greeting"
                 else:
                     done += (await ai.complete(model, f"classify: hello {i}")) == "greeting"
             return done
@@ -152,7 +162,9 @@ def main() -> int:
         server.join(10)
     for mode, base in BASELINE.items():
         if mode in per and base in per:
-            print(f"own ({mode} - {base}): {per[mode] - per[base]:,.0f} instructions per step")
+            own = per[mode] - per[base]
+            print(f"own ({mode} - {base}): {own:,.0f} instructions per step", end="")
+            print(f" ({own - per['activity']:+,.0f} over activity)" if "activity" in per else "")
     return 0
 
 
