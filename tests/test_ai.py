@@ -2094,6 +2094,25 @@ def test_a_structured_steps_validator_and_parameters_are_made_once_per_output_ty
     assert made.wrapped and made.adapter.validate_python("x") == "x"
 
 
+def test_a_messages_address_is_hashed_from_the_same_text_as_before() -> None:
+    """Addresses recorded in histories are SHA-256 of ``json.dumps(sort_keys=True,
+    separators=(",", ":"))`` text: the encoder made once writes exactly that text."""
+    from tether.ai._wire import sorted_json
+
+    values: list[Any] = [
+        {"b": 1, "a": [1.5, -0.0, 1e300, 10**30, True, False, None], "é": "ünï\u2028\U0001f600"},
+        {"z": {"y": {"x": []}}, "": {}, "nan": float("nan"), "inf": [float("inf"), float("-inf")]},
+        "a top-level string, with \"quotes\" and \\ and \n",
+        [],
+        3,
+        {"lone surrogate": "\ud800", "control": "\x00\x1f"},
+    ]
+    for value in values:
+        assert sorted_json(value) == json.dumps(value, sort_keys=True, separators=(",", ":"))
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        sorted_json({"a": object()})
+
+
 def test_a_messages_address_ignores_only_the_timestamps_pydantic_ai_sets() -> None:
     """Two copies of a message (made at different times, by different agent runs) have
     one address; a field named ``timestamp`` inside content is the caller's data: it

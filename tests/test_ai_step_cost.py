@@ -32,6 +32,10 @@ def test_a_step_without_parameters_records_what_the_default_parameters_dump_to()
 
     # (made without building the defaults: this pins that they still dump to nothing)
     assert dump_params(None) == dump_params(ModelRequestParameters()) == {}
+    # and the worker makes the defaults of {} without validating: what validation makes
+    from tether.ai._wire import _PARAMS, load_params
+
+    assert load_params({}) == _PARAMS.validate_python({}) == ModelRequestParameters()
 
 
 async def test_complete_returns_the_text_of_the_answer_and_replays_it(
