@@ -2059,6 +2059,60 @@ def test_an_output_types_tool_schema_is_built_once_and_any_type_expression_works
     )
 
 
+def test_a_structured_steps_validator_and_parameters_are_made_once_per_output_type() -> None:
+    """What a structured step sends and reads with is made once per output type and
+    tool description, and records the same parameters a step built anew would."""
+    from typing import Annotated
+
+    from pydantic_ai.models import ModelRequestParameters
+    from pydantic_ai.tools import ToolDefinition
+
+    from tether.ai._structured import _asking, _schema
+    from tether.ai._wire import dump_params
+
+    class Verdict(BaseModel):
+        ok: bool
+
+    first = _asking(Verdict, None)
+    assert _asking(Verdict, None) is first
+    assert _asking(Verdict, "Say whether it is ok.") is not first
+    fresh = ModelRequestParameters(
+        output_mode="tool",
+        output_tools=[
+            ToolDefinition(
+                name="final_result",
+                parameters_json_schema=_schema(Verdict)[0],
+                description="Return the final answer.",
+            )
+        ],
+        allow_text_output=False,
+    )
+    assert first.params_json == dump_params(fresh)
+    assert first.adapter.validate_python({"ok": True}) == Verdict(ok=True)
+    odd = Annotated[str, {"unhashable": "metadata"}]
+    made = _asking(odd, None)  # not cached, still served
+    assert made.wrapped and made.adapter.validate_python("x") == "x"
+
+
+def test_a_messages_address_is_hashed_from_the_same_text_as_before() -> None:
+    """Addresses recorded in histories are SHA-256 of ``json.dumps(sort_keys=True,
+    separators=(",", ":"))`` text: the encoder made once writes exactly that text."""
+    from tether.ai._wire import sorted_json
+
+    values: list[Any] = [
+        {"b": 1, "a": [1.5, -0.0, 1e300, 10**30, True, False, None], "é": "ünï\u2028\U0001f600"},
+        {"z": {"y": {"x": []}}, "": {}, "nan": float("nan"), "inf": [float("inf"), float("-inf")]},
+        "a top-level string, with \"quotes\" and \\ and \n",
+        [],
+        3,
+        {"lone surrogate": "\ud800", "control": "\x00\x1f"},
+    ]
+    for value in values:
+        assert sorted_json(value) == json.dumps(value, sort_keys=True, separators=(",", ":"))
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        sorted_json({"a": object()})
+
+
 def test_a_messages_address_ignores_only_the_timestamps_pydantic_ai_sets() -> None:
     """Two copies of a message (made at different times, by different agent runs) have
     one address; a field named ``timestamp`` inside content is the caller's data: it

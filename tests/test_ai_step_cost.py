@@ -32,6 +32,10 @@ def test_a_step_without_parameters_records_what_the_default_parameters_dump_to()
 
     # (made without building the defaults: this pins that they still dump to nothing)
     assert dump_params(None) == dump_params(ModelRequestParameters()) == {}
+    # and the worker makes the defaults of {} without validating: what validation makes
+    from tether.ai._wire import _PARAMS, load_params
+
+    assert load_params({}) == _PARAMS.validate_python({}) == ModelRequestParameters()
 
 
 async def test_complete_returns_the_text_of_the_answer_and_replays_it(
@@ -190,3 +194,19 @@ async def test_a_model_answer_reaches_the_workflow_as_replay_decodes_it(
     calls_made = [decoded[CALL_KEY] for _out, decoded in handed]
     assert calls_made[0]["cost"] is not None and calls_made[2].get("usage") == "estimated"
     assert calls_made[3].get("cache_hit") is True
+
+
+def test_a_json_object_passes_a_dict_annotation_as_it_is() -> None:
+    """A model step's request and result (``dict[str, Any]``) are decoded JSON objects:
+    they are taken as they are, not copied by validation; anything else is validated."""
+    from tether._errors import PayloadError
+    from tether._serde import convert
+
+    value = {"a": [1, 2.5], "b": {"c": None}}
+    assert convert(value, dict[str, Any]) is value
+    assert convert(value, dict) is value
+    with pytest.raises(PayloadError):
+        convert({1: "x"}, dict[str, Any])  # not a JSON object's keys
+    with pytest.raises(PayloadError):
+        convert([1], dict[str, Any])
+    assert convert({"a": "1"}, dict[str, int]) == {"a": 1}  # other types as before

@@ -205,9 +205,10 @@ def ratelimit_pause(obj: Any) -> float | None:
         return None
     waits: list[float] = []
     for budget in ("requests", "tokens"):
+        # the reset is looked up only for a budget reported exhausted (every successful
+        # model step asks: a header lookup scans the response's headers)
         try:
             remaining = headers.get(f"x-ratelimit-remaining-{budget}")
-            reset = headers.get(f"x-ratelimit-reset-{budget}")
         except Exception:
             continue
         if remaining is None:
@@ -216,7 +217,13 @@ def ratelimit_pause(obj: Any) -> float | None:
             left = float(str(remaining).strip())
         except ValueError:
             continue
+        if not left <= 0:
+            continue
+        try:
+            reset = headers.get(f"x-ratelimit-reset-{budget}")
+        except Exception:
+            continue
         seconds = parse_reset(reset)
-        if left <= 0 and seconds:
+        if seconds:
             waits.append(seconds)
     return max(waits) if waits else None

@@ -107,6 +107,10 @@ def convert(value: Any, tp: Any, what: str = "value") -> Any:
         return value
     if tp in _SCALARS and type(value) is tp:
         return value  # already the exact type: nothing for validation to do
+    if type(value) is dict and tp in _OBJECTS and all(type(k) is str for k in value):
+        # a JSON object as it is: validation would only copy it (a model step's request
+        # and result, each step)
+        return value
     try:
         return _adapter(tp).validate_python(value)
     except pydantic.ValidationError as exc:
@@ -116,6 +120,8 @@ def convert(value: Any, tp: Any, what: str = "value") -> Any:
 
 
 _SCALARS = (str, int, float, bool)
+#: annotations a decoded JSON object (a dict of str keys) satisfies as it is
+_OBJECTS = (dict, dict[str, Any])
 
 
 class Signature:

@@ -376,6 +376,8 @@ class Gateway:
         self.name = check_name(name, "gateway name")
         self.prices = _checked_prices(prices)
         self._models: dict[str, ModelRef] = {}
+        #: models whose calls may be a hedge's: each with a hedge, and each a hedge asks
+        self._hedging: set[str] = set()
         #: output types registered with ``output``: type -> (name, version, fingerprint)
         self._outputs: dict[Any, tuple[str, str, str]] = {}
         self._built: dict[str, Model] = {}
@@ -497,6 +499,8 @@ class Gateway:
             version=version,
         )
         self._models[name] = ref
+        if hedge_pair is not None:  # calls of either may be a hedge's (see _hedged_model)
+            self._hedging.update((name, hedge_pair[0].name))
         return ref
 
     def prompt(
@@ -792,9 +796,7 @@ class Gateway:
     def _hedged_model(self, ref: ModelRef) -> bool:
         """Whether calls of ``ref`` may be a hedge's (its own hedge's, or another
         model's hedge asking it): a loser must stop soon after the other answered."""
-        return ref.hedge is not None or any(
-            m.hedge is not None and m.hedge[0].name == ref.name for m in self._models.values()
-        )
+        return ref.name in self._hedging
 
     async def _streamed(
         self,
@@ -1055,11 +1057,10 @@ class Gateway:
             rows = await self.budgets()
             self._budget_scopes = {b["scope"] for b in rows}
             self._budgets_read_at = now
-        scopes = tuple(
-            s
-            for s in (f"tenant:{tenant}" if tenant else None, "global")
-            if s in self._budget_scopes
-        )
+        known = self._budget_scopes
+        if not known:  # no daily budget at all (the usual case)
+            return (), rows
+        scopes = tuple(s for s in (f"tenant:{tenant}" if tenant else None, "global") if s in known)
         return scopes, rows
 
     async def add_daily_spend(
@@ -1182,19 +1183,23 @@ class Gateway:
         messages: list[ModelMessage],
         *,
         params: ModelRequestParameters | None = None,
+        params_json: dict[str, Any] | None = None,
         settings: ModelSettings | None = None,
         prompt_version: str | None = None,
         output_schema: str | None = None,
         stream: bool = False,
     ) -> tuple[dict[str, Any], dict[str, Any]]:
         """``request``, its response left as recorded (JSON): for a caller that reads
-        only part of it (``complete`` its text), without building the whole object."""
+        only part of it (``complete`` its text), without building the whole object.
+        ``params_json``: ``dump_params(params)`` made already (a structured step's,
+        made once per output type), never changed here."""
         if ref.gateway is not self:
             raise ConfigurationError(f"{ref!r} is a model of another gateway")
-        _refuse_recorded_credentials(ref, settings)
+        if settings:
+            _refuse_recorded_credentials(ref, settings)
         body: dict[str, Any] = {
             "messages": dump_messages(messages),
-            "params": dump_params(params),
+            "params": dump_params(params) if params_json is None else params_json,
             "settings": dict(settings) if settings else None,
         }
         if prompt_version is not None:
@@ -1378,7 +1383,7 @@ class Gateway:
             body = {**body, "spec": spec}
         inline: list[str] = []
         tip = ""
-        seen = _known.setdefault(inst, _Seen())
+        seen = _known.get(inst) or _known.setdefault(inst, _Seen())
         if self.message_refs:
             # the conversation so far by one node, then only the messages after it
             packed, inline, tip = pack(body["messages"], seen.messages, seen.nodes)
@@ -1446,9 +1451,20 @@ def _usage(
     estimate and the report as it came. Counting such a call as free would let a run
     spend past its budget: the estimate fails closed."""
     usage = response.usage
-    counts = (usage.input_tokens, usage.output_tokens, usage.cache_read_tokens)
-    if all(type(n) is int and n >= 0 for n in counts) and counts[0] > 0:
-        return (*counts, None)
+    counts = tokens_in, tokens_out, cache_read = (
+        usage.input_tokens,
+        usage.output_tokens,
+        usage.cache_read_tokens,
+    )
+    if (
+        type(tokens_in) is int
+        and type(tokens_out) is int
+        and type(cache_read) is int
+        and tokens_in > 0
+        and tokens_out >= 0
+        and cache_read >= 0
+    ):
+        return tokens_in, tokens_out, cache_read, None
     tokens_in, tokens_out = ref.estimated_tokens(
         request["messages"], settings, request.get("params")
     )

@@ -10,6 +10,7 @@ back for a repair, and when the repairs are spent the call raises
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -24,7 +25,6 @@ from pydantic_ai.messages import (
     RetryFeedbackPart,
     RetryInfo,
     SystemPromptPart,
-    TextPart,
     ToolCallPart,
     ToolReturnPart,
     UserPromptPart,
@@ -38,6 +38,7 @@ from ..workflow._instance import current_instance
 from ._errors import OutputInvalid
 from ._gateway import ModelRef, check_output_pin
 from ._prompts import version_of
+from ._wire import dump_params, load_response
 
 log = logging.getLogger("tether.ai")
 
@@ -94,6 +95,44 @@ def _schema_of(output: Any) -> tuple[dict[str, Any], bool]:
     }, True
 
 
+@dataclasses.dataclass(frozen=True)
+class _Asking:
+    """What every structured step of one output type and tool description sends and
+    reads with: the type's validator, whether the value is wrapped in ``response``, the
+    request parameters and their JSON. Made once (``_asking``: building them took about
+    a tenth of a step's own work); shared, so never changed."""
+
+    adapter: TypeAdapter[Any]
+    wrapped: bool
+    params: ModelRequestParameters
+    params_json: dict[str, Any]
+
+
+def _asking(output: Any, description: str | None) -> _Asking:
+    """``_Asking`` of an output type and tool description (cached per pair)."""
+    try:
+        return _asking_of(output, description)
+    except TypeError:  # an unhashable type expression: not cached
+        return _asking_of.__wrapped__(output, description)
+
+
+@functools.lru_cache(maxsize=256)
+def _asking_of(output: Any, description: str | None) -> _Asking:
+    schema, wrapped = _schema(output)
+    params = ModelRequestParameters(
+        output_mode="tool",
+        output_tools=[
+            ToolDefinition(
+                name=OUTPUT_TOOL,
+                parameters_json_schema=schema,
+                description=description or "Return the final answer.",
+            )
+        ],
+        allow_text_output=False,
+    )
+    return _Asking(TypeAdapter(output), wrapped, params, dump_params(params))
+
+
 def _problems_of(exc: ValidationError) -> list[str]:
     out = []
     for err in exc.errors(include_url=False):
@@ -103,33 +142,50 @@ def _problems_of(exc: ValidationError) -> list[str]:
 
 
 def _parse(
-    response: ModelResponse, adapter: TypeAdapter[Any], wrapped: bool
-) -> tuple[Any, list[str], str | None, ToolCallPart | None]:
-    """(value, problems, raw text, the output tool call) of one answer."""
+    answer: dict[str, Any], adapter: TypeAdapter[Any], wrapped: bool
+) -> tuple[Any, list[str], str | None, bool]:
+    """(value, problems, raw text, whether it came in the output tool call) of one
+    answer, read from its recorded JSON (a ``ToolCallPart`` dumps as ``tool-call``, a
+    ``TextPart`` as ``text``): the response object is built only for a repair."""
+    parts = answer.get("parts") or ()
     call = next(
-        (p for p in response.parts if isinstance(p, ToolCallPart) and p.tool_name == OUTPUT_TOOL),
+        (
+            p
+            for p in parts
+            if p.get("part_kind") == "tool-call" and p.get("tool_name") == OUTPUT_TOOL
+        ),
         None,
     )
     raw: str | None
     if call is not None:
-        raw = call.args if isinstance(call.args, str) else json.dumps(call.args)
+        args = call.get("args")
+        raw = args if isinstance(args, str) else json.dumps(args)
     else:
-        texts = [p.content for p in response.parts if isinstance(p, TextPart)]
+        texts = [p["content"] for p in parts if p.get("part_kind") == "text"]
         raw = "".join(texts) if texts else None
         if raw is None:
-            return None, ["the model gave no answer (no text and no output tool call)"], None, None
+            return None, ["the model gave no answer (no text and no output tool call)"], None, False
+    called = call is not None
     try:
         data = json.loads(raw) if isinstance(raw, str) else raw
     except ValueError as exc:
-        return None, [f"the answer is not valid JSON: {exc}"], raw, call
+        return None, [f"the answer is not valid JSON: {exc}"], raw, called
     if wrapped:
         if not isinstance(data, dict) or "response" not in data:
-            return None, ["the answer must be an object with a 'response' field"], raw, call
+            return None, ["the answer must be an object with a 'response' field"], raw, called
         data = data["response"]
     try:
-        return adapter.validate_python(data), [], raw, call
+        return adapter.validate_python(data), [], raw, called
     except ValidationError as exc:
-        return None, _problems_of(exc), raw, call
+        return None, _problems_of(exc), raw, called
+
+
+def _output_call(response: ModelResponse) -> ToolCallPart | None:
+    """The output tool call of an answer (the first, as ``_parse`` reads it)."""
+    return next(
+        (p for p in response.parts if isinstance(p, ToolCallPart) and p.tool_name == OUTPUT_TOOL),
+        None,
+    )
 
 
 def _check_read_whole(
@@ -392,33 +448,23 @@ async def structured(
         )
     if not isinstance(max_repairs, int) or max_repairs < 0:
         raise ConfigurationError(f"max_repairs must be a whole number >= 0 (got {max_repairs!r})")
-    adapter: TypeAdapter[Any] = TypeAdapter(output)
-    schema, wrapped = _schema(output)
+    asking = _asking(output, description)
+    adapter, wrapped = asking.adapter, asking.wrapped
     schema_version, _fingerprint = check_output_pin(current_instance(), model.gateway, output)
-    params = ModelRequestParameters(
-        output_mode="tool",
-        output_tools=[
-            ToolDefinition(
-                name=OUTPUT_TOOL,
-                parameters_json_schema=schema,
-                description=description or "Return the final answer.",
-            )
-        ],
-        allow_text_output=False,
-    )
     messages = _messages(prompt, instructions)
     problems: list[str] = []
     raw: str | None = None
     for attempt in range(1, max_repairs + 2):
-        response, _call = await model.gateway.request(
+        answer, _call = await model.gateway._request_json(
             model,
             messages,
-            params=params,
+            params=asking.params,
+            params_json=asking.params_json,
             settings=settings,
             prompt_version=prompt_version or version_of(prompt, instructions),
             output_schema=schema_version,
         )
-        value, problems, raw, tool_call = _parse(response, adapter, wrapped)
+        value, problems, raw, called = _parse(answer, adapter, wrapped)
         asked_with = _call.get("output_schema")
         if not problems and asked_with and asked_with != schema_version:
             _check_read_whole(raw, wrapped, adapter, value, asked_with, schema_version)
@@ -438,6 +484,8 @@ async def structured(
                     "repair": attempt <= max_repairs,
                 },
             )
+        response = load_response(answer)  # (only to send it back with the problems)
+        tool_call = _output_call(response) if called else None
         feedback = "Your answer was invalid:\n" + "\n".join(f"- {p}" for p in problems)
         feedback += "\nAnswer again, fixing these problems."
         retry: ToolReturnPart | RetryFeedbackPart = (
