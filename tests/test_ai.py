@@ -2102,7 +2102,7 @@ def test_a_messages_address_is_hashed_from_the_same_text_as_before() -> None:
     values: list[Any] = [
         {"b": 1, "a": [1.5, -0.0, 1e300, 10**30, True, False, None], "é": "ünï\u2028\U0001f600"},
         {"z": {"y": {"x": []}}, "": {}, "nan": float("nan"), "inf": [float("inf"), float("-inf")]},
-        "a top-level string, with \"quotes\" and \\ and \n",
+        'a top-level string, with "quotes" and \\ and \n',
         [],
         3,
         {"lone surrogate": "\ud800", "control": "\x00\x1f"},

@@ -196,15 +196,20 @@ async def test_a_model_answer_reaches_the_workflow_as_replay_decodes_it(
     assert calls_made[3].get("cache_hit") is True
 
 
-def test_a_json_object_passes_a_dict_annotation_as_it_is() -> None:
+def test_a_json_object_passes_a_dict_annotation_unvalidated() -> None:
     """A model step's request and result (``dict[str, Any]``) are decoded JSON objects:
-    they are taken as they are, not copied by validation; anything else is validated."""
+    they are taken as they are, not validated; copied at the top only, as validation
+    did, so code changing one in place never changes the event it came from; anything
+    else is validated."""
     from tether._errors import PayloadError
     from tether._serde import convert
 
     value = {"a": [1, 2.5], "b": {"c": None}}
-    assert convert(value, dict[str, Any]) is value
-    assert convert(value, dict) is value
+    for tp in (dict[str, Any], dict):
+        got = convert(value, tp)
+        assert got == value and got is not value
+        got["a"] = "changed"
+        assert value["a"] == [1, 2.5]
     with pytest.raises(PayloadError):
         convert({1: "x"}, dict[str, Any])  # not a JSON object's keys
     with pytest.raises(PayloadError):

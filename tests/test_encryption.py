@@ -1923,3 +1923,20 @@ def test_each_reseal_batch_of_the_history_seeks_its_place_by_the_key(tmp_path: P
         conn.close()
     assert any(step.startswith("SEARCH events USING") for step in plan), plan
     assert not any(step.startswith("SCAN events") for step in plan), plan
+
+
+def test_a_wrapped_key_replaced_under_its_id_is_unwrapped_again(tmp_path: Path) -> None:
+    """A keyring file replaced by another whose key of the same id is a different key
+    (wrapped): the keyring hands out the new key, not the one it unwrapped before (a
+    sealer compares a held key's bytes to learn that it changed)."""
+    kms = _FakeKms(os.urandom(32))
+    path = tmp_path / "keys.json"
+    ring = FileKeyring.create(path, wrapper=kms)
+    key_id = ring.current(None)
+    old = ring.key(key_id)
+    data = json.loads(path.read_text())
+    new = os.urandom(32)
+    data["keys"][key_id]["wrapped"] = base64.b64encode(kms.wrap(new)).decode()
+    path.write_text(json.dumps(data))
+    ring._fresh(force=True)
+    assert ring.key(key_id) == new != old

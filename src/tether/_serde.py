@@ -109,8 +109,9 @@ def convert(value: Any, tp: Any, what: str = "value") -> Any:
         return value  # already the exact type: nothing for validation to do
     if type(value) is dict and tp in _OBJECTS and all(type(k) is str for k in value):
         # a JSON object as it is: validation would only copy it (a model step's request
-        # and result, each step)
-        return value
+        # and result, each step); copied at the top, as validation did, so code that
+        # changes it in place never changes the recorded event it came from
+        return dict(value)
     try:
         return _adapter(tp).validate_python(value)
     except pydantic.ValidationError as exc:

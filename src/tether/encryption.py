@@ -283,8 +283,9 @@ class FileKeyring(Keyring):
         self._data: dict[str, Any] = {}
         self._stamp: tuple[int, int] | None = None
         self._checked = 0.0
-        #: unwrapped keys by id (a wrapped keyring asks its wrapper once per key)
-        self._unwrapped: dict[str, bytes] = {}
+        #: key id -> (its wrapped text, the key): unwrapped once, again if the file's
+        #: wrapped text of that id changed (another keyring under the same path)
+        self._unwrapped: dict[str, tuple[str, bytes]] = {}
         if not os.path.exists(self.path):
             raise ConfigurationError(
                 f"keyring {self.path!r} does not exist; make one with: "
@@ -410,7 +411,8 @@ class FileKeyring(Keyring):
             )
         if "wrapped" not in entry:
             return base64.b64decode(entry["key"])
-        key = self._unwrapped.get(key_id)
+        known = self._unwrapped.get(key_id)
+        key = known[1] if known is not None and known[0] == entry["wrapped"] else None
         if key is None:
             if self.wrapper is None:
                 raise made_by_engine(
@@ -430,7 +432,7 @@ class FileKeyring(Keyring):
                     "to its master key",
                 ) from None
             _check_key(key_id, key)
-            self._unwrapped[key_id] = key
+            self._unwrapped[key_id] = (entry["wrapped"], key)
         return key
 
     def current(self, tenant: str | None) -> str:
