@@ -62,6 +62,10 @@ import tether
 from tether import ai
 from tether.testing import ModelServer, model_reply
 
+#: the provider's model name every mode asks for: one genai-prices knows, so a recorded
+#: step prices its answer as a user's would (the scripted server answers any name)
+MODEL = "gpt-4o-mini"
+
 
 class Label(BaseModel):
     label: str
@@ -79,7 +83,7 @@ def _serve(conn: Any) -> None:
 async def bare(base_url: str, calls: int, structured: bool = False) -> list[float]:
     """Bare pydantic-ai calls; ``structured``: with the output tool a structured step
     sends, its arguments validated into ``Label`` (what ``structured`` is compared to)."""
-    model = ai.openai_compatible("bare", base_url=base_url, api_key="k")
+    model = ai.openai_compatible(MODEL, base_url=base_url, api_key="k")
     msgs = [ModelRequest(parts=[UserPromptPart("classify: hello")])]
     params = ModelRequestParameters(
         output_mode="tool",
@@ -107,7 +111,7 @@ async def recorded(workdir: Path, base_url: str, calls: int, mode: str) -> dict[
     db = workdir / f"{mode}.db"
     app = tether.App(store=f"sqlite:///{db}")
     gateway = ai.Gateway(app)
-    model = gateway.model(mode, ai.openai_compatible(mode, base_url=base_url, api_key="k"))
+    model = gateway.model(mode, ai.openai_compatible(MODEL, base_url=base_url, api_key="k"))
 
     @app.workflow
     async def many(n: int) -> int:
@@ -127,6 +131,8 @@ async def recorded(workdir: Path, base_url: str, calls: int, mode: str) -> dict[
                 run = await app.start(many, calls + 1, run_id="bench")
                 check(await run.result(timeout=600) == calls + 1, "wrong result")
                 commits = app.store.stats()["commits"] - c0
+                usage = await app.usage("bench")
+                check(usage.unpriced_calls == 0 and usage.cost > 0, f"unpriced calls: {usage}")
                 done = [
                     e.created_at
                     for e in await app.history("bench")
@@ -161,7 +167,7 @@ async def conversation(workdir: Path, base_url: str, calls: int, refs: bool) -> 
     db = workdir / f"chat-{refs}.db"
     app = tether.App(store=f"sqlite:///{db}")
     gateway = ai.Gateway(app, message_refs=refs)
-    model = gateway.model("chat", ai.openai_compatible("chat", base_url=base_url, api_key="k"))
+    model = gateway.model("chat", ai.openai_compatible(MODEL, base_url=base_url, api_key="k"))
 
     @app.workflow
     async def chat(n: int) -> int:

@@ -68,7 +68,9 @@ def _workload(mode: str, base_url: str) -> None:
     async def recorded(db: Path) -> None:
         app = tether.App(store=f"sqlite:///{db}")
         gateway = ai.Gateway(app)
-        model = gateway.model(mode, ai.openai_compatible(mode, base_url=base_url, api_key="k"))
+        model = gateway.model(
+            mode, ai.openai_compatible(bench_ai.MODEL, base_url=base_url, api_key="k")
+        )
 
         @app.activity
         async def noop(prompt: str) -> str:

@@ -241,3 +241,18 @@ class PgProxy:
             pass
         self.sock.close()
         self.cut()
+
+
+def parse_quietly(source: str) -> Any:
+    """``ast.parse`` with the garbage collector off: on CPython 3.11 a collection that
+    runs finalizers inside it can fail the parse with "AST constructor recursion depth
+    mismatch" (a SystemError; seen in test_layers under a parallel run)."""
+    import ast
+
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return ast.parse(source)
+    finally:
+        if enabled:
+            gc.enable()

@@ -18,6 +18,8 @@ from typing import Any
 
 import pytest
 
+from conftest import parse_quietly
+
 CMD_TIMEOUT = 60.0  # generous bound for one CLI invocation (each imports pydantic etc.)
 
 FLOWS = """
@@ -960,7 +962,7 @@ def test_every_tether_command_named_in_messages_and_docs_exists() -> None:
     src = Path(tether.__file__).parent
     texts: list[tuple[str, str]] = []
     for path in sorted(src.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(parse_quietly(path.read_text())):
             if isinstance(node, ast.Constant) and isinstance(node.value, str):
                 texts.append((f"{path.relative_to(src)}:{node.lineno}", node.value))
     for path in sorted((src.parent.parent / "docs").glob("*.md")):

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import parse_quietly
+
 SRC = Path(__file__).parent.parent / "src" / "tether"
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
@@ -111,7 +113,7 @@ def _imports(path: Path, module: str) -> set[str]:
     """Every tether module ``module`` imports, wherever the import statement is."""
     is_package = path.name == "__init__.py"
     out: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(parse_quietly(path.read_text())):
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names if a.name.split(".")[0] == "tether"}
         elif isinstance(node, ast.ImportFrom):

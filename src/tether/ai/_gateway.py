@@ -50,6 +50,7 @@ from ..workflow._api import sleep
 from ..workflow._instance import WorkflowInstance, current_instance
 from ._errors import BudgetExceeded, ContentRefused, ModelConfigError
 from ._models import HeaderCapture, build, model_name_of, provider_of
+from ._pricing import ModelPricing, lookup_pricing
 from ._prompts import Prompt, Template
 from ._wire import (
     canonical,
@@ -392,7 +393,7 @@ class Gateway:
         self._budget_scopes: set[str] = set()
         self._budgets_read_at = 0.0
         #: genai-prices' price of (model, provider), looked up once (None: unknown)
-        self._price_table: dict[tuple[str, str | None], Any] = {}
+        self._price_table: dict[tuple[str, str | None], ModelPricing | None] = {}
         app._pin_sources[name] = self._pins
         self._activity = app.activity(
             name=f"{name}.call", retry=retry, timeout=timeout, queue=queue
@@ -588,25 +589,18 @@ class Gateway:
         price = ref.price or self.prices.get(name) or self.prices.get(ref.model_name)
         if price is not None:
             return str(price.cost(tokens_in, tokens_out, cache_read))
-        model_price = None
+        pricing = None
         for key in dict.fromkeys(
             ((name, provider or ref.provider), (ref.model_name, ref.provider))
         ):
             if key not in self._price_table:
-                self._price_table[key] = _lookup_price(*key)
-            model_price = self._price_table[key]
-            if model_price is not None:
+                self._price_table[key] = lookup_pricing(*key)
+            pricing = self._price_table[key]
+            if pricing is not None:
                 break
-        if model_price is None:  # unknown model or provider: the call is recorded unpriced
+        if pricing is None:  # unknown model or provider: the call is recorded unpriced
             return None
-        from genai_prices import Usage as PriceUsage
-
-        calc = model_price.calc_price(
-            PriceUsage(
-                input_tokens=tokens_in, output_tokens=tokens_out, cache_read_tokens=cache_read
-            )
-        )
-        return str(calc["total_price"])
+        return str(pricing.cost(tokens_in, tokens_out, cache_read))
 
     def answer_cost(
         self,
@@ -1721,17 +1715,6 @@ def _cache_key(ref: ModelRef, request: dict[str, Any]) -> str:
         "settings": settings,
     }
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
-
-
-def _lookup_price(model: str, provider: str | None) -> Any:
-    """genai-prices' current price of ``model`` at ``provider`` (None when it has none)."""
-    try:
-        from genai_prices import Usage as PriceUsage
-        from genai_prices import calc_price
-
-        return calc_price(PriceUsage(), model_ref=model, provider_id=provider).model_price
-    except Exception:
-        return None
 
 
 #: failures the next model in a fallback chain would meet too

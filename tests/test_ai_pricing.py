@@ -1,0 +1,109 @@
+"""Prices from genai-prices applied without the library's per-call decomposition: every
+flat price it ships gives the library's value and digits, tiered prices and odd usage
+still go through the library, and a priced step does not call the library again."""
+
+from __future__ import annotations
+
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import pytest
+from genai_prices import Usage, data
+from genai_prices.types import ModelPrice, TieredPrices
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tether
+from tether import ai
+from tether.ai._pricing import ModelPricing, lookup_pricing
+
+
+def _library(price: Any, tokens_in: int, tokens_out: int, cache_read: int) -> Decimal:
+    usage = Usage(input_tokens=tokens_in, output_tokens=tokens_out, cache_read_tokens=cache_read)
+    total: Decimal = price.calc_price(usage)["total_price"]
+    return total
+
+
+def _all_prices() -> list[tuple[str, Any]]:
+    out = []
+    for provider in data.providers:
+        for model in provider.models:
+            prices = model.prices
+            listed = [prices] if isinstance(prices, ModelPrice) else [p.prices for p in prices]
+            out += [(f"{provider.id}/{model.id}", p) for p in listed]
+    return out
+
+
+ALL = _all_prices()
+PRICINGS = [(name, ModelPricing(price)) for name, price in ALL]
+
+
+def test_most_shipped_prices_are_flat_and_tiered_ones_are_not() -> None:
+    flat = [p for _, p in PRICINGS if p.flat]
+    tiered = [
+        p for _, p in PRICINGS if any(isinstance(v, TieredPrices) for v in vars(p.price).values())
+    ]
+    assert len(flat) > 0.8 * len(PRICINGS), (len(flat), len(PRICINGS))
+    assert tiered and not any(p.flat for p in tiered)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    tokens_in=st.integers(0, 3_000_000),
+    tokens_out=st.integers(0, 200_000),
+    cached=st.floats(0, 1),
+)
+def test_every_shipped_price_costs_what_the_library_says(
+    tokens_in: int, tokens_out: int, cached: float
+) -> None:
+    """Same value and same string (the recorded cost is its string) for every price
+    genai-prices ships, flat or tiered, at any usage."""
+    cache_read = int(tokens_in * cached)
+    for name, pricing in PRICINGS:
+        want = _library(pricing.price, tokens_in, tokens_out, cache_read)
+        got = pricing.cost(tokens_in, tokens_out, cache_read)
+        assert (got, str(got)) == (want, str(want)), name
+
+
+def test_usage_the_library_would_refuse_still_goes_to_it() -> None:
+    """More cache reads than input tokens: not priced by the flat rates (the library
+    decides, as before: its error is what the step records)."""
+    pricing = lookup_pricing("gpt-4o", "openai")
+    assert pricing is not None and pricing.flat
+    try:
+        want: Any = _library(pricing.price, 10, 5, 20)
+    except Exception as exc:
+        with pytest.raises(type(exc)):
+            pricing.cost(10, 5, 20)
+    else:
+        assert pricing.cost(10, 5, 20) == want
+
+
+async def test_a_priced_step_does_not_run_the_library_per_call(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``gpt-4o`` (a flat price): the library is asked while the price is looked up,
+    then never again, however many calls are priced."""
+    app = tether.App(tmp_path / "t.db")
+    gateway = ai.Gateway(app)
+    model = gateway.model("m", ai.openai_compatible("gpt-4o", base_url="http://x", api_key="k"))
+    calls = 0
+    real = ModelPrice.calc_price
+
+    def counted(self: ModelPrice, usage: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        return real(self, usage)
+
+    monkeypatch.setattr(ModelPrice, "calc_price", counted)
+    first = gateway.price_of(model, 1000, 100, 0, None, None)
+    looked_up = calls
+    for i in range(50):
+        cost = gateway.price_of(model, 1000 + i, 100, i, None, None)
+        assert cost is not None
+    assert calls == looked_up
+    pricing = lookup_pricing("gpt-4o", "openai")
+    assert pricing is not None
+    assert first == str(_library(pricing.price, 1000, 100, 0))
+    await app.close()
