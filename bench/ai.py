@@ -6,6 +6,9 @@
 * ``bare``: ``pydantic_ai.direct.model_request`` in a loop, N calls;
 * ``bare-structured``: the same with the output tool a structured step sends, its
   arguments validated into the output type (the baseline of ``structured``);
+* ``bare-paced``: the ``bare`` loop with the client busy ``PACE_MS`` between calls
+  (not timed): the server idles between requests as it does in a recorded run, so its
+  ``+p50`` over ``bare`` is what an idle server adds to a call, whoever makes it;
 * ``complete``: one workflow making N sequential ``tether.ai.complete`` steps;
 * ``structured``: the same with ``tether.ai.structured`` (output tool + validation);
 * a 100-turn conversation in one run, with message references (the default: each
@@ -67,6 +70,11 @@ from tether.testing import ModelServer, model_reply
 MODEL = "gpt-4o-mini"
 
 
+#: how long ``bare-paced`` keeps the client busy between calls: about a recorded
+#: step's own time (``own p50``), so its server idles as a recorded run's does
+PACE_MS = 1.0
+
+
 class Label(BaseModel):
     label: str
     score: float
@@ -80,9 +88,13 @@ def _serve(conn: Any) -> None:
         conn.recv()  # until the parent is done
 
 
-async def bare(base_url: str, calls: int, structured: bool = False) -> list[float]:
+async def bare(
+    base_url: str, calls: int, structured: bool = False, pace_ms: float = 0.0
+) -> list[float]:
     """Bare pydantic-ai calls; ``structured``: with the output tool a structured step
-    sends, its arguments validated into ``Label`` (what ``structured`` is compared to)."""
+    sends, its arguments validated into ``Label`` (what ``structured`` is compared to);
+    ``pace_ms``: this process stays busy that long between calls (timed apart), leaving
+    the server idle as a recorded step's own work does."""
     model = ai.openai_compatible(MODEL, base_url=base_url, api_key="k")
     msgs = [ModelRequest(parts=[UserPromptPart("classify: hello")])]
     params = ModelRequestParameters(
@@ -102,7 +114,10 @@ async def bare(base_url: str, calls: int, structured: bool = False) -> list[floa
             Label.model_validate(call.args_as_dict())
         else:
             await model_request(model, msgs)
-        out.append((time.perf_counter() - t0) * 1000)
+        done = time.perf_counter()
+        out.append((done - t0) * 1000)
+        while time.perf_counter() < done + pace_ms / 1000:
+            pass  # busy, as a worker is with a step's own work: the server idles
     return out[1:]
 
 
@@ -357,13 +372,17 @@ async def measure(workdir: Path, calls: int, rounds: int) -> dict[str, Any]:
     proc.start()
     try:
         base_url = parent.recv()
-        modes = ("bare", "bare-structured", "complete", "structured")
+        modes = ("bare", "bare-structured", "bare-paced", "complete", "structured")
         out: dict[str, Any] = {m: {"rounds": []} for m in modes}
         for r in range(rounds):
-            for mode in modes[r % 4 :] + modes[: r % 4]:
+            k = r % len(modes)
+            for mode in modes[k:] + modes[:k]:
                 if mode.startswith("bare"):
+                    pace = PACE_MS if mode == "bare-paced" else 0.0
                     got: dict[str, Any] = {
-                        "gaps": await bare(base_url, calls, structured=mode != "bare")
+                        "gaps": await bare(
+                            base_url, calls, structured=mode == "bare-structured", pace_ms=pace
+                        )
                     }
                 else:
                     got = await recorded(workdir / f"r{r}", base_url, calls, mode)
@@ -396,7 +415,7 @@ def main() -> None:
         for mode in ("bare", "bare-structured")
     }
     #: each recorded mode against the bare call that does the same work
-    baseline = {"complete": "bare", "structured": "bare-structured"}
+    baseline = {"complete": "bare", "structured": "bare-structured", "bare-paced": "bare"}
     print(f"LIMIT: {limit['commits_per_s']:,.0f} commits/s ({per_commit:.3f} ms/commit)")
     print(f"{args.rounds} interleaved rounds of {args.calls} calls; per round, the p50 of a")
     print("recorded mode minus the p50 of the same round's bare call doing the same work")
