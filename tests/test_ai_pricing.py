@@ -107,3 +107,31 @@ async def test_a_priced_step_does_not_run_the_library_per_call(
     assert pricing is not None
     assert first == str(_library(pricing.price, 1000, 100, 0))
     await app.close()
+
+
+async def test_prices_are_looked_up_again_each_hour(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long-lived worker takes up a price genai-prices dates (a change announced
+    ahead) within the hour: the looked-up prices are kept for the hour they were read."""
+    from tether.ai import _gateway
+
+    hour = [1000]
+    monkeypatch.setattr(_gateway, "_hour", lambda: hour[0])
+    looked: list[tuple[str, str | None]] = []
+
+    def counted(model: str, provider: str | None) -> Any:
+        looked.append((model, provider))
+        return lookup_pricing(model, provider)
+
+    monkeypatch.setattr(_gateway, "lookup_pricing", counted)
+    app = tether.App(tmp_path / "t.db")
+    gateway = ai.Gateway(app)
+    model = gateway.model("m", ai.openai_compatible("gpt-4o", base_url="http://x", api_key="k"))
+    for _ in range(3):
+        assert gateway.price_of(model, 1000, 100, 0, None, None) is not None
+    assert len(looked) == 1
+    hour[0] += 1
+    assert gateway.price_of(model, 1000, 100, 0, None, None) is not None
+    assert len(looked) == 2
+    await app.close()

@@ -392,8 +392,11 @@ class Gateway:
         #: the scopes that have a daily budget, re-read every few seconds
         self._budget_scopes: set[str] = set()
         self._budgets_read_at = 0.0
-        #: genai-prices' price of (model, provider), looked up once (None: unknown)
+        #: genai-prices' price of (model, provider), looked up once an hour (None:
+        #: unknown): a price the library dates (a price change announced ahead) is
+        #: taken up within the hour of its start in a long-lived worker
         self._price_table: dict[tuple[str, str | None], ModelPricing | None] = {}
+        self._price_hour = _hour()
         app._pin_sources[name] = self._pins
         self._activity = app.activity(
             name=f"{name}.call", retry=retry, timeout=timeout, queue=queue
@@ -589,6 +592,10 @@ class Gateway:
         price = ref.price or self.prices.get(name) or self.prices.get(ref.model_name)
         if price is not None:
             return str(price.cost(tokens_in, tokens_out, cache_read))
+        hour = _hour()
+        if hour != self._price_hour:
+            self._price_table = {}
+            self._price_hour = hour
         pricing = None
         for key in dict.fromkeys(
             ((name, provider or ref.provider), (ref.model_name, ref.provider))
@@ -1715,6 +1722,11 @@ def _cache_key(ref: ModelRef, request: dict[str, Any]) -> str:
         "settings": settings,
     }
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
+
+
+def _hour() -> int:
+    """The hour (since the epoch) whose prices a gateway applies."""
+    return int(time.time() // 3600)
 
 
 #: failures the next model in a fallback chain would meet too
