@@ -135,3 +135,40 @@ async def test_prices_are_looked_up_again_each_hour(
     assert gateway.price_of(model, 1000, 100, 0, None, None) is not None
     assert len(looked) == 2
     await app.close()
+
+
+def test_cache_reads_priced_at_the_input_rate_keep_the_library_digits() -> None:
+    """A price naming ``cache_read_mtok`` at the input rate: the library sums input and
+    cache reads as two terms, whose digits (a trailing zero) the sum keeps (review find:
+    the rates compared equal and one term was used)."""
+    price = ModelPrice(
+        input_mtok=Decimal("1"), cache_read_mtok=Decimal("1"), output_mtok=Decimal("2")
+    )
+    pricing = ModelPricing(price)
+    assert pricing.flat
+    for usage in [(10, 5, 5), (1000, 10, 0), (100, 100, 100), (1_000_000, 0, 1), (7, 0, 3)]:
+        want = _library(price, *usage)
+        got = pricing.cost(*usage)
+        assert (got, str(got)) == (want, str(want)), usage
+
+
+def test_rates_are_learned_at_full_precision_whatever_the_callers_context() -> None:
+    """Learned under a thread's low-precision decimal context, rounded rates would be
+    kept for every later call."""
+    import decimal
+
+    price = ModelPrice(input_mtok=Decimal("0.435"), output_mtok=Decimal("1.7475"))
+    with decimal.localcontext(decimal.Context(prec=4)):
+        pricing = ModelPricing(price)
+    got = pricing.cost(123456, 789, 0)
+    assert got == _library(price, 123456, 789, 0)
+
+
+@pytest.mark.parametrize(
+    "usage", [(0, 0, 0), (1, 1, 0), (1000, 1000, 1000), (10**6, 10**6, 10**5), (10**9, 10, 10**8)]
+)
+def test_round_counts_keep_the_library_digits(usage: tuple[int, int, int]) -> None:
+    for name, pricing in PRICINGS:
+        want = _library(pricing.price, *usage)
+        got = pricing.cost(*usage)
+        assert (got, str(got)) == (want, str(want)), name

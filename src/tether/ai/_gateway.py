@@ -596,13 +596,14 @@ class Gateway:
         if hour != self._price_hour:
             self._price_table = {}
             self._price_hour = hour
+        table = self._price_table  # one table throughout, even if the hour turns meanwhile
         pricing = None
         for key in dict.fromkeys(
             ((name, provider or ref.provider), (ref.model_name, ref.provider))
         ):
-            if key not in self._price_table:
-                self._price_table[key] = lookup_pricing(*key)
-            pricing = self._price_table[key]
+            if key not in table:
+                table[key] = lookup_pricing(*key)
+            pricing = table[key]
             if pricing is not None:
                 break
         if pricing is None:  # unknown model or provider: the call is recorded unpriced

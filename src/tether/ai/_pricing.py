@@ -10,7 +10,7 @@ usage the library might refuse, still go through the library.
 
 from __future__ import annotations
 
-from decimal import Decimal
+from decimal import Context, Decimal, localcontext
 from typing import Any
 
 #: tokens per rate: the library's prices are per million tokens
@@ -22,12 +22,13 @@ _CHECK = (1_234_567, 76_543, 234_567)
 class ModelPricing:
     """The cost of a step's tokens at one genai-prices ``ModelPrice``."""
 
-    __slots__ = ("_base", "_cached", "_input", "_output", "price")
+    __slots__ = ("_apart", "_base", "_cached", "_input", "_output", "price")
 
     def __init__(self, price: Any) -> None:
         self.price = price
         self._base: Decimal | None = None
         self._input = self._output = self._cached = Decimal(0)
+        self._apart = False
         if all(
             isinstance(value, Decimal)
             for key, value in vars(price).items()
@@ -41,13 +42,20 @@ class ModelPricing:
     def _learn_rates(self) -> None:
         """Read the flat rates (per million tokens) and the per-request part from the
         library, and keep them only if they reproduce its answer for an odd usage."""
-        base = self._library(0, 0, 0)
-        self._input = self._library(_MTOK, 0, 0) - base
-        self._output = self._library(0, _MTOK, 0) - base
-        self._cached = self._library(_MTOK, 0, _MTOK) - base
-        self._base = base
-        want = self._library(*_CHECK)
-        if self.cost(*_CHECK) != want or str(self.cost(*_CHECK)) != str(want):
+        # at the default precision, whatever the caller's: rates rounded by a thread's
+        # low-precision context would be kept for every later call
+        with localcontext(Context()):
+            base = self._library(0, 0, 0)
+            self._input = self._library(_MTOK, 0, 0) - base
+            self._output = self._library(0, _MTOK, 0) - base
+            self._cached = self._library(_MTOK, 0, _MTOK) - base
+            #: the library prices cache reads as a unit of their own when the price
+            #: names them, even at the input rate: the sum's digits follow its terms
+            self._apart = getattr(self.price, "cache_read_mtok", None) is not None
+            self._base = base
+            want = self._library(*_CHECK)
+            got = self.cost(*_CHECK)
+        if (got, str(got)) != (want, str(want)):
             self._base = None
 
     def _library(self, tokens_in: int, tokens_out: int, cache_read: int) -> Decimal:
@@ -72,7 +80,7 @@ class ModelPricing:
             return self._library(tokens_in, tokens_out, cache_read)
         # one term per unit, each divided on its own, as the library sums them: the
         # digits of the result (trailing zeros included) come out the same
-        if self._cached == self._input:  # cache reads are not priced apart
+        if not self._apart:  # cache reads are input tokens like any other
             return base + self._input * tokens_in / _MTOK + self._output * tokens_out / _MTOK
         return (
             base
@@ -87,7 +95,6 @@ def lookup_pricing(model: str, provider: str | None) -> ModelPricing | None:
     try:
         from genai_prices import Usage, calc_price
 
-        found = calc_price(Usage(), model_ref=model, provider_id=provider).model_price
+        return ModelPricing(calc_price(Usage(), model_ref=model, provider_id=provider).model_price)
     except Exception:
         return None
-    return ModelPricing(found)
