@@ -20,6 +20,13 @@ tens of percent within minutes, so each compared pair runs side by side in every
 those paired ratios is the figure; the ratio of the modes' medians is printed too.
 
     .venv/bin/python bench/encryption.py [--quick] [--repeat N]
+    .venv/bin/python bench/encryption.py --alternate TURNS
+
+``--alternate``: sealed | plain and known-tenants | tenants in one process instead, each
+mode an App of its own (its keyring given to the App), taking turns of 100 runs x 10
+steps, the order swapped each turn: the two runs of a turn are a fraction of a second
+apart, where the default's are seconds apart, and the median of many turns' ratios is
+the figure. (``per-tenant``, keys made in the timed part, is left to the default.)
 """
 
 from __future__ import annotations
@@ -116,10 +123,109 @@ def _child(mode: str, runs_n: int, steps_n: int) -> None:
     print(json.dumps(out))
 
 
+def _alternating_app(folder: Path, mode: str) -> tuple[Any, Any]:
+    """W1's app (``bench/run.py``) on its own file, ``mode``'s keyring given to the App
+    itself, so modes with different keyrings live in one process."""
+    import tether
+    from tether.encryption import FileKeyring, Keyring, StaticKeyring, new_key
+
+    keyring: Keyring | None = None
+    if mode == "sealed":
+        keyring = StaticKeyring.parse(f"k1={new_key()}")
+    elif mode == "known-tenants":
+        ring = FileKeyring.create(folder / "keys.json", per_tenant=True)
+        for i in range(10):
+            ring.current(f"tenant-{i}")  # made now, outside the timed part
+        keyring = ring
+    app = tether.App(store=f"sqlite:///{folder / mode}.db", encryption=keyring)
+
+    @app.activity
+    async def noop(x: int) -> int:
+        return x
+
+    @app.workflow
+    async def sequential(steps: int, base: int) -> int:
+        total = 0
+        for i in range(steps):
+            total += await noop(base + i)
+        return total
+
+    return app, sequential
+
+
+async def _alternating(folder: Path, turns: int, runs_n: int, steps_n: int) -> dict[str, Any]:
+    """sealed | plain and known-tenants | tenants in this one process, each mode an App of
+    its own, kept open: every turn runs a short W1 on each of a pair, the order swapped
+    each turn, so the two runs of a turn are a fraction of a second apart and the VM's
+    drift, which moves a run by tens of percent within seconds, touches both alike."""
+    sys.path.insert(0, str(HERE))
+    import run as bench_run
+
+    modes = ("plain", "sealed", "tenants", "known-tenants")
+    apps = {m: _alternating_app(folder, m) for m in modes}
+    rates: dict[str, list[float]] = {m: [] for m in modes}
+    try:
+        for turn in range(turns):
+            for pair in (("plain", "sealed"), ("tenants", "known-tenants")):
+                for mode in pair if turn % 2 == 0 else pair[::-1]:
+                    app, sequential = apps[mode]
+                    tenants = mode != "plain" and mode != "sealed"
+                    async with app.worker(**bench_run.WORKER_OPTIONS):
+                        t0 = time.perf_counter()
+                        runs = await asyncio.gather(
+                            *(
+                                app.start(
+                                    sequential,
+                                    steps_n,
+                                    i,
+                                    run_id=f"w1-{turn}-{i}",
+                                    tenant=f"tenant-{i % 10}" if tenants else None,
+                                )
+                                for i in range(runs_n)
+                            )
+                        )
+                        got = await asyncio.gather(*(r.result(timeout=600) for r in runs))
+                        rates[mode].append(runs_n * steps_n / (time.perf_counter() - t0))
+                    if got != [bench_run._expected(steps_n, i) for i in range(runs_n)]:
+                        raise RuntimeError(f"{mode}: wrong results")
+        for mode in ("sealed", "known-tenants"):  # sealed indeed: no plaintext input
+            app = apps[mode][0]
+            row = await app.store._do(
+                lambda tx: tx.execute("SELECT input FROM runs LIMIT 1").fetchone(), write=False
+            )
+            if not str(row[0]).startswith("~e1:"):
+                raise RuntimeError(f"{mode}: a run's input is not sealed: {row[0]!r}")
+    finally:
+        for app, _ in apps.values():
+            await app.close()
+    return rates
+
+
+def _report_alternating(rates: dict[str, Any], runs_n: int, steps_n: int) -> None:
+    turns = len(rates["plain"])
+    print(f"\nW1 {runs_n} runs x {steps_n} steps a turn, {turns} turns, one process:")
+    for mode, values in rates.items():
+        print(f"  {mode:<14} median {statistics.median(values):8,.0f} steps/s")
+    print("each turn's ratio of the pair's two runs (median, quartiles, range):")
+    for mode, base in (("sealed", "plain"), ("known-tenants", "tenants")):
+        ratios = sorted(a / b for a, b in zip(rates[mode], rates[base], strict=True))
+        q1, _, q3 = statistics.quantiles(ratios, n=4)
+        print(
+            f"  {mode + ' / ' + base:26} {statistics.median(ratios):.3f}   "
+            f"({q1:.3f}..{q3:.3f}; {ratios[0]:.2f}..{ratios[-1]:.2f})   target >= 0.90"
+        )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="50 runs instead of 500")
     parser.add_argument("--repeat", type=int, default=3, help="rounds of the modes")
+    parser.add_argument(
+        "--alternate",
+        type=int,
+        metavar="TURNS",
+        help="instead: the pairs in one process, TURNS short turns each (100 runs a turn)",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     runs_n, steps_n = (50 if args.quick else 500), 10
@@ -128,6 +234,13 @@ def main() -> int:
         return 0
     for name in ("TETHER_ENCRYPTION_KEYS", "TETHER_KEYRING"):
         os.environ.pop(name, None)  # the children set their own
+    if args.alternate is not None:
+        if args.alternate < 2:
+            parser.error("--alternate needs 2 turns or more (a ratio's quartiles)")
+        with tempfile.TemporaryDirectory() as d:
+            rates = asyncio.run(_alternating(Path(d), args.alternate, 100, steps_n))
+        _report_alternating(rates, 100, steps_n)
+        return 0
     sys.path.insert(0, str(HERE))
     import rounds
 

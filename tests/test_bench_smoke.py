@@ -74,3 +74,16 @@ def test_observability_bench_quick_mode_runs_every_mode() -> None:
     # the sdk mode traced every attempt (600), and the runs and their first tasks too
     sdk = re.search(r"\nround \d+ sdk +.* spans=(\d+)", proc.stdout)
     assert sdk is not None and int(sdk.group(1)) >= 600, proc.stdout
+
+
+@pytest.mark.slow
+def test_encryption_bench_alternating_mode_runs_its_pairs() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "encryption.py"), "--alternate", "2"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for pair in ("sealed / plain", "known-tenants / tenants"):
+        assert pair in proc.stdout, proc.stdout
