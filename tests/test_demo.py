@@ -209,7 +209,10 @@ def test_a_model_without_its_api_key_is_said_up_front(tmp_path: Path) -> None:
 
 def test_runs_that_fail_show_their_status_and_why(tmp_path: Path) -> None:
     """A --base-url nothing listens on: every run fails; the table says so and the
-    distinct errors are printed once each under it (not ``-`` and ``pid None``)."""
+    distinct errors are printed once each under it (not ``-`` and ``pid None``).
+
+    Under load the demo's crash can land on a step's last allowed attempt: that run
+    ends on a second error (the lost attempt), itself said once."""
     store = tmp_path / "demo.db"
     url = f"http://127.0.0.1:{_dead_port()}/v1"
     out = subprocess.run(
@@ -223,7 +226,20 @@ def test_runs_that_fail_show_their_status_and_why(tmp_path: Path) -> None:
     assert len(rows) == 10 and all(row[2] == "failed" for row in rows), text[-3000:]
     errors = text.split("runs failed", 1)[1].split("FAIL", 1)[0]
     assert "10 runs failed" in text and "ActivityError" in errors, text[-3000:]
-    assert errors.count("ActivityError") == 1, errors  # the same error, said once
+    # each distinct error once, with how many runs it ended ("(9: inv-0001, ...)"); the
+    # lines may wrap, so read them with the whitespace made single
+    said = re.findall(r"(\w+Error: .*?) \((\d+): [^)]*\)", " ".join(errors.split()))
+    lines = [line for line, _ in said]
+    assert len(lines) == len(set(lines)) and sum(int(n) for _, n in said) == 10, errors
+    assert all(line.startswith("ActivityError: activity 'tether.ai.call' ") for line in lines)
+    refused = [line for line in lines if "ModelConnectionError" in line]
+    assert len(refused) == 1, errors  # the same error, said once
+    # the one other error there may be: the worker was killed (the demo's crash) while a
+    # run's last allowed attempt was in flight; that attempt was lost, and the run ended
+    # on the retry past its budget (a loaded machine makes the crash land there)
+    lost = [line for line in lines if line not in refused]
+    assert all("earlier attempts were lost" in line for line in lost), errors
+    assert not lost or "CRASH: killed the worker" in text, text[-3000:]
     assert "pid None" not in text
     assert "tether get doc-" in errors  # where to read one in full
 

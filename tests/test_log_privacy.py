@@ -505,3 +505,23 @@ async def test_a_step_called_with_other_arguments_is_a_divergence_logged_whole(
     assert error is not None and engine_made(error), error
     for app in (old, new):
         await app.close()
+
+
+async def test_a_run_needing_intervention_logs_an_engine_error_whole(
+    app: tether.App, records: list[logging.LogRecord]
+) -> None:
+    """With no on_alert hook, "run ... needs intervention" is logged with the run's error:
+    whole when the engine made it (names and ids only; it was ``<N characters
+    redacted>``), redacted when it is the user's (here quoting a canary)."""
+    from tether._redact import made_by_engine
+    from tether.encryption import KeyUnavailableError
+
+    mine = made_by_engine(KeyUnavailableError("k1", "no such key in run 'r1', event 3"))
+    theirs = KeyUnavailableError("k1", f"vault said {CANARY}")
+    for run_id, exc in (("r-engine", mine), ("r-user", theirs)):
+        await app._alert(run_id, {"type": type(exc).__name__, "message": str(exc)})
+    lines = [r.getMessage() for r in records if "needs intervention" in r.getMessage()]
+    assert len(lines) == 2, lines
+    assert lines[0] == f"run 'r-engine' needs intervention: KeyUnavailableError: {mine}"
+    assert CANARY not in _text(records)
+    assert lines[1].startswith("run 'r-user' needs intervention: KeyUnavailableError: <")

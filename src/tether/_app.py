@@ -79,7 +79,7 @@ from ._history import (
 from ._paging import check_cursor, check_limit, check_offset, check_time
 from ._policy import DEFAULT_RETRY, Retry, seconds
 from ._queues import Dependency, QueueLimits, QueueStats, check_name
-from ._redact import redact
+from ._redact import redact_error
 from ._schedules import ScheduleInfo, check_schedule_id, make_spec
 from ._serde import convert, decode_raw, encode, json_equal
 from ._telemetry import count
@@ -2546,11 +2546,13 @@ class App:
     ) -> None:
         if hook is None:
             if run:
+                kind, message = details.get("type"), str(details.get("message") or "")
+                # an error the engine made (names and ids only) whole; a user's redacted
                 log.error(
                     "run %r needs intervention: %s: %s",
                     subject,
-                    details.get("type"),
-                    redact(str(details.get("message") or "")),
+                    kind,
+                    redact_error(str(kind), message),
                 )
             else:  # the watcher's own words: names and figures, no payload
                 log.warning("alert %s on %s: %s", details["alert"], subject, details["message"])
