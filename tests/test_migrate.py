@@ -178,21 +178,25 @@ def test_migrate_any_to_any_sqlite_to_sqlite(tmp_path: Path) -> None:
     asyncio.run(go())
 
 
-def _store_tables(app: tether.App) -> set[str]:
-    """Every table of a store (its own schema's, on PostgreSQL)."""
+def _store_tables(app: tether.App, column: str | None = None) -> set[str]:
+    """Every table of a store (its own schema's, on PostgreSQL); with ``column``: those
+    that have that column."""
     store: Any = app.store
     if hasattr(store, "path"):
         con = sqlite3.connect(store.path)
         rows = con.execute(
-            "SELECT name FROM sqlite_master WHERE type = 'table' AND name <> 'sqlite_sequence'"
+            "SELECT name FROM sqlite_master m WHERE type = 'table' AND name <> 'sqlite_sequence'"
+            " AND (? IS NULL OR EXISTS (SELECT 1 FROM pragma_table_info(m.name) WHERE name = ?))",
+            (column, column),
         ).fetchall()
         con.close()
     else:
         url, _, query = app.store_url.partition("?schema=")  # type: ignore[attr-defined]
         with psycopg.connect(url) as con:
             rows = con.execute(
-                "SELECT table_name FROM information_schema.tables WHERE table_schema = %s",
-                (query,),
+                "SELECT DISTINCT table_name FROM information_schema.columns "
+                "WHERE table_schema = %s AND (%s::text IS NULL OR column_name = %s)",
+                (query, column, column),
             ).fetchall()
     return {r[0] for r in rows}
 
@@ -210,6 +214,26 @@ async def test_every_table_of_a_store_is_copied_or_derived(store_url: str) -> No
     assert "runs" in tables and "approvals" in tables
     assert tables - copied_tables() - set(NOT_COPIED) == set()
     assert copied_tables() & set(NOT_COPIED) == set()
+
+
+async def test_every_table_is_in_exactly_one_of_migrates_lists(store_url: str) -> None:
+    """Each table of a store is named once, in one of ``migrate``'s lists; its run
+    tables are the run's row and retention's ``RUN_TABLES``, and they are every table
+    with a ``run_id`` but two that name runs gone or to come (``purged_runs``,
+    ``debounces``). So a run's table cannot be forgotten by retention or migrate."""
+    from tether.store.migrate import _LOG_TABLES, _RUN_TABLES, _SHARED_TABLES, NOT_COPIED
+    from tether.store.ops.retention import RUN_TABLES
+
+    app = tether.App(store=store_url)
+    app.store_url = store_url  # type: ignore[attr-defined]
+    await app.list()  # opened: the schema exists
+    tables, with_run_id = _store_tables(app), _store_tables(app, "run_id")
+    await app.close()
+    named = [*_RUN_TABLES, *_SHARED_TABLES, *_LOG_TABLES, *NOT_COPIED]
+    assert len(named) == len(set(named))  # none in two lists (nor twice in one)
+    assert tables <= set(named)  # (NOT_COPIED names PostgreSQL's tether_meta too)
+    assert ("runs", *RUN_TABLES) == _RUN_TABLES  # (derived: one list to keep)
+    assert with_run_id - {"purged_runs", "debounces"} == set(_RUN_TABLES)
 
 
 def _fill(app: tether.App) -> None:

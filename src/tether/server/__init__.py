@@ -52,7 +52,7 @@ from ..alerts import AlertWatcher
 from ..metrics import Metrics
 from ..webhooks import _delivery_id
 from . import _problems
-from ._auth import AuthError, Principal, actor_of
+from ._auth import AuthError, Principal, actor_of, visible_run
 from ._interact import install_interactions
 from ._limits import BodyLimit, RateLimiter, authenticate_limited
 from ._models import (
@@ -284,16 +284,7 @@ def create_api(
 
     async def visible(request: Request, run_id: str, *, follow: bool = True) -> RunInfo:
         """The run, if the caller may see it (a tenant's key: only that tenant's runs)."""
-        principal: Principal | None = request.state.principal
-        try:
-            info = await app._peek(run_id, follow=follow)
-        except RunPurgedError:
-            if principal is not None and principal.tenant is not None:
-                raise RunNotFoundError(run_id) from None  # whose it was is not theirs to know
-            raise
-        if principal is not None and not principal.sees(info.tenant):
-            raise RunNotFoundError(run_id)  # another tenant's run does not exist for it
-        return info
+        return await visible_run(app, request.state.principal, run_id, follow=follow)
 
     metrics = Metrics(app, running) if importlib.util.find_spec("prometheus_client") else None
     # read when the API is built, so a bad value is one line before the server starts

@@ -24,8 +24,14 @@ import hashlib
 import hmac
 import secrets
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from .._errors import RunNotFoundError, RunPurgedError
 from ..store.base import Store
+
+if TYPE_CHECKING:
+    from .._app import App
+    from .._history import RunInfo
 
 ROLES = ("monitor", "read", "operate", "admin")
 #: the role keys created before roles were split were called (it operates)
@@ -79,6 +85,22 @@ class Principal:
 def actor_of(principal: Principal | None, where: str) -> str:
     """How the audit log names who acted: the key, or where (auth off)."""
     return f"key {principal.key_id}" if principal is not None else f"{where} (no auth)"
+
+
+async def visible_run(
+    app: App, principal: Principal | None, run_id: str, *, follow: bool = True
+) -> RunInfo:
+    """The run, if ``principal`` may see it (for the API and the console alike): to a
+    tenant's key another tenant's run, and any purged run, is not found at all."""
+    try:
+        info = await app._peek(run_id, follow=follow)
+    except RunPurgedError:
+        if principal is not None and principal.tenant is not None:
+            raise RunNotFoundError(run_id) from None  # whose it was is not theirs to know
+        raise
+    if principal is not None and not principal.sees(info.tenant):
+        raise RunNotFoundError(run_id)  # another tenant's run does not exist for it
+    return info
 
 
 def _hash(secret: str) -> str:

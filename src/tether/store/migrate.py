@@ -32,21 +32,14 @@ from ._open import open_store
 from .base import Store
 from .ops import OpsStore
 from .ops._tx import _Tx
+from .ops.retention import RUN_TABLES
 
 if TYPE_CHECKING:
     from .._app import App
 
-#: tables copied per run, in order (every one has a ``run_id`` column)
-_RUN_TABLES = (
-    "runs",
-    "events",
-    "tasks",
-    "dead_letters",
-    "approvals",
-    "webhook_outbox",
-    "signal_ids",
-    "ai_holds",  # what a batch's submit step holds in the day's spend (ai_spend)
-)
+#: tables copied per run, in order (every one has a ``run_id`` column): the run's row
+#: first, then those retention removes with it
+_RUN_TABLES = ("runs", *RUN_TABLES)
 #: run tables a source read as it is (an older SQLite file, never upgraded) may predate,
 #: with the version that added them: such a store had none of their rows to copy
 _ADDED_SINCE = {"ai_holds": 16}
@@ -364,11 +357,13 @@ async def migrate(
                     rows = [_released(r, owner_at, avail_at, now) for r in rows]
                 plan.append((table, cols[table], rows))
             await dst._do(_insert, tuple(plan), ids)
-            report.events += len(plan[1][2])
-            report.tasks += len(plan[2][2])
-            report.dead_letters += len(plan[3][2])
-            for table, _cols, rows in plan[4:]:
-                report.shared[table] = report.shared.get(table, 0) + len(rows)
+            copied = {table: len(rows) for table, _cols, rows in plan}  # (by name, not place)
+            del copied["runs"]
+            report.events += copied.pop("events")
+            report.tasks += copied.pop("tasks")
+            report.dead_letters += copied.pop("dead_letters")
+            for table, n in copied.items():
+                report.shared[table] = report.shared.get(table, 0) + n
             note(f"copied {min(i + batch, len(runs))}/{len(runs)} runs")
         report.runs = len(runs)
         report.in_flight = sum(1 for _, s in runs if not RunStatus(s).is_terminal)

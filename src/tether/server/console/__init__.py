@@ -35,7 +35,7 @@ from ..._history import INT64_MAX, OUTCOMES, DeadLetter, Event, EventType, RunIn
 from ...blobs import BlobError
 from ...store.ops.recovery import _retried_failure
 from ...store.ops.switches import SWITCH_KINDS
-from .._auth import AuthError, Principal, actor_of
+from .._auth import AuthError, Principal, actor_of, visible_run
 from .._limits import RateLimiter, authenticate_limited
 from .._models import path_quote, run_view
 from .._stream import EventHub
@@ -98,15 +98,7 @@ def install_console(
     async def visible(principal: Principal | None, run_id: str) -> RunInfo:
         """The run, if the caller may see it: another tenant's, purged or not, is not
         there at all for a tenant's key (as in the API)."""
-        try:
-            info = await app._peek(run_id, follow=False)
-        except RunPurgedError:
-            if principal is not None and principal.tenant is not None:
-                raise RunNotFoundError(run_id) from None  # whose it was is not theirs to know
-            raise
-        if principal is not None and not principal.sees(info.tenant):
-            raise RunNotFoundError(run_id)
-        return info
+        return await visible_run(app, principal, run_id, follow=False)
 
     async def form(request: Request) -> dict[str, str]:
         """An urlencoded form (no multipart parser needed), CSRF checked."""

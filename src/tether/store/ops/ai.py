@@ -183,16 +183,12 @@ def _hold_spend(
         is None
     ):
         raise RunNotFoundError(run_id)
-    row = tx.execute(
-        f"SELECT scopes, day, tokens, cost FROM ai_holds WHERE run_id = ? AND step = ?"
-        f"{tx.for_update}",
-        (run_id, step),
-    ).fetchone()
-    if row is not None:
+    hold = _locked_hold(tx, run_id, step)
+    if hold is not None:
         tx.execute(
             "UPDATE ai_holds SET holder = ? WHERE run_id = ? AND step = ?", (holder, run_id, step)
         )
-        return _hold_of(row), None
+        return hold, None
     if not scopes:
         return None, None
     if how == "check":
@@ -222,14 +218,10 @@ def _release_hold(tx: _Tx, run_id: str, step: int, holder: str, task: Task | Non
     that took the hold over renamed it)."""
     if task is not None:
         _check_fence(tx, task, gone_ok=True)
-    row = tx.execute(
-        f"SELECT scopes, day, tokens, cost FROM ai_holds WHERE run_id = ? AND step = ? "
-        f"AND holder = ?{tx.for_update}",
-        (run_id, step, holder),
-    ).fetchone()
-    if row is None:
+    hold = _locked_hold(tx, run_id, step, holder)
+    if hold is None:
         return False
-    _drop_hold(tx, run_id, step, _hold_of(row))
+    _drop_hold(tx, run_id, step, hold)
     return True
 
 
@@ -238,20 +230,23 @@ def _settle_holds(tx: _Tx, run_id: str, steps: list[int]) -> None:
     workflow commit that adds what their batches used), their records removed; a step
     whose hold is gone (given back already) gives back nothing. The hold rows are locked
     first, in step order, then the spend rows, as a hold or a give-back locks them."""
-    held = []
-    for step in sorted(set(steps)):
-        row = tx.execute(
-            f"SELECT scopes, day, tokens, cost FROM ai_holds WHERE run_id = ? AND step = ?"
-            f"{tx.for_update}",
-            (run_id, step),
-        ).fetchone()
-        if row is not None:
-            held.append((step, _hold_of(row)))
+    held = [(step, _locked_hold(tx, run_id, step)) for step in sorted(set(steps))]
     for step, hold in held:
-        _drop_hold(tx, run_id, step, hold)
+        if hold is not None:
+            _drop_hold(tx, run_id, step, hold)
 
 
-def _hold_of(row: Any) -> Hold:
+def _locked_hold(tx: _Tx, run_id: str, step: int, holder: str | None = None) -> Hold | None:
+    """The hold of the submit step (``run_id``, ``step``), its row locked (PostgreSQL)
+    for the caller to take over or remove; with ``holder``: only if that attempt holds it."""
+    mine = " AND holder = ?" if holder is not None else ""
+    row = tx.execute(
+        f"SELECT scopes, day, tokens, cost FROM ai_holds WHERE run_id = ? AND step = ?{mine}"
+        f"{tx.for_update}",
+        (run_id, step) if holder is None else (run_id, step, holder),
+    ).fetchone()
+    if row is None:
+        return None
     return list(json.loads(row[0])), str(row[1]), int(row[2]), str(row[3])
 
 

@@ -18,7 +18,8 @@ from ..._history import RunStatus
 from .._counters import COUNT_TABLES
 from ._tx import _Tx
 
-#: tables whose rows belong to one run (by ``run_id``)
+#: tables whose rows belong to one run (by ``run_id``): removed with it, and copied
+#: after its row by ``tether store migrate`` (a table added here is copied too)
 RUN_TABLES = (
     "events",
     "tasks",
@@ -26,7 +27,7 @@ RUN_TABLES = (
     "approvals",
     "webhook_outbox",
     "signal_ids",
-    "ai_holds",
+    "ai_holds",  # what a batch's submit step holds in the day's spend (ai_spend)
 )
 #: statuses a run can be purged in (it has ended); a run that continued as new goes with
 #: its chain, when the chain's last run is purged (a live chain's runs all stay: lookups
