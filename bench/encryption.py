@@ -23,10 +23,11 @@ those paired ratios is the figure; the ratio of the modes' medians is printed to
     .venv/bin/python bench/encryption.py --alternate TURNS
 
 ``--alternate``: sealed | plain and known-tenants | tenants in one process instead, each
-mode an App of its own (its keyring given to the App), taking turns of 100 runs x 10
-steps, the order swapped each turn: the two runs of a turn are a fraction of a second
-apart, where the default's are seconds apart, and the median of many turns' ratios is
-the figure. (``per-tenant``, keys made in the timed part, is left to the default.)
+mode an App of its own (its keyring given to the App), taking turns of W1 (300 runs x
+10 steps, ``--turn-runs``), the order swapped each turn: the two runs of a turn are
+under a second apart, where the default's are seconds apart, and the median of many
+turns' ratios is the figure (turns of 100 runs spread twice as wide: a turn's start and
+end weigh more). (``per-tenant``, keys made in the timed part, is left to the default.)
 """
 
 from __future__ import annotations
@@ -224,7 +225,10 @@ def main() -> int:
         "--alternate",
         type=int,
         metavar="TURNS",
-        help="instead: the pairs in one process, TURNS short turns each (100 runs a turn)",
+        help="instead: the pairs in one process, taking TURNS short turns each",
+    )
+    parser.add_argument(
+        "--turn-runs", type=int, default=300, help="with --alternate: W1 runs a turn"
     )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -238,8 +242,8 @@ def main() -> int:
         if args.alternate < 2:
             parser.error("--alternate needs 2 turns or more (a ratio's quartiles)")
         with tempfile.TemporaryDirectory() as d:
-            rates = asyncio.run(_alternating(Path(d), args.alternate, 100, steps_n))
-        _report_alternating(rates, 100, steps_n)
+            rates = asyncio.run(_alternating(Path(d), args.alternate, args.turn_runs, steps_n))
+        _report_alternating(rates, args.turn_runs, steps_n)
         return 0
     sys.path.insert(0, str(HERE))
     import rounds

@@ -76,10 +76,13 @@ def test_observability_bench_quick_mode_runs_every_mode() -> None:
     assert sdk is not None and int(sdk.group(1)) >= 600, proc.stdout
 
 
+ALTERNATE = ("--alternate", "2", "--turn-runs", "50")
+
+
 @pytest.mark.slow
 def test_encryption_bench_alternating_mode_runs_its_pairs() -> None:
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "encryption.py"), "--alternate", "2"],
+        [sys.executable, str(ROOT / "bench" / "encryption.py"), *ALTERNATE],
         capture_output=True,
         text=True,
         timeout=180,
