@@ -61,19 +61,7 @@ async def _w1(
         async with app.worker(**bench_run.WORKER_OPTIONS):
             t0 = time.perf_counter()
             cpu0 = time.process_time()
-            runs = await asyncio.gather(
-                *(
-                    app.start(
-                        sequential,
-                        steps_n,
-                        i,
-                        run_id=f"w1-{i}",
-                        tenant=f"tenant-{i % 10}" if tenants else None,
-                    )
-                    for i in range(runs_n)
-                )
-            )
-            results = await asyncio.gather(*(r.result(timeout=600) for r in runs))
+            results = await _run_w1(app, sequential, runs_n, steps_n, "w1", tenants)
             wall = time.perf_counter() - t0
             cpu = time.process_time() - cpu0
         query = (
@@ -98,6 +86,25 @@ async def _w1(
         "cpu_us_per_step": 1e6 * cpu / steps,
         "sealed_events": sealed,
     }
+
+
+async def _run_w1(
+    app: Any, sequential: Any, runs_n: int, steps_n: int, prefix: str, tenants: bool
+) -> list[int]:
+    """Start W1's runs (spread over ten tenants if ``tenants``) and wait for their results."""
+    runs = await asyncio.gather(
+        *(
+            app.start(
+                sequential,
+                steps_n,
+                i,
+                run_id=f"{prefix}-{i}",
+                tenant=f"tenant-{i % 10}" if tenants else None,
+            )
+            for i in range(runs_n)
+        )
+    )
+    return list(await asyncio.gather(*(r.result(timeout=600) for r in runs)))
 
 
 def setup(mode: str, folder: Path) -> None:
@@ -127,7 +134,6 @@ def _child(mode: str, runs_n: int, steps_n: int) -> None:
 def _alternating_app(folder: Path, mode: str) -> tuple[Any, Any]:
     """W1's app (``bench/run.py``) on its own file, ``mode``'s keyring given to the App
     itself, so modes with different keyrings live in one process."""
-    import tether
     from tether.encryption import FileKeyring, Keyring, StaticKeyring, new_key
 
     keyring: Keyring | None = None
@@ -138,20 +144,10 @@ def _alternating_app(folder: Path, mode: str) -> tuple[Any, Any]:
         for i in range(10):
             ring.current(f"tenant-{i}")  # made now, outside the timed part
         keyring = ring
-    app = tether.App(store=f"sqlite:///{folder / mode}.db", encryption=keyring)
+    sys.path.insert(0, str(HERE))
+    import run as bench_run
 
-    @app.activity
-    async def noop(x: int) -> int:
-        return x
-
-    @app.workflow
-    async def sequential(steps: int, base: int) -> int:
-        total = 0
-        for i in range(steps):
-            total += await noop(base + i)
-        return total
-
-    return app, sequential
+    return bench_run._make_app(folder / f"{mode}.db", encryption=keyring)
 
 
 async def _alternating(folder: Path, turns: int, runs_n: int, steps_n: int) -> dict[str, Any]:
@@ -173,19 +169,7 @@ async def _alternating(folder: Path, turns: int, runs_n: int, steps_n: int) -> d
                     tenants = mode != "plain" and mode != "sealed"
                     async with app.worker(**bench_run.WORKER_OPTIONS):
                         t0 = time.perf_counter()
-                        runs = await asyncio.gather(
-                            *(
-                                app.start(
-                                    sequential,
-                                    steps_n,
-                                    i,
-                                    run_id=f"w1-{turn}-{i}",
-                                    tenant=f"tenant-{i % 10}" if tenants else None,
-                                )
-                                for i in range(runs_n)
-                            )
-                        )
-                        got = await asyncio.gather(*(r.result(timeout=600) for r in runs))
+                        got = await _run_w1(app, sequential, runs_n, steps_n, f"w1-{turn}", tenants)
                         rates[mode].append(runs_n * steps_n / (time.perf_counter() - t0))
                     if got != [bench_run._expected(steps_n, i) for i in range(runs_n)]:
                         raise RuntimeError(f"{mode}: wrong results")
@@ -210,7 +194,7 @@ def _report_alternating(rates: dict[str, Any], runs_n: int, steps_n: int) -> Non
     print("each turn's ratio of the pair's two runs (median, quartiles, range):")
     for mode, base in (("sealed", "plain"), ("known-tenants", "tenants")):
         ratios = sorted(a / b for a, b in zip(rates[mode], rates[base], strict=True))
-        q1, _, q3 = statistics.quantiles(ratios, n=4)
+        q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
         print(
             f"  {mode + ' / ' + base:26} {statistics.median(ratios):.3f}   "
             f"({q1:.3f}..{q3:.3f}; {ratios[0]:.2f}..{ratios[-1]:.2f})   target >= 0.90"

@@ -115,9 +115,12 @@ def _percentile(values: Sequence[float], pct: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (rank - lo)
 
 
-def _make_app(db: Path) -> tuple[tether.App, tether.Workflow[[int, int], int]]:
-    """An App on a fresh SQLite file with the benchmark's activity and workflow."""
-    app = tether.App(store=f"sqlite:///{db}")
+def _make_app(
+    db: Path, encryption: Any = None
+) -> tuple[tether.App, tether.Workflow[[int, int], int]]:
+    """An App on a fresh SQLite file with the benchmark's activity and workflow
+    (``encryption``: a keyring of its own, as ``bench/encryption.py --alternate`` gives)."""
+    app = tether.App(store=f"sqlite:///{db}", encryption=encryption)
 
     @app.activity
     async def noop(x: int) -> int:
