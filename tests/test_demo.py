@@ -238,7 +238,7 @@ def test_runs_that_fail_show_their_status_and_why(tmp_path: Path) -> None:
     # run's last allowed attempt was in flight; that attempt was lost, and the run ended
     # on the retry past its budget (a loaded machine makes the crash land there)
     lost = [line for line in lines if line not in refused]
-    assert all("earlier attempts were lost" in line for line in lost), errors
+    assert len(lost) <= 1 and all("earlier attempts were lost" in ln for ln in lost), errors
     assert not lost or "CRASH: killed the worker" in text, text[-3000:]
     assert "pid None" not in text
     assert "tether get doc-" in errors  # where to read one in full

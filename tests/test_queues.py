@@ -175,11 +175,11 @@ async def test_rate_limit_holds_across_three_worker_processes(
     pids = {pid for _, pid, _, _ in execs}
     # the steady rate, after the initial burst has been spent
     steady = [s for s in starts if s > t0 + 1.0]
-    # a bucket that is full discards what it refills: tokens the limiter offered and no
-    # process took (a loaded machine starts fewer than 20/s). Each gap between samples
-    # with a full bucket at either end counts as all spilled (generous to the machine)
+    # a bucket seen full (tokens untaken) says a loaded machine started fewer than the
+    # limiter offered: printed, so a failure of the lower bound says whether the machine
+    # was starved. Not forgiven: a claim that refused tokens would fill the bucket too
     full = [(t, tokens >= queue_app.BURST - 1e-6) for t, _, tokens in samples if t <= t0 + window]
-    spilled = sum(b - a for (a, fa), (b, fb) in itertools.pairwise(full) if fa or fb)
+    spilled = sum(b - a for (a, fa), (b, fb) in itertools.pairwise(full) if fa and fb)
     print(
         f"{len(starts)} starts in {window}s (expected {expected:.0f} + burst "
         f"{queue_app.BURST:.0f}); {len(steady) / (window - 1.0):.1f}/s after the first "
@@ -188,9 +188,8 @@ async def test_rate_limit_holds_across_three_worker_processes(
     # the claim: never more than the rate and the burst, whichever process starts them
     assert len(starts) <= expected + queue_app.BURST + 2
     assert len(steady) <= queue_app.RATE * (window - 1.0) + 2
-    # nor fewer than the limiter offered: each token it made was taken unless it spilled
-    # from a full bucket, which a too-strict limiter (slow refill, lost tokens) never has
-    assert len(starts) >= expected - queue_app.BURST - queue_app.RATE * spilled
+    # nor fewer than it offers (a too-strict limiter: slow refill, lost tokens)
+    assert len(starts) >= expected - queue_app.BURST, f"bucket full {spilled:.1f}s"
     # the work outlasted the window: the limit bound it, not the backlog running dry
     assert samples[-1][1] > 0 and len(execs) < backlog
     assert len(pids) >= 2
