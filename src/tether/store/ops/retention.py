@@ -19,7 +19,8 @@ from .._counters import COUNT_TABLES
 from ._tx import _Tx
 
 #: tables whose rows belong to one run (by ``run_id``): removed with it, and copied
-#: after its row by ``tether store migrate`` (a table added here is copied too)
+#: after its row by ``tether store migrate``, in this order (a table added here is
+#: copied too)
 RUN_TABLES = (
     "events",
     "tasks",
