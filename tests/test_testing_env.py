@@ -142,3 +142,37 @@ async def test_env_advance_moves_time_explicitly(tmp_path: Path) -> None:
         await env.advance(3600)
         assert await run.result(timeout=30) == "woke"
     await app.close()
+
+
+async def test_env_advance_never_takes_work_from_its_own_live_worker(tmp_path: Path) -> None:
+    """Moving the clock an hour while an activity runs must not expire the lease of the
+    Env's own worker (alive, renewing as real time passes): the step runs once. Before,
+    the jump expired it, the worker claimed it again, and it ran twice (an approval's
+    'opened' notice was sent twice when a test advanced past a deadline too soon)."""
+    app = tether.App(store=f"sqlite:///{tmp_path / 'x.db'}")
+    started: list[int] = []
+    gate = asyncio.Event()
+
+    @app.activity
+    async def slow(x: int) -> int:
+        started.append(x)
+        await gate.wait()
+        return x
+
+    @app.workflow
+    async def one() -> int:
+        return await slow(1)
+
+    async with Env(app, skip_time=False) as env:
+        run = await app.start(one)
+
+        async def began() -> bool:
+            return bool(started)
+
+        await eventually(began, timeout=30, what="the activity's start")
+        await env.advance(3600)  # far past the worker's 30 s lease
+        await asyncio.sleep(0.5)  # the worker's claims would have taken it back by now
+        gate.set()
+        assert await run.result(timeout=30) == 1
+    assert started == [1]
+    await app.close()
