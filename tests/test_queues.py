@@ -510,6 +510,16 @@ async def test_reconfiguring_keeps_the_live_token_bucket(store_url: str) -> None
         await x.close()
 
 
+def insert_tasks(tx: _Tx, n: int) -> None:
+    """``n`` ready activity tasks on the queue ``rated`` (a backlog for claims to take)."""
+    for i in range(n):
+        tx.execute(
+            "INSERT INTO tasks (run_id, kind, step, queue, name, available_at, created_at) "
+            "VALUES (?, 'activity', 1, 'rated', 'tick', 0, 0)",
+            (f"r{i}",),
+        )
+
+
 async def test_a_claim_with_an_older_clock_cannot_mint_extra_tokens(store_url: str) -> None:
     """A claim whose ``now`` is older than the bucket's last refill (its host's clock
     lags, or it waited for the queue's row lock) must not move the refill time back:
@@ -518,14 +528,6 @@ async def test_a_claim_with_an_older_clock_cannot_mint_extra_tokens(store_url: s
     store = app.store
     clock = [1000.0]
     store.clock = lambda: clock[0]
-
-    def insert_tasks(tx: _Tx, n: int) -> None:
-        for i in range(n):
-            tx.execute(
-                "INSERT INTO tasks (run_id, kind, step, queue, name, available_at, created_at) "
-                "VALUES (?, 'activity', 1, 'rated', 'tick', 0, 0)",
-                (f"r{i}",),
-            )
 
     await store.configure_queue("rated", {"rate": 1.0, "burst": 10.0})
     await store._do(insert_tasks, 40)  # type: ignore[attr-defined]
@@ -558,14 +560,6 @@ async def test_token_bucket_arithmetic_on_a_fake_clock(store_url: str) -> None:
     t0 = 1000.0
     clock = [t0]
     store.clock = lambda: clock[0]
-
-    def insert_tasks(tx: _Tx, n: int) -> None:
-        for i in range(n):
-            tx.execute(
-                "INSERT INTO tasks (run_id, kind, step, queue, name, available_at, created_at) "
-                "VALUES (?, 'activity', 1, 'rated', 'tick', 0, 0)",
-                (f"r{i}",),
-            )
 
     await store.configure_queue("rated", {"rate": rate, "burst": burst})
     await store._do(insert_tasks, 300)  # type: ignore[attr-defined]  # N >> B, always ready
