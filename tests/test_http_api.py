@@ -26,18 +26,33 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+class PortTaken(AssertionError):
+    """``tether serve`` could not bind the port ``_free_port`` found free a moment before."""
+
+
 class Server:
     """A ``tether serve serve_app:app`` subprocess and a client for it."""
 
     def __init__(self, store: str, *args: str, env: dict[str, str] | None = None) -> None:
         self.store = store
-        self.port = _free_port()
         env = {
             **os.environ,
             **(env or {}),
             "PYTHONPATH": f"{HERE.parent / 'src'}{os.pathsep}{HERE}",
             "TETHER_TEST_STORE": store,
         }
+        for tries_left in (2, 1, 0):
+            try:
+                self._start(args, env)
+                return
+            except PortTaken:
+                # the free port was taken (e.g. as another test's ephemeral port) before
+                # the server bound it: another port
+                if not tries_left:
+                    raise
+
+    def _start(self, args: tuple[str, ...], env: dict[str, str]) -> None:
+        self.port = _free_port()
         self.proc = subprocess.Popen(
             [
                 sys.executable,
@@ -64,6 +79,11 @@ class Server:
             except httpx.TransportError:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     err = self.proc.stderr.read() if self.proc.stderr else ""
+                    if self.proc.poll() is not None and "address already in use" in err:
+                        self.http.close()
+                        if self.proc.stderr is not None:
+                            self.proc.stderr.close()
+                        raise PortTaken(err) from None
                     raise AssertionError(f"tether serve did not start:\n{err}") from None
                 time.sleep(0.1)
 
