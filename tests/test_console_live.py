@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 
-import test_http_api
 from test_console import CHROMIUM, _sign_in, _start, pytestmark  # noqa: F401 (skip mark)
 from test_http_api import Server, _create_key
 
@@ -42,16 +41,15 @@ def admin_served(tmp_path: Path) -> Iterator[tuple[Server, str]]:
     server.stop()
 
 
-def _restart(server: Server, monkeypatch: pytest.MonkeyPatch) -> Server:
+def _restart(server: Server) -> Server:
     """Kill ``server`` (SIGKILL: connections drop) and start it again on the same port."""
     server.proc.send_signal(signal.SIGKILL)
     server.stop()
-    monkeypatch.setattr(test_http_api, "_free_port", lambda: server.port)
-    return Server(server.store, "--workers", "1")
+    return Server(server.store, "--workers", "1", port=server.port)
 
 
 def test_a_run_page_says_it_is_not_live_and_follows_the_run_again_after_a_restart(
-    admin_served: tuple[Server, str], browser: Any, monkeypatch: pytest.MonkeyPatch
+    admin_served: tuple[Server, str], browser: Any
 ) -> None:
     server, admin = admin_served
     base = f"http://127.0.0.1:{server.port}"
@@ -61,7 +59,7 @@ def test_a_run_page_says_it_is_not_live_and_follows_the_run_again_after_a_restar
     with page.expect_response(lambda r: r.url.endswith("/events")):  # the page follows
         page.goto(f"{base}/runs/{run['id']}")
     assert page.locator("#live-state").is_hidden()
-    server = _restart(server, monkeypatch)
+    server = _restart(server)
     try:
         # while the server was away the page said so; it is live again once it is back
         # (the browser reconnects by itself, or the page makes a new stream)

@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,14 +27,27 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class PortTaken(AssertionError):
-    """``tether serve`` could not bind the port ``_free_port`` found free a moment before."""
+#: the line ``tether serve`` prints once its socket is bound
+_LISTENING = re.compile(r" on http://127\.0\.0\.1:(\d+) ")
 
 
 class Server:
-    """A ``tether serve serve_app:app`` subprocess and a client for it."""
+    """A ``tether serve serve_app:app`` subprocess and a client for it.
 
-    def __init__(self, store: str, *args: str, env: dict[str, str] | None = None) -> None:
+    It listens on a port the OS chooses as it binds (``--port 0``; the port is read
+    from the line ``tether serve`` prints once bound), so two test processes can never
+    race for one: a port found free here and passed down could be taken before the
+    server bound it, and a readiness probe could then reach another test's server.
+    ``port`` asks for one port (a restart on the port a page still follows).
+    """
+
+    def __init__(
+        self,
+        store: str,
+        *args: str,
+        env: dict[str, str] | None = None,
+        port: int = 0,
+    ) -> None:
         self.store = store
         env = {
             **os.environ,
@@ -41,18 +55,6 @@ class Server:
             "PYTHONPATH": f"{HERE.parent / 'src'}{os.pathsep}{HERE}",
             "TETHER_TEST_STORE": store,
         }
-        for tries_left in (2, 1, 0):
-            try:
-                self._start(args, env)
-                return
-            except PortTaken:
-                # the free port was taken (e.g. as another test's ephemeral port) before
-                # the server bound it: another port
-                if not tries_left:
-                    raise
-
-    def _start(self, args: tuple[str, ...], env: dict[str, str]) -> None:
-        self.port = _free_port()
         self.proc = subprocess.Popen(
             [
                 sys.executable,
@@ -61,7 +63,7 @@ class Server:
                 "serve",
                 "serve_app:app",
                 "--port",
-                str(self.port),
+                str(port),
                 *args,
             ],
             cwd=HERE,
@@ -70,6 +72,15 @@ class Server:
             stderr=subprocess.PIPE,
             text=True,
         )
+        # stderr is read as it comes (a full pipe would stall the server) and kept
+        self._err: list[str] = []
+        self._bound = threading.Event()
+        self.port = 0
+        self._reader = threading.Thread(target=self._read_stderr, daemon=True)
+        self._reader.start()
+        if not self._bound.wait(30) or not self.port:
+            self.stop()
+            raise AssertionError(f"tether serve did not start:\n{self.stderr}")
         self.http = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=30)
         deadline = time.monotonic() + 30
         while True:
@@ -78,17 +89,33 @@ class Server:
                 return
             except httpx.TransportError:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
-                    err = self.proc.stderr.read() if self.proc.stderr else ""
-                    if self.proc.poll() is not None and "address already in use" in err:
-                        self.http.close()
-                        if self.proc.stderr is not None:
-                            self.proc.stderr.close()
-                        raise PortTaken(err) from None
-                    raise AssertionError(f"tether serve did not start:\n{err}") from None
+                    self.stop()
+                    raise AssertionError(f"tether serve did not start:\n{self.stderr}") from None
                 time.sleep(0.1)
 
+    def _read_stderr(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self._err.append(line)
+            found = _LISTENING.search(line)
+            if found and not self._bound.is_set():
+                self.port = int(found.group(1))
+                self._bound.set()
+        self._bound.set()  # the server exited (before it bound, if no port was read)
+
+    @property
+    def stderr(self) -> str:
+        """What the server has written to stderr so far."""
+        return "".join(self._err)
+
+    def all_stderr(self) -> str:
+        """Everything the server wrote to stderr (call once it has exited)."""
+        self._reader.join(10)
+        return self.stderr
+
     def stop(self) -> int:
-        self.http.close()
+        if hasattr(self, "http"):
+            self.http.close()
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         try:
@@ -97,6 +124,7 @@ class Server:
             self.proc.kill()
             return self.proc.wait(10)
         finally:
+            self._reader.join(10)  # the pipe's end came with the exit
             if self.proc.stderr is not None:
                 self.proc.stderr.close()
 
@@ -1363,7 +1391,7 @@ def test_a_divergence_naming_a_model_answers_keys_is_withheld_from_a_monitor_key
     finally:
         server.proc.send_signal(signal.SIGTERM)
         server.proc.wait(30)
-        logged = server.proc.stderr.read() if server.proc.stderr else ""
+        logged = server.all_stderr()
         server.stop()
     assert "workflow task for run 'census-1' failed: NonDeterminismError: <" in logged, logged
     assert secret not in logged and "SSN" not in logged

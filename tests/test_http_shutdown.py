@@ -255,7 +255,7 @@ def test_tether_serve_exits_after_thread_grace_with_a_stuck_sync_activity(
         server.proc.send_signal(signal.SIGTERM)
         code = server.proc.wait(30)
         assert time.monotonic() - began < 20
-        err = server.proc.stderr.read() if server.proc.stderr else ""
+        err = server.all_stderr()
     finally:
         server.stop()
     assert code == 0, err
