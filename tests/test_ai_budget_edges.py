@@ -656,3 +656,83 @@ async def test_a_reservation_cancelled_while_the_store_writes_it_is_given_back(
         assert [b["spent_tokens"] for b in await gw.budgets()] == [0]
     finally:
         await app.close()  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("fails", ["spend", "cache"])
+async def test_a_paid_answer_outlives_a_failed_write_of_its_spend_or_its_cache_entry(
+    app: tether.App, monkeypatch: pytest.MonkeyPatch, fails: str
+) -> None:
+    """Once the model has answered, the step still writes the day's spend (the answer's
+    usage in place of its estimate) and the cache entry. A store error on either failed
+    the step, and its retry bought the same answer again. The answer is kept (one
+    request); a spend that could not be corrected keeps the call's estimate."""
+    import tether.store.ops as ops
+
+    name = "_add_spend" if fails == "spend" else "_cache_put"
+    failed: list[int] = []
+
+    def broken(tx: Any, *args: Any) -> Any:
+        failed.append(1)
+        raise tether.StoreError("disk I/O error (injected)")
+
+    monkeypatch.setattr(ops, name, broken)
+    calls: list[int] = []
+    gw = ai.Gateway(app, retry=tether.Retry(attempts=3, initial=0.05))
+    m = gw.model("m", FunctionModel(_answer(calls), model_name="llm"), cache_ttl=60)
+
+    @app.workflow
+    async def ask(text: str) -> str:
+        return await ai.complete(m, text, settings={"max_tokens": 1000})
+
+    await gw.set_budget(tokens=1_000_000)
+    async with app.worker(poll_interval=0.02):
+        out = await (await app.start(ask, "q")).result(timeout=30)
+    assert out == "ok" and failed
+    assert len(calls) == 1, "the answer was bought twice"
+    (spent,) = [b["spent_tokens"] for b in await gw.budgets()]
+    if fails == "spend":  # the estimate (about 1,010 tokens) stays in the day's spend
+        assert 0 < spent < 11_000, spent
+    else:
+        assert spent == 11_000, spent
+
+
+async def test_a_correction_cancelled_while_it_waits_for_the_store_still_lands(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An answered call whose step is cancelled (the run cancelled, a hedge lost, its
+    timeout) while the day's spend correction waits for a busy store: the answer was
+    paid for, so what it used replaces its estimate even so. The write was dropped with
+    the step, and the estimate (100 tokens here, not 11,000) stayed in the day's spend."""
+    import time
+
+    import tether.store.ops as ops
+
+    real = ops._cache_put
+
+    def slow(tx: Any, *args: Any) -> Any:
+        time.sleep(0.3)  # keeps the writer busy: the correction queues behind it
+        return real(tx, *args)
+
+    monkeypatch.setattr(ops, "_cache_put", slow)
+    app = tether.App(store=f"sqlite:///{tmp_path / 't.db'}")
+    gw = ai.Gateway(app)
+    m = gw.model("m", FunctionModel(_answer([]), model_name="llm"))
+    try:
+        await app.store.set_model_budget("global", 1_000_000, None)
+        scopes, reserved = await gw.reserve_daily(None, {"tokens": 100, "cost": None})
+        assert reserved["tokens"] == 100
+        busy = asyncio.ensure_future(app.store.ai_cache_put("other", "{}", 60))
+        await asyncio.sleep(0.05)  # the writer is in the slow operation
+        fix = asyncio.ensure_future(gw._correct_daily(m, scopes, reserved, 11_000, {"cost": None}))
+        await asyncio.sleep(0.05)  # the correction is queued behind it
+        fix.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await fix
+        await busy
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            if [b["spent_tokens"] for b in await gw.budgets()] == [11_000]:
+                break
+        assert [b["spent_tokens"] for b in await gw.budgets()] == [11_000]
+    finally:
+        await app.close()  # type: ignore[attr-defined]

@@ -786,14 +786,59 @@ class Gateway:
             call["pinned"] = pinned
         out = _CallResult({"response": dump_response(response), CALL_KEY: call})
         out.headers = cap.headers
-        held_tokens, held_cost = reserved.pop("tokens", 0), reserved.pop("cost", Decimal(0))
-        await self.add_daily_spend(
-            scopes, tokens_in + tokens_out - held_tokens, _budget_cost(call) - held_cost, reserved
-        )
+        # the answer is paid for: what is written about it from here on must not fail
+        # the step, whose retry would buy it again
+        if scopes:
+            await self._correct_daily(ref, scopes, reserved, tokens_in + tokens_out, call)
         reserved.clear()
         if cache_key is not None:
-            await self._step_store().ai_cache_put(cache_key, json.dumps(out), ref.cache_ttl or 0.0)
+            try:
+                await self._step_store().ai_cache_put(
+                    cache_key, json.dumps(out), ref.cache_ttl or 0.0
+                )
+            except Exception as exc:
+                log.warning(
+                    "model %r: its answer was not kept in the answer cache (%s: %s); the "
+                    "step goes on with it, a later identical call asks the model again",
+                    ref.name,
+                    type(exc).__name__,
+                    exc,
+                )
         return out
+
+    async def _correct_daily(
+        self,
+        ref: ModelRef,
+        scopes: tuple[str, ...],
+        reserved: dict[str, Any],
+        tokens: int,
+        call: dict[str, Any],
+    ) -> None:
+        """Put what an answered call used in place of the estimate it ``reserved`` in
+        today's spend of ``scopes``. It is written even when the step is cancelled
+        meanwhile; when the write fails the estimate stays there (said in the log) and
+        the step keeps its answer."""
+        held_tokens, held_cost = reserved.pop("tokens", 0), reserved.pop("cost", Decimal(0))
+        correcting = asyncio.ensure_future(
+            self.add_daily_spend(
+                scopes, tokens - held_tokens, _budget_cost(call) - held_cost, dict(reserved)
+            )
+        )
+        _SENDING.add(correcting)
+        correcting.add_done_callback(_SENDING.discard)
+        try:
+            await asyncio.shield(correcting)
+        except Exception as exc:
+            log.warning(
+                "model %r: today's spend of %s keeps this call's estimate (%s tokens) in "
+                "place of what it used (%s tokens): writing it failed (%s: %s)",
+                ref.name,
+                ", ".join(scopes),
+                held_tokens,
+                tokens,
+                type(exc).__name__,
+                exc,
+            )
 
     def _hedged_model(self, ref: ModelRef) -> bool:
         """Whether calls of ``ref`` may be a hedge's (its own hedge's, or another
