@@ -9,6 +9,10 @@
 * ``bare-paced``: the ``bare`` loop with the client busy ``PACE_MS`` between calls
   (not timed): the server idles between requests as it does in a recorded run, so its
   ``+p50`` over ``bare`` is what an idle server adds to a call, whoever makes it;
+* ``bare-durable``: the ``bare`` loop writing each answer (its JSON, as pydantic-ai
+  dumps it) to a SQLite file in its own committed transaction (WAL, ``synchronous=FULL``,
+  as tether's store) on the calling thread, inside the timed call: the floor of any
+  durable record of a model call on this disk, without an engine around it;
 * ``complete``: one workflow making N sequential ``tether.ai.complete`` steps;
 * ``structured``: the same with ``tether.ai.structured`` (output tool + validation);
 * a 100-turn conversation in one run, with message references (the default: each
@@ -56,7 +60,12 @@ import itertools
 
 from pydantic import BaseModel
 from pydantic_ai.direct import model_request
-from pydantic_ai.messages import ModelRequest, ToolCallPart, UserPromptPart
+from pydantic_ai.messages import (
+    ModelMessagesTypeAdapter,
+    ModelRequest,
+    ToolCallPart,
+    UserPromptPart,
+)
 from pydantic_ai.models import ModelRequestParameters
 from pydantic_ai.tools import ToolDefinition
 from run import FULL, _percentile, bench_limit, check
@@ -89,13 +98,24 @@ def _serve(conn: Any) -> None:
 
 
 async def bare(
-    base_url: str, calls: int, structured: bool = False, pace_ms: float = 0.0
+    base_url: str,
+    calls: int,
+    structured: bool = False,
+    pace_ms: float = 0.0,
+    durable: Path | None = None,
 ) -> list[float]:
     """Bare pydantic-ai calls; ``structured``: with the output tool a structured step
     sends, its arguments validated into ``Label`` (what ``structured`` is compared to);
     ``pace_ms``: this process stays busy that long between calls (timed apart), leaving
-    the server idle as a recorded step's own work does."""
+    the server idle as a recorded step's own work does; ``durable``: each answer is
+    committed to this SQLite file before the call counts as done."""
     model = ai.openai_compatible(MODEL, base_url=base_url, api_key="k")
+    db = None
+    if durable is not None:
+        db = sqlite3.connect(durable, isolation_level=None)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=FULL")
+        db.execute("CREATE TABLE IF NOT EXISTS answers (id INTEGER PRIMARY KEY, data BLOB)")
     msgs = [ModelRequest(parts=[UserPromptPart("classify: hello")])]
     params = ModelRequestParameters(
         output_mode="tool",
@@ -113,11 +133,16 @@ async def bare(
             assert isinstance(call, ToolCallPart)
             Label.model_validate(call.args_as_dict())
         else:
-            await model_request(model, msgs)
+            response = await model_request(model, msgs)
+            if db is not None:
+                data = ModelMessagesTypeAdapter.dump_json([response])
+                db.execute("INSERT INTO answers (data) VALUES (?)", (data,))
         done = time.perf_counter()
         out.append((done - t0) * 1000)
         while time.perf_counter() < done + pace_ms / 1000:
             pass  # busy, as a worker is with a step's own work: the server idles
+    if db is not None:
+        db.close()
     return out[1:]
 
 
@@ -372,16 +397,28 @@ async def measure(workdir: Path, calls: int, rounds: int) -> dict[str, Any]:
     proc.start()
     try:
         base_url = parent.recv()
-        modes = ("bare", "bare-structured", "bare-paced", "complete", "structured")
+        modes = (
+            "bare",
+            "bare-structured",
+            "bare-paced",
+            "bare-durable",
+            "complete",
+            "structured",
+        )
         out: dict[str, Any] = {m: {"rounds": []} for m in modes}
         for r in range(rounds):
             k = r % len(modes)
             for mode in modes[k:] + modes[:k]:
                 if mode.startswith("bare"):
                     pace = PACE_MS if mode == "bare-paced" else 0.0
+                    durable = workdir / f"durable-{r}.db" if mode == "bare-durable" else None
                     got: dict[str, Any] = {
                         "gaps": await bare(
-                            base_url, calls, structured=mode == "bare-structured", pace_ms=pace
+                            base_url,
+                            calls,
+                            structured=mode == "bare-structured",
+                            pace_ms=pace,
+                            durable=durable,
                         )
                     }
                 else:
@@ -415,7 +452,12 @@ def main() -> None:
         for mode in ("bare", "bare-structured")
     }
     #: each recorded mode against the bare call that does the same work
-    baseline = {"complete": "bare", "structured": "bare-structured", "bare-paced": "bare"}
+    baseline = {
+        "complete": "bare",
+        "structured": "bare-structured",
+        "bare-paced": "bare",
+        "bare-durable": "bare",
+    }
     print(f"LIMIT: {limit['commits_per_s']:,.0f} commits/s ({per_commit:.3f} ms/commit)")
     print(f"{args.rounds} interleaved rounds of {args.calls} calls; per round, the p50 of a")
     print("recorded mode minus the p50 of the same round's bare call doing the same work")
