@@ -4,6 +4,7 @@ the day (both stores; real HTTP through ``tether.testing.ModelServer``)."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 from decimal import Decimal
 from pathlib import Path
@@ -147,6 +148,52 @@ async def test_gateways_of_one_app_do_not_share_cached_answers(app: tether.App) 
     assert (a, b, again) == ("answer of model A", "answer of model B", "answer of model B")
     assert seen == {"A": 1, "B": 1}  # the third run was answered from us's own cache
     assert (await app.usage(rb.run_id)).cached_calls == 0
+
+
+def _slow_answers(asked: list[str], fail_first: bool = False) -> FunctionModel:
+    """A model taking 0.4 s an answer (its first fails, with ``fail_first``)."""
+
+    async def answer(messages: list[ModelMessage], info: AgentInfo) -> ModelResponse:
+        asked.append("x")
+        first = len(asked) == 1
+        await asyncio.sleep(0.4)
+        if fail_first and first:
+            raise RuntimeError("the first request fails")
+        return ModelResponse(
+            parts=[TextPart("ok")], usage=RequestUsage(input_tokens=100, output_tokens=10)
+        )
+
+    return FunctionModel(answer, model_name="llm")
+
+
+@pytest.mark.parametrize("leader_fails", [False, True])
+async def test_the_same_question_asked_at_once_is_sent_once(
+    app: tether.App, leader_fails: bool
+) -> None:
+    """Five runs ask a model with an answer cache the same question at the same moment:
+    each used to send it (the cache is filled only by an answer), five paid answers for
+    one. One request goes out; the others wait for its answer and take it as a cached
+    one (counted as saved). When that request fails, the next of them asks instead."""
+    asked: list[str] = []
+    gw = ai.Gateway(app, retry=ONE)
+    m = gw.model("m", _slow_answers(asked, leader_fails), cache_ttl=3600, price=ai.Price(1, 2))
+
+    @app.workflow
+    async def ask(text: str) -> str:
+        try:
+            return await ai.complete(m, text)
+        except tether.ActivityError:
+            return "failed"
+
+    async with app.worker(poll_interval=0.02):
+        runs = [await app.start(ask, "What is 2+2?") for _ in range(5)]
+        outs = [await r.result(timeout=30) for r in runs]
+    assert sorted(outs) == (["failed"] if leader_fails else []) + ["ok"] * (
+        4 if leader_fails else 5
+    ), outs
+    assert len(asked) == (2 if leader_fails else 1), asked
+    cached = [(await app.usage(r.run_id)).cached_calls for r in runs]
+    assert sum(cached) == (3 if leader_fails else 4), cached
 
 
 async def _ask_cached(store_url: str, server: ModelServer) -> tuple[str, int]:

@@ -382,6 +382,10 @@ class Gateway:
         #: output types registered with ``output``: type -> (name, version, fingerprint)
         self._outputs: dict[Any, tuple[str, str, str]] = {}
         self._built: dict[str, Model] = {}
+        #: calls of a cached model being sent, by (event loop, cache key): a call asking
+        #: the same question meanwhile waits for that answer instead of sending it again
+        #: (the future's result: the answer as the cache keeps it, None if there was none)
+        self._asking: dict[tuple[asyncio.AbstractEventLoop, str], asyncio.Future[str | None]] = {}
         #: prompts registered with ``prompt``, by name
         self._prompts: dict[str, Prompt] = {}
         #: followers of streamed output, per run: (their loop, their queue)
@@ -672,14 +676,45 @@ class Gateway:
         if is_packed(request["messages"]):
             request = {**request, "messages": await self._unpack(request["messages"])}
         cache_key = _cache_key(ref, request) if ref.cache_ttl else None
-        if cache_key is not None:
+        if cache_key is None:
+            return await self._ask(ref, request, None)
+        loop = asyncio.get_running_loop()
+        while True:
             hit = await self._step_store().ai_cache_get(cache_key)
             if hit is not None:
-                cached: dict[str, Any] = json.loads(hit)
-                cached[CALL_KEY] = {**cached[CALL_KEY], "cache_hit": True}
-                if request.get("stream"):
-                    await self._stream_cached(ref, cached["response"])
-                return cached
+                return await self._cached(ref, request, hit)
+            asking = self._asking.get((loop, cache_key))
+            if asking is None:
+                break
+            # the same question is being asked in this process: its answer, once it
+            # comes, is this call's too (a cached one); if it fails, ask again
+            answer = await asyncio.shield(asking)
+            if answer is not None:
+                return await self._cached(ref, request, answer)
+        asking = loop.create_future()
+        self._asking[(loop, cache_key)] = asking
+        answer = None
+        try:
+            out = await self._ask(ref, request, cache_key)
+            if CALL_KEY in out:
+                answer = json.dumps(out)
+            return out
+        finally:
+            del self._asking[(loop, cache_key)]
+            asking.set_result(answer)
+
+    async def _cached(self, ref: ModelRef, request: dict[str, Any], hit: str) -> dict[str, Any]:
+        """A call answered by ``hit`` (an answer as the cache keeps it)."""
+        cached: dict[str, Any] = json.loads(hit)
+        cached[CALL_KEY] = {**cached[CALL_KEY], "cache_hit": True}
+        if request.get("stream"):
+            await self._stream_cached(ref, cached["response"])
+        return cached
+
+    async def _ask(
+        self, ref: ModelRef, request: dict[str, Any], cache_key: str | None
+    ) -> dict[str, Any]:
+        """Send a call the cache did not answer, within the daily budgets."""
         if request.get("cache_only") is not None:
             # over the run's budget unless the cache had it: refused, nothing sent (an
             # answer, not a failure: a budget's refusal is no dead letter)
