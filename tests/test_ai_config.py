@@ -286,3 +286,46 @@ async def test_a_daily_budget_set_midday_counts_what_was_spent_that_day(
                 for b in await gw.budgets()
             }
         assert spent["tenant:acme"] == (750, Decimal("0.0010"))
+
+
+async def test_an_answer_paid_for_reaches_the_waiting_askers_if_its_step_is_cancelled(
+    tmp_path: Path,
+) -> None:
+    """The first asker's answer has come (paid); its step is cancelled while the day's
+    spend is corrected, before the answer is cached. The waiting asker got nothing
+    from it and sent the question again: bought twice. It now gets that answer."""
+    from pydantic_ai.messages import ModelRequest
+
+    from tether.ai._wire import dump_messages, dump_params
+
+    app = tether.App(store=f"sqlite:///{tmp_path / 't.db'}")
+    asked: list[str] = []
+    gw = ai.Gateway(app)
+    gw.model("m", _slow_answers(asked), cache_ttl=60, price=ai.Price(1, 2))
+    body = {
+        "messages": dump_messages([ModelRequest.user_text_prompt("q")]),
+        "params": dump_params(None),
+        "settings": None,
+    }
+    try:
+        await app.store.set_model_budget("global", 1_000_000, None)
+        real = gw.add_daily_spend
+        correcting = asyncio.Event()
+
+        async def slow(*a: Any, **k: Any) -> None:
+            correcting.set()
+            await asyncio.sleep(0.3)
+            await real(*a, **k)
+
+        gw.add_daily_spend = slow  # type: ignore[method-assign]
+        first = asyncio.ensure_future(gw._call("m", dict(body)))
+        await asyncio.sleep(0.05)
+        waiting = asyncio.ensure_future(gw._call("m", dict(body)))
+        await correcting.wait()
+        first.cancel()
+        out = await asyncio.wait_for(waiting, 5)
+        assert out[CALL_KEY]["cache_hit"] is True
+        assert asked == ["x"], "the paid answer was bought again"
+        assert not gw._asking
+    finally:
+        await app.close()  # type: ignore[attr-defined]

@@ -693,15 +693,12 @@ class Gateway:
                 return await self._cached(ref, request, answer)
         asking = loop.create_future()
         self._asking[(loop, cache_key)] = asking
-        answer = None
+        answered: list[dict[str, Any]] = []
         try:
-            out = await self._ask(ref, request, cache_key)
-            if CALL_KEY in out:
-                answer = json.dumps(out)
-            return out
+            return await self._ask(ref, request, cache_key, answered)
         finally:
             del self._asking[(loop, cache_key)]
-            asking.set_result(answer)
+            asking.set_result(json.dumps(answered[0]) if answered else None)
 
     async def _cached(self, ref: ModelRef, request: dict[str, Any], hit: str) -> dict[str, Any]:
         """A call answered by ``hit`` (an answer as the cache keeps it)."""
@@ -712,7 +709,11 @@ class Gateway:
         return cached
 
     async def _ask(
-        self, ref: ModelRef, request: dict[str, Any], cache_key: str | None
+        self,
+        ref: ModelRef,
+        request: dict[str, Any],
+        cache_key: str | None,
+        answered: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
         """Send a call the cache did not answer, within the daily budgets."""
         if request.get("cache_only") is not None:
@@ -721,7 +722,7 @@ class Gateway:
             return {CACHE_MISS_KEY: request["cache_only"]}
         scopes, request, reserved = await self._check_daily_budgets(ref, request)
         try:
-            return await self._send(ref, request, cache_key, scopes, reserved)
+            return await self._send(ref, request, cache_key, scopes, reserved, answered)
         except BaseException:
             await self.give_back_daily(scopes, reserved)  # no answer: the estimate held
             raise
@@ -733,6 +734,7 @@ class Gateway:
         cache_key: str | None,
         scopes: tuple[str, ...],
         reserved: dict[str, Any],
+        answered: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
         """Send a call the daily budgets let through; its answer's usage replaces the
         estimate it ``reserved`` in the day's spend of ``scopes``."""
@@ -821,6 +823,8 @@ class Gateway:
             call["pinned"] = pinned
         out = _CallResult({"response": dump_response(response), CALL_KEY: call})
         out.headers = cap.headers
+        if answered is not None:
+            answered.append(out)  # paid: waiters get it even if this step is cancelled now
         # the answer is paid for: what is written about it from here on must not fail
         # the step, whose retry would buy it again
         if scopes:
@@ -861,19 +865,25 @@ class Gateway:
         )
         _SENDING.add(correcting)
         correcting.add_done_callback(_SENDING.discard)
-        try:
+
+        def said(done: asyncio.Future[None]) -> None:
+            # here, not at the await: a step cancelled meanwhile no longer awaits it
+            exc = None if done.cancelled() else done.exception()
+            if exc is not None:
+                log.warning(
+                    "model %r: today's spend of %s keeps this call's estimate (%s tokens) "
+                    "in place of what it used (%s tokens): writing it failed (%s: %s)",
+                    ref.name,
+                    ", ".join(scopes),
+                    held_tokens,
+                    tokens,
+                    type(exc).__name__,
+                    exc,
+                )
+
+        correcting.add_done_callback(said)
+        with contextlib.suppress(Exception):  # said above; the answer stands
             await asyncio.shield(correcting)
-        except Exception as exc:
-            log.warning(
-                "model %r: today's spend of %s keeps this call's estimate (%s tokens) in "
-                "place of what it used (%s tokens): writing it failed (%s: %s)",
-                ref.name,
-                ", ".join(scopes),
-                held_tokens,
-                tokens,
-                type(exc).__name__,
-                exc,
-            )
 
     def _hedged_model(self, ref: ModelRef) -> bool:
         """Whether calls of ``ref`` may be a hedge's (its own hedge's, or another
