@@ -157,7 +157,8 @@ def test_a_store_that_stops_answering_is_a_503_with_retry_after_never_the_url(
         assert r.headers["retry-after"] == "2"  # as every route's 503 says
         assert "postgresql" not in r.text and str(proxy.port) not in r.text, r.text
         s.proc.terminate()
-        _, err = s.proc.communicate(timeout=30)
+        s.proc.wait(30)
+        err = s.all_stderr()
     finally:
         s.stop()
         proxy.shut()

@@ -34,8 +34,8 @@ def _proxied(schema: str) -> tuple[PgProxy, str]:
 
 def _err(server: Server) -> str:
     server.proc.terminate()
-    _, err = server.proc.communicate(timeout=60)
-    return str(err)
+    server.proc.wait(60)
+    return server.all_stderr()
 
 
 def _ok(server: Server, path: str, seconds: float = 30) -> httpx.Response:
