@@ -693,12 +693,12 @@ class Gateway:
                 return await self._cached(ref, request, answer)
         asking = loop.create_future()
         self._asking[(loop, cache_key)] = asking
-        answered: list[dict[str, Any]] = []
+        answered: list[str] = []
         try:
             return await self._ask(ref, request, cache_key, answered)
         finally:
             del self._asking[(loop, cache_key)]
-            asking.set_result(json.dumps(answered[0]) if answered else None)
+            asking.set_result(answered[0] if answered else None)
 
     async def _cached(self, ref: ModelRef, request: dict[str, Any], hit: str) -> dict[str, Any]:
         """A call answered by ``hit`` (an answer as the cache keeps it)."""
@@ -713,7 +713,7 @@ class Gateway:
         ref: ModelRef,
         request: dict[str, Any],
         cache_key: str | None,
-        answered: list[dict[str, Any]] | None = None,
+        answered: list[str] | None = None,
     ) -> dict[str, Any]:
         """Send a call the cache did not answer, within the daily budgets."""
         if request.get("cache_only") is not None:
@@ -734,7 +734,7 @@ class Gateway:
         cache_key: str | None,
         scopes: tuple[str, ...],
         reserved: dict[str, Any],
-        answered: list[dict[str, Any]] | None = None,
+        answered: list[str] | None = None,
     ) -> dict[str, Any]:
         """Send a call the daily budgets let through; its answer's usage replaces the
         estimate it ``reserved`` in the day's spend of ``scopes``."""
@@ -823,18 +823,18 @@ class Gateway:
             call["pinned"] = pinned
         out = _CallResult({"response": dump_response(response), CALL_KEY: call})
         out.headers = cap.headers
-        if answered is not None:
-            answered.append(out)  # paid: waiters get it even if this step is cancelled now
+        # as the cache keeps it; paid: waiters get it even if this step is cancelled now
+        kept = json.dumps(out) if cache_key is not None else None
+        if answered is not None and kept is not None:
+            answered.append(kept)
         # the answer is paid for: what is written about it from here on must not fail
         # the step, whose retry would buy it again
         if scopes:
             await self._correct_daily(ref, scopes, reserved, tokens_in + tokens_out, call)
         reserved.clear()
-        if cache_key is not None:
+        if cache_key is not None and kept is not None:
             try:
-                await self._step_store().ai_cache_put(
-                    cache_key, json.dumps(out), ref.cache_ttl or 0.0
-                )
+                await self._step_store().ai_cache_put(cache_key, kept, ref.cache_ttl or 0.0)
             except Exception as exc:
                 log.warning(
                     "model %r: its answer was not kept in the answer cache (%s: %s); the "
